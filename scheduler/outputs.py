@@ -1,0 +1,93 @@
+"""Contracts that cross the scheduler / model-runner boundary (plain, cheap to pickle)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.sampling_params import SamplingParams
+
+# Per sampled token: (token_id, logprob) pairs, the sampled token first, then the top-N by rank.
+TokenLogprobs = list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen: sent in full once."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit) before this step
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Diffs for requests the runner already holds, one column per field."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # True: the request was preempted and is back; new_block_ids replaces its block table.
+    resumed: list[bool] = field(default_factory=list)
+    # Tokens appended since the runner last saw the request (the sampled ones, normally one).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What runs in one step."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+    # (gpu_block, cpu_block) copies the runner performs before the forward: out first, then in.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Tokens sampled in one step: one list per scheduled request, empty for a partial prefill."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot of queue lengths and KV-cache figures."""
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_free_blocks: int = 0
+    num_prompt_tokens_queried: int = 0
+    num_prompt_tokens_hit: int = 0

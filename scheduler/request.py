@@ -1,0 +1,86 @@
+"""A generation request as the scheduler tracks it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Everything from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    SWAPPED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Prompt, parameters and progress of one sequence."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    priority: int = 0  # lower is more urgent
+    tenant: str = "default"
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Chained hashes of the full blocks of all_token_ids; grown lazily by the KV cache manager.
+    block_hashes: list[int] = field(default_factory=list)
+
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    num_cached_tokens: int = field(default=-1, init=False)  # prefix-cache hit at first admission
+    num_preemptions: int = field(default=0, init=False)
+    # How many of all_token_ids the model runner already holds (the rest travel in the next step).
+    num_synced_tokens: int = field(default=0, init=False)
+    # True once the runner has been sent this request's NewRequestData.
+    known_to_runner: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if not self.prompt_token_ids:
+            raise ValueError(f"prompt_token_ids: request {self.request_id!r} has an empty prompt")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_synced_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
