@@ -1,0 +1,256 @@
+"""Paged KV block pool with prefix caching and a CPU swap pool.
+
+Full blocks are keyed by a hash chained over (parent hash, block tokens). Freed blocks keep their
+hash and stay findable until the allocator hands them out again (lazy eviction); the free list is
+an LRU so the longest-unused cached blocks are evicted first.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request
+
+_ROOT = b"raylm-prefix-v1"
+
+
+def hash_block_tokens(parent_hash: int | None, block_token_ids: Sequence[int]) -> int:
+    """Stable 128-bit key of a full block: the same in every process (the router uses it too)."""
+    parent = _ROOT if parent_hash is None else parent_hash.to_bytes(16, "little")
+    digest = hashlib.blake2b(parent + array("q", block_token_ids).tobytes(), digest_size=16).digest()
+    return int.from_bytes(digest, "little")
+
+
+def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+    """Chained hashes of the leading full blocks of token_ids."""
+    n = len(token_ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range(n):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class BlockPool:
+    """GPU blocks: reference counts, the LRU free list and the hash -> block index."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        # Head is evicted first; a freed block goes to the tail.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n blocks from the head of the free list, evicting their cached hashes."""
+        free, ref_cnt, block_hash, cached = self.free, self.ref_cnt, self.block_hash, self.cached
+        out = []
+        for _ in range(n):
+            block_id, _ = free.popitem(last=False)
+            h = block_hash[block_id]
+            if h is not None:
+                if cached.get(h) == block_id:
+                    del cached[h]
+                block_hash[block_id] = None
+            ref_cnt[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit), pulling free ones off the free list."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] == 0:
+                del self.free[block_id]
+            self.ref_cnt[block_id] += 1
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference per block; blocks reaching zero join the LRU tail in the given order."""
+        ref_cnt, free = self.ref_cnt, self.free
+        for block_id in block_ids:
+            ref_cnt[block_id] -= 1
+            if ref_cnt[block_id] == 0:
+                free[block_id] = None
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Make a full, computed block findable by its hash (first writer wins)."""
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block_id
+            self.block_hash[block_id] = block_hash
+
+    def num_evictable(self, block_ids: Sequence[int]) -> int:
+        """How many of these (cached) blocks sit on the free list, so touching them uses up free blocks."""
+        ref_cnt = self.ref_cnt
+        return sum(1 for b in block_ids if ref_cnt[b] == 0)
+
+
+class KVCacheManager:
+    """Per-request block tables over the GPU pool, prefix-cache lookups and swap to the CPU pool."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.block_size = config.block_size
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.pool = BlockPool(config.num_gpu_blocks)
+        self.cpu_free: list[int] = list(range(config.num_cpu_blocks - 1, -1, -1))
+        self.num_cpu_blocks = config.num_cpu_blocks
+        # CPU blocks released by a swap-in return to the pool only after the step is emitted, so a
+        # swap-out in the same step cannot overwrite them before the swap-in reads them.
+        self._cpu_pending_free: list[int] = []
+        self.req_blocks: dict[str, list[int]] = {}
+        self.req_cpu_blocks: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def _ensure_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached leading blocks, leaving at least the last token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._ensure_hashes(request, max_blocks)
+        cached = self.pool.cached
+        hit: list[int] = []
+        for i in range(max_blocks):
+            block_id = cached.get(hashes[i])
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is now written (called after a step ran)."""
+        rid = request.request_id
+        done = self._num_registered.get(rid, 0)
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= done:
+            return
+        blocks = self.req_blocks[rid]
+        hashes = self._ensure_hashes(request, num_full)
+        register = self.pool.register
+        for i in range(done, num_full):
+            register(blocks[i], hashes[i])
+        self._num_registered[rid] = num_full
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def can_admit(self, request: Request, cached_blocks: Sequence[int], reserve: int) -> bool:
+        """Whether blocks for the request's whole sequence so far fit, keeping `reserve` blocks free."""
+        needed = self.num_blocks_needed(request.num_tokens) - len(cached_blocks)
+        return needed + self.pool.num_evictable(cached_blocks) <= self.pool.num_free - reserve
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: Sequence[int] = ()) -> list[int] | None:
+        """Find blocks for num_new_tokens more tokens (after a prefix hit of cached_blocks).
+
+        Returns the block ids added to the request's table (hit blocks first), or None when the
+        free pool is too small; nothing changes in that case.
+        """
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if blocks is None:
+            blocks = self.req_blocks[rid] = []
+            self._num_registered[rid] = len(cached_blocks)
+        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        needed = -(-total // self.block_size) - len(blocks) - len(cached_blocks)
+        if needed <= 0 and not cached_blocks:
+            return []
+        pool = self.pool
+        if max(needed, 0) + pool.num_evictable(cached_blocks) > pool.num_free:
+            return None
+        new_blocks = list(cached_blocks)
+        if cached_blocks:
+            pool.touch(cached_blocks)
+        if needed > 0:
+            new_blocks.extend(pool.allocate(needed))
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's GPU blocks (tail first, so its prefix stays cached longest)."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        self._num_registered.pop(rid, None)
+        if blocks:
+            self.pool.release(blocks[::-1])
+        cpu = self.req_cpu_blocks.pop(rid, None)
+        if cpu:
+            self.cpu_free.extend(cpu)
+
+    # ---- swap ----------------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return 0 < len(self.req_blocks.get(request.request_id, ())) <= len(self.cpu_free)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to the CPU pool; returns (gpu, cpu) copies to run first."""
+        rid = request.request_id
+        gpu = self.req_blocks.pop(rid)
+        self._num_registered.pop(rid, None)
+        cpu = [self.cpu_free.pop() for _ in gpu]
+        self.req_cpu_blocks[rid] = cpu
+        self.pool.release(gpu[::-1])
+        return list(zip(gpu, cpu))
+
+    def can_swap_in(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
+        needed = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
+        return needed <= self.pool.num_free - reserve
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Bring a swapped request back: its new block table and the (gpu, cpu) copies to run."""
+        rid = request.request_id
+        cpu = self.req_cpu_blocks.pop(rid)
+        needed = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
+        gpu = self.pool.allocate(max(needed, len(cpu)))
+        self.req_blocks[rid] = gpu
+        # The copied blocks hold computed KV, but they are registered only after the step runs.
+        self._num_registered[rid] = 0
+        self._cpu_pending_free.extend(cpu)
+        return list(gpu), list(zip(gpu, cpu))
+
+    def end_step(self) -> None:
+        """Return CPU blocks released by this step's swap-ins to the free pool."""
+        if self._cpu_pending_free:
+            self.cpu_free.extend(self._cpu_pending_free)
+            self._cpu_pending_free.clear()

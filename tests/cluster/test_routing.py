@@ -1,0 +1,339 @@
+"""Fleet routing policies, without Ray: load beats affinity past the threshold, longest prefix wins
+otherwise, the prefix index stays within its LRU bound, and dead replicas are forgotten."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.routing import (
+    FleetState,
+    LeastLoaded,
+    LoadTracker,
+    PowerOfTwo,
+    PrefixAffinity,
+    PrefixIndex,
+    RoundRobin,
+    RouteRequest,
+    RoutingConfig,
+)
+
+A, B, C = "a", "b", "c"
+
+
+def fleet(**kw) -> FleetState:
+    return FleetState(RoutingConfig(**kw))
+
+
+def busy(state: FleetState, replica: str, n: int, now: float = 0.0) -> None:
+    """Charge replica with n confirmed requests that carry no prefix."""
+    for i in range(n):
+        state.on_routed(RouteRequest(f"{replica}-busy-{i}"), replica, now)
+
+
+# ---------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("field,value", [
+    ("policy", "random"), ("imbalance_threshold", -1), ("min_match_blocks", 0),
+    ("max_index_blocks", 0), ("tokens_per_request", 0), ("kv_usage_weight", -0.5),
+    ("stats_grace_s", -1), ("unconfirmed_ttl_s", 0),
+])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        RoutingConfig(**{field: value})
+
+
+# ---------------------------------------------------------------- load
+
+
+def test_load_counts_own_inflight_requests_and_tokens():
+    loads = LoadTracker(tokens_per_request=1000, kv_usage_weight=1.0, unconfirmed_ttl_s=30)
+    loads.start("r1", A, num_tokens=500, now=0, confirmed=True)
+    loads.start("r2", A, num_tokens=1500, now=0, confirmed=True)
+    assert loads.get(A).inflight_requests == 2
+    assert loads.load(A) == pytest.approx(2 + 2.0)
+    loads.finish("r1")
+    assert loads.load(A) == pytest.approx(1 + 1.5)
+    loads.finish("r1")  # completing twice (rejected, then completed) is harmless
+    assert loads.get(A).inflight_requests == 1
+
+
+def test_load_takes_the_larger_of_own_counts_and_the_late_report():
+    loads = LoadTracker(tokens_per_request=10**9, kv_usage_weight=0.0, unconfirmed_ttl_s=30)
+    loads.start("r1", A, 0, now=0, confirmed=True)
+    loads.report(A, {"num_waiting": 3, "num_running": 4, "kv_cache_usage": 0.5})
+    assert loads.load(A) == 7  # other routers' traffic shows up only in the report
+    for i in range(9):
+        loads.start(f"x{i}", A, 0, now=0, confirmed=True)
+    assert loads.load(A) == 10  # the report is stale: own in-flight count is larger
+
+
+def test_load_adds_kv_cache_usage_and_rejects_non_numeric_stats():
+    loads = LoadTracker(tokens_per_request=1000, kv_usage_weight=2.0, unconfirmed_ttl_s=30)
+    loads.report(A, {"num_waiting": 0, "num_running": 1, "kv_cache_usage": 0.25})
+    assert loads.load(A) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="num_running"):
+        loads.report(A, {"num_running": "many"})
+
+
+def test_moving_a_request_recharges_the_new_replica():
+    loads = LoadTracker(1000, 0.0, 30)
+    loads.start("r1", A, 100, now=0, confirmed=False)
+    loads.start("r1", B, 100, now=0, confirmed=True)
+    assert (loads.get(A).inflight_requests, loads.get(B).inflight_requests) == (0, 1)
+    assert loads.get(A).inflight_tokens == 0
+
+
+def test_unconfirmed_decisions_expire_confirmed_ones_do_not():
+    loads = LoadTracker(1000, 0.0, unconfirmed_ttl_s=10)
+    loads.start("cancelled", A, 0, now=0, confirmed=False)
+    loads.start("running", A, 0, now=0, confirmed=True)
+    loads.expire(now=5)
+    assert loads.get(A).inflight_requests == 2
+    loads.expire(now=11)
+    assert loads.get(A).inflight_requests == 1
+    assert loads.num_inflight() == 1
+
+
+# ---------------------------------------------------------------- prefix index
+
+
+def test_match_counts_only_the_leading_run():
+    index = PrefixIndex(max_blocks=100)
+    index.insert(A, [1, 2, 3], now=0)
+    index.insert(B, [1, 9, 3], now=0)  # holds block 3's hash but not the run 1-2-3
+    assert index.match([1, 2, 3, 4], [A, B, C]) == {A: 3, B: 1, C: 0}
+    assert index.match([7, 1, 2], [A, B]) == {A: 0, B: 0}
+    assert index.match([], [A]) == {A: 0}
+
+
+def test_lru_bound_evicts_least_recently_used_blocks_and_tail_blocks_first():
+    index = PrefixIndex(max_blocks=4)
+    index.insert(A, [1, 2, 3], now=0)
+    index.insert(B, [7, 8], now=1)
+    assert len(index) == 4
+    # Block 3, the tail of the oldest prompt, goes first: A keeps its leading run 1-2.
+    assert index.match([1, 2, 3], [A]) == {A: 2}
+    assert index.blocks_of(A) == {1, 2}
+    index.match([1, 2], [A])  # a match is a use
+    index.insert(C, [5], now=2)
+    assert index.replicas_of(8) == set() and index.replicas_of(7) == {B}
+    assert index.replicas_of(1) == {A}
+
+
+def test_removed_replica_leaves_no_trace_in_the_index():
+    index = PrefixIndex(max_blocks=100)
+    index.insert(A, [1, 2], now=0)
+    index.insert(B, [1], now=0)
+    index.remove_replica(A)
+    assert index.replicas_of(1) == {B}
+    assert index.replicas_of(2) == set()
+    assert len(index) == 1
+    assert index.match([1, 2], [A, B]) == {A: 0, B: 1}
+
+
+def test_replica_prefix_report_corrects_the_index_after_evictions():
+    index = PrefixIndex(max_blocks=100)
+    index.insert(A, [1, 2], now=0)
+    index.insert(A, [5], now=9)
+    # At t=10 the replica reports blocks 1 and 4 resident: 2 was evicted, 4 arrived from another router,
+    # 5 is younger than the grace window and may postdate the report, so it stays.
+    index.sync_replica(A, [1, 4], now=10, grace_s=5)
+    assert index.blocks_of(A) == {1, 4, 5}
+    assert index.replicas_of(2) == set()
+
+
+# ---------------------------------------------------------------- policies
+
+
+def test_round_robin_cycles_blind_to_load():
+    state = fleet(policy="round_robin")
+    busy(state, A, 10)
+    firsts = [state.route(RouteRequest(f"r{i}"), [A, B, C], now=0)[0] for i in range(6)]
+    assert firsts == [A, B, C, A, B, C]
+
+
+def test_least_loaded_prefers_the_idle_replica_and_rotates_ties():
+    state = fleet(policy="least_loaded")
+    busy(state, A, 2)
+    ranking = LeastLoaded().rank([A, B, C], RouteRequest("q"), state)
+    assert ranking[-1] == A
+    policy = LeastLoaded()
+    firsts = {policy.rank([B, C], RouteRequest(f"q{i}"), state)[0] for i in range(2)}
+    assert firsts == {B, C}
+
+
+def test_power_of_two_picks_the_less_loaded_of_its_pair():
+    state = fleet(policy="power_of_two", seed=3)
+    busy(state, A, 5)
+    policy = PowerOfTwo(seed=3)
+    for i in range(20):
+        pair = policy.rank([A, B], RouteRequest(f"q{i}"), state)
+        assert pair == [B, A]
+    assert len(policy.rank([A, B, C], RouteRequest("q"), state)) == 2
+
+
+def test_longest_prefix_run_wins_when_load_is_balanced():
+    state = fleet(imbalance_threshold=4)
+    state.index.insert(A, [1, 2], now=0)
+    state.index.insert(B, [1, 2, 3], now=0)
+    busy(state, B, 2)  # within the threshold of idle A and C
+    assert state.route(RouteRequest("q", 10, [1, 2, 3, 4]), [A, B, C], now=0)[0] == B
+
+
+def test_load_imbalance_beats_affinity_past_the_threshold():
+    policy = PrefixAffinity(imbalance_threshold=3, min_match_blocks=1)
+    state = fleet()
+    state.index.insert(A, [1, 2, 3], now=0)
+    busy(state, A, 3)
+    assert policy.rank([A, B], RouteRequest("q", 0, [1, 2, 3]), state)[0] == A  # exactly at threshold
+    busy(state, A, 4)
+    assert policy.rank([A, B], RouteRequest("q", 0, [1, 2, 3]), state) == [B, A]
+
+
+def test_an_overloaded_longest_holder_yields_to_a_shorter_run_before_no_run():
+    policy = PrefixAffinity(imbalance_threshold=2, min_match_blocks=1)
+    state = fleet()
+    state.index.insert(A, [1, 2, 3], now=0)
+    state.index.insert(B, [1], now=0)
+    busy(state, A, 6)
+    busy(state, B, 1)
+    assert policy.rank([A, B, C], RouteRequest("q", 0, [1, 2, 3]), state)[0] == B
+
+
+def test_request_without_block_hashes_is_routed_by_load():
+    state = fleet()
+    state.index.insert(A, [1], now=0)
+    busy(state, A, 1)
+    assert state.route(RouteRequest("q", 10, []), [A, B], now=0)[0] == B
+
+
+def test_short_match_below_min_match_blocks_is_ignored():
+    policy = PrefixAffinity(imbalance_threshold=4, min_match_blocks=2)
+    state = fleet()
+    state.index.insert(A, [1], now=0)
+    busy(state, A, 1)
+    assert policy.rank([A, B], RouteRequest("q", 0, [1, 2]), state)[0] == B
+
+
+# ---------------------------------------------------------------- fleet state
+
+
+def test_a_burst_sharing_a_prefix_stays_together_until_the_threshold_then_spills():
+    state = fleet(imbalance_threshold=2)
+    prefix = [11, 12, 13]
+    firsts = [state.route(RouteRequest(f"r{i}", 0, prefix), [A, B], now=0)[0] for i in range(6)]
+    # Charged at decision time, so the burst sees its own earlier members before any confirmation:
+    # the holder takes requests until it is 2 ahead of the idle replica (3 vs 0), then it spills.
+    assert firsts[:3] == [firsts[0]] * 3
+    assert firsts[3] != firsts[0]
+    # Both replicas now hold the prefix: the next one goes to the less loaded of the two.
+    assert state.index.replicas_of(11) == {A, B}
+
+
+def test_confirmation_moves_the_charge_and_completion_releases_it():
+    state = fleet()
+    first = state.route(RouteRequest("r1", 64, [1]), [A, B], now=0)[0]
+    other = B if first == A else A
+    state.on_routed(RouteRequest("r1", 64, [1]), other, now=0)  # Serve found `first` full
+    assert state.loads.get(first).inflight_requests == 0
+    assert state.loads.get(other).inflight_requests == 1
+    assert other in state.index.replicas_of(1)
+    state.on_completed("r1")
+    assert state.loads.get(other).inflight_requests == 0
+
+
+def test_stats_are_applied_once_per_distinct_report():
+    state = fleet(stats_grace_s=1)
+    state.index.insert(A, [1, 2], now=0)
+    report = {"num_waiting": 1, "num_running": 2, "kv_cache_usage": 0.0, "prefix_hashes": [1]}
+    state.on_stats(A, report, now=10)
+    assert state.loads.get(A).reported_requests == 3
+    assert state.index.blocks_of(A) == {1}
+    state.index.insert(A, [2], now=20)
+    state.on_stats(A, dict(report), now=30)  # the same report re-broadcast: no new information
+    assert state.index.blocks_of(A) == {1, 2}
+
+
+def test_dead_replica_is_forgotten_and_never_chosen():
+    state = fleet()
+    state.route(RouteRequest("r1", 10, [1, 2]), [A, B], now=0)
+    state.on_routed(RouteRequest("r1", 10, [1, 2]), A, now=0)
+    state.on_stats(A, {"num_waiting": 0, "num_running": 1, "kv_cache_usage": 0.1}, now=0)
+    state.remove_replica(A)
+    assert A not in state.loads.replicas() and A not in state.index.replicas()
+    assert state.index.replicas_of(1) == set()
+    assert state.route(RouteRequest("r2", 10, [1, 2]), [B], now=1) == [B]
+    state.on_completed("r1")  # a late completion for the dead replica is harmless
+    assert state.loads.get(A).inflight_requests == 0
+
+
+def test_retain_drops_replicas_no_longer_in_the_deployment():
+    state = fleet()
+    state.on_routed(RouteRequest("r1", 10, [1]), A, now=0)
+    state.on_routed(RouteRequest("r2", 10, [2]), B, now=0)
+    state.retain([B])
+    assert state.index.replicas() == {B}
+    assert state.loads.replicas() == {B}
+
+
+def test_no_replicas_no_ranking():
+    assert fleet().route(RouteRequest("r"), [], now=0) == []
+
+
+# ---------------------------------------------------------------- properties
+
+hashes = st.lists(st.integers(0, 30), max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(bound=st.integers(1, 12),
+       inserts=st.lists(st.tuples(st.sampled_from([A, B, C]), hashes), max_size=40))
+def test_index_never_exceeds_its_bound_and_both_directions_agree(bound, inserts):
+    index = PrefixIndex(bound)
+    for t, (replica, blocks) in enumerate(inserts):
+        index.insert(replica, blocks, now=t)
+        assert len(index) <= bound
+    for replica in (A, B, C):
+        for h in index.blocks_of(replica):
+            assert replica in index.replicas_of(h)
+    for h in range(31):
+        for replica in index.replicas_of(h):
+            assert h in index.blocks_of(replica)
+
+
+op = st.one_of(
+    st.tuples(st.just("route"), hashes, st.integers(0, 4000)),
+    st.tuples(st.just("confirm"), st.sampled_from([A, B, C])),
+    st.tuples(st.just("complete"), st.integers(0, 30)),
+    st.tuples(st.just("stats"), st.sampled_from([A, B, C]), st.integers(0, 8), hashes),
+    st.tuples(st.just("kill"), st.sampled_from([A, B, C])),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=st.sampled_from(["round_robin", "least_loaded", "power_of_two", "prefix_affinity"]),
+       ops=st.lists(op, max_size=60))
+def test_never_routes_to_a_dead_replica_and_keeps_no_state_for_it(policy, ops):
+    state = fleet(policy=policy, max_index_blocks=16, seed=0)
+    alive = {A, B, C}
+    dead: set[str] = set()
+    last: RouteRequest | None = None
+    for t, o in enumerate(ops):
+        if o[0] == "route":
+            last = RouteRequest(f"r{t}", o[2], o[1])
+            ranking = state.route(last, alive, now=t)
+            assert set(ranking) <= alive
+            assert bool(ranking) == bool(alive)
+        elif o[0] == "confirm" and last is not None and o[1] in alive:
+            state.on_routed(last, o[1], now=t)
+        elif o[0] == "complete":
+            state.on_completed(f"r{o[1]}")
+        elif o[0] == "stats" and o[1] in alive:
+            state.on_stats(o[1], {"num_waiting": 0, "num_running": o[2], "kv_cache_usage": 0.0,
+                                  "prefix_hashes": o[3]}, now=t)
+        elif o[0] == "kill":
+            alive.discard(o[1])
+            dead.add(o[1])
+            state.remove_replica(o[1])
+        assert not (state.loads.replicas() | state.index.replicas()) & dead
+        assert all(state.loads.get(r).inflight_requests >= 0 for r in (A, B, C))

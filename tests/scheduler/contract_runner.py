@@ -1,0 +1,103 @@
+"""A fake model runner that holds state only from SchedulerOutput diffs, as the real one must.
+
+It simulates the paged KV cache: every scheduled token is "written" to its slot, and before a step
+it checks that every earlier position of the request reads back the right token from the slots its
+block table names. That proves prefix-cache hits, swap copies and block-table diffs are right.
+Sampled tokens are a pure function of (request id, position), so the expected output of a request
+does not depend on how it was scheduled.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from scheduler import ModelRunnerOutput, SchedulerOutput
+
+
+def token_at(request_id: str, position: int, vocab: int = 50) -> int:
+    """The token the fake model samples for a request at a sequence position."""
+    digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % vocab
+
+
+@dataclass
+class _State:
+    token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    computed: int = 0
+
+
+class ContractRunner:
+    """Executes SchedulerOutputs against simulated KV slots and checks the contract."""
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, vocab: int = 50) -> None:
+        self.block_size = block_size
+        self.vocab = vocab
+        self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
+        self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.states: dict[str, _State] = {}
+
+    def _slot(self, state: _State, pos: int) -> tuple[int, int]:
+        block = pos // self.block_size
+        assert block < len(state.block_ids), f"position {pos} has no block (table {state.block_ids})"
+        return state.block_ids[block], pos % self.block_size
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in out.finished_req_ids:
+            self.states.pop(rid, None)
+        for rid in out.preempted_req_ids:
+            if rid in self.states:
+                self.states[rid].block_ids = []
+        for gpu, cpu in out.blocks_to_swap_out:
+            self.cpu[cpu] = list(self.gpu[gpu])
+        for gpu, cpu in out.blocks_to_swap_in:
+            self.gpu[gpu] = list(self.cpu[cpu])
+        for new in out.scheduled_new_reqs:
+            assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
+            self.states[new.req_id] = _State(list(new.prompt_token_ids), list(new.block_ids))
+            self.states[new.req_id].computed = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self.states[rid]
+            state.token_ids.extend(cached.new_token_ids[i])
+            if cached.resumed[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+            state.computed = cached.num_computed_tokens[i]
+        scheduled = [n.req_id for n in out.scheduled_new_reqs] + list(cached.req_ids)
+        assert sorted(scheduled) == sorted(out.num_scheduled_tokens), "scheduled ids disagree"
+        assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
+        # Reads first (every context position must hold the right token), then writes.
+        for rid in scheduled:
+            state = self.states[rid]
+            for pos in range(state.computed):
+                b, off = self._slot(state, pos)
+                assert self.gpu[b][off] == state.token_ids[pos], (
+                    f"{rid}: KV slot for position {pos} holds {self.gpu[b][off]}, expected {state.token_ids[pos]}")
+        sampled: list[list[int]] = []
+        for rid in scheduled:
+            state = self.states[rid]
+            n = out.num_scheduled_tokens[rid]
+            assert n >= 1
+            end = state.computed + n
+            assert end <= len(state.token_ids), f"{rid}: scheduled past its known tokens"
+            for pos in range(state.computed, end):
+                b, off = self._slot(state, pos)
+                self.gpu[b][off] = state.token_ids[pos]
+            state.computed = end
+            sampled.append([token_at(rid, end, self.vocab)] if end == len(state.token_ids) else [])
+        return ModelRunnerOutput(req_ids=scheduled, sampled_token_ids=sampled)
+
+
+def expected_output(request_id: str, prompt_len: int, max_tokens: int, eos: int | None,
+                    stop_ids: list[int], max_model_len: int, vocab: int = 50) -> tuple[list[int], str]:
+    """What a request must produce under ContractRunner, whatever the scheduling."""
+    out: list[int] = []
+    while True:
+        tok = token_at(request_id, prompt_len + len(out), vocab)
+        out.append(tok)
+        if tok == eos or tok in stop_ids:
+            return out, "stop"
+        if len(out) >= max_tokens or prompt_len + len(out) >= max_model_len:
+            return out, "length"
