@@ -124,7 +124,8 @@ def test_top_p_support_is_minimal(row, top_p):
     survivors = sorted(kept(masked), key=lambda i: probs[i].item())
     mass = sum(probs[i].item() for i in survivors)
     assert mass >= top_p - 1e-5  # reaches p
-    assert mass - probs[survivors[0]].item() < top_p + 1e-5  # without its least likely token it would not
+    # ... and would not without its least likely token.
+    assert mass - probs[survivors[0]].item() < top_p + 1e-5
     assert all(probs[j] <= probs[survivors[0]] + 1e-7 for j in set(range(len(row))) - set(survivors))
 
 
@@ -250,7 +251,8 @@ def test_logprobs_top_n_is_capped_at_the_vocabulary():
 def test_mixed_batch_of_greedy_random_and_seeded_rows(device):
     logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(2)).to(device)
     states = [make_state(device, temperature=0.0), make_state(device, top_k=3),
-              make_state(device, seed=11, temperature=0.8), make_state(device, temperature=0.0, logprobs=1)]
+              make_state(device, seed=11, temperature=0.8),
+              make_state(device, temperature=0.0, logprobs=1)]
     out = Sampler().sample(logits, states)
     solo = Sampler().sample(logits[2:3], [make_state(device, seed=11, temperature=0.8)])
     assert out.token_ids[0] == logits[0].argmax().item()
@@ -263,7 +265,8 @@ def test_mixed_batch_of_greedy_random_and_seeded_rows(device):
 def test_sampler_leaves_the_callers_logits_untouched():
     logits = torch.randn(2, 10)
     before = logits.clone()
-    states = [make_state(repetition_penalty=1.5, prompt=[1, 2], min_p=0.1, top_k=4), make_state(top_p=0.5)]
+    states = [make_state(repetition_penalty=1.5, prompt=[1, 2], min_p=0.1, top_k=4),
+              make_state(top_p=0.5)]
     Sampler().sample(logits, states)
     assert torch.equal(logits, before)
 

@@ -1,0 +1,199 @@
+"""Batched token sampling: penalties, temperature, min-p / top-k / top-p, seeded draws, logprobs.
+
+One call handles a whole batch with tensor ops; the only Python loop over rows is the noise draw
+of requests that carry their own seed. Draws use the exponential race (argmax of p / E with
+E ~ Exp(1)), which samples exactly from p and lets each seeded row own its noise.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.outputs import TokenLogprobs
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Guards the exponential race against a zero draw (p / 0 would win even for a masked token).
+_MIN_NOISE = 1e-20
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """Per-request sampling inputs the runner keeps across steps."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the runner appends generated tokens here
+    generator: torch.Generator | None  # set iff params.seed is not None
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt_token_ids: list[int],
+               device: torch.device) -> SamplingState:
+        """Fresh state; a request with a seed gets its own generator on `device`."""
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(params, list(prompt_token_ids), [], generator)
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per row, and per-row logprobs when any row asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
+
+
+def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float counts of each token id per row (rows may differ in length)."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    # Padding points at an extra column that is dropped afterwards.
+    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.long, device=device).view(len(token_ids), width)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, prompt_counts: torch.Tensor, output_counts: torch.Tensor,
+                    repetition: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens (CTRL: positive logits divided, negative
+    multiplied), then OpenAI presence / frequency penalties over output tokens. Out of place."""
+    seen = (prompt_counts + output_counts) > 0
+    penalty = torch.where(seen, repetition[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k best tokens (k >= vocab: all), then the smallest best-first set whose
+    probability reaches top_p (top_p > 1: all). Ties are broken by token id."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    drop = rank >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+class Sampler:
+    """Picks the next token for every row of a logits batch."""
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        """logits: [B, V] on any device, one row per state (row i belongs to states[i])."""
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits: expected shape [{len(states)}, V], got {tuple(logits.shape)}")
+        if not states:
+            return SamplerOutput([], None)
+        logits = logits.float()
+        wants_logprobs = any(s.params.logprobs is not None for s in states)
+        if not wants_logprobs and all(s.params.greedy and not s.has_penalties for s in states):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+
+        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
+        if any(s.has_penalties for s in states):
+            logits = _penalise(logits, states)
+        token_ids = _pick(logits, states)
+        logprobs = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, token_ids, states)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+
+def _param_tensor(states: list[SamplingState], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([getattr(s.params, name) for s in states], dtype=torch.float32, device=device)
+
+
+def _penalise(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    batch, vocab = logits.shape
+    device = logits.device
+    # Prompts are only needed by the repetition penalty; skip them for rows that do not use it.
+    prompts = [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in states]
+    prompt_counts = (token_counts(prompts, vocab, device) if any(prompts)
+                     else torch.zeros(batch, vocab, device=device))
+    output_counts = token_counts([s.output_token_ids for s in states], vocab, device)
+    return apply_penalties(logits, prompt_counts, output_counts,
+                           _param_tensor(states, "repetition_penalty", device),
+                           _param_tensor(states, "presence_penalty", device),
+                           _param_tensor(states, "frequency_penalty", device))
+
+
+def _pick(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Greedy rows take the argmax; the others are drawn from their filtered distribution."""
+    random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+    if not random_rows:
+        return logits.argmax(dim=-1)
+    if len(random_rows) == len(states):
+        return _draw(logits, states)
+    token_ids = logits.argmax(dim=-1)
+    index = torch.tensor(random_rows, device=logits.device)
+    token_ids[index] = _draw(logits[index], [states[i] for i in random_rows])
+    return token_ids
+
+
+def _draw(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Sample rows with temperature > 0: temperature, then min-p, top-k, top-p, then the race."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    logits = logits / _param_tensor(states, "temperature", device)[:, None]
+    if any(s.params.min_p > 0.0 for s in states):
+        logits = apply_min_p(logits, _param_tensor(states, "min_p", device))
+    if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in states):
+        top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in states],
+                             device=device)
+        # p = 1 disables the filter; rounding in the cumulative sum must not trim the tail.
+        top_p = torch.tensor([s.params.top_p if s.params.top_p < 1.0 else 2.0 for s in states],
+                             device=device)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    return probs.div_(_exponential_noise(probs, states)).argmax(dim=-1)
+
+
+def _exponential_noise(probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Exp(1) noise: one batched draw for unseeded rows, each seeded row from its own generator,
+    so a seeded row's token depends only on its seed, its logits and its previous draws."""
+    noise = torch.empty_like(probs)
+    seeded = [(i, s.generator) for i, s in enumerate(states) if s.generator is not None]
+    if len(seeded) < len(states):
+        noise.exponential_()
+    for i, generator in seeded:
+        noise[i].exponential_(generator=generator)
+    return noise.clamp_min_(_MIN_NOISE)
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
+                     states: list[SamplingState]) -> list[TokenLogprobs | None]:
+    """Sampled token first, then the top-N of the raw (unpenalised, untempered) distribution."""
+    sampled = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    ids = token_ids.tolist()
+    top_n = min(max(s.params.logprobs or 0 for s in states), raw_logprobs.shape[-1])
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if top_n > 0:
+        values, indices = raw_logprobs.topk(top_n, dim=-1)
+        top_values, top_ids = values.tolist(), indices.tolist()
+    result: list[TokenLogprobs | None] = []
+    for row, state in enumerate(states):
+        n = state.params.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        ranked = list(zip(top_ids[row][:n], top_values[row][:n])) if n else []
+        result.append([(ids[row], sampled[row])] + ranked)
+    return result
