@@ -108,7 +108,8 @@ class KVCacheManager:
         self._cpu_pending_free: list[int] = []
         self.req_blocks: dict[str, list[int]] = {}
         self.req_cpu_blocks: dict[str, list[int]] = {}
-        self._num_registered: dict[str, int] = {}
+        # Leading blocks of each request already registered in the prefix cache.
+        self.num_registered_blocks: dict[str, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -164,7 +165,7 @@ class KVCacheManager:
     def register_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose KV is now written (called after a step ran)."""
         rid = request.request_id
-        done = self._num_registered.get(rid, 0)
+        done = self.num_registered_blocks.get(rid, 0)
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= done:
             return
@@ -173,7 +174,7 @@ class KVCacheManager:
         register = self.pool.register
         for i in range(done, num_full):
             register(blocks[i], hashes[i])
-        self._num_registered[rid] = num_full
+        self.num_registered_blocks[rid] = num_full
 
     # ---- allocation ----------------------------------------------------------------------------
     def can_admit(self, request: Request, cached_blocks: Sequence[int], reserve: int) -> bool:
@@ -192,7 +193,7 @@ class KVCacheManager:
         blocks = self.req_blocks.get(rid)
         if blocks is None:
             blocks = self.req_blocks[rid] = []
-            self._num_registered[rid] = len(cached_blocks)
+            self.num_registered_blocks[rid] = len(cached_blocks)
         total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         needed = -(-total // self.block_size) - len(blocks) - len(cached_blocks)
         if needed <= 0 and not cached_blocks:
@@ -212,7 +213,7 @@ class KVCacheManager:
         """Release the request's GPU blocks (tail first, so its prefix stays cached longest)."""
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, None)
-        self._num_registered.pop(rid, None)
+        self.num_registered_blocks.pop(rid, None)
         if blocks:
             self.pool.release(blocks[::-1])
         cpu = self.req_cpu_blocks.pop(rid, None)
@@ -227,7 +228,7 @@ class KVCacheManager:
         """Move the request's blocks to the CPU pool; returns (gpu, cpu) copies to run first."""
         rid = request.request_id
         gpu = self.req_blocks.pop(rid)
-        self._num_registered.pop(rid, None)
+        self.num_registered_blocks.pop(rid, None)
         cpu = [self.cpu_free.pop() for _ in gpu]
         self.req_cpu_blocks[rid] = cpu
         self.pool.release(gpu[::-1])
@@ -245,7 +246,7 @@ class KVCacheManager:
         gpu = self.pool.allocate(max(needed, len(cpu)))
         self.req_blocks[rid] = gpu
         # The copied blocks hold computed KV, but they are registered only after the step runs.
-        self._num_registered[rid] = 0
+        self.num_registered_blocks[rid] = 0
         self._cpu_pending_free.extend(cpu)
         return list(gpu), list(zip(gpu, cpu))
 

@@ -311,7 +311,9 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests' blocks."""
         requests = self.requests
-        register = self.kv.register_computed_blocks if self.config.enable_prefix_caching else None
+        kv = self.kv
+        prefix_caching = self.config.enable_prefix_caching
+        registered, bs = kv.num_registered_blocks, kv.block_size
         max_len = self.config.max_model_len
         charge = self.waiting.charge if self.waiting.charges_tokens else None
         logprobs = runner_output.logprobs
@@ -321,18 +323,23 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING:  # aborted while the step ran
                 continue
-            if register is not None:
-                register(req)
+            # Hash and register only when a block has just filled up (one step in block_size).
+            if prefix_caching and req.num_computed_tokens // bs > registered.get(rid, 0):
+                kv.register_computed_blocks(req)
             if not sampled:
                 continue
             accepted, status = self._append_tokens(req, sampled, max_len)
             if charge is not None:
                 charge(req.tenant, self.config.fair_output_weight * accepted)
             new_lp = logprobs[i][:accepted] if logprobs is not None and logprobs[i] is not None else None
-            if status is not None:
-                any_finished = True
-                self._finish(req, status)
-            outputs.append(self._output(req, req.output_token_ids[-accepted:], new_lp))
+            new_ids = sampled if accepted == len(sampled) else sampled[:accepted]
+            if status is None:
+                outputs.append(RequestOutput(rid, new_ids, False, None, len(req.prompt_token_ids),
+                                             len(req.output_token_ids), req.num_cached_tokens, new_lp))
+                continue
+            any_finished = True
+            self._finish(req, status)
+            outputs.append(self._output(req, new_ids, new_lp))
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
@@ -365,7 +372,7 @@ class Scheduler:
                 del self.requests[old]
 
     @staticmethod
-    def _output(req: Request, new_token_ids: list[int], new_logprobs) -> RequestOutput:
+    def _output(req: Request, new_token_ids: list[int], new_logprobs: list | None) -> RequestOutput:
         return RequestOutput(req.request_id, new_token_ids, req.is_finished, req.status.finish_reason,
                              req.num_prompt_tokens, len(req.output_token_ids),
                              max(req.num_cached_tokens, 0), new_logprobs)
