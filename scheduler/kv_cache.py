@@ -234,16 +234,19 @@ class KVCacheManager:
         self.pool.release(gpu[::-1])
         return list(zip(gpu, cpu))
 
-    def can_swap_in(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
+    def _swap_in_size(self, request: Request, num_new_tokens: int) -> int:
+        # A victim taken out mid-step may hold a block more than its computed tokens need.
         needed = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
-        return needed <= self.pool.num_free - reserve
+        return max(needed, len(self.req_cpu_blocks[request.request_id]))
+
+    def can_swap_in(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
+        return self._swap_in_size(request, num_new_tokens) <= self.pool.num_free - reserve
 
     def swap_in(self, request: Request, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
         """Bring a swapped request back: its new block table and the (gpu, cpu) copies to run."""
         rid = request.request_id
+        gpu = self.pool.allocate(self._swap_in_size(request, num_new_tokens))
         cpu = self.req_cpu_blocks.pop(rid)
-        needed = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
-        gpu = self.pool.allocate(max(needed, len(cpu)))
         self.req_blocks[rid] = gpu
         # The copied blocks hold computed KV, but they are registered only after the step runs.
         self.num_registered_blocks[rid] = 0

@@ -450,3 +450,17 @@ def test_update_with_runner_output_for_unknown_ids_is_ignored():
     s.add_request(req("a", 4))
     out = s.schedule()
     assert s.update_from_output(out, ModelRunnerOutput(["ghost"], [[1]])) == []
+
+
+def test_swap_in_waits_for_room_for_every_swapped_block():
+    s, r = small(preemption_mode="swap", num_cpu_blocks=8)
+    s.add_request(req("a", 8, max_tokens=12))
+    step(s, r)
+    victim = s.requests["a"]
+    s.running.remove(victim)
+    victim.status = RequestStatus.SWAPPED
+    s.kv.swap_out(victim)
+    s.kv.req_cpu_blocks["a"].append(s.kv.cpu_free.pop())  # one block more than its tokens need
+    s.waiting.prepend(victim)
+    s.kv.pool.allocate(s.kv.num_free_blocks - 2)  # leave room for the tokens, not for every block
+    assert not s.kv.can_swap_in(victim, 1, reserve=0)
