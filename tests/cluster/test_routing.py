@@ -1,5 +1,7 @@
 """Fleet routing policies, without Ray: load beats affinity past the threshold, longest prefix wins
 otherwise, the prefix index stays within its LRU bound, and dead replicas are forgotten."""
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,23 +25,34 @@ def fleet(**kw) -> FleetState:
     return FleetState(RoutingConfig(**kw))
 
 
+_ids = itertools.count()
+
+
 def busy(state: FleetState, replica: str, n: int, now: float = 0.0) -> None:
-    """Charge replica with n confirmed requests that carry no prefix."""
-    for i in range(n):
-        state.on_routed(RouteRequest(f"{replica}-busy-{i}"), replica, now)
+    """Charge replica with n more confirmed requests that carry no prefix."""
+    for _ in range(n):
+        state.on_routed(RouteRequest(f"busy-{next(_ids)}"), replica, now)
 
 
 # ---------------------------------------------------------------- config
 
 
 @pytest.mark.parametrize("field,value", [
-    ("policy", "random"), ("imbalance_threshold", -1), ("min_match_blocks", 0),
+    ("router_policy", "random"), ("imbalance_threshold", -1), ("imbalance_ratio", 0.5), ("min_match_blocks", 0),
     ("max_index_blocks", 0), ("tokens_per_request", 0), ("kv_usage_weight", -0.5),
     ("stats_grace_s", -1), ("unconfirmed_ttl_s", 0),
 ])
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         RoutingConfig(**{field: value})
+
+
+def test_router_kwargs_map_one_to_one_and_unknown_keys_are_named():
+    config = RoutingConfig.from_router_kwargs({"router_policy": "least_loaded", "imbalance_threshold": 2})
+    assert (config.router_policy, config.imbalance_threshold) == ("least_loaded", 2)
+    assert RoutingConfig.from_router_kwargs(None) == RoutingConfig()
+    with pytest.raises(ValueError, match="router_kwargs.imbalance"):
+        RoutingConfig.from_router_kwargs({"imbalance": 2})
 
 
 # ---------------------------------------------------------------- load
@@ -146,14 +159,14 @@ def test_replica_prefix_report_corrects_the_index_after_evictions():
 
 
 def test_round_robin_cycles_blind_to_load():
-    state = fleet(policy="round_robin")
+    state = fleet(router_policy="round_robin")
     busy(state, A, 10)
     firsts = [state.route(RouteRequest(f"r{i}"), [A, B, C], now=0)[0] for i in range(6)]
     assert firsts == [A, B, C, A, B, C]
 
 
 def test_least_loaded_prefers_the_idle_replica_and_rotates_ties():
-    state = fleet(policy="least_loaded")
+    state = fleet(router_policy="least_loaded")
     busy(state, A, 2)
     ranking = LeastLoaded().rank([A, B, C], RouteRequest("q"), state)
     assert ranking[-1] == A
@@ -163,7 +176,7 @@ def test_least_loaded_prefers_the_idle_replica_and_rotates_ties():
 
 
 def test_power_of_two_picks_the_less_loaded_of_its_pair():
-    state = fleet(policy="power_of_two", seed=3)
+    state = fleet(router_policy="power_of_two", seed=3)
     busy(state, A, 5)
     policy = PowerOfTwo(seed=3)
     for i in range(20):
@@ -190,6 +203,17 @@ def test_load_imbalance_beats_affinity_past_the_threshold():
     assert policy.rank([A, B], RouteRequest("q", 0, [1, 2, 3]), state) == [B, A]
 
 
+def test_under_heavy_load_a_relative_skew_keeps_affinity():
+    policy = PrefixAffinity(imbalance_threshold=3, min_match_blocks=1, imbalance_ratio=1.5)
+    state = fleet()
+    state.index.insert(A, [1, 2, 3], now=0)
+    busy(state, B, 20)
+    busy(state, A, 29)  # 9 ahead, but within 1.5x of 20
+    assert policy.rank([A, B], RouteRequest("q", 0, [1, 2, 3]), state)[0] == A
+    busy(state, A, 2)  # 31 > max(20 + 3, 30)
+    assert policy.rank([A, B], RouteRequest("q", 0, [1, 2, 3]), state)[0] == B
+
+
 def test_an_overloaded_longest_holder_yields_to_a_shorter_run_before_no_run():
     policy = PrefixAffinity(imbalance_threshold=2, min_match_blocks=1)
     state = fleet()
@@ -205,6 +229,17 @@ def test_request_without_block_hashes_is_routed_by_load():
     state.index.insert(A, [1], now=0)
     busy(state, A, 1)
     assert state.route(RouteRequest("q", 10, []), [A, B], now=0)[0] == B
+
+
+def test_a_new_prefix_goes_to_the_replica_holding_the_fewest_blocks_within_the_threshold():
+    policy = PrefixAffinity(imbalance_threshold=2, min_match_blocks=1)
+    state = fleet()
+    state.index.insert(A, [1, 2, 3], now=0)
+    state.index.insert(B, [4], now=0)
+    busy(state, C, 1)
+    assert policy.rank([A, B, C], RouteRequest("q", 0, [9, 9]), state)[0] == C
+    busy(state, C, 2)  # now 3 ahead of the idle replicas: past the threshold
+    assert policy.rank([A, B, C], RouteRequest("q", 0, [9, 9]), state)[0] == B
 
 
 def test_short_match_below_min_match_blocks_is_ignored():
@@ -240,6 +275,7 @@ def test_confirmation_moves_the_charge_and_completion_releases_it():
     assert other in state.index.replicas_of(1)
     state.on_completed("r1")
     assert state.loads.get(other).inflight_requests == 0
+    assert state.routed == {other: 1}
 
 
 def test_stats_are_applied_once_per_distinct_report():
@@ -259,7 +295,8 @@ def test_dead_replica_is_forgotten_and_never_chosen():
     state.route(RouteRequest("r1", 10, [1, 2]), [A, B], now=0)
     state.on_routed(RouteRequest("r1", 10, [1, 2]), A, now=0)
     state.on_stats(A, {"num_waiting": 0, "num_running": 1, "kv_cache_usage": 0.1}, now=0)
-    state.remove_replica(A)
+    assert state.remove_replica(A) is True
+    assert state.remove_replica(A) is False  # Serve reports a death once per failed request
     assert A not in state.loads.replicas() and A not in state.index.replicas()
     assert state.index.replicas_of(1) == set()
     assert state.route(RouteRequest("r2", 10, [1, 2]), [B], now=1) == [B]
@@ -314,7 +351,7 @@ op = st.one_of(
 @given(policy=st.sampled_from(["round_robin", "least_loaded", "power_of_two", "prefix_affinity"]),
        ops=st.lists(op, max_size=60))
 def test_never_routes_to_a_dead_replica_and_keeps_no_state_for_it(policy, ops):
-    state = fleet(policy=policy, max_index_blocks=16, seed=0)
+    state = fleet(router_policy=policy, max_index_blocks=16, seed=0)
     alive = {A, B, C}
     dead: set[str] = set()
     last: RouteRequest | None = None

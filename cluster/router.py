@@ -1,0 +1,89 @@
+"""FleetRouter: the Ray Serve RequestRouter that spreads LLMReplica requests by load and prefix affinity.
+
+A thin adapter: the policies, load accounting and prefix index live in cluster/routing.py.
+Attach it through the deployment's request_router_config (request_router_class
+"cluster.router.FleetRouter"); request_router_kwargs are initialize_state's keyword arguments.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from cluster.routing import FleetState, RouteRequest, RoutingConfig
+
+logger = logging.getLogger(__name__)
+
+ROUTER_CLASS_PATH = "cluster.router.FleetRouter"
+
+
+class FleetRouter(RequestRouter):
+    """Ranks replicas with a cluster.routing policy and keeps its load and prefix state current."""
+
+    def initialize_state(self, **router_kwargs: Any) -> None:
+        """Called by Serve with request_router_kwargs, the fields of cluster.routing.RoutingConfig:
+
+        router_policy ("prefix_affinity" | "round_robin" | "least_loaded" | "power_of_two"),
+        imbalance_threshold, min_match_blocks, max_index_blocks, tokens_per_request,
+        kv_usage_weight, stats_grace_s, unconfirmed_ttl_s, seed.
+        """
+        config = RoutingConfig.from_router_kwargs(router_kwargs)
+        self.fleet = FleetState(config)
+        logger.info("FleetRouter for %s: %s", self._deployment_id, config)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """One replica per rank, best first; Serve takes the first rank whose replica has room."""
+        if not candidate_replicas:
+            return []
+        now = time.monotonic()
+        by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
+        for key, replica in by_key.items():
+            self._observe_stats(key, replica.routing_stats, now)
+        if pending_request is None:
+            return [candidate_replicas]
+        ranking = self.fleet.route(route_request(pending_request), by_key, now)
+        return [[by_key[key]] for key in ranking]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        self.fleet.on_routed(route_request(pending_request), replica_id.unique_id, time.monotonic())
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.fleet.on_completed(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        if self.fleet.remove_replica(replica_id.unique_id):
+            logger.warning("FleetRouter: replica %s died; dropped from the prefix index", replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.fleet.retain(r.replica_id.unique_id for r in replicas)
+
+    def _observe_stats(self, key: str, stats: dict[str, Any], now: float) -> None:
+        if not stats:
+            return
+        try:
+            self.fleet.on_stats(key, stats, now)
+        except ValueError as e:
+            # A malformed report must not stop routing; load then falls back to own counts.
+            logger.warning("FleetRouter: ignoring routing stats of %s: %s", key, e)
+
+
+def route_request(pending_request: PendingRequest) -> RouteRequest:
+    """The routing view of a request whose first argument is a cluster.protocol.GenerateRequest.
+
+    Any other argument is routed by load alone: no block hashes, no token cost.
+    """
+    request_id = pending_request.metadata.internal_request_id
+    arg = pending_request.args[0] if pending_request.args else None
+    block_hashes = getattr(arg, "block_hashes", None) or ()
+    prompt = getattr(arg, "prompt_token_ids", None) or ()
+    max_tokens = getattr(getattr(arg, "sampling_params", None), "max_tokens", None) or 0
+    return RouteRequest(request_id, len(prompt) + int(max_tokens), list(block_hashes))

@@ -1,0 +1,408 @@
+"""Fleet routing policies: small pure objects that rank data-parallel replicas for one request.
+
+No Ray here. cluster/router.py adapts FleetState to Serve's RequestRouter; a simulator can drive the
+same objects with its own clock. Replicas are named by plain strings (Serve's replica unique ids).
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_affinity")
+
+
+@dataclass(slots=True)
+class RoutingConfig:
+    """Knobs of the fleet router; the app config passes them, by these names, as request_router_kwargs."""
+
+    router_policy: str = "prefix_affinity"
+    # Load units (about one in-flight request each) by which the prefix holder may exceed the least
+    # loaded replica before load wins over affinity.
+    imbalance_threshold: float = 4.0
+    # ...or by this factor, whichever allows more: under heavy load a few requests of skew cost little
+    # next to recomputing a prefix, and a fixed threshold alone would spill every tenant everywhere.
+    imbalance_ratio: float = 1.5
+    min_match_blocks: int = 1
+    max_index_blocks: int = 200_000
+    # In-flight tokens (prompt + max new tokens) that weigh as much as one in-flight request.
+    tokens_per_request: int = 2048
+    kv_usage_weight: float = 1.0
+    # Index entries younger than this survive a replica's prefix report that lacks them: the report
+    # may have been taken before the request that planted them arrived.
+    stats_grace_s: float = 5.0
+    # A routing decision Serve never confirmed (request cancelled before send) stops counting after this.
+    unconfirmed_ttl_s: float = 30.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.router_policy not in POLICIES:
+            raise ValueError(f"router_policy: {self.router_policy!r} is not one of {POLICIES}")
+        if self.imbalance_threshold < 0:
+            raise ValueError(f"imbalance_threshold: must be >= 0, got {self.imbalance_threshold}")
+        if self.imbalance_ratio < 1:
+            raise ValueError(f"imbalance_ratio: must be >= 1, got {self.imbalance_ratio}")
+        if self.min_match_blocks < 1:
+            raise ValueError(f"min_match_blocks: must be >= 1, got {self.min_match_blocks}")
+        if self.max_index_blocks < 1:
+            raise ValueError(f"max_index_blocks: must be >= 1, got {self.max_index_blocks}")
+        if self.tokens_per_request < 1:
+            raise ValueError(f"tokens_per_request: must be >= 1, got {self.tokens_per_request}")
+        if self.kv_usage_weight < 0:
+            raise ValueError(f"kv_usage_weight: must be >= 0, got {self.kv_usage_weight}")
+        if self.stats_grace_s < 0:
+            raise ValueError(f"stats_grace_s: must be >= 0, got {self.stats_grace_s}")
+        if self.unconfirmed_ttl_s <= 0:
+            raise ValueError(f"unconfirmed_ttl_s: must be > 0, got {self.unconfirmed_ttl_s}")
+
+    @classmethod
+    def from_router_kwargs(cls, kwargs: Mapping[str, Any] | None) -> RoutingConfig:
+        """Validated config from request_router_kwargs; an unknown key raises ValueError naming it."""
+        known = cls.__dataclass_fields__
+        for key in kwargs or {}:
+            if key not in known:
+                raise ValueError(f"router_kwargs.{key}: unknown; known: {sorted(known)}")
+        return cls(**(kwargs or {}))
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What routing needs to know about a request: its id, cost, and leading prompt block hashes."""
+
+    request_id: str
+    num_tokens: int = 0
+    block_hashes: Sequence[int] = ()
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """The router's view of one replica: its own in-flight counts plus the replica's last report."""
+
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    reported_requests: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass(slots=True)
+class _InFlight:
+    replica: str
+    num_tokens: int
+    confirmed: bool
+    started_at: float
+
+
+class LoadTracker:
+    """Per-replica load: exact in-flight counts of this router combined with late replica reports."""
+
+    def __init__(self, tokens_per_request: int, kv_usage_weight: float, unconfirmed_ttl_s: float):
+        self.tokens_per_request = tokens_per_request
+        self.kv_usage_weight = kv_usage_weight
+        self.unconfirmed_ttl_s = unconfirmed_ttl_s
+        self._replicas: dict[str, ReplicaLoad] = {}
+        self._requests: dict[str, _InFlight] = {}
+
+    def get(self, replica: str) -> ReplicaLoad:
+        return self._replicas.get(replica) or ReplicaLoad()
+
+    def load(self, replica: str) -> float:
+        """Load in request units: the larger of own and reported requests, plus token and KV terms."""
+        s = self.get(replica)
+        # Reports are 1-2 s late but include other routers' traffic; own counts are exact but local.
+        # The max never under-counts either source without double counting this router's requests.
+        requests = max(s.inflight_requests, s.reported_requests)
+        return requests + s.inflight_tokens / self.tokens_per_request + self.kv_usage_weight * s.kv_cache_usage
+
+    def start(self, request_id: str, replica: str, num_tokens: int, now: float, confirmed: bool) -> None:
+        """Count request_id against replica (moving it if it was counted elsewhere)."""
+        self.finish(request_id)
+        self._requests[request_id] = _InFlight(replica, num_tokens, confirmed, now)
+        s = self._replicas.setdefault(replica, ReplicaLoad())
+        s.inflight_requests += 1
+        s.inflight_tokens += num_tokens
+
+    def finish(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        s = self._replicas.get(entry.replica)
+        if s is not None:
+            s.inflight_requests -= 1
+            s.inflight_tokens -= entry.num_tokens
+
+    def expire(self, now: float) -> None:
+        """Forget unconfirmed decisions older than the TTL (their request never reached a replica)."""
+        stale = [rid for rid, e in self._requests.items()
+                 if not e.confirmed and now - e.started_at > self.unconfirmed_ttl_s]
+        for rid in stale:
+            self.finish(rid)
+
+    def report(self, replica: str, stats: Mapping[str, Any]) -> None:
+        """Apply a replica's routing stats (num_waiting, num_running, kv_cache_usage)."""
+        s = self._replicas.setdefault(replica, ReplicaLoad())
+        s.reported_requests = int(_number(stats, "num_waiting")) + int(_number(stats, "num_running"))
+        s.kv_cache_usage = min(1.0, max(0.0, _number(stats, "kv_cache_usage")))
+
+    def remove_replica(self, replica: str) -> None:
+        self._replicas.pop(replica, None)
+        for rid in [rid for rid, e in self._requests.items() if e.replica == replica]:
+            del self._requests[rid]
+
+    def replicas(self) -> set[str]:
+        return set(self._replicas)
+
+    def num_inflight(self) -> int:
+        return len(self._requests)
+
+
+def _number(stats: Mapping[str, Any], key: str) -> float:
+    value = stats.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"routing stats field {key!r}: expected a number, got {value!r}")
+    return float(value)
+
+
+class PrefixIndex:
+    """LRU-bounded map from prompt block hash to the replicas believed to hold that block."""
+
+    def __init__(self, max_blocks: int):
+        self.max_blocks = max_blocks
+        self._owners: OrderedDict[int, dict[str, float]] = OrderedDict()  # hash -> {replica: last seen}
+        self._by_replica: dict[str, set[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def replicas_of(self, block_hash: int) -> set[str]:
+        return set(self._owners.get(block_hash, ()))
+
+    def blocks_of(self, replica: str) -> set[int]:
+        return set(self._by_replica.get(replica, ()))
+
+    def replicas(self) -> set[str]:
+        return set(self._by_replica)
+
+    def footprint(self, replica: str) -> int:
+        """Blocks attributed to replica: how much of the fleet's cached prefixes it holds."""
+        return len(self._by_replica.get(replica, ()))
+
+    def insert(self, replica: str, block_hashes: Iterable[int], now: float) -> None:
+        """Record that replica received these blocks."""
+        # Reversed so the leading blocks end up most recent: they are the most shared, and evicting a
+        # tail block first keeps the leading run of every other prompt intact.
+        mine = self._by_replica.setdefault(replica, set())
+        for h in reversed(list(block_hashes)):
+            owners = self._owners.get(h)
+            if owners is None:
+                owners = self._owners[h] = {}
+            else:
+                self._owners.move_to_end(h)
+            owners[replica] = now
+            mine.add(h)
+        while len(self._owners) > self.max_blocks:
+            h, owners = self._owners.popitem(last=False)
+            for r in owners:
+                self._by_replica[r].discard(h)
+
+    def match(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        """Length of the leading run of block_hashes held by each replica."""
+        runs = dict.fromkeys(replicas, 0)
+        alive = set(runs)
+        matched = 0
+        for i, h in enumerate(block_hashes):
+            owners = self._owners.get(h)
+            if not owners:
+                break
+            alive = {r for r in alive if r in owners}
+            if not alive:
+                break
+            for r in alive:
+                runs[r] = i + 1
+            matched = i + 1
+        for h in reversed(block_hashes[:matched]):
+            self._owners.move_to_end(h)
+        return runs
+
+    def remove_replica(self, replica: str) -> None:
+        for h in self._by_replica.pop(replica, ()):
+            owners = self._owners.get(h)
+            if owners is not None:
+                owners.pop(replica, None)
+                if not owners:
+                    del self._owners[h]
+
+    def sync_replica(self, replica: str, resident: Iterable[int], now: float, grace_s: float) -> None:
+        """Correct the index from the replica's own list of resident block hashes (after evictions)."""
+        resident = list(resident)
+        keep = set(resident)
+        mine = self._by_replica.get(replica, set())
+        for h in [h for h in mine if h not in keep and self._owners[h][replica] < now - grace_s]:
+            mine.discard(h)
+            owners = self._owners[h]
+            del owners[replica]
+            if not owners:
+                del self._owners[h]
+        self.insert(replica, resident, now)
+
+
+class FleetView(Protocol):
+    loads: LoadTracker
+    index: PrefixIndex
+
+
+class _Rotation:
+    """Rotating tie-break so equally loaded replicas take turns instead of the first always winning."""
+
+    def __init__(self) -> None:
+        self._offset = 0
+
+    def order(self, replicas: Sequence[str], fleet: FleetView) -> list[str]:
+        n = len(replicas)
+        offset = self._offset % n
+        self._offset += 1
+        pos = {r: (i - offset) % n for i, r in enumerate(replicas)}
+        return sorted(replicas, key=lambda r: (fleet.loads.load(r), pos[r]))
+
+
+class RoundRobin:
+    """Each request to the next replica in turn, blind to load and prefixes."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def rank(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> list[str]:
+        start = self._next % len(replicas)
+        self._next += 1
+        return [*replicas[start:], *replicas[:start]]
+
+
+class LeastLoaded:
+    """The replica with the lowest combined load first."""
+
+    def __init__(self) -> None:
+        self._rotation = _Rotation()
+
+    def rank(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> list[str]:
+        return self._rotation.order(replicas, fleet)
+
+
+class PowerOfTwo:
+    """Two replicas at random, the less loaded first (Ray Serve's default policy, on our load signal)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def rank(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> list[str]:
+        pair = self._rng.sample(list(replicas), min(2, len(replicas)))
+        return sorted(pair, key=fleet.loads.load)
+
+
+class PrefixAffinity:
+    """Longest run of the prompt's leading blocks wins, among replicas within threshold of the least loaded.
+
+    Within threshold: load <= max(least + imbalance_threshold, least * imbalance_ratio).
+    """
+
+    def __init__(self, imbalance_threshold: float, min_match_blocks: int, imbalance_ratio: float = 1.0) -> None:
+        self.imbalance_threshold = imbalance_threshold
+        self.imbalance_ratio = imbalance_ratio
+        self.min_match_blocks = min_match_blocks
+        self._rotation = _Rotation()
+
+    def rank(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> list[str]:
+        by_load = self._rotation.order(replicas, fleet)
+        if not request.block_hashes:
+            return by_load
+        runs = fleet.index.match(request.block_hashes, replicas)
+        least = fleet.loads.load(by_load[0])
+        ceiling = max(least + self.imbalance_threshold, least * self.imbalance_ratio)
+        # An overloaded holder of the longest run drops out; a shorter run on an acceptable replica
+        # still beats none. by_load order makes the least loaded win ties of equal runs.
+        eligible = [r for r in by_load if fleet.loads.load(r) <= ceiling]
+        best = max(eligible, key=lambda r: runs[r])
+        if runs[best] < self.min_match_blocks:
+            # A prefix nobody holds goes where the fewest prefixes live, so tenants spread evenly
+            # over the fleet's caches instead of following momentary load.
+            best = min(eligible, key=fleet.index.footprint)
+        return [best, *(r for r in by_load if r != best)]
+
+
+Policy = RoundRobin | LeastLoaded | PowerOfTwo | PrefixAffinity
+
+
+def make_policy(config: RoutingConfig) -> Policy:
+    """The policy object named by config.router_policy."""
+    if config.router_policy == "round_robin":
+        return RoundRobin()
+    if config.router_policy == "least_loaded":
+        return LeastLoaded()
+    if config.router_policy == "power_of_two":
+        return PowerOfTwo(config.seed)
+    return PrefixAffinity(config.imbalance_threshold, config.min_match_blocks, config.imbalance_ratio)
+
+
+class FleetState:
+    """Everything the fleet router knows: loads, the prefix index, and the policy that reads them."""
+
+    def __init__(self, config: RoutingConfig):
+        self.config = config
+        self.loads = LoadTracker(config.tokens_per_request, config.kv_usage_weight, config.unconfirmed_ttl_s)
+        self.index = PrefixIndex(config.max_index_blocks)
+        self.policy = make_policy(config)
+        self.routed: Counter[str] = Counter()  # requests Serve confirmed, per replica (logs, benches)
+        self._stats_seen: dict[str, Mapping[str, Any]] = {}
+
+    def route(self, request: RouteRequest, replicas: Iterable[str], now: float) -> list[str]:
+        """Replicas ranked best first for request; the first is provisionally charged with it."""
+        ordered = sorted(set(replicas))
+        if not ordered:
+            return []
+        self.loads.expire(now)
+        ranking = self.policy.rank(ordered, request, self)
+        # Charged now, not when Serve confirms: a burst routes before any confirmation comes back.
+        self._charge(request, ranking[0], now, confirmed=False)
+        return ranking
+
+    def on_routed(self, request: RouteRequest, replica: str, now: float) -> None:
+        """Serve sent request to replica (it may differ from the ranking's first if that one was full)."""
+        self._charge(request, replica, now, confirmed=True)
+        self.routed[replica] += 1
+
+    def on_completed(self, request_id: str) -> None:
+        self.loads.finish(request_id)
+
+    def on_stats(self, replica: str, stats: Mapping[str, Any], now: float) -> None:
+        """Apply a replica's routing stats once per distinct report."""
+        seen = self._stats_seen.get(replica)
+        # Serve re-broadcasts the last report with every replica-set change; re-applying an old
+        # prefix report after the grace window would drop blocks planted since it was taken.
+        if stats is seen or stats == seen:
+            return
+        self._stats_seen[replica] = stats
+        self.loads.report(replica, stats)
+        prefix_hashes = stats.get("prefix_hashes")
+        if prefix_hashes is not None:
+            self.index.sync_replica(replica, prefix_hashes, now, self.config.stats_grace_s)
+
+    def remove_replica(self, replica: str) -> bool:
+        """Forget a dead or removed replica at once: its load, its requests, its index entries.
+
+        False if there was nothing to forget (Serve reports a death once per failed request)."""
+        known = replica in self.loads.replicas() or replica in self.index.replicas() or replica in self._stats_seen
+        self.loads.remove_replica(replica)
+        self.index.remove_replica(replica)
+        self._stats_seen.pop(replica, None)
+        return known
+
+    def retain(self, replicas: Iterable[str]) -> None:
+        """Forget every replica not in replicas."""
+        alive = set(replicas)
+        for replica in (self.loads.replicas() | self.index.replicas() | set(self._stats_seen)) - alive:
+            self.remove_replica(replica)
+
+    def _charge(self, request: RouteRequest, replica: str, now: float, confirmed: bool) -> None:
+        self.loads.start(request.request_id, replica, request.num_tokens, now, confirmed)
+        if request.block_hashes:
+            self.index.insert(replica, request.block_hashes, now)
