@@ -1,0 +1,1 @@
+"""Model execution: the Llama family, tensor-parallel layers, paged attention, loader, runner."""

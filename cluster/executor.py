@@ -1,0 +1,36 @@
+"""Executors run each SchedulerOutput on the model workers and return rank 0's ModelRunnerOutput.
+
+LocalExecutor runs one ModelRunner in this process (tests, TP=1); a Ray executor with the same
+four methods drives one worker actor per tensor-parallel rank.
+"""
+from __future__ import annotations
+
+import logging
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.runner import ModelRunner, RunnerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LocalExecutor:
+    """A single in-process worker (tensor_parallel_size == 1)."""
+
+    def __init__(self, runner_config: RunnerConfig, tensor_parallel_size: int = 1) -> None:
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size: LocalExecutor runs one rank, got {tensor_parallel_size}")
+        self.runner = ModelRunner(runner_config)
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks the device can hold (the minimum over ranks, for multi-rank executors)."""
+        return self.runner.determine_num_blocks()
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Release the model and the cache."""
+        self.runner = None

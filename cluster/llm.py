@@ -1,0 +1,141 @@
+"""The offline API: LLM(model=...).generate(prompts, params) and .chat(conversations, params)."""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from cluster.config import EngineConfig
+from cluster.engine import EngineCore
+from scheduler.outputs import TokenLogprobs
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """The completion of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """An in-process engine with a tokenizer: batch generation over many prompts at once."""
+
+    def __init__(self, model: str = "default", dtype: str = "float32", device: str = "auto",
+                 tensor_parallel_size: int = 1, **kwargs: Any) -> None:
+        config = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device,
+                                          tensor_parallel_size=tensor_parallel_size, **kwargs)
+        self.engine = EngineCore(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerationOutput]:
+        """Complete each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(texts, token_ids, sampling_params, use_tqdm)
+
+    def chat(self, conversations: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[GenerationOutput]:
+        """Reply to each conversation (a list of {"role", "content"} messages) via the chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in conversations]
+        token_ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self._run(texts, token_ids, sampling_params, use_tqdm)
+
+    def _run(self, texts: list[str | None], token_ids: list[list[int]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[GenerationOutput]:
+        params = _params_per_prompt(sampling_params, len(token_ids))
+        outputs: dict[str, GenerationOutput] = {}
+        for text, ids, sp in zip(texts, token_ids, params):
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(Request(rid, ids, sp))
+            outputs[rid] = GenerationOutput(rid, text, ids, logprobs=[] if sp.logprobs is not None else None)
+        stops = {rid: sp.stop for rid, sp in zip(outputs, params) if sp.stop}
+        live = set(outputs)
+        with tqdm(total=len(outputs), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            try:
+                while live:
+                    finished = self._step(outputs, stops)
+                    live -= finished
+                    bar.update(len(finished))
+            finally:
+                if live:  # interrupted: leave the engine clean for the next call
+                    self.engine.abort_requests(list(live))
+                    self.engine.step()
+        for rid, out in outputs.items():
+            if rid not in stops:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return list(outputs.values())
+
+    def _step(self, outputs: dict[str, GenerationOutput], stops: dict[str, list[str]]) -> set[str]:
+        finished = set()
+        for ro in self.engine.step():
+            out = outputs.get(ro.request_id)
+            if out is None:
+                continue
+            out.token_ids.extend(ro.new_token_ids)
+            out.num_cached_tokens = ro.num_cached_tokens
+            if out.logprobs is not None and ro.new_logprobs:
+                out.logprobs.extend(ro.new_logprobs)
+            if ro.request_id in stops and self._hit_stop(out, stops[ro.request_id]) and not ro.finished:
+                self.engine.abort_requests([ro.request_id])
+                finished.add(ro.request_id)
+            elif ro.finished:
+                out.finish_reason = ro.finish_reason
+                finished.add(ro.request_id)
+        return finished
+
+    def _hit_stop(self, out: GenerationOutput, stop: list[str]) -> bool:
+        """Apply stop strings on the decoded text: truncate before the first one found."""
+        out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        hits = [i for i in (out.text.find(s) for s in stop) if i >= 0]
+        if not hits:
+            return False
+        out.text, out.finish_reason = out.text[: min(hits)], "stop"
+        return True
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                       n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        params = [sampling_params] * n
+    else:
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+    for sp in params:
+        if sp.n != 1:
+            raise ValueError(f"n: LLM.generate returns one completion per prompt, got n={sp.n}; "
+                             "repeat the prompt instead")
+    return params

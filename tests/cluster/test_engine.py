@@ -1,0 +1,97 @@
+"""EngineCore: requests in, RequestOutputs out, one scheduled batch per step()."""
+from __future__ import annotations
+
+import pytest
+
+from cluster import EngineConfig, EngineCore
+from scheduler import Request, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama")
+    core = EngineCore(EngineConfig(model=path, device="cpu", kv_cache_memory_gb=0.01, load_progress=False))
+    yield core
+    core.shutdown()
+
+
+def drain(engine: EngineCore) -> dict[str, list]:
+    """Step until idle; every RequestOutput per request id, in order."""
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    return seen
+
+
+def test_kv_pool_is_sized_from_kv_cache_memory_gb(engine):
+    spec_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 KV heads, head_dim 16, fp32
+    assert engine.num_gpu_blocks == int(0.01 * (1 << 30)) // spec_bytes
+    assert engine.stats().num_free_blocks == engine.num_gpu_blocks
+    assert engine.max_model_len == 512  # the checkpoint's max_position_embeddings
+
+
+def test_step_streams_one_token_per_request_until_max_tokens(engine):
+    engine.add_request(Request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
+    engine.add_request(Request("b", list(range(40, 90)), SamplingParams(max_tokens=5, temperature=0.0,
+                                                                        ignore_eos=True)))
+    seen = drain(engine)
+    assert [len(o.new_token_ids) for o in seen["a"]] == [1, 1, 1]
+    assert [o.finished for o in seen["b"]] == [False] * 4 + [True]
+    assert seen["b"][-1].finish_reason == "length"
+    assert seen["b"][-1].num_output_tokens == 5 and seen["b"][-1].num_prompt_tokens == 50
+
+
+def test_eos_defaults_to_the_models(engine):
+    request = Request("eos-default", [1, 2, 3], SamplingParams(max_tokens=2))
+    engine.add_request(request)
+    assert request.eos_token_id == 2
+    drain(engine)
+
+
+def test_abort_finishes_a_request_and_frees_its_blocks(engine):
+    free = engine.stats().num_free_blocks
+    engine.add_request(Request("long", list(range(100, 164)), SamplingParams(max_tokens=400, ignore_eos=True)))
+    engine.step()
+    assert engine.stats().num_free_blocks < free
+    [out] = engine.abort_requests(["long"])
+    assert out.finished and out.finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    engine.step()  # tells the runner, which drops the request's state
+    assert "long" not in engine.executor.runner.requests
+    assert engine.stats().num_free_blocks == free
+
+
+def test_duplicate_request_id_is_rejected(engine):
+    engine.add_request(Request("dup", [1, 2, 3], SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request(Request("dup", [1, 2, 3], SamplingParams(max_tokens=2)))
+    drain(engine)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(engine):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    engine.add_request(Request("s1", [9, 10, 11], params))
+    first = drain(engine)["s1"]
+    engine.add_request(Request("s2", [9, 10, 11], params))
+    engine.add_request(Request("other", [3, 4, 5, 6], SamplingParams(max_tokens=8, temperature=1.0)))
+    second = drain(engine)["s2"]
+    assert [t for o in first for t in o.new_token_ids] == [t for o in second for t in o.new_token_ids]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("dtype", "float64"), ("device", "tpu"), ("tensor_parallel_size", 0), ("kv_cache_memory_gb", 0),
+    ("gpu_memory_utilization", 1.5), ("num_gpu_blocks", 0), ("max_model_len", 0),
+    ("attention_backend", "xformers"), ("model", ""),
+])
+def test_engine_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_engine_config_splits_scheduler_knobs():
+    config = EngineConfig.from_kwargs(model="default", max_num_batched_tokens=32, policy="priority")
+    assert config.scheduler == {"max_num_batched_tokens": 32, "policy": "priority"}
+    assert config.max_num_batched_tokens == 32
+    with pytest.raises(ValueError, match="not_a_knob"):
+        EngineConfig.from_kwargs(not_a_knob=1)

@@ -1,0 +1,86 @@
+"""The offline API: LLM(...).generate / .chat over prompts given as text or token ids."""
+from __future__ import annotations
+
+import pytest
+
+from cluster import LLM
+from scheduler import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+@pytest.mark.slow
+def test_chat_answers_with_the_default_model(smollm2_llm):
+    [out] = smollm2_llm.chat([[{"role": "user", "content": "What is the capital of France?"}]], GREEDY,
+                             use_tqdm=False)
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # <|im_end|>, the model's EOS
+    assert out.token_ids[-1] == smollm2_llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.mark.slow
+def test_text_and_token_id_prompts_give_the_same_completion(smollm2_llm):
+    text = "The three primary colours are"
+    ids = smollm2_llm.tokenizer.encode(text)
+    by_text, by_ids = smollm2_llm.generate([text, ids], GREEDY, use_tqdm=False)
+    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.prompt == text and by_ids.prompt is None
+    assert by_text.text == smollm2_llm.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_checkpoint, llm_factory):
+    path, _ = tiny_checkpoint("qwen2")
+    return llm_factory(model=path, dtype="float32")
+
+
+def test_outputs_come_back_in_prompt_order_with_per_prompt_params(tiny_llm):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 1, 6)]
+    outs = tiny_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [len(o.token_ids) for o in outs] == [3, 1, 6]
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_logprobs_list_the_sampled_token_then_the_top_n(tiny_llm):
+    [out] = tiny_llm.generate([[20, 21, 22]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3,
+                                                             ignore_eos=True), use_tqdm=False)
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert entry[0][0] == token and len(entry) == 4
+        assert entry[1][0] == token  # greedy: the sampled token is the top-1
+        assert entry[1][1] >= entry[2][1] >= entry[3][1]
+
+
+def test_stop_string_truncates_the_text(tiny_llm):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    [full] = tiny_llm.generate([[30, 31, 32]], params, use_tqdm=False)
+    stop = full.text[len(full.text) // 2:][:3]
+    if not stop.strip():
+        pytest.skip("the random model's text has no usable stop string")
+    [cut] = tiny_llm.generate([[30, 31, 32]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                             stop=[stop]), use_tqdm=False)
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_more_than_one_sample_per_prompt_is_refused(tiny_llm):
+    with pytest.raises(ValueError, match="n:"):
+        tiny_llm.generate([[1, 2]], SamplingParams(n=2), use_tqdm=False)
+
+
+@pytest.mark.parametrize("model, message", [
+    ("/does/not/exist", "does not exist"),
+    (__file__, "neither a .gguf file nor"),
+])
+def test_bad_model_paths_raise_clear_errors(model, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=model, device="cpu")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(model=str(tmp_path), device="cpu")

@@ -1,0 +1,125 @@
+"""Paged attention equals plain causal attention over each request's own context.
+
+A mixed batch (decodes, a fresh prefill, a chunk continuing a cached prefix) is laid out in a
+paged cache with scattered blocks; every backend must match a dense per-request reference.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from workers.layers.attention import Attention, AttentionMetadata, select_backend
+
+BLOCK = 4
+HQ, HK, D = 4, 2, 8
+# (tokens already cached, tokens computed this step), decodes first as the runner orders them.
+REQUESTS = [(5, 1), (16, 1), (39, 1), (0, 7), (20, 12), (3, 1 + BLOCK)]
+
+
+def dense_reference(q, k, v, scale):
+    """q: [Lq, HQ, D] for the last Lq positions of k/v: [L, HK, D]; causal, GQA by repetition."""
+    lq, lk = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(HQ // HK, dim=1)
+    v = v.repeat_interleave(HQ // HK, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run_batch(backend, device: str, dtype: torch.dtype = torch.float32):
+    """Attention output of the REQUESTS batch and the dense reference, both [tokens, HQ, D]."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 64
+    layer = Attention(HQ, D, HK, scale=D ** -0.5)
+    if isinstance(backend, str):
+        backend = select_backend(torch.device(device), backend, dtype)
+    layer.backend = backend
+    layer.k_cache = torch.zeros(num_blocks, BLOCK, HK, D, dtype=dtype, device=device)
+    layer.v_cache = torch.zeros_like(layer.k_cache)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, qs, ks, vs, refs = [], [], [], [], []
+    for cached, new in REQUESTS:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // BLOCK))]
+        k = torch.randn(total, HK, D, generator=gen)
+        v = torch.randn(total, HK, D, generator=gen)
+        q = torch.randn(new, HQ, D, generator=gen)
+        for pos in range(cached):  # earlier steps already wrote these
+            layer.k_cache[table[pos // BLOCK], pos % BLOCK] = k[pos].to(dtype)
+            layer.v_cache[table[pos // BLOCK], pos % BLOCK] = v[pos].to(dtype)
+        tables.append(table)
+        qs.append(q), ks.append(k[cached:]), vs.append(v[cached:])
+        refs.append(dense_reference(q, k, v, layer.scale))
+    meta, _ = AttentionMetadata.build([c for c, _ in REQUESTS], [n for _, n in REQUESTS], tables,
+                                      BLOCK, torch.device(device))
+    layer.backend.prepare(meta)
+    cat = lambda xs: torch.cat(xs).to(device, dtype).flatten(1)  # noqa: E731
+    out = layer(cat(qs), cat(ks), cat(vs), meta).view(-1, HQ, D).float().cpu()
+    return out, torch.cat(refs)
+
+
+def test_decode_and_prefill_layout():
+    meta, positions = AttentionMetadata.build([5, 0, 8], [1, 7, 12], [[9, 3], [1, 2], [4, 5, 6, 7, 8]],
+                                              BLOCK, torch.device("cpu"))
+    assert meta.num_decodes == 1
+    assert meta.query_start_loc_cpu == [0, 1, 8, 20]
+    assert meta.seq_lens_cpu == [6, 7, 20]
+    assert positions.tolist() == [5] + list(range(7)) + list(range(8, 20))
+    # Position 5 of request 0 is the second block of its table (block 3), offset 1.
+    assert meta.slot_mapping[0].item() == 3 * BLOCK + 1
+    assert meta.slot_mapping[1:8].tolist() == [4, 5, 6, 7, 8, 9, 10]
+    assert meta.slot_mapping[8].item() == 6 * BLOCK  # position 8 opens the third block, block 6
+
+
+def test_torch_backend_matches_dense_attention():
+    out, ref = run_batch("torch", "cpu")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_of_the_step_is_written_to_its_slots():
+    gen = torch.Generator().manual_seed(1)
+    layer = Attention(HQ, D, HK, scale=1.0)
+    layer.backend = select_backend(torch.device("cpu"), "torch")
+    layer.k_cache = torch.zeros(8, BLOCK, HK, D)
+    layer.v_cache = torch.zeros(8, BLOCK, HK, D)
+    meta, _ = AttentionMetadata.build([2], [3], [[6, 1]], BLOCK, torch.device("cpu"))
+    layer.backend.prepare(meta)
+    k = torch.randn(3, HK * D, generator=gen)
+    layer(torch.randn(3, HQ * D, generator=gen), k, torch.randn(3, HK * D, generator=gen), meta)
+    # Positions 2, 3 sit in block 6, position 4 starts block 1.
+    assert torch.equal(layer.k_cache[6, 2:4].flatten(1), k[:2])
+    assert torch.equal(layer.k_cache[1, 0].flatten(), k[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "triton", "flash_attn"])
+def test_cuda_backends_match_dense_attention(backend):
+    module = {"triton": "triton", "flash_attn": "flash_attn"}.get(backend)
+    if module and importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    out, ref = run_batch(backend, "cuda", torch.float16 if backend == "flash_attn" else torch.float32)
+    tol = 2e-3 if backend == "flash_attn" else 1e-4
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_decode_kernel_in_interpreter_mode():
+    """The Triton kernel, run by Triton's CPU interpreter (TRITON_INTERPRET=1) in a subprocess."""
+    import subprocess
+    import sys
+    code = ("from tests.workers.test_attention import check_triton_on_cpu; check_triton_on_cpu()")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def check_triton_on_cpu() -> None:
+    from workers.layers.backends.triton_decode import TritonDecodeBackend
+    out, ref = run_batch(TritonDecodeBackend(), "cpu")
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

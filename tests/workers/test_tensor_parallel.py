@@ -1,0 +1,82 @@
+"""Tensor parallelism is a property of the layers: two gloo ranks give the single-rank logits.
+
+Covers KV heads split across ranks and a single KV head replicated on both, biases on q/k/v/o
+(the row-parallel o_proj adds its bias once), the vocab-split embedding and the gathered LM head.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoConfig
+
+from workers.kv_cache import KVCache, KVCacheSpec
+from workers.layers.attention import AttentionMetadata, select_backend
+from workers.layers.linear import QKVParallelLinear
+from workers.loader import load_model
+from workers.parallel import init_tensor_parallel, reset_tensor_parallel
+
+pytestmark = pytest.mark.slow
+
+
+def forward_logits(model_dir: str) -> torch.Tensor | None:
+    """Two steps on one rank's model: a 10-token prefill, then its decode beside a new prefill."""
+    config = AutoConfig.from_pretrained(model_dir)
+    model = load_model(model_dir, config, torch.float32, torch.device("cpu"), progress=False)
+    layers = model.attention_layers()
+    cache = KVCache(KVCacheSpec.of(layers, 4, torch.float32), 16, 0, torch.device("cpu"))
+    cache.bind(layers)
+    backend = select_backend(torch.device("cpu"), "torch")
+    for layer in layers:
+        layer.backend = backend
+    logits = []
+    with torch.inference_mode():
+        for starts, lens, tables, ids in [([0], [10], [[3, 7, 1]], list(range(50, 60))),
+                                          ([10, 0], [1, 5], [[3, 7, 1], [2, 9]], [77, 5, 6, 7, 8, 9])]:
+            meta, positions = AttentionMetadata.build(starts, lens, tables, 4, torch.device("cpu"))
+            backend.prepare(meta)
+            hidden = model(torch.tensor(ids), positions, meta)
+            logits.append(model.compute_logits(hidden))
+    return None if logits[0] is None else torch.cat(logits)
+
+
+def _rank_main(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        init_tensor_parallel(rank, world, dist.group.WORLD)
+        logits = forward_logits(model_dir)
+        if rank == 0:
+            torch.save(logits, out)
+        else:
+            assert logits is None  # only rank 0 receives logits
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_mqa"])
+def test_two_ranks_match_one(family, tiny_checkpoint, tmp_path):
+    model_dir, _ = tiny_checkpoint(family)
+    reset_tensor_parallel()
+    expected = forward_logits(model_dir)
+    out = tmp_path / "logits.pt"
+    mp.spawn(_rank_main, args=(2, str(tmp_path / "init"), model_dir, str(out)), nprocs=2, join=True)
+    torch.testing.assert_close(torch.load(out), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_qkv_shards_replicate_kv_heads_when_ranks_outnumber_them(monkeypatch):
+    """Rank r of 4 with 2 KV heads holds q heads [2r, 2r+1] and KV head r // 2."""
+    import workers.layers.linear as linear
+    hidden, head_dim = 8, 2
+    q = torch.arange(8 * head_dim * hidden, dtype=torch.float32).view(8 * head_dim, hidden)
+    k = -torch.arange(2 * head_dim * hidden, dtype=torch.float32).view(2 * head_dim, hidden)
+    for rank in range(4):
+        monkeypatch.setattr(linear, "get_tp_rank", lambda r=rank: r)
+        monkeypatch.setattr(linear, "get_tp_world_size", lambda: 4)
+        layer = QKVParallelLinear(hidden, head_dim, num_heads=8, num_kv_heads=2)
+        layer.weight_loader(layer.weight, q, "q")
+        layer.weight_loader(layer.weight, k, "k")
+        assert layer.num_heads == 2 and layer.num_kv_heads == 1
+        assert torch.equal(layer.weight[:4], q[rank * 4:(rank + 1) * 4])
+        kv_head = rank // 2
+        assert torch.equal(layer.weight[4:6], k[kv_head * 2:(kv_head + 1) * 2])

@@ -1,0 +1,124 @@
+"""The paged KV cache: per-layer K and V tensors, their sizing, and swap copies to a CPU pool.
+
+Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V. A CPU pool of
+the same layout holds swapped-out blocks (pinned on CUDA so copies can overlap).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from workers.layers.attention import Attention
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSpec:
+    """Shape of one rank's cache, enough to size it."""
+
+    num_layers: int
+    num_kv_heads: int  # per rank
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def blocks_in(self, num_bytes: float) -> int:
+        return max(int(num_bytes // self.block_bytes), 0)
+
+    @classmethod
+    def of(cls, layers: list[Attention], block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return cls(len(layers), layers[0].num_kv_heads, layers[0].head_dim, block_size, dtype)
+
+    @classmethod
+    def from_hf_config(cls, config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVCacheSpec:
+        """One rank's spec, from the model config (KV heads are replicated when tp_size > their count)."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, max(kv_heads // tp_size, 1), head_dim, block_size, dtype)
+
+
+class KVCache:
+    """Owns the device and CPU pools and binds the device pool to the model's attention layers."""
+
+    def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int,
+                 device: torch.device) -> None:
+        if num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks: must be >= 1, got {num_gpu_blocks}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks: must be >= 0, got {num_cpu_blocks}")
+        self.spec = spec
+        shape = (spec.num_layers, 2, num_gpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # One allocation; zeros so padded block-table entries read finite values.
+        self.gpu = torch.zeros(shape, dtype=spec.dtype, device=device)
+        pin = device.type == "cuda"
+        cpu_shape = (spec.num_layers, 2, num_cpu_blocks, *shape[3:])
+        self.cpu = torch.zeros(cpu_shape, dtype=spec.dtype, device="cpu", pin_memory=pin)
+        logger.info("KV cache: %d device blocks (%.2f GiB), %d CPU blocks (%.2f GiB)",
+                    num_gpu_blocks, num_gpu_blocks * spec.block_bytes / GiB,
+                    num_cpu_blocks, num_cpu_blocks * spec.block_bytes / GiB)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.gpu.shape[2]
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu.shape[2]
+
+    def bind(self, layers: list[Attention]) -> None:
+        """Point every attention layer at its K and V slices of the pool."""
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.gpu[i, 0], self.gpu[i, 1]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (gpu_block, cpu_block) pairs device -> CPU."""
+        if pairs:
+            gpu_ids, cpu_ids = self._ids(pairs)
+            self.cpu[:, :, cpu_ids] = self.gpu[:, :, gpu_ids.to(self.gpu.device)].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (gpu_block, cpu_block) pairs CPU -> device."""
+        if pairs:
+            gpu_ids, cpu_ids = self._ids(pairs)
+            blocks = self.cpu[:, :, cpu_ids].to(self.gpu.device, non_blocking=True)
+            self.gpu[:, :, gpu_ids.to(self.gpu.device)] = blocks
+
+    def _ids(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        for g, c in pairs:
+            if not (0 <= g < self.num_gpu_blocks and 0 <= c < self.num_cpu_blocks):
+                raise ValueError(f"blocks_to_swap: pair ({g}, {c}) is outside the pools "
+                                 f"({self.num_gpu_blocks} device, {self.num_cpu_blocks} CPU blocks)")
+        ids = torch.tensor(pairs, dtype=torch.long)
+        return ids[:, 0], ids[:, 1]
+
+
+def cpu_num_blocks(spec: KVCacheSpec, kv_cache_memory_gb: float) -> int:
+    """Device blocks that fit kv_cache_memory_gb GiB (the CPU device's budget)."""
+    return spec.blocks_in(kv_cache_memory_gb * GiB)
+
+
+def cuda_num_blocks(spec: KVCacheSpec, device: torch.device, gpu_memory_utilization: float) -> int:
+    """Blocks that fit the memory left under gpu_memory_utilization after a profiling forward.
+
+    Call after the profiling run: its peak (weights + activations) is what the cache must leave.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    # Memory used by other processes on the same GPU is not ours to take.
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    budget = total * gpu_memory_utilization - peak - max(used_by_others, 0)
+    logger.info("CUDA memory: total %.2f GiB, peak of profiling run %.2f GiB, KV budget %.2f GiB",
+                total / GiB, peak / GiB, budget / GiB)
+    return spec.blocks_in(budget)

@@ -1,0 +1,1 @@
+"""Building blocks of the Llama family: tensor-parallel linears, norms, rotary, attention."""

@@ -1,0 +1,162 @@
+"""Attention over the paged KV cache for a flattened batch of prefill chunks and decode tokens.
+
+The runner orders a batch decodes first (requests with one query token), then prefill chunks,
+and builds one AttentionMetadata per step; the chosen backend derives what it needs from it once
+(`prepare`) and every layer reuses that.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "flash_attn", "triton")
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and which cached context each request attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) per token
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    num_decodes: int  # requests [0, num_decodes) have exactly one query token
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+    backend_state: Any = field(default=None)
+
+    def __post_init__(self) -> None:
+        if len(self.query_start_loc_cpu) != len(self.seq_lens_cpu) + 1:
+            raise ValueError("query_start_loc_cpu: needs one more entry than seq_lens_cpu")
+
+    @classmethod
+    def build(cls, starts: list[int], query_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata and token positions for requests that each compute query_lens[i] tokens from
+        position starts[i]; requests with one query token must come first."""
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        q_lens = torch.tensor(query_lens, dtype=torch.int32)
+        starts_t = torch.tensor(starts, dtype=torch.int32)
+        seq_lens = starts_t + q_lens
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        # Per-token request index and position; the slot follows from the block table.
+        row = torch.repeat_interleave(torch.arange(len(block_tables)), q_lens)
+        cu = torch.zeros(len(block_tables) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=cu[1:])
+        positions = (starts_t[row] + torch.arange(len(row), dtype=torch.int32) - cu[:-1][row]).long()
+        slots = tables[row, positions // block_size].long() * block_size + positions % block_size
+        meta = cls(
+            slot_mapping=slots.to(device, non_blocking=True),
+            query_start_loc=cu.to(device, non_blocking=True),
+            seq_lens=seq_lens.to(device, non_blocking=True),
+            block_tables=tables.to(device, non_blocking=True),
+            num_decodes=num_decodes,
+            query_start_loc_cpu=cu.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            block_size=block_size,
+        )
+        return meta, positions.to(device, non_blocking=True)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @property
+    def max_query_len(self) -> int:
+        q = self.query_start_loc_cpu
+        return max((q[i + 1] - q[i] for i in range(len(q) - 1)), default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+
+class AttentionBackend(Protocol):
+    """Computes attention for a whole batch once K/V of the step are in the cache."""
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Derive per-step state (gather indices, masks) into meta.backend_state."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] (already written to the cache) -> [T, Hq, D]."""
+
+
+def select_backend(device: torch.device, name: str = "auto",
+                   dtype: torch.dtype = torch.float16) -> AttentionBackend:
+    """`torch` on CPU; on CUDA flash-attn when importable (fp16/bf16 only), else the Triton
+    decode kernel, else torch."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {name!r}")
+    half = dtype in (torch.float16, torch.bfloat16)
+    if name == "flash_attn" and not half:
+        raise ValueError(f"attention_backend: flash_attn needs float16 or bfloat16, got {dtype}")
+    if name == "auto":
+        if device.type != "cuda":
+            name = "torch"
+        elif half and importlib.util.find_spec("flash_attn") is not None:
+            name = "flash_attn"
+        elif importlib.util.find_spec("triton") is not None:
+            name = "triton"
+        else:
+            name = "torch"
+    if name == "flash_attn":
+        from workers.layers.backends.flash import FlashAttnBackend
+        backend: AttentionBackend = FlashAttnBackend()
+    elif name == "triton":
+        from workers.layers.backends.triton_decode import TritonDecodeBackend
+        backend = TritonDecodeBackend()
+    else:
+        from workers.layers.backends.torch_ref import TorchBackend
+        backend = TorchBackend()
+    logger.info("attention backend: %s", backend.name)
+    return backend
+
+
+class Attention(nn.Module):
+    """Writes the step's K/V into this layer's cache slots, then attends over the paged context."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.backend: AttentionBackend | None = None
+        # [num_blocks, block_size, num_kv_heads, head_dim]; bound by workers.kv_cache.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]."""
+        if self.backend is None or self.k_cache.numel() == 0:
+            raise RuntimeError("Attention: KV cache and backend must be bound before the forward")
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale).view(t, -1)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's keys and values into their cache slots."""
+    hk, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, hk, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, hk, d).index_copy_(0, slot_mapping, v)

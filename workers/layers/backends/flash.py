@@ -1,0 +1,54 @@
+"""CUDA with flash-attn: one varlen call over the whole mixed batch.
+
+flash-attn reads paged K/V itself only for pages of 256 tokens or more; with smaller blocks the
+context is gathered into a packed [sum(seq_lens), Hk, D] tensor first (one index_select).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from flash_attn import flash_attn_varlen_func
+
+from workers.layers.attention import AttentionMetadata
+
+_PAGED_MIN_BLOCK = 256
+
+
+@dataclass(slots=True)
+class _FlashState:
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    context_slots: torch.Tensor | None  # [sum(seq_lens)] flat cache slots; None when paged
+
+
+class FlashAttnBackend:
+    """flash_attn_varlen_func with a bottom-right causal mask (queries are each context's tail)."""
+
+    name = "flash_attn"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        dev, bs = meta.seq_lens.device, meta.block_size
+        cu_k = torch.zeros(meta.num_reqs + 1, dtype=torch.int32, device=dev)
+        torch.cumsum(meta.seq_lens, 0, out=cu_k[1:])
+        slots = None
+        if bs < _PAGED_MIN_BLOCK:
+            seq_lens = meta.seq_lens.long()
+            row = torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), seq_lens)
+            pos = torch.arange(row.numel(), device=dev) - (cu_k[:-1].long())[row]
+            slots = meta.block_tables[row, pos // bs].long() * bs + pos % bs
+        meta.backend_state = _FlashState(cu_k, meta.max_query_len, meta.max_seq_len, slots)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        st: _FlashState = meta.backend_state
+        common = dict(cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=st.cu_seqlens_k,
+                      max_seqlen_q=st.max_seqlen_q, max_seqlen_k=st.max_seqlen_k,
+                      softmax_scale=scale, causal=True)
+        if st.context_slots is None:
+            return flash_attn_varlen_func(q, k_cache, v_cache, block_table=meta.block_tables, **common)
+        hk, d = k_cache.shape[2], k_cache.shape[3]
+        k_ctx = k_cache.view(-1, hk, d).index_select(0, st.context_slots)
+        v_ctx = v_cache.view(-1, hk, d).index_select(0, st.context_slots)
+        return flash_attn_varlen_func(q, k_ctx, v_ctx, **common)

@@ -1,0 +1,123 @@
+"""Reference attention in plain torch (CPU and CUDA): decodes batched, prefill chunks per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.layers.attention import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _Prefill:
+    start: int  # first query token in the flattened batch
+    end: int
+    block_ids: torch.Tensor | None  # context blocks to gather; None: the chunk is the whole context
+    seq_len: int
+    mask: torch.Tensor | None  # [q, seq_len] bool, True where the query may attend
+
+
+@dataclass(slots=True)
+class _TorchState:
+    decode_block_ids: torch.Tensor | None  # [num_decodes * blocks] flattened
+    decode_blocks: int
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size] additive (0 / -inf)
+    prefills: list[_Prefill]
+    # Gather buffers reused by every layer of the step (fresh large allocations page-fault on CPU).
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
+
+
+class TorchBackend:
+    """Gathers context blocks through the block table and runs scaled_dot_product_attention."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.backend_state = _TorchState(*self._prepare_decodes(meta), _prepare_prefills(meta))
+
+    def _prepare_decodes(self, meta: AttentionMetadata) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+        nd, bs = meta.num_decodes, meta.block_size
+        if not nd:
+            return None, 0, None
+        nblocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
+        ids = meta.block_tables[:nd, :nblocks].reshape(-1).long()
+        pos = torch.arange(nblocks * bs, device=meta.seq_lens.device)
+        outside = (pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+        mask = torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))
+        return ids, nblocks, mask
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        state: _TorchState = meta.backend_state
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
+        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, scale)
+        return out
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One query token per request: gather each context through the block table, masked SDPA.
+
+        The query heads of a GQA group act as that KV head's query rows, so K/V are never repeated.
+        """
+        state: _TorchState = meta.backend_state
+        nd, hq, d = q.shape
+        hk = k_cache.shape[2]
+        if state.k_buf is None:
+            shape = (state.decode_block_ids.numel(), *k_cache.shape[1:])
+            state.k_buf = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+            state.v_buf = torch.empty_like(state.k_buf)
+        k = torch.index_select(k_cache, 0, state.decode_block_ids, out=state.k_buf)
+        v = torch.index_select(v_cache, 0, state.decode_block_ids, out=state.v_buf)
+        k = k.view(nd, -1, hk, d).transpose(1, 2)
+        v = v.view(nd, -1, hk, d).transpose(1, 2)
+        mask = state.decode_mask.to(q.dtype)
+        o = F.scaled_dot_product_attention(q.view(nd, hk, hq // hk, d), k, v, attn_mask=mask, scale=scale)
+        return o.reshape(nd, hq, d)
+
+
+def _prepare_prefills(meta: AttentionMetadata) -> list[_Prefill]:
+    prefills = []
+    qsl, bs, dev = meta.query_start_loc_cpu, meta.block_size, meta.block_tables.device
+    for i in range(meta.num_decodes, meta.num_reqs):
+        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens_cpu[i]
+        q_len = end - start
+        if q_len == seq_len:
+            prefills.append(_Prefill(start, end, None, seq_len, None))
+            continue
+        causal = (torch.arange(seq_len, device=dev)[None, :]
+                  <= torch.arange(q_len, device=dev)[:, None] + (seq_len - q_len))
+        blocks = meta.block_tables[i, : -(-seq_len // bs)].long()
+        prefills.append(_Prefill(start, end, blocks, seq_len, causal))
+    return prefills
+
+
+def _prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, prefills: list[_Prefill], scale: float) -> None:
+    """Prefill chunks one request at a time (few per step, each a large matmul).
+
+    SDPA gets 4-D [1, H, L, D] views: on CPU, 3-D inputs fall off the fused flash kernel onto the
+    math path (a score matrix per head and many more passes over memory).
+    """
+    for p in prefills:
+        qi = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
+        if p.block_ids is None:  # no cached context: the chunk's own K/V are the whole context
+            ki = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            vi = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ki = _gather(k_cache, p.block_ids)[: p.seq_len].transpose(0, 1).unsqueeze(0)
+            vi = _gather(v_cache, p.block_ids)[: p.seq_len].transpose(0, 1).unsqueeze(0)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, scale=scale, enable_gqa=True)
+        out[p.start:p.end] = oi[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks of the cache, concatenated: [len(block_ids) * block_size, Hk, D]."""
+    _, bs, hk, d = cache.shape
+    return cache.index_select(0, block_ids).view(-1, hk, d)
+

@@ -1,0 +1,65 @@
+"""Rotary position embedding (neox / rotate-half layout, as Hugging Face checkpoints expect)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, rope_parameters: dict) -> torch.Tensor:
+    """Inverse frequencies for rope_type default, linear or llama3 (float32, like transformers)."""
+    rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_parameters.rope_type: {rope_type!r} is not supported "
+                         f"(supported: {SUPPORTED_ROPE_TYPES})")
+    base = rope_parameters["rope_theta"]
+    dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type == "linear":
+        return inv_freq / rope_parameters["factor"]
+    if rope_type == "llama3":
+        return _llama3_scaling(inv_freq, rope_parameters)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embedding to q and k at given positions from a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, rope_parameters)
+        if inv_freq.numel() * 2 != head_dim:
+            raise ValueError("rope_parameters.partial_rotary_factor: partial rotary is not supported")
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their dtype."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,30 @@
+"""Model classes by the `architectures` name in a Hugging Face config."""
+from __future__ import annotations
+
+from torch import nn
+
+from workers.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                                  Qwen3ForCausalLM)
+
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+# Configs converted from GGUF carry a model_type but sometimes no architectures list.
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def model_class(config) -> type[nn.Module]:
+    """The model class for a config, or a ValueError listing what is supported."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
+        archs = [_BY_MODEL_TYPE[config.model_type]]
+    for arch in archs:
+        if arch in MODELS:
+            return MODELS[arch]
+    raise ValueError(f"architectures: {archs or config.model_type!r} is not supported "
+                     f"(supported: {sorted(MODELS)})")

@@ -1,0 +1,230 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened token batch.
+
+Variants differ only in flags read from the Hugging Face config: qkv bias (Qwen2), per-head
+q/k RMSNorm (Qwen3), tied embeddings, rope scaling. Tensor parallelism lives in the layers.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.layers.activation import SiluAndMul
+from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class LlamaArgs:
+    """The config fields the model reads, normalised across families."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, config, *, qkv_bias: bool = False, qk_norm: bool = False) -> LlamaArgs:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        rope = getattr(config, "rope_parameters", None) or {
+            "rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_parameters=dict(rope),
+            max_position=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=qk_norm,
+        )
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused qkv projection, optional q/k norm, rotary, paged attention, o_proj."""
+
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias)
+        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, a.o_bias)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.head_dim = a.head_dim
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.rotary = rotary  # one cos/sin table shared by all layers
+        self.attn = Attention(self.qkv_proj.num_heads, a.head_dim, self.qkv_proj.num_kv_heads,
+                              a.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, -1, self.head_dim)
+        k = k.view(t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta))
+
+
+class LlamaMLP(nn.Module):
+    """SiLU-gated MLP with gate and up fused into one column-parallel matrix."""
+
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias)
+        self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, a.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the next norm."""
+
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(a, rotary)
+        self.mlp = LlamaMLP(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size)
+        rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope_parameters)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# checkpoint name fragment -> (our fused parameter fragment, shard id)
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head; forward returns hidden states, compute_logits the vocabulary scores."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config, max_model_len: int | None = None) -> None:
+        super().__init__()
+        self.args = LlamaArgs.from_hf_config(config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        if max_model_len is not None:  # the rotary table needs no rows past the longest sequence
+            self.args.max_position = min(self.args.max_position, max_model_len)
+        self.model = LlamaModel(self.args)
+        self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the vocabulary on rank 0 (None on other ranks)."""
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into this rank's shards; returns names loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
+                continue
+            shard_id = None
+            for ckpt, ours, sid in _STACKED:
+                if ckpt in name:
+                    name, shard_id = name.replace(ckpt, ours), sid
+                    break
+            if name not in params:
+                raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                _copy_plain(param, tensor.narrow(0, 0, tensor.shape[0]), name)  # all of it
+            else:
+                loader(param, tensor, shard_id)  # the loader reads its slice; copy_ converts the dtype
+            loaded.add(name)
+        return loaded
+
+    def check_loaded(self, loaded: set[str]) -> None:
+        """Raise if a parameter received no checkpoint tensor."""
+        names = {n for n, _ in self.named_parameters()}
+        if self.args.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        missing = sorted(names - loaded)
+        if missing:
+            raise ValueError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _copy_plain(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama layout (sliding window not applied; max_model_len is capped to the window)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: bias on the q, k and v projections."""
+
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: RMSNorm over each q and k head before rotary."""
+
+    qk_norm = True

@@ -1,0 +1,75 @@
+"""Tensor-parallel process-group state and collectives (no-ops at world size 1)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(slots=True)
+class ParallelState:
+    """Who this process is within the tensor-parallel group."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: dist.ProcessGroup | None = None
+
+
+_state = ParallelState()
+
+
+def init_tensor_parallel(rank: int, world_size: int, group: dist.ProcessGroup | None = None) -> None:
+    """Record this process's place in the tensor-parallel group (the group must already exist)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
+    if world_size > 1 and group is None and not dist.is_initialized():
+        raise ValueError("group: world_size > 1 needs an initialised torch.distributed group")
+    _state.rank, _state.world_size, _state.group = rank, world_size, group
+
+
+def reset_tensor_parallel() -> None:
+    """Back to a single process (rank 0 of 1)."""
+    init_tensor_parallel(0, 1, None)
+
+
+def get_tp_rank() -> int:
+    return _state.rank
+
+
+def get_tp_world_size() -> int:
+    return _state.world_size
+
+
+def divide(numerator: int, denominator: int, field: str) -> int:
+    """Exact division, or a ValueError naming the dimension that does not split."""
+    if numerator % denominator:
+        raise ValueError(f"{field}: {numerator} is not divisible by tensor_parallel_size={denominator}")
+    return numerator // denominator
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place."""
+    if _state.world_size > 1:
+        dist.all_reduce(x, group=_state.group)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's x along dim."""
+    if _state.world_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_state.world_size)]
+    dist.all_gather(parts, x.contiguous(), group=_state.group)
+    return torch.cat(parts, dim=dim)
+
+
+def gather(x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
+    """Concatenate every rank's x along dim on rank dst; other ranks get None."""
+    if _state.world_size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_state.world_size)] if _state.rank == dst else None
+    dst_global = dist.get_global_rank(_state.group, dst) if _state.group is not None else dst
+    dist.gather(x, parts, dst=dst_global, group=_state.group)
+    return torch.cat(parts, dim=dim) if parts is not None else None

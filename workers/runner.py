@@ -1,0 +1,238 @@
+"""ModelRunner: per-request state kept in sync from SchedulerOutput diffs, one forward per step.
+
+It only ever sees SchedulerOutput and answers with ModelRunnerOutput, so the same object runs
+in-process or inside a Ray worker (one per tensor-parallel rank; only rank 0 samples).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
+from workers.layers.attention import AttentionMetadata, select_backend
+from workers.loader import load_model
+from workers.parallel import get_tp_rank
+from workers.sampler import Sampler, SamplingState
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class RunnerConfig:
+    """What a worker needs to build its model and cache (plain values: travels to Ray workers)."""
+
+    model_dir: str  # an HF directory (GGUF files are converted by workers.loader.resolve_model)
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu" or "cuda" / "cuda:N"
+    block_size: int = 16
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    seed: int = 0
+    attention_backend: str = "auto"
+    kv_cache_memory_gb: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the runner holds per request between steps."""
+
+    token_ids: list[int]  # prompt followed by the outputs the scheduler has sent back
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingState
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Host-side inputs of one step, requests ordered decodes first."""
+
+    req_ids: list[str] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # computed tokens before the step
+    query_lens: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # batch rows that sample this step
+
+
+def _keep_freed_memory() -> None:
+    """glibc returns large freed blocks to the OS and page-faults them back on the next step;
+    activations of a CPU forward are exactly such blocks, so keep them in the heap instead."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum on 64-bit
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+class ModelRunner:
+    """Holds the model, the KV cache and request state of one rank."""
+
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        hf_config = AutoConfig.from_pretrained(config.model_dir)
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        if self.device.type == "cpu":
+            _keep_freed_memory()
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        self.model = load_model(config.model_dir, hf_config, self.dtype, self.device,
+                                config.max_model_len, progress=config.load_progress)
+        logger.info("model loaded in %.1fs", time.perf_counter() - t0)
+        self.layers = self.model.attention_layers()
+        self.backend = select_backend(self.device, config.attention_backend, self.dtype)
+        for layer in self.layers:
+            layer.backend = self.backend
+        self.kv_spec = KVCacheSpec.of(self.layers, config.block_size, self.dtype)
+        self.kv_cache: KVCache | None = None
+        self.sampler = Sampler()
+        self.is_driver = get_tp_rank() == 0
+        self.requests: dict[str, RequestState] = {}
+
+    # ---- KV cache ------------------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        """Device blocks for the KV cache: from kv_cache_memory_gb on CPU, profiled on CUDA."""
+        if self.device.type != "cuda":
+            return cpu_num_blocks(self.kv_spec, self.config.kv_cache_memory_gb)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        return cuda_num_blocks(self.kv_spec, self.device, self.config.gpu_memory_utilization)
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """A forward over a full token budget of prefill, against a throwaway cache."""
+        cfg = self.config
+        num_tokens = cfg.max_num_batched_tokens
+        num_seqs = min(-(-num_tokens // cfg.max_model_len), cfg.max_num_seqs)
+        per_seq = min(num_tokens // num_seqs, cfg.max_model_len)
+        blocks_per_seq = -(-per_seq // cfg.block_size)
+        scratch = KVCache(self.kv_spec, num_seqs * blocks_per_seq, 0, self.device)
+        scratch.bind(self.layers)
+        states = {}
+        for i in range(num_seqs):
+            blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            states[f"profile-{i}"] = RequestState([0] * per_seq, blocks, 0, None)
+        batch = _Batch()
+        for rid, st in states.items():
+            self._add_to_batch(batch, rid, st, per_seq)
+        saved, self.requests = self.requests, states
+        try:
+            self._forward(batch)
+        finally:
+            self.requests = saved
+            for layer in self.layers:  # drop the views so the scratch pool is freed now
+                layer.k_cache = layer.v_cache = torch.empty(0)
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the pools and bind them to the attention layers."""
+        self.kv_cache = KVCache(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device)
+        self.kv_cache.bind(self.layers)
+
+    # ---- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the step's diffs, copy swapped blocks, run the forward and sample."""
+        if self.kv_cache is None:
+            raise RuntimeError("execute_model: init_kv_cache() must run first")
+        self._update_states(out)
+        self.kv_cache.swap_out(out.blocks_to_swap_out)
+        self.kv_cache.swap_in(out.blocks_to_swap_in)
+        if out.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        batch = self._build_batch(out)
+        logits = self._forward(batch)
+        return self._sample(batch, logits)
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        requests = self.requests
+        for rid in out.finished_req_ids:
+            requests.pop(rid, None)
+        for rid in out.preempted_req_ids:
+            state = requests.get(rid)
+            if state is not None:
+                state.block_ids = []
+        for new in out.scheduled_new_reqs:
+            sampling = SamplingState.create(new.sampling_params, new.prompt_token_ids, self.device)
+            requests[new.req_id] = RequestState(list(new.prompt_token_ids), list(new.block_ids),
+                                                new.num_computed_tokens, sampling)
+        cached = out.scheduled_cached_reqs
+        for rid, resumed, tokens, blocks, computed in zip(
+                cached.req_ids, cached.resumed, cached.new_token_ids, cached.new_block_ids,
+                cached.num_computed_tokens):
+            state = requests[rid]
+            if tokens:
+                state.token_ids.extend(tokens)
+                num_prompt = len(state.sampling.prompt_token_ids)
+                outputs = state.sampling.output_token_ids
+                outputs.extend(state.token_ids[num_prompt + len(outputs):])
+            if resumed:
+                state.block_ids = list(blocks)
+            else:
+                state.block_ids.extend(blocks)
+            state.num_computed_tokens = computed
+
+    def _build_batch(self, out: SchedulerOutput) -> _Batch:
+        batch = _Batch()
+        # Decodes first: the attention backends batch them as one block.
+        scheduled = out.num_scheduled_tokens
+        order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
+        for rid in order:
+            self._add_to_batch(batch, rid, self.requests[rid], scheduled[rid])
+        return batch
+
+    def _add_to_batch(self, batch: _Batch, rid: str, state: RequestState, n: int) -> None:
+        start = state.num_computed_tokens
+        if start + n > len(state.token_ids):
+            raise ValueError(f"num_scheduled_tokens: {rid!r} scheduled past its {len(state.token_ids)} tokens")
+        if start + n == len(state.token_ids):
+            batch.sample_rows.append(len(batch.req_ids))
+        batch.req_ids.append(rid)
+        batch.input_ids.extend(state.token_ids[start:start + n])
+        batch.starts.append(start)
+        batch.query_lens.append(n)
+
+    def _forward(self, batch: _Batch) -> torch.Tensor | None:
+        """Run the model on a batch; logits of the sampling rows (rank 0), None elsewhere."""
+        dev = self.device
+        tables = [self.requests[rid].block_ids for rid in batch.req_ids]
+        meta, positions = AttentionMetadata.build(batch.starts, batch.query_lens, tables,
+                                                  self.config.block_size, dev)
+        self.backend.prepare(meta)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        hidden = self.model(input_ids, positions, meta)
+        if not batch.sample_rows:  # only partial prefills this step
+            return None
+        last = [meta.query_start_loc_cpu[i + 1] - 1 for i in batch.sample_rows]
+        return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
+
+    def _sample(self, batch: _Batch, logits: torch.Tensor | None) -> ModelRunnerOutput:
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: list | None = None
+        if not self.is_driver or not batch.sample_rows:
+            return ModelRunnerOutput(batch.req_ids, sampled)
+        states = [self.requests[batch.req_ids[i]].sampling for i in batch.sample_rows]
+        result = self.sampler.sample(logits.float(), states)
+        for row, token in zip(batch.sample_rows, result.token_ids):
+            sampled[row] = [token]
+        if result.logprobs is not None:
+            logprobs = [None] * len(batch.req_ids)
+            for row, lp in zip(batch.sample_rows, result.logprobs):
+                logprobs[row] = [lp] if lp is not None else None
+        return ModelRunnerOutput(batch.req_ids, sampled, logprobs)
