@@ -1,0 +1,265 @@
+"""RayExecutor: one Worker actor per tensor-parallel rank, each step's SchedulerOutput sent to all.
+
+The workers live in a placement group, one bundle per rank: a STRICT_PACK group the executor
+creates, or the group it is handed (a Serve replica owns one; its worker bundles start at
+bundle_offset). Each step travels either through a Ray Compiled Graph (the SchedulerOutput is
+written once into shared-memory channels every rank reads) or, as a fallback, as one plain actor
+call per rank. Only plain dataclasses cross; tensors move between ranks through torch.distributed.
+
+Any worker that dies, raises or stalls ends the engine: the executor raises EngineDeadError
+naming the rank and the cause, and kills the remaining workers so none is left in a collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import time
+from typing import Any, NoReturn
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.runner import RunnerConfig
+from workers.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT_S = 3.0  # how long a failure diagnosis waits to learn which actors are dead
+
+
+class EngineDeadError(RuntimeError):
+    """A tensor-parallel worker died, raised or stalled; the engine cannot take more steps."""
+
+    def __init__(self, rank: int | None, cause: str) -> None:
+        where = f"tensor-parallel rank {rank}" if rank is not None else "a tensor-parallel worker"
+        super().__init__(f"engine dead: {where} failed: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
+class RayExecutor:
+    """Drives tensor_parallel_size Worker actors in lock-step, one SchedulerOutput per step."""
+
+    def __init__(self, runner_config: RunnerConfig, tensor_parallel_size: int,
+                 placement_group: PlacementGroup | None = None, bundle_offset: int = 0,
+                 use_compiled_graph: bool = True, step_timeout_s: float = 300.0,
+                 init_timeout_s: float = 600.0, worker_cls: type = Worker) -> None:
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {tensor_parallel_size}")
+        if bundle_offset < 0:
+            raise ValueError(f"bundle_offset: must be >= 0, got {bundle_offset}")
+        self.tp = tensor_parallel_size
+        if not ray.is_initialized():
+            _start_local_ray(self.tp)
+        self.use_compiled_graph = use_compiled_graph
+        self.step_timeout_s, self.init_timeout_s = step_timeout_s, init_timeout_s
+        self._dag = None
+        self._dead: EngineDeadError | None = None
+        self._owns_pg = placement_group is None
+        self._pg = placement_group if placement_group is not None else self._create_pg(runner_config.device)
+        self._offset = bundle_offset
+        if len(self._pg.bundle_specs) < bundle_offset + self.tp:
+            raise ValueError(f"placement_group: has {len(self._pg.bundle_specs)} bundles, needs "
+                             f"bundle_offset={bundle_offset} + tensor_parallel_size={self.tp}")
+        self.workers = self._create_workers(worker_cls, runner_config)
+        self._rank_of_actor = {w._actor_id.hex(): rank for rank, w in enumerate(self.workers)}
+        self._rank_of_pid: dict[int, int] = {}
+        try:
+            address = self._gather([self.workers[0].rendezvous_address.remote()], init_timeout_s)[0]
+            self._all("init_device", address, init_timeout_s, timeout_s=init_timeout_s)
+            self._all("load_model", timeout_s=init_timeout_s)
+            # Errors raised in a worker carry its pid: how a failure is traced back to a rank.
+            self._rank_of_pid = {pid: rank for rank, pid in enumerate(self._all("pid", timeout_s=60))}
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d tensor-parallel workers ready (rendezvous %s, %s)", self.tp, address,
+                    "compiled graph" if use_compiled_graph else "actor calls")
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def _create_pg(self, device: str) -> PlacementGroup:
+        kind = "GPU" if device.startswith("cuda") else "CPU"
+        bundle = {kind: 1.0}
+        # STRICT_PACK puts every rank on one node: say so now rather than wait out the timeout.
+        largest = max((n["Resources"].get(kind, 0) for n in ray.nodes() if n["Alive"]), default=0)
+        if largest < self.tp:
+            raise ValueError(f"tensor_parallel_size: {self.tp} ranks need {self.tp} {kind}s on one node; "
+                             f"the largest node of this Ray cluster has {largest:g}")
+        pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
+        try:
+            ray.get(pg.ready(), timeout=self.init_timeout_s)
+        except GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(f"placement_group: {self.tp} bundles of {bundle} could not be placed on one "
+                               f"node within {self.init_timeout_s:.0f}s (cluster: {ray.cluster_resources()})")
+        return pg
+
+    def _create_workers(self, worker_cls: type, config: RunnerConfig) -> list[Any]:
+        on_cpu = not config.device.startswith("cuda")
+        if not on_cpu:
+            # Ray shows each worker only its own GPU, as device 0 (whatever index the driver named).
+            config = dataclasses.replace(config, device="cuda")
+        # Ranks share the node's cores: without a cap each would start one thread per core.
+        threads = max(1, (os.cpu_count() or 1) // self.tp) if on_cpu else None
+        actor_cls = ray.remote(worker_cls)
+        workers = []
+        for rank in range(self.tp):
+            index = self._offset + rank
+            bundle = self._pg.bundle_specs[index]
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=index,
+                placement_group_capture_child_tasks=False)
+            options = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0),
+                       "scheduling_strategy": strategy, "max_restarts": 0, "name": None}
+            workers.append(actor_cls.options(**options).remote(rank, self.tp, config, threads))
+        return workers
+
+    # ---- the executor interface ------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        """KV blocks every rank can hold: the minimum over ranks."""
+        return min(self._all("determine_num_blocks", timeout_s=self.init_timeout_s))
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._all("init_kv_cache", num_gpu_blocks, num_cpu_blocks, timeout_s=self.init_timeout_s)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Send the step to every rank and return rank 0's output."""
+        if self._dead is not None:
+            raise self._dead
+        # Pickled once here with the C pickler: Ray's own serializer calls back into Python for
+        # every object, and a step holds hundreds of small lists, ints and strings.
+        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self.use_compiled_graph:
+            refs = [w.execute_model_pickled.remote(payload) for w in self.workers]
+            return pickle.loads(self._gather(refs, self.step_timeout_s)[0])
+        dag = self._dag or self._compile()
+        try:
+            outputs = ray.get(dag.execute(payload), timeout=self.step_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - every failure of a step ends the engine
+            self._fail(None, exc)
+        return pickle.loads(outputs[0])
+
+    def shutdown(self) -> None:
+        """Stop the graph, release every worker and (if it is ours) the placement group."""
+        self._teardown_dag()
+        if self.workers and self._dead is None:
+            try:
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+            except Exception:  # noqa: BLE001 - the actors are killed next either way
+                logger.warning("a worker did not shut down cleanly", exc_info=True)
+        self._kill_workers()
+        if self._owns_pg and self._pg is not None:
+            remove_placement_group(self._pg)
+        self._pg = None
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _compile(self):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as step:
+            graph = MultiOutputNode([w.execute_model_pickled.bind(step) for w in self.workers])
+        # The actors now run the graph's read-execute-write loop until teardown.
+        self._dag = graph.experimental_compile()
+        return self._dag
+
+    def _all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return self._gather(refs, timeout_s)
+
+    def _gather(self, refs: list[ray.ObjectRef], timeout_s: float) -> list[Any]:
+        """ray.get over ranks that fails on the first error instead of waiting for every rank."""
+        if self._dead is not None:
+            raise self._dead
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending, deadline = list(refs), time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                self._fail(rank_of[pending[0]], TimeoutError(f"no answer within {timeout_s:.0f}s"))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(rank_of[ref], exc)
+        return ray.get(refs)
+
+    def _fail(self, rank: int | None, exc: BaseException) -> NoReturn:
+        """Record the engine as dead, release the workers and raise EngineDeadError."""
+        # A killed rank makes its peers fail too (a broken collective, a closed channel):
+        # name the dead actor, the root cause, over whatever error surfaced first.
+        dead_rank, dead_exc = self._find_dead_worker()
+        if dead_rank is not None:
+            rank, exc = dead_rank, dead_exc
+        elif rank is None:
+            rank = self._rank_in(exc)
+        self._dead = EngineDeadError(rank, _describe(exc))
+        logger.error("%s", self._dead)
+        # Kill first: a graph teardown waits for every live actor, and one stuck in a collective
+        # with the lost rank would hold it up.
+        self._kill_workers()
+        self._teardown_dag()
+        raise self._dead from exc
+
+    def _find_dead_worker(self) -> tuple[int | None, BaseException | None]:
+        """The first rank whose actor is gone (a call to a dead actor fails at once), if any."""
+        probes = {w.pid.remote(): rank for rank, w in enumerate(self.workers)}
+        # Live actors inside a compiled graph cannot answer until teardown: wait briefly only.
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
+        for ref in sorted(ready, key=probes.get):
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                return probes[ref], exc
+        return None, None
+
+    def _rank_in(self, exc: BaseException) -> int | None:
+        """The rank an error came from: set by Worker.execute_model, else from Ray's actor id or pid."""
+        cause = exc.cause if isinstance(exc, RayTaskError) else exc
+        if isinstance(getattr(cause, "tp_rank", None), int):
+            return cause.tp_rank
+        actor_id = getattr(exc, "actor_id", None) or getattr(exc, "_actor_id", None)
+        if isinstance(actor_id, bytes):
+            actor_id = actor_id.hex()
+        if actor_id in self._rank_of_actor:
+            return self._rank_of_actor[actor_id]
+        return self._rank_of_pid.get(getattr(exc, "pid", None))
+
+    def _teardown_dag(self) -> None:
+        dag, self._dag = self._dag, None
+        if dag is not None:
+            try:
+                dag.teardown()
+            except Exception:  # noqa: BLE001 - a failed graph may already be half torn down
+                logger.debug("compiled graph teardown raised", exc_info=True)
+
+    def _kill_workers(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+
+
+def _start_local_ray(tensor_parallel_size: int) -> None:
+    """A single-node Ray for offline use (LLM(..., tensor_parallel_size=N) without a cluster)."""
+    # CPU ranks are logical slots, not cores: N ranks must fit even on a smaller machine.
+    num_cpus = max(os.cpu_count() or 1, tensor_parallel_size + 1)
+    logger.info("starting a local Ray instance (%d logical CPUs) for %d workers", num_cpus, tensor_parallel_size)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+def _describe(exc: BaseException) -> str:
+    """One readable line for the cause: the worker's own exception rather than Ray's wrapper."""
+    if isinstance(exc, RayActorError):
+        return "the worker actor died (killed, crashed or its node was lost)"
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    text = str(exc).strip().splitlines()
+    if isinstance(exc, (GetTimeoutError, TimeoutError)):  # RayChannelTimeoutError included
+        return f"no answer in time ({type(exc).__name__}: {text[0] if text else ''})"
+    if isinstance(exc, RayChannelError):
+        return f"compiled-graph channel closed ({type(exc).__name__}: {text[0] if text else ''})"
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"

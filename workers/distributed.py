@@ -1,0 +1,71 @@
+"""torch.distributed set-up for one tensor-parallel rank: NCCL on CUDA, gloo on CPU.
+
+The backend follows from the device, so the CUDA path is the CPU path with another backend:
+the same rendezvous (tcp://host:port), the same group, the same collectives in workers.parallel.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from workers.parallel import init_tensor_parallel, reset_tensor_parallel
+
+logger = logging.getLogger(__name__)
+
+
+def backend_for(device: str) -> str:
+    """The collective backend for a device string ("cpu", "cuda", "cuda:N")."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on host right now (the rendezvous binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, address: str, device: str,
+                     timeout_s: float = 300.0) -> None:
+    """Join the process group of world_size ranks rendezvousing at address ("host:port").
+
+    Every rank must call this at about the same time. At world size 1 no group is created.
+    timeout_s bounds the rendezvous and every collective, so a lost peer cannot hang a rank forever.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
+    if world_size == 1:
+        init_tensor_parallel(0, 1, None)
+        return
+    if dist.is_initialized():
+        raise RuntimeError("init_distributed: this process already belongs to a process group")
+    backend = backend_for(device)
+    host = address.rsplit(":", 1)[0]
+    if backend == "gloo" and host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # Gloo listens on the interface of the machine's hostname unless told otherwise (it takes
+        # no options through init_process_group); a loopback rendezvous keeps it on loopback.
+        os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+    if backend == "nccl":
+        # Ray exposes one GPU per worker actor; it is device 0 of the visible set.
+        torch.cuda.set_device(torch.device(device).index or 0)
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    init_tensor_parallel(rank, world_size, dist.group.WORLD)
+    logger.info("rank %d/%d joined the %s group at %s", rank, world_size, backend, address)
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), names[0])
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (if any) and return to a single-process state."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    reset_tensor_parallel()

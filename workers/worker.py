@@ -1,0 +1,90 @@
+"""Worker: the body of one tensor-parallel rank (a Ray actor, one per GPU).
+
+The executor drives every rank through the same calls in the same order: init_device (join the
+process group), load_model (this rank's weight shards), determine_num_blocks, init_kv_cache, then
+one execute_model per step. Only plain dataclasses come in and go out; tensors move between ranks
+only through torch.distributed collectives inside the model.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+
+import torch
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.distributed import destroy_distributed, free_port, init_distributed
+from workers.runner import ModelRunner, RunnerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """One tensor-parallel rank: its process-group membership, model shard and KV cache."""
+
+    def __init__(self, rank: int, world_size: int, config: RunnerConfig, num_threads: int | None = None) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
+        self.rank, self.world_size, self.config = rank, world_size, config
+        self.num_threads = num_threads
+        self.runner: ModelRunner | None = None
+
+    def __repr__(self) -> str:
+        # Ray prints the actor's repr in errors; the rank is what a reader needs to see.
+        return f"Worker(rank={self.rank}, world_size={self.world_size})"
+
+    def rendezvous_address(self) -> str:
+        """host:port for the process group, on this rank's node (called on rank 0).
+
+        The host is the address Ray registered for this node (127.0.0.1 on a loopback cluster).
+        """
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        return f"{host}:{free_port(host)}"
+
+    def init_device(self, address: str, timeout_s: float = 300.0) -> None:
+        """Pin the CPU thread count and join the process group."""
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        init_distributed(self.rank, self.world_size, address, self.config.device, timeout_s)
+
+    def load_model(self) -> None:
+        """Build the model for this rank (the layers read the rank at construction) and load its shards."""
+        self.runner = ModelRunner(self.config)
+
+    def determine_num_blocks(self) -> int:
+        return self._ready().determine_num_blocks()
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._ready().init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; rank 0 returns the sampled tokens, the other ranks None."""
+        try:
+            output = self._ready().execute_model(scheduler_output)
+        except Exception as exc:
+            # Travels back pickled with the exception: the executor names the rank from it.
+            exc.tp_rank = self.rank
+            raise
+        return output if self.rank == 0 else None
+
+    def execute_model_pickled(self, scheduler_output: bytes) -> bytes | None:
+        """execute_model over stdlib-pickled dataclasses (the executor's wire format, see RayExecutor)."""
+        output = self.execute_model(pickle.loads(scheduler_output))
+        return pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL) if output is not None else None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        """Drop the model and cache and leave the process group."""
+        self.runner = None
+        destroy_distributed()
+
+    def _ready(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: load_model() must run first")
+        return self.runner
