@@ -1,0 +1,69 @@
+"""Replica metrics through ray.util.metrics, tagged by replica (exported as ray_raylm_*)."""
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from scheduler.outputs import SchedulerStats
+
+_TAGS = ("replica",)
+_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
+_E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
+
+
+class ReplicaMetrics:
+    """The queue gauges, token counters and latency histograms of one LLMReplica."""
+
+    def __init__(self, replica: str) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, tag_keys=_TAGS)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, tag_keys=_TAGS + extra)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, boundaries=buckets, tag_keys=_TAGS)
+
+        self.waiting = gauge("raylm_num_requests_waiting", "Requests waiting to be scheduled.")
+        self.running = gauge("raylm_num_requests_running", "Requests in the running batch.")
+        self.swapped = gauge("raylm_num_requests_swapped", "Requests swapped out to the CPU pool.")
+        self.kv_usage = gauge("raylm_kv_cache_usage", "Fraction of GPU KV blocks in use (0-1).")
+        self.hit_rate = gauge("raylm_prefix_cache_hit_rate", "Prefix-cache hit rate of prompt tokens (0-1).")
+        self.prompt_tokens = counter("raylm_prompt_tokens_total", "Prompt tokens admitted.")
+        self.generation_tokens = counter("raylm_generation_tokens_total", "Tokens generated.")
+        self.preemptions = counter("raylm_preemptions_total", "Requests preempted.")
+        self.requests = counter("raylm_requests_total", "Finished requests.", ("finish_reason",))
+        self.ttft = histogram("raylm_ttft_seconds", "Time to first token at the replica.", _LATENCY_BUCKETS)
+        self.itl = histogram("raylm_inter_token_seconds", "Time between output deltas.", _LATENCY_BUCKETS)
+        self.e2e = histogram("raylm_e2e_seconds", "Request latency at the replica.", _E2E_BUCKETS)
+        for metric in (self.waiting, self.running, self.swapped, self.kv_usage, self.hit_rate,
+                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.requests,
+                       self.ttft, self.itl, self.e2e):
+            metric.set_default_tags({"replica": replica})
+        self._preemptions_seen = 0
+
+    def record_stats(self, stats: SchedulerStats) -> None:
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.swapped.set(stats.num_swapped)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.hit_rate.set(stats.prefix_cache_hit_rate)
+        # The scheduler counts preemptions cumulatively; the counter wants increments.
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = stats.num_preemptions
+
+    def record_admitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_tokens(self, num_tokens: int, ttft: float | None, itl: float | None) -> None:
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            self.itl.observe(itl)
+
+    def record_finished(self, finish_reason: str | None, e2e: float) -> None:
+        self.requests.inc(1, tags={"finish_reason": finish_reason or "unknown"})
+        self.e2e.observe(e2e)

@@ -1,0 +1,287 @@
+"""LLMReplica: one data-parallel engine behind Ray Serve (the per-replica scheduler actor).
+
+The EngineCore steps on one background thread while it has work; each step's RequestOutputs are
+handed to the replica's event loop, which feeds one asyncio.Queue per request. The event loop
+never blocks on the model, so `generate` streams, aborts and routing-stats calls stay responsive.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+
+from cluster.metrics import ReplicaMetrics
+from cluster.protocol import GenerateRequest
+from scheduler.outputs import RequestOutput, SchedulerStats
+from scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+_ADD, _ABORT, _CALL, _STOP = "add", "abort", "call", "stop"
+
+
+class EngineLoop:
+    """Drives EngineCore.step() on one thread; requests and aborts arrive through an inbox."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop,
+                 on_step: Callable[[list[RequestOutput], SchedulerStats], None],
+                 on_error: Callable[[str | None, BaseException], None]) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._on_step = on_step
+        self._on_error = on_error
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="raylm-engine-loop", daemon=True)
+        self._thread.start()
+
+    def add(self, request: Request) -> None:
+        self._inbox.put((_ADD, request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._inbox.put((_ABORT, request_ids))
+
+    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        """Run fn(engine) on the engine thread between steps; the future resolves on the event loop."""
+        future = self._loop.create_future()
+        self._inbox.put((_CALL, (fn, future)))
+        return future
+
+    def stop(self) -> None:
+        self._inbox.put((_STOP, None))
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            while self._apply_inbox(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._publish(outputs)
+        except BaseException as exc:  # noqa: BLE001 - every in-flight request must hear of it
+            logger.exception("engine loop failed")
+            self.failure = exc
+            self._loop.call_soon_threadsafe(self._on_error, None, exc)
+
+    def _apply_inbox(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when idle); False once told to stop."""
+        try:
+            kind, payload = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        aborted: list[RequestOutput] = []
+        while True:
+            if kind == _STOP:
+                return False
+            if kind == _ADD:
+                try:
+                    self.engine.add_request(payload)
+                except ValueError as exc:
+                    self._loop.call_soon_threadsafe(self._on_error, payload.request_id, exc)
+            elif kind == _CALL:
+                self._resolve(*payload)
+            else:
+                aborted.extend(self.engine.abort_requests(payload))
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        if aborted:  # freed blocks and shorter queues show up in stats without waiting for a step
+            self._publish(aborted)
+        return True
+
+    def _resolve(self, fn: Callable[[Any], Any], future: asyncio.Future) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            result, error = None, exc
+
+        def settle() -> None:
+            if future.done():
+                return
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+        self._loop.call_soon_threadsafe(settle)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._loop.call_soon_threadsafe(self._on_step, outputs, self.engine.stats())
+
+
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two deltas of one request as one (the consumer fell behind by a step)."""
+    logprobs = None
+    if first.new_logprobs is not None or later.new_logprobs is not None:
+        logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
+    return RequestOutput(
+        request_id=later.request_id, new_token_ids=first.new_token_ids + later.new_token_ids,
+        finished=later.finished, finish_reason=later.finish_reason,
+        num_prompt_tokens=later.num_prompt_tokens or first.num_prompt_tokens,
+        num_output_tokens=later.num_output_tokens, num_cached_tokens=later.num_cached_tokens,
+        new_logprobs=logprobs)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Event-loop side of one in-flight request."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+
+    async def next(self) -> RequestOutput:
+        item = await self.queue.get()
+        while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
+            nxt = self.queue.get_nowait()
+            if not isinstance(nxt, RequestOutput):
+                item = nxt
+                break
+            item = merge_outputs(item, nxt)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def stats_dict(stats: SchedulerStats | None) -> dict[str, Any]:
+    """The scheduler figures a router or a test reads (plain values, cheap to ship)."""
+    if stats is None:
+        return {"num_waiting": 0, "num_running": 0, "num_swapped": 0, "kv_cache_usage": 0.0,
+                "prefix_cache_hit_rate": 0.0, "num_preemptions": 0, "num_free_blocks": 0}
+    return {"num_waiting": stats.num_waiting, "num_running": stats.num_running,
+            "num_swapped": stats.num_swapped, "kv_cache_usage": stats.kv_cache_usage,
+            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
+            "num_free_blocks": stats.num_free_blocks}
+
+
+# Enough to describe the hot prefixes; each report is one pickled list of 128-bit ints.
+MAX_REPORTED_PREFIX_HASHES = 4096
+
+
+def _recent_prefix_hashes(engine: Any) -> list[int]:
+    """Hashes of cached blocks, most recently registered last (runs on the engine thread)."""
+    cached = engine.scheduler.kv.pool.cached
+    if len(cached) <= MAX_REPORTED_PREFIX_HASHES:
+        return list(cached)
+    return list(cached)[-MAX_REPORTED_PREFIX_HASHES:]
+
+
+def build_engine(config: Any) -> Any:
+    """EngineCore for the AppConfig, on the placement group Serve created for this replica."""
+    from ray.util import get_current_placement_group
+
+    from cluster.config import EngineConfig
+    from cluster.engine import EngineCore
+
+    engine_config = EngineConfig(**config.engine_kwargs(placement_group=get_current_placement_group()))
+    return EngineCore(engine_config)
+
+
+@serve.deployment(name="LLMReplica")
+class LLMReplica:
+    """One data-parallel engine: its scheduler, KV cache and (TP) workers."""
+
+    async def __init__(self, config: Any) -> None:
+        self.config = config
+        if config.device == "cpu" and config.cpu_threads:
+            import torch
+            torch.set_num_threads(config.cpu_threads)
+        self.replica = replica = serve.get_replica_context().replica_tag
+        self.metrics = ReplicaMetrics(replica)
+        self.engine = build_engine(config)
+        self._streams: dict[str, _Stream] = {}
+        self._stats: SchedulerStats | None = self.engine.stats()
+        self.metrics.record_stats(self._stats)
+        self._loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_step, self._on_error)
+        logger.info("replica %s ready: %s", replica, self.model_info_sync())
+
+    # ---- the request path ----------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request."""
+        if self._loop_thread.failure is not None:
+            raise RuntimeError(f"engine failed: {self._loop_thread.failure!r}")
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"request_id: {rid!r} is already in flight")
+        stream = self._streams[rid] = _Stream()
+        self.metrics.record_admitted(len(request.prompt_token_ids))
+        self._loop_thread.add(Request(
+            request_id=rid, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,  # eos_token_id: the engine fills in the model's
+            priority=request.priority, tenant=request.tenant,
+            block_hashes=list(request.block_hashes)))
+        finished = False
+        try:
+            while not finished:
+                output = await stream.next()
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._loop_thread.abort([rid])
+                self.metrics.record_finished("abort", time.perf_counter() - stream.arrival)
+
+    def _on_step(self, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
+        now = time.perf_counter()
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # already gone (aborted by its caller)
+            if output.new_token_ids:
+                first = stream.last_token is None
+                self.metrics.record_tokens(
+                    len(output.new_token_ids), ttft=now - stream.arrival if first else None,
+                    itl=None if first else now - stream.last_token)
+                stream.last_token = now
+            if output.finished:
+                self.metrics.record_finished(output.finish_reason, now - stream.arrival)
+            stream.queue.put_nowait(output)
+        self._stats = stats
+        self.metrics.record_stats(stats)
+
+    def _on_error(self, request_id: str | None, exc: BaseException) -> None:
+        targets = list(self._streams.values()) if request_id is None else [self._streams.get(request_id)]
+        for stream in targets:
+            if stream is not None:
+                stream.queue.put_nowait(exc)
+
+    # ---- what the router, the ingress and Serve ask ---------------------------------------------
+    def model_info_sync(self) -> dict[str, Any]:
+        return {"max_model_len": self.engine.max_model_len, "block_size": self.config.block_size,
+                "replica": self.replica}
+
+    async def model_info(self) -> dict[str, Any]:
+        return self.model_info_sync()
+
+    async def stats(self) -> dict[str, Any]:
+        """The latest scheduler figures (updated after every step and every abort)."""
+        return {**stats_dict(self._stats), "replica": self.replica, "num_streams": len(self._streams)}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve polls this for the request router: queues, KV usage, prefix-cache figures and the
+        hashes of the most recently cached blocks (the router's prefix index syncs to them)."""
+        stats = stats_dict(self._stats)
+        if self._loop_thread.failure is None:
+            try:
+                stats["prefix_hashes"] = await asyncio.wait_for(
+                    self._loop_thread.call(_recent_prefix_hashes), timeout=5)
+            except asyncio.TimeoutError:
+                logger.warning("engine busy for 5 s: routing stats without prefix hashes")
+        return stats
+
+    async def check_health(self) -> None:
+        if self._loop_thread.failure is not None:
+            raise RuntimeError(f"engine loop failed: {self._loop_thread.failure!r}")
+
+    def __del__(self) -> None:
+        loop_thread = getattr(self, "_loop_thread", None)
+        if loop_thread is not None:
+            loop_thread.stop()
+            self.engine.shutdown()

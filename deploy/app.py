@@ -1,0 +1,42 @@
+"""build_app: the import_path of deploy.yaml (deploy.app:build_app)."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve import Application
+
+from cluster.replica import LLMReplica
+from deploy.config import AppConfig
+from deploy.ingress import OpenAIIngress
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """The Serve application for deploy.yaml's `args`; a bad arg raises ValueError naming the field."""
+    config = AppConfig.from_args(args)
+    replica_options: dict[str, Any] = {
+        **config.scaling_options(),
+        "ray_actor_options": config.replica_actor_options(),
+        "placement_group_bundles": config.placement_group_bundles(),
+        "placement_group_strategy": config.placement_strategy,
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "max_queued_requests": config.max_queued_requests,
+        # The ingress's handle raises BackPressureError carrying this status (and Retry-After).
+        "backpressure_config": config.backpressure_config(),
+        # Loading weights (and a first GGUF conversion) takes longer than Serve's defaults expect.
+        "health_check_timeout_s": 120,
+        "graceful_shutdown_timeout_s": 30,
+    }
+    router_config = config.request_router_config()
+    if router_config is not None:
+        replica_options["request_router_config"] = router_config
+    replica = LLMReplica.options(**replica_options).bind(config)
+    logger.info("raylm app: %s", config.model_dump(exclude={"api_key"}))
+    return OpenAIIngress.options(
+        num_replicas=config.ingress_replicas,
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        # The ingress only forwards and streams: it must never be the bottleneck on concurrency.
+        max_ongoing_requests=max(1024, config.max_ongoing_requests * 4),
+    ).bind(config, replica)

@@ -1,0 +1,284 @@
+"""OpenAIIngress: the OpenAI-compatible HTTP front of the cluster (FastAPI on Ray Serve).
+
+No `from __future__ import annotations` here, and every helper the class uses is defined above it:
+@serve.deployment serializes the class when it is decorated, and FastAPI resolves the route
+signatures' annotations at run time.
+"""
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cluster.protocol import GenerateRequest
+from deploy.config import AppConfig
+from deploy.errors import (AuthenticationError, BadRequestError, ContextLengthError, ModelNotFoundError,
+                           error_event, error_response)
+from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams
+from deploy.schemas import ChatCompletionRequest, CompletionRequest
+from scheduler.kv_cache import hash_prompt_blocks
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+app = FastAPI(title="raylm", docs_url=None, redoc_url=None)
+
+# Used when a tokenizer has no chat template (tiny test models): ChatML, like SmolLM2's own.
+_FALLBACK_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def _prepend(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+    if first is not None:
+        yield first
+        async for delta in rest:
+            yield delta
+
+
+def _eos_token_ids(model: str, tokenizer: Any) -> list[int]:
+    """Every end-of-turn id the model may emit (Llama-3 chat ends on <|eot_id|>, not the config's first eos)."""
+    from transformers import GenerationConfig
+
+    from workers.loader import load_config, resolve_model
+
+    ids = {tokenizer.eos_token_id}
+    sources = [load_config(model)]
+    try:
+        sources.append(GenerationConfig.from_pretrained(resolve_model(model)))
+    except OSError:
+        pass  # no generation_config.json
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(i for i in ids if isinstance(i, int))
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(app)
+class OpenAIIngress:
+    """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI JSON."""
+
+    def __init__(self, config: AppConfig, replica: DeploymentHandle) -> None:
+        from workers.loader import load_tokenizer
+
+        self.config = config
+        self.replica = replica
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        self._max_model_len: int | None = None
+        self._created = int(time.time())
+
+    # ---- routes --------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+            max_model_len = await self.max_model_len()
+        except Exception as exc:  # noqa: BLE001 - one mapping for every error
+            return error_response(exc)
+        card = {"id": self.config.model_name, "object": "model", "created": self._created,
+                "owned_by": "raylm", "max_model_len": max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        try:
+            body = await self._parse(request, CompletionRequest)
+            if body.echo:
+                raise BadRequestError("echo is not supported", param="echo")
+            prompts = [self._encode(p) if isinstance(p, str) else p for p in body.prompts()]
+            choices = await self._choices(body, prompts, body.logprobs)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        return await self._respond(body, choices, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        try:
+            body = await self._parse(request, ChatCompletionRequest)
+            if body.max_completion_tokens is not None:
+                body.max_tokens = body.max_completion_tokens
+            prompt = self._encode(self._render_chat(body))
+            choices = await self._choices(body, [prompt], body.num_logprobs)
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+        return await self._respond(body, choices, chat=True)
+
+    # ---- request -> GenerateRequests --------------------------------------------------------------
+    async def _parse(self, request: Request, schema: type) -> Any:
+        self._authorize(request)
+        body = schema.model_validate(json.loads(await request.body()))
+        if body.model != self.config.model_name and body.model != self.config.model:
+            raise ModelNotFoundError(f"The model `{body.model}` does not exist; this server serves "
+                                     f"`{self.config.model_name}`.", param="model", code="model_not_found")
+        return body
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not given or not hmac.compare_digest(given.encode(), key.encode()):
+            raise AuthenticationError("Missing or incorrect API key (Authorization: Bearer <key>).",
+                                      code="invalid_api_key")
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _render_chat(self, body: ChatCompletionRequest) -> str:
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                    for m in body.messages]
+        template = None if getattr(self.tokenizer, "chat_template", None) else _FALLBACK_CHAT
+        return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    async def max_model_len(self) -> int:
+        if self._max_model_len is None:
+            info = await self.replica.model_info.remote()
+            self._max_model_len = int(info["max_model_len"])
+        return self._max_model_len
+
+    async def _choices(self, body: Any, prompts: list[list[int]], logprobs: int | None) -> list[Choice]:
+        max_len = await self.max_model_len()
+        base_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
+        choices = []
+        for p, prompt in enumerate(prompts):
+            if not prompt:
+                raise BadRequestError("prompt: must not be empty", param="prompt")
+            max_tokens = body.max_tokens if body.max_tokens is not None else max_len - len(prompt)
+            if max_tokens < 1 or len(prompt) + max_tokens > max_len:
+                raise ContextLengthError(max_len, len(prompt), max(max_tokens, body.max_tokens or 0))
+            hashes = hash_prompt_blocks(prompt, self.config.block_size)
+            for i in range(body.n):
+                params = SamplingParams(
+                    max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                    min_p=body.min_p, seed=None if body.seed is None else body.seed + i,
+                    repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty, logprobs=logprobs,
+                    ignore_eos=body.ignore_eos, stop=list(body.stop),
+                    stop_token_ids=[] if body.ignore_eos else list(self.eos_token_ids))
+                request = GenerateRequest(
+                    request_id=f"{base_id}-{p * body.n + i}", prompt_token_ids=prompt, sampling_params=params,
+                    priority=body.priority, tenant=body.user or "default", block_hashes=hashes)
+                choices.append(Choice(p * body.n + i, p, request, self.tokenizer, list(body.stop)))
+        return choices
+
+    # ---- responses -----------------------------------------------------------------------------
+    async def _respond(self, body: Any, choices: list[Choice], chat: bool):
+        rid = choices[0].request.request_id.rsplit("-", 1)[0]
+        deltas = merge_streams([c.stream(self.replica) for c in choices])
+        if body.stream:
+            # Wait for the first delta so that admission errors (overload, a replica's rejection)
+            # still get their HTTP status instead of an in-band error after a 200.
+            try:
+                first = await anext(deltas, None)
+            except Exception as exc:  # noqa: BLE001
+                return error_response(exc)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse_stream(rid, _prepend(first, deltas), chat, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            return JSONResponse(await self._collect(rid, deltas, len(choices), chat))
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)
+
+    async def _collect(self, rid: str, deltas: AsyncIterator[ChoiceDelta], n: int, chat: bool) -> dict:
+        texts = [""] * n
+        logprobs: list[list] = [[] for _ in range(n)]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        tally = UsageTally()
+        async for d in deltas:
+            texts[d.index] += d.text
+            tokens[d.index] += d.token_ids
+            if d.logprobs:
+                logprobs[d.index] += d.logprobs
+            if d.finish_reason is not None:
+                finish[d.index] = d.finish_reason
+            tally.add(d)
+        out_choices = []
+        for i in range(n):
+            lp = self._logprobs(tokens[i], logprobs[i], chat) if logprobs[i] else None
+            if chat:
+                out_choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                                    "logprobs": lp, "finish_reason": finish[i]})
+            else:
+                out_choices.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": finish[i]})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.config.model_name, "choices": out_choices,
+                "usage": tally.as_dict()}
+
+    async def _sse_stream(self, rid: str, deltas: AsyncIterator[ChoiceDelta], chat: bool,
+                          include_usage: bool) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": self.config.model_name}
+        started: set[int] = set()
+        tally = UsageTally()
+        try:
+            async for d in deltas:
+                lp = self._logprobs(d.token_ids, d.logprobs, chat) if d.logprobs else None
+                first = d.index not in started
+                started.add(d.index)
+                # A delta whose text is held back (partial UTF-8, possible stop string) sends nothing.
+                if d.text or lp or d.finish_reason is not None or (chat and first):
+                    if chat:
+                        delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {
+                            "content": d.text}
+                        choice = {"index": d.index, "delta": delta, "logprobs": lp,
+                                  "finish_reason": d.finish_reason}
+                    else:
+                        choice = {"index": d.index, "text": d.text, "logprobs": lp,
+                                  "finish_reason": d.finish_reason}
+                    yield _sse({**head, "choices": [choice]})
+                tally.add(d)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": tally.as_dict()})
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+            yield _sse(error_event(exc))
+        yield _sse("[DONE]")
+
+    def _logprobs(self, token_ids: list[int], entries: list, chat: bool) -> dict:
+        decode = self._token_text
+        if chat:
+            content = []
+            for entry in entries:
+                (tid, lp), top = entry[0], entry[1:]
+                text = decode(tid)
+                content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                                "top_logprobs": [{"token": decode(t), "logprob": v,
+                                                  "bytes": list(decode(t).encode())} for t, v in top]})
+            return {"content": content}
+        tokens, token_logprobs, top_logprobs = [], [], []
+        for entry in entries:
+            (tid, lp), top = entry[0], entry[1:]
+            tokens.append(decode(tid))
+            token_logprobs.append(lp)
+            top_logprobs.append({decode(t): v for t, v in top})
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

@@ -1,0 +1,103 @@
+"""Shared fixtures: one Ray cluster and one Serve instance on loopback, the apps started once.
+
+`raylm` is deploy.yaml itself, deployed with the `serve run` CLI exactly as users do (onto this
+session's cluster); `tiny` is a random two-layer Llama built here, served through serve.run with
+an API key and a small admission limit (the overload and auth tests use it).
+"""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOL = "SmolLM2-135M-Instruct"
+TINY = "tiny-llama"
+TINY_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def http_port(ray_cluster):
+    serve.shutdown()  # a Serve instance left by another module may run without HTTP proxies
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+@pytest.fixture(scope="session")
+def smol_url(ray_cluster, http_port):
+    """deploy.yaml, deployed by `serve run deploy.yaml` (non-blocking) onto this cluster."""
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    subprocess.run([str(Path(sys.executable).parent / "serve"), "run", "deploy.yaml", "--non-blocking"],
+                   cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
+    _wait_running("raylm")
+    yield f"http://127.0.0.1:{http_port}/v1"
+    serve.delete("raylm")
+
+
+def _wait_running(app: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"app {app} failed: {status.message}")
+        time.sleep(0.5)
+    raise TimeoutError(f"app {app} not running after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random 2-layer Llama with SmolLM2's tokenizer, minus its chat template (the fallback applies)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workers.loader import load_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_tokenizer("default")
+    tokenizer.chat_template = None
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_url(ray_cluster, http_port, tiny_model_dir):
+    from deploy.app import build_app
+
+    args = {"model": tiny_model_dir, "served_model_name": TINY, "max_model_len": 256, "num_gpu_blocks": 64,
+            "kv_cache_memory_gb": 0.1, "api_key": TINY_KEY, "max_ongoing_requests": 2, "max_queued_requests": 2,
+            "replica_num_cpus": 0.5, "ingress_num_cpus": 0.25}
+    serve.run(build_app(args), name="tiny", route_prefix="/tiny")
+    yield f"http://127.0.0.1:{http_port}/tiny/v1"
+    serve.delete("tiny")
+
+
+def replica_stats(app: str) -> dict:
+    """The scheduler figures of the app's (single) LLMReplica."""
+    return serve.get_deployment_handle("LLMReplica", app_name=app).stats.remote().result(timeout_s=30)
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)

@@ -1,0 +1,42 @@
+"""ray_config.yaml validates as `ray up` would; every Serve config we ship builds its app."""
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.serve.schema import ServeDeploySchema
+
+from deploy.app import build_app
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE_CONFIGS = [ROOT / "deploy.yaml"] + sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
+
+
+def test_ray_config_validates_like_ray_up():
+    config = prepare_config(yaml.safe_load((ROOT / "ray_config.yaml").read_text()))
+    validate_config(config)
+    nodes = config["available_node_types"]
+    head = nodes[config["head_node_type"]]
+    workers = [n for name, n in nodes.items() if name != config["head_node_type"]]
+    assert "GPU" not in head["resources"] and head["max_workers"] == 0
+    assert workers and all(0 <= w["min_workers"] <= w["max_workers"] for w in workers)
+    assert "g5" in workers[0]["node_config"]["InstanceType"]  # GPU instances
+    assert any("pip install" in c and "-e" in c for c in config["setup_commands"])
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_serve_config_validates_and_builds(path):
+    spec = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    for app in spec.applications:
+        assert app.import_path == "deploy.app:build_app"
+        build_app(app.args)
+
+
+def test_gpu_example_packs_two_gpu_workers_per_replica():
+    spec = yaml.safe_load((ROOT / "deploy" / "examples" / "gpu_tp2.yaml").read_text())
+    args = spec["applications"][0]["args"]
+    replica = build_app(args)._bound_deployment.init_args[1]._bound_deployment
+    assert args["tensor_parallel_size"] == 2
+    bundles = replica._replica_config.placement_group_bundles
+    assert bundles == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert replica._replica_config.placement_group_strategy == "PACK"

@@ -1,0 +1,90 @@
+"""The replica's engine loop: a real EngineCore (tiny random Llama) stepping on its own thread."""
+import asyncio
+
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.engine import EngineCore
+from cluster.replica import EngineLoop, merge_outputs
+from scheduler import Request, RequestOutput, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    core = EngineCore(EngineConfig(model=tiny_model_dir, max_model_len=256, num_gpu_blocks=64,
+                                   kv_cache_memory_gb=0.1, load_progress=False))
+    yield core
+    core.shutdown()
+
+
+class Collector:
+    """What the replica does with the loop's callbacks, reduced to per-request lists."""
+
+    def __init__(self):
+        self.outputs: dict[str, list[RequestOutput]] = {}
+        self.errors: dict[str | None, BaseException] = {}
+        self.stats = None
+        self.done: dict[str, asyncio.Event] = {}
+
+    def on_step(self, outputs, stats):
+        self.stats = stats
+        for out in outputs:
+            self.outputs.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                self.done.setdefault(out.request_id, asyncio.Event()).set()
+
+    def on_error(self, request_id, exc):
+        self.errors[request_id] = exc
+
+    async def wait(self, rid):
+        await self.done.setdefault(rid, asyncio.Event()).wait()
+
+
+def _request(rid: str, max_tokens: int = 8) -> Request:
+    return Request(rid, [5, 6, 7, 8, 9] * 4, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_concurrent_requests_stream_to_completion_and_aborts_free_blocks(engine):
+    async def go():
+        c = Collector()
+        loop = EngineLoop(engine, asyncio.get_running_loop(), c.on_step, c.on_error)
+        try:
+            for i in range(6):
+                loop.add(_request(f"r{i}"))
+            loop.add(_request("long", max_tokens=200))
+            await asyncio.gather(*(c.wait(f"r{i}") for i in range(6)))
+            assert all(sum(len(o.new_token_ids) for o in c.outputs[f"r{i}"]) == 8 for i in range(6))
+            assert not c.outputs["long"][-1].finished
+            loop.abort(["long"])
+            await c.wait("long")
+            assert c.outputs["long"][-1].finish_reason == "abort"
+            # The abort publishes fresh stats on its own, with no step needed.
+            assert c.stats.num_running == 0 and c.stats.kv_cache_usage == 0.0
+            assert await loop.call(lambda e: e.has_unfinished_requests()) is False
+        finally:
+            loop.stop()
+
+    asyncio.run(go())
+
+
+def test_a_rejected_request_errors_alone(engine):
+    async def go():
+        c = Collector()
+        loop = EngineLoop(engine, asyncio.get_running_loop(), c.on_step, c.on_error)
+        try:
+            loop.add(Request("too-long", list(range(300)), SamplingParams(max_tokens=1)))
+            loop.add(_request("fine", max_tokens=2))
+            await c.wait("fine")
+            assert isinstance(c.errors["too-long"], ValueError) and "fine" not in c.errors
+        finally:
+            loop.stop()
+
+    asyncio.run(go())
+
+
+def test_merged_deltas_keep_every_token_and_the_last_state():
+    a = RequestOutput("x", [1, 2], False, None, 3, 2, 0, [[(1, -0.1)], [(2, -0.2)]])
+    b = RequestOutput("x", [3], True, "length", 3, 3, 0, [[(3, -0.3)]])
+    m = merge_outputs(a, b)
+    assert m.new_token_ids == [1, 2, 3] and m.finished and m.finish_reason == "length"
+    assert m.num_output_tokens == 3 and [lp[0][0] for lp in m.new_logprobs] == [1, 2, 3]

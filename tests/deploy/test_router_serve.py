@@ -1,0 +1,239 @@
+"""FleetRouter inside real Ray Serve on loopback.
+
+First two replicas of a small streaming deployment that reports routing stats like LLMReplica does:
+concurrent streams spread over both replicas, a shared prompt prefix sticks to one replica while load
+stays balanced, and a killed replica is routed around. Then two real LLMReplicas of the embedded
+SmolLM2: streams spread, and a tenant's requests find its system prompt in the replica's KV cache."""
+import asyncio
+import os
+import socket
+import uuid
+from collections import Counter
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+
+from cluster.protocol import GenerateRequest  # noqa: E402
+from cluster.replica import LLMReplica  # noqa: E402
+from cluster.router import ROUTER_CLASS_PATH, FleetRouter  # noqa: E402
+from deploy.config import AppConfig  # noqa: E402
+from scheduler import SamplingParams, hash_prompt_blocks  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 16
+APP = "router_test"
+
+
+@serve.deployment(
+    num_replicas=2,
+    max_ongoing_requests=64,
+    ray_actor_options={"num_cpus": 0},
+    health_check_period_s=1,
+    request_router_config=RequestRouterConfig(
+        request_router_class=FleetRouter,
+        request_router_kwargs={"router_policy": "prefix_affinity", "imbalance_threshold": 4.0},
+        request_routing_stats_period_s=0.5,
+    ),
+)
+class StreamingReplica:
+    """Streams max_tokens items, one per tick; each item names the replica that produced it."""
+
+    def __init__(self, tick_s: float = 0.02):
+        self.tick_s = tick_s
+        self.name = ray.get_runtime_context().get_actor_name()
+        self.running = 0
+        self.resident: dict[int, None] = {}
+
+    async def generate(self, request: GenerateRequest):
+        self.running += 1
+        self.resident.update(dict.fromkeys(request.block_hashes))
+        try:
+            for _ in range(request.sampling_params.max_tokens):
+                await asyncio.sleep(self.tick_s)
+                yield self.name
+        finally:
+            self.running -= 1
+
+    def record_routing_stats(self) -> dict:
+        return {"num_waiting": 0, "num_running": self.running, "kv_cache_usage": 0.0,
+                "prefix_cache_hit_rate": 0.0, "prefix_hashes": list(self.resident)[-256:]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def handle(ray_cluster):
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": _free_port()})
+    h = serve.run(StreamingReplica.bind(), name=APP, route_prefix=None)
+    yield h
+    serve.delete(APP)
+
+
+def request(prompt: list[int], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+                           sampling_params=SamplingParams(max_tokens=max_tokens),
+                           block_hashes=hash_prompt_blocks(prompt, BLOCK_SIZE))
+
+
+def prompt_for(tenant: int, question: int, prefix_blocks: int = 8) -> list[int]:
+    system = [1000 * (tenant + 1) + i for i in range(prefix_blocks * BLOCK_SIZE)]
+    return system + [7, question, 9]
+
+
+async def stream(handle, req: GenerateRequest) -> str:
+    """Consume a stream; the replica that served it."""
+    names = [name async for name in handle.options(stream=True).generate.remote(req)]
+    assert len(set(names)) == 1 and len(names) == req.sampling_params.max_tokens
+    return names[0]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def settle() -> None:
+    """Let the previous test's streams drain out of the replicas' routing stats (reported every 0.5 s)."""
+    await asyncio.sleep(1.5)
+
+
+def test_router_class_path_is_importable_by_serve():
+    # What `serve deploy` does with the string in deploy.yaml: import, then ship the class by value.
+    config = RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH)
+    assert config.get_request_router_class().__name__ == FleetRouter.__name__
+
+
+def test_sixteen_concurrent_streams_spread_over_both_replicas(handle):
+    async def go():
+        reqs = [request(prompt_for(100 + i, i), max_tokens=20) for i in range(16)]
+        return await asyncio.gather(*(stream(handle, r) for r in reqs))
+
+    served = run(go())
+    counts = {name: served.count(name) for name in set(served)}
+    assert len(counts) == 2, counts
+    assert min(counts.values()) >= 6, counts  # in-flight counting keeps the split near 8/8
+
+
+def test_shared_prefix_sticks_to_one_replica_while_load_stays_balanced(handle):
+    async def go():
+        await settle()
+        # Tenant 0 warms a replica; tenant 1, a prefix nobody holds, goes to the replica holding fewer blocks.
+        first = await stream(handle, request(prompt_for(0, 0), max_tokens=2))
+        reqs = [request(prompt_for(t, q), max_tokens=15) for q in range(1, 5) for t in (0, 1)]
+        return first, await asyncio.gather(*(stream(handle, r) for r in reqs))
+
+    first, served = run(go())
+    tenant0, tenant1 = set(served[0::2]), set(served[1::2])
+    assert tenant0 == {first}
+    assert len(tenant1) == 1 and tenant1 != tenant0
+    assert served.count(first) == 4
+
+
+def test_killed_replica_is_routed_around(handle):
+    async def go():
+        await settle()
+        victim = await stream(handle, request(prompt_for(5, 0), max_tokens=2))
+        in_flight = [asyncio.ensure_future(stream(handle, request(prompt_for(t, 1), max_tokens=200)))
+                     for t in (5, 6, 7, 8)]
+        await asyncio.sleep(0.5)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        outcomes = await asyncio.gather(*in_flight, return_exceptions=True)
+        # The dead replica's prefix and fresh prefixes alike are served by live replicas.
+        after = await asyncio.gather(*(stream(handle, request(prompt_for(t, 2), max_tokens=5))
+                                       for t in (5, 5, 5, 6, 7, 8, 9, 10)))
+        return victim, outcomes, after
+
+    victim, outcomes, after = run(go())
+    assert any(isinstance(o, Exception) for o in outcomes)  # streams cut by the kill fail
+    assert any(o != victim and isinstance(o, str) for o in outcomes)  # the other replica kept streaming
+    assert victim not in after
+
+
+# ---------------------------------------------------------------- the real LLMReplica
+
+REAL_APP = "router_test_llm"
+PREFIX_BLOCKS = 8
+
+
+def routed_counts(handle) -> Counter:
+    """Requests per replica so far, as counted by the FleetRouter that Serve built for this handle in
+    this process (a Serve-internal path; empty until the handle sends its first request)."""
+    if handle._router is None:
+        return Counter()
+    return Counter(handle._router._asyncio_router.request_router.fleet.routed)
+
+
+@pytest.fixture(scope="module")
+def llm_handle(ray_cluster):
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": _free_port()})
+    config = AppConfig.from_args({
+        "model": "default", "device": "cpu", "num_replicas": 2, "cpu_threads": 1, "block_size": BLOCK_SIZE,
+        "num_gpu_blocks": 128, "max_model_len": 256, "max_num_seqs": 16, "replica_num_cpus": 1,
+        "router": "fleet", "router_kwargs": {"router_policy": "prefix_affinity", "imbalance_threshold": 4.0},
+    })
+    replica = LLMReplica.options(
+        num_replicas=2, ray_actor_options=config.replica_actor_options(),
+        placement_group_bundles=config.placement_group_bundles(), max_ongoing_requests=64,
+        request_router_config=config.request_router_config(), health_check_timeout_s=120)
+    yield serve.run(replica.bind(config), name=REAL_APP, route_prefix=None)
+    serve.delete(REAL_APP)
+
+
+async def generate(handle, req: GenerateRequest):
+    """(output token count, cached prompt tokens) of one streamed request."""
+    produced, cached = 0, 0
+    async for out in handle.options(stream=True).generate.remote(req):
+        produced += len(out.new_token_ids)
+        cached = out.num_cached_tokens
+    return produced, cached
+
+
+def real_prompt(tenant: int, question: int) -> list[int]:
+    system = [300 + 97 * tenant + i for i in range(PREFIX_BLOCKS * BLOCK_SIZE)]
+    return system + [500 + question, 600 + question, 700]
+
+
+def greedy(prompt: list[int], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+                           sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                           block_hashes=hash_prompt_blocks(prompt, BLOCK_SIZE))
+
+
+def test_real_replicas_share_sixteen_concurrent_streams(llm_handle):
+    before = routed_counts(llm_handle)
+
+    async def go():
+        reqs = [greedy([1000 + 31 * i + j for j in range(40)], max_tokens=6) for i in range(16)]
+        return await asyncio.gather(*(generate(llm_handle, r) for r in reqs))
+
+    outputs = run(go())
+    assert [produced for produced, _ in outputs] == [6] * 16
+    split = sorted((routed_counts(llm_handle) - before).values())
+    assert len(split) == 2 and split[0] >= 6, split
+
+
+def test_real_replicas_keep_a_shared_prefix_on_the_replica_that_caches_it(llm_handle):
+    async def go():
+        await settle()
+        # One request per tenant fills a cache each (the second tenant lands on the emptier replica).
+        for tenant in (0, 1):
+            await generate(llm_handle, greedy(real_prompt(tenant, 0), max_tokens=2))
+        before = routed_counts(llm_handle)
+        reqs = [greedy(real_prompt(t, q), max_tokens=4) for q in range(1, 5) for t in (0, 1)]
+        outputs = await asyncio.gather(*(generate(llm_handle, r) for r in reqs))
+        return outputs, routed_counts(llm_handle) - before
+
+    outputs, split = run(go())
+    # Every request found its tenant's system prompt in the KV cache of the replica it reached,
+    # and the two tenants kept the two replicas equally busy.
+    assert [cached for _, cached in outputs] == [PREFIX_BLOCKS * BLOCK_SIZE] * 8
+    assert sorted(split.values()) == [4, 4]
