@@ -22,8 +22,14 @@ $(STAMP): pyproject.toml
 test: install
 	$(PY) -m pytest -q
 
+# Each prints its figures and ratios against a peer measured in the same run (the router
+# benchmark takes about 20 minutes on a 2-core machine).
 bench: install
 	$(PY) bench/scheduler_overhead.py
+	$(PY) bench/broadcast_overhead.py
+	$(PY) bench/offline_throughput.py
+	$(PY) bench/serve_bench.py
+	$(PY) bench/router_bench.py
 
 serve: install
 	$(VENV)/bin/serve run deploy.yaml
