@@ -46,6 +46,17 @@ class _Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     running_pass_preempted: bool = False
 
+    def take(self, req: Request, n: int, new_blocks: list[int]) -> int:
+        """Schedule the next n tokens of req; returns where the chunk starts."""
+        rid = req.request_id
+        start = req.num_computed_tokens
+        self.num_scheduled[rid] = n
+        self.start[rid] = start
+        self.new_blocks[rid] = new_blocks
+        self.budget -= n
+        req.num_computed_tokens = start + n
+        return start
+
 
 class Scheduler:
     """Decides, step by step, which tokens of which requests run and where their KV lives."""
@@ -146,13 +157,8 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(req, n)
             if new_blocks is None:
                 continue
-            rid = req.request_id
             step.cached_reqs.append(req)
-            step.num_scheduled[rid] = n
-            step.start[rid] = computed
-            step.new_blocks[rid] = new_blocks
-            step.budget -= n
-            req.num_computed_tokens = computed + n
+            step.take(req, n, new_blocks)
             if charge is not None:
                 self._charge_input(req, computed, n)
 
@@ -210,16 +216,10 @@ class Scheduler:
         return True
 
     def _start_running(self, req: Request, step: _Step, n: int, new_blocks: list[int]) -> None:
-        rid = req.request_id
-        start = req.num_computed_tokens
         req.status = _RUNNING
         self.running.append(req)
-        step.admitted.add(rid)
-        step.num_scheduled[rid] = n
-        step.start[rid] = start
-        step.new_blocks[rid] = new_blocks
-        step.budget -= n
-        req.num_computed_tokens = start + n
+        step.admitted.add(req.request_id)
+        start = step.take(req, n, new_blocks)
         if self.waiting.charges_tokens:
             self._charge_input(req, start, n)
 
