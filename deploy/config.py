@@ -72,7 +72,7 @@ class AppConfig(BaseModel):
     watermark: float = Field(default=0.0, ge=0.0, lt=1.0)
 
     # Routing across replicas and admission.
-    router: Literal["power_of_two", "fleet"] = "power_of_two"
+    router: Literal["fleet", "power_of_two"] = "fleet"
     router_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_ongoing_requests: int = Field(default=256, ge=1)  # per replica, in flight at once
     max_queued_requests: int = Field(default=-1, ge=-1)  # per caller; beyond it: overload_status

@@ -27,7 +27,7 @@ def test_defaults_are_the_embedded_cpu_model():
     ({"watermark": 1.5}, "watermark"),
     ({"router": "fleet", "router_kwargs": {"router_policy": "dice"}}, "router_kwargs.*router_policy"),
     ({"router": "fleet", "router_kwargs": {"imbalance": 3}}, "router_kwargs.*imbalance"),
-    ({"router_kwargs": {"imbalance_threshold": 3}}, "router_kwargs"),
+    ({"router": "power_of_two", "router_kwargs": {"imbalance_threshold": 3}}, "router_kwargs"),
 ])
 def test_bad_values_name_the_field(args, field):
     with pytest.raises(ValueError, match=field):
@@ -67,7 +67,8 @@ def test_autoscaling_becomes_serve_autoscaling_config():
 
 
 def test_router_choice_maps_to_request_router_config():
-    assert AppConfig.from_args({}).request_router_config() is None
+    assert AppConfig.from_args({"router": "power_of_two"}).request_router_config() is None  # Serve's own
+    assert AppConfig.from_args({}).request_router_config()["request_router_class"] == "cluster.router.FleetRouter"
     fleet = AppConfig.from_args({"router": "fleet", "router_kwargs": {"router_policy": "least_loaded"}})
     rc = fleet.request_router_config()
     assert rc["request_router_class"] == "cluster.router.FleetRouter"
