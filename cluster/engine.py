@@ -25,6 +25,8 @@ class EngineCore:
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.max_model_len = config.max_model_len or max_model_len_of(self.hf_config)
         self.eos_token_id = _first_eos(self.hf_config)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.failure: BaseException | None = None
         runner_config = RunnerConfig(
             model_dir=self.model_dir, dtype=config.dtype, device=config.resolved_device(),
             block_size=config.block_size, max_model_len=self.max_model_len,
@@ -54,7 +56,12 @@ class EngineCore:
         return spec.blocks_in(self.config.swap_space_gb * GiB)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (its eos_token_id defaults to the model's)."""
+        """Queue a request (its eos_token_id defaults to the model's); ValueError if it cannot run."""
+        ids = request.prompt_token_ids
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            # An id outside the embedding table would fail the whole batch's forward, not just this request.
+            raise ValueError(f"prompt_token_ids: token ids must be in [0, {self.vocab_size}), "
+                             f"got {min(ids)}..{max(ids)}")
         if request.eos_token_id is None:
             request.eos_token_id = self.eos_token_id
         self.scheduler.add_request(request)
@@ -67,8 +74,16 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and return what each request produced."""
+        if self.failure is not None:
+            raise RuntimeError(f"engine failed in an earlier step: {self.failure!r}") from self.failure
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except BaseException as exc:
+            # The scheduler already counted this step's tokens as computed, but their KV was never
+            # written: later steps would read garbage or stall, so the engine stays failed.
+            self.failure = exc
+            raise
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def stats(self) -> SchedulerStats:

@@ -72,22 +72,24 @@ class LLM:
              use_tqdm: bool) -> list[GenerationOutput]:
         params = _params_per_prompt(sampling_params, len(token_ids))
         outputs: dict[str, GenerationOutput] = {}
-        for text, ids, sp in zip(texts, token_ids, params):
-            rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(Request(rid, ids, sp))
-            outputs[rid] = GenerationOutput(rid, text, ids, logprobs=[] if sp.logprobs is not None else None)
-        stops = {rid: sp.stop for rid, sp in zip(outputs, params) if sp.stop}
-        live = set(outputs)
-        with tqdm(total=len(outputs), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+        stops: dict[str, list[str]] = {}
+        live: set[str] = set()
+        with tqdm(total=len(token_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             try:
+                for text, ids, sp in zip(texts, token_ids, params):
+                    rid = f"llm-{next(self._ids)}"
+                    self.engine.add_request(Request(rid, ids, sp))
+                    live.add(rid)
+                    outputs[rid] = GenerationOutput(rid, text, ids, logprobs=[] if sp.logprobs is not None else None)
+                    if sp.stop:
+                        stops[rid] = sp.stop
                 while live:
                     finished = self._step(outputs, stops)
                     live -= finished
                     bar.update(len(finished))
             finally:
-                if live:  # interrupted: leave the engine clean for the next call
+                if live:  # a bad prompt or an interruption: nothing of this call stays queued
                     self.engine.abort_requests(list(live))
-                    self.engine.step()
         for rid, out in outputs.items():
             if rid not in stops:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -103,11 +105,13 @@ class LLM:
             out.num_cached_tokens = ro.num_cached_tokens
             if out.logprobs is not None and ro.new_logprobs:
                 out.logprobs.extend(ro.new_logprobs)
-            if ro.request_id in stops and self._hit_stop(out, stops[ro.request_id]) and not ro.finished:
+            hit_stop = ro.request_id in stops and self._hit_stop(out, stops[ro.request_id])
+            if hit_stop and not ro.finished:
                 self.engine.abort_requests([ro.request_id])
                 finished.add(ro.request_id)
             elif ro.finished:
-                out.finish_reason = ro.finish_reason
+                if not hit_stop:  # a stop string on the last token still finishes as "stop"
+                    out.finish_reason = ro.finish_reason
                 finished.add(ro.request_id)
         return finished
 

@@ -67,7 +67,9 @@ class EngineLoop:
         except BaseException as exc:  # noqa: BLE001 - every in-flight request must hear of it
             logger.exception("engine loop failed")
             self.failure = exc
-            self._loop.call_soon_threadsafe(self._on_error, None, exc)
+            # Wrapped: a ValueError from deep in the engine must not reach clients as their 400.
+            failure = RuntimeError(f"engine failed: {exc!r}")
+            self._loop.call_soon_threadsafe(self._on_error, None, failure)
 
     def _apply_inbox(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False once told to stop."""
@@ -255,7 +257,7 @@ class LLMReplica:
     # ---- what the router, the ingress and Serve ask ---------------------------------------------
     def model_info_sync(self) -> dict[str, Any]:
         return {"max_model_len": self.engine.max_model_len, "block_size": self.config.block_size,
-                "replica": self.replica}
+                "vocab_size": self.engine.vocab_size, "replica": self.replica}
 
     async def model_info(self) -> dict[str, Any]:
         return self.model_info_sync()

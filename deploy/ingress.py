@@ -79,6 +79,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         self._max_model_len: int | None = None
+        self._vocab_size = 0
         self._created = int(time.time())
 
     # ---- routes --------------------------------------------------------------------------------
@@ -154,6 +155,7 @@ class OpenAIIngress:
         if self._max_model_len is None:
             info = await self.replica.model_info.remote()
             self._max_model_len = int(info["max_model_len"])
+            self._vocab_size = int(info["vocab_size"])
         return self._max_model_len
 
     async def _choices(self, body: Any, prompts: list[list[int]], logprobs: int | None) -> list[Choice]:
@@ -163,6 +165,8 @@ class OpenAIIngress:
         for p, prompt in enumerate(prompts):
             if not prompt:
                 raise BadRequestError("prompt: must not be empty", param="prompt")
+            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+                raise BadRequestError(f"prompt: token ids must be in [0, {self._vocab_size})", param="prompt")
             max_tokens = body.max_tokens if body.max_tokens is not None else max_len - len(prompt)
             if max_tokens < 1 or len(prompt) + max_tokens > max_len:
                 raise ContextLengthError(max_len, len(prompt), max(max_tokens, body.max_tokens or 0))

@@ -62,6 +62,16 @@ def test_abort_finishes_a_request_and_frees_its_blocks(engine):
     assert engine.stats().num_free_blocks == free
 
 
+@pytest.mark.parametrize("past_end", [False, True])
+def test_a_token_id_outside_the_vocabulary_is_rejected_and_others_still_run(engine, past_end):
+    bad_id = engine.vocab_size if past_end else -1
+    engine.add_request(Request("fine", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True)))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request(Request("bad", [5, bad_id], SamplingParams(max_tokens=2)))
+    seen = drain(engine)
+    assert seen["fine"][-1].finished and "bad" not in seen
+
+
 def test_duplicate_request_id_is_rejected(engine):
     engine.add_request(Request("dup", [1, 2, 3], SamplingParams(max_tokens=2)))
     with pytest.raises(ValueError, match="request_id"):

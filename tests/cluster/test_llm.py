@@ -66,6 +66,28 @@ def test_stop_string_truncates_the_text(tiny_llm):
     assert not tiny_llm.engine.has_unfinished_requests()
 
 
+def test_stop_string_completed_by_the_last_token_still_finishes_as_stop(tiny_llm):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [full] = tiny_llm.generate([[40, 41, 42]], params, use_tqdm=False)
+    # The shortest tail of the text that occurs nowhere earlier: only the final token completes it.
+    tails = [full.text[-k:] for k in range(1, len(full.text) + 1)
+             if full.text[-k:].strip() and full.text.find(full.text[-k:]) == len(full.text) - k]
+    if not tails:
+        pytest.skip("the random model's text has no usable stop string")
+    [cut] = tiny_llm.generate([[40, 41, 42]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                             stop=[tails[0]]), use_tqdm=False)
+    assert cut.finish_reason == "stop" and cut.text == full.text[: -len(tails[0])]
+
+
+def test_a_bad_prompt_leaves_none_of_its_batch_queued(tiny_llm):
+    too_long = [7] * (tiny_llm.engine.max_model_len + 1)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        tiny_llm.generate([[5, 6], [8, 9], too_long], GREEDY, use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
+    [out] = tiny_llm.generate([[5, 6]], GREEDY, use_tqdm=False)  # and the next call works
+    assert out.finish_reason in ("stop", "length")
+
+
 def test_more_than_one_sample_per_prompt_is_refused(tiny_llm):
     with pytest.raises(ValueError, match="n:"):
         tiny_llm.generate([[1, 2]], SamplingParams(n=2), use_tqdm=False)

@@ -48,12 +48,16 @@ def test_malformed_json_is_400(smol):
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": ""}, "prompt"),
+    ({"prompt": [5, 10_000_000]}, "prompt"),  # outside the vocabulary: must not reach the model
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [2**70]}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "x", "echo": True}, "echo"),
 ])
 def test_bad_completion_field_is_400_naming_it(smol, body, param):
     err = _error(smol.post("/completions", json={"model": SMOL, **body}), 400)
     assert err["param"] == param
+    _still_serving(smol, SMOL)
 
 
 @pytest.mark.parametrize("body, param", [
