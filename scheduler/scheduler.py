@@ -113,7 +113,7 @@ class Scheduler:
         return SchedulerStats(
             num_waiting=len(self.waiting),
             num_running=len(self.running),
-            num_swapped=sum(1 for r in self.waiting if r.status == _SWAPPED),
+            num_swapped=len(kv.req_cpu_blocks),  # exactly the requests swapped out to the CPU pool
             kv_cache_usage=kv.usage,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
             num_preemptions=self.num_preemptions,

@@ -81,6 +81,7 @@ def check_block_accounting(s: Scheduler) -> None:
     assert not set(cpu_owned) & set(s.kv.cpu_free)
     for rid, blocks in s.kv.req_blocks.items():
         assert s.requests[rid].status == RequestStatus.RUNNING, f"{rid} holds blocks but is not running"
+    assert s.stats().num_swapped == sum(1 for r in s.waiting if r.status == RequestStatus.SWAPPED)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -75,8 +75,10 @@ class TorchBackend:
         v = torch.index_select(v_cache, 0, state.decode_block_ids, out=state.v_buf)
         k = k.view(nd, -1, hk, d).transpose(1, 2)
         v = v.view(nd, -1, hk, d).transpose(1, 2)
-        mask = state.decode_mask.to(q.dtype)
-        o = F.scaled_dot_product_attention(q.view(nd, hk, hq // hk, d), k, v, attn_mask=mask, scale=scale)
+        if state.decode_mask.dtype != q.dtype:  # once per step, not once per layer
+            state.decode_mask = state.decode_mask.to(q.dtype)
+        o = F.scaled_dot_product_attention(q.view(nd, hk, hq // hk, d), k, v, attn_mask=state.decode_mask,
+                                           scale=scale)
         return o.reshape(nd, hq, d)
 
 
