@@ -15,10 +15,12 @@ from cluster.engine import EngineCore
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
+from workers.detokenizer import IncrementalDetokenizer, StopMatcher
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+_StopState = tuple[IncrementalDetokenizer, StopMatcher]
 
 
 @dataclass(slots=True)
@@ -72,7 +74,7 @@ class LLM:
              use_tqdm: bool) -> list[GenerationOutput]:
         params = _params_per_prompt(sampling_params, len(token_ids))
         outputs: dict[str, GenerationOutput] = {}
-        stops: dict[str, list[str]] = {}
+        stops: dict[str, _StopState] = {}
         live: set[str] = set()
         with tqdm(total=len(token_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             try:
@@ -81,8 +83,8 @@ class LLM:
                     self.engine.add_request(Request(rid, ids, sp))
                     live.add(rid)
                     outputs[rid] = GenerationOutput(rid, text, ids, logprobs=[] if sp.logprobs is not None else None)
-                    if sp.stop:
-                        stops[rid] = sp.stop
+                    if sp.stop:  # text is built as it streams, so stop strings cut it at once
+                        stops[rid] = (IncrementalDetokenizer(self.tokenizer, ids), StopMatcher(list(sp.stop)))
                 while live:
                     finished = self._step(outputs, stops)
                     live -= finished
@@ -95,7 +97,7 @@ class LLM:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return list(outputs.values())
 
-    def _step(self, outputs: dict[str, GenerationOutput], stops: dict[str, list[str]]) -> set[str]:
+    def _step(self, outputs: dict[str, GenerationOutput], stops: dict[str, _StopState]) -> set[str]:
         finished = set()
         for ro in self.engine.step():
             out = outputs.get(ro.request_id)
@@ -105,7 +107,8 @@ class LLM:
             out.num_cached_tokens = ro.num_cached_tokens
             if out.logprobs is not None and ro.new_logprobs:
                 out.logprobs.extend(ro.new_logprobs)
-            hit_stop = ro.request_id in stops and self._hit_stop(out, stops[ro.request_id])
+            stop = stops.get(ro.request_id)
+            hit_stop = stop is not None and _hit_stop(out, stop, ro.new_token_ids, ro.finished)
             if hit_stop and not ro.finished:
                 self.engine.abort_requests([ro.request_id])
                 finished.add(ro.request_id)
@@ -114,15 +117,6 @@ class LLM:
                     out.finish_reason = ro.finish_reason
                 finished.add(ro.request_id)
         return finished
-
-    def _hit_stop(self, out: GenerationOutput, stop: list[str]) -> bool:
-        """Apply stop strings on the decoded text: truncate before the first one found."""
-        out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        hits = [i for i in (out.text.find(s) for s in stop) if i >= 0]
-        if not hits:
-            return False
-        out.text, out.finish_reason = out.text[: min(hits)], "stop"
-        return True
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -143,3 +137,16 @@ def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams
             raise ValueError(f"n: LLM.generate returns one completion per prompt, got n={sp.n}; "
                              "repeat the prompt instead")
     return params
+
+
+def _hit_stop(out: GenerationOutput, stop: _StopState, new_token_ids: list[int], finished: bool) -> bool:
+    """Feed a step's tokens to the stop matcher; on a hit the text is cut before the stop string."""
+    detok, matcher = stop
+    delta = detok.add(new_token_ids)
+    if finished:
+        delta += detok.flush()
+    matcher.feed(delta, final=finished)
+    out.text = matcher.text
+    if matcher.stopped:
+        out.finish_reason = "stop"
+    return matcher.stopped

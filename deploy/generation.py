@@ -11,7 +11,7 @@ from typing import Any
 from ray.serve.context import _set_request_context
 
 from cluster.protocol import GenerateRequest
-from deploy.detokenizer import IncrementalDetokenizer, StopMatcher
+from workers.detokenizer import IncrementalDetokenizer, StopMatcher
 from scheduler.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Incremental detokenization and stop strings, on the embedded model's byte-level BPE tokenizer."""
 import pytest
 
-from deploy.detokenizer import IncrementalDetokenizer, StopMatcher
+from workers.detokenizer import IncrementalDetokenizer, StopMatcher
 from workers.loader import load_tokenizer
 
 TEXTS = [
