@@ -25,8 +25,8 @@ from cluster.executor import LocalExecutor  # noqa: E402
 from cluster.ray_executor import RayExecutor  # noqa: E402
 from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
 from scheduler.outputs import SchedulerOutput  # noqa: E402
-from workers.loader import resolve_model  # noqa: E402
-from workers.runner import RunnerConfig  # noqa: E402
+from workers.model_files import resolve_model  # noqa: E402
+from cluster.config import EngineConfig  # noqa: E402
 from workers.worker import Worker  # noqa: E402
 
 BATCH = 32
@@ -114,8 +114,8 @@ def in_process_noop(step: SchedulerOutput) -> ModelRunnerOutput:
 def smollm2_decode_step(num_steps: int, threads: int) -> list[float]:
     """A real SmolLM2-135M step at batch 32 (decode), in-process, float32 on CPU."""
     torch.set_num_threads(threads)
-    config = RunnerConfig(model_dir=resolve_model("default"), max_model_len=MAX_MODEL_LEN,
-                          load_progress=False, kv_cache_memory_gb=0.5)
+    config = EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.5).runner_config(
+        resolve_model("default"), MAX_MODEL_LEN)
     executor = LocalExecutor(config)
     executor.init_kv_cache(BATCH * (MAX_MODEL_LEN // 16), 0)
     try:
@@ -142,7 +142,7 @@ def main() -> None:
 
     ray.init(num_cpus=max(8, 2 * max(tps)), include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
-    config = RunnerConfig(model_dir=resolve_model("default"), load_progress=False)
+    config = EngineConfig(device="cpu", load_progress=False).runner_config(resolve_model("default"), 4096)
     results = {"in-process (scheduler only)": summary(time_steps(in_process_noop, args.steps))}
     for tp in tps:
         results[f"TP={tp} empty graph round trip"] = summary(empty_round_trip(tp, args.steps))

@@ -80,7 +80,7 @@ def run_hf(dtype: torch.dtype, prompts, max_tokens, batch: int):
     """HF generate, static batches with left padding; tokens and per-step top-2 logprobs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from workers.loader import default_model_path, resolve_model
+    from workers.model_files import default_model_path, resolve_model
     path = default_model_path()
     model_dir = resolve_model("default")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -128,7 +128,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     from transformers import AutoTokenizer
 
-    from workers.loader import resolve_model
+    from workers.model_files import resolve_model
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("default"))
     prompts, max_tokens = build_workload(tokenizer)
     useful = sum(max_tokens)

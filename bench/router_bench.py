@@ -38,7 +38,7 @@ from ray import serve  # noqa: E402
 
 from cluster.protocol import GenerateRequest  # noqa: E402
 from cluster.replica import LLMReplica  # noqa: E402
-from cluster.router import ROUTER_CLASS_PATH  # noqa: E402
+from cluster.serve_router import ROUTER_CLASS_PATH  # noqa: E402
 from deploy.config import AppConfig  # noqa: E402
 from scheduler import SamplingParams, hash_prompt_blocks  # noqa: E402
 
@@ -249,7 +249,7 @@ def run_router(name: str, router_config: dict[str, Any] | None, config: AppConfi
                schedule: list[tuple[float, GenerateRequest]]) -> Run:
     app = f"router_bench_{name}"
     logger.info("%s: starting two fresh replicas", name)
-    handle = serve.run(LLMReplica.options(**replica_options(config, router_config)).bind(config),
+    handle = serve.run(LLMReplica.options(**replica_options(config, router_config)).bind(config.engine),
                        name=app, route_prefix=None)
     try:
         asyncio.run(warm_up(handle, config, n=4))

@@ -304,7 +304,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from ray import serve
 
-    from cluster.config import EngineConfig
     from cluster.engine import EngineCore
     from deploy.app import build_app
     from deploy.config import AppConfig
@@ -318,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
           f"thread(s) per engine, Ray workers at nice {a.worker_niceness}; offline and Serve runs interleaved")
 
     # Both engines live side by side; only the one being measured is busy.
-    engine = EngineCore(EngineConfig(**AppConfig.from_args(args).engine_kwargs()))
+    engine = EngineCore(AppConfig.from_args(args).engine)
     vocab = engine.hf_config.vocab_size
     low_prompts = make_prompts(vocab, a.num_low, a.input_len, a.seed + 1)
     sat_prompts = make_prompts(vocab, a.num_prompts, a.input_len, a.seed + 2)

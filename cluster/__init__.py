@@ -1,7 +1,7 @@
 """Engine, executors and the offline LLM API; Ray Serve replica and router.
 
 `from cluster import LLM` works as usual; the heavy modules (torch, transformers) load on first
-use, so processes that only need cluster.router or cluster.protocol stay light.
+use, so processes that only need cluster.serve_router or cluster.protocol stay light.
 """
 from __future__ import annotations
 

@@ -1,81 +1,73 @@
-"""EngineConfig: everything an EngineCore needs, declared once and validated at construction."""
+"""EngineConfig: model, device, parallelism and KV-cache sizing of one engine, with its SchedulerConfig.
+
+Each setting is declared once (default, range, doc) in the tree AppConfig > EngineConfig >
+SchedulerConfig; what a worker needs (RunnerConfig) is derived here, never declared again.
+Importing this module loads no torch.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 from scheduler.config import SchedulerConfig
-from workers.layers.attention import BACKENDS
-from workers.loader import DEFAULT_CACHE_DIR
-from workers.runner import DTYPES
+from scheduler.settings import check_settings, declared_settings, setting
+from workers.options import ATTENTION_BACKENDS, DEFAULT_CACHE_DIR, DTYPE_NAMES
 
-DEVICES = ("auto", "cpu", "cuda")
-# SchedulerConfig fields an EngineConfig passes through (the block counts are measured instead).
-_SCHEDULER_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)
-                       if f.name not in ("num_gpu_blocks", "num_cpu_blocks", "max_model_len")}
-_SCHEDULER_KNOBS = tuple(_SCHEDULER_DEFAULTS)
+if TYPE_CHECKING:
+    from workers.runner import RunnerConfig
 
-
-def _require(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}: {message}")
+# Settings a flat mapping (LLM(**kwargs), deploy.yaml args) may name, generated from the dataclasses.
+SCHEDULER_KEYS = tuple(f.name for f in declared_settings(SchedulerConfig))
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Model, device, KV-cache sizing and scheduler knobs of one engine (one data-parallel replica)."""
+    """Model, device, parallelism and cache sizing of one engine (one data-parallel replica)."""
 
-    model: str = "default"  # "default", an HF directory or a .gguf file
-    dtype: str = "float32"
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    kv_cache_memory_gb: float = 2.0  # KV pool on the CPU device
-    gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights, activations and KV
-    num_gpu_blocks: int | None = None  # set: skip sizing and use exactly this many device blocks
-    num_cpu_blocks: int | None = None  # set: swap pool size in blocks (else from swap_space_gb)
-    swap_space_gb: float = 0.0
-    cache_dir: str = DEFAULT_CACHE_DIR  # converted GGUF weights live here
-    max_model_len: int | None = None  # None: the model's max positions, capped at 8192
-    enforce_eager: bool = True  # no graph capture yet; kept so configs stay stable
-    attention_backend: str = "auto"
-    load_progress: bool = True
-    placement_group: Any = None  # the replica's Ray placement group (multi-worker executors)
-    use_compiled_graph: bool = True  # TP > 1: broadcast steps over a Ray Compiled Graph, else actor calls
-    scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig knobs
+    model: str = setting("default", "`default` (the embedded SmolLM2 GGUF), an HF directory, or a `.gguf` file")
+    dtype: str = setting("float32", "weights and activations", choices=DTYPE_NAMES)
+    device: str = setting("auto", "`auto` (cuda when the process sees a GPU, else cpu), `cpu`, `cuda` or `cuda:N`")
+    tensor_parallel_size: int = setting(1, "tensor-parallel ranks (GPUs, or CPU worker actors) per replica", ge=1)
+    seed: int = setting(0, "seed of the engine's default sampling generator", ge=0, lt=2**63)
+    kv_cache_memory_gb: float = setting(2.0, "KV pool of a CPU engine, in GiB", gt=0)
+    gpu_memory_utilization: float = setting(0.9, "share of GPU memory for weights, activations and KV", gt=0, le=1)
+    swap_space_gb: float = setting(0.0, "CPU pool for swap preemption, in GiB (unless num_cpu_blocks pins it)",
+                                   ge=0)
+    cache_dir: str = setting(DEFAULT_CACHE_DIR, "where converted GGUF weights are cached")
+    attention_backend: str = setting("auto", "paged attention kernel", choices=ATTENTION_BACKENDS)
+    cpu_threads: int | None = setting(None, "torch intra-op threads of a CPU engine (unset: what the process has)",
+                                      ge=1)
+    use_compiled_graph: bool = setting(True, "TP > 1: broadcast steps over a Ray Compiled Graph (else actor calls)")
+    load_progress: bool = setting(True, "show a progress bar while loading weights")
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        _require(self.device in DEVICES or self.device.startswith("cuda:"), "device",
-                 f"must be one of {DEVICES} (or cuda:N), got {self.device!r}")
-        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
-                 f"must be >= 1, got {self.tensor_parallel_size}")
-        _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
-        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
-                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        _require(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks",
-                 f"must be >= 1, got {self.num_gpu_blocks}")
-        _require(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks",
-                 f"must be >= 0, got {self.num_cpu_blocks}")
-        _require(self.swap_space_gb >= 0, "swap_space_gb", f"must be >= 0, got {self.swap_space_gb}")
-        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
-                 f"must be >= 1, got {self.max_model_len}")
-        _require(self.attention_backend in BACKENDS, "attention_backend",
-                 f"must be one of {BACKENDS}, got {self.attention_backend!r}")
-        unknown = sorted(set(self.scheduler) - set(_SCHEDULER_KNOBS))
-        _require(not unknown, "scheduler", f"unknown knobs {unknown}; known: {list(_SCHEDULER_KNOBS)}")
+        check_settings(self)
+        if not self.model:
+            raise ValueError("model: must be a non-empty string")
+        if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
+            raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if isinstance(self.scheduler, dict):
+            self.scheduler = scheduler_from_dict(self.scheduler)
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(f"scheduler: must be a SchedulerConfig or a mapping, got {type(self.scheduler).__name__}")
+        sched = self.scheduler
+        if sched.preemption_mode == "swap" and sched.num_cpu_blocks is None and self.swap_space_gb == 0:
+            raise ValueError("preemption_mode: 'swap' needs a CPU pool: set swap_space_gb or num_cpu_blocks")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Engine fields and SchedulerConfig knobs mixed in one call (as LLM(...) takes them)."""
+        """Engine settings and SchedulerConfig knobs mixed in one flat call (as LLM(...) takes them)."""
         own = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in kwargs if k not in own and k not in _SCHEDULER_KNOBS)
+        unknown = sorted(k for k in kwargs if k not in own and k not in SCHEDULER_KEYS)
         if unknown:
             raise ValueError(f"{unknown[0]}: not an engine or scheduler setting")
-        engine = {k: v for k, v in kwargs.items() if k in own}
-        knobs = {**engine.pop("scheduler", {}), **{k: v for k, v in kwargs.items() if k in _SCHEDULER_KNOBS}}
-        return cls(**engine, scheduler=knobs)
+        engine = {k: v for k, v in kwargs.items() if k in own and k != "scheduler"}
+        nested = kwargs.get("scheduler", {})
+        if isinstance(nested, SchedulerConfig):
+            nested = {name: getattr(nested, name) for name in SCHEDULER_KEYS}
+        knobs = {**nested, **{k: v for k, v in kwargs.items() if k in SCHEDULER_KEYS}}
+        return cls(**engine, scheduler=scheduler_from_dict(knobs))
 
     def resolved_device(self) -> str:
         """"auto" resolved against what this process can see."""
@@ -84,19 +76,38 @@ class EngineConfig:
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> SchedulerConfig:
-        """The SchedulerConfig for the measured block counts."""
-        return SchedulerConfig(**self.scheduler, num_gpu_blocks=num_gpu_blocks,
-                               num_cpu_blocks=num_cpu_blocks, max_model_len=max_model_len)
+    def sized_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """The SchedulerConfig with the measured pool sizes and context length filled in."""
+        return replace(self.scheduler, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                       max_model_len=max_model_len)
+
+    def runner_config(self, model_dir: str, max_model_len: int) -> RunnerConfig:
+        """What every worker rank needs to build its model and cache."""
+        from workers.runner import RunnerConfig
+
+        sched = self.scheduler
+        return RunnerConfig(
+            model_dir=model_dir, dtype=self.dtype, device=self.resolved_device(), block_size=sched.block_size,
+            max_model_len=max_model_len, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs, seed=self.seed, attention_backend=self.attention_backend,
+            kv_cache_memory_gb=self.kv_cache_memory_gb, gpu_memory_utilization=self.gpu_memory_utilization,
+            load_progress=self.load_progress, cpu_threads=self.cpu_threads)
 
     @property
     def block_size(self) -> int:
-        return self.scheduler.get("block_size", _SCHEDULER_DEFAULTS["block_size"])
+        return self.scheduler.block_size
 
-    @property
-    def max_num_batched_tokens(self) -> int:
-        return self.scheduler.get("max_num_batched_tokens", _SCHEDULER_DEFAULTS["max_num_batched_tokens"])
 
-    @property
-    def max_num_seqs(self) -> int:
-        return self.scheduler.get("max_num_seqs", _SCHEDULER_DEFAULTS["max_num_seqs"])
+def scheduler_from_dict(knobs: dict[str, Any]) -> SchedulerConfig:
+    """A SchedulerConfig from a mapping; unknown keys and bad values name the `scheduler.` path."""
+    unknown = sorted(set(knobs) - set(SCHEDULER_KEYS))
+    if unknown:
+        raise ValueError(f"scheduler.{unknown[0]}: not a scheduler setting; known: {list(SCHEDULER_KEYS)}")
+    try:
+        return SchedulerConfig(**knobs)
+    except ValueError as exc:
+        raise ValueError(f"scheduler.{exc}") from None
+
+
+def _is_cuda_index(device: str) -> bool:
+    return device.startswith("cuda:") and device[5:].isdigit()

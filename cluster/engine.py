@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from transformers import AutoConfig
 
 from cluster.config import EngineConfig
-from cluster.executor import LocalExecutor
+from cluster.executor import Executor, LocalExecutor
+from cluster.frontend import ModelInfo
 from scheduler import RequestOutput, Scheduler, SchedulerStats
 from scheduler.request import Request
 from workers.kv_cache import GiB, KVCacheSpec
-from workers.loader import max_model_len_of, resolve_model
 from workers.runner import DTYPES, RunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -19,51 +20,48 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns a Scheduler and an executor; each step() runs one batch and returns its outputs."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, placement_group: Any = None) -> None:
         self.config = config
-        self.model_dir = resolve_model(config.model, config.cache_dir)
+        self.model_info = ModelInfo.load(config.model, config.cache_dir)
+        self.model_dir = self.model_info.model_dir
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.max_model_len = config.max_model_len or max_model_len_of(self.hf_config)
-        self.eos_token_id = _first_eos(self.hf_config)
-        self.vocab_size = int(self.hf_config.vocab_size)
+        sched = config.scheduler
+        self.max_model_len = sched.max_model_len or self.model_info.max_model_len
+        self.vocab_size = self.model_info.vocab_size
+        self.eos_token_ids = self.model_info.eos_token_ids
         self.failure: BaseException | None = None
-        runner_config = RunnerConfig(
-            model_dir=self.model_dir, dtype=config.dtype, device=config.resolved_device(),
-            block_size=config.block_size, max_model_len=self.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            seed=config.seed, attention_backend=config.attention_backend,
-            kv_cache_memory_gb=config.kv_cache_memory_gb,
-            gpu_memory_utilization=config.gpu_memory_utilization, load_progress=config.load_progress)
-        self.executor = _make_executor(config, runner_config)
-        num_gpu_blocks = config.num_gpu_blocks or self.executor.determine_num_blocks()
+        runner_config = config.runner_config(self.model_dir, self.max_model_len)
+        self.executor: Executor = _make_executor(config, runner_config, placement_group)
+        num_gpu_blocks = sched.num_gpu_blocks or self.executor.determine_num_blocks()
         num_cpu_blocks = self._num_cpu_blocks()
-        if config.max_model_len is None and num_gpu_blocks * config.block_size < self.max_model_len:
+        if sched.max_model_len is None and num_gpu_blocks * sched.block_size < self.max_model_len:
             # The default length is a convenience; shrink it to what the pool can hold.
-            self.max_model_len = num_gpu_blocks * config.block_size
+            self.max_model_len = num_gpu_blocks * sched.block_size
             logger.warning("max_model_len lowered to %d: the KV pool holds %d blocks",
                            self.max_model_len, num_gpu_blocks)
         self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
-        self.scheduler = Scheduler(config.scheduler_config(num_gpu_blocks, num_cpu_blocks, self.max_model_len))
+        self.scheduler = Scheduler(config.sized_scheduler(num_gpu_blocks, num_cpu_blocks, self.max_model_len))
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-                    config.model, runner_config.device, num_gpu_blocks, config.block_size, self.max_model_len)
+                    config.model, runner_config.device, num_gpu_blocks, sched.block_size, self.max_model_len)
 
     def _num_cpu_blocks(self) -> int:
-        if self.config.num_cpu_blocks is not None:
-            return self.config.num_cpu_blocks
+        if self.config.scheduler.num_cpu_blocks is not None:
+            return self.config.scheduler.num_cpu_blocks
         spec = KVCacheSpec.from_hf_config(self.hf_config, self.config.block_size,
                                           DTYPES[self.config.dtype], self.config.tensor_parallel_size)
         return spec.blocks_in(self.config.swap_space_gb * GiB)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (its eos_token_id defaults to the model's); ValueError if it cannot run."""
+        """Queue a request (its end-of-turn ids default to the model's); ValueError if it cannot run."""
         ids = request.prompt_token_ids
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             # An id outside the embedding table would fail the whole batch's forward, not just this request.
             raise ValueError(f"prompt_token_ids: token ids must be in [0, {self.vocab_size}), "
                              f"got {min(ids)}..{max(ids)}")
-        if request.eos_token_id is None:
-            request.eos_token_id = self.eos_token_id
+        request.sampling_params.check_vocab(self.vocab_size)
+        if not request.eos_token_ids:
+            request.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -89,24 +87,22 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def cached_prefix_hashes(self, limit: int) -> list[int]:
+        """Hashes of up to `limit` most recently cached KV blocks (what the router's prefix index mirrors)."""
+        return self.scheduler.kv.pool.recent_hashes(limit)
+
     def shutdown(self) -> None:
         self.executor.shutdown()
 
 
-def _make_executor(config: EngineConfig, runner_config: RunnerConfig):
+def _make_executor(config: EngineConfig, runner_config: RunnerConfig, placement_group: Any) -> Executor:
     """In-process for one rank; one Ray worker actor per rank otherwise."""
     if config.tensor_parallel_size == 1:
         return LocalExecutor(runner_config)
     from cluster.ray_executor import RayExecutor
 
     # A Serve replica's group holds the replica's own bundle first, then one per worker.
-    offset = 1 if config.placement_group is not None else 0
-    return RayExecutor(runner_config, config.tensor_parallel_size, placement_group=config.placement_group,
+    offset = 1 if placement_group is not None else 0
+    return RayExecutor(runner_config, config.tensor_parallel_size, placement_group=placement_group,
                        bundle_offset=offset, use_compiled_graph=config.use_compiled_graph)
 
-
-def _first_eos(hf_config) -> int | None:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        return eos[0] if eos else None
-    return eos

@@ -1,16 +1,31 @@
 """Executors run each SchedulerOutput on the model workers and return rank 0's ModelRunnerOutput.
 
-LocalExecutor runs one ModelRunner in this process (tests, TP=1); a Ray executor with the same
-four methods drives one worker actor per tensor-parallel rank.
+LocalExecutor runs one ModelRunner in this process (tests, TP=1); cluster.ray_executor.RayExecutor
+drives one worker actor per tensor-parallel rank. Both satisfy the Executor protocol.
 """
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.runner import ModelRunner, RunnerConfig
 
 logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """What an EngineCore needs from the workers of one replica."""
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks the device can hold (the minimum over ranks)."""
+        ...
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
 
 
 class LocalExecutor:
@@ -22,7 +37,6 @@ class LocalExecutor:
         self.runner = ModelRunner(runner_config)
 
     def determine_num_blocks(self) -> int:
-        """KV blocks the device can hold (the minimum over ranks, for multi-rank executors)."""
         return self.runner.determine_num_blocks()
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:

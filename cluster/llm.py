@@ -11,16 +11,16 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from cluster.config import EngineConfig
+from cluster.detokenizer import TextStream
 from cluster.engine import EngineCore
+from cluster.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
-from workers.detokenizer import IncrementalDetokenizer, StopMatcher
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-_StopState = tuple[IncrementalDetokenizer, StopMatcher]
 
 
 @dataclass(slots=True)
@@ -45,7 +45,8 @@ class LLM:
         config = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device,
                                           tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.engine = EngineCore(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
+        self.frontend = Frontend(AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info)
+        self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -55,7 +56,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
-        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        token_ids = [self.frontend.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
@@ -64,9 +65,8 @@ class LLM:
         """Reply to each conversation (a list of {"role", "content"} messages) via the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                 for c in conversations]
-        token_ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        texts = [self.frontend.render_chat(c) for c in conversations]
+        token_ids = [self.frontend.encode_chat(c) for c in conversations]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
     def _run(self, texts: list[str | None], token_ids: list[list[int]],
@@ -74,7 +74,7 @@ class LLM:
              use_tqdm: bool) -> list[GenerationOutput]:
         params = _params_per_prompt(sampling_params, len(token_ids))
         outputs: dict[str, GenerationOutput] = {}
-        stops: dict[str, _StopState] = {}
+        stops: dict[str, TextStream] = {}
         live: set[str] = set()
         with tqdm(total=len(token_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             try:
@@ -84,7 +84,7 @@ class LLM:
                     live.add(rid)
                     outputs[rid] = GenerationOutput(rid, text, ids, logprobs=[] if sp.logprobs is not None else None)
                     if sp.stop:  # text is built as it streams, so stop strings cut it at once
-                        stops[rid] = (IncrementalDetokenizer(self.tokenizer, ids), StopMatcher(list(sp.stop)))
+                        stops[rid] = self.frontend.text_stream(ids, sp.stop)
                 while live:
                     finished = self._step(outputs, stops)
                     live -= finished
@@ -94,10 +94,10 @@ class LLM:
                     self.engine.abort_requests(list(live))
         for rid, out in outputs.items():
             if rid not in stops:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                out.text = self.frontend.decode(out.token_ids)
         return list(outputs.values())
 
-    def _step(self, outputs: dict[str, GenerationOutput], stops: dict[str, _StopState]) -> set[str]:
+    def _step(self, outputs: dict[str, GenerationOutput], stops: dict[str, TextStream]) -> set[str]:
         finished = set()
         for ro in self.engine.step():
             out = outputs.get(ro.request_id)
@@ -139,14 +139,10 @@ def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams
     return params
 
 
-def _hit_stop(out: GenerationOutput, stop: _StopState, new_token_ids: list[int], finished: bool) -> bool:
-    """Feed a step's tokens to the stop matcher; on a hit the text is cut before the stop string."""
-    detok, matcher = stop
-    delta = detok.add(new_token_ids)
-    if finished:
-        delta += detok.flush()
-    matcher.feed(delta, final=finished)
-    out.text = matcher.text
-    if matcher.stopped:
+def _hit_stop(out: GenerationOutput, stream: TextStream, new_token_ids: list[int], finished: bool) -> bool:
+    """Feed a step's tokens to the text stream; on a stop string the text is cut before it."""
+    stream.feed(new_token_ids, finished)
+    out.text = stream.text
+    if stream.stopped:
         out.finish_reason = "stop"
-    return matcher.stopped
+    return stream.stopped

@@ -6,6 +6,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 from scheduler.outputs import SchedulerStats
 
 _TAGS = ("replica",)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
 _E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
@@ -41,6 +42,19 @@ class ReplicaMetrics:
                        self.ttft, self.itl, self.e2e):
             metric.set_default_tags({"replica": replica})
         self._preemptions_seen = 0
+        self._export_zeros()
+
+    def _export_zeros(self) -> None:
+        """Every gauge and counter series exists from the start, so a panel shows 0, not "No data".
+
+        Ray's Counter.inc refuses 0, and a series appears only once recorded: record 0 directly.
+        """
+        for gauge in (self.waiting, self.running, self.swapped, self.kv_usage, self.hit_rate):
+            gauge.set(0.0)
+        for counter in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+            counter._record(0.0)
+        for reason in FINISH_REASONS:
+            self.requests._record(0.0, tags={"finish_reason": reason})
 
     def record_stats(self, stats: SchedulerStats) -> None:
         self.waiting.set(stats.num_waiting)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from scheduler.outputs import SchedulerStats
 from scheduler.sampling_params import SamplingParams
 
 
@@ -27,3 +29,31 @@ class GenerateRequest:
             raise ValueError("request_id: must be a non-empty string")
         if not self.prompt_token_ids:
             raise ValueError(f"prompt_token_ids: request {self.request_id!r} has an empty prompt")
+
+
+@dataclass(slots=True)
+class RoutingStats:
+    """A replica's figures for the router; a dict only at Serve's edge (record_routing_stats)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_swapped: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_free_blocks: int = 0
+    prefix_hashes: list[int] | None = None  # most recently cached blocks, oldest first
+
+    @classmethod
+    def of(cls, stats: SchedulerStats | None) -> RoutingStats:
+        if stats is None:
+            return cls()
+        return cls(num_waiting=stats.num_waiting, num_running=stats.num_running, num_swapped=stats.num_swapped,
+                   kv_cache_usage=stats.kv_cache_usage, prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+                   num_preemptions=stats.num_preemptions, num_free_blocks=stats.num_free_blocks)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__slots__ if name != "prefix_hashes"}
+        if self.prefix_hashes is not None:
+            out["prefix_hashes"] = self.prefix_hashes
+        return out

@@ -13,14 +13,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
+from cluster.config import EngineConfig
 from cluster.metrics import ReplicaMetrics
-from cluster.protocol import GenerateRequest
+from cluster.protocol import GenerateRequest, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import Request
+
+if TYPE_CHECKING:
+    from cluster.engine import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +131,7 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         finished=later.finished, finish_reason=later.finish_reason,
         num_prompt_tokens=later.num_prompt_tokens or first.num_prompt_tokens,
         num_output_tokens=later.num_output_tokens, num_cached_tokens=later.num_cached_tokens,
-        new_logprobs=logprobs)
+        new_logprobs=logprobs, error=later.error)
 
 
 @dataclass(slots=True)
@@ -137,6 +141,7 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
+    counted: bool = False  # its finish is in the metrics (a cancel arriving later must not count again)
 
     async def next(self) -> RequestOutput:
         item = await self.queue.get()
@@ -151,49 +156,25 @@ class _Stream:
         return item
 
 
-def stats_dict(stats: SchedulerStats | None) -> dict[str, Any]:
-    """The scheduler figures a router or a test reads (plain values, cheap to ship)."""
-    if stats is None:
-        return {"num_waiting": 0, "num_running": 0, "num_swapped": 0, "kv_cache_usage": 0.0,
-                "prefix_cache_hit_rate": 0.0, "num_preemptions": 0, "num_free_blocks": 0}
-    return {"num_waiting": stats.num_waiting, "num_running": stats.num_running,
-            "num_swapped": stats.num_swapped, "kv_cache_usage": stats.kv_cache_usage,
-            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
-            "num_free_blocks": stats.num_free_blocks}
-
-
 # Enough to describe the hot prefixes; each report is one pickled list of 128-bit ints.
 MAX_REPORTED_PREFIX_HASHES = 4096
 
 
-def _recent_prefix_hashes(engine: Any) -> list[int]:
-    """Hashes of cached blocks, most recently registered last (runs on the engine thread)."""
-    cached = engine.scheduler.kv.pool.cached
-    if len(cached) <= MAX_REPORTED_PREFIX_HASHES:
-        return list(cached)
-    return list(cached)[-MAX_REPORTED_PREFIX_HASHES:]
-
-
-def build_engine(config: Any) -> Any:
-    """EngineCore for the AppConfig, on the placement group Serve created for this replica."""
+def build_engine(config: EngineConfig) -> EngineCore:
+    """EngineCore for the config, on the placement group Serve created for this replica."""
     from ray.util import get_current_placement_group
 
-    from cluster.config import EngineConfig
     from cluster.engine import EngineCore
 
-    engine_config = EngineConfig(**config.engine_kwargs(placement_group=get_current_placement_group()))
-    return EngineCore(engine_config)
+    return EngineCore(config, placement_group=get_current_placement_group())
 
 
 @serve.deployment(name="LLMReplica")
 class LLMReplica:
     """One data-parallel engine: its scheduler, KV cache and (TP) workers."""
 
-    async def __init__(self, config: Any) -> None:
+    async def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.device == "cpu" and config.cpu_threads:
-            import torch
-            torch.set_num_threads(config.cpu_threads)
         self.replica = replica = serve.get_replica_context().replica_tag
         self.metrics = ReplicaMetrics(replica)
         self.engine = build_engine(config)
@@ -215,7 +196,7 @@ class LLMReplica:
         self.metrics.record_admitted(len(request.prompt_token_ids))
         self._loop_thread.add(Request(
             request_id=rid, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=request.sampling_params,  # eos_token_id: the engine fills in the model's
+            sampling_params=request.sampling_params,  # eos_token_ids: the engine fills in the model's
             priority=request.priority, tenant=request.tenant,
             block_hashes=list(request.block_hashes)))
         finished = False
@@ -228,7 +209,8 @@ class LLMReplica:
             self._streams.pop(rid, None)
             if not finished:
                 self._loop_thread.abort([rid])
-                self.metrics.record_finished("abort", time.perf_counter() - stream.arrival)
+                if not stream.counted:
+                    self.metrics.record_finished("abort", time.perf_counter() - stream.arrival)
 
     def _on_step(self, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
         now = time.perf_counter()
@@ -243,6 +225,7 @@ class LLMReplica:
                     itl=None if first else now - stream.last_token)
                 stream.last_token = now
             if output.finished:
+                stream.counted = True
                 self.metrics.record_finished(output.finish_reason, now - stream.arrival)
             stream.queue.put_nowait(output)
         self._stats = stats
@@ -257,26 +240,26 @@ class LLMReplica:
     # ---- what the router, the ingress and Serve ask ---------------------------------------------
     def model_info_sync(self) -> dict[str, Any]:
         return {"max_model_len": self.engine.max_model_len, "block_size": self.config.block_size,
-                "vocab_size": self.engine.vocab_size, "replica": self.replica}
+                "replica": self.replica}
 
     async def model_info(self) -> dict[str, Any]:
         return self.model_info_sync()
 
     async def stats(self) -> dict[str, Any]:
         """The latest scheduler figures (updated after every step and every abort)."""
-        return {**stats_dict(self._stats), "replica": self.replica, "num_streams": len(self._streams)}
+        return {**RoutingStats.of(self._stats).as_dict(), "replica": self.replica, "num_streams": len(self._streams)}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request router: queues, KV usage, prefix-cache figures and the
         hashes of the most recently cached blocks (the router's prefix index syncs to them)."""
-        stats = stats_dict(self._stats)
+        stats = RoutingStats.of(self._stats)
         if self._loop_thread.failure is None:
             try:
-                stats["prefix_hashes"] = await asyncio.wait_for(
-                    self._loop_thread.call(_recent_prefix_hashes), timeout=5)
+                stats.prefix_hashes = await asyncio.wait_for(self._loop_thread.call(
+                    lambda engine: engine.cached_prefix_hashes(MAX_REPORTED_PREFIX_HASHES)), timeout=5)
             except asyncio.TimeoutError:
                 logger.warning("engine busy for 5 s: routing stats without prefix hashes")
-        return stats
+        return stats.as_dict()
 
     async def check_health(self) -> None:
         if self._loop_thread.failure is not None:

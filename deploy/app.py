@@ -22,7 +22,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         "placement_group_bundles": config.placement_group_bundles(),
         "placement_group_strategy": config.placement_strategy,
         "max_ongoing_requests": config.max_ongoing_requests,
-        "max_queued_requests": config.max_queued_requests,
+        "max_queued_requests": config.queue_limit(),
         # The ingress's handle raises BackPressureError carrying this status (and Retry-After).
         "backpressure_config": config.backpressure_config(),
         # Loading weights (and a first GGUF conversion) takes longer than Serve's defaults expect.
@@ -32,8 +32,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     router_config = config.request_router_config()
     if router_config is not None:
         replica_options["request_router_config"] = router_config
-    replica = LLMReplica.options(**replica_options).bind(config)
-    logger.info("raylm app: %s", config.model_dump(exclude={"api_key"}))
+    replica = LLMReplica.options(**replica_options).bind(config.engine)
+    logger.info("raylm app: %s", config.summary())
     return OpenAIIngress.options(
         num_replicas=config.ingress_replicas,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},

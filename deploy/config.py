@@ -1,17 +1,26 @@
-"""The app's arguments (deploy.yaml `args:`), declared and validated once."""
+"""The app's arguments (deploy.yaml `args:`): serving, routing and resources, over the engine's tree.
+
+The tree is AppConfig > EngineConfig > SchedulerConfig, each setting declared once. deploy.yaml
+may name any setting flat (`max_num_seqs: 32`) or in optional `engine:` / `scheduler:` sections;
+the flat keys map onto the tree by a mapping generated from the dataclasses' fields.
+"""
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, ValidationError, model_validator
 
-from scheduler.config import SchedulerConfig
+from cluster.config import SCHEDULER_KEYS, EngineConfig
+from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
+from scheduler.settings import declared_settings
 
-DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct (workers.loader)
 ROUTERS = {
     "power_of_two": None,  # Serve's built-in PowerOfTwoChoicesRequestRouter
-    "fleet": "cluster.router.FleetRouter",  # load + prefix affinity (cluster/routing.py)
+    "fleet": "cluster.serve_router.FleetRouter",  # load + prefix affinity (cluster/routing_policies.py)
 }
+ENGINE_KEYS = tuple(f.name for f in declared_settings(EngineConfig))
 
 
 class AutoscalingArgs(BaseModel):
@@ -33,61 +42,65 @@ class AutoscalingArgs(BaseModel):
         return self
 
 
+class ApiKeyProfile(BaseModel):
+    """Who a key belongs to: its tenant (the fair policy's unit) and its priority ceiling."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=MAX_TENANT_CHARS)
+    # Lower is more urgent: a request asking for more urgency than this gets this.
+    max_priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+
+
+UNLIMITED_KEY = ApiKeyProfile(tenant="default", max_priority=-MAX_PRIORITY)
+
+
 class AppConfig(BaseModel):
     """Everything `build_app` accepts. Unknown keys are errors (Serve would drop them silently)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), arbitrary_types_allowed=True)
 
-    # Model and parallelism.
-    model: str = DEFAULT_MODEL
-    served_model_name: str | None = None
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    device: Literal["cpu", "cuda"] = "cpu"
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    max_model_len: int | None = Field(default=None, ge=16)  # None: the model's, capped at 8192
-    seed: int = 0
-    attention_backend: Literal["auto", "torch", "flash_attn", "triton"] = "auto"
-    # KV-cache sizing: measured from memory unless num_gpu_blocks pins the count.
-    kv_cache_memory_gb: float = Field(default=2.0, gt=0)  # the KV pool of a CPU replica
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    swap_space_gb: float = Field(default=0.0, ge=0)  # CPU pool for swap preemption
-    # torch intra-op threads of a CPU replica (None: what Ray sets, OMP_NUM_THREADS = the actor's CPUs).
-    cpu_threads: int | None = Field(default=None, ge=1)
-
+    engine: InstanceOf[EngineConfig] = Field(default_factory=EngineConfig,
+                                             description="model, parallelism, cache and scheduler settings")
+    served_model_name: str | None = Field(default=None, description="the name clients pass as `model` "
+                                          "and `/v1/models` lists (unset: `model`)")
     # Data parallelism: a fixed count or autoscaling, not both.
-    num_replicas: int | None = Field(default=None, ge=1)
-    autoscaling: AutoscalingArgs | None = None
-
-    # Scheduler knobs (scheduler.config.SchedulerConfig); block counts None: sized by the engine.
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    block_size: int = Field(default=16, ge=1)
-    num_gpu_blocks: int | None = Field(default=None, ge=1)
-    num_cpu_blocks: int | None = Field(default=None, ge=0)
-    long_prefill_token_threshold: int = Field(default=0, ge=0)
-    enable_prefix_caching: bool = True
-    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
-    preemption_mode: Literal["recompute", "swap", "auto"] = "recompute"
-    preemption_victim: Literal["lifo", "least_progress"] = "lifo"
-    watermark: float = Field(default=0.0, ge=0.0, lt=1.0)
-
+    num_replicas: int | None = Field(default=None, ge=1, description="data-parallel replicas, one engine each "
+                                     "(unset: 1)")
+    autoscaling: AutoscalingArgs | None = Field(default=None, description="instead of `num_replicas`: "
+                                                "`{min_replicas, max_replicas, initial_replicas, "
+                                                "target_ongoing_requests, upscale_delay_s, downscale_delay_s}`")
     # Routing across replicas and admission.
-    router: Literal["fleet", "power_of_two"] = "fleet"
-    router_kwargs: dict[str, Any] = Field(default_factory=dict)
-    max_ongoing_requests: int = Field(default=256, ge=1)  # per replica, in flight at once
-    max_queued_requests: int = Field(default=-1, ge=-1)  # per caller; beyond it: overload_status
-    overload_status: Literal[429, 503] = 503
-    overload_retry_after_s: float | None = Field(default=None, gt=0)  # sent as Retry-After
-
+    router: Literal["fleet", "power_of_two"] = Field(default="fleet", description="`fleet` (load + prefix "
+                                                     "affinity) or Serve's `power_of_two`")
+    router_kwargs: dict[str, Any] = Field(default_factory=dict, description="`fleet` router settings "
+                                          "(cluster/routing_policies.py `RoutingConfig`)")
+    max_ongoing_requests: int = Field(default=256, ge=1, description="requests in flight at once per replica")
+    max_queued_requests: int | None = Field(default=None, ge=-1, description="queued per ingress beyond "
+                                            "that; past it: `overload_status` (unset: max_ongoing_requests "
+                                            "x replicas; -1: unbounded)")
+    overload_status: Literal[429, 503] = Field(default=503, description="HTTP status when the queues are full")
+    overload_retry_after_s: float = Field(default=1.0, gt=0, le=3600, description="sent as Retry-After")
+    # Request limits at the ingress.
+    max_request_body_bytes: int = Field(default=16 << 20, ge=1024, description="larger bodies get 413 "
+                                        "before they are parsed")
+    max_sequences_per_request: int = Field(default=128, ge=1, le=4096, description="prompts x n of one request")
+    max_stop_string_chars: int = Field(default=1024, ge=1, description="longest stop string accepted")
     # Resources and placement (one bundle for the replica, one per TP worker when TP > 1).
-    replica_num_cpus: float = Field(default=1.0, ge=0)
-    worker_num_cpus: float = Field(default=1.0, ge=0)
-    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
-    ingress_num_cpus: float = Field(default=0.5, ge=0)
-    ingress_replicas: int = Field(default=1, ge=1)
-
-    # HTTP.
-    api_key: str | None = None
+    replica_num_cpus: float = Field(default=1.0, ge=0, description="CPUs of the replica's bundle")
+    worker_num_cpus: float = Field(default=1.0, ge=0, description="CPUs of each TP worker's bundle (TP > 1)")
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        default="PACK", description="placement of a replica's bundles")
+    ingress_num_cpus: float = Field(default=0.5, ge=0, description="CPUs of each ingress replica")
+    ingress_replicas: int = Field(default=1, ge=1, description="OpenAI ingress replicas")
+    # HTTP and tenants.
+    api_key: str | None = Field(default=None, description="required as `Authorization: Bearer <key>` when set")
+    api_keys: dict[str, ApiKeyProfile] | None = Field(
+        default=None, description="key -> `{tenant, max_priority}`: the `fair` policy's tenant and the most "
+        "urgent `priority` that key may ask for come from the key, never from the request")
+    api_keys_env: str | None = Field(
+        default=None, description="name of an environment variable holding `api_keys` as JSON (keeps the "
+        "keys out of deploy.yaml and the Ray dashboard)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "AppConfig":
@@ -95,25 +108,30 @@ class AppConfig(BaseModel):
             raise ValueError("num_replicas: set num_replicas or autoscaling, not both")
         if self.api_key == "":
             raise ValueError("api_key: must be non-empty when set")
+        if self.api_keys_env is not None:
+            self.api_keys = {**(self.api_keys or {}), **_keys_from_env(self.api_keys_env)}
+        if self.api_keys is not None and any(not key for key in self.api_keys):
+            raise ValueError("api_keys: keys must be non-empty")
         if self.router == "fleet":
-            from cluster.routing import RoutingConfig  # pure policy code, no Ray
+            from cluster.routing_policies import RoutingConfig  # pure policy code, no Ray
             try:
                 RoutingConfig(**self.router_kwargs)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"router_kwargs: {exc}") from None
         elif self.router_kwargs:
             raise ValueError(f"router_kwargs: {self.router} takes none, got {sorted(self.router_kwargs)}")
-        # SchedulerConfig checks the knobs' relations (swap needs a CPU pool, ...).
-        cpu_blocks = self.num_cpu_blocks if self.num_cpu_blocks is not None else int(self.swap_space_gb > 0)
-        self.scheduler_config(num_gpu_blocks=self.num_gpu_blocks or 1 << 30, num_cpu_blocks=cpu_blocks,
-                              max_model_len=self.max_model_len or self.block_size)
         return self
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "AppConfig":
-        """Validate deploy.yaml args; the ValueError names every offending field."""
+        """Validate deploy.yaml args; the ValueError names every offending field by its path."""
+        app, engine = _split_args(dict(args or {}))
         try:
-            return cls.model_validate(args or {})
+            engine_config = EngineConfig.from_kwargs(**engine)
+        except ValueError as exc:
+            raise ValueError(f"invalid raylm app args: engine.{exc}") from None
+        try:
+            return cls.model_validate({**app, "engine": engine_config})
         except ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc']) or e['msg'].split(':', 1)[0]}: "
@@ -124,46 +142,27 @@ class AppConfig(BaseModel):
     @property
     def model_name(self) -> str:
         """The name clients pass as `model` and /v1/models lists."""
-        return self.served_model_name or self.model
+        return self.served_model_name or self.engine.model
+
+    def key_profiles(self) -> dict[str, ApiKeyProfile]:
+        """Every accepted key and whom it belongs to (empty: no authentication)."""
+        profiles = dict(self.api_keys or {})
+        if self.api_key is not None:
+            profiles.setdefault(self.api_key, UNLIMITED_KEY)
+        return profiles
 
     @property
     def use_gpu(self) -> bool:
-        return self.device == "cuda"
-
-    def scheduler_knobs(self) -> dict[str, Any]:
-        """The SchedulerConfig fields set here (the engine measures block counts and model length)."""
-        return {"max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs,
-                "block_size": self.block_size, "long_prefill_token_threshold": self.long_prefill_token_threshold,
-                "enable_prefix_caching": self.enable_prefix_caching, "policy": self.policy,
-                "preemption_mode": self.preemption_mode, "preemption_victim": self.preemption_victim,
-                "watermark": self.watermark}
-
-    def scheduler_config(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> SchedulerConfig:
-        try:
-            return SchedulerConfig(**self.scheduler_knobs(), num_gpu_blocks=num_gpu_blocks,
-                                   num_cpu_blocks=num_cpu_blocks, max_model_len=max_model_len)
-        except ValueError as exc:
-            raise ValueError(str(exc)) from None
-
-    def engine_kwargs(self, placement_group: Any = None) -> dict[str, Any]:
-        """cluster.config.EngineConfig arguments for one replica."""
-        return {"model": self.model, "dtype": self.dtype, "device": self.device,
-                "tensor_parallel_size": self.tensor_parallel_size, "seed": self.seed,
-                "kv_cache_memory_gb": self.kv_cache_memory_gb,
-                "gpu_memory_utilization": self.gpu_memory_utilization, "num_gpu_blocks": self.num_gpu_blocks,
-                "num_cpu_blocks": self.num_cpu_blocks, "swap_space_gb": self.swap_space_gb,
-                "max_model_len": self.max_model_len, "attention_backend": self.attention_backend,
-                "load_progress": False, "placement_group": placement_group,
-                "scheduler": self.scheduler_knobs()}
+        return self.engine.device.startswith("cuda")
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """The replica's bundle first (Serve places the replica actor there), then one per TP worker."""
         gpu = {"GPU": 1.0} if self.use_gpu else {}
-        if self.tensor_parallel_size == 1:
+        if self.engine.tensor_parallel_size == 1:
             # The single worker runs inside the replica process.
             return [{"CPU": self.replica_num_cpus, **gpu}]
         worker = {"CPU": self.worker_num_cpus, **gpu}
-        return [{"CPU": self.replica_num_cpus}] + [dict(worker) for _ in range(self.tensor_parallel_size)]
+        return [{"CPU": self.replica_num_cpus}] + [dict(worker) for _ in range(self.engine.tensor_parallel_size)]
 
     def replica_actor_options(self) -> dict[str, Any]:
         first = self.placement_group_bundles()[0]
@@ -174,6 +173,13 @@ class AppConfig(BaseModel):
             return {"num_replicas": self.num_replicas or 1}
         return {"num_replicas": "auto", "autoscaling_config": self.autoscaling.model_dump(exclude_none=True)}
 
+    def queue_limit(self) -> int:
+        """Requests an ingress queues for the replicas before it answers overload_status."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        replicas = self.autoscaling.max_replicas if self.autoscaling else (self.num_replicas or 1)
+        return self.max_ongoing_requests * replicas
+
     def backpressure_config(self) -> dict[str, Any]:
         return {"status_code": self.overload_status, "retry_after_s": self.overload_retry_after_s}
 
@@ -183,3 +189,44 @@ class AppConfig(BaseModel):
             return None
         return {"request_router_class": router_class, "request_router_kwargs": dict(self.router_kwargs),
                 "request_routing_stats_period_s": 1.0}
+
+    def summary(self) -> dict[str, Any]:
+        """What the app logs at start (no secrets)."""
+        from dataclasses import asdict
+
+        return {**self.model_dump(exclude={"api_key", "api_keys", "engine"}), "engine": asdict(self.engine)}
+
+
+def _keys_from_env(name: str) -> dict[str, ApiKeyProfile]:
+    raw = os.environ.get(name)
+    if not raw:
+        raise ValueError(f"api_keys_env: environment variable {name} is not set")
+    try:
+        data = json.loads(raw)
+        return {str(k): ApiKeyProfile.model_validate(v) for k, v in dict(data).items()}
+    except (ValueError, TypeError) as exc:
+        # The message names the variable, never its content: it holds secrets.
+        raise ValueError(f"api_keys_env: {name} must hold a JSON object key -> {{tenant, max_priority}} "
+                         f"({type(exc).__name__})") from None
+
+
+def _split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Flat and sectioned args -> (AppConfig fields, EngineConfig.from_kwargs arguments)."""
+    engine = _section(args, "engine")
+    scheduler = _section(args, "scheduler")
+    scheduler.update(_section(engine, "scheduler"))
+    for key in list(args):
+        if key in ENGINE_KEYS:
+            engine[key] = args.pop(key)
+        elif key in SCHEDULER_KEYS:
+            scheduler[key] = args.pop(key)
+    # A replica's log is no terminal: no progress bar unless asked for.
+    engine.setdefault("load_progress", False)
+    return args, {**engine, "scheduler": scheduler}
+
+
+def _section(args: dict[str, Any], name: str) -> dict[str, Any]:
+    section = args.pop(name, None) or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"invalid raylm app args: {name}: must be a mapping, got {section!r}")
+    return dict(section)

@@ -1,12 +1,14 @@
 """OpenAI error JSON and the one exception-to-status mapping of the HTTP layer."""
 from __future__ import annotations
 
-import json
 import logging
 import math
+import re
+import uuid
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 logger = logging.getLogger(__name__)
@@ -60,31 +62,76 @@ def error_body(type_: str, message: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class RequestFailedError(APIError):
+    """One request failed inside the engine (its own inputs); the others in its batch went on."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, request_id: str, reason: str | None) -> None:
+        incident = uuid.uuid4().hex[:16]
+        logger.error("request %s failed in the engine (incident %s): %s", request_id, incident, reason)
+        super().__init__(f"The request failed in the engine (incident {incident}).", code="request_failed")
+
+
+class PayloadTooLargeError(APIError):
+    status = 413
+    type = "invalid_request_error"
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]|\x1b\[[0-9;]*[A-Za-z]")
+_MAX_MESSAGE = 1000
+
+
+def _clean(message: str) -> str:
+    """A client-facing message: no ANSI escapes or control characters, bounded in length."""
+    return _CONTROL.sub("", message)[:_MAX_MESSAGE]
+
+
 def _param_of(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p not in ("body",)]
     return ".".join(parts) or None
 
 
+def _field_of(message: str) -> str | None:
+    """Our dataclasses raise "field: message"; the field is the part before the colon."""
+    head = message.split(":", 1)[0] if ":" in message else ""
+    return head if head and " " not in head else None
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error a Ray wrapper (RayTaskError, ...) carries, so it is classified by cause, never by text."""
+    seen = 0
+    while isinstance(exc, RayTaskError) and exc.cause is not None and seen < 8:
+        exc, seen = exc.cause, seen + 1
+    return exc
+
+
 def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None]:
     """(status, type, message, param, code) for any exception the handlers let through."""
+    exc = _cause(exc)
     if isinstance(exc, APIError):
-        return exc.status, exc.type, exc.message, exc.param, exc.code
-    if isinstance(exc, json.JSONDecodeError):
-        return 400, "invalid_request_error", f"Request body is not valid JSON: {exc}", None, "invalid_json"
+        return exc.status, exc.type, _clean(exc.message), exc.param, exc.code
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
-        param = _param_of(tuple(first.get("loc", ())))
-        return 400, "invalid_request_error", f"{param}: {first.get('msg')}", param, None
-    if isinstance(exc, ValueError):
-        # Our dataclasses (SamplingParams, ...) raise "field: message".
-        message = str(exc)
-        field = message.split(":", 1)[0] if ":" in message else None
-        return 400, "invalid_request_error", message, field if field and " " not in field else None, None
+        msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        param = _param_of(tuple(first.get("loc", ()))) or _field_of(msg)
+        message = msg if param is None or msg.startswith(f"{param}:") else f"{param}: {msg}"
+        return 400, "invalid_request_error", _clean(message), param, None
+    if isinstance(exc, ValueError) and not isinstance(exc, RayError):
+        # Our dataclasses (SamplingParams, Request, ...) raise "field: message".
+        message = _clean(str(exc))
+        return 400, "invalid_request_error", message, _field_of(message), None
     if isinstance(exc, BackPressureError):
         status = getattr(exc, "status_code", 503)
         return status, "overloaded_error", "The server is overloaded, retry later.", None, "overloaded"
-    logger.exception("unhandled error in the ingress", exc_info=exc)
-    return 500, "internal_error", f"Internal error: {type(exc).__name__}", None, None
+    if isinstance(exc, (RayActorError, ActorUnavailableError)):
+        logger.warning("a replica became unavailable: %s", type(exc).__name__)
+        return 503, "overloaded_error", "The model replica serving this request is unavailable, retry later.", \
+            None, "replica_unavailable"
+    incident = uuid.uuid4().hex[:16]
+    logger.error("internal error %s", incident, exc_info=exc)
+    return 500, "internal_error", f"Internal server error (incident {incident}).", None, None
 
 
 def error_response(exc: BaseException) -> JSONResponse:

@@ -10,8 +10,9 @@ from typing import Any
 
 from ray.serve.context import _set_request_context
 
+from cluster.frontend import Frontend
+from deploy.errors import RequestFailedError
 from cluster.protocol import GenerateRequest
-from workers.detokenizer import IncrementalDetokenizer, StopMatcher
 from scheduler.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -71,12 +72,10 @@ class Choice:
     index: int
     prompt_index: int
     request: GenerateRequest
-    tokenizer: Any
-    stops: list[str] = field(default_factory=list)
+    frontend: Frontend
 
     async def stream(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
-        detok = IncrementalDetokenizer(self.tokenizer, self.request.prompt_token_ids)
-        matcher = StopMatcher(self.stops)
+        text_stream = self.frontend.text_stream(self.request.prompt_token_ids, self.request.sampling_params.stop)
         num_output = 0
         _route_as_own_request()
         response = replica.options(stream=True).generate.remote(self.request)
@@ -85,15 +84,14 @@ class Choice:
             async for out in response:
                 tokens = out.new_token_ids
                 logprobs = out.new_logprobs
-                text = detok.add(tokens)
-                if out.finished:
-                    text += detok.flush()
                 # Usage counts every token generated, including those past a stop string's cut.
-                sent = matcher.feed(text, final=out.finished)
+                sent = text_stream.feed(tokens, out.finished)
                 num_output += len(tokens)
-                finish = "stop" if matcher.stopped else (out.finish_reason if out.finished else None)
+                finish = "stop" if text_stream.stopped else (out.finish_reason if out.finished else None)
                 if finish == "abort":
                     raise RuntimeError(f"request {self.request.request_id} was aborted by its replica")
+                if finish == "error":
+                    raise RequestFailedError(self.request.request_id, out.error)
                 done = finish is not None
                 yield ChoiceDelta(self.index, self.prompt_index, sent, tokens, logprobs, finish,
                                   len(self.request.prompt_token_ids), num_output, out.num_cached_tokens)
@@ -102,7 +100,7 @@ class Choice:
         finally:
             if not done:
                 response.cancel()
-            elif matcher.stopped:
+            elif text_stream.stopped:
                 response.cancel()  # the replica is told to stop: it aborts and frees the blocks
 
 

@@ -5,6 +5,7 @@ No `from __future__ import annotations` here, and every helper the class uses is
 signatures' annotations at run time.
 """
 
+import asyncio
 import hmac
 import json
 import logging
@@ -18,22 +19,46 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster.frontend import Frontend
 from cluster.protocol import GenerateRequest
-from deploy.config import AppConfig
+from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import (AuthenticationError, BadRequestError, ContextLengthError, ModelNotFoundError,
-                           error_event, error_response)
+                           PayloadTooLargeError, error_event, error_response)
 from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
-from scheduler.kv_cache import hash_prompt_blocks
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="raylm", docs_url=None, redoc_url=None)
 
-# Used when a tokenizer has no chat template (tiny test models): ChatML, like SmolLM2's own.
-_FALLBACK_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# No tokenizer packs more characters than this into one token of real text: a longer prompt
+# cannot fit the context, and is refused before the tokenizer spends time on it.
+MAX_CHARS_PER_TOKEN = 32
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 once it passes `limit` bytes (before it is parsed)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"Request body of {declared} bytes exceeds the {limit}-byte limit.")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"Request body exceeds the {limit}-byte limit.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # invalid JSON or UTF-8, or nested past Python's stack
+        raise BadRequestError("Request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequestError("Request body must be a JSON object.", code="invalid_json")
+    return data
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -48,38 +73,17 @@ async def _prepend(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) 
             yield delta
 
 
-def _eos_token_ids(model: str, tokenizer: Any) -> list[int]:
-    """Every end-of-turn id the model may emit (Llama-3 chat ends on <|eot_id|>, not the config's first eos)."""
-    from transformers import GenerationConfig
-
-    from workers.loader import load_config, resolve_model
-
-    ids = {tokenizer.eos_token_id}
-    sources = [load_config(model)]
-    try:
-        sources.append(GenerationConfig.from_pretrained(resolve_model(model)))
-    except OSError:
-        pass  # no generation_config.json
-    for source in sources:
-        eos = getattr(source, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return sorted(i for i in ids if isinstance(i, int))
-
-
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
 class OpenAIIngress:
     """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI JSON."""
 
     def __init__(self, config: AppConfig, replica: DeploymentHandle) -> None:
-        from workers.loader import load_tokenizer
-
         self.config = config
         self.replica = replica
-        self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        self.frontend = Frontend.load(config.engine.model, config.engine.cache_dir)
+        self._keys = config.key_profiles()
         self._max_model_len: int | None = None
-        self._vocab_size = 0
         self._created = int(time.time())
 
     # ---- routes --------------------------------------------------------------------------------
@@ -101,11 +105,14 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         try:
-            body = await self._parse(request, CompletionRequest)
+            body, tenant = await self._parse(request, CompletionRequest)
             if body.echo:
                 raise BadRequestError("echo is not supported", param="echo")
-            prompts = [self._encode(p) if isinstance(p, str) else p for p in body.prompts()]
-            choices = await self._choices(body, prompts, body.logprobs)
+            raw_prompts = body.prompts()
+            self._check_fanout(len(raw_prompts), body.n)
+            prompts = [await self._tokenize(self.frontend.encode_prompt, p, len(p)) if isinstance(p, str) else p
+                       for p in raw_prompts]
+            choices = await self._choices(body, prompts, body.logprobs, tenant)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return await self._respond(body, choices, chat=False)
@@ -113,76 +120,101 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         try:
-            body = await self._parse(request, ChatCompletionRequest)
+            body, tenant = await self._parse(request, ChatCompletionRequest)
             if body.max_completion_tokens is not None:
                 body.max_tokens = body.max_completion_tokens
-            prompt = self._encode(self._render_chat(body))
-            choices = await self._choices(body, [prompt], body.num_logprobs)
+            self._check_fanout(1, body.n)
+            messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                        for m in body.messages]
+            prompt = await self._tokenize(self.frontend.encode_chat, messages,
+                                          sum(len(m["content"]) for m in messages))
+            choices = await self._choices(body, [prompt], body.num_logprobs, tenant)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return await self._respond(body, choices, chat=True)
 
     # ---- request -> GenerateRequests --------------------------------------------------------------
-    async def _parse(self, request: Request, schema: type) -> Any:
-        self._authorize(request)
-        body = schema.model_validate(json.loads(await request.body()))
-        if body.model != self.config.model_name and body.model != self.config.model:
+    async def _parse(self, request: Request, schema: type) -> tuple[Any, str]:
+        """The validated body and the caller's tenant."""
+        profile = self._authorize(request)
+        data = _json_object(await _read_body(request, self.config.max_request_body_bytes))
+        try:
+            body = schema.model_validate(data)
+        except RecursionError:
+            raise BadRequestError("Request body is nested too deeply.", code="invalid_json") from None
+        if body.model != self.config.model_name and body.model != self.config.engine.model:
             raise ModelNotFoundError(f"The model `{body.model}` does not exist; this server serves "
                                      f"`{self.config.model_name}`.", param="model", code="model_not_found")
-        return body
+        # The tenant and the priority ceiling are the key's; the request's `user` does not choose them.
+        if profile is not None:
+            body.priority = max(body.priority, profile.max_priority)
+        return body, (profile.tenant if profile is not None else "default")
 
-    def _authorize(self, request: Request) -> None:
-        key = self.config.api_key
-        if key is None:
-            return
+    def _authorize(self, request: Request) -> ApiKeyProfile | None:
+        """The caller's key profile; None when the app needs no key."""
+        if not self._keys:
+            return None
         header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not given or not hmac.compare_digest(given.encode(), key.encode()):
+        given = header[7:].encode() if header.lower().startswith("bearer ") else b""
+        match = None
+        for key, profile in self._keys.items():  # every key compared, in constant time each
+            if hmac.compare_digest(given, key.encode()):
+                match = profile
+        if not given or match is None:
             raise AuthenticationError("Missing or incorrect API key (Authorization: Bearer <key>).",
                                       code="invalid_api_key")
+        return match
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
+    def _check_fanout(self, num_prompts: int, n: int) -> None:
+        limit = self.config.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise BadRequestError(f"n: {num_prompts} prompt(s) x n={n} asks for more than {limit} sequences",
+                                  param="n")
 
-    def _render_chat(self, body: ChatCompletionRequest) -> str:
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                    for m in body.messages]
-        template = None if getattr(self.tokenizer, "chat_template", None) else _FALLBACK_CHAT
-        return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                  add_generation_prompt=True)
+    async def _tokenize(self, encode: Any, prompt: Any, num_chars: int) -> list[int]:
+        """Encode off the event loop (a 10 MB prompt must not stall other streams), after a size check."""
+        limit = await self.max_model_len() * MAX_CHARS_PER_TOKEN
+        if num_chars > limit:
+            raise BadRequestError(f"prompt: {num_chars} characters cannot fit this model's context "
+                                  f"(at most {limit} characters)", param="prompt", code="context_length_exceeded")
+        return await asyncio.to_thread(encode, prompt)
 
     async def max_model_len(self) -> int:
         if self._max_model_len is None:
             info = await self.replica.model_info.remote()
             self._max_model_len = int(info["max_model_len"])
-            self._vocab_size = int(info["vocab_size"])
         return self._max_model_len
 
-    async def _choices(self, body: Any, prompts: list[list[int]], logprobs: int | None) -> list[Choice]:
+    async def _choices(self, body: Any, prompts: list[list[int]], logprobs: int | None,
+                       tenant: str) -> list[Choice]:
         max_len = await self.max_model_len()
         base_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         choices = []
         for p, prompt in enumerate(prompts):
-            if not prompt:
-                raise BadRequestError("prompt: must not be empty", param="prompt")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-                raise BadRequestError(f"prompt: token ids must be in [0, {self._vocab_size})", param="prompt")
+            try:
+                self.frontend.check_token_ids(prompt)
+            except ValueError as exc:
+                raise BadRequestError(str(exc), param="prompt") from None
             max_tokens = body.max_tokens if body.max_tokens is not None else max_len - len(prompt)
             if max_tokens < 1 or len(prompt) + max_tokens > max_len:
                 raise ContextLengthError(max_len, len(prompt), max(max_tokens, body.max_tokens or 0))
-            hashes = hash_prompt_blocks(prompt, self.config.block_size)
+            hashes = self.frontend.block_hashes(prompt, self.config.engine.block_size)
+            too_long = [s for s in body.stop if len(s) > self.config.max_stop_string_chars]
+            if too_long:
+                raise BadRequestError(f"stop: stop strings may have at most {self.config.max_stop_string_chars} "
+                                      "characters", param="stop")
             for i in range(body.n):
                 params = SamplingParams(
                     max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                     min_p=body.min_p, seed=None if body.seed is None else body.seed + i,
                     repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty, logprobs=logprobs,
-                    ignore_eos=body.ignore_eos, stop=list(body.stop),
-                    stop_token_ids=[] if body.ignore_eos else list(self.eos_token_ids))
+                    ignore_eos=body.ignore_eos, stop=list(body.stop), logit_bias=dict(body.logit_bias or {}))
+                params.check_vocab(self.frontend.info.vocab_size)
                 request = GenerateRequest(
                     request_id=f"{base_id}-{p * body.n + i}", prompt_token_ids=prompt, sampling_params=params,
-                    priority=body.priority, tenant=body.user or "default", block_hashes=hashes)
-                choices.append(Choice(p * body.n + i, p, request, self.tokenizer, list(body.stop)))
+                    priority=body.priority, tenant=tenant, block_hashes=hashes)
+                choices.append(Choice(p * body.n + i, p, request, self.frontend))
         return choices
 
     # ---- responses -----------------------------------------------------------------------------
@@ -285,4 +317,4 @@ class OpenAIIngress:
                 "text_offset": offsets}
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.frontend.tokenizer.decode([token_id])

@@ -1,6 +1,6 @@
 """The continuous-batching scheduler: pure Python, no torch, no Ray."""
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache import KVCacheManager, hash_block_tokens, hash_prompt_blocks
+from scheduler.block_manager import KVCacheManager, hash_block_tokens, hash_prompt_blocks
 from scheduler.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput,
                                SchedulerOutput, SchedulerStats, TokenLogprobs)
 from scheduler.request import Request, RequestStatus

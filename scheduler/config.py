@@ -1,69 +1,68 @@
-"""Scheduler configuration: declared once, validated at construction."""
+"""Scheduler configuration: each knob declared once (default, range, doc), validated at construction."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from scheduler.settings import check_settings, setting
 
 POLICIES = ("fcfs", "priority", "fair")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 PREEMPTION_VICTIMS = ("lifo", "least_progress")
 
 
-def _require(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}: {message}")
-
-
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Knobs of the continuous-batching scheduler and its KV block pool."""
+    """Knobs of the continuous-batching scheduler and its KV block pool.
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    block_size: int = 16
-    num_gpu_blocks: int = 1024
-    num_cpu_blocks: int = 0
-    max_model_len: int = 4096
-    # Per-request cap on prefill tokens in one step (0: no cap beyond the budget).
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    preemption_victim: str = "lifo"
-    # Fraction of GPU blocks that new admissions may not take (kept for running requests).
-    watermark: float = 0.0
-    # preemption_mode="auto": swap a victim holding at least this many computed tokens,
-    # recompute a cheaper one. Recompute cost grows with tokens (and attention quadratically),
-    # a swap costs one block copy per block each way; 256 tokens is where a re-prefill of a
-    # small model starts to cost more than two PCIe copies of its KV blocks.
-    swap_min_computed_tokens: int = 256
-    # policy="fair": weights of input (prefill) and output (decode) tokens in the VTC counters.
-    fair_input_weight: float = 1.0
-    fair_output_weight: float = 2.0
+    The pool sizes and the context length may be left None: an engine fills them in from measured
+    memory and the model; a Scheduler needs them set.
+    """
+
+    max_num_batched_tokens: int = setting(2048, "token budget of one step (prefill chunks + decodes)", ge=1)
+    max_num_seqs: int = setting(128, "requests in one replica's running batch", ge=1)
+    block_size: int = setting(16, "tokens per KV block (also the prefix-hash block of the router)", ge=1)
+    num_gpu_blocks: int | None = setting(None, "device KV pool in blocks; pins the size instead of measuring it",
+                                         ge=1, derived="measured from memory")
+    num_cpu_blocks: int | None = setting(None, "CPU pool for swap preemption in blocks", ge=0,
+                                         derived="from swap_space_gb")
+    max_model_len: int | None = setting(None, "context length; prompt + max_tokens beyond it is rejected", ge=1,
+                                        derived="the model's, capped at 8192")
+    long_prefill_token_threshold: int = setting(0, "cap on one request's prefill tokens per step (0: none)", ge=0)
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
+    policy: str = setting("fcfs", "queue order: first come, priority (lower first), fair (VTC per tenant)",
+                          choices=POLICIES)
+    preemption_mode: str = setting("recompute", "how a preempted request gives back its blocks",
+                                   choices=PREEMPTION_MODES)
+    preemption_victim: str = setting("lifo", "which running request is preempted first",
+                                     choices=PREEMPTION_VICTIMS)
+    watermark: float = setting(0.0, "share of device blocks new admissions may not take", ge=0.0, lt=1.0)
+    # Recompute cost grows with tokens (attention quadratically); a swap costs one block copy per
+    # block each way: 256 tokens is where re-prefilling a small model costs more than two copies.
+    swap_min_computed_tokens: int = setting(
+        256, "preemption_mode auto: swap a victim with at least this many computed tokens, else recompute", ge=0)
+    fair_input_weight: float = setting(1.0, "policy fair: weight of a prefill token in the tenant counters", ge=0)
+    fair_output_weight: float = setting(2.0, "policy fair: weight of a decoded token in the tenant counters", ge=0)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len"):
-            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        _require(self.num_gpu_blocks >= 1, "num_gpu_blocks", f"must be >= 1, got {self.num_gpu_blocks}")
-        _require(self.num_cpu_blocks >= 0, "num_cpu_blocks", f"must be >= 0, got {self.num_cpu_blocks}")
-        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
-                 f"must be >= 0, got {self.long_prefill_token_threshold}")
-        _require(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
-        _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
-                 f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        _require(self.preemption_victim in PREEMPTION_VICTIMS, "preemption_victim",
-                 f"must be one of {PREEMPTION_VICTIMS}, got {self.preemption_victim!r}")
-        _require(0.0 <= self.watermark < 1.0, "watermark", f"must be in [0, 1), got {self.watermark}")
-        _require(self.swap_min_computed_tokens >= 0, "swap_min_computed_tokens",
-                 f"must be >= 0, got {self.swap_min_computed_tokens}")
-        _require(self.fair_input_weight >= 0 and self.fair_output_weight >= 0, "fair_input_weight",
-                 "fair token weights must be >= 0")
-        if self.preemption_mode == "swap":
-            _require(self.num_cpu_blocks > 0, "num_cpu_blocks", "preemption_mode='swap' needs a CPU pool (> 0)")
-        needed = -(-self.max_model_len // self.block_size)
-        _require(self.num_gpu_blocks >= needed, "num_gpu_blocks",
-                 f"{self.num_gpu_blocks} blocks of {self.block_size} tokens cannot hold one "
-                 f"max_model_len={self.max_model_len} request (needs {needed})")
+        check_settings(self)
+        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
+            raise ValueError("num_cpu_blocks: preemption_mode='swap' needs a CPU pool (> 0)")
+        if self.num_gpu_blocks is not None and self.max_model_len is not None:
+            needed = -(-self.max_model_len // self.block_size)
+            if self.num_gpu_blocks < needed:
+                raise ValueError(f"num_gpu_blocks: {self.num_gpu_blocks} blocks of {self.block_size} tokens "
+                                 f"cannot hold one max_model_len={self.max_model_len} request (needs {needed})")
+
+    def require_sizes(self) -> None:
+        """A Scheduler needs the pool sizes and the context length (an engine measures them)."""
+        for name in ("num_gpu_blocks", "max_model_len"):
+            if getattr(self, name) is None:
+                raise ValueError(f"{name}: must be set for a Scheduler (an engine sizes it from memory)")
 
     @property
     def num_watermark_blocks(self) -> int:
-        return int(self.watermark * self.num_gpu_blocks)
+        return int(self.watermark * (self.num_gpu_blocks or 0))
+
+    @property
+    def cpu_blocks(self) -> int:
+        return self.num_cpu_blocks or 0

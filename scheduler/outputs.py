@@ -62,6 +62,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Requests whose own inputs failed this step (sampling state, their sampler row): request id ->
+    # reason. They are finished with an error; the step's other requests go on.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -71,11 +74,12 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # why the request failed (finish_reason "error"); for logs, not clients
 
 
 @dataclass(slots=True)

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from scheduler.sampling_params import SamplingParams
 
 
+# Priorities order a heap; a bounded range keeps comparisons cheap and the values meaningful.
+MAX_PRIORITY = 2**31 - 1
+MAX_TENANT_CHARS = 256
+
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Everything from FINISHED_STOPPED on is final."""
 
@@ -18,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -32,6 +38,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -42,7 +49,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # end-of-turn ids (an engine fills in the model's)
     priority: int = 0  # lower is more urgent
     tenant: str = "default"
     arrival_time: float = field(default_factory=time.monotonic)
@@ -61,8 +68,13 @@ class Request:
     known_to_runner: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        if not self.request_id:
+        if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id: must be a non-empty string")
+        if not (isinstance(self.priority, int) and not isinstance(self.priority, bool)
+                and -MAX_PRIORITY <= self.priority <= MAX_PRIORITY):
+            raise ValueError(f"priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
+        if not isinstance(self.tenant, str) or len(self.tenant) > MAX_TENANT_CHARS:
+            raise ValueError(f"tenant: must be a string of at most {MAX_TENANT_CHARS} characters")
         if not self.prompt_token_ids:
             raise ValueError(f"prompt_token_ids: request {self.request_id!r} has an empty prompt")
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -1,14 +1,33 @@
-"""Per-request generation parameters, validated where they are built."""
+"""Per-request generation parameters, validated where they are built.
+
+Every field is bounded: a value that passes here can never fail a batch (huge top_k, seeds past
+2^63, NaN temperatures, thousands of stop strings all stop at this door with the field named).
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = 2**63  # exclusive: a torch.Generator seed is a signed 64-bit integer
+MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; the engine checks against the real one
+MAX_N = 128
+MAX_LOGIT_BIAS = 300
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field_name}: {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(slots=True)
@@ -29,30 +48,58 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # applied on text by the detokenizing frontends
     n: int = 1  # parallel samples: the frontends fan a request out into n engine requests
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+        self._check_numbers()
+        self._check_lists()
+
+    def _check_numbers(self) -> None:
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _check(_is_number(getattr(self, name)), name, f"must be a finite number, got {getattr(self, name)!r}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k == -1 or self.top_k >= 0, "top_k", f"must be -1, 0 (off) or >= 1, got {self.top_k}")
+        _check(_is_int(self.top_k) and -1 <= self.top_k <= MAX_TOKEN_ID, "top_k",
+               f"must be -1, 0 (off) or a vocabulary-sized k >= 1, got {self.top_k!r}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               f"must be > 0, got {self.repetition_penalty}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-               f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be non-negative integers")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
+               f"must be an integer in [0, 2^63), got {self.seed!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+               f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n!r}")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         if self.top_k == -1:
             self.top_k = 0
+
+    def _check_lists(self) -> None:
+        _check(isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+               and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids), "stop_token_ids",
+               f"must be at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"at most {MAX_STOP_STRINGS} stop strings")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for token, bias in self.logit_bias.items():
+            _check(_is_int(token) and 0 <= token <= MAX_TOKEN_ID, "logit_bias", f"token id {token!r} is invalid")
+            _check(_is_number(bias) and -100.0 <= bias <= 100.0, "logit_bias",
+                   f"bias of token {token} must be in [-100, 100], got {bias!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError unless every token id and top_k fit the model's vocabulary."""
+        _check(self.top_k <= vocab_size, "top_k", f"must be <= the vocabulary size {vocab_size}, got {self.top_k}")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
+            _check(all(t < vocab_size for t in ids), name, f"token ids must be < the vocabulary size {vocab_size}")
 
     @property
     def greedy(self) -> bool:

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache import KVCacheManager
+from scheduler.block_manager import KVCacheManager
 from scheduler.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput,
                                SchedulerOutput, SchedulerStats)
 from scheduler.preemption import VictimPolicy
@@ -62,6 +62,7 @@ class Scheduler:
     """Decides, step by step, which tokens of which requests run and where their KV lives."""
 
     def __init__(self, config: SchedulerConfig) -> None:
+        config.require_sizes()
         self.config = config
         self.kv = KVCacheManager(config)
         self.waiting = make_waiting_queue(config.policy)
@@ -96,12 +97,28 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req.status == _RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._finish_early(req, RequestStatus.FINISHED_ABORTED)
             outputs.append(self._output(req, [], None))
+        return outputs
+
+    def _finish_early(self, req: Request, status: RequestStatus) -> None:
+        if req.status == _RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, status)
+
+    def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """Finish requests whose own inputs failed in the step; their blocks go back to the pool."""
+        outputs = []
+        for rid, reason in failed.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            self._finish_early(req, RequestStatus.FINISHED_ERROR)
+            output = self._output(req, [], None)
+            output.error = reason
+            outputs.append(output)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -232,7 +249,7 @@ class Scheduler:
         # Only displace when freeing every candidate could make room at all.
         kv = self.kv
         needed = kv.num_blocks_needed(req.num_tokens)
-        reclaimable = sum(len(kv.blocks_of(r.request_id)) for r in candidates)
+        reclaimable = kv.num_reclaimable_blocks([r.request_id for r in candidates])
         if needed > kv.num_free_blocks + reclaimable - reserve:
             return False
         self._preempt(self.victims.choose(candidates), step)
@@ -317,7 +334,7 @@ class Scheduler:
         max_len = self.config.max_model_len
         charge = self.waiting.charge if self.waiting.charges_tokens else None
         logprobs = runner_output.logprobs
-        outputs: list[RequestOutput] = []
+        outputs = self._fail(runner_output.failed) if runner_output.failed else []
         any_finished = False
         for i, (rid, sampled) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             req = requests.get(rid)
@@ -348,13 +365,13 @@ class Scheduler:
     def _append_tokens(req: Request, sampled: list[int], max_len: int) -> tuple[int, RequestStatus | None]:
         """Append sampled tokens up to the first stop; returns (how many were kept, final status)."""
         sp = req.sampling_params
-        eos = None if sp.ignore_eos else req.eos_token_id
+        eos = () if sp.ignore_eos else req.eos_token_ids
         stop_ids = sp.stop_token_ids
         out, all_ids = req.output_token_ids, req.all_token_ids
         for i, token in enumerate(sampled, 1):
             out.append(token)
             all_ids.append(token)
-            if token == eos or (stop_ids and token in stop_ids):
+            if token in eos or (stop_ids and token in stop_ids):
                 return i, RequestStatus.FINISHED_STOPPED
             if len(out) >= sp.max_tokens or len(all_ids) >= max_len:
                 return i, RequestStatus.FINISHED_LENGTH_CAPPED

@@ -50,7 +50,7 @@ def ray_cluster() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
-    from workers.loader import resolve_model
+    from workers.model_files import resolve_model
     return resolve_model("default")
 
 
@@ -65,7 +65,7 @@ def hf_smollm2(smollm2_dir):
     """transformers' model read straight from the GGUF file (its own de-quantisation)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from workers.loader import default_model_path
+    from workers.model_files import default_model_path
     path = default_model_path()
     config = AutoConfig.from_pretrained(smollm2_dir)  # parsing GGUF metadata again costs seconds
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,

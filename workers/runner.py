@@ -18,7 +18,7 @@ from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_bloc
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import load_model
 from workers.parallel import get_tp_rank
-from workers.sampler import Sampler, SamplingState
+from workers.sampler import Sampler, SamplerOutput, SamplingState
 
 logger = logging.getLogger(__name__)
 
@@ -27,20 +27,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(slots=True)
 class RunnerConfig:
-    """What a worker needs to build its model and cache (plain values: travels to Ray workers)."""
+    """What a worker needs to build its model and cache (plain values: travels to Ray workers).
 
-    model_dir: str  # an HF directory (GGUF files are converted by workers.loader.resolve_model)
-    dtype: str = "float32"
-    device: str = "cpu"  # "cpu" or "cuda" / "cuda:N"
-    block_size: int = 16
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    seed: int = 0
-    attention_backend: str = "auto"
-    kv_cache_memory_gb: float = 2.0
-    gpu_memory_utilization: float = 0.9
-    load_progress: bool = True
+    Derived by cluster.config.EngineConfig.runner_config, where each setting is declared.
+    """
+
+    model_dir: str  # an HF directory (GGUF files are converted by workers.model_files.resolve_model)
+    dtype: str
+    device: str  # "cpu" or "cuda" / "cuda:N"
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    seed: int
+    attention_backend: str
+    kv_cache_memory_gb: float
+    gpu_memory_utilization: float
+    load_progress: bool
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -90,6 +94,8 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         if self.device.type == "cpu":
             _keep_freed_memory()
+            if config.cpu_threads:
+                torch.set_num_threads(config.cpu_threads)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model_dir, hf_config, self.dtype, self.device,
@@ -151,17 +157,23 @@ class ModelRunner:
         """Apply the step's diffs, copy swapped blocks, run the forward and sample."""
         if self.kv_cache is None:
             raise RuntimeError("execute_model: init_kv_cache() must run first")
-        self._update_states(out)
+        failed = self._update_states(out)
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], failed=failed)
         batch = self._build_batch(out)
+        if not batch.req_ids:
+            return ModelRunnerOutput([], [], failed=failed)
         logits = self._forward(batch)
-        return self._sample(batch, logits)
+        output = self._sample(batch, logits)
+        output.failed.update(failed)
+        return output
 
-    def _update_states(self, out: SchedulerOutput) -> None:
+    def _update_states(self, out: SchedulerOutput) -> dict[str, str]:
+        """Apply the step's diffs; returns the new requests whose sampling state could not be built."""
         requests = self.requests
+        failed: dict[str, str] = {}
         for rid in out.finished_req_ids:
             requests.pop(rid, None)
         for rid in out.preempted_req_ids:
@@ -169,7 +181,12 @@ class ModelRunner:
             if state is not None:
                 state.block_ids = []
         for new in out.scheduled_new_reqs:
-            sampling = SamplingState.create(new.sampling_params, new.prompt_token_ids, self.device)
+            try:
+                sampling = SamplingState.create(new.sampling_params, new.prompt_token_ids, self.device)
+            except Exception as exc:  # noqa: BLE001 - this request's inputs fail it alone
+                logger.warning("request %s failed to start: %r", new.req_id, exc)
+                failed[new.req_id] = f"sampling state: {exc!r}"
+                continue
             requests[new.req_id] = RequestState(list(new.prompt_token_ids), list(new.block_ids),
                                                 new.num_computed_tokens, sampling)
         cached = out.scheduled_cached_reqs
@@ -187,6 +204,7 @@ class ModelRunner:
             else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
+        return failed
 
     def _build_batch(self, out: SchedulerOutput) -> _Batch:
         batch = _Batch()
@@ -194,7 +212,9 @@ class ModelRunner:
         scheduled = out.num_scheduled_tokens
         order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
         for rid in order:
-            self._add_to_batch(batch, rid, self.requests[rid], scheduled[rid])
+            state = self.requests.get(rid)
+            if state is not None:  # absent: it failed to start this step and is being finished
+                self._add_to_batch(batch, rid, state, scheduled[rid])
         return batch
 
     def _add_to_batch(self, batch: _Batch, rid: str, state: RequestState, n: int) -> None:
@@ -228,11 +248,29 @@ class ModelRunner:
         if not self.is_driver or not batch.sample_rows:
             return ModelRunnerOutput(batch.req_ids, sampled)
         states = [self.requests[batch.req_ids[i]].sampling for i in batch.sample_rows]
-        result = self.sampler.sample(logits.float(), states)
-        for row, token in zip(batch.sample_rows, result.token_ids):
-            sampled[row] = [token]
-        if result.logprobs is not None:
-            logprobs = [None] * len(batch.req_ids)
-            for row, lp in zip(batch.sample_rows, result.logprobs):
-                logprobs[row] = [lp] if lp is not None else None
-        return ModelRunnerOutput(batch.req_ids, sampled, logprobs)
+        failed: dict[str, str] = {}
+        try:
+            results = [(batch.sample_rows, self.sampler.sample(logits.float(), states))]
+        except Exception:  # noqa: BLE001 - find the rows at fault; the others still get their tokens
+            results = self._sample_rows_alone(batch, logits, states, failed)
+        for rows, result in results:
+            for row, token in zip(rows, result.token_ids):
+                sampled[row] = [token]
+            if result.logprobs is not None:
+                logprobs = logprobs or [None] * len(batch.req_ids)
+                for row, lp in zip(rows, result.logprobs):
+                    logprobs[row] = [lp] if lp is not None else None
+        return ModelRunnerOutput(batch.req_ids, sampled, logprobs, failed)
+
+    def _sample_rows_alone(self, batch: _Batch, logits: torch.Tensor, states: list[SamplingState],
+                           failed: dict[str, str]) -> list[tuple[list[int], SamplerOutput]]:
+        """After a failed batched draw: each row on its own, so one request's fault fails it alone."""
+        results = []
+        for i, (row, state) in enumerate(zip(batch.sample_rows, states)):
+            try:
+                results.append(([row], self.sampler.sample(logits[i:i + 1].float(), [state])))
+            except Exception as exc:  # noqa: BLE001
+                rid = batch.req_ids[row]
+                logger.warning("request %s failed in the sampler: %r", rid, exc)
+                failed[rid] = f"sampler: {exc!r}"
+        return results

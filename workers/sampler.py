@@ -94,6 +94,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Add each row's logit_bias (token id -> bias) in one scatter over the whole batch. Out of place."""
+    rows, cols, values = [], [], []
+    for row, state in enumerate(states):
+        for token, bias in state.params.logit_bias.items():
+            rows.append(row)
+            cols.append(token)
+            values.append(bias)
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=logits.device),
+                            accumulate=True)
+
+
 class Sampler:
     """Picks the next token for every row of a logits batch."""
 
@@ -105,10 +118,12 @@ class Sampler:
             return SamplerOutput([], None)
         logits = logits.float()
         wants_logprobs = any(s.params.logprobs is not None for s in states)
+        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
+        if any(s.params.logit_bias for s in states):
+            logits = apply_logit_bias(logits, states)
         if not wants_logprobs and all(s.params.greedy and not s.has_penalties for s in states):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
 
-        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if any(s.has_penalties for s in states):
             logits = _penalise(logits, states)
         token_ids = _pick(logits, states)

@@ -45,7 +45,7 @@ def test_step_streams_one_token_per_request_until_max_tokens(engine):
 def test_eos_defaults_to_the_models(engine):
     request = Request("eos-default", [1, 2, 3], SamplingParams(max_tokens=2))
     engine.add_request(request)
-    assert request.eos_token_id == 2
+    assert 2 in request.eos_token_ids
     drain(engine)
 
 
@@ -92,16 +92,22 @@ def test_seeded_sampling_is_reproducible_across_batches(engine):
 @pytest.mark.parametrize("field, value", [
     ("dtype", "float64"), ("device", "tpu"), ("tensor_parallel_size", 0), ("kv_cache_memory_gb", 0),
     ("gpu_memory_utilization", 1.5), ("num_gpu_blocks", 0), ("max_model_len", 0),
-    ("attention_backend", "xformers"), ("model", ""),
+    ("attention_backend", "xformers"), ("model", ""), ("seed", -1), ("seed", 2**64),
+    ("kv_cache_memory_gb", float("nan")), ("cpu_threads", 0), ("tensor_parallel_size", True),
 ])
 def test_engine_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
-        EngineConfig(**{field: value})
+        EngineConfig.from_kwargs(**{field: value})
 
 
 def test_engine_config_splits_scheduler_knobs():
     config = EngineConfig.from_kwargs(model="default", max_num_batched_tokens=32, policy="priority")
-    assert config.scheduler == {"max_num_batched_tokens": 32, "policy": "priority"}
-    assert config.max_num_batched_tokens == 32
+    assert config.scheduler.max_num_batched_tokens == 32 and config.scheduler.policy == "priority"
     with pytest.raises(ValueError, match="not_a_knob"):
         EngineConfig.from_kwargs(not_a_knob=1)
+
+
+def test_swap_needs_a_cpu_pool_before_any_model_loads():
+    with pytest.raises(ValueError, match="swap_space_gb or num_cpu_blocks"):
+        EngineConfig.from_kwargs(preemption_mode="swap")
+    assert EngineConfig.from_kwargs(preemption_mode="swap", swap_space_gb=0.5).scheduler.num_cpu_blocks is None

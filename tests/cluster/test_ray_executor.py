@@ -10,6 +10,7 @@ from cluster.executor import LocalExecutor
 from cluster.ray_executor import EngineDeadError, RayExecutor
 from scheduler import CachedRequestData, SchedulerConfig, SchedulerOutput
 from tests.cluster.engine_driver import greedy_tokens
+from cluster.config import EngineConfig
 from workers.runner import RunnerConfig
 
 pytestmark = pytest.mark.slow
@@ -19,7 +20,7 @@ PROMPTS = [[1 + (7 * i + j) % 240 for j in range(9 + 6 * i)] for i in range(3)]
 
 
 def runner_config(model_dir: str) -> RunnerConfig:
-    return RunnerConfig(model_dir=model_dir, max_model_len=256, load_progress=False, kv_cache_memory_gb=0.01)
+    return EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.01).runner_config(model_dir, 256)
 
 
 def scheduler_config() -> SchedulerConfig:

@@ -9,6 +9,7 @@ from cluster.executor import LocalExecutor
 from cluster.ray_executor import RayExecutor
 from scheduler import SchedulerConfig
 from tests.cluster.engine_driver import greedy_tokens
+from cluster.config import EngineConfig
 from workers.runner import RunnerConfig
 
 pytestmark = pytest.mark.slow
@@ -21,7 +22,7 @@ SMOL_TEXTS = ["The capital of France is", "Write a haiku about the sea:", "1, 2,
 
 
 def runner_config(model_dir: str) -> RunnerConfig:
-    return RunnerConfig(model_dir=model_dir, max_model_len=MAX_LEN, load_progress=False, kv_cache_memory_gb=0.05)
+    return EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.05).runner_config(model_dir, MAX_LEN)
 
 
 def roomy() -> SchedulerConfig:
@@ -64,7 +65,7 @@ def test_tp4_replicates_kv_heads_and_gives_the_greedy_tokens_of_tp1(ray_cluster,
 
 @pytest.fixture(scope="module")
 def smol_prompts() -> list[list[int]]:
-    from workers.loader import load_tokenizer
+    from workers.model_files import load_tokenizer
 
     tokenizer = load_tokenizer("default")
     return [tokenizer.encode(text) for text in SMOL_TEXTS]
@@ -72,7 +73,7 @@ def smol_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def smol_dir() -> str:
-    from workers.loader import resolve_model
+    from workers.model_files import resolve_model
 
     return resolve_model("default")
 

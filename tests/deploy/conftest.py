@@ -62,7 +62,7 @@ def tiny_model_dir(tmp_path_factory):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workers.loader import load_tokenizer
+    from workers.model_files import load_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = load_tokenizer("default")

@@ -24,6 +24,27 @@ def test_ray_config_validates_like_ray_up():
     assert any("pip install" in c and "-e" in c for c in config["setup_commands"])
 
 
+@pytest.fixture(autouse=True)
+def _example_keys(monkeypatch):
+    monkeypatch.setenv("RAYLM_API_KEYS", '{"k-team-a": {"tenant": "team-a", "max_priority": 0}}')
+
+
+def test_ray_dashboard_and_job_api_stay_on_loopback():
+    config = yaml.safe_load((ROOT / "ray_config.yaml").read_text())
+    start = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in start and "0.0.0.0" not in start
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_a_config_that_listens_beyond_loopback_requires_a_key(path):
+    spec = yaml.safe_load(path.read_text())
+    if spec.get("http_options", {}).get("host", "127.0.0.1") in ("127.0.0.1", "localhost", "::1"):
+        return
+    for app in spec["applications"]:
+        args = app["args"]
+        assert args.get("api_keys_env") or args.get("api_keys") or args.get("api_key"), path.name
+
+
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
 def test_serve_config_validates_and_builds(path):
     spec = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))

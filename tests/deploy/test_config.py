@@ -6,11 +6,43 @@ from deploy.app import build_app
 from deploy.config import AppConfig
 
 
-def test_defaults_are_the_embedded_cpu_model():
+def test_defaults_are_the_embedded_model_on_a_cpu_bundle():
     cfg = AppConfig.from_args({})
-    assert cfg.model == "default" and cfg.device == "cpu"
+    # device "auto" asks Ray for no GPU, so the replica sees none and runs on the CPU.
+    assert cfg.engine.model == "default" and cfg.engine.device == "auto"
     assert cfg.scaling_options() == {"num_replicas": 1}
     assert cfg.placement_group_bundles() == [{"CPU": 1.0}]
+
+
+def test_flat_keys_land_in_the_tree_where_they_are_declared():
+    cfg = AppConfig.from_args({"max_num_seqs": 7, "dtype": "bfloat16", "swap_min_computed_tokens": 9,
+                               "fair_output_weight": 3, "num_replicas": 2})
+    assert cfg.engine.scheduler.max_num_seqs == 7 and cfg.engine.dtype == "bfloat16"
+    assert cfg.engine.scheduler.swap_min_computed_tokens == 9
+    assert cfg.engine.scheduler.fair_output_weight == 3.0 and cfg.num_replicas == 2
+
+
+def test_optional_sections_say_the_same_as_flat_keys():
+    flat = AppConfig.from_args({"max_num_seqs": 7, "dtype": "bfloat16", "policy": "fair"})
+    nested = AppConfig.from_args({"engine": {"dtype": "bfloat16", "scheduler": {"max_num_seqs": 7}},
+                                  "scheduler": {"policy": "fair"}})
+    assert flat.engine == nested.engine
+
+
+def test_a_bad_value_names_its_full_path():
+    with pytest.raises(ValueError, match=r"engine\.scheduler\.max_num_seqs: must be >= 1"):
+        AppConfig.from_args({"scheduler": {"max_num_seqs": 0}})
+    with pytest.raises(ValueError, match=r"engine\.kv_cache_memory_gb: must be finite"):
+        AppConfig.from_args({"kv_cache_memory_gb": float("nan")})
+    with pytest.raises(ValueError, match=r"engine\.scheduler\.not_a_knob"):
+        AppConfig.from_args({"engine": {"scheduler": {"not_a_knob": 1}}})
+
+
+def test_the_readme_configuration_table_is_generated_from_the_tree():
+    from deploy.settings_doc import replace_table
+
+    readme = open("README.md").read()
+    assert replace_table(readme) == readme, "run: python -m deploy.settings_doc --write README.md"
 
 
 @pytest.mark.parametrize("args, field", [
@@ -51,6 +83,12 @@ def test_tensor_parallel_replica_gets_one_bundle_per_worker():
     assert cfg.replica_actor_options() == {"num_cpus": 1.0, "num_gpus": 0.0}
 
 
+def test_one_default_for_each_setting_across_serving_and_offline():
+    from cluster.config import EngineConfig
+
+    assert AppConfig.from_args({}).engine.scheduler == EngineConfig().scheduler
+
+
 def test_single_gpu_replica_runs_its_worker_in_process():
     cfg = AppConfig.from_args({"device": "cuda"})
     assert cfg.placement_group_bundles() == [{"CPU": 1.0, "GPU": 1.0}]
@@ -68,10 +106,10 @@ def test_autoscaling_becomes_serve_autoscaling_config():
 
 def test_router_choice_maps_to_request_router_config():
     assert AppConfig.from_args({"router": "power_of_two"}).request_router_config() is None  # Serve's own
-    assert AppConfig.from_args({}).request_router_config()["request_router_class"] == "cluster.router.FleetRouter"
+    assert AppConfig.from_args({}).request_router_config()["request_router_class"] == "cluster.serve_router.FleetRouter"
     fleet = AppConfig.from_args({"router": "fleet", "router_kwargs": {"router_policy": "least_loaded"}})
     rc = fleet.request_router_config()
-    assert rc["request_router_class"] == "cluster.router.FleetRouter"
+    assert rc["request_router_class"] == "cluster.serve_router.FleetRouter"
     assert rc["request_router_kwargs"] == {"router_policy": "least_loaded"}
 
 
@@ -84,3 +122,21 @@ def test_deploy_yaml_args_build_the_two_deployments():
     assert replica.name == "LLMReplica"
     assert replica._deployment_config.num_replicas == 1
     assert replica._replica_config.placement_group_bundles == [{"CPU": 1.0}]
+
+
+def test_api_keys_come_from_an_environment_variable_named_in_the_args(monkeypatch):
+    monkeypatch.setenv("KEYS_FOR_TEST", '{"k1": {"tenant": "team-a", "max_priority": 5}}')
+    cfg = AppConfig.from_args({"api_keys_env": "KEYS_FOR_TEST"})
+    assert cfg.key_profiles()["k1"].tenant == "team-a" and cfg.key_profiles()["k1"].max_priority == 5
+    assert "k1" not in str(cfg.summary())  # what the app logs holds no key
+    monkeypatch.setenv("KEYS_FOR_TEST", "not json")
+    with pytest.raises(ValueError, match="api_keys_env: KEYS_FOR_TEST must hold") as raised:
+        AppConfig.from_args({"api_keys_env": "KEYS_FOR_TEST"})
+    assert "not json" not in str(raised.value)
+    with pytest.raises(ValueError, match="NOT_SET_ANYWHERE is not set"):
+        AppConfig.from_args({"api_keys_env": "NOT_SET_ANYWHERE"})
+
+
+def test_the_default_queue_limit_follows_replica_capacity():
+    assert AppConfig.from_args({"max_ongoing_requests": 8, "num_replicas": 3}).queue_limit() == 24
+    assert AppConfig.from_args({"max_ongoing_requests": 8, "max_queued_requests": -1}).queue_limit() == -1

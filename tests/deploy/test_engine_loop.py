@@ -11,7 +11,7 @@ from scheduler import Request, RequestOutput, SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    core = EngineCore(EngineConfig(model=tiny_model_dir, max_model_len=256, num_gpu_blocks=64,
+    core = EngineCore(EngineConfig.from_kwargs(model=tiny_model_dir, max_model_len=256, num_gpu_blocks=64,
                                    kv_cache_memory_gb=0.1, load_progress=False))
     yield core
     core.shutdown()

@@ -20,7 +20,7 @@ from ray.serve.config import RequestRouterConfig  # noqa: E402
 
 from cluster.protocol import GenerateRequest  # noqa: E402
 from cluster.replica import LLMReplica  # noqa: E402
-from cluster.router import ROUTER_CLASS_PATH, FleetRouter  # noqa: E402
+from cluster.serve_router import ROUTER_CLASS_PATH, FleetRouter  # noqa: E402
 from deploy.config import AppConfig  # noqa: E402
 from scheduler import SamplingParams, hash_prompt_blocks  # noqa: E402
 
@@ -184,7 +184,7 @@ def llm_handle(ray_cluster):
         num_replicas=2, ray_actor_options=config.replica_actor_options(),
         placement_group_bundles=config.placement_group_bundles(), max_ongoing_requests=64,
         request_router_config=config.request_router_config(), health_check_timeout_s=120)
-    yield serve.run(replica.bind(config), name=REAL_APP, route_prefix=None)
+    yield serve.run(replica.bind(config.engine), name=REAL_APP, route_prefix=None)
     serve.delete(REAL_APP)
 
 

@@ -5,13 +5,16 @@ import pytest
 
 from scheduler import (ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                        SchedulerConfig, SchedulerOutput)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.scheduler.contract_runner import ContractRunner, expected_output
 
 
 def make(**overrides) -> tuple[Scheduler, ContractRunner]:
     cfg = SchedulerConfig(**{"max_num_batched_tokens": 2048, "max_num_seqs": 128, "block_size": 16,
                              "num_gpu_blocks": 1024, "max_model_len": 8192, **overrides})
-    return Scheduler(cfg), ContractRunner(cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks)
+    return Scheduler(cfg), ContractRunner(cfg.block_size, cfg.num_gpu_blocks, cfg.cpu_blocks)
 
 
 def req(rid: str, n: int, max_tokens: int = 16, *, base: int = 100, eos: int | None = None,
@@ -19,7 +22,7 @@ def req(rid: str, n: int, max_tokens: int = 16, *, base: int = 100, eos: int | N
         stop_token_ids: list[int] | None = None) -> Request:
     prompt = [base + (i % 1000) for i in range(n)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or [])
-    return Request(rid, prompt, params, eos_token_id=eos, priority=priority, tenant=tenant)
+    return Request(rid, prompt, params, eos_token_ids=() if eos is None else (eos,), priority=priority, tenant=tenant)
 
 
 def step(s: Scheduler, r: ContractRunner) -> tuple[SchedulerOutput, list]:
@@ -390,6 +393,24 @@ def test_priority_policy_displaces_a_less_urgent_running_request_when_blocks_are
     assert s.requests["bulk"].output_token_ids == expected_output("bulk", 12, 4, None, [], 16)[0]
 
 
+def test_displacement_counts_only_blocks_that_would_really_be_freed():
+    # "bulk" shares its prompt blocks with "peer", which is as urgent as the newcomer: preempting
+    # bulk frees only its own blocks, too few for "urgent", so nothing may be preempted for it.
+    s, r = make(policy="priority", num_gpu_blocks=6, block_size=4, max_model_len=24)
+    s.add_request(req("peer", 12, max_tokens=8, priority=0))
+    step(s, r)
+    s.add_request(req("bulk", 12, max_tokens=8, priority=10))
+    while s.kv.num_free_blocks > 0:
+        step(s, r)
+    assert s.kv.num_reclaimable_blocks(["bulk"]) < s.kv.num_blocks_needed(12)
+    s.add_request(req("urgent", 12, max_tokens=4, priority=0, base=500))
+    out, _ = step(s, r)
+    assert not out.preempted_req_ids
+    assert s.requests["bulk"].num_preemptions == 0
+    run_to_end(s, r)
+    assert all(s.requests[rid].is_finished for rid in ("peer", "bulk", "urgent"))
+
+
 def test_fcfs_never_displaces_running_requests():
     s, r = make(num_gpu_blocks=4, block_size=4, max_model_len=16)
     s.add_request(req("bulk", 12, max_tokens=4, priority=10))
@@ -464,3 +485,85 @@ def test_swap_in_waits_for_room_for_every_swapped_block():
     s.waiting.prepend(victim)
     s.kv.pool.allocate(s.kv.num_free_blocks - 2)  # leave room for the tokens, not for every block
     assert not s.kv.can_swap_in(victim, 1, reserve=0)
+
+
+# ---- the router's view of the prefix cache ----------------------------------------------------------
+def test_recent_hashes_follow_registration_and_eviction_and_cost_nothing_when_unchanged():
+    from scheduler.block_manager import BlockPool
+
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    for block, h in zip(blocks, (11, 12, 13)):
+        pool.register(block, h)
+    assert pool.recent_hashes(2) == [12, 13] and pool.recent_hashes(8) == [11, 12, 13]
+    unchanged = pool.recent_hashes(8)
+    assert pool.recent_hashes(8) is unchanged  # no change since: the same list, nothing rebuilt
+    pool.release(blocks)
+    pool.allocate(2)  # takes the free, never-used block and then the LRU cached one (hash 11)
+    assert pool.recent_hashes(8) == [12, 13]
+
+
+# ---- bounds: no value can reach a batch that would fail it --------------------------------------------
+@pytest.mark.parametrize("field, value", [
+    ("top_k", 2**63), ("top_k", -2), ("seed", 2**63), ("seed", -1), ("temperature", float("nan")),
+    ("temperature", float("inf")), ("top_p", float("nan")), ("repetition_penalty", float("inf")),
+    ("max_tokens", 0), ("max_tokens", 1.5), ("max_tokens", True), ("logprobs", 21), ("n", 129),
+    ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: float("nan")}),
+])
+def test_sampling_params_reject_out_of_range_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("priority", [10**30, -(10**30), 1.5, True])
+def test_request_priority_is_a_bounded_integer(priority):
+    with pytest.raises(ValueError, match="^priority"):
+        Request("p", [1, 2], SamplingParams(), priority=priority)
+
+
+def test_vocabulary_bounds_are_checked_against_the_model():
+    params = SamplingParams(top_k=50_000, stop_token_ids=[3])
+    with pytest.raises(ValueError, match="^top_k"):
+        params.check_vocab(49_152)
+    with pytest.raises(ValueError, match="^logit_bias"):
+        SamplingParams(logit_bias={49_152: 1.0}).check_vocab(49_152)
+    SamplingParams(top_k=49_152, logit_bias={49_151: -100.0}).check_vocab(49_152)
+
+
+# ---- the fair queue at scale ----------------------------------------------------------------------------
+def test_fair_queue_forgets_twenty_thousand_one_off_tenants():
+    from scheduler.queues import FairQueue
+
+    q = FairQueue()
+    for i in range(20_000):
+        q.add(req(f"steady-{i}", 4, tenant="steady"))
+        q.add(req(f"once-{i}", 4, tenant=f"user-{i}"))
+        for _ in range(2):
+            served = q.pop()
+            q.charge(served.tenant, 10.0)  # its tokens are charged while it runs, after it left
+    assert len(q) == 0 and len(q.counters) < 300 and len(q._heap) < 300
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "pop", "charge", "prepend"]), st.integers(0, 5),
+                          st.integers(1, 50)), max_size=80))
+def test_fair_queue_always_serves_the_least_served_backlogged_tenant(ops):
+    from scheduler.queues import FairQueue
+
+    q, popped, n = FairQueue(), [], 0
+    for op, tenant_no, amount in ops:
+        tenant = f"t{tenant_no}"
+        if op in ("add", "prepend"):
+            r = req(f"r{n}", 4, tenant=tenant)
+            n += 1
+            q.add(r) if op == "add" else q.prepend(r)
+        elif op == "charge":
+            q.charge(tenant, float(amount))
+        elif len(q):
+            backlogged = {r.tenant for r in q}
+            least = min(q.counters[t] for t in backlogged)
+            r = q.pop()
+            assert q.counters[r.tenant] == least
+            popped.append(r)
+    assert len(q) == len(list(q)) == n - len(popped)

@@ -98,7 +98,7 @@ def test_random_workloads_keep_every_invariant(data):
         while pending and pending[0].arrival_step <= step_no:
             sp = pending.pop(0)
             s.add_request(Request(sp.rid, list(sp.prompt), SamplingParams(max_tokens=sp.max_tokens),
-                                  eos_token_id=EOS if sp.use_eos else None, priority=sp.priority,
+                                  eos_token_ids=(EOS,) if sp.use_eos else (), priority=sp.priority,
                                   tenant=sp.tenant))
         for sp in specs:
             if sp.abort_step == step_no and sp.rid in s.requests and not s.requests[sp.rid].is_finished:

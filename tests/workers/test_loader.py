@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from workers.loader import (DEFAULT_MODEL, default_model_path, iterate_weights, load_tokenizer,
-                            max_model_len_of, resolve_model, safetensors_files)
+from workers.loader import iterate_weights, safetensors_files
+from workers.model_files import DEFAULT_MODEL, default_model_path, load_tokenizer, max_model_len_of, resolve_model
 
 
 def test_default_is_the_embedded_smollm2_gguf():

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from workers.runner import ModelRunner, RunnerConfig
+from cluster.config import EngineConfig
+from workers.runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 PROMPT = list(range(200, 230))  # 30 tokens: two blocks of 16
@@ -13,7 +14,7 @@ PROMPT = list(range(200, 230))  # 30 tokens: two blocks of 16
 @pytest.fixture(scope="module")
 def runner(tiny_checkpoint):
     path, _ = tiny_checkpoint("llama")
-    r = ModelRunner(RunnerConfig(model_dir=path, max_model_len=512, load_progress=False))
+    r = ModelRunner(EngineConfig(device="cpu", load_progress=False).runner_config(path, max_model_len=512))
     r.init_kv_cache(64, 8)
     return r
 

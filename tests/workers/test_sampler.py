@@ -275,3 +275,24 @@ def test_empty_batch_and_shape_mismatch():
     assert Sampler().sample(torch.empty(0, 10), []).token_ids == []
     with pytest.raises(ValueError, match="logits"):
         Sampler().sample(torch.zeros(2, 10), [make_state()])
+
+
+def test_logit_bias_moves_only_its_own_rows_tokens():
+    from workers.sampler import Sampler, SamplingState
+
+    logits = torch.zeros(3, 8)
+    logits[:, 2] = 1.0  # every row's argmax is token 2 without a bias
+    states = [SamplingState.create(SamplingParams(temperature=0, logit_bias=bias), [1], torch.device("cpu"))
+              for bias in ({5: 100.0}, {}, {2: -100.0, 7: 0.5})]
+    assert Sampler().sample(logits, states).token_ids == [5, 2, 7]
+
+
+def test_logit_bias_leaves_the_reported_logprobs_raw():
+    from workers.sampler import Sampler, SamplingState
+
+    logits = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    state = SamplingState.create(SamplingParams(temperature=0, logprobs=0, logit_bias={3: 50.0}), [1],
+                                 torch.device("cpu"))
+    out = Sampler().sample(logits, [state])
+    assert out.token_ids == [3]
+    assert out.logprobs[0][0][1] == pytest.approx(torch.log_softmax(logits, -1)[0, 3].item())

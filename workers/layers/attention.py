@@ -16,7 +16,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "flash_attn", "triton")
+from workers.options import ATTENTION_BACKENDS as BACKENDS
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.routing import (
+from cluster.routing_policies import (
     FleetState,
     LeastLoaded,
     LoadTracker,

@@ -7,8 +7,9 @@ an LRU so the longest-unused cached blocks are evicted first.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from scheduler.config import SchedulerConfig
@@ -46,7 +47,9 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         # Head is evicted first; a freed block goes to the tail.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}
+        self.cached: dict[int, int] = {}  # insertion order: most recently registered last
+        self.version = 0  # bumped when `cached` changes, so readers can skip an unchanged index
+        self._recent: tuple[int, int, list[int]] = (-1, 0, [])
 
     @property
     def num_free(self) -> int:
@@ -62,6 +65,7 @@ class BlockPool:
             if h is not None:
                 if cached.get(h) == block_id:
                     del cached[h]
+                    self.version += 1
                 block_hash[block_id] = None
             ref_cnt[block_id] = 1
             out.append(block_id)
@@ -87,6 +91,15 @@ class BlockPool:
         if block_hash not in self.cached:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
+            self.version += 1
+
+    def recent_hashes(self, limit: int) -> list[int]:
+        """Up to `limit` cached hashes, oldest first: O(limit) after a change, O(1) when unchanged."""
+        version, cached_limit, hashes = self._recent
+        if version != self.version or cached_limit != limit:
+            hashes = list(itertools.islice(reversed(self.cached), limit))[::-1]
+            self._recent = (self.version, limit, hashes)
+        return hashes
 
     def num_evictable(self, block_ids: Sequence[int]) -> int:
         """How many of these (cached) blocks sit on the free list, so touching them uses up free blocks."""
@@ -101,8 +114,8 @@ class KVCacheManager:
         self.block_size = config.block_size
         self.enable_prefix_caching = config.enable_prefix_caching
         self.pool = BlockPool(config.num_gpu_blocks)
-        self.cpu_free: list[int] = list(range(config.num_cpu_blocks - 1, -1, -1))
-        self.num_cpu_blocks = config.num_cpu_blocks
+        self.cpu_free: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
+        self.num_cpu_blocks = config.cpu_blocks
         # CPU blocks released by a swap-in return to the pool only after the step is emitted, so a
         # swap-out in the same step cannot overwrite them before the swap-in reads them.
         self._cpu_pending_free: list[int] = []
@@ -128,6 +141,12 @@ class KVCacheManager:
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
+
+    def num_reclaimable_blocks(self, request_ids: Sequence[str]) -> int:
+        """Blocks that freeing all these requests would return to the pool: those no one else holds."""
+        held = Counter(b for rid in request_ids for b in self.req_blocks.get(rid, ()))
+        ref_cnt = self.pool.ref_cnt
+        return sum(1 for block, owners in held.items() if ref_cnt[block] == owners)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

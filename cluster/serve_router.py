@@ -1,8 +1,8 @@
 """FleetRouter: the Ray Serve RequestRouter that spreads LLMReplica requests by load and prefix affinity.
 
-A thin adapter: the policies, load accounting and prefix index live in cluster/routing.py.
+A thin adapter: the policies, load accounting and prefix index live in cluster/routing_policies.py.
 Attach it through the deployment's request_router_config (request_router_class
-"cluster.router.FleetRouter"); request_router_kwargs are initialize_state's keyword arguments.
+"cluster.serve_router.FleetRouter"); request_router_kwargs are initialize_state's keyword arguments.
 """
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from cluster.routing import FleetState, RouteRequest, RoutingConfig
+from cluster.routing_policies import FleetState, RouteRequest, RoutingConfig
 
 logger = logging.getLogger(__name__)
 
-ROUTER_CLASS_PATH = "cluster.router.FleetRouter"
+ROUTER_CLASS_PATH = "cluster.serve_router.FleetRouter"
 
 
 class FleetRouter(RequestRouter):
-    """Ranks replicas with a cluster.routing policy and keeps its load and prefix state current."""
+    """Ranks replicas with a cluster.routing_policies policy and keeps its load and prefix state current."""
 
     def initialize_state(self, **router_kwargs: Any) -> None:
-        """Called by Serve with request_router_kwargs, the fields of cluster.routing.RoutingConfig:
+        """Called by Serve with request_router_kwargs, the fields of cluster.routing_policies.RoutingConfig:
 
         router_policy ("prefix_affinity" | "round_robin" | "least_loaded" | "power_of_two"),
         imbalance_threshold, min_match_blocks, max_index_blocks, tokens_per_request,

@@ -1,8 +1,8 @@
 """Incremental detokenization and stop strings, on the embedded model's byte-level BPE tokenizer."""
 import pytest
 
-from workers.detokenizer import IncrementalDetokenizer, StopMatcher
-from workers.loader import load_tokenizer
+from cluster.detokenizer import IncrementalDetokenizer, StopMatcher
+from workers.model_files import load_tokenizer
 
 TEXTS = [
     "plain ascii text, with punctuation!",

@@ -1,6 +1,6 @@
 """Fleet routing policies: small pure objects that rank data-parallel replicas for one request.
 
-No Ray here. cluster/router.py adapts FleetState to Serve's RequestRouter; a simulator can drive the
+No Ray here. cluster/serve_router.py adapts FleetState to Serve's RequestRouter; a simulator can drive the
 same objects with its own clock. Replicas are named by plain strings (Serve's replica unique ids).
 """
 from __future__ import annotations

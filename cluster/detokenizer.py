@@ -90,3 +90,26 @@ class StopMatcher:
     def _find(self, start: int) -> int | None:
         hits = [i for s in self.stops if (i := self.text.find(s, start)) != -1]
         return min(hits) if hits else None
+
+
+@dataclass(slots=True)
+class TextStream:
+    """One generation's text: token deltas in, stop-cut text deltas out (detokenizer + stop matcher)."""
+
+    detokenizer: IncrementalDetokenizer
+    matcher: StopMatcher
+
+    def feed(self, token_ids: list[int], finished: bool) -> str:
+        """The text safe to emit after these tokens; `stopped` turns True at a stop string."""
+        delta = self.detokenizer.add(token_ids)
+        if finished:
+            delta += self.detokenizer.flush()
+        return self.matcher.feed(delta, final=finished)
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
+
+    @property
+    def text(self) -> str:
+        return self.matcher.text

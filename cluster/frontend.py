@@ -1,0 +1,104 @@
+"""The tokenizer side of generation, shared by the OpenAI ingress and the offline LLM (no model code).
+
+Model facts are resolved once (ModelInfo); prompts are encoded one way (a rendered chat template
+carries its own special tokens, a plain prompt gets the tokenizer's); stop ids, incremental
+detokenization with stop strings, and the prompt block hashes all come from here.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from cluster.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
+from scheduler.block_manager import hash_prompt_blocks
+from workers.model_files import max_model_len_of, resolve_model
+from workers.options import DEFAULT_CACHE_DIR
+
+logger = logging.getLogger(__name__)
+
+# Used when a tokenizer has no chat template (tiny test models): ChatML, like SmolLM2's own.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What serving needs to know of a model, read once from its directory."""
+
+    model_dir: str
+    max_model_len: int  # the model's positions (and sliding window), capped: the default context
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]  # every id that ends a turn (config, generation config, tokenizer)
+
+    @classmethod
+    def load(cls, model: str, cache_dir: str = DEFAULT_CACHE_DIR, tokenizer: Any = None) -> ModelInfo:
+        model_dir = resolve_model(model, cache_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        sources: list[Any] = [config]
+        try:
+            sources.append(GenerationConfig.from_pretrained(model_dir))
+        except OSError:
+            pass  # no generation_config.json
+        eos: set[int] = set()
+        for source in sources:
+            ids = getattr(source, "eos_token_id", None)
+            eos.update(ids if isinstance(ids, (list, tuple)) else [ids])
+        tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_dir)
+        eos.add(tokenizer.eos_token_id)
+        return cls(model_dir=model_dir, max_model_len=max_model_len_of(config),
+                   vocab_size=int(config.vocab_size),
+                   eos_token_ids=tuple(sorted(i for i in eos if isinstance(i, int))))
+
+
+class Frontend:
+    """Encodes prompts and chats, decodes streamed tokens, hashes prompt blocks for one model."""
+
+    def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+
+    @classmethod
+    def load(cls, model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Frontend:
+        """The frontend of `model` ("default", an HF directory or a .gguf file)."""
+        model_dir = resolve_model(model, cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return cls(tokenizer, ModelInfo.load(model_dir, cache_dir, tokenizer))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt: the tokenizer adds its specials (BOS) as the model was trained."""
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        """The conversation through the model's chat template, ready for the assistant's turn."""
+        template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+        return self.tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """A chat prompt: the template emits its own specials, so the tokenizer adds none."""
+        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def check_token_ids(self, token_ids: Sequence[int], field_name: str = "prompt") -> None:
+        """ValueError unless every id is in the vocabulary (one bad id would fail a whole batch)."""
+        if not token_ids:
+            raise ValueError(f"{field_name}: must not be empty")
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= self.info.vocab_size:
+            raise ValueError(f"{field_name}: token ids must be in [0, {self.info.vocab_size}), got {low}..{high}")
+
+    def text_stream(self, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> TextStream:
+        """Incremental text of one generation, cut at the first stop string."""
+        return TextStream(IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids)), StopMatcher(list(stop)))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    @staticmethod
+    def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+        """The prompt's chained block hashes, as the scheduler and the router compute them."""
+        return hash_prompt_blocks(token_ids, block_size)

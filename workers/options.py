@@ -1,0 +1,6 @@
+"""Names that configs validate against, kept free of torch so configs can import them anywhere."""
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_CACHE_DIR = "~/.cache/raylm"
