@@ -75,11 +75,10 @@ async def overload(client: httpx.AsyncClient, rate: float, seconds: float, max_t
 
 
 def ingress_rss_mb() -> float:
-    from ray.util.state import list_actors
-
-    for actor in list_actors(filters=[("state", "=", "ALIVE")]):
-        if "OpenAIIngress" in (actor.class_name or "") and actor.pid:
-            return psutil.Process(actor.pid).memory_info().rss / 2**20
+    """Resident memory of the ingress replica's process (Ray names it ray::ServeReplica:<app>:OpenAIIngress)."""
+    for proc in psutil.process_iter(["cmdline", "memory_info"]):
+        if any("OpenAIIngress" in part for part in proc.info["cmdline"] or ()):
+            return proc.info["memory_info"].rss / 2**20
     return float("nan")
 
 

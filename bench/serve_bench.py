@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Both engines live side by side; only the one being measured is busy.
     engine = EngineCore(AppConfig.from_args(args).engine)
-    vocab = engine.hf_config.vocab_size
+    vocab = engine.vocab_size
     low_prompts = make_prompts(vocab, a.num_low, a.input_len, a.seed + 1)
     sat_prompts = make_prompts(vocab, a.num_prompts, a.input_len, a.seed + 2)
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(4, os.cpu_count() or 1))

@@ -24,7 +24,6 @@ class EngineCore:
         self.config = config
         self.model_info = ModelInfo.load(config.model, config.cache_dir)
         self.model_dir = self.model_info.model_dir
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         sched = config.scheduler
         self.max_model_len = sched.max_model_len or self.model_info.max_model_len
         self.vocab_size = self.model_info.vocab_size
@@ -48,7 +47,10 @@ class EngineCore:
     def _num_cpu_blocks(self) -> int:
         if self.config.scheduler.num_cpu_blocks is not None:
             return self.config.scheduler.num_cpu_blocks
-        spec = KVCacheSpec.from_hf_config(self.hf_config, self.config.block_size,
+        if self.config.swap_space_gb == 0:
+            return 0
+        # Only a swap pool sized in GiB needs the model's KV shape before the workers report it.
+        spec = KVCacheSpec.from_hf_config(AutoConfig.from_pretrained(self.model_dir), self.config.block_size,
                                           DTYPES[self.config.dtype], self.config.tensor_parallel_size)
         return spec.blocks_in(self.config.swap_space_gb * GiB)
 

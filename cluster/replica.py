@@ -12,12 +12,15 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
+from transformers import AutoTokenizer
 
 from cluster.config import EngineConfig
+from cluster.detokenizer import TextStream
+from cluster.frontend import Frontend
 from cluster.metrics import ReplicaMetrics
 from cluster.protocol import GenerateRequest, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
@@ -142,6 +145,9 @@ class _Stream:
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     counted: bool = False  # its finish is in the metrics (a cancel arriving later must not count again)
+    # Stop strings are matched here too, so a stop-string finish is a "stop" in the engine and the
+    # metrics, not an "abort" when the ingress cancels.
+    text: TextStream | None = None
 
     async def next(self) -> RequestOutput:
         item = await self.queue.get()
@@ -178,6 +184,7 @@ class LLMReplica:
         self.replica = replica = serve.get_replica_context().replica_tag
         self.metrics = ReplicaMetrics(replica)
         self.engine = build_engine(config)
+        self.frontend = Frontend(AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info)
         self._streams: dict[str, _Stream] = {}
         self._stats: SchedulerStats | None = self.engine.stats()
         self.metrics.record_stats(self._stats)
@@ -193,6 +200,8 @@ class LLMReplica:
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         stream = self._streams[rid] = _Stream()
+        if request.sampling_params.stop:
+            stream.text = self.frontend.text_stream(request.prompt_token_ids, request.sampling_params.stop)
         self.metrics.record_admitted(len(request.prompt_token_ids))
         self._loop_thread.add(Request(
             request_id=rid, prompt_token_ids=request.prompt_token_ids,
@@ -216,8 +225,10 @@ class LLMReplica:
         now = time.perf_counter()
         for output in outputs:
             stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # already gone (aborted by its caller)
+            if stream is None or stream.counted:
+                continue  # already gone (aborted by its caller), or already finished at a stop string
+            if stream.text is not None and output.new_token_ids:
+                output = self._cut_at_stop_string(stream.text, output)
             if output.new_token_ids:
                 first = stream.last_token is None
                 self.metrics.record_tokens(
@@ -230,6 +241,14 @@ class LLMReplica:
             stream.queue.put_nowait(output)
         self._stats = stats
         self.metrics.record_stats(stats)
+
+    def _cut_at_stop_string(self, text: TextStream, output: RequestOutput) -> RequestOutput:
+        text.feed(output.new_token_ids, output.finished)
+        if not text.stopped:
+            return output
+        if not output.finished:
+            self._loop_thread.abort([output.request_id])
+        return replace(output, finished=True, finish_reason="stop")
 
     def _on_error(self, request_id: str | None, exc: BaseException) -> None:
         targets = list(self._streams.values()) if request_id is None else [self._streams.get(request_id)]

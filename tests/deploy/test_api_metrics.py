@@ -40,3 +40,36 @@ def test_replica_metrics_are_exported_with_a_replica_tag(smol_url):
 
     text = wait_for(all_present, timeout=60, interval=1.0)
     assert text, [m for m in wanted if f"ray_{m}" not in _scrape()]
+
+
+def _series(text: str, name: str, replica: str, **tags: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(f"ray_{name}{{") and f'replica="{replica}"' in line and all(
+                f'{k}="{v}"' in line for k, v in tags.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_every_counter_exists_from_the_start_and_a_stop_string_finish_counts_as_stop(smol_url):
+    replica = replica_stats("raylm")["replica"]
+    # Exported at zero before anything happened: panels read 0, not "No data".
+    def exported_at_zero():
+        t = _scrape()
+        return t if _series(t, "raylm_preemptions_total", replica) is not None else None
+
+    text = wait_for(exported_at_zero, timeout=60, interval=1.0)
+    assert text and _series(text, "raylm_requests_total", replica, finish_reason="error") is not None
+    before = _series(text, "raylm_requests_total", replica, finish_reason="stop") or 0.0
+    aborts = _series(text, "raylm_requests_total", replica, finish_reason="abort") or 0.0
+    r = httpx.post(f"{smol_url}/completions", timeout=120, json={
+        "model": SMOL, "prompt": "Count: one, two, three, four,", "max_tokens": 40, "temperature": 0,
+        "ignore_eos": True, "stop": [","]})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+
+    def stop_counted():
+        t = _scrape()
+        return t if (_series(t, "raylm_requests_total", replica, finish_reason="stop") or 0.0) > before else None
+
+    text = wait_for(stop_counted, timeout=60, interval=1.0)
+    assert text, "the stop-string finish was not counted as stop"
+    assert (_series(text, "raylm_requests_total", replica, finish_reason="abort") or 0.0) == aborts
