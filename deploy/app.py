@@ -13,9 +13,37 @@ from deploy.ingress import OpenAIIngress
 logger = logging.getLogger(__name__)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def check_exposure(host: str | None, config: AppConfig) -> None:
+    """An app reachable beyond this machine needs keys, unless allow_unauthenticated says otherwise."""
+    if host is None or host in LOOPBACK_HOSTS or config.key_profiles() or config.allow_unauthenticated:
+        return
+    raise ValueError(f"api_keys: Serve listens on {host}, beyond loopback, and the app has no api_key, "
+                     "api_keys or api_keys_env; set one, or allow_unauthenticated: true")
+
+
+def _serve_http_host() -> str | None:
+    """The host Serve's proxies bind, when this runs where Serve is up (serve run, the app builder task)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        return client.http_config.host if client is not None else None
+    except Exception:  # noqa: BLE001 - no Serve to ask: nothing to check against
+        logger.debug("Serve's HTTP host is unknown here", exc_info=True)
+        return None
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The Serve application for deploy.yaml's `args`; a bad arg raises ValueError naming the field."""
     config = AppConfig.from_args(args)
+    check_exposure(_serve_http_host(), config)
     replica_options: dict[str, Any] = {
         **config.scaling_options(),
         "ray_actor_options": config.replica_actor_options(),

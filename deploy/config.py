@@ -98,6 +98,8 @@ class AppConfig(BaseModel):
     api_keys: dict[str, ApiKeyProfile] | None = Field(
         default=None, description="key -> `{tenant, max_priority}`: the `fair` policy's tenant and the most "
         "urgent `priority` that key may ask for come from the key, never from the request")
+    allow_unauthenticated: bool = Field(default=False, description="serve without keys although Serve "
+                                        "listens beyond loopback (behind your own authenticating proxy)")
     api_keys_env: str | None = Field(
         default=None, description="name of an environment variable holding `api_keys` as JSON (keeps the "
         "keys out of deploy.yaml and the Ray dashboard)")

@@ -140,3 +140,15 @@ def test_api_keys_come_from_an_environment_variable_named_in_the_args(monkeypatc
 def test_the_default_queue_limit_follows_replica_capacity():
     assert AppConfig.from_args({"max_ongoing_requests": 8, "num_replicas": 3}).queue_limit() == 24
     assert AppConfig.from_args({"max_ongoing_requests": 8, "max_queued_requests": -1}).queue_limit() == -1
+
+
+def test_an_app_exposed_beyond_loopback_needs_a_key_or_an_explicit_waiver(monkeypatch):
+    from deploy.app import check_exposure
+
+    open_app = AppConfig.from_args({})
+    check_exposure("127.0.0.1", open_app)
+    check_exposure(None, open_app)  # Serve not running here: nothing to check against
+    with pytest.raises(ValueError, match="api_keys: Serve listens on 0.0.0.0"):
+        check_exposure("0.0.0.0", open_app)
+    check_exposure("0.0.0.0", AppConfig.from_args({"api_key": "k"}))
+    check_exposure("0.0.0.0", AppConfig.from_args({"allow_unauthenticated": True}))
