@@ -18,6 +18,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit) before this step
+    output_token_ids: list[int] = field(default_factory=list)  # a resumed request's earlier outputs
 
 
 @dataclass(slots=True)

@@ -55,10 +55,12 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Chained hashes of the full blocks of all_token_ids; grown lazily by the KV cache manager.
     block_hashes: list[int] = field(default_factory=list)
+    # Outputs already emitted elsewhere (a request resumed after its replica failed): they count
+    # as outputs for penalties, stops and max_tokens; their KV is recomputed like the prompt's.
+    output_token_ids: list[int] = field(default_factory=list)
 
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     all_token_ids: list[int] = field(init=False)
-    output_token_ids: list[int] = field(default_factory=list, init=False)
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=-1, init=False)  # prefix-cache hit at first admission
     num_preemptions: int = field(default=0, init=False)
@@ -78,8 +80,12 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError(f"prompt_token_ids: request {self.request_id!r} has an empty prompt")
         self.prompt_token_ids = list(self.prompt_token_ids)
-        self.all_token_ids = list(self.prompt_token_ids)
-        self.num_synced_tokens = len(self.prompt_token_ids)
+        self.output_token_ids = list(self.output_token_ids)
+        if len(self.output_token_ids) >= self.sampling_params.max_tokens:
+            raise ValueError(f"output_token_ids: a resumed request must have fewer than max_tokens="
+                             f"{self.sampling_params.max_tokens} outputs, got {len(self.output_token_ids)}")
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.num_synced_tokens = len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -81,9 +81,9 @@ class Scheduler:
         old = self.requests.get(rid)
         if old is not None and not old.is_finished:
             raise ValueError(f"request_id: {rid!r} is already in flight")
-        if request.num_prompt_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt_token_ids: {request.num_prompt_tokens} prompt tokens exceed "
-                             f"max_model_len={self.config.max_model_len}")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt_token_ids: {request.num_tokens} prompt (and resumed output) tokens "
+                             f"exceed max_model_len={self.config.max_model_len}")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request_id: {rid!r} was already scheduled once; build a new Request")
         self._finished_order.pop(rid, None)
@@ -292,7 +292,7 @@ class Scheduler:
             if rid not in num_scheduled:
                 continue
             new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
-                                           step.new_blocks[rid], step.start[rid]))
+                                           step.new_blocks[rid], step.start[rid], list(req.output_token_ids)))
             req.known_to_runner = True
             req.num_synced_tokens = req.num_tokens
         cached = CachedRequestData()

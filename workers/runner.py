@@ -182,12 +182,14 @@ class ModelRunner:
                 state.block_ids = []
         for new in out.scheduled_new_reqs:
             try:
-                sampling = SamplingState.create(new.sampling_params, new.prompt_token_ids, self.device)
+                sampling = SamplingState.create(new.sampling_params, new.prompt_token_ids, self.device,
+                                                new.output_token_ids)
             except Exception as exc:  # noqa: BLE001 - this request's inputs fail it alone
                 logger.warning("request %s failed to start: %r", new.req_id, exc)
                 failed[new.req_id] = f"sampling state: {exc!r}"
                 continue
-            requests[new.req_id] = RequestState(list(new.prompt_token_ids), list(new.block_ids),
+            requests[new.req_id] = RequestState(list(new.prompt_token_ids) + list(new.output_token_ids),
+                                                list(new.block_ids),
                                                 new.num_computed_tokens, sampling)
         cached = out.scheduled_cached_reqs
         for rid, resumed, tokens, blocks, computed in zip(

@@ -30,14 +30,14 @@ class SamplingState:
     generator: torch.Generator | None  # set iff params.seed is not None
 
     @classmethod
-    def create(cls, params: SamplingParams, prompt_token_ids: list[int],
-               device: torch.device) -> SamplingState:
-        """Fresh state; a request with a seed gets its own generator on `device`."""
+    def create(cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device,
+               output_token_ids: list[int] | None = None) -> SamplingState:
+        """Fresh state (a resumed request brings its earlier outputs); a seeded one gets a generator."""
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed)
-        return cls(params, list(prompt_token_ids), [], generator)
+        return cls(params, list(prompt_token_ids), list(output_token_ids or []), generator)
 
     @property
     def has_penalties(self) -> bool:
@@ -180,15 +180,29 @@ def _draw(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     return probs.div_(_exponential_noise(probs, states)).argmax(dim=-1)
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of output position `position` of a request seeded with `seed`.
+
+    Keyed by position, not advanced draw by draw, so a request resumed elsewhere with its first
+    `position` tokens draws exactly what it would have drawn (splitmix64 mixing, 63-bit result).
+    """
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
+
+
 def _exponential_noise(probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Exp(1) noise: one batched draw for unseeded rows, each seeded row from its own generator,
-    so a seeded row's token depends only on its seed, its logits and its previous draws."""
+    """Exp(1) noise: one batched draw for unseeded rows, each seeded row from its own generator
+    keyed by (seed, output position), so a seeded row's token depends only on its seed, its
+    logits and how many tokens it has produced."""
     noise = torch.empty_like(probs)
-    seeded = [(i, s.generator) for i, s in enumerate(states) if s.generator is not None]
+    seeded = [(i, s) for i, s in enumerate(states) if s.generator is not None]
     if len(seeded) < len(states):
         noise.exponential_()
-    for i, generator in seeded:
-        noise[i].exponential_(generator=generator)
+    for i, state in seeded:
+        state.generator.manual_seed(position_seed(state.params.seed, len(state.output_token_ids)))
+        noise[i].exponential_(generator=state.generator)
     return noise.clamp_min_(_MIN_NOISE)
 
 

@@ -111,3 +111,22 @@ def test_swap_needs_a_cpu_pool_before_any_model_loads():
     with pytest.raises(ValueError, match="swap_space_gb or num_cpu_blocks"):
         EngineConfig.from_kwargs(preemption_mode="swap")
     assert EngineConfig.from_kwargs(preemption_mode="swap", swap_space_gb=0.5).scheduler.num_cpu_blocks is None
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 1234)])
+def test_a_resumed_request_continues_exactly_where_it_stopped(engine, temperature, seed):
+    # What a migrated choice does: prompt + the tokens already emitted, the same parameters.
+    prompt = list(range(200, 230))
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=seed, ignore_eos=True,
+                            presence_penalty=0.5)
+    engine.add_request(Request("whole", prompt, params))
+    whole = [t for o in drain(engine)["whole"] for t in o.new_token_ids]
+    engine.add_request(Request("resumed", prompt, params, output_token_ids=whole[:5]))
+    seen = drain(engine)["resumed"]
+    assert [t for o in seen for t in o.new_token_ids] == whole[5:]
+    assert seen[-1].finish_reason == "length" and seen[-1].num_output_tokens == 12
+
+
+def test_a_resumed_request_must_leave_room_to_generate():
+    with pytest.raises(ValueError, match="^output_token_ids"):
+        Request("r", [1, 2], SamplingParams(max_tokens=2), output_token_ids=[3, 4])

@@ -218,9 +218,21 @@ def test_seeded_requests_reproduce_whatever_the_batch(device):
 def test_seeded_token_depends_on_how_many_tokens_came_before():
     logits = torch.zeros(1, 1000)
     state = make_state(seed=5)
-    first, second = (Sampler().sample(logits, [state]).token_ids[0] for _ in range(2))
-    assert first != second
+    first = Sampler().sample(logits, [state]).token_ids[0]
     assert Sampler().sample(logits, [make_state(seed=5)]).token_ids[0] == first
+    state.output_token_ids.append(first)
+    assert Sampler().sample(logits, [state]).token_ids[0] != first
+
+
+def test_a_resumed_seeded_request_continues_with_exactly_its_own_tokens():
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler()
+    whole = run_seeded(sampler, logits, seed=11, steps=10, position=0, companions=[])
+    resumed = make_state(seed=11, top_p=0.9, presence_penalty=0.3)
+    resumed.output_token_ids.extend(whole[:6])  # what another replica had emitted before it died
+    for _ in range(4):
+        resumed.output_token_ids.append(sampler.sample(logits, [resumed]).token_ids[0])
+    assert resumed.output_token_ids == whole
 
 
 def test_logprobs_are_sampled_first_then_top_n_of_the_raw_distribution():
