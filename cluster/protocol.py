@@ -8,6 +8,10 @@ from scheduler.outputs import SchedulerStats
 from scheduler.sampling_params import SamplingParams
 
 
+class EngineFailedError(RuntimeError):
+    """A replica's engine failed (a forward pass or a worker died): its requests belong elsewhere."""
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     """A tokenized prompt bound for one LLMReplica.
@@ -23,6 +27,8 @@ class GenerateRequest:
     priority: int = 0
     tenant: str = "default"
     block_hashes: list[int] = field(default_factory=list)
+    # Tokens this choice already emitted on a replica that failed: the new replica resumes after them.
+    output_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -22,7 +22,7 @@ from cluster.config import EngineConfig
 from cluster.detokenizer import TextStream
 from cluster.frontend import Frontend
 from cluster.metrics import ReplicaMetrics
-from cluster.protocol import GenerateRequest, RoutingStats
+from cluster.protocol import EngineFailedError, GenerateRequest, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import Request
 
@@ -75,7 +75,7 @@ class EngineLoop:
             logger.exception("engine loop failed")
             self.failure = exc
             # Wrapped: a ValueError from deep in the engine must not reach clients as their 400.
-            failure = RuntimeError(f"engine failed: {exc!r}")
+            failure = EngineFailedError(f"engine failed: {exc!r}")
             self._loop.call_soon_threadsafe(self._on_error, None, failure)
 
     def _apply_inbox(self, block: bool) -> bool:
@@ -195,7 +195,7 @@ class LLMReplica:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request."""
         if self._loop_thread.failure is not None:
-            raise RuntimeError(f"engine failed: {self._loop_thread.failure!r}")
+            raise EngineFailedError(f"engine failed: {self._loop_thread.failure!r}")
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in flight")
@@ -207,7 +207,7 @@ class LLMReplica:
             request_id=rid, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,  # eos_token_ids: the engine fills in the model's
             priority=request.priority, tenant=request.tenant,
-            block_hashes=list(request.block_hashes)))
+            block_hashes=list(request.block_hashes), output_token_ids=list(request.output_token_ids)))
         finished = False
         try:
             while not finished:
@@ -282,7 +282,7 @@ class LLMReplica:
 
     async def check_health(self) -> None:
         if self._loop_thread.failure is not None:
-            raise RuntimeError(f"engine loop failed: {self._loop_thread.failure!r}")
+            raise EngineFailedError(f"engine loop failed: {self._loop_thread.failure!r}")
 
     def __del__(self) -> None:
         loop_thread = getattr(self, "_loop_thread", None)

@@ -81,6 +81,8 @@ class AppConfig(BaseModel):
                                             "x replicas; -1: unbounded)")
     overload_status: Literal[429, 503] = Field(default=503, description="HTTP status when the queues are full")
     overload_retry_after_s: float = Field(default=1.0, gt=0, le=3600, description="sent as Retry-After")
+    max_migrations: int = Field(default=3, ge=0, le=16, description="times one choice may resume on "
+                                "another replica after its replica failed")
     # Request limits at the ingress.
     max_request_body_bytes: int = Field(default=16 << 20, ge=1024, description="larger bodies get 413 "
                                         "before they are parsed")

@@ -74,6 +74,17 @@ class RequestFailedError(APIError):
         super().__init__(f"The request failed in the engine (incident {incident}).", code="request_failed")
 
 
+class ReplicaUnavailableError(APIError):
+    """A choice lost its replica more times than max_migrations allows."""
+
+    status = 503
+    type = "overloaded_error"
+
+    def __init__(self, request_id: str, max_migrations: int) -> None:
+        super().__init__(f"The request lost its model replica more than {max_migrations} times; retry later.",
+                         code="replica_unavailable")
+
+
 class PayloadTooLargeError(APIError):
     status = 413
     type = "invalid_request_error"

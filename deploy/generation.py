@@ -5,14 +5,16 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.context import _set_request_context
 
+from cluster.detokenizer import TextStream
 from cluster.frontend import Frontend
-from deploy.errors import RequestFailedError
-from cluster.protocol import GenerateRequest
+from cluster.protocol import EngineFailedError, GenerateRequest
+from deploy.errors import ReplicaUnavailableError, RequestFailedError
 from scheduler.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -65,36 +67,80 @@ class UsageTally:
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
 
 
+class ReplicaAbortedError(RuntimeError):
+    """The replica aborted a request it had accepted (it is shutting down): resume it elsewhere."""
+
+
+def is_replica_failure(exc: BaseException) -> bool:
+    """A failure of the replica, not of the request: the choice can resume on another replica.
+
+    Classified by type: a dead or unreachable actor, a failed engine, a replica that gave up the
+    request. A RayTaskError is an instance of its cause's class too, so isinstance sees through it.
+    """
+    return isinstance(exc, (RayActorError, ActorUnavailableError, EngineFailedError, ReplicaAbortedError))
+
+
 @dataclass(slots=True)
 class Choice:
-    """Streams one GenerateRequest through a replica handle, detokenizing on the way."""
+    """Streams one GenerateRequest through replica handles, detokenizing on the way.
+
+    The choice owns its emitted token ids: when its replica fails it resumes on another one (prompt
+    + emitted tokens, the same parameters), at most max_migrations times, and the client sees one
+    uninterrupted stream.
+    """
 
     index: int
     prompt_index: int
     request: GenerateRequest
     frontend: Frontend
+    max_migrations: int = 3
+    emitted: list[int] = field(default_factory=list)
 
     async def stream(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
         text_stream = self.frontend.text_stream(self.request.prompt_token_ids, self.request.sampling_params.stop)
-        num_output = 0
+        migrations = 0
+        while True:
+            try:
+                async for delta in self._stream_once(replica, self._attempt(migrations), text_stream):
+                    yield delta
+                return
+            except Exception as exc:  # noqa: BLE001 - only replica failures are resumed
+                if not is_replica_failure(exc):
+                    raise
+                migrations += 1
+                if migrations > self.max_migrations:
+                    raise ReplicaUnavailableError(self.request.request_id, self.max_migrations) from None
+                logger.warning("choice %s: its replica failed (%s); resuming after %d tokens elsewhere "
+                               "(migration %d of at most %d)", self.request.request_id, type(exc).__name__,
+                               len(self.emitted), migrations, self.max_migrations)
+                # Give Serve a moment to take the dead replica out of the routing set.
+                await asyncio.sleep(0.2 * migrations)
+
+    def _attempt(self, migrations: int) -> GenerateRequest:
+        if migrations == 0:
+            return self.request
+        return replace(self.request, request_id=f"{self.request.request_id}-m{migrations}",
+                       output_token_ids=list(self.emitted))
+
+    async def _stream_once(self, replica: Any, request: GenerateRequest,
+                           text_stream: TextStream) -> AsyncIterator[ChoiceDelta]:
         _route_as_own_request()
-        response = replica.options(stream=True).generate.remote(self.request)
+        response = replica.options(stream=True).generate.remote(request)
         done = False
         try:
             async for out in response:
                 tokens = out.new_token_ids
-                logprobs = out.new_logprobs
+                self.emitted.extend(tokens)
                 # Usage counts every token generated, including those past a stop string's cut.
                 sent = text_stream.feed(tokens, out.finished)
-                num_output += len(tokens)
                 finish = "stop" if text_stream.stopped else (out.finish_reason if out.finished else None)
                 if finish == "abort":
-                    raise RuntimeError(f"request {self.request.request_id} was aborted by its replica")
+                    raise ReplicaAbortedError(f"request {request.request_id} was aborted by its replica")
                 if finish == "error":
-                    raise RequestFailedError(self.request.request_id, out.error)
+                    raise RequestFailedError(request.request_id, out.error)
                 done = finish is not None
-                yield ChoiceDelta(self.index, self.prompt_index, sent, tokens, logprobs, finish,
-                                  len(self.request.prompt_token_ids), num_output, out.num_cached_tokens)
+                yield ChoiceDelta(self.index, self.prompt_index, sent, tokens, out.new_logprobs, finish,
+                                  len(request.prompt_token_ids), len(self.emitted), out.num_cached_tokens)
                 if done:
                     return
         finally:

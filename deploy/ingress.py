@@ -214,7 +214,7 @@ class OpenAIIngress:
                 request = GenerateRequest(
                     request_id=f"{base_id}-{p * body.n + i}", prompt_token_ids=prompt, sampling_params=params,
                     priority=body.priority, tenant=tenant, block_hashes=hashes)
-                choices.append(Choice(p * body.n + i, p, request, self.frontend))
+                choices.append(Choice(p * body.n + i, p, request, self.frontend, self.config.max_migrations))
         return choices
 
     # ---- responses -----------------------------------------------------------------------------
