@@ -38,6 +38,11 @@ class EngineConfig:
     cpu_threads: int | None = setting(None, "torch intra-op threads of a CPU engine (unset: what the process has)",
                                       ge=1)
     use_compiled_graph: bool = setting(True, "TP > 1: broadcast steps over a Ray Compiled Graph (else actor calls)")
+    step_timeout_s: float = setting(300.0, "TP > 1: a step whose workers do not answer within this fails the engine",
+                                    gt=0)
+    engine_stall_timeout_s: float = setting(
+        120.0, "a replica with work whose step has not finished for this long fails its health check "
+        "(Serve replaces it; its requests resume elsewhere)", gt=0)
     load_progress: bool = setting(True, "show a progress bar while loading weights")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -12,6 +12,10 @@ class EngineFailedError(RuntimeError):
     """A replica's engine failed (a forward pass or a worker died): its requests belong elsewhere."""
 
 
+class ReplicaDrainingError(RuntimeError):
+    """The replica is shutting down and takes no new request: route it elsewhere."""
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     """A tokenized prompt bound for one LLMReplica.
@@ -48,6 +52,7 @@ class RoutingStats:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     num_free_blocks: int = 0
+    state: str = "ok"  # "ok" | "failed" | "stalled" | "draining": the router picks only "ok" replicas
     prefix_hashes: list[int] | None = None  # most recently cached blocks, oldest first
 
     @classmethod

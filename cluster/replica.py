@@ -22,7 +22,7 @@ from cluster.config import EngineConfig
 from cluster.detokenizer import TextStream
 from cluster.frontend import Frontend
 from cluster.metrics import ReplicaMetrics
-from cluster.protocol import EngineFailedError, GenerateRequest, RoutingStats
+from cluster.protocol import EngineFailedError, GenerateRequest, ReplicaDrainingError, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import Request
 
@@ -46,6 +46,8 @@ class EngineLoop:
         self._on_error = on_error
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.failure: BaseException | None = None
+        self.step_started: float | None = None  # monotonic start of the step in progress, if any
+        self._shutdown_engine = False
         self._thread = threading.Thread(target=self._run, name="raylm-engine-loop", daemon=True)
         self._thread.start()
 
@@ -61,16 +63,28 @@ class EngineLoop:
         self._inbox.put((_CALL, (fn, future)))
         return future
 
-    def stop(self) -> None:
+    def stalled_for(self) -> float:
+        """Seconds the step in progress has run (0 when idle or between steps)."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def stop(self, shutdown_engine: bool = False, wait: bool = True) -> None:
+        """End the loop after the step in progress (then release the engine, if asked)."""
+        self._shutdown_engine = shutdown_engine
         self._inbox.put((_STOP, None))
-        self._thread.join(timeout=30)
+        if wait:
+            self._thread.join(timeout=30)
 
     def _run(self) -> None:
         try:
             while self._apply_inbox(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
+                    self.step_started = time.monotonic()
                     outputs = self.engine.step()
+                    self.step_started = None
                     self._publish(outputs)
+            if self._shutdown_engine:  # the replica is going away: the workers go with the loop
+                self.engine.shutdown()
         except BaseException as exc:  # noqa: BLE001 - every in-flight request must hear of it
             logger.exception("engine loop failed")
             self.failure = exc
@@ -186,6 +200,8 @@ class LLMReplica:
         self.engine = build_engine(config)
         self.frontend = Frontend(AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info)
         self._streams: dict[str, _Stream] = {}
+        self._draining = False
+        self._event_loop = asyncio.get_running_loop()
         self._stats: SchedulerStats | None = self.engine.stats()
         self.metrics.record_stats(self._stats)
         self._loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_step, self._on_error)
@@ -196,6 +212,8 @@ class LLMReplica:
         """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request."""
         if self._loop_thread.failure is not None:
             raise EngineFailedError(f"engine failed: {self._loop_thread.failure!r}")
+        if self._draining:
+            raise ReplicaDrainingError("replica is shutting down")
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in flight")
@@ -272,6 +290,7 @@ class LLMReplica:
         """Serve polls this for the request router: queues, KV usage, prefix-cache figures and the
         hashes of the most recently cached blocks (the router's prefix index syncs to them)."""
         stats = RoutingStats.of(self._stats)
+        stats.state = self._state()
         if self._loop_thread.failure is None:
             try:
                 stats.prefix_hashes = await asyncio.wait_for(self._loop_thread.call(
@@ -281,11 +300,31 @@ class LLMReplica:
         return stats.as_dict()
 
     async def check_health(self) -> None:
+        """Serve's probe: a failed or stalled engine fails it, and Serve replaces this replica."""
+        stalled = self._loop_thread.stalled_for()
+        if stalled > self.config.engine_stall_timeout_s:
+            logger.error("engine stalled: one step has run for %.0f s; failing the health check", stalled)
+            raise EngineFailedError(f"engine stalled for {stalled:.0f} s")
         if self._loop_thread.failure is not None:
             raise EngineFailedError(f"engine loop failed: {self._loop_thread.failure!r}")
 
+    def _state(self) -> str:
+        if self._loop_thread.failure is not None:
+            return "failed"
+        if self._loop_thread.stalled_for() > self.config.engine_stall_timeout_s:
+            return "stalled"
+        return "draining" if self._draining else "ok"
+
     def __del__(self) -> None:
+        """Serve's shutdown, after its graceful wait: hand what is still in flight back for migration."""
         loop_thread = getattr(self, "_loop_thread", None)
-        if loop_thread is not None:
-            loop_thread.stop()
-            self.engine.shutdown()
+        if loop_thread is None:
+            return
+        self._draining = True
+
+        def hand_back() -> None:
+            for rid, stream in list(self._streams.items()):
+                stream.queue.put_nowait(RequestOutput(rid, [], True, "abort"))
+        self._event_loop.call_soon_threadsafe(hand_back)
+        # Never blocks the event loop: the engine thread releases the workers once its step ends.
+        loop_thread.stop(shutdown_engine=True, wait=False)

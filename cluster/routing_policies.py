@@ -84,6 +84,7 @@ class ReplicaLoad:
     inflight_tokens: int = 0
     reported_requests: int = 0
     kv_cache_usage: float = 0.0
+    healthy: bool = True  # the last report's state was "ok"
 
 
 @dataclass(slots=True)
@@ -143,6 +144,7 @@ class LoadTracker:
         """Apply a replica's routing stats (num_waiting, num_running, kv_cache_usage)."""
         s = self._replicas.setdefault(replica, ReplicaLoad())
         s.reported_requests = int(_number(stats, "num_waiting")) + int(_number(stats, "num_running"))
+        s.healthy = stats.get("state", "ok") == "ok"
         s.kv_cache_usage = min(1.0, max(0.0, _number(stats, "kv_cache_usage")))
 
     def remove_replica(self, replica: str) -> None:
@@ -152,6 +154,11 @@ class LoadTracker:
 
     def replicas(self) -> set[str]:
         return set(self._replicas)
+
+    def is_healthy(self, replica: str) -> bool:
+        """False once the replica reported itself failed, stalled or draining."""
+        s = self._replicas.get(replica)
+        return s is None or s.healthy
 
     def num_inflight(self) -> int:
         return len(self._requests)
@@ -356,7 +363,8 @@ class FleetState:
 
     def route(self, request: RouteRequest, replicas: Iterable[str], now: float) -> list[str]:
         """Replicas ranked best first for request; the first is provisionally charged with it."""
-        ordered = sorted(set(replicas))
+        # A replica that reports itself failed, stalled or draining is never picked.
+        ordered = sorted(r for r in set(replicas) if self.loads.is_healthy(r))
         if not ordered:
             return []
         self.loads.expire(now)

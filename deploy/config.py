@@ -81,6 +81,9 @@ class AppConfig(BaseModel):
                                             "x replicas; -1: unbounded)")
     overload_status: Literal[429, 503] = Field(default=503, description="HTTP status when the queues are full")
     overload_retry_after_s: float = Field(default=1.0, gt=0, le=3600, description="sent as Retry-After")
+    request_timeout_s: float = Field(default=600.0, gt=0, le=86400, description="deadline of one request; "
+                                     "past it the generation is aborted and its blocks freed (a request's "
+                                     "`request_timeout_s` may shorten it)")
     max_migrations: int = Field(default=3, ge=0, le=16, description="times one choice may resume on "
                                 "another replica after its replica failed")
     # Request limits at the ingress.

@@ -85,6 +85,11 @@ class ReplicaUnavailableError(APIError):
                          code="replica_unavailable")
 
 
+class RequestTimeoutError(APIError):
+    status = 408
+    type = "timeout"
+
+
 class PayloadTooLargeError(APIError):
     status = 413
     type = "invalid_request_error"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -13,8 +14,8 @@ from ray.serve.context import _set_request_context
 
 from cluster.detokenizer import TextStream
 from cluster.frontend import Frontend
-from cluster.protocol import EngineFailedError, GenerateRequest
-from deploy.errors import ReplicaUnavailableError, RequestFailedError
+from cluster.protocol import EngineFailedError, GenerateRequest, ReplicaDrainingError
+from deploy.errors import ReplicaUnavailableError, RequestFailedError, RequestTimeoutError
 from scheduler.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ def is_replica_failure(exc: BaseException) -> bool:
     Classified by type: a dead or unreachable actor, a failed engine, a replica that gave up the
     request. A RayTaskError is an instance of its cause's class too, so isinstance sees through it.
     """
-    return isinstance(exc, (RayActorError, ActorUnavailableError, EngineFailedError, ReplicaAbortedError))
+    return isinstance(exc, (RayActorError, ActorUnavailableError, EngineFailedError, ReplicaAbortedError,
+                            ReplicaDrainingError))
 
 
 @dataclass(slots=True)
@@ -148,6 +150,21 @@ class Choice:
                 response.cancel()
             elif text_stream.stopped:
                 response.cancel()  # the replica is told to stop: it aborts and frees the blocks
+
+
+async def with_deadline(deltas: AsyncIterator[ChoiceDelta], deadline: float) -> AsyncIterator[ChoiceDelta]:
+    """The deltas until time.monotonic() reaches deadline; then the generation is cancelled (the
+    replica aborts it and frees its blocks) and RequestTimeoutError is raised."""
+    iterator = aiter(deltas)
+    while True:
+        try:
+            delta = await asyncio.wait_for(anext(iterator), timeout=max(deadline - time.monotonic(), 0.0))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise RequestTimeoutError("The request did not finish within its deadline "
+                                      "(request_timeout_s).", code="request_timeout") from None
+        yield delta
 
 
 async def merge_streams(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:

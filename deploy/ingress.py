@@ -24,7 +24,7 @@ from cluster.protocol import GenerateRequest
 from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import (AuthenticationError, BadRequestError, ContextLengthError, ModelNotFoundError,
                            PayloadTooLargeError, error_event, error_response)
-from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams
+from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams, with_deadline
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
 from scheduler.sampling_params import SamplingParams
 
@@ -220,7 +220,11 @@ class OpenAIIngress:
     # ---- responses -----------------------------------------------------------------------------
     async def _respond(self, body: Any, choices: list[Choice], chat: bool):
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
-        deltas = merge_streams([c.stream(self.replica) for c in choices])
+        timeout = self.config.request_timeout_s
+        if body.request_timeout_s is not None:
+            timeout = min(timeout, body.request_timeout_s)
+        deltas = with_deadline(merge_streams([c.stream(self.replica) for c in choices]),
+                               time.monotonic() + timeout)
         if body.stream:
             # Wait for the first delta so that admission errors (overload, a replica's rejection)
             # still get their HTTP status instead of an in-band error after a 200.

@@ -49,6 +49,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=MAX_TENANT_CHARS)
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    request_timeout_s: float | None = Field(default=None, gt=0, le=86400)  # raylm extension
 
     @model_validator(mode="before")
     @classmethod

@@ -374,3 +374,14 @@ def test_never_routes_to_a_dead_replica_and_keeps_no_state_for_it(policy, ops):
             state.remove_replica(o[1])
         assert not (state.loads.replicas() | state.index.replicas()) & dead
         assert all(state.loads.get(r).inflight_requests >= 0 for r in (A, B, C))
+
+
+@pytest.mark.parametrize("state", ["failed", "stalled", "draining"])
+def test_a_replica_that_reports_itself_unhealthy_is_never_picked(state):
+    fleet_state = fleet(router_policy="least_loaded")
+    fleet_state.on_stats(A, {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0, "state": state}, now=0)
+    fleet_state.on_stats(B, {"num_waiting": 9, "num_running": 9, "kv_cache_usage": 0.9, "state": "ok"}, now=0)
+    for i in range(5):
+        assert fleet_state.route(RouteRequest(f"r{i}", 10, []), [A, B], now=1) == [B]
+    fleet_state.on_stats(A, {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0, "state": "ok"}, now=2)
+    assert fleet_state.route(RouteRequest("back", 10, []), [A, B], now=3)[0] == A

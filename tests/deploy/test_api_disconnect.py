@@ -47,3 +47,13 @@ def test_stop_string_tells_the_replica_to_stop(smol_url):
     assert r.json()["usage"]["completion_tokens"] < 1000
     after = wait_for(_idle_stats)
     assert after and after["kv_cache_usage"] == before["kv_cache_usage"]
+
+
+def test_a_request_past_its_deadline_is_aborted_and_frees_its_blocks(smol_url):
+    before = replica_stats("raylm")
+    r = httpx.post(f"{smol_url}/completions", timeout=120, json={
+        "model": SMOL, "prompt": "Write a very long story.", "max_tokens": 1500, "ignore_eos": True,
+        "request_timeout_s": 0.5})
+    assert r.status_code == 408 and r.json()["error"]["type"] == "timeout"
+    assert wait_for(lambda: _idle(replica_stats("raylm")), timeout=30)
+    assert replica_stats("raylm")["kv_cache_usage"] <= before["kv_cache_usage"]

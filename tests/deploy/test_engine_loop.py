@@ -88,3 +88,37 @@ def test_merged_deltas_keep_every_token_and_the_last_state():
     m = merge_outputs(a, b)
     assert m.new_token_ids == [1, 2, 3] and m.finished and m.finish_reason == "length"
     assert m.num_output_tokens == 3 and [lp[0][0] for lp in m.new_logprobs] == [1, 2, 3]
+
+
+def test_a_step_that_does_not_return_shows_as_a_stall(engine, monkeypatch):
+    import threading
+    import time
+
+    release = threading.Event()
+    execute = engine.executor.execute_model
+
+    def blocking_step(out):  # fault injection: the forward pass hangs until released
+        release.wait(timeout=30)
+        return execute(out)
+
+    async def go():
+        c = Collector()
+        loop = EngineLoop(engine, asyncio.get_running_loop(), c.on_step, c.on_error)
+        try:
+            assert loop.stalled_for() == 0.0
+            monkeypatch.setattr(engine.executor, "execute_model", blocking_step)
+            loop.add(_request("hangs", max_tokens=2))
+            await asyncio.sleep(0.5)
+            assert loop.stalled_for() >= 0.4  # LLMReplica.check_health fails past engine_stall_timeout_s
+            release.set()
+            monkeypatch.setattr(engine.executor, "execute_model", execute)
+            await asyncio.wait_for(c.wait("hangs"), 30)
+            deadline = time.monotonic() + 5
+            while loop.stalled_for() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert loop.stalled_for() == 0.0
+        finally:
+            release.set()
+            loop.stop()
+
+    asyncio.run(go())
