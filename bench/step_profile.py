@@ -22,15 +22,16 @@ from transformers import AutoConfig
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from cluster.config import EngineConfig  # noqa: E402
 from workers.layers.linear import linear  # noqa: E402
-from workers.loader import resolve_model  # noqa: E402
-from workers.runner import DTYPES, ModelRunner, RequestState, RunnerConfig, _Batch  # noqa: E402
+from workers.model_files import resolve_model  # noqa: E402
+from workers.runner import DTYPES, ModelRunner, RequestState, _Batch  # noqa: E402
 
 
 def build_runner(dtype: str, batch: int, ctx: tuple[int, int], seed: int = 7) -> tuple[ModelRunner, _Batch]:
     """A runner whose requests sit one token before their end: the next step is a pure decode."""
-    runner = ModelRunner(RunnerConfig(resolve_model("default"), dtype=dtype, load_progress=False,
-                                      kv_cache_memory_gb=0.5))
+    engine = EngineConfig(dtype=dtype, device="cpu", kv_cache_memory_gb=0.5, load_progress=False)
+    runner = ModelRunner(engine.runner_config(resolve_model("default"), max_model_len=4096))
     bs = runner.config.block_size
     rng = random.Random(seed)
     lengths = [rng.randint(*ctx) for _ in range(batch)]
