@@ -1,0 +1,61 @@
+"""Roofline step-time model: FLOPs against measured throughput, bytes against measured bandwidth."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Step time = overhead + per-sequence cost + max(compute time, memory time)."""
+
+    name: str
+    num_params: float  # model parameters (FLOPs per token ~ 2 * num_params)
+    weight_bytes: float  # read once per step
+    kv_bytes_per_token: float  # K and V of all layers for one token
+    flops_per_s: float  # measured matmul throughput
+    bytes_per_s: float  # measured memory bandwidth
+    step_overhead_s: float = 0.0  # fixed cost of a step (launch, sampling, Python)
+    per_seq_overhead_s: float = 0.0  # per scheduled sequence (sampling, bookkeeping)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not value >= 0:
+                raise ValueError(f"{f.name}: must be a number >= 0, got {value!r}")
+        if self.flops_per_s <= 0 or self.bytes_per_s <= 0:
+            raise ValueError("flops_per_s/bytes_per_s: must be > 0")
+
+    def step_time(self, prefill_tokens: int, decode_tokens: int, kv_read_tokens: int, num_seqs: int) -> float:
+        """Seconds for one step computing these tokens while attending over kv_read_tokens."""
+        tokens = prefill_tokens + decode_tokens
+        if tokens == 0:
+            return 0.0
+        compute = 2.0 * self.num_params * tokens / self.flops_per_s
+        memory = (self.weight_bytes + self.kv_bytes_per_token * (kv_read_tokens + tokens)) / self.bytes_per_s
+        return self.step_overhead_s + self.per_seq_overhead_s * num_seqs + max(compute, memory)
+
+
+def load_profile(name_or_path: str) -> CostModel:
+    """A profile by name (sim/profiles/<name>.json) or path; unknown keys raise ValueError naming them."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"profile {str(path)!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"profile {str(path)!r}: expected a JSON object")
+    known = {f.name for f in fields(CostModel)}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"profile field {key!r}: unknown; known: {sorted(known)}")
+    for key, value in data.items():
+        if key not in ("name", "source") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"profile field {key!r}: expected a number, got {value!r}")
+    return CostModel(**{k: (float(v) if k not in ("name", "source") else v) for k, v in data.items()})

@@ -1,0 +1,118 @@
+"""Discrete-event simulation: arrivals -> production router -> N replicas -> completions."""
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+
+from scheduler import SchedulerConfig, hash_prompt_blocks
+from sim.cost import CostModel
+from sim.metrics import RequestRecord, SimResult
+from sim.policies import FleetState, RouteRequest, RoutingConfig
+from sim.replica import SimReplica
+from sim.workload import SimRequest
+
+logger = logging.getLogger(__name__)
+
+_ARRIVAL, _STEP_END, _STATS_TAKE, _STATS_DELIVER = 0, 1, 2, 3
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """The simulated fleet: replica count, each replica's scheduler, router and its stats delay."""
+
+    num_replicas: int = 2
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    stats_period_s: float = 1.0  # how often replicas report to the router (Serve's routing-stats period)
+    stats_delay_s: float = 0.5  # how late a report reaches the router
+    coalesce: bool = True  # run a replica's steps back to back while no other event intervenes
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas: must be >= 1, got {self.num_replicas}")
+        if not self.stats_period_s > 0:
+            raise ValueError(f"stats_period_s: must be > 0, got {self.stats_period_s}")
+        if not self.stats_delay_s >= 0:
+            raise ValueError(f"stats_delay_s: must be >= 0, got {self.stats_delay_s}")
+
+
+class FleetSim:
+    """Runs a workload through the fleet; `run()` returns per-request records and fleet counters."""
+
+    def __init__(self, config: SimConfig, cost: CostModel):
+        self.config = config
+        self.cost = cost
+        self.replicas = [SimReplica(f"replica-{i}", config.scheduler, cost) for i in range(config.num_replicas)]
+        self.names = [r.name for r in self.replicas]
+        self.fleet = FleetState(config.routing)
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind, self._seq, payload))
+
+    def run(self, workload: list[SimRequest]) -> SimResult:
+        records = {r.request_id: RequestRecord(r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.output_len)
+                   for r in workload}
+        by_name = {r.name: r for r in self.replicas}
+        bs = self.config.scheduler.block_size
+        for i, req in enumerate(workload):
+            self._push(req.arrival_s, _ARRIVAL, (i, req))
+        if workload:
+            self._push(0.0, _STATS_TAKE, None)
+        remaining = len(workload)
+        now = 0.0
+        while self._events and remaining:
+            now, kind, _, payload = heapq.heappop(self._events)
+            if kind == _ARRIVAL:
+                i, req = payload
+                prompt = req.prompt_token_ids(i)
+                route = RouteRequest(req.request_id, req.prompt_len + req.output_len, hash_prompt_blocks(prompt, bs))
+                name = self.fleet.route(route, self.names, now)[0]
+                self.fleet.on_routed(route, name, now)
+                replica = by_name[name]
+                records[req.request_id].replica = name
+                replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now)
+                if replica.in_flight is None:
+                    self._step(replica, now)
+            elif kind == _STEP_END:
+                remaining -= self._end_step(payload, now, records)
+            elif kind == _STATS_TAKE:
+                self._push(now + self.config.stats_delay_s, _STATS_DELIVER,
+                           [(r.name, r.routing_stats()) for r in self.replicas])
+                self._push(now + self.config.stats_period_s, _STATS_TAKE, None)
+            else:
+                for name, stats in payload:
+                    self.fleet.on_stats(name, stats, now)
+        return SimResult(list(records.values()), now, self.replicas)
+
+    def _step(self, replica: SimReplica, now: float) -> None:
+        plan = replica.start_step(now)
+        if plan is not None:
+            self._push(plan.end_s, _STEP_END, replica)
+
+    def _end_step(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
+        """Finish replica's step and, while no other event comes first, run its next steps in place."""
+        finished = 0
+        while True:
+            finished += self._apply(replica, now, records)
+            plan = replica.start_step(now)
+            if plan is None:
+                return finished
+            if not (self.config.coalesce and (not self._events or plan.end_s < self._events[0][0])):
+                self._push(plan.end_s, _STEP_END, replica)
+                return finished
+            now = plan.end_s
+
+    def _apply(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
+        finished = 0
+        for out in replica.finish_step():
+            rec = records[out.request_id]
+            rec.on_tokens(now, len(out.new_token_ids), out.num_cached_tokens)
+            if out.finished:
+                rec.finish(now, out.num_output_tokens, out.finish_reason)
+                self.fleet.on_completed(out.request_id)
+                finished += 1
+        return finished

@@ -1,0 +1,88 @@
+"""One simulated replica: the production Scheduler and a stand-in runner timed by the cost model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler import ModelRunnerOutput, Request, RequestOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
+from sim.cost import CostModel
+
+EOS = 0
+TOKEN = 1
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """A scheduled step in flight: what the scheduler decided and when it completes."""
+
+    output: SchedulerOutput
+    end_s: float
+
+
+class SimReplica:
+    """A real Scheduler whose steps take the cost model's time and sample EOS at the output length."""
+
+    def __init__(self, name: str, config: SchedulerConfig, cost: CostModel):
+        self.name = name
+        self.scheduler = Scheduler(config)
+        self.cost = cost
+        self.output_len: dict[str, int] = {}
+        self.in_flight: StepPlan | None = None
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    def add(self, request_id: str, prompt: list[int], output_len: int, tenant: str, priority: int,
+            now: float) -> None:
+        self.output_len[request_id] = output_len
+        params = SamplingParams(max_tokens=output_len, temperature=0.0)
+        self.scheduler.add_request(Request(request_id, prompt, params, eos_token_id=EOS, priority=priority,
+                                           tenant=tenant, arrival_time=now))
+
+    def start_step(self, now: float) -> StepPlan | None:
+        """Schedule the next step (None if nothing to run) and time it."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return None
+        requests = self.scheduler.requests
+        prefill = decode = kv_read = 0
+        for rid, n in out.num_scheduled_tokens.items():
+            req = requests[rid]
+            start = req.num_computed_tokens - n
+            kv_read += start
+            if n == 1 and start >= req.num_prompt_tokens:
+                decode += 1
+            else:
+                prefill += n
+        duration = self.cost.step_time(prefill, decode, kv_read, len(out.num_scheduled_tokens))
+        self.in_flight = StepPlan(out, now + duration)
+        self.num_steps += 1
+        self.busy_s += duration
+        return self.in_flight
+
+    def finish_step(self) -> list[RequestOutput]:
+        """Sample for every request whose scheduled tokens reach its end; apply to the scheduler."""
+        plan, self.in_flight = self.in_flight, None
+        assert plan is not None
+        requests = self.scheduler.requests
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        for rid in plan.output.num_scheduled_tokens:
+            req = requests.get(rid)
+            req_ids.append(rid)
+            if req is None or req.num_computed_tokens < req.num_tokens:
+                sampled.append([])  # partial prefill: nothing sampled
+            else:
+                last = req.num_output_tokens + 1 >= self.output_len[rid]
+                sampled.append([EOS if last else TOKEN])
+        outputs = self.scheduler.update_from_output(plan.output, ModelRunnerOutput(req_ids, sampled))
+        for o in outputs:
+            if o.finished:
+                del self.output_len[o.request_id]
+        return outputs
+
+    def routing_stats(self, max_hashes: int = 4096) -> dict:
+        """What a production replica reports to the router: queue lengths, KV usage, hot prefixes."""
+        st = self.scheduler.stats()
+        cached = self.scheduler.kv.pool.cached
+        hashes = list(cached) if len(cached) <= max_hashes else list(cached)[-max_hashes:]
+        return {"num_waiting": st.num_waiting, "num_running": st.num_running,
+                "kv_cache_usage": st.kv_cache_usage, "prefix_hashes": hashes}

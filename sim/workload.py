@@ -1,0 +1,145 @@
+"""Workloads: synthetic (Poisson/gamma arrivals, tenants with shared system prompts) and JSONL traces."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Token ids of a prefix group's shared system prompt start here; unique suffixes live below it.
+_PREFIX_BASE = 1 << 40
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One request of a workload; prefix_group requests share their first prefix_len tokens."""
+
+    request_id: str
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    prefix_group: str = ""
+    prefix_len: int = 0
+    tenant: str = "default"
+    priority: int = 0
+
+    def prompt_token_ids(self, index: int) -> list[int]:
+        """Deterministic token ids: a group's prefix is identical across requests, the rest unique."""
+        shared = min(self.prefix_len, self.prompt_len) if self.prefix_group else 0
+        group = (hash_group(self.prefix_group) % (1 << 20)) << 20
+        prefix = [_PREFIX_BASE + group + i for i in range(shared)]
+        suffix_base = (index + 1) << 16
+        return prefix + [suffix_base + i for i in range(self.prompt_len - shared)]
+
+
+def hash_group(name: str) -> int:
+    """Stable across processes (str hash is salted)."""
+    h = 1469598103934665603
+    for byte in name.encode():
+        h = ((h ^ byte) * 1099511628211) % (1 << 64)
+    return h
+
+
+@dataclass(slots=True)
+class WorkloadConfig:
+    """A synthetic workload: rate, arrival burstiness, lengths, tenants and their shares."""
+
+    num_requests: int = 1000
+    rate: float = 1.0  # requests per second
+    burstiness: float = 1.0  # gamma shape: 1 is Poisson, < 1 burstier
+    tenants: int = 12
+    system_prompt_len: int = 256
+    question_len: tuple[int, int] = (16, 16)  # uniform inclusive range
+    output_len: tuple[int, int] = (16, 16)
+    tenant_weights: list[float] = field(default_factory=list)  # empty: equal shares
+    tenant_priorities: list[int] = field(default_factory=list)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 0:
+            raise ValueError(f"num_requests: must be >= 0, got {self.num_requests}")
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"rate: must be a finite number > 0, got {self.rate}")
+        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
+            raise ValueError(f"burstiness: must be > 0, got {self.burstiness}")
+        if self.tenants < 1:
+            raise ValueError(f"tenants: must be >= 1, got {self.tenants}")
+        for name in ("question_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name}: need 1 <= low <= high, got {(lo, hi)}")
+        if self.system_prompt_len < 0:
+            raise ValueError(f"system_prompt_len: must be >= 0, got {self.system_prompt_len}")
+        if self.tenant_weights and (len(self.tenant_weights) != self.tenants
+                                    or any(not w >= 0 for w in self.tenant_weights) or sum(self.tenant_weights) <= 0):
+            raise ValueError("tenant_weights: need one weight >= 0 per tenant, not all zero")
+        if self.tenant_priorities and len(self.tenant_priorities) != self.tenants:
+            raise ValueError("tenant_priorities: need one priority per tenant")
+
+
+def synthetic_workload(cfg: WorkloadConfig) -> list[SimRequest]:
+    """Requests with gamma inter-arrival times (mean 1/rate) and tenant system prompts."""
+    rng = random.Random(cfg.seed)
+    weights = cfg.tenant_weights or [1.0] * cfg.tenants
+    shape = cfg.burstiness
+    scale = 1.0 / (cfg.rate * shape)
+    t = 0.0
+    out: list[SimRequest] = []
+    for i in range(cfg.num_requests):
+        t += rng.gammavariate(shape, scale)
+        k = rng.choices(range(cfg.tenants), weights)[0]
+        question = rng.randint(*cfg.question_len)
+        out.append(SimRequest(
+            request_id=f"r{i}", arrival_s=t, prompt_len=cfg.system_prompt_len + question,
+            output_len=rng.randint(*cfg.output_len), prefix_group=f"t{k}" if cfg.system_prompt_len else "",
+            prefix_len=cfg.system_prompt_len, tenant=f"t{k}",
+            priority=cfg.tenant_priorities[k] if cfg.tenant_priorities else 0))
+    return out
+
+
+_TRACE_FIELDS = {"arrival_s": float, "prompt_len": int, "output_len": int, "prefix_group": str,
+                 "prefix_len": int, "tenant": str, "priority": int}
+_REQUIRED = ("arrival_s", "prompt_len", "output_len")
+
+
+def load_trace(path: str | Path) -> list[SimRequest]:
+    """Requests from a JSONL trace, one object per line; errors name the line and the field."""
+    out: list[SimRequest] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                out.append(_parse_trace_line(line, lineno, len(out)))
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def _parse_trace_line(line: str, lineno: int, index: int) -> SimRequest:
+    where = f"trace line {lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    values: dict = {}
+    for key, value in obj.items():
+        kind = _TRACE_FIELDS.get(key)
+        if kind is None:
+            raise ValueError(f"{where}, field {key!r}: unknown; known: {sorted(_TRACE_FIELDS)}")
+        ok = isinstance(value, str) if kind is str else (
+            not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int))
+        if not ok:
+            raise ValueError(f"{where}, field {key!r}: expected {kind.__name__}, got {value!r}")
+        values[key] = value
+    for key in _REQUIRED:
+        if key not in values:
+            raise ValueError(f"{where}, field {key!r}: missing")
+    if not (math.isfinite(values["arrival_s"]) and values["arrival_s"] >= 0):
+        raise ValueError(f"{where}, field 'arrival_s': must be finite and >= 0")
+    for key in ("prompt_len", "output_len"):
+        if not 1 <= values[key] <= 1 << 24:
+            raise ValueError(f"{where}, field {key!r}: must be in [1, 2^24], got {values[key]}")
+    if not 0 <= values.get("prefix_len", 0) <= values["prompt_len"]:
+        raise ValueError(f"{where}, field 'prefix_len': must be in [0, prompt_len]")
+    return SimRequest(request_id=f"r{index}", arrival_s=float(values.pop("arrival_s")), **values)
