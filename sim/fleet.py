@@ -48,6 +48,7 @@ class FleetSim:
         self.fleet = FleetState(config.routing)
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
+        self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -86,7 +87,9 @@ class FleetSim:
             else:
                 for name, stats in payload:
                     self.fleet.on_stats(name, stats, now)
-        return SimResult(list(records.values()), now, self.replicas)
+        # The last event popped may precede the end of a coalesced stretch: end at the last finish.
+        end = max((r.finish_s for r in records.values() if r.finish_s is not None), default=now)
+        return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps)
 
     def _step(self, replica: SimReplica, now: float) -> None:
         plan = replica.start_step(now)
@@ -105,6 +108,7 @@ class FleetSim:
                 self._push(plan.end_s, _STEP_END, replica)
                 return finished
             now = plan.end_s
+            self.coalesced_steps += 1
 
     def _apply(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
         finished = 0

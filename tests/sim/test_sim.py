@@ -1,0 +1,122 @@
+"""The fleet simulator: deterministic, conserving, fork-free, exact under coalescing, strict on input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cluster.routing
+import scheduler
+from scheduler import SchedulerConfig
+from sim import FleetSim, SimConfig, WorkloadConfig, load_profile, load_trace, synthetic_workload
+from sim import fleet as sim_fleet, replica as sim_replica
+from sim.policies import RoutingConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(policy: str = "prefix_affinity", coalesce: bool = True, seed: int = 0, n: int = 80,
+         blocks: int = 60, fair: bool = False):
+    wl = synthetic_workload(WorkloadConfig(num_requests=n, rate=4.0, tenants=5, system_prompt_len=64,
+                                           question_len=(4, 40), output_len=(1, 24), seed=seed))
+    sched = SchedulerConfig(num_gpu_blocks=blocks, max_model_len=256, max_num_batched_tokens=128,
+                            max_num_seqs=8, policy="fair" if fair else "fcfs")
+    cfg = SimConfig(num_replicas=3, scheduler=sched, routing=RoutingConfig(router_policy=policy, seed=seed),
+                    coalesce=coalesce)
+    sim = FleetSim(cfg, load_profile("cpu"))
+    return wl, sim.run(wl)
+
+
+def _fingerprint(result) -> list[tuple]:
+    return [(r.request_id, r.replica, r.first_token_s, r.finish_s, r.num_output_tokens, r.cached_tokens,
+             tuple(r.itl_s)) for r in result.records]
+
+
+def test_same_seed_same_result_and_other_seed_differs():
+    assert _fingerprint(_run(seed=1)[1]) == _fingerprint(_run(seed=1)[1])
+    assert _fingerprint(_run(seed=1)[1]) != _fingerprint(_run(seed=2)[1])
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two", "prefix_affinity"])
+def test_every_request_finishes_with_its_length_and_no_block_leaks(policy):
+    wl, result = _run(policy, blocks=40)  # tight pool: preemptions happen
+    by_id = {r.request_id: r for r in wl}
+    for rec in result.records:
+        assert rec.finish_s is not None, rec.request_id
+        assert rec.num_output_tokens == by_id[rec.request_id].output_len
+        assert rec.finish_reason in ("stop", "length")
+    for rep in result.replicas:
+        assert not rep.scheduler.has_unfinished_requests()
+        assert rep.scheduler.kv.num_free_blocks == rep.scheduler.config.num_gpu_blocks
+        assert rep.output_len == {}
+
+
+@pytest.mark.parametrize("policy,fair", [("prefix_affinity", False), ("round_robin", True)])
+def test_coalesced_run_equals_step_by_step(policy, fair):
+    _, coalesced = _run(policy, coalesce=True, fair=fair)
+    _, stepwise = _run(policy, coalesce=False, fair=fair)
+    assert _fingerprint(coalesced) == _fingerprint(stepwise)
+    assert coalesced.summary() == stepwise.summary()
+    assert coalesced.coalesced_steps > 0 and stepwise.coalesced_steps == 0
+
+
+def test_sim_uses_the_production_classes():
+    assert sim_replica.Scheduler is scheduler.Scheduler
+    assert sim_replica.Request is scheduler.Request
+    assert sim_fleet.FleetState is cluster.routing.FleetState
+    assert sim_fleet.RouteRequest is cluster.routing.RouteRequest
+    _, result = _run(n=5)
+    assert all(type(r.scheduler) is scheduler.Scheduler for r in result.replicas)
+
+
+def test_sim_imports_neither_torch_nor_ray():
+    code = ("import sys, sim, sim.fleet, sim.__main__; "
+            "bad = [m for m in ('torch', 'ray') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"arrival_s": 0, "prompt_len": 5}', "field 'output_len': missing"),
+    ('{"arrival_s": 0, "prompt_len": "5", "output_len": 2}', "field 'prompt_len': expected int"),
+    ('{"arrival_s": -1, "prompt_len": 5, "output_len": 2}', "field 'arrival_s'"),
+    ('{"arrival_s": 0, "prompt_len": 5, "output_len": 2, "colour": 1}', "field 'colour': unknown"),
+    ('{"arrival_s": 0, "prompt_len": 5, "output_len": 0}', "field 'output_len'"),
+    ('{"arrival_s": 0, "prompt_len": 5, "output_len": 2, "prefix_len": 9}', "field 'prefix_len'"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"arrival_s": 0,', "invalid JSON"),
+])
+def test_bad_trace_line_names_line_and_field(tmp_path, line, message):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"arrival_s": 0.5, "prompt_len": 5, "output_len": 2}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match="trace line 3") as err:
+        load_trace(path)
+    assert message in str(err.value)
+
+
+def test_trace_replay_runs(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rows = [{"arrival_s": 0.1 * i, "prompt_len": 40, "output_len": 3, "prefix_group": "g", "prefix_len": 32,
+             "tenant": "a", "priority": 0} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    result = FleetSim(SimConfig(num_replicas=1), load_profile("cpu")).run(load_trace(path))
+    assert [r.num_output_tokens for r in result.records] == [3] * 6
+    assert sum(r.cached_tokens for r in result.records) > 0  # the shared prefix is a cache hit
+
+
+def test_bad_profile_and_config_name_the_field(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"name": "x", "flops_per_s": 1.0, "bytes_per_s": 1.0, "num_params": 1,
+                                "weight_bytes": 1, "kv_bytes_per_token": 1, "speed": 3}))
+    with pytest.raises(ValueError, match="'speed'"):
+        load_profile(str(path))
+    path.write_text(json.dumps({"name": "x", "flops_per_s": "fast"}))
+    with pytest.raises(ValueError, match="'flops_per_s'"):
+        load_profile(str(path))
+    with pytest.raises(ValueError, match="num_replicas"):
+        SimConfig(num_replicas=0)
+    with pytest.raises(ValueError, match="rate"):
+        WorkloadConfig(rate=float("nan"))
