@@ -1,0 +1,172 @@
+"""`python -m sim run|plan|calibrate`: simulate a fleet, size one for SLOs, or fit a device profile."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from scheduler import SchedulerConfig
+from sim.cost import PROFILE_DIR, load_profile
+from sim.fleet import FleetSim, SimConfig
+from sim.policies import POLICIES, RoutingConfig
+from sim.workload import WorkloadConfig, load_trace, synthetic_workload
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default="cpu", help="profile name under sim/profiles or a JSON path")
+    p.add_argument("--trace", help="JSONL trace instead of the synthetic workload")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--tenants", type=int, default=12)
+    p.add_argument("--system-prompt-len", type=int, default=256)
+    p.add_argument("--question-len", type=_range, default=(16, 16), help="LO,HI tokens")
+    p.add_argument("--output-len", type=_range, default=(16, 16), help="LO,HI tokens")
+    p.add_argument("--router", choices=POLICIES, nargs="+", default=["prefix_affinity"])
+    p.add_argument("--policy", default="fcfs", help="scheduler policy: fcfs | priority | fair")
+    p.add_argument("--blocks", type=int, default=1024, help="KV blocks per replica")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--stats-delay", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
+    p.add_argument("--slo-itl", type=float, default=0.5, help="seconds")
+    p.add_argument("--plot", help="PNG path")
+
+
+def _workload(a: argparse.Namespace):
+    if a.trace:
+        return load_trace(a.trace)
+    return synthetic_workload(WorkloadConfig(
+        num_requests=a.requests, rate=a.rate, burstiness=a.burstiness, tenants=a.tenants,
+        system_prompt_len=a.system_prompt_len, question_len=a.question_len, output_len=a.output_len, seed=a.seed))
+
+
+def _simulate(a: argparse.Namespace, replicas: int, router: str, workload) -> dict:
+    sched = SchedulerConfig(num_gpu_blocks=a.blocks, max_num_seqs=a.max_num_seqs, policy=a.policy,
+                            max_num_batched_tokens=a.max_num_batched_tokens,
+                            max_model_len=min(4096, a.blocks * 16))
+    cfg = SimConfig(num_replicas=replicas, scheduler=sched, stats_delay_s=a.stats_delay,
+                    routing=RoutingConfig(router_policy=router, seed=a.seed))
+    t0 = time.perf_counter()
+    result = FleetSim(cfg, load_profile(a.profile)).run(workload)
+    wall = time.perf_counter() - t0
+    row = result.summary(a.slo_ttft, a.slo_itl)
+    row.update(replicas=replicas, router=router, wall_s=wall, sim_per_wall=row["sim_end_s"] / wall if wall else 0)
+    return row
+
+
+_COLUMNS = ("router", "replicas", "requests", "hit_rate", "ttft_p50_s", "ttft_p90_s", "itl_p90_s",
+            "output_tok_s", "goodput_rps", "steps", "sim_per_wall")
+
+
+def _print_table(rows: list[dict]) -> None:
+    print("| " + " | ".join(_COLUMNS) + " |")
+    print("|" + " --- |" * len(_COLUMNS))
+    for r in rows:
+        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in _COLUMNS]
+        print("| " + " | ".join(cells) + " |")
+
+
+def _plot(path: str, rows: list[dict], x: str, ys: tuple[str, ...], title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing (pip install .[bench]); no plot written", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, len(ys), figsize=(4 * len(ys), 3.2))
+    for ax, y in zip(axes if len(ys) > 1 else [axes], ys):
+        for router in dict.fromkeys(r["router"] for r in rows):
+            pts = [(r[x], r[y]) for r in rows if r["router"] == router]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=router)
+        ax.set_xlabel(x)
+        ax.set_title(y)
+        if x == "replicas":
+            ax.set_xscale("log")
+    axes_list = axes if len(ys) > 1 else [axes]
+    axes_list[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def cmd_run(a: argparse.Namespace) -> None:
+    workload = _workload(a)
+    rows = [_simulate(a, n, router, workload) for router in a.router for n in a.replicas]
+    _print_table(rows)
+    if a.plot:
+        _plot(a.plot, rows, "replicas", ("hit_rate", "ttft_p90_s", "goodput_rps"), "sim run")
+
+
+def cmd_plan(a: argparse.Namespace) -> None:
+    """Smallest replica count whose TTFT p90 and ITL p90 meet the SLOs (bisection; load is monotone)."""
+    workload = _workload(a)
+    rows: list[dict] = []
+
+    def ok(n: int) -> bool:
+        row = _simulate(a, n, a.router[0], workload)
+        rows.append(row)
+        return row["ttft_p90_s"] <= a.slo_ttft and row["itl_p90_s"] <= a.slo_itl
+
+    hi = 1
+    while not ok(hi):
+        if hi >= a.max_replicas:
+            _print_table(rows)
+            print(f"no fleet of <= {a.max_replicas} replicas meets the SLOs")
+            return
+        hi = min(hi * 2, a.max_replicas)
+    lo = hi // 2  # known to fail (or 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    rows.sort(key=lambda r: r["replicas"])
+    _print_table(rows)
+    print(f"plan: {hi} replicas meet TTFT p90 <= {a.slo_ttft}s and ITL p90 <= {a.slo_itl}s at {a.rate} req/s")
+    if a.plot:
+        _plot(a.plot, rows, "replicas", ("ttft_p90_s", "itl_p90_s"), f"plan at {a.rate} req/s")
+
+
+def cmd_calibrate(a: argparse.Namespace) -> None:
+    from sim.calibrate import calibrate, profile_json  # torch loads here only
+
+    profile = profile_json(calibrate(a.model, a.repeats))
+    out = Path(a.output or PROFILE_DIR / "cpu.json")
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    print(json.dumps(profile, indent=1))
+    print(f"written to {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sim")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="simulate a fleet and print its figures")
+    _add_common(run)
+    run.add_argument("--replicas", type=int, nargs="+", default=[2])
+    plan = sub.add_parser("plan", help="smallest replica count meeting the SLOs")
+    _add_common(plan)
+    plan.add_argument("--max-replicas", type=int, default=4096)
+    cal = sub.add_parser("calibrate", help="time real engine steps here and fit a profile")
+    cal.add_argument("--model", default="default")
+    cal.add_argument("--repeats", type=int, default=3)
+    cal.add_argument("--output", help="JSON path (default sim/profiles/cpu.json)")
+    a = parser.parse_args(argv)
+    try:
+        {"run": cmd_run, "plan": cmd_plan, "calibrate": cmd_calibrate}[a.command](a)
+    except ValueError as exc:
+        parser.exit(2, f"error: {exc}\n")
+
+
+if __name__ == "__main__":
+    main()
