@@ -1,0 +1,66 @@
+"""The README's studies: routing at scale, fairness under a heavy tenant. `python -m sim.studies OUTDIR`."""
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from scheduler import SchedulerConfig
+from sim.__main__ import _plot
+from sim.cost import load_profile
+from sim.fleet import FleetSim, SimConfig
+from sim.metrics import percentile
+from sim.policies import POLICIES, RoutingConfig
+from sim.workload import WorkloadConfig, synthetic_workload
+
+PER_REPLICA_RATE = 4.0  # about 50% of a CPU-profile replica's capacity on this workload (~8 req/s)
+
+
+def routing_at_scale(out: Path, sizes=(8, 64, 512), seconds: float = 10.0) -> list[dict]:
+    rows = []
+    for n in sizes:
+        wl = synthetic_workload(WorkloadConfig(num_requests=int(PER_REPLICA_RATE * n * seconds),
+                                               rate=PER_REPLICA_RATE * n, tenants=2 * n, seed=0))
+        for router in POLICIES:
+            cfg = SimConfig(num_replicas=n, scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=1024),
+                            routing=RoutingConfig(router_policy=router, seed=0))
+            row = FleetSim(cfg, load_profile("cpu")).run(wl).summary(slo_ttft_s=1.0, slo_itl_s=0.5)
+            row.update(router=router, replicas=n)
+            rows.append(row)
+            print(f"{router:16s} {n:4d} hit {row['hit_rate']:.3f} ttft_p90 {row['ttft_p90_s']:.3f}"
+                  f" goodput {row['goodput_rps']:.1f}", flush=True)
+    _plot(str(out / "routing_at_scale.png"), rows, "replicas", ("hit_rate", "ttft_p90_s", "goodput_rps"),
+          "routing at scale (CPU profile, 50% load)")
+    return rows
+
+
+def fairness(out: Path, requests: int = 1500) -> None:
+    weights = [10.0] + [1.0] * 9
+    wl = synthetic_workload(WorkloadConfig(num_requests=requests, rate=6.0, tenants=10, tenant_weights=weights,
+                                           system_prompt_len=0, question_len=(64, 256), output_len=(16, 64),
+                                           seed=1))
+    for policy in ("fcfs", "fair"):
+        cfg = SimConfig(num_replicas=1, scheduler=SchedulerConfig(num_gpu_blocks=1024, policy=policy,
+                                                                  max_num_seqs=32),
+                        routing=RoutingConfig(router_policy="round_robin"))
+        result = FleetSim(cfg, load_profile("cpu")).run(wl)
+        light = [r.ttft_s for r in result.records if r.tenant != "t0"]
+        heavy = [r.ttft_s for r in result.records if r.tenant == "t0"]
+        # Service shares while every tenant is backlogged: requests finished by the last arrival.
+        horizon = max(r.arrival_s for r in result.records)
+        service: dict[str, float] = defaultdict(float)
+        for r in result.records:
+            if r.finish_s > horizon:
+                continue
+            service[r.tenant] += r.prompt_len + 2 * r.num_output_tokens  # the VTC weights (1 in, 2 out)
+        total = sum(service.values())
+        print(f"{policy}: light TTFT p90 {percentile(light, 90):.2f}s, heavy TTFT p90 {percentile(heavy, 90):.2f}s,"
+              f" heavy share {service['t0'] / total:.3f}, light share each {min(service[f't{k}'] for k in range(1, 10)) / total:.3f}"
+              f"-{max(service[f't{k}'] for k in range(1, 10)) / total:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "sim/results")
+    target.mkdir(parents=True, exist_ok=True)
+    fairness(target)
+    routing_at_scale(target, sizes=tuple(int(s) for s in sys.argv[2:]) or (8, 64, 512))
