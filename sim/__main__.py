@@ -9,6 +9,7 @@ from pathlib import Path
 
 from scheduler import SchedulerConfig
 from sim.cost import PROFILE_DIR, load_profile
+from sim.plots import plot_rows as _plot
 from sim.fleet import FleetSim, SimConfig
 from sim.policies import POLICIES, RoutingConfig
 from sim.workload import WorkloadConfig, load_trace, synthetic_workload
@@ -73,30 +74,6 @@ def _print_table(rows: list[dict]) -> None:
     for r in rows:
         cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in _COLUMNS]
         print("| " + " | ".join(cells) + " |")
-
-
-def _plot(path: str, rows: list[dict], x: str, ys: tuple[str, ...], title: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing (pip install .[bench]); no plot written", file=sys.stderr)
-        return
-    fig, axes = plt.subplots(1, len(ys), figsize=(4 * len(ys), 3.2))
-    for ax, y in zip(axes if len(ys) > 1 else [axes], ys):
-        for router in dict.fromkeys(r["router"] for r in rows):
-            pts = [(r[x], r[y]) for r in rows if r["router"] == router]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=router)
-        ax.set_xlabel(x)
-        ax.set_title(y)
-        if x == "replicas":
-            ax.set_xscale("log")
-    axes_list = axes if len(ys) > 1 else [axes]
-    axes_list[0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
 
 
 def cmd_run(a: argparse.Namespace) -> None:

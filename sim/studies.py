@@ -6,10 +6,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from scheduler import SchedulerConfig
-from sim.__main__ import _plot
 from sim.cost import load_profile
 from sim.fleet import FleetSim, SimConfig
 from sim.metrics import percentile
+from sim.plots import plot_rows as _plot
 from sim.policies import POLICIES, RoutingConfig
 from sim.workload import WorkloadConfig, synthetic_workload
 
