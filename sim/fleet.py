@@ -1,6 +1,7 @@
 """Discrete-event simulation: arrivals -> production router -> N replicas -> completions."""
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ class SimConfig:
     """The simulated fleet: replica count, each replica's scheduler, router and its stats delay."""
 
     num_replicas: int = 2
+    # Pool sizes and context length an engine would measure; left None they take these values.
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     stats_period_s: float = 1.0  # how often replicas report to the router (Serve's routing-stats period)
@@ -29,6 +31,11 @@ class SimConfig:
     coalesce: bool = True  # run a replica's steps back to back while no other event intervenes
 
     def __post_init__(self) -> None:
+        s = self.scheduler
+        self.scheduler = dataclasses.replace(
+            s, num_gpu_blocks=s.num_gpu_blocks if s.num_gpu_blocks is not None else 1024,
+            num_cpu_blocks=s.num_cpu_blocks if s.num_cpu_blocks is not None else 0,
+            max_model_len=s.max_model_len if s.max_model_len is not None else 4096)
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas: must be >= 1, got {self.num_replicas}")
         if not self.stats_period_s > 0:

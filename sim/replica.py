@@ -34,7 +34,7 @@ class SimReplica:
             now: float) -> None:
         self.output_len[request_id] = output_len
         params = SamplingParams(max_tokens=output_len, temperature=0.0)
-        self.scheduler.add_request(Request(request_id, prompt, params, eos_token_id=EOS, priority=priority,
+        self.scheduler.add_request(Request(request_id, prompt, params, eos_token_ids=(EOS,), priority=priority,
                                            tenant=tenant, arrival_time=now))
 
     def start_step(self, now: float) -> StepPlan | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import cluster.routing
+import cluster.routing_policies
 import scheduler
 from scheduler import SchedulerConfig
 from sim import FleetSim, SimConfig, WorkloadConfig, load_profile, load_trace, synthetic_workload
@@ -66,8 +66,8 @@ def test_coalesced_run_equals_step_by_step(policy, fair):
 def test_sim_uses_the_production_classes():
     assert sim_replica.Scheduler is scheduler.Scheduler
     assert sim_replica.Request is scheduler.Request
-    assert sim_fleet.FleetState is cluster.routing.FleetState
-    assert sim_fleet.RouteRequest is cluster.routing.RouteRequest
+    assert sim_fleet.FleetState is cluster.routing_policies.FleetState
+    assert sim_fleet.RouteRequest is cluster.routing_policies.RouteRequest
     _, result = _run(n=5)
     assert all(type(r.scheduler) is scheduler.Scheduler for r in result.replicas)
 
