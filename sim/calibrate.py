@@ -45,10 +45,14 @@ def calibrate(model: str = "default", repeats: int = 3) -> CostModel:
     """Time prefills of growing length and decodes of growing batch; fit the roofline profile."""
     from cluster.config import EngineConfig
     from cluster.engine import EngineCore
+    from scheduler import SchedulerConfig
 
-    engine = EngineCore(EngineConfig(model=model, num_gpu_blocks=512, max_model_len=2048, load_progress=False))
-    cfg = engine.hf_config
-    vocab = int(cfg.vocab_size)
+    sched = SchedulerConfig(num_gpu_blocks=512, max_model_len=2048)
+    engine = EngineCore(EngineConfig(model=model, load_progress=False, scheduler=sched))
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(engine.model_dir)
+    vocab = int(engine.vocab_size)
     prompt = lambda n, k: [(7 * i + 13 * k + 1) % (vocab - 1) + 1 for i in range(n)]  # noqa: E731
     pre_x, pre_y = [], []
     for k in range(repeats):
