@@ -245,20 +245,36 @@ class LLMReplica:
             stream = self._streams.get(output.request_id)
             if stream is None or stream.counted:
                 continue  # already gone (aborted by its caller), or already finished at a stop string
-            if stream.text is not None and output.new_token_ids:
-                output = self._cut_at_stop_string(stream.text, output)
-            if output.new_token_ids:
-                first = stream.last_token is None
-                self.metrics.record_tokens(
-                    len(output.new_token_ids), ttft=now - stream.arrival if first else None,
-                    itl=None if first else now - stream.last_token)
-                stream.last_token = now
+            try:
+                output = self._settle(stream, output, now)
+            except Exception as exc:  # noqa: BLE001 - this request's own fault (its text); the step goes on
+                output = self._fail_one(output, exc)
             if output.finished:
                 stream.counted = True
                 self.metrics.record_finished(output.finish_reason, now - stream.arrival)
             stream.queue.put_nowait(output)
         self._stats = stats
         self.metrics.record_stats(stats)
+
+    def _settle(self, stream: _Stream, output: RequestOutput, now: float) -> RequestOutput:
+        """The output as the client gets it (cut at a stop string), with its tokens in the metrics."""
+        if stream.text is not None and output.new_token_ids:
+            output = self._cut_at_stop_string(stream.text, output)
+        if output.new_token_ids:
+            first = stream.last_token is None
+            self.metrics.record_tokens(
+                len(output.new_token_ids), ttft=now - stream.arrival if first else None,
+                itl=None if first else now - stream.last_token)
+            stream.last_token = now
+        return output
+
+    def _fail_one(self, output: RequestOutput, exc: Exception) -> RequestOutput:
+        """Finish one request whose output could not be handled (e.g. its detokenizer failed)."""
+        logger.error("request %s failed handling its output: %r", output.request_id, exc)
+        if not output.finished:
+            self._loop_thread.abort([output.request_id])
+        return replace(output, new_token_ids=[], new_logprobs=None, finished=True, finish_reason="error",
+                       error=f"output handling failed: {exc!r}")
 
     def _cut_at_stop_string(self, text: TextStream, output: RequestOutput) -> RequestOutput:
         text.feed(output.new_token_ids, output.finished)
@@ -325,6 +341,7 @@ class LLMReplica:
         def hand_back() -> None:
             for rid, stream in list(self._streams.items()):
                 stream.queue.put_nowait(RequestOutput(rid, [], True, "abort"))
-        self._event_loop.call_soon_threadsafe(hand_back)
+        if not self._event_loop.is_closed():  # a closed loop has no stream left to hand back to
+            self._event_loop.call_soon_threadsafe(hand_back)
         # Never blocks the event loop: the engine thread releases the workers once its step ends.
         loop_thread.stop(shutdown_engine=True, wait=False)

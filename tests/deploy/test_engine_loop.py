@@ -122,3 +122,52 @@ def test_a_step_that_does_not_return_shows_as_a_stall(engine, monkeypatch):
             loop.stop()
 
     asyncio.run(go())
+
+
+def test_a_request_whose_detokenizer_fails_finishes_alone(engine, tiny_model_dir, ray_cluster, monkeypatch):
+    """Fault injection in the replica's own output handling: one request's stop-string detokenizer
+    raises mid-stream; it alone finishes with 'error', its neighbours in the batch stream on."""
+    from types import SimpleNamespace
+
+    from cluster import replica as replica_module
+    from cluster.detokenizer import TextStream
+    from cluster.protocol import GenerateRequest
+
+    victim_marker = 4242  # the victim's prompt ends with it; the detokenizer keeps the prompt's tail
+    feed = TextStream.feed
+
+    def failing_feed(self, token_ids, finished):
+        if victim_marker in self.detokenizer.ids and len(self.detokenizer.ids) > 7:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return feed(self, token_ids, finished)
+
+    monkeypatch.setattr(TextStream, "feed", failing_feed)
+    monkeypatch.setattr(replica_module, "build_engine", lambda config: engine)
+    monkeypatch.setattr(replica_module.serve, "get_replica_context", lambda: SimpleNamespace(replica_tag="t#1"))
+    config = EngineConfig.from_kwargs(model=tiny_model_dir, max_model_len=256, num_gpu_blocks=64,
+                                      kv_cache_memory_gb=0.1, load_progress=False)
+
+    async def collect(replica, rid: str, prompt: list[int]) -> list[RequestOutput]:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=["never-appears-here"])
+        return [out async for out in replica.generate(GenerateRequest(rid, prompt, params))]
+
+    async def go():
+        replica = object.__new__(replica_module.LLMReplica.func_or_class)
+        await replica.__init__(config)
+        try:
+            free = replica._stats.num_free_blocks
+            results = await asyncio.wait_for(asyncio.gather(
+                collect(replica, "a", [5, 6, 7, 8, 9] * 4), collect(replica, "victim", [5, 6, 7, 8, victim_marker]),
+                collect(replica, "b", [9, 8, 7, 6, 5] * 4)), 120)
+            outs = dict(zip(("a", "victim", "b"), results))
+            assert outs["victim"][-1].finish_reason == "error" and "injected" in outs["victim"][-1].error
+            for rid in ("a", "b"):
+                assert outs[rid][-1].finish_reason == "length"
+                assert sum(len(o.new_token_ids) for o in outs[rid]) == 12
+            assert replica._loop_thread.failure is None
+            assert await replica._loop_thread.call(lambda e: e.has_unfinished_requests()) is False
+            assert await replica._loop_thread.call(lambda e: e.stats().num_free_blocks) == free
+        finally:
+            replica._loop_thread.stop()
+
+    asyncio.run(go())
