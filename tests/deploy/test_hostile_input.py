@@ -62,7 +62,7 @@ def _still_serving(client: httpx.Client) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
+@settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(chat=st.booleans(), fields=st.dictionaries(st.sampled_from(FIELDS), VALUES, min_size=1, max_size=4))
 def test_fuzzed_fields_get_2xx_or_4xx_and_the_server_keeps_serving(tiny, replica_before, chat, fields):
