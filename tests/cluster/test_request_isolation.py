@@ -52,10 +52,10 @@ def clean(engine) -> dict[str, list]:
 def test_a_request_whose_sampling_state_fails_finishes_alone(engine, clean, monkeypatch):
     create = sampler_module.SamplingState.create.__func__
 
-    def failing_create(cls, params, prompt_token_ids, device):
+    def failing_create(cls, params, *args, **kwargs):
         if params.seed == BAD_SEED:
             raise OverflowError("injected: seed out of range")
-        return create(cls, params, prompt_token_ids, device)
+        return create(cls, params, *args, **kwargs)
 
     monkeypatch.setattr(runner_module.SamplingState, "create", classmethod(failing_create))
     free = engine.stats().num_free_blocks
