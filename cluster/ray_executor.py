@@ -137,8 +137,9 @@ class RayExecutor:
         if not self.use_compiled_graph:
             refs = [w.execute_model_pickled.remote(payload) for w in self.workers]
             return pickle.loads(self._gather(refs, self.step_timeout_s)[0])
-        dag = self._dag or self._compile()
         try:
+            # Compiling is part of the first step: a worker lost while it compiles ends the engine too.
+            dag = self._dag or self._compile()
             outputs = ray.get(dag.execute(payload), timeout=self.step_timeout_s)
         except Exception as exc:  # noqa: BLE001 - every failure of a step ends the engine
             self._fail(None, exc)
