@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from scheduler.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
@@ -49,6 +51,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # applied on text by the detokenizing frontends
     n: int = 1  # parallel samples: the frontends fan a request out into n engine requests
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    structured: StructuredOutput | None = None  # the output must match this constraint
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -75,6 +78,8 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n!r}")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
+               f"must be a StructuredOutput, got {type(self.structured).__name__}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         if self.top_k == -1:
             self.top_k = 0

@@ -14,11 +14,14 @@ import torch
 from transformers import AutoConfig
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from scheduler.sampling_params import SamplingParams
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import load_model
+from workers.model_files import load_tokenizer
 from workers.parallel import get_tp_rank
 from workers.sampler import Sampler, SamplerOutput, SamplingState
+from workers.structured import GrammarCompiler, PendingMasks, StructuredDecoding, apply_masks
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +113,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.is_driver = get_tp_rank() == 0
         self.requests: dict[str, RequestState] = {}
+        self.structured: StructuredDecoding | None = None  # built at the first constrained request
+        self._vocab_size = int(hf_config.vocab_size)
 
     # ---- KV cache ------------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -165,8 +170,9 @@ class ModelRunner:
         batch = self._build_batch(out)
         if not batch.req_ids:
             return ModelRunnerOutput([], [], failed=failed)
+        masks = self._start_masks(batch)  # filled by native threads while the forward runs
         logits = self._forward(batch)
-        output = self._sample(batch, logits)
+        output = self._sample(batch, logits, masks)
         output.failed.update(failed)
         return output
 
@@ -176,6 +182,8 @@ class ModelRunner:
         failed: dict[str, str] = {}
         for rid in out.finished_req_ids:
             requests.pop(rid, None)
+            if self.structured is not None:
+                self.structured.drop(rid)
         for rid in out.preempted_req_ids:
             state = requests.get(rid)
             if state is not None:
@@ -184,6 +192,7 @@ class ModelRunner:
             try:
                 sampling = SamplingState.create(new.sampling_params, new.prompt_token_ids, self.device,
                                                 new.output_token_ids)
+                self._start_constraint(new.req_id, new.sampling_params)
             except Exception as exc:  # noqa: BLE001 - this request's inputs fail it alone
                 logger.warning("request %s failed to start: %r", new.req_id, exc)
                 failed[new.req_id] = f"sampling state: {exc!r}"
@@ -244,12 +253,30 @@ class ModelRunner:
         last = [meta.query_start_loc_cpu[i + 1] - 1 for i in batch.sample_rows]
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
 
-    def _sample(self, batch: _Batch, logits: torch.Tensor | None) -> ModelRunnerOutput:
+    def _start_constraint(self, req_id: str, params: SamplingParams) -> None:
+        """A new (or resumed) constrained request gets a fresh matcher; only the sampling rank masks."""
+        if params.structured is None or not self.is_driver:
+            return
+        if self.structured is None:
+            compiler = GrammarCompiler(load_tokenizer(self.config.model_dir), self._vocab_size)
+            self.structured = StructuredDecoding(compiler)
+        self.structured.add(req_id, params.structured)
+
+    def _start_masks(self, batch: _Batch) -> PendingMasks | None:
+        if self.structured is None or not self.is_driver or not batch.sample_rows:
+            return None
+        rids = [batch.req_ids[i] for i in batch.sample_rows]
+        return self.structured.start_masks(rids, [self.requests[r].sampling.output_token_ids for r in rids])
+
+    def _sample(self, batch: _Batch, logits: torch.Tensor | None,
+                masks: PendingMasks | None = None) -> ModelRunnerOutput:
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list | None = None
         if not self.is_driver or not batch.sample_rows:
             return ModelRunnerOutput(batch.req_ids, sampled)
         states = [self.requests[batch.req_ids[i]].sampling for i in batch.sample_rows]
+        if masks is not None:
+            logits = apply_masks(logits.float(), masks)
         failed: dict[str, str] = {}
         try:
             results = [(batch.sample_rows, self.sampler.sample(logits.float(), states))]
