@@ -17,6 +17,7 @@ from cluster.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
+from workers.grammar import check_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams
         if sp.n != 1:
             raise ValueError(f"n: LLM.generate returns one completion per prompt, got n={sp.n}; "
                              "repeat the prompt instead")
+    for constraint in {sp.structured for sp in params if sp.structured is not None}:
+        check_constraint(constraint)  # a bad grammar is the caller's ValueError, before anything runs
     return params
 
 

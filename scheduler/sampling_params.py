@@ -81,6 +81,9 @@ class SamplingParams:
         _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
                f"must be a StructuredOutput, got {type(self.structured).__name__}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        # A constraint ends where its grammar accepts: generating past that point has no valid token.
+        _check(not (self.ignore_eos and self.structured is not None), "ignore_eos",
+               "cannot be combined with a structured output constraint")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -258,7 +258,8 @@ class ModelRunner:
         if params.structured is None or not self.is_driver:
             return
         if self.structured is None:
-            compiler = GrammarCompiler(load_tokenizer(self.config.model_dir), self._vocab_size)
+            model_dir = self.config.model_dir
+            compiler = GrammarCompiler(lambda: load_tokenizer(model_dir), self._vocab_size)
             self.structured = StructuredDecoding(compiler)
         self.structured.add(req_id, params.structured)
 
@@ -275,9 +276,10 @@ class ModelRunner:
         if not self.is_driver or not batch.sample_rows:
             return ModelRunnerOutput(batch.req_ids, sampled)
         states = [self.requests[batch.req_ids[i]].sampling for i in batch.sample_rows]
+        failed: dict[str, str] = {}
         if masks is not None:
             logits = apply_masks(logits.float(), masks)
-        failed: dict[str, str] = {}
+            failed.update(masks.failed)
         try:
             results = [(batch.sample_rows, self.sampler.sample(logits.float(), states))]
         except Exception:  # noqa: BLE001 - find the rows at fault; the others still get their tokens

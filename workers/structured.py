@@ -1,20 +1,19 @@
-"""Constrained decoding with llguidance: compile once per process, mask the constrained rows only.
+"""Constrained decoding with llguidance: compile off the engine thread, mask the constrained rows only.
 
-Grammars compile in a thread pool with a time limit and are cached by their text; each request
-owns a matcher that catches up on its output tokens before every mask, so a request preempted,
-swapped, resumed or migrated rebuilds its state from the tokens it already has. Masks are filled
-by llguidance's native threads (the GIL is released) while the forward runs, then applied to the
-constrained rows' logits in one op. No row constrained: nothing here runs.
+Grammars compile on the grammar pool (workers.grammar) and are cached by their text; the engine
+thread only submits the work, so a new constrained request's compile overlaps its prefill. Each
+request owns a matcher that catches up on its output tokens before every mask, so a request
+preempted, swapped, resumed or migrated rebuilds its state from the tokens it already has. Masks
+are filled on a background thread (llguidance releases the GIL) while the forward runs, then
+applied to the constrained rows' logits in one op. No row constrained: nothing here runs.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -23,71 +22,24 @@ import llguidance.torch
 import torch
 
 from scheduler.structured_output import StructuredOutput
+from workers.grammar import DEFAULT_COMPILE_TIMEOUT_S, LIMITS, first_line, run_with_timeout, to_grammar
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
 MAX_CACHED_GRAMMARS = 256
-
-
-def to_grammar(constraint: StructuredOutput) -> str:
-    """The llguidance grammar (its JSON text) of a constraint."""
-    kind, spec = constraint.kind, constraint.spec
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
-    if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec)
-    if kind == "choice":
-        alternatives = " | ".join(json.dumps(c) for c in constraint.choices)
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-    return llguidance.LLMatcher.grammar_from_lark(spec)
-
-
-def check_constraint(constraint: StructuredOutput, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> str:
-    """The grammar text of a valid constraint; ValueError naming the field when it is invalid,
-    uses an unsupported keyword, or takes longer than timeout_s to check."""
-    def check() -> str:
-        grammar = to_grammar(constraint)
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error:
-            raise ValueError(f"{constraint.field_name}: {error.strip().splitlines()[0]}")
-        return grammar
-    return _with_timeout(check, timeout_s, constraint.field_name)
-
-
-_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
-
-
-def _with_timeout(fn: Any, timeout_s: float, field_name: str) -> Any:
-    future = _POOL.submit(fn)
-    try:
-        return future.result(timeout=timeout_s)
-    except FutureTimeout:
-        raise ValueError(f"{field_name}: took longer than {timeout_s:g}s to compile") from None
-    except ValueError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - llguidance reports bad grammars as plain exceptions
-        raise ValueError(f"{field_name}: {exc}") from None
 
 
 class GrammarCompiler:
     """Per-process: the llguidance tokenizer (built once) and an LRU of compiled matchers by text."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int,
+    def __init__(self, load_tokenizer: Any, vocab_size: int,
                  timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
-        self._hf_tokenizer = hf_tokenizer
+        self._load_tokenizer = load_tokenizer  # () -> HF tokenizer; called once, on the grammar pool
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-
-    def _tokenizer(self) -> Any:
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
-        return self._ll_tokenizer
 
     def matcher(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher at the start of the constraint; ValueError naming the field if it fails."""
@@ -97,23 +49,29 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(key)
                 return template.deep_copy()
-        template = _with_timeout(lambda: self._compile(constraint), self.timeout_s, constraint.field_name)
+        template = run_with_timeout(lambda: self._compile(constraint), self.timeout_s, constraint.field_name)
         with self._lock:
             self._cache[key] = template
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return template.deep_copy()
 
+    def _tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size)
+            return self._ll_tokenizer
+
     def _compile(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._tokenizer(), to_grammar(constraint))
+        matcher = llguidance.LLMatcher(self._tokenizer(), to_grammar(constraint), limits=LIMITS)
         if matcher.is_error():
-            raise ValueError(f"{constraint.field_name}: {matcher.get_error()}")
+            raise ValueError(f"{constraint.field_name}: {first_line(matcher.get_error())}")
         return matcher
 
 
 @dataclass(slots=True)
 class _Row:
-    matcher: llguidance.LLMatcher
+    matcher: Future  # of an llguidance.LLMatcher, compiled on the grammar pool
     consumed: int = 0  # output tokens the matcher has accepted
 
 
@@ -122,8 +80,10 @@ class PendingMasks:
     """Bitmasks being filled for some batch rows (positions in the sampled logits)."""
 
     rows: list[int]
+    req_ids: list[str]
     bitmask: torch.Tensor
-    future: Future | None
+    future: Future
+    failed: dict[str, str] = field(default_factory=dict)  # req id -> why its constraint failed
 
 
 class StructuredDecoding:
@@ -133,11 +93,12 @@ class StructuredDecoding:
         self.compiler = compiler
         self._rows: dict[str, _Row] = {}
         self._executor = llguidance.LLExecutor()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._compiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+        self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
     def add(self, req_id: str, constraint: StructuredOutput) -> None:
-        """Start a request's matcher; the outputs it already has are consumed at its next mask."""
-        self._rows[req_id] = _Row(self.compiler.matcher(constraint))
+        """Start compiling a request's matcher; the outputs it already has are consumed at its next mask."""
+        self._rows[req_id] = _Row(self._compiles.submit(self.compiler.matcher, constraint))
 
     def drop(self, req_id: str) -> None:
         self._rows.pop(req_id, None)
@@ -146,32 +107,49 @@ class StructuredDecoding:
         return req_id in self._rows
 
     def start_masks(self, req_ids: list[str], outputs: list[list[int]]) -> PendingMasks | None:
-        """Catch each constrained request (of those sampled, in order) up on its outputs and start
-        filling their masks in the background. None when none of them is constrained."""
-        positions, matchers = [], []
+        """Start filling the masks of the constrained requests among those sampled (in order), each
+        caught up on its outputs first. None when none of them is constrained."""
+        positions, rids, rows, new_tokens = [], [], [], []
         for pos, (rid, out) in enumerate(zip(req_ids, outputs)):
             row = self._rows.get(rid)
             if row is None:
                 continue
-            if row.consumed < len(out):
-                row.matcher.consume_tokens(out[row.consumed:])
-                row.consumed = len(out)
             positions.append(pos)
-            matchers.append(row.matcher)
+            rids.append(rid)
+            rows.append(row)
+            new_tokens.append(out[row.consumed:])  # a copy: the runner appends while the mask fills
+            row.consumed = len(out)
         if not positions:
             return None
         bitmask = llguidance.torch.allocate_token_bitmask(len(positions), self.compiler.vocab_size)
-        pairs = [(m, i) for i, m in enumerate(matchers)]
-        future = self._pool.submit(llguidance.torch.fill_next_token_bitmask_par, self._executor, pairs, bitmask)
-        return PendingMasks(positions, bitmask, future)
+        pending = PendingMasks(positions, rids, bitmask, Future())
+        pending.future = self._masks.submit(self._fill, pending, rows, new_tokens)
+        return pending
+
+    def _fill(self, pending: PendingMasks, rows: list[_Row], new_tokens: list[list[int]]) -> None:
+        """On the mask thread: wait for each compile, advance, then fill all masks in parallel."""
+        ready: list[tuple[Any, int]] = []
+        for i, (rid, row, tokens) in enumerate(zip(pending.req_ids, rows, new_tokens)):
+            try:
+                matcher = row.matcher.result()
+                if tokens:
+                    matcher.consume_tokens(tokens)
+                if matcher.is_error():
+                    raise ValueError(f"the output left its constraint: {first_line(matcher.get_error())}")
+            except Exception as exc:  # noqa: BLE001 - one request's constraint fails that request alone
+                pending.failed[rid] = f"structured output: {exc}"
+                pending.bitmask[i].fill_(-1)  # every token allowed: the row is failed, not sampled from
+                continue
+            ready.append((matcher, i))
+        if ready:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, ready, pending.bitmask)
 
 
 def apply_masks(logits: torch.Tensor, pending: PendingMasks) -> torch.Tensor:
     """Disallowed tokens of the constrained rows to -inf, in one vectorised op. Out of place."""
-    if pending.future is not None:
-        pending.future.result()
+    pending.future.result()
     vocab = logits.shape[-1]
-    bits = pending.bitmask.to(logits.device)
+    bits = pending.bitmask.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bits[:, :, None] >> shifts) & 1).bool().view(bits.shape[0], -1)[:, :vocab]
     index = torch.tensor(pending.rows, device=logits.device)

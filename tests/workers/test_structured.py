@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput
-from workers.structured import check_constraint
+from workers.grammar import check_constraint
 
 pytestmark = pytest.mark.slow
 
