@@ -73,15 +73,23 @@ class Frontend:
         """A completion prompt: the tokenizer adds its specials (BOS) as the model was trained."""
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+    @property
+    def chat_template(self) -> str:
+        """The template's source (all of them, when the tokenizer has several by name)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            return "\n".join(template.values())
+        return template or FALLBACK_CHAT_TEMPLATE
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation through the model's chat template, ready for the assistant's turn."""
         template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        return self.tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False,
-                                                  add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(list(messages), chat_template=template, tools=tools,
+                                                  tokenize=False, add_generation_prompt=True)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A chat prompt: the template emits its own specials, so the tokenizer adds none."""
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.tokenizer.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
     def check_token_ids(self, token_ids: Sequence[int], field_name: str = "prompt") -> None:
         """ValueError unless every id is in the vocabulary (one bad id would fail a whole batch)."""
