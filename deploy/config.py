@@ -91,6 +91,8 @@ class AppConfig(BaseModel):
                                         "before they are parsed")
     max_sequences_per_request: int = Field(default=128, ge=1, le=4096, description="prompts x n of one request")
     max_stop_string_chars: int = Field(default=1024, ge=1, description="longest stop string accepted")
+    grammar_timeout_s: float = Field(default=10.0, gt=0, le=600, description="longest a structured-output "
+                                     "schema, regex or grammar may take to check; slower ones get 400")
     # Resources and placement (one bundle for the replica, one per TP worker when TP > 1).
     replica_num_cpus: float = Field(default=1.0, ge=0, description="CPUs of the replica's bundle")
     worker_num_cpus: float = Field(default=1.0, ge=0, description="CPUs of each TP worker's bundle (TP > 1)")

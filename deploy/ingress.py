@@ -6,6 +6,7 @@ signatures' annotations at run time.
 """
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -26,7 +27,11 @@ from deploy.errors import (AuthenticationError, BadRequestError, ContextLengthEr
                            PayloadTooLargeError, error_event, error_response)
 from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams, with_deadline
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
+from deploy.tools import ToolCallFormat, ToolCallParser, ToolSpec, detect_format, prepare_chat, \
+    template_renders_tools, tool_constraint
 from scheduler.sampling_params import SamplingParams
+from scheduler.structured_output import StructuredOutput
+from workers.grammar import check_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +71,60 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+@functools.lru_cache(maxsize=256)
+def _checked_constraint(constraint: StructuredOutput, timeout_s: float) -> StructuredOutput:
+    """The constraint once its grammar checks out (ValueError naming the field if not); repeated
+    schemas are checked once."""
+    check_constraint(constraint, timeout_s)
+    return constraint
+
+
 async def _prepend(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
     if first is not None:
         yield first
         async for delta in rest:
             yield delta
+
+
+class _ChatSplit:
+    """One chat choice's text as OpenAI message fields: plain content, or tool calls when tools are on."""
+
+    def __init__(self, tool_format: ToolCallFormat | None) -> None:
+        self.parser = ToolCallParser(tool_format) if tool_format is not None else None
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole reply as a message."""
+        if self.parser is None:
+            return {"role": "assistant", "content": text}
+        content, calls = self.parser.feed(text)
+        rest, more = self.parser.finish()
+        calls = calls + more
+        message: dict[str, Any] = {"role": "assistant", "content": (content + rest) or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def delta(self, text: str, last: bool, first: bool) -> dict[str, Any]:
+        """The streamed delta for `text` more (empty when nothing can be sent yet)."""
+        calls: list[dict[str, Any]] = []
+        if self.parser is not None:
+            text, calls = self.parser.feed(text)
+            if last:
+                rest, more = self.parser.finish()
+                text, calls = text + rest, calls + more
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or first and not calls:
+            delta["content"] = text
+        if calls:
+            start = len(self.parser.calls) - len(calls)
+            delta["tool_calls"] = [{"index": start + k, **call} for k, call in enumerate(calls)]
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """A reply that made calls and stopped by itself finishes with "tool_calls"."""
+        if reason == "stop" and self.parser is not None and self.parser.calls:
+            return "tool_calls"
+        return reason
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -83,6 +137,8 @@ class OpenAIIngress:
         self.replica = replica
         self.frontend = Frontend.load(config.engine.model, config.engine.cache_dir)
         self._keys = config.key_profiles()
+        self._tool_format = detect_format(self.frontend.chat_template)
+        self._renders_tools = template_renders_tools(self.frontend.chat_template)
         self._max_model_len: int | None = None
         self._created = int(time.time())
 
@@ -112,7 +168,8 @@ class OpenAIIngress:
             self._check_fanout(len(raw_prompts), body.n)
             prompts = [await self._tokenize(self.frontend.encode_prompt, p, len(p)) if isinstance(p, str) else p
                        for p in raw_prompts]
-            choices = await self._choices(body, prompts, body.logprobs, tenant)
+            constraint = await self._check(body.output_constraint())
+            choices = await self._choices(body, prompts, body.logprobs, tenant, constraint)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         return await self._respond(body, choices, chat=False)
@@ -124,14 +181,25 @@ class OpenAIIngress:
             if body.max_completion_tokens is not None:
                 body.max_tokens = body.max_completion_tokens
             self._check_fanout(1, body.n)
-            messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                        for m in body.messages]
-            prompt = await self._tokenize(self.frontend.encode_chat, messages,
-                                          sum(len(m["content"]) for m in messages))
-            choices = await self._choices(body, [prompt], body.num_logprobs, tenant)
+            tools = [ToolSpec(t.function.name, t.function.description, t.function.parameters)
+                     for t in body.tools or []] if body.tool_choice_name != "none" else []
+            constraint = body.output_constraint()
+            if tools and constraint is not None:
+                raise BadRequestError(f"{constraint.field_name}: cannot be combined with tools unless "
+                                      "tool_choice is none", param=constraint.field_name)
+            if tools:
+                constraint = tool_constraint(tools, body.tool_choice_name, self._tool_format,
+                                             body.parallel_tool_calls)
+            constraint = await self._check(constraint)
+            messages, tool_args = prepare_chat([self._message(m) for m in body.messages], tools,
+                                               self._tool_format, self._renders_tools)
+            num_chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tool_args or []))
+            prompt = await self._tokenize(functools.partial(self.frontend.encode_chat, tools=tool_args),
+                                          messages, num_chars)
+            choices = await self._choices(body, [prompt], body.num_logprobs, tenant, constraint)
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
-        return await self._respond(body, choices, chat=True)
+        return await self._respond(body, choices, chat=True, tool_format=self._tool_format if tools else None)
 
     # ---- request -> GenerateRequests --------------------------------------------------------------
     async def _parse(self, request: Request, schema: type) -> tuple[Any, str]:
@@ -179,14 +247,30 @@ class OpenAIIngress:
                                   f"(at most {limit} characters)", param="prompt", code="context_length_exceeded")
         return await asyncio.to_thread(encode, prompt)
 
+    async def _check(self, constraint: StructuredOutput | None) -> StructuredOutput | None:
+        """A valid constraint (checked off the event loop, within grammar_timeout_s) or a 400."""
+        if constraint is None:
+            return None
+        return await asyncio.to_thread(_checked_constraint, constraint, self.config.grammar_timeout_s)
+
+    @staticmethod
+    def _message(message: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": message.role if message.role != "developer" else "system",
+                               "content": message.text()}
+        if message.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+        return out
+
     async def max_model_len(self) -> int:
         if self._max_model_len is None:
             info = await self.replica.model_info.remote()
             self._max_model_len = int(info["max_model_len"])
         return self._max_model_len
 
-    async def _choices(self, body: Any, prompts: list[list[int]], logprobs: int | None,
-                       tenant: str) -> list[Choice]:
+    async def _choices(self, body: Any, prompts: list[list[int]], logprobs: int | None, tenant: str,
+                       constraint: StructuredOutput | None) -> list[Choice]:
         max_len = await self.max_model_len()
         base_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         choices = []
@@ -209,7 +293,8 @@ class OpenAIIngress:
                     min_p=body.min_p, seed=None if body.seed is None else body.seed + i,
                     repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty, logprobs=logprobs,
-                    ignore_eos=body.ignore_eos, stop=list(body.stop), logit_bias=dict(body.logit_bias or {}))
+                    ignore_eos=body.ignore_eos, stop=list(body.stop), logit_bias=dict(body.logit_bias or {}),
+                    structured=constraint)
                 params.check_vocab(self.frontend.info.vocab_size)
                 request = GenerateRequest(
                     request_id=f"{base_id}-{p * body.n + i}", prompt_token_ids=prompt, sampling_params=params,
@@ -218,7 +303,8 @@ class OpenAIIngress:
         return choices
 
     # ---- responses -----------------------------------------------------------------------------
-    async def _respond(self, body: Any, choices: list[Choice], chat: bool):
+    async def _respond(self, body: Any, choices: list[Choice], chat: bool,
+                       tool_format: ToolCallFormat | None = None):
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
         timeout = self.config.request_timeout_s
         if body.request_timeout_s is not None:
@@ -233,14 +319,15 @@ class OpenAIIngress:
             except Exception as exc:  # noqa: BLE001
                 return error_response(exc)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse_stream(rid, _prepend(first, deltas), chat, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._sse_stream(rid, _prepend(first, deltas), chat, include_usage,
+                                                      tool_format), media_type="text/event-stream")
         try:
-            return JSONResponse(await self._collect(rid, deltas, len(choices), chat))
+            return JSONResponse(await self._collect(rid, deltas, len(choices), chat, tool_format))
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
 
-    async def _collect(self, rid: str, deltas: AsyncIterator[ChoiceDelta], n: int, chat: bool) -> dict:
+    async def _collect(self, rid: str, deltas: AsyncIterator[ChoiceDelta], n: int, chat: bool,
+                       tool_format: ToolCallFormat | None) -> dict:
         texts = [""] * n
         logprobs: list[list] = [[] for _ in range(n)]
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -258,8 +345,10 @@ class OpenAIIngress:
         for i in range(n):
             lp = self._logprobs(tokens[i], logprobs[i], chat) if logprobs[i] else None
             if chat:
-                out_choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                                    "logprobs": lp, "finish_reason": finish[i]})
+                split = _ChatSplit(tool_format)
+                message = split.message(texts[i])
+                out_choices.append({"index": i, "message": message, "logprobs": lp,
+                                    "finish_reason": split.finish_reason(finish[i])})
             else:
                 out_choices.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": finish[i]})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -267,28 +356,29 @@ class OpenAIIngress:
                 "usage": tally.as_dict()}
 
     async def _sse_stream(self, rid: str, deltas: AsyncIterator[ChoiceDelta], chat: bool,
-                          include_usage: bool) -> AsyncIterator[bytes]:
+                          include_usage: bool, tool_format: ToolCallFormat | None) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": self.config.model_name}
-        started: set[int] = set()
+        splits: dict[int, _ChatSplit] = {}
         tally = UsageTally()
         try:
             async for d in deltas:
                 lp = self._logprobs(d.token_ids, d.logprobs, chat) if d.logprobs else None
-                first = d.index not in started
-                started.add(d.index)
-                # A delta whose text is held back (partial UTF-8, possible stop string) sends nothing.
-                if d.text or lp or d.finish_reason is not None or (chat and first):
-                    if chat:
-                        delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {
-                            "content": d.text}
+                if not chat:
+                    if d.text or lp or d.finish_reason is not None:
+                        choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+                        yield _sse({**head, "choices": [choice]})
+                else:
+                    first = d.index not in splits
+                    split = splits.setdefault(d.index, _ChatSplit(tool_format))
+                    delta = split.delta(d.text, d.finish_reason is not None, first)
+                    # A delta whose text is held back (partial UTF-8, a possible stop string or
+                    # tool-call marker) sends nothing.
+                    if delta or lp or d.finish_reason is not None:
                         choice = {"index": d.index, "delta": delta, "logprobs": lp,
-                                  "finish_reason": d.finish_reason}
-                    else:
-                        choice = {"index": d.index, "text": d.text, "logprobs": lp,
-                                  "finish_reason": d.finish_reason}
-                    yield _sse({**head, "choices": [choice]})
+                                  "finish_reason": split.finish_reason(d.finish_reason)}
+                        yield _sse({**head, "choices": [choice]})
                 tally.add(d)
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": tally.as_dict()})

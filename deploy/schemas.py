@@ -6,18 +6,105 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
+from scheduler.structured_output import StructuredOutput
 from scheduler.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS,
                                        MAX_TOKEN_ID)
 
 # Documented OpenAI (and vLLM) request fields raylm does not implement: a 400 naming the field
 # beats silently generating something the client did not ask for. Neutral values pass.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    "web_search_options": (None,), "suffix": (None, ""), "best_of": (None, 1),
+    "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "web_search_options": (None,), "suffix": (None, ""), "best_of": (None, 1),
+    "guided_decoding_backend": (None,), "structural_tag": (None,),
 }
+MAX_TOOLS = 128
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: the schema the reply must follow."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("needs json_schema when type is json_schema")
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputsField":
+        kinds = ("json_", "regex", "choice", "grammar", "json_object")
+        given = [k for k in kinds if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+    def constraint(self) -> StructuredOutput:
+        if self.json_ is not None:
+            return StructuredOutput.json_schema(self.json_, "structured_outputs.json")
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex, "structured_outputs.regex")
+        if self.choice is not None:
+            return StructuredOutput.choice(self.choice, "structured_outputs.choice")
+        if self.grammar is not None:
+            return StructuredOutput("grammar", self.grammar, "structured_outputs.grammar")
+        return StructuredOutput("json_object", "", "structured_outputs.json_object")
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str = Field(default="", max_length=8192)
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(BaseModel):
+    name: str = Field(max_length=64)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallMessage(BaseModel):
+    """A call an assistant turn made earlier in the conversation."""
+
+    id: str = Field(default="", max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class StreamOptions(BaseModel):
@@ -50,6 +137,12 @@ class _SamplingFields(BaseModel):
     user: str | None = Field(default=None, max_length=MAX_TENANT_CHARS)
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     request_timeout_s: float | None = Field(default=None, gt=0, le=86400)  # raylm extension
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM extension
+    guided_json: dict[str, Any] | bool | str | None = None  # vLLM's older spelling of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -69,6 +162,28 @@ class _SamplingFields(BaseModel):
             if not (0 <= token <= MAX_TOKEN_ID and -100.0 <= bias <= 100.0):
                 raise ValueError(f"logit_bias: token {token} must be a token id and its bias in [-100, 100]")
         return self
+
+    def output_constraint(self) -> StructuredOutput | None:
+        """The constraint asked for by response_format, structured_outputs or a guided_* field."""
+        found: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutput("json_object", "", "response_format"))
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            found.append(StructuredOutput.json_schema(rf.json_schema.schema_, "response_format.json_schema.schema"))
+        if self.structured_outputs is not None:
+            found.append(self.structured_outputs.constraint())
+        if self.guided_json is not None:
+            found.append(StructuredOutput.json_schema(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(StructuredOutput("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(StructuredOutput.choice(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(StructuredOutput("grammar", self.guided_grammar, "guided_grammar"))
+        if len(found) > 1:
+            raise ValueError(f"{found[1].field_name}: only one output constraint per request")
+        return found[0] if found else None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -91,6 +206,15 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in ("tools", "tool_choice", "parallel_tool_calls"):
+                if data.get(name) not in (None, [], "none"):
+                    raise ValueError(f"{name}: tools are taken by /v1/chat/completions only")
+        return data
 
     @field_validator("prompt")
     @classmethod
@@ -122,6 +246,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -136,6 +262,28 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: `required` needs at least one tool")
+        return self
+
+    @property
+    def tool_choice_name(self) -> str:
+        """"none", "auto", "required" or the forced function's name (OpenAI's defaults applied)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     @property
     def num_logprobs(self) -> int | None:
