@@ -73,8 +73,10 @@ def test_response_format_json_schema_outputs_validate(client):
 
 
 def test_json_object_and_structured_outputs_on_completions(client):
-    r = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "A JSON greeting."}],
-                                       max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    ask = "Return a JSON object with the keys \"name\" and \"city\" for Ada, who lives in Paris."
+    r = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": ask}],
+                                       max_tokens=120, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     r = client.completions.create(model=SMOL, prompt="A US phone number:", max_tokens=20, temperature=0.8, seed=3,
                                   n=3, extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}})
