@@ -37,6 +37,7 @@ class EngineConfig:
     attention_backend: str = setting("auto", "paged attention kernel", choices=ATTENTION_BACKENDS)
     cpu_threads: int | None = setting(None, "torch intra-op threads of a CPU engine (unset: what the process has)",
                                       ge=1)
+    enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     use_compiled_graph: bool = setting(True, "TP > 1: broadcast steps over a Ray Compiled Graph (else actor calls)")
     step_timeout_s: float = setting(300.0, "TP > 1: a step whose workers do not answer within this fails the engine",
                                     gt=0)
@@ -96,7 +97,8 @@ class EngineConfig:
             max_model_len=max_model_len, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs, seed=self.seed, attention_backend=self.attention_backend,
             kv_cache_memory_gb=self.kv_cache_memory_gb, gpu_memory_utilization=self.gpu_memory_utilization,
-            load_progress=self.load_progress, cpu_threads=self.cpu_threads)
+            load_progress=self.load_progress, cpu_threads=self.cpu_threads,
+            enforce_eager=self.enforce_eager)
 
     @property
     def block_size(self) -> int:

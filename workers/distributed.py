@@ -34,14 +34,12 @@ def init_distributed(rank: int, world_size: int, address: str, device: str,
                      timeout_s: float = 300.0) -> None:
     """Join the process group of world_size ranks rendezvousing at address ("host:port").
 
-    Every rank must call this at about the same time. At world size 1 no group is created.
+    Every rank must call this at about the same time. At world size 1 a real group is created too,
+    so the collectives of the TP layers run (as identities) through the backend being set up.
     timeout_s bounds the rendezvous and every collective, so a lost peer cannot hang a rank forever.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
-    if world_size == 1:
-        init_tensor_parallel(0, 1, None)
-        return
     if dist.is_initialized():
         raise RuntimeError("init_distributed: this process already belongs to a process group")
     backend = backend_for(device)

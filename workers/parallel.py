@@ -49,15 +49,15 @@ def divide(numerator: int, denominator: int, field: str) -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place."""
-    if _state.world_size > 1:
+    """Sum over ranks, in place (no-op without a process group)."""
+    if _state.group is not None:
         dist.all_reduce(x, group=_state.group)
     return x
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's x along dim."""
-    if _state.world_size == 1:
+    if _state.group is None:
         return x
     parts = [torch.empty_like(x) for _ in range(_state.world_size)]
     dist.all_gather(parts, x.contiguous(), group=_state.group)
@@ -66,7 +66,7 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def gather(x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
     """Concatenate every rank's x along dim on rank dst; other ranks get None."""
-    if _state.world_size == 1:
+    if _state.group is None:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_state.world_size)] if _state.rank == dst else None

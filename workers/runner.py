@@ -15,11 +15,12 @@ from transformers import AutoConfig
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
+from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import load_model
 from workers.model_files import load_tokenizer
-from workers.parallel import get_tp_rank
+from workers.parallel import get_tp_rank, get_tp_world_size
 from workers.sampler import Sampler, SamplerOutput, SamplingState
 from workers.structured import GrammarCompiler, PendingMasks, StructuredDecoding, apply_masks
 
@@ -48,6 +49,7 @@ class RunnerConfig:
     gpu_memory_utilization: float
     load_progress: bool
     cpu_threads: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -115,6 +117,10 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.structured: StructuredDecoding | None = None  # built at the first constrained request
         self._vocab_size = int(hf_config.vocab_size)
+        # Graphs capture collectives too, but TP > 1 over NCCL has not run on a multi-GPU machine yet.
+        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and get_tp_world_size() == 1
+                           and self.backend.supports_cuda_graphs)
+        self.graphs: DecodeGraphs | None = None
 
     # ---- KV cache ------------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -124,7 +130,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
         torch.cuda.synchronize(self.device)
-        return cuda_num_blocks(self.kv_spec, self.device, self.config.gpu_memory_utilization)
+        blocks = cuda_num_blocks(self.kv_spec, self.device, self.config.gpu_memory_utilization)
+        return blocks - 1 if self.use_graphs else blocks  # one block is the graphs' pad block
 
     @torch.inference_mode()
     def _profile_run(self) -> None:
@@ -152,9 +159,16 @@ class ModelRunner:
                 layer.k_cache = layer.v_cache = torch.empty(0)
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the pools and bind them to the attention layers."""
-        self.kv_cache = KVCache(self.kv_spec, num_gpu_blocks, num_cpu_blocks, self.device)
+        """Allocate the pools, bind them to the attention layers, and capture the decode graphs."""
+        pad = 1 if self.use_graphs else 0  # a block past the scheduler's pool, for padded graph rows
+        self.kv_cache = KVCache(self.kv_spec, num_gpu_blocks + pad, num_cpu_blocks, self.device)
         self.kv_cache.bind(self.layers)
+        if self.use_graphs:
+            cfg = self.config
+            self.graphs = DecodeGraphs(self.model, self.backend, cfg.max_num_seqs,
+                                       -(-cfg.max_model_len // cfg.block_size), cfg.block_size,
+                                       pad_block=num_gpu_blocks, device=self.device)
+            self.graphs.capture()
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -243,6 +257,14 @@ class ModelRunner:
         """Run the model on a batch; logits of the sampling rows (rank 0), None elsewhere."""
         dev = self.device
         tables = [self.requests[rid].block_ids for rid in batch.req_ids]
+        graphs = self.graphs
+        if graphs is not None and len(batch.input_ids) == len(batch.req_ids) <= graphs.max_batch:
+            hidden = graphs.run(batch.input_ids, batch.starts, tables)  # a pure-decode step
+            if not batch.sample_rows:
+                return None
+            if len(batch.sample_rows) < len(batch.req_ids):
+                hidden = hidden[torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)]
+            return self.model.compute_logits(hidden)
         meta, positions = AttentionMetadata.build(batch.starts, batch.query_lens, tables,
                                                   self.config.block_size, dev)
         self.backend.prepare(meta)

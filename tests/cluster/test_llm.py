@@ -106,3 +106,26 @@ def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(model=str(tmp_path), device="cpu")
+
+
+# What the GPU machines lack: the TP=1 offline engine must not need any of it.
+ABSENT_ON_GPU_MACHINES = ("ray", "pydantic", "fastapi", "starlette", "uvicorn", "gguf", "flash_attn")
+
+
+def test_the_offline_engine_runs_without_ray_or_the_serving_stack(tiny_checkpoint):
+    import subprocess
+    import sys
+
+    model_dir, _ = tiny_checkpoint("qwen3")
+    code = f"""
+import sys
+for name in {ABSENT_ON_GPU_MACHINES!r}:
+    sys.modules[name] = None  # any import of it raises ImportError
+from cluster import LLM
+from scheduler import SamplingParams
+llm = LLM(model={model_dir!r}, device="cpu", load_progress=False, kv_cache_memory_gb=0.01)
+out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+assert len(out[0].token_ids) == 3, out
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -29,7 +29,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> Greedy:
     # An explicit eos_token_id=None is filled in from the model's defaults; clear those instead.
     saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     try:
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+        out = model.generate(torch.tensor([prompt_ids], device=model.device), generation_config=config)
     finally:
         model.generation_config.eos_token_id = saved
     tokens = out.sequences[0, len(prompt_ids):].tolist()

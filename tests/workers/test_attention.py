@@ -120,6 +120,10 @@ def test_triton_decode_kernel_in_interpreter_mode():
 
 
 def check_triton_on_cpu() -> None:
-    from workers.layers.backends.triton_decode import TritonDecodeBackend
-    out, ref = run_batch(TritonDecodeBackend(), "cpu")
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    """One pass per context, then contexts split across programs (8 splits leave some empty)."""
+    from workers.layers.backends import triton_decode
+
+    for splits in (1, 2, 8):
+        triton_decode.num_splits = lambda *_, s=splits: s
+        out, ref = run_batch(triton_decode.TritonDecodeBackend(), "cpu")
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=lambda m, s=splits: f"{s} splits: {m}")

@@ -80,3 +80,20 @@ def test_qkv_shards_replicate_kv_heads_when_ranks_outnumber_them(monkeypatch):
         assert torch.equal(layer.weight[:4], q[rank * 4:(rank + 1) * 4])
         kv_head = rank // 2
         assert torch.equal(layer.weight[4:6], k[kv_head * 2:(kv_head + 1) * 2])
+
+
+def test_a_group_of_one_runs_the_collectives_through_the_backend():
+    """init_distributed at world size 1 still builds a real group (gloo here, NCCL on CUDA)."""
+    from workers.distributed import destroy_distributed, free_port, init_distributed
+    from workers.parallel import all_gather, all_reduce, gather
+
+    init_distributed(0, 1, f"127.0.0.1:{free_port()}", "cpu", timeout_s=30)
+    try:
+        assert dist.get_backend() == "gloo" and dist.get_world_size() == 1
+        x = torch.arange(6.0)
+        assert torch.equal(all_reduce(x.clone()), x)
+        assert torch.equal(all_gather(x), x)
+        assert torch.equal(gather(x), x)
+    finally:
+        destroy_distributed()
+    assert not dist.is_initialized()

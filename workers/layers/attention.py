@@ -90,6 +90,7 @@ class AttentionBackend(Protocol):
     """Computes attention for a whole batch once K/V of the step are in the cache."""
 
     name: str
+    supports_cuda_graphs: bool  # a pure-decode forward may be captured (fixed shapes, no host syncs)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Derive per-step state (gather indices, masks) into meta.backend_state."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.layers.fused import fused_ops
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, cast back like Hugging Face's LlamaRMSNorm."""
@@ -23,6 +25,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        ops = fused_ops(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

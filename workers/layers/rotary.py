@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from workers.layers.fused import fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -54,7 +56,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their dtype."""
+        """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their dtype (in place on CUDA)."""
+        ops = fused_ops(q)
+        if ops is not None:
+            return ops.rotary_(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -33,6 +33,8 @@ class TorchBackend:
     """Gathers context blocks through the block table and runs scaled_dot_product_attention."""
 
     name = "torch"
+    # Decode gathers as many blocks as the longest context of the step: a shape graphs cannot fix.
+    supports_cuda_graphs = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchState(*self._prepare_decodes(meta), _prepare_prefills(meta))

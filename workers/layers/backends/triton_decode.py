@@ -15,13 +15,14 @@ from workers.layers.backends.torch_ref import TorchBackend, _prepare_prefills, _
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, block_tables_ptr, seq_lens_ptr, scale,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-                         stride_ot, stride_oh,
+                         stride_ot, stride_oh, stride_os,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_SIZE)
@@ -31,11 +32,16 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_len
     q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
     seq_len = tl.load(seq_lens_ptr + req)
+    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
+    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
+    first = split * per_split
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-        block = tl.load(block_tables_ptr + req * stride_bt + j).to(tl.int64)
+    # Every split walks per_split blocks; those past the context are fully masked (no memory read).
+    for i in range(0, per_split):
+        j = first + i
+        block = tl.load(block_tables_ptr + req * stride_bt + j, mask=j < num_blocks, other=0).to(tl.int64)
         valid = j * BLOCK_SIZE + offs_n < seq_len
         offsets = block * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
         kv_mask = valid[:, None] & mask_d[None, :]
@@ -43,34 +49,89 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_len
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty tile must not give -inf - -inf
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    out_mask = mask_g[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # unnormalised partials; _combine_splits_kernel merges them (an empty split has l = 0)
+        tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+                 acc, mask=out_mask)
+        stats = (req * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # m, l: [N, Hq, splits]
+        tl.store(m_ptr + stats, m_i, mask=mask_g)
+        tl.store(l_ptr + stats, l_i, mask=mask_g)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, m_ptr, l_ptr, out_ptr, stride_pt, stride_ph, stride_ps, stride_ot, stride_oh,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    stats = (req * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + stats)
+    l_split = tl.load(l_ptr + stats)
+    weight = tl.exp(m - tl.max(m, axis=0))  # split 0 always holds a block, so the max is finite
+    part = tl.load(part_ptr + req * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight * l_split, axis=0)
+    tl.store(out_ptr + req * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Context splits per (request, KV head): enough programs to fill the GPU twice over, at most 16.
+
+    A function of the batch shape only, so a captured graph keeps its split count at every length.
+    """
+    # Off CUDA (Triton's interpreter in the CPU tests) a small machine is assumed.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    programs = 2 * sms
+    return min(16, triton.next_power_of_2(max(1, -(-programs // (num_reqs * num_kv_heads)))))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [N, Hq, D], one token per request; caches [blocks, block_size, Hk, D] -> [N, Hq, D]."""
+                 seq_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+    """q: [N, Hq, D], one token per request; caches [blocks, block_size, Hk, D] -> [N, Hq, D].
+
+    Short batches split each context across programs (flash-decoding) and merge the partial softmaxes.
+    """
     n, hq, d = q.shape
     _, block_size, hk, _ = k_cache.shape
     if k_cache.stride() != v_cache.stride():
         raise ValueError("v_cache: must share k_cache's layout")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size: the Triton decode kernel needs a power of two, got {block_size}")
+    if seq_lens.stride(0) != 1 or block_tables.stride(1) != 1 or q.stride(2) != 1:
+        raise ValueError("seq_lens, block_tables and q: need unit stride in their last dimension")
     group = hq // hk
+    splits = splits or num_splits(n, hk, q.device)
     out = torch.empty_like(q)
-    _paged_decode_kernel[(n, hk)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, scale,
+    meta = dict(GROUP=group, HEAD_DIM=d, BLOCK_G=max(triton.next_power_of_2(group), 2),
+                BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size, NUM_SPLITS=splits)
+    if splits == 1:
+        _paged_decode_kernel[(n, hk, 1)](
+            q, k_cache, v_cache, out, out, out, block_tables, seq_lens, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1), 0, **meta)
+        return out
+    part = torch.empty((n, hq, splits, d), dtype=torch.float32, device=q.device)
+    m = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
+    l_split = torch.empty_like(m)
+    _paged_decode_kernel[(n, hk, splits)](
+        q, k_cache, v_cache, part, m, l_split, block_tables, seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=d, BLOCK_G=max(triton.next_power_of_2(group), 2),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size)
+        block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), **meta)
+    _combine_splits_kernel[(n, hq)](part, m, l_split, out, part.stride(0), part.stride(1), part.stride(2),
+                                    out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
+                                    NUM_SPLITS=splits)
     return out
 
 
@@ -78,6 +139,7 @@ class TritonDecodeBackend(TorchBackend):
     """Decodes through the paged Triton kernel; prefill chunks as in the torch backend."""
 
     name = "triton"
+    supports_cuda_graphs = True  # decode reads only fixed-shape tensors; lengths are data
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchState(None, 0, None, _prepare_prefills(meta))
