@@ -21,7 +21,8 @@ NEW_TOKENS = 24
 # These logits reach 16-32, where bf16's step is 0.125: two bf16 paths may part ways where HF's top two
 # are within two such steps.
 BF16_NEAR_TIE = 0.25
-BF16_LOGPROB_TOL = 0.15
+# Measured on an H100: up to 0.34 nats on Llama-3.2-1B-shaped logits of magnitude ~20 (under 2%).
+BF16_LOGPROB_TOL = 0.5
 
 
 @pytest.fixture(scope="module")

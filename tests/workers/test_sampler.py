@@ -194,7 +194,7 @@ def test_sampler_penalises_each_row_with_its_own_history():
 def run_seeded(sampler: Sampler, logits: torch.Tensor, seed: int, steps: int, position: int,
                companions: list[SamplingState]) -> list[int]:
     """Decode `steps` tokens for a seeded request sitting at `position` among `companions`."""
-    state = make_state(seed=seed, top_p=0.9, presence_penalty=0.3)
+    state = make_state(str(logits.device), seed=seed, top_p=0.9, presence_penalty=0.3)
     for _ in range(steps):
         batch = companions[:position] + [state] + companions[position:]
         token = sampler.sample(logits.expand(len(batch), -1), batch).token_ids[position]

@@ -19,41 +19,45 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, block_table
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
                          stride_ot, stride_oh, stride_os,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_SIZE)
+    offs_n = tl.arange(0, TILE)
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
+    # The GQA group's query heads are the rows of one matrix product per tile (padded to 16 rows).
     q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     seq_len = tl.load(seq_lens_ptr + req)
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
+    num_tiles = tl.cdiv(seq_len, TILE)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     first = split * per_split
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Every split walks per_split blocks; those past the context are fully masked (no memory read).
+    # Every split walks per_split tiles of several cache blocks; those past the context are fully
+    # masked (no memory read).
     for i in range(0, per_split):
-        j = first + i
-        block = tl.load(block_tables_ptr + req * stride_bt + j, mask=j < num_blocks, other=0).to(tl.int64)
-        valid = j * BLOCK_SIZE + offs_n < seq_len
-        offsets = block * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+        pos = (first + i) * TILE + offs_n
+        valid = pos < seq_len
+        blocks = tl.load(block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offsets = (blocks[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh
+                   + offs_d[None, :])
         kv_mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty tile must not give -inf - -inf
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     out_mask = mask_g[:, None] & mask_d[None, :]
@@ -114,8 +118,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = hq // hk
     splits = splits or num_splits(n, hk, q.device)
     out = torch.empty_like(q)
-    meta = dict(GROUP=group, HEAD_DIM=d, BLOCK_G=max(triton.next_power_of_2(group), 2),
-                BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size, NUM_SPLITS=splits)
+    # Tiles of 64+ tokens keep enough bytes in flight; tl.dot needs 16 rows and a 16-wide inner dim.
+    # float32 stays exact (no TF32) so that the fp32 path matches Hugging Face.
+    meta = dict(GROUP=group, HEAD_DIM=d, BLOCK_G=max(triton.next_power_of_2(group), 16),
+                BLOCK_D=max(triton.next_power_of_2(d), 16), BLOCK_SIZE=block_size, TILE=max(64, block_size),
+                NUM_SPLITS=splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if splits == 1:
         _paged_decode_kernel[(n, hk, 1)](
             q, k_cache, v_cache, out, out, out, block_tables, seq_lens, scale,
@@ -130,7 +137,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), **meta)
     _combine_splits_kernel[(n, hq)](part, m, l_split, out, part.stride(0), part.stride(1), part.stride(2),
-                                    out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
+                                    out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
                                     NUM_SPLITS=splits)
     return out
 
