@@ -27,6 +27,7 @@ import httpx  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from bench.stats import pct  # noqa: E402
 from deploy.app import build_app  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -83,11 +84,6 @@ async def load(url: str, args: argparse.Namespace, kill: bool) -> tuple[list[Out
         tasks = [client_loop(client) for _ in range(args.concurrency)] + ([killer()] if kill else [])
         await asyncio.gather(*tasks)
     return outcomes, kills
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def wait_running(timeout: float = 300) -> None:

@@ -27,6 +27,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from bench.stats import pct  # noqa: E402
 from deploy.app import build_app  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -80,11 +81,6 @@ def ingress_rss_mb() -> float:
         if any("OpenAIIngress" in part for part in proc.info["cmdline"] or ()):
             return proc.info["memory_info"].rss / 2**20
     return float("nan")
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 async def run(args: argparse.Namespace, url: str) -> None:
