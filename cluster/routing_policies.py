@@ -11,51 +11,46 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cluster.circuit_breaker import CircuitBreaker
+from scheduler.settings import check_settings, setting
+
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_affinity")
+# Routed requests whose outcome the router can still attribute (a few minutes of heavy traffic).
+MAX_RECENT_ROUTES = 65_536
 
 
 @dataclass(slots=True)
 class RoutingConfig:
     """Knobs of the fleet router; the app config passes them, by these names, as request_router_kwargs."""
 
-    router_policy: str = "prefix_affinity"
-    # Load units (about one in-flight request each) by which the prefix holder may exceed the least
-    # loaded replica before load wins over affinity.
-    imbalance_threshold: float = 4.0
-    # ...or by this factor, whichever allows more: under heavy load a few requests of skew cost little
-    # next to recomputing a prefix, and a fixed threshold alone would spill every tenant everywhere.
-    imbalance_ratio: float = 1.5
-    min_match_blocks: int = 1
-    max_index_blocks: int = 200_000
-    # In-flight tokens (prompt + max new tokens) that weigh as much as one in-flight request.
-    tokens_per_request: int = 2048
-    kv_usage_weight: float = 1.0
-    # Index entries younger than this survive a replica's prefix report that lacks them: the report
-    # may have been taken before the request that planted them arrived.
-    stats_grace_s: float = 5.0
-    # A routing decision Serve never confirmed (request cancelled before send) stops counting after this.
-    unconfirmed_ttl_s: float = 30.0
-    seed: int | None = None
+    router_policy: str = setting("prefix_affinity", "how replicas are ranked", choices=POLICIES)
+    imbalance_threshold: float = setting(
+        4.0, "load units (about one in-flight request each) by which the prefix holder may exceed the least "
+        "loaded replica before load wins over affinity", ge=0)
+    # Under heavy load a few requests of skew cost little next to recomputing a prefix, and a fixed
+    # threshold alone would spill every tenant everywhere.
+    imbalance_ratio: float = setting(1.5, "...or by this factor of the least loaded replica's load, "
+                                     "whichever allows more", ge=1)
+    min_match_blocks: int = setting(1, "leading prompt blocks a replica must hold for affinity to count", ge=1)
+    max_index_blocks: int = setting(200_000, "LRU bound of the router's prefix index, in blocks", ge=1)
+    tokens_per_request: int = setting(2048, "in-flight tokens (prompt + max new tokens) that weigh as much as "
+                                      "one in-flight request", ge=1)
+    kv_usage_weight: float = setting(1.0, "weight of a replica's KV usage (0-1) in its load", ge=0)
+    # The report may have been taken before the request that planted the entries arrived.
+    stats_grace_s: float = setting(5.0, "prefix-index entries younger than this survive a replica's prefix "
+                                   "report that lacks them", ge=0)
+    unconfirmed_ttl_s: float = setting(30.0, "a routing decision Serve never confirmed (request cancelled "
+                                       "before send) stops counting after this", gt=0)
+    circuit_breaker_failures: int = setting(
+        3, "consecutive requests failed by a replica (actor died or unreachable, engine failed) after which "
+        "the router skips that replica (0: never)", ge=0, le=1_000_000)
+    circuit_breaker_cooldown_s: float = setting(
+        10.0, "a replica's open circuit lets one probe through after this long without a failure; a "
+        "success or a fresh `ok` stats report closes it", gt=0, le=86400)
+    seed: int | None = setting(None, "seed of the power_of_two policy's choices", ge=0, lt=2**63)
 
     def __post_init__(self) -> None:
-        if self.router_policy not in POLICIES:
-            raise ValueError(f"router_policy: {self.router_policy!r} is not one of {POLICIES}")
-        if self.imbalance_threshold < 0:
-            raise ValueError(f"imbalance_threshold: must be >= 0, got {self.imbalance_threshold}")
-        if self.imbalance_ratio < 1:
-            raise ValueError(f"imbalance_ratio: must be >= 1, got {self.imbalance_ratio}")
-        if self.min_match_blocks < 1:
-            raise ValueError(f"min_match_blocks: must be >= 1, got {self.min_match_blocks}")
-        if self.max_index_blocks < 1:
-            raise ValueError(f"max_index_blocks: must be >= 1, got {self.max_index_blocks}")
-        if self.tokens_per_request < 1:
-            raise ValueError(f"tokens_per_request: must be >= 1, got {self.tokens_per_request}")
-        if self.kv_usage_weight < 0:
-            raise ValueError(f"kv_usage_weight: must be >= 0, got {self.kv_usage_weight}")
-        if self.stats_grace_s < 0:
-            raise ValueError(f"stats_grace_s: must be >= 0, got {self.stats_grace_s}")
-        if self.unconfirmed_ttl_s <= 0:
-            raise ValueError(f"unconfirmed_ttl_s: must be > 0, got {self.unconfirmed_ttl_s}")
+        check_settings(self)
 
     @classmethod
     def from_router_kwargs(cls, kwargs: Mapping[str, Any] | None) -> RoutingConfig:
@@ -359,16 +354,23 @@ class FleetState:
         self.index = PrefixIndex(config.max_index_blocks)
         self.policy = make_policy(config)
         self.routed: Counter[str] = Counter()  # requests Serve confirmed, per replica (logs, benches)
+        self.breaker = CircuitBreaker(config.circuit_breaker_failures, config.circuit_breaker_cooldown_s)
+        # request id -> replica of recently routed requests, so a failure reported later is attributed.
+        self._recent: OrderedDict[str, str] = OrderedDict()
         self._stats_seen: dict[str, Mapping[str, Any]] = {}
 
     def route(self, request: RouteRequest, replicas: Iterable[str], now: float) -> list[str]:
         """Replicas ranked best first for request; the first is provisionally charged with it."""
         # A replica that reports itself failed, stalled or draining is never picked.
-        ordered = sorted(r for r in set(replicas) if self.loads.is_healthy(r))
-        if not ordered:
+        healthy = sorted(r for r in set(replicas) if self.loads.is_healthy(r))
+        if not healthy:
             return []
+        # An open circuit skips its replica, unless every circuit is open: then the requests' own
+        # migration limit, not the router, decides when to give up.
+        ordered = [r for r in healthy if self.breaker.allows(r, now)] or healthy
         self.loads.expire(now)
         ranking = self.policy.rank(ordered, request, self)
+        self.breaker.on_picked(ranking[0], now)
         # Charged now, not when Serve confirms: a burst routes before any confirmation comes back.
         self._charge(request, ranking[0], now, confirmed=False)
         return ranking
@@ -377,6 +379,23 @@ class FleetState:
         """Serve sent request to replica (it may differ from the ranking's first if that one was full)."""
         self._charge(request, replica, now, confirmed=True)
         self.routed[replica] += 1
+        self._recent[request.request_id] = replica
+        self._recent.move_to_end(request.request_id)
+        while len(self._recent) > MAX_RECENT_ROUTES:
+            self._recent.popitem(last=False)
+
+    def on_outcome(self, request_id: str, ok: bool, now: float) -> str | None:
+        """The ingress's verdict on a request this router sent: a success or a replica failure.
+
+        Returns the replica it is attributed to (None for a request routed too long ago)."""
+        replica = self._recent.pop(request_id, None)
+        if replica is None:
+            return None
+        if ok:
+            self.breaker.record_success(replica, now)
+        else:
+            self.breaker.record_failure(replica, now)
+        return replica
 
     def on_completed(self, request_id: str) -> None:
         self.loads.finish(request_id)
@@ -390,6 +409,8 @@ class FleetState:
             return
         self._stats_seen[replica] = stats
         self.loads.report(replica, stats)
+        if self.loads.is_healthy(replica):
+            self.breaker.record_healthy_report(replica, now)
         prefix_hashes = stats.get("prefix_hashes")
         if prefix_hashes is not None:
             self.index.sync_replica(replica, prefix_hashes, now, self.config.stats_grace_s)
@@ -401,13 +422,15 @@ class FleetState:
         known = replica in self.loads.replicas() or replica in self.index.replicas() or replica in self._stats_seen
         self.loads.remove_replica(replica)
         self.index.remove_replica(replica)
+        self.breaker.forget(replica)
         self._stats_seen.pop(replica, None)
         return known
 
     def retain(self, replicas: Iterable[str]) -> None:
         """Forget every replica not in replicas."""
         alive = set(replicas)
-        for replica in (self.loads.replicas() | self.index.replicas() | set(self._stats_seen)) - alive:
+        known = self.loads.replicas() | self.index.replicas() | set(self._stats_seen) | self.breaker.replicas()
+        for replica in known - alive:
             self.remove_replica(replica)
 
     def _charge(self, request: RouteRequest, replica: str, now: float, confirmed: bool) -> None:

@@ -3,15 +3,21 @@
 A thin adapter: the policies, load accounting and prefix index live in cluster/routing_policies.py.
 Attach it through the deployment's request_router_config (request_router_class
 "cluster.serve_router.FleetRouter"); request_router_kwargs are initialize_state's keyword arguments.
+
+The ingress tells the routers of its process how each request it sent ended
+(cluster/circuit_breaker.py `report_outcome`), so a replica that keeps failing requests trips its
+circuit breaker even while its stats still say `ok`.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from cluster.circuit_breaker import subscribe
 from cluster.routing_policies import FleetState, RouteRequest, RoutingConfig
 
 logger = logging.getLogger(__name__)
@@ -23,15 +29,23 @@ class FleetRouter(RequestRouter):
     """Ranks replicas with a cluster.routing_policies policy and keeps its load and prefix state current."""
 
     def initialize_state(self, **router_kwargs: Any) -> None:
-        """Called by Serve with request_router_kwargs, the fields of cluster.routing_policies.RoutingConfig:
-
-        router_policy ("prefix_affinity" | "round_robin" | "least_loaded" | "power_of_two"),
-        imbalance_threshold, min_match_blocks, max_index_blocks, tokens_per_request,
-        kv_usage_weight, stats_grace_s, unconfirmed_ttl_s, seed.
-        """
+        """Called by Serve with request_router_kwargs: the settings of cluster.routing_policies.RoutingConfig
+        (router_policy, imbalance_threshold, ..., circuit_breaker_failures, circuit_breaker_cooldown_s)."""
         config = RoutingConfig.from_router_kwargs(router_kwargs)
         self.fleet = FleetState(config)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve routes on, once known
+        subscribe(self)
         logger.info("FleetRouter for %s: %s", self._deployment_id, config)
+
+    def post_outcome(self, internal_request_id: str, ok: bool) -> None:
+        """Hand a request's outcome to the routing loop (callers run on another thread)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._apply_outcome, internal_request_id, ok)
+
+    def _apply_outcome(self, internal_request_id: str, ok: bool) -> None:
+        replica = self.fleet.on_outcome(internal_request_id, ok, time.monotonic())
+        if replica is not None and not ok:
+            logger.info("FleetRouter: request %s failed on replica %s", internal_request_id, replica)
 
     async def choose_replicas(
         self,
@@ -39,6 +53,7 @@ class FleetRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         """One replica per rank, best first; Serve takes the first rank whose replica has room."""
+        self._loop = asyncio.get_running_loop()
         if not candidate_replicas:
             return []
         now = time.monotonic()

@@ -12,6 +12,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.context import _set_request_context
 
+from cluster.circuit_breaker import report_outcome
 from cluster.detokenizer import TextStream
 from cluster.frontend import Frontend
 from cluster.protocol import EngineFailedError, GenerateRequest, ReplicaDrainingError
@@ -21,14 +22,16 @@ from scheduler.outputs import TokenLogprobs
 logger = logging.getLogger(__name__)
 
 
-def _route_as_own_request() -> None:
-    """Give the next replica call an internal request id of its own.
+def _route_as_own_request() -> str:
+    """Give the next replica call an internal request id of its own, and return it.
 
     Ray Serve 2.60 copies the id from the HTTP request's context, so the n choices of one request
     would share it; its router indexes pending requests by that id (all but one would never be
     routed) and reports completions by it. Called inside each choice's own task context.
     """
-    _set_request_context(_internal_request_id=uuid.uuid4().hex)
+    internal_request_id = uuid.uuid4().hex
+    _set_request_context(_internal_request_id=internal_request_id)
+    return internal_request_id
 
 
 @dataclass(slots=True)
@@ -82,6 +85,11 @@ def is_replica_failure(exc: BaseException) -> bool:
                             ReplicaDrainingError))
 
 
+def is_replica_fault(exc: BaseException) -> bool:
+    """A replica failure that counts against the replica's circuit: not an orderly hand-back on shutdown."""
+    return is_replica_failure(exc) and not isinstance(exc, (ReplicaAbortedError, ReplicaDrainingError))
+
+
 @dataclass(slots=True)
 class Choice:
     """Streams one GenerateRequest through replica handles, detokenizing on the way.
@@ -126,7 +134,7 @@ class Choice:
 
     async def _stream_once(self, replica: Any, request: GenerateRequest,
                            text_stream: TextStream) -> AsyncIterator[ChoiceDelta]:
-        _route_as_own_request()
+        internal_request_id = _route_as_own_request()
         response = replica.options(stream=True).generate.remote(request)
         done = False
         try:
@@ -141,10 +149,16 @@ class Choice:
                 if finish == "error":
                     raise RequestFailedError(request.request_id, out.error)
                 done = finish is not None
+                if done:
+                    report_outcome(internal_request_id, ok=True)
                 yield ChoiceDelta(self.index, self.prompt_index, sent, tokens, out.new_logprobs, finish,
                                   len(request.prompt_token_ids), len(self.emitted), out.num_cached_tokens)
                 if done:
                     return
+        except Exception as exc:
+            if is_replica_fault(exc):
+                report_outcome(internal_request_id, ok=False)  # the router's circuit breaker counts it
+            raise
         finally:
             if not done:
                 response.cancel()

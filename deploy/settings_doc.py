@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import EngineConfig
+from cluster.routing_policies import RoutingConfig
 from deploy.config import AppConfig
 from scheduler.config import SchedulerConfig
 from scheduler.settings import declared_settings, range_text
@@ -64,7 +65,8 @@ def _app_rows() -> list[str]:
 def settings_table() -> str:
     """Every setting of the tree: flat key, section, default, range, meaning."""
     head = ["| key | section | default | range | meaning |", "| --- | --- | --- | --- | --- |"]
-    rows = _app_rows() + _dataclass_rows("engine", EngineConfig) + _dataclass_rows("scheduler", SchedulerConfig)
+    rows = (_app_rows() + _dataclass_rows("router_kwargs", RoutingConfig) + _dataclass_rows("engine", EngineConfig)
+            + _dataclass_rows("scheduler", SchedulerConfig))
     return "\n".join(head + rows)
 
 

@@ -385,3 +385,84 @@ def test_a_replica_that_reports_itself_unhealthy_is_never_picked(state):
         assert fleet_state.route(RouteRequest(f"r{i}", 10, []), [A, B], now=1) == [B]
     fleet_state.on_stats(A, {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0, "state": "ok"}, now=2)
     assert fleet_state.route(RouteRequest("back", 10, []), [A, B], now=3)[0] == A
+
+
+# ---------------------------------------------------------------- circuit breaker
+
+
+OK_STATS = {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0, "state": "ok"}
+
+
+def fail_on(state: FleetState, replica: str, n: int, now: float) -> None:
+    """n requests routed to replica whose caller then reports a replica failure."""
+    for _ in range(n):
+        request = RouteRequest(f"doomed-{next(_ids)}", 10, [])
+        state.on_routed(request, replica, now)
+        assert state.on_outcome(request.request_id, ok=False, now=now) == replica
+
+
+def test_consecutive_failures_reported_by_the_caller_open_the_circuit_and_the_router_skips_it():
+    state = fleet(router_policy="least_loaded", circuit_breaker_failures=3, circuit_breaker_cooldown_s=10)
+    fail_on(state, A, 2, now=0)
+    assert A in state.route(RouteRequest("still", 10, []), [A, B], now=1)
+    fail_on(state, A, 1, now=1)
+    busy(state, B, 5, now=1)  # even a much busier B beats a replica with an open circuit
+    for i in range(5):
+        assert state.route(RouteRequest(f"r{i}", 10, []), [A, B], now=2) == [B]
+
+
+def test_an_open_circuit_closes_on_a_fresh_ok_report_after_the_cool_down():
+    state = fleet(router_policy="least_loaded", circuit_breaker_failures=1, circuit_breaker_cooldown_s=10)
+    busy(state, B, 5, now=0)
+    fail_on(state, A, 1, now=0)
+    state.on_stats(A, {**OK_STATS, "num_running": 1}, now=5)  # too early: may predate the failure
+    assert state.route(RouteRequest("early", 10, []), [A, B], now=5) == [B]
+    state.on_stats(A, OK_STATS, now=11)
+    assert state.route(RouteRequest("back", 10, []), [A, B], now=11)[0] == A
+
+
+def test_a_success_reported_by_the_caller_resets_the_count():
+    state = fleet(router_policy="least_loaded", circuit_breaker_failures=2)
+    for i in range(5):
+        fail_on(state, A, 1, now=i)
+        state.on_routed(RouteRequest(f"fine-{i}", 10, []), A, now=i)
+        assert state.on_outcome(f"fine-{i}", ok=True, now=i) == A
+    assert not state.breaker.is_open(A)
+
+
+def test_when_every_circuit_is_open_the_router_still_routes():
+    # Refusing everything would strand requests; their own migration limit decides when to give up.
+    state = fleet(router_policy="least_loaded", circuit_breaker_failures=1)
+    fail_on(state, A, 1, now=0)
+    fail_on(state, B, 1, now=0)
+    assert sorted(state.route(RouteRequest("any", 10, []), [A, B], now=1)) == [A, B]
+
+
+def test_after_the_cool_down_one_probe_goes_to_the_replica_and_its_success_closes_the_circuit():
+    state = fleet(router_policy="least_loaded", circuit_breaker_failures=1, circuit_breaker_cooldown_s=10)
+    fail_on(state, A, 1, now=0)
+    busy(state, B, 5, now=0)
+    probe = RouteRequest("probe", 10, [])
+    assert state.route(probe, [A, B], now=10)[0] == A
+    assert state.route(RouteRequest("second", 10, []), [A, B], now=10.5) == [B]  # one probe at a time
+    state.on_routed(probe, A, now=10)
+    assert state.on_outcome("probe", ok=True, now=11) == A
+    assert state.route(RouteRequest("back", 10, []), [A, B], now=11)[0] == A
+
+
+def test_outcomes_of_unknown_requests_are_ignored_and_removal_forgets_the_circuit():
+    state = fleet(circuit_breaker_failures=1)
+    assert state.on_outcome("never-routed", ok=False, now=0) is None
+    fail_on(state, A, 1, now=0)
+    state.remove_replica(A)
+    assert not state.breaker.replicas()
+    fail_on(state, B, 1, now=0)
+    state.retain([A])
+    assert not state.breaker.replicas()
+
+
+@pytest.mark.parametrize("field,value", [("circuit_breaker_failures", -1), ("circuit_breaker_cooldown_s", 0),
+                                         ("circuit_breaker_cooldown_s", float("nan")), ("seed", -1)])
+def test_breaker_settings_reject_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        RoutingConfig(**{field: value})

@@ -20,7 +20,9 @@ from ray.serve.config import RequestRouterConfig  # noqa: E402
 
 from cluster.protocol import GenerateRequest  # noqa: E402
 from cluster.replica import LLMReplica  # noqa: E402
+from cluster.circuit_breaker import report_outcome  # noqa: E402
 from cluster.serve_router import ROUTER_CLASS_PATH, FleetRouter  # noqa: E402
+from deploy.generation import _route_as_own_request  # noqa: E402
 from deploy.config import AppConfig  # noqa: E402
 from scheduler import SamplingParams, hash_prompt_blocks  # noqa: E402
 
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 BLOCK_SIZE = 16
 APP = "router_test"
+CIRCUIT_COOLDOWN_S = 3.0
 
 
 @serve.deployment(
@@ -37,7 +40,8 @@ APP = "router_test"
     health_check_period_s=1,
     request_router_config=RequestRouterConfig(
         request_router_class=FleetRouter,
-        request_router_kwargs={"router_policy": "prefix_affinity", "imbalance_threshold": 4.0},
+        request_router_kwargs={"router_policy": "prefix_affinity", "imbalance_threshold": 4.0,
+                               "circuit_breaker_failures": 2, "circuit_breaker_cooldown_s": CIRCUIT_COOLDOWN_S},
         request_routing_stats_period_s=0.5,
     ),
 )
@@ -136,6 +140,41 @@ def test_shared_prefix_sticks_to_one_replica_while_load_stays_balanced(handle):
     assert tenant0 == {first}
     assert len(tenant1) == 1 and tenant1 != tenant0
     assert served.count(first) == 4
+
+
+def test_replica_failures_reported_by_the_caller_open_its_circuit_until_the_cool_down(handle):
+    """What the ingress does when a replica fails a choice: report_outcome(ok=False) on the request's
+    internal id. Two in a row on one replica and this process's FleetRouter skips it; after the
+    cool-down it takes requests again."""
+    async def trip():
+        await settle()
+        victim = None
+        failures = 0
+        for tenant in range(20, 60):
+            internal_id = _route_as_own_request()
+            served = await stream(handle, request(prompt_for(tenant, 0), max_tokens=2))
+            if victim in (None, served):
+                victim = served
+                report_outcome(internal_id, ok=False)
+                failures += 1
+                if failures == 2:
+                    break
+        assert failures == 2
+        # Fresh prefixes go to the replica holding fewer blocks, but not to one with an open circuit.
+        open_circuit = [await stream(handle, request(prompt_for(t, 0), max_tokens=2)) for t in range(60, 66)]
+        # Nor does a prefix the victim holds.
+        open_circuit.append(await stream(handle, request(prompt_for(20, 1), max_tokens=2)))
+        await asyncio.sleep(CIRCUIT_COOLDOWN_S + 1.0)
+        closed = []
+        for tenant in (70, 71, 72):  # the victim now holds the fewest blocks: fresh prefixes go there
+            internal_id = _route_as_own_request()
+            closed.append(await stream(handle, request(prompt_for(tenant, 0), max_tokens=2)))
+            report_outcome(internal_id, ok=True)
+        return victim, open_circuit, closed
+
+    victim, open_circuit, closed = run(trip())
+    assert victim not in open_circuit, open_circuit
+    assert closed.count(victim) >= 2, closed  # the probe, then (its success closed the circuit) more
 
 
 def test_killed_replica_is_routed_around(handle):
