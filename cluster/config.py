@@ -35,8 +35,8 @@ class EngineConfig:
                                    ge=0)
     cache_dir: str = setting(DEFAULT_CACHE_DIR, "where converted GGUF weights are cached")
     attention_backend: str = setting("auto", "paged attention kernel", choices=ATTENTION_BACKENDS)
-    cpu_threads: int | None = setting(None, "torch intra-op threads of a CPU engine (unset: what the process has)",
-                                      ge=1)
+    cpu_threads: int | None = setting(None, "torch intra-op threads of a CPU engine (unset: a served replica's "
+                                      "`replica_num_cpus`, rounded down; offline, what the process has)", ge=1)
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     use_compiled_graph: bool = setting(True, "TP > 1: broadcast steps over a Ray Compiled Graph (else actor calls)")
     step_timeout_s: float = setting(300.0, "TP > 1: a step whose workers do not answer within this fails the engine",

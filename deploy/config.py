@@ -6,6 +6,8 @@ the flat keys map onto the tree by a mapping generated from the dataclasses' fie
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import os
 from typing import Any, Literal
@@ -121,6 +123,10 @@ class AppConfig(BaseModel):
             self.api_keys = {**(self.api_keys or {}), **_keys_from_env(self.api_keys_env)}
         if self.api_keys is not None and any(not key for key in self.api_keys):
             raise ValueError("api_keys: keys must be non-empty")
+        if self.engine.cpu_threads is None and self.engine.tensor_parallel_size == 1:
+            # A CPU replica's torch threads default to the cores its bundle reserves, not to whatever
+            # Ray's OMP_NUM_THREADS says (a fraction rounds down, at least one).
+            self.engine = replace(self.engine, cpu_threads=max(1, int(self.replica_num_cpus)))
         if self.router == "fleet":
             from cluster.routing_policies import RoutingConfig  # pure policy code, no Ray
             try:

@@ -121,7 +121,8 @@ def test_deploy_yaml_args_build_the_two_deployments():
     assert ingress.name == "OpenAIIngress"
     assert replica.name == "LLMReplica"
     assert replica._deployment_config.num_replicas == 1
-    assert replica._replica_config.placement_group_bundles == [{"CPU": 1.0}]
+    assert replica._replica_config.placement_group_bundles == [{"CPU": 2.0}]  # both cores for the engine
+    assert ingress._replica_config.ray_actor_options["num_cpus"] == 0
 
 
 def test_api_keys_come_from_an_environment_variable_named_in_the_args(monkeypatch):
@@ -152,3 +153,13 @@ def test_an_app_exposed_beyond_loopback_needs_a_key_or_an_explicit_waiver(monkey
         check_exposure("serving.example", open_app)
     check_exposure("serving.example", AppConfig.from_args({"api_key": "k"}))
     check_exposure("serving.example", AppConfig.from_args({"allow_unauthenticated": True}))
+
+
+def test_a_replica_runs_as_many_torch_threads_as_its_bundle_reserves():
+    from deploy.config import AppConfig
+
+    assert AppConfig.from_args({"replica_num_cpus": 2}).engine.cpu_threads == 2
+    assert AppConfig.from_args({"replica_num_cpus": 0.5}).engine.cpu_threads == 1  # at least one
+    assert AppConfig.from_args({"replica_num_cpus": 4, "cpu_threads": 1}).engine.cpu_threads == 1  # explicit wins
+    shipped = yaml.safe_load(open("deploy.yaml"))["applications"][0]["args"]
+    assert AppConfig.from_args(shipped).engine.cpu_threads == 2  # both cores of the 2-core dev machine
