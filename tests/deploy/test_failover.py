@@ -19,13 +19,17 @@ CASES = [(f"Story number {i}:", {"temperature": 0.0}) for i in range(4)] + \
         [(f"Poem number {i}:", {"temperature": 0.9, "seed": 100 + i}) for i in range(4)]
 
 
+def app_args(model_dir: str, **changes) -> dict:
+    return {"model": model_dir, "served_model_name": MODEL, "max_model_len": 256, "num_gpu_blocks": 128,
+            "num_replicas": 2, "replica_num_cpus": 0.5, "ingress_num_cpus": 0.25, "max_ongoing_requests": 16,
+            **changes}
+
+
 @pytest.fixture(scope="module")
 def failover_url(ray_cluster, http_port, tiny_model_dir):
     from deploy.app import build_app
 
-    args = {"model": tiny_model_dir, "served_model_name": MODEL, "max_model_len": 256, "num_gpu_blocks": 128,
-            "num_replicas": 2, "replica_num_cpus": 0.5, "ingress_num_cpus": 0.25, "max_ongoing_requests": 16}
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    serve.run(build_app(app_args(tiny_model_dir)), name=APP, route_prefix=f"/{APP}")
     yield f"http://127.0.0.1:{http_port}/{APP}/v1"
     serve.delete(APP)
 
@@ -90,6 +94,52 @@ def test_killing_a_replica_mid_generation_loses_no_request(failover_url):
     deadline = time.monotonic() + 120
     while serve.status().applications[APP].status != "RUNNING" and time.monotonic() < deadline:
         time.sleep(0.5)
+    assert asyncio.run(_run_one(failover_url))[1] == MAX_TOKENS
+
+
+def _wait_running(timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while serve.status().applications[APP].status != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert serve.status().applications[APP].status == "RUNNING"
+
+
+def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_a_clean_503(
+        failover_url, tiny_model_dir):
+    """Redeploy with a changed config while requests stream (the old replicas drain), then, with
+    max_migrations 0, kill a replica: its requests end with a 503, the others complete."""
+    from deploy.app import build_app
+
+    async def under_update() -> list[tuple[str, int]]:
+        async with httpx.AsyncClient(base_url=failover_url, timeout=300) as client:
+            events = [asyncio.Event() for _ in CASES]
+            tasks = [asyncio.create_task(_stream(client, p, s, e)) for (p, s), e in zip(CASES, events)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+            await asyncio.to_thread(serve.run, build_app(app_args(tiny_model_dir, max_migrations=0)), name=APP,
+                                    route_prefix=f"/{APP}", blocking=False)
+            return await asyncio.gather(*tasks)
+
+    for result in asyncio.run(under_update()):
+        assert result[1] == MAX_TOKENS
+    _wait_running()
+
+    async def killed() -> list[int]:
+        async with httpx.AsyncClient(base_url=failover_url, timeout=300) as client:
+            body = _body("Once more:", {"temperature": 0.0}, stream=False)
+            tasks = [asyncio.create_task(client.post("/completions", json=body)) for _ in range(6)]
+            await asyncio.sleep(1.0)  # every request is generating (200 tokens take several seconds)
+            _kill_one_replica()
+            responses = await asyncio.gather(*tasks)
+        for r in responses:
+            if r.status_code != 200:
+                error = r.json()["error"]
+                assert error["code"] == "replica_unavailable", error
+                assert "Traceback" not in r.text and "ray::" not in r.text
+        return [r.status_code for r in responses]
+
+    statuses = asyncio.run(killed())
+    assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+    _wait_running()
     assert asyncio.run(_run_one(failover_url))[1] == MAX_TOKENS
 
 
