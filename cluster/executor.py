@@ -6,6 +6,7 @@ drives one worker actor per tensor-parallel rank. Both satisfy the Executor prot
 from __future__ import annotations
 
 import logging
+import os
 from typing import Protocol
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -26,6 +27,11 @@ class Executor(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes that run the model, by rank (what an operator inspects or signals)."""
+        ...
 
 
 class LocalExecutor:
@@ -48,3 +54,7 @@ class LocalExecutor:
     def shutdown(self) -> None:
         """Release the model and the cache."""
         self.runner = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [os.getpid()]

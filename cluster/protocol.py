@@ -33,6 +33,9 @@ class GenerateRequest:
     block_hashes: list[int] = field(default_factory=list)
     # Tokens this choice already emitted on a replica that failed: the new replica resumes after them.
     output_token_ids: list[int] = field(default_factory=list)
+    # The Ray actor name of the caller (an ingress replica): when that actor dies, the replica
+    # aborts the request instead of generating for nobody. None: not watched (e.g. a driver).
+    caller: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -145,6 +145,11 @@ class RayExecutor:
             self._fail(None, exc)
         return pickle.loads(outputs[0])
 
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes, by rank."""
+        return sorted(self._rank_of_pid, key=self._rank_of_pid.__getitem__)
+
     def shutdown(self) -> None:
         """Stop the graph, release every worker and (if it is ours) the placement group."""
         self._teardown_dag()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 from transformers import AutoTokenizer
 
+from cluster.caller_watch import CallerGoneError, CallerWatch
 from cluster.config import EngineConfig
 from cluster.detokenizer import TextStream
 from cluster.frontend import Frontend
@@ -47,6 +48,9 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.failure: BaseException | None = None
         self.step_started: float | None = None  # monotonic start of the step in progress, if any
+        # The first step compiles the TP broadcast graph and warms the kernels: it may take long
+        # without being stuck, so only later steps count as stalls (step_timeout_s bounds it).
+        self.warmed_up = False
         self._shutdown_engine = False
         self._thread = threading.Thread(target=self._run, name="raylm-engine-loop", daemon=True)
         self._thread.start()
@@ -64,9 +68,9 @@ class EngineLoop:
         return future
 
     def stalled_for(self) -> float:
-        """Seconds the step in progress has run (0 when idle or between steps)."""
+        """Seconds the step in progress has run (0 when idle, between steps, or in the first step)."""
         started = self.step_started
-        return 0.0 if started is None else time.monotonic() - started
+        return 0.0 if started is None or not self.warmed_up else time.monotonic() - started
 
     def stop(self, shutdown_engine: bool = False, wait: bool = True) -> None:
         """End the loop after the step in progress (then release the engine, if asked)."""
@@ -82,6 +86,7 @@ class EngineLoop:
                     self.step_started = time.monotonic()
                     outputs = self.engine.step()
                     self.step_started = None
+                    self.warmed_up = True
                     self._publish(outputs)
             if self._shutdown_engine:  # the replica is going away: the workers go with the loop
                 self.engine.shutdown()
@@ -156,6 +161,7 @@ class _Stream:
     """Event-loop side of one in-flight request."""
 
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    caller: str | None = None  # the caller actor's name (its death aborts the request)
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     counted: bool = False  # its finish is in the metrics (a cancel arriving later must not count again)
@@ -178,6 +184,11 @@ class _Stream:
 
 # Enough to describe the hot prefixes; each report is one pickled list of 128-bit ints.
 MAX_REPORTED_PREFIX_HASHES = 4096
+# How often the watchdog looks for a stalled engine and for requests whose caller died.
+WATCHDOG_PERIOD_S = 1.0
+# Where Serve puts every replica actor, the ingress replicas that call us included (the runtime
+# context's namespace is the job's, not this one).
+SERVE_NAMESPACE = "serve"
 
 
 def build_engine(config: EngineConfig) -> EngineCore:
@@ -205,19 +216,26 @@ class LLMReplica:
         self._stats: SchedulerStats | None = self.engine.stats()
         self.metrics.record_stats(self._stats)
         self._loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_step, self._on_error)
+        self._callers = CallerWatch(SERVE_NAMESPACE)
+        self._stall_failed_over = False
+        self._orphans_aborted = 0  # requests aborted because their caller died
+        self._watchdog = asyncio.create_task(self._watch())
         logger.info("replica %s ready: %s", replica, self.model_info_sync())
 
     # ---- the request path ----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request."""
-        if self._loop_thread.failure is not None:
+        state = self._state()
+        if state == "failed":
             raise EngineFailedError(f"engine failed: {self._loop_thread.failure!r}")
-        if self._draining:
+        if state == "stalled":
+            raise EngineFailedError(f"engine stalled for {self._loop_thread.stalled_for():.0f} s")
+        if state == "draining":
             raise ReplicaDrainingError("replica is shutting down")
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in flight")
-        stream = self._streams[rid] = _Stream()
+        stream = self._streams[rid] = _Stream(caller=request.caller)
         if request.sampling_params.stop:
             stream.text = self.frontend.text_stream(request.prompt_token_ids, request.sampling_params.stop)
         self.metrics.record_admitted(len(request.prompt_token_ids))
@@ -290,6 +308,41 @@ class LLMReplica:
             if stream is not None:
                 stream.queue.put_nowait(exc)
 
+    # ---- the watchdog ----------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Every WATCHDOG_PERIOD_S: fail over a stalled engine's requests, abort a dead caller's."""
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            try:
+                self._fail_over_if_stalled()
+                await self._abort_orphans()
+            except Exception:  # noqa: BLE001 - the watchdog outlives any one bad round
+                logger.exception("replica watchdog round failed")
+
+    def _fail_over_if_stalled(self) -> None:
+        """Hand every in-flight request to migration once the step in progress overruns its limit:
+        the ingress resumes them elsewhere without waiting for Serve to replace this replica."""
+        stalled = self._state() == "stalled"
+        if stalled and not self._stall_failed_over:
+            logger.error("engine stalled for %.0f s: failing over %d requests", self._loop_thread.stalled_for(),
+                         len(self._streams))
+            self._on_error(None, EngineFailedError(f"engine stalled for {self._loop_thread.stalled_for():.0f} s"))
+        self._stall_failed_over = stalled
+
+    async def _abort_orphans(self) -> None:
+        callers = {stream.caller for stream in self._streams.values() if stream.caller is not None}
+        if not callers:
+            return
+        gone = await self._callers.gone(callers)
+        orphans = [rid for rid, stream in self._streams.items() if stream.caller in gone]
+        if not orphans:
+            return
+        logger.warning("aborting %d requests whose caller died (%s)", len(orphans), ", ".join(sorted(gone)))
+        self._loop_thread.abort(orphans)
+        self._orphans_aborted += len(orphans)
+        for rid in orphans:
+            self._streams[rid].queue.put_nowait(CallerGoneError(f"caller of {rid} died"))
+
     # ---- what the router, the ingress and Serve ask ---------------------------------------------
     def model_info_sync(self) -> dict[str, Any]:
         return {"max_model_len": self.engine.max_model_len, "block_size": self.config.block_size,
@@ -300,7 +353,8 @@ class LLMReplica:
 
     async def stats(self) -> dict[str, Any]:
         """The latest scheduler figures (updated after every step and every abort)."""
-        return {**RoutingStats.of(self._stats).as_dict(), "replica": self.replica, "num_streams": len(self._streams)}
+        return {**RoutingStats.of(self._stats).as_dict(), "replica": self.replica, "num_streams": len(self._streams),
+                "orphans_aborted": self._orphans_aborted, "model_pids": self.engine.executor.pids}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request router: queues, KV usage, prefix-cache figures and the

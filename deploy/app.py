@@ -55,9 +55,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         "backpressure_config": config.backpressure_config(),
         # Loading weights (and a first GGUF conversion) takes longer than Serve's defaults expect.
         "health_check_timeout_s": 120,
-        # A failed or stalled engine is found within a few seconds (LLMReplica.check_health).
-        "health_check_period_s": 5,
-        "graceful_shutdown_timeout_s": 30,
+        # A failed or stalled engine fails LLMReplica.check_health; its requests already left it.
+        "health_check_period_s": config.health_check_period_s,
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
     }
     router_config = config.request_router_config()
     if router_config is not None:

@@ -88,6 +88,12 @@ class AppConfig(BaseModel):
                                      "`request_timeout_s` may shorten it)")
     max_migrations: int = Field(default=3, ge=0, le=16, description="times one choice may resume on "
                                 "another replica after its replica failed")
+    health_check_period_s: float = Field(default=5.0, ge=0.1, le=600, description="how often Serve probes "
+                                         "each replica; after 3 failed probes (a failed or stalled engine) it is "
+                                         "replaced")
+    graceful_shutdown_timeout_s: float = Field(default=30.0, ge=0, le=3600, description="on scale-down or "
+                                               "redeploy, how long a replica lets in-flight requests finish "
+                                               "before handing the rest to other replicas")
     # Request limits at the ingress.
     max_request_body_bytes: int = Field(default=16 << 20, ge=1024, description="larger bodies get 413 "
                                         "before they are parsed")

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -141,6 +142,7 @@ class OpenAIIngress:
         self._renders_tools = template_renders_tools(self.frontend.chat_template)
         self._max_model_len: int | None = None
         self._created = int(time.time())
+        self._actor_name = ray.get_runtime_context().get_actor_name()  # replicas abort our orphans
 
     # ---- routes --------------------------------------------------------------------------------
     @app.get("/health")
@@ -298,7 +300,7 @@ class OpenAIIngress:
                 params.check_vocab(self.frontend.info.vocab_size)
                 request = GenerateRequest(
                     request_id=f"{base_id}-{p * body.n + i}", prompt_token_ids=prompt, sampling_params=params,
-                    priority=body.priority, tenant=tenant, block_hashes=hashes)
+                    priority=body.priority, tenant=tenant, block_hashes=hashes, caller=self._actor_name)
                 choices.append(Choice(p * body.n + i, p, request, self.frontend, self.config.max_migrations))
         return choices
 

@@ -2,7 +2,10 @@
 the client sees one uninterrupted stream with the same text as an undisturbed run (greedy and seeded)."""
 import asyncio
 import json
+import os
+import signal
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -72,28 +75,63 @@ def _kill_one_replica() -> str:
     return names[0]
 
 
-def test_killing_a_replica_mid_generation_loses_no_request(failover_url):
-    async def run(kill: bool) -> list[tuple[str, int]]:
-        async with httpx.AsyncClient(base_url=failover_url, timeout=300) as client:
-            events = [asyncio.Event() for _ in CASES]
-            tasks = [asyncio.create_task(_stream(client, p, s, e) if i % 2 else _complete(client, p, s))
-                     for i, ((p, s), e) in enumerate(zip(CASES, events))]
-            if kill:
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for i, e in enumerate(events) if i % 2)), 120)
-                in_flight = sum(not t.done() for t in tasks)
-                _kill_one_replica()
-                assert in_flight == len(CASES), "the kill must land while every request is generating"
-            return await asyncio.gather(*tasks)
+async def _kill_replica_fault() -> None:
+    _kill_one_replica()
 
-    undisturbed = asyncio.run(run(kill=False))
-    disturbed = asyncio.run(run(kill=True))
+
+async def _busy_replica() -> dict:
+    """The stats of a replica that has requests in flight."""
+    stats = await serve.get_deployment_handle("LLMReplica", app_name=APP).stats.remote()
+    assert stats["num_streams"] > 0, stats
+    return stats
+
+
+async def _kill_worker_fault() -> None:
+    """SIGKILL rank 1 of a TP=2 replica: the engine fails at its next collective."""
+    os.kill((await _busy_replica())["model_pids"][1], signal.SIGKILL)
+
+
+STALLED: list[tuple[str, int]] = []  # (replica, pid of the stopped worker)
+
+
+async def _stall_worker_fault() -> None:
+    """SIGSTOP rank 1 of a TP=2 replica: its step never returns, and only the watchdog can tell."""
+    stats = await _busy_replica()
+    STALLED.append((stats["replica"], stats["model_pids"][1]))
+    os.kill(stats["model_pids"][1], signal.SIGSTOP)
+
+
+def _wait_replica_gone(replica: str, timeout: float = 120) -> None:
+    def alive() -> bool:
+        return any(replica in a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(), f"replica {replica} was not replaced"
+
+
+async def _run_cases(url: str, fault: Callable[[], Awaitable[None]] | None) -> list[tuple[str, int]]:
+    """Every CASE at once (odd ones streamed); the fault strikes once every request is generating."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        events = [asyncio.Event() for _ in CASES]
+        tasks = [asyncio.create_task(_stream(client, p, s, e) if i % 2 else _complete(client, p, s))
+                 for i, ((p, s), e) in enumerate(zip(CASES, events))]
+        if fault is not None:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for i, e in enumerate(events) if i % 2)), 120)
+            in_flight = sum(not t.done() for t in tasks)
+            await fault()
+            assert in_flight == len(CASES), "the fault must strike while every request is generating"
+        return await asyncio.gather(*tasks)
+
+
+def test_killing_a_replica_mid_generation_loses_no_request(failover_url):
+    undisturbed = asyncio.run(_run_cases(failover_url, None))
+    disturbed = asyncio.run(_run_cases(failover_url, _kill_replica_fault))
     for (prompt, _), calm, hit in zip(CASES, undisturbed, disturbed):
         assert hit == calm, prompt  # same text, and usage counts every token exactly once
         assert hit[1] == MAX_TOKENS
     # Serve replaces the dead replica; the app keeps serving.
-    deadline = time.monotonic() + 120
-    while serve.status().applications[APP].status != "RUNNING" and time.monotonic() < deadline:
-        time.sleep(0.5)
+    _wait_replicas_running(2)
     assert asyncio.run(_run_one(failover_url))[1] == MAX_TOKENS
 
 
@@ -102,6 +140,24 @@ def _wait_running(timeout: float = 180) -> None:
     while serve.status().applications[APP].status != "RUNNING" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert serve.status().applications[APP].status == "RUNNING"
+
+
+def _wait_replicas_running(n: int, timeout: float = 180) -> None:
+    """Until the app's LLMReplica deployment has exactly n replicas, all RUNNING (a failed one replaced)."""
+    def states() -> dict:
+        app = serve.status().applications.get(APP)
+        return {} if app is None else dict(app.deployments["LLMReplica"].replica_states)
+    deadline = time.monotonic() + timeout
+    while states() != {"RUNNING": n} and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert states() == {"RUNNING": n}, states()
+
+
+def _redeploy(model_dir: str, **changes) -> None:
+    from deploy.app import build_app
+
+    serve.run(build_app(app_args(model_dir, **changes)), name=APP, route_prefix=f"/{APP}")
+    _wait_replicas_running(changes.get("num_replicas", 2))
 
 
 def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_a_clean_503(
@@ -146,3 +202,60 @@ def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_
 async def _run_one(url: str) -> tuple[str, int]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         return await _complete(client, "After the storm:", {"temperature": 0.0})
+
+
+def test_a_tp2_replica_whose_worker_dies_or_stalls_hands_its_requests_to_the_other(failover_url, tiny_model_dir):
+    """TP=2 replicas: a killed worker fails the engine at once; a stopped one hangs its step, the
+    watchdog notices (engine_stall_timeout_s) and Serve replaces the replica. Either way every
+    request finishes elsewhere with the text of an undisturbed run."""
+    _redeploy(tiny_model_dir, tensor_parallel_size=2, worker_num_cpus=0.5, engine_stall_timeout_s=3,
+              health_check_period_s=1)
+    undisturbed = asyncio.run(_run_cases(failover_url, None))
+    disturbed = asyncio.run(_run_cases(failover_url, _kill_worker_fault))
+    assert disturbed == undisturbed
+    _wait_replicas_running(2)  # Serve replaced the failed replica
+    try:
+        disturbed = asyncio.run(_run_cases(failover_url, _stall_worker_fault))
+        assert disturbed == undisturbed
+        _wait_replica_gone(STALLED[0][0])  # its health check failed: Serve is replacing it
+    finally:
+        for _, pid in STALLED:  # never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, tiny_model_dir):
+    """Ray keeps running a dead caller's stream; the replica notices the dead ingress and aborts its
+    generations (freeing their blocks) instead of running them to max_tokens."""
+    _redeploy(tiny_model_dir, num_replicas=1, max_model_len=2048, num_gpu_blocks=1024)
+    handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
+    body = _body("A very long tale:", {"temperature": 0.0}, stream=True) | {"max_tokens": 2000}
+
+    async def orphan() -> dict:
+        async with httpx.AsyncClient(base_url=failover_url, timeout=60) as client:
+            tasks = [asyncio.create_task(client.post("/completions", json=body)) for _ in range(4)]
+            for _ in range(600):
+                stats = await handle.stats.remote()
+                if stats["num_running"] == 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert stats["num_running"] == 4, stats
+            ingress = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if f"{APP}#OpenAIIngress" in a["name"]]
+            ray.kill(ray.get_actor(ingress[0], namespace="serve"), no_restart=True)
+            for _ in range(600):
+                stats = await handle.stats.remote()
+                if stats["num_streams"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return stats
+
+    stats = asyncio.run(orphan())
+    assert stats["num_streams"] == 0 and stats["num_running"] == 0, stats
+    assert stats["orphans_aborted"] == 4, stats  # aborted as orphans, not finished at max_tokens
+    assert stats["kv_cache_usage"] == 0.0, stats
+    _wait_running()
+    assert asyncio.run(_run_one(failover_url))[1] == MAX_TOKENS
