@@ -1,9 +1,9 @@
 """Control-plane cost per engine step: schedule, broadcast to the TP workers, collect rank 0's output.
 
 The workers run a no-op model (one token per scheduled request, no forward), so what is timed is
-the scheduler plus the executor's round trip, at TP = 1, 2 and 4, over a Ray Compiled Graph and over
-plain actor calls; an empty compiled-graph round trip (no scheduler, no payload) gives the floor
-that Ray and the machine set. The same run measures a SmolLM2-135M decode step at batch 32 in-process and
+the scheduler plus the executor's round trip, at TP = 1, 2 and 4, over each step transport (the
+TCP step channel, a Ray Compiled Graph, plain actor calls); an empty compiled-graph round trip (no
+scheduler, no payload) gives the floor that Ray's own channels set on this machine. The same run measures a SmolLM2-135M decode step at batch 32 in-process and
 prints each overhead as a fraction of it. Figures only; nothing here passes or fails on timing.
 
     RAY_AUTH_MODE=disabled python bench/broadcast_overhead.py [--steps 500] [--tp 1,2,4]
@@ -27,6 +27,7 @@ from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, Sch
 from scheduler.outputs import SchedulerOutput  # noqa: E402
 from workers.model_files import resolve_model  # noqa: E402
 from cluster.config import EngineConfig  # noqa: E402
+from workers.options import STEP_TRANSPORTS  # noqa: E402
 from workers.worker import Worker  # noqa: E402
 
 BATCH = 32
@@ -136,6 +137,7 @@ def main() -> None:
     parser.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes to time")
     parser.add_argument("--model-steps", type=int, default=10, help="timed SmolLM2 decode steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the SmolLM2 step")
+    parser.add_argument("--transports", default=",".join(STEP_TRANSPORTS), help="step transports to time")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     tps = [int(t) for t in args.tp.split(",")]
@@ -146,14 +148,14 @@ def main() -> None:
     results = {"in-process (scheduler only)": summary(time_steps(in_process_noop, args.steps))}
     for tp in tps:
         results[f"TP={tp} empty graph round trip"] = summary(empty_round_trip(tp, args.steps))
-        for compiled in (True, False):
-            executor = RayExecutor(config, tp, use_compiled_graph=compiled, worker_cls=NoModelWorker)
+        for transport in args.transports.split(","):
+            executor = RayExecutor(config, tp, step_transport=transport, worker_cls=NoModelWorker)
             try:
                 executor.init_kv_cache(1, 0)
                 times = time_steps(executor.execute_model, args.steps)
             finally:
                 executor.shutdown()
-            results[f"TP={tp} {'compiled graph' if compiled else 'actor calls'}"] = summary(times)
+            results[f"TP={tp} {transport.replace('_', ' ')}"] = summary(times)
     ray.shutdown()
     model = summary(smollm2_decode_step(args.model_steps, args.threads))
 

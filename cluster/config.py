@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.config import SchedulerConfig
 from scheduler.settings import check_settings, declared_settings, setting
-from workers.options import ATTENTION_BACKENDS, DEFAULT_CACHE_DIR, DTYPE_NAMES
+from workers.options import ATTENTION_BACKENDS, DEFAULT_CACHE_DIR, DTYPE_NAMES, STEP_TRANSPORTS
 
 if TYPE_CHECKING:
     from workers.runner import RunnerConfig
@@ -38,7 +38,8 @@ class EngineConfig:
     cpu_threads: int | None = setting(None, "torch intra-op threads of a CPU engine (unset: a served replica's "
                                       "`replica_num_cpus`, rounded down; offline, what the process has)", ge=1)
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
-    use_compiled_graph: bool = setting(True, "TP > 1: broadcast steps over a Ray Compiled Graph (else actor calls)")
+    step_transport: str = setting("socket", "TP > 1: how each step reaches the workers: a TCP connection per rank "
+                                  "(fastest), a Ray Compiled Graph, or plain actor calls", choices=STEP_TRANSPORTS)
     step_timeout_s: float = setting(300.0, "TP > 1: a step whose workers do not answer within this fails the engine",
                                     gt=0)
     engine_stall_timeout_s: float = setting(

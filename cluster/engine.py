@@ -106,6 +106,6 @@ def _make_executor(config: EngineConfig, runner_config: RunnerConfig, placement_
     # A Serve replica's group holds the replica's own bundle first, then one per worker.
     offset = 1 if placement_group is not None else 0
     return RayExecutor(runner_config, config.tensor_parallel_size, placement_group=placement_group,
-                       bundle_offset=offset, use_compiled_graph=config.use_compiled_graph,
+                       bundle_offset=offset, step_transport=config.step_transport,
                        step_timeout_s=config.step_timeout_s)
 

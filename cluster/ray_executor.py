@@ -2,9 +2,10 @@
 
 The workers live in a placement group, one bundle per rank: a STRICT_PACK group the executor
 creates, or the group it is handed (a Serve replica owns one; its worker bundles start at
-bundle_offset). Each step travels either through a Ray Compiled Graph (the SchedulerOutput is
-written once into shared-memory channels every rank reads) or, as a fallback, as one plain actor
-call per rank. Only plain dataclasses cross; tensors move between ranks through torch.distributed.
+bundle_offset). Each step travels, by `step_transport`, over one TCP connection per rank
+(workers/step_channel.py, the default and the cheapest), through a Ray Compiled Graph (written
+once into shared-memory channels every rank reads), or as one plain actor call per rank. Only
+plain dataclasses cross; tensors move between ranks through torch.distributed.
 
 Any worker that dies, raises or stalls ends the engine: the executor raises EngineDeadError
 naming the rank and the cause, and kills the remaining workers so none is left in a collective.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import time
 from typing import Any, NoReturn
 
@@ -24,7 +24,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.options import STEP_TRANSPORTS
 from workers.runner import RunnerConfig
+from workers.step_channel import RankFailedError, StepClient
 from workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ class RayExecutor:
 
     def __init__(self, runner_config: RunnerConfig, tensor_parallel_size: int,
                  placement_group: PlacementGroup | None = None, bundle_offset: int = 0,
-                 use_compiled_graph: bool = True, step_timeout_s: float = 300.0,
+                 step_transport: str = "socket", step_timeout_s: float = 300.0,
                  init_timeout_s: float = 600.0, worker_cls: type = Worker) -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {tensor_parallel_size}")
@@ -56,9 +58,12 @@ class RayExecutor:
         self.tp = tensor_parallel_size
         if not ray.is_initialized():
             _start_local_ray(self.tp)
-        self.use_compiled_graph = use_compiled_graph
+        if step_transport not in STEP_TRANSPORTS:
+            raise ValueError(f"step_transport: must be one of {', '.join(STEP_TRANSPORTS)}, got {step_transport!r}")
+        self.step_transport = step_transport
         self.step_timeout_s, self.init_timeout_s = step_timeout_s, init_timeout_s
         self._dag = None
+        self._channel: StepClient | None = None
         self._dead: EngineDeadError | None = None
         self._owns_pg = placement_group is None
         self._pg = placement_group if placement_group is not None else self._create_pg(runner_config.device)
@@ -75,11 +80,13 @@ class RayExecutor:
             self._all("load_model", timeout_s=init_timeout_s)
             # Errors raised in a worker carry its pid: how a failure is traced back to a rank.
             self._rank_of_pid = {pid: rank for rank, pid in enumerate(self._all("pid", timeout_s=60))}
+            if step_transport == "socket":
+                self._channel = StepClient(self._all("open_step_channel", timeout_s=60))
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%d tensor-parallel workers ready (rendezvous %s, %s)", self.tp, address,
-                    "compiled graph" if use_compiled_graph else "actor calls")
+        logger.info("%d tensor-parallel workers ready (rendezvous %s, steps over %s)", self.tp, address,
+                    step_transport)
 
     # ---- set-up --------------------------------------------------------------------------------
     def _create_pg(self, device: str) -> PlacementGroup:
@@ -131,19 +138,24 @@ class RayExecutor:
         """Send the step to every rank and return rank 0's output."""
         if self._dead is not None:
             raise self._dead
-        # Pickled once here with the C pickler: Ray's own serializer calls back into Python for
+        # Encoded once here with the C pickler: Ray's own serializer calls back into Python for
         # every object, and a step holds hundreds of small lists, ints and strings.
-        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-        if not self.use_compiled_graph:
-            refs = [w.execute_model_pickled.remote(payload) for w in self.workers]
-            return pickle.loads(self._gather(refs, self.step_timeout_s)[0])
+        payload = scheduler_output.encode()
+        if self._channel is not None:
+            try:
+                return ModelRunnerOutput.decode(self._channel.step(payload, self.step_timeout_s))
+            except RankFailedError as exc:
+                self._fail(exc.rank, exc.cause)
+        if self.step_transport == "actor_calls":
+            refs = [w.execute_model_encoded.remote(payload) for w in self.workers]
+            return ModelRunnerOutput.decode(self._gather(refs, self.step_timeout_s)[0])
         try:
             # Compiling is part of the first step: a worker lost while it compiles ends the engine too.
             dag = self._dag or self._compile()
             outputs = ray.get(dag.execute(payload), timeout=self.step_timeout_s)
         except Exception as exc:  # noqa: BLE001 - every failure of a step ends the engine
             self._fail(None, exc)
-        return pickle.loads(outputs[0])
+        return ModelRunnerOutput.decode(outputs[0])
 
     @property
     def pids(self) -> list[int]:
@@ -151,8 +163,8 @@ class RayExecutor:
         return sorted(self._rank_of_pid, key=self._rank_of_pid.__getitem__)
 
     def shutdown(self) -> None:
-        """Stop the graph, release every worker and (if it is ours) the placement group."""
-        self._teardown_dag()
+        """Stop the step transport, release every worker and (if it is ours) the placement group."""
+        self._teardown_transport()
         if self.workers and self._dead is None:
             try:
                 ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
@@ -168,7 +180,7 @@ class RayExecutor:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as step:
-            graph = MultiOutputNode([w.execute_model_pickled.bind(step) for w in self.workers])
+            graph = MultiOutputNode([w.execute_model_encoded.bind(step) for w in self.workers])
         # The actors now run the graph's read-execute-write loop until teardown.
         self._dag = graph.experimental_compile()
         return self._dag
@@ -208,7 +220,7 @@ class RayExecutor:
         # Kill first: a graph teardown waits for every live actor, and one stuck in a collective
         # with the lost rank would hold it up.
         self._kill_workers()
-        self._teardown_dag()
+        self._teardown_transport()
         raise self._dead from exc
 
     def _find_dead_worker(self) -> tuple[int | None, BaseException | None]:
@@ -235,7 +247,10 @@ class RayExecutor:
             return self._rank_of_actor[actor_id]
         return self._rank_of_pid.get(getattr(exc, "pid", None))
 
-    def _teardown_dag(self) -> None:
+    def _teardown_transport(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
         dag, self._dag = self._dag, None
         if dag is not None:
             try:

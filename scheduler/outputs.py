@@ -1,7 +1,8 @@
 """Contracts that cross the scheduler / model-runner boundary (plain, cheap to pickle)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import pickle
+from dataclasses import dataclass, field, fields
 
 from scheduler.sampling_params import SamplingParams
 
@@ -55,6 +56,18 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
+    def encode(self) -> bytes:
+        """The step for a TP worker: pickled as flat tuples, which costs half of pickling the
+        dataclasses (a slots dataclass pickles through Python-level state calls)."""
+        cached = self.scheduled_cached_reqs
+        return pickle.dumps((self.scheduled_new_reqs, tuple(getattr(cached, name) for name in _CACHED_FIELDS),
+                             tuple(getattr(self, name) for name in _STEP_REST)), pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray) -> SchedulerOutput:
+        new_reqs, cached, rest = pickle.loads(data)
+        return cls(new_reqs, CachedRequestData(*cached), *rest)
+
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
@@ -66,6 +79,14 @@ class ModelRunnerOutput:
     # Requests whose own inputs failed this step (sampling state, their sampler row): request id ->
     # reason. They are finished with an error; the step's other requests go on.
     failed: dict[str, str] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
+        return pickle.dumps(tuple(getattr(self, name) for name in _RUNNER_OUTPUT_FIELDS), pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray) -> ModelRunnerOutput:
+        return cls(*pickle.loads(data))
 
 
 @dataclass(slots=True)
@@ -96,3 +117,9 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_prompt_tokens_queried: int = 0
     num_prompt_tokens_hit: int = 0
+
+
+# Field order of the encoded tuples (positional, so they follow the dataclasses as they change).
+_STEP_REST = tuple(f.name for f in fields(SchedulerOutput))[2:]  # after the new and the cached requests
+_CACHED_FIELDS = tuple(f.name for f in fields(CachedRequestData))
+_RUNNER_OUTPUT_FIELDS = tuple(f.name for f in fields(ModelRunnerOutput))

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 
 import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.distributed import destroy_distributed, free_port, init_distributed
 from workers.runner import ModelRunner, RunnerConfig
+from workers.step_channel import ChannelAddress, StepServer
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class Worker:
         self.rank, self.world_size, self.config = rank, world_size, config
         self.num_threads = num_threads
         self.runner: ModelRunner | None = None
+        self._step_server: StepServer | None = None
 
     def __repr__(self) -> str:
         # Ray prints the actor's repr in errors; the rank is what a reader needs to see.
@@ -39,17 +40,18 @@ class Worker:
 
         The host is the address Ray registered for this node (127.0.0.1 on a loopback cluster).
         """
-        import ray
-
-        node_id = ray.get_runtime_context().get_node_id()
-        host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        host = _node_host()
         return f"{host}:{free_port(host)}"
 
     def init_device(self, address: str, timeout_s: float = 300.0) -> None:
         """Pin the CPU thread count and join the process group."""
-        if self.num_threads is not None:
-            torch.set_num_threads(self.num_threads)
+        self._pin_threads()
         init_distributed(self.rank, self.world_size, address, self.config.device, timeout_s)
+
+    def open_step_channel(self) -> ChannelAddress:
+        """Serve steps over a socket on this rank's node (the executor's fast path, see step_channel)."""
+        self._step_server = StepServer(_node_host(), self.execute_model_encoded, on_start=self._on_step_thread)
+        return self._step_server.address
 
     def load_model(self) -> None:
         """Build the model for this rank (the layers read the rank at construction) and load its shards."""
@@ -71,10 +73,10 @@ class Worker:
             raise
         return output if self.rank == 0 else None
 
-    def execute_model_pickled(self, scheduler_output: bytes) -> bytes | None:
-        """execute_model over stdlib-pickled dataclasses (the executor's wire format, see RayExecutor)."""
-        output = self.execute_model(pickle.loads(scheduler_output))
-        return pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL) if output is not None else None
+    def execute_model_encoded(self, scheduler_output: bytes | bytearray) -> bytes | None:
+        """execute_model over the executor's wire format (SchedulerOutput.encode, ModelRunnerOutput.encode)."""
+        output = self.execute_model(SchedulerOutput.decode(scheduler_output))
+        return output.encode() if output is not None else None
 
     def pid(self) -> int:
         return os.getpid()
@@ -84,7 +86,25 @@ class Worker:
         self.runner = None
         destroy_distributed()
 
+    def _pin_threads(self) -> None:
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+
+    def _on_step_thread(self) -> None:
+        """The step server's thread runs the forwards: same thread count, same CUDA device."""
+        self._pin_threads()
+        if self.config.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.config.device).index or 0)
+
     def _ready(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError(f"rank {self.rank}: load_model() must run first")
         return self.runner
+
+
+def _node_host() -> str:
+    """The address Ray registered for this rank's node (127.0.0.1 on a loopback cluster)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)

@@ -1,4 +1,4 @@
-"""RayExecutor: TP workers as Ray actors (gloo on CPU), both broadcast paths, fail-fast on worker loss."""
+"""RayExecutor: TP workers as Ray actors (gloo on CPU), every step transport, fail-fast on worker loss."""
 from __future__ import annotations
 
 import threading
@@ -44,7 +44,15 @@ def reference(tiny_llama) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def compiled_tp2(ray_cluster, tiny_llama):
     """TP=2 over a compiled graph, in a STRICT_PACK placement group the executor creates."""
-    executor = started(RayExecutor(runner_config(tiny_llama), 2, use_compiled_graph=True))
+    executor = started(RayExecutor(runner_config(tiny_llama), 2, step_transport="compiled_graph"))
+    yield executor
+    executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def socket_tp2(ray_cluster, tiny_llama):
+    """TP=2 over the default transport, one TCP step channel per rank."""
+    executor = started(RayExecutor(runner_config(tiny_llama), 2))
     yield executor
     executor.shutdown()
 
@@ -64,7 +72,7 @@ def handed_pg(ray_cluster):
 def actor_calls_tp2(ray_cluster, tiny_llama, handed_pg):
     """TP=2 over plain actor calls, in a placement group it is handed (worker bundles from 1)."""
     executor = started(RayExecutor(runner_config(tiny_llama), 2, placement_group=handed_pg, bundle_offset=1,
-                                   use_compiled_graph=False))
+                                   step_transport="actor_calls"))
     yield executor
     executor.shutdown()
 
@@ -72,6 +80,20 @@ def actor_calls_tp2(ray_cluster, tiny_llama, handed_pg):
 def test_tp2_over_a_compiled_graph_gives_the_greedy_tokens_of_tp1(compiled_tp2, reference):
     tokens, _ = greedy_tokens(compiled_tp2, scheduler_config(), PROMPTS, max_tokens=16)
     assert tokens == reference
+
+
+def test_tp2_over_the_step_channel_gives_the_greedy_tokens_of_tp1(socket_tp2, reference):
+    assert socket_tp2.step_transport == "socket"
+    tokens, _ = greedy_tokens(socket_tp2, scheduler_config(), PROMPTS, max_tokens=16)
+    assert tokens == reference
+
+
+def test_a_worker_exception_over_the_step_channel_names_rank_and_cause(socket_tp2):
+    with pytest.raises(EngineDeadError) as info:
+        socket_tp2.execute_model(_step_for_unknown_request())
+    assert info.value.rank == 0  # both ranks raise; rank 0 answers first
+    assert "rank 0" in str(info.value) and "KeyError" in str(info.value) and "nobody" in str(info.value)
+    socket_tp2.shutdown()  # dead now; its placement group is needed by the tests below
 
 
 def test_tp2_over_actor_calls_gives_the_greedy_tokens_of_tp1(actor_calls_tp2, reference):
@@ -102,8 +124,8 @@ def _step_for_unknown_request() -> SchedulerOutput:
 
 
 def _kill_during_generation(ray, executor) -> EngineDeadError:
-    """Kill rank 1 a second into a long generation; the EngineDeadError it raised."""
-    killer = threading.Timer(1.0, lambda: ray.kill(executor.workers[1]))
+    """Kill rank 1 a moment into a long generation; the EngineDeadError it raised."""
+    killer = threading.Timer(0.3, lambda: ray.kill(executor.workers[1]))
     killer.start()
     try:
         with pytest.raises(EngineDeadError) as info:
@@ -132,8 +154,17 @@ def test_killing_a_worker_under_actor_calls_raises_engine_dead_error(ray_cluster
     assert placement_group_table(handed_pg)["state"] == "CREATED"  # the caller's group, not ours to remove
 
 
+def test_killing_a_worker_under_the_step_channel_raises_engine_dead_error(ray_cluster, tiny_llama):
+    executor = started(RayExecutor(runner_config(tiny_llama), 2, step_transport="socket"))
+    try:
+        error = _kill_during_generation(ray, executor)
+    finally:
+        executor.shutdown()
+    _assert_dead_because_rank_1_died(executor, error)
+
+
 def test_killing_a_worker_under_a_compiled_graph_raises_engine_dead_error(ray_cluster, tiny_llama):
-    executor = started(RayExecutor(runner_config(tiny_llama), 2, use_compiled_graph=True))
+    executor = started(RayExecutor(runner_config(tiny_llama), 2, step_transport="compiled_graph"))
     try:
         error = _kill_during_generation(ray, executor)
     finally:
