@@ -1,6 +1,7 @@
 """Discrete-event simulation: arrivals -> production router -> N replicas -> completions."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import logging
@@ -10,7 +11,7 @@ from scheduler import SchedulerConfig, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import RequestRecord, SimResult
 from sim.policies import FleetState, RouteRequest, RoutingConfig
-from sim.replica import SimReplica
+from sim.replica import Cruise, SimReplica, StepPlan
 from sim.workload import SimRequest
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,9 @@ class SimConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     stats_period_s: float = 1.0  # how often replicas report to the router (Serve's routing-stats period)
     stats_delay_s: float = 0.5  # how late a report reaches the router
-    coalesce: bool = True  # run a replica's steps back to back while no other event intervenes
+    # Run a replica's steps back to back while no other event intervenes, and jump over its
+    # pure-decode stretches (False: every step through the event queue, the reference).
+    coalesce: bool = True
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -55,7 +58,9 @@ class FleetSim:
         self.fleet = FleetState(config.routing)
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
+        self._next_stats_s = 0.0
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
+        self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -81,6 +86,8 @@ class FleetSim:
                 name = self.fleet.route(route, self.names, now)[0]
                 self.fleet.on_routed(route, name, now)
                 replica = by_name[name]
+                if isinstance(replica.in_flight, Cruise):
+                    self._interrupt(replica, now, records)
                 records[req.request_id].replica = name
                 replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now)
                 if replica.in_flight is None:
@@ -90,34 +97,62 @@ class FleetSim:
             elif kind == _STATS_TAKE:
                 self._push(now + self.config.stats_delay_s, _STATS_DELIVER,
                            [(r.name, r.routing_stats()) for r in self.replicas])
-                self._push(now + self.config.stats_period_s, _STATS_TAKE, None)
+                self._next_stats_s = now + self.config.stats_period_s
+                self._push(self._next_stats_s, _STATS_TAKE, None)
             else:
                 for name, stats in payload:
                     self.fleet.on_stats(name, stats, now)
         # The last event popped may precede the end of a coalesced stretch: end at the last finish.
         end = max((r.finish_s for r in records.values() if r.finish_s is not None), default=now)
-        return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps)
+        return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps, self.jumped_steps)
 
     def _step(self, replica: SimReplica, now: float) -> None:
         plan = replica.start_step(now)
         if plan is not None:
-            self._push(plan.end_s, _STEP_END, replica)
+            self._push(plan.end_s, _STEP_END, (replica, plan))
 
-    def _end_step(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
-        """Finish replica's step and, while no other event comes first, run its next steps in place."""
+    def _next(self, replica: SimReplica, now: float) -> StepPlan | Cruise | None:
+        # A cruise ends by the next stats report, which must see the replica's exact state.
+        if self.config.coalesce:
+            cruise = replica.plan_cruise(now, self._next_stats_s)
+            if cruise is not None:
+                return cruise
+        return replica.start_step(now)
+
+    def _end_step(self, payload: tuple[SimReplica, StepPlan | Cruise], now: float,
+                  records: dict[str, RequestRecord]) -> int:
+        """Finish replica's step (or cruise) and, while no other event comes first, run the next in place."""
+        replica, plan = payload
+        if replica.in_flight is not plan:  # a cruise an arrival interrupted: its steps are applied
+            return 0
         finished = 0
         while True:
             finished += self._apply(replica, now, records)
-            plan = replica.start_step(now)
+            plan = self._next(replica, now)
             if plan is None:
                 return finished
             if not (self.config.coalesce and (not self._events or plan.end_s < self._events[0][0])):
-                self._push(plan.end_s, _STEP_END, replica)
+                self._push(plan.end_s, _STEP_END, (replica, plan))
                 return finished
             now = plan.end_s
             self.coalesced_steps += 1
 
+    def _interrupt(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> None:
+        """An arrival reaches a cruising replica: apply the steps ended before now, schedule the one running."""
+        cruise = replica.in_flight
+        assert isinstance(cruise, Cruise)
+        done = bisect.bisect_left(cruise.ends, now)  # arrivals precede step ends at the same instant
+        start = cruise.start_s
+        if done:
+            self._apply_jump(replica, cruise, done, records)
+            start = cruise.ends[done - 1]
+        replica.in_flight = None
+        self._step(replica, start)
+
     def _apply(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
+        if isinstance(replica.in_flight, Cruise):
+            self._apply_jump(replica, replica.in_flight, len(replica.in_flight.ends), records)
+            return 0
         finished = 0
         for out in replica.finish_step():
             rec = records[out.request_id]
@@ -127,3 +162,12 @@ class FleetSim:
                 self.fleet.on_completed(out.request_id)
                 finished += 1
         return finished
+
+    def _apply_jump(self, replica: SimReplica, cruise: Cruise, num_steps: int,
+                    records: dict[str, RequestRecord]) -> None:
+        times = cruise.ends[:num_steps]
+        for out in replica.jump(num_steps):
+            rec = records[out.request_id]
+            for t in times:
+                rec.on_tokens(t, 1, out.num_cached_tokens)
+        self.jumped_steps += num_steps

@@ -60,6 +60,7 @@ class SimResult:
     end_s: float
     replicas: list[Any]
     coalesced_steps: int = 0
+    jumped_steps: int = 0
 
     def summary(self, slo_ttft_s: float = float("inf"), slo_itl_s: float = float("inf")) -> dict[str, float]:
         done = [r for r in self.records if r.finish_s is not None]

@@ -18,6 +18,23 @@ class StepPlan:
     end_s: float
 
 
+@dataclass(slots=True)
+class Cruise:
+    """A planned run of pure-decode steps, applied in one jump when it ends or is interrupted.
+
+    Nothing in it finishes a request, so until it ends the replica changes nothing the rest of
+    the fleet sees; an arrival routed to the replica applies the steps ended by then.
+    """
+
+    start_s: float
+    ends: list[float]  # end time of each step, summed step by step as single steps would
+    durations: list[float]
+
+    @property
+    def end_s(self) -> float:
+        return self.ends[-1]
+
+
 class SimReplica:
     """A real Scheduler whose steps take the cost model's time and sample EOS at the output length."""
 
@@ -26,7 +43,7 @@ class SimReplica:
         self.scheduler = Scheduler(config)
         self.cost = cost
         self.output_len: dict[str, int] = {}
-        self.in_flight: StepPlan | None = None
+        self.in_flight: StepPlan | Cruise | None = None
         self.num_steps = 0
         self.busy_s = 0.0
 
@@ -36,6 +53,47 @@ class SimReplica:
         params = SamplingParams(max_tokens=output_len, temperature=0.0)
         self.scheduler.add_request(Request(request_id, prompt, params, eos_token_ids=(EOS,), priority=priority,
                                            tenant=tenant, arrival_time=now))
+
+    def plan_cruise(self, now: float, horizon_s: float, min_steps: int = 2) -> Cruise | None:
+        """Plan the pure-decode steps that end by horizon_s and sample no EOS (None if under min_steps)."""
+        sched = self.scheduler
+        running = sched.running
+        if not running:
+            return None
+        # The step sampling a request's last token finishes it: the cruise stops one short.
+        limit = min(self.output_len[r.request_id] - len(r.output_token_ids) for r in running) - 1
+        k = sched.max_decode_jump(limit) if limit >= min_steps else 0
+        if k < min_steps:
+            return None
+        n = len(running)
+        kv_read = sum(r.num_computed_tokens for r in running)
+        step_time = self.cost.step_time
+        ends: list[float] = []
+        durations: list[float] = []
+        t = now
+        for _ in range(k):
+            d = step_time(0, n, kv_read, n)  # only the token count enters the step time
+            if t + d > horizon_s:
+                break
+            t += d
+            ends.append(t)
+            durations.append(d)
+            kv_read += n
+        if len(ends) < min_steps:
+            return None
+        self.in_flight = Cruise(now, ends, durations)
+        return self.in_flight
+
+    def jump(self, num_steps: int) -> list[RequestOutput]:
+        """Apply the first num_steps steps of the cruise in flight, all at once."""
+        cruise = self.in_flight
+        assert isinstance(cruise, Cruise) and 0 < num_steps <= len(cruise.ends)
+        outputs = self.scheduler.advance_decode({r.request_id: [TOKEN] * num_steps for r in self.scheduler.running})
+        for d in cruise.durations[:num_steps]:
+            self.busy_s += d
+        self.num_steps += num_steps
+        self.in_flight = None
+        return outputs
 
     def start_step(self, now: float) -> StepPlan | None:
         """Schedule the next step (None if nothing to run) and time it."""
@@ -61,7 +119,7 @@ class SimReplica:
     def finish_step(self) -> list[RequestOutput]:
         """Sample for every request whose scheduled tokens reach its end; apply to the scheduler."""
         plan, self.in_flight = self.in_flight, None
-        assert plan is not None
+        assert isinstance(plan, StepPlan)
         requests = self.scheduler.requests
         req_ids: list[str] = []
         sampled: list[list[int]] = []

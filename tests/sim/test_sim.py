@@ -19,14 +19,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(policy: str = "prefix_affinity", coalesce: bool = True, seed: int = 0, n: int = 80,
-         blocks: int = 60, fair: bool = False):
-    wl = synthetic_workload(WorkloadConfig(num_requests=n, rate=4.0, tenants=5, system_prompt_len=64,
-                                           question_len=(4, 40), output_len=(1, 24), seed=seed))
+         blocks: int = 60, fair: bool = False, output_len: tuple[int, int] = (1, 24), rate: float = 4.0,
+         profile: str = "cpu"):
+    wl = synthetic_workload(WorkloadConfig(num_requests=n, rate=rate, tenants=5, system_prompt_len=64,
+                                           question_len=(4, 40), output_len=output_len, seed=seed))
     sched = SchedulerConfig(num_gpu_blocks=blocks, max_model_len=256, max_num_batched_tokens=128,
                             max_num_seqs=8, policy="fair" if fair else "fcfs")
     cfg = SimConfig(num_replicas=3, scheduler=sched, routing=RoutingConfig(router_policy=policy, seed=seed),
                     coalesce=coalesce)
-    sim = FleetSim(cfg, load_profile("cpu"))
+    sim = FleetSim(cfg, load_profile(profile))
     return wl, sim.run(wl)
 
 
@@ -61,6 +62,25 @@ def test_coalesced_run_equals_step_by_step(policy, fair):
     assert _fingerprint(coalesced) == _fingerprint(stepwise)
     assert coalesced.summary() == stepwise.summary()
     assert coalesced.coalesced_steps > 0 and stepwise.coalesced_steps == 0
+    assert coalesced.jumped_steps > 0 and stepwise.jumped_steps == 0
+
+
+@pytest.mark.parametrize("profile,rate,output_len,blocks,fair", [
+    ("cpu", 4.0, (1, 24), 60, False),
+    ("cpu", 2.0, (40, 150), 60, True),  # long decodes, a tight pool: jumps stop at block shortages
+    ("h100", 400.0, (20, 150), 200, False),  # sub-ms steps: stretches of hundreds between arrivals
+])
+def test_k_step_jumps_equal_step_by_step(profile, rate, output_len, blocks, fair):
+    """Jumped stretches make the scheduler decisions, step counts and token times of single steps."""
+    kw = dict(profile=profile, rate=rate, output_len=output_len, blocks=blocks, fair=fair, n=60)
+    _, jumped = _run(coalesce=True, **kw)
+    _, stepwise = _run(coalesce=False, **kw)
+    assert jumped.jumped_steps > 0
+    assert _fingerprint(jumped) == _fingerprint(stepwise)  # finish times, TTFTs, outputs, every ITL
+    assert [(r.num_steps, r.busy_s) for r in jumped.replicas] == [(r.num_steps, r.busy_s) for r in stepwise.replicas]
+    assert [r.scheduler.num_preemptions for r in jumped.replicas] == \
+        [r.scheduler.num_preemptions for r in stepwise.replicas]
+    assert jumped.summary() == stepwise.summary()
 
 
 def test_sim_uses_the_production_classes():
