@@ -7,7 +7,7 @@ import heapq
 import logging
 from dataclasses import dataclass, field
 
-from scheduler import SchedulerConfig, hash_prompt_blocks
+from scheduler import SchedulerConfig, hash_block_tokens, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import RequestRecord, SimResult
 from sim.policies import FleetState, RouteRequest, RoutingConfig
@@ -61,6 +61,7 @@ class FleetSim:
         self._next_stats_s = 0.0
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
         self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
+        self._shared_hashes: dict[tuple[int, ...], list[int]] = {}  # a prefix group's leading blocks
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -70,7 +71,6 @@ class FleetSim:
         records = {r.request_id: RequestRecord(r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.output_len)
                    for r in workload}
         by_name = {r.name: r for r in self.replicas}
-        bs = self.config.scheduler.block_size
         for i, req in enumerate(workload):
             self._push(req.arrival_s, _ARRIVAL, (i, req))
         if workload:
@@ -82,14 +82,15 @@ class FleetSim:
             if kind == _ARRIVAL:
                 i, req = payload
                 prompt = req.prompt_token_ids(i)
-                route = RouteRequest(req.request_id, req.prompt_len + req.output_len, hash_prompt_blocks(prompt, bs))
+                route = RouteRequest(req.request_id, req.prompt_len + req.output_len, self._hashes(req, prompt))
                 name = self.fleet.route(route, self.names, now)[0]
                 self.fleet.on_routed(route, name, now)
                 replica = by_name[name]
                 if isinstance(replica.in_flight, Cruise):
                     self._interrupt(replica, now, records)
                 records[req.request_id].replica = name
-                replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now)
+                replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now,
+                            route.block_hashes)
                 if replica.in_flight is None:
                     self._step(replica, now)
             elif kind == _STEP_END:
@@ -105,6 +106,21 @@ class FleetSim:
         # The last event popped may precede the end of a coalesced stretch: end at the last finish.
         end = max((r.finish_s for r in records.values() if r.finish_s is not None), default=now)
         return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps, self.jumped_steps)
+
+    def _hashes(self, req: SimRequest, prompt: list[int]) -> list[int]:
+        """hash_prompt_blocks(prompt), hashing a prefix group's shared full blocks once per group."""
+        bs = self.config.scheduler.block_size
+        shared = (min(req.prefix_len, req.prompt_len) if req.prefix_group else 0) // bs * bs
+        key = tuple(prompt[:shared])
+        hashes = self._shared_hashes.get(key)
+        if hashes is None:
+            hashes = self._shared_hashes[key] = hash_prompt_blocks(key, bs)
+        hashes = list(hashes)
+        parent = hashes[-1] if hashes else None
+        for start in range(shared, len(prompt) // bs * bs, bs):
+            parent = hash_block_tokens(parent, prompt[start:start + bs])
+            hashes.append(parent)
+        return hashes
 
     def _step(self, replica: SimReplica, now: float) -> None:
         plan = replica.start_step(now)

@@ -43,16 +43,21 @@ class SimReplica:
         self.scheduler = Scheduler(config)
         self.cost = cost
         self.output_len: dict[str, int] = {}
+        self._params: dict[int, SamplingParams] = {}  # by output length: validated once, never mutated
         self.in_flight: StepPlan | Cruise | None = None
         self.num_steps = 0
         self.busy_s = 0.0
 
     def add(self, request_id: str, prompt: list[int], output_len: int, tenant: str, priority: int,
-            now: float) -> None:
+            now: float, block_hashes: list[int] | None = None) -> None:
+        """Queue a request; block_hashes, the prompt's full-block hashes if the router computed them."""
         self.output_len[request_id] = output_len
-        params = SamplingParams(max_tokens=output_len, temperature=0.0)
+        params = self._params.get(output_len)
+        if params is None:
+            params = self._params[output_len] = SamplingParams(max_tokens=output_len, temperature=0.0)
+        # The scheduler extends the hash chain from what it is given (the same hash, so the same keys).
         self.scheduler.add_request(Request(request_id, prompt, params, eos_token_ids=(EOS,), priority=priority,
-                                           tenant=tenant, arrival_time=now))
+                                           tenant=tenant, arrival_time=now, block_hashes=list(block_hashes or ())))
 
     def plan_cruise(self, now: float, horizon_s: float, min_steps: int = 2) -> Cruise | None:
         """Plan the pure-decode steps that end by horizon_s and sample no EOS (None if under min_steps)."""

@@ -28,9 +28,9 @@ class SimRequest:
         """Deterministic token ids: a group's prefix is identical across requests, the rest unique."""
         shared = min(self.prefix_len, self.prompt_len) if self.prefix_group else 0
         group = (hash_group(self.prefix_group) % (1 << 20)) << 20
-        prefix = [_PREFIX_BASE + group + i for i in range(shared)]
         suffix_base = (index + 1) << 16
-        return prefix + [suffix_base + i for i in range(self.prompt_len - shared)]
+        return [*range(_PREFIX_BASE + group, _PREFIX_BASE + group + shared),
+                *range(suffix_base, suffix_base + self.prompt_len - shared)]
 
 
 def hash_group(name: str) -> int:

@@ -164,3 +164,13 @@ def test_cli_bad_trace_exits_with_the_line(tmp_path, capsys):
         main(["run", "--trace", str(path)])
     assert exc.value.code == 2
     assert "trace line 1, field 'output_len': missing" in capsys.readouterr().err
+
+
+def test_prompt_hashes_cached_per_prefix_group_equal_the_scheduler_hash():
+    from scheduler import hash_prompt_blocks
+
+    wl = synthetic_workload(WorkloadConfig(num_requests=40, tenants=3, system_prompt_len=40, question_len=(1, 30)))
+    sim = FleetSim(SimConfig(num_replicas=1), load_profile("cpu"))
+    for i, req in enumerate(wl):
+        prompt = req.prompt_token_ids(i)
+        assert sim._hashes(req, prompt) == hash_prompt_blocks(prompt, 16)
