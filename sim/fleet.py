@@ -5,6 +5,8 @@ import bisect
 import dataclasses
 import heapq
 import logging
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from scheduler import SchedulerConfig, hash_block_tokens, hash_prompt_blocks
@@ -16,7 +18,8 @@ from sim.workload import SimRequest
 
 logger = logging.getLogger(__name__)
 
-_ARRIVAL, _STEP_END, _STATS_TAKE, _STATS_DELIVER = 0, 1, 2, 3
+# Event kinds, in the order events of one instant are handled.
+_ARRIVAL, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4
 
 
 @dataclass(slots=True)
@@ -55,6 +58,7 @@ class FleetSim:
         self.cost = cost
         self.replicas = [SimReplica(f"replica-{i}", config.scheduler, cost) for i in range(config.num_replicas)]
         self.names = [r.name for r in self.replicas]
+        self._by_name = {r.name: r for r in self.replicas}
         self.fleet = FleetState(config.routing)
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -67,32 +71,28 @@ class FleetSim:
         self._seq += 1
         heapq.heappush(self._events, (t, kind, self._seq, payload))
 
-    def run(self, workload: list[SimRequest]) -> SimResult:
+    def run(self, workload: list[SimRequest], until_s: float = math.inf) -> SimResult:
+        """Simulate until every request has finished, or up to simulated second until_s.
+
+        Requests still in flight at until_s are left unfinished (finish_s None). Arrivals enter the
+        event queue one at a time, so a long workload costs no queue memory.
+        """
         records = {r.request_id: RequestRecord(r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.output_len)
                    for r in workload}
-        by_name = {r.name: r for r in self.replicas}
-        for i, req in enumerate(workload):
-            self._push(req.arrival_s, _ARRIVAL, (i, req))
+        # Stable: arrivals at the same instant keep their workload order, as before streaming.
+        arrivals = iter(sorted(enumerate(workload), key=lambda pair: pair[1].arrival_s))
+        self._push_arrival(arrivals)
         if workload:
             self._push(0.0, _STATS_TAKE, None)
+        if until_s < math.inf:
+            self._push(until_s, _STOP, None)  # also bounds coalesced stretches
         remaining = len(workload)
         now = 0.0
         while self._events and remaining:
             now, kind, _, payload = heapq.heappop(self._events)
             if kind == _ARRIVAL:
-                i, req = payload
-                prompt = req.prompt_token_ids(i)
-                route = RouteRequest(req.request_id, req.prompt_len + req.output_len, self._hashes(req, prompt))
-                name = self.fleet.route(route, self.names, now)[0]
-                self.fleet.on_routed(route, name, now)
-                replica = by_name[name]
-                if isinstance(replica.in_flight, Cruise):
-                    self._interrupt(replica, now, records)
-                records[req.request_id].replica = name
-                replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now,
-                            route.block_hashes)
-                if replica.in_flight is None:
-                    self._step(replica, now)
+                self._arrive(*payload, now, records)
+                self._push_arrival(arrivals)
             elif kind == _STEP_END:
                 remaining -= self._end_step(payload, now, records)
             elif kind == _STATS_TAKE:
@@ -100,12 +100,34 @@ class FleetSim:
                            [(r.name, r.routing_stats()) for r in self.replicas])
                 self._next_stats_s = now + self.config.stats_period_s
                 self._push(self._next_stats_s, _STATS_TAKE, None)
-            else:
+            elif kind == _STATS_DELIVER:
                 for name, stats in payload:
                     self.fleet.on_stats(name, stats, now)
+            else:
+                return SimResult(list(records.values()), until_s, self.replicas, self.coalesced_steps,
+                                 self.jumped_steps)
         # The last event popped may precede the end of a coalesced stretch: end at the last finish.
         end = max((r.finish_s for r in records.values() if r.finish_s is not None), default=now)
         return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps, self.jumped_steps)
+
+    def _push_arrival(self, arrivals: Iterator[tuple[int, SimRequest]]) -> None:
+        nxt = next(arrivals, None)
+        if nxt is not None:
+            self._push(nxt[1].arrival_s, _ARRIVAL, nxt)
+
+    def _arrive(self, i: int, req: SimRequest, now: float, records: dict[str, RequestRecord]) -> None:
+        """Route request i of the workload and queue it at its replica."""
+        prompt = req.prompt_token_ids(i)
+        route = RouteRequest(req.request_id, req.prompt_len + req.output_len, self._hashes(req, prompt))
+        name = self.fleet.route(route, self.names, now)[0]
+        self.fleet.on_routed(route, name, now)
+        replica = self._by_name[name]
+        if isinstance(replica.in_flight, Cruise):
+            self._interrupt(replica, now, records)
+        records[req.request_id].replica = name
+        replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now, route.block_hashes)
+        if replica.in_flight is None:
+            self._step(replica, now)
 
     def _hashes(self, req: SimRequest, prompt: list[int]) -> list[int]:
         """hash_prompt_blocks(prompt), hashing a prefix group's shared full blocks once per group."""

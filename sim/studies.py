@@ -1,7 +1,11 @@
-"""The README's studies: routing at scale, fairness under a heavy tenant. `python -m sim.studies OUTDIR`."""
+"""The README's studies: routing at scale, fairness under a heavy tenant, simulator speed.
+
+`python -m sim.studies OUTDIR [ROUTING_SIZES...] [--only fairness routing scale]`
+"""
 from __future__ import annotations
 
-import sys
+import argparse
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -11,20 +15,28 @@ from sim.fleet import FleetSim, SimConfig
 from sim.metrics import percentile
 from sim.plots import plot_rows as _plot
 from sim.policies import POLICIES, RoutingConfig
-from sim.workload import WorkloadConfig, synthetic_workload
+from sim.workload import SimRequest, WorkloadConfig, synthetic_workload
 
 PER_REPLICA_RATE = 4.0  # about 50% of a CPU-profile replica's capacity on this workload (~8 req/s)
+
+
+def fleet_workload(n: int, seconds: float) -> list[SimRequest]:
+    """50% load on n CPU-profile replicas: two tenants per replica, 256-token system prompts."""
+    return synthetic_workload(WorkloadConfig(num_requests=int(PER_REPLICA_RATE * n * seconds),
+                                             rate=PER_REPLICA_RATE * n, tenants=2 * n, seed=0))
+
+
+def fleet_config(n: int, router: str) -> SimConfig:
+    return SimConfig(num_replicas=n, scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=1024),
+                     routing=RoutingConfig(router_policy=router, seed=0))
 
 
 def routing_at_scale(out: Path, sizes=(8, 64, 512), seconds: float = 10.0) -> list[dict]:
     rows = []
     for n in sizes:
-        wl = synthetic_workload(WorkloadConfig(num_requests=int(PER_REPLICA_RATE * n * seconds),
-                                               rate=PER_REPLICA_RATE * n, tenants=2 * n, seed=0))
+        wl = fleet_workload(n, seconds)
         for router in POLICIES:
-            cfg = SimConfig(num_replicas=n, scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=1024),
-                            routing=RoutingConfig(router_policy=router, seed=0))
-            row = FleetSim(cfg, load_profile("cpu")).run(wl).summary(slo_ttft_s=1.0, slo_itl_s=0.5)
+            row = FleetSim(fleet_config(n, router), load_profile("cpu")).run(wl).summary(slo_ttft_s=1.0, slo_itl_s=0.5)
             row.update(router=router, replicas=n)
             rows.append(row)
             print(f"{router:16s} {n:4d} hit {row['hit_rate']:.3f} ttft_p90 {row['ttft_p90_s']:.3f}"
@@ -59,8 +71,45 @@ def fairness(out: Path, requests: int = 1500) -> None:
               f"-{max(service[f't{k}'] for k in range(1, 10)) / total:.3f}", flush=True)
 
 
-if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "sim/results")
+def scale(sizes=(10, 100, 1000), seconds: float = 10.0) -> list[dict]:
+    """Simulated seconds per wall second on the routing study's fleet, over `seconds` of arrivals.
+
+    The run stops at the last simulated second (no drain), so the rate is the loaded fleet's.
+    """
+    rows = []
+    for n in sizes:
+        wl = fleet_workload(n, seconds)
+        t0 = time.perf_counter()
+        result = FleetSim(fleet_config(n, "prefix_affinity"), load_profile("cpu")).run(wl, until_s=seconds)
+        wall = time.perf_counter() - t0
+        steps = sum(r.num_steps for r in result.replicas)
+        row = {"replicas": n, "sim_s": seconds, "wall_s": wall, "sim_per_wall": seconds / wall, "steps": steps,
+               "jumped_steps": result.jumped_steps, "requests_done": sum(r.finish_s is not None for r in result.records)}
+        rows.append(row)
+        print(f"scale {n:5d} replicas: {seconds:.0f} simulated s in {wall:.1f} wall s = {seconds / wall:.3f} sim-s/wall-s;"
+              f" {steps} steps, {result.jumped_steps} of them jumped; {row['requests_done']} requests done", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sim.studies", description=__doc__)
+    parser.add_argument("outdir", nargs="?", default="sim/results")
+    parser.add_argument("sizes", nargs="*", type=int, default=[8, 64, 512], help="routing study fleet sizes")
+    parser.add_argument("--only", nargs="+", choices=STUDIES, default=list(STUDIES))
+    parser.add_argument("--scale-sizes", nargs="+", type=int, default=[10, 100, 1000])
+    parser.add_argument("--scale-seconds", type=float, default=10.0)
+    a = parser.parse_args(argv)
+    target = Path(a.outdir)
     target.mkdir(parents=True, exist_ok=True)
-    fairness(target)
-    routing_at_scale(target, sizes=tuple(int(s) for s in sys.argv[2:]) or (8, 64, 512))
+    if "fairness" in a.only:
+        fairness(target)
+    if "routing" in a.only:
+        routing_at_scale(target, sizes=tuple(a.sizes))
+    if "scale" in a.only:
+        scale(tuple(a.scale_sizes), a.scale_seconds)
+
+
+STUDIES = ("fairness", "routing", "scale")
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -174,3 +175,15 @@ def test_prompt_hashes_cached_per_prefix_group_equal_the_scheduler_hash():
     for i, req in enumerate(wl):
         prompt = req.prompt_token_ids(i)
         assert sim._hashes(req, prompt) == hash_prompt_blocks(prompt, 16)
+
+
+def test_run_until_stops_at_that_simulated_second_with_the_same_history():
+    wl = synthetic_workload(WorkloadConfig(num_requests=80, rate=8.0, tenants=4, system_prompt_len=32, seed=3))
+    cfg = SimConfig(num_replicas=2, scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=256))
+    full = FleetSim(cfg, load_profile("cpu")).run(wl)
+    cut = FleetSim(cfg, load_profile("cpu")).run(wl, until_s=5.0)
+    assert cut.end_s == 5.0
+    done = [r for r in full.records if r.finish_s <= 5.0]
+    assert done and len(done) < len(wl)
+    assert _fingerprint(SimpleNamespace(records=done)) == \
+        _fingerprint(SimpleNamespace(records=[r for r in cut.records if r.finish_s is not None]))
