@@ -6,7 +6,7 @@ import dataclasses
 import heapq
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from scheduler import SchedulerConfig, hash_block_tokens, hash_prompt_blocks
@@ -53,9 +53,12 @@ class SimConfig:
 class FleetSim:
     """Runs a workload through the fleet; `run()` returns per-request records and fleet counters."""
 
-    def __init__(self, config: SimConfig, cost: CostModel):
+    def __init__(self, config: SimConfig, cost: CostModel,
+                 on_step: Callable[[SimReplica, float], None] | None = None):
+        """on_step(replica, now) runs after each step a replica completes (a k-step jump: once, at its end)."""
         self.config = config
         self.cost = cost
+        self.on_step = on_step
         self.replicas = [SimReplica(f"replica-{i}", config.scheduler, cost) for i in range(config.num_replicas)]
         self.names = [r.name for r in self.replicas]
         self._by_name = {r.name: r for r in self.replicas}
@@ -199,6 +202,8 @@ class FleetSim:
                 rec.finish(now, out.num_output_tokens, out.finish_reason)
                 self.fleet.on_completed(out.request_id)
                 finished += 1
+        if self.on_step is not None:
+            self.on_step(replica, now)
         return finished
 
     def _apply_jump(self, replica: SimReplica, cruise: Cruise, num_steps: int,
@@ -209,3 +214,5 @@ class FleetSim:
             for t in times:
                 rec.on_tokens(t, 1, out.num_cached_tokens)
         self.jumped_steps += num_steps
+        if self.on_step is not None:
+            self.on_step(replica, times[-1])

@@ -1,12 +1,13 @@
 """The README's studies: routing at scale, fairness under a heavy tenant, simulator speed.
 
-`python -m sim.studies OUTDIR [ROUTING_SIZES...] [--only fairness routing scale]`
+`python -m sim.studies OUTDIR [ROUTING_SIZES...] [--only fairness vtc routing scale]`
 """
 from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from scheduler import SchedulerConfig
@@ -15,6 +16,7 @@ from sim.fleet import FleetSim, SimConfig
 from sim.metrics import percentile
 from sim.plots import plot_rows as _plot
 from sim.policies import POLICIES, RoutingConfig
+from sim.replica import SimReplica
 from sim.workload import SimRequest, WorkloadConfig, synthetic_workload
 
 PER_REPLICA_RATE = 4.0  # about 50% of a CPU-profile replica's capacity on this workload (~8 req/s)
@@ -71,6 +73,62 @@ def fairness(out: Path, requests: int = 1500) -> None:
               f"-{max(service[f't{k}'] for k in range(1, 10)) / total:.3f}", flush=True)
 
 
+@dataclass(slots=True)
+class CounterGap:
+    """After each step: the spread of VTC counters among the tenants backlogged at that moment."""
+
+    max_gap: float = 0.0
+    at_s: float = 0.0
+    samples: int = 0  # steps that found at least two tenants backlogged
+    max_running_per_tenant: int = 0
+
+    def __call__(self, replica: SimReplica, now: float) -> None:
+        queue = replica.scheduler.waiting
+        tenants = queue.backlogged()
+        per_tenant = Counter(r.tenant for r in replica.scheduler.running)
+        self.max_running_per_tenant = max(self.max_running_per_tenant, max(per_tenant.values(), default=0))
+        if len(tenants) < 2:
+            return
+        counters = [queue.counters[t] for t in tenants]
+        gap = max(counters) - min(counters)
+        self.samples += 1
+        if gap > self.max_gap:
+            self.max_gap, self.at_s = gap, now
+
+
+def vtc_gap_bound(sched: SchedulerConfig, workload: list[SimRequest], running_per_tenant: int | None = None) -> float:
+    """Upper bound on c_f - c_g for tenants f, g both backlogged, without preemption (README: Fairness).
+
+    A tenant is admitted only while its counter is the least among the backlogged ones, and that
+    least counter never falls; so f can get ahead only by what its running requests still owe
+    right after one of its admissions: at most (running requests) x (w_in x longest prompt +
+    w_out x longest output). Over any interval both stay backlogged, their service differs by at
+    most twice this, VTC's 2 x max(w_p L_input, w_q M) in our terms.
+    """
+    per_request = (sched.fair_input_weight * max(r.prompt_len for r in workload)
+                   + sched.fair_output_weight * max(r.output_len for r in workload))
+    return (running_per_tenant or sched.max_num_seqs) * per_request
+
+
+def vtc_gap(requests: int = 1500, seed: int = 1) -> dict:
+    """The fairness study's overloaded replica under VTC: the counter gap against its bound."""
+    wl = synthetic_workload(WorkloadConfig(num_requests=requests, rate=6.0, tenants=10, tenant_weights=[10.0] + [1.0] * 9,
+                                           system_prompt_len=0, question_len=(64, 256), output_len=(16, 64), seed=seed))
+    sched = SchedulerConfig(num_gpu_blocks=1024, policy="fair", max_num_seqs=32)
+    cfg = SimConfig(num_replicas=1, scheduler=sched, routing=RoutingConfig(router_policy="round_robin"))
+    gap = CounterGap()
+    result = FleetSim(cfg, load_profile("cpu"), on_step=gap).run(wl)
+    row = {"max_gap": gap.max_gap, "at_s": gap.at_s, "samples": gap.samples,
+           "bound": vtc_gap_bound(sched, wl), "observed_running_bound": vtc_gap_bound(sched, wl, gap.max_running_per_tenant),
+           "max_running_per_tenant": gap.max_running_per_tenant,
+           "preemptions": sum(r.scheduler.num_preemptions for r in result.replicas)}
+    print(f"vtc: max counter gap among backlogged tenants {row['max_gap']:.0f} (at {row['at_s']:.1f} s, over"
+          f" {row['samples']} steps with >= 2 backlogged); bound {row['bound']:.0f} with max_num_seqs, "
+          f"{row['observed_running_bound']:.0f} with the {row['max_running_per_tenant']} requests one tenant ran at"
+          f" most; preemptions {row['preemptions']}", flush=True)
+    return row
+
+
 def scale(sizes=(10, 100, 1000), seconds: float = 10.0) -> list[dict]:
     """Simulated seconds per wall second on the routing study's fleet, over `seconds` of arrivals.
 
@@ -103,13 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     target.mkdir(parents=True, exist_ok=True)
     if "fairness" in a.only:
         fairness(target)
+    if "vtc" in a.only:
+        vtc_gap()
     if "routing" in a.only:
         routing_at_scale(target, sizes=tuple(a.sizes))
     if "scale" in a.only:
         scale(tuple(a.scale_sizes), a.scale_seconds)
 
 
-STUDIES = ("fairness", "routing", "scale")
+STUDIES = ("fairness", "vtc", "routing", "scale")
 
 if __name__ == "__main__":
     main()

@@ -187,3 +187,16 @@ def test_run_until_stops_at_that_simulated_second_with_the_same_history():
     assert done and len(done) < len(wl)
     assert _fingerprint(SimpleNamespace(records=done)) == \
         _fingerprint(SimpleNamespace(records=[r for r in cut.records if r.finish_s is not None]))
+
+
+def test_vtc_counter_gap_between_backlogged_tenants_stays_within_the_bound():
+    from sim.studies import CounterGap, vtc_gap_bound
+
+    wl = synthetic_workload(WorkloadConfig(num_requests=300, rate=8.0, tenants=5, tenant_weights=[8, 1, 1, 1, 1],
+                                           system_prompt_len=0, question_len=(16, 96), output_len=(4, 32), seed=2))
+    sched = SchedulerConfig(num_gpu_blocks=256, max_model_len=256, policy="fair", max_num_seqs=8)
+    gap = CounterGap()
+    result = FleetSim(SimConfig(num_replicas=1, scheduler=sched), load_profile("cpu"), on_step=gap).run(wl)
+    assert result.replicas[0].scheduler.num_preemptions == 0  # the bound assumes none
+    assert gap.samples > 100  # tenants stayed backlogged together for most of the run
+    assert 0 < gap.max_gap <= vtc_gap_bound(sched, wl, gap.max_running_per_tenant) <= vtc_gap_bound(sched, wl)
