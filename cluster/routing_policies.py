@@ -10,7 +10,7 @@ from bisect import bisect_right
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any, Protocol
 
 from cluster.circuit_breaker import CircuitBreaker
@@ -127,6 +127,13 @@ class LoadTracker:
         """replicas sorted by load, least first; the sort is stable, so ties keep the given order."""
         return sorted(replicas, key=self._load.__getitem__)
 
+    def least(self, replicas: Sequence[str]) -> str:
+        """by_load(replicas)[0] without the sort."""
+        return min(replicas, key=self._load.__getitem__)
+
+    def loads_of(self, replicas: Sequence[str]) -> list[float]:
+        return list(map(self._load.__getitem__, replicas))
+
     def start(self, request_id: str, replica: str, num_tokens: int, now: float, confirmed: bool) -> None:
         """Count request_id against replica (moving it if it was counted elsewhere)."""
         self.finish(request_id)
@@ -219,8 +226,11 @@ class PrefixIndex:
 
     def least_footprint(self, replicas: Sequence[str]) -> str:
         """The replica of replicas with the smallest footprint (the first of equals); replicas non-empty."""
-        sizes = list(map(len, map(self._by_replica.get, replicas, repeat(()))))  # no Python call per replica
+        sizes = self.footprints(replicas)
         return replicas[sizes.index(min(sizes))]
+
+    def footprints(self, replicas: Sequence[str]) -> list[int]:
+        return list(map(len, map(self._by_replica.get, replicas, repeat(()))))  # no Python call per replica
 
     def insert(self, replica: str, block_hashes: Iterable[int], now: float) -> None:
         """Record that replica received these blocks."""
@@ -243,7 +253,13 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         """Length of the leading run of block_hashes held by each replica."""
         runs = dict.fromkeys(replicas, 0)
-        alive = set(runs)
+        runs.update(self.holder_runs(block_hashes, set(runs)))
+        return runs
+
+    def holder_runs(self, block_hashes: Sequence[int], replicas: set[str]) -> dict[str, int]:
+        """match() restricted to the replicas holding at least the first block: O(holders), not O(replicas)."""
+        runs: dict[str, int] = {}
+        alive = replicas
         matched = 0
         for i, h in enumerate(block_hashes):
             owners = self._owners.get(h)
@@ -293,11 +309,15 @@ class _Rotation:
         self._offset = 0
 
     def order(self, replicas: Sequence[str], fleet: FleetView) -> list[str]:
+        # Rotated so that position breaks ties: the load sort is stable.
+        return fleet.loads.by_load(self.rotate(replicas))
+
+    def rotate(self, replicas: Sequence[str]) -> list[str]:
+        """replicas starting at this turn's offset (each call is a turn)."""
         replicas = list(replicas)
         offset = self._offset % len(replicas)
         self._offset += 1
-        # Rotated so that position breaks ties: the load sort is stable.
-        return fleet.loads.by_load(replicas[offset:] + replicas[:offset])
+        return replicas[offset:] + replicas[:offset]
 
 
 class RoundRobin:
@@ -311,6 +331,12 @@ class RoundRobin:
         self._next += 1
         return [*replicas[start:], *replicas[:start]]
 
+    def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
+        """rank(...)[0], with the same state change, without building the ranking."""
+        start = self._next % len(replicas)
+        self._next += 1
+        return replicas[start]
+
 
 class LeastLoaded:
     """The replica with the lowest combined load first."""
@@ -320,6 +346,10 @@ class LeastLoaded:
 
     def rank(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> list[str]:
         return self._rotation.order(replicas, fleet)
+
+    def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
+        """rank(...)[0], with the same state change, without sorting."""
+        return fleet.loads.least(self._rotation.rotate(replicas))
 
 
 class PowerOfTwo:
@@ -331,6 +361,10 @@ class PowerOfTwo:
     def rank(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> list[str]:
         pair = self._rng.sample(list(replicas), min(2, len(replicas)))
         return sorted(pair, key=fleet.loads.load)
+
+    def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
+        """rank(...)[0], with the same state change (the same random draws)."""
+        return self.rank(replicas, request, fleet)[0]
 
 
 class PrefixAffinity:
@@ -365,6 +399,27 @@ class PrefixAffinity:
         i = by_load.index(best)
         return [best, *by_load[:i], *by_load[i + 1:]]
 
+    def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
+        """rank(...)[0], with the same state changes, in C-level passes over the fleet plus O(holders).
+
+        rank's order is (load, rotated position); the eligible replicas are those within the
+        ceiling, so each choice below is a minimum over (key, load, position) tuples.
+        """
+        rotated = self._rotation.rotate(replicas)
+        if not request.block_hashes:
+            return fleet.loads.least(rotated)
+        runs = fleet.index.holder_runs(request.block_hashes, set(rotated))
+        loads = fleet.loads.loads_of(rotated)
+        least = min(loads)
+        ceiling = float(max(least + self.imbalance_threshold, least * self.imbalance_ratio))
+        load = fleet.loads.load
+        held = [(run, r) for r, run in runs.items() if load(r) <= ceiling]
+        top = max((run for run, _ in held), default=0)
+        if top >= self.min_match_blocks:
+            return min((load(r), rotated.index(r), r) for run, r in held if run == top)[2]
+        eligible = compress(zip(fleet.index.footprints(rotated), loads, range(len(rotated))), map(ceiling.__ge__, loads))
+        return rotated[min(eligible)[2]]
+
 
 Policy = RoundRobin | LeastLoaded | PowerOfTwo | PrefixAffinity
 
@@ -397,22 +452,38 @@ class FleetState:
 
     def route(self, request: RouteRequest, replicas: Iterable[str], now: float) -> list[str]:
         """Replicas ranked best first for request; the first is provisionally charged with it."""
+        candidates = self._candidates(replicas, now)
+        if not candidates:
+            return []
+        ranking = self.policy.rank(candidates, request, self)
+        self._picked(request, ranking[0], now)
+        return ranking
+
+    def pick(self, request: RouteRequest, replicas: Iterable[str], now: float) -> str | None:
+        """route(...)[0], with the same state changes, without ranking the rest (a simulator's fleet)."""
+        candidates = self._candidates(replicas, now)
+        if not candidates:
+            return None
+        best = self.policy.best(candidates, request, self)
+        self._picked(request, best, now)
+        return best
+
+    def _candidates(self, replicas: Iterable[str], now: float) -> list[str]:
         # A replica that reports itself failed, stalled or draining is never picked.
         healthy = self._healthy_sorted(replicas)
         if not healthy:
             return []
+        self.loads.expire(now)
         # An open circuit skips its replica, unless every circuit is open: then the requests' own
         # migration limit, not the router, decides when to give up.
         if self.breaker.any_open():
-            ordered = [r for r in healthy if self.breaker.allows(r, now)] or healthy
-        else:
-            ordered = healthy
-        self.loads.expire(now)
-        ranking = self.policy.rank(ordered, request, self)
-        self.breaker.on_picked(ranking[0], now)
+            return [r for r in healthy if self.breaker.allows(r, now)] or healthy
+        return healthy
+
+    def _picked(self, request: RouteRequest, replica: str, now: float) -> None:
+        self.breaker.on_picked(replica, now)
         # Charged now, not when Serve confirms: a burst routes before any confirmation comes back.
-        self._charge(request, ranking[0], now, confirmed=False)
-        return ranking
+        self._charge(request, replica, now, confirmed=False)
 
     def _healthy_sorted(self, replicas: Iterable[str]) -> list[str]:
         # The replica set rarely changes between requests: sort it once per change, not per request.

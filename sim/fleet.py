@@ -122,7 +122,7 @@ class FleetSim:
         """Route request i of the workload and queue it at its replica."""
         prompt = req.prompt_token_ids(i)
         route = RouteRequest(req.request_id, req.prompt_len + req.output_len, self._hashes(req, prompt))
-        name = self.fleet.route(route, self.names, now)[0]
+        name = self.fleet.pick(route, self.names, now)
         self.fleet.on_routed(route, name, now)
         replica = self._by_name[name]
         if isinstance(replica.in_flight, Cruise):
