@@ -384,8 +384,10 @@ class Scheduler:
             k = min(k, req.sampling_params.max_tokens - len(req.output_token_ids) - 1, cfg.max_model_len - n - 1)
         if k <= 0:
             return 0
-        lo, hi = 0, k  # largest step count whose new blocks fit the free pool (monotone)
         free = self.kv.num_free_blocks
+        if self.kv.num_decode_blocks(running, k) <= free:  # the common case: the pool is no limit
+            return k
+        lo, hi = 0, k - 1  # largest step count whose new blocks fit the free pool (monotone)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.kv.num_decode_blocks(running, mid) <= free:

@@ -210,9 +210,7 @@ class FleetSim:
                     records: dict[str, RequestRecord]) -> None:
         times = cruise.ends[:num_steps]
         for out in replica.jump(num_steps):
-            rec = records[out.request_id]
-            for t in times:
-                rec.on_tokens(t, 1, out.num_cached_tokens)
+            records[out.request_id].on_token_run(times, out.num_cached_tokens)
         self.jumped_steps += num_steps
         if self.on_step is not None:
             self.on_step(replica, times[-1])

@@ -67,8 +67,8 @@ class SimReplica:
             return None
         # The step sampling a request's last token finishes it: the cruise stops one short.
         limit = min(self.output_len[r.request_id] - len(r.output_token_ids) for r in running) - 1
-        k = sched.max_decode_jump(limit) if limit >= min_steps else 0
-        if k < min_steps:
+        limit = sched.max_decode_jump(limit) if limit >= min_steps else 0
+        if limit < min_steps:
             return None
         n = len(running)
         kv_read = sum(r.num_computed_tokens for r in running)
@@ -76,7 +76,7 @@ class SimReplica:
         ends: list[float] = []
         durations: list[float] = []
         t = now
-        for _ in range(k):
+        for _ in range(limit):  # those that end by the horizon, timed as single steps would be
             d = step_time(0, n, kv_read, n)  # only the token count enters the step time
             if t + d > horizon_s:
                 break
@@ -145,7 +145,7 @@ class SimReplica:
     def routing_stats(self, max_hashes: int = 4096) -> dict:
         """What a production replica reports to the router: queue lengths, KV usage, hot prefixes."""
         st = self.scheduler.stats()
-        cached = self.scheduler.kv.pool.cached
-        hashes = list(cached) if len(cached) <= max_hashes else list(cached)[-max_hashes:]
+        # As a production replica reports them (cluster/replica.py): the pool's most recent hashes.
+        hashes = self.scheduler.kv.pool.recent_hashes(max_hashes)
         return {"num_waiting": st.num_waiting, "num_running": st.num_running,
                 "kv_cache_usage": st.kv_cache_usage, "prefix_hashes": hashes}
