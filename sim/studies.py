@@ -1,6 +1,6 @@
 """The README's studies: routing at scale, fairness under a heavy tenant, simulator speed.
 
-`python -m sim.studies OUTDIR [ROUTING_SIZES...] [--only fairness vtc routing scale]`
+`python -m sim.studies OUTDIR [ROUTING_SIZES...] [--only fairness vtc routing scale decode-heavy]`
 """
 from __future__ import annotations
 
@@ -149,6 +149,24 @@ def scale(sizes=(10, 100, 1000), seconds: float = 10.0) -> list[dict]:
     return rows
 
 
+def decode_heavy(n: int = 100, seconds: float = 120.0) -> list[dict]:
+    """Where k-step jumps pay: 256-512-token outputs at ~50% load, with and without coalescing."""
+    wl = synthetic_workload(WorkloadConfig(num_requests=int(0.2 * n * seconds), rate=0.2 * n, tenants=2 * n,
+                                           output_len=(256, 512), seed=0))
+    rows = []
+    for coalesce in (True, False):
+        cfg = SimConfig(num_replicas=n, scheduler=SchedulerConfig(num_gpu_blocks=4096, max_model_len=1024),
+                        routing=RoutingConfig(router_policy="prefix_affinity", seed=0), coalesce=coalesce)
+        t0 = time.perf_counter()
+        result = FleetSim(cfg, load_profile("cpu")).run(wl, until_s=seconds)
+        wall = time.perf_counter() - t0
+        steps = sum(r.num_steps for r in result.replicas)
+        rows.append({"coalesce": coalesce, "wall_s": wall, "steps": steps, "jumped_steps": result.jumped_steps})
+        print(f"decode-heavy {n} replicas, coalesce {coalesce}: {seconds:.0f} simulated s in {wall:.1f} wall s ="
+              f" {seconds / wall:.2f} sim-s/wall-s; {steps} steps, {result.jumped_steps} jumped", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sim.studies", description=__doc__)
     parser.add_argument("outdir", nargs="?", default="sim/results")
@@ -167,9 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         routing_at_scale(target, sizes=tuple(a.sizes))
     if "scale" in a.only:
         scale(tuple(a.scale_sizes), a.scale_seconds)
+    if "decode-heavy" in a.only:
+        decode_heavy()
 
 
-STUDIES = ("fairness", "vtc", "routing", "scale")
+STUDIES = ("fairness", "vtc", "routing", "scale", "decode-heavy")
 
 if __name__ == "__main__":
     main()
