@@ -140,12 +140,13 @@ def scale(sizes=(10, 100, 1000), seconds: float = 10.0) -> list[dict]:
         t0 = time.perf_counter()
         result = FleetSim(fleet_config(n, "prefix_affinity"), load_profile("cpu")).run(wl, until_s=seconds)
         wall = time.perf_counter() - t0
-        steps = sum(r.num_steps for r in result.replicas)
-        row = {"replicas": n, "sim_s": seconds, "wall_s": wall, "sim_per_wall": seconds / wall, "steps": steps,
-               "jumped_steps": result.jumped_steps, "requests_done": sum(r.finish_s is not None for r in result.records)}
+        row = result.summary()
+        row.update(replicas=n, sim_s=seconds, wall_s=wall, sim_per_wall=seconds / wall, jumped_steps=result.jumped_steps)
         rows.append(row)
         print(f"scale {n:5d} replicas: {seconds:.0f} simulated s in {wall:.1f} wall s = {seconds / wall:.3f} sim-s/wall-s;"
-              f" {steps} steps, {result.jumped_steps} of them jumped; {row['requests_done']} requests done", flush=True)
+              f" {row['steps']} steps, {result.jumped_steps} of them jumped; {row['requests']} of {len(wl)} requests"
+              f" done, hit rate {row['hit_rate']:.3f}, TTFT p50/p90 {row['ttft_p50_s']:.2f}/{row['ttft_p90_s']:.2f} s",
+              flush=True)
     return rows
 
 
