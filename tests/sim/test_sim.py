@@ -1,6 +1,7 @@
 """The fleet simulator: deterministic, conserving, fork-free, exact under coalescing, strict on input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -246,3 +247,19 @@ def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_op
                 s.on_stats(replica, stats, now=i)
     assert [states[0].loads.load(r) for r in names] == [states[1].loads.load(r) for r in names]
     assert list(states[0].index._owners.items()) == list(states[1].index._owners.items())
+
+
+def test_arrival_exactly_at_a_step_end_of_a_cruise_matches_step_by_step():
+    """Arrivals come before step ends of the same instant: a cruise cut there keeps that step."""
+    from sim import SimRequest
+
+    ends: list[float] = []
+    long_one = SimRequest("long", 0.0, prompt_len=40, output_len=200)
+    cfg = SimConfig(num_replicas=1, scheduler=SchedulerConfig(num_gpu_blocks=64, max_model_len=512), coalesce=False)
+    FleetSim(cfg, load_profile("h100"), on_step=lambda _, now: ends.append(now)).run([long_one])
+    at = ends[len(ends) // 3]  # the exact float end of a step in the middle of a decode stretch
+    workload = [long_one, SimRequest("late", at, prompt_len=20, output_len=5)]
+    jumped, stepwise = (FleetSim(dataclasses.replace(cfg, coalesce=c), load_profile("h100")).run(workload)
+                        for c in (True, False))
+    assert _fingerprint(jumped) == _fingerprint(stepwise)
+    assert jumped.jumped_steps > 0
