@@ -72,18 +72,21 @@ class SimReplica:
             return None
         n = len(running)
         kv_read = sum(r.num_computed_tokens for r in running)
+        # As start_step counts them: a request computing its last prompt token is prefill (step 1 only).
+        prefill = sum(1 for r in running if r.num_computed_tokens < r.num_prompt_tokens)
         step_time = self.cost.step_time
         ends: list[float] = []
         durations: list[float] = []
         t = now
         for _ in range(limit):  # those that end by the horizon, timed as single steps would be
-            d = step_time(0, n, kv_read, n)  # only the token count enters the step time
+            d = step_time(prefill, n - prefill, kv_read, n)
             if t + d > horizon_s:
                 break
             t += d
             ends.append(t)
             durations.append(d)
             kv_read += n
+            prefill = 0
         if len(ends) < min_steps:
             return None
         self.in_flight = Cruise(now, ends, durations)
