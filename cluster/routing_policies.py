@@ -417,8 +417,8 @@ class PrefixAffinity:
         top = max((run for run, _ in held), default=0)
         if top >= self.min_match_blocks:
             return min((load(r), rotated.index(r), r) for run, r in held if run == top)[2]
-        eligible = compress(zip(fleet.index.footprints(rotated), loads, range(len(rotated))), map(ceiling.__ge__, loads))
-        return rotated[min(eligible)[2]]
+        keyed = zip(fleet.index.footprints(rotated), loads, range(len(rotated)))
+        return rotated[min(compress(keyed, map(ceiling.__ge__, loads)))[2]]  # within the ceiling only
 
 
 Policy = RoundRobin | LeastLoaded | PowerOfTwo | PrefixAffinity

@@ -48,11 +48,15 @@ def routing_at_scale(out: Path, sizes=(8, 64, 512), seconds: float = 10.0) -> li
     return rows
 
 
+def heavy_tenant_workload(requests: int = 1500) -> list[SimRequest]:
+    """Ten tenants, one sending 10x the others, at 6 req/s: one CPU replica stays overloaded."""
+    return synthetic_workload(WorkloadConfig(num_requests=requests, rate=6.0, tenants=10,
+                                             tenant_weights=[10.0] + [1.0] * 9, system_prompt_len=0,
+                                             question_len=(64, 256), output_len=(16, 64), seed=1))
+
+
 def fairness(out: Path, requests: int = 1500) -> None:
-    weights = [10.0] + [1.0] * 9
-    wl = synthetic_workload(WorkloadConfig(num_requests=requests, rate=6.0, tenants=10, tenant_weights=weights,
-                                           system_prompt_len=0, question_len=(64, 256), output_len=(16, 64),
-                                           seed=1))
+    wl = heavy_tenant_workload(requests)
     for policy in ("fcfs", "fair"):
         cfg = SimConfig(num_replicas=1, scheduler=SchedulerConfig(num_gpu_blocks=1024, policy=policy,
                                                                   max_num_seqs=32),
@@ -110,16 +114,15 @@ def vtc_gap_bound(sched: SchedulerConfig, workload: list[SimRequest], running_pe
     return (running_per_tenant or sched.max_num_seqs) * per_request
 
 
-def vtc_gap(requests: int = 1500, seed: int = 1) -> dict:
+def vtc_gap(requests: int = 1500) -> dict:
     """The fairness study's overloaded replica under VTC: the counter gap against its bound."""
-    wl = synthetic_workload(WorkloadConfig(num_requests=requests, rate=6.0, tenants=10, tenant_weights=[10.0] + [1.0] * 9,
-                                           system_prompt_len=0, question_len=(64, 256), output_len=(16, 64), seed=seed))
+    wl = heavy_tenant_workload(requests)
     sched = SchedulerConfig(num_gpu_blocks=1024, policy="fair", max_num_seqs=32)
     cfg = SimConfig(num_replicas=1, scheduler=sched, routing=RoutingConfig(router_policy="round_robin"))
     gap = CounterGap()
     result = FleetSim(cfg, load_profile("cpu"), on_step=gap).run(wl)
-    row = {"max_gap": gap.max_gap, "at_s": gap.at_s, "samples": gap.samples,
-           "bound": vtc_gap_bound(sched, wl), "observed_running_bound": vtc_gap_bound(sched, wl, gap.max_running_per_tenant),
+    row = {"max_gap": gap.max_gap, "at_s": gap.at_s, "samples": gap.samples, "bound": vtc_gap_bound(sched, wl),
+           "observed_running_bound": vtc_gap_bound(sched, wl, gap.max_running_per_tenant),
            "max_running_per_tenant": gap.max_running_per_tenant,
            "preemptions": sum(r.scheduler.num_preemptions for r in result.replicas)}
     print(f"vtc: max counter gap among backlogged tenants {row['max_gap']:.0f} (at {row['at_s']:.1f} s, over"
@@ -141,10 +144,12 @@ def scale(sizes=(10, 100, 1000), seconds: float = 10.0) -> list[dict]:
         result = FleetSim(fleet_config(n, "prefix_affinity"), load_profile("cpu")).run(wl, until_s=seconds)
         wall = time.perf_counter() - t0
         row = result.summary()
-        row.update(replicas=n, sim_s=seconds, wall_s=wall, sim_per_wall=seconds / wall, jumped_steps=result.jumped_steps)
+        row.update(replicas=n, sim_s=seconds, wall_s=wall, sim_per_wall=seconds / wall,
+                   jumped_steps=result.jumped_steps)
         rows.append(row)
-        print(f"scale {n:5d} replicas: {seconds:.0f} simulated s in {wall:.1f} wall s = {seconds / wall:.3f} sim-s/wall-s;"
-              f" {row['steps']} steps, {result.jumped_steps} of them jumped; {row['requests']} of {len(wl)} requests"
+        print(f"scale {n:5d} replicas: {seconds:.0f} simulated s in {wall:.1f} wall s ="
+              f" {seconds / wall:.3f} sim-s/wall-s; {row['steps']} steps, {result.jumped_steps} of them jumped;"
+              f" {row['requests']} of {len(wl)} requests"
               f" done, hit rate {row['hit_rate']:.3f}, TTFT p50/p90 {row['ttft_p50_s']:.2f}/{row['ttft_p90_s']:.2f} s",
               flush=True)
     return rows

@@ -30,7 +30,8 @@ class SimRequest:
         shared = min(self.prefix_len, self.prompt_len) if self.prefix_group else 0
         group = (hash_group(self.prefix_group) % (1 << 20)) << 20
         suffix_base = (index + 1) << 16
-        return [*_shared_prefix(_PREFIX_BASE + group, shared), *range(suffix_base, suffix_base + self.prompt_len - shared)]
+        return [*_shared_prefix(_PREFIX_BASE + group, shared),
+                *range(suffix_base, suffix_base + self.prompt_len - shared)]
 
 
 @functools.lru_cache(maxsize=8192)
