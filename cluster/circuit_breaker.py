@@ -109,6 +109,10 @@ class CircuitBreaker:
         if circuit is not None and circuit.opened_at is not None:
             circuit.probe_at = now
 
+    def any_open(self) -> bool:
+        """Whether some circuit is open (else every replica is allowed, and callers may skip asking)."""
+        return any(c.opened_at is not None for c in self._circuits.values())
+
     def is_open(self, replica: str) -> bool:
         circuit = self._circuits.get(replica)
         return circuit is not None and circuit.opened_at is not None

@@ -6,9 +6,11 @@ same objects with its own clock. Replicas are named by plain strings (Serve's re
 from __future__ import annotations
 
 import random
-from collections import Counter, OrderedDict
+from bisect import bisect_right
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
 from typing import Any, Protocol
 
 from cluster.circuit_breaker import CircuitBreaker
@@ -99,39 +101,64 @@ class LoadTracker:
         self.unconfirmed_ttl_s = unconfirmed_ttl_s
         self._replicas: dict[str, ReplicaLoad] = {}
         self._requests: dict[str, _InFlight] = {}
+        # Derived, kept current by every change above, so ranking a large fleet costs no Python
+        # call per replica: each replica's load (0.0 when unknown), the unconfirmed requests (all
+        # that expire() must look at) and the replicas that reported themselves unhealthy.
+        self._load: defaultdict[str, float] = defaultdict(float)
+        self._unconfirmed: dict[str, None] = {}
+        self.unhealthy: set[str] = set()
 
     def get(self, replica: str) -> ReplicaLoad:
         return self._replicas.get(replica) or ReplicaLoad()
 
     def load(self, replica: str) -> float:
         """Load in request units: the larger of own and reported requests, plus token and KV terms."""
-        s = self.get(replica)
+        return self._load.get(replica, 0.0)
+
+    def _refresh(self, replica: str) -> None:
+        s = self._replicas[replica]
         # Reports are 1-2 s late but include other routers' traffic; own counts are exact but local.
         # The max never under-counts either source without double counting this router's requests.
         requests = max(s.inflight_requests, s.reported_requests)
-        return requests + s.inflight_tokens / self.tokens_per_request + self.kv_usage_weight * s.kv_cache_usage
+        self._load[replica] = (requests + s.inflight_tokens / self.tokens_per_request
+                               + self.kv_usage_weight * s.kv_cache_usage)
+
+    def by_load(self, replicas: list[str]) -> list[str]:
+        """replicas sorted by load, least first; the sort is stable, so ties keep the given order."""
+        return sorted(replicas, key=self._load.__getitem__)
+
+    def least(self, replicas: Sequence[str]) -> str:
+        """by_load(replicas)[0] without the sort."""
+        return min(replicas, key=self._load.__getitem__)
+
+    def loads_of(self, replicas: Sequence[str]) -> list[float]:
+        return list(map(self._load.__getitem__, replicas))
 
     def start(self, request_id: str, replica: str, num_tokens: int, now: float, confirmed: bool) -> None:
         """Count request_id against replica (moving it if it was counted elsewhere)."""
         self.finish(request_id)
         self._requests[request_id] = _InFlight(replica, num_tokens, confirmed, now)
+        if not confirmed:
+            self._unconfirmed[request_id] = None
         s = self._replicas.setdefault(replica, ReplicaLoad())
         s.inflight_requests += 1
         s.inflight_tokens += num_tokens
+        self._refresh(replica)
 
     def finish(self, request_id: str) -> None:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
+        self._unconfirmed.pop(request_id, None)
         s = self._replicas.get(entry.replica)
         if s is not None:
             s.inflight_requests -= 1
             s.inflight_tokens -= entry.num_tokens
+            self._refresh(entry.replica)
 
     def expire(self, now: float) -> None:
         """Forget unconfirmed decisions older than the TTL (their request never reached a replica)."""
-        stale = [rid for rid, e in self._requests.items()
-                 if not e.confirmed and now - e.started_at > self.unconfirmed_ttl_s]
+        stale = [rid for rid in self._unconfirmed if now - self._requests[rid].started_at > self.unconfirmed_ttl_s]
         for rid in stale:
             self.finish(rid)
 
@@ -141,19 +168,26 @@ class LoadTracker:
         s.reported_requests = int(_number(stats, "num_waiting")) + int(_number(stats, "num_running"))
         s.healthy = stats.get("state", "ok") == "ok"
         s.kv_cache_usage = min(1.0, max(0.0, _number(stats, "kv_cache_usage")))
+        if s.healthy:
+            self.unhealthy.discard(replica)
+        else:
+            self.unhealthy.add(replica)
+        self._refresh(replica)
 
     def remove_replica(self, replica: str) -> None:
         self._replicas.pop(replica, None)
+        self._load.pop(replica, None)
+        self.unhealthy.discard(replica)
         for rid in [rid for rid, e in self._requests.items() if e.replica == replica]:
             del self._requests[rid]
+            self._unconfirmed.pop(rid, None)
 
     def replicas(self) -> set[str]:
         return set(self._replicas)
 
     def is_healthy(self, replica: str) -> bool:
         """False once the replica reported itself failed, stalled or draining."""
-        s = self._replicas.get(replica)
-        return s is None or s.healthy
+        return replica not in self.unhealthy
 
     def num_inflight(self) -> int:
         return len(self._requests)
@@ -190,6 +224,14 @@ class PrefixIndex:
         """Blocks attributed to replica: how much of the fleet's cached prefixes it holds."""
         return len(self._by_replica.get(replica, ()))
 
+    def least_footprint(self, replicas: Sequence[str]) -> str:
+        """The replica of replicas with the smallest footprint (the first of equals); replicas non-empty."""
+        sizes = self.footprints(replicas)
+        return replicas[sizes.index(min(sizes))]
+
+    def footprints(self, replicas: Sequence[str]) -> list[int]:
+        return list(map(len, map(self._by_replica.get, replicas, repeat(()))))  # no Python call per replica
+
     def insert(self, replica: str, block_hashes: Iterable[int], now: float) -> None:
         """Record that replica received these blocks."""
         # Reversed so the leading blocks end up most recent: they are the most shared, and evicting a
@@ -211,13 +253,19 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         """Length of the leading run of block_hashes held by each replica."""
         runs = dict.fromkeys(replicas, 0)
-        alive = set(runs)
+        runs.update(self.holder_runs(block_hashes, set(runs)))
+        return runs
+
+    def holder_runs(self, block_hashes: Sequence[int], replicas: set[str]) -> dict[str, int]:
+        """match() restricted to the replicas holding at least the first block: O(holders), not O(replicas)."""
+        runs: dict[str, int] = {}
+        alive = replicas
         matched = 0
         for i, h in enumerate(block_hashes):
             owners = self._owners.get(h)
             if not owners:
                 break
-            alive = {r for r in alive if r in owners}
+            alive = alive.intersection(owners)
             if not alive:
                 break
             for r in alive:
@@ -261,11 +309,15 @@ class _Rotation:
         self._offset = 0
 
     def order(self, replicas: Sequence[str], fleet: FleetView) -> list[str]:
-        n = len(replicas)
-        offset = self._offset % n
+        # Rotated so that position breaks ties: the load sort is stable.
+        return fleet.loads.by_load(self.rotate(replicas))
+
+    def rotate(self, replicas: Sequence[str]) -> list[str]:
+        """replicas starting at this turn's offset (each call is a turn)."""
+        replicas = list(replicas)
+        offset = self._offset % len(replicas)
         self._offset += 1
-        pos = {r: (i - offset) % n for i, r in enumerate(replicas)}
-        return sorted(replicas, key=lambda r: (fleet.loads.load(r), pos[r]))
+        return replicas[offset:] + replicas[:offset]
 
 
 class RoundRobin:
@@ -279,6 +331,12 @@ class RoundRobin:
         self._next += 1
         return [*replicas[start:], *replicas[:start]]
 
+    def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
+        """rank(...)[0], with the same state change, without building the ranking."""
+        start = self._next % len(replicas)
+        self._next += 1
+        return replicas[start]
+
 
 class LeastLoaded:
     """The replica with the lowest combined load first."""
@@ -288,6 +346,10 @@ class LeastLoaded:
 
     def rank(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> list[str]:
         return self._rotation.order(replicas, fleet)
+
+    def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
+        """rank(...)[0], with the same state change, without sorting."""
+        return fleet.loads.least(self._rotation.rotate(replicas))
 
 
 class PowerOfTwo:
@@ -299,6 +361,10 @@ class PowerOfTwo:
     def rank(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> list[str]:
         pair = self._rng.sample(list(replicas), min(2, len(replicas)))
         return sorted(pair, key=fleet.loads.load)
+
+    def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
+        """rank(...)[0], with the same state change (the same random draws)."""
+        return self.rank(replicas, request, fleet)[0]
 
 
 class PrefixAffinity:
@@ -318,17 +384,41 @@ class PrefixAffinity:
         if not request.block_hashes:
             return by_load
         runs = fleet.index.match(request.block_hashes, replicas)
-        least = fleet.loads.load(by_load[0])
+        load = fleet.loads.load
+        least = load(by_load[0])
         ceiling = max(least + self.imbalance_threshold, least * self.imbalance_ratio)
         # An overloaded holder of the longest run drops out; a shorter run on an acceptable replica
-        # still beats none. by_load order makes the least loaded win ties of equal runs.
-        eligible = [r for r in by_load if fleet.loads.load(r) <= ceiling]
-        best = max(eligible, key=lambda r: runs[r])
+        # still beats none. by_load order makes the least loaded win ties of equal runs. by_load is
+        # sorted by load, so the replicas within the ceiling are a prefix of it.
+        eligible = by_load[:bisect_right(by_load, ceiling, key=load)]
+        best = max(eligible, key=runs.__getitem__)
         if runs[best] < self.min_match_blocks:
             # A prefix nobody holds goes where the fewest prefixes live, so tenants spread evenly
             # over the fleet's caches instead of following momentary load.
-            best = min(eligible, key=fleet.index.footprint)
-        return [best, *(r for r in by_load if r != best)]
+            best = fleet.index.least_footprint(eligible)
+        i = by_load.index(best)
+        return [best, *by_load[:i], *by_load[i + 1:]]
+
+    def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
+        """rank(...)[0], with the same state changes, in C-level passes over the fleet plus O(holders).
+
+        rank's order is (load, rotated position); the eligible replicas are those within the
+        ceiling, so each choice below is a minimum over (key, load, position) tuples.
+        """
+        rotated = self._rotation.rotate(replicas)
+        if not request.block_hashes:
+            return fleet.loads.least(rotated)
+        runs = fleet.index.holder_runs(request.block_hashes, set(rotated))
+        loads = fleet.loads.loads_of(rotated)
+        least = min(loads)
+        ceiling = float(max(least + self.imbalance_threshold, least * self.imbalance_ratio))
+        load = fleet.loads.load
+        held = [(run, r) for r, run in runs.items() if load(r) <= ceiling]
+        top = max((run for run, _ in held), default=0)
+        if top >= self.min_match_blocks:
+            return min((load(r), rotated.index(r), r) for run, r in held if run == top)[2]
+        keyed = zip(fleet.index.footprints(rotated), loads, range(len(rotated)))
+        return rotated[min(compress(keyed, map(ceiling.__ge__, loads)))[2]]  # within the ceiling only
 
 
 Policy = RoundRobin | LeastLoaded | PowerOfTwo | PrefixAffinity
@@ -358,22 +448,50 @@ class FleetState:
         # request id -> replica of recently routed requests, so a failure reported later is attributed.
         self._recent: OrderedDict[str, str] = OrderedDict()
         self._stats_seen: dict[str, Mapping[str, Any]] = {}
+        self._sorted: tuple[tuple[str, ...], list[str]] = ((), [])  # last replica set and its sorted names
 
     def route(self, request: RouteRequest, replicas: Iterable[str], now: float) -> list[str]:
         """Replicas ranked best first for request; the first is provisionally charged with it."""
+        candidates = self._candidates(replicas, now)
+        if not candidates:
+            return []
+        ranking = self.policy.rank(candidates, request, self)
+        self._picked(request, ranking[0], now)
+        return ranking
+
+    def pick(self, request: RouteRequest, replicas: Iterable[str], now: float) -> str | None:
+        """route(...)[0], with the same state changes, without ranking the rest (a simulator's fleet)."""
+        candidates = self._candidates(replicas, now)
+        if not candidates:
+            return None
+        best = self.policy.best(candidates, request, self)
+        self._picked(request, best, now)
+        return best
+
+    def _candidates(self, replicas: Iterable[str], now: float) -> list[str]:
         # A replica that reports itself failed, stalled or draining is never picked.
-        healthy = sorted(r for r in set(replicas) if self.loads.is_healthy(r))
+        healthy = self._healthy_sorted(replicas)
         if not healthy:
             return []
+        self.loads.expire(now)
         # An open circuit skips its replica, unless every circuit is open: then the requests' own
         # migration limit, not the router, decides when to give up.
-        ordered = [r for r in healthy if self.breaker.allows(r, now)] or healthy
-        self.loads.expire(now)
-        ranking = self.policy.rank(ordered, request, self)
-        self.breaker.on_picked(ranking[0], now)
+        if self.breaker.any_open():
+            return [r for r in healthy if self.breaker.allows(r, now)] or healthy
+        return healthy
+
+    def _picked(self, request: RouteRequest, replica: str, now: float) -> None:
+        self.breaker.on_picked(replica, now)
         # Charged now, not when Serve confirms: a burst routes before any confirmation comes back.
-        self._charge(request, ranking[0], now, confirmed=False)
-        return ranking
+        self._charge(request, replica, now, confirmed=False)
+
+    def _healthy_sorted(self, replicas: Iterable[str]) -> list[str]:
+        # The replica set rarely changes between requests: sort it once per change, not per request.
+        key = tuple(replicas)
+        if key != self._sorted[0]:
+            self._sorted = (key, sorted(set(key)))
+        unhealthy = self.loads.unhealthy
+        return [r for r in self._sorted[1] if r not in unhealthy] if unhealthy else list(self._sorted[1])
 
     def on_routed(self, request: RouteRequest, replica: str, now: float) -> None:
         """Serve sent request to replica (it may differ from the ranking's first if that one was full)."""

@@ -176,6 +176,10 @@ class FairQueue:
         self._leave_if_empty(request.tenant)
         self._len -= 1
 
+    def backlogged(self) -> list[str]:
+        """Tenants with queued requests (VTC's backlogged clients)."""
+        return list(self._queues)
+
     def charge(self, tenant: str, tokens: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens
         if tenant in self._queues:

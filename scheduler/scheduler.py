@@ -361,6 +361,79 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
+    # ---- multi-step decode (a simulator's k-step jump) ---------------------------------------------
+    def max_decode_jump(self, limit: int) -> int:
+        """How many of the next steps (at most limit) are certain to be the same pure-decode step.
+
+        That holds while nothing waits, no finish awaits its report, every running request has
+        just its last sampled token to compute, the whole batch fits the token budget, no
+        request reaches max_tokens or max_model_len, and the free pool covers every block the
+        batch crosses (so nothing is preempted). A stop token is the caller's to rule out.
+        """
+        running = self.running
+        cfg = self.config
+        if (not running or len(self.waiting) or self._finished_ids
+                or len(running) > cfg.max_num_batched_tokens):
+            return 0
+        k = limit
+        for req in running:
+            n = len(req.all_token_ids)
+            if n - req.num_computed_tokens != 1:
+                return 0
+            # The step that reaches a cap finishes the request: stop one short of it.
+            k = min(k, req.sampling_params.max_tokens - len(req.output_token_ids) - 1, cfg.max_model_len - n - 1)
+        if k <= 0:
+            return 0
+        free = self.kv.num_free_blocks
+        if self.kv.num_decode_blocks(running, k) <= free:  # the common case: the pool is no limit
+            return k
+        lo, hi = 0, k - 1  # largest step count whose new blocks fit the free pool (monotone)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv.num_decode_blocks(running, mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def advance_decode(self, sampled_token_ids: dict[str, list[int]]) -> list[RequestOutput]:
+        """Run k pure-decode steps at once: state as after k `schedule()` + `update_from_output()`.
+
+        sampled_token_ids holds, for every running request, the k tokens its steps sample (no
+        stop token among them); k must not exceed `max_decode_jump(k)`. Block tables, the free
+        list, prefix-hash registrations, fair-share counters and token lists end as the single
+        steps would leave them. Returns one output per request carrying all k tokens (no logprobs).
+        """
+        running = self.running
+        k = len(next(iter(sampled_token_ids.values()), ()))
+        if sampled_token_ids.keys() != {r.request_id for r in running}:
+            raise ValueError("sampled_token_ids: needs exactly the running requests' ids")
+        if k < 1 or any(len(t) != k for t in sampled_token_ids.values()) or self.max_decode_jump(k) < k:
+            raise ValueError(f"sampled_token_ids: {k} steps is not a pure-decode stretch of equal length")
+        for req in running:
+            sp = req.sampling_params
+            stops = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(req.eos_token_ids))
+            if stops.intersection(sampled_token_ids[req.request_id]):
+                raise ValueError(f"sampled_token_ids: {req.request_id!r} samples a stop token; step it singly")
+        for req in running:
+            tokens = sampled_token_ids[req.request_id]
+            req.output_token_ids.extend(tokens)
+            req.all_token_ids.extend(tokens)
+            req.num_synced_tokens = len(req.all_token_ids) - 1  # the last step's token is not sent yet
+        self.kv.advance_decode(running, k)
+        self.kv.end_step()
+        if self.waiting.charges_tokens:
+            self._charge_decode(running, k)
+        return [RequestOutput(r.request_id, sampled_token_ids[r.request_id], False, None, len(r.prompt_token_ids),
+                              len(r.output_token_ids), r.num_cached_tokens) for r in running]
+
+    def _charge_decode(self, running: list[Request], num_steps: int) -> None:
+        # One charge per token in step order, as update_from_output makes them: the float sums match.
+        charge, weight = self.waiting.charge, self.config.fair_output_weight
+        for _ in range(num_steps):
+            for req in running:
+                charge(req.tenant, weight)
+
     @staticmethod
     def _append_tokens(req: Request, sampled: list[int], max_len: int) -> tuple[int, RequestStatus | None]:
         """Append sampled tokens up to the first stop; returns (how many were kept, final status)."""

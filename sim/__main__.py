@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
     p.add_argument("--slo-itl", type=float, default=0.5, help="seconds")
+    p.add_argument("--until", type=float, default=math.inf,
+                   help="stop at this simulated second; requests still in flight are left out")
     p.add_argument("--plot", help="PNG path")
 
 
@@ -57,7 +60,7 @@ def _simulate(a: argparse.Namespace, replicas: int, router: str, workload) -> di
     cfg = SimConfig(num_replicas=replicas, scheduler=sched, stats_delay_s=a.stats_delay,
                     routing=RoutingConfig(router_policy=router, seed=a.seed))
     t0 = time.perf_counter()
-    result = FleetSim(cfg, load_profile(a.profile)).run(workload)
+    result = FleetSim(cfg, load_profile(a.profile)).run(workload, until_s=a.until)
     wall = time.perf_counter() - t0
     row = result.summary(a.slo_ttft, a.slo_itl)
     row.update(replicas=replicas, router=router, wall_s=wall, sim_per_wall=row["sim_end_s"] / wall if wall else 0)

@@ -1,21 +1,25 @@
 """Discrete-event simulation: arrivals -> production router -> N replicas -> completions."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import logging
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from scheduler import SchedulerConfig, hash_prompt_blocks
+from scheduler import SchedulerConfig, hash_block_tokens, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import RequestRecord, SimResult
 from sim.policies import FleetState, RouteRequest, RoutingConfig
-from sim.replica import SimReplica
+from sim.replica import Cruise, SimReplica, StepPlan
 from sim.workload import SimRequest
 
 logger = logging.getLogger(__name__)
 
-_ARRIVAL, _STEP_END, _STATS_TAKE, _STATS_DELIVER = 0, 1, 2, 3
+# Event kinds, in the order events of one instant are handled.
+_ARRIVAL, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4
 
 
 @dataclass(slots=True)
@@ -28,7 +32,9 @@ class SimConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     stats_period_s: float = 1.0  # how often replicas report to the router (Serve's routing-stats period)
     stats_delay_s: float = 0.5  # how late a report reaches the router
-    coalesce: bool = True  # run a replica's steps back to back while no other event intervenes
+    # Run a replica's steps back to back while no other event intervenes, and jump over its
+    # pure-decode stretches (False: every step through the event queue, the reference).
+    coalesce: bool = True
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -47,77 +53,147 @@ class SimConfig:
 class FleetSim:
     """Runs a workload through the fleet; `run()` returns per-request records and fleet counters."""
 
-    def __init__(self, config: SimConfig, cost: CostModel):
+    def __init__(self, config: SimConfig, cost: CostModel,
+                 on_step: Callable[[SimReplica, float], None] | None = None):
+        """on_step(replica, now) runs after each step a replica completes (a k-step jump: once, at its end)."""
         self.config = config
         self.cost = cost
+        self.on_step = on_step
         self.replicas = [SimReplica(f"replica-{i}", config.scheduler, cost) for i in range(config.num_replicas)]
         self.names = [r.name for r in self.replicas]
+        self._by_name = {r.name: r for r in self.replicas}
         self.fleet = FleetState(config.routing)
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
+        self._next_stats_s = 0.0
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
+        self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
+        self._shared_hashes: dict[tuple[int, ...], list[int]] = {}  # a prefix group's leading blocks
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, kind, self._seq, payload))
 
-    def run(self, workload: list[SimRequest]) -> SimResult:
+    def run(self, workload: list[SimRequest], until_s: float = math.inf) -> SimResult:
+        """Simulate until every request has finished, or up to simulated second until_s.
+
+        Requests still in flight at until_s are left unfinished (finish_s None). Arrivals enter the
+        event queue one at a time, so a long workload costs no queue memory.
+        """
         records = {r.request_id: RequestRecord(r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.output_len)
                    for r in workload}
-        by_name = {r.name: r for r in self.replicas}
-        bs = self.config.scheduler.block_size
-        for i, req in enumerate(workload):
-            self._push(req.arrival_s, _ARRIVAL, (i, req))
+        # Stable: arrivals at the same instant keep their workload order, as before streaming.
+        arrivals = iter(sorted(enumerate(workload), key=lambda pair: pair[1].arrival_s))
+        self._push_arrival(arrivals)
         if workload:
             self._push(0.0, _STATS_TAKE, None)
+        if until_s < math.inf:
+            self._push(until_s, _STOP, None)  # also bounds coalesced stretches
         remaining = len(workload)
         now = 0.0
         while self._events and remaining:
             now, kind, _, payload = heapq.heappop(self._events)
             if kind == _ARRIVAL:
-                i, req = payload
-                prompt = req.prompt_token_ids(i)
-                route = RouteRequest(req.request_id, req.prompt_len + req.output_len, hash_prompt_blocks(prompt, bs))
-                name = self.fleet.route(route, self.names, now)[0]
-                self.fleet.on_routed(route, name, now)
-                replica = by_name[name]
-                records[req.request_id].replica = name
-                replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now)
-                if replica.in_flight is None:
-                    self._step(replica, now)
+                self._arrive(*payload, now, records)
+                self._push_arrival(arrivals)
             elif kind == _STEP_END:
                 remaining -= self._end_step(payload, now, records)
             elif kind == _STATS_TAKE:
                 self._push(now + self.config.stats_delay_s, _STATS_DELIVER,
                            [(r.name, r.routing_stats()) for r in self.replicas])
-                self._push(now + self.config.stats_period_s, _STATS_TAKE, None)
-            else:
+                self._next_stats_s = now + self.config.stats_period_s
+                self._push(self._next_stats_s, _STATS_TAKE, None)
+            elif kind == _STATS_DELIVER:
                 for name, stats in payload:
                     self.fleet.on_stats(name, stats, now)
+            else:
+                return SimResult(list(records.values()), until_s, self.replicas, self.coalesced_steps,
+                                 self.jumped_steps)
         # The last event popped may precede the end of a coalesced stretch: end at the last finish.
         end = max((r.finish_s for r in records.values() if r.finish_s is not None), default=now)
-        return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps)
+        return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps, self.jumped_steps)
+
+    def _push_arrival(self, arrivals: Iterator[tuple[int, SimRequest]]) -> None:
+        nxt = next(arrivals, None)
+        if nxt is not None:
+            self._push(nxt[1].arrival_s, _ARRIVAL, nxt)
+
+    def _arrive(self, i: int, req: SimRequest, now: float, records: dict[str, RequestRecord]) -> None:
+        """Route request i of the workload and queue it at its replica."""
+        prompt = req.prompt_token_ids(i)
+        route = RouteRequest(req.request_id, req.prompt_len + req.output_len, self._hashes(req, prompt))
+        name = self.fleet.pick(route, self.names, now)
+        self.fleet.on_routed(route, name, now)
+        replica = self._by_name[name]
+        if isinstance(replica.in_flight, Cruise):
+            self._interrupt(replica, now, records)
+        records[req.request_id].replica = name
+        replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now, route.block_hashes)
+        if replica.in_flight is None:
+            self._step(replica, now)
+
+    def _hashes(self, req: SimRequest, prompt: list[int]) -> list[int]:
+        """hash_prompt_blocks(prompt), hashing a prefix group's shared full blocks once per group."""
+        bs = self.config.scheduler.block_size
+        shared = (min(req.prefix_len, req.prompt_len) if req.prefix_group else 0) // bs * bs
+        key = tuple(prompt[:shared])
+        hashes = self._shared_hashes.get(key)
+        if hashes is None:
+            hashes = self._shared_hashes[key] = hash_prompt_blocks(key, bs)
+        hashes = list(hashes)
+        parent = hashes[-1] if hashes else None
+        for start in range(shared, len(prompt) // bs * bs, bs):
+            parent = hash_block_tokens(parent, prompt[start:start + bs])
+            hashes.append(parent)
+        return hashes
 
     def _step(self, replica: SimReplica, now: float) -> None:
         plan = replica.start_step(now)
         if plan is not None:
-            self._push(plan.end_s, _STEP_END, replica)
+            self._push(plan.end_s, _STEP_END, (replica, plan))
 
-    def _end_step(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
-        """Finish replica's step and, while no other event comes first, run its next steps in place."""
+    def _next(self, replica: SimReplica, now: float) -> StepPlan | Cruise | None:
+        # A cruise ends by the next stats report, which must see the replica's exact state.
+        if self.config.coalesce:
+            cruise = replica.plan_cruise(now, self._next_stats_s)
+            if cruise is not None:
+                return cruise
+        return replica.start_step(now)
+
+    def _end_step(self, payload: tuple[SimReplica, StepPlan | Cruise], now: float,
+                  records: dict[str, RequestRecord]) -> int:
+        """Finish replica's step (or cruise) and, while no other event comes first, run the next in place."""
+        replica, plan = payload
+        if replica.in_flight is not plan:  # a cruise an arrival interrupted: its steps are applied
+            return 0
         finished = 0
         while True:
             finished += self._apply(replica, now, records)
-            plan = replica.start_step(now)
+            plan = self._next(replica, now)
             if plan is None:
                 return finished
             if not (self.config.coalesce and (not self._events or plan.end_s < self._events[0][0])):
-                self._push(plan.end_s, _STEP_END, replica)
+                self._push(plan.end_s, _STEP_END, (replica, plan))
                 return finished
             now = plan.end_s
             self.coalesced_steps += 1
 
+    def _interrupt(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> None:
+        """An arrival reaches a cruising replica: apply the steps ended before now, schedule the one running."""
+        cruise = replica.in_flight
+        assert isinstance(cruise, Cruise)
+        done = bisect.bisect_left(cruise.ends, now)  # arrivals precede step ends at the same instant
+        start = cruise.start_s
+        if done:
+            self._apply_jump(replica, cruise, done, records)
+            start = cruise.ends[done - 1]
+        replica.in_flight = None
+        self._step(replica, start)
+
     def _apply(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
+        if isinstance(replica.in_flight, Cruise):
+            self._apply_jump(replica, replica.in_flight, len(replica.in_flight.ends), records)
+            return 0
         finished = 0
         for out in replica.finish_step():
             rec = records[out.request_id]
@@ -126,4 +202,15 @@ class FleetSim:
                 rec.finish(now, out.num_output_tokens, out.finish_reason)
                 self.fleet.on_completed(out.request_id)
                 finished += 1
+        if self.on_step is not None:
+            self.on_step(replica, now)
         return finished
+
+    def _apply_jump(self, replica: SimReplica, cruise: Cruise, num_steps: int,
+                    records: dict[str, RequestRecord]) -> None:
+        times = cruise.ends[:num_steps]
+        for out in replica.jump(num_steps):
+            records[out.request_id].on_token_run(times, out.num_cached_tokens)
+        self.jumped_steps += num_steps
+        if self.on_step is not None:
+            self.on_step(replica, times[-1])

@@ -33,6 +33,17 @@ class RequestRecord:
             self.itl_s.append(now - self.last_token_s)
         self.last_token_s = now
 
+    def on_token_run(self, times: list[float], cached: int) -> None:
+        """One token at each of these times (a jumped stretch): on_tokens for each, in bulk."""
+        if self.first_token_s is None:
+            self.on_tokens(times[0], 1, cached)
+            times = times[1:]
+        if times:
+            last = self.last_token_s
+            self.itl_s.append(times[0] - last)
+            self.itl_s.extend([b - a for a, b in zip(times, times[1:])])
+            self.last_token_s = times[-1]
+
     def finish(self, now: float, num_output_tokens: int, reason: str | None) -> None:
         self.finish_s = now
         self.num_output_tokens = num_output_tokens
@@ -60,6 +71,7 @@ class SimResult:
     end_s: float
     replicas: list[Any]
     coalesced_steps: int = 0
+    jumped_steps: int = 0
 
     def summary(self, slo_ttft_s: float = float("inf"), slo_itl_s: float = float("inf")) -> dict[str, float]:
         done = [r for r in self.records if r.finish_s is not None]

@@ -18,6 +18,23 @@ class StepPlan:
     end_s: float
 
 
+@dataclass(slots=True)
+class Cruise:
+    """A planned run of pure-decode steps, applied in one jump when it ends or is interrupted.
+
+    Nothing in it finishes a request, so until it ends the replica changes nothing the rest of
+    the fleet sees; an arrival routed to the replica applies the steps ended by then.
+    """
+
+    start_s: float
+    ends: list[float]  # end time of each step, summed step by step as single steps would
+    durations: list[float]
+
+    @property
+    def end_s(self) -> float:
+        return self.ends[-1]
+
+
 class SimReplica:
     """A real Scheduler whose steps take the cost model's time and sample EOS at the output length."""
 
@@ -26,16 +43,65 @@ class SimReplica:
         self.scheduler = Scheduler(config)
         self.cost = cost
         self.output_len: dict[str, int] = {}
-        self.in_flight: StepPlan | None = None
+        self._params: dict[int, SamplingParams] = {}  # by output length: validated once, never mutated
+        self.in_flight: StepPlan | Cruise | None = None
         self.num_steps = 0
         self.busy_s = 0.0
 
     def add(self, request_id: str, prompt: list[int], output_len: int, tenant: str, priority: int,
-            now: float) -> None:
+            now: float, block_hashes: list[int] | None = None) -> None:
+        """Queue a request; block_hashes, the prompt's full-block hashes if the router computed them."""
         self.output_len[request_id] = output_len
-        params = SamplingParams(max_tokens=output_len, temperature=0.0)
+        params = self._params.get(output_len)
+        if params is None:
+            params = self._params[output_len] = SamplingParams(max_tokens=output_len, temperature=0.0)
+        # The scheduler extends the hash chain from what it is given (the same hash, so the same keys).
         self.scheduler.add_request(Request(request_id, prompt, params, eos_token_ids=(EOS,), priority=priority,
-                                           tenant=tenant, arrival_time=now))
+                                           tenant=tenant, arrival_time=now, block_hashes=list(block_hashes or ())))
+
+    def plan_cruise(self, now: float, horizon_s: float, min_steps: int = 2) -> Cruise | None:
+        """Plan the pure-decode steps that end by horizon_s and sample no EOS (None if under min_steps)."""
+        sched = self.scheduler
+        running = sched.running
+        if not running:
+            return None
+        # The step sampling a request's last token finishes it: the cruise stops one short.
+        limit = min(self.output_len[r.request_id] - len(r.output_token_ids) for r in running) - 1
+        limit = sched.max_decode_jump(limit) if limit >= min_steps else 0
+        if limit < min_steps:
+            return None
+        n = len(running)
+        kv_read = sum(r.num_computed_tokens for r in running)
+        # As start_step counts them: a request computing its last prompt token is prefill (step 1 only).
+        prefill = sum(1 for r in running if r.num_computed_tokens < r.num_prompt_tokens)
+        step_time = self.cost.step_time
+        ends: list[float] = []
+        durations: list[float] = []
+        t = now
+        for _ in range(limit):  # those that end by the horizon, timed as single steps would be
+            d = step_time(prefill, n - prefill, kv_read, n)
+            if t + d > horizon_s:
+                break
+            t += d
+            ends.append(t)
+            durations.append(d)
+            kv_read += n
+            prefill = 0
+        if len(ends) < min_steps:
+            return None
+        self.in_flight = Cruise(now, ends, durations)
+        return self.in_flight
+
+    def jump(self, num_steps: int) -> list[RequestOutput]:
+        """Apply the first num_steps steps of the cruise in flight, all at once."""
+        cruise = self.in_flight
+        assert isinstance(cruise, Cruise) and 0 < num_steps <= len(cruise.ends)
+        outputs = self.scheduler.advance_decode({r.request_id: [TOKEN] * num_steps for r in self.scheduler.running})
+        for d in cruise.durations[:num_steps]:
+            self.busy_s += d
+        self.num_steps += num_steps
+        self.in_flight = None
+        return outputs
 
     def start_step(self, now: float) -> StepPlan | None:
         """Schedule the next step (None if nothing to run) and time it."""
@@ -61,7 +127,7 @@ class SimReplica:
     def finish_step(self) -> list[RequestOutput]:
         """Sample for every request whose scheduled tokens reach its end; apply to the scheduler."""
         plan, self.in_flight = self.in_flight, None
-        assert plan is not None
+        assert isinstance(plan, StepPlan)
         requests = self.scheduler.requests
         req_ids: list[str] = []
         sampled: list[list[int]] = []
@@ -82,7 +148,7 @@ class SimReplica:
     def routing_stats(self, max_hashes: int = 4096) -> dict:
         """What a production replica reports to the router: queue lengths, KV usage, hot prefixes."""
         st = self.scheduler.stats()
-        cached = self.scheduler.kv.pool.cached
-        hashes = list(cached) if len(cached) <= max_hashes else list(cached)[-max_hashes:]
+        # As a production replica reports them (cluster/replica.py): the pool's most recent hashes.
+        hashes = self.scheduler.kv.pool.recent_hashes(max_hashes)
         return {"num_waiting": st.num_waiting, "num_running": st.num_running,
                 "kv_cache_usage": st.kv_cache_usage, "prefix_hashes": hashes}

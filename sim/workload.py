@@ -1,6 +1,7 @@
 """Workloads: synthetic (Poisson/gamma arrivals, tenants with shared system prompts) and JSONL traces."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -28,9 +29,16 @@ class SimRequest:
         """Deterministic token ids: a group's prefix is identical across requests, the rest unique."""
         shared = min(self.prefix_len, self.prompt_len) if self.prefix_group else 0
         group = (hash_group(self.prefix_group) % (1 << 20)) << 20
-        prefix = [_PREFIX_BASE + group + i for i in range(shared)]
         suffix_base = (index + 1) << 16
-        return prefix + [suffix_base + i for i in range(self.prompt_len - shared)]
+        return [*_shared_prefix(_PREFIX_BASE + group, shared),
+                *range(suffix_base, suffix_base + self.prompt_len - shared)]
+
+
+@functools.lru_cache(maxsize=8192)
+def _shared_prefix(base: int, length: int) -> tuple[int, ...]:
+    # One set of int objects per group: a long run retains ~1,000 finished requests per replica,
+    # and their token lists would otherwise each hold their own copies (~9 KB per prompt).
+    return tuple(range(base, base + length))
 
 
 def hash_group(name: str) -> int:

@@ -1,12 +1,16 @@
 """The fleet simulator: deterministic, conserving, fork-free, exact under coalescing, strict on input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cluster.routing_policies
 import scheduler
@@ -19,14 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(policy: str = "prefix_affinity", coalesce: bool = True, seed: int = 0, n: int = 80,
-         blocks: int = 60, fair: bool = False):
-    wl = synthetic_workload(WorkloadConfig(num_requests=n, rate=4.0, tenants=5, system_prompt_len=64,
-                                           question_len=(4, 40), output_len=(1, 24), seed=seed))
+         blocks: int = 60, fair: bool = False, output_len: tuple[int, int] = (1, 24), rate: float = 4.0,
+         profile: str = "cpu"):
+    wl = synthetic_workload(WorkloadConfig(num_requests=n, rate=rate, tenants=5, system_prompt_len=64,
+                                           question_len=(4, 40), output_len=output_len, seed=seed))
     sched = SchedulerConfig(num_gpu_blocks=blocks, max_model_len=256, max_num_batched_tokens=128,
                             max_num_seqs=8, policy="fair" if fair else "fcfs")
     cfg = SimConfig(num_replicas=3, scheduler=sched, routing=RoutingConfig(router_policy=policy, seed=seed),
                     coalesce=coalesce)
-    sim = FleetSim(cfg, load_profile("cpu"))
+    sim = FleetSim(cfg, load_profile(profile))
     return wl, sim.run(wl)
 
 
@@ -61,6 +66,25 @@ def test_coalesced_run_equals_step_by_step(policy, fair):
     assert _fingerprint(coalesced) == _fingerprint(stepwise)
     assert coalesced.summary() == stepwise.summary()
     assert coalesced.coalesced_steps > 0 and stepwise.coalesced_steps == 0
+    assert coalesced.jumped_steps > 0 and stepwise.jumped_steps == 0
+
+
+@pytest.mark.parametrize("profile,rate,output_len,blocks,fair", [
+    ("cpu", 4.0, (1, 24), 60, False),
+    ("cpu", 2.0, (40, 150), 60, True),  # long decodes, a tight pool: jumps stop at block shortages
+    ("h100", 400.0, (20, 150), 200, False),  # sub-ms steps: stretches of hundreds between arrivals
+])
+def test_k_step_jumps_equal_step_by_step(profile, rate, output_len, blocks, fair):
+    """Jumped stretches make the scheduler decisions, step counts and token times of single steps."""
+    kw = dict(profile=profile, rate=rate, output_len=output_len, blocks=blocks, fair=fair, n=60)
+    _, jumped = _run(coalesce=True, **kw)
+    _, stepwise = _run(coalesce=False, **kw)
+    assert jumped.jumped_steps > 0
+    assert _fingerprint(jumped) == _fingerprint(stepwise)  # finish times, TTFTs, outputs, every ITL
+    assert [(r.num_steps, r.busy_s) for r in jumped.replicas] == [(r.num_steps, r.busy_s) for r in stepwise.replicas]
+    assert [r.scheduler.num_preemptions for r in jumped.replicas] == \
+        [r.scheduler.num_preemptions for r in stepwise.replicas]
+    assert jumped.summary() == stepwise.summary()
 
 
 def test_sim_uses_the_production_classes():
@@ -144,3 +168,98 @@ def test_cli_bad_trace_exits_with_the_line(tmp_path, capsys):
         main(["run", "--trace", str(path)])
     assert exc.value.code == 2
     assert "trace line 1, field 'output_len': missing" in capsys.readouterr().err
+
+
+def test_prompt_hashes_cached_per_prefix_group_equal_the_scheduler_hash():
+    from scheduler import hash_prompt_blocks
+
+    wl = synthetic_workload(WorkloadConfig(num_requests=40, tenants=3, system_prompt_len=40, question_len=(1, 30)))
+    sim = FleetSim(SimConfig(num_replicas=1), load_profile("cpu"))
+    for i, req in enumerate(wl):
+        prompt = req.prompt_token_ids(i)
+        assert sim._hashes(req, prompt) == hash_prompt_blocks(prompt, 16)
+
+
+def test_run_until_stops_at_that_simulated_second_with_the_same_history():
+    wl = synthetic_workload(WorkloadConfig(num_requests=80, rate=8.0, tenants=4, system_prompt_len=32, seed=3))
+    cfg = SimConfig(num_replicas=2, scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=256))
+    full = FleetSim(cfg, load_profile("cpu")).run(wl)
+    cut = FleetSim(cfg, load_profile("cpu")).run(wl, until_s=5.0)
+    assert cut.end_s == 5.0
+    done = [r for r in full.records if r.finish_s <= 5.0]
+    assert done and len(done) < len(wl)
+    assert _fingerprint(SimpleNamespace(records=done)) == \
+        _fingerprint(SimpleNamespace(records=[r for r in cut.records if r.finish_s is not None]))
+
+
+def test_vtc_counter_gap_between_backlogged_tenants_stays_within_the_bound():
+    from sim.studies import CounterGap, vtc_gap_bound
+
+    wl = synthetic_workload(WorkloadConfig(num_requests=300, rate=8.0, tenants=5, tenant_weights=[8, 1, 1, 1, 1],
+                                           system_prompt_len=0, question_len=(16, 96), output_len=(4, 32), seed=2))
+    sched = SchedulerConfig(num_gpu_blocks=256, max_model_len=256, policy="fair", max_num_seqs=8)
+    gap = CounterGap()
+    result = FleetSim(SimConfig(num_replicas=1, scheduler=sched), load_profile("cpu"), on_step=gap).run(wl)
+    assert result.replicas[0].scheduler.num_preemptions == 0  # the bound assumes none
+    assert gap.samples > 100  # tenants stayed backlogged together for most of the run
+    assert 0 < gap.max_gap <= vtc_gap_bound(sched, wl, gap.max_running_per_tenant) <= vtc_gap_bound(sched, wl)
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=st.sampled_from(list(cluster.routing_policies.POLICIES)), seed=st.integers(0, 2**32),
+       n=st.integers(1, 12), threshold=st.sampled_from([0.0, 1.0, 2.0]), num_ops=st.integers(1, 200))
+def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_ops):
+    """The simulator's FleetState.pick makes route()'s choice and leaves the same state behind."""
+    import random
+
+    from sim.policies import FleetState, RouteRequest
+
+    names = [f"replica-{i}" for i in range(n)]
+    # Whole-number loads (no tokens, KV usage 0 or 1) so that ties and the imbalance ceiling matter.
+    states = [FleetState(RoutingConfig(router_policy=policy, seed=seed, imbalance_threshold=threshold,
+                                       imbalance_ratio=1.0)) for _ in range(2)]
+    rng = random.Random(seed)  # the operations come from a seeded stream: hypothesis favours zeros
+    inflight: list[str] = []
+    for i in range(num_ops):
+        op, x = rng.randrange(4), rng.randrange(2**16)
+        if op <= 1:  # a request with a prompt from one of four prefixes, of varying length
+            group = x % 4
+            hashes = [group * 100 + b for b in range(x % 5)]
+            req = RouteRequest(f"r{i}", 0, hashes)
+            ranking = states[0].route(req, names, now=i)
+            first = ranking[0] if ranking else None
+            assert states[1].pick(req, names, now=i) == first
+            if first is None:  # every replica reported itself draining
+                continue
+            for s in states:
+                s.on_routed(req, first, now=i)
+            inflight.append(req.request_id)
+        elif op == 2 and inflight:
+            rid = inflight.pop(x % len(inflight))
+            for s in states:
+                s.on_completed(rid)
+        else:
+            replica = names[x % n]
+            stats = {"num_waiting": x % 2, "num_running": x % 3, "kv_cache_usage": float(x % 2),
+                     "prefix_hashes": [rng.randrange(4) * 100 + b for b in range(rng.randrange(5))],
+                     "state": "ok" if x % 7 else "draining"}
+            for s in states:
+                s.on_stats(replica, stats, now=i)
+    assert [states[0].loads.load(r) for r in names] == [states[1].loads.load(r) for r in names]
+    assert list(states[0].index._owners.items()) == list(states[1].index._owners.items())
+
+
+def test_arrival_exactly_at_a_step_end_of_a_cruise_matches_step_by_step():
+    """Arrivals come before step ends of the same instant: a cruise cut there keeps that step."""
+    from sim import SimRequest
+
+    ends: list[float] = []
+    long_one = SimRequest("long", 0.0, prompt_len=40, output_len=200)
+    cfg = SimConfig(num_replicas=1, scheduler=SchedulerConfig(num_gpu_blocks=64, max_model_len=512), coalesce=False)
+    FleetSim(cfg, load_profile("h100"), on_step=lambda _, now: ends.append(now)).run([long_one])
+    at = ends[len(ends) // 3]  # the exact float end of a step in the middle of a decode stretch
+    workload = [long_one, SimRequest("late", at, prompt_len=20, output_len=5)]
+    jumped, stepwise = (FleetSim(dataclasses.replace(cfg, coalesce=c), load_profile("h100")).run(workload)
+                        for c in (True, False))
+    assert _fingerprint(jumped) == _fingerprint(stepwise)
+    assert jumped.jumped_steps > 0
