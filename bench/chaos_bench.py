@@ -1,6 +1,7 @@
 """Chaos: steady load over two replicas while one replica is killed every --kill-every seconds.
 
-Two runs in one invocation, the same closed-loop load (--concurrency clients, greedy completions):
+Two runs in one invocation, the same closed-loop load (--concurrency clients; of the 50 prompts, the
+even ones are greedy and the odd ones seeded temperature sampling, which must resume exactly too):
 no faults, then a replica killed every --kill-every seconds (at most --kills times; Serve replaces it).
 Reports requests completed and lost, the share whose text equals the no-fault run's, e2e p50 / p99
 of both runs, the requests in flight at each kill, and the added e2e latency of a request that was
@@ -43,10 +44,15 @@ class Outcome:
     text: str
 
 
+def sampling(prompt: int) -> dict:
+    """Greedy for even prompts, seeded temperature sampling (seed = prompt) for odd ones."""
+    return {"temperature": 0} if prompt % 2 == 0 else {"temperature": 0.8, "seed": prompt}
+
+
 async def one(client: httpx.AsyncClient, index: int, max_tokens: int) -> Outcome:
     start = time.perf_counter()
     body = {"model": MODEL, "prompt": f"Fact number {index % 50} about the sea:", "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}
+            "ignore_eos": True, **sampling(index % 50)}
     try:
         r = await client.post("/completions", json=body)
         ok, text = r.status_code == 200, r.json()["choices"][0]["text"] if r.status_code == 200 else ""
@@ -95,8 +101,9 @@ def wait_running(timeout: float = 300) -> None:
 def report(calm: list[Outcome], chaos: list[Outcome], kills: list[tuple[float, int]], kill_every_s: float) -> None:
     reference = {o.index % 50: o.text for o in calm if o.ok}
     done = [o for o in chaos if o.ok]
-    same = [o for o in done if o.index % 50 in reference and reference[o.index % 50] == o.text]
     comparable = [o for o in done if o.index % 50 in reference]
+    same = [o for o in comparable if reference[o.index % 50] == o.text]
+    greedy = sum(o.index % 2 == 0 for o in comparable), sum(o.index % 2 == 0 for o in same)
     calm_e2e = [o.end - o.start for o in calm if o.ok]
     chaos_e2e = [o.end - o.start for o in done]
     hit = [o.end - o.start for o in done if any(o.start <= t <= o.end for t, _ in kills)]
@@ -107,6 +114,8 @@ def report(calm: list[Outcome], chaos: list[Outcome], kills: list[tuple[float, i
           f"{pct(calm_e2e, 0.99):.2f} s |")
     print(f"| replica killed every {kill_every_s:.0f} s | {len(done)} | {len(chaos) - len(done)} | "
           f"{len(same)}/{len(comparable)} | {statistics.median(chaos_e2e):.2f} s | {pct(chaos_e2e, 0.99):.2f} s |")
+    print(f"identical text: greedy {greedy[1]}/{greedy[0]}, seeded sampling "
+          f"{len(same) - greedy[1]}/{len(comparable) - greedy[0]}")
     if hit:
         print(f"requests in flight at a kill: {len(hit)}, their e2e median {statistics.median(hit):.2f} s, "
               f"{statistics.median(hit) - statistics.median(calm_e2e):+.2f} s against the no-fault median")
