@@ -1,0 +1,113 @@
+"""GuideLLM (a third-party benchmark client) against deploy.yaml as `make serve` runs it, and the
+offline engine's decode step at the same batch, measured in the same invocation.
+
+GuideLLM is a benchmark client, not a dependency: install it in its own virtualenv, pinned CPU torch
+first (else pip pulls the CUDA build), and point --guidellm at its executable:
+
+    python3 -m venv /tmp/guidellm && /tmp/guidellm/bin/pip install torch==2.13.0 guidellm==0.8.1
+    python bench/guidellm_serve.py --guidellm /tmp/guidellm/bin/guidellm [--concurrency 8] [--requests 32]
+
+It starts `serve run deploy.yaml` (RAY_AUTH_MODE=disabled), runs GuideLLM at a fixed concurrency
+with synthetic prompts, stops Serve, then times the offline decode step (bench/step_profile.py's
+runner, batch = concurrency, contexts spanning prompt to prompt + output) on the quiet machine, and
+prints TTFT, ITL and their ratio to the offline step. Figures only; nothing passes or fails here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.request import urlopen
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def wait_ready(url: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urlopen(f"{url}/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{url} did not answer /v1/models within {timeout_s:.0f} s")
+
+
+def run_guidellm(exe: str, url: str, tokenizer: str, a: argparse.Namespace, out: Path) -> dict:
+    cmd = [exe, "run", "--backend", f"kind=openai_http,target={url},model={MODEL}",
+           "--profile", f"kind=concurrent,streams={a.concurrency}",
+           "--constraint", f"kind=max_requests,count={a.requests}",
+           "--data", f"kind=synthetic_text,prompt_tokens={a.prompt_tokens},output_tokens={a.output_tokens}",
+           "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+           "--output", f"kind=json,path={out}", "--disable-progress"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["benchmarks"][0]["metrics"]
+
+
+def offline_step_ms(batch: int, context: tuple[int, int], repeats: int = 10) -> float:
+    """Median of the offline engine's decode step (forward + logits) at this batch and context."""
+    import torch
+
+    from bench.step_profile import build_runner
+
+    runner, step = build_runner("float32", batch, context)
+    with torch.inference_mode():
+        runner._forward(step)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner._forward(step)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--guidellm", required=True, help="the guidellm executable (its own virtualenv)")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=158)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--port", type=int, default=8000, help="deploy.yaml's port")
+    args = parser.parse_args()
+    from workers.model_files import resolve_model
+
+    tokenizer = resolve_model("default")  # the directory the embedded GGUF is converted into
+    url = f"http://127.0.0.1:{args.port}"
+    serve_bin = str(Path(sys.executable).parent / "serve")
+    server = subprocess.Popen([serve_bin, "run", "deploy.yaml"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_ready(url)
+        with tempfile.TemporaryDirectory() as tmp:
+            metrics = run_guidellm(args.guidellm, url, tokenizer, args, Path(tmp) / "guidellm.json")
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+    ok = lambda name: metrics[name]["successful"]  # noqa: E731
+    step = offline_step_ms(args.concurrency, (args.prompt_tokens, args.prompt_tokens + args.output_tokens))
+    itl, ttft = ok("inter_token_latency_ms"), ok("time_to_first_token_ms")
+    print(f"GuideLLM concurrency {args.concurrency}, {args.requests} requests, {args.prompt_tokens} prompt / "
+          f"{args.output_tokens} output tokens (synthetic), deploy.yaml")
+    print("| TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | TPOT p50 | output tok/s | offline decode step | ITL p50 / step |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {ttft['median'] / 1e3:.2f} s | {ttft['percentiles']['p90'] / 1e3:.2f} s | {itl['median']:.1f} ms | "
+          f"{itl['percentiles']['p90']:.1f} ms | {ok('time_per_output_token_ms')['median']:.1f} ms | "
+          f"{ok('output_tokens_per_second')['mean']:.1f} | {step:.1f} ms | {itl['median'] / step:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
