@@ -3,9 +3,13 @@
 Builds a ModelRunner on the embedded SmolLM2-135M, fills the KV cache tables of `--batch` requests
 with contexts of `--context` tokens (uniform, fixed seed) and times one decode step (forward plus
 logits). Two rooflines, both measured here and now: the step's own linear GEMMs (same M, K, N,
-timed alone through the same `linear` path) and the step's FLOPs at a large square GEMM's rate.
+timed alone through the same `linear` path the model takes, with its CPU-packed weights) and the
+step's FLOPs at a large square GEMM's rate. Per shape it also times the unpacked `linear` (W @ x^T
+for few rows) and plain F.linear, interleaved, so the reader sees what packing buys; and the same
+layer shapes at `--prefill-rows` rows (a prefill chunk; logits are taken for few rows only).
 
     python bench/step_profile.py [--batch 32] [--context 150,200] [--dtype float32] [--repeats 10] [--threads N]
+                                 [--prefill-rows 2048]
 """
 from __future__ import annotations
 
@@ -17,13 +21,14 @@ import time
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from cluster.config import EngineConfig  # noqa: E402
-from workers.layers.linear import linear  # noqa: E402
+from workers.layers.linear import cpu_pack, linear  # noqa: E402
 from workers.model_files import resolve_model  # noqa: E402
 from workers.runner import DTYPES, ModelRunner, RequestState, _Batch  # noqa: E402
 
@@ -67,14 +72,34 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def gemm_roofline(shapes: Counter, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
-    """Seconds for the step's GEMMs timed alone at their own shapes, and their total FLOPs."""
-    total_s = total_flop = 0.0
-    for (m, k, n), count in shapes.items():
-        x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-        total_s += count * best_time(lambda: linear(x, w), repeats)
+# How each GEMM is timed: the model's path (packed weight), the unpacked `linear`, plain F.linear.
+PATHS = ("packed", "unpacked", "F.linear")
+
+
+def time_paths(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Best seconds of one (m, k, n) GEMM along each path, the paths interleaved over two rounds."""
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    packed = cpu_pack(w)
+    fns = {"packed": lambda: linear(x, w, packed=packed), "unpacked": lambda: linear(x, w),
+           "F.linear": lambda: F.linear(x, w)}
+    best = dict.fromkeys(PATHS, float("inf"))
+    for _ in range(2):
+        for path in PATHS:
+            best[path] = min(best[path], best_time(fns[path], repeats))
+    return best
+
+
+def gemm_roofline(shapes: Counter, dtype: torch.dtype, repeats: int) -> tuple[dict[str, float], float]:
+    """Seconds per path for the step's GEMMs timed alone at their own shapes, and their total FLOPs."""
+    totals, total_flop = dict.fromkeys(PATHS, 0.0), 0.0
+    for (m, k, n), count in sorted(shapes.items()):
+        best = time_paths(m, k, n, dtype, repeats)
+        for path in PATHS:
+            totals[path] += count * best[path]
         total_flop += count * 2.0 * m * k * n
-    return total_s, total_flop
+        print(f"  GEMM {m:5d} x {k:5d} x {n:6d} (x{count:2d})  " + "  ".join(
+            f"{path} {best[path] * 1e3:8.3f} ms" for path in PATHS), flush=True)
+    return totals, total_flop
 
 
 def square_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
@@ -90,6 +115,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=12, help="ops shown in the breakdown")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--prefill-rows", type=int, default=2048, help="rows of the prefill GEMM table (0: none)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,9 +135,15 @@ def main() -> None:
             for _ in range(3):
                 forward()
         shapes = step_gemms(runner, args.batch, hf.hidden_size, hf.vocab_size)
-        own_s, flop = gemm_roofline(shapes, dtype, args.repeats)
+        print(f"own-shape GEMMs, batch {args.batch}, best of {args.repeats} (x: per step):")
+        own, flop = gemm_roofline(shapes, dtype, args.repeats)
+        if args.prefill_rows:
+            print(f"layer GEMMs at {args.prefill_rows} rows (a prefill chunk), best of 3:")
+            layers = Counter({(args.prefill_rows, k, n): c for (m, k, n), c in shapes.items() if n != hf.vocab_size})
+            prefill, prefill_flop = gemm_roofline(layers, dtype, 3)
     rate = square_rate(dtype)
     step_s = statistics.median(step_times)
+    own_s = own["packed"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"batch {args.batch}, context {lo}-{hi}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
@@ -119,7 +151,12 @@ def main() -> None:
     print(f"step GEMMs alone  {own_s * 1e3:8.1f} ms  -> step is {step_s / own_s:.2f}x its own-shape roofline")
     print(f"step FLOPs        {flop / 1e9:8.2f} GFLOP at {rate / 1e9:.0f} GFLOP/s (2048^2 GEMM) = "
           f"{flop / rate * 1e3:.1f} ms -> step is {step_s / (flop / rate):.2f}x the large-GEMM bound")
-    print(f"own-shape GEMM rate {flop / own_s / 1e9:.0f} GFLOP/s")
+    print("own-shape GEMMs   " + ", ".join(
+        f"{path} {own[path] * 1e3:.1f} ms ({flop / own[path] / 1e9:.0f} GFLOP/s)" for path in PATHS))
+    if args.prefill_rows:
+        print(f"prefill GEMMs     {args.prefill_rows} rows: " + ", ".join(
+            f"{path} {prefill[path] * 1e3:.1f} ms ({prefill_flop / prefill[path] / 1e9:.0f} GFLOP/s)"
+            for path in PATHS))
 
 
 if __name__ == "__main__":
