@@ -5,8 +5,10 @@ with contexts of `--context` tokens (uniform, fixed seed) and times one decode s
 logits). Two rooflines, both measured here and now: the step's own linear GEMMs (same M, K, N,
 timed alone through the same `linear` path the model takes, with its CPU-packed weights) and the
 step's FLOPs at a large square GEMM's rate. Per shape it also times the unpacked `linear` (W @ x^T
-for few rows) and plain F.linear, interleaved, so the reader sees what packing buys; and the same
-layer shapes at `--prefill-rows` rows (a prefill chunk; logits are taken for few rows only).
+for few rows) and plain F.linear, interleaved, so the reader sees what packing buys; the packed
+path once more over as many distinct weights as the step has (weights cold, streamed from memory
+as in a real step, where a reused weight stays in cache); and the layer shapes at `--prefill-rows`
+rows (a prefill chunk; logits are taken for few rows only).
 
     python bench/step_profile.py [--batch 32] [--context 150,200] [--dtype float32] [--repeats 10] [--threads N]
                                  [--prefill-rows 2048]
@@ -72,20 +74,24 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-# How each GEMM is timed: the model's path (packed weight), the unpacked `linear`, plain F.linear.
-PATHS = ("packed", "unpacked", "F.linear")
+# How each GEMM is timed: the model's path (packed weight), the unpacked `linear`, plain F.linear,
+# each on one weight that stays in cache; and the model's path over as many distinct weights as the
+# step has layers of that shape, so weights stream from memory as they do in the step ("cold").
+PATHS = ("packed", "unpacked", "F.linear", "packed cold")
 
 
-def time_paths(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+def time_paths(m: int, k: int, n: int, count: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     """Best seconds of one (m, k, n) GEMM along each path, the paths interleaved over two rounds."""
     x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     packed = cpu_pack(w)
+    cold = [(v, cpu_pack(v)) for v in torch.randn(count, n, k, dtype=dtype)]
     fns = {"packed": lambda: linear(x, w, packed=packed), "unpacked": lambda: linear(x, w),
-           "F.linear": lambda: F.linear(x, w)}
+           "F.linear": lambda: F.linear(x, w), "packed cold": lambda: [linear(x, v, packed=p) for v, p in cold]}
+    per_call = {"packed cold": count}
     best = dict.fromkeys(PATHS, float("inf"))
     for _ in range(2):
         for path in PATHS:
-            best[path] = min(best[path], best_time(fns[path], repeats))
+            best[path] = min(best[path], best_time(fns[path], repeats) / per_call.get(path, 1))
     return best
 
 
@@ -93,7 +99,7 @@ def gemm_roofline(shapes: Counter, dtype: torch.dtype, repeats: int) -> tuple[di
     """Seconds per path for the step's GEMMs timed alone at their own shapes, and their total FLOPs."""
     totals, total_flop = dict.fromkeys(PATHS, 0.0), 0.0
     for (m, k, n), count in sorted(shapes.items()):
-        best = time_paths(m, k, n, dtype, repeats)
+        best = time_paths(m, k, n, count, dtype, repeats)
         for path in PATHS:
             totals[path] += count * best[path]
         total_flop += count * 2.0 * m * k * n
@@ -139,7 +145,7 @@ def main() -> None:
         own, flop = gemm_roofline(shapes, dtype, args.repeats)
         if args.prefill_rows:
             print(f"layer GEMMs at {args.prefill_rows} rows (a prefill chunk), best of 3:")
-            layers = Counter({(args.prefill_rows, k, n): c for (m, k, n), c in shapes.items() if n != hf.vocab_size})
+            layers = Counter({(args.prefill_rows, k, n): c for (_, k, n), c in shapes.items() if n != hf.vocab_size})
             prefill, prefill_flop = gemm_roofline(layers, dtype, 3)
     rate = square_rate(dtype)
     step_s = statistics.median(step_times)
@@ -149,6 +155,8 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     print(f"step median       {step_s * 1e3:8.1f} ms  (min {min(step_times) * 1e3:.1f}, {args.repeats} runs)")
     print(f"step GEMMs alone  {own_s * 1e3:8.1f} ms  -> step is {step_s / own_s:.2f}x its own-shape roofline")
+    print(f"  weights cold    {own['packed cold'] * 1e3:8.1f} ms  -> step is {step_s / own['packed cold']:.2f}x "
+          f"its own GEMMs with weights streamed from memory")
     print(f"step FLOPs        {flop / 1e9:8.2f} GFLOP at {rate / 1e9:.0f} GFLOP/s (2048^2 GEMM) = "
           f"{flop / rate * 1e3:.1f} ms -> step is {step_s / (flop / rate):.2f}x the large-GEMM bound")
     print("own-shape GEMMs   " + ", ".join(
