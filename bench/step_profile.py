@@ -11,7 +11,7 @@ as in a real step, where a reused weight stays in cache); and the layer shapes a
 rows (a prefill chunk; logits are taken for few rows only).
 
     python bench/step_profile.py [--batch 32] [--context 150,200] [--dtype float32] [--repeats 10] [--threads N]
-                                 [--prefill-rows 2048]
+                                 [--prefill-rows 2048] [--ab-rounds 0]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from transformers import AutoConfig
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from cluster.config import EngineConfig  # noqa: E402
-from workers.layers.linear import cpu_pack, linear  # noqa: E402
+from workers.layers.linear import CpuPackedWeight, cpu_pack, linear  # noqa: E402
 from workers.model_files import resolve_model  # noqa: E402
 from workers.runner import DTYPES, ModelRunner, RequestState, _Batch  # noqa: E402
 
@@ -108,6 +108,28 @@ def gemm_roofline(shapes: Counter, dtype: torch.dtype, repeats: int) -> tuple[di
     return totals, total_flop
 
 
+def packing_ab(runner: ModelRunner, step: _Batch, rounds: int) -> tuple[list[float], list[float]]:
+    """Step seconds with the packed weights and with them set aside (the unpacked path), alternating
+    in rounds of three steps, so both see the same machine load."""
+    layers = [m for m in runner.model.modules() if isinstance(m, CpuPackedWeight)]
+    packed = [m.packed for m in layers]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for use in (True, False):
+                for m, p in zip(layers, packed):
+                    m.packed = p if use else None
+                runner._forward(step)
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    runner._forward(step)
+                    times[use].append(time.perf_counter() - t0)
+    finally:
+        for m, p in zip(layers, packed):
+            m.packed = p
+    return times[True], times[False]
+
+
 def square_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return 2.0 * n ** 3 / best_time(lambda: a @ b, repeats)
@@ -121,6 +143,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=12, help="ops shown in the breakdown")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--ab-rounds", type=int, default=0,
+                        help="also time the step packed vs unpacked, alternating, this many rounds")
     parser.add_argument("--prefill-rows", type=int, default=2048, help="rows of the prefill GEMM table (0: none)")
     args = parser.parse_args()
     if args.threads:
@@ -147,6 +171,8 @@ def main() -> None:
             print(f"layer GEMMs at {args.prefill_rows} rows (a prefill chunk), best of 3:")
             layers = Counter({(args.prefill_rows, k, n): c for (_, k, n), c in shapes.items() if n != hf.vocab_size})
             prefill, prefill_flop = gemm_roofline(layers, dtype, 3)
+        if args.ab_rounds:
+            ab_packed, ab_unpacked = packing_ab(runner, step, args.ab_rounds)
     rate = square_rate(dtype)
     step_s = statistics.median(step_times)
     own_s = own["packed"]
@@ -161,6 +187,11 @@ def main() -> None:
           f"{flop / rate * 1e3:.1f} ms -> step is {step_s / (flop / rate):.2f}x the large-GEMM bound")
     print("own-shape GEMMs   " + ", ".join(
         f"{path} {own[path] * 1e3:.1f} ms ({flop / own[path] / 1e9:.0f} GFLOP/s)" for path in PATHS))
+    if args.ab_rounds:
+        p, u = statistics.median(ab_packed), statistics.median(ab_unpacked)
+        print(f"step A/B          packed {p * 1e3:.1f} ms (min {min(ab_packed) * 1e3:.1f}), unpacked {u * 1e3:.1f} ms "
+              f"(min {min(ab_unpacked) * 1e3:.1f}) -> unpacked / packed {u / p:.2f}x median, "
+              f"{min(ab_unpacked) / min(ab_packed):.2f}x min")
     if args.prefill_rows:
         print(f"prefill GEMMs     {args.prefill_rows} rows: " + ", ".join(
             f"{path} {prefill[path] * 1e3:.1f} ms ({prefill_flop / prefill[path] / 1e9:.0f} GFLOP/s)"

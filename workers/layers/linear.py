@@ -14,7 +14,7 @@ from workers.parallel import all_reduce, divide, get_tp_rank, get_tp_world_size
 
 # Below this many rows a CPU matmul streams weights faster as W @ x^T than as x @ W^T.
 _CPU_SMALL_BATCH = 128
-# Weight dtypes oneDNN packs on this CPU (bf16 needs avx512_bf16 or AMX, else it is emulated slowly).
+# Weight dtypes oneDNN packs, bf16 only where oneDNN reports bf16 support on this CPU.
 _PACKABLE = {torch.float32: lambda: True,
              torch.bfloat16: lambda: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
 
@@ -22,8 +22,10 @@ _PACKABLE = {torch.float32: lambda: True,
 def cpu_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight reordered once into oneDNN's blocked layout for `linear`, or None where that does not apply.
 
-    A packed weight skips the per-call reorder a plain linear does, and oneDNN's kernels for it are
-    faster than BLAS at every shape of a decode step or a prefill chunk; any number of rows may use it.
+    A packed weight skips the per-call reorder a plain linear does; on SmolLM2's shapes it was 1.1-3x
+    faster than MKL sgemm (fp32) and than unpacked oneDNN (bf16) for decode batches, and 2.3x (fp32)
+    or on par (bf16) for prefill chunks. Any number of rows may use it (MKL's own packed sgemm
+    serves only the row count it was packed for).
     """
     supported = _PACKABLE.get(weight.dtype)
     if weight.device.type != "cpu" or weight.dim() != 2 or supported is None:
@@ -49,7 +51,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class CpuPackedWeight(nn.Module):
-    """A layer whose `weight` may be packed for CPU linears once it is loaded (see pack_cpu_weights)."""
+    """A layer whose `weight` may be packed for CPU linears once it is loaded (see pack_cpu_weights).
+
+    The packed copy sits beside the weight, which stays for loading, tests and the tied embedding,
+    so a CPU model holds its linear weights twice."""
 
     packed: torch.Tensor | None = None
 
