@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
+from workers.layers.linear import pack_cpu_weights
 from workers.models import model_class
 
 logger = logging.getLogger(__name__)
@@ -72,4 +73,6 @@ def load_model(model_dir: str, config: PretrainedConfig, dtype: torch.dtype, dev
         torch.set_default_dtype(previous)
     loaded = model.load_weights(iterate_weights(model_dir, progress, lazy=True))
     model.check_loaded(loaded)
+    if device.type == "cpu":
+        pack_cpu_weights(model)  # once, on this rank's shards, now that they hold their values
     return model.requires_grad_(False).eval()
