@@ -126,7 +126,7 @@ def select_backend(device: torch.device, name: str = "auto",
         backend = TritonDecodeBackend()
     else:
         from workers.layers.backends.torch_ref import TorchBackend
-        backend = TorchBackend()
+        backend = TorchBackend(paged_kernel=device.type == "cpu")
     logger.info("attention backend: %s", backend.name)
     return backend
 
