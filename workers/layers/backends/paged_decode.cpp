@@ -27,6 +27,37 @@ inline float dot(const float* q, const T* k) {
   float acc[kLanes] = {0.f};
   for (int i = 0; i < D; i += kLanes)
     for (int j = 0; j < kLanes; ++j) acc[j] += q[i + j] * widen(k[i + j]);
+  for (int w = kLanes / 2; w > 0; w /= 2)  // a fixed tree: shuffles and vector adds, not 15 scalar adds
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return acc[0];
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp of std::exp; plain arithmetic,
+// so the compiler vectorises the loop that calls it (std::exp stays a scalar call per score).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // exp(-87) is near FLT_MIN; lower scores weigh nothing at float precision
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-6f;  // x - n ln2, two parts
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float sum(const float* x, int64_t n) {
+  float acc[kLanes] = {0.f};
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += x[t + j];
+  for (; t < n; ++t) acc[0] += x[t];
   float s = 0.f;
   for (int j = 0; j < kLanes; ++j) s += acc[j];
   return s;
@@ -61,9 +92,9 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
   for (int64_t g = 0; g < G; ++g) {
     float* row = scores + g * seq_len;
     const float m = *std::max_element(row, row + seq_len);
-    float sum = 0.f;
-    for (int64_t t = 0; t < seq_len; ++t) sum += (row[t] = std::exp(row[t] - m));
-    for (int64_t t = 0; t < seq_len; ++t) row[t] /= sum;
+    for (int64_t t = 0; t < seq_len; ++t) row[t] = exp_nonpositive(row[t] - m);
+    const float inv = 1.f / sum(row, seq_len);
+    for (int64_t t = 0; t < seq_len; ++t) row[t] *= inv;
   }
   for (int64_t t0 = 0; t0 < seq_len; t0 += bs) {
     const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h * D;
