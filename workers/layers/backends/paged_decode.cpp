@@ -73,35 +73,39 @@ struct Shape {
   float scale;
 };
 
-// One request's KV head h: its `group` query rows q[g * D ..] attend over seq_len cached tokens.
+// One request's KV heads [h0, h0 + nh): their nh * group query rows (row j at q + j * q_head_stride,
+// KV head h0 + j / group) attend over seq_len cached tokens. Each token's K (then V) row is read
+// once for all of those heads, so a block is one contiguous read when nh covers every KV head.
 template <typename T, int D>
 void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const int32_t* table, int64_t seq_len,
-            int64_t h, const Shape& s, float* work, T* out) {
-  const int64_t G = s.group, bs = s.block_size, token = s.hk * D;
-  float* qf = work;                 // [G, D] scaled queries
-  float* acc = qf + G * D;          // [G, D] weighted values
-  float* scores = acc + G * D;      // [G, seq_len]
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < D; ++i) qf[g * D + i] = widen(q[g * q_head_stride + i]) * s.scale;
-  std::fill(acc, acc + G * D, 0.f);
+            int64_t h0, int64_t nh, const Shape& s, float* work, T* out) {
+  const int64_t G = s.group, R = nh * G, bs = s.block_size, token = s.hk * D;
+  float* qf = work;                 // [R, D] scaled queries
+  float* acc = qf + R * D;          // [R, D] weighted values
+  float* scores = acc + R * D;      // [R, seq_len]
+  for (int64_t j = 0; j < R; ++j)
+    for (int64_t i = 0; i < D; ++i) qf[j * D + i] = widen(q[j * q_head_stride + i]) * s.scale;
+  std::fill(acc, acc + R * D, 0.f);
   for (int64_t t0 = 0; t0 < seq_len; t0 += bs) {
-    const T* kb = kc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h * D;
+    const T* kb = kc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h0 * D;
     for (int64_t t = t0; t < std::min(seq_len, t0 + bs); ++t)
-      for (int64_t g = 0; g < G; ++g) scores[g * seq_len + t] = dot<T, D>(qf + g * D, kb + (t - t0) * token);
+      for (int64_t j = 0; j < R; ++j)
+        scores[j * seq_len + t] = dot<T, D>(qf + j * D, kb + (t - t0) * token + (j / G) * D);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* row = scores + g * seq_len;
+  for (int64_t j = 0; j < R; ++j) {
+    float* row = scores + j * seq_len;
     const float m = *std::max_element(row, row + seq_len);
     for (int64_t t = 0; t < seq_len; ++t) row[t] = exp_nonpositive(row[t] - m);
     const float inv = 1.f / sum(row, seq_len);
     for (int64_t t = 0; t < seq_len; ++t) row[t] *= inv;
   }
   for (int64_t t0 = 0; t0 < seq_len; t0 += bs) {
-    const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h * D;
+    const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h0 * D;
     for (int64_t t = t0; t < std::min(seq_len, t0 + bs); ++t)
-      for (int64_t g = 0; g < G; ++g) axpy<T, D>(scores[g * seq_len + t], vb + (t - t0) * token, acc + g * D);
+      for (int64_t j = 0; j < R; ++j)
+        axpy<T, D>(scores[j * seq_len + t], vb + (t - t0) * token + (j / G) * D, acc + j * D);
   }
-  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(acc[i]);
+  for (int64_t i = 0; i < R * D; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
 template <typename T, int D>
@@ -115,12 +119,15 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::T
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = seq_lens.data_ptr<int32_t>();
   const int64_t longest = *std::max_element(lp, lp + n);
-  at::parallel_for(0, n * s.hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work(s.group * (2 * D + longest));
+  // A task per request (all KV heads, contiguous reads) when that keeps every thread busy; a task
+  // per (request, KV head) for small batches. Each head's arithmetic is the same either way.
+  const int64_t nh = n >= 2 * at::get_num_threads() ? s.hk : 1, parts = s.hk / nh;
+  at::parallel_for(0, n * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(nh * s.group * (2 * D + longest));
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / s.hk, h = item % s.hk, head = h * s.group;
+      const int64_t r = item / parts, h0 = (item % parts) * nh, head = h0 * s.group;
       attend<T, D>(qp + r * q.stride(0) + head * q.stride(1), q.stride(1), kp, vp, tp + r * s.table_stride, lp[r],
-                   h, s, work.data(), op + (r * hq + head) * D);
+                   h0, nh, s, work.data(), op + (r * hq + head) * D);
     }
   });
 }
