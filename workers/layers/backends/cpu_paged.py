@@ -2,21 +2,24 @@
 
 The torch path gathers every decode request's context blocks into a fresh copy per layer and then
 runs SDPA over it: the context is read twice and written once. This kernel walks the block table
-instead and reads each cached key and value once, one (request, KV head) pair per task, with the
-query heads of a GQA group sharing every key and value it loads. Scores and the weighted sum
-accumulate in float32 (bfloat16 caches are widened on load), softmax is exact (two passes).
+instead and reads each cached key and value once, one request (or, in small batches, one
+(request, KV head) pair) per task, with all the query heads it serves sharing every key and value
+it loads. Scores and the weighted sum accumulate in float32 (bfloat16 caches are widened on
+load); softmax takes two passes, no running rescale.
 
 The source is paged_decode.cpp next to this file. It is built once per machine and CPU capability
-by torch.utils.cpp_extension.load (about 10 s; ATen headers only, no pybind), cached in torch's
-extensions directory (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says otherwise);
-later processes only load the built library. Without a compiler, or if the build
-fails, `load()` returns None and callers keep the gather + SDPA path.
+by torch.utils.cpp_extension.load (10-20 s on the 2-core machine; ATen headers only, no pybind),
+cached in torch's extensions directory (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR
+says otherwise); later processes only load the built library. It needs a C++ compiler and ninja (the `ninja`
+package is a dependency). Without them, or if the build fails, `load()` returns None and callers
+keep the gather + SDPA path.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import shutil
 import time
 
 import torch
@@ -36,11 +39,25 @@ _ISA_FLAGS = {
 }
 
 
+def _put_ninja_on_path() -> None:
+    """torch builds with `ninja` from PATH. The pip package (a dependency) installs it in the
+    environment's scripts folder, which is on PATH only in an activated venv; CI and `make test`
+    run .venv/bin/python directly."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 @functools.cache
 def load():
     """The compiled op (torch.ops.raylm.paged_decode), or None when it cannot be built here."""
     try:
         from torch.utils.cpp_extension import load as build
+        _put_ninja_on_path()
         isa = torch.backends.cpu.get_cpu_capability().lower()
         flags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
         t0 = time.perf_counter()
