@@ -263,6 +263,8 @@ class ModelRunner:
                 logger.warning("request %s failed to start: %r", new.req_id, exc)
                 failed[new.req_id] = f"sampling state: {exc!r}"
                 continue
+            if new.req_id in requests:  # sent again in full: its old state's table row is free
+                self.block_tables.release(requests[new.req_id])
             requests[new.req_id] = RequestState(list(new.prompt_token_ids) + list(new.output_token_ids),
                                                 list(new.block_ids),
                                                 new.num_computed_tokens, sampling)
