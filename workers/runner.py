@@ -61,9 +61,11 @@ class RequestState:
     """What the runner holds per request between steps."""
 
     token_ids: list[int]  # prompt followed by the outputs the scheduler has sent back
-    block_ids: list[int]
+    block_ids: list[int]  # grows by appends; replaced (resumption) only with num_synced_blocks reset
     num_computed_tokens: int
     sampling: SamplingState
+    table_row: int = -1  # its row of BlockTableRows, once it has run
+    num_synced_blocks: int = 0  # block_ids already written to that row
 
 
 @dataclass(slots=True)
@@ -75,6 +77,51 @@ class _Batch:
     starts: list[int] = field(default_factory=list)  # computed tokens before the step
     query_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # batch rows that sample this step
+
+
+class BlockTableRows:
+    """Every running request's block table as one row of a persistent int32 tensor.
+
+    A request's blocks are written once, when they arrive in a SchedulerOutput diff (a decode
+    gets a new block every block_size steps); a step selects its requests' rows instead of
+    padding each table from a Python list. Rows are recycled when requests finish.
+    """
+
+    def __init__(self, max_blocks_per_seq: int, rows: int = 64) -> None:
+        self.table = torch.zeros((rows, max_blocks_per_seq), dtype=torch.int32)
+        self.free = list(range(rows - 1, -1, -1))
+
+    def sync(self, rid: str, state: RequestState) -> int:
+        """Write the blocks of `state` not yet in its row (a row is given on first use); its row."""
+        if state.table_row < 0:
+            state.table_row, state.num_synced_blocks = self._allocate(), 0
+            self.table[state.table_row].zero_()  # padding reads block 0, as padded lists did
+        blocks, done = state.block_ids, state.num_synced_blocks
+        if len(blocks) > self.table.shape[1]:
+            raise ValueError(f"block_ids: {rid!r} has {len(blocks)} blocks, more than max_model_len allows")
+        if len(blocks) < done:  # replaced without a reset: rewrite the whole row
+            done = 0
+        if len(blocks) > done:
+            self.table[state.table_row, done:len(blocks)] = torch.tensor(blocks[done:], dtype=torch.int32)
+            state.num_synced_blocks = len(blocks)
+        return state.table_row
+
+    def release(self, state: RequestState) -> None:
+        if state.table_row >= 0:
+            self.free.append(state.table_row)
+            state.table_row = -1
+
+    def select(self, rows: list[int], width: int) -> torch.Tensor:
+        """[len(rows), width] copy of those rows' first `width` entries. Past a row's own blocks: 0 or
+        blocks it held before a preemption; readers stop at ceil(seq_len / block_size) or mask."""
+        return self.table[:, :width].index_select(0, torch.tensor(rows, dtype=torch.long))
+
+    def _allocate(self) -> int:
+        if not self.free:  # more requests alive than rows: double the rows
+            n = self.table.shape[0]
+            self.table = torch.cat([self.table, torch.zeros_like(self.table)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        return self.free.pop()
 
 
 def _keep_freed_memory() -> None:
@@ -115,6 +162,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.is_driver = get_tp_rank() == 0
         self.requests: dict[str, RequestState] = {}
+        self.block_tables = BlockTableRows(-(-config.max_model_len // config.block_size), config.max_num_seqs)
         self.structured: StructuredDecoding | None = None  # built at the first constrained request
         self._vocab_size = int(hf_config.vocab_size)
         # Graphs capture collectives too, but TP > 1 over NCCL has not run on a multi-GPU machine yet.
@@ -155,6 +203,8 @@ class ModelRunner:
             self._forward(batch)
         finally:
             self.requests = saved
+            for st in states.values():
+                self.block_tables.release(st)
             for layer in self.layers:  # drop the views so the scratch pool is freed now
                 layer.k_cache = layer.v_cache = torch.empty(0)
 
@@ -195,13 +245,15 @@ class ModelRunner:
         requests = self.requests
         failed: dict[str, str] = {}
         for rid in out.finished_req_ids:
-            requests.pop(rid, None)
+            state = requests.pop(rid, None)
+            if state is not None:
+                self.block_tables.release(state)
             if self.structured is not None:
                 self.structured.drop(rid)
         for rid in out.preempted_req_ids:
             state = requests.get(rid)
             if state is not None:
-                state.block_ids = []
+                state.block_ids, state.num_synced_blocks = [], 0
         for new in out.scheduled_new_reqs:
             try:
                 sampling = SamplingState.create(new.sampling_params, new.prompt_token_ids, self.device,
@@ -211,6 +263,8 @@ class ModelRunner:
                 logger.warning("request %s failed to start: %r", new.req_id, exc)
                 failed[new.req_id] = f"sampling state: {exc!r}"
                 continue
+            if new.req_id in requests:  # sent again in full: its old state's table row is free
+                self.block_tables.release(requests[new.req_id])
             requests[new.req_id] = RequestState(list(new.prompt_token_ids) + list(new.output_token_ids),
                                                 list(new.block_ids),
                                                 new.num_computed_tokens, sampling)
@@ -225,7 +279,7 @@ class ModelRunner:
                 outputs = state.sampling.output_token_ids
                 outputs.extend(state.token_ids[num_prompt + len(outputs):])
             if resumed:
-                state.block_ids = list(blocks)
+                state.block_ids, state.num_synced_blocks = list(blocks), 0
             else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
@@ -256,17 +310,20 @@ class ModelRunner:
     def _forward(self, batch: _Batch) -> torch.Tensor | None:
         """Run the model on a batch; logits of the sampling rows (rank 0), None elsewhere."""
         dev = self.device
-        tables = [self.requests[rid].block_ids for rid in batch.req_ids]
         graphs = self.graphs
         if graphs is not None and len(batch.input_ids) == len(batch.req_ids) <= graphs.max_batch:
+            tables = [self.requests[rid].block_ids for rid in batch.req_ids]
             hidden = graphs.run(batch.input_ids, batch.starts, tables)  # a pure-decode step
             if not batch.sample_rows:
                 return None
             if len(batch.sample_rows) < len(batch.req_ids):
                 hidden = hidden[torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)]
             return self.model.compute_logits(hidden)
-        meta, positions = AttentionMetadata.build(batch.starts, batch.query_lens, tables,
-                                                  self.config.block_size, dev)
+        bs = self.config.block_size
+        rows = [self.block_tables.sync(rid, self.requests[rid]) for rid in batch.req_ids]
+        width = -(-max(s + n for s, n in zip(batch.starts, batch.query_lens)) // bs)
+        meta, positions = AttentionMetadata.from_tables(batch.starts, batch.query_lens,
+                                                        self.block_tables.select(rows, width), bs, dev)
         self.backend.prepare(meta)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model(input_ids, positions, meta)

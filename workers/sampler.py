@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -26,8 +27,13 @@ class SamplingState:
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # the runner appends generated tokens here
+    output_token_ids: list[int]  # the runner appends generated tokens here (append-only)
     generator: torch.Generator | None  # set iff params.seed is not None
+    # Penalised requests only: token id -> times generated, plus the prompt's tokens at 0 when the
+    # repetition penalty needs them. Outputs are folded in as they arrive (one per step), so a
+    # step never recounts a whole sequence nor builds a vocabulary-wide row per request.
+    seen: dict[int, int] | None = None
+    num_counted: int = 0  # outputs already folded into `seen`
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device,
@@ -44,6 +50,18 @@ class SamplingState:
         p = self.params
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
+    def seen_tokens(self) -> dict[int, int]:
+        """`seen`, brought up to date with output_token_ids (rebuilt if that list was replaced by a shorter one)."""
+        outputs = self.output_token_ids
+        if self.seen is None or len(outputs) < self.num_counted:
+            self.seen = dict.fromkeys(self.prompt_token_ids, 0) if self.params.repetition_penalty != 1.0 else {}
+            self.num_counted = 0
+        seen = self.seen
+        for token in outputs[self.num_counted:]:
+            seen[token] = seen.get(token, 0) + 1
+        self.num_counted = len(outputs)
+        return seen
+
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -53,26 +71,19 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None
 
 
-def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[B, V] float counts of each token id per row (rows may differ in length)."""
-    width = max((len(ids) for ids in token_ids), default=0)
-    # Padding points at an extra column that is dropped afterwards.
-    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]
-    index = torch.tensor(padded, dtype=torch.long, device=device).view(len(token_ids), width)
-    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
-    counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
-    return counts[:, :vocab_size]
-
-
-def apply_penalties(logits: torch.Tensor, prompt_counts: torch.Tensor, output_counts: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor,
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                    output_counts: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor,
                     frequency: torch.Tensor) -> torch.Tensor:
-    """Repetition penalty over prompt + output tokens (CTRL: positive logits divided, negative
-    multiplied), then OpenAI presence / frequency penalties over output tokens. Out of place."""
-    seen = (prompt_counts + output_counts) > 0
-    penalty = torch.where(seen, repetition[:, None], 1.0)
-    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+    """Penalise the (rows[i], token_ids[i]) entries: each row's seen tokens (unique per row), with
+    output_counts[i] the times that token was generated (0: prompt only). Repetition penalty
+    (CTRL: positive logits divided, negative multiplied), then OpenAI presence / frequency
+    penalties over output tokens; per-row parameters are [B]. Entries not listed are unchanged,
+    exactly as a dense pass with zero counts leaves them. Out of place."""
+    values = logits[rows, token_ids]
+    penalty = repetition[rows]
+    values = torch.where(values > 0, values / penalty, values * penalty)
+    values = values - frequency[rows] * output_counts - presence[rows] * (output_counts > 0)
+    return logits.index_put((rows, token_ids), values)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -136,14 +147,13 @@ def _param_tensor(states: list[SamplingState], name: str, device: torch.device) 
 
 
 def _penalise(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    batch, vocab = logits.shape
     device = logits.device
-    # Prompts are only needed by the repetition penalty; skip them for rows that do not use it.
-    prompts = [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in states]
-    prompt_counts = (token_counts(prompts, vocab, device) if any(prompts)
-                     else torch.zeros(batch, vocab, device=device))
-    output_counts = token_counts([s.output_token_ids for s in states], vocab, device)
-    return apply_penalties(logits, prompt_counts, output_counts,
+    seen = [s.seen_tokens() if s.has_penalties else {} for s in states]
+    lengths = torch.tensor([len(d) for d in seen], device=device)
+    rows = torch.repeat_interleave(torch.arange(len(states), device=device), lengths)
+    token_ids = torch.tensor(list(chain.from_iterable(seen)), dtype=torch.long, device=device)
+    counts = torch.tensor(list(chain.from_iterable(d.values() for d in seen)), dtype=logits.dtype, device=device)
+    return apply_penalties(logits, rows, token_ids, counts,
                            _param_tensor(states, "repetition_penalty", device),
                            _param_tensor(states, "presence_penalty", device),
                            _param_tensor(states, "frequency_penalty", device))

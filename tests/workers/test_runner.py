@@ -5,7 +5,7 @@ import pytest
 
 from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from cluster.config import EngineConfig
-from workers.runner import ModelRunner
+from workers.runner import BlockTableRows, ModelRunner, RequestState
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 PROMPT = list(range(200, 230))  # 30 tokens: two blocks of 16
@@ -57,3 +57,31 @@ def test_resumed_request_replaces_its_block_table_and_finished_is_dropped(runner
     assert out.sampled_token_ids == runner.execute_model(cached("again", 1, 30, tokens=[first])).sampled_token_ids
     runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"moved", "again"}))
     assert "moved" not in runner.requests and "again" not in runner.requests
+
+
+def test_block_table_rows_follow_appends_resumption_and_finishing():
+    rows = BlockTableRows(max_blocks_per_seq=4, rows=1)
+    a = RequestState([0] * 20, [7, 3], 0, None)
+    b = RequestState([0] * 20, [5], 0, None)
+    ra, rb = rows.sync("a", a), rows.sync("b", b)  # b needs a second row: the table doubles
+    assert ra != rb and rows.table.shape[0] == 2
+    a.block_ids.append(9)
+    rows.sync("a", a)
+    assert rows.select([rb, ra], 3).tolist() == [[5, 0, 0], [7, 3, 9]]
+    a.block_ids, a.num_synced_blocks = [2], 0  # resumed with a fresh table, as _update_states does
+    rows.sync("a", a)
+    assert rows.select([ra], 1).tolist() == [[2]]
+    rows.release(a)
+    c = RequestState([0] * 20, [1, 6], 0, None)
+    assert rows.sync("c", c) == ra  # the finished request's row is reused, its old entries cleared
+    assert rows.select([ra], 3).tolist() == [[1, 6, 0]]
+    with pytest.raises(ValueError, match="block_ids"):
+        rows.sync("d", RequestState([0] * 20, [1] * 5, 0, None))
+
+
+def test_finished_requests_give_their_table_rows_back(runner):
+    runner.execute_model(new("row", [11, 12], 30))
+    row = runner.requests["row"].table_row
+    assert row >= 0
+    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"row"}))
+    assert row in runner.block_tables.free

@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.sampling_params import SamplingParams
-from workers.sampler import (Sampler, SamplingState, apply_min_p, apply_penalties, apply_top_k_top_p,
-                             token_counts)
+from workers.sampler import Sampler, SamplingState, apply_min_p, apply_penalties, apply_top_k_top_p
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # Four tokens with probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1.
@@ -152,17 +151,32 @@ def test_min_p_is_relative_to_the_tempered_distribution():
     assert set(draw(LOGITS, temperature=3.0, min_p=0.2).tolist()) == {0, 1, 2, 3}
 
 
-def test_token_counts_counts_each_id_per_row():
-    counts = token_counts([[1, 1, 3], [], [0]], vocab_size=4, device=torch.device("cpu"))
-    assert counts.tolist() == [[0, 2, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
+def test_seen_tokens_follow_appended_outputs_incrementally():
+    state = make_state(prompt=[5, 1, 5], repetition_penalty=1.2)
+    assert state.seen_tokens() == {5: 0, 1: 0}  # prompt tokens enter with no output count
+    state.output_token_ids.extend([1, 7])
+    assert state.seen_tokens() == {5: 0, 1: 1, 7: 1}
+    state.output_token_ids.append(7)
+    assert state.seen_tokens() == {5: 0, 1: 1, 7: 2}
+    state.output_token_ids = [9]  # replaced by a shorter list (a resumed history): recounted
+    assert state.seen_tokens() == {5: 0, 1: 0, 9: 1}
+    no_repetition = make_state(prompt=[5], presence_penalty=0.5)
+    no_repetition.output_token_ids.append(3)
+    assert no_repetition.seen_tokens() == {3: 1}  # presence/frequency ignore the prompt
+
+
+def penalise(logits, seen: list[dict[int, int]], repetition, presence, frequency):
+    rows = torch.tensor([r for r, d in enumerate(seen) for _ in d], dtype=torch.long)
+    ids = torch.tensor([t for d in seen for t in d], dtype=torch.long)
+    counts = torch.tensor([c for d in seen for c in d.values()], dtype=torch.float32)
+    return apply_penalties(logits, rows, ids, counts, torch.tensor(repetition), torch.tensor(presence),
+                           torch.tensor(frequency))
 
 
 def test_penalties_follow_their_formulas():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -4.0]])
-    prompt = token_counts([[0, 4]], 5, torch.device("cpu"))
-    output = token_counts([[1, 1, 2]], 5, torch.device("cpu"))
-    out = apply_penalties(logits, prompt, output, repetition=torch.tensor([2.0]),
-                          presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]))
+    seen = [{0: 0, 4: 0, 1: 2, 2: 1}]  # prompt tokens 0 and 4; outputs 1, 1, 2
+    out = penalise(logits, seen, repetition=[2.0], presence=[0.5], frequency=[0.25])
     expected = [
         2.0 / 2,                     # prompt token, positive: divided; presence/frequency ignore prompts
         -1.0 * 2 - 0.5 - 0.25 * 2,   # output token twice, negative: multiplied, then both penalties
@@ -171,14 +185,35 @@ def test_penalties_follow_their_formulas():
         -4.0 * 2,                    # prompt token, negative: multiplied
     ]
     torch.testing.assert_close(out[0], torch.tensor(expected))
+    assert logits[0, 0].item() == 2.0  # out of place
 
 
 def test_negative_presence_and_frequency_reward_repeats():
-    logits = torch.zeros(1, 3)
-    output = token_counts([[2, 2, 2]], 3, torch.device("cpu"))
-    out = apply_penalties(logits, torch.zeros(1, 3), output, torch.tensor([1.0]),
-                          presence=torch.tensor([-1.0]), frequency=torch.tensor([-0.5]))
+    out = penalise(torch.zeros(1, 3), [{2: 3}], [1.0], presence=[-1.0], frequency=[-0.5])
     assert out[0].tolist() == [0.0, 0.0, 2.5]
+
+
+def test_sparse_penalties_equal_a_dense_pass_bitwise():
+    """Touching only seen tokens gives exactly what the whole-vocabulary formula gives."""
+    gen = torch.Generator().manual_seed(5)
+    batch, vocab = 6, 300
+    logits = torch.randn(batch, vocab, generator=gen) * 4
+    prompt = torch.zeros(batch, vocab)
+    output = torch.zeros(batch, vocab)
+    seen = []
+    for r in range(batch):
+        for t in torch.randint(vocab, (40,), generator=gen).tolist():
+            prompt[r, t] += 1
+        for t in torch.randint(vocab, (25,), generator=gen).tolist():
+            output[r, t] += 1
+        seen.append({t: int(output[r, t]) for t in (prompt[r] + output[r]).nonzero().flatten().tolist()})
+    repetition = torch.rand(batch, generator=gen) + 0.5
+    presence, frequency = torch.randn(batch, generator=gen), torch.randn(batch, generator=gen)
+    dense_penalty = torch.where((prompt + output) > 0, repetition[:, None], 1.0)
+    dense = torch.where(logits > 0, logits / dense_penalty, logits * dense_penalty)
+    dense = dense - frequency[:, None] * output - presence[:, None] * (output > 0)
+    sparse = penalise(logits, seen, repetition.tolist(), presence.tolist(), frequency.tolist())
+    assert torch.equal(sparse, dense)
 
 
 def test_sampler_penalises_each_row_with_its_own_history():

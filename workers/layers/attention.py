@@ -42,20 +42,32 @@ class AttentionMetadata:
               block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
         """Metadata and token positions for requests that each compute query_lens[i] tokens from
         position starts[i]; requests with one query token must come first."""
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        return cls.from_tables(starts, query_lens, tables, block_size, device)
+
+    @classmethod
+    def from_tables(cls, starts: list[int], query_lens: list[int], tables: torch.Tensor, block_size: int,
+                    device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+        """As `build`, with the block tables already a host int32 tensor [B, width] (rows padded)."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        q_lens = torch.tensor(query_lens, dtype=torch.int32)
         starts_t = torch.tensor(starts, dtype=torch.int32)
-        seq_lens = starts_t + q_lens
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        # Per-token request index and position; the slot follows from the block table.
-        row = torch.repeat_interleave(torch.arange(len(block_tables)), q_lens)
-        cu = torch.zeros(len(block_tables) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=cu[1:])
-        positions = (starts_t[row] + torch.arange(len(row), dtype=torch.int32) - cu[:-1][row]).long()
-        slots = tables[row, positions // block_size].long() * block_size + positions % block_size
+        if num_decodes == len(query_lens):  # pure decode: one token per request, at its start
+            positions = starts_t.long()
+            seq_lens = starts_t + 1
+            cu = torch.arange(len(starts) + 1, dtype=torch.int32)
+            block = tables.gather(1, (positions // block_size)[:, None]).squeeze(1)
+        else:  # per-token request index and position; the slot follows from the block table
+            q_lens = torch.tensor(query_lens, dtype=torch.int32)
+            seq_lens = starts_t + q_lens
+            row = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+            cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+            torch.cumsum(q_lens, 0, out=cu[1:])
+            positions = (starts_t[row] + torch.arange(len(row), dtype=torch.int32) - cu[:-1][row]).long()
+            block = tables[row, positions // block_size]
+        slots = block.long() * block_size + positions % block_size
         meta = cls(
             slot_mapping=slots.to(device, non_blocking=True),
             query_start_loc=cu.to(device, non_blocking=True),
@@ -126,7 +138,7 @@ def select_backend(device: torch.device, name: str = "auto",
         backend = TritonDecodeBackend()
     else:
         from workers.layers.backends.torch_ref import TorchBackend
-        backend = TorchBackend()
+        backend = TorchBackend(paged_kernel=device.type == "cpu")
     logger.info("attention backend: %s", backend.name)
     return backend
 

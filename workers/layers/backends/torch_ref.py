@@ -1,4 +1,4 @@
-"""Reference attention in plain torch (CPU and CUDA): decodes batched, prefill chunks per request."""
+"""Attention in torch (CPU and CUDA): decodes batched (a paged C++ kernel on CPU), prefill chunks per request."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.layers.attention import AttentionMetadata
+from workers.layers.backends import cpu_paged
 
 
 @dataclass(slots=True)
@@ -20,45 +21,45 @@ class _Prefill:
 
 @dataclass(slots=True)
 class _TorchState:
-    decode_block_ids: torch.Tensor | None  # [num_decodes * blocks] flattened
-    decode_blocks: int
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size] additive (0 / -inf)
     prefills: list[_Prefill]
+    # Gather path only, derived at the first layer that takes it (the CPU kernel needs none of it):
+    decode_block_ids: torch.Tensor | None = None  # [num_decodes * blocks] flattened
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, blocks * block_size] additive (0 / -inf)
     # Gather buffers reused by every layer of the step (fresh large allocations page-fault on CPU).
     k_buf: torch.Tensor | None = None
     v_buf: torch.Tensor | None = None
 
 
 class TorchBackend:
-    """Gathers context blocks through the block table and runs scaled_dot_product_attention."""
+    """Decodes: on CPU a C++ kernel that reads K/V through the block table (workers/layers/backends/
+    cpu_paged.py), else gather each context's blocks and run masked SDPA. Prefills: SDPA per request."""
 
     name = "torch"
     # Decode gathers as many blocks as the longest context of the step: a shape graphs cannot fix.
     supports_cuda_graphs = False
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        meta.backend_state = _TorchState(*self._prepare_decodes(meta), _prepare_prefills(meta))
+    def __init__(self, paged_kernel: bool = False) -> None:
+        """paged_kernel: decode CPU tensors with the compiled kernel when it builds here."""
+        self.kernel = cpu_paged.load() if paged_kernel else None
 
-    def _prepare_decodes(self, meta: AttentionMetadata) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
-        nd, bs = meta.num_decodes, meta.block_size
-        if not nd:
-            return None, 0, None
-        nblocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
-        ids = meta.block_tables[:nd, :nblocks].reshape(-1).long()
-        pos = torch.arange(nblocks * bs, device=meta.seq_lens.device)
-        outside = (pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
-        mask = torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))
-        return ids, nblocks, mask
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.backend_state = _TorchState(_prepare_prefills(meta))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         state: _TorchState = meta.backend_state
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides (it may view a fused QKV output)
         nd = meta.num_decodes
-        if nd:
+        if nd and self._kernel_takes(q, k_cache):
+            self.kernel(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        elif nd:
             out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
         _prefill(out, q, k, v, k_cache, v_cache, state.prefills, scale)
         return out
+
+    def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (self.kernel is not None and q.device.type == "cpu" and k_cache.is_contiguous()
+                and cpu_paged.supports(q.dtype, q.shape[-1]))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -67,6 +68,8 @@ class TorchBackend:
         The query heads of a GQA group act as that KV head's query rows, so K/V are never repeated.
         """
         state: _TorchState = meta.backend_state
+        if state.decode_block_ids is None:
+            state.decode_block_ids, state.decode_mask = _prepare_gather(meta)
         nd, hq, d = q.shape
         hk = k_cache.shape[2]
         if state.k_buf is None:
@@ -82,6 +85,18 @@ class TorchBackend:
         o = F.scaled_dot_product_attention(q.view(nd, hk, hq // hk, d), k, v, attn_mask=state.decode_mask,
                                            scale=scale)
         return o.reshape(nd, hq, d)
+
+
+def _prepare_gather(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flattened block ids of the decodes' contexts (as many blocks as the longest) and the mask
+    that hides each row's positions past its own length."""
+    nd, bs = meta.num_decodes, meta.block_size
+    nblocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
+    ids = meta.block_tables[:nd, :nblocks].reshape(-1).long()
+    pos = torch.arange(nblocks * bs, device=meta.seq_lens.device)
+    outside = (pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+    mask = torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))
+    return ids, mask
 
 
 def _prepare_prefills(meta: AttentionMetadata) -> list[_Prefill]:

@@ -1,0 +1,189 @@
+// Paged decode attention on CPU: reads K/V through the block table (see cpu_paged.py, which builds it).
+// Registered as torch.ops.raylm.paged_decode.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;  // independent partial sums: vectorisable without reassociating
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T, int D>
+inline float dot(const float* q, const T* k) {
+  float acc[kLanes] = {0.f};
+  for (int i = 0; i < D; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += q[i + j] * widen(k[i + j]);
+  for (int w = kLanes / 2; w > 0; w /= 2)  // a fixed tree: shuffles and vector adds, not 15 scalar adds
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return acc[0];
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp of std::exp; plain arithmetic,
+// so the compiler vectorises the loop that calls it (std::exp stays a scalar call per score).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // exp(-87) is near FLT_MIN; lower scores weigh nothing at float precision
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-6f;  // x - n ln2, two parts
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float sum(const float* x, int64_t n) {
+  float acc[kLanes] = {0.f};
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += x[t + j];
+  for (; t < n; ++t) acc[0] += x[t];
+  float s = 0.f;
+  for (int j = 0; j < kLanes; ++j) s += acc[j];
+  return s;
+}
+
+template <typename T, int D>
+inline void axpy(float p, const T* v, float* acc) {
+  for (int i = 0; i < D; ++i) acc[i] += p * widen(v[i]);
+}
+
+struct Shape {
+  int64_t hk, group, block_size, table_stride;
+  float scale;
+};
+
+// One request's KV heads [h0, h0 + nh): their nh * group query rows (row j at q + j * q_head_stride,
+// KV head h0 + j / group) attend over seq_len cached tokens. Each token's K (then V) row is read
+// once for all of those heads, so a block is one contiguous read when nh covers every KV head.
+template <typename T, int D>
+void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const int32_t* table, int64_t seq_len,
+            int64_t h0, int64_t nh, const Shape& s, float* work, T* out) {
+  const int64_t G = s.group, R = nh * G, bs = s.block_size, token = s.hk * D;
+  float* qf = work;                 // [R, D] scaled queries
+  float* acc = qf + R * D;          // [R, D] weighted values
+  float* scores = acc + R * D;      // [R, seq_len]
+  for (int64_t j = 0; j < R; ++j)
+    for (int64_t i = 0; i < D; ++i) qf[j * D + i] = widen(q[j * q_head_stride + i]) * s.scale;
+  std::fill(acc, acc + R * D, 0.f);
+  for (int64_t t0 = 0; t0 < seq_len; t0 += bs) {
+    const T* kb = kc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h0 * D;
+    for (int64_t t = t0; t < std::min(seq_len, t0 + bs); ++t)
+      for (int64_t j = 0; j < R; ++j)
+        scores[j * seq_len + t] = dot<T, D>(qf + j * D, kb + (t - t0) * token + (j / G) * D);
+  }
+  for (int64_t j = 0; j < R; ++j) {
+    float* row = scores + j * seq_len;
+    const float m = *std::max_element(row, row + seq_len);
+    for (int64_t t = 0; t < seq_len; ++t) row[t] = exp_nonpositive(row[t] - m);
+    const float inv = 1.f / sum(row, seq_len);
+    for (int64_t t = 0; t < seq_len; ++t) row[t] *= inv;
+  }
+  for (int64_t t0 = 0; t0 < seq_len; t0 += bs) {
+    const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h0 * D;
+    for (int64_t t = t0; t < std::min(seq_len, t0 + bs); ++t)
+      for (int64_t j = 0; j < R; ++j)
+        axpy<T, D>(scores[j * seq_len + t], vb + (t - t0) * token + (j / G) * D, acc + j * D);
+  }
+  for (int64_t i = 0; i < R * D; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+template <typename T, int D>
+void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+         const at::Tensor& tables, const at::Tensor& seq_lens, const Shape& s) {
+  const int64_t n = q.size(0), hq = q.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  const int64_t longest = *std::max_element(lp, lp + n);
+  // A task per request (all KV heads, contiguous reads) when that keeps every thread busy; a task
+  // per (request, KV head) for small batches. Each head's arithmetic is the same either way.
+  const int64_t nh = n >= 2 * at::get_num_threads() ? s.hk : 1, parts = s.hk / nh;
+  at::parallel_for(0, n * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(nh * s.group * (2 * D + longest));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / parts, h0 = (item % parts) * nh, head = h0 * s.group;
+      attend<T, D>(qp + r * q.stride(0) + head * q.stride(1), q.stride(1), kp, vp, tp + r * s.table_stride, lp[r],
+                   h0, nh, s, work.data(), op + (r * hq + head) * D);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head(at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                   const at::Tensor& tables, const at::Tensor& seq_lens, const Shape& s) {
+  switch (q.size(2)) {
+    case 32: return run<T, 32>(out, q, kc, vc, tables, seq_lens, s);
+    case 64: return run<T, 64>(out, q, kc, vc, tables, seq_lens, s);
+    case 96: return run<T, 96>(out, q, kc, vc, tables, seq_lens, s);
+    case 128: return run<T, 128>(out, q, kc, vc, tables, seq_lens, s);
+    case 256: return run<T, 256>(out, q, kc, vc, tables, seq_lens, s);
+  }
+  TORCH_CHECK_VALUE(false, "paged_decode: head size ", q.size(2), " is not compiled in");
+}
+
+// Block ids are read as raw offsets: check them once here rather than per load.
+void check_tables(const at::Tensor& tables, const at::Tensor& seq_lens, int64_t num_blocks, int64_t bs) {
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < seq_lens.size(0); ++r) {
+    TORCH_CHECK_VALUE(lp[r] >= 1 && (lp[r] + bs - 1) / bs <= tables.size(1),
+                "seq_lens: row ", r, " has ", lp[r], " tokens for ", tables.size(1), " table entries");
+    for (int64_t b = 0; b < (lp[r] + bs - 1) / bs; ++b) {
+      const int32_t id = tp[r * tables.stride(0) + b];
+      TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, "block_tables: row ", r, " names block ", id);
+    }
+  }
+}
+
+}  // namespace
+
+// out, q: [n, Hq, D] (q may be a strided view, e.g. of a fused QKV projection); caches: [num_blocks, block_size, Hk, D]; tables: [n, >= blocks] int32;
+// seq_lens: [n] int32 (context length including this step's token).
+void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                  at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1 && out.is_contiguous() && out.sizes() == q.sizes(),
+              "q/out: [n, Hq, D] of one shape, out contiguous, q contiguous in its last dimension");
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
+              && v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2),
+              "k_cache/v_cache: contiguous [blocks, block_size, Hk, D]");
+  TORCH_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type()
+              && v_cache.scalar_type() == q.scalar_type(), "q/out/caches: one dtype");
+  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt
+              && block_tables.dim() == 2 && block_tables.stride(1) == 1 && seq_lens.is_contiguous()
+              && block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "block_tables/seq_lens: int32 [n, blocks] (rows contiguous) and [n]");
+  const int64_t hk = k_cache.size(2);
+  TORCH_CHECK_VALUE(q.size(1) % hk == 0, "q: ", q.size(1), " heads are not a multiple of ", hk, " KV heads");
+  if (q.size(0) == 0) return;
+  check_tables(block_tables, seq_lens, k_cache.size(0), k_cache.size(1));
+  const Shape s{hk, q.size(1) / hk, k_cache.size(1), block_tables.stride(0), static_cast<float>(scale)};
+  if (q.scalar_type() == at::kFloat) return dispatch_head<float>(out, q, k_cache, v_cache, block_tables, seq_lens, s);
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kBFloat16, "q: float32 or bfloat16, got ", q.scalar_type());
+  dispatch_head<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, s);
+}
+
+TORCH_LIBRARY(raylm, m) { m.def("paged_decode", &paged_decode); }
