@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from workers.layers.attention import AttentionMetadata
-from workers.layers.backends.torch_ref import TorchBackend, _prepare_prefills, _TorchState
+from workers.layers.backends.torch_ref import TorchBackend
 
 
 @triton.jit
@@ -147,9 +147,6 @@ class TritonDecodeBackend(TorchBackend):
 
     name = "triton"
     supports_cuda_graphs = True  # decode reads only fixed-shape tensors; lengths are data
-
-    def prepare(self, meta: AttentionMetadata) -> None:
-        meta.backend_state = _TorchState(None, 0, None, _prepare_prefills(meta))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
