@@ -22,6 +22,46 @@ logger = logging.getLogger(__name__)
 _ARRIVAL, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4
 
 
+@dataclass(frozen=True, slots=True)
+class HostConfig:
+    """Replicas that share one host's CPU cores: a step is stretched while co-hosted replicas are busy.
+
+    Replica i runs on host i // replicas_per_host. A replica's engine runs `cores_per_replica`
+    threads (the threads its profile was calibrated with); the host has `cores`, of which
+    `background_cores` go to what runs beside the engines (Serve's proxy and controller, the router,
+    the client). A step that starts while `busy` replicas of its host (itself included) have a step
+    in flight takes max(1, busy * cores_per_replica / (cores - background_cores)) times the profile's
+    time: the engines share the cores left, and none runs faster than its own threads allow. The
+    share is taken when the step starts (a step already running is not re-timed when another starts).
+    cores == 0: no sharing (every replica has its profile's cores to itself).
+    """
+
+    replicas_per_host: int = 1
+    cores: float = 0.0
+    cores_per_replica: float = 1.0
+    background_cores: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.replicas_per_host < 1:
+            raise ValueError(f"replicas_per_host: must be >= 1, got {self.replicas_per_host}")
+        if not self.cores >= 0:
+            raise ValueError(f"cores: must be >= 0, got {self.cores}")
+        if not self.cores_per_replica > 0:
+            raise ValueError(f"cores_per_replica: must be > 0, got {self.cores_per_replica}")
+        if self.cores and not 0 <= self.background_cores < self.cores:
+            raise ValueError(f"background_cores: must be in [0, cores), got {self.background_cores}")
+
+    @property
+    def shared(self) -> bool:
+        return self.cores > 0
+
+    def stretch(self, busy: int) -> float:
+        """Step-time factor while `busy` replicas of the host run steps."""
+        if not self.shared:
+            return 1.0
+        return max(1.0, busy * self.cores_per_replica / (self.cores - self.background_cores))
+
+
 @dataclass(slots=True)
 class SimConfig:
     """The simulated fleet: replica count, each replica's scheduler, router and its stats delay."""
@@ -35,6 +75,7 @@ class SimConfig:
     # Run a replica's steps back to back while no other event intervenes, and jump over its
     # pure-decode stretches (False: every step through the event queue, the reference).
     coalesce: bool = True
+    host: HostConfig = field(default_factory=HostConfig)  # co-hosted replicas sharing cores
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -60,6 +101,9 @@ class FleetSim:
         self.cost = cost
         self.on_step = on_step
         self.replicas = [SimReplica(f"replica-{i}", config.scheduler, cost) for i in range(config.num_replicas)]
+        per_host = config.host.replicas_per_host
+        self._cohosts = {r.name: [o for o in self.replicas[i // per_host * per_host:(i // per_host + 1) * per_host]
+                                  if o is not r] for i, r in enumerate(self.replicas)} if config.host.shared else {}
         self.names = [r.name for r in self.replicas]
         self._by_name = {r.name: r for r in self.replicas}
         self.fleet = FleetState(config.routing)
@@ -147,18 +191,26 @@ class FleetSim:
             hashes.append(parent)
         return hashes
 
+    def _stretch(self, replica: SimReplica) -> float:
+        """The host-sharing factor for a step this replica starts now."""
+        if not self._cohosts:
+            return 1.0
+        busy = 1 + sum(1 for o in self._cohosts[replica.name] if o.in_flight is not None)
+        return self.config.host.stretch(busy)
+
     def _step(self, replica: SimReplica, now: float) -> None:
-        plan = replica.start_step(now)
+        plan = replica.start_step(now, self._stretch(replica))
         if plan is not None:
             self._push(plan.end_s, _STEP_END, (replica, plan))
 
     def _next(self, replica: SimReplica, now: float) -> StepPlan | Cruise | None:
-        # A cruise ends by the next stats report, which must see the replica's exact state.
-        if self.config.coalesce:
+        # A cruise ends by the next stats report, which must see the replica's exact state. With
+        # shared hosts a co-hosted replica's start or stop would change the cruise's step times: none.
+        if self.config.coalesce and not self._cohosts:
             cruise = replica.plan_cruise(now, self._next_stats_s)
             if cruise is not None:
                 return cruise
-        return replica.start_step(now)
+        return replica.start_step(now, self._stretch(replica))
 
     def _end_step(self, payload: tuple[SimReplica, StepPlan | Cruise], now: float,
                   records: dict[str, RequestRecord]) -> int:

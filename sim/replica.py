@@ -35,6 +35,25 @@ class Cruise:
         return self.ends[-1]
 
 
+def step_shape(out: SchedulerOutput, requests: dict[str, Request]) -> tuple[int, int, int]:
+    """(prefill tokens, decode tokens, KV tokens read) of a scheduled step, as the cost model takes them.
+
+    Called after schedule(), which has already advanced num_computed_tokens. A request computing
+    one token past its prompt is a decode; anything else (prompt chunks, recompute) is prefill.
+    `sim calibrate` counts the steps it times with this same function.
+    """
+    prefill = decode = kv_read = 0
+    for rid, n in out.num_scheduled_tokens.items():
+        req = requests[rid]
+        start = req.num_computed_tokens - n
+        kv_read += start
+        if n == 1 and start >= req.num_prompt_tokens:
+            decode += 1
+        else:
+            prefill += n
+    return prefill, decode, kv_read
+
+
 class SimReplica:
     """A real Scheduler whose steps take the cost model's time and sample EOS at the output length."""
 
@@ -103,22 +122,15 @@ class SimReplica:
         self.in_flight = None
         return outputs
 
-    def start_step(self, now: float) -> StepPlan | None:
-        """Schedule the next step (None if nothing to run) and time it."""
+    def start_step(self, now: float, stretch: float = 1.0) -> StepPlan | None:
+        """Schedule the next step (None if nothing to run) and time it (times stretch: shared cores)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return None
-        requests = self.scheduler.requests
-        prefill = decode = kv_read = 0
-        for rid, n in out.num_scheduled_tokens.items():
-            req = requests[rid]
-            start = req.num_computed_tokens - n
-            kv_read += start
-            if n == 1 and start >= req.num_prompt_tokens:
-                decode += 1
-            else:
-                prefill += n
+        prefill, decode, kv_read = step_shape(out, self.scheduler.requests)
         duration = self.cost.step_time(prefill, decode, kv_read, len(out.num_scheduled_tokens))
+        if stretch != 1.0:
+            duration *= stretch
         self.in_flight = StepPlan(out, now + duration)
         self.num_steps += 1
         self.busy_s += duration

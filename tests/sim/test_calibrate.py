@@ -1,0 +1,123 @@
+"""sim calibrate: the fit recovers known coefficients, and a real (tiny) engine calibrates end to end without Ray."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sim.cost import CostModel, load_profile
+from sim.fit import Coefficients, StepSample, fit_coefficients, prediction_error, samples_from_json
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _grid(prefill, decode) -> list[tuple[int, int, int, int]]:
+    """(prefill, decode, kv_read, seqs) of single-step prefills over seqs and of decode batches at a context."""
+    rows = [(t, 0, 0, s) for t, s in prefill]
+    return rows + [(0, b, b * c, b) for b, c in decode]
+
+
+_CPU_SHAPES = _grid(((16, 1), (64, 1), (256, 1), (1024, 1), (2048, 1), (256, 4), (2048, 8)),
+                    ((1, 32), (1, 320), (8, 32), (32, 320), (64, 32), (64, 320)))
+_GPU_SHAPES = _grid(((16, 1), (512, 1), (8192, 1), (512, 8), (8192, 32)),
+                    ((1, 128), (1, 2048), (32, 128), (64, 512), (256, 128), (256, 1024)))
+
+
+def _samples(model: CostModel, shapes) -> list[StepSample]:
+    return [StepSample(p, d, r, n, model.step_time(p, d, r, n)) for p, d, r, n in shapes]
+
+
+@pytest.mark.parametrize("profile,shapes", [("cpu", _CPU_SHAPES), ("h100", _GPU_SHAPES)])
+def test_fit_recovers_the_coefficients_that_made_the_steps(profile, shapes):
+    truth = load_profile(profile)
+    samples = _samples(truth, shapes)
+    # Both regimes occur, or the test would not pin every coefficient.
+    c = Coefficients.of(truth)
+    regimes = {c.sec_per_token * s.tokens > c.weight_read_s + c.sec_per_kv_token * (s.kv_read_tokens + s.tokens)
+               for s in samples}
+    assert regimes == {True, False}
+    fitted = fit_coefficients(samples)
+    for name in Coefficients.__slots__:
+        assert math.isclose(getattr(fitted, name), getattr(c, name), rel_tol=1e-6), name
+    model = fitted.to_cost_model("fit", truth.num_params, truth.weight_bytes, "")
+    for name in ("flops_per_s", "bytes_per_s", "kv_bytes_per_token", "step_overhead_s", "per_seq_overhead_s"):
+        assert math.isclose(getattr(model, name), getattr(truth, name), rel_tol=1e-6), name
+
+
+def test_fit_with_noise_stays_close_and_reports_its_error():
+    truth = load_profile("cpu")
+    clean = _samples(truth, _CPU_SHAPES)
+    # Deterministic +-3% multiplicative noise.
+    noisy = [StepSample(s.prefill_tokens, s.decode_tokens, s.kv_read_tokens, s.num_seqs,
+                        s.seconds * (1.03 if i % 2 else 0.97)) for i, s in enumerate(clean)]
+    model = fit_coefficients(noisy).to_cost_model("fit", truth.num_params, truth.weight_bytes, "")
+    err = prediction_error(model, clean)
+    assert err.num_steps == len(clean)
+    assert err.median_abs_pct < 5 and abs(err.total_pct) < 5
+
+
+def test_fit_when_every_step_is_memory_bound_still_predicts_them():
+    """Overhead and weight read are then one constant: the fit picks a split, the predictions hold."""
+    truth = load_profile("h100")
+    samples = _samples(truth, _grid((), ((1, 128), (4, 512), (16, 2048), (64, 128), (64, 1024), (8, 64))))
+    model = fit_coefficients(samples).to_cost_model("fit", truth.num_params, truth.weight_bytes, "")
+    assert prediction_error(model, samples).p90_abs_pct < 1e-6
+    # The split keeps the bandwidth finite: the overhead is read as part of the weight read.
+    c = Coefficients.of(truth)
+    assert model.step_overhead_s == 0
+    assert math.isclose(model.bytes_per_s, truth.weight_bytes / (c.weight_read_s + c.step_overhead_s), rel_tol=1e-6)
+
+
+def test_bad_samples_name_the_field():
+    with pytest.raises(ValueError, match="seconds"):
+        StepSample(1, 0, 0, 1, 0.0)
+    with pytest.raises(ValueError, match="num_seqs"):
+        StepSample(1, 0, 0, -1, 1.0)
+    with pytest.raises(ValueError, match=r"samples\[1\]: .*seconds"):
+        samples_from_json([{"prefill_tokens": 1, "decode_tokens": 0, "kv_read_tokens": 0, "num_seqs": 1,
+                            "seconds": 1.0}, {"prefill_tokens": 1, "decode_tokens": 0, "kv_read_tokens": 0,
+                                              "num_seqs": 1, "seconds": -2.0}])
+    with pytest.raises(ValueError, match="samples: need at least 5"):
+        fit_coefficients([StepSample(1, 0, 0, 1, 1.0)])
+
+
+def test_calibrate_times_a_real_engine_fits_and_loads_no_ray(tiny_checkpoint, tmp_path):
+    """`python -m sim calibrate` on a tiny random checkpoint, CPU, in a fresh process: no `ray` module loads."""
+    model_dir, _ = tiny_checkpoint("llama")
+    profile, samples = tmp_path / "p.json", tmp_path / "s.json"
+    args = ["calibrate", "--model", model_dir, "--device", "cpu", "--dtype", "float32", "--threads", "1",
+            "--repeats", "2", "--budget", "128", "--mixed-requests", "4",
+            "--prefill-shapes", "16:1", "64:1", "128:1", "128:4",
+            "--decode-shapes", "1:16", "4:16", "4:96", "8:48",
+            "--heldout-prefill-shapes", "32:1", "--heldout-decode-shapes", "2:64",
+            "--output", str(profile), "--samples", str(samples)]
+    code = (f"import sys; from sim.__main__ import main; main({args!r}); "
+            "loaded = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]; "
+            "print('ray modules:', loaded); sys.exit(3 if loaded else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "held out, shapes:" in proc.stdout and "held out, mixed batch:" in proc.stdout
+    fitted = load_profile(str(profile))
+    assert fitted.name.startswith("cpu-tiny-llama") and fitted.name.endswith("-float32")
+    assert fitted.num_params > 0 and fitted.weight_bytes == 4 * fitted.num_params  # fp32
+    data = json.loads(samples.read_text())
+    fit = samples_from_json(data["fit"])
+    # The timed shapes are the ones asked for, counted as the simulator counts a step.
+    assert [(s.prefill_tokens, s.num_seqs) for s in fit[:4]] == [(16, 1), (64, 1), (128, 1), (128, 4)]
+    assert [(s.decode_tokens, s.num_seqs, s.prefill_tokens) for s in fit[4:]] == [(1, 1, 0), (4, 4, 0), (4, 4, 0),
+                                                                                   (8, 8, 0)]
+    assert all(s.kv_read_tokens >= s.num_seqs * c for s, c in zip(fit[4:], (16, 16, 96, 48)))
+    heldout = {k: samples_from_json(v) for k, v in data["heldout"].items()}
+    assert len(heldout["shapes"]) == 2 and heldout["mixed batch"] and heldout["chunked prefill"]
+    # Refitting the saved samples (no torch) gives the same profile.
+    refit = tmp_path / "r.json"
+    from sim.__main__ import main
+
+    main(["calibrate", "--from-samples", str(samples), "--output", str(refit)])
+    again = load_profile(str(refit))
+    for name in ("flops_per_s", "bytes_per_s", "kv_bytes_per_token", "step_overhead_s", "per_seq_overhead_s"):
+        assert getattr(again, name) == getattr(fitted, name), name
