@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import time
@@ -130,6 +131,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
     """Time real engine steps (or refit saved ones), fit a profile, print its held-out error, write it."""
     from sim.fit import samples_from_json
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if a.from_samples:
         data = json.loads(Path(a.from_samples).read_text())
         cal = _refit(data, samples_from_json)

@@ -181,8 +181,12 @@ class _StepTimer:
 def _median_sample(runs: list[StepSample]) -> StepSample:
     """The middle run's shape with the median time of all runs."""
     mid = runs[len(runs) // 2]
-    return StepSample(mid.prefill_tokens, mid.decode_tokens, mid.kv_read_tokens, mid.num_seqs,
-                      statistics.median(s.seconds for s in runs))
+    sample = StepSample(mid.prefill_tokens, mid.decode_tokens, mid.kv_read_tokens, mid.num_seqs,
+                        statistics.median(s.seconds for s in runs))
+    logger.info("step of %d prefill + %d decode tokens, %d KV read, %d seqs: median %.1f ms of %s",
+                sample.prefill_tokens, sample.decode_tokens, sample.kv_read_tokens, sample.num_seqs,
+                sample.seconds * 1e3, [round(s.seconds * 1e3, 1) for s in runs])
+    return sample
 
 
 def _decode_max_tokens(batch: int, context: int, repeats: int, budget: int) -> int:

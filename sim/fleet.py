@@ -29,10 +29,11 @@ class HostConfig:
     Replica i runs on host i // replicas_per_host. A replica's engine runs `cores_per_replica`
     threads (the threads its profile was calibrated with); the host has `cores`, of which
     `background_cores` go to what runs beside the engines (Serve's proxy and controller, the router,
-    the client). A step that starts while `busy` replicas of its host (itself included) have a step
-    in flight takes max(1, busy * cores_per_replica / (cores - background_cores)) times the profile's
-    time: the engines share the cores left, and none runs faster than its own threads allow. The
-    share is taken when the step starts (a step already running is not re-timed when another starts).
+    the client). While `busy` replicas of a host run steps, each step progresses at 1 / stretch of
+    the profile's speed, stretch = max(1, busy * cores_per_replica / (cores - background_cores)): the
+    engines share the cores left, and none runs faster than its own threads allow. A replica that
+    starts or stops running steps re-times the co-hosted steps in flight (processor sharing).
+    Replicas that share a host take no k-step jumps: a co-host's start would change their times.
     cores == 0: no sharing (every replica has its profile's cores to itself).
     """
 
@@ -192,16 +193,39 @@ class FleetSim:
         return hashes
 
     def _stretch(self, replica: SimReplica) -> float:
-        """The host-sharing factor for a step this replica starts now."""
+        """The host-sharing factor for a step this replica starts now (it counts as busy)."""
         if not self._cohosts:
             return 1.0
-        busy = 1 + sum(1 for o in self._cohosts[replica.name] if o.in_flight is not None)
-        return self.config.host.stretch(busy)
+        return self.config.host.stretch(1 + sum(1 for o in self._cohosts[replica.name] if o.in_flight is not None))
+
+    def _retime_cohosts(self, replica: SimReplica, now: float, became_busy: bool) -> None:
+        """replica just started or stopped running steps: the co-hosted steps in flight change speed.
+
+        Each keeps the work it has left (its remaining time over the old factor) and finishes it at
+        the new factor; the event at its old end time is then ignored.
+        """
+        others = [o for o in self._cohosts[replica.name] if isinstance(o.in_flight, StepPlan)]
+        if not others:
+            return
+        busy = len(others) + 1 if became_busy else len(others)
+        before = self.config.host.stretch(busy - 1 if became_busy else busy + 1)
+        after = self.config.host.stretch(busy)
+        if before == after:
+            return
+        for o in others:
+            plan = o.in_flight
+            end = now + (plan.end_s - now) / before * after
+            o.busy_s += end - plan.end_s
+            plan.end_s = end
+            self._push(end, _STEP_END, (o, plan))
 
     def _step(self, replica: SimReplica, now: float) -> None:
+        was_idle = replica.in_flight is None
         plan = replica.start_step(now, self._stretch(replica))
         if plan is not None:
             self._push(plan.end_s, _STEP_END, (replica, plan))
+            if was_idle and self._cohosts:
+                self._retime_cohosts(replica, now, became_busy=True)
 
     def _next(self, replica: SimReplica, now: float) -> StepPlan | Cruise | None:
         # A cruise ends by the next stats report, which must see the replica's exact state. With
@@ -216,13 +240,16 @@ class FleetSim:
                   records: dict[str, RequestRecord]) -> int:
         """Finish replica's step (or cruise) and, while no other event comes first, run the next in place."""
         replica, plan = payload
-        if replica.in_flight is not plan:  # a cruise an arrival interrupted: its steps are applied
+        # A cruise an arrival interrupted (its steps are applied), or a step re-timed by host sharing.
+        if replica.in_flight is not plan or plan.end_s != now:
             return 0
         finished = 0
         while True:
             finished += self._apply(replica, now, records)
             plan = self._next(replica, now)
             if plan is None:
+                if self._cohosts:
+                    self._retime_cohosts(replica, now, became_busy=False)
                 return finished
             if not (self.config.coalesce and (not self._events or plan.end_s < self._events[0][0])):
                 self._push(plan.end_s, _STEP_END, (replica, plan))
