@@ -2,9 +2,10 @@
 
 The engine is built in this process (TP=1, LocalExecutor), so no Ray is needed: the GPU machine
 has CUDA torch, transformers and safetensors only. Each step is timed as the simulator counts one
-(schedule + forward + sample + update_from_output). Before anything is timed, one large prefill
-and one full decode batch run untimed (allocator, kernels, oneDNN primitives); each shape then runs
-one more untimed step before `repeats` timed ones, and the fit takes their median.
+(schedule + forward + sample + update_from_output). Before anything is timed, one large prefill,
+one full decode batch and a small mixed batch run untimed (allocator, oneDNN primitives, GPU kernel
+compilation); each shape then runs one more untimed step before `repeats` timed ones, and the fit
+takes their median.
 
 Held out from the fit, and reported: a second grid of shapes, the chunked-prefill steps that set up
 the decode shapes (prefill chunks over prior context, mixed with decodes), and a small mixed batch
@@ -81,8 +82,8 @@ class CalibrationConfig:
         for name in ("decode", "heldout_decode"):
             if any(b < 1 or c < 1 for b, c in getattr(self, name)):
                 raise ValueError(f"{name}: batch and context must be >= 1")
-        if len(self.prefill) + len(self.decode) < 5:
-            raise ValueError("prefill/decode: need at least 5 shapes in all to fit 5 coefficients")
+        if len(self.prefill) + len(self.decode) < 8:
+            raise ValueError("prefill/decode: need at least 8 shapes in all to fit 8 coefficients")
 
 
 @dataclass(slots=True)
@@ -127,12 +128,12 @@ class _StepTimer:
         t1 = time.perf_counter()
         if out.is_empty:
             return None
-        prefill, decode, kv_read = step_shape(out, sched.requests)  # not timed: the engine does not do it
+        prefill, decode, kv_read, pairs = step_shape(out, sched.requests)  # not timed: the engine does not do it
         t2 = time.perf_counter()
         runner_out = self.engine.executor.execute_model(out)
         sched.update_from_output(out, runner_out)
         seconds = (t1 - t0) + (time.perf_counter() - t2)
-        return StepSample(prefill, decode, kv_read, len(out.num_scheduled_tokens), seconds)
+        return StepSample(prefill, decode, kv_read, len(out.num_scheduled_tokens), seconds, pairs)
 
     def drain(self) -> list[StepSample]:
         out = []
@@ -182,7 +183,7 @@ def _median_sample(runs: list[StepSample]) -> StepSample:
     """The middle run's shape with the median time of all runs."""
     mid = runs[len(runs) // 2]
     sample = StepSample(mid.prefill_tokens, mid.decode_tokens, mid.kv_read_tokens, mid.num_seqs,
-                        statistics.median(s.seconds for s in runs))
+                        statistics.median(s.seconds for s in runs), mid.prefill_pairs)
     logger.info("step of %d prefill + %d decode tokens, %d KV read, %d seqs: median %.1f ms of %s",
                 sample.prefill_tokens, sample.decode_tokens, sample.kv_read_tokens, sample.num_seqs,
                 sample.seconds * 1e3, [round(s.seconds * 1e3, 1) for s in runs])
@@ -228,10 +229,12 @@ def calibrate(cfg: CalibrationConfig) -> Calibration:
     weight_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
     timer = _StepTimer(engine, cfg.seed)
     t0 = time.perf_counter()
-    # Warm-up, untimed: the largest prefill and the largest decode batch.
+    # Warm-up, untimed: the largest prefill, the largest decode batch (set up by prefill chunks over
+    # prior context), and a mixed batch; a GPU compiles kernels for each new kind of step.
     timer.prefill(cfg.budget, 1, 1)
     big = max(cfg.decode)
-    timer.decode(big[0], min(big[1], 64), 2, cfg.budget)
+    timer.decode(big[0], min(big[1], max(64, 2 * cfg.budget // big[0])), 2, cfg.budget)
+    timer.mixed_batch(8, cfg.budget)
     fit_samples = [_median_sample(timer.prefill(t, s, cfg.repeats)) for t, s in cfg.prefill]
     heldout: dict[str, list[StepSample]] = {"shapes": [], "chunked prefill": [], "mixed batch": []}
     for b, c in cfg.decode:

@@ -1,23 +1,22 @@
 """Fit a CostModel to timed engine steps (pure Python: `sim calibrate` times, this fits).
 
-The cost model is linear in five per-step coefficients once each step's binding regime is known:
+The cost model is linear in its eight coefficients once each step's binding regime is known:
 
-    compute-bound: t = overhead + per_seq * seqs + sec_per_token * tokens
-    memory-bound:  t = overhead + per_seq * seqs + weight_read_s + sec_per_kv_token * (kv_read + tokens)
+    t = overhead + per_seq * seqs + [prefill] (prefill_overhead + per_prefill_seq * prefill_seqs
+        + per_pair * prefill_pairs) + (compute-bound: sec_per_token * tokens
+                                       | memory-bound: weight_read + sec_per_kv_token * (kv_read + tokens))
 
 The fit alternates between weighted non-negative least squares over all steps (residuals relative
-to the step's time, so 5 ms decode steps weigh as much as 2 s prefills) and re-assigning each step
-to the regime whose term is larger, from a few starting assignments, keeping the best.
+to the step's time, so 2 ms decode steps weigh as much as 2 s prefills) and re-assigning each step
+to the regime whose term is larger, from several starting assignments, keeping the best.
 """
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from sim.cost import CostModel
-
-_NAMES = ("step_overhead_s", "per_seq_s", "sec_per_token", "weight_read_s", "sec_per_kv_token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,15 +28,18 @@ class StepSample:
     kv_read_tokens: int
     num_seqs: int
     seconds: float
+    prefill_pairs: int = 0  # prefill attention (query token, key) pairs
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens", "decode_tokens", "kv_read_tokens", "num_seqs"):
+        for name in ("prefill_tokens", "decode_tokens", "kv_read_tokens", "num_seqs", "prefill_pairs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not (self.seconds > 0 and math.isfinite(self.seconds)):
             raise ValueError(f"seconds: must be a finite number > 0, got {self.seconds}")
         if self.prefill_tokens + self.decode_tokens == 0:
             raise ValueError("prefill_tokens/decode_tokens: a step computes at least one token")
+        if self.decode_tokens > self.num_seqs:
+            raise ValueError(f"num_seqs: at least decode_tokens ({self.decode_tokens}), got {self.num_seqs}")
 
     @property
     def tokens(self) -> int:
@@ -46,18 +48,22 @@ class StepSample:
 
 @dataclass(frozen=True, slots=True)
 class Coefficients:
-    """Seconds per unit of each term of the step-time model."""
+    """Seconds per unit of each term of the step-time model (the order of the fit's columns)."""
 
     step_overhead_s: float
     per_seq_s: float
+    prefill_overhead_s: float
+    per_prefill_seq_s: float
+    per_prefill_pair_s: float
     sec_per_token: float  # compute time of one token (2 * num_params / flops_per_s)
     weight_read_s: float  # reading the weights once (weight_bytes / bytes_per_s)
     sec_per_kv_token: float  # reading one token's K and V (kv_bytes_per_token / bytes_per_s)
 
+    def compute_bound(self, s: StepSample) -> bool:
+        return self.sec_per_token * s.tokens > self.weight_read_s + self.sec_per_kv_token * (s.kv_read_tokens + s.tokens)
+
     def predict(self, s: StepSample) -> float:
-        compute = self.sec_per_token * s.tokens
-        memory = self.weight_read_s + self.sec_per_kv_token * (s.kv_read_tokens + s.tokens)
-        return self.step_overhead_s + self.per_seq_s * s.num_seqs + max(compute, memory)
+        return sum(c * x for c, x in zip(_values(self), _row(s, self.compute_bound(s))))
 
     def to_cost_model(self, name: str, num_params: float, weight_bytes: float, source: str) -> CostModel:
         """The profile: bandwidth from the weight read; KV bytes per token at that bandwidth (effective)."""
@@ -66,19 +72,32 @@ class Coefficients:
         return CostModel(name=name, num_params=float(num_params), weight_bytes=float(weight_bytes),
                          kv_bytes_per_token=self.sec_per_kv_token * bytes_per_s, flops_per_s=flops_per_s,
                          bytes_per_s=bytes_per_s, step_overhead_s=self.step_overhead_s,
-                         per_seq_overhead_s=self.per_seq_s, source=source)
+                         per_seq_overhead_s=self.per_seq_s, prefill_step_overhead_s=self.prefill_overhead_s,
+                         per_prefill_seq_overhead_s=self.per_prefill_seq_s, prefill_pair_s=self.per_prefill_pair_s,
+                         source=source)
 
     @classmethod
     def of(cls, model: CostModel) -> Coefficients:
         """The coefficients a profile implies (inverse of to_cost_model)."""
-        return cls(model.step_overhead_s, model.per_seq_overhead_s, 2.0 * model.num_params / model.flops_per_s,
+        return cls(model.step_overhead_s, model.per_seq_overhead_s, model.prefill_step_overhead_s,
+                   model.per_prefill_seq_overhead_s, model.prefill_pair_s, 2.0 * model.num_params / model.flops_per_s,
                    model.weight_bytes / model.bytes_per_s, model.kv_bytes_per_token / model.bytes_per_s)
 
 
+_NAMES = tuple(f.name for f in fields(Coefficients))
+
+
+def _values(c: Coefficients) -> tuple[float, ...]:
+    return tuple(getattr(c, n) for n in _NAMES)
+
+
 def _row(s: StepSample, compute: bool) -> list[float]:
+    has_prefill = 1.0 if s.prefill_tokens else 0.0
+    linear = [1.0, float(s.num_seqs), has_prefill, has_prefill * (s.num_seqs - s.decode_tokens),
+              has_prefill * s.prefill_pairs]
     if compute:
-        return [1.0, float(s.num_seqs), float(s.tokens), 0.0, 0.0]
-    return [1.0, float(s.num_seqs), 0.0, 1.0, float(s.kv_read_tokens + s.tokens)]
+        return linear + [float(s.tokens), 0.0, 0.0]
+    return linear + [0.0, 1.0, float(s.kv_read_tokens + s.tokens)]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -156,13 +175,16 @@ def fit_coefficients(samples: list[StepSample], max_iters: int = 50) -> Coeffici
     if len(samples) < len(_NAMES):
         raise ValueError(f"samples: need at least {len(_NAMES)} timed steps to fit, got {len(samples)}")
     ys = [s.seconds for s in samples]
-    starts = ([s.prefill_tokens > 0 for s in samples], [False] * len(samples), [True] * len(samples))
+    # Starting regimes: all memory-bound, all compute-bound, and "prefill steps of at least n tokens
+    # are compute-bound" for every n seen (alternation alone can cycle between two wrong partitions).
+    sizes = sorted({s.prefill_tokens for s in samples if s.prefill_tokens})
+    starts = [[False] * len(samples), [True] * len(samples)]
+    starts += [[0 < n <= s.prefill_tokens for s in samples] for n in sizes]
     best: Coefficients | None = None
     for regime in starts:
         for _ in range(max_iters):
             c = Coefficients(*_nonnegative_fit([_row(s, r) for s, r in zip(samples, regime)], ys))
-            new = [c.sec_per_token * s.tokens > c.weight_read_s + c.sec_per_kv_token * (s.kv_read_tokens + s.tokens)
-                   for s in samples]
+            new = [c.compute_bound(s) for s in samples]
             if new == regime:
                 break
             regime = new
@@ -189,7 +211,8 @@ def prediction_error(model: CostModel, samples: list[StepSample]) -> FitError:
     """Per-step and total-time error of the profile on these steps (held-out steps, for a fair figure)."""
     if not samples:
         raise ValueError("samples: need at least one step")
-    predicted = [model.step_time(s.prefill_tokens, s.decode_tokens, s.kv_read_tokens, s.num_seqs) for s in samples]
+    predicted = [model.step_time(s.prefill_tokens, s.decode_tokens, s.kv_read_tokens, s.num_seqs, s.prefill_pairs)
+                 for s in samples]
     errs = sorted(abs(p - s.seconds) / s.seconds * 100 for p, s in zip(predicted, samples))
     total = sum(s.seconds for s in samples)
     return FitError(len(samples), statistics.median(errs), errs[min(len(errs) - 1, int(0.9 * len(errs)))],

@@ -1,6 +1,7 @@
 """sim calibrate: the fit recovers known coefficients, and a real (tiny) engine calibrates end to end without Ray."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -15,10 +16,15 @@ from sim.fit import Coefficients, StepSample, fit_coefficients, prediction_error
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _grid(prefill, decode) -> list[tuple[int, int, int, int]]:
-    """(prefill, decode, kv_read, seqs) of single-step prefills over seqs and of decode batches at a context."""
-    rows = [(t, 0, 0, s) for t, s in prefill]
-    return rows + [(0, b, b * c, b) for b, c in decode]
+def _grid(prefill, decode) -> list[tuple[int, int, int, int, int]]:
+    """(prefill, decode, kv_read, seqs, pairs) of single-step prefills over seqs and of decode batches at a context."""
+    rows = []
+    for t, s in prefill:
+        lens = [t // s + (1 if i < t % s else 0) for i in range(s)]
+        rows.append((t, 0, 0, s, sum(n * (n + 1) // 2 for n in lens)))
+    # Prefill chunks over prior context (as the setup of a decode shape runs them).
+    rows += [(t, 0, t * c, 1, t * c + t * (t + 1) // 2) for t, c in prefill[:2]]
+    return rows + [(0, b, b * c, b, 0) for b, c in decode]
 
 
 _CPU_SHAPES = _grid(((16, 1), (64, 1), (256, 1), (1024, 1), (2048, 1), (256, 4), (2048, 8)),
@@ -27,29 +33,36 @@ _GPU_SHAPES = _grid(((16, 1), (512, 1), (8192, 1), (512, 8), (8192, 32)),
                     ((1, 128), (1, 2048), (32, 128), (64, 512), (256, 128), (256, 1024)))
 
 
+def _truth(profile: str) -> CostModel:
+    """A shipped profile with every term of the model in play."""
+    p = load_profile(profile)
+    return dataclasses.replace(p, prefill_step_overhead_s=p.step_overhead_s * 3, per_prefill_seq_overhead_s=2e-4,
+                               prefill_pair_s=2.0 * p.num_params / p.flops_per_s / 4000)
+
+
 def _samples(model: CostModel, shapes) -> list[StepSample]:
-    return [StepSample(p, d, r, n, model.step_time(p, d, r, n)) for p, d, r, n in shapes]
+    return [StepSample(p, d, r, n, model.step_time(p, d, r, n, q), q) for p, d, r, n, q in shapes]
 
 
 @pytest.mark.parametrize("profile,shapes", [("cpu", _CPU_SHAPES), ("h100", _GPU_SHAPES)])
 def test_fit_recovers_the_coefficients_that_made_the_steps(profile, shapes):
-    truth = load_profile(profile)
+    truth = _truth(profile)
     samples = _samples(truth, shapes)
     # Both regimes occur, or the test would not pin every coefficient.
     c = Coefficients.of(truth)
-    regimes = {c.sec_per_token * s.tokens > c.weight_read_s + c.sec_per_kv_token * (s.kv_read_tokens + s.tokens)
-               for s in samples}
+    regimes = {c.compute_bound(s) for s in samples}
     assert regimes == {True, False}
     fitted = fit_coefficients(samples)
     for name in Coefficients.__slots__:
         assert math.isclose(getattr(fitted, name), getattr(c, name), rel_tol=1e-6), name
     model = fitted.to_cost_model("fit", truth.num_params, truth.weight_bytes, "")
-    for name in ("flops_per_s", "bytes_per_s", "kv_bytes_per_token", "step_overhead_s", "per_seq_overhead_s"):
+    for name in ("flops_per_s", "bytes_per_s", "kv_bytes_per_token", "step_overhead_s", "per_seq_overhead_s",
+                 "prefill_step_overhead_s", "per_prefill_seq_overhead_s", "prefill_pair_s"):
         assert math.isclose(getattr(model, name), getattr(truth, name), rel_tol=1e-6), name
 
 
 def test_fit_with_noise_stays_close_and_reports_its_error():
-    truth = load_profile("cpu")
+    truth = _truth("cpu")
     clean = _samples(truth, _CPU_SHAPES)
     # Deterministic +-3% multiplicative noise.
     noisy = [StepSample(s.prefill_tokens, s.decode_tokens, s.kv_read_tokens, s.num_seqs,
@@ -63,7 +76,8 @@ def test_fit_with_noise_stays_close_and_reports_its_error():
 def test_fit_when_every_step_is_memory_bound_still_predicts_them():
     """Overhead and weight read are then one constant: the fit picks a split, the predictions hold."""
     truth = load_profile("h100")
-    samples = _samples(truth, _grid((), ((1, 128), (4, 512), (16, 2048), (64, 128), (64, 1024), (8, 64))))
+    samples = _samples(truth, _grid((), ((1, 128), (4, 512), (16, 2048), (64, 128), (64, 1024), (8, 64), (2, 64),
+                                         (32, 32))))
     model = fit_coefficients(samples).to_cost_model("fit", truth.num_params, truth.weight_bytes, "")
     assert prediction_error(model, samples).p90_abs_pct < 1e-6
     # The split keeps the bandwidth finite: the overhead is read as part of the weight read.
@@ -81,7 +95,7 @@ def test_bad_samples_name_the_field():
         samples_from_json([{"prefill_tokens": 1, "decode_tokens": 0, "kv_read_tokens": 0, "num_seqs": 1,
                             "seconds": 1.0}, {"prefill_tokens": 1, "decode_tokens": 0, "kv_read_tokens": 0,
                                               "num_seqs": 1, "seconds": -2.0}])
-    with pytest.raises(ValueError, match="samples: need at least 5"):
+    with pytest.raises(ValueError, match="samples: need at least 8"):
         fit_coefficients([StepSample(1, 0, 0, 1, 1.0)])
 
 
@@ -92,7 +106,7 @@ def test_calibrate_times_a_real_engine_fits_and_loads_no_ray(tiny_checkpoint, tm
     args = ["calibrate", "--model", model_dir, "--device", "cpu", "--dtype", "float32", "--threads", "1",
             "--repeats", "2", "--budget", "128", "--mixed-requests", "4",
             "--prefill-shapes", "16:1", "64:1", "128:1", "128:4",
-            "--decode-shapes", "1:16", "4:16", "4:96", "8:48",
+            "--decode-shapes", "1:16", "4:16", "4:96", "8:48", "8:8",
             "--heldout-prefill-shapes", "32:1", "--heldout-decode-shapes", "2:64",
             "--output", str(profile), "--samples", str(samples)]
     code = (f"import sys; from sim.__main__ import main; main({args!r}); "
@@ -108,9 +122,10 @@ def test_calibrate_times_a_real_engine_fits_and_loads_no_ray(tiny_checkpoint, tm
     fit = samples_from_json(data["fit"])
     # The timed shapes are the ones asked for, counted as the simulator counts a step.
     assert [(s.prefill_tokens, s.num_seqs) for s in fit[:4]] == [(16, 1), (64, 1), (128, 1), (128, 4)]
+    assert [s.prefill_pairs for s in fit[:4]] == [16 * 17 // 2, 64 * 65 // 2, 128 * 129 // 2, 4 * 32 * 33 // 2]
     assert [(s.decode_tokens, s.num_seqs, s.prefill_tokens) for s in fit[4:]] == [(1, 1, 0), (4, 4, 0), (4, 4, 0),
-                                                                                   (8, 8, 0)]
-    assert all(s.kv_read_tokens >= s.num_seqs * c for s, c in zip(fit[4:], (16, 16, 96, 48)))
+                                                                                   (8, 8, 0), (8, 8, 0)]
+    assert all(s.kv_read_tokens >= s.num_seqs * c for s, c in zip(fit[4:], (16, 16, 96, 48, 8)))
     heldout = {k: samples_from_json(v) for k, v in data["heldout"].items()}
     assert len(heldout["shapes"]) == 2 and heldout["mixed batch"] and heldout["chunked prefill"]
     # Refitting the saved samples (no torch) gives the same profile.
