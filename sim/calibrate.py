@@ -82,8 +82,8 @@ class CalibrationConfig:
         for name in ("decode", "heldout_decode"):
             if any(b < 1 or c < 1 for b, c in getattr(self, name)):
                 raise ValueError(f"{name}: batch and context must be >= 1")
-        if len(self.prefill) + len(self.decode) < 8:
-            raise ValueError("prefill/decode: need at least 8 shapes in all to fit 8 coefficients")
+        if len(self.prefill) + 2 * len(self.decode) < 9:
+            raise ValueError("prefill/decode: need at least 9 fitted steps (a decode shape gives two) for 9 coefficients")
 
 
 @dataclass(slots=True)
@@ -156,26 +156,39 @@ class _StepTimer:
             runs.append(first)
         return runs[1:]
 
-    def decode(self, batch: int, context: int, repeats: int, budget: int) -> tuple[list[StepSample], list[StepSample]]:
-        """(timed pure-decode steps of `batch` requests at ~`context` tokens, the setup steps before them)."""
+    def decode(self, batch: int, context: int, repeats: int, budget: int,
+               mixed_prompt: int) -> tuple[list[StepSample], list[StepSample], list[StepSample]]:
+        """`batch` requests at ~`context` tokens: (timed pure-decode steps, timed steps that also prefill
+        one new `mixed_prompt`-token request, the setup steps before them); the first of each untimed."""
         max_tokens = _decode_max_tokens(batch, context, repeats, budget)
         ids = [self.add(context, max_tokens) for _ in range(batch)]
-        setup, timed = [], []
+        setup, timed, mixed = [], [], []
         while len(timed) < repeats + 1:
-            s = self.step()
-            if s is None:
-                raise RuntimeError(f"decode shape {(batch, context)}: ran out of work")
+            s = self._step_or_fail(batch, context)
             if s.prefill_tokens == 0 and s.decode_tokens == batch:
                 timed.append(s)
             else:
                 setup.append(s)
+        for _ in range(repeats + 1):
+            self.add(mixed_prompt, max_tokens=1)  # done in its prefill step
+            s = self._step_or_fail(batch, context)
+            if (s.prefill_tokens, s.decode_tokens) != (mixed_prompt, batch):
+                raise RuntimeError(f"decode shape {(batch, context)} beside a {mixed_prompt}-token prompt: ran {s}")
+            mixed.append(s)
         self.engine.abort_requests(ids)
-        return timed[1:], setup
+        return timed[1:], mixed[1:], setup
 
-    def mixed_batch(self, num: int, budget: int) -> list[StepSample]:
-        """num requests of random lengths (prompts 20-400, outputs 8-64) at once, run to completion."""
+    def _step_or_fail(self, batch: int, context: int) -> StepSample:
+        s = self.step()
+        if s is None:
+            raise RuntimeError(f"decode shape {(batch, context)}: ran out of work")
+        return s
+
+    def mixed_batch(self, num: int, budget: int, seed: int) -> list[StepSample]:
+        """num requests of random lengths (prompts 20-400, outputs 8-64; the same for a seed) at once, run to completion."""
+        rng = random.Random(seed)
         for _ in range(num):
-            self.add(self.rng.randint(20, min(400, budget)), self.rng.randint(8, 64))
+            self.add(rng.randint(20, min(400, budget)), rng.randint(8, 64))
         return self.drain()
 
 
@@ -190,9 +203,14 @@ def _median_sample(runs: list[StepSample]) -> StepSample:
     return sample
 
 
+def _mixed_prompt(i: int, batch: int, budget: int) -> int:
+    """The prompt prefilled beside a decode batch: a quarter of the budget, or 64 tokens, by turns."""
+    return max(1, min(budget - batch, budget // 4 if i % 2 == 0 else 64))
+
+
 def _decode_max_tokens(batch: int, context: int, repeats: int, budget: int) -> int:
     """Outputs a decode shape's requests may reach: the early ones decode while the rest prefill."""
-    return math.ceil(batch * context / budget) + repeats + 6
+    return math.ceil(batch * context / budget) + 2 * repeats + 8
 
 
 def _build_engine(cfg: CalibrationConfig):
@@ -204,7 +222,7 @@ def _build_engine(cfg: CalibrationConfig):
     max_len = math.ceil(max([*lens, cfg.budget + 1, 400 + 64]) / 16) * 16
     blocks = max(b * math.ceil(n / 16) for (b, _), n in zip(shapes, lens))
     sched = SchedulerConfig(num_gpu_blocks=max(blocks, 2 * cfg.budget // 16) + 64, max_model_len=max_len,
-                            max_num_seqs=max([b for b, _ in shapes] + [s for _, s in (*cfg.prefill, *cfg.heldout_prefill)]
+                            max_num_seqs=max([b + 1 for b, _ in shapes] + [s for _, s in (*cfg.prefill, *cfg.heldout_prefill)]
                                              + [cfg.workload_requests]), max_num_batched_tokens=cfg.budget,
                             enable_prefix_caching=False)
     return EngineCore(EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, cpu_threads=cfg.threads,
@@ -233,21 +251,29 @@ def calibrate(cfg: CalibrationConfig) -> Calibration:
     # prior context), and a mixed batch; a GPU compiles kernels for each new kind of step.
     timer.prefill(cfg.budget, 1, 1)
     big = max(cfg.decode)
-    timer.decode(big[0], min(big[1], max(64, 2 * cfg.budget // big[0])), 2, cfg.budget)
-    timer.mixed_batch(8, cfg.budget)
+    timer.decode(big[0], min(big[1], max(64, 2 * cfg.budget // big[0])), 2, cfg.budget, cfg.budget // 4)
+    timer.mixed_batch(8, cfg.budget, cfg.seed + 1)
     fit_samples = [_median_sample(timer.prefill(t, s, cfg.repeats)) for t, s in cfg.prefill]
     heldout: dict[str, list[StepSample]] = {"shapes": [], "chunked prefill": [], "mixed batch": []}
-    for b, c in cfg.decode:
-        timed, setup = timer.decode(b, c, cfg.repeats, cfg.budget)
-        fit_samples.append(_median_sample(timed))
-        heldout["chunked prefill"] += setup
+    for i, (b, c) in enumerate(cfg.decode):
+        timed, mixed, setup = timer.decode(b, c, cfg.repeats, cfg.budget, _mixed_prompt(i, b, cfg.budget))
+        fit_samples += [_median_sample(timed), _median_sample(mixed)]
+        if cfg.device != "cuda":  # on a GPU these are first encounters (kernel compilation): not reported
+            heldout["chunked prefill"] += setup
     heldout["shapes"] = [_median_sample(timer.prefill(t, s, cfg.repeats)) for t, s in cfg.heldout_prefill]
-    for b, c in cfg.heldout_decode:
-        timed, setup = timer.decode(b, c, cfg.repeats, cfg.budget)
-        heldout["shapes"].append(_median_sample(timed))
-        heldout["chunked prefill"] += setup
-    if cfg.workload_requests:
-        heldout["mixed batch"] = timer.mixed_batch(cfg.workload_requests, cfg.budget)
+    # A GPU compiles kernels for shapes it meets first (up to a second a step): there the held-out
+    # decode shapes and the mixed batch run twice, and the second run is the one reported.
+    passes = 2 if cfg.device == "cuda" else 1
+    for p in range(passes):
+        shapes, chunked = [], []
+        for i, (b, c) in enumerate(cfg.heldout_decode):
+            timed, mixed, setup = timer.decode(b, c, cfg.repeats, cfg.budget, _mixed_prompt(i + 1, b, cfg.budget))
+            shapes += [_median_sample(timed), _median_sample(mixed)]
+            chunked += setup
+        batch = timer.mixed_batch(cfg.workload_requests, cfg.budget, cfg.seed + 2) if cfg.workload_requests else []
+    heldout["shapes"] += shapes
+    heldout["chunked prefill"] += chunked
+    heldout["mixed batch"] = batch
     elapsed = time.perf_counter() - t0
     engine.shutdown()
     coeffs = fit_coefficients(fit_samples)

@@ -14,9 +14,10 @@ class CostModel:
 
     compute: 2 * num_params FLOPs per token at flops_per_s; memory: the weights and the KV read
     (context plus the step's own tokens) at bytes_per_s. A step with prefill tokens also pays
-    prefill_step_overhead_s (on a GPU it runs eagerly, decode steps replay CUDA graphs), a per-prefill-
-    sequence cost, and its attention: one unit per (prefill query token, key) pair, which grows with
-    the square of a prompt and with a chunk's prior context.
+    prefill_step_overhead_s and prefill_step_per_seq_s per sequence (on a GPU it runs eagerly, decode
+    steps replay CUDA graphs), a cost per prefilling sequence, and its attention: one unit per
+    (prefill query token, key) pair, which grows with the square of a prompt and with a chunk's
+    prior context.
     """
 
     name: str
@@ -28,6 +29,7 @@ class CostModel:
     step_overhead_s: float = 0.0  # fixed cost of a step (launch, sampling, Python)
     per_seq_overhead_s: float = 0.0  # per scheduled sequence (sampling, bookkeeping)
     prefill_step_overhead_s: float = 0.0  # extra fixed cost of a step that has prefill tokens
+    prefill_step_per_seq_s: float = 0.0  # extra per sequence (decodes too) of a step that has prefill tokens
     per_prefill_seq_overhead_s: float = 0.0  # extra per sequence with prefill tokens
     prefill_pair_s: float = 0.0  # prefill attention, per (query token, key) pair
     source: str = ""
@@ -54,8 +56,8 @@ class CostModel:
         memory = (self.weight_bytes + self.kv_bytes_per_token * (kv_read_tokens + tokens)) / self.bytes_per_s
         t = self.step_overhead_s + self.per_seq_overhead_s * num_seqs + max(compute, memory)
         if prefill_tokens:
-            t += (self.prefill_step_overhead_s + self.per_prefill_seq_overhead_s * (num_seqs - decode_tokens)
-                  + self.prefill_pair_s * prefill_pairs)
+            t += (self.prefill_step_overhead_s + self.prefill_step_per_seq_s * num_seqs
+                  + self.per_prefill_seq_overhead_s * (num_seqs - decode_tokens) + self.prefill_pair_s * prefill_pairs)
         return t
 
 

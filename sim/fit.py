@@ -1,9 +1,9 @@
 """Fit a CostModel to timed engine steps (pure Python: `sim calibrate` times, this fits).
 
-The cost model is linear in its eight coefficients once each step's binding regime is known:
+The cost model is linear in its nine coefficients once each step's binding regime is known:
 
-    t = overhead + per_seq * seqs + [prefill] (prefill_overhead + per_prefill_seq * prefill_seqs
-        + per_pair * prefill_pairs) + (compute-bound: sec_per_token * tokens
+    t = overhead + per_seq * seqs + [prefill] (prefill_overhead + prefill_step_per_seq * seqs
+        + per_prefill_seq * prefill_seqs + per_pair * prefill_pairs) + (compute-bound: sec_per_token * tokens
                                        | memory-bound: weight_read + sec_per_kv_token * (kv_read + tokens))
 
 The fit alternates between weighted non-negative least squares over all steps (residuals relative
@@ -53,6 +53,7 @@ class Coefficients:
     step_overhead_s: float
     per_seq_s: float
     prefill_overhead_s: float
+    prefill_step_per_seq_s: float
     per_prefill_seq_s: float
     per_prefill_pair_s: float
     sec_per_token: float  # compute time of one token (2 * num_params / flops_per_s)
@@ -73,14 +74,14 @@ class Coefficients:
                          kv_bytes_per_token=self.sec_per_kv_token * bytes_per_s, flops_per_s=flops_per_s,
                          bytes_per_s=bytes_per_s, step_overhead_s=self.step_overhead_s,
                          per_seq_overhead_s=self.per_seq_s, prefill_step_overhead_s=self.prefill_overhead_s,
-                         per_prefill_seq_overhead_s=self.per_prefill_seq_s, prefill_pair_s=self.per_prefill_pair_s,
+                         prefill_step_per_seq_s=self.prefill_step_per_seq_s, per_prefill_seq_overhead_s=self.per_prefill_seq_s, prefill_pair_s=self.per_prefill_pair_s,
                          source=source)
 
     @classmethod
     def of(cls, model: CostModel) -> Coefficients:
         """The coefficients a profile implies (inverse of to_cost_model)."""
         return cls(model.step_overhead_s, model.per_seq_overhead_s, model.prefill_step_overhead_s,
-                   model.per_prefill_seq_overhead_s, model.prefill_pair_s, 2.0 * model.num_params / model.flops_per_s,
+                   model.prefill_step_per_seq_s, model.per_prefill_seq_overhead_s, model.prefill_pair_s, 2.0 * model.num_params / model.flops_per_s,
                    model.weight_bytes / model.bytes_per_s, model.kv_bytes_per_token / model.bytes_per_s)
 
 
@@ -93,8 +94,8 @@ def _values(c: Coefficients) -> tuple[float, ...]:
 
 def _row(s: StepSample, compute: bool) -> list[float]:
     has_prefill = 1.0 if s.prefill_tokens else 0.0
-    linear = [1.0, float(s.num_seqs), has_prefill, has_prefill * (s.num_seqs - s.decode_tokens),
-              has_prefill * s.prefill_pairs]
+    linear = [1.0, float(s.num_seqs), has_prefill, has_prefill * s.num_seqs,
+              has_prefill * (s.num_seqs - s.decode_tokens), has_prefill * s.prefill_pairs]
     if compute:
         return linear + [float(s.tokens), 0.0, 0.0]
     return linear + [0.0, 1.0, float(s.kv_read_tokens + s.tokens)]

@@ -24,7 +24,9 @@ def _grid(prefill, decode) -> list[tuple[int, int, int, int, int]]:
         rows.append((t, 0, 0, s, sum(n * (n + 1) // 2 for n in lens)))
     # Prefill chunks over prior context (as the setup of a decode shape runs them).
     rows += [(t, 0, t * c, 1, t * c + t * (t + 1) // 2) for t, c in prefill[:2]]
-    return rows + [(0, b, b * c, b, 0) for b, c in decode]
+    # Decode batches, alone and beside one new 64-token prompt.
+    rows += [(0, b, b * c, b, 0) for b, c in decode]
+    return rows + [(64, b, b * c, b + 1, 64 * 65 // 2) for b, c in decode]
 
 
 _CPU_SHAPES = _grid(((16, 1), (64, 1), (256, 1), (1024, 1), (2048, 1), (256, 4), (2048, 8)),
@@ -37,6 +39,7 @@ def _truth(profile: str) -> CostModel:
     """A shipped profile with every term of the model in play."""
     p = load_profile(profile)
     return dataclasses.replace(p, prefill_step_overhead_s=p.step_overhead_s * 3, per_prefill_seq_overhead_s=2e-4,
+                               prefill_step_per_seq_s=p.per_seq_overhead_s * 5,
                                prefill_pair_s=2.0 * p.num_params / p.flops_per_s / 4000)
 
 
@@ -76,8 +79,8 @@ def test_fit_with_noise_stays_close_and_reports_its_error():
 def test_fit_when_every_step_is_memory_bound_still_predicts_them():
     """Overhead and weight read are then one constant: the fit picks a split, the predictions hold."""
     truth = load_profile("h100")
-    samples = _samples(truth, _grid((), ((1, 128), (4, 512), (16, 2048), (64, 128), (64, 1024), (8, 64), (2, 64),
-                                         (32, 32))))
+    batches = ((1, 128), (4, 512), (16, 2048), (64, 128), (64, 1024), (8, 64), (2, 64), (32, 32), (128, 16))
+    samples = _samples(truth, [(0, b, b * c, b, 0) for b, c in batches])
     model = fit_coefficients(samples).to_cost_model("fit", truth.num_params, truth.weight_bytes, "")
     assert prediction_error(model, samples).p90_abs_pct < 1e-6
     # The split keeps the bandwidth finite: the overhead is read as part of the weight read.
@@ -95,7 +98,7 @@ def test_bad_samples_name_the_field():
         samples_from_json([{"prefill_tokens": 1, "decode_tokens": 0, "kv_read_tokens": 0, "num_seqs": 1,
                             "seconds": 1.0}, {"prefill_tokens": 1, "decode_tokens": 0, "kv_read_tokens": 0,
                                               "num_seqs": 1, "seconds": -2.0}])
-    with pytest.raises(ValueError, match="samples: need at least 8"):
+    with pytest.raises(ValueError, match="samples: need at least 9"):
         fit_coefficients([StepSample(1, 0, 0, 1, 1.0)])
 
 
@@ -123,11 +126,15 @@ def test_calibrate_times_a_real_engine_fits_and_loads_no_ray(tiny_checkpoint, tm
     # The timed shapes are the ones asked for, counted as the simulator counts a step.
     assert [(s.prefill_tokens, s.num_seqs) for s in fit[:4]] == [(16, 1), (64, 1), (128, 1), (128, 4)]
     assert [s.prefill_pairs for s in fit[:4]] == [16 * 17 // 2, 64 * 65 // 2, 128 * 129 // 2, 4 * 32 * 33 // 2]
-    assert [(s.decode_tokens, s.num_seqs, s.prefill_tokens) for s in fit[4:]] == [(1, 1, 0), (4, 4, 0), (4, 4, 0),
-                                                                                   (8, 8, 0), (8, 8, 0)]
-    assert all(s.kv_read_tokens >= s.num_seqs * c for s, c in zip(fit[4:], (16, 16, 96, 48, 8)))
+    decodes, mixed = fit[4::2], fit[5::2]
+    assert [(s.decode_tokens, s.num_seqs, s.prefill_tokens) for s in decodes] == [(1, 1, 0), (4, 4, 0), (4, 4, 0),
+                                                                                  (8, 8, 0), (8, 8, 0)]
+    assert all(s.kv_read_tokens >= s.num_seqs * c for s, c in zip(decodes, (16, 16, 96, 48, 8)))
+    # Beside each decode batch, one new prompt of a quarter of the budget or 64 tokens, by turns.
+    assert [(s.decode_tokens, s.prefill_tokens, s.num_seqs) for s in mixed] == [
+        (1, 32, 2), (4, 64, 5), (4, 32, 5), (8, 64, 9), (8, 32, 9)]
     heldout = {k: samples_from_json(v) for k, v in data["heldout"].items()}
-    assert len(heldout["shapes"]) == 2 and heldout["mixed batch"] and heldout["chunked prefill"]
+    assert len(heldout["shapes"]) == 3 and heldout["mixed batch"] and heldout["chunked prefill"]
     # Refitting the saved samples (no torch) gives the same profile.
     refit = tmp_path / "r.json"
     from sim.__main__ import main
