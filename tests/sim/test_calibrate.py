@@ -35,19 +35,26 @@ _GPU_SHAPES = _grid(((16, 1), (512, 1), (8192, 1), (512, 8), (8192, 32)),
                     ((1, 128), (1, 2048), (32, 128), (64, 512), (256, 128), (256, 1024)))
 
 
-def _truth(profile: str) -> CostModel:
-    """A shipped profile with every term of the model in play."""
-    p = load_profile(profile)
-    return dataclasses.replace(p, prefill_step_overhead_s=p.step_overhead_s * 3, per_prefill_seq_overhead_s=2e-4,
-                               prefill_step_per_seq_s=p.per_seq_overhead_s * 5,
-                               prefill_pair_s=2.0 * p.num_params / p.flops_per_s / 4000)
+# Ground truths with every term of the model in play: a CPU-like and a GPU-like device.
+_TRUTHS = {
+    "cpu": CostModel("cpu", 134.5e6, 538e6, 46080, flops_per_s=150e9, bytes_per_s=10e9, step_overhead_s=0.015,
+                     per_seq_overhead_s=1.2e-3, prefill_step_overhead_s=0.04, prefill_step_per_seq_s=6e-3,
+                     per_prefill_seq_overhead_s=2e-4, prefill_pair_s=4.5e-7),
+    "gpu": CostModel("gpu", 134.5e6, 269e6, 23040, flops_per_s=494.5e12, bytes_per_s=1.53e12, step_overhead_s=3e-4,
+                     per_seq_overhead_s=1e-5, prefill_step_overhead_s=9e-4, prefill_step_per_seq_s=5e-5,
+                     per_prefill_seq_overhead_s=2e-4, prefill_pair_s=1.4e-10),
+}
+
+
+def _truth(name: str) -> CostModel:
+    return _TRUTHS[name]
 
 
 def _samples(model: CostModel, shapes) -> list[StepSample]:
     return [StepSample(p, d, r, n, model.step_time(p, d, r, n, q), q) for p, d, r, n, q in shapes]
 
 
-@pytest.mark.parametrize("profile,shapes", [("cpu", _CPU_SHAPES), ("h100", _GPU_SHAPES)])
+@pytest.mark.parametrize("profile,shapes", [("cpu", _CPU_SHAPES), ("gpu", _GPU_SHAPES)])
 def test_fit_recovers_the_coefficients_that_made_the_steps(profile, shapes):
     truth = _truth(profile)
     samples = _samples(truth, shapes)
@@ -78,7 +85,7 @@ def test_fit_with_noise_stays_close_and_reports_its_error():
 
 def test_fit_when_every_step_is_memory_bound_still_predicts_them():
     """Overhead and weight read are then one constant: the fit picks a split, the predictions hold."""
-    truth = load_profile("h100")
+    truth = _truth("gpu")
     batches = ((1, 128), (4, 512), (16, 2048), (64, 128), (64, 1024), (8, 64), (2, 64), (32, 32), (128, 16))
     samples = _samples(truth, [(0, b, b * c, b, 0) for b, c in batches])
     model = fit_coefficients(samples).to_cost_model("fit", truth.num_params, truth.weight_bytes, "")
