@@ -19,7 +19,9 @@ from sim.workload import SimRequest
 logger = logging.getLogger(__name__)
 
 # Event kinds, in the order events of one instant are handled.
-_ARRIVAL, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4
+# A kick starts an idle replica's step after every arrival of the same instant is queued (as an
+# engine that is handed a batch of requests at once schedules them together).
+_ARRIVAL, _KICK, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,9 @@ class FleetSim:
             if kind == _ARRIVAL:
                 self._arrive(*payload, now, records)
                 self._push_arrival(arrivals)
+            elif kind == _KICK:
+                if payload.in_flight is None:
+                    self._step(payload, now)
             elif kind == _STEP_END:
                 remaining -= self._end_step(payload, now, records)
             elif kind == _STATS_TAKE:
@@ -175,7 +180,7 @@ class FleetSim:
         records[req.request_id].replica = name
         replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now, route.block_hashes)
         if replica.in_flight is None:
-            self._step(replica, now)
+            self._push(now, _KICK, replica)
 
     def _hashes(self, req: SimRequest, prompt: list[int]) -> list[int]:
         """hash_prompt_blocks(prompt), hashing a prefix group's shared full blocks once per group."""
