@@ -19,7 +19,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler import Request, SamplingParams, SchedulerConfig
 from sim.cost import CostModel
@@ -61,7 +61,6 @@ class CalibrationConfig:
     workload_requests: int = 24  # the held-out mixed batch (0: none)
     seed: int = 0
     label: str = ""  # model name in the profile's name (default: derived from model)
-    extra: dict = field(default_factory=dict)  # EngineConfig settings to pass through
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -103,7 +102,7 @@ class Calibration:
         return "\n".join(lines)
 
 
-class _StepTimer:
+class StepTimer:
     """Runs an engine's steps one at a time, timing each as the simulator counts a step."""
 
     def __init__(self, engine, seed: int) -> None:
@@ -226,7 +225,7 @@ def _build_engine(cfg: CalibrationConfig):
                                              + [cfg.workload_requests]), max_num_batched_tokens=cfg.budget,
                             enable_prefix_caching=False)
     return EngineCore(EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, cpu_threads=cfg.threads,
-                                   seed=cfg.seed, load_progress=False, scheduler=sched, **cfg.extra))
+                                   seed=cfg.seed, load_progress=False, scheduler=sched))
 
 
 def _model_label(cfg: CalibrationConfig) -> str:
@@ -242,43 +241,19 @@ def calibrate(cfg: CalibrationConfig) -> Calibration:
     load_before = os.getloadavg()[0]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     engine = _build_engine(cfg)
-    model = engine.executor.runner.model
-    num_params = float(sum(p.numel() for p in model.parameters()))
-    weight_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-    timer = _StepTimer(engine, cfg.seed)
+    params = list(engine.executor.runner.model.parameters())
+    num_params = float(sum(p.numel() for p in params))
+    weight_bytes = float(sum(p.numel() * p.element_size() for p in params))
+    timer = StepTimer(engine, cfg.seed)
     t0 = time.perf_counter()
-    # Warm-up, untimed: the largest prefill, the largest decode batch (set up by prefill chunks over
-    # prior context), and a mixed batch; a GPU compiles kernels for each new kind of step.
-    timer.prefill(cfg.budget, 1, 1)
-    big = max(cfg.decode)
-    timer.decode(big[0], min(big[1], max(64, 2 * cfg.budget // big[0])), 2, cfg.budget, cfg.budget // 4)
-    timer.mixed_batch(8, cfg.budget, cfg.seed + 1)
-    fit_samples = [_median_sample(timer.prefill(t, s, cfg.repeats)) for t, s in cfg.prefill]
-    heldout: dict[str, list[StepSample]] = {"shapes": [], "chunked prefill": [], "mixed batch": []}
-    for i, (b, c) in enumerate(cfg.decode):
-        timed, mixed, setup = timer.decode(b, c, cfg.repeats, cfg.budget, _mixed_prompt(i, b, cfg.budget))
-        fit_samples += [_median_sample(timed), _median_sample(mixed)]
-        if cfg.device != "cuda":  # on a GPU these are first encounters (kernel compilation): not reported
-            heldout["chunked prefill"] += setup
-    heldout["shapes"] = [_median_sample(timer.prefill(t, s, cfg.repeats)) for t, s in cfg.heldout_prefill]
-    # A GPU compiles kernels for shapes it meets first (up to a second a step): there the held-out
-    # decode shapes and the mixed batch run twice, and the second run is the one reported.
-    passes = 2 if cfg.device == "cuda" else 1
-    for p in range(passes):
-        shapes, chunked = [], []
-        for i, (b, c) in enumerate(cfg.heldout_decode):
-            timed, mixed, setup = timer.decode(b, c, cfg.repeats, cfg.budget, _mixed_prompt(i + 1, b, cfg.budget))
-            shapes += [_median_sample(timed), _median_sample(mixed)]
-            chunked += setup
-        batch = timer.mixed_batch(cfg.workload_requests, cfg.budget, cfg.seed + 2) if cfg.workload_requests else []
-    heldout["shapes"] += shapes
-    heldout["chunked prefill"] += chunked
-    heldout["mixed batch"] = batch
+    _warm_up(timer, cfg)
+    fit_samples, setup = _time_fit_shapes(timer, cfg)
+    heldout = _time_heldout(timer, cfg)
+    heldout["chunked prefill"] = setup + heldout["chunked prefill"]
     elapsed = time.perf_counter() - t0
     engine.shutdown()
     coeffs = fit_coefficients(fit_samples)
-    threads = torch.get_num_threads() if cfg.device == "cpu" else 0
-    where = f"{threads} threads" if cfg.device == "cpu" else torch.cuda.get_device_name(0)
+    where = f"{torch.get_num_threads()} threads" if cfg.device == "cpu" else torch.cuda.get_device_name(0)
     name = f"{cfg.device}-{_model_label(cfg)}-{cfg.dtype}"
     source = (f"sim calibrate on {where}, {cfg.dtype}, {started}, load average {load_before:.1f} -> "
               f"{os.getloadavg()[0]:.1f}; {len(fit_samples)} shapes fitted (median of {cfg.repeats} steps each) "
@@ -287,3 +262,38 @@ def calibrate(cfg: CalibrationConfig) -> Calibration:
     held = "; ".join(f"{k}: {e}" for k, e in cal.errors().items())
     cal.profile = coeffs.to_cost_model(name, num_params, weight_bytes, f"{source}; held-out error, {held}")
     return cal
+
+
+def _warm_up(timer: StepTimer, cfg: CalibrationConfig) -> None:
+    """Untimed: the largest prefill, the largest decode batch (set up by prefill chunks over prior
+    context) and a mixed batch; a GPU compiles kernels for each new kind of step."""
+    timer.prefill(cfg.budget, 1, 1)
+    big = max(cfg.decode)
+    timer.decode(big[0], min(big[1], max(64, 2 * cfg.budget // big[0])), 2, cfg.budget, cfg.budget // 4)
+    timer.mixed_batch(8, cfg.budget, cfg.seed + 1)
+
+
+def _time_fit_shapes(timer: StepTimer, cfg: CalibrationConfig) -> tuple[list[StepSample], list[StepSample]]:
+    """The fitted medians, and the setup steps of the decode shapes (held out; CPU only: on a GPU
+    they are first encounters of their shapes, timed with kernel compilation)."""
+    fit = [_median_sample(timer.prefill(t, s, cfg.repeats)) for t, s in cfg.prefill]
+    chunked = []
+    for i, (b, c) in enumerate(cfg.decode):
+        timed, mixed, setup = timer.decode(b, c, cfg.repeats, cfg.budget, _mixed_prompt(i, b, cfg.budget))
+        fit += [_median_sample(timed), _median_sample(mixed)]
+        chunked += setup if cfg.device != "cuda" else []
+    return fit, chunked
+
+
+def _time_heldout(timer: StepTimer, cfg: CalibrationConfig) -> dict[str, list[StepSample]]:
+    """Held-out shapes and the mixed batch. A GPU compiles kernels for shapes it meets first (up to
+    a second a step): there the decode shapes and the mixed batch run twice, the second reported."""
+    shapes = [_median_sample(timer.prefill(t, s, cfg.repeats)) for t, s in cfg.heldout_prefill]
+    for _ in range(2 if cfg.device == "cuda" else 1):
+        decodes, chunked = [], []
+        for i, (b, c) in enumerate(cfg.heldout_decode):
+            timed, mixed, setup = timer.decode(b, c, cfg.repeats, cfg.budget, _mixed_prompt(i + 1, b, cfg.budget))
+            decodes += [_median_sample(timed), _median_sample(mixed)]
+            chunked += setup
+        batch = timer.mixed_batch(cfg.workload_requests, cfg.budget, cfg.seed + 2) if cfg.workload_requests else []
+    return {"shapes": shapes + decodes, "chunked prefill": chunked, "mixed batch": batch}

@@ -53,13 +53,13 @@ def measure_offline(threads: int | None, dtype: str = "float32") -> dict:
     """The real engine (default model, CPU) on the batch's lengths: every step timed as the simulator counts it."""
     from cluster.config import EngineConfig
     from cluster.engine import EngineCore
-    from sim.calibrate import _StepTimer
+    from sim.calibrate import StepTimer
     from sim.fit import samples_to_json
 
     sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
     engine = EngineCore(EngineConfig(model="default", dtype=dtype, device="cpu", cpu_threads=threads,
                                      load_progress=False, scheduler=sched))
-    timer = _StepTimer(engine, seed=1)
+    timer = StepTimer(engine, seed=1)
     prompts, outputs = offline_lengths()
     for p, o in zip(prompts[:2], outputs[:2]):  # warm-up, as the bench does
         timer.add(p, o)
