@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     off.add_argument("--measure", action="store_true", help="also run the real engine here (torch)")
     off.add_argument("--threads", type=int, default=2)
     off.add_argument("--steps-out", help="JSON path for the measured steps")
+    off.add_argument("--calibrate", metavar="PROFILE_PATH",
+                     help="first fit a profile here on a quick grid (same process, same machine state), write "
+                          "it to this path and simulate with it too")
     rb = sub.add_parser("router")
     rb.add_argument("--profile", default="cpu")
     rb.add_argument("--host-cores", type=float, default=0.0, help="cores of the one host (0: no sharing)")
@@ -142,10 +145,32 @@ def main(argv: list[str] | None = None) -> None:
                       f"out tok/s {row['output_tok_s']:.1f} busy {row['busy_share']:.2f} steps {row['steps']}")
 
 
+# A smaller CPU grid than calibrate's default, for fitting and measuring in one run (one machine state).
+QUICK_CPU_GRID = dict(prefill=((16, 1), (64, 1), (256, 1), (1024, 1), (2048, 1), (256, 4)),
+                      decode=((1, 32), (1, 288), (16, 32), (16, 288), (64, 64)),
+                      heldout_prefill=((128, 1), (512, 2)), heldout_decode=((4, 200), (32, 100)))
+
+
+def _calibrate_here(a: argparse.Namespace) -> str:
+    """Fit a profile on the quick grid now, in this process; returns its path."""
+    import dataclasses
+
+    from sim.__main__ import profile_json
+    from sim.calibrate import CalibrationConfig, calibrate
+
+    cal = calibrate(CalibrationConfig(threads=a.threads, workload_requests=12, **QUICK_CPU_GRID))
+    print(cal.report())
+    path = Path(a.calibrate)
+    path.write_text(json.dumps(profile_json(dataclasses.replace(cal.profile)), indent=1) + "\n")
+    return str(path)
+
+
 def _offline(a: argparse.Namespace) -> None:
     from sim.fit import prediction_error, samples_from_json
 
     measured = None
+    if a.calibrate:
+        a.profile.append(_calibrate_here(a))
     if a.measure:
         measured = measure_offline(a.threads)
         if a.steps_out:

@@ -308,3 +308,34 @@ def test_bad_host_config_names_the_field():
     with pytest.raises(ValueError, match="background_cores"):
         HostConfig(cores=2.0, background_cores=2.0)
     assert HostConfig(replicas_per_host=2, cores=2.0, background_cores=0.5).stretch(2) == pytest.approx(2 / 1.5)
+
+
+def test_requests_arriving_at_one_instant_are_scheduled_together():
+    """As an engine handed a batch: the first step prefills all of them, so all get their first token at once."""
+    from sim import SimRequest
+
+    wl = [SimRequest(f"r{i}", 0.0, prompt_len=20 + i, output_len=3) for i in range(4)]
+    result = FleetSim(SimConfig(num_replicas=1), load_profile("cpu")).run(wl)
+    assert len({r.first_token_s for r in result.records}) == 1
+    assert result.replicas[0].num_steps == 3
+
+
+def test_validation_workloads_are_the_benchmarks_own():
+    """The offline trace holds the bench's totals; the router workload redraws the bench's arrivals."""
+    import importlib.util
+
+    from sim.validate import offline_lengths, router_bench_workload
+
+    prompts, outputs = offline_lengths()
+    assert (len(prompts), sum(prompts), sum(outputs)) == (64, 7326, 4385)
+    spec = importlib.util.spec_from_file_location("router_bench", ROOT / "bench" / "router_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["router_bench"] = bench  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules["router_bench"]
+    theirs = bench.Workload().build(16)
+    ours = router_bench_workload()
+    assert [(round(t, 12), r.tenant, len(r.prompt_token_ids)) for t, r in theirs] == \
+        [(round(r.arrival_s, 12), r.tenant, r.prompt_len) for r in ours]
