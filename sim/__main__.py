@@ -133,6 +133,8 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if a.from_samples:
+        if not a.output:
+            raise ValueError("output: --from-samples needs --output (the device's default profile is not replaced)")
         data = json.loads(Path(a.from_samples).read_text())
         cal = _refit(data, samples_from_json)
     elif a.random_shape:
