@@ -82,7 +82,8 @@ class CalibrationConfig:
             if any(b < 1 or c < 1 for b, c in getattr(self, name)):
                 raise ValueError(f"{name}: batch and context must be >= 1")
         if len(self.prefill) + 2 * len(self.decode) < 9:
-            raise ValueError("prefill/decode: need at least 9 fitted steps (a decode shape gives two) for 9 coefficients")
+            raise ValueError("prefill/decode: need at least 9 fitted steps (a decode shape gives two) "
+                             "for 9 coefficients")
 
 
 @dataclass(slots=True)
@@ -184,7 +185,7 @@ class StepTimer:
         return s
 
     def mixed_batch(self, num: int, budget: int, seed: int) -> list[StepSample]:
-        """num requests of random lengths (prompts 20-400, outputs 8-64; the same for a seed) at once, run to completion."""
+        """num requests of random lengths (prompts 20-400, outputs 8-64; the same for a seed), run to completion."""
         rng = random.Random(seed)
         for _ in range(num):
             self.add(rng.randint(20, min(400, budget)), rng.randint(8, 64))
@@ -220,10 +221,10 @@ def _build_engine(cfg: CalibrationConfig):
     lens = [c + _decode_max_tokens(b, c, cfg.repeats, cfg.budget) for b, c in shapes]
     max_len = math.ceil(max([*lens, cfg.budget + 1, 400 + 64]) / 16) * 16
     blocks = max(b * math.ceil(n / 16) for (b, _), n in zip(shapes, lens))
+    seqs = max([b + 1 for b, _ in shapes] + [n for _, n in (*cfg.prefill, *cfg.heldout_prefill)]
+               + [cfg.workload_requests])
     sched = SchedulerConfig(num_gpu_blocks=max(blocks, 2 * cfg.budget // 16) + 64, max_model_len=max_len,
-                            max_num_seqs=max([b + 1 for b, _ in shapes] + [s for _, s in (*cfg.prefill, *cfg.heldout_prefill)]
-                                             + [cfg.workload_requests]), max_num_batched_tokens=cfg.budget,
-                            enable_prefix_caching=False)
+                            max_num_seqs=seqs, max_num_batched_tokens=cfg.budget, enable_prefix_caching=False)
     return EngineCore(EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, cpu_threads=cfg.threads,
                                    seed=cfg.seed, load_progress=False, scheduler=sched))
 

@@ -61,7 +61,8 @@ class Coefficients:
     sec_per_kv_token: float  # reading one token's K and V (kv_bytes_per_token / bytes_per_s)
 
     def compute_bound(self, s: StepSample) -> bool:
-        return self.sec_per_token * s.tokens > self.weight_read_s + self.sec_per_kv_token * (s.kv_read_tokens + s.tokens)
+        memory = self.weight_read_s + self.sec_per_kv_token * (s.kv_read_tokens + s.tokens)
+        return self.sec_per_token * s.tokens > memory
 
     def predict(self, s: StepSample) -> float:
         return sum(c * x for c, x in zip(_values(self), _row(s, self.compute_bound(s))))
@@ -74,14 +75,16 @@ class Coefficients:
                          kv_bytes_per_token=self.sec_per_kv_token * bytes_per_s, flops_per_s=flops_per_s,
                          bytes_per_s=bytes_per_s, step_overhead_s=self.step_overhead_s,
                          per_seq_overhead_s=self.per_seq_s, prefill_step_overhead_s=self.prefill_overhead_s,
-                         prefill_step_per_seq_s=self.prefill_step_per_seq_s, per_prefill_seq_overhead_s=self.per_prefill_seq_s, prefill_pair_s=self.per_prefill_pair_s,
+                         prefill_step_per_seq_s=self.prefill_step_per_seq_s,
+                         per_prefill_seq_overhead_s=self.per_prefill_seq_s, prefill_pair_s=self.per_prefill_pair_s,
                          source=source)
 
     @classmethod
     def of(cls, model: CostModel) -> Coefficients:
         """The coefficients a profile implies (inverse of to_cost_model)."""
         return cls(model.step_overhead_s, model.per_seq_overhead_s, model.prefill_step_overhead_s,
-                   model.prefill_step_per_seq_s, model.per_prefill_seq_overhead_s, model.prefill_pair_s, 2.0 * model.num_params / model.flops_per_s,
+                   model.prefill_step_per_seq_s, model.per_prefill_seq_overhead_s, model.prefill_pair_s,
+                   2.0 * model.num_params / model.flops_per_s,
                    model.weight_bytes / model.bytes_per_s, model.kv_bytes_per_token / model.bytes_per_s)
 
 

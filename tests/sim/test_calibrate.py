@@ -1,7 +1,6 @@
 """sim calibrate: the fit recovers known coefficients, and a real (tiny) engine calibrates end to end without Ray."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import subprocess
