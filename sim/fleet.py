@@ -19,7 +19,50 @@ from sim.workload import SimRequest
 logger = logging.getLogger(__name__)
 
 # Event kinds, in the order events of one instant are handled.
-_ARRIVAL, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4
+# A kick starts an idle replica's step after every arrival of the same instant is queued (as an
+# engine that is handed a batch of requests at once schedules them together).
+_ARRIVAL, _KICK, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4, 5
+
+
+@dataclass(frozen=True, slots=True)
+class HostConfig:
+    """Replicas that share one host's CPU cores: a step is stretched while co-hosted replicas are busy.
+
+    Replica i runs on host i // replicas_per_host. A replica's engine runs `cores_per_replica`
+    threads (the threads its profile was calibrated with); the host has `cores`, of which
+    `background_cores` go to what runs beside the engines (Serve's proxy and controller, the router,
+    the client). While `busy` replicas of a host run steps, each step progresses at 1 / stretch of
+    the profile's speed, stretch = max(1, busy * cores_per_replica / (cores - background_cores)): the
+    engines share the cores left, and none runs faster than its own threads allow. A replica that
+    starts or stops running steps re-times the co-hosted steps in flight (processor sharing).
+    Replicas that share a host take no k-step jumps: a co-host's start would change their times.
+    cores == 0: no sharing (every replica has its profile's cores to itself).
+    """
+
+    replicas_per_host: int = 1
+    cores: float = 0.0
+    cores_per_replica: float = 1.0
+    background_cores: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.replicas_per_host < 1:
+            raise ValueError(f"replicas_per_host: must be >= 1, got {self.replicas_per_host}")
+        if not self.cores >= 0:
+            raise ValueError(f"cores: must be >= 0, got {self.cores}")
+        if not self.cores_per_replica > 0:
+            raise ValueError(f"cores_per_replica: must be > 0, got {self.cores_per_replica}")
+        if self.cores and not 0 <= self.background_cores < self.cores:
+            raise ValueError(f"background_cores: must be in [0, cores), got {self.background_cores}")
+
+    @property
+    def shared(self) -> bool:
+        return self.cores > 0
+
+    def stretch(self, busy: int) -> float:
+        """Step-time factor while `busy` replicas of the host run steps."""
+        if not self.shared:
+            return 1.0
+        return max(1.0, busy * self.cores_per_replica / (self.cores - self.background_cores))
 
 
 @dataclass(slots=True)
@@ -35,6 +78,7 @@ class SimConfig:
     # Run a replica's steps back to back while no other event intervenes, and jump over its
     # pure-decode stretches (False: every step through the event queue, the reference).
     coalesce: bool = True
+    host: HostConfig = field(default_factory=HostConfig)  # co-hosted replicas sharing cores
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -60,6 +104,9 @@ class FleetSim:
         self.cost = cost
         self.on_step = on_step
         self.replicas = [SimReplica(f"replica-{i}", config.scheduler, cost) for i in range(config.num_replicas)]
+        per_host = config.host.replicas_per_host
+        self._cohosts = {r.name: [o for o in self.replicas[i // per_host * per_host:(i // per_host + 1) * per_host]
+                                  if o is not r] for i, r in enumerate(self.replicas)} if config.host.shared else {}
         self.names = [r.name for r in self.replicas]
         self._by_name = {r.name: r for r in self.replicas}
         self.fleet = FleetState(config.routing)
@@ -96,6 +143,9 @@ class FleetSim:
             if kind == _ARRIVAL:
                 self._arrive(*payload, now, records)
                 self._push_arrival(arrivals)
+            elif kind == _KICK:
+                if payload.in_flight is None:
+                    self._step(payload, now)
             elif kind == _STEP_END:
                 remaining -= self._end_step(payload, now, records)
             elif kind == _STATS_TAKE:
@@ -130,7 +180,7 @@ class FleetSim:
         records[req.request_id].replica = name
         replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now, route.block_hashes)
         if replica.in_flight is None:
-            self._step(replica, now)
+            self._push(now, _KICK, replica)
 
     def _hashes(self, req: SimRequest, prompt: list[int]) -> list[int]:
         """hash_prompt_blocks(prompt), hashing a prefix group's shared full blocks once per group."""
@@ -147,30 +197,64 @@ class FleetSim:
             hashes.append(parent)
         return hashes
 
+    def _stretch(self, replica: SimReplica) -> float:
+        """The host-sharing factor for a step this replica starts now (it counts as busy)."""
+        if not self._cohosts:
+            return 1.0
+        return self.config.host.stretch(1 + sum(1 for o in self._cohosts[replica.name] if o.in_flight is not None))
+
+    def _retime_cohosts(self, replica: SimReplica, now: float, became_busy: bool) -> None:
+        """replica just started or stopped running steps: the co-hosted steps in flight change speed.
+
+        Each keeps the work it has left (its remaining time over the old factor) and finishes it at
+        the new factor; the event at its old end time is then ignored.
+        """
+        others = [o for o in self._cohosts[replica.name] if isinstance(o.in_flight, StepPlan)]
+        if not others:
+            return
+        busy = len(others) + 1 if became_busy else len(others)
+        before = self.config.host.stretch(busy - 1 if became_busy else busy + 1)
+        after = self.config.host.stretch(busy)
+        if before == after:
+            return
+        for o in others:
+            plan = o.in_flight
+            end = now + (plan.end_s - now) / before * after
+            o.busy_s += end - plan.end_s
+            plan.end_s = end
+            self._push(end, _STEP_END, (o, plan))
+
     def _step(self, replica: SimReplica, now: float) -> None:
-        plan = replica.start_step(now)
+        was_idle = replica.in_flight is None
+        plan = replica.start_step(now, self._stretch(replica))
         if plan is not None:
             self._push(plan.end_s, _STEP_END, (replica, plan))
+            if was_idle and self._cohosts:
+                self._retime_cohosts(replica, now, became_busy=True)
 
     def _next(self, replica: SimReplica, now: float) -> StepPlan | Cruise | None:
-        # A cruise ends by the next stats report, which must see the replica's exact state.
-        if self.config.coalesce:
+        # A cruise ends by the next stats report, which must see the replica's exact state. With
+        # shared hosts a co-hosted replica's start or stop would change the cruise's step times: none.
+        if self.config.coalesce and not self._cohosts:
             cruise = replica.plan_cruise(now, self._next_stats_s)
             if cruise is not None:
                 return cruise
-        return replica.start_step(now)
+        return replica.start_step(now, self._stretch(replica))
 
     def _end_step(self, payload: tuple[SimReplica, StepPlan | Cruise], now: float,
                   records: dict[str, RequestRecord]) -> int:
         """Finish replica's step (or cruise) and, while no other event comes first, run the next in place."""
         replica, plan = payload
-        if replica.in_flight is not plan:  # a cruise an arrival interrupted: its steps are applied
+        # A cruise an arrival interrupted (its steps are applied), or a step re-timed by host sharing.
+        if replica.in_flight is not plan or plan.end_s != now:
             return 0
         finished = 0
         while True:
             finished += self._apply(replica, now, records)
             plan = self._next(replica, now)
             if plan is None:
+                if self._cohosts:
+                    self._retime_cohosts(replica, now, became_busy=False)
                 return finished
             if not (self.config.coalesce and (not self._events or plan.end_s < self._events[0][0])):
                 self._push(plan.end_s, _STEP_END, (replica, plan))

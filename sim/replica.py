@@ -35,6 +35,27 @@ class Cruise:
         return self.ends[-1]
 
 
+def step_shape(out: SchedulerOutput, requests: dict[str, Request]) -> tuple[int, int, int, int]:
+    """(prefill tokens, decode tokens, KV tokens read, prefill attention pairs) of a scheduled step.
+
+    Called after schedule(), which has already advanced num_computed_tokens. A request computing
+    one token past its prompt is a decode; anything else (prompt chunks, recompute) is prefill, and
+    its n tokens after `start` cached ones attend to n * start + n * (n + 1) / 2 (query, key) pairs.
+    `sim calibrate` counts the steps it times with this same function.
+    """
+    prefill = decode = kv_read = pairs = 0
+    for rid, n in out.num_scheduled_tokens.items():
+        req = requests[rid]
+        start = req.num_computed_tokens - n
+        kv_read += start
+        if n == 1 and start >= req.num_prompt_tokens:
+            decode += 1
+        else:
+            prefill += n
+            pairs += n * start + n * (n + 1) // 2
+    return prefill, decode, kv_read, pairs
+
+
 class SimReplica:
     """A real Scheduler whose steps take the cost model's time and sample EOS at the output length."""
 
@@ -74,19 +95,20 @@ class SimReplica:
         kv_read = sum(r.num_computed_tokens for r in running)
         # As start_step counts them: a request computing its last prompt token is prefill (step 1 only).
         prefill = sum(1 for r in running if r.num_computed_tokens < r.num_prompt_tokens)
+        pairs = sum(r.num_computed_tokens + 1 for r in running if r.num_computed_tokens < r.num_prompt_tokens)
         step_time = self.cost.step_time
         ends: list[float] = []
         durations: list[float] = []
         t = now
         for _ in range(limit):  # those that end by the horizon, timed as single steps would be
-            d = step_time(prefill, n - prefill, kv_read, n)
+            d = step_time(prefill, n - prefill, kv_read, n, pairs)
             if t + d > horizon_s:
                 break
             t += d
             ends.append(t)
             durations.append(d)
             kv_read += n
-            prefill = 0
+            prefill = pairs = 0
         if len(ends) < min_steps:
             return None
         self.in_flight = Cruise(now, ends, durations)
@@ -103,22 +125,15 @@ class SimReplica:
         self.in_flight = None
         return outputs
 
-    def start_step(self, now: float) -> StepPlan | None:
-        """Schedule the next step (None if nothing to run) and time it."""
+    def start_step(self, now: float, stretch: float = 1.0) -> StepPlan | None:
+        """Schedule the next step (None if nothing to run) and time it (times stretch: shared cores)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return None
-        requests = self.scheduler.requests
-        prefill = decode = kv_read = 0
-        for rid, n in out.num_scheduled_tokens.items():
-            req = requests[rid]
-            start = req.num_computed_tokens - n
-            kv_read += start
-            if n == 1 and start >= req.num_prompt_tokens:
-                decode += 1
-            else:
-                prefill += n
-        duration = self.cost.step_time(prefill, decode, kv_read, len(out.num_scheduled_tokens))
+        prefill, decode, kv_read, pairs = step_shape(out, self.scheduler.requests)
+        duration = self.cost.step_time(prefill, decode, kv_read, len(out.num_scheduled_tokens), pairs)
+        if stretch != 1.0:
+            duration *= stretch
         self.in_flight = StepPlan(out, now + duration)
         self.num_steps += 1
         self.busy_s += duration

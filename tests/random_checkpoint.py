@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Published shapes (random weights): Llama 3.2 1B (GQA 32/8) and Qwen3 0.6B (q/k norm, head_dim 128).
+# Published shapes (random weights): Llama 3.2 1B (GQA 32/8), Qwen3 0.6B (q/k norm, head_dim 128), SmolLM2-135M.
 SHAPES: dict[str, tuple[str, dict]] = {
     "llama3-1b": ("LlamaConfig", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -23,6 +23,11 @@ SHAPES: dict[str, tuple[str, dict]] = {
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # SmolLM2-135M (the embedded default model): what `sim calibrate --random-shape` times on a GPU.
+    "smollm2-135m": ("LlamaConfig", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
 }
 EOS_ID = 2
 

@@ -263,3 +263,79 @@ def test_arrival_exactly_at_a_step_end_of_a_cruise_matches_step_by_step():
                         for c in (True, False))
     assert _fingerprint(jumped) == _fingerprint(stepwise)
     assert jumped.jumped_steps > 0
+
+
+def test_cohosted_replicas_share_cores_while_both_are_busy():
+    """One core for two one-core replicas: while both run, each step takes twice the profile's time."""
+    from sim import HostConfig, SimRequest
+
+    sched = SchedulerConfig(num_gpu_blocks=64, max_model_len=256)
+    cfg = SimConfig(num_replicas=2, scheduler=sched, routing=RoutingConfig(router_policy="round_robin"))
+    one = [SimRequest("a", 0.0, prompt_len=40, output_len=12)]
+    two = one + [SimRequest("b", 0.0, prompt_len=40, output_len=12)]
+    alone = FleetSim(cfg, load_profile("cpu")).run(one)
+    shared = dataclasses.replace(cfg, host=HostConfig(replicas_per_host=2, cores=1.0, cores_per_replica=1.0))
+    both = FleetSim(shared, load_profile("cpu")).run(two)
+    assert {r.replica for r in both.records} == {"replica-0", "replica-1"}
+    for rec in both.records:
+        assert rec.finish_s == pytest.approx(2 * alone.records[0].finish_s)
+    # Separate hosts (one replica per host), or enough cores: no stretch.
+    for host in (HostConfig(replicas_per_host=1, cores=1.0), HostConfig(replicas_per_host=2, cores=2.0)):
+        apart = FleetSim(dataclasses.replace(cfg, host=host), load_profile("cpu")).run(two)
+        assert [r.finish_s for r in apart.records] == [alone.records[0].finish_s] * 2
+
+
+@pytest.mark.parametrize("background", [0.0, 0.5])
+def test_cohosted_coalesced_run_equals_step_by_step(background):
+    from sim import HostConfig
+
+    wl = synthetic_workload(WorkloadConfig(num_requests=60, rate=4.0, tenants=5, system_prompt_len=64,
+                                           question_len=(4, 40), output_len=(1, 40), seed=4))
+    sched = SchedulerConfig(num_gpu_blocks=60, max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8)
+    host = HostConfig(replicas_per_host=2, cores=2.0, cores_per_replica=1.0, background_cores=background)
+    runs = [FleetSim(SimConfig(num_replicas=3, scheduler=sched, host=host, coalesce=c,
+                               routing=RoutingConfig(router_policy="least_loaded")), load_profile("cpu")).run(wl)
+            for c in (True, False)]
+    assert _fingerprint(runs[0]) == _fingerprint(runs[1])
+    assert runs[0].coalesced_steps > 0 and runs[0].jumped_steps == 0
+
+
+def test_bad_host_config_names_the_field():
+    from sim import HostConfig
+
+    with pytest.raises(ValueError, match="replicas_per_host"):
+        HostConfig(replicas_per_host=0)
+    with pytest.raises(ValueError, match="background_cores"):
+        HostConfig(cores=2.0, background_cores=2.0)
+    assert HostConfig(replicas_per_host=2, cores=2.0, background_cores=0.5).stretch(2) == pytest.approx(2 / 1.5)
+
+
+def test_requests_arriving_at_one_instant_are_scheduled_together():
+    """As an engine handed a batch: the first step prefills all of them, so all get their first token at once."""
+    from sim import SimRequest
+
+    wl = [SimRequest(f"r{i}", 0.0, prompt_len=20 + i, output_len=3) for i in range(4)]
+    result = FleetSim(SimConfig(num_replicas=1), load_profile("cpu")).run(wl)
+    assert len({r.first_token_s for r in result.records}) == 1
+    assert result.replicas[0].num_steps == 3
+
+
+def test_validation_workloads_are_the_benchmarks_own():
+    """The offline trace holds the bench's totals; the router workload redraws the bench's arrivals."""
+    import importlib.util
+
+    from sim.validate import offline_lengths, router_bench_workload
+
+    prompts, outputs = offline_lengths()
+    assert (len(prompts), sum(prompts), sum(outputs)) == (64, 7326, 4385)
+    spec = importlib.util.spec_from_file_location("router_bench", ROOT / "bench" / "router_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["router_bench"] = bench  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules["router_bench"]
+    theirs = bench.Workload().build(16)
+    ours = router_bench_workload()
+    assert [(round(t, 12), r.tenant, len(r.prompt_token_ids)) for t, r in theirs] == \
+        [(round(r.arrival_s, 12), r.tenant, r.prompt_len) for r in ours]
