@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -37,8 +38,8 @@ class CostModel:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float) and not value >= 0:
-                raise ValueError(f"{f.name}: must be a number >= 0, got {value!r}")
+            if isinstance(value, float) and not 0 <= value < math.inf:
+                raise ValueError(f"{f.name}: must be a finite number >= 0, got {value!r}")
         if self.flops_per_s <= 0 or self.bytes_per_s <= 0:
             raise ValueError("flops_per_s/bytes_per_s: must be > 0")
 

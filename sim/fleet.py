@@ -45,8 +45,12 @@ class HostConfig:
     background_cores: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.replicas_per_host < 1:
-            raise ValueError(f"replicas_per_host: must be >= 1, got {self.replicas_per_host}")
+        if isinstance(self.replicas_per_host, bool) or not isinstance(self.replicas_per_host, int) \
+                or self.replicas_per_host < 1:
+            raise ValueError(f"replicas_per_host: must be an integer >= 1, got {self.replicas_per_host!r}")
+        for name in ("cores", "cores_per_replica", "background_cores"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be finite, got {getattr(self, name)}")
         if not self.cores >= 0:
             raise ValueError(f"cores: must be >= 0, got {self.cores}")
         if not self.cores_per_replica > 0:

@@ -133,16 +133,23 @@ def main(argv: list[str] | None = None) -> None:
     rb.add_argument("--cores-per-replica", type=float, default=1.0)
     rb.add_argument("--background-cores", type=float, nargs="+", default=[0.0])
     a = parser.parse_args(argv)
-    if a.what == "offline":
-        _offline(a)
-    else:
-        for bg in a.background_cores:
-            host = HostConfig(replicas_per_host=2, cores=a.host_cores, cores_per_replica=a.cores_per_replica,
-                              background_cores=bg)
-            for row in simulate_router_bench(a.profile, host):
-                print(f"{a.profile} host {a.host_cores} cores, background {bg}: {row['router']:16s} "
-                      f"hit {row['hit_rate']:.3f} ttft p50 {row['ttft_p50_s']:.2f} p90 {row['ttft_p90_s']:.2f} "
-                      f"out tok/s {row['output_tok_s']:.1f} busy {row['busy_share']:.2f} steps {row['steps']}")
+    try:
+        if a.what == "offline":
+            _offline(a)
+        else:
+            _router(a)
+    except ValueError as exc:  # a bad profile or host setting: name it, no traceback
+        parser.exit(2, f"error: {exc}\n")
+
+
+def _router(a: argparse.Namespace) -> None:
+    for bg in a.background_cores:
+        host = HostConfig(replicas_per_host=2, cores=a.host_cores, cores_per_replica=a.cores_per_replica,
+                          background_cores=bg)
+        for row in simulate_router_bench(a.profile, host):
+            print(f"{a.profile} host {a.host_cores} cores, background {bg}: {row['router']:16s} "
+                  f"hit {row['hit_rate']:.3f} ttft p50 {row['ttft_p50_s']:.2f} p90 {row['ttft_p90_s']:.2f} "
+                  f"out tok/s {row['output_tok_s']:.1f} busy {row['busy_share']:.2f} steps {row['steps']}")
 
 
 # A smaller CPU grid than calibrate's default, for fitting and measuring in one run (one machine state).

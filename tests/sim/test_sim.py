@@ -310,6 +310,32 @@ def test_bad_host_config_names_the_field():
     assert HostConfig(replicas_per_host=2, cores=2.0, background_cores=0.5).stretch(2) == pytest.approx(2 / 1.5)
 
 
+@pytest.mark.parametrize("field", ["cores", "cores_per_replica", "background_cores"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_hostile_host_config_values_name_the_field(field, value):
+    from sim import HostConfig
+
+    with pytest.raises(ValueError, match=field):
+        HostConfig(**{"cores": 4.0, field: value})
+
+
+def test_host_config_takes_huge_counts_and_refuses_non_integers():
+    from sim import HostConfig
+
+    assert HostConfig(replicas_per_host=2 ** 64, cores=2.0 ** 64).stretch(3) == 1.0
+    for bad in (-1, 0, 2.5, True, float("nan")):
+        with pytest.raises(ValueError, match="replicas_per_host"):
+            HostConfig(replicas_per_host=bad)
+
+
+@pytest.mark.parametrize("field", ["step_overhead_s", "prefill_step_overhead_s", "prefill_pair_s", "bytes_per_s"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_hostile_cost_model_values_name_the_field(field, value):
+    base = dataclasses.asdict(load_profile("cpu"))
+    with pytest.raises(ValueError, match=field):
+        type(load_profile("cpu"))(**{**base, field: value})
+
+
 def test_requests_arriving_at_one_instant_are_scheduled_together():
     """As an engine handed a batch: the first step prefills all of them, so all get their first token at once."""
     from sim import SimRequest
