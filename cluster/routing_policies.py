@@ -5,6 +5,7 @@ same objects with its own clock. Replicas are named by plain strings (Serve's re
 """
 from __future__ import annotations
 
+import math
 import random
 from bisect import bisect_right
 from collections import Counter, OrderedDict, defaultdict
@@ -205,8 +206,13 @@ class PrefixIndex:
 
     def __init__(self, max_blocks: int):
         self.max_blocks = max_blocks
-        self._owners: OrderedDict[int, dict[str, float]] = OrderedDict()  # hash -> {replica: last seen}
+        self._owners: OrderedDict[int, dict[str, float]] = OrderedDict()  # hash -> {replica: last planted}
         self._by_replica: dict[str, set[int]] = {}
+        # What each replica's last report listed, and the blocks planted by routing since then that
+        # no report has confirmed yet: a report is applied as its difference from the previous one,
+        # so a fleet of replicas holding thousands of blocks each costs the changes, not the holdings.
+        self._reported: dict[str, frozenset[int]] = {}
+        self._unreported: dict[str, set[int]] = {}
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -233,18 +239,27 @@ class PrefixIndex:
         return list(map(len, map(self._by_replica.get, replicas, repeat(()))))  # no Python call per replica
 
     def insert(self, replica: str, block_hashes: Iterable[int], now: float) -> None:
-        """Record that replica received these blocks."""
+        """Record that replica received these blocks (routing planted them at now)."""
+        self._add(replica, block_hashes, now)
+
+    def _add(self, replica: str, block_hashes: Iterable[int], planted: float) -> None:
+        # planted: when routing last sent the block there (-inf: only a report listed it), so that a
+        # report lacking it spares it for the grace window.
         # Reversed so the leading blocks end up most recent: they are the most shared, and evicting a
         # tail block first keeps the leading run of every other prompt intact.
         mine = self._by_replica.setdefault(replica, set())
+        reported = self._reported.get(replica, frozenset())
+        unreported = self._unreported.setdefault(replica, set())
         for h in reversed(list(block_hashes)):
             owners = self._owners.get(h)
             if owners is None:
                 owners = self._owners[h] = {}
             else:
                 self._owners.move_to_end(h)
-            owners[replica] = now
+            owners[replica] = planted
             mine.add(h)
+            if h not in reported:
+                unreported.add(h)
         while len(self._owners) > self.max_blocks:
             h, owners = self._owners.popitem(last=False)
             for r in owners:
@@ -276,25 +291,44 @@ class PrefixIndex:
         return runs
 
     def remove_replica(self, replica: str) -> None:
+        self._reported.pop(replica, None)
+        self._unreported.pop(replica, None)
         for h in self._by_replica.pop(replica, ()):
-            owners = self._owners.get(h)
-            if owners is not None:
-                owners.pop(replica, None)
-                if not owners:
-                    del self._owners[h]
+            self._drop(replica, h)
+
+    def _drop(self, replica: str, block_hash: int) -> None:
+        owners = self._owners.get(block_hash)
+        if owners is not None:
+            owners.pop(replica, None)
+            if not owners:
+                del self._owners[block_hash]
 
     def sync_replica(self, replica: str, resident: Iterable[int], now: float, grace_s: float) -> None:
-        """Correct the index from the replica's own list of resident block hashes (after evictions)."""
+        """Correct the index from the replica's own list of resident block hashes (after evictions).
+
+        Blocks new since the previous report are inserted (as insert() would); blocks it listed before
+        and lists no more are dropped, and so are blocks routing planted that stayed unreported for
+        grace_s. A block still resident keeps its place in the LRU order (a match refreshes it), and
+        one the LRU bound evicted comes back only when routing plants it or a report lists it anew.
+        """
         resident = list(resident)
-        keep = set(resident)
-        mine = self._by_replica.get(replica, set())
-        for h in [h for h in mine if h not in keep and self._owners[h][replica] < now - grace_s]:
-            mine.discard(h)
-            owners = self._owners[h]
-            del owners[replica]
-            if not owners:
-                del self._owners[h]
-        self.insert(replica, resident, now)
+        keep = frozenset(resident)
+        previous = self._reported.get(replica, frozenset())
+        mine = self._by_replica.setdefault(replica, set())
+        unreported = self._unreported.setdefault(replica, set())
+        # Set differences run in C: no Python step per block that stayed resident.
+        unreported -= keep
+        unreported |= previous - keep  # no longer listed: dropped below unless planted within grace_s
+        cutoff = now - grace_s
+        stale = [h for h in unreported if h not in mine or self._owners[h][replica] < cutoff]
+        unreported.difference_update(stale)
+        mine.difference_update(stale)
+        for h in stale:
+            self._drop(replica, h)
+        new = keep - previous - mine
+        self._reported[replica] = keep
+        if new:
+            self._add(replica, [h for h in resident if h in new], -math.inf)
 
 
 class FleetView(Protocol):

@@ -338,6 +338,39 @@ def test_index_never_exceeds_its_bound_and_both_directions_agree(bound, inserts)
             assert h in index.blocks_of(replica)
 
 
+index_ops = st.lists(st.one_of(
+    st.tuples(st.just("plant"), st.sampled_from([A, B]), hashes),
+    st.tuples(st.just("report"), st.sampled_from([A, B]), hashes),
+    st.tuples(st.just("remove"), st.sampled_from([A, B]), st.just([]))), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=index_ops, grace=st.integers(0, 6))
+def test_reports_apply_as_differences_yet_give_what_a_full_rebuild_would(ops, grace):
+    """Unbounded index: after a report, a replica holds exactly the listed blocks plus those routing
+    planted there within the grace window; between reports, plants add to that."""
+    index = PrefixIndex(max_blocks=10_000)
+    held: dict[str, set[int]] = {A: set(), B: set()}
+    planted_at: dict[tuple[str, int], int] = {}
+    for now, (kind, replica, blocks) in enumerate(ops):
+        if kind == "plant":
+            index.insert(replica, blocks, now=now)
+            held[replica] |= set(blocks)
+            planted_at.update({(replica, h): now for h in blocks})
+        elif kind == "report":
+            index.sync_replica(replica, blocks, now=now, grace_s=grace)
+            young = {h for h in held[replica] if planted_at.get((replica, h), -10**9) >= now - grace}
+            held[replica] = set(blocks) | young
+        else:
+            index.remove_replica(replica)
+            held[replica] = set()
+            planted_at = {k: v for k, v in planted_at.items() if k[0] != replica}
+        for r in (A, B):
+            assert index.blocks_of(r) == held[r]
+            for h in held[r]:
+                assert r in index.replicas_of(h)
+
+
 op = st.one_of(
     st.tuples(st.just("route"), hashes, st.integers(0, 4000)),
     st.tuples(st.just("confirm"), st.sampled_from([A, B, C])),
