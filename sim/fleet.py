@@ -18,6 +18,19 @@ from sim.workload import SimRequest
 
 logger = logging.getLogger(__name__)
 
+@dataclass(slots=True)
+class _StatsRound:
+    """One round of routing-stats reports: taken at one instant, delivered together after the delay.
+
+    A replica running a step at the take answers once that step completes, as a production replica
+    answers the router's prefix-hash call between steps; if that is after the delivery, its report
+    reaches the router the moment it is taken.
+    """
+
+    reports: list[tuple[int, str, dict]] = field(default_factory=list)  # (replica index, name, stats)
+    delivered: bool = False
+
+
 # Event kinds, in the order events of one instant are handled.
 # A kick starts an idle replica's step after every arrival of the same instant is queued (as an
 # engine that is handed a batch of requests at once schedules them together).
@@ -117,6 +130,8 @@ class FleetSim:
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._next_stats_s = 0.0
+        self._index = {r.name: i for i, r in enumerate(self.replicas)}
+        self._awaiting: dict[str, _StatsRound] = {}  # replicas that report once their running step ends
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
         self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
         self._shared_hashes: dict[tuple[int, ...], list[int]] = {}  # a prefix group's leading blocks
@@ -153,12 +168,10 @@ class FleetSim:
             elif kind == _STEP_END:
                 remaining -= self._end_step(payload, now, records)
             elif kind == _STATS_TAKE:
-                self._push(now + self.config.stats_delay_s, _STATS_DELIVER,
-                           [(r.name, r.routing_stats()) for r in self.replicas])
-                self._next_stats_s = now + self.config.stats_period_s
-                self._push(self._next_stats_s, _STATS_TAKE, None)
+                self._take_stats(now)
             elif kind == _STATS_DELIVER:
-                for name, stats in payload:
+                payload.delivered = True
+                for _, name, stats in sorted(payload.reports, key=lambda report: report[0]):
                     self.fleet.on_stats(name, stats, now)
             else:
                 return SimResult(list(records.values()), until_s, self.replicas, self.coalesced_steps,
@@ -166,6 +179,28 @@ class FleetSim:
         # The last event popped may precede the end of a coalesced stretch: end at the last finish.
         end = max((r.finish_s for r in records.values() if r.finish_s is not None), default=now)
         return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps, self.jumped_steps)
+
+    def _take_stats(self, now: float) -> None:
+        """Idle replicas report now; busy ones once their running step (or cruise) ends."""
+        round_ = _StatsRound()
+        for i, r in enumerate(self.replicas):
+            if r.in_flight is None:
+                round_.reports.append((i, r.name, r.routing_stats()))
+            else:
+                self._awaiting[r.name] = round_
+        self._push(now + self.config.stats_delay_s, _STATS_DELIVER, round_)
+        self._next_stats_s = now + self.config.stats_period_s
+        self._push(self._next_stats_s, _STATS_TAKE, None)
+
+    def _report_if_awaited(self, replica: SimReplica, now: float) -> None:
+        round_ = self._awaiting.pop(replica.name, None)
+        if round_ is None:
+            return
+        stats = replica.routing_stats()
+        if round_.delivered:
+            self.fleet.on_stats(replica.name, stats, now)
+        else:
+            round_.reports.append((self._index[replica.name], replica.name, stats))
 
     def _push_arrival(self, arrivals: Iterator[tuple[int, SimRequest]]) -> None:
         nxt = next(arrivals, None)
@@ -237,8 +272,8 @@ class FleetSim:
                 self._retime_cohosts(replica, now, became_busy=True)
 
     def _next(self, replica: SimReplica, now: float) -> StepPlan | Cruise | None:
-        # A cruise ends by the next stats report, which must see the replica's exact state. With
-        # shared hosts a co-hosted replica's start or stop would change the cruise's step times: none.
+        # A cruise ends with the step running at the next stats take: the report must see the
+        # replica's exact state once that step completes. With shared hosts a co-hosted replica's start or stop would change the cruise's step times: none.
         if self.config.coalesce and not self._cohosts:
             cruise = replica.plan_cruise(now, self._next_stats_s)
             if cruise is not None:
@@ -281,6 +316,7 @@ class FleetSim:
     def _apply(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
         if isinstance(replica.in_flight, Cruise):
             self._apply_jump(replica, replica.in_flight, len(replica.in_flight.ends), records)
+            self._report_if_awaited(replica, now)
             return 0
         finished = 0
         for out in replica.finish_step():
@@ -292,6 +328,7 @@ class FleetSim:
                 finished += 1
         if self.on_step is not None:
             self.on_step(replica, now)
+        self._report_if_awaited(replica, now)
         return finished
 
     def _apply_jump(self, replica: SimReplica, cruise: Cruise, num_steps: int,

@@ -81,7 +81,7 @@ class SimReplica:
                                            tenant=tenant, arrival_time=now, block_hashes=list(block_hashes or ())))
 
     def plan_cruise(self, now: float, horizon_s: float, min_steps: int = 2) -> Cruise | None:
-        """Plan the pure-decode steps that end by horizon_s and sample no EOS (None if under min_steps)."""
+        """Plan pure-decode steps that sample no EOS, up to the one running at horizon_s (None if under min_steps)."""
         sched = self.scheduler
         running = sched.running
         if not running:
@@ -100,15 +100,15 @@ class SimReplica:
         ends: list[float] = []
         durations: list[float] = []
         t = now
-        for _ in range(limit):  # those that end by the horizon, timed as single steps would be
+        for _ in range(limit):  # timed as single steps would be
             d = step_time(prefill, n - prefill, kv_read, n, pairs)
-            if t + d > horizon_s:
-                break
             t += d
             ends.append(t)
             durations.append(d)
             kv_read += n
             prefill = pairs = 0
+            if t > horizon_s:  # the step running at the horizon is the last
+                break
         if len(ends) < min_steps:
             return None
         self.in_flight = Cruise(now, ends, durations)

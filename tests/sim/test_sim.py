@@ -265,6 +265,42 @@ def test_arrival_exactly_at_a_step_end_of_a_cruise_matches_step_by_step():
     assert jumped.jumped_steps > 0
 
 
+class _ReportLog(cluster.routing_policies.FleetState):
+    """The production router, noting every report it is handed (replica, instant, report)."""
+
+    def __init__(self, config: RoutingConfig) -> None:
+        super().__init__(config)
+        self.log: list[tuple] = []
+
+    def on_stats(self, replica, stats, now):
+        self.log.append((replica, now, stats["num_waiting"], stats["num_running"], stats["kv_cache_usage"],
+                         tuple(stats["prefix_hashes"])))
+        super().on_stats(replica, stats, now)
+
+
+def test_a_busy_replica_reports_once_its_running_step_ends_in_cruises_as_step_by_step():
+    """Long decodes cruise across many stats takes; every report the router receives, and when,
+    matches step-by-step simulation, and a report comes after the step running at its take."""
+    wl = synthetic_workload(WorkloadConfig(num_requests=40, rate=1.0, tenants=3, system_prompt_len=64,
+                                           question_len=(4, 40), output_len=(60, 200), seed=3))
+    logs = []
+    for coalesce in (True, False):
+        cfg = SimConfig(num_replicas=3, scheduler=SchedulerConfig(num_gpu_blocks=200, max_model_len=512),
+                        routing=RoutingConfig(router_policy="prefix_affinity"), coalesce=coalesce,
+                        stats_period_s=0.3, stats_delay_s=0.0)
+        sim = FleetSim(cfg, load_profile("cpu"))
+        sim.fleet = _ReportLog(cfg.routing)
+        result = sim.run(wl)
+        logs.append((sim.fleet.log, _fingerprint(result), result.jumped_steps))
+    (cruised, cruised_fp, jumped), (stepwise, stepwise_fp, _) = logs
+    assert jumped > 0
+    assert cruised == stepwise and cruised_fp == stepwise_fp
+    # No delivery delay: an idle replica's report arrives at its take, a busy one's when its step ends.
+    takes = sorted({when for _, when, *_ in stepwise})
+    late = [when for _, when, *_ in stepwise if min(abs(when - k * 0.3) for k in range(int(when / 0.3) + 2)) > 1e-9]
+    assert late and len(late) < len(stepwise), (len(late), len(stepwise), takes[:5])
+
+
 def test_cohosted_replicas_share_cores_while_both_are_busy():
     """One core for two one-core replicas: while both run, each step takes twice the profile's time."""
     from sim import HostConfig, SimRequest
