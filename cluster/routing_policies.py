@@ -11,7 +11,7 @@ from bisect import bisect_right
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from typing import Any, Protocol
 
 from cluster.circuit_breaker import CircuitBreaker
@@ -349,9 +349,44 @@ class _Rotation:
     def rotate(self, replicas: Sequence[str]) -> list[str]:
         """replicas starting at this turn's offset (each call is a turn)."""
         replicas = list(replicas)
-        offset = self._offset % len(replicas)
-        self._offset += 1
+        offset = self.turn(len(replicas))
         return replicas[offset:] + replicas[:offset]
+
+    def turn(self, n: int) -> int:
+        """This turn's offset into n replicas (each call is a turn): rotate()'s, without the copy."""
+        offset = self._offset % n
+        self._offset += 1
+        return offset
+
+
+def least_rotated(loads: list[float], offset: int) -> int:
+    """Index of the least load, ties to the first at or after offset (then wrapping): C-level passes."""
+    least = min(loads)
+    try:
+        return loads.index(least, offset)
+    except ValueError:
+        return loads.index(least)
+
+
+def rotated_positions(n: int, offset: int) -> Iterable[int]:
+    """Each index's position in the list rotated to start at offset, in index order."""
+    return chain(range(n - offset, n), range(n - offset))
+
+
+class _Positions:
+    """The candidate list a router last ranked, as a set and an index map (rebuilt when it changes)."""
+
+    def __init__(self) -> None:
+        self._of: list[str] | None = None
+        self.members: frozenset[str] = frozenset()
+        self.index: dict[str, int] = {}
+
+    def update(self, replicas: Sequence[str]) -> None:
+        # The router hands the same list object while the replica set stays as it is.
+        if replicas is not self._of:
+            self._of = replicas if isinstance(replicas, list) else None
+            self.members = frozenset(replicas)
+            self.index = {r: i for i, r in enumerate(replicas)}
 
 
 class RoundRobin:
@@ -382,8 +417,9 @@ class LeastLoaded:
         return self._rotation.order(replicas, fleet)
 
     def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
-        """rank(...)[0], with the same state change, without sorting."""
-        return fleet.loads.least(self._rotation.rotate(replicas))
+        """rank(...)[0], with the same state change, without sorting or rotating."""
+        offset = self._rotation.turn(len(replicas))
+        return replicas[least_rotated(fleet.loads.loads_of(replicas), offset)]
 
 
 class PowerOfTwo:
@@ -412,6 +448,7 @@ class PrefixAffinity:
         self.imbalance_ratio = imbalance_ratio
         self.min_match_blocks = min_match_blocks
         self._rotation = _Rotation()
+        self._positions = _Positions()
 
     def rank(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> list[str]:
         by_load = self._rotation.order(replicas, fleet)
@@ -439,20 +476,25 @@ class PrefixAffinity:
         rank's order is (load, rotated position); the eligible replicas are those within the
         ceiling, so each choice below is a minimum over (key, load, position) tuples.
         """
-        rotated = self._rotation.rotate(replicas)
+        n = len(replicas)
+        offset = self._rotation.turn(n)
+        loads = fleet.loads.loads_of(replicas)
         if not request.block_hashes:
-            return fleet.loads.least(rotated)
-        runs = fleet.index.holder_runs(request.block_hashes, set(rotated))
-        loads = fleet.loads.loads_of(rotated)
+            return replicas[least_rotated(loads, offset)]
+        positions = self._positions
+        positions.update(replicas)
+        runs = fleet.index.holder_runs(request.block_hashes, positions.members)
         least = min(loads)
         ceiling = float(max(least + self.imbalance_threshold, least * self.imbalance_ratio))
         load = fleet.loads.load
         held = [(run, r) for r, run in runs.items() if load(r) <= ceiling]
         top = max((run for run, _ in held), default=0)
         if top >= self.min_match_blocks:
-            return min((load(r), rotated.index(r), r) for run, r in held if run == top)[2]
-        keyed = zip(fleet.index.footprints(rotated), loads, range(len(rotated)))
-        return rotated[min(compress(keyed, map(ceiling.__ge__, loads)))[2]]  # within the ceiling only
+            index = positions.index
+            return min((load(r), (index[r] - offset) % n, r) for run, r in held if run == top)[2]
+        keyed = zip(fleet.index.footprints(replicas), loads, rotated_positions(n, offset))
+        position = min(compress(keyed, map(ceiling.__ge__, loads)))[2]  # within the ceiling only
+        return replicas[(position + offset) % n]
 
 
 Policy = RoundRobin | LeastLoaded | PowerOfTwo | PrefixAffinity
@@ -525,7 +567,8 @@ class FleetState:
         if key != self._sorted[0]:
             self._sorted = (key, sorted(set(key)))
         unhealthy = self.loads.unhealthy
-        return [r for r in self._sorted[1] if r not in unhealthy] if unhealthy else list(self._sorted[1])
+        # The cached list itself while all are healthy (no caller mutates it): policies key caches on it.
+        return [r for r in self._sorted[1] if r not in unhealthy] if unhealthy else self._sorted[1]
 
     def on_routed(self, request: RouteRequest, replica: str, now: float) -> None:
         """Serve sent request to replica (it may differ from the ranking's first if that one was full)."""
