@@ -13,7 +13,7 @@ from scheduler import SchedulerConfig, hash_block_tokens, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import RequestRecord, SimResult
 from sim.policies import FleetState, RouteRequest, RoutingConfig
-from sim.replica import Cruise, SimReplica, StepPlan
+from sim.replica import AppliedStep, Cruise, SimReplica, StepPlan
 from sim.workload import SimRequest
 
 logger = logging.getLogger(__name__)
@@ -280,7 +280,7 @@ class FleetSim:
                 return cruise
         return replica.start_step(now, self._stretch(replica))
 
-    def _end_step(self, payload: tuple[SimReplica, StepPlan | Cruise], now: float,
+    def _end_step(self, payload: tuple[SimReplica, StepPlan | Cruise | AppliedStep], now: float,
                   records: dict[str, RequestRecord]) -> int:
         """Finish replica's step (or cruise) and, while no other event comes first, run the next in place."""
         replica, plan = payload
@@ -302,20 +302,32 @@ class FleetSim:
             self.coalesced_steps += 1
 
     def _interrupt(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> None:
-        """An arrival reaches a cruising replica: apply the steps ended before now, schedule the one running."""
+        """An arrival reaches a cruising replica: the steps ended before now and the one running end the cruise.
+
+        The running step is applied now, before the arrival joins the queue (it was scheduled
+        before), and the replica stays busy until its end. Nothing observes the replica's state
+        before then: reports wait for the step's end, and scheduling starts after it.
+        """
         cruise = replica.in_flight
         assert isinstance(cruise, Cruise)
         done = bisect.bisect_left(cruise.ends, now)  # arrivals precede step ends at the same instant
-        start = cruise.start_s
-        if done:
+        if done > cruise.applied:
             self._apply_jump(replica, cruise, done, records)
-            start = cruise.ends[done - 1]
-        replica.in_flight = None
-        self._step(replica, start)
+        self._apply_jump(replica, cruise, done + 1, records, notify=False)
+        replica.in_flight = AppliedStep(cruise.ends[done])
+        self._push(replica.in_flight.end_s, _STEP_END, (replica, replica.in_flight))
 
     def _apply(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
-        if isinstance(replica.in_flight, Cruise):
-            self._apply_jump(replica, replica.in_flight, len(replica.in_flight.ends), records)
+        plan = replica.in_flight
+        if isinstance(plan, Cruise):
+            self._apply_jump(replica, plan, len(plan.ends), records)
+            replica.in_flight = None
+            self._report_if_awaited(replica, now)
+            return 0
+        if isinstance(plan, AppliedStep):
+            replica.in_flight = None
+            if self.on_step is not None:
+                self.on_step(replica, now)
             self._report_if_awaited(replica, now)
             return 0
         finished = 0
@@ -331,11 +343,12 @@ class FleetSim:
         self._report_if_awaited(replica, now)
         return finished
 
-    def _apply_jump(self, replica: SimReplica, cruise: Cruise, num_steps: int,
-                    records: dict[str, RequestRecord]) -> None:
-        times = cruise.ends[:num_steps]
-        for out in replica.jump(num_steps):
+    def _apply_jump(self, replica: SimReplica, cruise: Cruise, upto: int,
+                    records: dict[str, RequestRecord], notify: bool = True) -> None:
+        """Apply the cruise's steps up to `upto`; notify: on_step at the last one's end (it has ended)."""
+        times = cruise.ends[cruise.applied:upto]
+        for out in replica.jump(upto):
             records[out.request_id].on_token_run(times, out.num_cached_tokens)
-        self.jumped_steps += num_steps
-        if self.on_step is not None:
+        self.jumped_steps += len(times)
+        if notify and self.on_step is not None:
             self.on_step(replica, times[-1])

@@ -23,16 +23,25 @@ class Cruise:
     """A planned run of pure-decode steps, applied in one jump when it ends or is interrupted.
 
     Nothing in it finishes a request, so until it ends the replica changes nothing the rest of
-    the fleet sees; an arrival routed to the replica applies the steps ended by then.
+    the fleet sees; an arrival routed to the replica applies the steps ended by then and the one
+    running, whose effects nothing observes before it ends.
     """
 
     start_s: float
     ends: list[float]  # end time of each step, summed step by step as single steps would
     durations: list[float]
+    applied: int = 0  # leading steps already applied to the scheduler and the records
 
     @property
     def end_s(self) -> float:
         return self.ends[-1]
+
+
+@dataclass(slots=True)
+class AppliedStep:
+    """The running step of an interrupted cruise, applied ahead of its end: ending it only frees the replica."""
+
+    end_s: float
 
 
 def step_shape(out: SchedulerOutput, requests: dict[str, Request]) -> tuple[int, int, int, int]:
@@ -65,7 +74,7 @@ class SimReplica:
         self.cost = cost
         self.output_len: dict[str, int] = {}
         self._params: dict[int, SamplingParams] = {}  # by output length: validated once, never mutated
-        self.in_flight: StepPlan | Cruise | None = None
+        self.in_flight: StepPlan | Cruise | AppliedStep | None = None
         self.num_steps = 0
         self.busy_s = 0.0
 
@@ -114,15 +123,16 @@ class SimReplica:
         self.in_flight = Cruise(now, ends, durations)
         return self.in_flight
 
-    def jump(self, num_steps: int) -> list[RequestOutput]:
-        """Apply the first num_steps steps of the cruise in flight, all at once."""
+    def jump(self, upto: int) -> list[RequestOutput]:
+        """Apply the cruise in flight's steps not yet applied, up to step `upto`, all at once."""
         cruise = self.in_flight
-        assert isinstance(cruise, Cruise) and 0 < num_steps <= len(cruise.ends)
+        assert isinstance(cruise, Cruise) and cruise.applied < upto <= len(cruise.ends)
+        num_steps = upto - cruise.applied
         outputs = self.scheduler.advance_decode({r.request_id: [TOKEN] * num_steps for r in self.scheduler.running})
-        for d in cruise.durations[:num_steps]:
+        for d in cruise.durations[cruise.applied:upto]:
             self.busy_s += d
         self.num_steps += num_steps
-        self.in_flight = None
+        cruise.applied = upto
         return outputs
 
     def start_step(self, now: float, stretch: float = 1.0) -> StepPlan | None:
