@@ -72,6 +72,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
         self._finished_order: OrderedDict[str, None] = OrderedDict()
+        self.finished_retention = FINISHED_RETENTION  # a simulator of millions of requests keeps fewer
         self._prefill_cap = config.long_prefill_token_threshold or _NO_CAP
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -456,7 +457,7 @@ class Scheduler:
         rid = req.request_id
         self._finished_ids.add(rid)
         self._finished_order[rid] = None
-        if len(self._finished_order) > FINISHED_RETENTION:
+        if len(self._finished_order) > self.finished_retention:
             old, _ = self._finished_order.popitem(last=False)
             if self.requests.get(old) is not None and self.requests[old].is_finished:
                 del self.requests[old]

@@ -6,6 +6,7 @@ import dataclasses
 import heapq
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -96,6 +97,9 @@ class SimConfig:
     # pure-decode stretches (False: every step through the event queue, the reference).
     coalesce: bool = True
     host: HostConfig = field(default_factory=HostConfig)  # co-hosted replicas sharing cores
+    # Each record keeps its inter-token gaps (False: only its ITL p90 and the fleet tally, for runs
+    # of millions of requests, where the gaps would take ~9 KB a request).
+    keep_itl: bool = True
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -135,6 +139,7 @@ class FleetSim:
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
         self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
         self._shared_hashes: dict[tuple[int, ...], list[int]] = {}  # a prefix group's leading blocks
+        self._itl_tally: Counter[float] = Counter()
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -175,10 +180,11 @@ class FleetSim:
                     self.fleet.on_stats(name, stats, now)
             else:
                 return SimResult(list(records.values()), until_s, self.replicas, self.coalesced_steps,
-                                 self.jumped_steps)
+                                 self.jumped_steps, self._itl_tally)
         # The last event popped may precede the end of a coalesced stretch: end at the last finish.
         end = max((r.finish_s for r in records.values() if r.finish_s is not None), default=now)
-        return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps, self.jumped_steps)
+        return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps, self.jumped_steps,
+                         self._itl_tally)
 
     def _take_stats(self, now: float) -> None:
         """Idle replicas report now; busy ones once their running step (or cruise) ends."""
@@ -335,7 +341,7 @@ class FleetSim:
             rec = records[out.request_id]
             rec.on_tokens(now, len(out.new_token_ids), out.num_cached_tokens)
             if out.finished:
-                rec.finish(now, out.num_output_tokens, out.finish_reason)
+                rec.finish(now, out.num_output_tokens, out.finish_reason, self._itl_tally, self.config.keep_itl)
                 self.fleet.on_completed(out.request_id)
                 finished += 1
         if self.on_step is not None:

@@ -1,8 +1,13 @@
 """Per-request timings and the fleet figures derived from them."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
+
+# Inter-token gaps are tallied at this many decimals of a second (1 us) for the fleet percentiles.
+ITL_DECIMALS = 6
 
 
 @dataclass(slots=True)
@@ -21,7 +26,8 @@ class RequestRecord:
     num_output_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
-    itl_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)  # emptied at the finish unless the run keeps them
+    itl_p90_s: float = 0.0  # this request's ITL p90, set at its finish
 
     def on_tokens(self, now: float, n: int, cached: int) -> None:
         if n == 0:
@@ -44,10 +50,16 @@ class RequestRecord:
             self.itl_s.extend([b - a for a, b in zip(times, times[1:])])
             self.last_token_s = times[-1]
 
-    def finish(self, now: float, num_output_tokens: int, reason: str | None) -> None:
+    def finish(self, now: float, num_output_tokens: int, reason: str | None, itl_tally: Counter[float],
+               keep_itl: bool = True) -> None:
+        """Record the finish, add this request's gaps to the fleet's tally, drop them unless keep_itl."""
         self.finish_s = now
         self.num_output_tokens = num_output_tokens
         self.finish_reason = reason
+        self.itl_p90_s = percentile(self.itl_s, 90)
+        itl_tally.update(map(round, self.itl_s, repeat(ITL_DECIMALS)))  # C-level: no Python step per gap
+        if not keep_itl:
+            self.itl_s = []
 
     @property
     def ttft_s(self) -> float:
@@ -63,6 +75,20 @@ def percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
+def tally_percentile(tally: Counter[float], q: float) -> float:
+    """percentile() of the values a tally counts (0 for an empty tally)."""
+    total = sum(tally.values())
+    if not total:
+        return 0.0
+    k = min(total - 1, max(0, int(round(q / 100 * total + 0.5)) - 1))
+    seen = 0
+    for value in sorted(tally):
+        seen += tally[value]
+        if seen > k:
+            return value
+    raise AssertionError("unreachable: k < total")
+
+
 @dataclass(slots=True)
 class SimResult:
     """Records of every request and the replicas at the end of the run."""
@@ -72,19 +98,19 @@ class SimResult:
     replicas: list[Any]
     coalesced_steps: int = 0
     jumped_steps: int = 0
+    itl_tally: Counter[float] = field(default_factory=Counter)  # finished requests' gaps (1 us) -> count
 
     def summary(self, slo_ttft_s: float = float("inf"), slo_itl_s: float = float("inf")) -> dict[str, float]:
         done = [r for r in self.records if r.finish_s is not None]
         ttft = [r.ttft_s for r in done]
-        itl = [x for r in done for x in r.itl_s]
         queried = sum(rep.scheduler.kv.num_queried_tokens for rep in self.replicas)
         hit = sum(rep.scheduler.kv.num_hit_tokens for rep in self.replicas)
         span = max((r.finish_s for r in done), default=0.0) - min((r.arrival_s for r in done), default=0.0)
-        good = [r for r in done if r.ttft_s <= slo_ttft_s and percentile(r.itl_s, 90) <= slo_itl_s]
+        good = [r for r in done if r.ttft_s <= slo_ttft_s and r.itl_p90_s <= slo_itl_s]
         return {
             "requests": len(done), "hit_rate": hit / queried if queried else 0.0,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
-            "itl_p50_s": percentile(itl, 50), "itl_p90_s": percentile(itl, 90),
+            "itl_p50_s": tally_percentile(self.itl_tally, 50), "itl_p90_s": tally_percentile(self.itl_tally, 90),
             "output_tok_s": sum(r.num_output_tokens for r in done) / span if span > 0 else 0.0,
             "goodput_rps": len(good) / span if span > 0 else 0.0,
             "steps": sum(rep.num_steps for rep in self.replicas), "sim_end_s": self.end_s,

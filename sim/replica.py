@@ -8,6 +8,7 @@ from sim.cost import CostModel
 
 EOS = 0
 TOKEN = 1
+FINISHED_RETENTION = 8
 
 
 @dataclass(slots=True)
@@ -71,6 +72,9 @@ class SimReplica:
     def __init__(self, name: str, config: SchedulerConfig, cost: CostModel):
         self.name = name
         self.scheduler = Scheduler(config)
+        # Finished requests hold their token lists (~10 KB each): 1,000 replicas retaining 1,024
+        # each would hold gigabytes that nothing here reads.
+        self.scheduler.finished_retention = FINISHED_RETENTION
         self.cost = cost
         self.output_len: dict[str, int] = {}
         self._params: dict[int, SamplingParams] = {}  # by output length: validated once, never mutated
