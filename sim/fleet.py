@@ -139,7 +139,7 @@ class FleetSim:
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
         self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
         self._shared_hashes: dict[tuple[int, ...], list[int]] = {}  # a prefix group's leading blocks
-        self._itl_tally: Counter[float] = Counter()
+        self._itl_tally: Counter[int] = Counter()
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1

@@ -4,10 +4,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
+from operator import mul
 from typing import Any
 
-# Inter-token gaps are tallied at this many decimals of a second (1 us) for the fleet percentiles.
-ITL_DECIMALS = 6
+# Inter-token gaps are tallied in whole microseconds for the fleet percentiles.
+_US = 1e6
 
 
 @dataclass(slots=True)
@@ -50,14 +51,14 @@ class RequestRecord:
             self.itl_s.extend([b - a for a, b in zip(times, times[1:])])
             self.last_token_s = times[-1]
 
-    def finish(self, now: float, num_output_tokens: int, reason: str | None, itl_tally: Counter[float],
+    def finish(self, now: float, num_output_tokens: int, reason: str | None, itl_tally: Counter[int],
                keep_itl: bool = True) -> None:
         """Record the finish, add this request's gaps to the fleet's tally, drop them unless keep_itl."""
         self.finish_s = now
         self.num_output_tokens = num_output_tokens
         self.finish_reason = reason
         self.itl_p90_s = percentile(self.itl_s, 90)
-        itl_tally.update(map(round, self.itl_s, repeat(ITL_DECIMALS)))  # C-level: no Python step per gap
+        itl_tally.update(map(int, map(mul, self.itl_s, repeat(_US))))  # C-level: no Python step per gap
         if not keep_itl:
             self.itl_s = []
 
@@ -75,8 +76,8 @@ def percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
-def tally_percentile(tally: Counter[float], q: float) -> float:
-    """percentile() of the values a tally counts (0 for an empty tally)."""
+def tally_percentile(tally: Counter[int], q: float) -> float:
+    """percentile() of the gaps a tally counts, in seconds (0 for an empty tally)."""
     total = sum(tally.values())
     if not total:
         return 0.0
@@ -85,7 +86,7 @@ def tally_percentile(tally: Counter[float], q: float) -> float:
     for value in sorted(tally):
         seen += tally[value]
         if seen > k:
-            return value
+            return value / _US
     raise AssertionError("unreachable: k < total")
 
 
@@ -98,7 +99,7 @@ class SimResult:
     replicas: list[Any]
     coalesced_steps: int = 0
     jumped_steps: int = 0
-    itl_tally: Counter[float] = field(default_factory=Counter)  # finished requests' gaps (1 us) -> count
+    itl_tally: Counter[int] = field(default_factory=Counter)  # finished requests' gaps (whole us) -> count
 
     def summary(self, slo_ttft_s: float = float("inf"), slo_itl_s: float = float("inf")) -> dict[str, float]:
         done = [r for r in self.records if r.finish_s is not None]
