@@ -411,10 +411,15 @@ class Scheduler:
             raise ValueError("sampled_token_ids: needs exactly the running requests' ids")
         if k < 1 or any(len(t) != k for t in sampled_token_ids.values()) or self.max_decode_jump(k) < k:
             raise ValueError(f"sampled_token_ids: {k} steps is not a pure-decode stretch of equal length")
+        token_sets: dict[int, frozenset[int]] = {}  # callers often pass one list for every request
         for req in running:
             sp = req.sampling_params
-            stops = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(req.eos_token_ids))
-            if stops.intersection(sampled_token_ids[req.request_id]):
+            tokens = sampled_token_ids[req.request_id]
+            sampled = token_sets.get(id(tokens))
+            if sampled is None:
+                sampled = token_sets[id(tokens)] = frozenset(tokens)
+            if not sampled.isdisjoint(sp.stop_token_ids or ()) or (
+                    not sp.ignore_eos and not sampled.isdisjoint(req.eos_token_ids)):
                 raise ValueError(f"sampled_token_ids: {req.request_id!r} samples a stop token; step it singly")
         for req in running:
             tokens = sampled_token_ids[req.request_id]

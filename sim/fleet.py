@@ -9,6 +9,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import sub
 
 from scheduler import SchedulerConfig, hash_block_tokens, hash_prompt_blocks
 from sim.cost import CostModel
@@ -353,8 +354,9 @@ class FleetSim:
                     records: dict[str, RequestRecord], notify: bool = True) -> None:
         """Apply the cruise's steps up to `upto`; notify: on_step at the last one's end (it has ended)."""
         times = cruise.ends[cruise.applied:upto]
+        gaps = list(map(sub, times[1:], times))
         for out in replica.jump(upto):
-            records[out.request_id].on_token_run(times, out.num_cached_tokens)
+            records[out.request_id].on_token_run(times, gaps, out.num_cached_tokens)
         self.jumped_steps += len(times)
         if notify and self.on_step is not None:
             self.on_step(replica, times[-1])

@@ -41,16 +41,17 @@ class RequestRecord:
             self.itl_s.append(now - self.last_token_s)
         self.last_token_s = now
 
-    def on_token_run(self, times: list[float], cached: int) -> None:
-        """One token at each of these times (a jumped stretch): on_tokens for each, in bulk."""
+    def on_token_run(self, times: list[float], gaps: list[float], cached: int) -> None:
+        """One token at each of these times (a jumped stretch): on_tokens for each, in bulk.
+
+        gaps[i] is times[i + 1] - times[i], computed once for every request of the stretch.
+        """
         if self.first_token_s is None:
             self.on_tokens(times[0], 1, cached)
-            times = times[1:]
-        if times:
-            last = self.last_token_s
-            self.itl_s.append(times[0] - last)
-            self.itl_s.extend([b - a for a, b in zip(times, times[1:])])
-            self.last_token_s = times[-1]
+        else:
+            self.itl_s.append(times[0] - self.last_token_s)
+        self.itl_s.extend(gaps)
+        self.last_token_s = times[-1]
 
     def finish(self, now: float, num_output_tokens: int, reason: str | None, itl_tally: Counter[int],
                keep_itl: bool = True) -> None:

@@ -132,7 +132,8 @@ class SimReplica:
         cruise = self.in_flight
         assert isinstance(cruise, Cruise) and cruise.applied < upto <= len(cruise.ends)
         num_steps = upto - cruise.applied
-        outputs = self.scheduler.advance_decode({r.request_id: [TOKEN] * num_steps for r in self.scheduler.running})
+        tokens = [TOKEN] * num_steps  # one list for all: advance_decode only reads it
+        outputs = self.scheduler.advance_decode(dict.fromkeys([r.request_id for r in self.scheduler.running], tokens))
         for d in cruise.durations[cruise.applied:upto]:
             self.busy_s += d
         self.num_steps += num_steps
