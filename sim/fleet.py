@@ -101,6 +101,10 @@ class SimConfig:
     # Each record keeps its inter-token gaps (False: only its ITL p90 and the fleet tally, for runs
     # of millions of requests, where the gaps would take ~9 KB a request).
     keep_itl: bool = True
+    # What a request spends in the serving stack outside the engine (HTTP proxy, ingress, the
+    # handle's routing call, the token's way back), charged before it reaches the router: its
+    # TTFT and end-to-end time grow by this much. bench/serve_bench.py measures it.
+    serving_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -114,6 +118,8 @@ class SimConfig:
             raise ValueError(f"stats_period_s: must be > 0, got {self.stats_period_s}")
         if not self.stats_delay_s >= 0:
             raise ValueError(f"stats_delay_s: must be >= 0, got {self.stats_delay_s}")
+        if not 0 <= self.serving_overhead_s < math.inf:
+            raise ValueError(f"serving_overhead_s: must be a finite number >= 0, got {self.serving_overhead_s}")
 
 
 class FleetSim:
@@ -212,7 +218,7 @@ class FleetSim:
     def _push_arrival(self, arrivals: Iterator[tuple[int, SimRequest]]) -> None:
         nxt = next(arrivals, None)
         if nxt is not None:
-            self._push(nxt[1].arrival_s, _ARRIVAL, nxt)
+            self._push(nxt[1].arrival_s + self.config.serving_overhead_s, _ARRIVAL, nxt)
 
     def _arrive(self, i: int, req: SimRequest, now: float, records: dict[str, RequestRecord]) -> None:
         """Route request i of the workload and queue it at its replica."""

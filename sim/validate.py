@@ -94,21 +94,30 @@ def router_bench_workload(tenants: int = 12, prefix_tokens: int = 256, question_
     return out
 
 
-def router_bench_config(router: str, host: HostConfig, block_size: int = 16) -> SimConfig:
+# Median TTFT the full Serve stack adds over an in-process engine at low load
+# (bench/serve_bench.py on the quiet 2-core machine, 2026-11-21: 417.6 -> 431.4 ms).
+SERVE_BENCH_OVERHEAD_S = 0.0132
+MEASURED_ROUTER_BENCH = Path(__file__).resolve().parents[1] / "bench" / "results" / "router_bench.json"
+
+
+def router_bench_config(router: str, host: HostConfig, block_size: int = 16,
+                        serving_overhead_s: float = 0.0) -> SimConfig:
     """Two replicas as the bench sizes them: 120 blocks, 16 sequences, 288-token context."""
     blocks = (12 // 2 + 1) * (256 // block_size) + 4 * (math.ceil(288 / block_size) - 256 // block_size)
     sched = SchedulerConfig(num_gpu_blocks=blocks, num_cpu_blocks=0, max_num_seqs=16, max_model_len=288,
                             block_size=block_size)
-    return SimConfig(num_replicas=2, scheduler=sched, host=host,
+    return SimConfig(num_replicas=2, scheduler=sched, host=host, serving_overhead_s=serving_overhead_s,
                      routing=RoutingConfig(router_policy=router, imbalance_threshold=4.0, seed=0))
 
 
 def simulate_router_bench(profile: str, host: HostConfig,
-                          routers=("prefix_affinity", "round_robin", "power_of_two")) -> list[dict]:
+                          routers=("prefix_affinity", "round_robin", "power_of_two"),
+                          serving_overhead_s: float = 0.0) -> list[dict]:
     wl = router_bench_workload()
     rows = []
     for router in routers:
-        result = FleetSim(router_bench_config(router, host), load_profile(profile)).run(wl)
+        cfg = router_bench_config(router, host, serving_overhead_s=serving_overhead_s)
+        result = FleetSim(cfg, load_profile(profile)).run(wl)
         row = result.summary()
         row["router"] = router
         row["busy_share"] = sum(r.busy_s for r in result.replicas) / (2 * result.end_s)
@@ -132,6 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     rb.add_argument("--host-cores", type=float, default=0.0, help="cores of the one host (0: no sharing)")
     rb.add_argument("--cores-per-replica", type=float, default=1.0)
     rb.add_argument("--background-cores", type=float, nargs="+", default=[0.0])
+    rb.add_argument("--measured", default=str(MEASURED_ROUTER_BENCH),
+                    help="bench/router_bench.py's results JSON to compare with ('' for none)")
+    rb.add_argument("--serving-overhead", type=float, default=SERVE_BENCH_OVERHEAD_S,
+                    help="seconds each request spends in the Serve stack outside the engine (default: "
+                         "bench/serve_bench.py's quiet-machine median TTFT overhead; 0 leaves it out)")
     a = parser.parse_args(argv)
     try:
         if a.what == "offline":
@@ -142,14 +156,34 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"error: {exc}\n")
 
 
+def measured_router_bench(path: Path = MEASURED_ROUTER_BENCH) -> dict[str, dict]:
+    """The real benchmark's figures by router, from the results file bench/router_bench.py writes."""
+    try:
+        return {r["router"]: r for r in json.loads(path.read_text())["results"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"measured results {str(path)!r}: {exc}") from None
+
+
 def _router(a: argparse.Namespace) -> None:
+    measured = measured_router_bench(Path(a.measured)) if a.measured else {}
     for bg in a.background_cores:
         host = HostConfig(replicas_per_host=2, cores=a.host_cores, cores_per_replica=a.cores_per_replica,
                           background_cores=bg)
-        for row in simulate_router_bench(a.profile, host):
-            print(f"{a.profile} host {a.host_cores} cores, background {bg}: {row['router']:16s} "
-                  f"hit {row['hit_rate']:.3f} ttft p50 {row['ttft_p50_s']:.2f} p90 {row['ttft_p90_s']:.2f} "
+        for row in simulate_router_bench(a.profile, host, serving_overhead_s=a.serving_overhead):
+            print(f"{a.profile} host {a.host_cores} cores, background {bg}, overhead {a.serving_overhead * 1e3:.1f} ms: "
+                  f"{row['router']:16s} "
+                  f"hit {row['hit_rate']:.3f} ttft p50 {row['ttft_p50_s']:.3f} p90 {row['ttft_p90_s']:.3f} "
                   f"out tok/s {row['output_tok_s']:.1f} busy {row['busy_share']:.2f} steps {row['steps']}")
+            real = measured.get(row["router"])
+            if real is not None:
+                print(f"    measured: hit {real['hit_rate']:.3f} ({100 * (row['hit_rate'] - real['hit_rate']):+.1f} points)"
+                      f" ttft p50 {real['ttft_p50_s']:.3f} ({_err(row['ttft_p50_s'], real['ttft_p50_s'])})"
+                      f" p90 {real['ttft_p90_s']:.3f} ({_err(row['ttft_p90_s'], real['ttft_p90_s'])})"
+                      f" out tok/s {real['output_tok_s']:.1f} ({_err(row['output_tok_s'], real['output_tok_s'])})")
+
+
+def _err(simulated: float, measured: float) -> str:
+    return f"{100 * (simulated / measured - 1):+.1f}%" if measured else "n/a"
 
 
 # A smaller CPU grid than calibrate's default, for fitting and measuring in one run (one machine state).

@@ -144,6 +144,22 @@ def test_bad_profile_and_config_name_the_field(tmp_path):
         SimConfig(num_replicas=0)
     with pytest.raises(ValueError, match="rate"):
         WorkloadConfig(rate=float("nan"))
+    for bad in (-0.001, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="serving_overhead_s"):
+            SimConfig(serving_overhead_s=bad)
+
+
+def test_serving_overhead_delays_routing_and_adds_to_ttft_and_latency():
+    """The Serve stack's own time comes before the router: an idle fleet's TTFT grows by exactly it."""
+    from sim import SimRequest
+
+    workload = [SimRequest("a", 1.0, prompt_len=40, output_len=8)]
+    bare, served = (FleetSim(SimConfig(num_replicas=1, serving_overhead_s=overhead), load_profile("cpu")).run(workload)
+                    for overhead in (0.0, 0.0132))
+    (b,), (s,) = bare.records, served.records
+    assert s.ttft_s == pytest.approx(b.ttft_s + 0.0132)
+    assert s.finish_s - s.arrival_s == pytest.approx(b.finish_s - b.arrival_s + 0.0132)
+    assert s.itl_s == pytest.approx(b.itl_s)
 
 
 def test_plan_picks_the_smallest_fleet_meeting_the_slos(capsys):
