@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import time
+from collections.abc import Callable
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,35 +21,73 @@ from sim.policies import POLICIES, RoutingConfig
 from sim.replica import SimReplica
 from sim.workload import SimRequest, WorkloadConfig, synthetic_workload
 
-# The README's study figures were computed with the profile derived from measurements, before the
-# calibrated sim/profiles/cpu.json existed; they keep it so that they reproduce.
+# The fairness studies' figures were computed with the profile derived from measurements, before
+# the calibrated sim/profiles/cpu.json existed; they keep it so that they reproduce. Routing and
+# scale use the calibrated profile, at half of the capacity measured below.
 STUDY_PROFILE = "cpu-derived"
-PER_REPLICA_RATE = 4.0  # about 50% of a CPU-profile replica's capacity on this workload (~8 req/s)
+FLEET_PROFILE = "cpu"
 
 
-def fleet_workload(n: int, seconds: float) -> list[SimRequest]:
-    """50% load on n CPU-profile replicas: two tenants per replica, 256-token system prompts."""
-    return synthetic_workload(WorkloadConfig(num_requests=int(PER_REPLICA_RATE * n * seconds),
-                                             rate=PER_REPLICA_RATE * n, tenants=2 * n, seed=0))
+def fleet_workload(n: int, seconds: float, rate_per_replica: float) -> list[SimRequest]:
+    """The routing study's traffic on n replicas: two tenants per replica, 256-token system prompts,
+    16-token questions and answers."""
+    return synthetic_workload(WorkloadConfig(num_requests=int(rate_per_replica * n * seconds),
+                                             rate=rate_per_replica * n, tenants=2 * n, seed=0))
 
 
-def fleet_config(n: int, router: str) -> SimConfig:
+def fleet_config(n: int, router: str = "prefix_affinity") -> SimConfig:
     return SimConfig(num_replicas=n, scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=1024),
                      routing=RoutingConfig(router_policy=router, seed=0))
 
 
-def routing_at_scale(out: Path, sizes=(8, 64, 512), seconds: float = 10.0) -> list[dict]:
+def chat_workload(n: int, seconds: float, rate_per_replica: float) -> list[SimRequest]:
+    """Chat-like traffic for the scale study: 256-token system prompts shared by two tenants per
+    replica, 32-512-token questions, 64-512-token answers (about 530 in, 290 out on average)."""
+    return synthetic_workload(WorkloadConfig(num_requests=int(rate_per_replica * n * seconds),
+                                             rate=rate_per_replica * n, tenants=2 * n, question_len=(32, 512),
+                                             output_len=(64, 512), seed=0))
+
+
+def chat_config(n: int) -> SimConfig:
+    """1,024 blocks (16k tokens) per replica; records keep no per-token gaps (millions of requests)."""
+    return SimConfig(num_replicas=n, scheduler=SchedulerConfig(num_gpu_blocks=1024, max_model_len=2048),
+                     routing=RoutingConfig(router_policy="prefix_affinity", seed=0), keep_itl=False)
+
+
+def capacity(make_workload: Callable[[int, float, float], list[SimRequest]], make_config: Callable[[int], SimConfig],
+             overload_rate: float, replicas: int = 4, seconds: float = 240.0, warmup_s: float = 60.0) -> float:
+    """A replica's capacity in requests/s: completions per replica-second after warm-up, under an
+    offered load (overload_rate per replica) that keeps every queue from emptying."""
+    result = FleetSim(make_config(replicas), load_profile(FLEET_PROFILE)).run(
+        make_workload(replicas, seconds, overload_rate), until_s=seconds)
+    done = sum(1 for r in result.records if r.finish_s is not None and r.finish_s > warmup_s)
+    waiting = sum(len(r.scheduler.waiting) for r in result.replicas)
+    if not waiting:
+        raise ValueError(f"overload_rate {overload_rate}/s did not overload {replicas} replicas: raise it")
+    return done / (seconds - warmup_s) / replicas
+
+
+def routing_at_scale(out: Path, sizes=(8, 64, 512), seconds: float = 10.0,
+                     capacity_router: str = "prefix_affinity") -> list[dict]:
+    """Every policy at 50% of a replica's capacity as measured under capacity_router's routing
+    (prefix affinity's replicas hit their tenants' cached prompts, so they serve far more)."""
+    cap = capacity(fleet_workload, lambda n: fleet_config(n, capacity_router), overload_rate=64.0)
+    rate = cap / 2
+    print(f"routing study: a replica's capacity under {capacity_router} {cap:.2f} req/s;"
+          f" 50% load = {rate:.2f} req/s per replica", flush=True)
     rows = []
     for n in sizes:
-        wl = fleet_workload(n, seconds)
+        wl = fleet_workload(n, seconds, rate)
         for router in POLICIES:
-            row = FleetSim(fleet_config(n, router), load_profile(STUDY_PROFILE)).run(wl).summary(slo_ttft_s=1.0, slo_itl_s=0.5)
+            row = FleetSim(fleet_config(n, router), load_profile(FLEET_PROFILE)).run(wl).summary(
+                slo_ttft_s=1.0, slo_itl_s=0.5)
             row.update(router=router, replicas=n)
             rows.append(row)
-            print(f"{router:16s} {n:4d} hit {row['hit_rate']:.3f} ttft_p90 {row['ttft_p90_s']:.3f}"
-                  f" goodput {row['goodput_rps']:.1f}", flush=True)
-    _plot(str(out / "routing_at_scale.png"), rows, "replicas", ("hit_rate", "ttft_p90_s", "goodput_rps"),
-          "routing at scale (CPU profile, 50% load)")
+            print(f"{router:16s} {n:4d} hit {row['hit_rate']:.3f} ttft_p50 {row['ttft_p50_s']:.3f}"
+                  f" ttft_p90 {row['ttft_p90_s']:.3f} goodput {row['goodput_rps']:.1f} of {rate * n:.1f} req/s",
+                  flush=True)
+    _plot(str(out / f"routing_at_scale_{capacity_router}.png"), rows, "replicas",
+          ("hit_rate", "ttft_p90_s", "goodput_rps"), f"routing at scale (CPU profile, 50% of {capacity_router}'s capacity)")
     return rows
 
 
@@ -135,26 +175,34 @@ def vtc_gap(requests: int = 1500) -> dict:
     return row
 
 
-def scale(sizes=(10, 100, 1000), seconds: float = 10.0) -> list[dict]:
-    """Simulated seconds per wall second on the routing study's fleet, over `seconds` of arrivals.
+def scale(sizes=(10, 100, 1000), seconds: float = 60.0, warmup_s: float = 60.0) -> list[dict]:
+    """Simulated seconds per wall second on the chat workload at 50% of measured capacity.
 
-    The run stops at the last simulated second (no drain), so the rate is the loaded fleet's.
+    The steady rate is that of the simulated window [warmup_s, warmup_s + seconds]: the wall time of
+    a run to its end less that of a run to its start (the fleet fills up over the first minute).
     """
+    cap = capacity(chat_workload, chat_config, overload_rate=2.0)
+    rate = cap / 2
+    print(f"scale: a replica's capacity {cap:.3f} req/s; 50% load = {rate:.3f} req/s per replica", flush=True)
     rows = []
     for n in sizes:
-        wl = fleet_workload(n, seconds)
-        t0 = time.perf_counter()
-        result = FleetSim(fleet_config(n, "prefix_affinity"), load_profile(STUDY_PROFILE)).run(wl, until_s=seconds)
-        wall = time.perf_counter() - t0
+        walls = []
+        for until in (warmup_s, warmup_s + seconds):
+            wl = chat_workload(n, until, rate)
+            t0 = time.perf_counter()
+            result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE)).run(wl, until_s=until)
+            walls.append(time.perf_counter() - t0)
+        steady = seconds / (walls[1] - walls[0])
         row = result.summary()
-        row.update(replicas=n, sim_s=seconds, wall_s=wall, sim_per_wall=seconds / wall,
-                   jumped_steps=result.jumped_steps)
+        row.update(replicas=n, rate_per_replica=rate, sim_per_wall=steady, wall_s=walls[1],
+                   hour_wall_min=3600 / steady / 60, jumped_steps=result.jumped_steps,
+                   max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
         rows.append(row)
-        print(f"scale {n:5d} replicas: {seconds:.0f} simulated s in {wall:.1f} wall s ="
-              f" {seconds / wall:.3f} sim-s/wall-s; {row['steps']} steps, {result.jumped_steps} of them jumped;"
-              f" {row['requests']} of {len(wl)} requests"
-              f" done, hit rate {row['hit_rate']:.3f}, TTFT p50/p90 {row['ttft_p50_s']:.2f}/{row['ttft_p90_s']:.2f} s",
-              flush=True)
+        print(f"scale {n:5d} replicas: simulated s {warmup_s:.0f}-{warmup_s + seconds:.0f} at {steady:.2f}"
+              f" simulated s per wall s (whole run {warmup_s + seconds:.0f} s in {walls[1]:.1f} s); an hour would"
+              f" take {row['hour_wall_min']:.1f} min; {row['steps']} steps, {result.jumped_steps} jumped;"
+              f" {row['requests']} requests done, TTFT p50/p90 {row['ttft_p50_s']:.2f}/{row['ttft_p90_s']:.2f} s,"
+              f" hit rate {row['hit_rate']:.3f}; max RSS {row['max_rss_gb']:.2f} GB", flush=True)
     return rows
 
 
@@ -182,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("sizes", nargs="*", type=int, default=[8, 64, 512], help="routing study fleet sizes")
     parser.add_argument("--only", nargs="+", choices=STUDIES, default=list(STUDIES))
     parser.add_argument("--scale-sizes", nargs="+", type=int, default=[10, 100, 1000])
-    parser.add_argument("--scale-seconds", type=float, default=10.0)
+    parser.add_argument("--scale-seconds", type=float, default=60.0, help="simulated seconds timed, after a minute")
     a = parser.parse_args(argv)
     target = Path(a.outdir)
     target.mkdir(parents=True, exist_ok=True)
@@ -191,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     if "vtc" in a.only:
         vtc_gap()
     if "routing" in a.only:
-        routing_at_scale(target, sizes=tuple(a.sizes))
+        for capacity_router in ("prefix_affinity", "round_robin"):
+            routing_at_scale(target, sizes=tuple(a.sizes), capacity_router=capacity_router)
     if "scale" in a.only:
         scale(tuple(a.scale_sizes), a.scale_seconds)
     if "decode-heavy" in a.only:

@@ -417,3 +417,16 @@ def test_validation_workloads_are_the_benchmarks_own():
     ours = router_bench_workload()
     assert [(round(t, 12), r.tenant, len(r.prompt_token_ids)) for t, r in theirs] == \
         [(round(r.arrival_s, 12), r.tenant, r.prompt_len) for r in ours]
+
+
+def test_capacity_is_what_an_overloaded_replica_completes_and_refuses_an_underload():
+    """The studies' load unit: completions per replica-second while every queue stays non-empty."""
+    from sim.studies import capacity, fleet_config, fleet_workload
+
+    cap = capacity(fleet_workload, fleet_config, overload_rate=64.0, replicas=2, seconds=40.0, warmup_s=10.0)
+    assert 0 < cap < 64.0
+    # Twice the overload completes no more (within a request per replica-second): it is the ceiling.
+    assert capacity(fleet_workload, fleet_config, overload_rate=128.0, replicas=2, seconds=40.0,
+                    warmup_s=10.0) == pytest.approx(cap, abs=1.0)
+    with pytest.raises(ValueError, match="overload_rate"):
+        capacity(fleet_workload, fleet_config, overload_rate=0.5, replicas=2, seconds=40.0, warmup_s=10.0)
