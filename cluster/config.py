@@ -37,6 +37,11 @@ class EngineConfig:
     attention_backend: str = setting("auto", "paged attention kernel", choices=ATTENTION_BACKENDS)
     cpu_threads: int | None = setting(None, "torch intra-op threads of a CPU engine (unset: a served replica's "
                                       "`replica_num_cpus`, rounded down; offline, what the process has)", ge=1)
+    process_niceness: int | None = setting(
+        None, "nice value of the engine's processes, every thread (the replica, its TP workers; served, the "
+        "ingress too). Ray starts workers at nice 15, behind every other process of the node (the HTTP "
+        "client, other jobs); going below 15 needs CAP_SYS_NICE, else a warning. Unset: left as started",
+        ge=-20, le=19)
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     step_transport: str = setting("socket", "TP > 1: how each step reaches the workers: a TCP connection per rank "
                                   "(fastest), a Ray Compiled Graph, or plain actor calls", choices=STEP_TRANSPORTS)
@@ -99,7 +104,7 @@ class EngineConfig:
             max_num_seqs=sched.max_num_seqs, seed=self.seed, attention_backend=self.attention_backend,
             kv_cache_memory_gb=self.kv_cache_memory_gb, gpu_memory_utilization=self.gpu_memory_utilization,
             load_progress=self.load_progress, cpu_threads=self.cpu_threads,
-            enforce_eager=self.enforce_eager)
+            process_niceness=self.process_niceness, enforce_eager=self.enforce_eager)
 
     @property
     def block_size(self) -> int:

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ray import serve
 from transformers import AutoTokenizer
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ADD, _ABORT, _CALL, _STOP = "add", "abort", "call", "stop"
+T = TypeVar("T")
 
 
 class EngineLoop:
@@ -192,12 +193,38 @@ SERVE_NAMESPACE = "serve"
 
 
 def build_engine(config: EngineConfig) -> EngineCore:
-    """EngineCore for the config, on the placement group Serve created for this replica."""
+    """EngineCore for the config, on the placement group Serve created for this replica, built on
+    a thread of its own that then exits (see on_passing_thread)."""
     from ray.util import get_current_placement_group
 
     from cluster.engine import EngineCore
 
-    return EngineCore(config, placement_group=get_current_placement_group())
+    placement_group = get_current_placement_group()
+    return on_passing_thread(lambda: EngineCore(config, placement_group=placement_group))
+
+
+def on_passing_thread(fn: Callable[[], T]) -> T:
+    """fn() on a new thread that exits when it returns, so that its OpenMP thread pool goes with it.
+
+    torch's OpenMP runtime (libgomp) keeps a thread pool for every thread that starts parallel work.
+    Loading the model on the actor's thread and stepping on the engine thread made two pools; with
+    more pool threads than CPUs, libgomp cuts its spin-waiting to 100 spins whatever GOMP_SPINCOUNT
+    says, so `omp_spin_count` had no effect. A pool is freed when its thread exits.
+    """
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((fn(), None))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            outcome.append((None, exc))
+    thread = threading.Thread(target=run, name="raylm-engine-build")
+    thread.start()
+    thread.join()
+    result, error = outcome[0]
+    if error is not None:
+        raise error
+    return result
 
 
 @serve.deployment(name="LLMReplica")

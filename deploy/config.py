@@ -106,6 +106,11 @@ class AppConfig(BaseModel):
     worker_num_cpus: float = Field(default=1.0, ge=0, description="CPUs of each TP worker's bundle (TP > 1)")
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         default="PACK", description="placement of a replica's bundles")
+    omp_spin_count: int | None = Field(
+        default=None, ge=0, le=10**12, description="GOMP_SPINCOUNT of the replica's processes (TP workers "
+        "inherit it): how long torch's OpenMP threads spin for work before they sleep. Long spins are fastest "
+        "on cores of their own; when other processes take a core, the engine's threads share one and each "
+        "spin is lost time (unset: libgomp's 300,000)")
     ingress_num_cpus: float = Field(default=0.5, ge=0, description="CPUs of each ingress replica")
     ingress_replicas: int = Field(default=1, ge=1, description="OpenAI ingress replicas")
     # HTTP and tenants.
@@ -187,7 +192,11 @@ class AppConfig(BaseModel):
 
     def replica_actor_options(self) -> dict[str, Any]:
         first = self.placement_group_bundles()[0]
-        return {"num_cpus": first["CPU"], "num_gpus": first.get("GPU", 0.0)}
+        options: dict[str, Any] = {"num_cpus": first["CPU"], "num_gpus": first.get("GPU", 0.0)}
+        if self.omp_spin_count is not None:
+            # libgomp reads it once, when torch loads: it must be in the process's environment from the start.
+            options["runtime_env"] = {"env_vars": {"GOMP_SPINCOUNT": str(self.omp_spin_count)}}
+        return options
 
     def scaling_options(self) -> dict[str, Any]:
         if self.autoscaling is None:

@@ -33,6 +33,7 @@ from deploy.tools import ToolCallFormat, ToolCallParser, ToolSpec, detect_format
 from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput
 from workers.grammar import check_constraint
+from workers.process import set_niceness
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,9 @@ class OpenAIIngress:
     """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI JSON."""
 
     def __init__(self, config: AppConfig, replica: DeploymentHandle) -> None:
+        if config.engine.process_niceness is not None:
+            # The ingress streams every token the engine makes: it runs at the engine's priority.
+            set_niceness(config.engine.process_niceness)
         self.config = config
         self.replica = replica
         self.frontend = Frontend.load(config.engine.model, config.engine.cache_dir)

@@ -21,6 +21,7 @@ from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import load_model
 from workers.model_files import load_tokenizer
 from workers.parallel import get_tp_rank, get_tp_world_size
+from workers.process import set_niceness
 from workers.sampler import Sampler, SamplerOutput, SamplingState
 from workers.structured import GrammarCompiler, PendingMasks, StructuredDecoding, apply_masks
 
@@ -49,6 +50,7 @@ class RunnerConfig:
     gpu_memory_utilization: float
     load_progress: bool
     cpu_threads: int | None = None
+    process_niceness: int | None = None
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -144,6 +146,8 @@ class ModelRunner:
         hf_config = AutoConfig.from_pretrained(config.model_dir)
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        if config.process_niceness is not None:
+            set_niceness(config.process_niceness)
         if self.device.type == "cpu":
             _keep_freed_memory()
             if config.cpu_threads:

@@ -94,6 +94,8 @@ def test_seeded_sampling_is_reproducible_across_batches(engine):
     ("gpu_memory_utilization", 1.5), ("num_gpu_blocks", 0), ("max_model_len", 0),
     ("attention_backend", "xformers"), ("model", ""), ("seed", -1), ("seed", 2**64),
     ("kv_cache_memory_gb", float("nan")), ("cpu_threads", 0), ("tensor_parallel_size", True),
+    ("process_niceness", -21), ("process_niceness", 20), ("process_niceness", 2**64),
+    ("process_niceness", float("nan")), ("process_niceness", True),
 ])
 def test_engine_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):

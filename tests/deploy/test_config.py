@@ -60,10 +60,23 @@ def test_the_readme_configuration_table_is_generated_from_the_tree():
     ({"router": "fleet", "router_kwargs": {"router_policy": "dice"}}, "router_kwargs.*router_policy"),
     ({"router": "fleet", "router_kwargs": {"imbalance": 3}}, "router_kwargs.*imbalance"),
     ({"router": "power_of_two", "router_kwargs": {"imbalance_threshold": 3}}, "router_kwargs"),
+    ({"omp_spin_count": -1}, "omp_spin_count"),
+    ({"omp_spin_count": 2**64}, "omp_spin_count"),
+    ({"omp_spin_count": float("nan")}, "omp_spin_count"),
+    ({"omp_spin_count": "short"}, "omp_spin_count"),
+    ({"process_niceness": -21}, "process_niceness"),
+    ({"process_niceness": 2**64}, "process_niceness"),
+    ({"process_niceness": float("nan")}, "process_niceness"),
 ])
 def test_bad_values_name_the_field(args, field):
     with pytest.raises(ValueError, match=field):
         AppConfig.from_args(args)
+
+
+def test_the_spin_count_reaches_the_replica_process_environment():
+    assert "runtime_env" not in AppConfig.from_args({}).replica_actor_options()  # libgomp's own default
+    options = AppConfig.from_args({"omp_spin_count": 3000}).replica_actor_options()
+    assert options["runtime_env"] == {"env_vars": {"GOMP_SPINCOUNT": "3000"}}
 
 
 def test_unknown_keys_are_rejected_not_ignored():
@@ -163,3 +176,5 @@ def test_a_replica_runs_as_many_torch_threads_as_its_bundle_reserves():
     assert AppConfig.from_args({"replica_num_cpus": 4, "cpu_threads": 1}).engine.cpu_threads == 1  # explicit wins
     shipped = yaml.safe_load(open("deploy.yaml"))["applications"][0]["args"]
     assert AppConfig.from_args(shipped).engine.cpu_threads == 2  # both cores of the 2-core dev machine
+    # ... at the priority of the client and the node's other processes, not Ray's nice 15
+    assert AppConfig.from_args(shipped).engine.process_niceness == 0

@@ -1,5 +1,6 @@
 """The replica's engine loop: a real EngineCore (tiny random Llama) stepping on its own thread."""
 import asyncio
+import threading
 
 import pytest
 
@@ -174,3 +175,15 @@ def test_a_request_whose_detokenizer_fails_finishes_alone(engine, tiny_model_dir
             replica._loop_thread.stop()
 
     asyncio.run(go())
+
+
+def test_the_engine_is_built_on_a_thread_that_has_ended_when_it_returns():
+    # torch's OpenMP pool of the thread that loaded the model must be gone before the engine thread
+    # steps (two pools throttle libgomp's spin-waiting): the building thread has exited.
+    from cluster.replica import on_passing_thread
+
+    seen: list[threading.Thread] = []
+    result = on_passing_thread(lambda: seen.append(threading.current_thread()) or 42)
+    assert result == 42 and seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ValueError, match="model"):
+        on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("model: bad")))
