@@ -1,4 +1,6 @@
 """ray_config.yaml validates as `ray up` would; every Serve config we ship builds its app."""
+import ipaddress
+import re
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,10 @@ def _example_keys(monkeypatch):
 def test_ray_dashboard_and_job_api_stay_on_loopback():
     config = yaml.safe_load((ROOT / "ray_config.yaml").read_text())
     start = " ".join(config["head_start_ray_commands"])
-    assert "--dashboard-host=127.0.0.1" in start and "0.0.0.0" not in start
+    assert "--dashboard-host=127.0.0.1" in start
+    # Every host flag names a loopback address (none is the wildcard that listens everywhere).
+    hosts = re.findall(r"--[\w-]*host=(\S+)", start)
+    assert hosts and all(ipaddress.ip_address(h).is_loopback for h in hosts), hosts
 
 
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
