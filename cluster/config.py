@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.config import SchedulerConfig
 from scheduler.settings import check_settings, declared_settings, setting
 from workers.options import ATTENTION_BACKENDS, DEFAULT_CACHE_DIR, DTYPE_NAMES, STEP_TRANSPORTS
+from workers.process import MAX_NICE, MIN_NICE
 
 if TYPE_CHECKING:
     from workers.runner import RunnerConfig
@@ -41,7 +42,7 @@ class EngineConfig:
         None, "nice value of the engine's processes, every thread (the replica, its TP workers; served, the "
         "ingress too). Ray starts workers at nice 15, behind every other process of the node (the HTTP "
         "client, other jobs); going below 15 needs CAP_SYS_NICE, else a warning. Unset: left as started",
-        ge=-20, le=19)
+        ge=MIN_NICE, le=MAX_NICE)
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     step_transport: str = setting("socket", "TP > 1: how each step reaches the workers: a TCP connection per rank "
                                   "(fastest), a Ray Compiled Graph, or plain actor calls", choices=STEP_TRANSPORTS)

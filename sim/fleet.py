@@ -20,6 +20,10 @@ from sim.workload import SimRequest
 
 logger = logging.getLogger(__name__)
 
+# A serving stack that takes longer than this per request is a misconfiguration, not a setting.
+MAX_SERVING_OVERHEAD_S = 3600.0
+
+
 @dataclass(slots=True)
 class _StatsRound:
     """One round of routing-stats reports: taken at one instant, delivered together after the delay.
@@ -118,8 +122,9 @@ class SimConfig:
             raise ValueError(f"stats_period_s: must be > 0, got {self.stats_period_s}")
         if not self.stats_delay_s >= 0:
             raise ValueError(f"stats_delay_s: must be >= 0, got {self.stats_delay_s}")
-        if not 0 <= self.serving_overhead_s < math.inf:
-            raise ValueError(f"serving_overhead_s: must be a finite number >= 0, got {self.serving_overhead_s}")
+        if not 0 <= self.serving_overhead_s <= MAX_SERVING_OVERHEAD_S:
+            raise ValueError(f"serving_overhead_s: must be in [0, {MAX_SERVING_OVERHEAD_S:.0f}] seconds, "
+                             f"got {self.serving_overhead_s}")
 
 
 class FleetSim:
@@ -286,7 +291,8 @@ class FleetSim:
 
     def _next(self, replica: SimReplica, now: float) -> StepPlan | Cruise | None:
         # A cruise ends with the step running at the next stats take: the report must see the
-        # replica's exact state once that step completes. With shared hosts a co-hosted replica's start or stop would change the cruise's step times: none.
+        # replica's exact state once that step completes. With shared hosts a co-hosted replica's
+        # start or stop would change the cruise's step times: none.
         if self.config.coalesce and not self._cohosts:
             cruise = replica.plan_cruise(now, self._next_stats_s)
             if cruise is not None:

@@ -69,13 +69,16 @@ class RequestRecord:
         return self.first_token_s - self.arrival_s
 
 
+def nearest_rank(n: int, q: float) -> int:
+    """0-based index of the q-th percentile among n sorted values (nearest rank); n > 0."""
+    return min(n - 1, max(0, int(round(q / 100 * n + 0.5)) - 1))
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (0 for an empty list)."""
     if not values:
         return 0.0
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))
-    return s[k]
+    return sorted(values)[nearest_rank(len(values), q)]
 
 
 def tally_percentile(tally: Counter[int], q: float) -> float:
@@ -83,7 +86,7 @@ def tally_percentile(tally: Counter[int], q: float) -> float:
     total = sum(tally.values())
     if not total:
         return 0.0
-    k = min(total - 1, max(0, int(round(q / 100 * total + 0.5)) - 1))
+    k = nearest_rank(total, q)
     seen = 0
     for value in sorted(tally):
         seen += tally[value]

@@ -28,11 +28,16 @@ STUDY_PROFILE = "cpu-derived"
 FLEET_PROFILE = "cpu"
 
 
+def _fleet_traffic(n: int, seconds: float, rate_per_replica: float, **shape) -> list[SimRequest]:
+    """seconds of Poisson arrivals at rate_per_replica on each of n replicas, two tenants per replica."""
+    return synthetic_workload(WorkloadConfig(num_requests=int(rate_per_replica * n * seconds),
+                                             rate=rate_per_replica * n, tenants=2 * n, seed=0, **shape))
+
+
 def fleet_workload(n: int, seconds: float, rate_per_replica: float) -> list[SimRequest]:
     """The routing study's traffic on n replicas: two tenants per replica, 256-token system prompts,
     16-token questions and answers."""
-    return synthetic_workload(WorkloadConfig(num_requests=int(rate_per_replica * n * seconds),
-                                             rate=rate_per_replica * n, tenants=2 * n, seed=0))
+    return _fleet_traffic(n, seconds, rate_per_replica)
 
 
 def fleet_config(n: int, router: str = "prefix_affinity") -> SimConfig:
@@ -43,9 +48,7 @@ def fleet_config(n: int, router: str = "prefix_affinity") -> SimConfig:
 def chat_workload(n: int, seconds: float, rate_per_replica: float) -> list[SimRequest]:
     """Chat-like traffic for the scale study: 256-token system prompts shared by two tenants per
     replica, 32-512-token questions, 64-512-token answers (about 530 in, 290 out on average)."""
-    return synthetic_workload(WorkloadConfig(num_requests=int(rate_per_replica * n * seconds),
-                                             rate=rate_per_replica * n, tenants=2 * n, question_len=(32, 512),
-                                             output_len=(64, 512), seed=0))
+    return _fleet_traffic(n, seconds, rate_per_replica, question_len=(32, 512), output_len=(64, 512))
 
 
 def chat_config(n: int) -> SimConfig:

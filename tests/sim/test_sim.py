@@ -144,7 +144,7 @@ def test_bad_profile_and_config_name_the_field(tmp_path):
         SimConfig(num_replicas=0)
     with pytest.raises(ValueError, match="rate"):
         WorkloadConfig(rate=float("nan"))
-    for bad in (-0.001, float("nan"), float("inf")):
+    for bad in (-1, -0.001, float("nan"), float("inf"), 2.0**64, 1e6):
         with pytest.raises(ValueError, match="serving_overhead_s"):
             SimConfig(serving_overhead_s=bad)
 
