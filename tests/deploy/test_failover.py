@@ -86,6 +86,23 @@ async def _busy_replica() -> dict:
     return stats
 
 
+async def _kill_a_generating_replica(timeout: float = 30) -> str:
+    """Kill a replica as soon as one reports requests running (a fixed sleep can miss them: 200
+    tokens of the tiny model take well under a second)."""
+    handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await handle.stats.remote()
+        if stats["num_running"] > 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    assert stats["num_running"] > 0, stats
+    victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if f"{APP}#LLMReplica" in a["name"] and stats["replica"] in a["name"])
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    return victim
+
+
 async def _kill_worker_fault() -> None:
     """SIGKILL rank 1 of a TP=2 replica: the engine fails at its next collective."""
     os.kill((await _busy_replica())["model_pids"][1], signal.SIGKILL)
@@ -183,8 +200,7 @@ def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_
         async with httpx.AsyncClient(base_url=failover_url, timeout=300) as client:
             body = _body("Once more:", {"temperature": 0.0}, stream=False)
             tasks = [asyncio.create_task(client.post("/completions", json=body)) for _ in range(6)]
-            await asyncio.sleep(1.0)  # every request is generating (200 tokens take several seconds)
-            _kill_one_replica()
+            await _kill_a_generating_replica()
             responses = await asyncio.gather(*tasks)
         for r in responses:
             if r.status_code != 200:
