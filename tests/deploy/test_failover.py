@@ -127,6 +127,19 @@ def _wait_replica_gone(replica: str, timeout: float = 120) -> None:
     assert not alive(), f"replica {replica} was not replaced"
 
 
+def _wait_replaced(victim: str, timeout: float = 180) -> None:
+    """Until two live replicas other than the killed one run: the 503s come back before Serve's
+    controller has even noticed the death, so the app's status alone still reads RUNNING then."""
+    def others() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if f"{APP}#LLMReplica" in a["name"] and a["name"] != victim]
+    deadline = time.monotonic() + timeout
+    while len(others()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(others()) == 2, others()
+    _wait_replicas_running(2)
+
+
 async def _run_cases(url: str, fault: Callable[[], Awaitable[None]] | None) -> list[tuple[str, int]]:
     """Every CASE at once (odd ones streamed); the fault strikes once every request is generating."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -153,10 +166,12 @@ def test_killing_a_replica_mid_generation_loses_no_request(failover_url):
 
 
 def _wait_running(timeout: float = 180) -> None:
+    """Until the app reads RUNNING (judged on one status read: a kill the controller has not yet
+    noticed can turn a RUNNING app UNHEALTHY between two reads)."""
     deadline = time.monotonic() + timeout
-    while serve.status().applications[APP].status != "RUNNING" and time.monotonic() < deadline:
+    while (status := serve.status().applications[APP].status) != "RUNNING" and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert serve.status().applications[APP].status == "RUNNING"
+    assert status == "RUNNING", status
 
 
 def _wait_replicas_running(n: int, timeout: float = 180) -> None:
@@ -200,7 +215,7 @@ def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_
         async with httpx.AsyncClient(base_url=failover_url, timeout=300) as client:
             body = _body("Once more:", {"temperature": 0.0}, stream=False)
             tasks = [asyncio.create_task(client.post("/completions", json=body)) for _ in range(6)]
-            await _kill_a_generating_replica()
+            victims.append(await _kill_a_generating_replica())
             responses = await asyncio.gather(*tasks)
         for r in responses:
             if r.status_code != 200:
@@ -209,8 +224,10 @@ def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_
                 assert "Traceback" not in r.text and "ray::" not in r.text
         return [r.status_code for r in responses]
 
+    victims: list[str] = []
     statuses = asyncio.run(killed())
     assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+    _wait_replaced(victims[0])
     _wait_running()
     assert asyncio.run(_run_one(failover_url))[1] == MAX_TOKENS
 
@@ -261,9 +278,11 @@ def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, tiny_mod
             ingress = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                        if f"{APP}#OpenAIIngress" in a["name"]]
             ray.kill(ray.get_actor(ingress[0], namespace="serve"), no_restart=True)
-            for _ in range(600):
+            # The streams end as soon as the watchdog finds the orphans; the engine thread applies
+            # the aborts (and republishes its figures) once its step in progress ends.
+            for _ in range(1200):
                 stats = await handle.stats.remote()
-                if stats["num_streams"] == 0:
+                if stats["num_streams"] == 0 and stats["num_running"] == 0:
                     break
                 await asyncio.sleep(0.05)
             await asyncio.gather(*tasks, return_exceptions=True)
