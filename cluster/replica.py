@@ -169,6 +169,19 @@ class _Stream:
     # Stop strings are matched here too, so a stop-string finish is a "stop" in the engine and the
     # metrics, not an "abort" when the ingress cancels.
     text: TextStream | None = None
+    sent: bool = False  # a delta with tokens has gone out (the first tokens are never held back)
+    held: RequestOutput | None = None  # tokens waiting for a full chunk (stream_interval)
+
+    def chunk(self, output: RequestOutput, interval: int) -> RequestOutput | None:
+        """The delta to send now, or None while it is held for a chunk of `interval` tokens; the
+        first tokens, a finish and an error are never held."""
+        if self.held is not None:
+            output, self.held = merge_outputs(self.held, output), None
+        if self.sent and not output.finished and output.error is None and len(output.new_token_ids) < interval:
+            self.held = output
+            return None
+        self.sent = self.sent or bool(output.new_token_ids)
+        return output
 
     async def next(self) -> RequestOutput:
         item = await self.queue.get()
@@ -297,7 +310,8 @@ class LLMReplica:
             if output.finished:
                 stream.counted = True
                 self.metrics.record_finished(output.finish_reason, now - stream.arrival)
-            stream.queue.put_nowait(output)
+            if (output := stream.chunk(output, self.config.stream_interval)) is not None:
+                stream.queue.put_nowait(output)
         self._stats = stats
         self.metrics.record_stats(stats)
 

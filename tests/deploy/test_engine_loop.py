@@ -3,6 +3,8 @@ import asyncio
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cluster.config import EngineConfig
 from cluster.engine import EngineCore
@@ -128,12 +130,45 @@ def test_a_step_that_does_not_return_shows_as_a_stall(engine, monkeypatch):
     asyncio.run(go())
 
 
-def test_a_request_whose_detokenizer_fails_finishes_alone(engine, tiny_model_dir, ray_cluster, monkeypatch):
-    """Fault injection in the replica's own output handling: one request's stop-string detokenizer
-    raises mid-stream; it alone finishes with 'error', its neighbours in the batch stream on."""
+async def _replica_on(engine, model_dir: str, monkeypatch, **settings):
+    """An LLMReplica built outside Serve around the module's engine (its config from `settings`)."""
     from types import SimpleNamespace
 
     from cluster import replica as replica_module
+
+    monkeypatch.setattr(replica_module, "build_engine", lambda config: engine)
+    monkeypatch.setattr(replica_module.serve, "get_replica_context", lambda: SimpleNamespace(replica_tag="t#1"))
+    config = EngineConfig.from_kwargs(model=model_dir, max_model_len=256, num_gpu_blocks=64,
+                                      kv_cache_memory_gb=0.1, load_progress=False, **settings)
+    replica = object.__new__(replica_module.LLMReplica.func_or_class)
+    await replica.__init__(config)
+    return replica
+
+
+def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
+        engine, tiny_model_dir, ray_cluster, monkeypatch):
+    """stream_interval 4: a 14-token greedy answer arrives as 1 + 4 + 4 + 4 + 1 tokens, the same
+    tokens as with interval 1 (which sends every step's token on its own)."""
+    from cluster.protocol import GenerateRequest
+
+    async def deltas(interval: int) -> list[list[int]]:
+        replica = await _replica_on(engine, tiny_model_dir, monkeypatch, stream_interval=interval)
+        params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+        try:
+            return [out.new_token_ids async for out in
+                    replica.generate(GenerateRequest(f"i{interval}", [5, 6, 7, 8, 9] * 4, params))]
+        finally:
+            replica._loop_thread.stop()
+
+    every_token, chunked = asyncio.run(deltas(1)), asyncio.run(deltas(4))
+    assert [len(d) for d in every_token] == [1] * 14
+    assert [len(d) for d in chunked] == [1, 4, 4, 4, 1]
+    assert sum(chunked, []) == sum(every_token, [])
+
+
+def test_a_request_whose_detokenizer_fails_finishes_alone(engine, tiny_model_dir, ray_cluster, monkeypatch):
+    """Fault injection in the replica's own output handling: one request's stop-string detokenizer
+    raises mid-stream; it alone finishes with 'error', its neighbours in the batch stream on."""
     from cluster.detokenizer import TextStream
     from cluster.protocol import GenerateRequest
 
@@ -146,18 +181,13 @@ def test_a_request_whose_detokenizer_fails_finishes_alone(engine, tiny_model_dir
         return feed(self, token_ids, finished)
 
     monkeypatch.setattr(TextStream, "feed", failing_feed)
-    monkeypatch.setattr(replica_module, "build_engine", lambda config: engine)
-    monkeypatch.setattr(replica_module.serve, "get_replica_context", lambda: SimpleNamespace(replica_tag="t#1"))
-    config = EngineConfig.from_kwargs(model=tiny_model_dir, max_model_len=256, num_gpu_blocks=64,
-                                      kv_cache_memory_gb=0.1, load_progress=False)
 
     async def collect(replica, rid: str, prompt: list[int]) -> list[RequestOutput]:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=["never-appears-here"])
         return [out async for out in replica.generate(GenerateRequest(rid, prompt, params))]
 
     async def go():
-        replica = object.__new__(replica_module.LLMReplica.func_or_class)
-        await replica.__init__(config)
+        replica = await _replica_on(engine, tiny_model_dir, monkeypatch)
         try:
             free = replica._stats.num_free_blocks
             results = await asyncio.wait_for(asyncio.gather(
@@ -187,3 +217,24 @@ def test_the_engine_is_built_on_a_thread_that_has_ended_when_it_returns():
     assert result == 42 and seen[0] is not threading.current_thread() and not seen[0].is_alive()
     with pytest.raises(ValueError, match="model"):
         on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("model: bad")))
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.integers(0, 5), min_size=1, max_size=30), interval=st.integers(1, 8))
+def test_stream_chunks_keep_every_token_and_hold_only_below_the_interval(steps, interval):
+    """Whatever the steps' token counts: the chunks concatenate to every token, the last one
+    finishes, and only the first tokens and the finish go out in a chunk shorter than the interval."""
+    from cluster.replica import _Stream
+
+    stream, sent, produced = _Stream(), [], 0
+    for i, count in enumerate(steps):
+        tokens = list(range(produced, produced + count))
+        produced += count
+        last = i == len(steps) - 1
+        out = RequestOutput("r", tokens, last, "length" if last else None, 3, produced)
+        if (chunk := stream.chunk(out, interval)) is not None:
+            sent.append(chunk)
+    assert sum((c.new_token_ids for c in sent), []) == list(range(produced))
+    assert sent[-1].finished and all(not c.finished for c in sent[:-1])
+    first = next((i for i, c in enumerate(sent) if c.new_token_ids), len(sent))
+    assert all(len(c.new_token_ids) >= interval for c in sent[first + 1:-1])
