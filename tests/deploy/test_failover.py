@@ -25,6 +25,8 @@ CASES = [(f"Story number {i}:", {"temperature": 0.0}) for i in range(4)] + \
 def app_args(model_dir: str, **changes) -> dict:
     return {"model": model_dir, "served_model_name": MODEL, "max_model_len": 256, "num_gpu_blocks": 128,
             "num_replicas": 2, "replica_num_cpus": 0.5, "ingress_num_cpus": 0.25, "max_ongoing_requests": 16,
+            # Held tokens die with a killed replica: resumption must regenerate them exactly.
+            "stream_interval": 3,
             **changes}
 
 
