@@ -67,6 +67,9 @@ def test_the_readme_configuration_table_is_generated_from_the_tree():
     ({"process_niceness": -21}, "process_niceness"),
     ({"process_niceness": 2**64}, "process_niceness"),
     ({"process_niceness": float("nan")}, "process_niceness"),
+    ({"stream_interval": 0}, "stream_interval"),
+    ({"stream_interval": 2**64}, "stream_interval"),
+    ({"stream_interval": 2.5}, "stream_interval"),
 ])
 def test_bad_values_name_the_field(args, field):
     with pytest.raises(ValueError, match=field):
