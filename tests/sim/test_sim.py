@@ -45,6 +45,26 @@ def test_same_seed_same_result_and_other_seed_differs():
     assert _fingerprint(_run(seed=1)[1]) != _fingerprint(_run(seed=2)[1])
 
 
+def test_a_run_collects_garbage_rarely_and_leaves_the_collector_as_it_found_it():
+    """Young collections are rare while a run is in progress (they took a quarter of a
+    1,000-replica run's wall time); the threshold and the frozen set come back, also after a failure."""
+    import gc
+
+    threshold = gc.get_threshold()
+    seen: list[tuple] = []
+    wl = synthetic_workload(WorkloadConfig(num_requests=5, rate=4.0, tenants=1, seed=0))
+    FleetSim(SimConfig(num_replicas=2), load_profile("cpu"),
+             on_step=lambda replica, now: seen.append((gc.get_threshold()[0], gc.get_freeze_count()))).run(wl)
+    assert seen and all(young == sim_fleet.RUN_GC_THRESHOLD and frozen > 0 for young, frozen in seen)
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
+
+    def fail(replica, now):
+        raise RuntimeError("injected")
+    with pytest.raises(RuntimeError, match="injected"):
+        FleetSim(SimConfig(num_replicas=2), load_profile("cpu"), on_step=fail).run(wl)
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
+
+
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two", "prefix_affinity"])
 def test_every_request_finishes_with_its_length_and_no_block_leaks(policy):
     wl, result = _run(policy, blocks=40)  # tight pool: preemptions happen
