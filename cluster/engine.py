@@ -25,6 +25,11 @@ class EngineCore:
         self.model_info = ModelInfo.load(config.model, config.cache_dir)
         self.model_dir = self.model_info.model_dir
         sched = config.scheduler
+        limit = self.model_info.context_limit
+        if sched.max_model_len is not None and limit is not None and sched.max_model_len > limit:
+            # The rotary table ends there: a sequence past it would fail the whole engine mid-step.
+            raise ValueError(f"max_model_len: {sched.max_model_len} exceeds the model's context of {limit} "
+                             f"tokens (max_position_embeddings / sliding_window in its config.json)")
         self.max_model_len = sched.max_model_len or self.model_info.max_model_len
         self.vocab_size = self.model_info.vocab_size
         self.eos_token_ids = self.model_info.eos_token_ids

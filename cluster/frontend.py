@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from cluster.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
 from scheduler.block_manager import hash_prompt_blocks
-from workers.model_files import max_model_len_of, resolve_model
+from workers.model_files import context_limit_of, max_model_len_of, resolve_model
 from workers.options import DEFAULT_CACHE_DIR
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class ModelInfo:
     max_model_len: int  # the model's positions (and sliding window), capped: the default context
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # every id that ends a turn (config, generation config, tokenizer)
+    context_limit: int | None = None  # positions (and sliding window) uncapped: no max_model_len beyond it
 
     @classmethod
     def load(cls, model: str, cache_dir: str = DEFAULT_CACHE_DIR, tokenizer: Any = None) -> ModelInfo:
@@ -52,7 +53,8 @@ class ModelInfo:
         eos.add(tokenizer.eos_token_id)
         return cls(model_dir=model_dir, max_model_len=max_model_len_of(config),
                    vocab_size=int(config.vocab_size),
-                   eos_token_ids=tuple(sorted(i for i in eos if isinstance(i, int))))
+                   eos_token_ids=tuple(sorted(i for i in eos if isinstance(i, int))),
+                   context_limit=context_limit_of(config))
 
 
 class Frontend:

@@ -112,11 +112,16 @@ def _convert_gguf(path: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out)
 
 
-def max_model_len_of(config: PretrainedConfig, cap: int = 8192) -> int:
-    """Longest sequence we serve by default: the model's positions (and sliding window), capped."""
-    length = getattr(config, "max_position_embeddings", cap) or cap
+def context_limit_of(config: PretrainedConfig) -> int | None:
+    """Longest sequence the model computes exactly: its positions (and sliding window); None if unstated."""
+    length = getattr(config, "max_position_embeddings", None) or None
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) is not False:
         # No sliding-window attention yet: stay within the window, where full attention is exact.
-        length = min(length, window)
-    return min(length, cap)
+        length = min(length, window) if length else window
+    return length
+
+
+def max_model_len_of(config: PretrainedConfig, cap: int = 8192) -> int:
+    """Longest sequence we serve by default: the model's context limit, capped."""
+    return min(context_limit_of(config) or cap, cap)

@@ -31,6 +31,18 @@ def test_kv_pool_is_sized_from_kv_cache_memory_gb(engine):
     assert engine.max_model_len == 512  # the checkpoint's max_position_embeddings
 
 
+def test_a_max_model_len_past_the_model_s_positions_is_refused_before_any_step(tiny_checkpoint):
+    """The checkpoint has 512 positions: 2048 would fail the whole engine (every request on it) at
+    the first sequence that reaches position 512, so it is a config error, naming the field."""
+    path, _ = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match="max_model_len: 2048 exceeds the model's context of 512"):
+        EngineCore(EngineConfig.from_kwargs(model=path, device="cpu", kv_cache_memory_gb=0.01, load_progress=False,
+                                            max_model_len=2048))
+    at_limit = EngineCore(EngineConfig.from_kwargs(model=path, device="cpu", kv_cache_memory_gb=0.01,
+                                                   load_progress=False, max_model_len=512))
+    at_limit.shutdown()
+
+
 def test_step_streams_one_token_per_request_until_max_tokens(engine):
     engine.add_request(Request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
     engine.add_request(Request("b", list(range(40, 90)), SamplingParams(max_tokens=5, temperature=0.0,

@@ -261,10 +261,11 @@ def test_a_tp2_replica_whose_worker_dies_or_stalls_hands_its_requests_to_the_oth
                 pass
 
 
-def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, tiny_model_dir):
+def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, long_tiny_model_dir):
     """Ray keeps running a dead caller's stream; the replica notices the dead ingress and aborts its
     generations (freeing their blocks) instead of running them to max_tokens."""
-    _redeploy(tiny_model_dir, num_replicas=1, max_model_len=2048, num_gpu_blocks=1024)
+    # 2,000 tokens take the tiny model several seconds: the watchdog (1 s rounds) must win the race.
+    _redeploy(long_tiny_model_dir, num_replicas=1, max_model_len=2048, num_gpu_blocks=1024)
     handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
     body = _body("A very long tale:", {"temperature": 0.0}, stream=True) | {"max_tokens": 2000}
 
@@ -290,7 +291,7 @@ def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, tiny_mod
             await asyncio.gather(*tasks, return_exceptions=True)
             return stats
 
-    stats = asyncio.run(orphan())
+    stats = asyncio.run(asyncio.wait_for(orphan(), 240))  # a failure, never a hang of the suite
     assert stats["num_streams"] == 0 and stats["num_running"] == 0, stats
     assert stats["orphans_aborted"] == 4, stats  # aborted as orphans, not finished at max_tokens
     assert stats["kv_cache_usage"] == 0.0, stats
