@@ -25,8 +25,9 @@ class SchedulerConfig:
                                          ge=1, derived="measured from memory")
     num_cpu_blocks: int | None = setting(None, "CPU pool for swap preemption in blocks", ge=0,
                                          derived="from swap_space_gb")
-    max_model_len: int | None = setting(None, "context length; prompt + max_tokens beyond it is rejected", ge=1,
-                                        derived="the model's, capped at 8192")
+    max_model_len: int | None = setting(
+        None, "context length, at most the model's positions; prompt + max_tokens beyond it is rejected", ge=1,
+        derived="the model's, capped at 8192")
     long_prefill_token_threshold: int = setting(0, "cap on one request's prefill tokens per step (0: none)", ge=0)
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
     policy: str = setting("fcfs", "queue order: first come, priority (lower first), fair (VTC per tenant)",
