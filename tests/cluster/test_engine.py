@@ -35,9 +35,10 @@ def test_a_max_model_len_past_the_model_s_positions_is_refused_before_any_step(t
     """The checkpoint has 512 positions: 2048 would fail the whole engine (every request on it) at
     the first sequence that reaches position 512, so it is a config error, naming the field."""
     path, _ = tiny_checkpoint("llama")
-    with pytest.raises(ValueError, match="max_model_len: 2048 exceeds the model's context of 512"):
-        EngineCore(EngineConfig.from_kwargs(model=path, device="cpu", kv_cache_memory_gb=0.01, load_progress=False,
-                                            max_model_len=2048))
+    for too_long in (2048, 2**64):
+        with pytest.raises(ValueError, match=f"max_model_len: {too_long} exceeds the model's context of 512"):
+            EngineCore(EngineConfig.from_kwargs(model=path, device="cpu", kv_cache_memory_gb=0.01,
+                                                load_progress=False, max_model_len=too_long))
     at_limit = EngineCore(EngineConfig.from_kwargs(model=path, device="cpu", kv_cache_memory_gb=0.01,
                                                    load_progress=False, max_model_len=512))
     at_limit.shutdown()
@@ -108,6 +109,8 @@ def test_seeded_sampling_is_reproducible_across_batches(engine):
     ("kv_cache_memory_gb", float("nan")), ("cpu_threads", 0), ("tensor_parallel_size", True),
     ("process_niceness", -21), ("process_niceness", 20), ("process_niceness", 2**64),
     ("process_niceness", float("nan")), ("process_niceness", True),
+    ("stream_interval", 0), ("stream_interval", -1), ("stream_interval", 2**64), ("stream_interval", float("nan")),
+    ("stream_interval", 10**9), ("stream_interval", True),
 ])
 def test_engine_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):

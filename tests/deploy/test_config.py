@@ -70,6 +70,9 @@ def test_the_readme_configuration_table_is_generated_from_the_tree():
     ({"stream_interval": 0}, "stream_interval"),
     ({"stream_interval": 2**64}, "stream_interval"),
     ({"stream_interval": 2.5}, "stream_interval"),
+    ({"stream_interval": -1}, "stream_interval"),
+    ({"stream_interval": float("nan")}, "stream_interval"),
+    ({"stream_interval": 10**9}, "stream_interval"),
 ])
 def test_bad_values_name_the_field(args, field):
     with pytest.raises(ValueError, match=field):
