@@ -12,6 +12,8 @@ import pytest
 import ray
 from ray import serve
 
+from tests.deploy.conftest import wait_for
+
 pytestmark = pytest.mark.slow
 
 APP = "failover"
@@ -70,8 +72,7 @@ async def _stream(client: httpx.AsyncClient, prompt: str, sampling: dict, starte
 
 
 def _kill_one_replica() -> str:
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if f"{APP}#LLMReplica" in a["name"]]
+    names = _replica_names()
     assert len(names) == 2, names
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
     return names[0]
@@ -99,8 +100,7 @@ async def _kill_a_generating_replica(timeout: float = 30) -> str:
             break
         await asyncio.sleep(0.01)
     assert stats["num_running"] > 0, stats
-    victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if f"{APP}#LLMReplica" in a["name"] and stats["replica"] in a["name"])
+    victim = next(name for name in _replica_names() if stats["replica"] in name)
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     return victim
 
@@ -120,25 +120,23 @@ async def _stall_worker_fault() -> None:
     os.kill(stats["model_pids"][1], signal.SIGSTOP)
 
 
+def _replica_names(excluding: str = "") -> list[str]:
+    """The live LLMReplica actors of the app (all but `excluding`)."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if f"{APP}#LLMReplica" in a["name"] and a["name"] != excluding]
+
+
 def _wait_replica_gone(replica: str, timeout: float = 120) -> None:
-    def alive() -> bool:
-        return any(replica in a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
-    deadline = time.monotonic() + timeout
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not alive(), f"replica {replica} was not replaced"
+    def gone() -> bool:
+        return not any(replica in a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+    assert wait_for(gone, timeout, 0.5), f"replica {replica} was not replaced"
 
 
 def _wait_replaced(victim: str, timeout: float = 180) -> None:
     """Until two live replicas other than the killed one run: the 503s come back before Serve's
     controller has even noticed the death, so the app's status alone still reads RUNNING then."""
-    def others() -> list[str]:
-        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                if f"{APP}#LLMReplica" in a["name"] and a["name"] != victim]
-    deadline = time.monotonic() + timeout
-    while len(others()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert len(others()) == 2, others()
+    assert wait_for(lambda: len(_replica_names(excluding=victim)) >= 2, timeout, 0.5), _replica_names(victim)
+    assert len(_replica_names(excluding=victim)) == 2, _replica_names(victim)
     _wait_replicas_running(2)
 
 
@@ -170,10 +168,12 @@ def test_killing_a_replica_mid_generation_loses_no_request(failover_url):
 def _wait_running(timeout: float = 180) -> None:
     """Until the app reads RUNNING (judged on one status read: a kill the controller has not yet
     noticed can turn a RUNNING app UNHEALTHY between two reads)."""
-    deadline = time.monotonic() + timeout
-    while (status := serve.status().applications[APP].status) != "RUNNING" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert status == "RUNNING", status
+    last: dict[str, str] = {}
+
+    def running() -> bool:
+        last["status"] = serve.status().applications[APP].status
+        return last["status"] == "RUNNING"
+    assert wait_for(running, timeout, 0.5), last["status"]
 
 
 def _wait_replicas_running(n: int, timeout: float = 180) -> None:
@@ -181,9 +181,7 @@ def _wait_replicas_running(n: int, timeout: float = 180) -> None:
     def states() -> dict:
         app = serve.status().applications.get(APP)
         return {} if app is None else dict(app.deployments["LLMReplica"].replica_states)
-    deadline = time.monotonic() + timeout
-    while states() != {"RUNNING": n} and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for(lambda: states() == {"RUNNING": n}, timeout, 0.5)
     assert states() == {"RUNNING": n}, states()
 
 
