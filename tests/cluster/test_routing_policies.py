@@ -16,6 +16,7 @@ from cluster.routing_policies import (
     RoundRobin,
     RouteRequest,
     RoutingConfig,
+    _in_listed_order,
 )
 
 A, B, C = "a", "b", "c"
@@ -369,6 +370,28 @@ def test_reports_apply_as_differences_yet_give_what_a_full_rebuild_would(ops, gr
             assert index.blocks_of(r) == held[r]
             for h in held[r]:
                 assert r in index.replicas_of(h)
+
+
+@settings(max_examples=300, deadline=None)
+@given(listed=st.lists(st.integers(0, 10**6), unique=True, max_size=300), data=st.data())
+def test_newly_listed_blocks_keep_the_report_order_wherever_they_sit(listed, data):
+    """The tail search gives what a filter of the whole report gives, for any positions of the wanted."""
+    wanted = set(data.draw(st.lists(st.sampled_from(listed), max_size=40) if listed else st.just([])))
+    assert _in_listed_order(listed, wanted) == [h for h in listed if h in wanted]
+
+
+def test_the_candidate_loads_follow_every_change_of_a_replica_load():
+    """loads_of keeps the list it returned for the same candidates current, removals included."""
+    state = fleet(kv_usage_weight=1.0)
+    names = [A, B, C]
+    assert state.loads.loads_of(names) == [0.0, 0.0, 0.0]
+    busy(state, B, 2)
+    state.on_stats(C, {"num_waiting": 3, "num_running": 1, "kv_cache_usage": 0.5}, now=0)
+    assert state.loads.loads_of(names) == [state.loads.load(r) for r in names] == [0.0, 2.0, 4.5]
+    state.on_completed(next(iter(state.loads._requests)))
+    state.remove_replica(C)
+    assert state.loads.loads_of(names) == [0.0, 1.0, 0.0]
+    assert state.loads.loads_of([C, B]) == [0.0, 1.0]  # another list: read afresh
 
 
 op = st.one_of(
