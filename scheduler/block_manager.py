@@ -97,7 +97,11 @@ class BlockPool:
         """Up to `limit` cached hashes, oldest first: O(limit) after a change, O(1) when unchanged."""
         version, cached_limit, hashes = self._recent
         if version != self.version or cached_limit != limit:
-            hashes = list(itertools.islice(reversed(self.cached), limit))[::-1]
+            # One pass when all fit: each pass touches every hash object (cache misses at fleet scale).
+            if len(self.cached) <= limit:
+                hashes = list(self.cached)
+            else:  # from the newest end: a GPU pool may cache far more than the limit
+                hashes = list(itertools.islice(reversed(self.cached), limit))[::-1]
             self._recent = (self.version, limit, hashes)
         return hashes
 
