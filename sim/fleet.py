@@ -7,7 +7,6 @@ import gc
 import heapq
 import logging
 import math
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from operator import sub
 
 from scheduler import SchedulerConfig, hash_block_tokens, hash_prompt_blocks
 from sim.cost import CostModel
-from sim.metrics import RequestRecord, SimResult
+from sim.metrics import GapTally, RequestRecord, SimResult
 from sim.policies import FleetState, RouteRequest, RoutingConfig
 from sim.replica import AppliedStep, Cruise, SimReplica, StepPlan
 from sim.workload import SimRequest
@@ -177,7 +176,7 @@ class FleetSim:
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
         self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
         self._shared_hashes: dict[tuple[int, ...], list[int]] = {}  # a prefix group's leading blocks
-        self._itl_tally: Counter[int] = Counter()
+        self._itl_tally = GapTally()  # finished requests' gaps
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -221,11 +220,14 @@ class FleetSim:
                 for _, name, stats in sorted(payload.reports, key=lambda report: report[0]):
                     self.fleet.on_stats(name, stats, now)
             else:
-                return SimResult(list(records.values()), until_s, self.replicas, self.coalesced_steps,
-                                 self.jumped_steps, self._itl_tally)
+                return self._result(records, until_s)
         # The last event popped may precede the end of a coalesced stretch: end at the last finish.
         end = max((r.finish_s for r in records.values() if r.finish_s is not None), default=now)
-        return SimResult(list(records.values()), end, self.replicas, self.coalesced_steps, self.jumped_steps,
+        return self._result(records, end)
+
+    def _result(self, records: dict[str, RequestRecord], end_s: float) -> SimResult:
+        self._itl_tally.discount([r for r in records.values() if r.finish_s is None])
+        return SimResult(list(records.values()), end_s, self.replicas, self.coalesced_steps, self.jumped_steps,
                          self._itl_tally)
 
     def _take_stats(self, now: float) -> None:
@@ -382,9 +384,11 @@ class FleetSim:
         finished = 0
         for out in replica.finish_step():
             rec = records[out.request_id]
-            rec.on_tokens(now, len(out.new_token_ids), out.num_cached_tokens)
+            gap = rec.on_tokens(now, len(out.new_token_ids), out.num_cached_tokens)
+            if gap is not None:
+                self._itl_tally.add(gap)
             if out.finished:
-                rec.finish(now, out.num_output_tokens, out.finish_reason, self._itl_tally, self.config.keep_itl)
+                rec.finish(now, out.num_output_tokens, out.finish_reason, self.config.keep_itl)
                 self.fleet.on_completed(out.request_id)
                 finished += 1
         if self.on_step is not None:
@@ -397,8 +401,13 @@ class FleetSim:
         """Apply the cruise's steps up to `upto`; notify: on_step at the last one's end (it has ended)."""
         times = cruise.ends[cruise.applied:upto]
         gaps = list(map(sub, times[1:], times))
-        for out in replica.jump(upto):
-            records[out.request_id].on_token_run(times, gaps, out.num_cached_tokens)
+        outputs = replica.jump(upto)
+        tally = self._itl_tally
+        for out in outputs:
+            lead = records[out.request_id].on_token_run(times, gaps, out.num_cached_tokens)
+            if lead is not None:
+                tally.add(lead)
+        tally.add_shared(gaps, len(outputs))
         self.jumped_steps += len(times)
         if notify and self.on_step is not None:
             self.on_step(replica, times[-1])

@@ -31,36 +31,37 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # emptied at the finish unless the run keeps them
     itl_p90_s: float = 0.0  # this request's ITL p90, set at its finish
 
-    def on_tokens(self, now: float, n: int, cached: int) -> None:
+    def on_tokens(self, now: float, n: int, cached: int) -> float | None:
+        """Tokens sampled at now; returns the inter-token gap this adds, if any."""
         if n == 0:
-            return
+            return None
+        gap = None
         if self.first_token_s is None:
             self.first_token_s = now
             self.cached_tokens = cached
         else:
-            self.itl_s.append(now - self.last_token_s)
+            gap = now - self.last_token_s
+            self.itl_s.append(gap)
         self.last_token_s = now
+        return gap
 
-    def on_token_run(self, times: list[float], gaps: list[float], cached: int) -> None:
+    def on_token_run(self, times: list[float], gaps: list[float], cached: int) -> float | None:
         """One token at each of these times (a jumped stretch): on_tokens for each, in bulk.
 
-        gaps[i] is times[i + 1] - times[i], computed once for every request of the stretch.
+        gaps[i] is times[i + 1] - times[i], computed once for every request of the stretch. Returns
+        the gap before the stretch's first token (None if that token is the request's first).
         """
-        if self.first_token_s is None:
-            self.on_tokens(times[0], 1, cached)
-        else:
-            self.itl_s.append(times[0] - self.last_token_s)
+        lead = self.on_tokens(times[0], 1, cached)
         self.itl_s.extend(gaps)
         self.last_token_s = times[-1]
+        return lead
 
-    def finish(self, now: float, num_output_tokens: int, reason: str | None, itl_tally: Counter[int],
-               keep_itl: bool = True) -> None:
-        """Record the finish, add this request's gaps to the fleet's tally, drop them unless keep_itl."""
+    def finish(self, now: float, num_output_tokens: int, reason: str | None, keep_itl: bool = True) -> None:
+        """Record the finish and this request's ITL p90; drop its gaps unless keep_itl."""
         self.finish_s = now
         self.num_output_tokens = num_output_tokens
         self.finish_reason = reason
         self.itl_p90_s = percentile(self.itl_s, 90)
-        itl_tally.update(map(int, map(mul, self.itl_s, repeat(_BINS_PER_S))))  # C-level: no Python step per gap
         if not keep_itl:
             self.itl_s = []
 
@@ -79,6 +80,31 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     return sorted(values)[nearest_rank(len(values), q)]
+
+
+class GapTally(Counter):
+    """The fleet's inter-token gaps in 10-microsecond bins -> count, for its ITL percentiles.
+
+    Gaps are counted as they happen, and a jumped stretch's gaps, which every request of the
+    stretch shares, once for all of them: counting each request's gaps at its finish read every
+    gap again from wherever it lay in memory. The gaps of requests a run leaves unfinished are
+    taken back at its end (`discount`), so the tally holds finished requests' gaps only.
+    """
+
+    def add(self, gap: float) -> None:
+        self[int(gap * _BINS_PER_S)] += 1
+
+    def add_shared(self, gaps: list[float], requests: int) -> None:
+        """gaps, once for each of `requests` requests."""
+        for value, count in Counter(map(int, map(mul, gaps, repeat(_BINS_PER_S)))).items():
+            self[value] += count * requests
+
+    def discount(self, unfinished: list[RequestRecord]) -> None:
+        """Take back the gaps of requests still in flight (their records keep them until they finish)."""
+        for record in unfinished:
+            self.subtract(map(int, map(mul, record.itl_s, repeat(_BINS_PER_S))))
+        for value in [v for v, count in self.items() if count <= 0]:
+            del self[value]
 
 
 def tally_percentile(tally: Counter[int], q: float) -> float:

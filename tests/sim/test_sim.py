@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -226,6 +227,23 @@ def test_run_until_stops_at_that_simulated_second_with_the_same_history():
     assert done and len(done) < len(wl)
     assert _fingerprint(SimpleNamespace(records=done)) == \
         _fingerprint(SimpleNamespace(records=[r for r in cut.records if r.finish_s is not None]))
+
+
+def test_the_fleet_itl_tally_counts_exactly_the_finished_requests_gaps():
+    """Gaps are tallied as they happen (a jump's shared gaps once for all its requests), and a run
+    cut short takes back those of the requests it leaves in flight."""
+    from collections import Counter
+
+    wl = synthetic_workload(WorkloadConfig(num_requests=120, rate=6.0, tenants=4, system_prompt_len=32,
+                                           output_len=(8, 120), seed=5))
+    cfg = SimConfig(num_replicas=2, scheduler=SchedulerConfig(num_gpu_blocks=200, max_model_len=512))
+    for until in (math.inf, 9.0):
+        result = FleetSim(cfg, load_profile("cpu")).run(wl, until_s=until)
+        finished = [r for r in result.records if r.finish_s is not None]
+        assert result.jumped_steps and 0 < len(finished) <= len(wl)
+        assert len(finished) < len(wl) or until == math.inf
+        expected = Counter(int(gap * 1e5) for r in finished for gap in r.itl_s)
+        assert result.itl_tally == expected
 
 
 def test_vtc_counter_gap_between_backlogged_tenants_stays_within_the_bound():
