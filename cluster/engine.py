@@ -10,6 +10,7 @@ from cluster.config import EngineConfig
 from cluster.executor import Executor, LocalExecutor
 from cluster.frontend import ModelInfo
 from scheduler import RequestOutput, Scheduler, SchedulerStats
+from scheduler.block_manager import PrefixReport
 from scheduler.request import Request
 from workers.kv_cache import GiB, KVCacheSpec
 from workers.runner import DTYPES, RunnerConfig
@@ -94,9 +95,10 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
-    def cached_prefix_hashes(self, limit: int) -> list[int]:
-        """Hashes of up to `limit` most recently cached KV blocks (what the router's prefix index mirrors)."""
-        return self.scheduler.kv.pool.recent_hashes(limit)
+    def prefix_report(self, limit: int) -> PrefixReport:
+        """Hashes of up to `limit` most recently cached KV blocks (what the router's prefix index mirrors),
+        numbered, with their change since the previous report."""
+        return self.scheduler.kv.pool.prefix_report(limit)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
 from scheduler.sampling_params import SamplingParams
 
@@ -57,6 +58,12 @@ class RoutingStats:
     num_free_blocks: int = 0
     state: str = "ok"  # "ok" | "failed" | "stalled" | "draining": the router picks only "ok" replicas
     prefix_hashes: list[int] | None = None  # most recently cached blocks, oldest first
+    # The pool's report number, and the change of prefix_hashes since report prefix_base_id (a
+    # router that applied that one applies these instead of comparing whole lists).
+    prefix_report_id: int | None = None
+    prefix_base_id: int | None = None
+    prefix_listed: list[int] | None = None
+    prefix_unlisted: list[int] | None = None
 
     @classmethod
     def of(cls, stats: SchedulerStats | None) -> RoutingStats:
@@ -66,8 +73,23 @@ class RoutingStats:
                    kv_cache_usage=stats.kv_cache_usage, prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
                    num_preemptions=stats.num_preemptions, num_free_blocks=stats.num_free_blocks)
 
+    def set_prefix(self, report: PrefixReport) -> None:
+        """Carry the pool's prefix report (its change only when it gives one)."""
+        self.prefix_hashes = report.hashes
+        self.prefix_report_id = report.report_id
+        if report.base_id is not None:
+            self.prefix_base_id = report.base_id
+            self.prefix_listed = list(report.listed)
+            self.prefix_unlisted = list(report.unlisted)
+
     def as_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__slots__ if name != "prefix_hashes"}
-        if self.prefix_hashes is not None:
-            out["prefix_hashes"] = self.prefix_hashes
+        """The figures, and the prefix fields that are set."""
+        out = {name: getattr(self, name) for name in self.__slots__ if name not in _PREFIX_FIELDS}
+        for name in _PREFIX_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
         return out
+
+
+_PREFIX_FIELDS = ("prefix_hashes", "prefix_report_id", "prefix_base_id", "prefix_listed", "prefix_unlisted")

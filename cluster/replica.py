@@ -404,8 +404,8 @@ class LLMReplica:
         stats.state = self._state()
         if self._loop_thread.failure is None:
             try:
-                stats.prefix_hashes = await asyncio.wait_for(self._loop_thread.call(
-                    lambda engine: engine.cached_prefix_hashes(MAX_REPORTED_PREFIX_HASHES)), timeout=5)
+                stats.set_prefix(await asyncio.wait_for(self._loop_thread.call(
+                    lambda engine: engine.prefix_report(MAX_REPORTED_PREFIX_HASHES)), timeout=5))
             except asyncio.TimeoutError:
                 logger.warning("engine busy for 5 s: routing stats without prefix hashes")
         return stats.as_dict()

@@ -240,8 +240,9 @@ class PrefixIndex:
         # What each replica's last report listed, and the blocks planted by routing since then that
         # no report has confirmed yet: a report is applied as its difference from the previous one,
         # so a fleet of replicas holding thousands of blocks each costs the changes, not the holdings.
-        self._reported: dict[str, frozenset[int]] = {}
+        self._reported: dict[str, set[int]] = {}
         self._unreported: dict[str, set[int]] = {}
+        self._report_ids: dict[str, int | None] = {}  # the number of the report applied last
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -322,6 +323,7 @@ class PrefixIndex:
     def remove_replica(self, replica: str) -> None:
         self._reported.pop(replica, None)
         self._unreported.pop(replica, None)
+        self._report_ids.pop(replica, None)
         for h in self._by_replica.pop(replica, ()):
             self._drop(replica, h)
 
@@ -332,28 +334,41 @@ class PrefixIndex:
             if not owners:
                 del self._owners[block_hash]
 
-    def sync_replica(self, replica: str, resident: Iterable[int], now: float, grace_s: float) -> None:
+    def sync_replica(self, replica: str, resident: Iterable[int], now: float, grace_s: float,
+                     change: ReportChange | None = None) -> None:
         """Correct the index from the replica's own list of resident block hashes (after evictions).
 
         Blocks new since the previous report are inserted (as insert() would); blocks it listed before
         and lists no more are dropped, and so are blocks routing planted that stayed unreported for
         grace_s. A block still resident keeps its place in the LRU order (a match refreshes it), and
         one the LRU bound evicted comes back only when routing plants it or a report lists it anew.
+        change: the report's own account of how it differs from the replica's report it names; used
+        when that is the report applied last and the account adds up, instead of comparing the lists.
         """
         resident = resident if isinstance(resident, list) else list(resident)
-        keep = frozenset(resident)
-        previous = self._reported.get(replica, frozenset())
+        reported = self._reported.get(replica)
+        if change is not None and change.base_id is not None and reported is not None \
+                and self._report_ids.get(replica) == change.base_id and change.adds_up(reported, len(resident)):
+            listed, dropped = change.listed_set, change.unlisted_set
+            reported -= dropped
+            reported |= listed
+            ordered = change.listed
+        else:
+            # C-level passes over the holdings, then work on the changes only: a report differs
+            # from the one before by a few blocks out of about a thousand, and most drop none.
+            keep = set(resident)
+            previous = reported or set()
+            listed = keep - previous
+            dropped = previous - keep if len(keep) - len(listed) < len(previous) else set()
+            self._reported[replica] = reported = keep
+            ordered = resident
+        self._report_ids[replica] = change.report_id if change is not None else None
         mine = self._by_replica.setdefault(replica, set())
         unreported = self._unreported.setdefault(replica, set())
-        # C-level passes over the holdings, then work on the changes only: a report differs from
-        # the one before by a few blocks out of about a thousand, and most drop none.
-        listed = keep - previous
-        # unreported never holds a block the previous report listed, so of keep only the newly
-        # listed blocks can be in it.
+        # unreported never holds a block the previous report listed, so of the blocks listed now
+        # only the newly listed can be in it.
         unreported -= listed
-        if len(keep) - len(listed) < len(previous):  # some block is no longer listed
-            # Dropped below unless routing planted it within grace_s.
-            unreported |= previous - keep
+        unreported |= dropped  # no longer listed: dropped below unless planted within grace_s
         cutoff = now - grace_s
         owners = self._owners
         stale = [h for h in unreported if h not in mine or owners[h][replica] < cutoff]
@@ -362,9 +377,37 @@ class PrefixIndex:
         for h in stale:
             self._drop(replica, h)
         new = listed - mine
-        self._reported[replica] = keep
         if new:
-            self._add(replica, _in_listed_order(resident, new), -math.inf)
+            self._add(replica, _in_listed_order(ordered, new), -math.inf)
+
+
+@dataclass(frozen=True, slots=True)
+class ReportChange:
+    """A prefix report's account of how it differs from an earlier report of the same replica."""
+
+    report_id: int
+    base_id: int | None
+    listed: list[int]  # listed now, not in report base_id: in the report's order
+    unlisted: list[int]  # listed in report base_id, not now
+    listed_set: frozenset[int]
+    unlisted_set: frozenset[int]
+
+    @classmethod
+    def of(cls, stats: Mapping[str, Any]) -> ReportChange | None:
+        """From a stats dict's prefix_* fields; None where they are absent or malformed (the lists are then compared)."""
+        report_id, base_id = stats.get("prefix_report_id"), stats.get("prefix_base_id")
+        if type(report_id) is not int:
+            return None
+        listed, unlisted = stats.get("prefix_listed"), stats.get("prefix_unlisted")
+        if type(base_id) is not int or type(listed) is not list or type(unlisted) is not list:
+            return cls(report_id, None, [], [], frozenset(), frozenset())
+        return cls(report_id, base_id, listed, unlisted, frozenset(listed), frozenset(unlisted))
+
+    def adds_up(self, previous: set[int], num_listed: int) -> bool:
+        """Whether applying it to the previous report's blocks gives a list of num_listed distinct blocks."""
+        return (len(self.listed_set) == len(self.listed) and len(self.unlisted_set) == len(self.unlisted)
+                and self.listed_set.isdisjoint(previous) and self.unlisted_set <= previous
+                and len(previous) - len(self.unlisted) + len(self.listed) == num_listed)
 
 
 class FleetView(Protocol):
@@ -644,7 +687,7 @@ class FleetState:
             self.breaker.record_healthy_report(replica, now)
         prefix_hashes = stats.get("prefix_hashes")
         if prefix_hashes is not None:
-            self.index.sync_replica(replica, prefix_hashes, now, self.config.stats_grace_s)
+            self.index.sync_replica(replica, prefix_hashes, now, self.config.stats_grace_s, ReportChange.of(stats))
 
     def remove_replica(self, replica: str) -> bool:
         """Forget a dead or removed replica at once: its load, its requests, its index entries.

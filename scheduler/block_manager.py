@@ -11,6 +11,7 @@ import itertools
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
@@ -38,6 +39,21 @@ def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, max_blocks: in
     return hashes
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixReport:
+    """The pool's cached hashes for the router, and how they changed since the pool's previous report.
+
+    A router that applied report base_id can apply `listed` and `unlisted` instead of comparing
+    the whole list with the one before: the changes are a few blocks out of about a thousand.
+    """
+
+    hashes: list[int]  # up to the limit's most recently cached, oldest first
+    report_id: int
+    base_id: int | None = None  # None: no change given (the first report, or a list cut at the limit)
+    listed: Sequence[int] = ()  # cached now, not at base_id: in `hashes` order
+    unlisted: Sequence[int] = ()  # cached at base_id, not now
+
+
 class BlockPool:
     """GPU blocks: reference counts, the LRU free list and the hash -> block index."""
 
@@ -50,6 +66,12 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # insertion order: most recently registered last
         self.version = 0  # bumped when `cached` changes, so readers can skip an unchanged index
         self._recent: tuple[int, int, list[int]] = (-1, 0, [])
+        # Since the last prefix_report (tracked only once one was taken): hashes registered and
+        # still cached, in order, and hashes that report listed and eviction has dropped since.
+        self._reports = 0
+        self._reported_whole = False  # the last report listed the whole index (it fit the limit)
+        self._listed_since: dict[int, None] | None = None
+        self._unlisted_since: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -66,6 +88,8 @@ class BlockPool:
                 if cached.get(h) == block_id:
                     del cached[h]
                     self.version += 1
+                    if self._listed_since is not None:
+                        self._untrack(h)
                 block_hash[block_id] = None
             ref_cnt[block_id] = 1
             out.append(block_id)
@@ -92,6 +116,17 @@ class BlockPool:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
             self.version += 1
+            if self._listed_since is not None:
+                if block_hash in self._unlisted_since:  # evicted and back: listed as before
+                    self._unlisted_since.discard(block_hash)
+                else:
+                    self._listed_since[block_hash] = None
+
+    def _untrack(self, block_hash: int) -> None:
+        if block_hash in self._listed_since:  # registered and evicted between two reports
+            del self._listed_since[block_hash]
+        else:
+            self._unlisted_since.add(block_hash)
 
     def recent_hashes(self, limit: int) -> list[int]:
         """Up to `limit` cached hashes, oldest first: O(limit) after a change, O(1) when unchanged."""
@@ -104,6 +139,19 @@ class BlockPool:
                 hashes = list(itertools.islice(reversed(self.cached), limit))[::-1]
             self._recent = (self.version, limit, hashes)
         return hashes
+
+    def prefix_report(self, limit: int) -> PrefixReport:
+        """recent_hashes(limit), numbered, with its change since the previous report when both hold the whole index."""
+        hashes = self.recent_hashes(limit)
+        whole = len(self.cached) <= limit
+        self._reports += 1
+        report = PrefixReport(hashes, self._reports)
+        if self._listed_since is not None and self._reported_whole and whole:
+            report = PrefixReport(hashes, self._reports, self._reports - 1, list(self._listed_since),
+                                  list(self._unlisted_since))
+        self._reported_whole = whole
+        self._listed_since, self._unlisted_since = {}, set()
+        return report
 
     def num_evictable(self, block_ids: Sequence[int]) -> int:
         """How many of these (cached) blocks sit on the free list, so touching them uses up free blocks."""

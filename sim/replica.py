@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from scheduler import ModelRunnerOutput, Request, RequestOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
 from sim.cost import CostModel
+from sim.policies import RoutingStats
 
 EOS = 0
 TOKEN = 1
@@ -177,8 +178,7 @@ class SimReplica:
 
     def routing_stats(self, max_hashes: int = 4096) -> dict:
         """What a production replica reports to the router: queue lengths, KV usage, hot prefixes."""
-        st = self.scheduler.stats()
-        # As a production replica reports them (cluster/replica.py): the pool's most recent hashes.
-        hashes = self.scheduler.kv.pool.recent_hashes(max_hashes)
-        return {"num_waiting": st.num_waiting, "num_running": st.num_running,
-                "kv_cache_usage": st.kv_cache_usage, "prefix_hashes": hashes}
+        # As a production replica reports them (cluster/replica.py): the pool's prefix report.
+        stats = RoutingStats.of(self.scheduler.stats())
+        stats.set_prefix(self.scheduler.kv.pool.prefix_report(max_hashes))
+        return stats.as_dict()

@@ -147,3 +147,26 @@ def test_a_resumed_request_continues_exactly_where_it_stopped(engine, temperatur
 def test_a_resumed_request_must_leave_room_to_generate():
     with pytest.raises(ValueError, match="^output_token_ids"):
         Request("r", [1, 2], SamplingParams(max_tokens=2), output_token_ids=[3, 4])
+
+
+def test_the_routers_prefix_index_follows_the_engines_reports_by_their_changes(engine):
+    """What a replica sends (RoutingStats of engine.prefix_report) leaves the router's index holding
+    exactly the engine's cached blocks; from the second report on, the report says what changed."""
+    from cluster.protocol import RoutingStats
+    from cluster.routing_policies import FleetState, RoutingConfig
+    from scheduler import hash_prompt_blocks
+
+    router = FleetState(RoutingConfig())
+    reports = []
+    for i, prompt in enumerate([list(range(100, 164)), list(range(100, 148)) + list(range(300, 340))]):
+        engine.add_request(Request(f"prefix-{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+        drain(engine)
+        stats = RoutingStats.of(engine.stats())
+        stats.set_prefix(engine.prefix_report(4096))
+        reports.append(stats.as_dict())
+        router.on_stats("replica", reports[-1], now=i)
+        assert router.index.blocks_of("replica") == set(engine.scheduler.kv.pool.cached)
+    shared = hash_prompt_blocks(list(range(100, 148)), engine.scheduler.kv.block_size)
+    assert set(shared) <= router.index.blocks_of("replica")
+    assert reports[1]["prefix_base_id"] == reports[0]["prefix_report_id"]
+    assert set(reports[1]["prefix_listed"]) == set(reports[1]["prefix_hashes"]) - set(reports[0]["prefix_hashes"])

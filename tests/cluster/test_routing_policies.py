@@ -394,6 +394,77 @@ def test_the_candidate_loads_follow_every_change_of_a_replica_load():
     assert state.loads.loads_of([C, B]) == [0.0, 1.0]  # another list: read afresh
 
 
+def _stats(report, with_change: bool) -> dict:
+    from cluster.protocol import RoutingStats
+
+    stats = RoutingStats()
+    stats.set_prefix(report)
+    out = stats.as_dict()
+    if not with_change:  # numbered, so that both routers apply the same reports
+        for key in ("prefix_base_id", "prefix_listed", "prefix_unlisted"):
+            out.pop(key, None)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32), num_ops=st.integers(1, 150), grace=st.integers(0, 6),
+       bound=st.sampled_from([10, 10_000]))
+def test_reports_applied_by_their_change_leave_the_index_a_whole_list_would(seed, num_ops, grace, bound):
+    """A router applying each report's own account of its change ends exactly where one comparing
+    whole lists ends (owners, LRU order, unreported plants), also when it missed a report (it then
+    compares lists), when a list was cut at the limit, and with the index at its LRU bound."""
+    import random
+
+    from scheduler.block_manager import BlockPool
+
+    rng = random.Random(seed)  # a seeded stream of operations: hypothesis alone favours short, empty ones
+    pools = {A: BlockPool(12), B: BlockPool(12)}
+    held: dict[str, list[int]] = {A: [], B: []}
+    by_change, by_list = (fleet(max_index_blocks=bound, stats_grace_s=grace) for _ in range(2))
+    for now in range(num_ops):
+        replica = rng.choice([A, B])
+        pool, kind = pools[replica], rng.choice(["fill", "fill", "free", "plant", "report", "report", "skip", "cut"])
+        if kind == "fill":
+            blocks = pool.allocate(min(rng.randint(1, 4), pool.num_free))
+            h = rng.randrange(40)  # hashes collide: some are cached already, some come back after eviction
+            for i, block in enumerate(blocks):
+                pool.register(block, h + i)
+            held[replica] += blocks
+        elif kind == "free":
+            n = rng.randint(0, len(held[replica]))
+            pool.release(held[replica][:n])
+            del held[replica][:n]
+        elif kind == "plant":
+            h = rng.randrange(40)
+            request = RouteRequest(f"r{now}", 1, list(range(h, h + rng.randint(0, 4))))
+            for state in (by_change, by_list):
+                state.on_routed(request, replica, now)
+        else:  # "skip": a report this router never saw; "cut": a list cut at the limit
+            report = pool.prefix_report(6 if kind == "cut" else 12)
+            if kind != "skip":
+                by_change.on_stats(replica, _stats(report, True), now)
+                by_list.on_stats(replica, _stats(report, False), now)
+        a, b = by_change.index, by_list.index
+        assert list(a._owners.items()) == list(b._owners.items())
+        assert a._by_replica == b._by_replica and a._unreported == b._unreported and a._reported == b._reported
+
+
+def test_a_report_whose_change_does_not_add_up_is_applied_as_a_whole_list():
+    state = fleet()
+    state.on_stats(A, {"prefix_hashes": [1, 2, 3], "prefix_report_id": 1}, now=0)
+    # Claims 9 is new and 1 gone, but the list says otherwise: the list wins.
+    state.on_stats(A, {"prefix_hashes": [1, 2, 3, 4], "prefix_report_id": 2, "prefix_base_id": 1,
+                       "prefix_listed": [9], "prefix_unlisted": [1]}, now=1)
+    assert state.index.blocks_of(A) == {1, 2, 3, 4}
+    state.on_stats(A, {"prefix_hashes": [2, 3, 4, 5], "prefix_report_id": 3, "prefix_base_id": 2,
+                       "prefix_listed": [5], "prefix_unlisted": [1]}, now=2)
+    assert state.index.blocks_of(A) == {2, 3, 4, 5}
+    # Malformed change fields are ignored, never an error.
+    state.on_stats(A, {"prefix_hashes": [2, 3], "prefix_report_id": "x", "prefix_base_id": 3,
+                       "prefix_listed": 7, "prefix_unlisted": None}, now=3)
+    assert state.index.blocks_of(A) == {2, 3}
+
+
 op = st.one_of(
     st.tuples(st.just("route"), hashes, st.integers(0, 4000)),
     st.tuples(st.just("confirm"), st.sampled_from([A, B, C])),

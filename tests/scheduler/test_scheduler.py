@@ -503,6 +503,46 @@ def test_recent_hashes_follow_registration_and_eviction_and_cost_nothing_when_un
     assert pool.recent_hashes(8) == [12, 13]
 
 
+pool_ops = st.lists(st.one_of(
+    st.tuples(st.just("fill"), st.integers(1, 4), st.integers(0, 40)),  # allocate n blocks, register them
+    st.tuples(st.just("free"), st.integers(0, 12), st.just(0)),  # release the oldest held blocks
+    st.tuples(st.just("report"), st.integers(1, 12), st.just(0))), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=pool_ops)
+def test_a_prefix_report_gives_exactly_its_change_since_the_previous_report(ops):
+    """listed / unlisted are the difference of the two lists, listed in the new list's order; a list cut
+    at the limit (now or before) gives no change."""
+    from scheduler.block_manager import BlockPool
+
+    pool = BlockPool(12)
+    held: list[int] = []
+    previous = None
+    for kind, n, h in ops:
+        if kind == "fill" and n <= pool.num_free:
+            for block in pool.allocate(n):
+                pool.register(block, h)  # a hash already cached stays with its first block
+                h += 1
+                held.append(block)
+        elif kind == "free":
+            pool.release(held[:n])
+            del held[:n]
+        elif kind == "report":
+            report = pool.prefix_report(n)
+            assert report.hashes == list(pool.cached)[-n:]
+            whole = len(pool.cached) <= n
+            if previous is None or not previous[1] or not whole:
+                assert report.base_id is None and not report.listed and not report.unlisted
+            else:
+                assert report.base_id == previous[0].report_id == report.report_id - 1
+                before = set(previous[0].hashes)
+                assert report.listed == [x for x in report.hashes if x not in before]
+                assert set(report.unlisted) == before - set(report.hashes)
+                assert len(report.unlisted) == len(set(report.unlisted))
+            previous = (report, whole)
+
+
 # ---- bounds: no value can reach a batch that would fail it --------------------------------------------
 @pytest.mark.parametrize("field, value", [
     ("top_k", 2**63), ("top_k", -2), ("seed", 2**63), ("seed", -1), ("temperature", float("nan")),
