@@ -438,6 +438,10 @@ class _Rotation:
         return offset
 
 
+# Replicas sharing the smallest prefix footprint, up to which a pick ranks them one by one.
+_FEW = 16
+
+
 def least_rotated(loads: list[float], offset: int) -> int:
     """Index of the least load, ties to the first at or after offset (then wrapping): C-level passes."""
     least = min(loads)
@@ -571,7 +575,19 @@ class PrefixAffinity:
         if top >= self.min_match_blocks:
             index = positions.index
             return min((load(r), (index[r] - offset) % n, r) for run, r in held if run == top)[2]
-        keyed = zip(fleet.index.footprints(replicas), loads, rotated_positions(n, offset))
+        footprints = fleet.index.footprints(replicas)
+        smallest = min(footprints)
+        # Usually a few replicas hold the smallest footprint and one is within the ceiling: rank
+        # those alone instead of building a key for every replica of the fleet.
+        if footprints.count(smallest) <= _FEW:
+            at, i = [], -1
+            for _ in range(footprints.count(smallest)):
+                i = footprints.index(smallest, i + 1)
+                if loads[i] <= ceiling:
+                    at.append((loads[i], (i - offset) % n, i))
+            if at:
+                return replicas[min(at)[2]]
+        keyed = zip(footprints, loads, rotated_positions(n, offset))
         position = min(compress(keyed, map(ceiling.__ge__, loads)))[2]  # within the ceiling only
         return replicas[(position + offset) % n]
 

@@ -261,7 +261,7 @@ def test_vtc_counter_gap_between_backlogged_tenants_stays_within_the_bound():
 
 @settings(max_examples=150, deadline=None)
 @given(policy=st.sampled_from(list(cluster.routing_policies.POLICIES)), seed=st.integers(0, 2**32),
-       n=st.integers(1, 12), threshold=st.sampled_from([0.0, 1.0, 2.0]), num_ops=st.integers(1, 200))
+       n=st.integers(1, 40), threshold=st.sampled_from([0.0, 1.0, 2.0]), num_ops=st.integers(1, 200))
 def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_ops):
     """The simulator's FleetState.pick makes route()'s choice and leaves the same state behind."""
     import random
