@@ -9,7 +9,7 @@ import math
 import random
 from bisect import bisect_right
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from typing import Any, Protocol
@@ -93,6 +93,34 @@ class _InFlight:
     started_at: float
 
 
+class _Aligned:
+    """A per-replica figure laid out in the order of the replica list last asked for, kept current.
+
+    The router asks again with the same list object while the replica set stays as it is, so a pick
+    at 1,000 replicas reads a ready list instead of looking up 1,000 names.
+    """
+
+    def __init__(self, value_of: Callable[[str], float], values_of: Callable[[Sequence[str]], list[float]]):
+        self._value_of = value_of
+        self._values_of = values_of  # value_of for each, in C-level passes
+        self._listed: Sequence[str] | None = None
+        self._slot: dict[str, int] = {}
+        self._values: list[float] = []
+
+    def values(self, replicas: Sequence[str]) -> list[float]:
+        if replicas is not self._listed:
+            self._listed = replicas if isinstance(replicas, list) else None
+            self._slot = {r: i for i, r in enumerate(replicas)}
+            self._values = self._values_of(replicas)
+        return self._values
+
+    def update(self, replica: str) -> None:
+        """replica's figure changed: re-read it if it is listed."""
+        slot = self._slot.get(replica)
+        if slot is not None:
+            self._values[slot] = self._value_of(replica)
+
+
 class LoadTracker:
     """Per-replica load: exact in-flight counts of this router combined with late replica reports."""
 
@@ -106,11 +134,8 @@ class LoadTracker:
         # call per replica: each replica's load (0.0 when unknown), the unconfirmed requests (all
         # that expire() must look at) and the replicas that reported themselves unhealthy.
         self._load: defaultdict[str, float] = defaultdict(float)
-        # The loads of the candidate list last asked for, in its order, kept current by _refresh:
-        # the router asks again for the same list object while the replica set stays as it is.
-        self._listed: list[str] | None = None
-        self._listed_slot: dict[str, int] = {}
-        self._listed_loads: list[float] = []
+        self._aligned = _Aligned(lambda replica: self._load.get(replica, 0.0),
+                                 lambda replicas: list(map(self._load.get, replicas, repeat(0.0))))
         self._unconfirmed: dict[str, None] = {}
         self.unhealthy: set[str] = set()
 
@@ -126,11 +151,9 @@ class LoadTracker:
         # Reports are 1-2 s late but include other routers' traffic; own counts are exact but local.
         # The max never under-counts either source without double counting this router's requests.
         requests = max(s.inflight_requests, s.reported_requests)
-        load = self._load[replica] = (requests + s.inflight_tokens / self.tokens_per_request
-                                      + self.kv_usage_weight * s.kv_cache_usage)
-        slot = self._listed_slot.get(replica)
-        if slot is not None:
-            self._listed_loads[slot] = load
+        self._load[replica] = (requests + s.inflight_tokens / self.tokens_per_request
+                               + self.kv_usage_weight * s.kv_cache_usage)
+        self._aligned.update(replica)
 
     def by_load(self, replicas: list[str]) -> list[str]:
         """replicas sorted by load, least first; the sort is stable, so ties keep the given order."""
@@ -142,11 +165,7 @@ class LoadTracker:
 
     def loads_of(self, replicas: Sequence[str]) -> list[float]:
         """The load of each of replicas, in order; read only (it is kept for the next call with this list)."""
-        if replicas is not self._listed:
-            self._listed = replicas if isinstance(replicas, list) else None
-            self._listed_slot = {r: i for i, r in enumerate(replicas)}
-            self._listed_loads = list(map(self._load.__getitem__, replicas))
-        return self._listed_loads
+        return self._aligned.values(replicas)
 
     def start(self, request_id: str, replica: str, num_tokens: int, now: float, confirmed: bool) -> None:
         """Count request_id against replica (moving it if it was counted elsewhere)."""
@@ -191,9 +210,7 @@ class LoadTracker:
     def remove_replica(self, replica: str) -> None:
         self._replicas.pop(replica, None)
         self._load.pop(replica, None)
-        slot = self._listed_slot.get(replica)
-        if slot is not None:
-            self._listed_loads[slot] = 0.0  # as _load reads for a replica it does not know
+        self._aligned.update(replica)
         self.unhealthy.discard(replica)
         for rid in [rid for rid, e in self._requests.items() if e.replica == replica]:
             del self._requests[rid]
@@ -243,6 +260,7 @@ class PrefixIndex:
         self._reported: dict[str, set[int]] = {}
         self._unreported: dict[str, set[int]] = {}
         self._report_ids: dict[str, int | None] = {}  # the number of the report applied last
+        self._footprints = _Aligned(self.footprint, self._footprints_of)
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -262,11 +280,15 @@ class PrefixIndex:
 
     def least_footprint(self, replicas: Sequence[str]) -> str:
         """The replica of replicas with the smallest footprint (the first of equals); replicas non-empty."""
-        sizes = self.footprints(replicas)
+        sizes = self._footprints_of(replicas)  # a list made per request: not worth keeping
         return replicas[sizes.index(min(sizes))]
 
-    def footprints(self, replicas: Sequence[str]) -> list[int]:
+    def _footprints_of(self, replicas: Sequence[str]) -> list[int]:
         return list(map(len, map(self._by_replica.get, replicas, repeat(()))))  # no Python call per replica
+
+    def footprints(self, replicas: Sequence[str]) -> list[int]:
+        """The footprint of each of replicas, in order; read only (it is kept for the next call with this list)."""
+        return self._footprints.values(replicas)
 
     def insert(self, replica: str, block_hashes: Iterable[int], now: float) -> None:
         """Record that replica received these blocks (routing planted them at now)."""
@@ -290,10 +312,12 @@ class PrefixIndex:
             mine.add(h)
             if h not in reported:
                 unreported.add(h)
+        self._footprints.update(replica)
         while len(self._owners) > self.max_blocks:
             h, owners = self._owners.popitem(last=False)
             for r in owners:
                 self._by_replica[r].discard(h)
+                self._footprints.update(r)
 
     def match(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         """Length of the leading run of block_hashes held by each replica."""
@@ -326,6 +350,7 @@ class PrefixIndex:
         self._report_ids.pop(replica, None)
         for h in self._by_replica.pop(replica, ()):
             self._drop(replica, h)
+        self._footprints.update(replica)
 
     def _drop(self, replica: str, block_hash: int) -> None:
         owners = self._owners.get(block_hash)
@@ -376,6 +401,7 @@ class PrefixIndex:
         mine.difference_update(stale)
         for h in stale:
             self._drop(replica, h)
+        self._footprints.update(replica)
         new = listed - mine
         if new:
             self._add(replica, _in_listed_order(ordered, new), -math.inf)

@@ -261,9 +261,11 @@ def test_vtc_counter_gap_between_backlogged_tenants_stays_within_the_bound():
 
 @settings(max_examples=150, deadline=None)
 @given(policy=st.sampled_from(list(cluster.routing_policies.POLICIES)), seed=st.integers(0, 2**32),
-       n=st.integers(1, 40), threshold=st.sampled_from([0.0, 1.0, 2.0]), num_ops=st.integers(1, 200))
-def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_ops):
-    """The simulator's FleetState.pick makes route()'s choice and leaves the same state behind."""
+       n=st.integers(1, 40), threshold=st.sampled_from([0.0, 1.0, 2.0]), num_ops=st.integers(1, 200),
+       index_bound=st.sampled_from([6, 200_000]))
+def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_ops, index_bound):
+    """The simulator's FleetState.pick makes route()'s choice and leaves the same state behind, also
+    with the prefix index evicting at its bound."""
     import random
 
     from sim.policies import FleetState, RouteRequest
@@ -271,7 +273,7 @@ def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_op
     names = [f"replica-{i}" for i in range(n)]
     # Whole-number loads (no tokens, KV usage 0 or 1) so that ties and the imbalance ceiling matter.
     states = [FleetState(RoutingConfig(router_policy=policy, seed=seed, imbalance_threshold=threshold,
-                                       imbalance_ratio=1.0)) for _ in range(2)]
+                                       imbalance_ratio=1.0, max_index_blocks=index_bound)) for _ in range(2)]
     rng = random.Random(seed)  # the operations come from a seeded stream: hypothesis favours zeros
     inflight: list[str] = []
     for i in range(num_ops):
