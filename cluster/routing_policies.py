@@ -9,7 +9,7 @@ import math
 import random
 from bisect import bisect_right
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from typing import Any, Protocol
@@ -371,23 +371,7 @@ class PrefixIndex:
         when that is the report applied last and the account adds up, instead of comparing the lists.
         """
         resident = resident if isinstance(resident, list) else list(resident)
-        reported = self._reported.get(replica)
-        if change is not None and change.base_id is not None and reported is not None \
-                and self._report_ids.get(replica) == change.base_id and change.adds_up(reported, len(resident)):
-            listed, dropped = change.listed_set, change.unlisted_set
-            reported -= dropped
-            reported |= listed
-            ordered = change.listed
-        else:
-            # C-level passes over the holdings, then work on the changes only: a report differs
-            # from the one before by a few blocks out of about a thousand, and most drop none.
-            keep = set(resident)
-            previous = reported or set()
-            listed = keep - previous
-            dropped = previous - keep if len(keep) - len(listed) < len(previous) else set()
-            self._reported[replica] = reported = keep
-            ordered = resident
-        self._report_ids[replica] = change.report_id if change is not None else None
+        listed, dropped, ordered = self._relist(replica, resident, change)
         mine = self._by_replica.setdefault(replica, set())
         unreported = self._unreported.setdefault(replica, set())
         # unreported never holds a block the previous report listed, so of the blocks listed now
@@ -407,6 +391,27 @@ class PrefixIndex:
             self._add(replica, _in_listed_order(ordered, new), -math.inf)
 
 
+    def _relist(self, replica: str, resident: list[int], change: ReportChange | None
+                ) -> tuple[Set[int], Set[int], list[int]]:
+        """Record the report as replica's listed blocks: (newly listed, no longer listed, the order to add them in)."""
+        reported = self._reported.get(replica)
+        applies = (change is not None and change.base_id is not None and reported is not None
+                   and self._report_ids.get(replica) == change.base_id and change.adds_up(reported, len(resident)))
+        self._report_ids[replica] = change.report_id if change is not None else None
+        if applies:
+            reported -= change.unlisted_set
+            reported |= change.listed_set
+            return change.listed_set, change.unlisted_set, change.listed
+        # C-level passes over the holdings, then work on the changes only: a report differs from
+        # the one before by a few blocks out of about a thousand, and most drop none.
+        keep = set(resident)
+        previous = reported or set()
+        listed = keep - previous
+        dropped = previous - keep if len(keep) - len(listed) < len(previous) else set()
+        self._reported[replica] = keep
+        return listed, dropped, resident
+
+
 @dataclass(frozen=True, slots=True)
 class ReportChange:
     """A prefix report's account of how it differs from an earlier report of the same replica."""
@@ -420,7 +425,7 @@ class ReportChange:
 
     @classmethod
     def of(cls, stats: Mapping[str, Any]) -> ReportChange | None:
-        """From a stats dict's prefix_* fields; None where they are absent or malformed (the lists are then compared)."""
+        """From a stats dict's prefix_* fields; None where absent or malformed (the lists are then compared)."""
         report_id, base_id = stats.get("prefix_report_id"), stats.get("prefix_base_id")
         if type(report_id) is not int:
             return None
@@ -605,9 +610,10 @@ class PrefixAffinity:
         smallest = min(footprints)
         # Usually a few replicas hold the smallest footprint and one is within the ceiling: rank
         # those alone instead of building a key for every replica of the fleet.
-        if footprints.count(smallest) <= _FEW:
+        holding = footprints.count(smallest)
+        if holding <= _FEW:
             at, i = [], -1
-            for _ in range(footprints.count(smallest)):
+            for _ in range(holding):
                 i = footprints.index(smallest, i + 1)
                 if loads[i] <= ceiling:
                     at.append((loads[i], (i - offset) % n, i))
