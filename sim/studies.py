@@ -9,7 +9,7 @@ import resource
 import time
 from collections.abc import Callable
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler import SchedulerConfig
@@ -178,33 +178,48 @@ def vtc_gap(requests: int = 1500) -> dict:
     return row
 
 
+@dataclass(slots=True)
+class WallAt:
+    """An on_step hook: the wall-clock time at which a run first reaches each of these simulated seconds."""
+
+    at_s: tuple[float, ...]
+    walls: list[float] = field(default_factory=list)
+
+    def __call__(self, replica: SimReplica, now: float) -> None:
+        if len(self.walls) < len(self.at_s) and now >= self.at_s[len(self.walls)]:
+            self.walls.append(time.perf_counter())
+
+
 def scale(sizes=(10, 100, 1000), seconds: float = 60.0, warmup_s: float = 120.0) -> list[dict]:
     """Simulated seconds per wall second on the chat workload at 50% of measured capacity.
 
-    The steady rate is that of the simulated window [warmup_s, warmup_s + seconds]: the wall time of
-    a run to its end less that of a run to its start. The fleet fills up over the first minute and
-    the replicas' prefix caches over the first 100 s, each step of which makes a simulated second
-    dearer (at 1,000 replicas: 5.0, 7.2, 7.6, 8.4, 8.8 and 9.9 wall s per 20 simulated s).
+    The steady rate is that of the simulated window [warmup_s, warmup_s + seconds] of one run, timed
+    as the run passes its ends. The fleet fills up over the first minute and the replicas' prefix
+    caches over the first 100 s, each step of which makes a simulated second dearer (at 1,000
+    replicas: 5.0, 7.2, 7.6, 8.4, 8.8 and 9.9 wall s per 20 simulated s). Subtracting the wall time
+    of a second run, to the window's start, read 1,000 replicas' window at 1.57 simulated s per wall
+    s where the run itself spent 2.23-2.38 on it.
     """
     cap = capacity(chat_workload, chat_config, overload_rate=2.0)
     rate = cap / 2
     print(f"scale: a replica's capacity {cap:.3f} req/s; 50% load = {rate:.3f} req/s per replica", flush=True)
     rows = []
+    end_s = warmup_s + seconds
     for n in sizes:
-        walls = []
-        for until in (warmup_s, warmup_s + seconds):
-            wl = chat_workload(n, until, rate)
-            t0 = time.perf_counter()
-            result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE)).run(wl, until_s=until)
-            walls.append(time.perf_counter() - t0)
-        steady = seconds / (walls[1] - walls[0])
+        marks = WallAt((warmup_s, end_s))
+        t0 = time.perf_counter()
+        # A simulated second past the window, so that a step crosses its end.
+        result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE), on_step=marks).run(
+            chat_workload(n, end_s + 1, rate), until_s=end_s + 1)
+        wall = time.perf_counter() - t0
+        steady = seconds / (marks.walls[1] - marks.walls[0])
         row = result.summary()
-        row.update(replicas=n, rate_per_replica=rate, sim_per_wall=steady, wall_s=walls[1],
+        row.update(replicas=n, rate_per_replica=rate, sim_per_wall=steady, wall_s=wall,
                    hour_wall_min=3600 / steady / 60, jumped_steps=result.jumped_steps,
                    max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
         rows.append(row)
-        print(f"scale {n:5d} replicas: simulated s {warmup_s:.0f}-{warmup_s + seconds:.0f} at {steady:.2f}"
-              f" simulated s per wall s (whole run {warmup_s + seconds:.0f} s in {walls[1]:.1f} s); an hour would"
+        print(f"scale {n:5d} replicas: simulated s {warmup_s:.0f}-{end_s:.0f} at {steady:.2f}"
+              f" simulated s per wall s (whole run {end_s + 1:.0f} s in {wall:.1f} s); an hour would"
               f" take {row['hour_wall_min']:.1f} min; {row['steps']} steps, {result.jumped_steps} jumped;"
               f" {row['requests']} requests done, TTFT p50/p90 {row['ttft_p50_s']:.2f}/{row['ttft_p90_s']:.2f} s,"
               f" hit rate {row['hit_rate']:.3f}; max RSS {row['max_rss_gb']:.2f} GB", flush=True)
