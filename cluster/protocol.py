@@ -79,8 +79,8 @@ class RoutingStats:
         self.prefix_report_id = report.report_id
         if report.base_id is not None:
             self.prefix_base_id = report.base_id
-            self.prefix_listed = list(report.listed)
-            self.prefix_unlisted = list(report.unlisted)
+            self.prefix_listed = report.listed
+            self.prefix_unlisted = report.unlisted
 
     def as_dict(self) -> dict[str, Any]:
         """The figures, and the prefix fields that are set."""

@@ -11,7 +11,7 @@ import itertools
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
@@ -50,8 +50,8 @@ class PrefixReport:
     hashes: list[int]  # up to the limit's most recently cached, oldest first
     report_id: int
     base_id: int | None = None  # None: no change given (the first report, or a list cut at the limit)
-    listed: Sequence[int] = ()  # cached now, not at base_id: in `hashes` order
-    unlisted: Sequence[int] = ()  # cached at base_id, not now
+    listed: list[int] = field(default_factory=list)  # cached now, not at base_id: in `hashes` order
+    unlisted: list[int] = field(default_factory=list)  # cached at base_id, not now
 
 
 class BlockPool:
@@ -145,10 +145,11 @@ class BlockPool:
         hashes = self.recent_hashes(limit)
         whole = len(self.cached) <= limit
         self._reports += 1
-        report = PrefixReport(hashes, self._reports)
         if self._listed_since is not None and self._reported_whole and whole:
             report = PrefixReport(hashes, self._reports, self._reports - 1, list(self._listed_since),
                                   list(self._unlisted_since))
+        else:
+            report = PrefixReport(hashes, self._reports)
         self._reported_whole = whole
         self._listed_since, self._unlisted_since = {}, set()
         return report
