@@ -238,6 +238,8 @@ def _in_listed_order(listed: list[int], wanted: set[int]) -> list[int]:
     """The members of wanted in listed's order (a report's list: no duplicates)."""
     # Blocks a report lists for the first time were mostly registered since the report before, so
     # they sit near the end of its oldest-first list: search ever longer tails, not the whole list.
+    if not wanted:
+        return []
     k = len(wanted)
     while k < len(listed):
         tail = listed[-k:]
@@ -390,18 +392,19 @@ class PrefixIndex:
         if new:
             self._add(replica, _in_listed_order(ordered, new), -math.inf)
 
-
     def _relist(self, replica: str, resident: list[int], change: ReportChange | None
                 ) -> tuple[Set[int], Set[int], list[int]]:
         """Record the report as replica's listed blocks: (newly listed, no longer listed, the order to add them in)."""
         reported = self._reported.get(replica)
-        applies = (change is not None and change.base_id is not None and reported is not None
-                   and self._report_ids.get(replica) == change.base_id and change.adds_up(reported, len(resident)))
+        ordered = None
+        if change is not None and change.base_id is not None and reported is not None \
+                and self._report_ids.get(replica) == change.base_id:
+            ordered = change.listed_in(resident, reported)
         self._report_ids[replica] = change.report_id if change is not None else None
-        if applies:
+        if ordered is not None:
             reported -= change.unlisted_set
             reported |= change.listed_set
-            return change.listed_set, change.unlisted_set, change.listed
+            return change.listed_set, change.unlisted_set, ordered
         # C-level passes over the holdings, then work on the changes only: a report differs from
         # the one before by a few blocks out of about a thousand, and most drop none.
         keep = set(resident)
@@ -418,10 +421,10 @@ class ReportChange:
 
     report_id: int
     base_id: int | None
-    listed: list[int]  # listed now, not in report base_id: in the report's order
-    unlisted: list[int]  # listed in report base_id, not now
-    listed_set: frozenset[int]
-    unlisted_set: frozenset[int]
+    listed_set: frozenset[int]  # listed now, not in report base_id
+    unlisted_set: frozenset[int]  # listed in report base_id, not now
+    num_listed: int  # as sent (a duplicate makes it differ from the set's size)
+    num_unlisted: int
 
     @classmethod
     def of(cls, stats: Mapping[str, Any]) -> ReportChange | None:
@@ -430,15 +433,25 @@ class ReportChange:
         if type(report_id) is not int:
             return None
         listed, unlisted = stats.get("prefix_listed"), stats.get("prefix_unlisted")
-        if type(base_id) is not int or type(listed) is not list or type(unlisted) is not list:
-            return cls(report_id, None, [], [], frozenset(), frozenset())
-        return cls(report_id, base_id, listed, unlisted, frozenset(listed), frozenset(unlisted))
+        if type(base_id) is not int or not _block_hashes(listed) or not _block_hashes(unlisted):
+            return cls(report_id, None, frozenset(), frozenset(), 0, 0)
+        return cls(report_id, base_id, frozenset(listed), frozenset(unlisted), len(listed), len(unlisted))
 
-    def adds_up(self, previous: set[int], num_listed: int) -> bool:
-        """Whether applying it to the previous report's blocks gives a list of num_listed distinct blocks."""
-        return (len(self.listed_set) == len(self.listed) and len(self.unlisted_set) == len(self.unlisted)
+    def listed_in(self, resident: list[int], previous: set[int]) -> list[int] | None:
+        """The newly listed blocks in the report's order, if the change adds up: applied to the previous
+        report's blocks it gives as many distinct blocks as the report lists, and the report lists
+        every block it calls new. None otherwise (the lists are then compared)."""
+        if not (len(self.listed_set) == self.num_listed and len(self.unlisted_set) == self.num_unlisted
                 and self.listed_set.isdisjoint(previous) and self.unlisted_set <= previous
-                and len(previous) - len(self.unlisted) + len(self.listed) == num_listed)
+                and len(previous) - self.num_unlisted + self.num_listed == len(resident)):
+            return None
+        ordered = _in_listed_order(resident, self.listed_set)  # O(how far back the first new block lies)
+        return ordered if len(ordered) == self.num_listed else None
+
+
+def _block_hashes(value: Any) -> bool:
+    """Whether value is a list of block hashes (ints of 128 bits at most)."""
+    return type(value) is list and all(type(h) is int and 0 <= h < 1 << 128 for h in value)
 
 
 class FleetView(Protocol):

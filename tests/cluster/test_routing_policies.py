@@ -465,6 +465,24 @@ def test_a_report_whose_change_does_not_add_up_is_applied_as_a_whole_list():
     assert state.index.blocks_of(A) == {2, 3}
 
 
+@pytest.mark.parametrize("field,value", [
+    ("prefix_report_id", 2**64), ("prefix_report_id", -1), ("prefix_report_id", float("nan")),
+    ("prefix_base_id", 2**64), ("prefix_base_id", -1), ("prefix_base_id", float("nan")),
+    ("prefix_listed", list(range(100_000))), ("prefix_listed", [float("nan")]), ("prefix_listed", [2**64, -1]),
+    ("prefix_unlisted", list(range(100_000))), ("prefix_unlisted", [-1]), ("prefix_unlisted", "x" * 10_000_000)])
+def test_hostile_report_change_fields_never_corrupt_the_index(field, value):
+    """Whatever a change field holds, the index ends holding exactly what the report lists."""
+    state = fleet()
+    state.on_stats(A, {"prefix_hashes": [1, 2, 3], "prefix_report_id": 1}, now=0)
+    report = {"prefix_hashes": [2, 3, 4], "prefix_report_id": 2, "prefix_base_id": 1,
+              "prefix_listed": [4], "prefix_unlisted": [1], field: value}
+    state.on_stats(A, report, now=1)
+    assert state.index.blocks_of(A) == {2, 3, 4}
+    state.on_stats(A, {"prefix_hashes": [3, 4, 5], "prefix_report_id": 3, "prefix_base_id": 2,
+                       "prefix_listed": [5], "prefix_unlisted": [2]}, now=2)
+    assert state.index.blocks_of(A) == {3, 4, 5}
+
+
 op = st.one_of(
     st.tuples(st.just("route"), hashes, st.integers(0, 4000)),
     st.tuples(st.just("confirm"), st.sampled_from([A, B, C])),
