@@ -263,6 +263,11 @@ class PrefixIndex:
         self._unreported: dict[str, set[int]] = {}
         self._report_ids: dict[str, int | None] = {}  # the number of the report applied last
         self._footprints = _Aligned(self.footprint, self._footprints_of)
+        # Every change of the index bumps this, so that an insert repeating the last one with none
+        # in between (a router charging a request at its pick, then at its confirmation at the same
+        # instant) is known to change nothing and skipped.
+        self._changes = 0
+        self._last_insert: tuple[str, float, int, tuple[int, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -294,13 +299,21 @@ class PrefixIndex:
 
     def insert(self, replica: str, block_hashes: Iterable[int], now: float) -> None:
         """Record that replica received these blocks (routing planted them at now)."""
-        self._add(replica, block_hashes, now)
+        hashes = tuple(block_hashes)
+        last = self._last_insert
+        if last is not None and last[2] == self._changes and last[:2] == (replica, now) and last[3] == hashes:
+            return
+        self._add(replica, hashes, now)
+        # Its blocks are now the newest entries, in its order (those past the bound evicted): a
+        # repeat would move them into that order again and evict the same ones.
+        self._last_insert = (replica, now, self._changes, hashes)
 
     def _add(self, replica: str, block_hashes: Iterable[int], planted: float) -> None:
         # planted: when routing last sent the block there (-inf: only a report listed it), so that a
         # report lacking it spares it for the grace window.
         # Reversed so the leading blocks end up most recent: they are the most shared, and evicting a
         # tail block first keeps the leading run of every other prompt intact.
+        self._changes += 1
         mine = self._by_replica.setdefault(replica, set())
         reported = self._reported.get(replica, frozenset())
         unreported = self._unreported.setdefault(replica, set())
@@ -342,11 +355,14 @@ class PrefixIndex:
             for r in alive:
                 runs[r] = i + 1
             matched = i + 1
+        if matched:
+            self._changes += 1
         for h in reversed(block_hashes[:matched]):
             self._owners.move_to_end(h)
         return runs
 
     def remove_replica(self, replica: str) -> None:
+        self._changes += 1
         self._reported.pop(replica, None)
         self._unreported.pop(replica, None)
         self._report_ids.pop(replica, None)
@@ -372,6 +388,7 @@ class PrefixIndex:
         change: the report's own account of how it differs from the replica's report it names; used
         when that is the report applied last and the account adds up, instead of comparing the lists.
         """
+        self._changes += 1
         resident = resident if isinstance(resident, list) else list(resident)
         listed, dropped, ordered = self._relist(replica, resident, change)
         mine = self._by_replica.setdefault(replica, set())

@@ -339,6 +339,47 @@ def test_index_never_exceeds_its_bound_and_both_directions_agree(bound, inserts)
             assert h in index.blocks_of(replica)
 
 
+class _EveryInsertApplied(PrefixIndex):
+    """The reference: an insert that repeats the last one is applied all the same."""
+
+    def insert(self, replica, block_hashes, now):
+        self._add(replica, list(block_hashes), now)
+
+
+def _index_state(index: PrefixIndex) -> tuple:
+    """Everything a later pick, insert or report reads: owners in LRU order and the per-replica sets."""
+    return (list(index._owners.items()), index._by_replica, index._reported, index._unreported)
+
+
+@settings(max_examples=300, deadline=None)
+@given(bound=st.integers(1, 12), grace=st.integers(0, 3), ops=st.lists(st.tuples(
+    st.sampled_from(["plant", "again", "again later", "match", "report", "remove"]), st.sampled_from([A, B]),
+    st.lists(st.integers(0, 8), max_size=6)), max_size=40))  # few distinct blocks: ops overlap
+def test_an_insert_repeating_the_last_with_nothing_between_is_skipped_without_changing_the_index(
+        bound, grace, ops):
+    """A router charges a request at its pick and again at its confirmation; in a simulator both come
+    at one instant, and the second insert is skipped. The index must end as if it had been applied."""
+    index, reference = PrefixIndex(bound), _EveryInsertApplied(bound)
+    last = (A, [], 0.0)
+    for t, (kind, replica, blocks) in enumerate(ops):
+        for ix in (index, reference):
+            if kind == "plant":
+                ix.insert(replica, blocks, now=t)
+            elif kind == "again":  # the confirmation of the last plant, at its instant
+                ix.insert(*last)
+            elif kind == "again later":
+                ix.insert(last[0], last[1], now=t)
+            elif kind == "match":
+                ix.match(blocks, [A, B])  # a use that reorders the LRU between the two inserts
+            elif kind == "report":
+                ix.sync_replica(replica, blocks, now=t, grace_s=grace)
+            else:
+                ix.remove_replica(replica)
+        if kind == "plant":
+            last = (replica, blocks, t)
+        assert _index_state(index) == _index_state(reference)
+
+
 index_ops = st.lists(st.one_of(
     st.tuples(st.just("plant"), st.sampled_from([A, B]), hashes),
     st.tuples(st.just("report"), st.sampled_from([A, B]), hashes),
