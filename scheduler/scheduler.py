@@ -366,23 +366,23 @@ class Scheduler:
     def max_decode_jump(self, limit: int) -> int:
         """How many of the next steps (at most limit) are certain to be the same pure-decode step.
 
-        That holds while nothing waits, no finish awaits its report, every running request has
-        just its last sampled token to compute, the whole batch fits the token budget, no
-        request reaches max_tokens or max_model_len, and the free pool covers every block the
-        batch crosses (so nothing is preempted). A stop token is the caller's to rule out.
+        That holds while nothing waits, every running request has just its last sampled token to
+        compute, the whole batch fits the token budget, no request reaches max_tokens or
+        max_model_len before the last of them, and the free pool covers every block the batch
+        crosses (so nothing is preempted). A stop token before the last step is the caller's to
+        rule out.
         """
         running = self.running
         cfg = self.config
-        if (not running or len(self.waiting) or self._finished_ids
-                or len(running) > cfg.max_num_batched_tokens):
+        if not running or len(self.waiting) or len(running) > cfg.max_num_batched_tokens:
             return 0
         k = limit
         for req in running:
             n = len(req.all_token_ids)
             if n - req.num_computed_tokens != 1:
                 return 0
-            # The step that reaches a cap finishes the request: stop one short of it.
-            k = min(k, req.sampling_params.max_tokens - len(req.output_token_ids) - 1, cfg.max_model_len - n - 1)
+            # The step that reaches a cap finishes the request: it may be the last one.
+            k = min(k, req.sampling_params.max_tokens - len(req.output_token_ids), cfg.max_model_len - n)
         if k <= 0:
             return 0
         free = self.kv.num_free_blocks
@@ -400,10 +400,12 @@ class Scheduler:
     def advance_decode(self, sampled_token_ids: dict[str, list[int]]) -> list[RequestOutput]:
         """Run k pure-decode steps at once: state as after k `schedule()` + `update_from_output()`.
 
-        sampled_token_ids holds, for every running request, the k tokens its steps sample (no
-        stop token among them); k must not exceed `max_decode_jump(k)`. Block tables, the free
-        list, prefix-hash registrations, fair-share counters and token lists end as the single
-        steps would leave them. Returns one output per request carrying all k tokens (no logprobs).
+        sampled_token_ids holds, for every running request, the k tokens its steps sample (a stop
+        token only as the last); k must not exceed `max_decode_jump(k)`. Block tables, the free
+        list, prefix-hash registrations, fair-share counters, token lists and the finishes of the
+        last step end as the single steps would leave them. Returns one output per request
+        carrying all k tokens (no logprobs). A jump sends nothing to a model runner: the finished
+        requests whose ids the first step would have carried to it are taken as told.
         """
         running = self.running
         k = len(next(iter(sampled_token_ids.values()), ()))
@@ -411,27 +413,55 @@ class Scheduler:
             raise ValueError("sampled_token_ids: needs exactly the running requests' ids")
         if k < 1 or any(len(t) != k for t in sampled_token_ids.values()) or self.max_decode_jump(k) < k:
             raise ValueError(f"sampled_token_ids: {k} steps is not a pure-decode stretch of equal length")
-        token_sets: dict[int, frozenset[int]] = {}  # callers often pass one list for every request
+        heads: dict[int, frozenset[int]] = {}  # callers often pass one list for many requests
         for req in running:
             sp = req.sampling_params
             tokens = sampled_token_ids[req.request_id]
-            sampled = token_sets.get(id(tokens))
-            if sampled is None:
-                sampled = token_sets[id(tokens)] = frozenset(tokens)
-            if not sampled.isdisjoint(sp.stop_token_ids or ()) or (
-                    not sp.ignore_eos and not sampled.isdisjoint(req.eos_token_ids)):
-                raise ValueError(f"sampled_token_ids: {req.request_id!r} samples a stop token; step it singly")
+            head = heads.get(id(tokens))
+            if head is None:
+                head = heads[id(tokens)] = frozenset(tokens[:-1])
+            if not head.isdisjoint(sp.stop_token_ids or ()) or (
+                    not sp.ignore_eos and not head.isdisjoint(req.eos_token_ids)):
+                raise ValueError(f"sampled_token_ids: {req.request_id!r} samples a stop token before its last "
+                                 "step; step it singly")
+        max_len = self.config.max_model_len
+        finishing: list[tuple[Request, RequestStatus]] = []
+        outputs: list[RequestOutput] = []
         for req in running:
+            sp = req.sampling_params
             tokens = sampled_token_ids[req.request_id]
-            req.output_token_ids.extend(tokens)
-            req.all_token_ids.extend(tokens)
-            req.num_synced_tokens = len(req.all_token_ids) - 1  # the last step's token is not sent yet
+            out, all_ids = req.output_token_ids, req.all_token_ids
+            last = tokens[-1]
+            if (last in req.eos_token_ids or last in (sp.stop_token_ids or ())
+                    or len(out) + k >= sp.max_tokens or len(all_ids) + k >= max_len):
+                # The last step may finish the request: its token goes through the single step's checks.
+                out.extend(tokens[:-1])
+                all_ids.extend(tokens[:-1])
+                _, status = self._append_tokens(req, tokens[-1:], max_len)
+            else:
+                out.extend(tokens)
+                all_ids.extend(tokens)
+                status = None
+            req.num_synced_tokens = len(all_ids) - 1  # the last step's token is not sent yet
+            if status is None:
+                outputs.append(RequestOutput(req.request_id, tokens, False, None, len(req.prompt_token_ids),
+                                             len(out), req.num_cached_tokens))
+            else:
+                finishing.append((req, status))
+                outputs.append(RequestOutput(req.request_id, tokens, True, status.finish_reason,
+                                             len(req.prompt_token_ids), len(out), max(req.num_cached_tokens, 0)))
+        self._finished_ids = set()
         self.kv.advance_decode(running, k)
         self.kv.end_step()
         if self.waiting.charges_tokens:
             self._charge_decode(running, k)
-        return [RequestOutput(r.request_id, sampled_token_ids[r.request_id], False, None, len(r.prompt_token_ids),
-                              len(r.output_token_ids), r.num_cached_tokens) for r in running]
+        # Freeing commutes with the last step's registrations (neither touches what the other
+        # reads), so the finishes come after them, in batch order as update_from_output makes them.
+        for req, status in finishing:
+            self._finish(req, status)
+        if finishing:
+            self.running = [r for r in running if r.status is _RUNNING]
+        return outputs
 
     def _charge_decode(self, running: list[Request], num_steps: int) -> None:
         # One charge per token in step order, as update_from_output makes them: the float sums match.

@@ -357,24 +357,29 @@ class FleetSim:
 
         The running step is applied now, before the arrival joins the queue (it was scheduled
         before), and the replica stays busy until its end. Nothing observes the replica's state
-        before then: reports wait for the step's end, and scheduling starts after it.
+        before then: reports wait for the step's end, and scheduling starts after it. The cruise's
+        last step may finish requests, which the router must learn of at its end: that one is
+        scheduled now and runs as a single step.
         """
         cruise = replica.in_flight
         assert isinstance(cruise, Cruise)
         done = bisect.bisect_left(cruise.ends, now)  # arrivals precede step ends at the same instant
         if done > cruise.applied:
             self._apply_jump(replica, cruise, done, records)
-        self._apply_jump(replica, cruise, done + 1, records, notify=False)
-        replica.in_flight = AppliedStep(cruise.ends[done])
-        self._push(replica.in_flight.end_s, _STEP_END, (replica, replica.in_flight))
+        if done == len(cruise.ends) - 1:  # the last step, which may finish requests: seen at its end
+            plan = replica.step_singly()
+        else:
+            self._apply_jump(replica, cruise, done + 1, records, notify=False)
+            plan = replica.in_flight = AppliedStep(cruise.ends[done])
+        self._push(plan.end_s, _STEP_END, (replica, plan))
 
     def _apply(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> int:
         plan = replica.in_flight
         if isinstance(plan, Cruise):
-            self._apply_jump(replica, plan, len(plan.ends), records)
+            finished = self._apply_jump(replica, plan, len(plan.ends), records)
             replica.in_flight = None
             self._report_if_awaited(replica, now)
-            return 0
+            return finished
         if isinstance(plan, AppliedStep):
             replica.in_flight = None
             if self.on_step is not None:
@@ -397,17 +402,27 @@ class FleetSim:
         return finished
 
     def _apply_jump(self, replica: SimReplica, cruise: Cruise, upto: int,
-                    records: dict[str, RequestRecord], notify: bool = True) -> None:
-        """Apply the cruise's steps up to `upto`; notify: on_step at the last one's end (it has ended)."""
+                    records: dict[str, RequestRecord], notify: bool = True) -> int:
+        """Apply the cruise's steps up to `upto`; notify: on_step at the last one's end (it has ended).
+
+        Returns how many requests the last step finished (only a cruise's last step can).
+        """
         times = cruise.ends[cruise.applied:upto]
         gaps = list(map(sub, times[1:], times))
         outputs = replica.jump(upto)
         tally = self._itl_tally
+        finished = 0
         for out in outputs:
-            lead = records[out.request_id].on_token_run(times, gaps, out.num_cached_tokens)
+            rec = records[out.request_id]
+            lead = rec.on_token_run(times, gaps, out.num_cached_tokens)
             if lead is not None:
                 tally.add(lead)
+            if out.finished:
+                rec.finish(times[-1], out.num_output_tokens, out.finish_reason, self.config.keep_itl)
+                self.fleet.on_completed(out.request_id)
+                finished += 1
         tally.add_shared(gaps, len(outputs))
         self.jumped_steps += len(times)
         if notify and self.on_step is not None:
             self.on_step(replica, times[-1])
+        return finished

@@ -24,9 +24,9 @@ class StepPlan:
 class Cruise:
     """A planned run of pure-decode steps, applied in one jump when it ends or is interrupted.
 
-    Nothing in it finishes a request, so until it ends the replica changes nothing the rest of
-    the fleet sees; an arrival routed to the replica applies the steps ended by then and the one
-    running, whose effects nothing observes before it ends.
+    Only its last step may finish requests, so until it ends the replica changes nothing the rest
+    of the fleet sees; an arrival routed to the replica applies the steps ended by then and the one
+    running, whose effects nothing observes before it ends (the last step runs as a single step).
     """
 
     start_s: float
@@ -100,8 +100,8 @@ class SimReplica:
         running = sched.running
         if not running:
             return None
-        # The step sampling a request's last token finishes it: the cruise stops one short.
-        limit = min(self.output_len[r.request_id] - len(r.output_token_ids) for r in running) - 1
+        # The step sampling a request's last token finishes it: the cruise ends with the first such.
+        limit = min(self.output_len[r.request_id] - len(r.output_token_ids) for r in running)
         limit = sched.max_decode_jump(limit) if limit >= min_steps else 0
         if limit < min_steps:
             return None
@@ -133,13 +133,30 @@ class SimReplica:
         cruise = self.in_flight
         assert isinstance(cruise, Cruise) and cruise.applied < upto <= len(cruise.ends)
         num_steps = upto - cruise.applied
-        tokens = [TOKEN] * num_steps  # one list for all: advance_decode only reads it
-        outputs = self.scheduler.advance_decode(dict.fromkeys([r.request_id for r in self.scheduler.running], tokens))
+        tokens = [TOKEN] * num_steps  # one list for all that run on: advance_decode only reads it
+        last = [*tokens[1:], EOS]  # and one for those whose output length the last step reaches
+        output_len = self.output_len
+        outputs = self.scheduler.advance_decode(
+            {r.request_id: last if output_len[r.request_id] - len(r.output_token_ids) == num_steps else tokens
+             for r in self.scheduler.running})
+        for o in outputs:
+            if o.finished:
+                del output_len[o.request_id]
         for d in cruise.durations[cruise.applied:upto]:
             self.busy_s += d
         self.num_steps += num_steps
         cruise.applied = upto
         return outputs
+
+    def step_singly(self) -> StepPlan:
+        """Run the cruise in flight's next step as a single step, timed as the cruise planned it."""
+        cruise = self.in_flight
+        assert isinstance(cruise, Cruise) and cruise.applied < len(cruise.ends)
+        out = self.scheduler.schedule()
+        self.busy_s += cruise.durations[cruise.applied]
+        self.num_steps += 1
+        self.in_flight = StepPlan(out, cruise.ends[cruise.applied])
+        return self.in_flight
 
     def start_step(self, now: float, stretch: float = 1.0) -> StepPlan | None:
         """Schedule the next step (None if nothing to run) and time it (times stretch: shared cores)."""

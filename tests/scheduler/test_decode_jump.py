@@ -89,14 +89,10 @@ def test_jump_evicts_cached_blocks_in_lru_order():
     check_jump_equals_steps(s, counting_sample, k)
 
 
-def test_no_jump_while_something_waits_prefills_or_awaits_its_finish_report():
+def test_no_jump_while_something_waits_or_prefills():
     s = decoding()
     s.add_request(Request("brief", [1, 2, 3], SamplingParams(max_tokens=1)))
     assert s.max_decode_jump(10) == 0  # a waiting request would be admitted
-    step_k(s, counting_sample, 1)  # "brief" runs and finishes
-    assert s.max_decode_jump(10) == 0  # its finish is reported by the next schedule()
-    step_k(s, counting_sample, 1)
-    assert s.max_decode_jump(10) == 10
     cfg = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=128, long_prefill_token_threshold=2)
     s = Scheduler(cfg)
     s.add_request(Request("chunked", list(range(1, 9)), SamplingParams(max_tokens=9)))
@@ -104,14 +100,51 @@ def test_no_jump_while_something_waits_prefills_or_awaits_its_finish_report():
     assert s.max_decode_jump(10) == 0
 
 
-def test_jump_stops_short_of_the_length_caps():
+def test_a_jump_right_after_a_finish_leaves_what_the_steps_reporting_it_would():
+    s = decoding()
+    s.add_request(Request("brief", [1, 2, 3], SamplingParams(max_tokens=1)))
+    step_k(s, counting_sample, 1)  # "brief" runs and finishes; the next schedule() would report it
+    assert s._finished_ids == {"brief"}
+    assert s.max_decode_jump(10) == 10
+    check_jump_equals_steps(s, counting_sample, 6)
+    assert s.schedule().finished_req_ids == {"brief"}  # untouched: check_jump_equals_steps jumps a copy
+
+
+def test_a_jump_may_end_with_the_step_that_reaches_a_length_cap():
     s = decoding(max_tokens=10)  # two tokens out after the setup steps
-    assert s.max_decode_jump(100) == 10 - 2 - 1
+    assert s.max_decode_jump(100) == 10 - 2
+    check_jump_equals_steps(s, counting_sample, 8)
+    outs = s.advance_decode({r.request_id: [1] * 8 for r in s.running})
+    assert [(o.finished, o.finish_reason, o.num_output_tokens) for o in outs] == [(True, "length", 10)] * 3
+    assert s.running == [] and s.kv.req_blocks == {} and s.schedule().finished_req_ids == {"r0", "r1", "r2"}
     cfg = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=20)
     s = Scheduler(cfg)
     s.add_request(Request("a", list(range(1, 13)), SamplingParams(max_tokens=100)))
     step_k(s, counting_sample, 1)  # 13 tokens of 20
-    assert s.max_decode_jump(100) == 20 - 13 - 1
+    assert s.max_decode_jump(100) == 20 - 13
+    check_jump_equals_steps(s, counting_sample, 7)
+
+
+def eos_at(step_of: dict[str, int]):
+    """counting_sample, except that request rid samples EOS (0) at its step_of[rid]-th call from now."""
+    calls = {"n": 0}
+
+    def sample(s: Scheduler, out) -> ModelRunnerOutput:
+        calls["n"] += 1
+        runner = counting_sample(s, out)
+        runner.sampled_token_ids = [[0] if step_of.get(rid) == calls["n"] else toks
+                                    for rid, toks in zip(runner.req_ids, runner.sampled_token_ids)]
+        return runner
+    return sample
+
+
+def test_a_jump_may_end_with_the_step_that_samples_a_stop_token():
+    s = decoding()
+    check_jump_equals_steps(s, eos_at({"r1": 5}), 5)  # r1 stops at the last step; the others run on
+    outs = s.advance_decode({"r0": [1] * 5, "r1": [1] * 4 + [0], "r2": [1] * 5})
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == \
+        [("r0", False, None), ("r1", True, "stop"), ("r2", False, None)]
+    assert [r.request_id for r in s.running] == ["r0", "r2"] and "r1" not in s.kv.req_blocks
 
 
 def test_advance_decode_rejects_what_single_steps_would_not_do():
@@ -119,7 +152,7 @@ def test_advance_decode_rejects_what_single_steps_would_not_do():
     k = s.max_decode_jump(5)
     with pytest.raises(ValueError, match="running requests"):
         s.advance_decode({"r0": [1] * k})
-    with pytest.raises(ValueError, match="stop token"):
+    with pytest.raises(ValueError, match="stop token before its last step"):
         s.advance_decode({"r0": [1] * k, "r1": [1, 0] + [1] * (k - 2), "r2": [1] * k})
     with pytest.raises(ValueError, match="pure-decode"):
         s.advance_decode({f"r{i}": [1] * 1000 for i in range(3)})
@@ -145,9 +178,9 @@ def test_jump_equals_single_steps_on_random_workloads(data):
             break
         k = s.max_decode_jump(data.draw(st.integers(1, 30), label="limit"))
         if k:
-            # The runner's tokens may hold a stop: jump only over the steps before the first one.
+            # The runner's tokens may hold a stop: jump at most through the step of the first one.
             probe_s, probe_r = copy.deepcopy((s, runner))
-            k = min(k, _steps_before_a_finish(probe_s, probe_r, k))
+            k = min(k, _steps_through_the_first_finish(probe_s, probe_r, k))
         if k:
             jumps += 1
             r_copy = copy.deepcopy(runner)
@@ -157,11 +190,12 @@ def test_jump_equals_single_steps_on_random_workloads(data):
     event(f"jumps={'yes' if jumps else 'no'}")
 
 
-def _steps_before_a_finish(s: Scheduler, runner: ContractRunner, k: int) -> int:
+def _steps_through_the_first_finish(s: Scheduler, runner: ContractRunner, k: int) -> int:
     for j in range(k):
         out = s.schedule()
         if any(o.finished for o in s.update_from_output(out, runner.execute(out))):
-            return j
+            event("a jump ending with a finish")
+            return j + 1
     return k
 
 
