@@ -106,19 +106,34 @@ class _Aligned:
         self._listed: Sequence[str] | None = None
         self._slot: dict[str, int] = {}
         self._values: list[float] = []
+        # The smallest of _values, kept through the changes that cannot raise it (None: find it
+        # again); the figures are finite, so it is one value whatever the order.
+        self._least: float | None = None
 
     def values(self, replicas: Sequence[str]) -> list[float]:
         if replicas is not self._listed:
             self._listed = replicas if isinstance(replicas, list) else None
             self._slot = {r: i for i, r in enumerate(replicas)}
             self._values = self._values_of(replicas)
+            self._least = None
         return self._values
+
+    def least(self, replicas: Sequence[str]) -> float:
+        """min(values(replicas)), which mostly needs no pass over the fleet; replicas non-empty."""
+        values = self.values(replicas)
+        if self._least is None:
+            self._least = min(values)
+        return self._least
 
     def update(self, replica: str) -> None:
         """replica's figure changed: re-read it if it is listed."""
         slot = self._slot.get(replica)
         if slot is not None:
-            self._values[slot] = self._value_of(replica)
+            old, new = self._values[slot], self._value_of(replica)
+            self._values[slot] = new
+            least = self._least
+            if least is not None and (new < least or old == least != new):
+                self._least = new if new < least else None
 
 
 class LoadTracker:
@@ -166,6 +181,10 @@ class LoadTracker:
     def loads_of(self, replicas: Sequence[str]) -> list[float]:
         """The load of each of replicas, in order; read only (it is kept for the next call with this list)."""
         return self._aligned.values(replicas)
+
+    def least_load(self, replicas: Sequence[str]) -> float:
+        """min(loads_of(replicas)); replicas non-empty."""
+        return self._aligned.least(replicas)
 
     def start(self, request_id: str, replica: str, num_tokens: int, now: float, confirmed: bool) -> None:
         """Count request_id against replica (moving it if it was counted elsewhere)."""
@@ -296,6 +315,10 @@ class PrefixIndex:
     def footprints(self, replicas: Sequence[str]) -> list[int]:
         """The footprint of each of replicas, in order; read only (it is kept for the next call with this list)."""
         return self._footprints.values(replicas)
+
+    def smallest_footprint(self, replicas: Sequence[str]) -> int:
+        """min(footprints(replicas)); replicas non-empty."""
+        return self._footprints.least(replicas)
 
     def insert(self, replica: str, block_hashes: Iterable[int], now: float) -> None:
         """Record that replica received these blocks (routing planted them at now)."""
@@ -628,7 +651,7 @@ class PrefixAffinity:
         positions = self._positions
         positions.update(replicas)
         runs = fleet.index.holder_runs(request.block_hashes, positions.members)
-        least = min(loads)
+        least = fleet.loads.least_load(replicas)
         ceiling = float(max(least + self.imbalance_threshold, least * self.imbalance_ratio))
         load = fleet.loads.load
         held = [(run, r) for r, run in runs.items() if load(r) <= ceiling]
@@ -637,7 +660,7 @@ class PrefixAffinity:
             index = positions.index
             return min((load(r), (index[r] - offset) % n, r) for run, r in held if run == top)[2]
         footprints = fleet.index.footprints(replicas)
-        smallest = min(footprints)
+        smallest = fleet.index.smallest_footprint(replicas)
         # Usually a few replicas hold the smallest footprint and one is within the ceiling: rank
         # those alone instead of building a key for every replica of the fleet.
         holding = footprints.count(smallest)

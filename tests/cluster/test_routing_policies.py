@@ -435,6 +435,42 @@ def test_the_candidate_loads_follow_every_change_of_a_replica_load():
     assert state.loads.loads_of([C, B]) == [0.0, 1.0]  # another list: read afresh
 
 
+def test_the_least_load_rises_with_its_only_holder_and_is_found_afresh_for_another_list():
+    state = fleet()
+    names = [A, B, C, "d"]
+    for r in (A, B, C):
+        busy(state, r, 1)
+    assert state.loads.least_load(names) == 0.0  # "d" alone
+    busy(state, "d", 2)
+    assert state.loads.least_load(names) == 1.0
+    assert state.loads.least_load(["d"]) == 2.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["route", "complete", "report", "remove", "relist"]),
+                              st.sampled_from([A, B, C, "d"]), st.integers(0, 3)), max_size=60))
+def test_the_least_candidate_load_and_footprint_follow_every_change(ops):
+    """The kept minimum equals a fresh min over the kept list after every change, whichever way it moves."""
+    state = fleet(kv_usage_weight=1.0)
+    names = [A, B, C, "d"]
+    for i, (kind, replica, n) in enumerate(ops):
+        if kind == "route":
+            state.on_routed(RouteRequest(f"r{i}", 0, [n, n + 1][:n]), replica, now=i)
+        elif kind == "complete" and state.loads._requests:
+            state.on_completed(sorted(state.loads._requests)[n % len(state.loads._requests)])
+        elif kind == "report":
+            state.on_stats(replica, {"num_waiting": n, "num_running": 0, "kv_cache_usage": n / 4,
+                                     "prefix_hashes": list(range(n))}, now=i)
+        elif kind == "remove":
+            state.remove_replica(replica)
+        elif kind == "relist":
+            names = list(names)  # another list object: read afresh
+        assert state.loads.least_load(names) == min(state.loads.loads_of(names)) == \
+            min(state.loads.load(r) for r in names)
+        assert state.index.smallest_footprint(names) == min(state.index.footprints(names)) == \
+            min(state.index.footprint(r) for r in names)
+
+
 def _stats(report, with_change: bool) -> dict:
     from cluster.protocol import RoutingStats
 
