@@ -369,7 +369,8 @@ class FleetSim:
         if done == len(cruise.ends) - 1:  # the last step, which may finish requests: seen at its end
             plan = replica.step_singly()
         else:
-            self._apply_jump(replica, cruise, done + 1, records, notify=False)
+            finished = self._apply_jump(replica, cruise, done + 1, records, notify=False)
+            assert finished == 0, "only a cruise's last step can finish a request"
             plan = replica.in_flight = AppliedStep(cruise.ends[done])
         self._push(plan.end_s, _STEP_END, (replica, plan))
 
