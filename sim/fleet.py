@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import sub
 
-from scheduler import SchedulerConfig, hash_block_tokens, hash_prompt_blocks
+from scheduler import RequestOutput, SchedulerConfig, hash_block_tokens, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import GapTally, RequestRecord, SimResult
 from sim.policies import FleetState, RouteRequest, RoutingConfig
@@ -394,13 +394,17 @@ class FleetSim:
             if gap is not None:
                 self._itl_tally.add(gap)
             if out.finished:
-                rec.finish(now, out.num_output_tokens, out.finish_reason, self.config.keep_itl)
-                self.fleet.on_completed(out.request_id)
+                self._complete(rec, out, now)
                 finished += 1
         if self.on_step is not None:
             self.on_step(replica, now)
         self._report_if_awaited(replica, now)
         return finished
+
+    def _complete(self, rec: RequestRecord, out: RequestOutput, now: float) -> None:
+        """out finished its request at now: record it and tell the router."""
+        rec.finish(now, out.num_output_tokens, out.finish_reason, self.config.keep_itl)
+        self.fleet.on_completed(out.request_id)
 
     def _apply_jump(self, replica: SimReplica, cruise: Cruise, upto: int,
                     records: dict[str, RequestRecord], notify: bool = True) -> int:
@@ -419,8 +423,7 @@ class FleetSim:
             if lead is not None:
                 tally.add(lead)
             if out.finished:
-                rec.finish(times[-1], out.num_output_tokens, out.finish_reason, self.config.keep_itl)
-                self.fleet.on_completed(out.request_id)
+                self._complete(rec, out, times[-1])
                 finished += 1
         tally.add_shared(gaps, len(outputs))
         self.jumped_steps += len(times)

@@ -139,9 +139,7 @@ class SimReplica:
         outputs = self.scheduler.advance_decode(
             {r.request_id: last if output_len[r.request_id] - len(r.output_token_ids) == num_steps else tokens
              for r in self.scheduler.running})
-        for o in outputs:
-            if o.finished:
-                del output_len[o.request_id]
+        self._forget_finished(outputs)
         for d in cruise.durations[cruise.applied:upto]:
             self.busy_s += d
         self.num_steps += num_steps
@@ -188,10 +186,13 @@ class SimReplica:
                 last = req.num_output_tokens + 1 >= self.output_len[rid]
                 sampled.append([EOS if last else TOKEN])
         outputs = self.scheduler.update_from_output(plan.output, ModelRunnerOutput(req_ids, sampled))
+        self._forget_finished(outputs)
+        return outputs
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
             if o.finished:
                 del self.output_len[o.request_id]
-        return outputs
 
     def routing_stats(self, max_hashes: int = 4096) -> dict:
         """What a production replica reports to the router: queue lengths, KV usage, hot prefixes."""
