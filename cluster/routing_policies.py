@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from array import array
 from bisect import bisect_right
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
@@ -97,24 +98,28 @@ class _Aligned:
     """A per-replica figure laid out in the order of the replica list last asked for, kept current.
 
     The router asks again with the same list object while the replica set stays as it is, so a pick
-    at 1,000 replicas reads a ready list instead of looking up 1,000 names.
+    at 1,000 replicas reads a ready list instead of looking up 1,000 names. The figures lie in one
+    array of machine numbers (typecode "d" or "q"): a pass over the fleet reads contiguous memory,
+    where a list's number objects would lie wherever each update allocated them.
     """
 
-    def __init__(self, value_of: Callable[[str], float], values_of: Callable[[Sequence[str]], list[float]]):
+    def __init__(self, value_of: Callable[[str], float], values_of: Callable[[Sequence[str]], list[float]],
+                 typecode: str):
         self._value_of = value_of
         self._values_of = values_of  # value_of for each, in C-level passes
+        self._typecode = typecode
         self._listed: Sequence[str] | None = None
         self._slot: dict[str, int] = {}
-        self._values: list[float] = []
+        self._values: array[float] = array(typecode)
         # The smallest of _values, kept through the changes that cannot raise it (None: find it
         # again); the figures are finite, so it is one value whatever the order.
         self._least: float | None = None
 
-    def values(self, replicas: Sequence[str]) -> list[float]:
+    def values(self, replicas: Sequence[str]) -> array[float]:
         if replicas is not self._listed:
             self._listed = replicas if isinstance(replicas, list) else None
             self._slot = {r: i for i, r in enumerate(replicas)}
-            self._values = self._values_of(replicas)
+            self._values = array(self._typecode, self._values_of(replicas))
             self._least = None
         return self._values
 
@@ -150,7 +155,7 @@ class LoadTracker:
         # that expire() must look at) and the replicas that reported themselves unhealthy.
         self._load: defaultdict[str, float] = defaultdict(float)
         self._aligned = _Aligned(lambda replica: self._load.get(replica, 0.0),
-                                 lambda replicas: list(map(self._load.get, replicas, repeat(0.0))))
+                                 lambda replicas: list(map(self._load.get, replicas, repeat(0.0))), "d")
         self._unconfirmed: dict[str, None] = {}
         self.unhealthy: set[str] = set()
 
@@ -178,7 +183,7 @@ class LoadTracker:
         """by_load(replicas)[0] without the sort."""
         return min(replicas, key=self._load.__getitem__)
 
-    def loads_of(self, replicas: Sequence[str]) -> list[float]:
+    def loads_of(self, replicas: Sequence[str]) -> Sequence[float]:
         """The load of each of replicas, in order; read only (it is kept for the next call with this list)."""
         return self._aligned.values(replicas)
 
@@ -281,7 +286,7 @@ class PrefixIndex:
         self._reported: dict[str, set[int]] = {}
         self._unreported: dict[str, set[int]] = {}
         self._report_ids: dict[str, int | None] = {}  # the number of the report applied last
-        self._footprints = _Aligned(self.footprint, self._footprints_of)
+        self._footprints = _Aligned(self.footprint, self._footprints_of, "q")
         # Every change of the index bumps this, so that an insert repeating the last one with none
         # in between (a router charging a request at its pick, then at its confirmation at the same
         # instant) is known to change nothing and skipped.
@@ -312,7 +317,7 @@ class PrefixIndex:
     def _footprints_of(self, replicas: Sequence[str]) -> list[int]:
         return list(map(len, map(self._by_replica.get, replicas, repeat(()))))  # no Python call per replica
 
-    def footprints(self, replicas: Sequence[str]) -> list[int]:
+    def footprints(self, replicas: Sequence[str]) -> Sequence[int]:
         """The footprint of each of replicas, in order; read only (it is kept for the next call with this list)."""
         return self._footprints.values(replicas)
 
@@ -526,13 +531,29 @@ class _Rotation:
 _FEW = 16
 
 
-def least_rotated(loads: list[float], offset: int) -> int:
+def least_rotated(loads: Sequence[float], offset: int) -> int:
     """Index of the least load, ties to the first at or after offset (then wrapping): C-level passes."""
     least = min(loads)
     try:
         return loads.index(least, offset)
     except ValueError:
         return loads.index(least)
+
+
+def _least_holding(footprints: Sequence[int], footprint: int, loads: Sequence[float], ceiling: float,
+                   offset: int) -> int | None:
+    """Index of the least (load, rotated position) among the replicas of this footprint within the
+    ceiling; None if none is, or over _FEW hold it (then one pass over the fleet costs less)."""
+    holding = footprints.count(footprint)
+    if holding > _FEW:
+        return None
+    n = len(loads)
+    at, i = [], -1
+    for _ in range(holding):
+        i = footprints.index(footprint, i + 1)
+        if loads[i] <= ceiling:
+            at.append((loads[i], (i - offset) % n, i))
+    return min(at)[2] if at else None
 
 
 def rotated_positions(n: int, offset: int) -> Iterable[int]:
@@ -660,21 +681,18 @@ class PrefixAffinity:
             index = positions.index
             return min((load(r), (index[r] - offset) % n, r) for run, r in held if run == top)[2]
         footprints = fleet.index.footprints(replicas)
-        smallest = fleet.index.smallest_footprint(replicas)
         # Usually a few replicas hold the smallest footprint and one is within the ceiling: rank
         # those alone instead of building a key for every replica of the fleet.
-        holding = footprints.count(smallest)
-        if holding <= _FEW:
-            at, i = [], -1
-            for _ in range(holding):
-                i = footprints.index(smallest, i + 1)
-                if loads[i] <= ceiling:
-                    at.append((loads[i], (i - offset) % n, i))
-            if at:
-                return replicas[min(at)[2]]
-        keyed = zip(footprints, loads, rotated_positions(n, offset))
-        position = min(compress(keyed, map(ceiling.__ge__, loads)))[2]  # within the ceiling only
-        return replicas[(position + offset) % n]
+        position = _least_holding(footprints, fleet.index.smallest_footprint(replicas), loads, ceiling, offset)
+        if position is None:
+            # Under load the smallest footprints sit on busy replicas: the smallest within the
+            # ceiling, found in C-level passes, usually has a few holders too.
+            smallest_within = min(compress(footprints, map(ceiling.__ge__, loads)))
+            position = _least_holding(footprints, smallest_within, loads, ceiling, offset)
+        if position is None:
+            keyed = zip(footprints, loads, rotated_positions(n, offset))
+            position = (min(compress(keyed, map(ceiling.__ge__, loads)))[2] + offset) % n
+        return replicas[position]
 
 
 Policy = RoundRobin | LeastLoaded | PowerOfTwo | PrefixAffinity

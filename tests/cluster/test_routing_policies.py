@@ -425,14 +425,14 @@ def test_the_candidate_loads_follow_every_change_of_a_replica_load():
     """loads_of keeps the list it returned for the same candidates current, removals included."""
     state = fleet(kv_usage_weight=1.0)
     names = [A, B, C]
-    assert state.loads.loads_of(names) == [0.0, 0.0, 0.0]
+    assert list(state.loads.loads_of(names)) == [0.0, 0.0, 0.0]
     busy(state, B, 2)
     state.on_stats(C, {"num_waiting": 3, "num_running": 1, "kv_cache_usage": 0.5}, now=0)
-    assert state.loads.loads_of(names) == [state.loads.load(r) for r in names] == [0.0, 2.0, 4.5]
+    assert list(state.loads.loads_of(names)) == [state.loads.load(r) for r in names] == [0.0, 2.0, 4.5]
     state.on_completed(next(iter(state.loads._requests)))
     state.remove_replica(C)
-    assert state.loads.loads_of(names) == [0.0, 1.0, 0.0]
-    assert state.loads.loads_of([C, B]) == [0.0, 1.0]  # another list: read afresh
+    assert list(state.loads.loads_of(names)) == [0.0, 1.0, 0.0]
+    assert list(state.loads.loads_of([C, B])) == [0.0, 1.0]  # another list: read afresh
 
 
 def test_the_least_load_rises_with_its_only_holder_and_is_found_afresh_for_another_list():
