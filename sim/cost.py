@@ -61,6 +61,29 @@ class CostModel:
                   + self.per_prefill_seq_overhead_s * (num_seqs - decode_tokens) + self.prefill_pair_s * prefill_pairs)
         return t
 
+    def decode_steps(self, num_seqs: int, kv_read_tokens: int, start_s: float, max_steps: int,
+                     horizon_s: float, ends: list[float], durations: list[float]) -> None:
+        """Append the end times and durations of up to max_steps pure-decode steps of num_seqs
+        sequences from start_s, each as step_time gives it (to the bit), through the first to end
+        past horizon_s. Each step reads the KV its predecessor wrote."""
+        if max_steps <= 0:
+            return
+        # step_time(0, n, kv, n)'s terms, grouped as it groups them, so the floats are the same.
+        base = self.step_overhead_s + self.per_seq_overhead_s * num_seqs
+        compute = 2.0 * self.num_params * num_seqs / self.flops_per_s
+        weight, kv_bytes, bandwidth = self.weight_bytes, self.kv_bytes_per_token, self.bytes_per_s
+        kv = kv_read_tokens
+        t = start_s
+        for _ in range(max_steps):
+            memory = (weight + kv_bytes * (kv + num_seqs)) / bandwidth
+            d = base + (compute if compute > memory else memory)
+            t += d
+            ends.append(t)
+            durations.append(d)
+            if t > horizon_s:
+                return
+            kv += num_seqs
+
 
 def load_profile(name_or_path: str) -> CostModel:
     """A profile by name (sim/profiles/<name>.json) or path; unknown keys raise ValueError naming them."""

@@ -110,19 +110,16 @@ class SimReplica:
         # As start_step counts them: a request computing its last prompt token is prefill (step 1 only).
         prefill = sum(1 for r in running if r.num_computed_tokens < r.num_prompt_tokens)
         pairs = sum(r.num_computed_tokens + 1 for r in running if r.num_computed_tokens < r.num_prompt_tokens)
-        step_time = self.cost.step_time
         ends: list[float] = []
         durations: list[float] = []
-        t = now
-        for _ in range(limit):  # timed as single steps would be
-            d = step_time(prefill, n - prefill, kv_read, n, pairs)
-            t += d
-            ends.append(t)
+        if prefill:  # timed as the single step would be; the steps after it decode only
+            d = self.cost.step_time(prefill, n - prefill, kv_read, n, pairs)
+            ends.append(now + d)
             durations.append(d)
             kv_read += n
-            prefill = pairs = 0
-            if t > horizon_s:  # the step running at the horizon is the last
-                break
+        if not ends or ends[-1] <= horizon_s:  # the step running at the horizon is the last
+            self.cost.decode_steps(n, kv_read, ends[-1] if ends else now, limit - len(ends), horizon_s,
+                                   ends, durations)
         if len(ends) < min_steps:
             return None
         self.in_flight = Cruise(now, ends, durations)

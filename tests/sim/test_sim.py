@@ -428,6 +428,28 @@ def test_hostile_cost_model_values_name_the_field(field, value):
         type(load_profile("cpu"))(**{**base, field: value})
 
 
+@settings(max_examples=200, deadline=None)
+@given(profile=st.sampled_from(["cpu", "h100"]), seqs=st.integers(1, 300), kv=st.integers(0, 10**6),
+       steps=st.integers(0, 50), start=st.floats(0, 1e5), horizon=st.floats(0, 2e5),
+       memory_scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_decode_steps_times_each_step_as_step_time_does_to_the_bit(profile, seqs, kv, steps, start, horizon,
+                                                                  memory_scale):
+    """A cruise's step times are the single steps' (memory_scale moves the roofline's knee)."""
+    cost = dataclasses.replace(load_profile(profile), bytes_per_s=load_profile(profile).bytes_per_s * memory_scale)
+    ends: list[float] = []
+    durations: list[float] = []
+    cost.decode_steps(seqs, kv, start, steps, horizon, ends, durations)
+    expected_ends, expected, t = [], [], start
+    for i in range(steps):
+        d = cost.step_time(0, seqs, kv + i * seqs, seqs)
+        t += d
+        expected_ends.append(t)
+        expected.append(d)
+        if t > horizon:
+            break
+    assert (ends, durations) == (expected_ends, expected)
+
+
 def test_requests_arriving_at_one_instant_are_scheduled_together():
     """As an engine handed a batch: the first step prefills all of them, so all get their first token at once."""
     from sim import SimRequest
