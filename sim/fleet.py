@@ -364,11 +364,13 @@ class FleetSim:
         cruise = replica.in_flight
         assert isinstance(cruise, Cruise)
         done = bisect.bisect_left(cruise.ends, now)  # arrivals precede step ends at the same instant
-        if done > cruise.applied:
-            self._apply_jump(replica, cruise, done, records)
         if done == len(cruise.ends) - 1:  # the last step, which may finish requests: seen at its end
+            if done > cruise.applied:
+                self._apply_jump(replica, cruise, done, records)
             plan = replica.step_singly()
         else:
+            # The ended steps and the running one in one jump, which ends with the running step:
+            # on_step sees it then.
             finished = self._apply_jump(replica, cruise, done + 1, records, notify=False)
             assert finished == 0, "only a cruise's last step can finish a request"
             plan = replica.in_flight = AppliedStep(cruise.ends[done])
