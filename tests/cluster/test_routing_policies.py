@@ -13,6 +13,7 @@ from cluster.routing_policies import (
     PowerOfTwo,
     PrefixAffinity,
     PrefixIndex,
+    ReportChange,
     RoundRobin,
     RouteRequest,
     RoutingConfig,
@@ -540,6 +541,16 @@ def test_a_report_whose_change_does_not_add_up_is_applied_as_a_whole_list():
     state.on_stats(A, {"prefix_hashes": [2, 3], "prefix_report_id": "x", "prefix_base_id": 3,
                        "prefix_listed": 7, "prefix_unlisted": None}, now=3)
     assert state.index.blocks_of(A) == {2, 3}
+
+
+@pytest.mark.parametrize("listed,usable", [
+    ([], True), ([0, 7, 2**128 - 1], True), ([2**128], False), ([-1], False), ([True], False), ([1.0], False),
+    ([3, "3"], False), ([None], False), ((3,), False), ("3", False)])
+def test_a_change_is_used_only_when_its_lists_hold_block_hashes(listed, usable):
+    """A change list is a list of ints in [0, 2^128); anything else sends the router to the full list."""
+    change = ReportChange.of({"prefix_report_id": 2, "prefix_base_id": 1, "prefix_listed": listed,
+                              "prefix_unlisted": [5]})
+    assert (change.base_id is not None) == usable
 
 
 @pytest.mark.parametrize("field,value", [
