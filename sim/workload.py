@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import random
@@ -89,14 +90,16 @@ class WorkloadConfig:
 def synthetic_workload(cfg: WorkloadConfig) -> list[SimRequest]:
     """Requests with gamma inter-arrival times (mean 1/rate) and tenant system prompts."""
     rng = random.Random(cfg.seed)
-    weights = cfg.tenant_weights or [1.0] * cfg.tenants
+    # Summed once: choices() would sum the weights of every tenant again for each request.
+    cum_weights = list(itertools.accumulate(cfg.tenant_weights or [1.0] * cfg.tenants))
+    tenants = range(cfg.tenants)
     shape = cfg.burstiness
     scale = 1.0 / (cfg.rate * shape)
     t = 0.0
     out: list[SimRequest] = []
     for i in range(cfg.num_requests):
         t += rng.gammavariate(shape, scale)
-        k = rng.choices(range(cfg.tenants), weights)[0]
+        k = rng.choices(tenants, cum_weights=cum_weights)[0]
         question = rng.randint(*cfg.question_len)
         out.append(SimRequest(
             request_id=f"r{i}", arrival_s=t, prompt_len=cfg.system_prompt_len + question,
