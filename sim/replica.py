@@ -1,6 +1,7 @@
 """One simulated replica: the production Scheduler and a stand-in runner timed by the cost model."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from scheduler import ModelRunnerOutput, Request, RequestOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
@@ -46,6 +47,12 @@ class AppliedStep:
     end_s: float
 
 
+@functools.lru_cache(maxsize=4096)
+def _greedy(max_tokens: int) -> SamplingParams:
+    """Greedy sampling params of this length, validated once and shared by every replica (never mutated)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
 def step_shape(out: SchedulerOutput, requests: dict[str, Request]) -> tuple[int, int, int, int]:
     """(prefill tokens, decode tokens, KV tokens read, prefill attention pairs) of a scheduled step.
 
@@ -78,7 +85,6 @@ class SimReplica:
         self.scheduler.finished_retention = FINISHED_RETENTION
         self.cost = cost
         self.output_len: dict[str, int] = {}
-        self._params: dict[int, SamplingParams] = {}  # by output length: validated once, never mutated
         self.in_flight: StepPlan | Cruise | AppliedStep | None = None
         self.num_steps = 0
         self.busy_s = 0.0
@@ -87,9 +93,7 @@ class SimReplica:
             now: float, block_hashes: list[int] | None = None) -> None:
         """Queue a request; block_hashes, the prompt's full-block hashes if the router computed them."""
         self.output_len[request_id] = output_len
-        params = self._params.get(output_len)
-        if params is None:
-            params = self._params[output_len] = SamplingParams(max_tokens=output_len, temperature=0.0)
+        params = _greedy(output_len)
         # The scheduler extends the hash chain from what it is given (the same hash, so the same keys).
         self.scheduler.add_request(Request(request_id, prompt, params, eos_token_ids=(EOS,), priority=priority,
                                            tenant=tenant, arrival_time=now, block_hashes=list(block_hashes or ())))
