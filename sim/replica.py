@@ -116,14 +116,15 @@ class SimReplica:
         pairs = sum(r.num_computed_tokens + 1 for r in running if r.num_computed_tokens < r.num_prompt_tokens)
         ends: list[float] = []
         durations: list[float] = []
+        start = now  # of the pure-decode steps
         if prefill:  # timed as the single step would be; the steps after it decode only
             d = self.cost.step_time(prefill, n - prefill, kv_read, n, pairs)
-            ends.append(now + d)
+            start = now + d
+            ends.append(start)
             durations.append(d)
             kv_read += n
-        if not ends or ends[-1] <= horizon_s:  # the step running at the horizon is the last
-            self.cost.decode_steps(n, kv_read, ends[-1] if ends else now, limit - len(ends), horizon_s,
-                                   ends, durations)
+        if not prefill or start <= horizon_s:  # the step running at the horizon is the last
+            self.cost.decode_steps(n, kv_read, start, limit - len(ends), horizon_s, ends, durations)
         if len(ends) < min_steps:
             return None
         self.in_flight = Cruise(now, ends, durations)
