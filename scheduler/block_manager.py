@@ -22,8 +22,29 @@ _ROOT = b"raylm-prefix-v1"
 def hash_block_tokens(parent_hash: int | None, block_token_ids: Sequence[int]) -> int:
     """Stable 128-bit key of a full block: the same in every process (the router uses it too)."""
     parent = _ROOT if parent_hash is None else parent_hash.to_bytes(16, "little")
-    digest = hashlib.blake2b(parent + array("q", block_token_ids).tobytes(), digest_size=16).digest()
-    return int.from_bytes(digest, "little")
+    return int.from_bytes(_block_digest(parent, array("q", block_token_ids).tobytes()), "little")
+
+
+def _block_digest(parent: bytes, block: bytes) -> bytes:
+    return hashlib.blake2b(parent + block, digest_size=16).digest()
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
+    """Extend the chain `hashes` (of token_ids' leading blocks) to num_blocks blocks, in place; returns it.
+
+    The same keys as hash_block_tokens block by block, with the tokens turned into bytes once for
+    the whole run: a prompt's blocks cost one conversion, not one each.
+    """
+    done = len(hashes)
+    if num_blocks <= done:
+        return hashes
+    parent = _ROOT if not hashes else hashes[-1].to_bytes(16, "little")
+    data = array("q", token_ids[done * block_size:num_blocks * block_size]).tobytes()
+    step = 8 * block_size
+    for offset in range(0, len(data) - step + 1, step):  # full blocks only
+        parent = _block_digest(parent, data[offset:offset + step])  # a digest is its hash's bytes
+        hashes.append(int.from_bytes(parent, "little"))
+    return hashes
 
 
 def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
@@ -31,12 +52,7 @@ def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, max_blocks: in
     n = len(token_ids) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
-    hashes: list[int] = []
-    parent: int | None = None
-    for i in range(n):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
+    return extend_block_hashes([], token_ids, block_size, n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,14 +222,7 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _ensure_hashes(self, request: Request, num_blocks: int) -> list[int]:
-        hashes = request.block_hashes
-        bs = self.block_size
-        tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_blocks):
-            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
-            hashes.append(parent)
-        return hashes
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_blocks)
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of cached leading blocks, leaving at least the last token to compute."""

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import sub
 
-from scheduler import RequestOutput, SchedulerConfig, hash_block_tokens, hash_prompt_blocks
+from scheduler import RequestOutput, SchedulerConfig, extend_block_hashes, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import GapTally, RequestRecord, SimResult
 from sim.policies import FleetState, RouteRequest, RoutingConfig
@@ -279,12 +279,7 @@ class FleetSim:
         hashes = self._shared_hashes.get(key)
         if hashes is None:
             hashes = self._shared_hashes[key] = hash_prompt_blocks(key, bs)
-        hashes = list(hashes)
-        parent = hashes[-1] if hashes else None
-        for start in range(shared, len(prompt) // bs * bs, bs):
-            parent = hash_block_tokens(parent, prompt[start:start + bs])
-            hashes.append(parent)
-        return hashes
+        return extend_block_hashes(list(hashes), prompt, bs, len(prompt) // bs)
 
     def _stretch(self, replica: SimReplica) -> float:
         """The host-sharing factor for a step this replica starts now (it counts as busy)."""

@@ -607,3 +607,24 @@ def test_fair_queue_always_serves_the_least_served_backlogged_tenant(ops):
             assert q.counters[r.tenant] == least
             popped.append(r)
     assert len(q) == len(list(q)) == n - len(popped)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=80), block_size=st.integers(1, 9),
+       have=st.integers(0, 12), want=st.integers(-2, 14))
+def test_a_chain_extended_in_one_pass_has_the_block_by_block_keys(tokens, block_size, have, want):
+    """extend_block_hashes gives hash_block_tokens' chain from where the given hashes stop, full blocks
+    only: asked past the tokens it stops at the last full block instead of hashing a short one."""
+    from scheduler import extend_block_hashes, hash_block_tokens, hash_prompt_blocks
+
+    full = len(tokens) // block_size
+    chain: list[int] = []
+    parent = None
+    for i in range(full):
+        parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size])
+        chain.append(parent)
+    start = chain[:min(have, full)]
+    extended = extend_block_hashes(list(start), tokens, block_size, want)
+    assert extended == chain[:max(len(start), min(want, full))]
+    assert hash_prompt_blocks(tokens, block_size) == chain
+    assert hash_prompt_blocks(tokens, block_size, max_blocks=want) == chain[:max(0, want)]
