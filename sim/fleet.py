@@ -165,7 +165,7 @@ class FleetSim:
         per_host = config.host.replicas_per_host
         self._cohosts = {r.name: [o for o in self.replicas[i // per_host * per_host:(i // per_host + 1) * per_host]
                                   if o is not r] for i, r in enumerate(self.replicas)} if config.host.shared else {}
-        self.names = [r.name for r in self.replicas]
+        self.names = tuple(r.name for r in self.replicas)  # one tuple: the router's pick reuses its sort
         self._by_name = {r.name: r for r in self.replicas}
         self.fleet = FleetState(config.routing)
         self._events: list[tuple[float, int, int, object]] = []
