@@ -1,6 +1,6 @@
 """The README's studies: routing at scale, fairness under a heavy tenant, simulator speed.
 
-`python -m sim.studies OUTDIR [ROUTING_SIZES...] [--only fairness vtc routing scale decode-heavy]`
+`python -m sim.studies OUTDIR [ROUTING_SIZES...] [--only fairness vtc routing scale floor decode-heavy]`
 """
 from __future__ import annotations
 
@@ -226,6 +226,38 @@ def scale(sizes=(10, 100, 1000), seconds: float = 60.0, warmup_s: float = 120.0)
     return rows
 
 
+# The scale target: a simulated hour on 1,000 replicas in 15 wall minutes.
+TARGET_US_PER_REPLICA_S = 15 * 60 / 3600 / 1000 * 1e6
+
+
+def scale_floor(sizes=(1000,), running: int = 3, seconds: float = 40.0, warmup_s: float = 10.0) -> list[dict]:
+    """What a fleet costs per replica and simulated second with no request arriving or finishing.
+
+    Each replica decodes `running` long requests (about what the scale study's replicas run at
+    50% load) and reports to the router once a second: one k-step jump, one prefix report and one
+    cruise plan per replica-second, and the router's share of each. Set beside the scale target's
+    budget, it shows how much of that budget is spent before any request arrives.
+    """
+    rows = []
+    end_s = warmup_s + seconds
+    for n in sizes:
+        workload = [SimRequest(f"r{i}", i * 1e-5, 128, 1900, tenant=f"t{i % (2 * n)}") for i in range(n * running)]
+        marks = WallAt((warmup_s, end_s))
+        # A simulated second past the window, so that a step crosses its end.
+        result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE), on_step=marks).run(workload,
+                                                                                          until_s=end_s + 1)
+        if any(len(r.scheduler.running) != running for r in result.replicas):
+            raise ValueError(f"seconds: {end_s + 1:.0f} simulated s is past the point where every replica decodes "
+                             f"{running} requests; shorten the window")
+        us = 1e6 * (marks.walls[1] - marks.walls[0]) / (seconds * n)
+        rows.append({"replicas": n, "us_per_replica_s": us, "budget_share": us / TARGET_US_PER_REPLICA_S,
+                     "steps": sum(r.num_steps for r in result.replicas)})
+        print(f"floor {n:5d} replicas, {running} decoding each, no arrivals: simulated s {warmup_s:.0f}-{end_s:.0f}"
+              f" cost {us:.0f} us per replica-second, {us / TARGET_US_PER_REPLICA_S:.0%} of the scale target's"
+              f" {TARGET_US_PER_REPLICA_S:.0f} us", flush=True)
+    return rows
+
+
 def decode_heavy(n: int = 100, seconds: float = 120.0) -> list[dict]:
     """Where k-step jumps pay: 256-512-token outputs at ~50% load, with and without coalescing."""
     wl = synthetic_workload(WorkloadConfig(num_requests=int(0.2 * n * seconds), rate=0.2 * n, tenants=2 * n,
@@ -263,11 +295,13 @@ def main(argv: list[str] | None = None) -> None:
             routing_at_scale(target, sizes=tuple(a.sizes), capacity_router=capacity_router)
     if "scale" in a.only:
         scale(tuple(a.scale_sizes), a.scale_seconds)
+    if "floor" in a.only:
+        scale_floor(tuple(a.scale_sizes))
     if "decode-heavy" in a.only:
         decode_heavy()
 
 
-STUDIES = ("fairness", "vtc", "routing", "scale", "decode-heavy")
+STUDIES = ("fairness", "vtc", "routing", "scale", "floor", "decode-heavy")
 
 if __name__ == "__main__":
     main()

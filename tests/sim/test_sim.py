@@ -492,3 +492,17 @@ def test_capacity_is_what_an_overloaded_replica_completes_and_refuses_an_underlo
                     warmup_s=10.0) == pytest.approx(cap, abs=1.0)
     with pytest.raises(ValueError, match="overload_rate"):
         capacity(fleet_workload, fleet_config, overload_rate=0.5, replicas=2, seconds=40.0, warmup_s=10.0)
+
+
+def test_the_floor_study_times_replicas_that_only_decode_and_report():
+    """Its premise holds through the window (every replica keeps its requests decoding, none queued
+    or finished), and a window that outlasts the requests is refused, not timed."""
+    from sim.studies import TARGET_US_PER_REPLICA_S, scale_floor
+
+    assert TARGET_US_PER_REPLICA_S == pytest.approx(250.0)  # 15 wall minutes for 3.6 million replica-seconds
+    (row,) = scale_floor((4,), running=2, seconds=3.0, warmup_s=1.0)
+    assert row["replicas"] == 4 and row["us_per_replica_s"] > 0
+    assert row["budget_share"] == pytest.approx(row["us_per_replica_s"] / 250.0)
+    assert row["steps"] > 4 * 3.0 / 0.1  # every replica stepped through the window (steps take well under 0.1 s)
+    with pytest.raises(ValueError, match="seconds"):
+        scale_floor((2,), running=2, seconds=200.0, warmup_s=1.0)
