@@ -30,10 +30,11 @@ def _block_digest(parent: bytes, block: bytes) -> bytes:
 
 
 def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
-    """Extend the chain `hashes` (of token_ids' leading blocks) to num_blocks blocks, in place; returns it.
+    """Extend the chain `hashes` (of token_ids' leading blocks) to at most num_blocks, in place; returns it.
 
-    The same keys as hash_block_tokens block by block, with the tokens turned into bytes once for
-    the whole run: a prompt's blocks cost one conversion, not one each.
+    The same keys as hash_block_tokens block by block, of full blocks only (token_ids holding fewer
+    leave the chain shorter), with the tokens turned into bytes once for the whole run: a prompt's
+    blocks cost one conversion, not one each.
     """
     done = len(hashes)
     if num_blocks <= done:

@@ -233,8 +233,9 @@ TARGET_US_PER_REPLICA_S = 15 * 60 / 3600 / 1000 * 1e6
 def scale_floor(sizes=(1000,), running: int = 3, seconds: float = 40.0, warmup_s: float = 10.0) -> list[dict]:
     """What a fleet costs per replica and simulated second with no request arriving or finishing.
 
-    Each replica decodes `running` long requests (about what the scale study's replicas run at
-    50% load) and reports to the router once a second: one k-step jump, one prefix report and one
+    Each replica decodes `running` long requests (the scale study's replicas run about 3.5 at 50%
+    load, by Little's law: 0.347 req/s times ~10 s from arrival to finish) and reports to the
+    router once a second: one k-step jump, one prefix report and one
     cruise plan per replica-second, and the router's share of each. Set beside the scale target's
     budget, it shows how much of that budget is spent before any request arrives.
     """
@@ -246,12 +247,15 @@ def scale_floor(sizes=(1000,), running: int = 3, seconds: float = 40.0, warmup_s
         # A simulated second past the window, so that a step crosses its end.
         result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE), on_step=marks).run(workload,
                                                                                           until_s=end_s + 1)
-        if any(len(r.scheduler.running) != running for r in result.replicas):
-            raise ValueError(f"seconds: {end_s + 1:.0f} simulated s is past the point where every replica decodes "
-                             f"{running} requests; shorten the window")
+        finished = sum(1 for rec in result.records if rec.finish_s is not None)
+        counts = sorted({len(r.scheduler.running) for r in result.replicas})
+        if finished or counts != [running]:
+            raise ValueError(f"seconds: by simulated second {end_s + 1:.0f} {finished} requests finished and "
+                             f"replicas ran {counts} requests, not {running} each; shorten the window")
         us = 1e6 * (marks.walls[1] - marks.walls[0]) / (seconds * n)
         rows.append({"replicas": n, "us_per_replica_s": us, "budget_share": us / TARGET_US_PER_REPLICA_S,
-                     "steps": sum(r.num_steps for r in result.replicas)})
+                     "steps": sum(r.num_steps for r in result.replicas),
+                     "min_replica_steps": min(r.num_steps for r in result.replicas)})
         print(f"floor {n:5d} replicas, {running} decoding each, no arrivals: simulated s {warmup_s:.0f}-{end_s:.0f}"
               f" cost {us:.0f} us per replica-second, {us / TARGET_US_PER_REPLICA_S:.0%} of the scale target's"
               f" {TARGET_US_PER_REPLICA_S:.0f} us", flush=True)
