@@ -235,9 +235,9 @@ def scale_floor(sizes=(1000,), running: int = 3, seconds: float = 40.0, warmup_s
 
     Each replica decodes `running` long requests (the scale study's replicas run about 3.5 at 50%
     load, by Little's law: 0.347 req/s times ~10 s from arrival to finish) and reports to the
-    router once a second: one k-step jump, one prefix report and one
-    cruise plan per replica-second, and the router's share of each. Set beside the scale target's
-    budget, it shows how much of that budget is spent before any request arrives.
+    router once a second: one k-step jump, one prefix report and one cruise plan per
+    replica-second, and the router's share of each. Set beside the scale target's budget, it shows
+    how much of that budget is spent before any request arrives.
     """
     rows = []
     end_s = warmup_s + seconds
