@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import resource
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from pathlib import Path
 from scheduler import SchedulerConfig
 from sim.cost import load_profile
 from sim.fleet import FleetSim, SimConfig
-from sim.metrics import percentile
+from sim.metrics import SimResult, percentile
 from sim.plots import plot_rows as _plot
 from sim.policies import POLICIES, RoutingConfig
 from sim.replica import SimReplica
@@ -190,6 +191,17 @@ class WallAt:
             self.walls.append(time.perf_counter())
 
 
+def _timed_window(n: int, workload: list[SimRequest], start_s: float, end_s: float) -> tuple[SimResult, float, float]:
+    """Run the scale study's fleet of n on workload to a simulated second past end_s (so that a step
+    crosses it); returns the result, the wall seconds the run took from start_s to end_s (NaN if
+    its fleet went idle before end_s), and in all."""
+    marks = WallAt((start_s, end_s))
+    t0 = time.perf_counter()
+    result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE), on_step=marks).run(workload, until_s=end_s + 1)
+    window = marks.walls[1] - marks.walls[0] if len(marks.walls) == 2 else math.nan
+    return result, window, time.perf_counter() - t0
+
+
 def scale(sizes=(10, 100, 1000), seconds: float = 60.0, warmup_s: float = 120.0) -> list[dict]:
     """Simulated seconds per wall second on the chat workload at 50% of measured capacity.
 
@@ -206,13 +218,8 @@ def scale(sizes=(10, 100, 1000), seconds: float = 60.0, warmup_s: float = 120.0)
     rows = []
     end_s = warmup_s + seconds
     for n in sizes:
-        marks = WallAt((warmup_s, end_s))
-        t0 = time.perf_counter()
-        # A simulated second past the window, so that a step crosses its end.
-        result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE), on_step=marks).run(
-            chat_workload(n, end_s + 1, rate), until_s=end_s + 1)
-        wall = time.perf_counter() - t0
-        steady = seconds / (marks.walls[1] - marks.walls[0])
+        result, window_wall, wall = _timed_window(n, chat_workload(n, end_s + 1, rate), warmup_s, end_s)
+        steady = seconds / window_wall
         row = result.summary()
         row.update(replicas=n, rate_per_replica=rate, sim_per_wall=steady, wall_s=wall,
                    hour_wall_min=3600 / steady / 60, jumped_steps=result.jumped_steps,
@@ -243,16 +250,13 @@ def scale_floor(sizes=(1000,), running: int = 3, seconds: float = 40.0, warmup_s
     end_s = warmup_s + seconds
     for n in sizes:
         workload = [SimRequest(f"r{i}", i * 1e-5, 128, 1900, tenant=f"t{i % (2 * n)}") for i in range(n * running)]
-        marks = WallAt((warmup_s, end_s))
-        # A simulated second past the window, so that a step crosses its end.
-        result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE), on_step=marks).run(workload,
-                                                                                          until_s=end_s + 1)
+        result, window_wall, _ = _timed_window(n, workload, warmup_s, end_s)
         finished = sum(1 for rec in result.records if rec.finish_s is not None)
         counts = sorted({len(r.scheduler.running) for r in result.replicas})
         if finished or counts != [running]:
             raise ValueError(f"seconds: by simulated second {end_s + 1:.0f} {finished} requests finished and "
                              f"replicas ran {counts} requests, not {running} each; shorten the window")
-        us = 1e6 * (marks.walls[1] - marks.walls[0]) / (seconds * n)
+        us = 1e6 * window_wall / (seconds * n)
         rows.append({"replicas": n, "us_per_replica_s": us, "budget_share": us / TARGET_US_PER_REPLICA_S,
                      "steps": sum(r.num_steps for r in result.replicas),
                      "min_replica_steps": min(r.num_steps for r in result.replicas)})
