@@ -21,21 +21,21 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from cluster.executor import LocalExecutor  # noqa: E402
+from engine.executor import LocalExecutor  # noqa: E402
 from cluster.ray_executor import RayExecutor  # noqa: E402
 from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
 from scheduler.outputs import SchedulerOutput  # noqa: E402
 from workers.model_files import resolve_model  # noqa: E402
-from cluster.config import EngineConfig  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from workers.options import STEP_TRANSPORTS  # noqa: E402
-from workers.worker import Worker  # noqa: E402
+from cluster.ray_executor import RayWorker  # noqa: E402
 
 BATCH = 32
 PROMPT_LEN = 64
 MAX_MODEL_LEN = 2048
 
 
-class NoModelWorker(Worker):
+class NoModelWorker(RayWorker):
     """A rank without a model: answers each step with one token per scheduled request."""
 
     def load_model(self) -> None:

@@ -92,7 +92,7 @@ def bench_kernel(bandwidth: float) -> list[dict]:
 
 
 def make_llm(path: str, **kwargs):
-    from cluster import LLM
+    from engine.llm import LLM
 
     return LLM(model=path, dtype="bfloat16", device="cuda", load_progress=False, **kwargs)
 

@@ -21,7 +21,7 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from cluster import LLM  # noqa: E402
+from engine.llm import LLM  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 
 SEED = 2024

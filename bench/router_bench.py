@@ -36,7 +36,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from cluster.protocol import GenerateRequest  # noqa: E402
+from scheduler.request import GenerateRequest  # noqa: E402
 from cluster.replica import LLMReplica  # noqa: E402
 from cluster.serve_router import ROUTER_CLASS_PATH  # noqa: E402
 from deploy.config import AppConfig  # noqa: E402

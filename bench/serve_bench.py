@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from ray import serve
 
-    from cluster.engine import EngineCore
+    from engine.core import EngineCore
     from deploy.app import build_app
     from deploy.config import AppConfig
 

@@ -29,7 +29,7 @@ from transformers import AutoConfig
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from cluster.config import EngineConfig  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from workers.layers.linear import CpuPackedWeight, cpu_pack, linear  # noqa: E402
 from workers.model_files import resolve_model  # noqa: E402
 from workers.runner import DTYPES, ModelRunner, RequestState, _Batch  # noqa: E402

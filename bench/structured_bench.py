@@ -16,7 +16,7 @@ import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from cluster import LLM  # noqa: E402
+from engine.llm import LLM  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 from scheduler.structured_output import StructuredOutput  # noqa: E402
 from workers.model_files import load_tokenizer  # noqa: E402

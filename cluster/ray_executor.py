@@ -23,6 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayT
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engine.config import EngineConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.options import STEP_TRANSPORTS
 from workers.runner import RunnerConfig
@@ -44,13 +45,21 @@ class EngineDeadError(RuntimeError):
         self.cause = cause
 
 
+class RayWorker(Worker):
+    """A Worker as a Ray actor: other ranks reach it at the address Ray registered for its node."""
+
+    def node_host(self) -> str:
+        node_id = ray.get_runtime_context().get_node_id()
+        return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+
+
 class RayExecutor:
     """Drives tensor_parallel_size Worker actors in lock-step, one SchedulerOutput per step."""
 
     def __init__(self, runner_config: RunnerConfig, tensor_parallel_size: int,
                  placement_group: PlacementGroup | None = None, bundle_offset: int = 0,
                  step_transport: str = "socket", step_timeout_s: float = 300.0,
-                 init_timeout_s: float = 600.0, worker_cls: type = Worker) -> None:
+                 init_timeout_s: float = 600.0, worker_cls: type[Worker] | None = None) -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {tensor_parallel_size}")
         if bundle_offset < 0:
@@ -71,7 +80,7 @@ class RayExecutor:
         if len(self._pg.bundle_specs) < bundle_offset + self.tp:
             raise ValueError(f"placement_group: has {len(self._pg.bundle_specs)} bundles, needs "
                              f"bundle_offset={bundle_offset} + tensor_parallel_size={self.tp}")
-        self.workers = self._create_workers(worker_cls, runner_config)
+        self.workers = self._create_workers(worker_cls or RayWorker, runner_config)
         self._rank_of_actor = {w._actor_id.hex(): rank for rank, w in enumerate(self.workers)}
         self._rank_of_pid: dict[int, int] = {}
         try:
@@ -262,6 +271,15 @@ class RayExecutor:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
+
+
+def ray_executor(config: EngineConfig, runner_config: RunnerConfig, placement_group: PlacementGroup | None = None
+                 ) -> RayExecutor:
+    """An engine.executor.ExecutorFactory: one worker actor per rank, in placement_group when given (a Serve
+    replica's group holds the replica's own bundle first, then one per worker), else in a group of its own."""
+    return RayExecutor(runner_config, config.tensor_parallel_size, placement_group=placement_group,
+                       bundle_offset=1 if placement_group is not None else 0, step_transport=config.step_transport,
+                       step_timeout_s=config.step_timeout_s)
 
 
 def _start_local_ray(tensor_parallel_size: int) -> None:

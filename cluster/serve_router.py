@@ -1,11 +1,11 @@
 """FleetRouter: the Ray Serve RequestRouter that spreads LLMReplica requests by load and prefix affinity.
 
-A thin adapter: the policies, load accounting and prefix index live in cluster/routing_policies.py.
+A thin adapter: the policies, load accounting and prefix index live in router/.
 Attach it through the deployment's request_router_config (request_router_class
 "cluster.serve_router.FleetRouter"); request_router_kwargs are initialize_state's keyword arguments.
 
 The ingress tells the routers of its process how each request it sent ended
-(cluster/circuit_breaker.py `report_outcome`), so a replica that keeps failing requests trips its
+(cluster/outcomes.py `report_outcome`), so a replica that keeps failing requests trips its
 circuit breaker even while its stats still say `ok`.
 """
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from cluster.circuit_breaker import subscribe
-from cluster.routing_policies import FleetState, RouteRequest, RoutingConfig
+from cluster.outcomes import subscribe
+from router.fleet import FleetState, RouteRequest
+from router.config import RoutingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +27,10 @@ ROUTER_CLASS_PATH = "cluster.serve_router.FleetRouter"
 
 
 class FleetRouter(RequestRouter):
-    """Ranks replicas with a cluster.routing_policies policy and keeps its load and prefix state current."""
+    """Ranks replicas with a router/ policy and keeps its load and prefix state current."""
 
     def initialize_state(self, **router_kwargs: Any) -> None:
-        """Called by Serve with request_router_kwargs: the settings of cluster.routing_policies.RoutingConfig
+        """Called by Serve with request_router_kwargs: the settings of router.config.RoutingConfig
         (router_policy, imbalance_threshold, ..., circuit_breaker_failures, circuit_breaker_cooldown_s)."""
         config = RoutingConfig.from_router_kwargs(router_kwargs)
         self.fleet = FleetState(config)
@@ -92,7 +93,7 @@ class FleetRouter(RequestRouter):
 
 
 def route_request(pending_request: PendingRequest) -> RouteRequest:
-    """The routing view of a request whose first argument is a cluster.protocol.GenerateRequest.
+    """The routing view of a request whose first argument is a scheduler.request.GenerateRequest.
 
     Any other argument is routed by load alone: no block hashes, no token cost.
     """

@@ -14,13 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, ValidationError, model_validator
 
-from cluster.config import SCHEDULER_KEYS, EngineConfig
+from engine.config import SCHEDULER_KEYS, EngineConfig
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
 from scheduler.settings import declared_settings
 
 ROUTERS = {
     "power_of_two": None,  # Serve's built-in PowerOfTwoChoicesRequestRouter
-    "fleet": "cluster.serve_router.FleetRouter",  # load + prefix affinity (cluster/routing_policies.py)
+    "fleet": "cluster.serve_router.FleetRouter",  # load + prefix affinity (router/)
 }
 ENGINE_KEYS = tuple(f.name for f in declared_settings(EngineConfig))
 
@@ -76,7 +76,7 @@ class AppConfig(BaseModel):
     router: Literal["fleet", "power_of_two"] = Field(default="fleet", description="`fleet` (load + prefix "
                                                      "affinity) or Serve's `power_of_two`")
     router_kwargs: dict[str, Any] = Field(default_factory=dict, description="`fleet` router settings "
-                                          "(cluster/routing_policies.py `RoutingConfig`)")
+                                          "(router/config.py `RoutingConfig`)")
     max_ongoing_requests: int = Field(default=256, ge=1, description="requests in flight at once per replica")
     max_queued_requests: int | None = Field(default=None, ge=-1, description="queued per ingress beyond "
                                             "that; past it: `overload_status` (unset: max_ongoing_requests "
@@ -139,7 +139,7 @@ class AppConfig(BaseModel):
             # Ray's OMP_NUM_THREADS says (a fraction rounds down, at least one).
             self.engine = replace(self.engine, cpu_threads=max(1, int(self.replica_num_cpus)))
         if self.router == "fleet":
-            from cluster.routing_policies import RoutingConfig  # pure policy code, no Ray
+            from router.config import RoutingConfig  # pure policy code, no Ray
             try:
                 RoutingConfig(**self.router_kwargs)
             except (TypeError, ValueError) as exc:

@@ -12,10 +12,11 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.context import _set_request_context
 
-from cluster.circuit_breaker import report_outcome
-from cluster.detokenizer import TextStream
-from cluster.frontend import Frontend
-from cluster.protocol import EngineFailedError, GenerateRequest, ReplicaDrainingError
+from cluster.outcomes import report_outcome
+from frontend.detokenizer import TextStream
+from frontend.frontend import Frontend
+from cluster.errors import EngineFailedError, ReplicaDrainingError
+from scheduler.request import GenerateRequest
 from deploy.errors import ReplicaUnavailableError, RequestFailedError, RequestTimeoutError
 from scheduler.outputs import TokenLogprobs
 

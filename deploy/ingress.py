@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster.frontend import Frontend
-from cluster.protocol import GenerateRequest
+from frontend.frontend import Frontend
+from scheduler.request import GenerateRequest
 from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import (AuthenticationError, BadRequestError, ContextLengthError, ModelNotFoundError,
                            PayloadTooLargeError, error_event, error_response)

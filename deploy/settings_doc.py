@@ -10,8 +10,8 @@ from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
-from cluster.config import EngineConfig
-from cluster.routing_policies import RoutingConfig
+from engine.config import EngineConfig
+from router.config import RoutingConfig
 from deploy.config import AppConfig
 from scheduler.config import SchedulerConfig
 from scheduler.settings import declared_settings, range_text

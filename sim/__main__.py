@@ -1,4 +1,4 @@
-"""`python -m sim run|plan|calibrate`: simulate a fleet, size one for SLOs, or fit a device profile."""
+"""`python -m sim run|plan`: simulate a fleet, or size one for SLOs (bench/calibrate.py fits a device profile)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ from scheduler import SchedulerConfig
 from sim.cost import PROFILE_DIR, load_profile
 from sim.plots import plot_rows as _plot
 from sim.fleet import FleetSim, SimConfig
-from sim.policies import POLICIES, RoutingConfig
+from router.config import POLICIES, RoutingConfig
 from sim.workload import WorkloadConfig, load_trace, synthetic_workload
 
 
@@ -119,86 +119,6 @@ def cmd_plan(a: argparse.Namespace) -> None:
         _plot(a.plot, rows, "replicas", ("ttft_p90_s", "itl_p90_s"), f"plan at {a.rate} req/s")
 
 
-def _shape(text: str) -> tuple[int, int]:
-    a, sep, b = text.partition(":")
-    try:
-        return int(a), int(b)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected A:B integers, got {text!r}") from None
-
-
-def cmd_calibrate(a: argparse.Namespace) -> None:
-    """Time real engine steps (or refit saved ones), fit a profile, print its held-out error, write it."""
-    from sim.fit import samples_from_json
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if a.from_samples:
-        if not a.output:
-            raise ValueError("output: --from-samples needs --output (the device's default profile is not replaced)")
-        data = json.loads(Path(a.from_samples).read_text())
-        cal = _refit(data, samples_from_json)
-    elif a.random_shape:
-        import tempfile
-
-        from tests.random_checkpoint import write_random_checkpoint  # torch, transformers: loaded here only
-
-        with tempfile.TemporaryDirectory() as tmp:
-            ckpt = write_random_checkpoint(a.random_shape, str(Path(tmp) / a.random_shape))
-            cal = _calibrate(a, ckpt.path, label=f"{a.random_shape}-random")
-    else:
-        cal = _calibrate(a, a.model, label="")
-    profile = profile_json(cal.profile)
-    out = Path(a.output or PROFILE_DIR / f"{a.device}.json")
-    out.write_text(json.dumps(profile, indent=1) + "\n")
-    if a.samples:
-        Path(a.samples).write_text(json.dumps(_samples_json(cal), indent=1) + "\n")
-    print(json.dumps(profile, indent=1))
-    print(cal.report())
-    print(f"written to {out}")
-
-
-def _calibrate(a: argparse.Namespace, model: str, label: str):
-    from sim.calibrate import CalibrationConfig, calibrate  # torch loads here only
-
-    cfg = CalibrationConfig(model=model, device=a.device, dtype=a.dtype, threads=a.threads, repeats=a.repeats,
-                            prefill=tuple(a.prefill_shapes or ()), decode=tuple(a.decode_shapes or ()),
-                            heldout_prefill=tuple(a.heldout_prefill_shapes or ()),
-                            heldout_decode=tuple(a.heldout_decode_shapes or ()), budget=a.budget,
-                            workload_requests=a.mixed_requests, label=label)
-    return calibrate(cfg)
-
-
-def _samples_json(cal) -> dict:
-    from sim.fit import samples_to_json
-
-    p = cal.profile
-    return {"name": p.name, "num_params": p.num_params, "weight_bytes": p.weight_bytes, "source": p.source,
-            "fit": samples_to_json(cal.fit_samples),
-            "heldout": {k: samples_to_json(v) for k, v in cal.heldout.items()}}
-
-
-def _refit(data: dict, parse):
-    """A Calibration refitted from a --samples file (no torch needed)."""
-    from sim.calibrate import Calibration
-    from sim.fit import fit_coefficients
-
-    if not isinstance(data, dict):
-        raise ValueError("samples file: expected a JSON object")
-    for key in ("name", "num_params", "weight_bytes", "fit", "heldout"):
-        if key not in data:
-            raise ValueError(f"samples file, field {key!r}: missing")
-    fit = parse(data["fit"])
-    source = data.get("source", "").split("; held-out error")[0] + " (refitted from saved samples)"
-    profile = fit_coefficients(fit).to_cost_model(data["name"], data["num_params"], data["weight_bytes"], source)
-    return Calibration(profile, fit, {k: parse(v) for k, v in data["heldout"].items()})
-
-
-def profile_json(model) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(model)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sim")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -208,25 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     plan = sub.add_parser("plan", help="smallest replica count meeting the SLOs")
     _add_common(plan)
     plan.add_argument("--max-replicas", type=int, default=4096)
-    cal = sub.add_parser("calibrate", help="time real engine steps here and fit a profile")
-    cal.add_argument("--model", default="default", help='"default" (the embedded SmolLM2) or an HF directory')
-    cal.add_argument("--random-shape", help="calibrate a random-weight checkpoint of this shape "
-                     "(tests/random_checkpoint.py SHAPES, e.g. smollm2-135m), written to a temporary directory")
-    cal.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    cal.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    cal.add_argument("--threads", type=int, help="CPU: torch threads (default: what the process has)")
-    cal.add_argument("--repeats", type=int, default=3, help="timed steps per shape (the fit takes the median)")
-    cal.add_argument("--budget", type=int, default=0, help="max_num_batched_tokens (default: 2048 cpu, 8192 cuda)")
-    cal.add_argument("--mixed-requests", type=int, default=24, help="requests in the held-out mixed batch")
-    for kind, meta in (("prefill", "TOKENS:SEQS"), ("decode", "BATCH:CONTEXT")):
-        cal.add_argument(f"--{kind}-shapes", type=_shape, nargs="+", metavar=meta, help="fitted (default: a grid)")
-        cal.add_argument(f"--heldout-{kind}-shapes", type=_shape, nargs="+", metavar=meta, help="held out")
-    cal.add_argument("--output", help="profile JSON path (default sim/profiles/<device>.json)")
-    cal.add_argument("--samples", help="also write the timed steps here (JSON), to refit with --from-samples")
-    cal.add_argument("--from-samples", help="refit a --samples file instead of timing (no torch needed)")
     a = parser.parse_args(argv)
     try:
-        {"run": cmd_run, "plan": cmd_plan, "calibrate": cmd_calibrate}[a.command](a)
+        {"run": cmd_run, "plan": cmd_plan}[a.command](a)
     except ValueError as exc:
         parser.exit(2, f"error: {exc}\n")
 

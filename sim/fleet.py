@@ -15,7 +15,8 @@ from operator import sub
 from scheduler import RequestOutput, SchedulerConfig, extend_block_hashes, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import GapTally, RequestRecord, SimResult
-from sim.policies import FleetState, RouteRequest, RoutingConfig
+from router.config import RoutingConfig
+from router.fleet import FleetState, RouteRequest
 from sim.replica import AppliedStep, Cruise, SimReplica, StepPlan
 from sim.workload import SimRequest
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from scheduler import ModelRunnerOutput, Request, RequestOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
 from sim.cost import CostModel
-from sim.policies import RoutingStats
+from router.stats import RoutingStats
 
 EOS = 0
 TOKEN = 1

@@ -18,7 +18,7 @@ from sim.cost import load_profile
 from sim.fleet import FleetSim, SimConfig
 from sim.metrics import SimResult, percentile
 from sim.plots import plot_rows as _plot
-from sim.policies import POLICIES, RoutingConfig
+from router.config import POLICIES, RoutingConfig
 from sim.replica import SimReplica
 from sim.workload import SimRequest, WorkloadConfig, synthetic_workload
 

@@ -6,6 +6,8 @@
 - llm_factory: LLM instances cached by their arguments for the whole session.
 - ray_cluster: one loopback Ray instance for the whole session (Serve shut down with it); every
   test that needs Ray or Serve uses it, so Ray starts once.
+- tiny_model_dir / long_tiny_model_dir: a random two-layer Llama with SmolLM2's tokenizer and no chat
+  template, with 256 or 4,096 positions.
 - tiny_checkpoint: writes small random Llama / Qwen2 / Qwen3 / Mistral (and one-KV-head Llama) checkpoints
   (config.json + safetensors + tokenizer) and returns (directory, Hugging Face model).
 """
@@ -76,7 +78,7 @@ def hf_smollm2(smollm2_dir):
 @pytest.fixture(scope="session")
 def llm_factory():
     """make(**kwargs) -> LLM, one instance per distinct kwargs for the whole session."""
-    from cluster import LLM
+    from engine.llm import LLM
     built: dict[tuple, LLM] = {}
 
     def make(**kwargs) -> LLM:
@@ -92,6 +94,37 @@ def llm_factory():
     yield make
     for llm in built.values():
         llm.shutdown()
+
+
+def _write_tiny_llama(out, max_positions: int) -> str:
+    """A random 2-layer Llama with SmolLM2's tokenizer, minus its chat template (the fallback applies)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workers.model_files import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    tokenizer.chat_template = None
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny Llama with 256 positions."""
+    return _write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), 256)
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(tmp_path_factory):
+    """The tiny Llama with 4,096 positions, for generations that must outlast a watchdog round."""
+    return _write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), 4096)
 
 
 @pytest.fixture(scope="session")

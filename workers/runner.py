@@ -34,7 +34,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class RunnerConfig:
     """What a worker needs to build its model and cache (plain values: travels to Ray workers).
 
-    Derived by cluster.config.EngineConfig.runner_config, where each setting is declared.
+    Derived by engine.config.EngineConfig.runner_config, where each setting is declared.
     """
 
     model_dir: str  # an HF directory (GGUF files are converted by workers.model_files.resolve_model)

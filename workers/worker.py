@@ -1,4 +1,4 @@
-"""Worker: the body of one tensor-parallel rank (a Ray actor, one per GPU).
+"""Worker: the body of one tensor-parallel rank (cluster/ray_executor.py runs it as a Ray actor, one per GPU).
 
 The executor drives every rank through the same calls in the same order: init_device (join the
 process group), load_model (this rank's weight shards), determine_num_blocks, init_kv_cache, then
@@ -40,7 +40,7 @@ class Worker:
 
         The host is the address Ray registered for this node (127.0.0.1 on a loopback cluster).
         """
-        host = _node_host()
+        host = self.node_host()
         return f"{host}:{free_port(host)}"
 
     def init_device(self, address: str, timeout_s: float = 300.0) -> None:
@@ -50,7 +50,7 @@ class Worker:
 
     def open_step_channel(self) -> ChannelAddress:
         """Serve steps over a socket on this rank's node (the executor's fast path, see step_channel)."""
-        self._step_server = StepServer(_node_host(), self.execute_model_encoded, on_start=self._on_step_thread)
+        self._step_server = StepServer(self.node_host(), self.execute_model_encoded, on_start=self._on_step_thread)
         return self._step_server.address
 
     def load_model(self) -> None:
@@ -96,15 +96,12 @@ class Worker:
         if self.config.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.config.device).index or 0)
 
+    def node_host(self) -> str:
+        """The address other ranks reach this one at; a single machine's loopback unless the process
+        that hosts the worker knows its node's address (cluster.ray_executor.RayWorker does)."""
+        return "127.0.0.1"
+
     def _ready(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError(f"rank {self.rank}: load_model() must run first")
         return self.runner
-
-
-def _node_host() -> str:
-    """The address Ray registered for this rank's node (127.0.0.1 on a loopback cluster)."""
-    import ray
-
-    node_id = ray.get_runtime_context().get_node_id()
-    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)

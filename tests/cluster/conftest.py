@@ -1,4 +1,5 @@
-"""Shared fixtures for cluster tests: tiny random Llama checkpoints (Ray comes from tests/conftest.py)."""
+"""Shared fixtures for cluster tests: tiny random Llama checkpoints (Ray and the tiny served model come from
+tests/conftest.py)."""
 from __future__ import annotations
 
 import os

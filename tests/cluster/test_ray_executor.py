@@ -6,11 +6,11 @@ import threading
 import pytest
 import ray
 
-from cluster.executor import LocalExecutor
+from engine.executor import LocalExecutor
 from cluster.ray_executor import EngineDeadError, RayExecutor
 from scheduler import CachedRequestData, SchedulerConfig, SchedulerOutput
 from tests.cluster.engine_driver import greedy_tokens
-from cluster.config import EngineConfig
+from engine.config import EngineConfig
 from workers.runner import RunnerConfig
 
 pytestmark = pytest.mark.slow

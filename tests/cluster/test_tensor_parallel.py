@@ -5,11 +5,11 @@ import pytest
 import ray
 import torch
 
-from cluster.executor import LocalExecutor
+from engine.executor import LocalExecutor
 from cluster.ray_executor import RayExecutor
 from scheduler import SchedulerConfig
 from tests.cluster.engine_driver import greedy_tokens
-from cluster.config import EngineConfig
+from engine.config import EngineConfig
 from workers.runner import RunnerConfig
 
 pytestmark = pytest.mark.slow
@@ -114,7 +114,9 @@ def test_smollm2_tp3_under_chunked_prefill_and_preemption_gives_the_same_tokens(
 
 
 def test_llm_with_tensor_parallel_size_2_generates_what_one_process_does(ray_cluster, tiny_checkpoint, one_thread):
-    from cluster.llm import LLM
+    from cluster.ray_executor import ray_executor
+    from engine.executor import local_executor
+    from engine.llm import LLM
     from scheduler import SamplingParams
 
     model_dir, _ = tiny_checkpoint("llama")  # 4 heads, 2 KV heads, with a tokenizer
@@ -123,7 +125,8 @@ def test_llm_with_tensor_parallel_size_2_generates_what_one_process_does(ray_clu
     tokens = {}
     for tp in (1, 2):
         llm = LLM(model=model_dir, tensor_parallel_size=tp, device="cpu", load_progress=False,
-                  kv_cache_memory_gb=0.05, max_model_len=MAX_LEN)
+                  kv_cache_memory_gb=0.05, max_model_len=MAX_LEN,
+                  executor_factory=ray_executor if tp > 1 else local_executor)
         try:
             tokens[tp] = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
         finally:

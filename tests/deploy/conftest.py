@@ -56,37 +56,6 @@ def _wait_running(app: str, timeout: float = 300) -> None:
     raise TimeoutError(f"app {app} not running after {timeout}s")
 
 
-def _write_tiny_llama(out, max_positions: int) -> str:
-    """A random 2-layer Llama with SmolLM2's tokenizer, minus its chat template (the fallback applies)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from workers.model_files import load_tokenizer
-
-    tokenizer = load_tokenizer("default")
-    tokenizer.chat_template = None
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """The tiny Llama with 256 positions."""
-    return _write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), 256)
-
-
-@pytest.fixture(scope="session")
-def long_tiny_model_dir(tmp_path_factory):
-    """The tiny Llama with 4,096 positions, for generations that must outlast a watchdog round."""
-    return _write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), 4096)
-
-
 @pytest.fixture(scope="session")
 def tiny_url(ray_cluster, http_port, tiny_model_dir):
     from deploy.app import build_app

@@ -103,7 +103,7 @@ def test_tensor_parallel_replica_gets_one_bundle_per_worker():
 
 
 def test_one_default_for_each_setting_across_serving_and_offline():
-    from cluster.config import EngineConfig
+    from engine.config import EngineConfig
 
     assert AppConfig.from_args({}).engine.scheduler == EngineConfig().scheduler
 

@@ -1,4 +1,4 @@
-"""sim calibrate: the fit recovers known coefficients, and a real (tiny) engine calibrates end to end without Ray."""
+"""bench/calibrate.py and sim.fit: the fit recovers known coefficients, and a real (tiny) engine calibrates end to end without Ray."""
 from __future__ import annotations
 
 import json
@@ -109,16 +109,16 @@ def test_bad_samples_name_the_field():
 
 
 def test_calibrate_times_a_real_engine_fits_and_loads_no_ray(tiny_checkpoint, tmp_path):
-    """`python -m sim calibrate` on a tiny random checkpoint, CPU, in a fresh process: no `ray` module loads."""
+    """`python bench/calibrate.py` on a tiny random checkpoint, CPU, in a fresh process: no `ray` module loads."""
     model_dir, _ = tiny_checkpoint("llama")
     profile, samples = tmp_path / "p.json", tmp_path / "s.json"
-    args = ["calibrate", "--model", model_dir, "--device", "cpu", "--dtype", "float32", "--threads", "1",
+    args = ["--model", model_dir, "--device", "cpu", "--dtype", "float32", "--threads", "1",
             "--repeats", "2", "--budget", "128", "--mixed-requests", "4",
             "--prefill-shapes", "16:1", "64:1", "128:1", "128:4",
             "--decode-shapes", "1:16", "4:16", "4:96", "8:48", "8:8",
             "--heldout-prefill-shapes", "32:1", "--heldout-decode-shapes", "2:64",
             "--output", str(profile), "--samples", str(samples)]
-    code = (f"import sys; from sim.__main__ import main; main({args!r}); "
+    code = (f"import sys; sys.path.insert(0, 'bench'); from calibrate import main; main({args!r}); "
             "loaded = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]; "
             "print('ray modules:', loaded); sys.exit(3 if loaded else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -143,9 +143,12 @@ def test_calibrate_times_a_real_engine_fits_and_loads_no_ray(tiny_checkpoint, tm
     assert len(heldout["shapes"]) == 3 and heldout["mixed batch"] and heldout["chunked prefill"]
     # Refitting the saved samples (no torch) gives the same profile.
     refit = tmp_path / "r.json"
-    from sim.__main__ import main
-
-    main(["calibrate", "--from-samples", str(samples), "--output", str(refit)])
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from calibrate import main
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    main(["--from-samples", str(samples), "--output", str(refit)])
     again = load_profile(str(refit))
     for name in ("flops_per_s", "bytes_per_s", "kv_bytes_per_token", "step_overhead_s", "per_seq_overhead_s"):
         assert getattr(again, name) == getattr(fitted, name), name

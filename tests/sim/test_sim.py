@@ -13,12 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cluster.routing_policies
+import router.config
+import router.fleet
 import scheduler
 from scheduler import SchedulerConfig
 from sim import FleetSim, SimConfig, WorkloadConfig, load_profile, load_trace, synthetic_workload
 from sim import fleet as sim_fleet, replica as sim_replica
-from sim.policies import RoutingConfig
+from router.config import RoutingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,8 +112,8 @@ def test_k_step_jumps_equal_step_by_step(profile, rate, output_len, blocks, fair
 def test_sim_uses_the_production_classes():
     assert sim_replica.Scheduler is scheduler.Scheduler
     assert sim_replica.Request is scheduler.Request
-    assert sim_fleet.FleetState is cluster.routing_policies.FleetState
-    assert sim_fleet.RouteRequest is cluster.routing_policies.RouteRequest
+    assert sim_fleet.FleetState is router.fleet.FleetState
+    assert sim_fleet.RouteRequest is router.fleet.RouteRequest
     _, result = _run(n=5)
     assert all(type(r.scheduler) is scheduler.Scheduler for r in result.replicas)
 
@@ -260,7 +261,7 @@ def test_vtc_counter_gap_between_backlogged_tenants_stays_within_the_bound():
 
 
 @settings(max_examples=150, deadline=None)
-@given(policy=st.sampled_from(list(cluster.routing_policies.POLICIES)), seed=st.integers(0, 2**32),
+@given(policy=st.sampled_from(list(router.config.POLICIES)), seed=st.integers(0, 2**32),
        n=st.integers(1, 40), threshold=st.sampled_from([0.0, 1.0, 2.0]), num_ops=st.integers(1, 200),
        index_bound=st.sampled_from([6, 200_000]))
 def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_ops, index_bound):
@@ -268,7 +269,7 @@ def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_op
     with the prefix index evicting at its bound."""
     import random
 
-    from sim.policies import FleetState, RouteRequest
+    from router.fleet import FleetState, RouteRequest
 
     names = [f"replica-{i}" for i in range(n)]
     # Whole-number loads (no tokens, KV usage 0 or 1) so that ties and the imbalance ceiling matter.
@@ -321,7 +322,7 @@ def test_arrival_exactly_at_a_step_end_of_a_cruise_matches_step_by_step():
     assert jumped.jumped_steps > 0
 
 
-class _ReportLog(cluster.routing_policies.FleetState):
+class _ReportLog(router.fleet.FleetState):
     """The production router, noting every report it is handed (replica, instant, report)."""
 
     def __init__(self, config: RoutingConfig) -> None:
@@ -460,23 +461,27 @@ def test_requests_arriving_at_one_instant_are_scheduled_together():
     assert result.replicas[0].num_steps == 3
 
 
-def test_validation_workloads_are_the_benchmarks_own():
-    """The offline trace holds the bench's totals; the router workload redraws the bench's arrivals."""
+def _bench_module(name: str):
+    """A bench/ script loaded as a module (bench/ is a folder of scripts, not a package)."""
     import importlib.util
 
-    from sim.validate import offline_lengths, router_bench_workload
-
-    prompts, outputs = offline_lengths()
-    assert (len(prompts), sum(prompts), sum(outputs)) == (64, 7326, 4385)
-    spec = importlib.util.spec_from_file_location("router_bench", ROOT / "bench" / "router_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["router_bench"] = bench  # its dataclasses look their module up there
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     try:
-        spec.loader.exec_module(bench)
+        spec.loader.exec_module(module)
     finally:
-        del sys.modules["router_bench"]
-    theirs = bench.Workload().build(16)
-    ours = router_bench_workload()
+        del sys.modules[name]
+    return module
+
+
+def test_validation_workloads_are_the_benchmarks_own():
+    """The offline trace holds the bench's totals; the router workload redraws the bench's arrivals."""
+    validate = _bench_module("sim_validate")
+    prompts, outputs = validate.offline_lengths()
+    assert (len(prompts), sum(prompts), sum(outputs)) == (64, 7326, 4385)
+    theirs = _bench_module("router_bench").Workload().build(16)
+    ours = validate.router_bench_workload()
     assert [(round(t, 12), r.tenant, len(r.prompt_token_ids)) for t, r in theirs] == \
         [(round(r.arrival_s, 12), r.tenant, r.prompt_len) for r in ours]
 

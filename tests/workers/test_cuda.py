@@ -59,7 +59,7 @@ def _release() -> None:
 
 
 def make_llm(path: str, dtype: str, **kwargs):
-    from cluster import LLM
+    from engine.llm import LLM
 
     args = dict(dtype=dtype, device="cuda", load_progress=False, max_model_len=1024, num_gpu_blocks=2048,
                 max_num_batched_tokens=128, max_num_seqs=32)

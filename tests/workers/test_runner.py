@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from cluster.config import EngineConfig
+from engine.config import EngineConfig
 from workers.runner import BlockTableRows, ModelRunner, RequestState
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

@@ -6,19 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.routing_policies import (
-    FleetState,
-    LeastLoaded,
-    LoadTracker,
-    PowerOfTwo,
-    PrefixAffinity,
-    PrefixIndex,
-    ReportChange,
-    RoundRobin,
-    RouteRequest,
-    RoutingConfig,
-    _in_listed_order,
-)
+from router.fleet import FleetState, RouteRequest
+
+from router.policies import LeastLoaded, PowerOfTwo, PrefixAffinity, RoundRobin
+
+from router.loads import LoadTracker
+
+from router.prefix_index import PrefixIndex, ReportChange, _in_listed_order
+
+from router.config import RoutingConfig
 
 A, B, C = "a", "b", "c"
 
@@ -473,7 +469,7 @@ def test_the_least_candidate_load_and_footprint_follow_every_change(ops):
 
 
 def _stats(report, with_change: bool) -> dict:
-    from cluster.protocol import RoutingStats
+    from router.stats import RoutingStats
 
     stats = RoutingStats()
     stats.set_prefix(report)

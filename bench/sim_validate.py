@@ -1,7 +1,7 @@
 """The simulator against real runs: bench/offline_throughput.py's batch and bench/router_bench.py's workload.
 
-    python -m sim.validate offline [--profile cpu] [--measure --threads 2 --steps-out FILE]
-    python -m sim.validate router [--profile cpu-1t] [--host-cores 2 --background-cores 0.5]
+    python bench/sim_validate.py offline [--profile cpu] [--measure --threads 2 --steps-out FILE]
+    python bench/sim_validate.py router [--profile cpu-1t] [--host-cores 2 --background-cores 0.5]
 
 `offline` simulates the 64-request batch (its exact prompt and output lengths, sim/traces/
 offline_batch.json) on one replica; with --measure it also runs the real engine on the same
@@ -15,16 +15,20 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
-from scheduler import SchedulerConfig
-from sim.cost import load_profile
-from sim.fleet import FleetSim, HostConfig, SimConfig
-from sim.policies import RoutingConfig
-from sim.workload import SimRequest
+# Run as a script from anywhere (the GPU machine has the tree, not an install).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-OFFLINE_TRACE = Path(__file__).parent / "traces" / "offline_batch.json"
+from scheduler import SchedulerConfig  # noqa: E402
+from sim.cost import load_profile  # noqa: E402
+from sim.fleet import FleetSim, HostConfig, SimConfig  # noqa: E402
+from router.config import RoutingConfig  # noqa: E402
+from sim.workload import SimRequest  # noqa: E402
+
+OFFLINE_TRACE = Path(__file__).resolve().parents[1] / "sim" / "traces" / "offline_batch.json"
 # The offline engine's pool: kv_cache_memory_gb (2 GiB) of fp32 SmolLM2 KV, 46,080 B per token, in 16-token blocks.
 OFFLINE_SCHEDULER = SchedulerConfig(num_gpu_blocks=2912, num_cpu_blocks=0, max_num_seqs=64,
                                     max_num_batched_tokens=2048, max_model_len=8192)
@@ -51,9 +55,9 @@ def simulate_offline(profile: str = "cpu") -> dict:
 
 def measure_offline(threads: int | None, dtype: str = "float32") -> dict:
     """The real engine (default model, CPU) on the batch's lengths: every step timed as the simulator counts it."""
-    from cluster.config import EngineConfig
-    from cluster.engine import EngineCore
-    from sim.calibrate import StepTimer
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from calibrate import StepTimer
     from sim.fit import samples_to_json
 
     sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
@@ -97,7 +101,7 @@ def router_bench_workload(tenants: int = 12, prefix_tokens: int = 256, question_
 # Median TTFT the full Serve stack adds over an in-process engine at low load
 # (bench/serve_bench.py on the quiet 2-core machine, 2026-11-21: 417.6 -> 431.4 ms).
 SERVE_BENCH_OVERHEAD_S = 0.0132
-MEASURED_ROUTER_BENCH = Path(__file__).resolve().parents[1] / "bench" / "results" / "router_bench.json"
+MEASURED_ROUTER_BENCH = Path(__file__).resolve().parent / "results" / "router_bench.json"
 
 
 def router_bench_config(router: str, host: HostConfig, block_size: int = 16,
@@ -126,7 +130,7 @@ def simulate_router_bench(profile: str, host: HostConfig,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sim.validate")
+    parser = argparse.ArgumentParser(prog="python bench/sim_validate.py")
     sub = parser.add_subparsers(dest="what", required=True)
     off = sub.add_parser("offline")
     off.add_argument("--profile", nargs="+", default=["cpu"])
@@ -194,15 +198,12 @@ QUICK_CPU_GRID = dict(prefill=((16, 1), (64, 1), (256, 1), (1024, 1), (2048, 1),
 
 def _calibrate_here(a: argparse.Namespace) -> str:
     """Fit a profile on the quick grid now, in this process; returns its path."""
-    import dataclasses
-
-    from sim.__main__ import profile_json
-    from sim.calibrate import CalibrationConfig, calibrate
+    from calibrate import CalibrationConfig, calibrate, profile_json
 
     cal = calibrate(CalibrationConfig(threads=a.threads, workload_requests=12, **QUICK_CPU_GRID))
     print(cal.report())
     path = Path(a.calibrate)
-    path.write_text(json.dumps(profile_json(dataclasses.replace(cal.profile)), indent=1) + "\n")
+    path.write_text(json.dumps(profile_json(cal.profile), indent=1) + "\n")
     return str(path)
 
 

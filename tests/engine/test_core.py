@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import EngineConfig, EngineCore
+from engine.config import EngineConfig
+
+from engine.core import EngineCore
 from scheduler import Request, SamplingParams
 
 
@@ -152,8 +154,9 @@ def test_a_resumed_request_must_leave_room_to_generate():
 def test_the_routers_prefix_index_follows_the_engines_reports_by_their_changes(engine):
     """What a replica sends (RoutingStats of engine.prefix_report) leaves the router's index holding
     exactly the engine's cached blocks; from the second report on, the report says what changed."""
-    from cluster.protocol import RoutingStats
-    from cluster.routing_policies import FleetState, RoutingConfig
+    from router.stats import RoutingStats
+    from router.fleet import FleetState
+    from router.config import RoutingConfig
     from scheduler import hash_prompt_blocks
 
     router = FleetState(RoutingConfig())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import EngineCore
+from engine.core import EngineCore
 from scheduler import Request, SamplingParams
 from workers import sampler as sampler_module
 from workers import runner as runner_module
@@ -18,7 +18,7 @@ PROMPTS = {f"r{i}": list(range(10 + 7 * i, 30 + 7 * i)) for i in range(4)}
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    from cluster import EngineConfig
+    from engine.config import EngineConfig
 
     path, _ = tiny_checkpoint("llama")
     core = EngineCore(EngineConfig.from_kwargs(model=path, device="cpu", kv_cache_memory_gb=0.01,

@@ -1,16 +1,21 @@
 """Executors run each SchedulerOutput on the model workers and return rank 0's ModelRunnerOutput.
 
-LocalExecutor runs one ModelRunner in this process (tests, TP=1); cluster.ray_executor.RayExecutor
-drives one worker actor per tensor-parallel rank. Both satisfy the Executor protocol.
+LocalExecutor runs one ModelRunner in this process (TP=1); cluster.ray_executor.RayExecutor drives
+one worker actor per tensor-parallel rank. Both satisfy the Executor protocol; an EngineCore gets its
+executor from an ExecutorFactory, so this Ray-free package never names the Ray one.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.runner import ModelRunner, RunnerConfig
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +44,8 @@ class LocalExecutor:
 
     def __init__(self, runner_config: RunnerConfig, tensor_parallel_size: int = 1) -> None:
         if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size: LocalExecutor runs one rank, got {tensor_parallel_size}")
+            raise ValueError(f"tensor_parallel_size: {tensor_parallel_size} ranks need a worker each; this process "
+                             "runs one. Pass executor_factory=cluster.ray_executor.ray_executor (Ray actors)")
         self.runner = ModelRunner(runner_config)
 
     def determine_num_blocks(self) -> int:
@@ -58,3 +64,12 @@ class LocalExecutor:
     @property
     def pids(self) -> list[int]:
         return [os.getpid()]
+
+
+# What builds an engine's executor once the engine knows the model (the runner config).
+ExecutorFactory = Callable[["EngineConfig", RunnerConfig], Executor]
+
+
+def local_executor(config: EngineConfig, runner_config: RunnerConfig) -> Executor:
+    """The default factory: the one rank in this process."""
+    return LocalExecutor(runner_config, config.tensor_parallel_size)

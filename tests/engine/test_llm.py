@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import LLM
+from engine.llm import LLM
 from scheduler import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
@@ -121,7 +121,7 @@ def test_the_offline_engine_runs_without_ray_or_the_serving_stack(tiny_checkpoin
 import sys
 for name in {ABSENT_ON_GPU_MACHINES!r}:
     sys.modules[name] = None  # any import of it raises ImportError
-from cluster import LLM
+from engine.llm import LLM
 from scheduler import SamplingParams
 llm = LLM(model={model_dir!r}, device="cpu", load_progress=False, kv_cache_memory_gb=0.01)
 out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)

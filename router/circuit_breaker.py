@@ -1,39 +1,14 @@
 """Per-replica circuit breaker of the fleet router: repeated failures take a replica out of routing.
 
-Pure logic on an injected clock (no Ray): cluster/routing_policies.FleetState consults it. Callers
-report how each request ended with `report_outcome`; the routers of their process subscribe to it.
+Pure logic on an injected clock: router.fleet.FleetState consults it. How each request ended reaches
+it through cluster/outcomes.py.
 """
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
-from typing import Protocol
 
 logger = logging.getLogger(__name__)
-
-
-class OutcomeSink(Protocol):
-    def post_outcome(self, internal_request_id: str, ok: bool) -> None: ...
-
-
-# Held weakly: Serve owns the routers. This module must stay importable by reference: Serve ships
-# the router class by value, with its own copy of its module's globals.
-_SINKS: weakref.WeakSet[OutcomeSink] = weakref.WeakSet()
-
-
-def subscribe(sink: OutcomeSink) -> None:
-    """Send the outcomes reported in this process to sink (a router of this process)."""
-    _SINKS.add(sink)
-
-
-def report_outcome(internal_request_id: str, ok: bool) -> None:
-    """How a request ended, as its caller saw it: finished (ok) or failed by its replica.
-
-    Every subscribed router hears it; the one that routed the request attributes it to a replica.
-    """
-    for sink in list(_SINKS):
-        sink.post_outcome(internal_request_id, ok)
 
 
 @dataclass(slots=True)

@@ -18,9 +18,9 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 
-from cluster.protocol import GenerateRequest  # noqa: E402
+from scheduler.request import GenerateRequest  # noqa: E402
 from cluster.replica import LLMReplica  # noqa: E402
-from cluster.circuit_breaker import report_outcome  # noqa: E402
+from cluster.outcomes import report_outcome  # noqa: E402
 from cluster.serve_router import ROUTER_CLASS_PATH, FleetRouter  # noqa: E402
 from deploy.generation import _route_as_own_request  # noqa: E402
 from deploy.config import AppConfig  # noqa: E402

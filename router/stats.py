@@ -1,48 +1,11 @@
-"""What the ingress sends a replica: one plain, cheap-to-pickle generation request."""
+"""What a replica reports to the fleet router: queues, KV usage, state and its prefix report."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
-from scheduler.sampling_params import SamplingParams
-
-
-class EngineFailedError(RuntimeError):
-    """A replica's engine failed (a forward pass or a worker died): its requests belong elsewhere."""
-
-
-class ReplicaDrainingError(RuntimeError):
-    """The replica is shutting down and takes no new request: route it elsewhere."""
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    """A tokenized prompt bound for one LLMReplica.
-
-    block_hashes are the chained hash_block_tokens of the prompt's full blocks (block size of the
-    deployment), computed in the ingress so the fleet router can estimate prefix-cache affinity
-    without tokenizing. The router reads it as ``pending_request.args[0]``.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    priority: int = 0
-    tenant: str = "default"
-    block_hashes: list[int] = field(default_factory=list)
-    # Tokens this choice already emitted on a replica that failed: the new replica resumes after them.
-    output_token_ids: list[int] = field(default_factory=list)
-    # The Ray actor name of the caller (an ingress replica): when that actor dies, the replica
-    # aborts the request instead of generating for nobody. None: not watched (e.g. a driver).
-    caller: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.request_id:
-            raise ValueError("request_id: must be a non-empty string")
-        if not self.prompt_token_ids:
-            raise ValueError(f"prompt_token_ids: request {self.request_id!r} has an empty prompt")
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@ router then skips the replica, and it closes after a cool-down on a success or a
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster.circuit_breaker import CircuitBreaker
+from router.circuit_breaker import CircuitBreaker
 
 A, B = "a", "b"
 

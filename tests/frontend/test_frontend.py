@@ -10,7 +10,7 @@ import pytest
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
-from cluster.frontend import Frontend
+from frontend.frontend import Frontend
 from deploy.config import AppConfig
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -62,6 +62,6 @@ def test_the_configs_load_no_torch_and_the_frontend_no_model_code():
                "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", configs], check=True)
     # transformers' Auto classes bring torch along; the frontend itself needs no model code.
-    frontend = ("import sys, cluster.frontend; "
+    frontend = ("import sys, frontend.frontend; "
                 "assert not {'workers.models', 'workers.loader', 'workers.runner'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", frontend], check=True)

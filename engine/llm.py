@@ -10,10 +10,11 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from cluster.config import EngineConfig
-from cluster.detokenizer import TextStream
-from cluster.engine import EngineCore
-from cluster.frontend import Frontend
+from engine.config import EngineConfig
+from frontend.detokenizer import TextStream
+from engine.core import EngineCore
+from engine.executor import ExecutorFactory, local_executor
+from frontend.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -42,10 +43,14 @@ class LLM:
     """An in-process engine with a tokenizer: batch generation over many prompts at once."""
 
     def __init__(self, model: str = "default", dtype: str = "float32", device: str = "auto",
-                 tensor_parallel_size: int = 1, **kwargs: Any) -> None:
+                 tensor_parallel_size: int = 1, executor_factory: ExecutorFactory = local_executor,
+                 **kwargs: Any) -> None:
+        """Engine and scheduler settings by name (EngineConfig, SchedulerConfig); more than one
+        tensor-parallel rank needs an executor_factory that starts a worker per rank
+        (cluster.ray_executor.ray_executor)."""
         config = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device,
                                           tensor_parallel_size=tensor_parallel_size, **kwargs)
-        self.engine = EngineCore(config)
+        self.engine = EngineCore(config, executor_factory)
         self.frontend = Frontend(AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info)
         self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()

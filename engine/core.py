@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from transformers import AutoConfig
 
-from cluster.config import EngineConfig
-from cluster.executor import Executor, LocalExecutor
-from cluster.frontend import ModelInfo
+from engine.config import EngineConfig
+from engine.executor import Executor, ExecutorFactory, local_executor
+from frontend.frontend import ModelInfo
 from scheduler import RequestOutput, Scheduler, SchedulerStats
 from scheduler.block_manager import PrefixReport
 from scheduler.request import Request
@@ -21,7 +20,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns a Scheduler and an executor; each step() runs one batch and returns its outputs."""
 
-    def __init__(self, config: EngineConfig, placement_group: Any = None) -> None:
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory = local_executor) -> None:
         self.config = config
         self.model_info = ModelInfo.load(config.model, config.cache_dir)
         self.model_dir = self.model_info.model_dir
@@ -36,7 +35,7 @@ class EngineCore:
         self.eos_token_ids = self.model_info.eos_token_ids
         self.failure: BaseException | None = None
         runner_config = config.runner_config(self.model_dir, self.max_model_len)
-        self.executor: Executor = _make_executor(config, runner_config, placement_group)
+        self.executor: Executor = executor_factory(config, runner_config)
         num_gpu_blocks = sched.num_gpu_blocks or self.executor.determine_num_blocks()
         num_cpu_blocks = self._num_cpu_blocks()
         if sched.max_model_len is None and num_gpu_blocks * sched.block_size < self.max_model_len:
@@ -102,17 +101,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _make_executor(config: EngineConfig, runner_config: RunnerConfig, placement_group: Any) -> Executor:
-    """In-process for one rank; one Ray worker actor per rank otherwise."""
-    if config.tensor_parallel_size == 1:
-        return LocalExecutor(runner_config)
-    from cluster.ray_executor import RayExecutor
-
-    # A Serve replica's group holds the replica's own bundle first, then one per worker.
-    offset = 1 if placement_group is not None else 0
-    return RayExecutor(runner_config, config.tensor_parallel_size, placement_group=placement_group,
-                       bundle_offset=offset, step_transport=config.step_transport,
-                       step_timeout_s=config.step_timeout_s)
-

@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from cluster.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
+from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
 from scheduler.block_manager import hash_prompt_blocks
 from workers.model_files import context_limit_of, max_model_len_of, resolve_model
 from workers.options import DEFAULT_CACHE_DIR

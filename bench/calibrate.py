@@ -1,4 +1,8 @@
-"""`sim calibrate`: time real engine steps on this machine and fit a cost profile (imports torch lazily).
+"""Time real engine steps on this machine and fit the simulator's cost profile.
+
+    python bench/calibrate.py [--model default|DIR | --random-shape NAME] [--device cpu|cuda] ...
+    python bench/calibrate.py --from-samples SAMPLES.json --output PROFILE.json   (refit; no torch)
+
 
 The engine is built in this process (TP=1, LocalExecutor), so no Ray is needed: the GPU machine
 has CUDA torch, transformers and safetensors only. Each step is timed as the simulator counts one
@@ -13,18 +17,26 @@ of requests of random lengths run to completion.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import math
 import os
 import random
 import statistics
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from scheduler import Request, SamplingParams, SchedulerConfig
-from sim.cost import CostModel
-from sim.fit import FitError, StepSample, fit_coefficients, prediction_error
-from sim.replica import step_shape
+# Run as a script from anywhere (the GPU machine has the tree, not an install).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduler import Request, SamplingParams, SchedulerConfig  # noqa: E402
+from sim.cost import PROFILE_DIR, CostModel  # noqa: E402
+from sim.fit import (FitError, StepSample, fit_coefficients, prediction_error, samples_from_json,  # noqa: E402
+                     samples_to_json)
+from sim.replica import step_shape  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +226,8 @@ def _decode_max_tokens(batch: int, context: int, repeats: int, budget: int) -> i
 
 
 def _build_engine(cfg: CalibrationConfig):
-    from cluster.config import EngineConfig
-    from cluster.engine import EngineCore
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
 
     shapes = [*cfg.decode, *cfg.heldout_decode]
     lens = [c + _decode_max_tokens(b, c, cfg.repeats, cfg.budget) for b, c in shapes]
@@ -256,7 +268,7 @@ def calibrate(cfg: CalibrationConfig) -> Calibration:
     coeffs = fit_coefficients(fit_samples)
     where = f"{torch.get_num_threads()} threads" if cfg.device == "cpu" else torch.cuda.get_device_name(0)
     name = f"{cfg.device}-{_model_label(cfg)}-{cfg.dtype}"
-    source = (f"sim calibrate on {where}, {cfg.dtype}, {started}, load average {load_before:.1f} -> "
+    source = (f"bench/calibrate.py on {where}, {cfg.dtype}, {started}, load average {load_before:.1f} -> "
               f"{os.getloadavg()[0]:.1f}; {len(fit_samples)} shapes fitted (median of {cfg.repeats} steps each) "
               f"in {elapsed:.0f} s")
     cal = Calibration(coeffs.to_cost_model(name, num_params, weight_bytes, source), fit_samples, heldout)
@@ -298,3 +310,102 @@ def _time_heldout(timer: StepTimer, cfg: CalibrationConfig) -> dict[str, list[St
             chunked += setup
         batch = timer.mixed_batch(cfg.workload_requests, cfg.budget, cfg.seed + 2) if cfg.workload_requests else []
     return {"shapes": shapes + decodes, "chunked prefill": chunked, "mixed batch": batch}
+
+
+def _shape(text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    try:
+        return int(a), int(b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B integers, got {text!r}") from None
+
+
+def cmd_calibrate(a: argparse.Namespace) -> None:
+    """Time real engine steps (or refit saved ones), fit a profile, print its held-out error, write it."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if a.from_samples:
+        if not a.output:
+            raise ValueError("output: --from-samples needs --output (the device's default profile is not replaced)")
+        data = json.loads(Path(a.from_samples).read_text())
+        cal = _refit(data, samples_from_json)
+    elif a.random_shape:
+        import tempfile
+
+        from tests.random_checkpoint import write_random_checkpoint  # torch, transformers: loaded here only
+
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = write_random_checkpoint(a.random_shape, str(Path(tmp) / a.random_shape))
+            cal = _calibrate(a, ckpt.path, label=f"{a.random_shape}-random")
+    else:
+        cal = _calibrate(a, a.model, label="")
+    profile = profile_json(cal.profile)
+    out = Path(a.output or PROFILE_DIR / f"{a.device}.json")
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    if a.samples:
+        Path(a.samples).write_text(json.dumps(_samples_json(cal), indent=1) + "\n")
+    print(json.dumps(profile, indent=1))
+    print(cal.report())
+    print(f"written to {out}")
+
+
+def _calibrate(a: argparse.Namespace, model: str, label: str):
+    cfg = CalibrationConfig(model=model, device=a.device, dtype=a.dtype, threads=a.threads, repeats=a.repeats,
+                            prefill=tuple(a.prefill_shapes or ()), decode=tuple(a.decode_shapes or ()),
+                            heldout_prefill=tuple(a.heldout_prefill_shapes or ()),
+                            heldout_decode=tuple(a.heldout_decode_shapes or ()), budget=a.budget,
+                            workload_requests=a.mixed_requests, label=label)
+    return calibrate(cfg)
+
+
+def _samples_json(cal) -> dict:
+    p = cal.profile
+    return {"name": p.name, "num_params": p.num_params, "weight_bytes": p.weight_bytes, "source": p.source,
+            "fit": samples_to_json(cal.fit_samples),
+            "heldout": {k: samples_to_json(v) for k, v in cal.heldout.items()}}
+
+
+def _refit(data: dict, parse):
+    """A Calibration refitted from a --samples file (no torch needed)."""
+    if not isinstance(data, dict):
+        raise ValueError("samples file: expected a JSON object")
+    for key in ("name", "num_params", "weight_bytes", "fit", "heldout"):
+        if key not in data:
+            raise ValueError(f"samples file, field {key!r}: missing")
+    fit = parse(data["fit"])
+    source = data.get("source", "").split("; held-out error")[0] + " (refitted from saved samples)"
+    profile = fit_coefficients(fit).to_cost_model(data["name"], data["num_params"], data["weight_bytes"], source)
+    return Calibration(profile, fit, {k: parse(v) for k, v in data["heldout"].items()})
+
+
+def profile_json(model: CostModel) -> dict:
+    return asdict(model)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python bench/calibrate.py",
+                                     description="time real engine steps here and fit a profile")
+    cal = parser
+    cal.add_argument("--model", default="default", help='"default" (the embedded SmolLM2) or an HF directory')
+    cal.add_argument("--random-shape", help="calibrate a random-weight checkpoint of this shape "
+                     "(tests/random_checkpoint.py SHAPES, e.g. smollm2-135m), written to a temporary directory")
+    cal.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    cal.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    cal.add_argument("--threads", type=int, help="CPU: torch threads (default: what the process has)")
+    cal.add_argument("--repeats", type=int, default=3, help="timed steps per shape (the fit takes the median)")
+    cal.add_argument("--budget", type=int, default=0, help="max_num_batched_tokens (default: 2048 cpu, 8192 cuda)")
+    cal.add_argument("--mixed-requests", type=int, default=24, help="requests in the held-out mixed batch")
+    for kind, meta in (("prefill", "TOKENS:SEQS"), ("decode", "BATCH:CONTEXT")):
+        cal.add_argument(f"--{kind}-shapes", type=_shape, nargs="+", metavar=meta, help="fitted (default: a grid)")
+        cal.add_argument(f"--heldout-{kind}-shapes", type=_shape, nargs="+", metavar=meta, help="held out")
+    cal.add_argument("--output", help="profile JSON path (default sim/profiles/<device>.json)")
+    cal.add_argument("--samples", help="also write the timed steps here (JSON), to refit with --from-samples")
+    cal.add_argument("--from-samples", help="refit a --samples file instead of timing (no torch needed)")
+    a = parser.parse_args(argv)
+    try:
+        cmd_calibrate(a)
+    except ValueError as exc:
+        parser.exit(2, f"error: {exc}\n")
+
+
+if __name__ == "__main__":
+    main()

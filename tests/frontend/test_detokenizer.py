@@ -1,7 +1,7 @@
 """Incremental detokenization and stop strings, on the embedded model's byte-level BPE tokenizer."""
 import pytest
 
-from cluster.detokenizer import IncrementalDetokenizer, StopMatcher
+from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
 from workers.model_files import load_tokenizer
 
 TEXTS = [

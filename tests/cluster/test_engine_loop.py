@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.config import EngineConfig
-from cluster.engine import EngineCore
-from cluster.replica import EngineLoop, merge_outputs
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from cluster.engine_loop import EngineLoop
+from cluster.replica import merge_outputs
 from scheduler import Request, RequestOutput, SamplingParams
 
 
@@ -149,7 +150,7 @@ def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
         engine, tiny_model_dir, ray_cluster, monkeypatch):
     """stream_interval 4: a 14-token greedy answer arrives as 1 + 4 + 4 + 4 + 1 tokens, the same
     tokens as with interval 1 (which sends every step's token on its own)."""
-    from cluster.protocol import GenerateRequest
+    from scheduler.request import GenerateRequest
 
     async def deltas(interval: int) -> list[list[int]]:
         replica = await _replica_on(engine, tiny_model_dir, monkeypatch, stream_interval=interval)
@@ -169,8 +170,8 @@ def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
 def test_a_request_whose_detokenizer_fails_finishes_alone(engine, tiny_model_dir, ray_cluster, monkeypatch):
     """Fault injection in the replica's own output handling: one request's stop-string detokenizer
     raises mid-stream; it alone finishes with 'error', its neighbours in the batch stream on."""
-    from cluster.detokenizer import TextStream
-    from cluster.protocol import GenerateRequest
+    from frontend.detokenizer import TextStream
+    from scheduler.request import GenerateRequest
 
     victim_marker = 4242  # the victim's prompt ends with it; the detokenizer keeps the prompt's tail
     feed = TextStream.feed
