@@ -15,6 +15,7 @@ Held out from the fit, and reported: a second grid of shapes, the chunked-prefil
 the decode shapes (prefill chunks over prior context, mixed with decodes), and a small mixed batch
 of requests of random lengths run to completion.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,28 +33,57 @@ from pathlib import Path
 # Run as a script from anywhere (the GPU machine has the tree, not an install).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler import Request, SamplingParams, SchedulerConfig  # noqa: E402
-from sim.cost import PROFILE_DIR, CostModel  # noqa: E402
-from sim.fit import (FitError, StepSample, fit_coefficients, prediction_error, samples_from_json,  # noqa: E402
-                     samples_to_json)
-from sim.replica import step_shape  # noqa: E402
+from scheduler import Request, SamplingParams, SchedulerConfig
+from sim.cost import PROFILE_DIR, CostModel
+from sim.fit import (
+    FitError,
+    StepSample,
+    fit_coefficients,
+    prediction_error,
+    samples_from_json,
+    samples_to_json,
+)
+from sim.replica import step_shape
 
 logger = logging.getLogger(__name__)
 
 # (prefill tokens, sequences they are split over), (decode batch, context tokens per sequence).
 _CPU_GRID = dict(
-    prefill=((16, 1), (64, 1), (256, 1), (512, 1), (1024, 1), (2048, 1), (256, 4), (1024, 4), (2048, 8)),
+    prefill=(
+        (16, 1),
+        (64, 1),
+        (256, 1),
+        (512, 1),
+        (1024, 1),
+        (2048, 1),
+        (256, 4),
+        (1024, 4),
+        (2048, 8),
+    ),
     decode=((1, 32), (1, 320), (8, 32), (8, 320), (32, 32), (32, 320), (64, 32), (64, 320)),
     heldout_prefill=((128, 1), (768, 2), (1536, 1)),
     heldout_decode=((4, 160), (16, 192), (48, 256)),
-    budget=2048)
+    budget=2048,
+)
 _CUDA_GRID = dict(
     prefill=((16, 1), (128, 1), (512, 1), (2048, 1), (8192, 1), (512, 8), (2048, 16), (8192, 32)),
-    decode=((1, 128), (1, 2048), (8, 128), (8, 2048), (32, 128), (32, 2048), (64, 512), (128, 128), (128, 2048),
-            (256, 128), (256, 1024)),
+    decode=(
+        (1, 128),
+        (1, 2048),
+        (8, 128),
+        (8, 2048),
+        (32, 128),
+        (32, 2048),
+        (64, 512),
+        (128, 128),
+        (128, 2048),
+        (256, 128),
+        (256, 1024),
+    ),
     heldout_prefill=((256, 1), (1024, 4), (4096, 2)),
     heldout_decode=((4, 1024), (16, 512), (96, 768), (192, 256)),
-    budget=8192)
+    budget=8192,
+)
 
 
 @dataclass(slots=True)
@@ -88,14 +118,18 @@ class CalibrationConfig:
         for name in ("prefill", "heldout_prefill"):
             for tokens, seqs in getattr(self, name):
                 if not 1 <= seqs <= tokens <= self.budget:
-                    raise ValueError(f"{name}: need 1 <= seqs <= tokens <= budget ({self.budget}), got "
-                                     f"{(tokens, seqs)}")
+                    raise ValueError(
+                        f"{name}: need 1 <= seqs <= tokens <= budget ({self.budget}), got "
+                        f"{(tokens, seqs)}"
+                    )
         for name in ("decode", "heldout_decode"):
             if any(b < 1 or c < 1 for b, c in getattr(self, name)):
                 raise ValueError(f"{name}: batch and context must be >= 1")
         if len(self.prefill) + 2 * len(self.decode) < 9:
-            raise ValueError("prefill/decode: need at least 9 fitted steps (a decode shape gives two) "
-                             "for 9 coefficients")
+            raise ValueError(
+                "prefill/decode: need at least 9 fitted steps (a decode shape gives two) "
+                "for 9 coefficients"
+            )
 
 
 @dataclass(slots=True)
@@ -110,7 +144,9 @@ class Calibration:
         return {name: prediction_error(self.profile, s) for name, s in self.heldout.items() if s}
 
     def report(self) -> str:
-        lines = [f"fit: {prediction_error(self.profile, self.fit_samples)} (the {len(self.fit_samples)} fitted shapes)"]
+        lines = [
+            f"fit: {prediction_error(self.profile, self.fit_samples)} (the {len(self.fit_samples)} fitted shapes)"
+        ]
         lines += [f"held out, {name}: {err}" for name, err in self.errors().items()]
         return "\n".join(lines)
 
@@ -129,8 +165,11 @@ class StepTimer:
         rid = f"cal-{self.num_requests}"
         vocab = int(self.engine.vocab_size)
         prompt = [self.rng.randrange(3, vocab) for _ in range(prompt_len)]
-        self.engine.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                    ignore_eos=True)))
+        self.engine.add_request(
+            Request(
+                rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            )
+        )
         return rid
 
     def step(self) -> StepSample | None:
@@ -140,7 +179,9 @@ class StepTimer:
         t1 = time.perf_counter()
         if out.is_empty:
             return None
-        prefill, decode, kv_read, pairs = step_shape(out, sched.requests)  # not timed: the engine does not do it
+        prefill, decode, kv_read, pairs = step_shape(
+            out, sched.requests
+        )  # not timed: the engine does not do it
         t2 = time.perf_counter()
         runner_out = self.engine.executor.execute_model(out)
         sched.update_from_output(out, runner_out)
@@ -156,7 +197,8 @@ class StepTimer:
         return out
 
     def prefill(self, tokens: int, seqs: int, repeats: int) -> list[StepSample]:
-        """repeats + 1 runs of one step prefilling `tokens` over `seqs` new requests (the first untimed)."""
+        """repeats + 1 runs of one step prefilling `tokens` over `seqs` new requests (the first
+        untimed)."""
         runs = []
         for _ in range(repeats + 1):
             for i in range(seqs):
@@ -168,10 +210,13 @@ class StepTimer:
             runs.append(first)
         return runs[1:]
 
-    def decode(self, batch: int, context: int, repeats: int, budget: int,
-               mixed_prompt: int) -> tuple[list[StepSample], list[StepSample], list[StepSample]]:
-        """`batch` requests at ~`context` tokens: (timed pure-decode steps, timed steps that also prefill
-        one new `mixed_prompt`-token request, the setup steps before them); the first of each untimed."""
+    def decode(
+        self, batch: int, context: int, repeats: int, budget: int, mixed_prompt: int
+    ) -> tuple[list[StepSample], list[StepSample], list[StepSample]]:
+        """`batch` requests at ~`context` tokens: (timed pure-decode steps, timed steps that also
+        prefill
+        one new `mixed_prompt`-token request, the setup steps before them); the first of each
+        untimed."""
         max_tokens = _decode_max_tokens(batch, context, repeats, budget)
         ids = [self.add(context, max_tokens) for _ in range(batch)]
         setup, timed, mixed = [], [], []
@@ -185,7 +230,9 @@ class StepTimer:
             self.add(mixed_prompt, max_tokens=1)  # done in its prefill step
             s = self._step_or_fail(batch, context)
             if (s.prefill_tokens, s.decode_tokens) != (mixed_prompt, batch):
-                raise RuntimeError(f"decode shape {(batch, context)} beside a {mixed_prompt}-token prompt: ran {s}")
+                raise RuntimeError(
+                    f"decode shape {(batch, context)} beside a {mixed_prompt}-token prompt: ran {s}"
+                )
             mixed.append(s)
         self.engine.abort_requests(ids)
         return timed[1:], mixed[1:], setup
@@ -197,7 +244,8 @@ class StepTimer:
         return s
 
     def mixed_batch(self, num: int, budget: int, seed: int) -> list[StepSample]:
-        """num requests of random lengths (prompts 20-400, outputs 8-64; the same for a seed), run to completion."""
+        """num requests of random lengths (prompts 20-400, outputs 8-64; the same for a seed), run
+        to completion."""
         rng = random.Random(seed)
         for _ in range(num):
             self.add(rng.randint(20, min(400, budget)), rng.randint(8, 64))
@@ -207,11 +255,23 @@ class StepTimer:
 def _median_sample(runs: list[StepSample]) -> StepSample:
     """The middle run's shape with the median time of all runs."""
     mid = runs[len(runs) // 2]
-    sample = StepSample(mid.prefill_tokens, mid.decode_tokens, mid.kv_read_tokens, mid.num_seqs,
-                        statistics.median(s.seconds for s in runs), mid.prefill_pairs)
-    logger.info("step of %d prefill + %d decode tokens, %d KV read, %d seqs: median %.1f ms of %s",
-                sample.prefill_tokens, sample.decode_tokens, sample.kv_read_tokens, sample.num_seqs,
-                sample.seconds * 1e3, [round(s.seconds * 1e3, 1) for s in runs])
+    sample = StepSample(
+        mid.prefill_tokens,
+        mid.decode_tokens,
+        mid.kv_read_tokens,
+        mid.num_seqs,
+        statistics.median(s.seconds for s in runs),
+        mid.prefill_pairs,
+    )
+    logger.info(
+        "step of %d prefill + %d decode tokens, %d KV read, %d seqs: median %.1f ms of %s",
+        sample.prefill_tokens,
+        sample.decode_tokens,
+        sample.kv_read_tokens,
+        sample.num_seqs,
+        sample.seconds * 1e3,
+        [round(s.seconds * 1e3, 1) for s in runs],
+    )
     return sample
 
 
@@ -233,18 +293,37 @@ def _build_engine(cfg: CalibrationConfig):
     lens = [c + _decode_max_tokens(b, c, cfg.repeats, cfg.budget) for b, c in shapes]
     max_len = math.ceil(max([*lens, cfg.budget + 1, 400 + 64]) / 16) * 16
     blocks = max(b * math.ceil(n / 16) for (b, _), n in zip(shapes, lens))
-    seqs = max([b + 1 for b, _ in shapes] + [n for _, n in (*cfg.prefill, *cfg.heldout_prefill)]
-               + [cfg.workload_requests])
-    sched = SchedulerConfig(num_gpu_blocks=max(blocks, 2 * cfg.budget // 16) + 64, max_model_len=max_len,
-                            max_num_seqs=seqs, max_num_batched_tokens=cfg.budget, enable_prefix_caching=False)
-    return EngineCore(EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, cpu_threads=cfg.threads,
-                                   seed=cfg.seed, load_progress=False, scheduler=sched))
+    seqs = max(
+        [b + 1 for b, _ in shapes]
+        + [n for _, n in (*cfg.prefill, *cfg.heldout_prefill)]
+        + [cfg.workload_requests]
+    )
+    sched = SchedulerConfig(
+        num_gpu_blocks=max(blocks, 2 * cfg.budget // 16) + 64,
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=cfg.budget,
+        enable_prefix_caching=False,
+    )
+    return EngineCore(
+        EngineConfig(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            cpu_threads=cfg.threads,
+            seed=cfg.seed,
+            load_progress=False,
+            scheduler=sched,
+        )
+    )
 
 
 def _model_label(cfg: CalibrationConfig) -> str:
     if cfg.label:
         return cfg.label
-    return "smollm2-135m" if cfg.model == "default" else os.path.basename(os.path.normpath(cfg.model))
+    return (
+        "smollm2-135m" if cfg.model == "default" else os.path.basename(os.path.normpath(cfg.model))
+    )
 
 
 def calibrate(cfg: CalibrationConfig) -> Calibration:
@@ -266,14 +345,24 @@ def calibrate(cfg: CalibrationConfig) -> Calibration:
     elapsed = time.perf_counter() - t0
     engine.shutdown()
     coeffs = fit_coefficients(fit_samples)
-    where = f"{torch.get_num_threads()} threads" if cfg.device == "cpu" else torch.cuda.get_device_name(0)
+    where = (
+        f"{torch.get_num_threads()} threads"
+        if cfg.device == "cpu"
+        else torch.cuda.get_device_name(0)
+    )
     name = f"{cfg.device}-{_model_label(cfg)}-{cfg.dtype}"
-    source = (f"bench/calibrate.py on {where}, {cfg.dtype}, {started}, load average {load_before:.1f} -> "
-              f"{os.getloadavg()[0]:.1f}; {len(fit_samples)} shapes fitted (median of {cfg.repeats} steps each) "
-              f"in {elapsed:.0f} s")
-    cal = Calibration(coeffs.to_cost_model(name, num_params, weight_bytes, source), fit_samples, heldout)
+    source = (
+        f"bench/calibrate.py on {where}, {cfg.dtype}, {started}, load average {load_before:.1f} -> "
+        f"{os.getloadavg()[0]:.1f}; {len(fit_samples)} shapes fitted (median of {cfg.repeats} steps each) "
+        f"in {elapsed:.0f} s"
+    )
+    cal = Calibration(
+        coeffs.to_cost_model(name, num_params, weight_bytes, source), fit_samples, heldout
+    )
     held = "; ".join(f"{k}: {e}" for k, e in cal.errors().items())
-    cal.profile = coeffs.to_cost_model(name, num_params, weight_bytes, f"{source}; held-out error, {held}")
+    cal.profile = coeffs.to_cost_model(
+        name, num_params, weight_bytes, f"{source}; held-out error, {held}"
+    )
     return cal
 
 
@@ -282,17 +371,23 @@ def _warm_up(timer: StepTimer, cfg: CalibrationConfig) -> None:
     context) and a mixed batch; a GPU compiles kernels for each new kind of step."""
     timer.prefill(cfg.budget, 1, 1)
     big = max(cfg.decode)
-    timer.decode(big[0], min(big[1], max(64, 2 * cfg.budget // big[0])), 2, cfg.budget, cfg.budget // 4)
+    timer.decode(
+        big[0], min(big[1], max(64, 2 * cfg.budget // big[0])), 2, cfg.budget, cfg.budget // 4
+    )
     timer.mixed_batch(8, cfg.budget, cfg.seed + 1)
 
 
-def _time_fit_shapes(timer: StepTimer, cfg: CalibrationConfig) -> tuple[list[StepSample], list[StepSample]]:
+def _time_fit_shapes(
+    timer: StepTimer, cfg: CalibrationConfig
+) -> tuple[list[StepSample], list[StepSample]]:
     """The fitted medians, and the setup steps of the decode shapes (held out; CPU only: on a GPU
     they are first encounters of their shapes, timed with kernel compilation)."""
     fit = [_median_sample(timer.prefill(t, s, cfg.repeats)) for t, s in cfg.prefill]
     chunked = []
     for i, (b, c) in enumerate(cfg.decode):
-        timed, mixed, setup = timer.decode(b, c, cfg.repeats, cfg.budget, _mixed_prompt(i, b, cfg.budget))
+        timed, mixed, setup = timer.decode(
+            b, c, cfg.repeats, cfg.budget, _mixed_prompt(i, b, cfg.budget)
+        )
         fit += [_median_sample(timed), _median_sample(mixed)]
         chunked += setup if cfg.device != "cuda" else []
     return fit, chunked
@@ -305,10 +400,16 @@ def _time_heldout(timer: StepTimer, cfg: CalibrationConfig) -> dict[str, list[St
     for _ in range(2 if cfg.device == "cuda" else 1):
         decodes, chunked = [], []
         for i, (b, c) in enumerate(cfg.heldout_decode):
-            timed, mixed, setup = timer.decode(b, c, cfg.repeats, cfg.budget, _mixed_prompt(i + 1, b, cfg.budget))
+            timed, mixed, setup = timer.decode(
+                b, c, cfg.repeats, cfg.budget, _mixed_prompt(i + 1, b, cfg.budget)
+            )
             decodes += [_median_sample(timed), _median_sample(mixed)]
             chunked += setup
-        batch = timer.mixed_batch(cfg.workload_requests, cfg.budget, cfg.seed + 2) if cfg.workload_requests else []
+        batch = (
+            timer.mixed_batch(cfg.workload_requests, cfg.budget, cfg.seed + 2)
+            if cfg.workload_requests
+            else []
+        )
     return {"shapes": shapes + decodes, "chunked prefill": chunked, "mixed batch": batch}
 
 
@@ -321,17 +422,22 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> None:
-    """Time real engine steps (or refit saved ones), fit a profile, print its held-out error, write it."""
+    """Time real engine steps (or refit saved ones), fit a profile, print its held-out error, write
+    it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if a.from_samples:
         if not a.output:
-            raise ValueError("output: --from-samples needs --output (the device's default profile is not replaced)")
+            raise ValueError(
+                "output: --from-samples needs --output (the device's default profile is not replaced)"
+            )
         data = json.loads(Path(a.from_samples).read_text())
         cal = _refit(data, samples_from_json)
     elif a.random_shape:
         import tempfile
 
-        from tests.random_checkpoint import write_random_checkpoint  # torch, transformers: loaded here only
+        from tests.random_checkpoint import (
+            write_random_checkpoint,
+        )  # torch, transformers: loaded here only
 
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = write_random_checkpoint(a.random_shape, str(Path(tmp) / a.random_shape))
@@ -349,19 +455,33 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
 
 
 def _calibrate(a: argparse.Namespace, model: str, label: str):
-    cfg = CalibrationConfig(model=model, device=a.device, dtype=a.dtype, threads=a.threads, repeats=a.repeats,
-                            prefill=tuple(a.prefill_shapes or ()), decode=tuple(a.decode_shapes or ()),
-                            heldout_prefill=tuple(a.heldout_prefill_shapes or ()),
-                            heldout_decode=tuple(a.heldout_decode_shapes or ()), budget=a.budget,
-                            workload_requests=a.mixed_requests, label=label)
+    cfg = CalibrationConfig(
+        model=model,
+        device=a.device,
+        dtype=a.dtype,
+        threads=a.threads,
+        repeats=a.repeats,
+        prefill=tuple(a.prefill_shapes or ()),
+        decode=tuple(a.decode_shapes or ()),
+        heldout_prefill=tuple(a.heldout_prefill_shapes or ()),
+        heldout_decode=tuple(a.heldout_decode_shapes or ()),
+        budget=a.budget,
+        workload_requests=a.mixed_requests,
+        label=label,
+    )
     return calibrate(cfg)
 
 
 def _samples_json(cal) -> dict:
     p = cal.profile
-    return {"name": p.name, "num_params": p.num_params, "weight_bytes": p.weight_bytes, "source": p.source,
-            "fit": samples_to_json(cal.fit_samples),
-            "heldout": {k: samples_to_json(v) for k, v in cal.heldout.items()}}
+    return {
+        "name": p.name,
+        "num_params": p.num_params,
+        "weight_bytes": p.weight_bytes,
+        "source": p.source,
+        "fit": samples_to_json(cal.fit_samples),
+        "heldout": {k: samples_to_json(v) for k, v in cal.heldout.items()},
+    }
 
 
 def _refit(data: dict, parse):
@@ -373,7 +493,9 @@ def _refit(data: dict, parse):
             raise ValueError(f"samples file, field {key!r}: missing")
     fit = parse(data["fit"])
     source = data.get("source", "").split("; held-out error")[0] + " (refitted from saved samples)"
-    profile = fit_coefficients(fit).to_cost_model(data["name"], data["num_params"], data["weight_bytes"], source)
+    profile = fit_coefficients(fit).to_cost_model(
+        data["name"], data["num_params"], data["weight_bytes"], source
+    )
     return Calibration(profile, fit, {k: parse(v) for k, v in data["heldout"].items()})
 
 
@@ -382,24 +504,54 @@ def profile_json(model: CostModel) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python bench/calibrate.py",
-                                     description="time real engine steps here and fit a profile")
+    parser = argparse.ArgumentParser(
+        prog="python bench/calibrate.py",
+        description="time real engine steps here and fit a profile",
+    )
     cal = parser
-    cal.add_argument("--model", default="default", help='"default" (the embedded SmolLM2) or an HF directory')
-    cal.add_argument("--random-shape", help="calibrate a random-weight checkpoint of this shape "
-                     "(tests/random_checkpoint.py SHAPES, e.g. smollm2-135m), written to a temporary directory")
+    cal.add_argument(
+        "--model", default="default", help='"default" (the embedded SmolLM2) or an HF directory'
+    )
+    cal.add_argument(
+        "--random-shape",
+        help="calibrate a random-weight checkpoint of this shape "
+        "(tests/random_checkpoint.py SHAPES, e.g. smollm2-135m), written to a temporary directory",
+    )
     cal.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     cal.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    cal.add_argument("--threads", type=int, help="CPU: torch threads (default: what the process has)")
-    cal.add_argument("--repeats", type=int, default=3, help="timed steps per shape (the fit takes the median)")
-    cal.add_argument("--budget", type=int, default=0, help="max_num_batched_tokens (default: 2048 cpu, 8192 cuda)")
-    cal.add_argument("--mixed-requests", type=int, default=24, help="requests in the held-out mixed batch")
+    cal.add_argument(
+        "--threads", type=int, help="CPU: torch threads (default: what the process has)"
+    )
+    cal.add_argument(
+        "--repeats", type=int, default=3, help="timed steps per shape (the fit takes the median)"
+    )
+    cal.add_argument(
+        "--budget",
+        type=int,
+        default=0,
+        help="max_num_batched_tokens (default: 2048 cpu, 8192 cuda)",
+    )
+    cal.add_argument(
+        "--mixed-requests", type=int, default=24, help="requests in the held-out mixed batch"
+    )
     for kind, meta in (("prefill", "TOKENS:SEQS"), ("decode", "BATCH:CONTEXT")):
-        cal.add_argument(f"--{kind}-shapes", type=_shape, nargs="+", metavar=meta, help="fitted (default: a grid)")
-        cal.add_argument(f"--heldout-{kind}-shapes", type=_shape, nargs="+", metavar=meta, help="held out")
+        cal.add_argument(
+            f"--{kind}-shapes",
+            type=_shape,
+            nargs="+",
+            metavar=meta,
+            help="fitted (default: a grid)",
+        )
+        cal.add_argument(
+            f"--heldout-{kind}-shapes", type=_shape, nargs="+", metavar=meta, help="held out"
+        )
     cal.add_argument("--output", help="profile JSON path (default sim/profiles/<device>.json)")
-    cal.add_argument("--samples", help="also write the timed steps here (JSON), to refit with --from-samples")
-    cal.add_argument("--from-samples", help="refit a --samples file instead of timing (no torch needed)")
+    cal.add_argument(
+        "--samples", help="also write the timed steps here (JSON), to refit with --from-samples"
+    )
+    cal.add_argument(
+        "--from-samples", help="refit a --samples file instead of timing (no torch needed)"
+    )
     a = parser.parse_args(argv)
     try:
         cmd_calibrate(a)

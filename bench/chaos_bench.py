@@ -2,7 +2,8 @@
 
 Two runs in one invocation, the same closed-loop load (--concurrency clients; of the 50 prompts, the
 even ones are greedy and the odd ones seeded temperature sampling, which must resume exactly too):
-no faults, then a replica killed every --kill-every seconds (at most --kills times; Serve replaces it).
+no faults, then a replica killed every --kill-every seconds (at most --kills times; Serve replaces
+it).
 Reports requests completed and lost, the share whose text equals the no-fault run's, e2e p50 / p99
 of both runs, the requests in flight at each kill, and the added e2e latency of a request that was
 in flight at a kill (its migration) against the no-fault median.
@@ -10,6 +11,7 @@ in flight at a kill (its migration) against the no-fault median.
   python bench/chaos_bench.py                  # embedded SmolLM2 on CPU, two replicas
 Timings are printed, never asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import httpx  # noqa: E402
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
+import httpx
+import ray
+from ray import serve
 
-from bench.stats import pct  # noqa: E402
-from deploy.app import build_app  # noqa: E402
+from bench.stats import pct
+from deploy.app import build_app
 
 MODEL = "SmolLM2-135M-Instruct"
 APP = "chaos"
@@ -51,17 +53,27 @@ def sampling(prompt: int) -> dict:
 
 async def one(client: httpx.AsyncClient, index: int, max_tokens: int) -> Outcome:
     start = time.perf_counter()
-    body = {"model": MODEL, "prompt": f"Fact number {index % 50} about the sea:", "max_tokens": max_tokens,
-            "ignore_eos": True, **sampling(index % 50)}
+    body = {
+        "model": MODEL,
+        "prompt": f"Fact number {index % 50} about the sea:",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **sampling(index % 50),
+    }
     try:
         r = await client.post("/completions", json=body)
-        ok, text = r.status_code == 200, r.json()["choices"][0]["text"] if r.status_code == 200 else ""
+        ok, text = (
+            r.status_code == 200,
+            r.json()["choices"][0]["text"] if r.status_code == 200 else "",
+        )
     except (httpx.HTTPError, ValueError):
         ok, text = False, ""
     return Outcome(index, start, time.perf_counter(), ok, text)
 
 
-async def load(url: str, args: argparse.Namespace, kill: bool) -> tuple[list[Outcome], list[tuple[float, int]]]:
+async def load(
+    url: str, args: argparse.Namespace, kill: bool
+) -> tuple[list[Outcome], list[tuple[float, int]]]:
     outcomes: list[Outcome] = []
     in_flight: set[int] = set()
     kills: list[tuple[float, int]] = []
@@ -80,14 +92,19 @@ async def load(url: str, args: argparse.Namespace, kill: bool) -> tuple[list[Out
             await asyncio.sleep(args.kill_every_s)
             if time.perf_counter() >= deadline:
                 return
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if f"{APP}#LLMReplica" in a["name"]]
+            names = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if f"{APP}#LLMReplica" in a["name"]
+            ]
             if names:
                 kills.append((time.perf_counter(), len(in_flight)))
                 ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        tasks = [client_loop(client) for _ in range(args.concurrency)] + ([killer()] if kill else [])
+        tasks = [client_loop(client) for _ in range(args.concurrency)] + (
+            [killer()] if kill else []
+        )
         await asyncio.gather(*tasks)
     return outcomes, kills
 
@@ -98,7 +115,9 @@ def wait_running(timeout: float = 300) -> None:
         time.sleep(1)
 
 
-def report(calm: list[Outcome], chaos: list[Outcome], kills: list[tuple[float, int]], kill_every_s: float) -> None:
+def report(
+    calm: list[Outcome], chaos: list[Outcome], kills: list[tuple[float, int]], kill_every_s: float
+) -> None:
     reference = {o.index % 50: o.text for o in calm if o.ok}
     done = [o for o in chaos if o.ok]
     comparable = [o for o in done if o.index % 50 in reference]
@@ -110,15 +129,23 @@ def report(calm: list[Outcome], chaos: list[Outcome], kills: list[tuple[float, i
     print(f"kills: {len(kills)}, requests in flight at each: {[n for _, n in kills]}")
     print("| run | completed | lost | identical text | e2e p50 | e2e p99 |")
     print("| --- | --- | --- | --- | --- | --- |")
-    print(f"| no faults | {len(calm_e2e)} | {len(calm) - len(calm_e2e)} | - | {statistics.median(calm_e2e):.2f} s | "
-          f"{pct(calm_e2e, 0.99):.2f} s |")
-    print(f"| replica killed every {kill_every_s:.0f} s | {len(done)} | {len(chaos) - len(done)} | "
-          f"{len(same)}/{len(comparable)} | {statistics.median(chaos_e2e):.2f} s | {pct(chaos_e2e, 0.99):.2f} s |")
-    print(f"identical text: greedy {greedy[1]}/{greedy[0]}, seeded sampling "
-          f"{len(same) - greedy[1]}/{len(comparable) - greedy[0]}")
+    print(
+        f"| no faults | {len(calm_e2e)} | {len(calm) - len(calm_e2e)} | - | {statistics.median(calm_e2e):.2f} s | "
+        f"{pct(calm_e2e, 0.99):.2f} s |"
+    )
+    print(
+        f"| replica killed every {kill_every_s:.0f} s | {len(done)} | {len(chaos) - len(done)} | "
+        f"{len(same)}/{len(comparable)} | {statistics.median(chaos_e2e):.2f} s | {pct(chaos_e2e, 0.99):.2f} s |"
+    )
+    print(
+        f"identical text: greedy {greedy[1]}/{greedy[0]}, seeded sampling "
+        f"{len(same) - greedy[1]}/{len(comparable) - greedy[0]}"
+    )
     if hit:
-        print(f"requests in flight at a kill: {len(hit)}, their e2e median {statistics.median(hit):.2f} s, "
-              f"{statistics.median(hit) - statistics.median(calm_e2e):+.2f} s against the no-fault median")
+        print(
+            f"requests in flight at a kill: {len(hit)}, their e2e median {statistics.median(hit):.2f} s, "
+            f"{statistics.median(hit) - statistics.median(calm_e2e):+.2f} s against the no-fault median"
+        )
 
 
 def main() -> None:
@@ -132,8 +159,20 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1", num_cpus=8)
     port = 8124
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"served_model_name": MODEL, "device": "cpu", "num_replicas": 2, "replica_num_cpus": 1,
-                         "cpu_threads": 1, "ingress_num_cpus": 0.5}), name=APP, route_prefix="/")
+    serve.run(
+        build_app(
+            {
+                "served_model_name": MODEL,
+                "device": "cpu",
+                "num_replicas": 2,
+                "replica_num_cpus": 1,
+                "cpu_threads": 1,
+                "ingress_num_cpus": 0.5,
+            }
+        ),
+        name=APP,
+        route_prefix="/",
+    )
     url = f"http://127.0.0.1:{port}/v1"
     try:
         calm, _ = asyncio.run(load(url, args, kill=False))
@@ -143,7 +182,6 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ Models are random-weight checkpoints of published shapes written here (tests/ran
 Llama 3.2 1B for the roofline, Qwen3 0.6B for throughput (nano-vllm's workload: 256 sequences,
 input and output lengths uniform in 100..1024, ignore_eos, bf16).
 
-    python bench/gpu_bench.py [--only copy,kernel,roofline,throughput] [--hf-batch 64] [--json out.json]
+    python bench/gpu_bench.py [--only copy,kernel,roofline,throughput] [--hf-batch 64] [--json
+    out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scheduler import SamplingParams  # noqa: E402
-from scheduler.request import Request  # noqa: E402
-from tests.random_checkpoint import random_prompts, write_random_checkpoint  # noqa: E402
+from scheduler import SamplingParams
+from scheduler.request import Request
+from tests.random_checkpoint import random_prompts, write_random_checkpoint
 
 GiB = 1 << 30
 
@@ -79,15 +81,26 @@ def bench_kernel(bandwidth: float) -> list[dict]:
         k_cache = torch.randn(batch * width + 1, bs, hk, d, device="cuda", dtype=torch.bfloat16)
         v_cache = torch.randn_like(k_cache)
         tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
-        meta, _ = AttentionMetadata.build([ctx - 1] * batch, [1] * batch, tables, bs, torch.device("cuda"))
+        meta, _ = AttentionMetadata.build(
+            [ctx - 1] * batch, [1] * batch, tables, bs, torch.device("cuda")
+        )
         q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
         torch_backend = TorchBackend()
         torch_backend.prepare(meta)
-        t_triton = graph_time_ms(lambda: paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d ** -0.5))
-        t_torch = graph_time_ms(lambda: torch_backend.decode(q, k_cache, v_cache, meta, d ** -0.5))
+        t_triton = graph_time_ms(
+            lambda: paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5)
+        )
+        t_torch = graph_time_ms(lambda: torch_backend.decode(q, k_cache, v_cache, meta, d**-0.5))
         kv_bytes = 2 * batch * ctx * hk * d * 2
-        rows.append(dict(batch=batch, context=ctx, triton_us=t_triton * 1e3, torch_us=t_torch * 1e3,
-                         triton_bw_share=kv_bytes / bandwidth / (t_triton / 1e3)))
+        rows.append(
+            dict(
+                batch=batch,
+                context=ctx,
+                triton_us=t_triton * 1e3,
+                torch_us=t_torch * 1e3,
+                triton_bw_share=kv_bytes / bandwidth / (t_triton / 1e3),
+            )
+        )
     return rows
 
 
@@ -104,21 +117,32 @@ def release(llm) -> None:
     torch.cuda.empty_cache()
 
 
-def decode_step_ms(path: str, vocab: int, batch: int, eager: bool, context: int,
-                   steps: int = 60) -> tuple[float, float]:
+def decode_step_ms(
+    path: str, vocab: int, batch: int, eager: bool, context: int, steps: int = 60
+) -> tuple[float, float]:
     """(engine step, forward) milliseconds with `batch` requests decoding.
 
     The step is wall time of schedule + forward + sample; the forward is GPU time from the first
     kernel of the model to the logits (CUDA events), launch gaps included.
     """
     blocks_per_request = -(-(context + steps + 40) // 16)
-    llm = make_llm(path, enforce_eager=eager, max_num_seqs=max(batch, 8), max_num_batched_tokens=16384,
-                   max_model_len=16 * blocks_per_request, num_gpu_blocks=batch * blocks_per_request + 16)
+    llm = make_llm(
+        path,
+        enforce_eager=eager,
+        max_num_seqs=max(batch, 8),
+        max_num_batched_tokens=16384,
+        max_model_len=16 * blocks_per_request,
+        num_gpu_blocks=batch * blocks_per_request + 16,
+    )
     engine = llm.engine
     runner = engine.executor.runner
     for i, prompt in enumerate(random_prompts(batch, vocab, context, context, seed=batch)):
-        engine.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 30, ignore_eos=True)))
-    for _ in range(-(-batch * context // 16384) + 5):  # the prefill, then a few decode steps to warm up
+        engine.add_request(
+            Request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 30, ignore_eos=True))
+        )
+    for _ in range(
+        -(-batch * context // 16384) + 5
+    ):  # the prefill, then a few decode steps to warm up
         engine.step()
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     forward = runner._forward
@@ -156,13 +180,23 @@ def bench_roofline(path: str, bandwidth: float, context: int = 512) -> list[dict
         mean_context = context + 5 + 30  # the timed steps sit 5..65 tokens past the prompt
         read_bytes = weight_bytes + batch * mean_context * kv_per_token
         floor_ms = read_bytes / bandwidth * 1e3  # a copy's rate counts the bytes read and written
-        row = dict(batch=batch, weights_gb=weight_bytes / 1e9, kv_gb=batch * mean_context * kv_per_token / 1e9,
-                   floor_ms=floor_ms)
+        row = dict(
+            batch=batch,
+            weights_gb=weight_bytes / 1e9,
+            kv_gb=batch * mean_context * kv_per_token / 1e9,
+            floor_ms=floor_ms,
+        )
         for eager in (True, False):
             step_ms, forward_ms = decode_step_ms(path, config.vocab_size, batch, eager, context)
             key = "eager" if eager else "graphs"
-            row.update({f"{key}_ms": step_ms, f"{key}_share": floor_ms / step_ms,
-                        f"{key}_forward_ms": forward_ms, f"{key}_forward_share": floor_ms / forward_ms})
+            row.update(
+                {
+                    f"{key}_ms": step_ms,
+                    f"{key}_share": floor_ms / step_ms,
+                    f"{key}_forward_ms": forward_ms,
+                    f"{key}_forward_share": floor_ms / forward_ms,
+                }
+            )
         rows.append(row)
     return rows
 
@@ -177,9 +211,13 @@ def _param_counts(config) -> list[int]:
     return [layers * per_layer, h, config.vocab_size * h]
 
 
-def throughput_workload(vocab: int, num: int = 256, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def throughput_workload(
+    vocab: int, num: int = 256, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
-    prompts = [[rng.randint(3, vocab - 1) for _ in range(rng.randint(100, 1024))] for _ in range(num)]
+    prompts = [
+        [rng.randint(3, vocab - 1) for _ in range(rng.randint(100, 1024))] for _ in range(num)
+    ]
     return prompts, [rng.randint(100, 1024) for _ in range(num)]
 
 
@@ -204,12 +242,13 @@ def bench_hf(path: str, prompts, max_tokens, batch: int) -> float:
     model.generation_config.eos_token_id = None  # ignore_eos
     t = time.perf_counter()
     for start in range(0, len(prompts), batch):
-        chunk, lens = prompts[start:start + batch], max_tokens[start:start + batch]
+        chunk, lens = prompts[start : start + batch], max_tokens[start : start + batch]
         width = max(map(len, chunk))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device="cuda")
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device="cuda")
-        config = GenerationConfig(max_new_tokens=max(lens), do_sample=True,
-                                  temperature=0.6, top_k=0, pad_token_id=0)
+        config = GenerationConfig(
+            max_new_tokens=max(lens), do_sample=True, temperature=0.6, top_k=0, pad_token_id=0
+        )
         model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
@@ -229,30 +268,44 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     only = set(args.only.split(","))
     props = torch.cuda.get_device_properties(0)
-    result: dict = {"gpu": props.name, "torch": torch.__version__, "memory_gib": props.total_memory / GiB}
+    result: dict = {
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "memory_gib": props.total_memory / GiB,
+    }
     print(f"GPU: {props.name}, {props.total_memory / GiB:.0f} GiB, torch {torch.__version__}")
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_tbs"] = bandwidth / 1e12
     print(f"copy bandwidth (read + written): {bandwidth / 1e12:.2f} TB/s")
     if "kernel" in only:
         result["kernel"] = bench_kernel(bandwidth)
-        print("\n| batch | context | Triton paged decode (us) | torch gather + SDPA (us) | Triton share of copy bw |")
+        print(
+            "\n| batch | context | Triton paged decode (us) | torch gather + SDPA (us) | Triton share of copy bw |"
+        )
         print("| --- | --- | --- | --- | --- |")
         for r in result["kernel"]:
-            print(f"| {r['batch']} | {r['context']} | {r['triton_us']:.1f} | {r['torch_us']:.1f} | "
-                  f"{r['triton_bw_share']:.0%} |")
+            print(
+                f"| {r['batch']} | {r['context']} | {r['triton_us']:.1f} | {r['torch_us']:.1f} | "
+                f"{r['triton_bw_share']:.0%} |"
+            )
     with tempfile.TemporaryDirectory() as tmp:
         if "roofline" in only:
             llama = write_random_checkpoint("llama3-1b", os.path.join(tmp, "llama3-1b")).path
             result["roofline"] = bench_roofline(llama, bandwidth)
-            print("\nDecode roofline, Llama-3.2-1B shape, bf16, 512-token prompts (step = schedule + forward + sample)")
-            print("| batch | weights + KV read (GB) | floor (ms) | mode | forward (ms) | share | engine step (ms) | share |")
+            print(
+                "\nDecode roofline, Llama-3.2-1B shape, bf16, 512-token prompts (step = schedule + forward + sample)"
+            )
+            print(
+                "| batch | weights + KV read (GB) | floor (ms) | mode | forward (ms) | share | engine step (ms) | share |"
+            )
             print("| --- | --- | --- | --- | --- | --- | --- | --- |")
             for r in result["roofline"]:
                 for key, label in (("eager", "eager"), ("graphs", "CUDA graphs")):
-                    print(f"| {r['batch']} | {r['weights_gb'] + r['kv_gb']:.2f} | {r['floor_ms']:.3f} | {label} | "
-                          f"{r[key + '_forward_ms']:.3f} | {r[key + '_forward_share']:.0%} | "
-                          f"{r[key + '_ms']:.3f} | {r[key + '_share']:.0%} |")
+                    print(
+                        f"| {r['batch']} | {r['weights_gb'] + r['kv_gb']:.2f} | {r['floor_ms']:.3f} | {label} | "
+                        f"{r[key + '_forward_ms']:.3f} | {r[key + '_forward_share']:.0%} | "
+                        f"{r[key + '_ms']:.3f} | {r[key + '_share']:.0%} |"
+                    )
         if "throughput" in only:
             qwen = write_random_checkpoint("qwen3-0.6b", os.path.join(tmp, "qwen3-0.6b")).path
             prompts, max_tokens = throughput_workload(151936, args.num_seqs)
@@ -260,13 +313,24 @@ def main() -> None:
             ours = bench_raylm(qwen, prompts, max_tokens)
             print(f"raylm: {total} tokens in {ours:.1f}s = {total / ours:.0f} tok/s", flush=True)
             hf = bench_hf(qwen, prompts, max_tokens, args.hf_batch)
-            result["throughput"] = dict(sequences=len(prompts), output_tokens=total, raylm_s=ours, hf_s=hf,
-                                        raylm_tok_s=total / ours, hf_tok_s=total / hf, hf_batch=args.hf_batch)
-            print(f"\nOffline throughput, Qwen3-0.6B shape, bf16, {len(prompts)} sequences, {total} output tokens")
+            result["throughput"] = dict(
+                sequences=len(prompts),
+                output_tokens=total,
+                raylm_s=ours,
+                hf_s=hf,
+                raylm_tok_s=total / ours,
+                hf_tok_s=total / hf,
+                hf_batch=args.hf_batch,
+            )
+            print(
+                f"\nOffline throughput, Qwen3-0.6B shape, bf16, {len(prompts)} sequences, {total} output tokens"
+            )
             print("| system | time (s) | output tok/s | vs HF |")
             print("| --- | --- | --- | --- |")
             print(f"| raylm | {ours:.1f} | {total / ours:.0f} | {hf / ours:.1f}x |")
-            print(f"| HF transformers, static batches of {args.hf_batch} | {hf:.1f} | {total / hf:.0f} | 1.0x |")
+            print(
+                f"| HF transformers, static batches of {args.hf_batch} | {hf:.1f} | {total / hf:.0f} | 1.0x |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

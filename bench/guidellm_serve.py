@@ -5,8 +5,10 @@ GuideLLM is a benchmark client, not a dependency: install it in its own virtuale
 first (else pip pulls the CUDA build), and point --guidellm at its executable:
 
     python3 -m venv /tmp/guidellm && /tmp/guidellm/bin/pip install torch==2.13.0 guidellm==0.8.1
-    python bench/guidellm_serve.py --guidellm /tmp/guidellm/bin/guidellm [--concurrency 8] [--requests 32]
-        [--set replica_num_cpus=1 --set cpu_threads=1]   # A/B an app arg without editing deploy.yaml
+    python bench/guidellm_serve.py --guidellm /tmp/guidellm/bin/guidellm [--concurrency 8]
+    [--requests 32]
+        [--set replica_num_cpus=1 --set cpu_threads=1]   # A/B an app arg without editing
+        deploy.yaml
 
 It times the offline decode step (bench/step_profile.py's runner, batch = concurrency, contexts
 spanning prompt to prompt + output), starts `serve run deploy.yaml` (RAY_AUTH_MODE=disabled), runs
@@ -15,6 +17,7 @@ and prints TTFT, ITL and the ratio of ITL to the faster of the two offline figur
 shared with other jobs, a loaded offline figure would flatter the ratio). Figures only; nothing
 passes or fails here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,12 +53,23 @@ def wait_ready(url: str, timeout_s: float = 300) -> None:
 
 
 def run_guidellm(exe: str, url: str, tokenizer: str, a: argparse.Namespace, out: Path) -> dict:
-    cmd = [exe, "run", "--backend", f"kind=openai_http,target={url},model={MODEL}",
-           "--profile", f"kind=concurrent,streams={a.concurrency}",
-           "--constraint", f"kind=max_requests,count={a.requests}",
-           "--data", f"kind=synthetic_text,prompt_tokens={a.prompt_tokens},output_tokens={a.output_tokens}",
-           "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
-           "--output", f"kind=json,path={out}", "--disable-progress"]
+    cmd = [
+        exe,
+        "run",
+        "--backend",
+        f"kind=openai_http,target={url},model={MODEL}",
+        "--profile",
+        f"kind=concurrent,streams={a.concurrency}",
+        "--constraint",
+        f"kind=max_requests,count={a.requests}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={a.prompt_tokens},output_tokens={a.output_tokens}",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={tokenizer}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-progress",
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["benchmarks"][0]["metrics"]
 
@@ -95,14 +109,21 @@ def deploy_file(overrides: list[str], tmp: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--guidellm", required=True, help="the guidellm executable (its own virtualenv)")
+    parser.add_argument(
+        "--guidellm", required=True, help="the guidellm executable (its own virtualenv)"
+    )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=158)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=8000, help="deploy.yaml's port")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one of deploy.yaml's app args (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one of deploy.yaml's app args (repeatable)",
+    )
     args = parser.parse_args()
     from workers.model_files import resolve_model
 
@@ -112,30 +133,48 @@ def main() -> None:
     step_before = offline_step_ms(args.concurrency, context)
     serve_bin = str(Path(sys.executable).parent / "serve")
     tmp = tempfile.TemporaryDirectory()
-    server = subprocess.Popen([serve_bin, "run", str(deploy_file(args.set, Path(tmp.name)))], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [serve_bin, "run", str(deploy_file(args.set, Path(tmp.name)))],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_ready(url)
-        metrics = run_guidellm(args.guidellm, url, tokenizer, args, Path(tmp.name) / "guidellm.json")
+        metrics = run_guidellm(
+            args.guidellm, url, tokenizer, args, Path(tmp.name) / "guidellm.json"
+        )
     finally:
         tmp.cleanup()
         server.terminate()
         server.wait(timeout=120)
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [str(Path(sys.executable).parent / "ray"), "stop", "--force"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     ok = lambda name: metrics[name]["successful"]  # noqa: E731
     step_after = offline_step_ms(args.concurrency, context)
     step = min(step_before, step_after)
     itl, ttft = ok("inter_token_latency_ms"), ok("time_to_first_token_ms")
-    print(f"GuideLLM concurrency {args.concurrency}, {args.requests} requests, {args.prompt_tokens} prompt / "
-          f"{args.output_tokens} output tokens (synthetic), deploy.yaml {' '.join(args.set)}")
-    print(f"offline decode step at batch {args.concurrency}: {step_before:.1f} ms before serving, "
-          f"{step_after:.1f} ms after; the ratio uses {step:.1f} ms")
-    print("| TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | TPOT p50 | output tok/s | offline decode step | ITL p50 / step |")
+    print(
+        f"GuideLLM concurrency {args.concurrency}, {args.requests} requests, {args.prompt_tokens} prompt / "
+        f"{args.output_tokens} output tokens (synthetic), deploy.yaml {' '.join(args.set)}"
+    )
+    print(
+        f"offline decode step at batch {args.concurrency}: {step_before:.1f} ms before serving, "
+        f"{step_after:.1f} ms after; the ratio uses {step:.1f} ms"
+    )
+    print(
+        "| TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | TPOT p50 | output tok/s | offline decode step | ITL p50 / step |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {ttft['median'] / 1e3:.2f} s | {ttft['percentiles']['p90'] / 1e3:.2f} s | {itl['median']:.1f} ms | "
-          f"{itl['percentiles']['p90']:.1f} ms | {ok('time_per_output_token_ms')['median']:.1f} ms | "
-          f"{ok('output_tokens_per_second')['mean']:.1f} | {step:.1f} ms | {itl['median'] / step:.2f}x |")
+    print(
+        f"| {ttft['median'] / 1e3:.2f} s | {ttft['percentiles']['p90'] / 1e3:.2f} s | {itl['median']:.1f} ms | "
+        f"{itl['percentiles']['p90']:.1f} ms | {ok('time_per_output_token_ms')['median']:.1f} ms | "
+        f"{ok('output_tokens_per_second')['mean']:.1f} | {step:.1f} ms | {itl['median'] / step:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

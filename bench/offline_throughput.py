@@ -9,6 +9,7 @@ Roofline: a large fp32 GEMM measured in the same run; SmolLM2 costs ~0.27 GFLOP 
 
     python bench/offline_throughput.py [--dtypes float32,bfloat16] [--hf-batch 32] [--skip-hf]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,50 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from engine.llm import LLM  # noqa: E402
-from scheduler import SamplingParams  # noqa: E402
+from engine.llm import LLM
+from scheduler import SamplingParams
 
 SEED = 2024
 NUM_PROMPTS = 64
 FLOP_PER_TOKEN = 0.27e9
 NEAR_TIE = 1e-3
-WORDS = ("the a of river stone light market engine garden winter paper signal forest copper harbor "
-         "lantern window orbit cotton meadow thunder explain describe why how history science music "
-         "city ocean mountain travel friend computer language").split()
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "river",
+    "stone",
+    "light",
+    "market",
+    "engine",
+    "garden",
+    "winter",
+    "paper",
+    "signal",
+    "forest",
+    "copper",
+    "harbor",
+    "lantern",
+    "window",
+    "orbit",
+    "cotton",
+    "meadow",
+    "thunder",
+    "explain",
+    "describe",
+    "why",
+    "how",
+    "history",
+    "science",
+    "music",
+    "city",
+    "ocean",
+    "mountain",
+    "travel",
+    "friend",
+    "computer",
+    "language",
+]
 
 
 def build_workload(tokenizer) -> tuple[list[list[int]], list[int]]:
@@ -41,9 +76,13 @@ def build_workload(tokenizer) -> tuple[list[list[int]], list[int]]:
         target = rng.randint(20, 200)
         words = [rng.choice(WORDS) for _ in range(target)]
         while True:
-            messages = [{"role": "system", "content": "Be brief."},
-                        {"role": "user", "content": " ".join(words)}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            messages = [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": " ".join(words)},
+            ]
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             ids = tokenizer.encode(text, add_special_tokens=False)
             if len(ids) <= target or not words:
                 break
@@ -61,7 +100,7 @@ def gemm_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
         t = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def run_raylm(dtype: str, prompts, max_tokens, **knobs) -> tuple[float, list[list[int]]]:
@@ -81,24 +120,32 @@ def run_hf(dtype: torch.dtype, prompts, max_tokens, batch: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from workers.model_files import default_model_path, resolve_model
+
     path = default_model_path()
     model_dir = resolve_model("default")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype
+    ).eval()
     model.generation_config.eos_token_id = None  # ignore_eos
     tokens, top2 = [], []
     t = time.perf_counter()
     for start in range(0, len(prompts), batch):
-        chunk, lens = prompts[start:start + batch], max_tokens[start:start + batch]
+        chunk, lens = prompts[start : start + batch], max_tokens[start : start + batch]
         width = max(map(len, chunk))
         ids = torch.tensor([[tokenizer.pad_token_id or 0] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        config = GenerationConfig(max_new_tokens=max(lens), do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                                  output_logits=True, return_dict_in_generate=True)
+        config = GenerationConfig(
+            max_new_tokens=max(lens),
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).topk(2, dim=-1).values
         for row, n in enumerate(lens):
-            tokens.append(out.sequences[row, width:width + n].tolist())
+            tokens.append(out.sequences[row, width : width + n].tolist())
             top2.append(logprobs[row, :n].tolist())
     return time.perf_counter() - t, tokens, top2
 
@@ -118,7 +165,9 @@ def compare(ours: list[list[int]], hf: list[list[int]], top2) -> tuple[int, int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--hf-batch", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true")
@@ -129,12 +178,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from workers.model_files import resolve_model
+
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("default"))
     prompts, max_tokens = build_workload(tokenizer)
     useful = sum(max_tokens)
-    print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens "
-          f"({min(map(len, prompts))}-{max(map(len, prompts))} each), {useful} output tokens; "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens "
+        f"({min(map(len, prompts))}-{max(map(len, prompts))} each), {useful} output tokens; "
+        f"torch threads {torch.get_num_threads()}"
+    )
     knobs = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -143,16 +195,22 @@ def main() -> None:
         seconds, ours = run_raylm(dtype_name, prompts, max_tokens, **knobs)
         rate = useful / seconds
         print(f"[{dtype_name}] GEMM {flops / 1e9:.0f} GFLOP/s -> ceiling {ceiling:.0f} tok/s")
-        print(f"[{dtype_name}] raylm: {seconds:.1f} s, {rate:.0f} useful tok/s, "
-              f"{100 * rate / ceiling:.0f}% of the roofline")
+        print(
+            f"[{dtype_name}] raylm: {seconds:.1f} s, {rate:.0f} useful tok/s, "
+            f"{100 * rate / ceiling:.0f}% of the roofline"
+        )
         if args.skip_hf:
             continue
         hf_seconds, hf_tokens, top2 = run_hf(dtype, prompts, max_tokens, args.hf_batch)
         hf_rate = useful / hf_seconds
         same, tie, other = compare(ours, hf_tokens, top2)
-        print(f"[{dtype_name}] HF static batch {args.hf_batch}: {hf_seconds:.1f} s, {hf_rate:.0f} useful tok/s")
-        print(f"[{dtype_name}] raylm / HF = {rate / hf_rate:.2f}x; tokens vs HF: {same} identical, "
-              f"{tie} differ first at a near-tie, {other} differ otherwise")
+        print(
+            f"[{dtype_name}] HF static batch {args.hf_batch}: {hf_seconds:.1f} s, {hf_rate:.0f} useful tok/s"
+        )
+        print(
+            f"[{dtype_name}] raylm / HF = {rate / hf_rate:.2f}x; tokens vs HF: {same} identical, "
+            f"{tie} differ first at a near-tie, {other} differ otherwise"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ class took about 2,450 us per step at 256 running requests (9.6 us per request).
 
     python bench/scheduler_overhead.py [--steps 60] [--repeats 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,14 @@ TARGET_US_PER_REQ = 3.0
 
 
 def build(num_running: int, prefix_caching: bool) -> Scheduler:
-    cfg = SchedulerConfig(max_num_batched_tokens=max(8192, num_running), max_num_seqs=num_running,
-                          block_size=16, num_gpu_blocks=40_000, max_model_len=PROMPT_LEN + 4096,
-                          enable_prefix_caching=prefix_caching)
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=max(8192, num_running),
+        max_num_seqs=num_running,
+        block_size=16,
+        num_gpu_blocks=40_000,
+        max_model_len=PROMPT_LEN + 4096,
+        enable_prefix_caching=prefix_caching,
+    )
     sched = Scheduler(cfg)
     params = SamplingParams(max_tokens=4096, ignore_eos=True)
     for i in range(num_running):
@@ -62,11 +68,15 @@ def time_steps(sched: Scheduler, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="decode steps per timing")
-    parser.add_argument("--repeats", type=int, default=5, help="timings per configuration (median quoted)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timings per configuration (median quoted)"
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[32, 256, 1024])
     args = parser.parse_args()
 
-    print(f"{'running':>8} {'prefix cache':>12} {'us/step':>10} {'us/request':>11} {'vs vLLM 9.6 us/req':>19}")
+    print(
+        f"{'running':>8} {'prefix cache':>12} {'us/step':>10} {'us/request':>11} {'vs vLLM 9.6 us/req':>19}"
+    )
     per_req: dict[tuple[int, bool], float] = {}
     for n in args.sizes:
         for prefix in (True, False):
@@ -76,14 +86,22 @@ def main() -> None:
                 runs.append(time_steps(sched, args.steps))
             us = statistics.median(runs)
             per_req[(n, prefix)] = us / n
-            print(f"{n:>8} {'on' if prefix else 'off':>12} {us:>10.1f} {us / n:>11.2f} "
-                  f"{VLLM_US_PER_REQ_AT_256 / (us / n):>18.1f}x")
+            print(
+                f"{n:>8} {'on' if prefix else 'off':>12} {us:>10.1f} {us / n:>11.2f} "
+                f"{VLLM_US_PER_REQ_AT_256 / (us / n):>18.1f}x"
+            )
     small, large = min(args.sizes), max(args.sizes)
     growth = per_req[(large, True)] / per_req[(small, True)]
-    print(f"\nper-request cost at {large} / at {small} running (prefix cache on): {growth:.2f} "
-          f"(1.0 = linear growth of step cost)")
-    met = all(per_req[(n, p)] <= TARGET_US_PER_REQ for n in args.sizes if n >= 256 for p in (True, False))
-    print(f"target <= {TARGET_US_PER_REQ} us per running request at 256 and 1024: {'met' if met else 'NOT met'}")
+    print(
+        f"\nper-request cost at {large} / at {small} running (prefix cache on): {growth:.2f} "
+        f"(1.0 = linear growth of step cost)"
+    )
+    met = all(
+        per_req[(n, p)] <= TARGET_US_PER_REQ for n in args.sizes if n >= 256 for p in (True, False)
+    )
+    print(
+        f"target <= {TARGET_US_PER_REQ} us per running request at 256 and 1024: {'met' if met else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

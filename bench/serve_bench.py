@@ -1,8 +1,12 @@
-"""Serving benchmark in the manner of `vllm bench serve`, plus the offline engine on the same workload.
+"""Serving benchmark in the manner of `vllm bench serve`, plus the offline engine on the same
+workload.
 
-Streams completions over HTTP with Poisson (gamma) arrivals at --request-rate (or all at once, capped by
---max-concurrency), and reports TTFT, TPOT, ITL and end-to-end percentiles, output tokens/s and goodput
-under SLOs. Two scenarios by default, each run through the full Serve stack (ingress, handle, replica)
+Streams completions over HTTP with Poisson (gamma) arrivals at --request-rate (or all at once,
+capped by
+--max-concurrency), and reports TTFT, TPOT, ITL and end-to-end percentiles, output tokens/s and
+goodput
+under SLOs. Two scenarios by default, each run through the full Serve stack (ingress, handle,
+replica)
 and through an in-process EngineCore with the same config, printing the overhead of the stack:
   low load    one request at a time, alternating paths: what Serve adds to median TTFT, paired
               request by request (target <= 30 ms)
@@ -15,6 +19,7 @@ Interleaving keeps a busy, shared machine from favouring whichever path ran in a
       --request-rate 4 --num-prompts 100             # only a client against a running server
 Timings are printed, never asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,24 +69,41 @@ class Report:
             if not values:
                 return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
             a = np.asarray(values) * 1000
-            return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-                    "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+            return {
+                "mean": float(a.mean()),
+                "p50": float(np.percentile(a, 50)),
+                "p90": float(np.percentile(a, 90)),
+                "p99": float(np.percentile(a, 99)),
+            }
 
-        return {"name": self.name, "completed": len(ok), "failed": len(self.results) - len(ok),
-                "cpu_s": dict(self.cpu), "cpu_s_per_1k_tokens": 1000 * sum(self.cpu.values()) / out if out else 0.0,
-                "duration_s": self.duration, "output_tok_s": out / self.duration if self.duration else 0.0,
-                "request_s": len(ok) / self.duration if self.duration else 0.0,
-                "goodput_req_s": len(good) / self.duration if self.duration else 0.0,
-                "ttft_ms": pct([r.ttft for r in ok]), "tpot_ms": pct([r.tpot for r in ok if r.output_tokens > 1]),
-                "itl_ms": pct([x for r in ok for x in r.itl]), "e2e_ms": pct([r.e2e for r in ok])}
+        return {
+            "name": self.name,
+            "completed": len(ok),
+            "failed": len(self.results) - len(ok),
+            "cpu_s": dict(self.cpu),
+            "cpu_s_per_1k_tokens": 1000 * sum(self.cpu.values()) / out if out else 0.0,
+            "duration_s": self.duration,
+            "output_tok_s": out / self.duration if self.duration else 0.0,
+            "request_s": len(ok) / self.duration if self.duration else 0.0,
+            "goodput_req_s": len(good) / self.duration if self.duration else 0.0,
+            "ttft_ms": pct([r.ttft for r in ok]),
+            "tpot_ms": pct([r.tpot for r in ok if r.output_tokens > 1]),
+            "itl_ms": pct([x for r in ok for x in r.itl]),
+            "e2e_ms": pct([r.e2e for r in ok]),
+        }
 
 
 # ---- workload ------------------------------------------------------------------------------------
-def make_prompts(vocab: int, num: int, input_len: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+def make_prompts(
+    vocab: int, num: int, input_len: int, seed: int, shared_prefix: int = 0
+) -> list[list[int]]:
     """Random token prompts (fixed length, so both paths see exactly the same tokens)."""
     rng = random.Random(seed)
     prefix = [rng.randrange(1000, vocab) for _ in range(shared_prefix)]
-    return [prefix + [rng.randrange(1000, vocab) for _ in range(input_len - shared_prefix)] for _ in range(num)]
+    return [
+        prefix + [rng.randrange(1000, vocab) for _ in range(input_len - shared_prefix)]
+        for _ in range(num)
+    ]
 
 
 def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -92,10 +114,20 @@ def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[fl
     return list(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num))
 
 
-# ---- the HTTP client -------------------------------------------------------------------------------
-async def one_http_request(client, url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+# ---- the HTTP client
+# -------------------------------------------------------------------------------
+async def one_http_request(
+    client, url: str, model: str, prompt: list[int], output_len: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last = start
     result = RequestResult(ok=False)
@@ -122,19 +154,31 @@ async def one_http_request(client, url: str, model: str, prompt: list[int], outp
                     return result
         result.e2e = time.perf_counter() - start
         result.ok = True
-    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+    except Exception as exc:
         result.error = repr(exc)
     return result
 
 
-async def run_http(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
-                   burstiness: float, max_concurrency: int | None, seed: int, name: str) -> Report:
+async def run_http(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    rate: float,
+    burstiness: float,
+    max_concurrency: int | None,
+    seed: int,
+    name: str,
+) -> Report:
     import httpx
 
     limit = asyncio.Semaphore(max_concurrency or len(prompts))
     gaps = arrival_gaps(len(prompts), rate, burstiness, seed)
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    limits = httpx.Limits(
+        max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
         async def limited(prompt):
             async with limit:
                 return await one_http_request(client, url, model, prompt, output_len)
@@ -152,8 +196,11 @@ async def run_http(url: str, model: str, prompts: list[list[int]], output_len: i
     return report
 
 
-# ---- the offline engine ------------------------------------------------------------------------------
-def run_offline(engine, prompts: list[list[int]], output_len: int, concurrency: int | None, name: str) -> Report:
+# ---- the offline engine
+# ------------------------------------------------------------------------------
+def run_offline(
+    engine, prompts: list[list[int]], output_len: int, concurrency: int | None, name: str
+) -> Report:
     """Drive EngineCore.step() directly: `concurrency` requests in flight (None: all at once)."""
     from scheduler import Request, SamplingParams
 
@@ -191,8 +238,12 @@ def run_offline(engine, prompts: list[list[int]], output_len: int, concurrency: 
 
 
 # ---- CPU accounting: what each path burns, independent of how busy the machine is ----------------
-_KINDS = {"ServeReplica:bench:LLMReplica": "replica", "ServeReplica:bench:OpenAIIngress": "ingress",
-          "ProxyActor": "proxy", "ServeController": "controller"}
+_KINDS = {
+    "ServeReplica:bench:LLMReplica": "replica",
+    "ServeReplica:bench:OpenAIIngress": "ingress",
+    "ProxyActor": "proxy",
+    "ServeController": "controller",
+}
 
 
 def cpu_by_kind() -> dict[str, float]:
@@ -216,7 +267,8 @@ def cpu_by_kind() -> dict[str, float]:
 
 
 def _our_raylets() -> list:
-    """The raylet of the cluster this process started (other people's clusters may share the machine)."""
+    """The raylet of the cluster this process started (other people's clusters may share the
+    machine)."""
     import psutil
     import ray
 
@@ -230,14 +282,19 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-# ---- printing --------------------------------------------------------------------------------------
+# ---- printing
+# --------------------------------------------------------------------------------------
 def print_summary(s: dict) -> None:
-    print(f"  {s['name']:<24} {s['completed']:>4} ok {s['failed']:>3} failed  {s['duration_s']:7.2f} s  "
-          f"{s['output_tok_s']:8.1f} out tok/s  goodput {s['goodput_req_s']:6.2f} req/s")
+    print(
+        f"  {s['name']:<24} {s['completed']:>4} ok {s['failed']:>3} failed  {s['duration_s']:7.2f} s  "
+        f"{s['output_tok_s']:8.1f} out tok/s  goodput {s['goodput_req_s']:6.2f} req/s"
+    )
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         v = s[key]
-        print(f"      {key[:-3].upper():<5} mean {v['mean']:8.1f}  p50 {v['p50']:8.1f}  p90 {v['p90']:8.1f}  "
-              f"p99 {v['p99']:8.1f} ms")
+        print(
+            f"      {key[:-3].upper():<5} mean {v['mean']:8.1f}  p50 {v['p50']:8.1f}  p90 {v['p90']:8.1f}  "
+            f"p99 {v['p99']:8.1f} ms"
+        )
 
 
 def free_port() -> int:
@@ -246,10 +303,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---- main ------------------------------------------------------------------------------------------
+# ---- main
+# ------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="model arg of the app (or the served name with --base-url)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default="default",
+        help="model arg of the app (or the served name with --base-url)",
+    )
     p.add_argument("--base-url", default=None, help="benchmark a running server only (…/v1)")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per saturation round")
     p.add_argument("--rounds", type=int, default=2, help="saturation rounds per path, alternating")
@@ -257,28 +321,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="saturation arrivals/s (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="saturation arrivals/s (inf: all at once)",
+    )
+    p.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)"
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--cpu-threads", type=int, default=1,
-                   help="torch threads, both paths (1: what Ray gives a 1-CPU replica; more thrash on a busy box)")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        help="torch threads, both paths (1: what Ray gives a 1-CPU replica; more thrash on a busy box)",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    p.add_argument("--worker-niceness", type=int, default=0,
-                   help="nice of Ray's worker processes (Ray's default: 15; this process runs at 0)")
+    p.add_argument(
+        "--worker-niceness",
+        type=int,
+        default=0,
+        help="nice of Ray's worker processes (Ray's default: 15; this process runs at 0)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=32000, help="with --base-url: random prompt ids below this")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32000,
+        help="with --base-url: random prompt ids below this",
+    )
     p.add_argument("--json", default=None, help="write the summaries here")
     return p.parse_args(argv)
 
 
 def app_args(a: argparse.Namespace, threads: int) -> dict:
-    return {"model": a.model, "served_model_name": "bench", "max_model_len": max(256, a.input_len + a.output_len + 16),
-            "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
-            "cpu_threads": threads, "max_ongoing_requests": 4 * max(a.num_prompts, a.max_num_seqs),
-            "kv_cache_memory_gb": a.kv_cache_memory_gb, "enable_prefix_caching": False}
+    return {
+        "model": a.model,
+        "served_model_name": "bench",
+        "max_model_len": max(256, a.input_len + a.output_len + 16),
+        "max_num_seqs": a.max_num_seqs,
+        "max_num_batched_tokens": a.max_num_batched_tokens,
+        "cpu_threads": threads,
+        "max_ongoing_requests": 4 * max(a.num_prompts, a.max_num_seqs),
+        "kv_cache_memory_gb": a.kv_cache_memory_gb,
+        "enable_prefix_caching": False,
+    }
 
 
 def merged(name: str, reports: list[Report]) -> Report:
@@ -286,7 +377,9 @@ def merged(name: str, reports: list[Report]) -> Report:
     for r in reports:
         for k, v in r.cpu.items():
             cpu[k] = cpu.get(k, 0.0) + v
-    return Report(name, sum(r.duration for r in reports), [x for r in reports for x in r.results], cpu)
+    return Report(
+        name, sum(r.duration for r in reports), [x for r in reports for x in r.results], cpu
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -295,8 +388,19 @@ def main(argv: list[str] | None = None) -> None:
     slo = (a.slo_ttft_ms / 1000, a.slo_tpot_ms / 1000)
     if a.base_url:
         prompts = make_prompts(a.vocab_size, a.num_prompts, a.input_len, a.seed)
-        rep = asyncio.run(run_http(a.base_url, a.model, prompts, a.output_len, a.request_rate, a.burstiness,
-                                   a.max_concurrency, a.seed, "serve"))
+        rep = asyncio.run(
+            run_http(
+                a.base_url,
+                a.model,
+                prompts,
+                a.output_len,
+                a.request_rate,
+                a.burstiness,
+                a.max_concurrency,
+                a.seed,
+                "serve",
+            )
+        )
         print_summary(rep.summary(*slo))
         return
 
@@ -304,17 +408,20 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from ray import serve
 
-    from engine.core import EngineCore
     from deploy.app import build_app
     from deploy.config import AppConfig
+    from engine.core import EngineCore
 
     torch.set_num_threads(a.cpu_threads)
-    # Ray starts worker processes at nice 15. This process (the offline engine) runs at nice 0, so on a
+    # Ray starts worker processes at nice 15. This process (the offline engine) runs at nice 0, so
+    # on a
     # shared, oversubscribed machine the default would measure OS priority rather than the stack.
     os.environ["RAY_worker_niceness"] = str(a.worker_niceness)
     args = app_args(a, a.cpu_threads)
-    print(f"model {a.model}: {a.input_len} prompt + {a.output_len} output tokens, {a.cpu_threads} torch "
-          f"thread(s) per engine, Ray workers at nice {a.worker_niceness}; offline and Serve runs interleaved")
+    print(
+        f"model {a.model}: {a.input_len} prompt + {a.output_len} output tokens, {a.cpu_threads} torch "
+        f"thread(s) per engine, Ray workers at nice {a.worker_niceness}; offline and Serve runs interleaved"
+    )
 
     # Both engines live side by side; only the one being measured is busy.
     engine = EngineCore(AppConfig.from_args(args).engine)
@@ -328,7 +435,11 @@ def main(argv: list[str] | None = None) -> None:
     url = f"http://127.0.0.1:{port}/v1"
 
     def serve_run(prompts, output_len, rate, concurrency, name):
-        return asyncio.run(run_http(url, "bench", prompts, output_len, rate, a.burstiness, concurrency, a.seed, name))
+        return asyncio.run(
+            run_http(
+                url, "bench", prompts, output_len, rate, a.burstiness, concurrency, a.seed, name
+            )
+        )
 
     try:
         run_offline(engine, low_prompts[:2], 4, 1, "warmup offline")
@@ -336,20 +447,35 @@ def main(argv: list[str] | None = None) -> None:
         # Low load: request by request, alternating paths, so TTFTs can be compared pairwise.
         offline_low, serve_low = [], []
         for i, prompt in enumerate(low_prompts):
-            offline_low.append(run_offline(engine, [prompt], a.output_len, 1, f"offline low load #{i}"))
-            serve_low.append(serve_run([prompt], a.output_len, float("inf"), 1, f"serve low load #{i}"))
+            offline_low.append(
+                run_offline(engine, [prompt], a.output_len, 1, f"offline low load #{i}")
+            )
+            serve_low.append(
+                serve_run([prompt], a.output_len, float("inf"), 1, f"serve low load #{i}")
+            )
         # Saturation: rounds in alternating order (offline first, then Serve first, ...).
         offline_sat, serve_sat = [], []
         for r in range(a.rounds):
-            for path in (("offline", "serve") if r % 2 == 0 else ("serve", "offline")):
+            for path in ("offline", "serve") if r % 2 == 0 else ("serve", "offline"):
                 before = cpu_by_kind()
                 if path == "offline":
-                    rep = run_offline(engine, sat_prompts, a.output_len, a.max_concurrency, f"offline saturation #{r}")
+                    rep = run_offline(
+                        engine,
+                        sat_prompts,
+                        a.output_len,
+                        a.max_concurrency,
+                        f"offline saturation #{r}",
+                    )
                     rep.cpu = {"engine": cpu_delta(before, cpu_by_kind())["client"]}
                     offline_sat.append(rep)
                 else:
-                    rep = serve_run(sat_prompts, a.output_len, a.request_rate, a.max_concurrency,
-                                    f"serve saturation #{r}")
+                    rep = serve_run(
+                        sat_prompts,
+                        a.output_len,
+                        a.request_rate,
+                        a.max_concurrency,
+                        f"serve saturation #{r}",
+                    )
                     rep.cpu = cpu_delta(before, cpu_by_kind())
                     serve_sat.append(rep)
     finally:
@@ -357,28 +483,52 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
         engine.shutdown()
 
-    reports = [merged("offline low load", offline_low), merged("serve low load", serve_low),
-               merged("offline saturation", offline_sat), merged("serve saturation", serve_sat)]
+    reports = [
+        merged("offline low load", offline_low),
+        merged("serve low load", serve_low),
+        merged("offline saturation", offline_sat),
+        merged("serve saturation", serve_sat),
+    ]
     summaries = [r.summary(*slo) for r in reports]
     print("\nlow load (one request at a time)")
     print_summary(summaries[0])
     print_summary(summaries[1])
-    print("\nsaturation" + (" (all at once)" if a.request_rate == float("inf") else f" ({a.request_rate} req/s)"))
+    print(
+        "\nsaturation"
+        + (" (all at once)" if a.request_rate == float("inf") else f" ({a.request_rate} req/s)")
+    )
     print_summary(summaries[2])
     print_summary(summaries[3])
     paired = [s.results[0].ttft - o.results[0].ttft for o, s in zip(offline_low, serve_low)]
     ttft_added = 1000 * statistics.median(paired)
-    kept = summaries[3]["output_tok_s"] / summaries[2]["output_tok_s"] if summaries[2]["output_tok_s"] else 0.0
+    kept = (
+        summaries[3]["output_tok_s"] / summaries[2]["output_tok_s"]
+        if summaries[2]["output_tok_s"]
+        else 0.0
+    )
     for summary in summaries[2:]:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in summary["cpu_s"].items())
-        print(f"  CPU seconds, {summary['name']}: {parts} ({summary['cpu_s_per_1k_tokens']:.2f} per 1k output tokens)")
-    print(f"\nServe stack overhead: median TTFT +{ttft_added:.1f} ms at low load, paired request by request "
-          f"(target <= 30 ms); throughput at saturation {100 * kept:.1f}% of the offline engine (target >= 90%)")
+        print(
+            f"  CPU seconds, {summary['name']}: {parts} ({summary['cpu_s_per_1k_tokens']:.2f} per 1k output tokens)"
+        )
+    print(
+        f"\nServe stack overhead: median TTFT +{ttft_added:.1f} ms at low load, paired request by request "
+        f"(target <= 30 ms); throughput at saturation {100 * kept:.1f}% of the offline engine (target >= 90%)"
+    )
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"args": vars(a), "summaries": summaries, "ttft_added_ms": ttft_added,
-                                            "ttft_added_paired_ms": [1000 * x for x in paired],
-                                            "throughput_kept": kept}, indent=2))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(a),
+                    "summaries": summaries,
+                    "ttft_added_ms": ttft_added,
+                    "ttft_added_paired_ms": [1000 * x for x in paired],
+                    "throughput_kept": kept,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

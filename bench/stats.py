@@ -1,4 +1,5 @@
 """Small statistics shared by the benchmark scripts."""
+
 from __future__ import annotations
 
 

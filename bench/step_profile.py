@@ -1,4 +1,5 @@
-"""Decode-step profiler: per-op breakdown and the step time against GEMM rooflines from the same run.
+"""Decode-step profiler: per-op breakdown and the step time against GEMM rooflines from the same
+run.
 
 Builds a ModelRunner on the embedded SmolLM2-135M, fills the KV cache tables of `--batch` requests
 with contexts of `--context` tokens (uniform, fixed seed) and times one decode step (forward plus
@@ -10,9 +11,11 @@ path once more over as many distinct weights as the step has (weights cold, stre
 as in a real step, where a reused weight stays in cache); and the layer shapes at `--prefill-rows`
 rows (a prefill chunk; logits are taken for few rows only).
 
-    python bench/step_profile.py [--batch 32] [--context 150,200] [--dtype float32] [--repeats 10] [--threads N]
+    python bench/step_profile.py [--batch 32] [--context 150,200] [--dtype float32] [--repeats 10]
+    [--threads N]
                                  [--prefill-rows 2048] [--ab-rounds 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,13 +32,15 @@ from transformers import AutoConfig
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from engine.config import EngineConfig  # noqa: E402
-from workers.layers.linear import CpuPackedWeight, cpu_pack, linear  # noqa: E402
-from workers.model_files import resolve_model  # noqa: E402
-from workers.runner import DTYPES, ModelRunner, RequestState, _Batch  # noqa: E402
+from engine.config import EngineConfig
+from workers.layers.linear import CpuPackedWeight, cpu_pack, linear
+from workers.model_files import resolve_model
+from workers.runner import DTYPES, ModelRunner, RequestState, _Batch
 
 
-def build_runner(dtype: str, batch: int, ctx: tuple[int, int], seed: int = 7) -> tuple[ModelRunner, _Batch]:
+def build_runner(
+    dtype: str, batch: int, ctx: tuple[int, int], seed: int = 7
+) -> tuple[ModelRunner, _Batch]:
     """A runner whose requests sit one token before their end: the next step is a pure decode."""
     engine = EngineConfig(dtype=dtype, device="cpu", kv_cache_memory_gb=0.5, load_progress=False)
     runner = ModelRunner(engine.runner_config(resolve_model("default"), max_model_len=4096))
@@ -48,7 +53,9 @@ def build_runner(dtype: str, batch: int, ctx: tuple[int, int], seed: int = 7) ->
         blocks = list(range(next_block, next_block + -(-n // bs)))
         next_block += len(blocks)
         rid = f"r{i}"
-        runner.requests[rid] = RequestState([rng.randrange(1000) for _ in range(n)], blocks, n - 1, None)
+        runner.requests[rid] = RequestState(
+            [rng.randrange(1000) for _ in range(n)], blocks, n - 1, None
+        )
         runner._add_to_batch(step, rid, runner.requests[rid], 1)
     return runner, step
 
@@ -80,13 +87,19 @@ def best_time(fn, repeats: int) -> float:
 PATHS = ("packed", "unpacked", "F.linear", "packed cold")
 
 
-def time_paths(m: int, k: int, n: int, count: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+def time_paths(
+    m: int, k: int, n: int, count: int, dtype: torch.dtype, repeats: int
+) -> dict[str, float]:
     """Best seconds of one (m, k, n) GEMM along each path, the paths interleaved over two rounds."""
     x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     packed = cpu_pack(w)
     cold = [(v, cpu_pack(v)) for v in torch.randn(count, n, k, dtype=dtype)]
-    fns = {"packed": lambda: linear(x, w, packed=packed), "unpacked": lambda: linear(x, w),
-           "F.linear": lambda: F.linear(x, w), "packed cold": lambda: [linear(x, v, packed=p) for v, p in cold]}
+    fns = {
+        "packed": lambda: linear(x, w, packed=packed),
+        "unpacked": lambda: linear(x, w),
+        "F.linear": lambda: F.linear(x, w),
+        "packed cold": lambda: [linear(x, v, packed=p) for v, p in cold],
+    }
     per_call = {"packed cold": count}
     best = dict.fromkeys(PATHS, float("inf"))
     for _ in range(2):
@@ -95,7 +108,9 @@ def time_paths(m: int, k: int, n: int, count: int, dtype: torch.dtype, repeats: 
     return best
 
 
-def gemm_roofline(shapes: Counter, dtype: torch.dtype, repeats: int) -> tuple[dict[str, float], float]:
+def gemm_roofline(
+    shapes: Counter, dtype: torch.dtype, repeats: int
+) -> tuple[dict[str, float], float]:
     """Seconds per path for the step's GEMMs timed alone at their own shapes, and their total FLOPs."""
     totals, total_flop = dict.fromkeys(PATHS, 0.0), 0.0
     for (m, k, n), count in sorted(shapes.items()):
@@ -103,8 +118,11 @@ def gemm_roofline(shapes: Counter, dtype: torch.dtype, repeats: int) -> tuple[di
         for path in PATHS:
             totals[path] += count * best[path]
         total_flop += count * 2.0 * m * k * n
-        print(f"  GEMM {m:5d} x {k:5d} x {n:6d} (x{count:2d})  " + "  ".join(
-            f"{path} {best[path] * 1e3:8.3f} ms" for path in PATHS), flush=True)
+        print(
+            f"  GEMM {m:5d} x {k:5d} x {n:6d} (x{count:2d})  "
+            + "  ".join(f"{path} {best[path] * 1e3:8.3f} ms" for path in PATHS),
+            flush=True,
+        )
     return totals, total_flop
 
 
@@ -132,7 +150,7 @@ def packing_ab(runner: ModelRunner, step: _Batch, rounds: int) -> tuple[list[flo
 
 def square_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2.0 * n ** 3 / best_time(lambda: a @ b, repeats)
+    return 2.0 * n**3 / best_time(lambda: a @ b, repeats)
 
 
 def main() -> None:
@@ -143,9 +161,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=12, help="ops shown in the breakdown")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--ab-rounds", type=int, default=0,
-                        help="also time the step packed vs unpacked, alternating, this many rounds")
-    parser.add_argument("--prefill-rows", type=int, default=2048, help="rows of the prefill GEMM table (0: none)")
+    parser.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=0,
+        help="also time the step packed vs unpacked, alternating, this many rounds",
+    )
+    parser.add_argument(
+        "--prefill-rows", type=int, default=2048, help="rows of the prefill GEMM table (0: none)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -169,33 +193,60 @@ def main() -> None:
         own, flop = gemm_roofline(shapes, dtype, args.repeats)
         if args.prefill_rows:
             print(f"layer GEMMs at {args.prefill_rows} rows (a prefill chunk), best of 3:")
-            layers = Counter({(args.prefill_rows, k, n): c for (_, k, n), c in shapes.items() if n != hf.vocab_size})
+            layers = Counter(
+                {
+                    (args.prefill_rows, k, n): c
+                    for (_, k, n), c in shapes.items()
+                    if n != hf.vocab_size
+                }
+            )
             prefill, prefill_flop = gemm_roofline(layers, dtype, 3)
         if args.ab_rounds:
             ab_packed, ab_unpacked = packing_ab(runner, step, args.ab_rounds)
     rate = square_rate(dtype)
     step_s = statistics.median(step_times)
     own_s = own["packed"]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
-          f"batch {args.batch}, context {lo}-{hi}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+        f"batch {args.batch}, context {lo}-{hi}"
+    )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
-    print(f"step median       {step_s * 1e3:8.1f} ms  (min {min(step_times) * 1e3:.1f}, {args.repeats} runs)")
-    print(f"step GEMMs alone  {own_s * 1e3:8.1f} ms  -> step is {step_s / own_s:.2f}x its own-shape roofline")
-    print(f"  weights cold    {own['packed cold'] * 1e3:8.1f} ms  -> step is {step_s / own['packed cold']:.2f}x "
-          f"its own GEMMs with weights streamed from memory")
-    print(f"step FLOPs        {flop / 1e9:8.2f} GFLOP at {rate / 1e9:.0f} GFLOP/s (2048^2 GEMM) = "
-          f"{flop / rate * 1e3:.1f} ms -> step is {step_s / (flop / rate):.2f}x the large-GEMM bound")
-    print("own-shape GEMMs   " + ", ".join(
-        f"{path} {own[path] * 1e3:.1f} ms ({flop / own[path] / 1e9:.0f} GFLOP/s)" for path in PATHS))
+    print(
+        f"step median       {step_s * 1e3:8.1f} ms  (min {min(step_times) * 1e3:.1f}, {args.repeats} runs)"
+    )
+    print(
+        f"step GEMMs alone  {own_s * 1e3:8.1f} ms  -> step is {step_s / own_s:.2f}x its own-shape roofline"
+    )
+    print(
+        f"  weights cold    {own['packed cold'] * 1e3:8.1f} ms  -> step is {step_s / own['packed cold']:.2f}x "
+        f"its own GEMMs with weights streamed from memory"
+    )
+    print(
+        f"step FLOPs        {flop / 1e9:8.2f} GFLOP at {rate / 1e9:.0f} GFLOP/s (2048^2 GEMM) = "
+        f"{flop / rate * 1e3:.1f} ms -> step is {step_s / (flop / rate):.2f}x the large-GEMM bound"
+    )
+    print(
+        "own-shape GEMMs   "
+        + ", ".join(
+            f"{path} {own[path] * 1e3:.1f} ms ({flop / own[path] / 1e9:.0f} GFLOP/s)"
+            for path in PATHS
+        )
+    )
     if args.ab_rounds:
         p, u = statistics.median(ab_packed), statistics.median(ab_unpacked)
-        print(f"step A/B          packed {p * 1e3:.1f} ms (min {min(ab_packed) * 1e3:.1f}), unpacked {u * 1e3:.1f} ms "
-              f"(min {min(ab_unpacked) * 1e3:.1f}) -> unpacked / packed {u / p:.2f}x median, "
-              f"{min(ab_unpacked) / min(ab_packed):.2f}x min")
+        print(
+            f"step A/B          packed {p * 1e3:.1f} ms (min {min(ab_packed) * 1e3:.1f}), unpacked {u * 1e3:.1f} ms "
+            f"(min {min(ab_unpacked) * 1e3:.1f}) -> unpacked / packed {u / p:.2f}x median, "
+            f"{min(ab_unpacked) / min(ab_packed):.2f}x min"
+        )
     if args.prefill_rows:
-        print(f"prefill GEMMs     {args.prefill_rows} rows: " + ", ".join(
-            f"{path} {prefill[path] * 1e3:.1f} ms ({prefill_flop / prefill[path] / 1e9:.0f} GFLOP/s)"
-            for path in PATHS))
+        print(
+            f"prefill GEMMs     {args.prefill_rows} rows: "
+            + ", ".join(
+                f"{path} {prefill[path] * 1e3:.1f} ms ({prefill_flop / prefill[path] / 1e9:.0f} GFLOP/s)"
+                for path in PATHS
+            )
+        )
 
 
 if __name__ == "__main__":

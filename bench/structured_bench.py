@@ -6,6 +6,7 @@ and the batch stays at 32 rows throughout. Step time is the median of the engine
 
     python bench/structured_bench.py [--rounds 3] [--max-tokens 48]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,11 +17,11 @@ import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from engine.llm import LLM  # noqa: E402
-from scheduler import SamplingParams  # noqa: E402
-from scheduler.structured_output import StructuredOutput  # noqa: E402
-from workers.model_files import load_tokenizer  # noqa: E402
-from workers.structured import GrammarCompiler  # noqa: E402
+from engine.llm import LLM
+from scheduler import SamplingParams
+from scheduler.structured_output import StructuredOutput
+from workers.model_files import load_tokenizer
+from workers.structured import GrammarCompiler
 
 BATCH = 32
 SCHEMA = {
@@ -28,8 +29,12 @@ SCHEMA = {
     "properties": {
         "id": {"type": "integer"},
         "kind": {"enum": ["reading", "forecast"]},
-        "values": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
-                   "minItems": 40, "maxItems": 60},
+        "values": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 999},
+            "minItems": 40,
+            "maxItems": 60,
+        },
     },
     "required": ["id", "kind", "values"],
     "additionalProperties": False,
@@ -69,7 +74,11 @@ def compile_times(model_dir: str, vocab_size: int) -> dict[str, float]:
     t0 = time.perf_counter()
     compiler.matcher(constraint)
     cached = time.perf_counter() - t0
-    return {"tokenizer_init_s": tokenizer_s, "compile_cold_ms": cold * 1e3, "compile_cached_ms": cached * 1e3}
+    return {
+        "tokenizer_init_s": tokenizer_s,
+        "compile_cold_ms": cold * 1e3,
+        "compile_cached_ms": cached * 1e3,
+    }
 
 
 def main() -> None:
@@ -79,8 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM("default", device="cpu", load_progress=False)
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
-                                 structured=StructuredOutput.json_schema(SCHEMA))
+    constrained = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, structured=StructuredOutput.json_schema(SCHEMA)
+    )
     timed_steps(llm, constrained)  # warm-up: tokenizer and grammar compile are not step costs
     medians = {"unconstrained": [], "constrained": []}
     for _ in range(args.rounds):
@@ -88,10 +98,18 @@ def main() -> None:
         medians["constrained"].append(statistics.median(timed_steps(llm, constrained)))
     free_ms = statistics.median(medians["unconstrained"]) * 1e3
     cons_ms = statistics.median(medians["constrained"]) * 1e3
-    result = {"batch": BATCH, "step_ms_unconstrained": round(free_ms, 2), "step_ms_constrained": round(cons_ms, 2),
-              "overhead_pct": round(100 * (cons_ms / free_ms - 1), 1),
-              **{k: round(v, 3) for k, v in compile_times(llm.engine.model_dir,
-                                                           llm.engine.model_info.vocab_size).items()}}
+    result = {
+        "batch": BATCH,
+        "step_ms_unconstrained": round(free_ms, 2),
+        "step_ms_constrained": round(cons_ms, 2),
+        "overhead_pct": round(100 * (cons_ms / free_ms - 1), 1),
+        **{
+            k: round(v, 3)
+            for k, v in compile_times(
+                llm.engine.model_dir, llm.engine.model_info.vocab_size
+            ).items()
+        },
+    }
     print(json.dumps(result, indent=2))
     llm.shutdown()
 

@@ -3,6 +3,7 @@
 Ray keeps running an actor's streaming generator after its caller dies: without this, each
 generation of a dead ingress replica would run to max_tokens, holding its KV blocks and batch slot.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,9 +21,11 @@ class CallerGoneError(RuntimeError):
 
 
 class CallerWatch:
-    """Probes caller actors by name; a caller is gone only when Ray says it died or its name is free.
+    """Probes caller actors by name; a caller is gone only when Ray says it died or its name is
+    free.
 
-    A slow or briefly unreachable caller is never taken for dead: the probe's timeout means "unknown".
+    A slow or briefly unreachable caller is never taken for dead: the probe's timeout means
+    "unknown".
     """
 
     def __init__(self, namespace: str, probe_timeout_s: float = 5.0) -> None:
@@ -50,6 +53,6 @@ class CallerWatch:
         except ActorDiedError:
             self._handles.pop(name, None)
             return True
-        except Exception as exc:  # noqa: BLE001 - busy, restarting or unreachable: not proof of death
+        except Exception as exc:
             logger.debug("caller %s did not answer its probe: %r", name, exc)
         return False

@@ -1,8 +1,10 @@
-"""EngineLoop: drives EngineCore.step() on a thread of its own and hands each step's outputs to an event loop.
+"""EngineLoop: drives EngineCore.step() on a thread of its own and hands each step's outputs to an
+event loop.
 
 The event loop never blocks on the model, so a replica's streams, aborts and stats calls stay
 responsive while a step runs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,9 +27,13 @@ _ADD, _ABORT, _CALL, _STOP = "add", "abort", "call", "stop"
 class EngineLoop:
     """Drives EngineCore.step() on one thread; requests and aborts arrive through an inbox."""
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop,
-                 on_step: Callable[[list[RequestOutput], SchedulerStats], None],
-                 on_error: Callable[[str | None, BaseException], None]) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        loop: asyncio.AbstractEventLoop,
+        on_step: Callable[[list[RequestOutput], SchedulerStats], None],
+        on_error: Callable[[str | None, BaseException], None],
+    ) -> None:
         self.engine = engine
         self._loop = loop
         self._on_step = on_step
@@ -77,7 +83,7 @@ class EngineLoop:
                     self._publish(outputs)
             if self._shutdown_engine:  # the replica is going away: the workers go with the loop
                 self.engine.shutdown()
-        except BaseException as exc:  # noqa: BLE001 - every in-flight request must hear of it
+        except BaseException as exc:
             logger.exception("engine loop failed")
             self.failure = exc
             # Wrapped: a ValueError from deep in the engine must not reach clients as their 400.
@@ -114,7 +120,7 @@ class EngineLoop:
     def _resolve(self, fn: Callable[[Any], Any], future: asyncio.Future) -> None:
         try:
             result, error = fn(self.engine), None
-        except Exception as exc:  # noqa: BLE001 - handed to the caller
+        except Exception as exc:
             result, error = None, exc
 
         def settle() -> None:
@@ -124,6 +130,7 @@ class EngineLoop:
                 future.set_result(result)
             else:
                 future.set_exception(error)
+
         self._loop.call_soon_threadsafe(settle)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:

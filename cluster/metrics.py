@@ -1,4 +1,5 @@
 """Replica metrics through ray.util.metrics, tagged by replica (exported as ray_raylm_*)."""
+
 from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -7,8 +8,29 @@ from scheduler.outputs import SchedulerStats
 
 _TAGS = ("replica",)
 FINISH_REASONS = ("stop", "length", "abort", "error")
-_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
-                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
+_LATENCY_BUCKETS = [
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
 _E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
 
 
@@ -29,17 +51,34 @@ class ReplicaMetrics:
         self.running = gauge("raylm_num_requests_running", "Requests in the running batch.")
         self.swapped = gauge("raylm_num_requests_swapped", "Requests swapped out to the CPU pool.")
         self.kv_usage = gauge("raylm_kv_cache_usage", "Fraction of GPU KV blocks in use (0-1).")
-        self.hit_rate = gauge("raylm_prefix_cache_hit_rate", "Prefix-cache hit rate of prompt tokens (0-1).")
+        self.hit_rate = gauge(
+            "raylm_prefix_cache_hit_rate", "Prefix-cache hit rate of prompt tokens (0-1)."
+        )
         self.prompt_tokens = counter("raylm_prompt_tokens_total", "Prompt tokens admitted.")
         self.generation_tokens = counter("raylm_generation_tokens_total", "Tokens generated.")
         self.preemptions = counter("raylm_preemptions_total", "Requests preempted.")
         self.requests = counter("raylm_requests_total", "Finished requests.", ("finish_reason",))
-        self.ttft = histogram("raylm_ttft_seconds", "Time to first token at the replica.", _LATENCY_BUCKETS)
-        self.itl = histogram("raylm_inter_token_seconds", "Time between output deltas.", _LATENCY_BUCKETS)
+        self.ttft = histogram(
+            "raylm_ttft_seconds", "Time to first token at the replica.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "raylm_inter_token_seconds", "Time between output deltas.", _LATENCY_BUCKETS
+        )
         self.e2e = histogram("raylm_e2e_seconds", "Request latency at the replica.", _E2E_BUCKETS)
-        for metric in (self.waiting, self.running, self.swapped, self.kv_usage, self.hit_rate,
-                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.requests,
-                       self.ttft, self.itl, self.e2e):
+        for metric in (
+            self.waiting,
+            self.running,
+            self.swapped,
+            self.kv_usage,
+            self.hit_rate,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.preemptions,
+            self.requests,
+            self.ttft,
+            self.itl,
+            self.e2e,
+        ):
             metric.set_default_tags({"replica": replica})
         self._preemptions_seen = 0
         self._export_zeros()

@@ -3,6 +3,7 @@
 The ingress reports outcomes with `report_outcome`; every cluster.serve_router.FleetRouter of its
 process subscribes, and the one that routed the request attributes it to a replica's circuit.
 """
+
 from __future__ import annotations
 
 import weakref

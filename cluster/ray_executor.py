@@ -10,6 +10,7 @@ plain dataclasses cross; tensors move between ranks through torch.distributed.
 Any worker that dies, raises or stalls ends the engine: the executor raises EngineDeadError
 naming the rank and the cause, and kills the remaining workers so none is left in a collective.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,10 +57,17 @@ class RayWorker(Worker):
 class RayExecutor:
     """Drives tensor_parallel_size Worker actors in lock-step, one SchedulerOutput per step."""
 
-    def __init__(self, runner_config: RunnerConfig, tensor_parallel_size: int,
-                 placement_group: PlacementGroup | None = None, bundle_offset: int = 0,
-                 step_transport: str = "socket", step_timeout_s: float = 300.0,
-                 init_timeout_s: float = 600.0, worker_cls: type[Worker] | None = None) -> None:
+    def __init__(
+        self,
+        runner_config: RunnerConfig,
+        tensor_parallel_size: int,
+        placement_group: PlacementGroup | None = None,
+        bundle_offset: int = 0,
+        step_transport: str = "socket",
+        step_timeout_s: float = 300.0,
+        init_timeout_s: float = 600.0,
+        worker_cls: type[Worker] | None = None,
+    ) -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {tensor_parallel_size}")
         if bundle_offset < 0:
@@ -68,18 +76,26 @@ class RayExecutor:
         if not ray.is_initialized():
             _start_local_ray(self.tp)
         if step_transport not in STEP_TRANSPORTS:
-            raise ValueError(f"step_transport: must be one of {', '.join(STEP_TRANSPORTS)}, got {step_transport!r}")
+            raise ValueError(
+                f"step_transport: must be one of {', '.join(STEP_TRANSPORTS)}, got {step_transport!r}"
+            )
         self.step_transport = step_transport
         self.step_timeout_s, self.init_timeout_s = step_timeout_s, init_timeout_s
         self._dag = None
         self._channel: StepClient | None = None
         self._dead: EngineDeadError | None = None
         self._owns_pg = placement_group is None
-        self._pg = placement_group if placement_group is not None else self._create_pg(runner_config.device)
+        self._pg = (
+            placement_group
+            if placement_group is not None
+            else self._create_pg(runner_config.device)
+        )
         self._offset = bundle_offset
         if len(self._pg.bundle_specs) < bundle_offset + self.tp:
-            raise ValueError(f"placement_group: has {len(self._pg.bundle_specs)} bundles, needs "
-                             f"bundle_offset={bundle_offset} + tensor_parallel_size={self.tp}")
+            raise ValueError(
+                f"placement_group: has {len(self._pg.bundle_specs)} bundles, needs "
+                f"bundle_offset={bundle_offset} + tensor_parallel_size={self.tp}"
+            )
         self.workers = self._create_workers(worker_cls or RayWorker, runner_config)
         self._rank_of_actor = {w._actor_id.hex(): rank for rank, w in enumerate(self.workers)}
         self._rank_of_pid: dict[int, int] = {}
@@ -88,14 +104,20 @@ class RayExecutor:
             self._all("init_device", address, init_timeout_s, timeout_s=init_timeout_s)
             self._all("load_model", timeout_s=init_timeout_s)
             # Errors raised in a worker carry its pid: how a failure is traced back to a rank.
-            self._rank_of_pid = {pid: rank for rank, pid in enumerate(self._all("pid", timeout_s=60))}
+            self._rank_of_pid = {
+                pid: rank for rank, pid in enumerate(self._all("pid", timeout_s=60))
+            }
             if step_transport == "socket":
                 self._channel = StepClient(self._all("open_step_channel", timeout_s=60))
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%d tensor-parallel workers ready (rendezvous %s, steps over %s)", self.tp, address,
-                    step_transport)
+        logger.info(
+            "%d tensor-parallel workers ready (rendezvous %s, steps over %s)",
+            self.tp,
+            address,
+            step_transport,
+        )
 
     # ---- set-up --------------------------------------------------------------------------------
     def _create_pg(self, device: str) -> PlacementGroup:
@@ -104,15 +126,19 @@ class RayExecutor:
         # STRICT_PACK puts every rank on one node: say so now rather than wait out the timeout.
         largest = max((n["Resources"].get(kind, 0) for n in ray.nodes() if n["Alive"]), default=0)
         if largest < self.tp:
-            raise ValueError(f"tensor_parallel_size: {self.tp} ranks need {self.tp} {kind}s on one node; "
-                             f"the largest node of this Ray cluster has {largest:g}")
+            raise ValueError(
+                f"tensor_parallel_size: {self.tp} ranks need {self.tp} {kind}s on one node; "
+                f"the largest node of this Ray cluster has {largest:g}"
+            )
         pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
         try:
             ray.get(pg.ready(), timeout=self.init_timeout_s)
         except GetTimeoutError:
             remove_placement_group(pg)
-            raise RuntimeError(f"placement_group: {self.tp} bundles of {bundle} could not be placed on one "
-                               f"node within {self.init_timeout_s:.0f}s (cluster: {ray.cluster_resources()})")
+            raise RuntimeError(
+                f"placement_group: {self.tp} bundles of {bundle} could not be placed on one "
+                f"node within {self.init_timeout_s:.0f}s (cluster: {ray.cluster_resources()})"
+            )
         return pg
 
     def _create_workers(self, worker_cls: type, config: RunnerConfig) -> list[Any]:
@@ -128,10 +154,17 @@ class RayExecutor:
             index = self._offset + rank
             bundle = self._pg.bundle_specs[index]
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self._pg, placement_group_bundle_index=index,
-                placement_group_capture_child_tasks=False)
-            options = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0),
-                       "scheduling_strategy": strategy, "max_restarts": 0, "name": None}
+                placement_group=self._pg,
+                placement_group_bundle_index=index,
+                placement_group_capture_child_tasks=False,
+            )
+            options = {
+                "num_cpus": bundle.get("CPU", 0),
+                "num_gpus": bundle.get("GPU", 0),
+                "scheduling_strategy": strategy,
+                "max_restarts": 0,
+                "name": None,
+            }
             workers.append(actor_cls.options(**options).remote(rank, self.tp, config, threads))
         return workers
 
@@ -159,10 +192,11 @@ class RayExecutor:
             refs = [w.execute_model_encoded.remote(payload) for w in self.workers]
             return ModelRunnerOutput.decode(self._gather(refs, self.step_timeout_s)[0])
         try:
-            # Compiling is part of the first step: a worker lost while it compiles ends the engine too.
+            # Compiling is part of the first step: a worker lost while it compiles ends the engine
+            # too.
             dag = self._dag or self._compile()
             outputs = ray.get(dag.execute(payload), timeout=self.step_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - every failure of a step ends the engine
+        except Exception as exc:
             self._fail(None, exc)
         return ModelRunnerOutput.decode(outputs[0])
 
@@ -177,7 +211,7 @@ class RayExecutor:
         if self.workers and self._dead is None:
             try:
                 ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
-            except Exception:  # noqa: BLE001 - the actors are killed next either way
+            except Exception:
                 logger.warning("a worker did not shut down cleanly", exc_info=True)
         self._kill_workers()
         if self._owns_pg and self._pg is not None:
@@ -205,13 +239,15 @@ class RayExecutor:
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending, deadline = list(refs), time.monotonic() + timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            ready, pending = ray.wait(
+                pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0)
+            )
             if not ready:
                 self._fail(rank_of[pending[0]], TimeoutError(f"no answer within {timeout_s:.0f}s"))
             for ref in ready:
                 try:
                     ray.get(ref)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     self._fail(rank_of[ref], exc)
         return ray.get(refs)
 
@@ -245,7 +281,8 @@ class RayExecutor:
         return None, None
 
     def _rank_in(self, exc: BaseException) -> int | None:
-        """The rank an error came from: set by Worker.execute_model, else from Ray's actor id or pid."""
+        """The rank an error came from: set by Worker.execute_model, else from Ray's actor id or
+        pid."""
         cause = exc.cause if isinstance(exc, RayTaskError) else exc
         if isinstance(getattr(cause, "tp_rank", None), int):
             return cause.tp_rank
@@ -264,7 +301,7 @@ class RayExecutor:
         if dag is not None:
             try:
                 dag.teardown()
-            except Exception:  # noqa: BLE001 - a failed graph may already be half torn down
+            except Exception:
                 logger.debug("compiled graph teardown raised", exc_info=True)
 
     def _kill_workers(self) -> None:
@@ -273,20 +310,32 @@ class RayExecutor:
         self.workers = []
 
 
-def ray_executor(config: EngineConfig, runner_config: RunnerConfig, placement_group: PlacementGroup | None = None
-                 ) -> RayExecutor:
-    """An engine.executor.ExecutorFactory: one worker actor per rank, in placement_group when given (a Serve
-    replica's group holds the replica's own bundle first, then one per worker), else in a group of its own."""
-    return RayExecutor(runner_config, config.tensor_parallel_size, placement_group=placement_group,
-                       bundle_offset=1 if placement_group is not None else 0, step_transport=config.step_transport,
-                       step_timeout_s=config.step_timeout_s)
+def ray_executor(
+    config: EngineConfig, runner_config: RunnerConfig, placement_group: PlacementGroup | None = None
+) -> RayExecutor:
+    """An engine.executor.ExecutorFactory: one worker actor per rank, in placement_group when given
+    (a Serve
+    replica's group holds the replica's own bundle first, then one per worker), else in a group
+    of its own."""
+    return RayExecutor(
+        runner_config,
+        config.tensor_parallel_size,
+        placement_group=placement_group,
+        bundle_offset=1 if placement_group is not None else 0,
+        step_transport=config.step_transport,
+        step_timeout_s=config.step_timeout_s,
+    )
 
 
 def _start_local_ray(tensor_parallel_size: int) -> None:
     """A single-node Ray for offline use (LLM(..., tensor_parallel_size=N) without a cluster)."""
     # CPU ranks are logical slots, not cores: N ranks must fit even on a smaller machine.
     num_cpus = max(os.cpu_count() or 1, tensor_parallel_size + 1)
-    logger.info("starting a local Ray instance (%d logical CPUs) for %d workers", num_cpus, tensor_parallel_size)
+    logger.info(
+        "starting a local Ray instance (%d logical CPUs) for %d workers",
+        num_cpus,
+        tensor_parallel_size,
+    )
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 

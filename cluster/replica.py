@@ -4,12 +4,12 @@ The EngineCore steps on one background thread while it has work; each step's Req
 handed to the replica's event loop, which feeds one asyncio.Queue per request. The event loop
 never blocks on the model, so `generate` streams, aborts and routing-stats calls stay responsive.
 """
+
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,16 +20,16 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from cluster.caller_watch import CallerGoneError, CallerWatch
+from cluster.engine_loop import EngineLoop
+from cluster.errors import EngineFailedError, ReplicaDrainingError
+from cluster.metrics import ReplicaMetrics
+from cluster.ray_executor import ray_executor
 from engine.config import EngineConfig
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
-from cluster.metrics import ReplicaMetrics
-from cluster.ray_executor import ray_executor
-from cluster.errors import EngineFailedError, ReplicaDrainingError
-from scheduler.request import GenerateRequest
 from router.stats import RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
-from scheduler.request import Request
+from scheduler.request import GenerateRequest, Request
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -45,11 +45,16 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     if first.new_logprobs is not None or later.new_logprobs is not None:
         logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
     return RequestOutput(
-        request_id=later.request_id, new_token_ids=first.new_token_ids + later.new_token_ids,
-        finished=later.finished, finish_reason=later.finish_reason,
+        request_id=later.request_id,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        finished=later.finished,
+        finish_reason=later.finish_reason,
         num_prompt_tokens=later.num_prompt_tokens or first.num_prompt_tokens,
-        num_output_tokens=later.num_output_tokens, num_cached_tokens=later.num_cached_tokens,
-        new_logprobs=logprobs, error=later.error)
+        num_output_tokens=later.num_output_tokens,
+        num_cached_tokens=later.num_cached_tokens,
+        new_logprobs=logprobs,
+        error=later.error,
+    )
 
 
 @dataclass(slots=True)
@@ -60,7 +65,9 @@ class _Stream:
     caller: str | None = None  # the caller actor's name (its death aborts the request)
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
-    counted: bool = False  # its finish is in the metrics (a cancel arriving later must not count again)
+    counted: bool = (
+        False  # its finish is in the metrics (a cancel arriving later must not count again)
+    )
     # Stop strings are matched here too, so a stop-string finish is a "stop" in the engine and the
     # metrics, not an "abort" when the ingress cancels.
     text: TextStream | None = None
@@ -72,7 +79,12 @@ class _Stream:
         first tokens, a finish and an error are never held."""
         if self.held is not None:
             output, self.held = merge_outputs(self.held, output), None
-        if self.sent and not output.finished and output.error is None and len(output.new_token_ids) < interval:
+        if (
+            self.sent
+            and not output.finished
+            and output.error is None
+            and len(output.new_token_ids) < interval
+        ):
             self.held = output
             return None
         self.sent = self.sent or bool(output.new_token_ids)
@@ -127,8 +139,9 @@ def on_passing_thread(fn: Callable[[], T]) -> T:
     def run() -> None:
         try:
             outcome.append((fn(), None))
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+        except BaseException as exc:
             outcome.append((None, exc))
+
     thread = threading.Thread(target=run, name="raylm-engine-build")
     thread.start()
     thread.join()
@@ -147,13 +160,17 @@ class LLMReplica:
         self.replica = replica = serve.get_replica_context().replica_tag
         self.metrics = ReplicaMetrics(replica)
         self.engine = build_engine(config)
-        self.frontend = Frontend(AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info)
+        self.frontend = Frontend(
+            AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info
+        )
         self._streams: dict[str, _Stream] = {}
         self._draining = False
         self._event_loop = asyncio.get_running_loop()
         self._stats: SchedulerStats | None = self.engine.stats()
         self.metrics.record_stats(self._stats)
-        self._loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_step, self._on_error)
+        self._loop_thread = EngineLoop(
+            self.engine, asyncio.get_running_loop(), self._on_step, self._on_error
+        )
         self._callers = CallerWatch(SERVE_NAMESPACE)
         self._stall_failed_over = False
         self._orphans_aborted = 0  # requests aborted because their caller died
@@ -175,13 +192,22 @@ class LLMReplica:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         stream = self._streams[rid] = _Stream(caller=request.caller)
         if request.sampling_params.stop:
-            stream.text = self.frontend.text_stream(request.prompt_token_ids, request.sampling_params.stop)
+            stream.text = self.frontend.text_stream(
+                request.prompt_token_ids, request.sampling_params.stop
+            )
         self.metrics.record_admitted(len(request.prompt_token_ids))
-        self._loop_thread.add(Request(
-            request_id=rid, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=request.sampling_params,  # eos_token_ids: the engine fills in the model's
-            priority=request.priority, tenant=request.tenant,
-            block_hashes=list(request.block_hashes), output_token_ids=list(request.output_token_ids)))
+        self._loop_thread.add(
+            Request(
+                request_id=rid,
+                prompt_token_ids=request.prompt_token_ids,
+                # eos_token_ids: the engine fills in the model's
+                sampling_params=request.sampling_params,
+                priority=request.priority,
+                tenant=request.tenant,
+                block_hashes=list(request.block_hashes),
+                output_token_ids=list(request.output_token_ids),
+            )
+        )
         finished = False
         try:
             while not finished:
@@ -200,10 +226,11 @@ class LLMReplica:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None or stream.counted:
-                continue  # already gone (aborted by its caller), or already finished at a stop string
+                # already gone (aborted by its caller), or already finished at a stop string
+                continue
             try:
                 output = self._settle(stream, output, now)
-            except Exception as exc:  # noqa: BLE001 - this request's own fault (its text); the step goes on
+            except Exception as exc:
                 output = self._fail_one(output, exc)
             if output.finished:
                 stream.counted = True
@@ -220,8 +247,10 @@ class LLMReplica:
         if output.new_token_ids:
             first = stream.last_token is None
             self.metrics.record_tokens(
-                len(output.new_token_ids), ttft=now - stream.arrival if first else None,
-                itl=None if first else now - stream.last_token)
+                len(output.new_token_ids),
+                ttft=now - stream.arrival if first else None,
+                itl=None if first else now - stream.last_token,
+            )
             stream.last_token = now
         return output
 
@@ -230,8 +259,14 @@ class LLMReplica:
         logger.error("request %s failed handling its output: %r", output.request_id, exc)
         if not output.finished:
             self._loop_thread.abort([output.request_id])
-        return replace(output, new_token_ids=[], new_logprobs=None, finished=True, finish_reason="error",
-                       error=f"output handling failed: {exc!r}")
+        return replace(
+            output,
+            new_token_ids=[],
+            new_logprobs=None,
+            finished=True,
+            finish_reason="error",
+            error=f"output handling failed: {exc!r}",
+        )
 
     def _cut_at_stop_string(self, text: TextStream, output: RequestOutput) -> RequestOutput:
         text.feed(output.new_token_ids, output.finished)
@@ -242,7 +277,9 @@ class LLMReplica:
         return replace(output, finished=True, finish_reason="stop")
 
     def _on_error(self, request_id: str | None, exc: BaseException) -> None:
-        targets = list(self._streams.values()) if request_id is None else [self._streams.get(request_id)]
+        targets = (
+            list(self._streams.values()) if request_id is None else [self._streams.get(request_id)]
+        )
         for stream in targets:
             if stream is not None:
                 stream.queue.put_nowait(exc)
@@ -255,7 +292,7 @@ class LLMReplica:
             try:
                 self._fail_over_if_stalled()
                 await self._abort_orphans()
-            except Exception:  # noqa: BLE001 - the watchdog outlives any one bad round
+            except Exception:
                 logger.exception("replica watchdog round failed")
 
     def _fail_over_if_stalled(self) -> None:
@@ -263,9 +300,15 @@ class LLMReplica:
         the ingress resumes them elsewhere without waiting for Serve to replace this replica."""
         stalled = self._state() == "stalled"
         if stalled and not self._stall_failed_over:
-            logger.error("engine stalled for %.0f s: failing over %d requests", self._loop_thread.stalled_for(),
-                         len(self._streams))
-            self._on_error(None, EngineFailedError(f"engine stalled for {self._loop_thread.stalled_for():.0f} s"))
+            logger.error(
+                "engine stalled for %.0f s: failing over %d requests",
+                self._loop_thread.stalled_for(),
+                len(self._streams),
+            )
+            self._on_error(
+                None,
+                EngineFailedError(f"engine stalled for {self._loop_thread.stalled_for():.0f} s"),
+            )
         self._stall_failed_over = stalled
 
     async def _abort_orphans(self) -> None:
@@ -276,7 +319,9 @@ class LLMReplica:
         orphans = [rid for rid, stream in self._streams.items() if stream.caller in gone]
         if not orphans:
             return
-        logger.warning("aborting %d requests whose caller died (%s)", len(orphans), ", ".join(sorted(gone)))
+        logger.warning(
+            "aborting %d requests whose caller died (%s)", len(orphans), ", ".join(sorted(gone))
+        )
         self._loop_thread.abort(orphans)
         self._orphans_aborted += len(orphans)
         for rid in orphans:
@@ -284,16 +329,24 @@ class LLMReplica:
 
     # ---- what the router, the ingress and Serve ask ---------------------------------------------
     def model_info_sync(self) -> dict[str, Any]:
-        return {"max_model_len": self.engine.max_model_len, "block_size": self.config.block_size,
-                "replica": self.replica}
+        return {
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.config.block_size,
+            "replica": self.replica,
+        }
 
     async def model_info(self) -> dict[str, Any]:
         return self.model_info_sync()
 
     async def stats(self) -> dict[str, Any]:
         """The latest scheduler figures (updated after every step and every abort)."""
-        return {**RoutingStats.of(self._stats).as_dict(), "replica": self.replica, "num_streams": len(self._streams),
-                "orphans_aborted": self._orphans_aborted, "model_pids": self.engine.executor.pids}
+        return {
+            **RoutingStats.of(self._stats).as_dict(),
+            "replica": self.replica,
+            "num_streams": len(self._streams),
+            "orphans_aborted": self._orphans_aborted,
+            "model_pids": self.engine.executor.pids,
+        }
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request router: queues, KV usage, prefix-cache figures and the
@@ -302,8 +355,14 @@ class LLMReplica:
         stats.state = self._state()
         if self._loop_thread.failure is None:
             try:
-                stats.set_prefix(await asyncio.wait_for(self._loop_thread.call(
-                    lambda engine: engine.prefix_report(MAX_REPORTED_PREFIX_HASHES)), timeout=5))
+                stats.set_prefix(
+                    await asyncio.wait_for(
+                        self._loop_thread.call(
+                            lambda engine: engine.prefix_report(MAX_REPORTED_PREFIX_HASHES)
+                        ),
+                        timeout=5,
+                    )
+                )
             except asyncio.TimeoutError:
                 logger.warning("engine busy for 5 s: routing stats without prefix hashes")
         return stats.as_dict()
@@ -312,7 +371,9 @@ class LLMReplica:
         """Serve's probe: a failed or stalled engine fails it, and Serve replaces this replica."""
         stalled = self._loop_thread.stalled_for()
         if stalled > self.config.engine_stall_timeout_s:
-            logger.error("engine stalled: one step has run for %.0f s; failing the health check", stalled)
+            logger.error(
+                "engine stalled: one step has run for %.0f s; failing the health check", stalled
+            )
             raise EngineFailedError(f"engine stalled for {stalled:.0f} s")
         if self._loop_thread.failure is not None:
             raise EngineFailedError(f"engine loop failed: {self._loop_thread.failure!r}")
@@ -325,7 +386,8 @@ class LLMReplica:
         return "draining" if self._draining else "ok"
 
     def __del__(self) -> None:
-        """Serve's shutdown, after its graceful wait: hand what is still in flight back for migration."""
+        """Serve's shutdown, after its graceful wait: hand what is still in flight back for
+        migration."""
         loop_thread = getattr(self, "_loop_thread", None)
         if loop_thread is None:
             return
@@ -334,6 +396,7 @@ class LLMReplica:
         def hand_back() -> None:
             for rid, stream in list(self._streams.items()):
                 stream.queue.put_nowait(RequestOutput(rid, [], True, "abort"))
+
         if not self._event_loop.is_closed():  # a closed loop has no stream left to hand back to
             self._event_loop.call_soon_threadsafe(hand_back)
         # Never blocks the event loop: the engine thread releases the workers once its step ends.

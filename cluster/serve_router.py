@@ -1,4 +1,5 @@
-"""FleetRouter: the Ray Serve RequestRouter that spreads LLMReplica requests by load and prefix affinity.
+"""FleetRouter: the Ray Serve RequestRouter that spreads LLMReplica requests by load and prefix
+affinity.
 
 A thin adapter: the policies, load accounting and prefix index live in router/.
 Attach it through the deployment's request_router_config (request_router_class
@@ -8,6 +9,7 @@ The ingress tells the routers of its process how each request it sent ended
 (cluster/outcomes.py `report_outcome`), so a replica that keeps failing requests trips its
 circuit breaker even while its stats still say `ok`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,11 +17,18 @@ import logging
 import time
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
 
 from cluster.outcomes import subscribe
-from router.fleet import FleetState, RouteRequest
 from router.config import RoutingConfig
+from router.fleet import FleetState
+from router.policies import RouteRequest
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +40,8 @@ class FleetRouter(RequestRouter):
 
     def initialize_state(self, **router_kwargs: Any) -> None:
         """Called by Serve with request_router_kwargs: the settings of router.config.RoutingConfig
-        (router_policy, imbalance_threshold, ..., circuit_breaker_failures, circuit_breaker_cooldown_s)."""
+        (router_policy, imbalance_threshold, ..., circuit_breaker_failures,
+        circuit_breaker_cooldown_s)."""
         config = RoutingConfig.from_router_kwargs(router_kwargs)
         self.fleet = FleetState(config)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve routes on, once known
@@ -46,7 +56,9 @@ class FleetRouter(RequestRouter):
     def _apply_outcome(self, internal_request_id: str, ok: bool) -> None:
         replica = self.fleet.on_outcome(internal_request_id, ok, time.monotonic())
         if replica is not None and not ok:
-            logger.info("FleetRouter: request %s failed on replica %s", internal_request_id, replica)
+            logger.info(
+                "FleetRouter: request %s failed on replica %s", internal_request_id, replica
+            )
 
     async def choose_replicas(
         self,
@@ -66,8 +78,9 @@ class FleetRouter(RequestRouter):
         ranking = self.fleet.route(route_request(pending_request), by_key, now)
         return [[by_key[key]] for key in ranking]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: ReplicaResult) -> None:
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
         self.fleet.on_routed(route_request(pending_request), replica_id.unique_id, time.monotonic())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -76,7 +89,9 @@ class FleetRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         if self.fleet.remove_replica(replica_id.unique_id):
-            logger.warning("FleetRouter: replica %s died; dropped from the prefix index", replica_id.unique_id)
+            logger.warning(
+                "FleetRouter: replica %s died; dropped from the prefix index", replica_id.unique_id
+            )
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

@@ -1,4 +1,5 @@
 """build_app: the import_path of deploy.yaml (deploy.app:build_app)."""
+
 from __future__ import annotations
 
 import logging
@@ -18,14 +19,22 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 def check_exposure(host: str | None, config: AppConfig) -> None:
     """An app reachable beyond this machine needs keys, unless allow_unauthenticated says otherwise."""
-    if host is None or host in LOOPBACK_HOSTS or config.key_profiles() or config.allow_unauthenticated:
+    if (
+        host is None
+        or host in LOOPBACK_HOSTS
+        or config.key_profiles()
+        or config.allow_unauthenticated
+    ):
         return
-    raise ValueError(f"api_keys: Serve listens on {host}, beyond loopback, and the app has no api_key, "
-                     "api_keys or api_keys_env; set one, or allow_unauthenticated: true")
+    raise ValueError(
+        f"api_keys: Serve listens on {host}, beyond loopback, and the app has no api_key, "
+        "api_keys or api_keys_env; set one, or allow_unauthenticated: true"
+    )
 
 
 def _serve_http_host() -> str | None:
-    """The host Serve's proxies bind, when this runs where Serve is up (serve run, the app builder task)."""
+    """The host Serve's proxies bind, when this runs where Serve is up (serve run, the app builder
+    task)."""
     import ray
 
     if not ray.is_initialized():
@@ -35,7 +44,7 @@ def _serve_http_host() -> str | None:
 
         client = _get_global_client(raise_if_no_controller_running=False)
         return client.http_config.host if client is not None else None
-    except Exception:  # noqa: BLE001 - no Serve to ask: nothing to check against
+    except Exception:
         logger.debug("Serve's HTTP host is unknown here", exc_info=True)
         return None
 

@@ -1,4 +1,5 @@
 """OpenAI error JSON and the one exception-to-status mapping of the HTTP layer."""
+
 from __future__ import annotations
 
 import logging
@@ -50,7 +51,9 @@ class ContextLengthError(BadRequestError):
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
             f"in the completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens", code="context_length_exceeded")
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 class OverloadedError(APIError):
@@ -70,8 +73,12 @@ class RequestFailedError(APIError):
 
     def __init__(self, request_id: str, reason: str | None) -> None:
         incident = uuid.uuid4().hex[:16]
-        logger.error("request %s failed in the engine (incident %s): %s", request_id, incident, reason)
-        super().__init__(f"The request failed in the engine (incident {incident}).", code="request_failed")
+        logger.error(
+            "request %s failed in the engine (incident %s): %s", request_id, incident, reason
+        )
+        super().__init__(
+            f"The request failed in the engine (incident {incident}).", code="request_failed"
+        )
 
 
 class ReplicaUnavailableError(APIError):
@@ -81,8 +88,10 @@ class ReplicaUnavailableError(APIError):
     type = "overloaded_error"
 
     def __init__(self, request_id: str, max_migrations: int) -> None:
-        super().__init__(f"The request lost its model replica more than {max_migrations} times; retry later.",
-                         code="replica_unavailable")
+        super().__init__(
+            f"The request lost its model replica more than {max_migrations} times; retry later.",
+            code="replica_unavailable",
+        )
 
 
 class RequestTimeoutError(APIError):
@@ -116,7 +125,8 @@ def _field_of(message: str) -> str | None:
 
 
 def _cause(exc: BaseException) -> BaseException:
-    """The error a Ray wrapper (RayTaskError, ...) carries, so it is classified by cause, never by text."""
+    """The error a Ray wrapper (RayTaskError, ...) carries, so it is classified by cause, never by
+    text."""
     seen = 0
     while isinstance(exc, RayTaskError) and exc.cause is not None and seen < 8:
         exc, seen = exc.cause, seen + 1
@@ -140,11 +150,22 @@ def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None
         return 400, "invalid_request_error", message, _field_of(message), None
     if isinstance(exc, BackPressureError):
         status = getattr(exc, "status_code", 503)
-        return status, "overloaded_error", "The server is overloaded, retry later.", None, "overloaded"
+        return (
+            status,
+            "overloaded_error",
+            "The server is overloaded, retry later.",
+            None,
+            "overloaded",
+        )
     if isinstance(exc, (RayActorError, ActorUnavailableError)):
         logger.warning("a replica became unavailable: %s", type(exc).__name__)
-        return 503, "overloaded_error", "The model replica serving this request is unavailable, retry later.", \
-            None, "replica_unavailable"
+        return (
+            503,
+            "overloaded_error",
+            "The model replica serving this request is unavailable, retry later.",
+            None,
+            "replica_unavailable",
+        )
     incident = uuid.uuid4().hex[:16]
     logger.error("internal error %s", incident, exc_info=exc)
     return 500, "internal_error", f"Internal server error (incident {incident}).", None, None
@@ -153,9 +174,13 @@ def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None
 def error_response(exc: BaseException) -> JSONResponse:
     """The OpenAI error JSON response for exc."""
     status, type_, message, param, code = _classify(exc)
-    retry_after = getattr(exc, "retry_after_s", None) if isinstance(exc, BackPressureError) else None
+    retry_after = (
+        getattr(exc, "retry_after_s", None) if isinstance(exc, BackPressureError) else None
+    )
     headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after else None
-    return JSONResponse(error_body(type_, message, param, code), status_code=status, headers=headers)
+    return JSONResponse(
+        error_body(type_, message, param, code), status_code=status, headers=headers
+    )
 
 
 def error_event(exc: BaseException) -> dict:

@@ -1,4 +1,5 @@
 """One choice of a completion: replica stream -> token deltas -> text deltas, cut at stop strings."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,13 +13,13 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.context import _set_request_context
 
+from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.outcomes import report_outcome
+from deploy.errors import ReplicaUnavailableError, RequestFailedError, RequestTimeoutError
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
-from cluster.errors import EngineFailedError, ReplicaDrainingError
-from scheduler.request import GenerateRequest
-from deploy.errors import ReplicaUnavailableError, RequestFailedError, RequestTimeoutError
 from scheduler.outputs import TokenLogprobs
+from scheduler.request import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +63,19 @@ class UsageTally:
         if delta.finish_reason is None:
             return
         self.prompt[delta.prompt_index] = delta.num_prompt_tokens
-        self.cached[delta.prompt_index] = max(self.cached.get(delta.prompt_index, 0), delta.num_cached_tokens)
+        self.cached[delta.prompt_index] = max(
+            self.cached.get(delta.prompt_index, 0), delta.num_cached_tokens
+        )
         self.completion += delta.num_output_tokens
 
     def as_dict(self) -> dict:
         prompt = sum(self.prompt.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion,
-                "total_tokens": prompt + self.completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": prompt + self.completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
+        }
 
 
 class ReplicaAbortedError(RuntimeError):
@@ -82,13 +88,24 @@ def is_replica_failure(exc: BaseException) -> bool:
     Classified by type: a dead or unreachable actor, a failed engine, a replica that gave up the
     request. A RayTaskError is an instance of its cause's class too, so isinstance sees through it.
     """
-    return isinstance(exc, (RayActorError, ActorUnavailableError, EngineFailedError, ReplicaAbortedError,
-                            ReplicaDrainingError))
+    return isinstance(
+        exc,
+        (
+            RayActorError,
+            ActorUnavailableError,
+            EngineFailedError,
+            ReplicaAbortedError,
+            ReplicaDrainingError,
+        ),
+    )
 
 
 def is_replica_fault(exc: BaseException) -> bool:
-    """A replica failure that counts against the replica's circuit: not an orderly hand-back on shutdown."""
-    return is_replica_failure(exc) and not isinstance(exc, (ReplicaAbortedError, ReplicaDrainingError))
+    """A replica failure that counts against the replica's circuit: not an orderly hand-back on
+    shutdown."""
+    return is_replica_failure(exc) and not isinstance(
+        exc, (ReplicaAbortedError, ReplicaDrainingError)
+    )
 
 
 @dataclass(slots=True)
@@ -108,33 +125,49 @@ class Choice:
     emitted: list[int] = field(default_factory=list)
 
     async def stream(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
-        text_stream = self.frontend.text_stream(self.request.prompt_token_ids, self.request.sampling_params.stop)
+        text_stream = self.frontend.text_stream(
+            self.request.prompt_token_ids, self.request.sampling_params.stop
+        )
         migrations = 0
         while True:
             try:
-                async for delta in self._stream_once(replica, self._attempt(migrations), text_stream):
+                async for delta in self._stream_once(
+                    replica, self._attempt(migrations), text_stream
+                ):
                     yield delta
                 return
-            except Exception as exc:  # noqa: BLE001 - only replica failures are resumed
+            except Exception as exc:
                 if not is_replica_failure(exc):
                     raise
                 migrations += 1
                 if migrations > self.max_migrations:
-                    raise ReplicaUnavailableError(self.request.request_id, self.max_migrations) from None
-                logger.warning("choice %s: its replica failed (%s); resuming after %d tokens elsewhere "
-                               "(migration %d of at most %d)", self.request.request_id, type(exc).__name__,
-                               len(self.emitted), migrations, self.max_migrations)
+                    raise ReplicaUnavailableError(
+                        self.request.request_id, self.max_migrations
+                    ) from None
+                logger.warning(
+                    "choice %s: its replica failed (%s); resuming after %d tokens elsewhere "
+                    "(migration %d of at most %d)",
+                    self.request.request_id,
+                    type(exc).__name__,
+                    len(self.emitted),
+                    migrations,
+                    self.max_migrations,
+                )
                 # Give Serve a moment to take the dead replica out of the routing set.
                 await asyncio.sleep(0.2 * migrations)
 
     def _attempt(self, migrations: int) -> GenerateRequest:
         if migrations == 0:
             return self.request
-        return replace(self.request, request_id=f"{self.request.request_id}-m{migrations}",
-                       output_token_ids=list(self.emitted))
+        return replace(
+            self.request,
+            request_id=f"{self.request.request_id}-m{migrations}",
+            output_token_ids=list(self.emitted),
+        )
 
-    async def _stream_once(self, replica: Any, request: GenerateRequest,
-                           text_stream: TextStream) -> AsyncIterator[ChoiceDelta]:
+    async def _stream_once(
+        self, replica: Any, request: GenerateRequest, text_stream: TextStream
+    ) -> AsyncIterator[ChoiceDelta]:
         internal_request_id = _route_as_own_request()
         response = replica.options(stream=True).generate.remote(request)
         done = False
@@ -144,21 +177,36 @@ class Choice:
                 self.emitted.extend(tokens)
                 # Usage counts every token generated, including those past a stop string's cut.
                 sent = text_stream.feed(tokens, out.finished)
-                finish = "stop" if text_stream.stopped else (out.finish_reason if out.finished else None)
+                finish = (
+                    "stop" if text_stream.stopped else (out.finish_reason if out.finished else None)
+                )
                 if finish == "abort":
-                    raise ReplicaAbortedError(f"request {request.request_id} was aborted by its replica")
+                    raise ReplicaAbortedError(
+                        f"request {request.request_id} was aborted by its replica"
+                    )
                 if finish == "error":
                     raise RequestFailedError(request.request_id, out.error)
                 done = finish is not None
                 if done:
                     report_outcome(internal_request_id, ok=True)
-                yield ChoiceDelta(self.index, self.prompt_index, sent, tokens, out.new_logprobs, finish,
-                                  len(request.prompt_token_ids), len(self.emitted), out.num_cached_tokens)
+                yield ChoiceDelta(
+                    self.index,
+                    self.prompt_index,
+                    sent,
+                    tokens,
+                    out.new_logprobs,
+                    finish,
+                    len(request.prompt_token_ids),
+                    len(self.emitted),
+                    out.num_cached_tokens,
+                )
                 if done:
                     return
         except Exception as exc:
             if is_replica_fault(exc):
-                report_outcome(internal_request_id, ok=False)  # the router's circuit breaker counts it
+                report_outcome(
+                    internal_request_id, ok=False
+                )  # the router's circuit breaker counts it
             raise
         finally:
             if not done:
@@ -167,18 +215,24 @@ class Choice:
                 response.cancel()  # the replica is told to stop: it aborts and frees the blocks
 
 
-async def with_deadline(deltas: AsyncIterator[ChoiceDelta], deadline: float) -> AsyncIterator[ChoiceDelta]:
+async def with_deadline(
+    deltas: AsyncIterator[ChoiceDelta], deadline: float
+) -> AsyncIterator[ChoiceDelta]:
     """The deltas until time.monotonic() reaches deadline; then the generation is cancelled (the
     replica aborts it and frees its blocks) and RequestTimeoutError is raised."""
     iterator = aiter(deltas)
     while True:
         try:
-            delta = await asyncio.wait_for(anext(iterator), timeout=max(deadline - time.monotonic(), 0.0))
+            delta = await asyncio.wait_for(
+                anext(iterator), timeout=max(deadline - time.monotonic(), 0.0)
+            )
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise RequestTimeoutError("The request did not finish within its deadline "
-                                      "(request_timeout_s).", code="request_timeout") from None
+            raise RequestTimeoutError(
+                "The request did not finish within its deadline (request_timeout_s).",
+                code="request_timeout",
+            ) from None
         yield delta
 
 
@@ -195,7 +249,7 @@ async def merge_streams(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncItera
         try:
             async for delta in stream:
                 await queue.put(delta)
-        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+        except Exception as exc:
             await queue.put(exc)
         finally:
             await queue.put(sentinel)

@@ -21,15 +21,29 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from frontend.frontend import Frontend
-from scheduler.request import GenerateRequest
 from deploy.config import ApiKeyProfile, AppConfig
-from deploy.errors import (AuthenticationError, BadRequestError, ContextLengthError, ModelNotFoundError,
-                           PayloadTooLargeError, error_event, error_response)
+from deploy.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ContextLengthError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    error_event,
+    error_response,
+)
 from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams, with_deadline
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
-from deploy.tools import ToolCallFormat, ToolCallParser, ToolSpec, detect_format, prepare_chat, \
-    template_renders_tools, tool_constraint
+from deploy.tools import (
+    ToolCallFormat,
+    ToolCallParser,
+    ToolSpec,
+    detect_format,
+    prepare_chat,
+    template_renders_tools,
+    tool_constraint,
+)
+from frontend.frontend import Frontend
+from scheduler.request import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput
 from workers.grammar import check_constraint
@@ -48,7 +62,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 once it passes `limit` bytes (before it is parsed)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"Request body of {declared} bytes exceeds the {limit}-byte limit.")
+        raise PayloadTooLargeError(
+            f"Request body of {declared} bytes exceeds the {limit}-byte limit."
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -81,7 +97,9 @@ def _checked_constraint(constraint: StructuredOutput, timeout_s: float) -> Struc
     return constraint
 
 
-async def _prepend(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+async def _prepend(
+    first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]
+) -> AsyncIterator[ChoiceDelta]:
     if first is not None:
         yield first
         async for delta in rest:
@@ -89,7 +107,8 @@ async def _prepend(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) 
 
 
 class _ChatSplit:
-    """One chat choice's text as OpenAI message fields: plain content, or tool calls when tools are on."""
+    """One chat choice's text as OpenAI message fields: plain content, or tool calls when tools are
+    on."""
 
     def __init__(self, tool_format: ToolCallFormat | None) -> None:
         self.parser = ToolCallParser(tool_format) if tool_format is not None else None
@@ -101,7 +120,10 @@ class _ChatSplit:
         content, calls = self.parser.feed(text)
         rest, more = self.parser.finish()
         calls = calls + more
-        message: dict[str, Any] = {"role": "assistant", "content": (content + rest) or (None if calls else "")}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": (content + rest) or (None if calls else ""),
+        }
         if calls:
             message["tool_calls"] = calls
         return message
@@ -115,7 +137,7 @@ class _ChatSplit:
                 rest, more = self.parser.finish()
                 text, calls = text + rest, calls + more
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text or first and not calls:
+        if text or (first and not calls):
             delta["content"] = text
         if calls:
             start = len(self.parser.calls) - len(calls)
@@ -132,7 +154,8 @@ class _ChatSplit:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
 class OpenAIIngress:
-    """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI JSON."""
+    """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI
+    JSON."""
 
     def __init__(self, config: AppConfig, replica: DeploymentHandle) -> None:
         if config.engine.process_niceness is not None:
@@ -158,10 +181,15 @@ class OpenAIIngress:
         try:
             self._authorize(request)
             max_model_len = await self.max_model_len()
-        except Exception as exc:  # noqa: BLE001 - one mapping for every error
+        except Exception as exc:
             return error_response(exc)
-        card = {"id": self.config.model_name, "object": "model", "created": self._created,
-                "owned_by": "raylm", "max_model_len": max_model_len}
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "raylm",
+            "max_model_len": max_model_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
@@ -172,11 +200,15 @@ class OpenAIIngress:
                 raise BadRequestError("echo is not supported", param="echo")
             raw_prompts = body.prompts()
             self._check_fanout(len(raw_prompts), body.n)
-            prompts = [await self._tokenize(self.frontend.encode_prompt, p, len(p)) if isinstance(p, str) else p
-                       for p in raw_prompts]
+            prompts = [
+                await self._tokenize(self.frontend.encode_prompt, p, len(p))
+                if isinstance(p, str)
+                else p
+                for p in raw_prompts
+            ]
             constraint = await self._check(body.output_constraint())
             choices = await self._choices(body, prompts, body.logprobs, tenant, constraint)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return error_response(exc)
         return await self._respond(body, choices, chat=False)
 
@@ -187,27 +219,45 @@ class OpenAIIngress:
             if body.max_completion_tokens is not None:
                 body.max_tokens = body.max_completion_tokens
             self._check_fanout(1, body.n)
-            tools = [ToolSpec(t.function.name, t.function.description, t.function.parameters)
-                     for t in body.tools or []] if body.tool_choice_name != "none" else []
+            tools = (
+                [
+                    ToolSpec(t.function.name, t.function.description, t.function.parameters)
+                    for t in body.tools or []
+                ]
+                if body.tool_choice_name != "none"
+                else []
+            )
             constraint = body.output_constraint()
             if tools and constraint is not None:
-                raise BadRequestError(f"{constraint.field_name}: cannot be combined with tools unless "
-                                      "tool_choice is none", param=constraint.field_name)
+                raise BadRequestError(
+                    f"{constraint.field_name}: cannot be combined with tools unless "
+                    "tool_choice is none",
+                    param=constraint.field_name,
+                )
             if tools:
-                constraint = tool_constraint(tools, body.tool_choice_name, self._tool_format,
-                                             body.parallel_tool_calls)
+                constraint = tool_constraint(
+                    tools, body.tool_choice_name, self._tool_format, body.parallel_tool_calls
+                )
             constraint = await self._check(constraint)
-            messages, tool_args = prepare_chat([self._message(m) for m in body.messages], tools,
-                                               self._tool_format, self._renders_tools)
+            messages, tool_args = prepare_chat(
+                [self._message(m) for m in body.messages],
+                tools,
+                self._tool_format,
+                self._renders_tools,
+            )
             num_chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tool_args or []))
-            prompt = await self._tokenize(functools.partial(self.frontend.encode_chat, tools=tool_args),
-                                          messages, num_chars)
+            prompt = await self._tokenize(
+                functools.partial(self.frontend.encode_chat, tools=tool_args), messages, num_chars
+            )
             choices = await self._choices(body, [prompt], body.num_logprobs, tenant, constraint)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return error_response(exc)
-        return await self._respond(body, choices, chat=True, tool_format=self._tool_format if tools else None)
+        return await self._respond(
+            body, choices, chat=True, tool_format=self._tool_format if tools else None
+        )
 
-    # ---- request -> GenerateRequests --------------------------------------------------------------
+    # ---- request -> GenerateRequests
+    # --------------------------------------------------------------
     async def _parse(self, request: Request, schema: type) -> tuple[Any, str]:
         """The validated body and the caller's tenant."""
         profile = self._authorize(request)
@@ -215,11 +265,18 @@ class OpenAIIngress:
         try:
             body = schema.model_validate(data)
         except RecursionError:
-            raise BadRequestError("Request body is nested too deeply.", code="invalid_json") from None
+            raise BadRequestError(
+                "Request body is nested too deeply.", code="invalid_json"
+            ) from None
         if body.model != self.config.model_name and body.model != self.config.engine.model:
-            raise ModelNotFoundError(f"The model `{body.model}` does not exist; this server serves "
-                                     f"`{self.config.model_name}`.", param="model", code="model_not_found")
-        # The tenant and the priority ceiling are the key's; the request's `user` does not choose them.
+            raise ModelNotFoundError(
+                f"The model `{body.model}` does not exist; this server serves "
+                f"`{self.config.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+        # The tenant and the priority ceiling are the key's; the request's `user` does not choose
+        # them.
         if profile is not None:
             body.priority = max(body.priority, profile.max_priority)
         return body, (profile.tenant if profile is not None else "default")
@@ -235,34 +292,47 @@ class OpenAIIngress:
             if hmac.compare_digest(given, key.encode()):
                 match = profile
         if not given or match is None:
-            raise AuthenticationError("Missing or incorrect API key (Authorization: Bearer <key>).",
-                                      code="invalid_api_key")
+            raise AuthenticationError(
+                "Missing or incorrect API key (Authorization: Bearer <key>).",
+                code="invalid_api_key",
+            )
         return match
 
     def _check_fanout(self, num_prompts: int, n: int) -> None:
         limit = self.config.max_sequences_per_request
         if num_prompts * n > limit:
-            raise BadRequestError(f"n: {num_prompts} prompt(s) x n={n} asks for more than {limit} sequences",
-                                  param="n")
+            raise BadRequestError(
+                f"n: {num_prompts} prompt(s) x n={n} asks for more than {limit} sequences",
+                param="n",
+            )
 
     async def _tokenize(self, encode: Any, prompt: Any, num_chars: int) -> list[int]:
-        """Encode off the event loop (a 10 MB prompt must not stall other streams), after a size check."""
+        """Encode off the event loop (a 10 MB prompt must not stall other streams), after a size
+        check."""
         limit = await self.max_model_len() * MAX_CHARS_PER_TOKEN
         if num_chars > limit:
-            raise BadRequestError(f"prompt: {num_chars} characters cannot fit this model's context "
-                                  f"(at most {limit} characters)", param="prompt", code="context_length_exceeded")
+            raise BadRequestError(
+                f"prompt: {num_chars} characters cannot fit this model's context "
+                f"(at most {limit} characters)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         return await asyncio.to_thread(encode, prompt)
 
     async def _check(self, constraint: StructuredOutput | None) -> StructuredOutput | None:
         """A valid constraint (checked off the event loop, within grammar_timeout_s) or a 400."""
         if constraint is None:
             return None
-        return await asyncio.to_thread(_checked_constraint, constraint, self.config.grammar_timeout_s)
+        return await asyncio.to_thread(
+            _checked_constraint, constraint, self.config.grammar_timeout_s
+        )
 
     @staticmethod
     def _message(message: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": message.role if message.role != "developer" else "system",
-                               "content": message.text()}
+        out: dict[str, Any] = {
+            "role": message.role if message.role != "developer" else "system",
+            "content": message.text(),
+        }
         if message.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
         if message.tool_call_id is not None:
@@ -275,8 +345,14 @@ class OpenAIIngress:
             self._max_model_len = int(info["max_model_len"])
         return self._max_model_len
 
-    async def _choices(self, body: Any, prompts: list[list[int]], logprobs: int | None, tenant: str,
-                       constraint: StructuredOutput | None) -> list[Choice]:
+    async def _choices(
+        self,
+        body: Any,
+        prompts: list[list[int]],
+        logprobs: int | None,
+        tenant: str,
+        constraint: StructuredOutput | None,
+    ) -> list[Choice]:
         max_len = await self.max_model_len()
         base_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         choices = []
@@ -287,53 +363,89 @@ class OpenAIIngress:
                 raise BadRequestError(str(exc), param="prompt") from None
             max_tokens = body.max_tokens if body.max_tokens is not None else max_len - len(prompt)
             if max_tokens < 1 or len(prompt) + max_tokens > max_len:
-                raise ContextLengthError(max_len, len(prompt), max(max_tokens, body.max_tokens or 0))
+                raise ContextLengthError(
+                    max_len, len(prompt), max(max_tokens, body.max_tokens or 0)
+                )
             hashes = self.frontend.block_hashes(prompt, self.config.engine.block_size)
             too_long = [s for s in body.stop if len(s) > self.config.max_stop_string_chars]
             if too_long:
-                raise BadRequestError(f"stop: stop strings may have at most {self.config.max_stop_string_chars} "
-                                      "characters", param="stop")
+                raise BadRequestError(
+                    f"stop: stop strings may have at most {self.config.max_stop_string_chars} "
+                    "characters",
+                    param="stop",
+                )
             for i in range(body.n):
                 params = SamplingParams(
-                    max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                    min_p=body.min_p, seed=None if body.seed is None else body.seed + i,
-                    repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty, logprobs=logprobs,
-                    ignore_eos=body.ignore_eos, stop=list(body.stop), logit_bias=dict(body.logit_bias or {}),
-                    structured=constraint)
+                    max_tokens=max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
+                    min_p=body.min_p,
+                    seed=None if body.seed is None else body.seed + i,
+                    repetition_penalty=body.repetition_penalty,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    logprobs=logprobs,
+                    ignore_eos=body.ignore_eos,
+                    stop=list(body.stop),
+                    logit_bias=dict(body.logit_bias or {}),
+                    structured=constraint,
+                )
                 params.check_vocab(self.frontend.info.vocab_size)
                 request = GenerateRequest(
-                    request_id=f"{base_id}-{p * body.n + i}", prompt_token_ids=prompt, sampling_params=params,
-                    priority=body.priority, tenant=tenant, block_hashes=hashes, caller=self._actor_name)
-                choices.append(Choice(p * body.n + i, p, request, self.frontend, self.config.max_migrations))
+                    request_id=f"{base_id}-{p * body.n + i}",
+                    prompt_token_ids=prompt,
+                    sampling_params=params,
+                    priority=body.priority,
+                    tenant=tenant,
+                    block_hashes=hashes,
+                    caller=self._actor_name,
+                )
+                choices.append(
+                    Choice(p * body.n + i, p, request, self.frontend, self.config.max_migrations)
+                )
         return choices
 
     # ---- responses -----------------------------------------------------------------------------
-    async def _respond(self, body: Any, choices: list[Choice], chat: bool,
-                       tool_format: ToolCallFormat | None = None):
+    async def _respond(
+        self,
+        body: Any,
+        choices: list[Choice],
+        chat: bool,
+        tool_format: ToolCallFormat | None = None,
+    ):
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
         timeout = self.config.request_timeout_s
         if body.request_timeout_s is not None:
             timeout = min(timeout, body.request_timeout_s)
-        deltas = with_deadline(merge_streams([c.stream(self.replica) for c in choices]),
-                               time.monotonic() + timeout)
+        deltas = with_deadline(
+            merge_streams([c.stream(self.replica) for c in choices]), time.monotonic() + timeout
+        )
         if body.stream:
             # Wait for the first delta so that admission errors (overload, a replica's rejection)
             # still get their HTTP status instead of an in-band error after a 200.
             try:
                 first = await anext(deltas, None)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 return error_response(exc)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse_stream(rid, _prepend(first, deltas), chat, include_usage,
-                                                      tool_format), media_type="text/event-stream")
+            return StreamingResponse(
+                self._sse_stream(rid, _prepend(first, deltas), chat, include_usage, tool_format),
+                media_type="text/event-stream",
+            )
         try:
             return JSONResponse(await self._collect(rid, deltas, len(choices), chat, tool_format))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return error_response(exc)
 
-    async def _collect(self, rid: str, deltas: AsyncIterator[ChoiceDelta], n: int, chat: bool,
-                       tool_format: ToolCallFormat | None) -> dict:
+    async def _collect(
+        self,
+        rid: str,
+        deltas: AsyncIterator[ChoiceDelta],
+        n: int,
+        chat: bool,
+        tool_format: ToolCallFormat | None,
+    ) -> dict:
         texts = [""] * n
         logprobs: list[list] = [[] for _ in range(n)]
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -353,19 +465,42 @@ class OpenAIIngress:
             if chat:
                 split = _ChatSplit(tool_format)
                 message = split.message(texts[i])
-                out_choices.append({"index": i, "message": message, "logprobs": lp,
-                                    "finish_reason": split.finish_reason(finish[i])})
+                out_choices.append(
+                    {
+                        "index": i,
+                        "message": message,
+                        "logprobs": lp,
+                        "finish_reason": split.finish_reason(finish[i]),
+                    }
+                )
             else:
-                out_choices.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": finish[i]})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.config.model_name, "choices": out_choices,
-                "usage": tally.as_dict()}
+                out_choices.append(
+                    {"index": i, "text": texts[i], "logprobs": lp, "finish_reason": finish[i]}
+                )
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.config.model_name,
+            "choices": out_choices,
+            "usage": tally.as_dict(),
+        }
 
-    async def _sse_stream(self, rid: str, deltas: AsyncIterator[ChoiceDelta], chat: bool,
-                          include_usage: bool, tool_format: ToolCallFormat | None) -> AsyncIterator[bytes]:
+    async def _sse_stream(
+        self,
+        rid: str,
+        deltas: AsyncIterator[ChoiceDelta],
+        chat: bool,
+        include_usage: bool,
+        tool_format: ToolCallFormat | None,
+    ) -> AsyncIterator[bytes]:
         created = int(time.time())
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": self.config.model_name}
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": self.config.model_name,
+        }
         splits: dict[int, _ChatSplit] = {}
         tally = UsageTally()
         try:
@@ -373,7 +508,12 @@ class OpenAIIngress:
                 lp = self._logprobs(d.token_ids, d.logprobs, chat) if d.logprobs else None
                 if not chat:
                     if d.text or lp or d.finish_reason is not None:
-                        choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+                        choice = {
+                            "index": d.index,
+                            "text": d.text,
+                            "logprobs": lp,
+                            "finish_reason": d.finish_reason,
+                        }
                         yield _sse({**head, "choices": [choice]})
                 else:
                     first = d.index not in splits
@@ -382,13 +522,17 @@ class OpenAIIngress:
                     # A delta whose text is held back (partial UTF-8, a possible stop string or
                     # tool-call marker) sends nothing.
                     if delta or lp or d.finish_reason is not None:
-                        choice = {"index": d.index, "delta": delta, "logprobs": lp,
-                                  "finish_reason": split.finish_reason(d.finish_reason)}
+                        choice = {
+                            "index": d.index,
+                            "delta": delta,
+                            "logprobs": lp,
+                            "finish_reason": split.finish_reason(d.finish_reason),
+                        }
                         yield _sse({**head, "choices": [choice]})
                 tally.add(d)
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": tally.as_dict()})
-        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+        except Exception as exc:
             yield _sse(error_event(exc))
         yield _sse("[DONE]")
 
@@ -399,9 +543,17 @@ class OpenAIIngress:
             for entry in entries:
                 (tid, lp), top = entry[0], entry[1:]
                 text = decode(tid)
-                content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                                "top_logprobs": [{"token": decode(t), "logprob": v,
-                                                  "bytes": list(decode(t).encode())} for t, v in top]})
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": lp,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {"token": decode(t), "logprob": v, "bytes": list(decode(t).encode())}
+                            for t, v in top
+                        ],
+                    }
+                )
             return {"content": content}
         tokens, token_logprobs, top_logprobs = [], [], []
         for entry in entries:
@@ -413,8 +565,12 @@ class OpenAIIngress:
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
 
     def _token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id])

@@ -1,4 +1,5 @@
 """OpenAI request bodies (validated) and the response chunks built from generation results."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -6,16 +7,29 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
+from scheduler.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_TOKEN_ID,
+)
 from scheduler.structured_output import StructuredOutput
-from scheduler.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP_STRINGS,
-                                       MAX_TOKEN_ID)
 
 # Documented OpenAI (and vLLM) request fields raylm does not implement: a 400 naming the field
 # beats silently generating something the client did not ask for. Neutral values pass.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "web_search_options": (None,), "suffix": (None, ""), "best_of": (None, 1),
-    "guided_decoding_backend": (None,), "structural_tag": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "guided_decoding_backend": (None,),
+    "structural_tag": (None,),
 }
 MAX_TOOLS = 128
 
@@ -36,7 +50,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("needs json_schema when type is json_schema")
         return self
@@ -54,11 +68,13 @@ class StructuredOutputsField(BaseModel):
     json_object: bool | None = None
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> "StructuredOutputsField":
+    def _exactly_one(self) -> StructuredOutputsField:
         kinds = ("json_", "regex", "choice", "grammar", "json_object")
         given = [k for k in kinds if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar, json_object")
+            raise ValueError(
+                "structured_outputs: give exactly one of json, regex, choice, grammar, json_object"
+            )
         return self
 
     def constraint(self) -> StructuredOutput:
@@ -139,7 +155,9 @@ class _SamplingFields(BaseModel):
     request_timeout_s: float | None = Field(default=None, gt=0, le=86400)  # raylm extension
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None  # vLLM extension
-    guided_json: dict[str, Any] | bool | str | None = None  # vLLM's older spelling of structured_outputs
+    guided_json: dict[str, Any] | bool | str | None = (
+        None  # vLLM's older spelling of structured_outputs
+    )
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -149,18 +167,22 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, neutral in _UNSUPPORTED.items():
-                if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
+                if name in data and not any(
+                    data[name] == v and type(data[name]) is type(v) for v in neutral
+                ):
                     raise ValueError(f"{name}: not supported by this server")
         return data
 
     @model_validator(mode="after")
-    def _seeds_stay_in_range(self) -> "_SamplingFields":
+    def _seeds_stay_in_range(self) -> _SamplingFields:
         # Choice i of n draws with seed + i: the last one must still be a valid seed.
         if self.seed is not None and self.seed + self.n - 1 >= MAX_SEED:
             raise ValueError(f"seed: seed + n - 1 must be < 2^63, got seed={self.seed}, n={self.n}")
         for token, bias in (self.logit_bias or {}).items():
             if not (0 <= token <= MAX_TOKEN_ID and -100.0 <= bias <= 100.0):
-                raise ValueError(f"logit_bias: token {token} must be a token id and its bias in [-100, 100]")
+                raise ValueError(
+                    f"logit_bias: token {token} must be a token id and its bias in [-100, 100]"
+                )
         return self
 
     def output_constraint(self) -> StructuredOutput | None:
@@ -170,7 +192,11 @@ class _SamplingFields(BaseModel):
         if rf is not None and rf.type == "json_object":
             found.append(StructuredOutput("json_object", "", "response_format"))
         elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-            found.append(StructuredOutput.json_schema(rf.json_schema.schema_, "response_format.json_schema.schema"))
+            found.append(
+                StructuredOutput.json_schema(
+                    rf.json_schema.schema_, "response_format.json_schema.schema"
+                )
+            )
         if self.structured_outputs is not None:
             found.append(self.structured_outputs.constraint())
         if self.guided_json is not None:
@@ -267,7 +293,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
@@ -280,7 +306,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def tool_choice_name(self) -> str:
-        """"none", "auto", "required" or the forced function's name (OpenAI's defaults applied)."""
+        """ "none", "auto", "required" or the forced function's name (OpenAI's defaults applied)."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
         return self.tool_choice or ("auto" if self.tools else "none")

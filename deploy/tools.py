@@ -1,10 +1,12 @@
-"""OpenAI tool calling: the call format a chat template speaks, its grammar, and parsing calls back out.
+"""OpenAI tool calling: the call format a chat template speaks, its grammar, and parsing calls back
+out.
 
 A model writes tool calls as text in the format it was trained on. The format is recognised from
 the chat template; `required` and named choices are constrained to a valid call of the given
 tools, and `auto` to either plain text or valid calls, so nothing malformed follows once a call
 has started. The output is parsed back into OpenAI `tool_calls`, whole or as it streams.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,14 +69,26 @@ class ToolSpec:
     parameters: dict[str, Any]
 
     def as_openai(self) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
 
 
 def _call_schema(tool: ToolSpec, fmt: ToolCallFormat) -> dict[str, Any]:
-    return {"type": "object", "additionalProperties": False, "required": ["name", fmt.arguments_key],
-            "properties": {"name": {"const": tool.name},
-                           fmt.arguments_key: tool.parameters or {"type": "object"}}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", fmt.arguments_key],
+        "properties": {
+            "name": {"const": tool.name},
+            fmt.arguments_key: tool.parameters or {"type": "object"},
+        },
+    }
 
 
 def _calls_rule(tools: list[ToolSpec], fmt: ToolCallFormat, parallel: bool) -> str:
@@ -85,14 +99,22 @@ def _calls_rule(tools: list[ToolSpec], fmt: ToolCallFormat, parallel: bool) -> s
     if fmt.as_list:
         array = {"type": "array", "items": one, "minItems": 1, **({} if many else {"maxItems": 1})}
         return f"calls: {json.dumps(fmt.open)} %json {json.dumps(array)} {json.dumps(fmt.close)}"
-    block = " ".join(p for p in (json.dumps(fmt.open) if fmt.open else "", f"%json {json.dumps(one)}",
-                                 json.dumps(fmt.close) if fmt.close else "") if p)
+    block = " ".join(
+        p
+        for p in (
+            json.dumps(fmt.open) if fmt.open else "",
+            f"%json {json.dumps(one)}",
+            json.dumps(fmt.close) if fmt.close else "",
+        )
+        if p
+    )
     repeat = ' ("\\n" block)*' if many else ""
     return f"calls: block{repeat}\nblock: {block}"
 
 
-def tool_constraint(tools: list[ToolSpec], choice: str, fmt: ToolCallFormat,
-                    parallel: bool = True) -> StructuredOutput | None:
+def tool_constraint(
+    tools: list[ToolSpec], choice: str, fmt: ToolCallFormat, parallel: bool = True
+) -> StructuredOutput | None:
     """The output constraint of a tool choice: `required` or a named function force a call, `auto`
     allows plain text or valid calls, `none` nothing."""
     if choice == "none" or not tools:
@@ -101,8 +123,10 @@ def tool_constraint(tools: list[ToolSpec], choice: str, fmt: ToolCallFormat,
         # Plain text is anything that does not open a call; once the marker is written, only
         # valid calls can follow.
         marker = re.escape(fmt.marker)
-        grammar = (f"start: calls | TEXT\nTEXT: /(.|\\n)+/ & ~/\\s*{marker}(.|\\n)*/\n"
-                   f"{_calls_rule(tools, fmt, parallel)}")
+        grammar = (
+            f"start: calls | TEXT\nTEXT: /(.|\\n)+/ & ~/\\s*{marker}(.|\\n)*/\n"
+            f"{_calls_rule(tools, fmt, parallel)}"
+        )
     else:
         chosen = tools if choice == "required" else [t for t in tools if t.name == choice]
         grammar = f"start: calls\n{_calls_rule(chosen, fmt, parallel)}"
@@ -114,17 +138,24 @@ def tools_system_prompt(tools: list[ToolSpec], fmt: ToolCallFormat) -> str:
     example_call = {"name": "<function name>", fmt.arguments_key: {"<parameter>": "<value>"}}
     example = json.dumps([example_call] if fmt.as_list else example_call)
     listing = "\n".join(json.dumps(t.as_openai()["function"]) for t in tools)
-    return ("You can call the functions listed between <tools> and </tools>.\n"
-            f"<tools>\n{listing}\n</tools>\n"
-            "To call functions, answer with nothing but the call, written as\n"
-            f"{fmt.open}{example}{fmt.close}\n"
-            "Otherwise, answer in plain text.")
+    return (
+        "You can call the functions listed between <tools> and </tools>.\n"
+        f"<tools>\n{listing}\n</tools>\n"
+        "To call functions, answer with nothing but the call, written as\n"
+        f"{fmt.open}{example}{fmt.close}\n"
+        "Otherwise, answer in plain text."
+    )
 
 
 def render_call_text(calls: list[dict[str, Any]], fmt: ToolCallFormat) -> str:
     """An assistant turn's earlier tool calls, written back in the model's own format."""
-    objs = [{"name": c["function"]["name"], fmt.arguments_key: _arguments(c["function"].get("arguments"))}
-            for c in calls]
+    objs = [
+        {
+            "name": c["function"]["name"],
+            fmt.arguments_key: _arguments(c["function"].get("arguments")),
+        }
+        for c in calls
+    ]
     if fmt.as_list:
         return f"{fmt.open}{json.dumps(objs)}{fmt.close}"
     return "\n".join(f"{fmt.open}{json.dumps(o)}{fmt.close}" for o in objs)
@@ -163,7 +194,7 @@ class ToolCallParser:
             elif stripped and not self.fmt.marker.startswith(stripped):
                 self.mode = "content"
         if self.mode == "content":
-            out, self._sent = self.text[self._sent:], len(self.text)
+            out, self._sent = self.text[self._sent :], len(self.text)
             return out, []
         if self.mode == "calls":
             return "", self._new_calls()
@@ -171,18 +202,19 @@ class ToolCallParser:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: what is left. Text that never became a complete call goes out as content;
-        after complete calls, a remainder cut off by max_tokens is dropped (finish_reason says so)."""
+        after complete calls, a remainder cut off by max_tokens is dropped (finish_reason says
+        so)."""
         if self.mode == "calls":
             new = self._new_calls()
             if self.calls:
                 return "", new
-        out, self._sent = self.text[self._sent:], len(self.text)
+        out, self._sent = self.text[self._sent :], len(self.text)
         self.mode = "content"
         return out, []
 
     def _new_calls(self) -> list[dict[str, Any]]:
         objs = _complete_call_objects(self.text.lstrip(), self.fmt)
-        new = [_openai_call(o, self.fmt) for o in objs[len(self.calls):]]
+        new = [_openai_call(o, self.fmt) for o in objs[len(self.calls) :]]
         self.calls += new
         return new
 
@@ -240,12 +272,16 @@ def _decode_at(text: str, pos: int) -> tuple[dict[str, Any] | None, int]:
 
 def _openai_call(obj: dict[str, Any], fmt: ToolCallFormat) -> dict[str, Any]:
     arguments = obj.get(fmt.arguments_key, {})
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": str(obj.get("name", "")), "arguments": json.dumps(arguments)}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": str(obj.get("name", "")), "arguments": json.dumps(arguments)},
+    }
 
 
-def prepare_chat(messages: list[dict[str, Any]], tools: list[ToolSpec], fmt: ToolCallFormat,
-                 renders_tools: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def prepare_chat(
+    messages: list[dict[str, Any]], tools: list[ToolSpec], fmt: ToolCallFormat, renders_tools: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The template's messages and `tools` argument for a conversation that may involve tools.
 
     A template that lays out tools gets them (and earlier calls as structured `tool_calls`);
@@ -256,12 +292,21 @@ def prepare_chat(messages: list[dict[str, Any]], tools: list[ToolSpec], fmt: Too
         message = dict(message)
         calls = message.pop("tool_calls", None) or []
         if calls and renders_tools:
-            message["tool_calls"] = [{"type": "function", "function": {
-                "name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}}
-                for c in calls]
+            message["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": _arguments(c["function"].get("arguments")),
+                    },
+                }
+                for c in calls
+            ]
         elif calls:
             text = message.get("content") or ""
-            message["content"] = f"{text}\n{render_call_text(calls, fmt)}" if text else render_call_text(calls, fmt)
+            message["content"] = (
+                f"{text}\n{render_call_text(calls, fmt)}" if text else render_call_text(calls, fmt)
+            )
         out.append(message)
     if not tools:
         return out, None
@@ -269,7 +314,10 @@ def prepare_chat(messages: list[dict[str, Any]], tools: list[ToolSpec], fmt: Too
         return out, [t.as_openai() for t in tools]
     prompt = tools_system_prompt(tools, fmt)
     if out and out[0]["role"] == "system":
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
+        out[0] = {
+            **out[0],
+            "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt,
+        }
     else:
         out.insert(0, {"role": "system", "content": prompt})
     return out, None

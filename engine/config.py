@@ -1,9 +1,11 @@
-"""EngineConfig: model, device, parallelism and KV-cache sizing of one engine, with its SchedulerConfig.
+"""EngineConfig: model, device, parallelism and KV-cache sizing of one engine, with its
+SchedulerConfig.
 
 Each setting is declared once (default, range, doc) in the tree AppConfig > EngineConfig >
 SchedulerConfig; what a worker needs (RunnerConfig) is derived here, never declared again.
 Importing this module loads no torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
@@ -17,7 +19,8 @@ from workers.process import MAX_NICE, MIN_NICE
 if TYPE_CHECKING:
     from workers.runner import RunnerConfig
 
-# Settings a flat mapping (LLM(**kwargs), deploy.yaml args) may name, generated from the dataclasses.
+# Settings a flat mapping (LLM(**kwargs), deploy.yaml args) may name, generated from the
+# dataclasses.
 SCHEDULER_KEYS = tuple(f.name for f in declared_settings(SchedulerConfig))
 
 
@@ -29,36 +32,66 @@ MAX_STREAM_INTERVAL = 256
 class EngineConfig:
     """Model, device, parallelism and cache sizing of one engine (one data-parallel replica)."""
 
-    model: str = setting("default", "`default` (the embedded SmolLM2 GGUF), an HF directory, or a `.gguf` file")
+    model: str = setting(
+        "default", "`default` (the embedded SmolLM2 GGUF), an HF directory, or a `.gguf` file"
+    )
     dtype: str = setting("float32", "weights and activations", choices=DTYPE_NAMES)
-    device: str = setting("auto", "`auto` (cuda when the process sees a GPU, else cpu), `cpu`, `cuda` or `cuda:N`")
-    tensor_parallel_size: int = setting(1, "tensor-parallel ranks (GPUs, or CPU worker actors) per replica", ge=1)
+    device: str = setting(
+        "auto", "`auto` (cuda when the process sees a GPU, else cpu), `cpu`, `cuda` or `cuda:N`"
+    )
+    tensor_parallel_size: int = setting(
+        1, "tensor-parallel ranks (GPUs, or CPU worker actors) per replica", ge=1
+    )
     seed: int = setting(0, "seed of the engine's default sampling generator", ge=0, lt=2**63)
     kv_cache_memory_gb: float = setting(2.0, "KV pool of a CPU engine, in GiB", gt=0)
-    gpu_memory_utilization: float = setting(0.9, "share of GPU memory for weights, activations and KV", gt=0, le=1)
-    swap_space_gb: float = setting(0.0, "CPU pool for swap preemption, in GiB (unless num_cpu_blocks pins it)",
-                                   ge=0)
+    gpu_memory_utilization: float = setting(
+        0.9, "share of GPU memory for weights, activations and KV", gt=0, le=1
+    )
+    swap_space_gb: float = setting(
+        0.0, "CPU pool for swap preemption, in GiB (unless num_cpu_blocks pins it)", ge=0
+    )
     cache_dir: str = setting(DEFAULT_CACHE_DIR, "where converted GGUF weights are cached")
     attention_backend: str = setting("auto", "paged attention kernel", choices=ATTENTION_BACKENDS)
-    cpu_threads: int | None = setting(None, "torch intra-op threads of a CPU engine (unset: a served replica's "
-                                      "`replica_num_cpus`, rounded down; offline, what the process has)", ge=1)
+    cpu_threads: int | None = setting(
+        None,
+        "torch intra-op threads of a CPU engine (unset: a served replica's "
+        "`replica_num_cpus`, rounded down; offline, what the process has)",
+        ge=1,
+    )
     process_niceness: int | None = setting(
-        None, "nice value of the engine's processes, every thread (the replica, its TP workers; served, the "
+        None,
+        "nice value of the engine's processes, every thread (the replica, its TP workers; served, the "
         "ingress too). Ray starts workers at nice 15, behind every other process of the node (the HTTP "
         "client, other jobs); going below 15 needs CAP_SYS_NICE, else a warning. Unset: left as started",
-        ge=MIN_NICE, le=MAX_NICE)
-    enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
-    step_transport: str = setting("socket", "TP > 1: how each step reaches the workers: a TCP connection per rank "
-                                  "(fastest), a Ray Compiled Graph, or plain actor calls", choices=STEP_TRANSPORTS)
-    step_timeout_s: float = setting(300.0, "TP > 1: a step whose workers do not answer within this fails the engine",
-                                    gt=0)
+        ge=MIN_NICE,
+        le=MAX_NICE,
+    )
+    enforce_eager: bool = setting(
+        False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs"
+    )
+    step_transport: str = setting(
+        "socket",
+        "TP > 1: how each step reaches the workers: a TCP connection per rank "
+        "(fastest), a Ray Compiled Graph, or plain actor calls",
+        choices=STEP_TRANSPORTS,
+    )
+    step_timeout_s: float = setting(
+        300.0, "TP > 1: a step whose workers do not answer within this fails the engine", gt=0
+    )
     engine_stall_timeout_s: float = setting(
-        120.0, "a replica with work whose step has not finished for this long fails its health check "
-        "(Serve replaces it; its requests resume elsewhere)", gt=0)
+        120.0,
+        "a replica with work whose step has not finished for this long fails its health check "
+        "(Serve replaces it; its requests resume elsewhere)",
+        gt=0,
+    )
     stream_interval: int = setting(
-        1, "served: tokens per streamed chunk of a request. The first tokens and the finish go at once; "
+        1,
+        "served: tokens per streamed chunk of a request. The first tokens and the finish go at once; "
         "larger values cut the serving stack's per-chunk CPU (Ray and Serve handle each chunk twice) at the "
-        "cost of smoothness", ge=1, le=MAX_STREAM_INTERVAL)
+        "cost of smoothness",
+        ge=1,
+        le=MAX_STREAM_INTERVAL,
+    )
     load_progress: bool = setting(True, "show a progress bar while loading weights")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -71,14 +104,23 @@ class EngineConfig:
         if isinstance(self.scheduler, dict):
             self.scheduler = scheduler_from_dict(self.scheduler)
         if not isinstance(self.scheduler, SchedulerConfig):
-            raise ValueError(f"scheduler: must be a SchedulerConfig or a mapping, got {type(self.scheduler).__name__}")
+            raise ValueError(
+                f"scheduler: must be a SchedulerConfig or a mapping, got {type(self.scheduler).__name__}"
+            )
         sched = self.scheduler
-        if sched.preemption_mode == "swap" and sched.num_cpu_blocks is None and self.swap_space_gb == 0:
-            raise ValueError("preemption_mode: 'swap' needs a CPU pool: set swap_space_gb or num_cpu_blocks")
+        if (
+            sched.preemption_mode == "swap"
+            and sched.num_cpu_blocks is None
+            and self.swap_space_gb == 0
+        ):
+            raise ValueError(
+                "preemption_mode: 'swap' needs a CPU pool: set swap_space_gb or num_cpu_blocks"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Engine settings and SchedulerConfig knobs mixed in one flat call (as LLM(...) takes them)."""
+        """Engine settings and SchedulerConfig knobs mixed in one flat call (as LLM(...) takes
+        them)."""
         own = {f.name for f in fields(cls)}
         unknown = sorted(k for k in kwargs if k not in own and k not in SCHEDULER_KEYS)
         if unknown:
@@ -91,16 +133,23 @@ class EngineConfig:
         return cls(**engine, scheduler=scheduler_from_dict(knobs))
 
     def resolved_device(self) -> str:
-        """"auto" resolved against what this process can see."""
+        """ "auto" resolved against what this process can see."""
         if self.device != "auto":
             return self.device
         import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def sized_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int) -> SchedulerConfig:
+    def sized_scheduler(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int
+    ) -> SchedulerConfig:
         """The SchedulerConfig with the measured pool sizes and context length filled in."""
-        return replace(self.scheduler, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                       max_model_len=max_model_len)
+        return replace(
+            self.scheduler,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            max_model_len=max_model_len,
+        )
 
     def runner_config(self, model_dir: str, max_model_len: int) -> RunnerConfig:
         """What every worker rank needs to build its model and cache."""
@@ -108,12 +157,22 @@ class EngineConfig:
 
         sched = self.scheduler
         return RunnerConfig(
-            model_dir=model_dir, dtype=self.dtype, device=self.resolved_device(), block_size=sched.block_size,
-            max_model_len=max_model_len, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs, seed=self.seed, attention_backend=self.attention_backend,
-            kv_cache_memory_gb=self.kv_cache_memory_gb, gpu_memory_utilization=self.gpu_memory_utilization,
-            load_progress=self.load_progress, cpu_threads=self.cpu_threads,
-            process_niceness=self.process_niceness, enforce_eager=self.enforce_eager)
+            model_dir=model_dir,
+            dtype=self.dtype,
+            device=self.resolved_device(),
+            block_size=sched.block_size,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            seed=self.seed,
+            attention_backend=self.attention_backend,
+            kv_cache_memory_gb=self.kv_cache_memory_gb,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            load_progress=self.load_progress,
+            cpu_threads=self.cpu_threads,
+            process_niceness=self.process_niceness,
+            enforce_eager=self.enforce_eager,
+        )
 
     @property
     def block_size(self) -> int:
@@ -124,7 +183,9 @@ def scheduler_from_dict(knobs: dict[str, Any]) -> SchedulerConfig:
     """A SchedulerConfig from a mapping; unknown keys and bad values name the `scheduler.` path."""
     unknown = sorted(set(knobs) - set(SCHEDULER_KEYS))
     if unknown:
-        raise ValueError(f"scheduler.{unknown[0]}: not a scheduler setting; known: {list(SCHEDULER_KEYS)}")
+        raise ValueError(
+            f"scheduler.{unknown[0]}: not a scheduler setting; known: {list(SCHEDULER_KEYS)}"
+        )
     try:
         return SchedulerConfig(**knobs)
     except ValueError as exc:

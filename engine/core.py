@@ -1,4 +1,5 @@
 """EngineCore: the step loop of one engine (schedule -> execute -> update_from_output)."""
+
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,7 @@ from scheduler import RequestOutput, Scheduler, SchedulerStats
 from scheduler.block_manager import PrefixReport
 from scheduler.request import Request
 from workers.kv_cache import GiB, KVCacheSpec
-from workers.runner import DTYPES, RunnerConfig
+from workers.runner import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,9 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns a Scheduler and an executor; each step() runs one batch and returns its outputs."""
 
-    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory = local_executor) -> None:
+    def __init__(
+        self, config: EngineConfig, executor_factory: ExecutorFactory = local_executor
+    ) -> None:
         self.config = config
         self.model_info = ModelInfo.load(config.model, config.cache_dir)
         self.model_dir = self.model_info.model_dir
@@ -28,8 +31,10 @@ class EngineCore:
         limit = self.model_info.context_limit
         if sched.max_model_len is not None and limit is not None and sched.max_model_len > limit:
             # The rotary table ends there: a sequence past it would fail the whole engine mid-step.
-            raise ValueError(f"max_model_len: {sched.max_model_len} exceeds the model's context of {limit} "
-                             f"tokens (max_position_embeddings / sliding_window in its config.json)")
+            raise ValueError(
+                f"max_model_len: {sched.max_model_len} exceeds the model's context of {limit} "
+                f"tokens (max_position_embeddings / sliding_window in its config.json)"
+            )
         self.max_model_len = sched.max_model_len or self.model_info.max_model_len
         self.vocab_size = self.model_info.vocab_size
         self.eos_token_ids = self.model_info.eos_token_ids
@@ -41,13 +46,24 @@ class EngineCore:
         if sched.max_model_len is None and num_gpu_blocks * sched.block_size < self.max_model_len:
             # The default length is a convenience; shrink it to what the pool can hold.
             self.max_model_len = num_gpu_blocks * sched.block_size
-            logger.warning("max_model_len lowered to %d: the KV pool holds %d blocks",
-                           self.max_model_len, num_gpu_blocks)
+            logger.warning(
+                "max_model_len lowered to %d: the KV pool holds %d blocks",
+                self.max_model_len,
+                num_gpu_blocks,
+            )
         self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
-        self.scheduler = Scheduler(config.sized_scheduler(num_gpu_blocks, num_cpu_blocks, self.max_model_len))
+        self.scheduler = Scheduler(
+            config.sized_scheduler(num_gpu_blocks, num_cpu_blocks, self.max_model_len)
+        )
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
-        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-                    config.model, runner_config.device, num_gpu_blocks, sched.block_size, self.max_model_len)
+        logger.info(
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            config.model,
+            runner_config.device,
+            num_gpu_blocks,
+            sched.block_size,
+            self.max_model_len,
+        )
 
     def _num_cpu_blocks(self) -> int:
         if self.config.scheduler.num_cpu_blocks is not None:
@@ -55,17 +71,25 @@ class EngineCore:
         if self.config.swap_space_gb == 0:
             return 0
         # Only a swap pool sized in GiB needs the model's KV shape before the workers report it.
-        spec = KVCacheSpec.from_hf_config(AutoConfig.from_pretrained(self.model_dir), self.config.block_size,
-                                          DTYPES[self.config.dtype], self.config.tensor_parallel_size)
+        spec = KVCacheSpec.from_hf_config(
+            AutoConfig.from_pretrained(self.model_dir),
+            self.config.block_size,
+            DTYPES[self.config.dtype],
+            self.config.tensor_parallel_size,
+        )
         return spec.blocks_in(self.config.swap_space_gb * GiB)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (its end-of-turn ids default to the model's); ValueError if it cannot run."""
+        """Queue a request (its end-of-turn ids default to the model's); ValueError if it cannot
+        run."""
         ids = request.prompt_token_ids
         if min(ids) < 0 or max(ids) >= self.vocab_size:
-            # An id outside the embedding table would fail the whole batch's forward, not just this request.
-            raise ValueError(f"prompt_token_ids: token ids must be in [0, {self.vocab_size}), "
-                             f"got {min(ids)}..{max(ids)}")
+            # An id outside the embedding table would fail the whole batch's forward, not just this
+            # request.
+            raise ValueError(
+                f"prompt_token_ids: token ids must be in [0, {self.vocab_size}), "
+                f"got {min(ids)}..{max(ids)}"
+            )
         request.sampling_params.check_vocab(self.vocab_size)
         if not request.eos_token_ids:
             request.eos_token_ids = self.eos_token_ids
@@ -80,7 +104,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and return what each request produced."""
         if self.failure is not None:
-            raise RuntimeError(f"engine failed in an earlier step: {self.failure!r}") from self.failure
+            raise RuntimeError(
+                f"engine failed in an earlier step: {self.failure!r}"
+            ) from self.failure
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
@@ -95,7 +121,8 @@ class EngineCore:
         return self.scheduler.stats()
 
     def prefix_report(self, limit: int) -> PrefixReport:
-        """Hashes of up to `limit` most recently cached KV blocks (what the router's prefix index mirrors),
+        """Hashes of up to `limit` most recently cached KV blocks (what the router's prefix index
+        mirrors),
         numbered, with their change since the previous report."""
         return self.scheduler.kv.pool.prefix_report(limit)
 

@@ -1,9 +1,11 @@
 """Executors run each SchedulerOutput on the model workers and return rank 0's ModelRunnerOutput.
 
 LocalExecutor runs one ModelRunner in this process (TP=1); cluster.ray_executor.RayExecutor drives
-one worker actor per tensor-parallel rank. Both satisfy the Executor protocol; an EngineCore gets its
+one worker actor per tensor-parallel rank. Both satisfy the Executor protocol; an EngineCore gets
+its
 executor from an ExecutorFactory, so this Ray-free package never names the Ray one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +46,10 @@ class LocalExecutor:
 
     def __init__(self, runner_config: RunnerConfig, tensor_parallel_size: int = 1) -> None:
         if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size: {tensor_parallel_size} ranks need a worker each; this process "
-                             "runs one. Pass executor_factory=cluster.ray_executor.ray_executor (Ray actors)")
+            raise ValueError(
+                f"tensor_parallel_size: {tensor_parallel_size} ranks need a worker each; this process "
+                "runs one. Pass executor_factory=cluster.ray_executor.ray_executor (Ray actors)"
+            )
         self.runner = ModelRunner(runner_config)
 
     def determine_num_blocks(self) -> int:

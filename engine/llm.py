@@ -1,4 +1,5 @@
 """The offline API: LLM(model=...).generate(prompts, params) and .chat(conversations, params)."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,9 +12,9 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from frontend.detokenizer import TextStream
 from engine.core import EngineCore
 from engine.executor import ExecutorFactory, local_executor
+from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import Request
@@ -42,42 +43,68 @@ class GenerationOutput:
 class LLM:
     """An in-process engine with a tokenizer: batch generation over many prompts at once."""
 
-    def __init__(self, model: str = "default", dtype: str = "float32", device: str = "auto",
-                 tensor_parallel_size: int = 1, executor_factory: ExecutorFactory = local_executor,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str = "default",
+        dtype: str = "float32",
+        device: str = "auto",
+        tensor_parallel_size: int = 1,
+        executor_factory: ExecutorFactory = local_executor,
+        **kwargs: Any,
+    ) -> None:
         """Engine and scheduler settings by name (EngineConfig, SchedulerConfig); more than one
         tensor-parallel rank needs an executor_factory that starts a worker per rank
         (cluster.ray_executor.ray_executor)."""
-        config = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device,
-                                          tensor_parallel_size=tensor_parallel_size, **kwargs)
+        config = EngineConfig.from_kwargs(
+            model=model,
+            dtype=dtype,
+            device=device,
+            tensor_parallel_size=tensor_parallel_size,
+            **kwargs,
+        )
         self.engine = EngineCore(config, executor_factory)
-        self.frontend = Frontend(AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info)
+        self.frontend = Frontend(
+            AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info
+        )
         self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerationOutput]:
         """Complete each prompt (text or token ids); outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
-        token_ids = [self.frontend.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
+        token_ids = [
+            self.frontend.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts
+        ]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
-    def chat(self, conversations: list[dict] | Sequence[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[GenerationOutput]:
-        """Reply to each conversation (a list of {"role", "content"} messages) via the chat template."""
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerationOutput]:
+        """Reply to each conversation (a list of {"role", "content"} messages) via the chat
+        template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         texts = [self.frontend.render_chat(c) for c in conversations]
         token_ids = [self.frontend.encode_chat(c) for c in conversations]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
-    def _run(self, texts: list[str | None], token_ids: list[list[int]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool) -> list[GenerationOutput]:
+    def _run(
+        self,
+        texts: list[str | None],
+        token_ids: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[GenerationOutput]:
         params = _params_per_prompt(sampling_params, len(token_ids))
         outputs: dict[str, GenerationOutput] = {}
         stops: dict[str, TextStream] = {}
@@ -88,7 +115,9 @@ class LLM:
                     rid = f"llm-{next(self._ids)}"
                     self.engine.add_request(Request(rid, ids, sp))
                     live.add(rid)
-                    outputs[rid] = GenerationOutput(rid, text, ids, logprobs=[] if sp.logprobs is not None else None)
+                    outputs[rid] = GenerationOutput(
+                        rid, text, ids, logprobs=[] if sp.logprobs is not None else None
+                    )
                     if sp.stop:  # text is built as it streams, so stop strings cut it at once
                         stops[rid] = self.frontend.text_stream(ids, sp.stop)
                 while live:
@@ -128,8 +157,9 @@ class LLM:
         self.engine.shutdown()
 
 
-def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                       n: int) -> list[SamplingParams]:
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
     if sampling_params is None:
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
@@ -140,14 +170,20 @@ def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams
             raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
     for sp in params:
         if sp.n != 1:
-            raise ValueError(f"n: LLM.generate returns one completion per prompt, got n={sp.n}; "
-                             "repeat the prompt instead")
+            raise ValueError(
+                f"n: LLM.generate returns one completion per prompt, got n={sp.n}; "
+                "repeat the prompt instead"
+            )
     for constraint in {sp.structured for sp in params if sp.structured is not None}:
-        check_constraint(constraint)  # a bad grammar is the caller's ValueError, before anything runs
+        check_constraint(
+            constraint
+        )  # a bad grammar is the caller's ValueError, before anything runs
     return params
 
 
-def _hit_stop(out: GenerationOutput, stream: TextStream, new_token_ids: list[int], finished: bool) -> bool:
+def _hit_stop(
+    out: GenerationOutput, stream: TextStream, new_token_ids: list[int], finished: bool
+) -> bool:
     """Feed a step's tokens to the text stream; on a stop string the text is cut before it."""
     stream.feed(new_token_ids, finished)
     out.text = stream.text

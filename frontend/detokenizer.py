@@ -1,4 +1,5 @@
 """Incremental detokenization (safe across multi-byte UTF-8 pieces) and stop-string matching."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,8 +19,12 @@ class IncrementalDetokenizer:
     next token completes it. Each step decodes a handful of tokens, not the whole output.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list((prompt_token_ids or [])[-_CONTEXT_TOKENS:])
@@ -35,11 +40,11 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         self.ids.extend(token_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         self.text += delta
@@ -47,9 +52,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: whatever is still held back (a truncated UTF-8 sequence)."""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
@@ -57,7 +62,8 @@ class IncrementalDetokenizer:
 
 @dataclass(slots=True)
 class StopMatcher:
-    """Applies stop strings to streamed text: holds back a possible partial match, cuts at a full one.
+    """Applies stop strings to streamed text: holds back a possible partial match, cuts at a full
+    one.
 
     feed(delta) returns the text that is safe to send now; stopped turns True once a stop string
     appeared (the text is cut before it, as OpenAI does).
@@ -83,7 +89,7 @@ class StopMatcher:
             self.stopped = True
             final = True
         end = len(self.text) if final else max(self.sent, len(self.text) - self._hold)
-        out = self.text[self.sent:end]
+        out = self.text[self.sent : end]
         self.sent = end
         return out
 
@@ -94,7 +100,8 @@ class StopMatcher:
 
 @dataclass(slots=True)
 class TextStream:
-    """One generation's text: token deltas in, stop-cut text deltas out (detokenizer + stop matcher)."""
+    """One generation's text: token deltas in, stop-cut text deltas out (detokenizer + stop
+    matcher)."""
 
     detokenizer: IncrementalDetokenizer
     matcher: StopMatcher

@@ -1,9 +1,11 @@
-"""The tokenizer side of generation, shared by the OpenAI ingress and the offline LLM (no model code).
+"""The tokenizer side of generation, shared by the OpenAI ingress and the offline LLM (no model
+code).
 
 Model facts are resolved once (ModelInfo); prompts are encoded one way (a rendered chat template
 carries its own special tokens, a plain prompt gets the tokenizer's); stop ids, incremental
 detokenization with stop strings, and the prompt block hashes all come from here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +25,8 @@ logger = logging.getLogger(__name__)
 # Used when a tokenizer has no chat template (tiny test models): ChatML, like SmolLM2's own.
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +36,17 @@ class ModelInfo:
     model_dir: str
     max_model_len: int  # the model's positions (and sliding window), capped: the default context
     vocab_size: int
-    eos_token_ids: tuple[int, ...]  # every id that ends a turn (config, generation config, tokenizer)
-    context_limit: int | None = None  # positions (and sliding window) uncapped: no max_model_len beyond it
+    eos_token_ids: tuple[
+        int, ...
+    ]  # every id that ends a turn (config, generation config, tokenizer)
+    context_limit: int | None = (
+        None  # positions (and sliding window) uncapped: no max_model_len beyond it
+    )
 
     @classmethod
-    def load(cls, model: str, cache_dir: str = DEFAULT_CACHE_DIR, tokenizer: Any = None) -> ModelInfo:
+    def load(
+        cls, model: str, cache_dir: str = DEFAULT_CACHE_DIR, tokenizer: Any = None
+    ) -> ModelInfo:
         model_dir = resolve_model(model, cache_dir)
         config = AutoConfig.from_pretrained(model_dir)
         sources: list[Any] = [config]
@@ -51,10 +60,13 @@ class ModelInfo:
             eos.update(ids if isinstance(ids, (list, tuple)) else [ids])
         tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_dir)
         eos.add(tokenizer.eos_token_id)
-        return cls(model_dir=model_dir, max_model_len=max_model_len_of(config),
-                   vocab_size=int(config.vocab_size),
-                   eos_token_ids=tuple(sorted(i for i in eos if isinstance(i, int))),
-                   context_limit=context_limit_of(config))
+        return cls(
+            model_dir=model_dir,
+            max_model_len=max_model_len_of(config),
+            vocab_size=int(config.vocab_size),
+            eos_token_ids=tuple(sorted(i for i in eos if isinstance(i, int))),
+            context_limit=context_limit_of(config),
+        )
 
 
 class Frontend:
@@ -83,13 +95,24 @@ class Frontend:
             return "\n".join(template.values())
         return template or FALLBACK_CHAT_TEMPLATE
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         """The conversation through the model's chat template, ready for the assistant's turn."""
-        template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        return self.tokenizer.apply_chat_template(list(messages), chat_template=template, tools=tools,
-                                                  tokenize=False, add_generation_prompt=True)
+        template = (
+            None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+        )
+        return self.tokenizer.apply_chat_template(
+            list(messages),
+            chat_template=template,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """A chat prompt: the template emits its own specials, so the tokenizer adds none."""
         return self.tokenizer.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
@@ -99,11 +122,15 @@ class Frontend:
             raise ValueError(f"{field_name}: must not be empty")
         low, high = min(token_ids), max(token_ids)
         if low < 0 or high >= self.info.vocab_size:
-            raise ValueError(f"{field_name}: token ids must be in [0, {self.info.vocab_size}), got {low}..{high}")
+            raise ValueError(
+                f"{field_name}: token ids must be in [0, {self.info.vocab_size}), got {low}..{high}"
+            )
 
     def text_stream(self, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> TextStream:
         """Incremental text of one generation, cut at the first stop string."""
-        return TextStream(IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids)), StopMatcher(list(stop)))
+        return TextStream(
+            IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids)), StopMatcher(list(stop))
+        )
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

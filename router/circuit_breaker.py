@@ -3,6 +3,7 @@
 Pure logic on an injected clock: router.fleet.FleetState consults it. How each request ended reaches
 it through cluster/outcomes.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,20 +46,30 @@ class CircuitBreaker:
         if circuit.failures < self.threshold:
             return False
         circuit.opened_at = now
-        logger.warning("circuit of replica %s opened after %d consecutive failures; skipped for %.1f s",
-                       replica, circuit.failures, self.cooldown_s)
+        logger.warning(
+            "circuit of replica %s opened after %d consecutive failures; skipped for %.1f s",
+            replica,
+            circuit.failures,
+            self.cooldown_s,
+        )
         return True
 
     def record_success(self, replica: str, now: float) -> None:
-        """A request finished on replica: its failures were not consecutive; a half-open circuit closes."""
+        """A request finished on replica: its failures were not consecutive; a half-open circuit
+        closes."""
         circuit = self._circuits.get(replica)
         if circuit is not None and self._cooled_down(circuit, now):
             self._close(replica, circuit)
 
     def record_healthy_report(self, replica: str, now: float) -> None:
-        """replica sent a fresh `ok` stats report: an open circuit whose cool-down has passed closes."""
+        """replica sent a fresh `ok` stats report: an open circuit whose cool-down has passed
+        closes."""
         circuit = self._circuits.get(replica)
-        if circuit is not None and circuit.opened_at is not None and self._cooled_down(circuit, now):
+        if (
+            circuit is not None
+            and circuit.opened_at is not None
+            and self._cooled_down(circuit, now)
+        ):
             self._close(replica, circuit)
 
     def _cooled_down(self, circuit: _Circuit, now: float) -> bool:
@@ -72,11 +83,14 @@ class CircuitBreaker:
         del self._circuits[replica]
 
     def allows(self, replica: str, now: float) -> bool:
-        """Whether the router may pick replica now: closed, or half-open with no probe this cool-down."""
+        """Whether the router may pick replica now: closed, or half-open with no probe this
+        cool-down."""
         circuit = self._circuits.get(replica)
         if circuit is None or circuit.opened_at is None:
             return True
-        return now - max(circuit.opened_at, circuit.probe_at or circuit.opened_at) >= self.cooldown_s
+        return (
+            now - max(circuit.opened_at, circuit.probe_at or circuit.opened_at) >= self.cooldown_s
+        )
 
     def on_picked(self, replica: str, now: float) -> None:
         """The router sent a request to replica: if its circuit is half-open, that was the probe."""
@@ -85,7 +99,8 @@ class CircuitBreaker:
             circuit.probe_at = now
 
     def any_open(self) -> bool:
-        """Whether some circuit is open (else every replica is allowed, and callers may skip asking)."""
+        """Whether some circuit is open (else every replica is allowed, and callers may skip
+        asking)."""
         return any(c.opened_at is not None for c in self._circuits.values())
 
     def is_open(self, replica: str) -> bool:

@@ -1,4 +1,5 @@
 """The fleet router's settings, declared once (the app passes them as request_router_kwargs)."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -11,35 +12,61 @@ POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_affinity")
 # Routed requests whose outcome the router can still attribute (a few minutes of heavy traffic).
 
 
-
 @dataclass(slots=True)
 class RoutingConfig:
-    """Knobs of the fleet router; the app config passes them, by these names, as request_router_kwargs."""
+    """Knobs of the fleet router; the app config passes them, by these names, as
+    request_router_kwargs."""
 
     router_policy: str = setting("prefix_affinity", "how replicas are ranked", choices=POLICIES)
     imbalance_threshold: float = setting(
-        4.0, "load units (about one in-flight request each) by which the prefix holder may exceed the least "
-        "loaded replica before load wins over affinity", ge=0)
+        4.0,
+        "load units (about one in-flight request each) by which the prefix holder may exceed the least "
+        "loaded replica before load wins over affinity",
+        ge=0,
+    )
     # Under heavy load a few requests of skew cost little next to recomputing a prefix, and a fixed
     # threshold alone would spill every tenant everywhere.
-    imbalance_ratio: float = setting(1.5, "...or by this factor of the least loaded replica's load, "
-                                     "whichever allows more", ge=1)
-    min_match_blocks: int = setting(1, "leading prompt blocks a replica must hold for affinity to count", ge=1)
-    max_index_blocks: int = setting(200_000, "LRU bound of the router's prefix index, in blocks", ge=1)
-    tokens_per_request: int = setting(2048, "in-flight tokens (prompt + max new tokens) that weigh as much as "
-                                      "one in-flight request", ge=1)
+    imbalance_ratio: float = setting(
+        1.5, "...or by this factor of the least loaded replica's load, whichever allows more", ge=1
+    )
+    min_match_blocks: int = setting(
+        1, "leading prompt blocks a replica must hold for affinity to count", ge=1
+    )
+    max_index_blocks: int = setting(
+        200_000, "LRU bound of the router's prefix index, in blocks", ge=1
+    )
+    tokens_per_request: int = setting(
+        2048,
+        "in-flight tokens (prompt + max new tokens) that weigh as much as one in-flight request",
+        ge=1,
+    )
     kv_usage_weight: float = setting(1.0, "weight of a replica's KV usage (0-1) in its load", ge=0)
     # The report may have been taken before the request that planted the entries arrived.
-    stats_grace_s: float = setting(5.0, "prefix-index entries younger than this survive a replica's prefix "
-                                   "report that lacks them", ge=0)
-    unconfirmed_ttl_s: float = setting(30.0, "a routing decision Serve never confirmed (request cancelled "
-                                       "before send) stops counting after this", gt=0)
+    stats_grace_s: float = setting(
+        5.0,
+        "prefix-index entries younger than this survive a replica's prefix report that lacks them",
+        ge=0,
+    )
+    unconfirmed_ttl_s: float = setting(
+        30.0,
+        "a routing decision Serve never confirmed (request cancelled "
+        "before send) stops counting after this",
+        gt=0,
+    )
     circuit_breaker_failures: int = setting(
-        3, "consecutive requests failed by a replica (actor died or unreachable, engine failed) after which "
-        "the router skips that replica (0: never)", ge=0, le=1_000_000)
+        3,
+        "consecutive requests failed by a replica (actor died or unreachable, engine failed) after which "
+        "the router skips that replica (0: never)",
+        ge=0,
+        le=1_000_000,
+    )
     circuit_breaker_cooldown_s: float = setting(
-        10.0, "a replica's open circuit lets one probe through after this long without a failure; a "
-        "success or a fresh `ok` stats report closes it", gt=0, le=86400)
+        10.0,
+        "a replica's open circuit lets one probe through after this long without a failure; a "
+        "success or a fresh `ok` stats report closes it",
+        gt=0,
+        le=86400,
+    )
     seed: int | None = setting(None, "seed of the power_of_two policy's choices", ge=0, lt=2**63)
 
     def __post_init__(self) -> None:
@@ -53,4 +80,3 @@ class RoutingConfig:
             if key not in known:
                 raise ValueError(f"router_kwargs.{key}: unknown; known: {sorted(known)}")
         return cls(**(kwargs or {}))
-

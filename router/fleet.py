@@ -1,32 +1,24 @@
-"""FleetState: everything the fleet router knows (loads, prefix index, circuits) and the policy that reads it.
+"""FleetState: everything the fleet router knows (loads, prefix index, circuits) and the policy that
+reads it.
 
-No Ray here. cluster/serve_router.py adapts it to Serve's RequestRouter; sim/ drives the same object with
+No Ray here. cluster/serve_router.py adapts it to Serve's RequestRouter; sim/ drives the same object
+with
 its own clock. Replicas are named by plain strings (Serve's replica unique ids).
 """
+
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from router.circuit_breaker import CircuitBreaker
 from router.config import RoutingConfig
 from router.loads import LoadTracker
-from router.policies import make_policy
+from router.policies import RouteRequest, make_policy
 from router.prefix_index import PrefixIndex, ReportChange
 
 MAX_RECENT_ROUTES = 65_536
-
-
-@dataclass(slots=True)
-class RouteRequest:
-    """What routing needs to know about a request: its id, cost, and leading prompt block hashes."""
-
-    request_id: str
-    num_tokens: int = 0
-    block_hashes: Sequence[int] = ()
-
 
 
 class FleetState:
@@ -34,15 +26,25 @@ class FleetState:
 
     def __init__(self, config: RoutingConfig):
         self.config = config
-        self.loads = LoadTracker(config.tokens_per_request, config.kv_usage_weight, config.unconfirmed_ttl_s)
+        self.loads = LoadTracker(
+            config.tokens_per_request, config.kv_usage_weight, config.unconfirmed_ttl_s
+        )
         self.index = PrefixIndex(config.max_index_blocks)
         self.policy = make_policy(config)
-        self.routed: Counter[str] = Counter()  # requests Serve confirmed, per replica (logs, benches)
-        self.breaker = CircuitBreaker(config.circuit_breaker_failures, config.circuit_breaker_cooldown_s)
-        # request id -> replica of recently routed requests, so a failure reported later is attributed.
+        self.routed: Counter[str] = (
+            Counter()
+        )  # requests Serve confirmed, per replica (logs, benches)
+        self.breaker = CircuitBreaker(
+            config.circuit_breaker_failures, config.circuit_breaker_cooldown_s
+        )
+        # request id -> replica of recently routed requests, so a failure reported later is
+        # attributed.
         self._recent: OrderedDict[str, str] = OrderedDict()
         self._stats_seen: dict[str, Mapping[str, Any]] = {}
-        self._sorted: tuple[tuple[str, ...], list[str]] = ((), [])  # last replica set and its sorted names
+        self._sorted: tuple[tuple[str, ...], list[str]] = (
+            (),
+            [],
+        )  # last replica set and its sorted names
 
     def route(self, request: RouteRequest, replicas: Iterable[str], now: float) -> list[str]:
         """Replicas ranked best first for request; the first is provisionally charged with it."""
@@ -54,7 +56,8 @@ class FleetState:
         return ranking
 
     def pick(self, request: RouteRequest, replicas: Iterable[str], now: float) -> str | None:
-        """route(...)[0], with the same state changes, without ranking the rest (a simulator's fleet)."""
+        """route(...)[0], with the same state changes, without ranking the rest (a simulator's
+        fleet)."""
         candidates = self._candidates(replicas, now)
         if not candidates:
             return None
@@ -87,11 +90,13 @@ class FleetState:
         if key is not self._sorted[0] and key != self._sorted[0]:
             self._sorted = (key, sorted(set(key)))
         unhealthy = self.loads.unhealthy
-        # The cached list itself while all are healthy (no caller mutates it): policies key caches on it.
+        # The cached list itself while all are healthy (no caller mutates it): policies key caches
+        # on it.
         return [r for r in self._sorted[1] if r not in unhealthy] if unhealthy else self._sorted[1]
 
     def on_routed(self, request: RouteRequest, replica: str, now: float) -> None:
-        """Serve sent request to replica (it may differ from the ranking's first if that one was full)."""
+        """Serve sent request to replica (it may differ from the ranking's first if that one was
+        full)."""
         self._charge(request, replica, now, confirmed=True)
         self.routed[replica] += 1
         self._recent[request.request_id] = replica
@@ -128,13 +133,19 @@ class FleetState:
             self.breaker.record_healthy_report(replica, now)
         prefix_hashes = stats.get("prefix_hashes")
         if prefix_hashes is not None:
-            self.index.sync_replica(replica, prefix_hashes, now, self.config.stats_grace_s, ReportChange.of(stats))
+            self.index.sync_replica(
+                replica, prefix_hashes, now, self.config.stats_grace_s, ReportChange.of(stats)
+            )
 
     def remove_replica(self, replica: str) -> bool:
         """Forget a dead or removed replica at once: its load, its requests, its index entries.
 
         False if there was nothing to forget (Serve reports a death once per failed request)."""
-        known = replica in self.loads.replicas() or replica in self.index.replicas() or replica in self._stats_seen
+        known = (
+            replica in self.loads.replicas()
+            or replica in self.index.replicas()
+            or replica in self._stats_seen
+        )
         self.loads.remove_replica(replica)
         self.index.remove_replica(replica)
         self.breaker.forget(replica)
@@ -144,7 +155,12 @@ class FleetState:
     def retain(self, replicas: Iterable[str]) -> None:
         """Forget every replica not in replicas."""
         alive = set(replicas)
-        known = self.loads.replicas() | self.index.replicas() | set(self._stats_seen) | self.breaker.replicas()
+        known = (
+            self.loads.replicas()
+            | self.index.replicas()
+            | set(self._stats_seen)
+            | self.breaker.replicas()
+        )
         for replica in known - alive:
             self.remove_replica(replica)
 

@@ -1,4 +1,6 @@
-"""Per-replica load as the router sees it: its own exact in-flight counts and the replicas' late reports."""
+"""Per-replica load as the router sees it: its own exact in-flight counts and the replicas' late
+reports."""
+
 from __future__ import annotations
 
 from array import array
@@ -37,8 +39,12 @@ class _Aligned:
     where a list's number objects would lie wherever each update allocated them.
     """
 
-    def __init__(self, value_of: Callable[[str], float], values_of: Callable[[Sequence[str]], list[float]],
-                 typecode: str):
+    def __init__(
+        self,
+        value_of: Callable[[str], float],
+        values_of: Callable[[Sequence[str]], list[float]],
+        typecode: str,
+    ):
         self._value_of = value_of
         self._values_of = values_of  # value_of for each, in C-level passes
         self._typecode = typecode
@@ -88,8 +94,11 @@ class LoadTracker:
         # call per replica: each replica's load (0.0 when unknown), the unconfirmed requests (all
         # that expire() must look at) and the replicas that reported themselves unhealthy.
         self._load: defaultdict[str, float] = defaultdict(float)
-        self._aligned = _Aligned(lambda replica: self._load.get(replica, 0.0),
-                                 lambda replicas: list(map(self._load.get, replicas, repeat(0.0))), "d")
+        self._aligned = _Aligned(
+            lambda replica: self._load.get(replica, 0.0),
+            lambda replicas: list(map(self._load.get, replicas, repeat(0.0))),
+            "d",
+        )
         self._unconfirmed: dict[str, None] = {}
         self.unhealthy: set[str] = set()
 
@@ -105,8 +114,11 @@ class LoadTracker:
         # Reports are 1-2 s late but include other routers' traffic; own counts are exact but local.
         # The max never under-counts either source without double counting this router's requests.
         requests = max(s.inflight_requests, s.reported_requests)
-        self._load[replica] = (requests + s.inflight_tokens / self.tokens_per_request
-                               + self.kv_usage_weight * s.kv_cache_usage)
+        self._load[replica] = (
+            requests
+            + s.inflight_tokens / self.tokens_per_request
+            + self.kv_usage_weight * s.kv_cache_usage
+        )
         self._aligned.update(replica)
 
     def by_load(self, replicas: list[str]) -> list[str]:
@@ -118,14 +130,17 @@ class LoadTracker:
         return min(replicas, key=self._load.__getitem__)
 
     def loads_of(self, replicas: Sequence[str]) -> Sequence[float]:
-        """The load of each of replicas, in order; read only (it is kept for the next call with this list)."""
+        """The load of each of replicas, in order; read only (it is kept for the next call with this
+        list)."""
         return self._aligned.values(replicas)
 
     def least_load(self, replicas: Sequence[str]) -> float:
         """min(loads_of(replicas)); replicas non-empty."""
         return self._aligned.least(replicas)
 
-    def start(self, request_id: str, replica: str, num_tokens: int, now: float, confirmed: bool) -> None:
+    def start(
+        self, request_id: str, replica: str, num_tokens: int, now: float, confirmed: bool
+    ) -> None:
         """Count request_id against replica (moving it if it was counted elsewhere)."""
         self.finish(request_id)
         self._requests[request_id] = _InFlight(replica, num_tokens, confirmed, now)
@@ -149,14 +164,20 @@ class LoadTracker:
 
     def expire(self, now: float) -> None:
         """Forget unconfirmed decisions older than the TTL (their request never reached a replica)."""
-        stale = [rid for rid in self._unconfirmed if now - self._requests[rid].started_at > self.unconfirmed_ttl_s]
+        stale = [
+            rid
+            for rid in self._unconfirmed
+            if now - self._requests[rid].started_at > self.unconfirmed_ttl_s
+        ]
         for rid in stale:
             self.finish(rid)
 
     def report(self, replica: str, stats: Mapping[str, Any]) -> None:
         """Apply a replica's routing stats (num_waiting, num_running, kv_cache_usage)."""
         s = self._replicas.setdefault(replica, ReplicaLoad())
-        s.reported_requests = int(_number(stats, "num_waiting")) + int(_number(stats, "num_running"))
+        s.reported_requests = int(_number(stats, "num_waiting")) + int(
+            _number(stats, "num_running")
+        )
         s.healthy = stats.get("state", "ok") == "ok"
         s.kv_cache_usage = min(1.0, max(0.0, _number(stats, "kv_cache_usage")))
         if s.healthy:
@@ -190,4 +211,3 @@ def _number(stats: Mapping[str, Any], key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"routing stats field {key!r}: expected a number, got {value!r}")
     return float(value)
-

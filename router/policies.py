@@ -1,15 +1,26 @@
 """Routing policies: small pure objects that choose a data-parallel replica for one request."""
+
 from __future__ import annotations
 
 import random
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import chain, compress
 from typing import Protocol
 
 from router.config import RoutingConfig
 from router.loads import LoadTracker
 from router.prefix_index import PrefixIndex
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What routing needs to know about a request: its id, cost, and leading prompt block hashes."""
+
+    request_id: str
+    num_tokens: int = 0
+    block_hashes: Sequence[int] = ()
 
 
 class FleetView(Protocol):
@@ -45,7 +56,8 @@ _FEW = 16
 
 
 def least_rotated(loads: Sequence[float], offset: int) -> int:
-    """Index of the least load, ties to the first at or after offset (then wrapping): C-level passes."""
+    """Index of the least load, ties to the first at or after offset (then wrapping): C-level
+    passes."""
     least = min(loads)
     try:
         return loads.index(least, offset)
@@ -53,8 +65,9 @@ def least_rotated(loads: Sequence[float], offset: int) -> int:
         return loads.index(least)
 
 
-def _least_holding(footprints: Sequence[int], footprint: int, loads: Sequence[float], ceiling: float,
-                   offset: int) -> int | None:
+def _least_holding(
+    footprints: Sequence[int], footprint: int, loads: Sequence[float], ceiling: float, offset: int
+) -> int | None:
     """Index of the least (load, rotated position) among the replicas of this footprint within the
     ceiling; None if none is, or over _FEW hold it (then one pass over the fleet costs less)."""
     holding = footprints.count(footprint)
@@ -124,7 +137,8 @@ class LeastLoaded:
 
 
 class PowerOfTwo:
-    """Two replicas at random, the less loaded first (Ray Serve's default policy, on our load signal)."""
+    """Two replicas at random, the less loaded first (Ray Serve's default policy, on our load
+    signal)."""
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
@@ -139,12 +153,15 @@ class PowerOfTwo:
 
 
 class PrefixAffinity:
-    """Longest run of the prompt's leading blocks wins, among replicas within threshold of the least loaded.
+    """Longest run of the prompt's leading blocks wins, among replicas within threshold of the least
+    loaded.
 
     Within threshold: load <= max(least + imbalance_threshold, least * imbalance_ratio).
     """
 
-    def __init__(self, imbalance_threshold: float, min_match_blocks: int, imbalance_ratio: float = 1.0) -> None:
+    def __init__(
+        self, imbalance_threshold: float, min_match_blocks: int, imbalance_ratio: float = 1.0
+    ) -> None:
         self.imbalance_threshold = imbalance_threshold
         self.imbalance_ratio = imbalance_ratio
         self.min_match_blocks = min_match_blocks
@@ -162,17 +179,18 @@ class PrefixAffinity:
         # An overloaded holder of the longest run drops out; a shorter run on an acceptable replica
         # still beats none. by_load order makes the least loaded win ties of equal runs. by_load is
         # sorted by load, so the replicas within the ceiling are a prefix of it.
-        eligible = by_load[:bisect_right(by_load, ceiling, key=load)]
+        eligible = by_load[: bisect_right(by_load, ceiling, key=load)]
         best = max(eligible, key=runs.__getitem__)
         if runs[best] < self.min_match_blocks:
             # A prefix nobody holds goes where the fewest prefixes live, so tenants spread evenly
             # over the fleet's caches instead of following momentary load.
             best = fleet.index.least_footprint(eligible)
         i = by_load.index(best)
-        return [best, *by_load[:i], *by_load[i + 1:]]
+        return [best, *by_load[:i], *by_load[i + 1 :]]
 
     def best(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
-        """rank(...)[0], with the same state changes, in C-level passes over the fleet plus O(holders).
+        """rank(...)[0], with the same state changes, in C-level passes over the fleet plus
+        O(holders).
 
         rank's order is (load, rotated position); the eligible replicas are those within the
         ceiling, so each choice below is a minimum over (key, load, position) tuples.
@@ -196,7 +214,9 @@ class PrefixAffinity:
         footprints = fleet.index.footprints(replicas)
         # Usually a few replicas hold the smallest footprint and one is within the ceiling: rank
         # those alone instead of building a key for every replica of the fleet.
-        position = _least_holding(footprints, fleet.index.smallest_footprint(replicas), loads, ceiling, offset)
+        position = _least_holding(
+            footprints, fleet.index.smallest_footprint(replicas), loads, ceiling, offset
+        )
         if position is None:
             # Under load the smallest footprints sit on busy replicas: the smallest within the
             # ceiling, found in C-level passes, usually has a few holders too.
@@ -219,4 +239,6 @@ def make_policy(config: RoutingConfig) -> Policy:
         return LeastLoaded()
     if config.router_policy == "power_of_two":
         return PowerOfTwo(config.seed)
-    return PrefixAffinity(config.imbalance_threshold, config.min_match_blocks, config.imbalance_ratio)
+    return PrefixAffinity(
+        config.imbalance_threshold, config.min_match_blocks, config.imbalance_ratio
+    )

@@ -1,4 +1,5 @@
 """The router's prefix index: which replicas are believed to hold which prompt blocks."""
+
 from __future__ import annotations
 
 import math
@@ -31,11 +32,14 @@ class PrefixIndex:
 
     def __init__(self, max_blocks: int):
         self.max_blocks = max_blocks
-        self._owners: OrderedDict[int, dict[str, float]] = OrderedDict()  # hash -> {replica: last planted}
+        self._owners: OrderedDict[int, dict[str, float]] = (
+            OrderedDict()
+        )  # hash -> {replica: last planted}
         self._by_replica: dict[str, set[int]] = {}
         # What each replica's last report listed, and the blocks planted by routing since then that
         # no report has confirmed yet: a report is applied as its difference from the previous one,
-        # so a fleet of replicas holding thousands of blocks each costs the changes, not the holdings.
+        # so a fleet of replicas holding thousands of blocks each costs the changes, not the
+        # holdings.
         self._reported: dict[str, set[int]] = {}
         self._unreported: dict[str, set[int]] = {}
         self._report_ids: dict[str, int | None] = {}  # the number of the report applied last
@@ -63,15 +67,19 @@ class PrefixIndex:
         return len(self._by_replica.get(replica, ()))
 
     def least_footprint(self, replicas: Sequence[str]) -> str:
-        """The replica of replicas with the smallest footprint (the first of equals); replicas non-empty."""
+        """The replica of replicas with the smallest footprint (the first of equals); replicas
+        non-empty."""
         sizes = self._footprints_of(replicas)  # a list made per request: not worth keeping
         return replicas[sizes.index(min(sizes))]
 
     def _footprints_of(self, replicas: Sequence[str]) -> list[int]:
-        return list(map(len, map(self._by_replica.get, replicas, repeat(()))))  # no Python call per replica
+        return list(
+            map(len, map(self._by_replica.get, replicas, repeat(())))
+        )  # no Python call per replica
 
     def footprints(self, replicas: Sequence[str]) -> Sequence[int]:
-        """The footprint of each of replicas, in order; read only (it is kept for the next call with this list)."""
+        """The footprint of each of replicas, in order; read only (it is kept for the next call with
+        this list)."""
         return self._footprints.values(replicas)
 
     def smallest_footprint(self, replicas: Sequence[str]) -> int:
@@ -82,7 +90,12 @@ class PrefixIndex:
         """Record that replica received these blocks (routing planted them at now)."""
         hashes = tuple(block_hashes)
         last = self._last_insert
-        if last is not None and last[2] == self._changes and last[:2] == (replica, now) and last[3] == hashes:
+        if (
+            last is not None
+            and last[2] == self._changes
+            and last[:2] == (replica, now)
+            and last[3] == hashes
+        ):
             return
         self._add(replica, hashes, now)
         # Its blocks are now the newest entries, in its order (those past the bound evicted): a
@@ -92,7 +105,8 @@ class PrefixIndex:
     def _add(self, replica: str, block_hashes: Iterable[int], planted: float) -> None:
         # planted: when routing last sent the block there (-inf: only a report listed it), so that a
         # report lacking it spares it for the grace window.
-        # Reversed so the leading blocks end up most recent: they are the most shared, and evicting a
+        # Reversed so the leading blocks end up most recent: they are the most shared, and evicting
+        # a
         # tail block first keeps the leading run of every other prompt intact.
         self._changes += 1
         mine = self._by_replica.setdefault(replica, set())
@@ -122,7 +136,8 @@ class PrefixIndex:
         return runs
 
     def holder_runs(self, block_hashes: Sequence[int], replicas: set[str]) -> dict[str, int]:
-        """match() restricted to the replicas holding at least the first block: O(holders), not O(replicas)."""
+        """match() restricted to the replicas holding at least the first block: O(holders), not
+        O(replicas)."""
         runs: dict[str, int] = {}
         alive = replicas
         matched = 0
@@ -158,16 +173,24 @@ class PrefixIndex:
             if not owners:
                 del self._owners[block_hash]
 
-    def sync_replica(self, replica: str, resident: Iterable[int], now: float, grace_s: float,
-                     change: ReportChange | None = None) -> None:
+    def sync_replica(
+        self,
+        replica: str,
+        resident: Iterable[int],
+        now: float,
+        grace_s: float,
+        change: ReportChange | None = None,
+    ) -> None:
         """Correct the index from the replica's own list of resident block hashes (after evictions).
 
-        Blocks new since the previous report are inserted (as insert() would); blocks it listed before
+        Blocks new since the previous report are inserted (as insert() would); blocks it listed
+        before
         and lists no more are dropped, and so are blocks routing planted that stayed unreported for
         grace_s. A block still resident keeps its place in the LRU order (a match refreshes it), and
         one the LRU bound evicted comes back only when routing plants it or a report lists it anew.
         change: the report's own account of how it differs from the replica's report it names; used
-        when that is the report applied last and the account adds up, instead of comparing the lists.
+        when that is the report applied last and the account adds up, instead of comparing the
+        lists.
         """
         self._changes += 1
         resident = resident if isinstance(resident, list) else list(resident)
@@ -190,13 +213,19 @@ class PrefixIndex:
         if new:
             self._add(replica, _in_listed_order(ordered, new), -math.inf)
 
-    def _relist(self, replica: str, resident: list[int], change: ReportChange | None
-                ) -> tuple[Set[int], Set[int], list[int]]:
-        """Record the report as replica's listed blocks: (newly listed, no longer listed, the order to add them in)."""
+    def _relist(
+        self, replica: str, resident: list[int], change: ReportChange | None
+    ) -> tuple[Set[int], Set[int], list[int]]:
+        """Record the report as replica's listed blocks: (newly listed, no longer listed, the order
+        to add them in)."""
         reported = self._reported.get(replica)
         ordered = None
-        if change is not None and change.base_id is not None and reported is not None \
-                and self._report_ids.get(replica) == change.base_id:
+        if (
+            change is not None
+            and change.base_id is not None
+            and reported is not None
+            and self._report_ids.get(replica) == change.base_id
+        ):
             ordered = change.listed_in(resident, reported)
         self._report_ids[replica] = change.report_id if change is not None else None
         if ordered is not None:
@@ -226,30 +255,40 @@ class ReportChange:
 
     @classmethod
     def of(cls, stats: Mapping[str, Any]) -> ReportChange | None:
-        """From a stats dict's prefix_* fields; None where absent or malformed (the lists are then compared)."""
+        """From a stats dict's prefix_* fields; None where absent or malformed (the lists are then
+        compared)."""
         report_id, base_id = stats.get("prefix_report_id"), stats.get("prefix_base_id")
         if type(report_id) is not int:
             return None
         listed, unlisted = stats.get("prefix_listed"), stats.get("prefix_unlisted")
         if type(base_id) is not int or not _block_hashes(listed) or not _block_hashes(unlisted):
             return cls(report_id, None, frozenset(), frozenset(), 0, 0)
-        return cls(report_id, base_id, frozenset(listed), frozenset(unlisted), len(listed), len(unlisted))
+        return cls(
+            report_id, base_id, frozenset(listed), frozenset(unlisted), len(listed), len(unlisted)
+        )
 
     def listed_in(self, resident: list[int], previous: set[int]) -> list[int] | None:
-        """The newly listed blocks in the report's order, if the change adds up: applied to the previous
+        """The newly listed blocks in the report's order, if the change adds up: applied to the
+        previous
         report's blocks it gives as many distinct blocks as the report lists, and the report lists
         every block it calls new. None otherwise (the lists are then compared)."""
-        if not (len(self.listed_set) == self.num_listed and len(self.unlisted_set) == self.num_unlisted
-                and self.listed_set.isdisjoint(previous) and self.unlisted_set <= previous
-                and len(previous) - self.num_unlisted + self.num_listed == len(resident)):
+        if not (
+            len(self.listed_set) == self.num_listed
+            and len(self.unlisted_set) == self.num_unlisted
+            and self.listed_set.isdisjoint(previous)
+            and self.unlisted_set <= previous
+            and len(previous) - self.num_unlisted + self.num_listed == len(resident)
+        ):
             return None
-        ordered = _in_listed_order(resident, self.listed_set)  # O(how far back the first new block lies)
+        ordered = _in_listed_order(
+            resident, self.listed_set
+        )  # O(how far back the first new block lies)
         return ordered if len(ordered) == self.num_listed else None
 
 
 def _block_hashes(value: Any) -> bool:
     """Whether value is a list of block hashes (ints of 128 bits at most)."""
     # C-level passes: a report's change is checked on every report of every replica.
-    return type(value) is list and (not value or (set(map(type, value)) == {int} and min(value) >= 0
-                                                  and max(value) < 1 << 128))
-
+    return type(value) is list and (
+        not value or (set(map(type, value)) == {int} and min(value) >= 0 and max(value) < 1 << 128)
+    )

@@ -1,4 +1,5 @@
 """What a replica reports to the fleet router: queues, KV usage, state and its prefix report."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ class RoutingStats:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     num_free_blocks: int = 0
-    state: str = "ok"  # "ok" | "failed" | "stalled" | "draining": the router picks only "ok" replicas
+    state: str = (
+        "ok"  # "ok" | "failed" | "stalled" | "draining": the router picks only "ok" replicas
+    )
     prefix_hashes: list[int] | None = None  # most recently cached blocks, oldest first
     # The pool's report number, and the change of prefix_hashes since report prefix_base_id (a
     # router that applied that one applies these instead of comparing whole lists).
@@ -32,9 +35,15 @@ class RoutingStats:
     def of(cls, stats: SchedulerStats | None) -> RoutingStats:
         if stats is None:
             return cls()
-        return cls(num_waiting=stats.num_waiting, num_running=stats.num_running, num_swapped=stats.num_swapped,
-                   kv_cache_usage=stats.kv_cache_usage, prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-                   num_preemptions=stats.num_preemptions, num_free_blocks=stats.num_free_blocks)
+        return cls(
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            num_swapped=stats.num_swapped,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            num_preemptions=stats.num_preemptions,
+            num_free_blocks=stats.num_free_blocks,
+        )
 
     def set_prefix(self, report: PrefixReport) -> None:
         """Carry the pool's prefix report (its change only when it gives one)."""
@@ -55,4 +64,10 @@ class RoutingStats:
         return out
 
 
-_PREFIX_FIELDS = ("prefix_hashes", "prefix_report_id", "prefix_base_id", "prefix_listed", "prefix_unlisted")
+_PREFIX_FIELDS = (
+    "prefix_hashes",
+    "prefix_report_id",
+    "prefix_base_id",
+    "prefix_listed",
+    "prefix_unlisted",
+)

@@ -1,15 +1,40 @@
 """The continuous-batching scheduler: pure Python, no torch, no Ray."""
+
+from scheduler.block_manager import (
+    KVCacheManager,
+    extend_block_hashes,
+    hash_block_tokens,
+    hash_prompt_blocks,
+)
 from scheduler.config import SchedulerConfig
-from scheduler.block_manager import KVCacheManager, extend_block_hashes, hash_block_tokens, hash_prompt_blocks
-from scheduler.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput,
-                               SchedulerOutput, SchedulerStats, TokenLogprobs)
+from scheduler.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprobs,
+)
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 
 __all__ = [
-    "CachedRequestData", "KVCacheManager", "ModelRunnerOutput", "NewRequestData", "Request",
-    "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
-    "SchedulerOutput", "SchedulerStats", "TokenLogprobs", "extend_block_hashes", "hash_block_tokens",
+    "CachedRequestData",
+    "KVCacheManager",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "TokenLogprobs",
+    "extend_block_hashes",
+    "hash_block_tokens",
     "hash_prompt_blocks",
 ]

@@ -4,6 +4,7 @@ Full blocks are keyed by a hash chained over (parent hash, block tokens). Freed 
 hash and stay findable until the allocator hands them out again (lazy eviction); the free list is
 an LRU so the longest-unused cached blocks are evicted first.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,11 @@ def _block_digest(parent: bytes, block: bytes) -> bytes:
     return hashlib.blake2b(parent + block, digest_size=16).digest()
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
-    """Extend the chain `hashes` (of token_ids' leading blocks) to at most num_blocks, in place; returns it.
+def extend_block_hashes(
+    hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int
+) -> list[int]:
+    """Extend the chain `hashes` (of token_ids' leading blocks) to at most num_blocks, in place;
+    returns it.
 
     The same keys as hash_block_tokens block by block, of full blocks only (token_ids holding fewer
     leave the chain shorter), with the tokens turned into bytes once for the whole run: a prompt's
@@ -40,15 +44,17 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
     if num_blocks <= done:
         return hashes
     parent = _ROOT if not hashes else hashes[-1].to_bytes(16, "little")
-    data = array("q", token_ids[done * block_size:num_blocks * block_size]).tobytes()
+    data = array("q", token_ids[done * block_size : num_blocks * block_size]).tobytes()
     step = 8 * block_size
     for offset in range(0, len(data) - step + 1, step):  # full blocks only
-        parent = _block_digest(parent, data[offset:offset + step])  # a digest is its hash's bytes
+        parent = _block_digest(parent, data[offset : offset + step])  # a digest is its hash's bytes
         hashes.append(int.from_bytes(parent, "little"))
     return hashes
 
 
-def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+def hash_prompt_blocks(
+    token_ids: Sequence[int], block_size: int, max_blocks: int | None = None
+) -> list[int]:
     """Chained hashes of the leading full blocks of token_ids."""
     n = len(token_ids) // block_size
     if max_blocks is not None:
@@ -58,7 +64,8 @@ def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, max_blocks: in
 
 @dataclass(frozen=True, slots=True)
 class PrefixReport:
-    """The pool's cached hashes for the router, and how they changed since the pool's previous report.
+    """The pool's cached hashes for the router, and how they changed since the pool's previous
+    report.
 
     A router that applied report base_id can apply `listed` and `unlisted` instead of comparing
     the whole list with the one before: the changes are a few blocks out of about a thousand.
@@ -66,7 +73,9 @@ class PrefixReport:
 
     hashes: list[int]  # up to the limit's most recently cached, oldest first
     report_id: int
-    base_id: int | None = None  # None: no change given (the first report, or a list cut at the limit)
+    base_id: int | None = (
+        None  # None: no change given (the first report, or a list cut at the limit)
+    )
     listed: list[int] = field(default_factory=list)  # cached now, not at base_id: in `hashes` order
     unlisted: list[int] = field(default_factory=list)  # cached at base_id, not now
 
@@ -149,7 +158,8 @@ class BlockPool:
         """Up to `limit` cached hashes, oldest first: O(limit) after a change, O(1) when unchanged."""
         version, cached_limit, hashes = self._recent
         if version != self.version or cached_limit != limit:
-            # One pass when all fit: each pass touches every hash object (cache misses at fleet scale).
+            # One pass when all fit: each pass touches every hash object (cache misses at fleet
+            # scale).
             if len(self.cached) <= limit:
                 hashes = list(self.cached)
             else:  # from the newest end: a GPU pool may cache far more than the limit
@@ -158,13 +168,19 @@ class BlockPool:
         return hashes
 
     def prefix_report(self, limit: int) -> PrefixReport:
-        """recent_hashes(limit), numbered, with its change since the previous report when both hold the whole index."""
+        """recent_hashes(limit), numbered, with its change since the previous report when both hold
+        the whole index."""
         hashes = self.recent_hashes(limit)
         whole = len(self.cached) <= limit
         self._reports += 1
         if self._listed_since is not None and self._reported_whole and whole:
-            report = PrefixReport(hashes, self._reports, self._reports - 1, list(self._listed_since),
-                                  list(self._unlisted_since))
+            report = PrefixReport(
+                hashes,
+                self._reports,
+                self._reports - 1,
+                list(self._listed_since),
+                list(self._unlisted_since),
+            )
         else:
             report = PrefixReport(hashes, self._reports)
         self._reported_whole = whole
@@ -172,7 +188,8 @@ class BlockPool:
         return report
 
     def num_evictable(self, block_ids: Sequence[int]) -> int:
-        """How many of these (cached) blocks sit on the free list, so touching them uses up free blocks."""
+        """How many of these (cached) blocks sit on the free list, so touching them uses up free
+        blocks."""
         ref_cnt = self.ref_cnt
         return sum(1 for b in block_ids if ref_cnt[b] == 0)
 
@@ -223,7 +240,9 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _ensure_hashes(self, request: Request, num_blocks: int) -> list[int]:
-        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_blocks)
+        return extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, num_blocks
+        )
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of cached leading blocks, leaving at least the last token to compute."""
@@ -260,12 +279,14 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------------
     def can_admit(self, request: Request, cached_blocks: Sequence[int], reserve: int) -> bool:
-        """Whether blocks for the request's whole sequence so far fit, keeping `reserve` blocks free."""
+        """Whether blocks for the request's whole sequence so far fit, keeping `reserve` blocks
+        free."""
         needed = self.num_blocks_needed(request.num_tokens) - len(cached_blocks)
         return needed + self.pool.num_evictable(cached_blocks) <= self.pool.num_free - reserve
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: Sequence[int] = ()) -> list[int] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
         """Find blocks for num_new_tokens more tokens (after a prefix hit of cached_blocks).
 
         Returns the block ids added to the request's table (hit blocks first), or None when the
@@ -377,7 +398,9 @@ class KVCacheManager:
     def can_swap_in(self, request: Request, num_new_tokens: int, reserve: int) -> bool:
         return self._swap_in_size(request, num_new_tokens) <= self.pool.num_free - reserve
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+    def swap_in(
+        self, request: Request, num_new_tokens: int
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """Bring a swapped request back: its new block table and the (gpu, cpu) copies to run."""
         rid = request.request_id
         gpu = self.pool.allocate(self._swap_in_size(request, num_new_tokens))

@@ -1,4 +1,6 @@
-"""Scheduler configuration: each knob declared once (default, range, doc), validated at construction."""
+"""Scheduler configuration: each knob declared once (default, range, doc), validated at
+construction."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,31 +20,59 @@ class SchedulerConfig:
     memory and the model; a Scheduler needs them set.
     """
 
-    max_num_batched_tokens: int = setting(2048, "token budget of one step (prefill chunks + decodes)", ge=1)
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one step (prefill chunks + decodes)", ge=1
+    )
     max_num_seqs: int = setting(128, "requests in one replica's running batch", ge=1)
-    block_size: int = setting(16, "tokens per KV block (also the prefix-hash block of the router)", ge=1)
-    num_gpu_blocks: int | None = setting(None, "device KV pool in blocks; pins the size instead of measuring it",
-                                         ge=1, derived="measured from memory")
-    num_cpu_blocks: int | None = setting(None, "CPU pool for swap preemption in blocks", ge=0,
-                                         derived="from swap_space_gb")
+    block_size: int = setting(
+        16, "tokens per KV block (also the prefix-hash block of the router)", ge=1
+    )
+    num_gpu_blocks: int | None = setting(
+        None,
+        "device KV pool in blocks; pins the size instead of measuring it",
+        ge=1,
+        derived="measured from memory",
+    )
+    num_cpu_blocks: int | None = setting(
+        None, "CPU pool for swap preemption in blocks", ge=0, derived="from swap_space_gb"
+    )
     max_model_len: int | None = setting(
-        None, "context length, at most the model's positions; prompt + max_tokens beyond it is rejected", ge=1,
-        derived="the model's, capped at 8192")
-    long_prefill_token_threshold: int = setting(0, "cap on one request's prefill tokens per step (0: none)", ge=0)
+        None,
+        "context length, at most the model's positions; prompt + max_tokens beyond it is rejected",
+        ge=1,
+        derived="the model's, capped at 8192",
+    )
+    long_prefill_token_threshold: int = setting(
+        0, "cap on one request's prefill tokens per step (0: none)", ge=0
+    )
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
-    policy: str = setting("fcfs", "queue order: first come, priority (lower first), fair (VTC per tenant)",
-                          choices=POLICIES)
-    preemption_mode: str = setting("recompute", "how a preempted request gives back its blocks",
-                                   choices=PREEMPTION_MODES)
-    preemption_victim: str = setting("lifo", "which running request is preempted first",
-                                     choices=PREEMPTION_VICTIMS)
-    watermark: float = setting(0.0, "share of device blocks new admissions may not take", ge=0.0, lt=1.0)
+    policy: str = setting(
+        "fcfs",
+        "queue order: first come, priority (lower first), fair (VTC per tenant)",
+        choices=POLICIES,
+    )
+    preemption_mode: str = setting(
+        "recompute", "how a preempted request gives back its blocks", choices=PREEMPTION_MODES
+    )
+    preemption_victim: str = setting(
+        "lifo", "which running request is preempted first", choices=PREEMPTION_VICTIMS
+    )
+    watermark: float = setting(
+        0.0, "share of device blocks new admissions may not take", ge=0.0, lt=1.0
+    )
     # Recompute cost grows with tokens (attention quadratically); a swap costs one block copy per
     # block each way: 256 tokens is where re-prefilling a small model costs more than two copies.
     swap_min_computed_tokens: int = setting(
-        256, "preemption_mode auto: swap a victim with at least this many computed tokens, else recompute", ge=0)
-    fair_input_weight: float = setting(1.0, "policy fair: weight of a prefill token in the tenant counters", ge=0)
-    fair_output_weight: float = setting(2.0, "policy fair: weight of a decoded token in the tenant counters", ge=0)
+        256,
+        "preemption_mode auto: swap a victim with at least this many computed tokens, else recompute",
+        ge=0,
+    )
+    fair_input_weight: float = setting(
+        1.0, "policy fair: weight of a prefill token in the tenant counters", ge=0
+    )
+    fair_output_weight: float = setting(
+        2.0, "policy fair: weight of a decoded token in the tenant counters", ge=0
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -51,14 +81,18 @@ class SchedulerConfig:
         if self.num_gpu_blocks is not None and self.max_model_len is not None:
             needed = -(-self.max_model_len // self.block_size)
             if self.num_gpu_blocks < needed:
-                raise ValueError(f"num_gpu_blocks: {self.num_gpu_blocks} blocks of {self.block_size} tokens "
-                                 f"cannot hold one max_model_len={self.max_model_len} request (needs {needed})")
+                raise ValueError(
+                    f"num_gpu_blocks: {self.num_gpu_blocks} blocks of {self.block_size} tokens "
+                    f"cannot hold one max_model_len={self.max_model_len} request (needs {needed})"
+                )
 
     def require_sizes(self) -> None:
         """A Scheduler needs the pool sizes and the context length (an engine measures them)."""
         for name in ("num_gpu_blocks", "max_model_len"):
             if getattr(self, name) is None:
-                raise ValueError(f"{name}: must be set for a Scheduler (an engine sizes it from memory)")
+                raise ValueError(
+                    f"{name}: must be set for a Scheduler (an engine sizes it from memory)"
+                )
 
     @property
     def num_watermark_blocks(self) -> int:

@@ -1,4 +1,5 @@
 """Contracts that cross the scheduler / model-runner boundary (plain, cheap to pickle)."""
+
 from __future__ import annotations
 
 import pickle
@@ -60,8 +61,14 @@ class SchedulerOutput:
         """The step for a TP worker: pickled as flat tuples, which costs half of pickling the
         dataclasses (a slots dataclass pickles through Python-level state calls)."""
         cached = self.scheduled_cached_reqs
-        return pickle.dumps((self.scheduled_new_reqs, tuple(getattr(cached, name) for name in _CACHED_FIELDS),
-                             tuple(getattr(self, name) for name in _STEP_REST)), pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(
+            (
+                self.scheduled_new_reqs,
+                tuple(getattr(cached, name) for name in _CACHED_FIELDS),
+                tuple(getattr(self, name) for name in _STEP_REST),
+            ),
+            pickle.HIGHEST_PROTOCOL,
+        )
 
     @classmethod
     def decode(cls, data: bytes | bytearray) -> SchedulerOutput:
@@ -82,7 +89,9 @@ class ModelRunnerOutput:
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
-        return pickle.dumps(tuple(getattr(self, name) for name in _RUNNER_OUTPUT_FIELDS), pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(
+            tuple(getattr(self, name) for name in _RUNNER_OUTPUT_FIELDS), pickle.HIGHEST_PROTOCOL
+        )
 
     @classmethod
     def decode(cls, data: bytes | bytearray) -> ModelRunnerOutput:
@@ -101,7 +110,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None
-    error: str | None = None  # why the request failed (finish_reason "error"); for logs, not clients
+    error: str | None = (
+        None  # why the request failed (finish_reason "error"); for logs, not clients
+    )
 
 
 @dataclass(slots=True)
@@ -120,6 +131,8 @@ class SchedulerStats:
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change).
-_STEP_REST = tuple(f.name for f in fields(SchedulerOutput))[2:]  # after the new and the cached requests
+_STEP_REST = tuple(f.name for f in fields(SchedulerOutput))[
+    2:
+]  # after the new and the cached requests
 _CACHED_FIELDS = tuple(f.name for f in fields(CachedRequestData))
 _RUNNER_OUTPUT_FIELDS = tuple(f.name for f in fields(ModelRunnerOutput))

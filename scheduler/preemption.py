@@ -1,4 +1,5 @@
 """Which running request gives its KV blocks up when the pool runs dry."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

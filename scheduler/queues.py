@@ -3,6 +3,7 @@
 Each queue holds WAITING, PREEMPTED and SWAPPED requests. A preempted request goes back with
 `prepend`, ahead of newer arrivals. `charge` feeds the fair policy's counters; the others ignore it.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -56,7 +57,9 @@ class PriorityQueue:
         self._seq = itertools.count()
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._seq), request))
+        heapq.heappush(
+            self._heap, (request.priority, request.arrival_time, next(self._seq), request)
+        )
 
     prepend = add
 

@@ -1,4 +1,5 @@
 """A generation request as the scheduler tracks it."""
+
 from __future__ import annotations
 
 import enum
@@ -6,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.sampling_params import SamplingParams
-
 
 # Priorities order a heap; a bounded range keeps comparisons cheap and the values meaningful.
 MAX_PRIORITY = 2**31 - 1
@@ -72,9 +72,14 @@ class Request:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id: must be a non-empty string")
-        if not (isinstance(self.priority, int) and not isinstance(self.priority, bool)
-                and -MAX_PRIORITY <= self.priority <= MAX_PRIORITY):
-            raise ValueError(f"priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
+        if not (
+            isinstance(self.priority, int)
+            and not isinstance(self.priority, bool)
+            and -MAX_PRIORITY <= self.priority <= MAX_PRIORITY
+        ):
+            raise ValueError(
+                f"priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}"
+            )
         if not isinstance(self.tenant, str) or len(self.tenant) > MAX_TENANT_CHARS:
             raise ValueError(f"tenant: must be a string of at most {MAX_TENANT_CHARS} characters")
         if not self.prompt_token_ids:
@@ -82,8 +87,10 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.output_token_ids = list(self.output_token_ids)
         if len(self.output_token_ids) >= self.sampling_params.max_tokens:
-            raise ValueError(f"output_token_ids: a resumed request must have fewer than max_tokens="
-                             f"{self.sampling_params.max_tokens} outputs, got {len(self.output_token_ids)}")
+            raise ValueError(
+                f"output_token_ids: a resumed request must have fewer than max_tokens="
+                f"{self.sampling_params.max_tokens} outputs, got {len(self.output_token_ids)}"
+            )
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         self.num_synced_tokens = len(self.all_token_ids)
 
@@ -119,7 +126,8 @@ class GenerateRequest:
     priority: int = 0
     tenant: str = "default"
     block_hashes: list[int] = field(default_factory=list)
-    # Tokens this choice already emitted on a replica that failed: the new replica resumes after them.
+    # Tokens this choice already emitted on a replica that failed: the new replica resumes after
+    # them.
     output_token_ids: list[int] = field(default_factory=list)
     # The Ray actor name of the caller (an ingress replica): when that actor dies, the replica
     # aborts the request instead of generating for nobody. None: not watched (e.g. a driver).

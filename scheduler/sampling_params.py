@@ -3,6 +3,7 @@
 Every field is bounded: a value that passes here can never fail a batch (huge top_k, seeds past
 2^63, NaN temperatures, thousands of stop strings all stop at this door with the field named).
 """
+
 from __future__ import annotations
 
 import math
@@ -58,56 +59,134 @@ class SamplingParams:
         self._check_lists()
 
     def _check_numbers(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-               f"must be an integer >= 1, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
-            _check(_is_number(getattr(self, name)), name, f"must be a finite number, got {getattr(self, name)!r}")
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            _check(
+                _is_number(getattr(self, name)),
+                name,
+                f"must be a finite number, got {getattr(self, name)!r}",
+            )
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(_is_int(self.top_k) and -1 <= self.top_k <= MAX_TOKEN_ID, "top_k",
-               f"must be -1, 0 (off) or a vocabulary-sized k >= 1, got {self.top_k!r}")
+        _check(
+            _is_int(self.top_k) and -1 <= self.top_k <= MAX_TOKEN_ID,
+            "top_k",
+            f"must be -1, 0 (off) or a vocabulary-sized k >= 1, got {self.top_k!r}",
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-               f"must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-               f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
-               f"must be an integer in [0, 2^63), got {self.seed!r}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
-               f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n!r}")
-        _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
-               f"must be a StructuredOutput, got {type(self.structured).__name__}")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
-        # A constraint ends where its grammar accepts: generating past that point has no valid token.
-        _check(not (self.ignore_eos and self.structured is not None), "ignore_eos",
-               "cannot be combined with a structured output constraint")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED),
+            "seed",
+            f"must be an integer in [0, 2^63), got {self.seed!r}",
+        )
+        _check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+        _check(
+            _is_int(self.n) and 1 <= self.n <= MAX_N,
+            "n",
+            f"must be in [1, {MAX_N}], got {self.n!r}",
+        )
+        _check(
+            self.structured is None or isinstance(self.structured, StructuredOutput),
+            "structured",
+            f"must be a StructuredOutput, got {type(self.structured).__name__}",
+        )
+        _check(
+            isinstance(self.ignore_eos, bool),
+            "ignore_eos",
+            f"must be true or false, got {self.ignore_eos!r}",
+        )
+        # A constraint ends where its grammar accepts: generating past that point has no valid
+        # token.
+        _check(
+            not (self.ignore_eos and self.structured is not None),
+            "ignore_eos",
+            "cannot be combined with a structured output constraint",
+        )
         if self.top_k == -1:
             self.top_k = 0
 
     def _check_lists(self) -> None:
-        _check(isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
-               and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids), "stop_token_ids",
-               f"must be at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
+        _check(
+            isinstance(self.stop_token_ids, list)
+            and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+            and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be at most {MAX_STOP_TOKEN_IDS} token ids >= 0",
+        )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS, "stop",
-               f"at most {MAX_STOP_STRINGS} stop strings")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
-               f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        _check(
+            isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
+        _check(
+            isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"must map at most {MAX_LOGIT_BIAS} token ids to biases",
+        )
         for token, bias in self.logit_bias.items():
-            _check(_is_int(token) and 0 <= token <= MAX_TOKEN_ID, "logit_bias", f"token id {token!r} is invalid")
-            _check(_is_number(bias) and -100.0 <= bias <= 100.0, "logit_bias",
-                   f"bias of token {token} must be in [-100, 100], got {bias!r}")
+            _check(
+                _is_int(token) and 0 <= token <= MAX_TOKEN_ID,
+                "logit_bias",
+                f"token id {token!r} is invalid",
+            )
+            _check(
+                _is_number(bias) and -100.0 <= bias <= 100.0,
+                "logit_bias",
+                f"bias of token {token} must be in [-100, 100], got {bias!r}",
+            )
 
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError unless every token id and top_k fit the model's vocabulary."""
-        _check(self.top_k <= vocab_size, "top_k", f"must be <= the vocabulary size {vocab_size}, got {self.top_k}")
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
-            _check(all(t < vocab_size for t in ids), name, f"token ids must be < the vocabulary size {vocab_size}")
+        _check(
+            self.top_k <= vocab_size,
+            "top_k",
+            f"must be <= the vocabulary size {vocab_size}, got {self.top_k}",
+        )
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias)),
+        ):
+            _check(
+                all(t < vocab_size for t in ids),
+                name,
+                f"token ids must be < the vocabulary size {vocab_size}",
+            )
 
     @property
     def greedy(self) -> bool:

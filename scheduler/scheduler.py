@@ -5,16 +5,23 @@ Each request has `num_computed_tokens` and a token count to reach (prompt + outp
 of `min(gap, budget)`. KV blocks are found for every scheduled token before the step is emitted,
 preempting running requests (recompute or swap) when the pool runs dry.
 """
+
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from scheduler.config import SchedulerConfig
 from scheduler.block_manager import KVCacheManager
-from scheduler.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput,
-                               SchedulerOutput, SchedulerStats)
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from scheduler.preemption import VictimPolicy
 from scheduler.queues import make_waiting_queue
 from scheduler.request import Request, RequestStatus
@@ -68,11 +75,15 @@ class Scheduler:
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.victims = VictimPolicy(config.preemption_victim, by_priority=config.policy == "priority")
+        self.victims = VictimPolicy(
+            config.preemption_victim, by_priority=config.policy == "priority"
+        )
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
         self._finished_order: OrderedDict[str, None] = OrderedDict()
-        self.finished_retention = FINISHED_RETENTION  # a simulator of millions of requests keeps fewer
+        self.finished_retention = (
+            FINISHED_RETENTION  # a simulator of millions of requests keeps fewer
+        )
         self._prefill_cap = config.long_prefill_token_threshold or _NO_CAP
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -83,8 +94,10 @@ class Scheduler:
         if old is not None and not old.is_finished:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         if request.num_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt_token_ids: {request.num_tokens} prompt (and resumed output) tokens "
-                             f"exceed max_model_len={self.config.max_model_len}")
+            raise ValueError(
+                f"prompt_token_ids: {request.num_tokens} prompt (and resumed output) tokens "
+                f"exceed max_model_len={self.config.max_model_len}"
+            )
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request_id: {rid!r} was already scheduled once; build a new Request")
         self._finished_order.pop(rid, None)
@@ -243,8 +256,11 @@ class Scheduler:
 
     def _displace_for(self, req: Request, step: _Step, reserve: int) -> bool:
         """Priority policy: preempt a less urgent running request so a more urgent one fits."""
-        candidates = [r for r in self.running
-                      if r.priority > req.priority and r.request_id not in step.admitted]
+        candidates = [
+            r
+            for r in self.running
+            if r.priority > req.priority and r.request_id not in step.admitted
+        ]
         if not candidates:
             return False
         # Only displace when freeing every candidate could make room at all.
@@ -266,7 +282,9 @@ class Scheduler:
         self.running.remove(victim)
         cfg = self.config
         swap = cfg.preemption_mode == "swap" or (
-            cfg.preemption_mode == "auto" and victim.num_computed_tokens >= cfg.swap_min_computed_tokens)
+            cfg.preemption_mode == "auto"
+            and victim.num_computed_tokens >= cfg.swap_min_computed_tokens
+        )
         if swap and self.kv.can_swap_out(victim):
             step.swap_out.extend(self.kv.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
@@ -292,8 +310,16 @@ class Scheduler:
             rid = req.request_id
             if rid not in num_scheduled:
                 continue
-            new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
-                                           step.new_blocks[rid], step.start[rid], list(req.output_token_ids)))
+            new_reqs.append(
+                NewRequestData(
+                    rid,
+                    req.prompt_token_ids,
+                    req.sampling_params,
+                    step.new_blocks[rid],
+                    step.start[rid],
+                    list(req.output_token_ids),
+                )
+            )
             req.known_to_runner = True
             req.num_synced_tokens = req.num_tokens
         cached = CachedRequestData()
@@ -325,8 +351,9 @@ class Scheduler:
         )
 
     # ---- results -------------------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests' blocks."""
         requests = self.requests
         kv = self.kv
@@ -337,7 +364,9 @@ class Scheduler:
         logprobs = runner_output.logprobs
         outputs = self._fail(runner_output.failed) if runner_output.failed else []
         any_finished = False
-        for i, (rid, sampled) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+        for i, (rid, sampled) in enumerate(
+            zip(runner_output.req_ids, runner_output.sampled_token_ids)
+        ):
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING:  # aborted while the step ran
                 continue
@@ -349,11 +378,23 @@ class Scheduler:
             accepted, status = self._append_tokens(req, sampled, max_len)
             if charge is not None:
                 charge(req.tenant, self.config.fair_output_weight * accepted)
-            new_lp = logprobs[i][:accepted] if logprobs is not None and logprobs[i] is not None else None
+            new_lp = (
+                logprobs[i][:accepted] if logprobs is not None and logprobs[i] is not None else None
+            )
             new_ids = sampled if accepted == len(sampled) else sampled[:accepted]
             if status is None:
-                outputs.append(RequestOutput(rid, new_ids, False, None, len(req.prompt_token_ids),
-                                             len(req.output_token_ids), req.num_cached_tokens, new_lp))
+                outputs.append(
+                    RequestOutput(
+                        rid,
+                        new_ids,
+                        False,
+                        None,
+                        len(req.prompt_token_ids),
+                        len(req.output_token_ids),
+                        req.num_cached_tokens,
+                        new_lp,
+                    )
+                )
                 continue
             any_finished = True
             self._finish(req, status)
@@ -362,7 +403,8 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
-    # ---- multi-step decode (a simulator's k-step jump) ---------------------------------------------
+    # ---- multi-step decode (a simulator's k-step jump)
+    # ---------------------------------------------
     def max_decode_jump(self, limit: int) -> int:
         """How many of the next steps (at most limit) are certain to be the same pure-decode step.
 
@@ -382,7 +424,9 @@ class Scheduler:
             if n - req.num_computed_tokens != 1:
                 return 0
             # The step that reaches a cap finishes the request: it may be the last one.
-            k = min(k, req.sampling_params.max_tokens - len(req.output_token_ids), cfg.max_model_len - n)
+            k = min(
+                k, req.sampling_params.max_tokens - len(req.output_token_ids), cfg.max_model_len - n
+            )
         if k <= 0:
             return 0
         free = self.kv.num_free_blocks
@@ -411,8 +455,14 @@ class Scheduler:
         k = len(next(iter(sampled_token_ids.values()), ()))
         if sampled_token_ids.keys() != {r.request_id for r in running}:
             raise ValueError("sampled_token_ids: needs exactly the running requests' ids")
-        if k < 1 or any(len(t) != k for t in sampled_token_ids.values()) or self.max_decode_jump(k) < k:
-            raise ValueError(f"sampled_token_ids: {k} steps is not a pure-decode stretch of equal length")
+        if (
+            k < 1
+            or any(len(t) != k for t in sampled_token_ids.values())
+            or self.max_decode_jump(k) < k
+        ):
+            raise ValueError(
+                f"sampled_token_ids: {k} steps is not a pure-decode stretch of equal length"
+            )
         heads: dict[int, frozenset[int]] = {}  # callers often pass one list for many requests
         for req in running:
             sp = req.sampling_params
@@ -421,9 +471,12 @@ class Scheduler:
             if head is None:
                 head = heads[id(tokens)] = frozenset(tokens[:-1])
             if not head.isdisjoint(sp.stop_token_ids or ()) or (
-                    not sp.ignore_eos and not head.isdisjoint(req.eos_token_ids)):
-                raise ValueError(f"sampled_token_ids: {req.request_id!r} samples a stop token before its last "
-                                 "step; step it singly")
+                not sp.ignore_eos and not head.isdisjoint(req.eos_token_ids)
+            ):
+                raise ValueError(
+                    f"sampled_token_ids: {req.request_id!r} samples a stop token before its last "
+                    "step; step it singly"
+                )
         max_len = self.config.max_model_len
         finishing: list[tuple[Request, RequestStatus]] = []
         outputs: list[RequestOutput] = []
@@ -432,9 +485,14 @@ class Scheduler:
             tokens = sampled_token_ids[req.request_id]
             out, all_ids = req.output_token_ids, req.all_token_ids
             last = tokens[-1]
-            if (last in req.eos_token_ids or last in (sp.stop_token_ids or ())
-                    or len(out) + k >= sp.max_tokens or len(all_ids) + k >= max_len):
-                # The last step may finish the request: its token goes through the single step's checks.
+            if (
+                last in req.eos_token_ids
+                or last in (sp.stop_token_ids or ())
+                or len(out) + k >= sp.max_tokens
+                or len(all_ids) + k >= max_len
+            ):
+                # The last step may finish the request: its token goes through the single step's
+                # checks.
                 out.extend(tokens[:-1])
                 all_ids.extend(tokens[:-1])
                 _, status = self._append_tokens(req, tokens[-1:], max_len)
@@ -444,12 +502,30 @@ class Scheduler:
                 status = None
             req.num_synced_tokens = len(all_ids) - 1  # the last step's token is not sent yet
             if status is None:
-                outputs.append(RequestOutput(req.request_id, tokens, False, None, len(req.prompt_token_ids),
-                                             len(out), req.num_cached_tokens))
+                outputs.append(
+                    RequestOutput(
+                        req.request_id,
+                        tokens,
+                        False,
+                        None,
+                        len(req.prompt_token_ids),
+                        len(out),
+                        req.num_cached_tokens,
+                    )
+                )
             else:
                 finishing.append((req, status))
-                outputs.append(RequestOutput(req.request_id, tokens, True, status.finish_reason,
-                                             len(req.prompt_token_ids), len(out), max(req.num_cached_tokens, 0)))
+                outputs.append(
+                    RequestOutput(
+                        req.request_id,
+                        tokens,
+                        True,
+                        status.finish_reason,
+                        len(req.prompt_token_ids),
+                        len(out),
+                        max(req.num_cached_tokens, 0),
+                    )
+                )
         self._finished_ids = set()
         self.kv.advance_decode(running, k)
         self.kv.end_step()
@@ -464,14 +540,17 @@ class Scheduler:
         return outputs
 
     def _charge_decode(self, running: list[Request], num_steps: int) -> None:
-        # One charge per token in step order, as update_from_output makes them: the float sums match.
+        # One charge per token in step order, as update_from_output makes them: the float sums
+        # match.
         charge, weight = self.waiting.charge, self.config.fair_output_weight
         for _ in range(num_steps):
             for req in running:
                 charge(req.tenant, weight)
 
     @staticmethod
-    def _append_tokens(req: Request, sampled: list[int], max_len: int) -> tuple[int, RequestStatus | None]:
+    def _append_tokens(
+        req: Request, sampled: list[int], max_len: int
+    ) -> tuple[int, RequestStatus | None]:
         """Append sampled tokens up to the first stop; returns (how many were kept, final status)."""
         sp = req.sampling_params
         eos = () if sp.ignore_eos else req.eos_token_ids
@@ -499,6 +578,13 @@ class Scheduler:
 
     @staticmethod
     def _output(req: Request, new_token_ids: list[int], new_logprobs: list | None) -> RequestOutput:
-        return RequestOutput(req.request_id, new_token_ids, req.is_finished, req.status.finish_reason,
-                             req.num_prompt_tokens, len(req.output_token_ids),
-                             max(req.num_cached_tokens, 0), new_logprobs)
+        return RequestOutput(
+            req.request_id,
+            new_token_ids,
+            req.is_finished,
+            req.status.finish_reason,
+            req.num_prompt_tokens,
+            len(req.output_token_ids),
+            max(req.num_cached_tokens, 0),
+            new_logprobs,
+        )

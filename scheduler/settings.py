@@ -4,6 +4,7 @@
 declarations (type, finiteness, range, choices) and raises ValueError naming the field's path.
 The same metadata renders the README's configuration table, so docs cannot drift from code.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,17 +12,35 @@ from dataclasses import Field, field, fields
 from typing import Any
 
 
-def setting(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, lt: float | None = None, choices: tuple[Any, ...] | None = None,
-            derived: str | None = None) -> Any:
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: tuple[Any, ...] | None = None,
+    derived: str | None = None,
+) -> Any:
     """A config field with its range and doc; `derived` says what fills it in when left unset."""
-    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "derived": derived}
+    meta = {
+        "doc": doc,
+        "ge": ge,
+        "gt": gt,
+        "le": le,
+        "lt": lt,
+        "choices": choices,
+        "derived": derived,
+    }
     return field(default=default, metadata=meta)
 
 
 def _type_error(value: Any, base: str) -> str | None:
     if base == "int":
-        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+        return (
+            None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+        )
     if base == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return "must be a number"
@@ -36,8 +55,12 @@ def _type_error(value: Any, base: str) -> str | None:
 def _range_error(value: Any, meta: dict[str, Any]) -> str | None:
     if meta["choices"] is not None and value not in meta["choices"]:
         return f"must be one of {list(meta['choices'])}"
-    for key, ok, word in (("ge", lambda b: value >= b, ">="), ("gt", lambda b: value > b, ">"),
-                          ("le", lambda b: value <= b, "<="), ("lt", lambda b: value < b, "<")):
+    for key, ok, word in (
+        ("ge", lambda b: value >= b, ">="),
+        ("gt", lambda b: value > b, ">"),
+        ("le", lambda b: value <= b, "<="),
+        ("lt", lambda b: value < b, "<"),
+    ):
         bound = meta[key]
         if bound is not None and not ok(bound):
             return f"must be {word} {bound}"
@@ -70,8 +93,20 @@ def range_text(meta: dict[str, Any]) -> str:
     """A short human-readable range, e.g. ">= 1", "(0, 1]", "fcfs | priority | fair"."""
     if meta.get("choices"):
         return " \\| ".join(str(c) for c in meta["choices"])
-    low = f"[{meta['ge']}" if meta.get("ge") is not None else f"({meta['gt']}" if meta.get("gt") is not None else None
-    high = f"{meta['le']}]" if meta.get("le") is not None else f"{meta['lt']})" if meta.get("lt") is not None else None
+    low = (
+        f"[{meta['ge']}"
+        if meta.get("ge") is not None
+        else f"({meta['gt']}"
+        if meta.get("gt") is not None
+        else None
+    )
+    high = (
+        f"{meta['le']}]"
+        if meta.get("le") is not None
+        else f"{meta['lt']})"
+        if meta.get("lt") is not None
+        else None
+    )
     if low and high:
         return f"{low}, {high}"
     if low:

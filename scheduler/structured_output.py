@@ -3,6 +3,7 @@
 It crosses Ray boundaries inside SamplingParams, so it holds the constraint's source text and
 never a compiled grammar; each worker process compiles and caches it (workers.structured).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,8 @@ MAX_CHOICES = 1024
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
-    """kind: one of KINDS; spec: schema JSON text, regex, Lark/EBNF grammar, or JSON list of choices."""
+    """kind: one of KINDS; spec: schema JSON text, regex, Lark/EBNF grammar, or JSON list of
+    choices."""
 
     kind: str
     spec: str = ""
@@ -24,14 +26,20 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"{self.field_name}: kind must be one of {list(KINDS)}, got {self.kind!r}")
+            raise ValueError(
+                f"{self.field_name}: kind must be one of {list(KINDS)}, got {self.kind!r}"
+            )
         if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
-            raise ValueError(f"{self.field_name}: must be text of at most {MAX_SPEC_CHARS} characters")
+            raise ValueError(
+                f"{self.field_name}: must be text of at most {MAX_SPEC_CHARS} characters"
+            )
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"{self.field_name}: the {self.kind} must not be empty")
 
     @classmethod
-    def json_schema(cls, schema: Any, field_name: str = "structured_outputs.json") -> StructuredOutput:
+    def json_schema(
+        cls, schema: Any, field_name: str = "structured_outputs.json"
+    ) -> StructuredOutput:
         """From a schema object (dict or bool) or its JSON text."""
         if isinstance(schema, str):
             try:
@@ -43,11 +51,18 @@ class StructuredOutput:
         return cls("json_schema", json.dumps(schema, sort_keys=True), field_name)
 
     @classmethod
-    def choice(cls, choices: Any, field_name: str = "structured_outputs.choice") -> StructuredOutput:
+    def choice(
+        cls, choices: Any, field_name: str = "structured_outputs.choice"
+    ) -> StructuredOutput:
         """Output exactly one of `choices` (non-empty strings)."""
-        if (not isinstance(choices, list) or not 0 < len(choices) <= MAX_CHOICES
-                or not all(isinstance(c, str) and c for c in choices)):
-            raise ValueError(f"{field_name}: must be a list of 1 to {MAX_CHOICES} non-empty strings")
+        if (
+            not isinstance(choices, list)
+            or not 0 < len(choices) <= MAX_CHOICES
+            or not all(isinstance(c, str) and c for c in choices)
+        ):
+            raise ValueError(
+                f"{field_name}: must be a list of 1 to {MAX_CHOICES} non-empty strings"
+            )
         return cls("choice", json.dumps(choices), field_name)
 
     @property

@@ -2,9 +2,20 @@
 
 Pure Python: imports scheduler/ and the routing policies, never torch or Ray.
 """
+
 from sim.cost import CostModel, load_profile
 from sim.fleet import FleetSim, HostConfig, SimConfig, SimResult
-from sim.workload import SimRequest, load_trace, synthetic_workload, WorkloadConfig
+from sim.workload import SimRequest, WorkloadConfig, load_trace, synthetic_workload
 
-__all__ = ["CostModel", "FleetSim", "HostConfig", "SimConfig", "SimRequest", "SimResult", "WorkloadConfig",
-           "load_profile", "load_trace", "synthetic_workload"]
+__all__ = [
+    "CostModel",
+    "FleetSim",
+    "HostConfig",
+    "SimConfig",
+    "SimRequest",
+    "SimResult",
+    "WorkloadConfig",
+    "load_profile",
+    "load_trace",
+    "synthetic_workload",
+]

@@ -1,19 +1,17 @@
-"""`python -m sim run|plan`: simulate a fleet, or size one for SLOs (bench/calibrate.py fits a device profile)."""
+"""`python -m sim run|plan`: simulate a fleet, or size one for SLOs (bench/calibrate.py fits a
+device profile)."""
+
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import math
-import sys
 import time
-from pathlib import Path
 
-from scheduler import SchedulerConfig
-from sim.cost import PROFILE_DIR, load_profile
-from sim.plots import plot_rows as _plot
-from sim.fleet import FleetSim, SimConfig
 from router.config import POLICIES, RoutingConfig
+from scheduler import SchedulerConfig
+from sim.cost import load_profile
+from sim.fleet import FleetSim, SimConfig
+from sim.plots import plot_rows as _plot
 from sim.workload import WorkloadConfig, load_trace, synthetic_workload
 
 
@@ -23,7 +21,9 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", default="cpu", help="profile name under sim/profiles or a JSON path")
+    p.add_argument(
+        "--profile", default="cpu", help="profile name under sim/profiles or a JSON path"
+    )
     p.add_argument("--trace", help="JSONL trace instead of the synthetic workload")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--rate", type=float, default=1.0, help="requests per second")
@@ -41,35 +41,72 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
     p.add_argument("--slo-itl", type=float, default=0.5, help="seconds")
-    p.add_argument("--until", type=float, default=math.inf,
-                   help="stop at this simulated second; requests still in flight are left out")
+    p.add_argument(
+        "--until",
+        type=float,
+        default=math.inf,
+        help="stop at this simulated second; requests still in flight are left out",
+    )
     p.add_argument("--plot", help="PNG path")
 
 
 def _workload(a: argparse.Namespace):
     if a.trace:
         return load_trace(a.trace)
-    return synthetic_workload(WorkloadConfig(
-        num_requests=a.requests, rate=a.rate, burstiness=a.burstiness, tenants=a.tenants,
-        system_prompt_len=a.system_prompt_len, question_len=a.question_len, output_len=a.output_len, seed=a.seed))
+    return synthetic_workload(
+        WorkloadConfig(
+            num_requests=a.requests,
+            rate=a.rate,
+            burstiness=a.burstiness,
+            tenants=a.tenants,
+            system_prompt_len=a.system_prompt_len,
+            question_len=a.question_len,
+            output_len=a.output_len,
+            seed=a.seed,
+        )
+    )
 
 
 def _simulate(a: argparse.Namespace, replicas: int, router: str, workload) -> dict:
-    sched = SchedulerConfig(num_gpu_blocks=a.blocks, max_num_seqs=a.max_num_seqs, policy=a.policy,
-                            max_num_batched_tokens=a.max_num_batched_tokens,
-                            max_model_len=min(4096, a.blocks * 16))
-    cfg = SimConfig(num_replicas=replicas, scheduler=sched, stats_delay_s=a.stats_delay,
-                    routing=RoutingConfig(router_policy=router, seed=a.seed))
+    sched = SchedulerConfig(
+        num_gpu_blocks=a.blocks,
+        max_num_seqs=a.max_num_seqs,
+        policy=a.policy,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=min(4096, a.blocks * 16),
+    )
+    cfg = SimConfig(
+        num_replicas=replicas,
+        scheduler=sched,
+        stats_delay_s=a.stats_delay,
+        routing=RoutingConfig(router_policy=router, seed=a.seed),
+    )
     t0 = time.perf_counter()
     result = FleetSim(cfg, load_profile(a.profile)).run(workload, until_s=a.until)
     wall = time.perf_counter() - t0
     row = result.summary(a.slo_ttft, a.slo_itl)
-    row.update(replicas=replicas, router=router, wall_s=wall, sim_per_wall=row["sim_end_s"] / wall if wall else 0)
+    row.update(
+        replicas=replicas,
+        router=router,
+        wall_s=wall,
+        sim_per_wall=row["sim_end_s"] / wall if wall else 0,
+    )
     return row
 
 
-_COLUMNS = ("router", "replicas", "requests", "hit_rate", "ttft_p50_s", "ttft_p90_s", "itl_p90_s",
-            "output_tok_s", "goodput_rps", "steps", "sim_per_wall")
+_COLUMNS = (
+    "router",
+    "replicas",
+    "requests",
+    "hit_rate",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "itl_p90_s",
+    "output_tok_s",
+    "goodput_rps",
+    "steps",
+    "sim_per_wall",
+)
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -89,7 +126,8 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 
 def cmd_plan(a: argparse.Namespace) -> None:
-    """Smallest replica count whose TTFT p90 and ITL p90 meet the SLOs (bisection; load is monotone)."""
+    """Smallest replica count whose TTFT p90 and ITL p90 meet the SLOs (bisection; load is
+    monotone)."""
     workload = _workload(a)
     rows: list[dict] = []
 
@@ -114,7 +152,9 @@ def cmd_plan(a: argparse.Namespace) -> None:
             lo = mid
     rows.sort(key=lambda r: r["replicas"])
     _print_table(rows)
-    print(f"plan: {hi} replicas meet TTFT p90 <= {a.slo_ttft}s and ITL p90 <= {a.slo_itl}s at {a.rate} req/s")
+    print(
+        f"plan: {hi} replicas meet TTFT p90 <= {a.slo_ttft}s and ITL p90 <= {a.slo_itl}s at {a.rate} req/s"
+    )
     if a.plot:
         _plot(a.plot, rows, "replicas", ("ttft_p90_s", "itl_p90_s"), f"plan at {a.rate} req/s")
 

@@ -1,4 +1,5 @@
 """Roofline step-time model: FLOPs against measured throughput, bytes against measured bandwidth."""
+
 from __future__ import annotations
 
 import json
@@ -11,11 +12,13 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Step time = overheads + per-sequence costs + prefill attention + max(compute time, memory time).
+    """Step time = overheads + per-sequence costs + prefill attention + max(compute time, memory
+    time).
 
     compute: 2 * num_params FLOPs per token at flops_per_s; memory: the weights and the KV read
     (context plus the step's own tokens) at bytes_per_s. A step with prefill tokens also pays
-    prefill_step_overhead_s and prefill_step_per_seq_s per sequence (on a GPU it runs eagerly, decode
+    prefill_step_overhead_s and prefill_step_per_seq_s per sequence (on a GPU it runs eagerly,
+    decode
     steps replay CUDA graphs), a cost per prefilling sequence, and its attention: one unit per
     (prefill query token, key) pair, which grows with the square of a prompt and with a chunk's
     prior context.
@@ -24,13 +27,17 @@ class CostModel:
     name: str
     num_params: float  # model parameters (FLOPs per token ~ 2 * num_params)
     weight_bytes: float  # read once per step
-    kv_bytes_per_token: float  # K and V of all layers for one token (a fit gives the effective figure)
+    kv_bytes_per_token: (
+        float  # K and V of all layers for one token (a fit gives the effective figure)
+    )
     flops_per_s: float  # measured matmul throughput
     bytes_per_s: float  # measured memory bandwidth
     step_overhead_s: float = 0.0  # fixed cost of a step (launch, sampling, Python)
     per_seq_overhead_s: float = 0.0  # per scheduled sequence (sampling, bookkeeping)
     prefill_step_overhead_s: float = 0.0  # extra fixed cost of a step that has prefill tokens
-    prefill_step_per_seq_s: float = 0.0  # extra per sequence (decodes too) of a step that has prefill tokens
+    prefill_step_per_seq_s: float = (
+        0.0  # extra per sequence (decodes too) of a step that has prefill tokens
+    )
     per_prefill_seq_overhead_s: float = 0.0  # extra per sequence with prefill tokens
     prefill_pair_s: float = 0.0  # prefill attention, per (query token, key) pair
     source: str = ""
@@ -43,8 +50,14 @@ class CostModel:
         if self.flops_per_s <= 0 or self.bytes_per_s <= 0:
             raise ValueError("flops_per_s/bytes_per_s: must be > 0")
 
-    def step_time(self, prefill_tokens: int, decode_tokens: int, kv_read_tokens: int, num_seqs: int,
-                  prefill_pairs: int = 0) -> float:
+    def step_time(
+        self,
+        prefill_tokens: int,
+        decode_tokens: int,
+        kv_read_tokens: int,
+        num_seqs: int,
+        prefill_pairs: int = 0,
+    ) -> float:
         """Seconds for one step computing these tokens while attending over kv_read_tokens.
 
         num_seqs counts every scheduled sequence; decode_tokens of them decode (one token each), the
@@ -54,15 +67,29 @@ class CostModel:
         if tokens == 0:
             return 0.0
         compute = 2.0 * self.num_params * tokens / self.flops_per_s
-        memory = (self.weight_bytes + self.kv_bytes_per_token * (kv_read_tokens + tokens)) / self.bytes_per_s
+        memory = (
+            self.weight_bytes + self.kv_bytes_per_token * (kv_read_tokens + tokens)
+        ) / self.bytes_per_s
         t = self.step_overhead_s + self.per_seq_overhead_s * num_seqs + max(compute, memory)
         if prefill_tokens:
-            t += (self.prefill_step_overhead_s + self.prefill_step_per_seq_s * num_seqs
-                  + self.per_prefill_seq_overhead_s * (num_seqs - decode_tokens) + self.prefill_pair_s * prefill_pairs)
+            t += (
+                self.prefill_step_overhead_s
+                + self.prefill_step_per_seq_s * num_seqs
+                + self.per_prefill_seq_overhead_s * (num_seqs - decode_tokens)
+                + self.prefill_pair_s * prefill_pairs
+            )
         return t
 
-    def decode_steps(self, num_seqs: int, kv_read_tokens: int, start_s: float, max_steps: int,
-                     horizon_s: float, ends: list[float], durations: list[float]) -> None:
+    def decode_steps(
+        self,
+        num_seqs: int,
+        kv_read_tokens: int,
+        start_s: float,
+        max_steps: int,
+        horizon_s: float,
+        ends: list[float],
+        durations: list[float],
+    ) -> None:
         """Append the end times and durations of up to max_steps pure-decode steps of num_seqs
         sequences from start_s, each as step_time gives it (to the bit), through the first to end
         past horizon_s. Each step reads the KV its predecessor wrote."""
@@ -86,7 +113,8 @@ class CostModel:
 
 
 def load_profile(name_or_path: str) -> CostModel:
-    """A profile by name (sim/profiles/<name>.json) or path; unknown keys raise ValueError naming them."""
+    """A profile by name (sim/profiles/<name>.json) or path; unknown keys raise ValueError naming
+    them."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PROFILE_DIR / f"{name_or_path}.json"
@@ -101,6 +129,10 @@ def load_profile(name_or_path: str) -> CostModel:
         if key not in known:
             raise ValueError(f"profile field {key!r}: unknown; known: {sorted(known)}")
     for key, value in data.items():
-        if key not in ("name", "source") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if key not in ("name", "source") and (
+            isinstance(value, bool) or not isinstance(value, (int, float))
+        ):
             raise ValueError(f"profile field {key!r}: expected a number, got {value!r}")
-    return CostModel(**{k: (float(v) if k not in ("name", "source") else v) for k, v in data.items()})
+    return CostModel(
+        **{k: (float(v) if k not in ("name", "source") else v) for k, v in data.items()}
+    )

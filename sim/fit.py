@@ -3,13 +3,16 @@
 The cost model is linear in its nine coefficients once each step's binding regime is known:
 
     t = overhead + per_seq * seqs + [prefill] (prefill_overhead + prefill_step_per_seq * seqs
-        + per_prefill_seq * prefill_seqs + per_pair * prefill_pairs) + (compute-bound: sec_per_token * tokens
-                                       | memory-bound: weight_read + sec_per_kv_token * (kv_read + tokens))
+        + per_prefill_seq * prefill_seqs + per_pair * prefill_pairs) + (compute-bound: sec_per_token
+        * tokens
+                                       | memory-bound: weight_read + sec_per_kv_token * (kv_read +
+                                       tokens))
 
 The fit alternates between weighted non-negative least squares over all steps (residuals relative
 to the step's time, so 2 ms decode steps weigh as much as 2 s prefills) and re-assigning each step
 to the regime whose term is larger, from several starting assignments, keeping the best.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +34,13 @@ class StepSample:
     prefill_pairs: int = 0  # prefill attention (query token, key) pairs
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens", "decode_tokens", "kv_read_tokens", "num_seqs", "prefill_pairs"):
+        for name in (
+            "prefill_tokens",
+            "decode_tokens",
+            "kv_read_tokens",
+            "num_seqs",
+            "prefill_pairs",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not (self.seconds > 0 and math.isfinite(self.seconds)):
@@ -39,7 +48,9 @@ class StepSample:
         if self.prefill_tokens + self.decode_tokens == 0:
             raise ValueError("prefill_tokens/decode_tokens: a step computes at least one token")
         if self.decode_tokens > self.num_seqs:
-            raise ValueError(f"num_seqs: at least decode_tokens ({self.decode_tokens}), got {self.num_seqs}")
+            raise ValueError(
+                f"num_seqs: at least decode_tokens ({self.decode_tokens}), got {self.num_seqs}"
+            )
 
     @property
     def tokens(self) -> int:
@@ -67,25 +78,43 @@ class Coefficients:
     def predict(self, s: StepSample) -> float:
         return sum(c * x for c, x in zip(_values(self), _row(s, self.compute_bound(s))))
 
-    def to_cost_model(self, name: str, num_params: float, weight_bytes: float, source: str) -> CostModel:
-        """The profile: bandwidth from the weight read; KV bytes per token at that bandwidth (effective)."""
+    def to_cost_model(
+        self, name: str, num_params: float, weight_bytes: float, source: str
+    ) -> CostModel:
+        """The profile: bandwidth from the weight read; KV bytes per token at that bandwidth
+        (effective)."""
         bytes_per_s = weight_bytes / self.weight_read_s if self.weight_read_s > 0 else 1e18
         flops_per_s = 2.0 * num_params / self.sec_per_token if self.sec_per_token > 0 else 1e30
-        return CostModel(name=name, num_params=float(num_params), weight_bytes=float(weight_bytes),
-                         kv_bytes_per_token=self.sec_per_kv_token * bytes_per_s, flops_per_s=flops_per_s,
-                         bytes_per_s=bytes_per_s, step_overhead_s=self.step_overhead_s,
-                         per_seq_overhead_s=self.per_seq_s, prefill_step_overhead_s=self.prefill_overhead_s,
-                         prefill_step_per_seq_s=self.prefill_step_per_seq_s,
-                         per_prefill_seq_overhead_s=self.per_prefill_seq_s, prefill_pair_s=self.per_prefill_pair_s,
-                         source=source)
+        return CostModel(
+            name=name,
+            num_params=float(num_params),
+            weight_bytes=float(weight_bytes),
+            kv_bytes_per_token=self.sec_per_kv_token * bytes_per_s,
+            flops_per_s=flops_per_s,
+            bytes_per_s=bytes_per_s,
+            step_overhead_s=self.step_overhead_s,
+            per_seq_overhead_s=self.per_seq_s,
+            prefill_step_overhead_s=self.prefill_overhead_s,
+            prefill_step_per_seq_s=self.prefill_step_per_seq_s,
+            per_prefill_seq_overhead_s=self.per_prefill_seq_s,
+            prefill_pair_s=self.per_prefill_pair_s,
+            source=source,
+        )
 
     @classmethod
     def of(cls, model: CostModel) -> Coefficients:
         """The coefficients a profile implies (inverse of to_cost_model)."""
-        return cls(model.step_overhead_s, model.per_seq_overhead_s, model.prefill_step_overhead_s,
-                   model.prefill_step_per_seq_s, model.per_prefill_seq_overhead_s, model.prefill_pair_s,
-                   2.0 * model.num_params / model.flops_per_s,
-                   model.weight_bytes / model.bytes_per_s, model.kv_bytes_per_token / model.bytes_per_s)
+        return cls(
+            model.step_overhead_s,
+            model.per_seq_overhead_s,
+            model.prefill_step_overhead_s,
+            model.prefill_step_per_seq_s,
+            model.per_prefill_seq_overhead_s,
+            model.prefill_pair_s,
+            2.0 * model.num_params / model.flops_per_s,
+            model.weight_bytes / model.bytes_per_s,
+            model.kv_bytes_per_token / model.bytes_per_s,
+        )
 
 
 _NAMES = tuple(f.name for f in fields(Coefficients))
@@ -97,8 +126,14 @@ def _values(c: Coefficients) -> tuple[float, ...]:
 
 def _row(s: StepSample, compute: bool) -> list[float]:
     has_prefill = 1.0 if s.prefill_tokens else 0.0
-    linear = [1.0, float(s.num_seqs), has_prefill, has_prefill * s.num_seqs,
-              has_prefill * (s.num_seqs - s.decode_tokens), has_prefill * s.prefill_pairs]
+    linear = [
+        1.0,
+        float(s.num_seqs),
+        has_prefill,
+        has_prefill * s.num_seqs,
+        has_prefill * (s.num_seqs - s.decode_tokens),
+        has_prefill * s.prefill_pairs,
+    ]
     if compute:
         return linear + [float(s.tokens), 0.0, 0.0]
     return linear + [0.0, 1.0, float(s.kv_read_tokens + s.tokens)]
@@ -153,7 +188,8 @@ def _nonnegative_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
     while free:
         x = _least_squares(rows, ys, free)
         if x is None:
-            # Ties go to dropping the overhead, so that the weight read (the bandwidth) stays physical.
+            # Ties go to dropping the overhead, so that the weight read (the bandwidth) stays
+            # physical.
             trials = [(c, _least_squares(rows, ys, [f for f in free if f != c])) for c in free]
             ok = [(c, _sse(rows, ys, t)) for c, t in trials if t is not None]
             least = min((e for _, e in ok), default=0.0)
@@ -177,10 +213,13 @@ def _relative_sse(c: Coefficients, samples: list[StepSample]) -> float:
 def fit_coefficients(samples: list[StepSample], max_iters: int = 50) -> Coefficients:
     """The coefficients that minimise the squared relative error of the step-time model."""
     if len(samples) < len(_NAMES):
-        raise ValueError(f"samples: need at least {len(_NAMES)} timed steps to fit, got {len(samples)}")
+        raise ValueError(
+            f"samples: need at least {len(_NAMES)} timed steps to fit, got {len(samples)}"
+        )
     ys = [s.seconds for s in samples]
     # Starting regimes: all memory-bound, all compute-bound, and "prefill steps of at least n tokens
-    # are compute-bound" for every n seen (alternation alone can cycle between two wrong partitions).
+    # are compute-bound" for every n seen (alternation alone can cycle between two wrong
+    # partitions).
     sizes = sorted({s.prefill_tokens for s in samples if s.prefill_tokens})
     starts = [[False] * len(samples), [True] * len(samples)]
     starts += [[0 < n <= s.prefill_tokens for s in samples] for n in sizes]
@@ -207,20 +246,31 @@ class FitError:
     total_pct: float  # (sum predicted - sum measured) / sum measured, in percent
 
     def __str__(self) -> str:
-        return (f"{self.num_steps} steps: median |error| {self.median_abs_pct:.1f}%, p90 {self.p90_abs_pct:.1f}%, "
-                f"total time {self.total_pct:+.1f}%")
+        return (
+            f"{self.num_steps} steps: median |error| {self.median_abs_pct:.1f}%, p90 {self.p90_abs_pct:.1f}%, "
+            f"total time {self.total_pct:+.1f}%"
+        )
 
 
 def prediction_error(model: CostModel, samples: list[StepSample]) -> FitError:
-    """Per-step and total-time error of the profile on these steps (held-out steps, for a fair figure)."""
+    """Per-step and total-time error of the profile on these steps (held-out steps, for a fair
+    figure)."""
     if not samples:
         raise ValueError("samples: need at least one step")
-    predicted = [model.step_time(s.prefill_tokens, s.decode_tokens, s.kv_read_tokens, s.num_seqs, s.prefill_pairs)
-                 for s in samples]
+    predicted = [
+        model.step_time(
+            s.prefill_tokens, s.decode_tokens, s.kv_read_tokens, s.num_seqs, s.prefill_pairs
+        )
+        for s in samples
+    ]
     errs = sorted(abs(p - s.seconds) / s.seconds * 100 for p, s in zip(predicted, samples))
     total = sum(s.seconds for s in samples)
-    return FitError(len(samples), statistics.median(errs), errs[min(len(errs) - 1, int(0.9 * len(errs)))],
-                    (sum(predicted) - total) / total * 100)
+    return FitError(
+        len(samples),
+        statistics.median(errs),
+        errs[min(len(errs) - 1, int(0.9 * len(errs)))],
+        (sum(predicted) - total) / total * 100,
+    )
 
 
 def samples_to_json(samples: list[StepSample]) -> list[dict]:

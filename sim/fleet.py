@@ -1,4 +1,5 @@
 """Discrete-event simulation: arrivals -> production router -> N replicas -> completions."""
+
 from __future__ import annotations
 
 import bisect
@@ -12,11 +13,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import sub
 
+from router.config import RoutingConfig
+from router.fleet import FleetState
+from router.policies import RouteRequest
 from scheduler import RequestOutput, SchedulerConfig, extend_block_hashes, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import GapTally, RequestRecord, SimResult
-from router.config import RoutingConfig
-from router.fleet import FleetState, RouteRequest
 from sim.replica import AppliedStep, Cruise, SimReplica, StepPlan
 from sim.workload import SimRequest
 
@@ -24,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 # A serving stack that takes longer than this per request is a misconfiguration, not a setting.
 MAX_SERVING_OVERHEAD_S = 3600.0
-# Allocations between young-generation collections while a run is in progress (Python's default: 700).
+# Allocations between young-generation collections while a run is in progress (Python's default:
+# 700).
 RUN_GC_THRESHOLD = 200_000
 
 
@@ -59,7 +62,9 @@ class _StatsRound:
     reaches the router the moment it is taken.
     """
 
-    reports: list[tuple[int, str, dict]] = field(default_factory=list)  # (replica index, name, stats)
+    reports: list[tuple[int, str, dict]] = field(
+        default_factory=list
+    )  # (replica index, name, stats)
     delivered: bool = False
 
 
@@ -71,13 +76,15 @@ _ARRIVAL, _KICK, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4, 
 
 @dataclass(frozen=True, slots=True)
 class HostConfig:
-    """Replicas that share one host's CPU cores: a step is stretched while co-hosted replicas are busy.
+    """Replicas that share one host's CPU cores: a step is stretched while co-hosted replicas are
+    busy.
 
     Replica i runs on host i // replicas_per_host. A replica's engine runs `cores_per_replica`
     threads (the threads its profile was calibrated with); the host has `cores`, of which
     `background_cores` go to what runs beside the engines (Serve's proxy and controller, the router,
     the client). While `busy` replicas of a host run steps, each step progresses at 1 / stretch of
-    the profile's speed, stretch = max(1, busy * cores_per_replica / (cores - background_cores)): the
+    the profile's speed, stretch = max(1, busy * cores_per_replica / (cores - background_cores)):
+    the
     engines share the cores left, and none runs faster than its own threads allow. A replica that
     starts or stops running steps re-times the co-hosted steps in flight (processor sharing).
     Replicas that share a host take no k-step jumps: a co-host's start would change their times.
@@ -90,9 +97,14 @@ class HostConfig:
     background_cores: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.replicas_per_host, bool) or not isinstance(self.replicas_per_host, int) \
-                or self.replicas_per_host < 1:
-            raise ValueError(f"replicas_per_host: must be an integer >= 1, got {self.replicas_per_host!r}")
+        if (
+            isinstance(self.replicas_per_host, bool)
+            or not isinstance(self.replicas_per_host, int)
+            or self.replicas_per_host < 1
+        ):
+            raise ValueError(
+                f"replicas_per_host: must be an integer >= 1, got {self.replicas_per_host!r}"
+            )
         for name in ("cores", "cores_per_replica", "background_cores"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be finite, got {getattr(self, name)}")
@@ -101,7 +113,9 @@ class HostConfig:
         if not self.cores_per_replica > 0:
             raise ValueError(f"cores_per_replica: must be > 0, got {self.cores_per_replica}")
         if self.cores and not 0 <= self.background_cores < self.cores:
-            raise ValueError(f"background_cores: must be in [0, cores), got {self.background_cores}")
+            raise ValueError(
+                f"background_cores: must be in [0, cores), got {self.background_cores}"
+            )
 
     @property
     def shared(self) -> bool:
@@ -122,7 +136,9 @@ class SimConfig:
     # Pool sizes and context length an engine would measure; left None they take these values.
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
-    stats_period_s: float = 1.0  # how often replicas report to the router (Serve's routing-stats period)
+    stats_period_s: float = (
+        1.0  # how often replicas report to the router (Serve's routing-stats period)
+    )
     stats_delay_s: float = 0.5  # how late a report reaches the router
     # Run a replica's steps back to back while no other event intervenes, and jump over its
     # pure-decode stretches (False: every step through the event queue, the reference).
@@ -139,9 +155,11 @@ class SimConfig:
     def __post_init__(self) -> None:
         s = self.scheduler
         self.scheduler = dataclasses.replace(
-            s, num_gpu_blocks=s.num_gpu_blocks if s.num_gpu_blocks is not None else 1024,
+            s,
+            num_gpu_blocks=s.num_gpu_blocks if s.num_gpu_blocks is not None else 1024,
             num_cpu_blocks=s.num_cpu_blocks if s.num_cpu_blocks is not None else 0,
-            max_model_len=s.max_model_len if s.max_model_len is not None else 4096)
+            max_model_len=s.max_model_len if s.max_model_len is not None else 4096,
+        )
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas: must be >= 1, got {self.num_replicas}")
         if not self.stats_period_s > 0:
@@ -149,34 +167,61 @@ class SimConfig:
         if not self.stats_delay_s >= 0:
             raise ValueError(f"stats_delay_s: must be >= 0, got {self.stats_delay_s}")
         if not 0 <= self.serving_overhead_s <= MAX_SERVING_OVERHEAD_S:
-            raise ValueError(f"serving_overhead_s: must be in [0, {MAX_SERVING_OVERHEAD_S:.0f}] seconds, "
-                             f"got {self.serving_overhead_s}")
+            raise ValueError(
+                f"serving_overhead_s: must be in [0, {MAX_SERVING_OVERHEAD_S:.0f}] seconds, "
+                f"got {self.serving_overhead_s}"
+            )
 
 
 class FleetSim:
     """Runs a workload through the fleet; `run()` returns per-request records and fleet counters."""
 
-    def __init__(self, config: SimConfig, cost: CostModel,
-                 on_step: Callable[[SimReplica, float], None] | None = None):
-        """on_step(replica, now) runs after each step a replica completes (a k-step jump: once, at its end)."""
+    def __init__(
+        self,
+        config: SimConfig,
+        cost: CostModel,
+        on_step: Callable[[SimReplica, float], None] | None = None,
+    ):
+        """on_step(replica, now) runs after each step a replica completes (a k-step jump: once, at
+        its end)."""
         self.config = config
         self.cost = cost
         self.on_step = on_step
-        self.replicas = [SimReplica(f"replica-{i}", config.scheduler, cost) for i in range(config.num_replicas)]
+        self.replicas = [
+            SimReplica(f"replica-{i}", config.scheduler, cost) for i in range(config.num_replicas)
+        ]
         per_host = config.host.replicas_per_host
-        self._cohosts = {r.name: [o for o in self.replicas[i // per_host * per_host:(i // per_host + 1) * per_host]
-                                  if o is not r] for i, r in enumerate(self.replicas)} if config.host.shared else {}
-        self.names = tuple(r.name for r in self.replicas)  # one tuple: the router's pick reuses its sort
+        self._cohosts = (
+            {
+                r.name: [
+                    o
+                    for o in self.replicas[
+                        i // per_host * per_host : (i // per_host + 1) * per_host
+                    ]
+                    if o is not r
+                ]
+                for i, r in enumerate(self.replicas)
+            }
+            if config.host.shared
+            else {}
+        )
+        self.names = tuple(
+            r.name for r in self.replicas
+        )  # one tuple: the router's pick reuses its sort
         self._by_name = {r.name: r for r in self.replicas}
         self.fleet = FleetState(config.routing)
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._next_stats_s = 0.0
         self._index = {r.name: i for i, r in enumerate(self.replicas)}
-        self._awaiting: dict[str, _StatsRound] = {}  # replicas that report once their running step ends
+        self._awaiting: dict[
+            str, _StatsRound
+        ] = {}  # replicas that report once their running step ends
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
         self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
-        self._shared_hashes: dict[tuple[int, ...], list[int]] = {}  # a prefix group's leading blocks
+        self._shared_hashes: dict[
+            tuple[int, ...], list[int]
+        ] = {}  # a prefix group's leading blocks
         self._itl_tally = GapTally()  # finished requests' gaps
 
     def _push(self, t: float, kind: int, payload: object) -> None:
@@ -193,8 +238,12 @@ class FleetSim:
             return self._run(workload, until_s)
 
     def _run(self, workload: list[SimRequest], until_s: float) -> SimResult:
-        records = {r.request_id: RequestRecord(r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.output_len)
-                   for r in workload}
+        records = {
+            r.request_id: RequestRecord(
+                r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.output_len
+            )
+            for r in workload
+        }
         # Stable: arrivals at the same instant keep their workload order, as before streaming.
         arrivals = iter(sorted(enumerate(workload), key=lambda pair: pair[1].arrival_s))
         self._push_arrival(arrivals)
@@ -228,8 +277,14 @@ class FleetSim:
 
     def _result(self, records: dict[str, RequestRecord], end_s: float) -> SimResult:
         self._itl_tally.discount([r for r in records.values() if r.finish_s is None])
-        return SimResult(list(records.values()), end_s, self.replicas, self.coalesced_steps, self.jumped_steps,
-                         self._itl_tally)
+        return SimResult(
+            list(records.values()),
+            end_s,
+            self.replicas,
+            self.coalesced_steps,
+            self.jumped_steps,
+            self._itl_tally,
+        )
 
     def _take_stats(self, now: float) -> None:
         """Idle replicas report now; busy ones once their running step (or cruise) ends."""
@@ -258,17 +313,29 @@ class FleetSim:
         if nxt is not None:
             self._push(nxt[1].arrival_s + self.config.serving_overhead_s, _ARRIVAL, nxt)
 
-    def _arrive(self, i: int, req: SimRequest, now: float, records: dict[str, RequestRecord]) -> None:
+    def _arrive(
+        self, i: int, req: SimRequest, now: float, records: dict[str, RequestRecord]
+    ) -> None:
         """Route request i of the workload and queue it at its replica."""
         prompt = req.prompt_token_ids(i)
-        route = RouteRequest(req.request_id, req.prompt_len + req.output_len, self._hashes(req, prompt))
+        route = RouteRequest(
+            req.request_id, req.prompt_len + req.output_len, self._hashes(req, prompt)
+        )
         name = self.fleet.pick(route, self.names, now)
         self.fleet.on_routed(route, name, now)
         replica = self._by_name[name]
         if isinstance(replica.in_flight, Cruise):
             self._interrupt(replica, now, records)
         records[req.request_id].replica = name
-        replica.add(req.request_id, prompt, req.output_len, req.tenant, req.priority, now, route.block_hashes)
+        replica.add(
+            req.request_id,
+            prompt,
+            req.output_len,
+            req.tenant,
+            req.priority,
+            now,
+            route.block_hashes,
+        )
         if replica.in_flight is None:
             self._push(now, _KICK, replica)
 
@@ -286,10 +353,13 @@ class FleetSim:
         """The host-sharing factor for a step this replica starts now (it counts as busy)."""
         if not self._cohosts:
             return 1.0
-        return self.config.host.stretch(1 + sum(1 for o in self._cohosts[replica.name] if o.in_flight is not None))
+        return self.config.host.stretch(
+            1 + sum(1 for o in self._cohosts[replica.name] if o.in_flight is not None)
+        )
 
     def _retime_cohosts(self, replica: SimReplica, now: float, became_busy: bool) -> None:
-        """replica just started or stopped running steps: the co-hosted steps in flight change speed.
+        """replica just started or stopped running steps: the co-hosted steps in flight change
+        speed.
 
         Each keeps the work it has left (its remaining time over the old factor) and finishes it at
         the new factor; the event at its old end time is then ignored.
@@ -327,11 +397,17 @@ class FleetSim:
                 return cruise
         return replica.start_step(now, self._stretch(replica))
 
-    def _end_step(self, payload: tuple[SimReplica, StepPlan | Cruise | AppliedStep], now: float,
-                  records: dict[str, RequestRecord]) -> int:
-        """Finish replica's step (or cruise) and, while no other event comes first, run the next in place."""
+    def _end_step(
+        self,
+        payload: tuple[SimReplica, StepPlan | Cruise | AppliedStep],
+        now: float,
+        records: dict[str, RequestRecord],
+    ) -> int:
+        """Finish replica's step (or cruise) and, while no other event comes first, run the next in
+        place."""
         replica, plan = payload
-        # A cruise an arrival interrupted (its steps are applied), or a step re-timed by host sharing.
+        # A cruise an arrival interrupted (its steps are applied), or a step re-timed by host
+        # sharing.
         if replica.in_flight is not plan or plan.end_s != now:
             return 0
         finished = 0
@@ -348,8 +424,11 @@ class FleetSim:
             now = plan.end_s
             self.coalesced_steps += 1
 
-    def _interrupt(self, replica: SimReplica, now: float, records: dict[str, RequestRecord]) -> None:
-        """An arrival reaches a cruising replica: the steps ended before now and the one running end the cruise.
+    def _interrupt(
+        self, replica: SimReplica, now: float, records: dict[str, RequestRecord]
+    ) -> None:
+        """An arrival reaches a cruising replica: the steps ended before now and the one running end
+        the cruise.
 
         The running step is applied now, before the arrival joins the queue (it was scheduled
         before), and the replica stays busy until its end. Nothing observes the replica's state
@@ -359,8 +438,12 @@ class FleetSim:
         """
         cruise = replica.in_flight
         assert isinstance(cruise, Cruise)
-        done = bisect.bisect_left(cruise.ends, now)  # arrivals precede step ends at the same instant
-        if done == len(cruise.ends) - 1:  # the last step, which may finish requests: seen at its end
+        done = bisect.bisect_left(
+            cruise.ends, now
+        )  # arrivals precede step ends at the same instant
+        if (
+            done == len(cruise.ends) - 1
+        ):  # the last step, which may finish requests: seen at its end
             if done > cruise.applied:
                 self._apply_jump(replica, cruise, done, records)
             plan = replica.step_singly()
@@ -404,13 +487,20 @@ class FleetSim:
         rec.finish(now, out.num_output_tokens, out.finish_reason, self.config.keep_itl)
         self.fleet.on_completed(out.request_id)
 
-    def _apply_jump(self, replica: SimReplica, cruise: Cruise, upto: int,
-                    records: dict[str, RequestRecord], notify: bool = True) -> int:
-        """Apply the cruise's steps up to `upto`; notify: on_step at the last one's end (it has ended).
+    def _apply_jump(
+        self,
+        replica: SimReplica,
+        cruise: Cruise,
+        upto: int,
+        records: dict[str, RequestRecord],
+        notify: bool = True,
+    ) -> int:
+        """Apply the cruise's steps up to `upto`; notify: on_step at the last one's end (it has
+        ended).
 
         Returns how many requests the last step finished (only a cruise's last step can).
         """
-        times = cruise.ends[cruise.applied:upto]
+        times = cruise.ends[cruise.applied : upto]
         gaps = list(map(sub, times[1:], times))
         outputs = replica.jump(upto)
         tally = self._itl_tally

@@ -1,4 +1,5 @@
 """Per-request timings and the fleet figures derived from them."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -28,7 +29,9 @@ class RequestRecord:
     num_output_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
-    itl_s: list[float] = field(default_factory=list)  # emptied at the finish unless the run keeps them
+    itl_s: list[float] = field(
+        default_factory=list
+    )  # emptied at the finish unless the run keeps them
     itl_p90_s: float = 0.0  # this request's ITL p90, set at its finish
 
     def on_tokens(self, now: float, n: int, cached: int) -> float | None:
@@ -56,7 +59,9 @@ class RequestRecord:
         self.last_token_s = times[-1]
         return lead
 
-    def finish(self, now: float, num_output_tokens: int, reason: str | None, keep_itl: bool = True) -> None:
+    def finish(
+        self, now: float, num_output_tokens: int, reason: str | None, keep_itl: bool = True
+    ) -> None:
         """Record the finish and this request's ITL p90; drop its gaps unless keep_itl."""
         self.finish_s = now
         self.num_output_tokens = num_output_tokens
@@ -102,7 +107,8 @@ class GapTally(Counter):
             self[value] += requests
 
     def discount(self, unfinished: list[RequestRecord]) -> None:
-        """Take back the gaps of requests still in flight (their records keep them until they finish)."""
+        """Take back the gaps of requests still in flight (their records keep them until they
+        finish)."""
         for record in unfinished:
             self.subtract(map(int, map(mul, record.itl_s, repeat(_BINS_PER_S))))
         for value in [v for v, count in self.items() if count <= 0]:
@@ -110,7 +116,8 @@ class GapTally(Counter):
 
 
 def tally_percentile(tally: Counter[int], q: float) -> float:
-    """percentile() of the gaps a tally counts, in seconds, to the bin's lower edge (0 for an empty tally)."""
+    """percentile() of the gaps a tally counts, in seconds, to the bin's lower edge (0 for an empty
+    tally)."""
     total = sum(tally.values())
     if not total:
         return 0.0
@@ -132,20 +139,30 @@ class SimResult:
     replicas: list[Any]
     coalesced_steps: int = 0
     jumped_steps: int = 0
-    itl_tally: Counter[int] = field(default_factory=Counter)  # finished requests' gaps (10 us bins) -> count
+    itl_tally: Counter[int] = field(
+        default_factory=Counter
+    )  # finished requests' gaps (10 us bins) -> count
 
-    def summary(self, slo_ttft_s: float = float("inf"), slo_itl_s: float = float("inf")) -> dict[str, float]:
+    def summary(
+        self, slo_ttft_s: float = float("inf"), slo_itl_s: float = float("inf")
+    ) -> dict[str, float]:
         done = [r for r in self.records if r.finish_s is not None]
         ttft = [r.ttft_s for r in done]
         queried = sum(rep.scheduler.kv.num_queried_tokens for rep in self.replicas)
         hit = sum(rep.scheduler.kv.num_hit_tokens for rep in self.replicas)
-        span = max((r.finish_s for r in done), default=0.0) - min((r.arrival_s for r in done), default=0.0)
+        span = max((r.finish_s for r in done), default=0.0) - min(
+            (r.arrival_s for r in done), default=0.0
+        )
         good = [r for r in done if r.ttft_s <= slo_ttft_s and r.itl_p90_s <= slo_itl_s]
         return {
-            "requests": len(done), "hit_rate": hit / queried if queried else 0.0,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
-            "itl_p50_s": tally_percentile(self.itl_tally, 50), "itl_p90_s": tally_percentile(self.itl_tally, 90),
+            "requests": len(done),
+            "hit_rate": hit / queried if queried else 0.0,
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "itl_p50_s": tally_percentile(self.itl_tally, 50),
+            "itl_p90_s": tally_percentile(self.itl_tally, 90),
             "output_tok_s": sum(r.num_output_tokens for r in done) / span if span > 0 else 0.0,
             "goodput_rps": len(good) / span if span > 0 else 0.0,
-            "steps": sum(rep.num_steps for rep in self.replicas), "sim_end_s": self.end_s,
+            "steps": sum(rep.num_steps for rep in self.replicas),
+            "sim_end_s": self.end_s,
         }

@@ -1,4 +1,5 @@
 """PNG plots of result rows (matplotlib, Agg backend; optional: the bench extra)."""
+
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ logger = logging.getLogger(__name__)
 def plot_rows(path: str, rows: list[dict], x: str, ys: tuple[str, ...], title: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

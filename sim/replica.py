@@ -1,12 +1,21 @@
 """One simulated replica: the production Scheduler and a stand-in runner timed by the cost model."""
+
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
-from scheduler import ModelRunnerOutput, Request, RequestOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
-from sim.cost import CostModel
 from router.stats import RoutingStats
+from scheduler import (
+    ModelRunnerOutput,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from sim.cost import CostModel
 
 EOS = 0
 TOKEN = 1
@@ -42,14 +51,16 @@ class Cruise:
 
 @dataclass(slots=True)
 class AppliedStep:
-    """The running step of an interrupted cruise, applied ahead of its end: ending it only frees the replica."""
+    """The running step of an interrupted cruise, applied ahead of its end: ending it only frees the
+    replica."""
 
     end_s: float
 
 
 @functools.lru_cache(maxsize=4096)
 def _greedy(max_tokens: int) -> SamplingParams:
-    """Greedy sampling params of this length, validated once and shared by every replica (never mutated)."""
+    """Greedy sampling params of this length, validated once and shared by every replica (never
+    mutated)."""
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
@@ -89,17 +100,38 @@ class SimReplica:
         self.num_steps = 0
         self.busy_s = 0.0
 
-    def add(self, request_id: str, prompt: list[int], output_len: int, tenant: str, priority: int,
-            now: float, block_hashes: list[int] | None = None) -> None:
-        """Queue a request; block_hashes, the prompt's full-block hashes if the router computed them."""
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        output_len: int,
+        tenant: str,
+        priority: int,
+        now: float,
+        block_hashes: list[int] | None = None,
+    ) -> None:
+        """Queue a request; block_hashes, the prompt's full-block hashes if the router computed
+        them."""
         self.output_len[request_id] = output_len
         params = _greedy(output_len)
-        # The scheduler extends the hash chain from what it is given (the same hash, so the same keys).
-        self.scheduler.add_request(Request(request_id, prompt, params, eos_token_ids=(EOS,), priority=priority,
-                                           tenant=tenant, arrival_time=now, block_hashes=list(block_hashes or ())))
+        # The scheduler extends the hash chain from what it is given (the same hash, so the same
+        # keys).
+        self.scheduler.add_request(
+            Request(
+                request_id,
+                prompt,
+                params,
+                eos_token_ids=(EOS,),
+                priority=priority,
+                tenant=tenant,
+                arrival_time=now,
+                block_hashes=list(block_hashes or ()),
+            )
+        )
 
     def plan_cruise(self, now: float, horizon_s: float, min_steps: int = 2) -> Cruise | None:
-        """Plan pure-decode steps that sample no EOS, up to the one running at horizon_s (None if under min_steps)."""
+        """Plan pure-decode steps that sample no EOS, up to the one running at horizon_s (None if
+        under min_steps)."""
         sched = self.scheduler
         running = sched.running
         if not running:
@@ -111,9 +143,14 @@ class SimReplica:
             return None
         n = len(running)
         kv_read = sum(r.num_computed_tokens for r in running)
-        # As start_step counts them: a request computing its last prompt token is prefill (step 1 only).
+        # As start_step counts them: a request computing its last prompt token is prefill (step 1
+        # only).
         prefill = sum(1 for r in running if r.num_computed_tokens < r.num_prompt_tokens)
-        pairs = sum(r.num_computed_tokens + 1 for r in running if r.num_computed_tokens < r.num_prompt_tokens)
+        pairs = sum(
+            r.num_computed_tokens + 1
+            for r in running
+            if r.num_computed_tokens < r.num_prompt_tokens
+        )
         ends: list[float] = []
         durations: list[float] = []
         start = now  # of the pure-decode steps
@@ -139,10 +176,15 @@ class SimReplica:
         last = [*tokens[1:], EOS]  # and one for those whose output length the last step reaches
         output_len = self.output_len
         outputs = self.scheduler.advance_decode(
-            {r.request_id: last if output_len[r.request_id] - len(r.output_token_ids) == num_steps else tokens
-             for r in self.scheduler.running})
+            {
+                r.request_id: last
+                if output_len[r.request_id] - len(r.output_token_ids) == num_steps
+                else tokens
+                for r in self.scheduler.running
+            }
+        )
         self._forget_finished(outputs)
-        for d in cruise.durations[cruise.applied:upto]:
+        for d in cruise.durations[cruise.applied : upto]:
             self.busy_s += d
         self.num_steps += num_steps
         cruise.applied = upto
@@ -159,12 +201,15 @@ class SimReplica:
         return self.in_flight
 
     def start_step(self, now: float, stretch: float = 1.0) -> StepPlan | None:
-        """Schedule the next step (None if nothing to run) and time it (times stretch: shared cores)."""
+        """Schedule the next step (None if nothing to run) and time it (times stretch: shared
+        cores)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return None
         prefill, decode, kv_read, pairs = step_shape(out, self.scheduler.requests)
-        duration = self.cost.step_time(prefill, decode, kv_read, len(out.num_scheduled_tokens), pairs)
+        duration = self.cost.step_time(
+            prefill, decode, kv_read, len(out.num_scheduled_tokens), pairs
+        )
         if stretch != 1.0:
             duration *= stretch
         self.in_flight = StepPlan(out, now + duration)
@@ -187,7 +232,9 @@ class SimReplica:
             else:
                 last = req.num_output_tokens + 1 >= self.output_len[rid]
                 sampled.append([EOS if last else TOKEN])
-        outputs = self.scheduler.update_from_output(plan.output, ModelRunnerOutput(req_ids, sampled))
+        outputs = self.scheduler.update_from_output(
+            plan.output, ModelRunnerOutput(req_ids, sampled)
+        )
         self._forget_finished(outputs)
         return outputs
 

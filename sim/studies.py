@@ -1,24 +1,26 @@
 """The README's studies: routing at scale, fairness under a heavy tenant, simulator speed.
 
-`python -m sim.studies OUTDIR [ROUTING_SIZES...] [--only fairness vtc routing scale floor decode-heavy]`
+`python -m sim.studies OUTDIR [ROUTING_SIZES...] [--only fairness vtc routing scale floor
+decode-heavy]`
 """
+
 from __future__ import annotations
 
 import argparse
 import math
 import resource
 import time
-from collections.abc import Callable
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.config import POLICIES, RoutingConfig
 from scheduler import SchedulerConfig
 from sim.cost import load_profile
 from sim.fleet import FleetSim, SimConfig
 from sim.metrics import SimResult, percentile
 from sim.plots import plot_rows as _plot
-from router.config import POLICIES, RoutingConfig
 from sim.replica import SimReplica
 from sim.workload import SimRequest, WorkloadConfig, synthetic_workload
 
@@ -30,9 +32,17 @@ FLEET_PROFILE = "cpu"
 
 
 def _fleet_traffic(n: int, seconds: float, rate_per_replica: float, **shape) -> list[SimRequest]:
-    """seconds of Poisson arrivals at rate_per_replica on each of n replicas, two tenants per replica."""
-    return synthetic_workload(WorkloadConfig(num_requests=int(rate_per_replica * n * seconds),
-                                             rate=rate_per_replica * n, tenants=2 * n, seed=0, **shape))
+    """seconds of Poisson arrivals at rate_per_replica on each of n replicas, two tenants per
+    replica."""
+    return synthetic_workload(
+        WorkloadConfig(
+            num_requests=int(rate_per_replica * n * seconds),
+            rate=rate_per_replica * n,
+            tenants=2 * n,
+            seed=0,
+            **shape,
+        )
+    )
 
 
 def fleet_workload(n: int, seconds: float, rate_per_replica: float) -> list[SimRequest]:
@@ -42,72 +52,115 @@ def fleet_workload(n: int, seconds: float, rate_per_replica: float) -> list[SimR
 
 
 def fleet_config(n: int, router: str = "prefix_affinity") -> SimConfig:
-    return SimConfig(num_replicas=n, scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=1024),
-                     routing=RoutingConfig(router_policy=router, seed=0))
+    return SimConfig(
+        num_replicas=n,
+        scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=1024),
+        routing=RoutingConfig(router_policy=router, seed=0),
+    )
 
 
 def chat_workload(n: int, seconds: float, rate_per_replica: float) -> list[SimRequest]:
     """Chat-like traffic for the scale study: 256-token system prompts shared by two tenants per
     replica, 32-512-token questions, 64-512-token answers (about 530 in, 290 out on average)."""
-    return _fleet_traffic(n, seconds, rate_per_replica, question_len=(32, 512), output_len=(64, 512))
+    return _fleet_traffic(
+        n, seconds, rate_per_replica, question_len=(32, 512), output_len=(64, 512)
+    )
 
 
 def chat_config(n: int) -> SimConfig:
     """1,024 blocks (16k tokens) per replica; records keep no per-token gaps (millions of requests)."""
-    return SimConfig(num_replicas=n, scheduler=SchedulerConfig(num_gpu_blocks=1024, max_model_len=2048),
-                     routing=RoutingConfig(router_policy="prefix_affinity", seed=0), keep_itl=False)
+    return SimConfig(
+        num_replicas=n,
+        scheduler=SchedulerConfig(num_gpu_blocks=1024, max_model_len=2048),
+        routing=RoutingConfig(router_policy="prefix_affinity", seed=0),
+        keep_itl=False,
+    )
 
 
-def capacity(make_workload: Callable[[int, float, float], list[SimRequest]], make_config: Callable[[int], SimConfig],
-             overload_rate: float, replicas: int = 4, seconds: float = 240.0, warmup_s: float = 60.0) -> float:
+def capacity(
+    make_workload: Callable[[int, float, float], list[SimRequest]],
+    make_config: Callable[[int], SimConfig],
+    overload_rate: float,
+    replicas: int = 4,
+    seconds: float = 240.0,
+    warmup_s: float = 60.0,
+) -> float:
     """A replica's capacity in requests/s: completions per replica-second after warm-up, under an
     offered load (overload_rate per replica) that keeps every queue from emptying."""
     result = FleetSim(make_config(replicas), load_profile(FLEET_PROFILE)).run(
-        make_workload(replicas, seconds, overload_rate), until_s=seconds)
+        make_workload(replicas, seconds, overload_rate), until_s=seconds
+    )
     done = sum(1 for r in result.records if r.finish_s is not None and r.finish_s > warmup_s)
     waiting = sum(len(r.scheduler.waiting) for r in result.replicas)
     if not waiting:
-        raise ValueError(f"overload_rate {overload_rate}/s did not overload {replicas} replicas: raise it")
+        raise ValueError(
+            f"overload_rate {overload_rate}/s did not overload {replicas} replicas: raise it"
+        )
     return done / (seconds - warmup_s) / replicas
 
 
-def routing_at_scale(out: Path, sizes=(8, 64, 512), seconds: float = 10.0,
-                     capacity_router: str = "prefix_affinity") -> list[dict]:
+def routing_at_scale(
+    out: Path, sizes=(8, 64, 512), seconds: float = 10.0, capacity_router: str = "prefix_affinity"
+) -> list[dict]:
     """Every policy at 50% of a replica's capacity as measured under capacity_router's routing
     (prefix affinity's replicas hit their tenants' cached prompts, so they serve far more)."""
     cap = capacity(fleet_workload, lambda n: fleet_config(n, capacity_router), overload_rate=64.0)
     rate = cap / 2
-    print(f"routing study: a replica's capacity under {capacity_router} {cap:.2f} req/s;"
-          f" 50% load = {rate:.2f} req/s per replica", flush=True)
+    print(
+        f"routing study: a replica's capacity under {capacity_router} {cap:.2f} req/s;"
+        f" 50% load = {rate:.2f} req/s per replica",
+        flush=True,
+    )
     rows = []
     for n in sizes:
         wl = fleet_workload(n, seconds, rate)
         for router in POLICIES:
-            row = FleetSim(fleet_config(n, router), load_profile(FLEET_PROFILE)).run(wl).summary(
-                slo_ttft_s=1.0, slo_itl_s=0.5)
+            row = (
+                FleetSim(fleet_config(n, router), load_profile(FLEET_PROFILE))
+                .run(wl)
+                .summary(slo_ttft_s=1.0, slo_itl_s=0.5)
+            )
             row.update(router=router, replicas=n)
             rows.append(row)
-            print(f"{router:16s} {n:4d} hit {row['hit_rate']:.3f} ttft_p50 {row['ttft_p50_s']:.3f}"
-                  f" ttft_p90 {row['ttft_p90_s']:.3f} goodput {row['goodput_rps']:.1f} of {rate * n:.1f} req/s",
-                  flush=True)
-    _plot(str(out / f"routing_at_scale_{capacity_router}.png"), rows, "replicas",
-          ("hit_rate", "ttft_p90_s", "goodput_rps"), f"routing at scale (CPU profile, 50% of {capacity_router}'s capacity)")
+            print(
+                f"{router:16s} {n:4d} hit {row['hit_rate']:.3f} ttft_p50 {row['ttft_p50_s']:.3f}"
+                f" ttft_p90 {row['ttft_p90_s']:.3f} goodput {row['goodput_rps']:.1f} of {rate * n:.1f} req/s",
+                flush=True,
+            )
+    _plot(
+        str(out / f"routing_at_scale_{capacity_router}.png"),
+        rows,
+        "replicas",
+        ("hit_rate", "ttft_p90_s", "goodput_rps"),
+        f"routing at scale (CPU profile, 50% of {capacity_router}'s capacity)",
+    )
     return rows
 
 
 def heavy_tenant_workload(requests: int = 1500) -> list[SimRequest]:
     """Ten tenants, one sending 10x the others, at 6 req/s: one CPU replica stays overloaded."""
-    return synthetic_workload(WorkloadConfig(num_requests=requests, rate=6.0, tenants=10,
-                                             tenant_weights=[10.0] + [1.0] * 9, system_prompt_len=0,
-                                             question_len=(64, 256), output_len=(16, 64), seed=1))
+    return synthetic_workload(
+        WorkloadConfig(
+            num_requests=requests,
+            rate=6.0,
+            tenants=10,
+            tenant_weights=[10.0] + [1.0] * 9,
+            system_prompt_len=0,
+            question_len=(64, 256),
+            output_len=(16, 64),
+            seed=1,
+        )
+    )
 
 
 def fairness(out: Path, requests: int = 1500) -> None:
     wl = heavy_tenant_workload(requests)
     for policy in ("fcfs", "fair"):
-        cfg = SimConfig(num_replicas=1, scheduler=SchedulerConfig(num_gpu_blocks=1024, policy=policy,
-                                                                  max_num_seqs=32),
-                        routing=RoutingConfig(router_policy="round_robin"))
+        cfg = SimConfig(
+            num_replicas=1,
+            scheduler=SchedulerConfig(num_gpu_blocks=1024, policy=policy, max_num_seqs=32),
+            routing=RoutingConfig(router_policy="round_robin"),
+        )
         result = FleetSim(cfg, load_profile(STUDY_PROFILE)).run(wl)
         light = [r.ttft_s for r in result.records if r.tenant != "t0"]
         heavy = [r.ttft_s for r in result.records if r.tenant == "t0"]
@@ -117,11 +170,16 @@ def fairness(out: Path, requests: int = 1500) -> None:
         for r in result.records:
             if r.finish_s > horizon:
                 continue
-            service[r.tenant] += r.prompt_len + 2 * r.num_output_tokens  # the VTC weights (1 in, 2 out)
+            service[r.tenant] += (
+                r.prompt_len + 2 * r.num_output_tokens
+            )  # the VTC weights (1 in, 2 out)
         total = sum(service.values())
-        print(f"{policy}: light TTFT p90 {percentile(light, 90):.2f}s, heavy TTFT p90 {percentile(heavy, 90):.2f}s,"
-              f" heavy share {service['t0'] / total:.3f}, light share each {min(service[f't{k}'] for k in range(1, 10)) / total:.3f}"
-              f"-{max(service[f't{k}'] for k in range(1, 10)) / total:.3f}", flush=True)
+        print(
+            f"{policy}: light TTFT p90 {percentile(light, 90):.2f}s, heavy TTFT p90 {percentile(heavy, 90):.2f}s,"
+            f" heavy share {service['t0'] / total:.3f}, light share each {min(service[f't{k}'] for k in range(1, 10)) / total:.3f}"
+            f"-{max(service[f't{k}'] for k in range(1, 10)) / total:.3f}",
+            flush=True,
+        )
 
 
 @dataclass(slots=True)
@@ -137,7 +195,9 @@ class CounterGap:
         queue = replica.scheduler.waiting
         tenants = queue.backlogged()
         per_tenant = Counter(r.tenant for r in replica.scheduler.running)
-        self.max_running_per_tenant = max(self.max_running_per_tenant, max(per_tenant.values(), default=0))
+        self.max_running_per_tenant = max(
+            self.max_running_per_tenant, max(per_tenant.values(), default=0)
+        )
         if len(tenants) < 2:
             return
         counters = [queue.counters[t] for t in tenants]
@@ -147,8 +207,11 @@ class CounterGap:
             self.max_gap, self.at_s = gap, now
 
 
-def vtc_gap_bound(sched: SchedulerConfig, workload: list[SimRequest], running_per_tenant: int | None = None) -> float:
-    """Upper bound on c_f - c_g for tenants f, g both backlogged, without preemption (README: Fairness).
+def vtc_gap_bound(
+    sched: SchedulerConfig, workload: list[SimRequest], running_per_tenant: int | None = None
+) -> float:
+    """Upper bound on c_f - c_g for tenants f, g both backlogged, without preemption (README:
+    Fairness).
 
     A tenant is admitted only while its counter is the least among the backlogged ones, and that
     least counter never falls; so f can get ahead only by what its running requests still owe
@@ -156,8 +219,9 @@ def vtc_gap_bound(sched: SchedulerConfig, workload: list[SimRequest], running_pe
     w_out x longest output). Over any interval both stay backlogged, their service differs by at
     most twice this, VTC's 2 x max(w_p L_input, w_q M) in our terms.
     """
-    per_request = (sched.fair_input_weight * max(r.prompt_len for r in workload)
-                   + sched.fair_output_weight * max(r.output_len for r in workload))
+    per_request = sched.fair_input_weight * max(
+        r.prompt_len for r in workload
+    ) + sched.fair_output_weight * max(r.output_len for r in workload)
     return (running_per_tenant or sched.max_num_seqs) * per_request
 
 
@@ -165,23 +229,34 @@ def vtc_gap(requests: int = 1500) -> dict:
     """The fairness study's overloaded replica under VTC: the counter gap against its bound."""
     wl = heavy_tenant_workload(requests)
     sched = SchedulerConfig(num_gpu_blocks=1024, policy="fair", max_num_seqs=32)
-    cfg = SimConfig(num_replicas=1, scheduler=sched, routing=RoutingConfig(router_policy="round_robin"))
+    cfg = SimConfig(
+        num_replicas=1, scheduler=sched, routing=RoutingConfig(router_policy="round_robin")
+    )
     gap = CounterGap()
     result = FleetSim(cfg, load_profile(STUDY_PROFILE), on_step=gap).run(wl)
-    row = {"max_gap": gap.max_gap, "at_s": gap.at_s, "samples": gap.samples, "bound": vtc_gap_bound(sched, wl),
-           "observed_running_bound": vtc_gap_bound(sched, wl, gap.max_running_per_tenant),
-           "max_running_per_tenant": gap.max_running_per_tenant,
-           "preemptions": sum(r.scheduler.num_preemptions for r in result.replicas)}
-    print(f"vtc: max counter gap among backlogged tenants {row['max_gap']:.0f} (at {row['at_s']:.1f} s, over"
-          f" {row['samples']} steps with >= 2 backlogged); bound {row['bound']:.0f} with max_num_seqs, "
-          f"{row['observed_running_bound']:.0f} with the {row['max_running_per_tenant']} requests one tenant ran at"
-          f" most; preemptions {row['preemptions']}", flush=True)
+    row = {
+        "max_gap": gap.max_gap,
+        "at_s": gap.at_s,
+        "samples": gap.samples,
+        "bound": vtc_gap_bound(sched, wl),
+        "observed_running_bound": vtc_gap_bound(sched, wl, gap.max_running_per_tenant),
+        "max_running_per_tenant": gap.max_running_per_tenant,
+        "preemptions": sum(r.scheduler.num_preemptions for r in result.replicas),
+    }
+    print(
+        f"vtc: max counter gap among backlogged tenants {row['max_gap']:.0f} (at {row['at_s']:.1f} s, over"
+        f" {row['samples']} steps with >= 2 backlogged); bound {row['bound']:.0f} with max_num_seqs, "
+        f"{row['observed_running_bound']:.0f} with the {row['max_running_per_tenant']} requests one tenant ran at"
+        f" most; preemptions {row['preemptions']}",
+        flush=True,
+    )
     return row
 
 
 @dataclass(slots=True)
 class WallAt:
-    """An on_step hook: the wall-clock time at which a run first reaches each of these simulated seconds."""
+    """An on_step hook: the wall-clock time at which a run first reaches each of these simulated
+    seconds."""
 
     at_s: tuple[float, ...]
     walls: list[float] = field(default_factory=list)
@@ -191,13 +266,17 @@ class WallAt:
             self.walls.append(time.perf_counter())
 
 
-def _timed_window(n: int, workload: list[SimRequest], start_s: float, end_s: float) -> tuple[SimResult, float, float]:
+def _timed_window(
+    n: int, workload: list[SimRequest], start_s: float, end_s: float
+) -> tuple[SimResult, float, float]:
     """Run the scale study's fleet of n on workload to a simulated second past end_s (so that a step
     crosses it); returns the result, the wall seconds the run took from start_s to end_s (NaN if
     its fleet went idle before end_s), and in all."""
     marks = WallAt((start_s, end_s))
     t0 = time.perf_counter()
-    result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE), on_step=marks).run(workload, until_s=end_s + 1)
+    result = FleetSim(chat_config(n), load_profile(FLEET_PROFILE), on_step=marks).run(
+        workload, until_s=end_s + 1
+    )
     window = marks.walls[1] - marks.walls[0] if len(marks.walls) == 2 else math.nan
     return result, window, time.perf_counter() - t0
 
@@ -214,22 +293,36 @@ def scale(sizes=(10, 100, 1000), seconds: float = 60.0, warmup_s: float = 120.0)
     """
     cap = capacity(chat_workload, chat_config, overload_rate=2.0)
     rate = cap / 2
-    print(f"scale: a replica's capacity {cap:.3f} req/s; 50% load = {rate:.3f} req/s per replica", flush=True)
+    print(
+        f"scale: a replica's capacity {cap:.3f} req/s; 50% load = {rate:.3f} req/s per replica",
+        flush=True,
+    )
     rows = []
     end_s = warmup_s + seconds
     for n in sizes:
-        result, window_wall, wall = _timed_window(n, chat_workload(n, end_s + 1, rate), warmup_s, end_s)
+        result, window_wall, wall = _timed_window(
+            n, chat_workload(n, end_s + 1, rate), warmup_s, end_s
+        )
         steady = seconds / window_wall
         row = result.summary()
-        row.update(replicas=n, rate_per_replica=rate, sim_per_wall=steady, wall_s=wall,
-                   hour_wall_min=3600 / steady / 60, jumped_steps=result.jumped_steps,
-                   max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
+        row.update(
+            replicas=n,
+            rate_per_replica=rate,
+            sim_per_wall=steady,
+            wall_s=wall,
+            hour_wall_min=3600 / steady / 60,
+            jumped_steps=result.jumped_steps,
+            max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        )
         rows.append(row)
-        print(f"scale {n:5d} replicas: simulated s {warmup_s:.0f}-{end_s:.0f} at {steady:.2f}"
-              f" simulated s per wall s (whole run {end_s + 1:.0f} s in {wall:.1f} s); an hour would"
-              f" take {row['hour_wall_min']:.1f} min; {row['steps']} steps, {result.jumped_steps} jumped;"
-              f" {row['requests']} requests done, TTFT p50/p90 {row['ttft_p50_s']:.2f}/{row['ttft_p90_s']:.2f} s,"
-              f" hit rate {row['hit_rate']:.3f}; max RSS {row['max_rss_gb']:.2f} GB", flush=True)
+        print(
+            f"scale {n:5d} replicas: simulated s {warmup_s:.0f}-{end_s:.0f} at {steady:.2f}"
+            f" simulated s per wall s (whole run {end_s + 1:.0f} s in {wall:.1f} s); an hour would"
+            f" take {row['hour_wall_min']:.1f} min; {row['steps']} steps, {result.jumped_steps} jumped;"
+            f" {row['requests']} requests done, TTFT p50/p90 {row['ttft_p50_s']:.2f}/{row['ttft_p90_s']:.2f} s,"
+            f" hit rate {row['hit_rate']:.3f}; max RSS {row['max_rss_gb']:.2f} GB",
+            flush=True,
+        )
     return rows
 
 
@@ -237,7 +330,9 @@ def scale(sizes=(10, 100, 1000), seconds: float = 60.0, warmup_s: float = 120.0)
 TARGET_US_PER_REPLICA_S = 15 * 60 / 3600 / 1000 * 1e6
 
 
-def scale_floor(sizes=(1000,), running: int = 3, seconds: float = 40.0, warmup_s: float = 10.0) -> list[dict]:
+def scale_floor(
+    sizes=(1000,), running: int = 3, seconds: float = 40.0, warmup_s: float = 10.0
+) -> list[dict]:
     """What a fleet costs per replica and simulated second with no request arriving or finishing.
 
     Each replica decodes `running` long requests (the scale study's replicas run about 3.5 at 50%
@@ -249,48 +344,90 @@ def scale_floor(sizes=(1000,), running: int = 3, seconds: float = 40.0, warmup_s
     rows = []
     end_s = warmup_s + seconds
     for n in sizes:
-        workload = [SimRequest(f"r{i}", i * 1e-5, 128, 1900, tenant=f"t{i % (2 * n)}") for i in range(n * running)]
+        workload = [
+            SimRequest(f"r{i}", i * 1e-5, 128, 1900, tenant=f"t{i % (2 * n)}")
+            for i in range(n * running)
+        ]
         result, window_wall, _ = _timed_window(n, workload, warmup_s, end_s)
         finished = sum(1 for rec in result.records if rec.finish_s is not None)
         counts = sorted({len(r.scheduler.running) for r in result.replicas})
         if finished or counts != [running]:
-            raise ValueError(f"seconds: by simulated second {end_s + 1:.0f} {finished} requests finished and "
-                             f"replicas ran {counts} requests, not {running} each; shorten the window")
+            raise ValueError(
+                f"seconds: by simulated second {end_s + 1:.0f} {finished} requests finished and "
+                f"replicas ran {counts} requests, not {running} each; shorten the window"
+            )
         us = 1e6 * window_wall / (seconds * n)
-        rows.append({"replicas": n, "us_per_replica_s": us, "budget_share": us / TARGET_US_PER_REPLICA_S,
-                     "steps": sum(r.num_steps for r in result.replicas),
-                     "min_replica_steps": min(r.num_steps for r in result.replicas)})
-        print(f"floor {n:5d} replicas, {running} decoding each, no arrivals: simulated s {warmup_s:.0f}-{end_s:.0f}"
-              f" cost {us:.0f} us per replica-second, {us / TARGET_US_PER_REPLICA_S:.0%} of the scale target's"
-              f" {TARGET_US_PER_REPLICA_S:.0f} us", flush=True)
+        rows.append(
+            {
+                "replicas": n,
+                "us_per_replica_s": us,
+                "budget_share": us / TARGET_US_PER_REPLICA_S,
+                "steps": sum(r.num_steps for r in result.replicas),
+                "min_replica_steps": min(r.num_steps for r in result.replicas),
+            }
+        )
+        print(
+            f"floor {n:5d} replicas, {running} decoding each, no arrivals: simulated s {warmup_s:.0f}-{end_s:.0f}"
+            f" cost {us:.0f} us per replica-second, {us / TARGET_US_PER_REPLICA_S:.0%} of the scale target's"
+            f" {TARGET_US_PER_REPLICA_S:.0f} us",
+            flush=True,
+        )
     return rows
 
 
 def decode_heavy(n: int = 100, seconds: float = 120.0) -> list[dict]:
     """Where k-step jumps pay: 256-512-token outputs at ~50% load, with and without coalescing."""
-    wl = synthetic_workload(WorkloadConfig(num_requests=int(0.2 * n * seconds), rate=0.2 * n, tenants=2 * n,
-                                           output_len=(256, 512), seed=0))
+    wl = synthetic_workload(
+        WorkloadConfig(
+            num_requests=int(0.2 * n * seconds),
+            rate=0.2 * n,
+            tenants=2 * n,
+            output_len=(256, 512),
+            seed=0,
+        )
+    )
     rows = []
     for coalesce in (True, False):
-        cfg = SimConfig(num_replicas=n, scheduler=SchedulerConfig(num_gpu_blocks=4096, max_model_len=1024),
-                        routing=RoutingConfig(router_policy="prefix_affinity", seed=0), coalesce=coalesce)
+        cfg = SimConfig(
+            num_replicas=n,
+            scheduler=SchedulerConfig(num_gpu_blocks=4096, max_model_len=1024),
+            routing=RoutingConfig(router_policy="prefix_affinity", seed=0),
+            coalesce=coalesce,
+        )
         t0 = time.perf_counter()
         result = FleetSim(cfg, load_profile(STUDY_PROFILE)).run(wl, until_s=seconds)
         wall = time.perf_counter() - t0
         steps = sum(r.num_steps for r in result.replicas)
-        rows.append({"coalesce": coalesce, "wall_s": wall, "steps": steps, "jumped_steps": result.jumped_steps})
-        print(f"decode-heavy {n} replicas, coalesce {coalesce}: {seconds:.0f} simulated s in {wall:.1f} wall s ="
-              f" {seconds / wall:.2f} sim-s/wall-s; {steps} steps, {result.jumped_steps} jumped", flush=True)
+        rows.append(
+            {
+                "coalesce": coalesce,
+                "wall_s": wall,
+                "steps": steps,
+                "jumped_steps": result.jumped_steps,
+            }
+        )
+        print(
+            f"decode-heavy {n} replicas, coalesce {coalesce}: {seconds:.0f} simulated s in {wall:.1f} wall s ="
+            f" {seconds / wall:.2f} sim-s/wall-s; {steps} steps, {result.jumped_steps} jumped",
+            flush=True,
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sim.studies", description=__doc__)
     parser.add_argument("outdir", nargs="?", default="sim/results")
-    parser.add_argument("sizes", nargs="*", type=int, default=[8, 64, 512], help="routing study fleet sizes")
+    parser.add_argument(
+        "sizes", nargs="*", type=int, default=[8, 64, 512], help="routing study fleet sizes"
+    )
     parser.add_argument("--only", nargs="+", choices=STUDIES, default=list(STUDIES))
     parser.add_argument("--scale-sizes", nargs="+", type=int, default=[10, 100, 1000])
-    parser.add_argument("--scale-seconds", type=float, default=60.0, help="simulated seconds timed, after two minutes")
+    parser.add_argument(
+        "--scale-seconds",
+        type=float,
+        default=60.0,
+        help="simulated seconds timed, after two minutes",
+    )
     a = parser.parse_args(argv)
     target = Path(a.outdir)
     target.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,6 @@
-"""Workloads: synthetic (Poisson/gamma arrivals, tenants with shared system prompts) and JSONL traces."""
+"""Workloads: synthetic (Poisson/gamma arrivals, tenants with shared system prompts) and JSONL
+traces."""
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +33,10 @@ class SimRequest:
         shared = min(self.prefix_len, self.prompt_len) if self.prefix_group else 0
         group = (hash_group(self.prefix_group) % (1 << 20)) << 20
         suffix_base = (index + 1) << 16
-        return [*_shared_prefix(_PREFIX_BASE + group, shared),
-                *range(suffix_base, suffix_base + self.prompt_len - shared)]
+        return [
+            *_shared_prefix(_PREFIX_BASE + group, shared),
+            *range(suffix_base, suffix_base + self.prompt_len - shared),
+        ]
 
 
 @functools.lru_cache(maxsize=8192)
@@ -80,8 +84,11 @@ class WorkloadConfig:
                 raise ValueError(f"{name}: need 1 <= low <= high, got {(lo, hi)}")
         if self.system_prompt_len < 0:
             raise ValueError(f"system_prompt_len: must be >= 0, got {self.system_prompt_len}")
-        if self.tenant_weights and (len(self.tenant_weights) != self.tenants
-                                    or any(not w >= 0 for w in self.tenant_weights) or sum(self.tenant_weights) <= 0):
+        if self.tenant_weights and (
+            len(self.tenant_weights) != self.tenants
+            or any(not w >= 0 for w in self.tenant_weights)
+            or sum(self.tenant_weights) <= 0
+        ):
             raise ValueError("tenant_weights: need one weight >= 0 per tenant, not all zero")
         if self.tenant_priorities and len(self.tenant_priorities) != self.tenants:
             raise ValueError("tenant_priorities: need one priority per tenant")
@@ -101,16 +108,30 @@ def synthetic_workload(cfg: WorkloadConfig) -> list[SimRequest]:
         t += rng.gammavariate(shape, scale)
         k = rng.choices(tenants, cum_weights=cum_weights)[0]
         question = rng.randint(*cfg.question_len)
-        out.append(SimRequest(
-            request_id=f"r{i}", arrival_s=t, prompt_len=cfg.system_prompt_len + question,
-            output_len=rng.randint(*cfg.output_len), prefix_group=f"t{k}" if cfg.system_prompt_len else "",
-            prefix_len=cfg.system_prompt_len, tenant=f"t{k}",
-            priority=cfg.tenant_priorities[k] if cfg.tenant_priorities else 0))
+        out.append(
+            SimRequest(
+                request_id=f"r{i}",
+                arrival_s=t,
+                prompt_len=cfg.system_prompt_len + question,
+                output_len=rng.randint(*cfg.output_len),
+                prefix_group=f"t{k}" if cfg.system_prompt_len else "",
+                prefix_len=cfg.system_prompt_len,
+                tenant=f"t{k}",
+                priority=cfg.tenant_priorities[k] if cfg.tenant_priorities else 0,
+            )
+        )
     return out
 
 
-_TRACE_FIELDS = {"arrival_s": float, "prompt_len": int, "output_len": int, "prefix_group": str,
-                 "prefix_len": int, "tenant": str, "priority": int}
+_TRACE_FIELDS = {
+    "arrival_s": float,
+    "prompt_len": int,
+    "output_len": int,
+    "prefix_group": str,
+    "prefix_len": int,
+    "tenant": str,
+    "priority": int,
+}
 _REQUIRED = ("arrival_s", "prompt_len", "output_len")
 
 
@@ -138,8 +159,14 @@ def _parse_trace_line(line: str, lineno: int, index: int) -> SimRequest:
         kind = _TRACE_FIELDS.get(key)
         if kind is None:
             raise ValueError(f"{where}, field {key!r}: unknown; known: {sorted(_TRACE_FIELDS)}")
-        ok = isinstance(value, str) if kind is str else (
-            not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int))
+        ok = (
+            isinstance(value, str)
+            if kind is str
+            else (
+                not isinstance(value, bool)
+                and isinstance(value, (int, float) if kind is float else int)
+            )
+        )
         if not ok:
             raise ValueError(f"{where}, field {key!r}: expected {kind.__name__}, got {value!r}")
         values[key] = value

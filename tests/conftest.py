@@ -6,11 +6,14 @@
 - llm_factory: LLM instances cached by their arguments for the whole session.
 - ray_cluster: one loopback Ray instance for the whole session (Serve shut down with it); every
   test that needs Ray or Serve uses it, so Ray starts once.
-- tiny_model_dir / long_tiny_model_dir: a random two-layer Llama with SmolLM2's tokenizer and no chat
+- tiny_model_dir / long_tiny_model_dir: a random two-layer Llama with SmolLM2's tokenizer and no
+  chat
   template, with 256 or 4,096 positions.
-- tiny_checkpoint: writes small random Llama / Qwen2 / Qwen3 / Mistral (and one-KV-head Llama) checkpoints
+- tiny_checkpoint: writes small random Llama / Qwen2 / Qwen3 / Mistral (and one-KV-head Llama)
+  checkpoints
   (config.json + safetensors + tokenizer) and returns (directory, Hugging Face model).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +45,14 @@ def ray_cluster() -> str:
     started = not ray.is_initialized()
     if started:
         # Logical CPUs: TP=4 CPU bundles and two Serve apps must fit on the 2-core machine.
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-                 _metrics_export_port=free_port(), _system_config={"metrics_report_interval_ms": 1000})
+        ray.init(
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+            _metrics_export_port=free_port(),
+            _system_config={"metrics_report_interval_ms": 1000},
+        )
     yield ray.get_runtime_context().gcs_address
     if started:
         serve.shutdown()
@@ -53,12 +62,14 @@ def ray_cluster() -> str:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     from workers.model_files import resolve_model
+
     return resolve_model("default")
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
@@ -68,10 +79,12 @@ def hf_smollm2(smollm2_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from workers.model_files import default_model_path
+
     path = default_model_path()
     config = AutoConfig.from_pretrained(smollm2_dir)  # parsing GGUF metadata again costs seconds
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -79,6 +92,7 @@ def hf_smollm2(smollm2_dir):
 def llm_factory():
     """make(**kwargs) -> LLM, one instance per distinct kwargs for the whole session."""
     from engine.llm import LLM
+
     built: dict[tuple, LLM] = {}
 
     def make(**kwargs) -> LLM:
@@ -97,7 +111,8 @@ def llm_factory():
 
 
 def _write_tiny_llama(out, max_positions: int) -> str:
-    """A random 2-layer Llama with SmolLM2's tokenizer, minus its chat template (the fallback applies)."""
+    """A random 2-layer Llama with SmolLM2's tokenizer, minus its chat template (the fallback
+    applies)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -106,10 +121,18 @@ def _write_tiny_llama(out, max_positions: int) -> str:
     tokenizer = load_tokenizer("default")
     tokenizer.chat_template = None
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return str(out)
@@ -132,20 +155,41 @@ def smollm2_llm(llm_factory):
     return llm_factory(model="default", dtype="float32")
 
 
-TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 TINY_FAMILIES = {
     # Llama 3 with llama3 rope scaling, untied head, bias-free.
-    "llama": ("LlamaConfig", dict(rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, tie_word_embeddings=False)),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
     # Qwen2: qkv bias, tied embeddings; saved in shards with an index.
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     # Qwen3: q/k RMSNorm, head_dim not hidden/heads.
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(sliding_window=None, head_dim=16, tie_word_embeddings=False)),
     # One KV head: tensor parallelism must replicate it.
-    "llama_mqa": ("LlamaConfig", dict(num_key_value_heads=1, attention_bias=True, tie_word_embeddings=False)),
+    "llama_mqa": (
+        "LlamaConfig",
+        dict(num_key_value_heads=1, attention_bias=True, tie_word_embeddings=False),
+    ),
 }
 
 
@@ -154,6 +198,7 @@ def tiny_checkpoint(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     """family -> (checkpoint directory, the Hugging Face model it was saved from)."""
     import transformers
     from transformers import AutoModelForCausalLM
+
     made: dict[str, tuple[str, torch.nn.Module]] = {}
 
     def make(family: str) -> tuple[str, torch.nn.Module]:
@@ -161,7 +206,11 @@ def tiny_checkpoint(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
             return made[family]
         config_cls, extra = TINY_FAMILIES[family]
         config = getattr(transformers, config_cls)(
-            vocab_size=len(smollm2_tokenizer), bos_token_id=1, eos_token_id=2, **{**TINY_COMMON, **extra})
+            vocab_size=len(smollm2_tokenizer),
+            bos_token_id=1,
+            eos_token_id=2,
+            **{**TINY_COMMON, **extra},
+        )
         torch.manual_seed(sum(map(ord, family)))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         with torch.no_grad():

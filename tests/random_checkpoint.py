@@ -4,6 +4,7 @@ The GPU machine has no hub access and no room for real weights, so the CUDA test
 bench/gpu_bench.py write config.json + safetensors + a word-level tokenizer that covers the whole
 vocabulary (every id decodes) into a directory, then load it through the normal code paths.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,23 +12,65 @@ from dataclasses import dataclass
 
 import torch
 
-# Published shapes (random weights): Llama 3.2 1B (GQA 32/8), Qwen3 0.6B (q/k norm, head_dim 128), SmolLM2-135M.
+# Published shapes (random weights): Llama 3.2 1B (GQA 32/8), Qwen3 0.6B (q/k norm, head_dim 128),
+# SmolLM2-135M.
 SHAPES: dict[str, tuple[str, dict]] = {
-    "llama3-1b": ("LlamaConfig", dict(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
-    "qwen3-0.6b": ("Qwen3Config", dict(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "llama3-1b": (
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+    "qwen3-0.6b": (
+        "Qwen3Config",
+        dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
     # SmolLM2-135M (the embedded default model): what `sim calibrate --random-shape` times on a GPU.
-    "smollm2-135m": ("LlamaConfig", dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+    "smollm2-135m": (
+        "LlamaConfig",
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        ),
+    ),
 }
 EOS_ID = 2
 
@@ -41,7 +84,9 @@ class RandomCheckpoint:
     vocab_size: int
 
 
-def write_random_checkpoint(shape: str, path: str, seed: int = 0, logit_scale: float = 4.0) -> RandomCheckpoint:
+def write_random_checkpoint(
+    shape: str, path: str, seed: int = 0, logit_scale: float = 4.0
+) -> RandomCheckpoint:
     """Write the `shape` model with random weights (bf16 on disk) and a tokenizer into `path`.
 
     Default initialisation gives nearly flat logits; the LM head is rescaled so that logits have
@@ -59,7 +104,7 @@ def write_random_checkpoint(shape: str, path: str, seed: int = 0, logit_scale: f
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         head = model.get_output_embeddings().weight
-        head.normal_(0.0, logit_scale / config.hidden_size ** 0.5)
+        head.normal_(0.0, logit_scale / config.hidden_size**0.5)
     model.save_pretrained(path)
     write_word_tokenizer(path, config.vocab_size)
     del model
@@ -77,12 +122,16 @@ def write_word_tokenizer(path: str, vocab_size: int) -> None:
     vocab.update({f"w{i}": i for i in range(3, vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
     fast.save_pretrained(path)
     os.makedirs(path, exist_ok=True)
 
 
-def random_prompts(num: int, vocab_size: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(
+    num: int, vocab_size: int, min_len: int, max_len: int, seed: int = 0
+) -> list[list[int]]:
     """`num` prompts of random token ids (specials excluded), lengths uniform in [min_len, max_len]."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()

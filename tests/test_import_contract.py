@@ -4,6 +4,7 @@ Every package is Ray-free or a Ray adapter, and imports point down the table of
 docs/architecture.md. Every import counts, including those inside functions (a lazy `import ray`
 in a Ray-free package is still a dependency on Ray).
 """
+
 from __future__ import annotations
 
 import ast
@@ -63,7 +64,9 @@ def test_each_package_imports_only_what_the_contract_allows(package):
             if name in PROJECT and name not in allowed:
                 problems.append(f"{path.relative_to(ROOT)} imports {name}")
             if name in never:
-                problems.append(f"{path.relative_to(ROOT)} imports {name}, which {package}/ must not")
+                problems.append(
+                    f"{path.relative_to(ROOT)} imports {name}, which {package}/ must not"
+                )
     assert not problems, "\n".join(problems)
 
 
@@ -79,7 +82,9 @@ def test_every_package_is_either_ray_free_or_a_ray_adapter():
 
 def test_the_contract_names_every_package_of_the_project():
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
-    assert packages == set(MAY_IMPORT), "a new package needs its line in MAY_IMPORT (and docs/architecture.md)"
+    assert packages == set(MAY_IMPORT), (
+        "a new package needs its line in MAY_IMPORT (and docs/architecture.md)"
+    )
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):

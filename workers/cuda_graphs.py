@@ -5,6 +5,7 @@ and a graph replays all of the forward's kernels with one launch. Prefill and mi
 in shape and stay eager. Rows past the real batch write and read a reserved pad block, so they
 never touch a request's KV.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,14 +32,24 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode forwards of `model` and the buffers they read, filled before each replay."""
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, pad_block: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        pad_block: int,
+        device: torch.device,
+    ) -> None:
         self.model, self.backend = model, backend
         self.sizes = capture_sizes(max_num_seqs)
         self.block_size, self.pad_block = block_size, pad_block
         n = self.sizes[-1]
-        # Device buffers the graphs read: token ids, positions and cache slots (int64, one row each),
-        # then sequence lengths and block tables (int32, contiguous, as the attention kernel takes them).
+        # Device buffers the graphs read: token ids, positions and cache slots (int64, one row
+        # each),
+        # then sequence lengths and block tables (int32, contiguous, as the attention kernel takes
+        # them).
         self.longs = torch.zeros((3, n), dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
@@ -68,9 +79,15 @@ class DecodeGraphs:
 
     def _meta(self, size: int) -> AttentionMetadata:
         meta = AttentionMetadata(
-            slot_mapping=self.longs[2, :size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], num_decodes=size,
-            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size, block_size=self.block_size)
+            slot_mapping=self.longs[2, :size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            num_decodes=size,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[1] * size,
+            block_size=self.block_size,
+        )
         self.backend.prepare(meta)
         return meta
 
@@ -84,7 +101,9 @@ class DecodeGraphs:
             ids, positions = self.longs[0, :size], self.longs[1, :size]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compiles kernels and sets up handles outside the capture
+            with torch.cuda.stream(
+                side
+            ):  # compiles kernels and sets up handles outside the capture
                 for _ in range(2):
                     self.model(ids, positions, meta)
             torch.cuda.current_stream().wait_stream(side)
@@ -93,13 +112,20 @@ class DecodeGraphs:
                 self.outputs[size] = self.model(ids, positions, meta)
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], time.perf_counter() - t0)
+        logger.info(
+            "captured %d decode CUDA graphs (batch %d..%d) in %.1fs",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - t0,
+        )
 
     def padded_size(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)
 
-    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(
+        self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
         """Hidden states [len(input_ids), H] of one decode token per request at its position."""
         n = len(input_ids)
         size = self.padded_size(n)
@@ -111,7 +137,8 @@ class DecodeGraphs:
         self.host_seq_lens[:n] = torch.tensor(positions, dtype=torch.int32) + 1
         self.host_tables[:n, :width] = tables
         self._pad_rows(n, size)
-        # Entries past a row's own blocks may be stale: the kernel reads only ceil(seq_len / bs) of them.
+        # Entries past a row's own blocks may be stale: the kernel reads only ceil(seq_len / bs) of
+        # them.
         self.longs[:, :size].copy_(self.host_longs[:, :size], non_blocking=True)
         self.seq_lens[:size].copy_(self.host_seq_lens[:size], non_blocking=True)
         self.block_tables[:size, :width].copy_(self.host_tables[:size, :width], non_blocking=True)

@@ -3,6 +3,7 @@
 The backend follows from the device, so the CUDA path is the CPU path with another backend:
 the same rendezvous (tcp://host:port), the same group, the same collectives in workers.parallel.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(rank: int, world_size: int, address: str, device: str,
-                     timeout_s: float = 300.0) -> None:
+def init_distributed(
+    rank: int, world_size: int, address: str, device: str, timeout_s: float = 300.0
+) -> None:
     """Join the process group of world_size ranks rendezvousing at address ("host:port").
 
     Every rank must call this at about the same time. At world size 1 a real group is created too,
@@ -51,8 +53,13 @@ def init_distributed(rank: int, world_size: int, address: str, device: str,
     if backend == "nccl":
         # Ray exposes one GPU per worker actor; it is device 0 of the visible set.
         torch.cuda.set_device(torch.device(device).index or 0)
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
     init_tensor_parallel(rank, world_size, dist.group.WORLD)
     logger.info("rank %d/%d joined the %s group at %s", rank, world_size, backend, address)
 

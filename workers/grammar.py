@@ -3,6 +3,7 @@
 Both the ingress (to answer a bad schema with a 400 before anything is queued) and the worker
 (to compile it against the tokenizer) come through here, so they agree on what a constraint means.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
 # llguidance meters its own work in "fuel"; these caps make a hostile grammar fail fast inside
 # the library instead of running on in a thread that the time limit can only abandon.
-LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=5_000_000, max_grammar_size=500_000,
-                                   verbose_errors=False)
+LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=5_000_000, max_grammar_size=500_000, verbose_errors=False
+)
 
 T = TypeVar("T")
 
@@ -44,15 +46,19 @@ def to_grammar(constraint: StructuredOutput) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec)
 
 
-def check_constraint(constraint: StructuredOutput, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> str:
+def check_constraint(
+    constraint: StructuredOutput, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+) -> str:
     """The grammar text of a valid constraint; ValueError naming the field when it is invalid,
     uses an unsupported keyword, or takes longer than timeout_s to check."""
+
     def check() -> str:
         grammar = to_grammar(constraint)
         error = llguidance.LLMatcher.validate_grammar(grammar, limits=LIMITS)
         if error:
             raise ValueError(f"{constraint.field_name}: {first_line(error)}")
         return grammar
+
     return run_with_timeout(check, timeout_s, constraint.field_name)
 
 
@@ -71,5 +77,5 @@ def run_with_timeout(fn: Callable[[], T], timeout_s: float, field_name: str) -> 
         raise ValueError(f"{field_name}: took longer than {timeout_s:g}s to compile") from None
     except ValueError:
         raise
-    except Exception as exc:  # noqa: BLE001 - llguidance reports bad grammars as plain exceptions
+    except Exception as exc:
         raise ValueError(f"{field_name}: {first_line(str(exc))}") from None

@@ -3,6 +3,7 @@
 Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V. A CPU pool of
 the same layout holds swapped-out blocks (pinned on CUDA so copies can overlap).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,33 +42,50 @@ class KVCacheSpec:
         return cls(len(layers), layers[0].num_kv_heads, layers[0].head_dim, block_size, dtype)
 
     @classmethod
-    def from_hf_config(cls, config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVCacheSpec:
-        """One rank's spec, from the model config (KV heads are replicated when tp_size > their count)."""
+    def from_hf_config(
+        cls, config, block_size: int, dtype: torch.dtype, tp_size: int = 1
+    ) -> KVCacheSpec:
+        """One rank's spec, from the model config (KV heads are replicated when tp_size > their
+        count)."""
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, max(kv_heads // tp_size, 1), head_dim, block_size, dtype)
+        return cls(
+            config.num_hidden_layers, max(kv_heads // tp_size, 1), head_dim, block_size, dtype
+        )
 
 
 class KVCache:
     """Owns the device and CPU pools and binds the device pool to the model's attention layers."""
 
-    def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device
+    ) -> None:
         if num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks: must be >= 1, got {num_gpu_blocks}")
         if num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks: must be >= 0, got {num_cpu_blocks}")
         self.spec = spec
-        shape = (spec.num_layers, 2, num_gpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (
+            spec.num_layers,
+            2,
+            num_gpu_blocks,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
         # One allocation; zeros so padded block-table entries read finite values.
         self.gpu = torch.zeros(shape, dtype=spec.dtype, device=device)
         pin = device.type == "cuda"
         cpu_shape = (spec.num_layers, 2, num_cpu_blocks, *shape[3:])
         self.cpu = torch.zeros(cpu_shape, dtype=spec.dtype, device="cpu", pin_memory=pin)
-        logger.info("KV cache: %d device blocks (%.2f GiB), %d CPU blocks (%.2f GiB)",
-                    num_gpu_blocks, num_gpu_blocks * spec.block_bytes / GiB,
-                    num_cpu_blocks, num_cpu_blocks * spec.block_bytes / GiB)
+        logger.info(
+            "KV cache: %d device blocks (%.2f GiB), %d CPU blocks (%.2f GiB)",
+            num_gpu_blocks,
+            num_gpu_blocks * spec.block_bytes / GiB,
+            num_cpu_blocks,
+            num_cpu_blocks * spec.block_bytes / GiB,
+        )
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -98,8 +116,10 @@ class KVCache:
     def _ids(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         for g, c in pairs:
             if not (0 <= g < self.num_gpu_blocks and 0 <= c < self.num_cpu_blocks):
-                raise ValueError(f"blocks_to_swap: pair ({g}, {c}) is outside the pools "
-                                 f"({self.num_gpu_blocks} device, {self.num_cpu_blocks} CPU blocks)")
+                raise ValueError(
+                    f"blocks_to_swap: pair ({g}, {c}) is outside the pools "
+                    f"({self.num_gpu_blocks} device, {self.num_cpu_blocks} CPU blocks)"
+                )
         ids = torch.tensor(pairs, dtype=torch.long)
         return ids[:, 0], ids[:, 1]
 
@@ -119,6 +139,10 @@ def cuda_num_blocks(spec: KVCacheSpec, device: torch.device, gpu_memory_utilizat
     # Memory used by other processes on the same GPU is not ours to take.
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     budget = total * gpu_memory_utilization - peak - max(used_by_others, 0)
-    logger.info("CUDA memory: total %.2f GiB, peak of profiling run %.2f GiB, KV budget %.2f GiB",
-                total / GiB, peak / GiB, budget / GiB)
+    logger.info(
+        "CUDA memory: total %.2f GiB, peak of profiling run %.2f GiB, KV budget %.2f GiB",
+        total / GiB,
+        peak / GiB,
+        budget / GiB,
+    )
     return spec.blocks_in(budget)

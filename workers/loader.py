@@ -1,4 +1,6 @@
-"""Load a model's weights per rank from an HF directory (workers.model_files finds and converts models)."""
+"""Load a model's weights per rank from an HF directory (workers.model_files finds and converts
+models)."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +46,9 @@ class CheckpointTensor:
         return self._slice[tuple(index)]
 
 
-def iterate_weights(model_dir: str, progress: bool = True,
-                    lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
+def iterate_weights(
+    model_dir: str, progress: bool = True, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
     """(name, tensor) pairs of every checkpoint tensor, with a progress bar over tensors.
 
     lazy=True yields CheckpointTensors, so each tensor-parallel rank reads only its own slices.
@@ -60,8 +63,14 @@ def iterate_weights(model_dir: str, progress: bool = True,
                 bar.update(1)
 
 
-def load_model(model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               max_model_len: int | None = None, progress: bool = True) -> torch.nn.Module:
+def load_model(
+    model_dir: str,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None = None,
+    progress: bool = True,
+) -> torch.nn.Module:
     """Build the model for config on device in dtype and load this rank's weight shards."""
     cls = model_class(config)
     previous = torch.get_default_dtype()

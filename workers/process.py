@@ -1,4 +1,6 @@
-"""Process-wide scheduling priority of an engine or ingress process (no torch: the ingress uses it too)."""
+"""Process-wide scheduling priority of an engine or ingress process (no torch: the ingress uses it
+too)."""
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +32,10 @@ def set_niceness(nice: int) -> None:
         except ProcessLookupError:  # the thread ended meanwhile
             continue
         except PermissionError:
-            logger.warning("process_niceness: cannot set nice %d (needs CAP_SYS_NICE); the process stays at %d",
-                           nice, os.getpriority(os.PRIO_PROCESS, 0))
+            logger.warning(
+                "process_niceness: cannot set nice %d (needs CAP_SYS_NICE); the process stays at %d",
+                nice,
+                os.getpriority(os.PRIO_PROCESS, 0),
+            )
             return
     logger.info("process niceness set to %d (%d threads)", nice, len(thread_ids))

@@ -3,6 +3,7 @@
 It only ever sees SchedulerOutput and answers with ModelRunnerOutput, so the same object runs
 in-process or inside a Ray worker (one per tensor-parallel rank; only rank 0 samples).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -37,7 +38,9 @@ class RunnerConfig:
     Derived by engine.config.EngineConfig.runner_config, where each setting is declared.
     """
 
-    model_dir: str  # an HF directory (GGUF files are converted by workers.model_files.resolve_model)
+    model_dir: (
+        str  # an HF directory (GGUF files are converted by workers.model_files.resolve_model)
+    )
     dtype: str
     device: str  # "cpu" or "cuda" / "cuda:N"
     block_size: int
@@ -63,7 +66,9 @@ class RequestState:
     """What the runner holds per request between steps."""
 
     token_ids: list[int]  # prompt followed by the outputs the scheduler has sent back
-    block_ids: list[int]  # grows by appends; replaced (resumption) only with num_synced_blocks reset
+    block_ids: list[
+        int
+    ]  # grows by appends; replaced (resumption) only with num_synced_blocks reset
     num_computed_tokens: int
     sampling: SamplingState
     table_row: int = -1  # its row of BlockTableRows, once it has run
@@ -100,11 +105,15 @@ class BlockTableRows:
             self.table[state.table_row].zero_()  # padding reads block 0, as padded lists did
         blocks, done = state.block_ids, state.num_synced_blocks
         if len(blocks) > self.table.shape[1]:
-            raise ValueError(f"block_ids: {rid!r} has {len(blocks)} blocks, more than max_model_len allows")
+            raise ValueError(
+                f"block_ids: {rid!r} has {len(blocks)} blocks, more than max_model_len allows"
+            )
         if len(blocks) < done:  # replaced without a reset: rewrite the whole row
             done = 0
         if len(blocks) > done:
-            self.table[state.table_row, done:len(blocks)] = torch.tensor(blocks[done:], dtype=torch.int32)
+            self.table[state.table_row, done : len(blocks)] = torch.tensor(
+                blocks[done:], dtype=torch.int32
+            )
             state.num_synced_blocks = len(blocks)
         return state.table_row
 
@@ -114,7 +123,8 @@ class BlockTableRows:
             state.table_row = -1
 
     def select(self, rows: list[int], width: int) -> torch.Tensor:
-        """[len(rows), width] copy of those rows' first `width` entries. Past a row's own blocks: 0 or
+        """[len(rows), width] copy of those rows' first `width` entries. Past a row's own blocks: 0
+        or
         blocks it held before a preemption; readers stop at ceil(seq_len / block_size) or mask."""
         return self.table[:, :width].index_select(0, torch.tensor(rows, dtype=torch.long))
 
@@ -154,8 +164,14 @@ class ModelRunner:
                 torch.set_num_threads(config.cpu_threads)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        self.model = load_model(config.model_dir, hf_config, self.dtype, self.device,
-                                config.max_model_len, progress=config.load_progress)
+        self.model = load_model(
+            config.model_dir,
+            hf_config,
+            self.dtype,
+            self.device,
+            config.max_model_len,
+            progress=config.load_progress,
+        )
         logger.info("model loaded in %.1fs", time.perf_counter() - t0)
         self.layers = self.model.attention_layers()
         self.backend = select_backend(self.device, config.attention_backend, self.dtype)
@@ -166,12 +182,19 @@ class ModelRunner:
         self.sampler = Sampler()
         self.is_driver = get_tp_rank() == 0
         self.requests: dict[str, RequestState] = {}
-        self.block_tables = BlockTableRows(-(-config.max_model_len // config.block_size), config.max_num_seqs)
+        self.block_tables = BlockTableRows(
+            -(-config.max_model_len // config.block_size), config.max_num_seqs
+        )
         self.structured: StructuredDecoding | None = None  # built at the first constrained request
         self._vocab_size = int(hf_config.vocab_size)
-        # Graphs capture collectives too, but TP > 1 over NCCL has not run on a multi-GPU machine yet.
-        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and get_tp_world_size() == 1
-                           and self.backend.supports_cuda_graphs)
+        # Graphs capture collectives too, but TP > 1 over NCCL has not run on a multi-GPU machine
+        # yet.
+        self.use_graphs = (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and get_tp_world_size() == 1
+            and self.backend.supports_cuda_graphs
+        )
         self.graphs: DecodeGraphs | None = None
 
     # ---- KV cache ------------------------------------------------------------------------------
@@ -214,14 +237,22 @@ class ModelRunner:
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate the pools, bind them to the attention layers, and capture the decode graphs."""
-        pad = 1 if self.use_graphs else 0  # a block past the scheduler's pool, for padded graph rows
+        pad = (
+            1 if self.use_graphs else 0
+        )  # a block past the scheduler's pool, for padded graph rows
         self.kv_cache = KVCache(self.kv_spec, num_gpu_blocks + pad, num_cpu_blocks, self.device)
         self.kv_cache.bind(self.layers)
         if self.use_graphs:
             cfg = self.config
-            self.graphs = DecodeGraphs(self.model, self.backend, cfg.max_num_seqs,
-                                       -(-cfg.max_model_len // cfg.block_size), cfg.block_size,
-                                       pad_block=num_gpu_blocks, device=self.device)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                cfg.max_num_seqs,
+                -(-cfg.max_model_len // cfg.block_size),
+                cfg.block_size,
+                pad_block=num_gpu_blocks,
+                device=self.device,
+            )
             self.graphs.capture()
 
     # ---- one step ------------------------------------------------------------------------------
@@ -260,28 +291,36 @@ class ModelRunner:
                 state.block_ids, state.num_synced_blocks = [], 0
         for new in out.scheduled_new_reqs:
             try:
-                sampling = SamplingState.create(new.sampling_params, new.prompt_token_ids, self.device,
-                                                new.output_token_ids)
+                sampling = SamplingState.create(
+                    new.sampling_params, new.prompt_token_ids, self.device, new.output_token_ids
+                )
                 self._start_constraint(new.req_id, new.sampling_params)
-            except Exception as exc:  # noqa: BLE001 - this request's inputs fail it alone
+            except Exception as exc:
                 logger.warning("request %s failed to start: %r", new.req_id, exc)
                 failed[new.req_id] = f"sampling state: {exc!r}"
                 continue
             if new.req_id in requests:  # sent again in full: its old state's table row is free
                 self.block_tables.release(requests[new.req_id])
-            requests[new.req_id] = RequestState(list(new.prompt_token_ids) + list(new.output_token_ids),
-                                                list(new.block_ids),
-                                                new.num_computed_tokens, sampling)
+            requests[new.req_id] = RequestState(
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                sampling,
+            )
         cached = out.scheduled_cached_reqs
         for rid, resumed, tokens, blocks, computed in zip(
-                cached.req_ids, cached.resumed, cached.new_token_ids, cached.new_block_ids,
-                cached.num_computed_tokens):
+            cached.req_ids,
+            cached.resumed,
+            cached.new_token_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+        ):
             state = requests[rid]
             if tokens:
                 state.token_ids.extend(tokens)
                 num_prompt = len(state.sampling.prompt_token_ids)
                 outputs = state.sampling.output_token_ids
-                outputs.extend(state.token_ids[num_prompt + len(outputs):])
+                outputs.extend(state.token_ids[num_prompt + len(outputs) :])
             if resumed:
                 state.block_ids, state.num_synced_blocks = list(blocks), 0
             else:
@@ -303,11 +342,13 @@ class ModelRunner:
     def _add_to_batch(self, batch: _Batch, rid: str, state: RequestState, n: int) -> None:
         start = state.num_computed_tokens
         if start + n > len(state.token_ids):
-            raise ValueError(f"num_scheduled_tokens: {rid!r} scheduled past its {len(state.token_ids)} tokens")
+            raise ValueError(
+                f"num_scheduled_tokens: {rid!r} scheduled past its {len(state.token_ids)} tokens"
+            )
         if start + n == len(state.token_ids):
             batch.sample_rows.append(len(batch.req_ids))
         batch.req_ids.append(rid)
-        batch.input_ids.extend(state.token_ids[start:start + n])
+        batch.input_ids.extend(state.token_ids[start : start + n])
         batch.starts.append(start)
         batch.query_lens.append(n)
 
@@ -326,8 +367,9 @@ class ModelRunner:
         bs = self.config.block_size
         rows = [self.block_tables.sync(rid, self.requests[rid]) for rid in batch.req_ids]
         width = -(-max(s + n for s, n in zip(batch.starts, batch.query_lens)) // bs)
-        meta, positions = AttentionMetadata.from_tables(batch.starts, batch.query_lens,
-                                                        self.block_tables.select(rows, width), bs, dev)
+        meta, positions = AttentionMetadata.from_tables(
+            batch.starts, batch.query_lens, self.block_tables.select(rows, width), bs, dev
+        )
         self.backend.prepare(meta)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model(input_ids, positions, meta)
@@ -337,7 +379,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
 
     def _start_constraint(self, req_id: str, params: SamplingParams) -> None:
-        """A new (or resumed) constrained request gets a fresh matcher; only the sampling rank masks."""
+        """A new (or resumed) constrained request gets a fresh matcher; only the sampling rank
+        masks."""
         if params.structured is None or not self.is_driver:
             return
         if self.structured is None:
@@ -350,10 +393,13 @@ class ModelRunner:
         if self.structured is None or not self.is_driver or not batch.sample_rows:
             return None
         rids = [batch.req_ids[i] for i in batch.sample_rows]
-        return self.structured.start_masks(rids, [self.requests[r].sampling.output_token_ids for r in rids])
+        return self.structured.start_masks(
+            rids, [self.requests[r].sampling.output_token_ids for r in rids]
+        )
 
-    def _sample(self, batch: _Batch, logits: torch.Tensor | None,
-                masks: PendingMasks | None = None) -> ModelRunnerOutput:
+    def _sample(
+        self, batch: _Batch, logits: torch.Tensor | None, masks: PendingMasks | None = None
+    ) -> ModelRunnerOutput:
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list | None = None
         if not self.is_driver or not batch.sample_rows:
@@ -365,7 +411,7 @@ class ModelRunner:
             failed.update(masks.failed)
         try:
             results = [(batch.sample_rows, self.sampler.sample(logits.float(), states))]
-        except Exception:  # noqa: BLE001 - find the rows at fault; the others still get their tokens
+        except Exception:
             results = self._sample_rows_alone(batch, logits, states, failed)
         for rows, result in results:
             for row, token in zip(rows, result.token_ids):
@@ -376,14 +422,19 @@ class ModelRunner:
                     logprobs[row] = [lp] if lp is not None else None
         return ModelRunnerOutput(batch.req_ids, sampled, logprobs, failed)
 
-    def _sample_rows_alone(self, batch: _Batch, logits: torch.Tensor, states: list[SamplingState],
-                           failed: dict[str, str]) -> list[tuple[list[int], SamplerOutput]]:
+    def _sample_rows_alone(
+        self,
+        batch: _Batch,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        failed: dict[str, str],
+    ) -> list[tuple[list[int], SamplerOutput]]:
         """After a failed batched draw: each row on its own, so one request's fault fails it alone."""
         results = []
         for i, (row, state) in enumerate(zip(batch.sample_rows, states)):
             try:
-                results.append(([row], self.sampler.sample(logits[i:i + 1].float(), [state])))
-            except Exception as exc:  # noqa: BLE001
+                results.append(([row], self.sampler.sample(logits[i : i + 1].float(), [state])))
+            except Exception as exc:
                 rid = batch.req_ids[row]
                 logger.warning("request %s failed in the sampler: %r", rid, exc)
                 failed[rid] = f"sampler: {exc!r}"

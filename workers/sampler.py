@@ -4,6 +4,7 @@ One call handles a whole batch with tensor ops; the only Python loop over rows i
 of requests that carry their own seed. Draws use the exponential race (argmax of p / E with
 E ~ Exp(1)), which samples exactly from p and lets each seeded row own its noise.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,9 +37,15 @@ class SamplingState:
     num_counted: int = 0  # outputs already folded into `seen`
 
     @classmethod
-    def create(cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device,
-               output_token_ids: list[int] | None = None) -> SamplingState:
-        """Fresh state (a resumed request brings its earlier outputs); a seeded one gets a generator."""
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        device: torch.device,
+        output_token_ids: list[int] | None = None,
+    ) -> SamplingState:
+        """Fresh state (a resumed request brings its earlier outputs); a seeded one gets a
+        generator."""
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device)
@@ -48,16 +55,23 @@ class SamplingState:
     @property
     def has_penalties(self) -> bool:
         p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        return (
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        )
 
     def seen_tokens(self) -> dict[int, int]:
-        """`seen`, brought up to date with output_token_ids (rebuilt if that list was replaced by a shorter one)."""
+        """`seen`, brought up to date with output_token_ids (rebuilt if that list was replaced by a
+        shorter one)."""
         outputs = self.output_token_ids
         if self.seen is None or len(outputs) < self.num_counted:
-            self.seen = dict.fromkeys(self.prompt_token_ids, 0) if self.params.repetition_penalty != 1.0 else {}
+            self.seen = (
+                dict.fromkeys(self.prompt_token_ids, 0)
+                if self.params.repetition_penalty != 1.0
+                else {}
+            )
             self.num_counted = 0
         seen = self.seen
-        for token in outputs[self.num_counted:]:
+        for token in outputs[self.num_counted :]:
             seen[token] = seen.get(token, 0) + 1
         self.num_counted = len(outputs)
         return seen
@@ -71,9 +85,15 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None
 
 
-def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
-                    output_counts: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    token_ids: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
     """Penalise the (rows[i], token_ids[i]) entries: each row's seen tokens (unique per row), with
     output_counts[i] the times that token was generated (0: prompt only). Repetition penalty
     (CTRL: positive logits divided, negative multiplied), then OpenAI presence / frequency
@@ -93,7 +113,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Keep each row's k best tokens (k >= vocab: all), then the smallest best-first set whose
     probability reaches top_p (top_p > 1: all). Ties are broken by token id."""
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
@@ -102,11 +124,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before >= top_p[:, None]
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.empty_like(logits).scatter_(
+        1, order, sorted_logits.masked_fill(drop, float("-inf"))
+    )
 
 
 def apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Add each row's logit_bias (token id -> bias) in one scatter over the whole batch. Out of place."""
+    """Add each row's logit_bias (token id -> bias) in one scatter over the whole batch. Out of
+    place."""
     rows, cols, values = [], [], []
     for row, state in enumerate(states):
         for token, bias in state.params.logit_bias.items():
@@ -114,8 +139,9 @@ def apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> torch
             cols.append(token)
             values.append(bias)
     index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=logits.device),
-                            accumulate=True)
+    return logits.index_put(
+        index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True
+    )
 
 
 class Sampler:
@@ -124,7 +150,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         """logits: [B, V] on any device, one row per state (row i belongs to states[i])."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
-            raise ValueError(f"logits: expected shape [{len(states)}, V], got {tuple(logits.shape)}")
+            raise ValueError(
+                f"logits: expected shape [{len(states)}, V], got {tuple(logits.shape)}"
+            )
         if not states:
             return SamplerOutput([], None)
         logits = logits.float()
@@ -138,12 +166,16 @@ class Sampler:
         if any(s.has_penalties for s in states):
             logits = _penalise(logits, states)
         token_ids = _pick(logits, states)
-        logprobs = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, token_ids, states)
+        logprobs = (
+            None if raw_logprobs is None else _gather_logprobs(raw_logprobs, token_ids, states)
+        )
         return SamplerOutput(token_ids.tolist(), logprobs)
 
 
 def _param_tensor(states: list[SamplingState], name: str, device: torch.device) -> torch.Tensor:
-    return torch.tensor([getattr(s.params, name) for s in states], dtype=torch.float32, device=device)
+    return torch.tensor(
+        [getattr(s.params, name) for s in states], dtype=torch.float32, device=device
+    )
 
 
 def _penalise(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -152,11 +184,18 @@ def _penalise(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor
     lengths = torch.tensor([len(d) for d in seen], device=device)
     rows = torch.repeat_interleave(torch.arange(len(states), device=device), lengths)
     token_ids = torch.tensor(list(chain.from_iterable(seen)), dtype=torch.long, device=device)
-    counts = torch.tensor(list(chain.from_iterable(d.values() for d in seen)), dtype=logits.dtype, device=device)
-    return apply_penalties(logits, rows, token_ids, counts,
-                           _param_tensor(states, "repetition_penalty", device),
-                           _param_tensor(states, "presence_penalty", device),
-                           _param_tensor(states, "frequency_penalty", device))
+    counts = torch.tensor(
+        list(chain.from_iterable(d.values() for d in seen)), dtype=logits.dtype, device=device
+    )
+    return apply_penalties(
+        logits,
+        rows,
+        token_ids,
+        counts,
+        _param_tensor(states, "repetition_penalty", device),
+        _param_tensor(states, "presence_penalty", device),
+        _param_tensor(states, "frequency_penalty", device),
+    )
 
 
 def _pick(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -180,11 +219,13 @@ def _draw(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     if any(s.params.min_p > 0.0 for s in states):
         logits = apply_min_p(logits, _param_tensor(states, "min_p", device))
     if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in states):
-        top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in states],
-                             device=device)
+        top_k = torch.tensor(
+            [s.params.top_k if s.params.top_k > 0 else vocab for s in states], device=device
+        )
         # p = 1 disables the filter; rounding in the cumulative sum must not trim the tail.
-        top_p = torch.tensor([s.params.top_p if s.params.top_p < 1.0 else 2.0 for s in states],
-                             device=device)
+        top_p = torch.tensor(
+            [s.params.top_p if s.params.top_p < 1.0 else 2.0 for s in states], device=device
+        )
         logits = apply_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
     return probs.div_(_exponential_noise(probs, states)).argmax(dim=-1)
@@ -219,8 +260,9 @@ def _exponential_noise(probs: torch.Tensor, states: list[SamplingState]) -> torc
     return noise.clamp_min_(_MIN_NOISE)
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
-                     states: list[SamplingState]) -> list[TokenLogprobs | None]:
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState]
+) -> list[TokenLogprobs | None]:
     """Sampled token first, then the top-N of the raw (unpenalised, untempered) distribution."""
     sampled = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     ids = token_ids.tolist()

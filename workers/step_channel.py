@@ -1,4 +1,5 @@
-"""The step channel: each step's pickled SchedulerOutput to every TP rank over one TCP connection per
+"""The step channel: each step's pickled SchedulerOutput to every TP rank over one TCP connection
+per
 rank, and each rank's answer back (rank 0's output, the others' acknowledgement).
 
 Why not Ray: a compiled-graph round trip to two actors costs ~180 us on a 2-core machine before any
@@ -7,6 +8,7 @@ every other call; only the per-step hot path goes through here. A rank's server 
 connection that opens with the token its actor handed the executor over Ray, so nothing else on
 the network can feed it steps (they are unpickled).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -69,12 +71,18 @@ class StepServer:
     """A rank's end: accepts the executor's connection, then runs each step it is sent on its own
     thread, answering OK (with execute's result) or ERROR (the pickled exception)."""
 
-    def __init__(self, host: str, execute: Callable[[bytes], bytes | None],
-                 on_start: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        execute: Callable[[bytes], bytes | None],
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
         self._execute = execute
         self._on_start = on_start
         self._listener = socket.create_server((host, 0))
-        self.address = ChannelAddress(host, self._listener.getsockname()[1], secrets.token_bytes(TOKEN_BYTES))
+        self.address = ChannelAddress(
+            host, self._listener.getsockname()[1], secrets.token_bytes(TOKEN_BYTES)
+        )
         self._thread = threading.Thread(target=self._serve, name="raylm-step-server", daemon=True)
         self._thread.start()
 
@@ -113,7 +121,7 @@ class StepServer:
     def _answer(self, conn: socket.socket, payload: bytearray) -> None:
         try:
             result = self._execute(payload)
-        except Exception as exc:  # noqa: BLE001 - travels to the executor, which ends the engine
+        except Exception as exc:
             send_frame(conn, ERROR, _pickled_error(exc))
             return
         send_frame(conn, OK, result or b"")
@@ -122,18 +130,21 @@ class StepServer:
 def _pickled_error(exc: BaseException) -> bytes:
     try:
         return pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
+    except Exception:
         return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
 
 
 class StepClient:
-    """The executor's end: one connection per rank; step() sends to every rank and returns rank 0's answer."""
+    """The executor's end: one connection per rank; step() sends to every rank and returns rank 0's
+    answer."""
 
     def __init__(self, addresses: list[ChannelAddress], connect_timeout_s: float = 30.0) -> None:
         self._socks: list[socket.socket] = []
         try:
             for address in addresses:
-                sock = socket.create_connection((address.host, address.port), timeout=connect_timeout_s)
+                sock = socket.create_connection(
+                    (address.host, address.port), timeout=connect_timeout_s
+                )
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.sendall(address.token)
                 self._socks.append(sock)
@@ -158,7 +169,7 @@ class StepClient:
         try:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             kind, payload = recv_frame(sock)
-        except socket.timeout:
+        except TimeoutError:
             raise RankFailedError(rank, TimeoutError("no answer within the step timeout")) from None
         except OSError as exc:  # ConnectionError included: the rank's process is gone
             raise RankFailedError(rank, exc) from exc

@@ -1,4 +1,5 @@
-"""Constrained decoding with llguidance: compile off the engine thread, mask the constrained rows only.
+"""Constrained decoding with llguidance: compile off the engine thread, mask the constrained rows
+only.
 
 Grammars compile on the grammar pool (workers.grammar) and are cached by their text; the engine
 thread only submits the work, so a new constrained request's compile overlaps its prefill. Each
@@ -7,6 +8,7 @@ preempted, swapped, resumed or migrated rebuilds its state from the tokens it al
 are filled on a background thread (llguidance releases the GIL) while the forward runs, then
 applied to the constrained rows' logits in one op. No row constrained: nothing here runs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +24,13 @@ import llguidance.torch
 import torch
 
 from scheduler.structured_output import StructuredOutput
-from workers.grammar import DEFAULT_COMPILE_TIMEOUT_S, LIMITS, first_line, run_with_timeout, to_grammar
+from workers.grammar import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    LIMITS,
+    first_line,
+    run_with_timeout,
+    to_grammar,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +40,12 @@ MAX_CACHED_GRAMMARS = 256
 class GrammarCompiler:
     """Per-process: the llguidance tokenizer (built once) and an LRU of compiled matchers by text."""
 
-    def __init__(self, load_tokenizer: Any, vocab_size: int,
-                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
-        self._load_tokenizer = load_tokenizer  # () -> HF tokenizer; called once, on the grammar pool
+    def __init__(
+        self, load_tokenizer: Any, vocab_size: int, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    ) -> None:
+        self._load_tokenizer = (
+            load_tokenizer  # () -> HF tokenizer; called once, on the grammar pool
+        )
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self._ll_tokenizer: Any = None
@@ -49,7 +60,9 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(key)
                 return template.deep_copy()
-        template = run_with_timeout(lambda: self._compile(constraint), self.timeout_s, constraint.field_name)
+        template = run_with_timeout(
+            lambda: self._compile(constraint), self.timeout_s, constraint.field_name
+        )
         with self._lock:
             self._cache[key] = template
             while len(self._cache) > MAX_CACHED_GRAMMARS:
@@ -59,7 +72,9 @@ class GrammarCompiler:
     def _tokenizer(self) -> Any:
         with self._lock:
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size)
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._load_tokenizer(), n_vocab=self.vocab_size
+                )
             return self._ll_tokenizer
 
     def _compile(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
@@ -97,7 +112,8 @@ class StructuredDecoding:
         self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
     def add(self, req_id: str, constraint: StructuredOutput) -> None:
-        """Start compiling a request's matcher; the outputs it already has are consumed at its next mask."""
+        """Start compiling a request's matcher; the outputs it already has are consumed at its next
+        mask."""
         self._rows[req_id] = _Row(self._compiles.submit(self.compiler.matcher, constraint))
 
     def drop(self, req_id: str) -> None:
@@ -117,7 +133,9 @@ class StructuredDecoding:
             positions.append(pos)
             rids.append(rid)
             rows.append(row)
-            new_tokens.append(out[row.consumed:])  # a copy: the runner appends while the mask fills
+            new_tokens.append(
+                out[row.consumed :]
+            )  # a copy: the runner appends while the mask fills
             row.consumed = len(out)
         if not positions:
             return None
@@ -135,10 +153,14 @@ class StructuredDecoding:
                 if tokens:
                     matcher.consume_tokens(tokens)
                 if matcher.is_error():
-                    raise ValueError(f"the output left its constraint: {first_line(matcher.get_error())}")
-            except Exception as exc:  # noqa: BLE001 - one request's constraint fails that request alone
+                    raise ValueError(
+                        f"the output left its constraint: {first_line(matcher.get_error())}"
+                    )
+            except Exception as exc:
                 pending.failed[rid] = f"structured output: {exc}"
-                pending.bitmask[i].fill_(-1)  # every token allowed: the row is failed, not sampled from
+                pending.bitmask[i].fill_(
+                    -1
+                )  # every token allowed: the row is failed, not sampled from
                 continue
             ready.append((matcher, i))
         if ready:

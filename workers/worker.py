@@ -1,10 +1,12 @@
-"""Worker: the body of one tensor-parallel rank (cluster/ray_executor.py runs it as a Ray actor, one per GPU).
+"""Worker: the body of one tensor-parallel rank (cluster/ray_executor.py runs it as a Ray actor, one
+per GPU).
 
 The executor drives every rank through the same calls in the same order: init_device (join the
 process group), load_model (this rank's weight shards), determine_num_blocks, init_kv_cache, then
 one execute_model per step. Only plain dataclasses come in and go out; tensors move between ranks
 only through torch.distributed collectives inside the model.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +25,9 @@ logger = logging.getLogger(__name__)
 class Worker:
     """One tensor-parallel rank: its process-group membership, model shard and KV cache."""
 
-    def __init__(self, rank: int, world_size: int, config: RunnerConfig, num_threads: int | None = None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, config: RunnerConfig, num_threads: int | None = None
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
         self.rank, self.world_size, self.config = rank, world_size, config
@@ -49,12 +53,16 @@ class Worker:
         init_distributed(self.rank, self.world_size, address, self.config.device, timeout_s)
 
     def open_step_channel(self) -> ChannelAddress:
-        """Serve steps over a socket on this rank's node (the executor's fast path, see step_channel)."""
-        self._step_server = StepServer(self.node_host(), self.execute_model_encoded, on_start=self._on_step_thread)
+        """Serve steps over a socket on this rank's node (the executor's fast path, see
+        step_channel)."""
+        self._step_server = StepServer(
+            self.node_host(), self.execute_model_encoded, on_start=self._on_step_thread
+        )
         return self._step_server.address
 
     def load_model(self) -> None:
-        """Build the model for this rank (the layers read the rank at construction) and load its shards."""
+        """Build the model for this rank (the layers read the rank at construction) and load its
+        shards."""
         self.runner = ModelRunner(self.config)
 
     def determine_num_blocks(self) -> int:
@@ -74,7 +82,8 @@ class Worker:
         return output if self.rank == 0 else None
 
     def execute_model_encoded(self, scheduler_output: bytes | bytearray) -> bytes | None:
-        """execute_model over the executor's wire format (SchedulerOutput.encode, ModelRunnerOutput.encode)."""
+        """execute_model over the executor's wire format (SchedulerOutput.encode,
+        ModelRunnerOutput.encode)."""
         output = self.execute_model(SchedulerOutput.decode(scheduler_output))
         return output.encode() if output is not None else None
 

@@ -1,11 +1,17 @@
 """Drives Scheduler + an executor step by step, as EngineCore does, and collects greedy tokens."""
+
 from __future__ import annotations
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 
-def greedy_tokens(executor, config: SchedulerConfig, prompts: list[list[int]], max_tokens: int,
-                  prefix: str = "req") -> tuple[dict[str, list[int]], Scheduler]:
+def greedy_tokens(
+    executor,
+    config: SchedulerConfig,
+    prompts: list[list[int]],
+    max_tokens: int,
+    prefix: str = "req",
+) -> tuple[dict[str, list[int]], Scheduler]:
     """Run prompts to max_tokens greedy tokens each; returns tokens by request id and the scheduler."""
     scheduler = Scheduler(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,5 @@
 """CallerWatch tells a dead caller actor from a live one, and never takes a live one for dead."""
+
 import asyncio
 import time
 

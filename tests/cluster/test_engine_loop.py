@@ -1,4 +1,5 @@
 """The replica's engine loop: a real EngineCore (tiny random Llama) stepping on its own thread."""
+
 import asyncio
 import threading
 
@@ -6,17 +7,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
 from cluster.engine_loop import EngineLoop
 from cluster.replica import merge_outputs
+from engine.config import EngineConfig
+from engine.core import EngineCore
 from scheduler import Request, RequestOutput, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    core = EngineCore(EngineConfig.from_kwargs(model=tiny_model_dir, max_model_len=256, num_gpu_blocks=64,
-                                   kv_cache_memory_gb=0.1, load_progress=False))
+    core = EngineCore(
+        EngineConfig.from_kwargs(
+            model=tiny_model_dir,
+            max_model_len=256,
+            num_gpu_blocks=64,
+            kv_cache_memory_gb=0.1,
+            load_progress=False,
+        )
+    )
     yield core
     core.shutdown()
 
@@ -110,13 +118,16 @@ def test_a_step_that_does_not_return_shows_as_a_stall(engine, monkeypatch):
         loop = EngineLoop(engine, asyncio.get_running_loop(), c.on_step, c.on_error)
         try:
             assert loop.stalled_for() == 0.0
-            # The first step (graph compile, warm-up) may be slow without being a stall: it is exempt.
+            # The first step (graph compile, warm-up) may be slow without being a stall: it is
+            # exempt.
             loop.add(_request("warm", max_tokens=1))
             await asyncio.wait_for(c.wait("warm"), 30)
             monkeypatch.setattr(engine.executor, "execute_model", blocking_step)
             loop.add(_request("hangs", max_tokens=2))
             await asyncio.sleep(0.5)
-            assert loop.stalled_for() >= 0.4  # LLMReplica.check_health fails past engine_stall_timeout_s
+            assert (
+                loop.stalled_for() >= 0.4
+            )  # LLMReplica.check_health fails past engine_stall_timeout_s
             release.set()
             monkeypatch.setattr(engine.executor, "execute_model", execute)
             await asyncio.wait_for(c.wait("hangs"), 30)
@@ -138,16 +149,25 @@ async def _replica_on(engine, model_dir: str, monkeypatch, **settings):
     from cluster import replica as replica_module
 
     monkeypatch.setattr(replica_module, "build_engine", lambda config: engine)
-    monkeypatch.setattr(replica_module.serve, "get_replica_context", lambda: SimpleNamespace(replica_tag="t#1"))
-    config = EngineConfig.from_kwargs(model=model_dir, max_model_len=256, num_gpu_blocks=64,
-                                      kv_cache_memory_gb=0.1, load_progress=False, **settings)
+    monkeypatch.setattr(
+        replica_module.serve, "get_replica_context", lambda: SimpleNamespace(replica_tag="t#1")
+    )
+    config = EngineConfig.from_kwargs(
+        model=model_dir,
+        max_model_len=256,
+        num_gpu_blocks=64,
+        kv_cache_memory_gb=0.1,
+        load_progress=False,
+        **settings,
+    )
     replica = object.__new__(replica_module.LLMReplica.func_or_class)
     await replica.__init__(config)
     return replica
 
 
 def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
-        engine, tiny_model_dir, ray_cluster, monkeypatch):
+    engine, tiny_model_dir, ray_cluster, monkeypatch
+):
     """stream_interval 4: a 14-token greedy answer arrives as 1 + 4 + 4 + 4 + 1 tokens, the same
     tokens as with interval 1 (which sends every step's token on its own)."""
     from scheduler.request import GenerateRequest
@@ -156,8 +176,12 @@ def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
         replica = await _replica_on(engine, tiny_model_dir, monkeypatch, stream_interval=interval)
         params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
         try:
-            return [out.new_token_ids async for out in
-                    replica.generate(GenerateRequest(f"i{interval}", [5, 6, 7, 8, 9] * 4, params))]
+            return [
+                out.new_token_ids
+                async for out in replica.generate(
+                    GenerateRequest(f"i{interval}", [5, 6, 7, 8, 9] * 4, params)
+                )
+            ]
         finally:
             replica._loop_thread.stop()
 
@@ -167,13 +191,17 @@ def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
     assert sum(chunked, []) == sum(every_token, [])
 
 
-def test_a_request_whose_detokenizer_fails_finishes_alone(engine, tiny_model_dir, ray_cluster, monkeypatch):
+def test_a_request_whose_detokenizer_fails_finishes_alone(
+    engine, tiny_model_dir, ray_cluster, monkeypatch
+):
     """Fault injection in the replica's own output handling: one request's stop-string detokenizer
     raises mid-stream; it alone finishes with 'error', its neighbours in the batch stream on."""
     from frontend.detokenizer import TextStream
     from scheduler.request import GenerateRequest
 
-    victim_marker = 4242  # the victim's prompt ends with it; the detokenizer keeps the prompt's tail
+    victim_marker = (
+        4242  # the victim's prompt ends with it; the detokenizer keeps the prompt's tail
+    )
     feed = TextStream.feed
 
     def failing_feed(self, token_ids, finished):
@@ -184,18 +212,28 @@ def test_a_request_whose_detokenizer_fails_finishes_alone(engine, tiny_model_dir
     monkeypatch.setattr(TextStream, "feed", failing_feed)
 
     async def collect(replica, rid: str, prompt: list[int]) -> list[RequestOutput]:
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=["never-appears-here"])
+        params = SamplingParams(
+            max_tokens=12, temperature=0.0, ignore_eos=True, stop=["never-appears-here"]
+        )
         return [out async for out in replica.generate(GenerateRequest(rid, prompt, params))]
 
     async def go():
         replica = await _replica_on(engine, tiny_model_dir, monkeypatch)
         try:
             free = replica._stats.num_free_blocks
-            results = await asyncio.wait_for(asyncio.gather(
-                collect(replica, "a", [5, 6, 7, 8, 9] * 4), collect(replica, "victim", [5, 6, 7, 8, victim_marker]),
-                collect(replica, "b", [9, 8, 7, 6, 5] * 4)), 120)
+            results = await asyncio.wait_for(
+                asyncio.gather(
+                    collect(replica, "a", [5, 6, 7, 8, 9] * 4),
+                    collect(replica, "victim", [5, 6, 7, 8, victim_marker]),
+                    collect(replica, "b", [9, 8, 7, 6, 5] * 4),
+                ),
+                120,
+            )
             outs = dict(zip(("a", "victim", "b"), results))
-            assert outs["victim"][-1].finish_reason == "error" and "injected" in outs["victim"][-1].error
+            assert (
+                outs["victim"][-1].finish_reason == "error"
+                and "injected" in outs["victim"][-1].error
+            )
             for rid in ("a", "b"):
                 assert outs[rid][-1].finish_reason == "length"
                 assert sum(len(o.new_token_ids) for o in outs[rid]) == 12
@@ -224,7 +262,8 @@ def test_the_engine_is_built_on_a_thread_that_has_ended_when_it_returns():
 @given(steps=st.lists(st.integers(0, 5), min_size=1, max_size=30), interval=st.integers(1, 8))
 def test_stream_chunks_keep_every_token_and_hold_only_below_the_interval(steps, interval):
     """Whatever the steps' token counts: the chunks concatenate to every token, the last one
-    finishes, and only the first tokens and the finish go out in a chunk shorter than the interval."""
+    finishes, and only the first tokens and the finish go out in a chunk shorter than the
+    interval."""
     from cluster.replica import _Stream
 
     stream, sent, produced = _Stream(), [], 0
@@ -238,4 +277,4 @@ def test_stream_chunks_keep_every_token_and_hold_only_below_the_interval(steps, 
     assert sum((c.new_token_ids for c in sent), []) == list(range(produced))
     assert sent[-1].finished and all(not c.finished for c in sent[:-1])
     first = next((i for i, c in enumerate(sent) if c.new_token_ids), len(sent))
-    assert all(len(c.new_token_ids) >= interval for c in sent[first + 1:-1])
+    assert all(len(c.new_token_ids) >= interval for c in sent[first + 1 : -1])

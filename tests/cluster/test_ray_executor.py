@@ -1,4 +1,6 @@
-"""RayExecutor: TP workers as Ray actors (gloo on CPU), every step transport, fail-fast on worker loss."""
+"""RayExecutor: TP workers as Ray actors (gloo on CPU), every step transport, fail-fast on worker
+loss."""
+
 from __future__ import annotations
 
 import threading
@@ -6,11 +8,11 @@ import threading
 import pytest
 import ray
 
-from engine.executor import LocalExecutor
 from cluster.ray_executor import EngineDeadError, RayExecutor
+from engine.config import EngineConfig
+from engine.executor import LocalExecutor
 from scheduler import CachedRequestData, SchedulerConfig, SchedulerOutput
 from tests.cluster.engine_driver import greedy_tokens
-from engine.config import EngineConfig
 from workers.runner import RunnerConfig
 
 pytestmark = pytest.mark.slow
@@ -20,7 +22,9 @@ PROMPTS = [[1 + (7 * i + j) % 240 for j in range(9 + 6 * i)] for i in range(3)]
 
 
 def runner_config(model_dir: str) -> RunnerConfig:
-    return EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.01).runner_config(model_dir, 256)
+    return EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.01).runner_config(
+        model_dir, 256
+    )
 
 
 def scheduler_config() -> SchedulerConfig:
@@ -71,8 +75,15 @@ def handed_pg(ray_cluster):
 @pytest.fixture(scope="module")
 def actor_calls_tp2(ray_cluster, tiny_llama, handed_pg):
     """TP=2 over plain actor calls, in a placement group it is handed (worker bundles from 1)."""
-    executor = started(RayExecutor(runner_config(tiny_llama), 2, placement_group=handed_pg, bundle_offset=1,
-                                   step_transport="actor_calls"))
+    executor = started(
+        RayExecutor(
+            runner_config(tiny_llama),
+            2,
+            placement_group=handed_pg,
+            bundle_offset=1,
+            step_transport="actor_calls",
+        )
+    )
     yield executor
     executor.shutdown()
 
@@ -92,7 +103,11 @@ def test_a_worker_exception_over_the_step_channel_names_rank_and_cause(socket_tp
     with pytest.raises(EngineDeadError) as info:
         socket_tp2.execute_model(_step_for_unknown_request())
     assert info.value.rank == 0  # both ranks raise; rank 0 answers first
-    assert "rank 0" in str(info.value) and "KeyError" in str(info.value) and "nobody" in str(info.value)
+    assert (
+        "rank 0" in str(info.value)
+        and "KeyError" in str(info.value)
+        and "nobody" in str(info.value)
+    )
     socket_tp2.shutdown()  # dead now; its placement group is needed by the tests below
 
 
@@ -101,10 +116,14 @@ def test_tp2_over_actor_calls_gives_the_greedy_tokens_of_tp1(actor_calls_tp2, re
     assert tokens == reference
 
 
-def test_num_blocks_is_the_minimum_over_ranks_and_ranks_hold_half_the_kv_heads(actor_calls_tp2, tiny_llama):
+def test_num_blocks_is_the_minimum_over_ranks_and_ranks_hold_half_the_kv_heads(
+    actor_calls_tp2, tiny_llama
+):
     local = LocalExecutor(runner_config(tiny_llama))
     # Two KV heads split over two ranks: each rank's block is half as large, so twice as many fit.
-    assert 0 <= actor_calls_tp2.determine_num_blocks() - 2 * local.determine_num_blocks() <= 1  # rounding
+    assert (
+        0 <= actor_calls_tp2.determine_num_blocks() - 2 * local.determine_num_blocks() <= 1
+    )  # rounding
     local.shutdown()
 
 
@@ -137,7 +156,8 @@ def _kill_during_generation(ray, executor) -> EngineDeadError:
 
 def _assert_dead_because_rank_1_died(executor, error: EngineDeadError) -> None:
     assert error.rank == 1
-    # "died", not a timeout: the death was detected, rather than waited out for the 300 s step timeout.
+    # "died", not a timeout: the death was detected, rather than waited out for the 300 s step
+    # timeout.
     assert "rank 1" in str(error) and "died" in str(error)
     # The engine stays dead: later steps fail at once instead of touching the lost workers.
     with pytest.raises(EngineDeadError):
@@ -145,13 +165,17 @@ def _assert_dead_because_rank_1_died(executor, error: EngineDeadError) -> None:
 
 
 # The tests below end their executor, so they come last in this module.
-def test_killing_a_worker_under_actor_calls_raises_engine_dead_error(ray_cluster, actor_calls_tp2, handed_pg):
+def test_killing_a_worker_under_actor_calls_raises_engine_dead_error(
+    ray_cluster, actor_calls_tp2, handed_pg
+):
     from ray.util.placement_group import placement_group_table
 
     error = _kill_during_generation(ray, actor_calls_tp2)
     _assert_dead_because_rank_1_died(actor_calls_tp2, error)
     actor_calls_tp2.shutdown()
-    assert placement_group_table(handed_pg)["state"] == "CREATED"  # the caller's group, not ours to remove
+    assert (
+        placement_group_table(handed_pg)["state"] == "CREATED"
+    )  # the caller's group, not ours to remove
 
 
 def test_killing_a_worker_under_the_step_channel_raises_engine_dead_error(ray_cluster, tiny_llama):

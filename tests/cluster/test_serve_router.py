@@ -1,9 +1,12 @@
 """FleetRouter inside real Ray Serve on loopback.
 
 First two replicas of a small streaming deployment that reports routing stats like LLMReplica does:
-concurrent streams spread over both replicas, a shared prompt prefix sticks to one replica while load
+concurrent streams spread over both replicas, a shared prompt prefix sticks to one replica while
+load
 stays balanced, and a killed replica is routed around. Then two real LLMReplicas of the embedded
-SmolLM2: streams spread, and a tenant's requests find its system prompt in the replica's KV cache."""
+SmolLM2: streams spread, and a tenant's requests find its system prompt in the replica's KV
+cache."""
+
 import asyncio
 import os
 import socket
@@ -14,17 +17,17 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-from ray.serve.config import RequestRouterConfig  # noqa: E402
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
 
-from scheduler.request import GenerateRequest  # noqa: E402
-from cluster.replica import LLMReplica  # noqa: E402
-from cluster.outcomes import report_outcome  # noqa: E402
-from cluster.serve_router import ROUTER_CLASS_PATH, FleetRouter  # noqa: E402
-from deploy.generation import _route_as_own_request  # noqa: E402
-from deploy.config import AppConfig  # noqa: E402
-from scheduler import SamplingParams, hash_prompt_blocks  # noqa: E402
+from cluster.outcomes import report_outcome
+from cluster.replica import LLMReplica
+from cluster.serve_router import ROUTER_CLASS_PATH, FleetRouter
+from deploy.config import AppConfig
+from deploy.generation import _route_as_own_request
+from scheduler import SamplingParams, hash_prompt_blocks
+from scheduler.request import GenerateRequest
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +43,12 @@ CIRCUIT_COOLDOWN_S = 3.0
     health_check_period_s=1,
     request_router_config=RequestRouterConfig(
         request_router_class=FleetRouter,
-        request_router_kwargs={"router_policy": "prefix_affinity", "imbalance_threshold": 4.0,
-                               "circuit_breaker_failures": 2, "circuit_breaker_cooldown_s": CIRCUIT_COOLDOWN_S},
+        request_router_kwargs={
+            "router_policy": "prefix_affinity",
+            "imbalance_threshold": 4.0,
+            "circuit_breaker_failures": 2,
+            "circuit_breaker_cooldown_s": CIRCUIT_COOLDOWN_S,
+        },
         request_routing_stats_period_s=0.5,
     ),
 )
@@ -65,8 +72,13 @@ class StreamingReplica:
             self.running -= 1
 
     def record_routing_stats(self) -> dict:
-        return {"num_waiting": 0, "num_running": self.running, "kv_cache_usage": 0.0,
-                "prefix_cache_hit_rate": 0.0, "prefix_hashes": list(self.resident)[-256:]}
+        return {
+            "num_waiting": 0,
+            "num_running": self.running,
+            "kv_cache_usage": 0.0,
+            "prefix_cache_hit_rate": 0.0,
+            "prefix_hashes": list(self.resident)[-256:],
+        }
 
 
 def _free_port() -> int:
@@ -84,9 +96,12 @@ def handle(ray_cluster):
 
 
 def request(prompt: list[int], max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
-                           sampling_params=SamplingParams(max_tokens=max_tokens),
-                           block_hashes=hash_prompt_blocks(prompt, BLOCK_SIZE))
+    return GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        block_hashes=hash_prompt_blocks(prompt, BLOCK_SIZE),
+    )
 
 
 def prompt_for(tenant: int, question: int, prefix_blocks: int = 8) -> list[int]:
@@ -106,7 +121,8 @@ def run(coro):
 
 
 async def settle() -> None:
-    """Let the previous test's streams drain out of the replicas' routing stats (reported every 0.5 s)."""
+    """Let the previous test's streams drain out of the replicas' routing stats (reported every 0.5
+    s)."""
     await asyncio.sleep(1.5)
 
 
@@ -130,7 +146,8 @@ def test_sixteen_concurrent_streams_spread_over_both_replicas(handle):
 def test_shared_prefix_sticks_to_one_replica_while_load_stays_balanced(handle):
     async def go():
         await settle()
-        # Tenant 0 warms a replica; tenant 1, a prefix nobody holds, goes to the replica holding fewer blocks.
+        # Tenant 0 warms a replica; tenant 1, a prefix nobody holds, goes to the replica holding
+        # fewer blocks.
         first = await stream(handle, request(prompt_for(0, 0), max_tokens=2))
         reqs = [request(prompt_for(t, q), max_tokens=15) for q in range(1, 5) for t in (0, 1)]
         return first, await asyncio.gather(*(stream(handle, r) for r in reqs))
@@ -143,9 +160,11 @@ def test_shared_prefix_sticks_to_one_replica_while_load_stays_balanced(handle):
 
 
 def test_replica_failures_reported_by_the_caller_open_its_circuit_until_the_cool_down(handle):
-    """What the ingress does when a replica fails a choice: report_outcome(ok=False) on the request's
+    """What the ingress does when a replica fails a choice: report_outcome(ok=False) on the
+    request's
     internal id. Two in a row on one replica and this process's FleetRouter skips it; after the
     cool-down it takes requests again."""
+
     async def trip():
         await settle()
         victim = None
@@ -160,13 +179,20 @@ def test_replica_failures_reported_by_the_caller_open_its_circuit_until_the_cool
                 if failures == 2:
                     break
         assert failures == 2
-        # Fresh prefixes go to the replica holding fewer blocks, but not to one with an open circuit.
-        open_circuit = [await stream(handle, request(prompt_for(t, 0), max_tokens=2)) for t in range(60, 66)]
+        # Fresh prefixes go to the replica holding fewer blocks, but not to one with an open
+        # circuit.
+        open_circuit = [
+            await stream(handle, request(prompt_for(t, 0), max_tokens=2)) for t in range(60, 66)
+        ]
         # Nor does a prefix the victim holds.
         open_circuit.append(await stream(handle, request(prompt_for(20, 1), max_tokens=2)))
         await asyncio.sleep(CIRCUIT_COOLDOWN_S + 1.0)
         closed = []
-        for tenant in (70, 71, 72):  # the victim now holds the fewest blocks: fresh prefixes go there
+        for tenant in (
+            70,
+            71,
+            72,
+        ):  # the victim now holds the fewest blocks: fresh prefixes go there
             internal_id = _route_as_own_request()
             closed.append(await stream(handle, request(prompt_for(tenant, 0), max_tokens=2)))
             report_outcome(internal_id, ok=True)
@@ -174,26 +200,36 @@ def test_replica_failures_reported_by_the_caller_open_its_circuit_until_the_cool
 
     victim, open_circuit, closed = run(trip())
     assert victim not in open_circuit, open_circuit
-    assert closed.count(victim) >= 2, closed  # the probe, then (its success closed the circuit) more
+    assert closed.count(victim) >= 2, (
+        closed
+    )  # the probe, then (its success closed the circuit) more
 
 
 def test_killed_replica_is_routed_around(handle):
     async def go():
         await settle()
         victim = await stream(handle, request(prompt_for(5, 0), max_tokens=2))
-        in_flight = [asyncio.ensure_future(stream(handle, request(prompt_for(t, 1), max_tokens=200)))
-                     for t in (5, 6, 7, 8)]
+        in_flight = [
+            asyncio.ensure_future(stream(handle, request(prompt_for(t, 1), max_tokens=200)))
+            for t in (5, 6, 7, 8)
+        ]
         await asyncio.sleep(0.5)
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         outcomes = await asyncio.gather(*in_flight, return_exceptions=True)
         # The dead replica's prefix and fresh prefixes alike are served by live replicas.
-        after = await asyncio.gather(*(stream(handle, request(prompt_for(t, 2), max_tokens=5))
-                                       for t in (5, 5, 5, 6, 7, 8, 9, 10)))
+        after = await asyncio.gather(
+            *(
+                stream(handle, request(prompt_for(t, 2), max_tokens=5))
+                for t in (5, 5, 5, 6, 7, 8, 9, 10)
+            )
+        )
         return victim, outcomes, after
 
     victim, outcomes, after = run(go())
     assert any(isinstance(o, Exception) for o in outcomes)  # streams cut by the kill fail
-    assert any(o != victim and isinstance(o, str) for o in outcomes)  # the other replica kept streaming
+    assert any(
+        o != victim and isinstance(o, str) for o in outcomes
+    )  # the other replica kept streaming
     assert victim not in after
 
 
@@ -204,7 +240,8 @@ PREFIX_BLOCKS = 8
 
 
 def routed_counts(handle) -> Counter:
-    """Requests per replica so far, as counted by the FleetRouter that Serve built for this handle in
+    """Requests per replica so far, as counted by the FleetRouter that Serve built for this handle
+    in
     this process (a Serve-internal path; empty until the handle sends its first request)."""
     if handle._router is None:
         return Counter()
@@ -214,15 +251,29 @@ def routed_counts(handle) -> Counter:
 @pytest.fixture(scope="module")
 def llm_handle(ray_cluster):
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": _free_port()})
-    config = AppConfig.from_args({
-        "model": "default", "device": "cpu", "num_replicas": 2, "cpu_threads": 1, "block_size": BLOCK_SIZE,
-        "num_gpu_blocks": 128, "max_model_len": 256, "max_num_seqs": 16, "replica_num_cpus": 1,
-        "router": "fleet", "router_kwargs": {"router_policy": "prefix_affinity", "imbalance_threshold": 4.0},
-    })
+    config = AppConfig.from_args(
+        {
+            "model": "default",
+            "device": "cpu",
+            "num_replicas": 2,
+            "cpu_threads": 1,
+            "block_size": BLOCK_SIZE,
+            "num_gpu_blocks": 128,
+            "max_model_len": 256,
+            "max_num_seqs": 16,
+            "replica_num_cpus": 1,
+            "router": "fleet",
+            "router_kwargs": {"router_policy": "prefix_affinity", "imbalance_threshold": 4.0},
+        }
+    )
     replica = LLMReplica.options(
-        num_replicas=2, ray_actor_options=config.replica_actor_options(),
-        placement_group_bundles=config.placement_group_bundles(), max_ongoing_requests=64,
-        request_router_config=config.request_router_config(), health_check_timeout_s=120)
+        num_replicas=2,
+        ray_actor_options=config.replica_actor_options(),
+        placement_group_bundles=config.placement_group_bundles(),
+        max_ongoing_requests=64,
+        request_router_config=config.request_router_config(),
+        health_check_timeout_s=120,
+    )
     yield serve.run(replica.bind(config.engine), name=REAL_APP, route_prefix=None)
     serve.delete(REAL_APP)
 
@@ -242,9 +293,12 @@ def real_prompt(tenant: int, question: int) -> list[int]:
 
 
 def greedy(prompt: list[int], max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
-                           sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                           block_hashes=hash_prompt_blocks(prompt, BLOCK_SIZE))
+    return GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        block_hashes=hash_prompt_blocks(prompt, BLOCK_SIZE),
+    )
 
 
 def test_real_replicas_share_sixteen_concurrent_streams(llm_handle):
@@ -263,7 +317,8 @@ def test_real_replicas_share_sixteen_concurrent_streams(llm_handle):
 def test_real_replicas_keep_a_shared_prefix_on_the_replica_that_caches_it(llm_handle):
     async def go():
         await settle()
-        # One request per tenant fills a cache each (the second tenant lands on the emptier replica).
+        # One request per tenant fills a cache each (the second tenant lands on the emptier
+        # replica).
         for tenant in (0, 1):
             await generate(llm_handle, greedy(real_prompt(tenant, 0), max_tokens=2))
         before = routed_counts(llm_handle)

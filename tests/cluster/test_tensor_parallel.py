@@ -1,15 +1,15 @@
 """Tensor parallelism over Ray workers (gloo on CPU) yields the greedy tokens of a single process."""
+
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
-from engine.executor import LocalExecutor
 from cluster.ray_executor import RayExecutor
+from engine.config import EngineConfig
+from engine.executor import LocalExecutor
 from scheduler import SchedulerConfig
 from tests.cluster.engine_driver import greedy_tokens
-from engine.config import EngineConfig
 from workers.runner import RunnerConfig
 
 pytestmark = pytest.mark.slow
@@ -17,12 +17,18 @@ pytestmark = pytest.mark.slow
 MAX_LEN = 128
 NUM_BLOCKS = 64
 TINY_PROMPTS = [[1 + (11 * i + 3 * j) % 240 for j in range(7 + 5 * i)] for i in range(3)]
-SMOL_TEXTS = ["The capital of France is", "Write a haiku about the sea:", "1, 2, 3, 4,",
-              "In machine learning, a transformer is a model that"]
+SMOL_TEXTS = [
+    "The capital of France is",
+    "Write a haiku about the sea:",
+    "1, 2, 3, 4,",
+    "In machine learning, a transformer is a model that",
+]
 
 
 def runner_config(model_dir: str) -> RunnerConfig:
-    return EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.05).runner_config(model_dir, MAX_LEN)
+    return EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.05).runner_config(
+        model_dir, MAX_LEN
+    )
 
 
 def roomy() -> SchedulerConfig:
@@ -31,8 +37,11 @@ def roomy() -> SchedulerConfig:
 
 
 def cramped() -> SchedulerConfig:
-    """8-token budget (prompts are prefilled in chunks) and 9 blocks for 4 requests (forced preemption)."""
-    return SchedulerConfig(num_gpu_blocks=9, max_model_len=MAX_LEN, max_num_batched_tokens=8, max_num_seqs=4)
+    """8-token budget (prompts are prefilled in chunks) and 9 blocks for 4 requests (forced
+    preemption)."""
+    return SchedulerConfig(
+        num_gpu_blocks=9, max_model_len=MAX_LEN, max_num_batched_tokens=8, max_num_seqs=4
+    )
 
 
 def started(executor):
@@ -49,7 +58,9 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
-def test_tp4_replicates_kv_heads_and_gives_the_greedy_tokens_of_tp1(ray_cluster, tiny_llama, one_thread):
+def test_tp4_replicates_kv_heads_and_gives_the_greedy_tokens_of_tp1(
+    ray_cluster, tiny_llama, one_thread
+):
     local = started(LocalExecutor(runner_config(tiny_llama)))
     expected, _ = greedy_tokens(local, roomy(), TINY_PROMPTS, max_tokens=16)
     tp4 = RayExecutor(runner_config(tiny_llama), 4)
@@ -105,15 +116,20 @@ def test_smollm2_tp3_gives_the_greedy_tokens_of_tp1(smol_tp3, smol_prompts, smol
 
 
 def test_smollm2_tp3_under_chunked_prefill_and_preemption_gives_the_same_tokens(
-        smol_tp3, smol_prompts, smol_expected):
+    smol_tp3, smol_prompts, smol_expected
+):
     config = cramped()
     assert max(map(len, smol_prompts)) > config.max_num_batched_tokens  # some prompt is chunked
-    tokens, scheduler = greedy_tokens(smol_tp3, config, smol_prompts, max_tokens=32, prefix="cramped")
+    tokens, scheduler = greedy_tokens(
+        smol_tp3, config, smol_prompts, max_tokens=32, prefix="cramped"
+    )
     assert scheduler.stats().num_preemptions > 0
     assert _by_index(tokens) == smol_expected
 
 
-def test_llm_with_tensor_parallel_size_2_generates_what_one_process_does(ray_cluster, tiny_checkpoint, one_thread):
+def test_llm_with_tensor_parallel_size_2_generates_what_one_process_does(
+    ray_cluster, tiny_checkpoint, one_thread
+):
     from cluster.ray_executor import ray_executor
     from engine.executor import local_executor
     from engine.llm import LLM
@@ -124,9 +140,15 @@ def test_llm_with_tensor_parallel_size_2_generates_what_one_process_does(ray_clu
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = {}
     for tp in (1, 2):
-        llm = LLM(model=model_dir, tensor_parallel_size=tp, device="cpu", load_progress=False,
-                  kv_cache_memory_gb=0.05, max_model_len=MAX_LEN,
-                  executor_factory=ray_executor if tp > 1 else local_executor)
+        llm = LLM(
+            model=model_dir,
+            tensor_parallel_size=tp,
+            device="cpu",
+            load_progress=False,
+            kv_cache_memory_gb=0.05,
+            max_model_len=MAX_LEN,
+            executor_factory=ray_executor if tp > 1 else local_executor,
+        )
         try:
             tokens[tp] = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
         finally:

@@ -4,6 +4,7 @@
 session's cluster); `tiny` is a random two-layer Llama built here, served through serve.run with
 an API key and a small admission limit (the overload and auth tests use it).
 """
+
 import os
 import subprocess
 import sys
@@ -16,8 +17,7 @@ from tests.conftest import free_port
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
+from ray import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOL = "SmolLM2-135M-Instruct"
@@ -37,8 +37,14 @@ def http_port(ray_cluster):
 def smol_url(ray_cluster, http_port):
     """deploy.yaml, deployed by `serve run deploy.yaml` (non-blocking) onto this cluster."""
     env = {**os.environ, "RAY_ADDRESS": ray_cluster}
-    subprocess.run([str(Path(sys.executable).parent / "serve"), "run", "deploy.yaml", "--non-blocking"],
-                   cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [str(Path(sys.executable).parent / "serve"), "run", "deploy.yaml", "--non-blocking"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     _wait_running("raylm")
     yield f"http://127.0.0.1:{http_port}/v1"
     serve.delete("raylm")
@@ -60,9 +66,18 @@ def _wait_running(app: str, timeout: float = 300) -> None:
 def tiny_url(ray_cluster, http_port, tiny_model_dir):
     from deploy.app import build_app
 
-    args = {"model": tiny_model_dir, "served_model_name": TINY, "max_model_len": 256, "num_gpu_blocks": 64,
-            "kv_cache_memory_gb": 0.1, "api_key": TINY_KEY, "max_ongoing_requests": 2, "max_queued_requests": 2,
-            "replica_num_cpus": 0.5, "ingress_num_cpus": 0.25}
+    args = {
+        "model": tiny_model_dir,
+        "served_model_name": TINY,
+        "max_model_len": 256,
+        "num_gpu_blocks": 64,
+        "kv_cache_memory_gb": 0.1,
+        "api_key": TINY_KEY,
+        "max_ongoing_requests": 2,
+        "max_queued_requests": 2,
+        "replica_num_cpus": 0.5,
+        "ingress_num_cpus": 0.25,
+    }
     serve.run(build_app(args), name="tiny", route_prefix="/tiny")
     yield f"http://127.0.0.1:{http_port}/tiny/v1"
     serve.delete("tiny")
@@ -70,7 +85,9 @@ def tiny_url(ray_cluster, http_port, tiny_model_dir):
 
 def replica_stats(app: str) -> dict:
     """The scheduler figures of the app's (single) LLMReplica."""
-    return serve.get_deployment_handle("LLMReplica", app_name=app).stats.remote().result(timeout_s=30)
+    return (
+        serve.get_deployment_handle("LLMReplica", app_name=app).stats.remote().result(timeout_s=30)
+    )
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1):

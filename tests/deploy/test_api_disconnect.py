@@ -1,4 +1,6 @@
-"""A client that goes away (or a stop string that ends a choice early) frees the replica's slot and blocks."""
+"""A client that goes away (or a stop string that ends a choice early) frees the replica's slot and
+blocks."""
+
 import httpx
 import pytest
 
@@ -19,8 +21,13 @@ def _idle_stats() -> dict | None:
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(smol_url):
     assert wait_for(_idle_stats)
     before = replica_stats("raylm")
-    body = {"model": SMOL, "prompt": "Write a very long essay about the sea.", "max_tokens": 1000,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": SMOL,
+        "prompt": "Write a very long essay about the sea.",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=120) as client:
         with client.stream("POST", f"{smol_url}/completions", json=body) as r:
             assert r.status_code == 200
@@ -40,9 +47,18 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(smol_url):
 def test_stop_string_tells_the_replica_to_stop(smol_url):
     assert wait_for(_idle_stats)
     before = replica_stats("raylm")
-    r = httpx.post(f"{smol_url}/completions", timeout=120, json={
-        "model": SMOL, "prompt": "1, 2, 3, 4,", "max_tokens": 1000, "ignore_eos": True,
-        "temperature": 0, "stop": [" 6"]})
+    r = httpx.post(
+        f"{smol_url}/completions",
+        timeout=120,
+        json={
+            "model": SMOL,
+            "prompt": "1, 2, 3, 4,",
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stop": [" 6"],
+        },
+    )
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     assert r.json()["usage"]["completion_tokens"] < 1000
     after = wait_for(_idle_stats)
@@ -51,9 +67,17 @@ def test_stop_string_tells_the_replica_to_stop(smol_url):
 
 def test_a_request_past_its_deadline_is_aborted_and_frees_its_blocks(smol_url):
     before = replica_stats("raylm")
-    r = httpx.post(f"{smol_url}/completions", timeout=120, json={
-        "model": SMOL, "prompt": "Write a very long story.", "max_tokens": 1500, "ignore_eos": True,
-        "request_timeout_s": 0.5})
+    r = httpx.post(
+        f"{smol_url}/completions",
+        timeout=120,
+        json={
+            "model": SMOL,
+            "prompt": "Write a very long story.",
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "request_timeout_s": 0.5,
+        },
+    )
     assert r.status_code == 408 and r.json()["error"]["type"] == "timeout"
     assert wait_for(lambda: _idle(replica_stats("raylm")), timeout=30)
     assert replica_stats("raylm")["kv_cache_usage"] <= before["kv_cache_usage"]

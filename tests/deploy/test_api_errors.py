@@ -1,4 +1,5 @@
 """Every bad input gets its HTTP status and OpenAI error JSON, and the server keeps serving."""
+
 import asyncio
 
 import httpx
@@ -24,7 +25,9 @@ def smol(smol_url):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_url):
-    with httpx.Client(base_url=tiny_url, timeout=120, headers={"Authorization": f"Bearer {TINY_KEY}"}) as c:
+    with httpx.Client(
+        base_url=tiny_url, timeout=120, headers={"Authorization": f"Bearer {TINY_KEY}"}
+    ) as c:
         yield c
 
 
@@ -34,37 +37,51 @@ def _still_serving(client: httpx.Client, model: str) -> None:
 
 
 def test_malformed_json_is_400(smol):
-    err = _error(smol.post("/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    err = _error(
+        smol.post(
+            "/completions", content=b"{not json", headers={"content-type": "application/json"}
+        ),
+        400,
+    )
     assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
     _still_serving(smol, SMOL)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "temperature": -1}, "temperature"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": [5, 10_000_000]}, "prompt"),  # outside the vocabulary: must not reach the model
-    ({"prompt": [-1]}, "prompt"),
-    ({"prompt": [2**70]}, "prompt"),
-    ({}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "logprobs": 50}, "logprobs"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [5, 10_000_000]}, "prompt"),  # outside the vocabulary: must not reach the model
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [2**70]}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+    ],
+)
 def test_bad_completion_field_is_400_naming_it(smol, body, param):
     err = _error(smol.post("/completions", json={"model": SMOL, **body}), 400)
     assert err["param"] == param
     _still_serving(smol, SMOL)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99, "logprobs": True}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99, "logprobs": True},
+            "top_logprobs",
+        ),
+    ],
+)
 def test_bad_chat_field_is_400_naming_it(smol, body, param):
     err = _error(smol.post("/chat/completions", json={"model": SMOL, **body}), 400)
     assert err["param"] == param
@@ -78,14 +95,21 @@ def test_unknown_model_is_404(smol):
 
 def test_prompt_plus_max_tokens_over_the_context_is_400_with_the_numbers(smol):
     prompt = [42] * 2000
-    err = _error(smol.post("/completions", json={"model": SMOL, "prompt": prompt, "max_tokens": 100}), 400)
+    err = _error(
+        smol.post("/completions", json={"model": SMOL, "prompt": prompt, "max_tokens": 100}), 400
+    )
     assert err["code"] == "context_length_exceeded"
     assert "2048" in err["message"] and "2100" in err["message"] and "2000" in err["message"]
     err = _error(smol.post("/completions", json={"model": SMOL, "prompt": [42] * 3000}), 400)
     assert "3000" in err["message"]
     # Streaming requests are refused the same way, before any event is sent.
-    err = _error(smol.post("/completions", json={"model": SMOL, "prompt": prompt, "max_tokens": 100,
-                                                 "stream": True}), 400)
+    err = _error(
+        smol.post(
+            "/completions",
+            json={"model": SMOL, "prompt": prompt, "max_tokens": 100, "stream": True},
+        ),
+        400,
+    )
     _still_serving(smol, SMOL)
 
 
@@ -103,8 +127,9 @@ def test_overload_is_503_and_the_replica_recovers(tiny_url, tiny):
     body = {"model": TINY, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
 
     async def go():
-        async with httpx.AsyncClient(base_url=tiny_url, timeout=120,
-                                     headers={"Authorization": f"Bearer {TINY_KEY}"}) as c:
+        async with httpx.AsyncClient(
+            base_url=tiny_url, timeout=120, headers={"Authorization": f"Bearer {TINY_KEY}"}
+        ) as c:
             return await asyncio.gather(*(c.post("/completions", json=body) for _ in range(12)))
 
     responses = asyncio.run(go())

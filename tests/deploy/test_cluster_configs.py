@@ -1,4 +1,5 @@
 """ray_config.yaml validates as `ray up` would; every Serve config we ship builds its app."""
+
 import ipaddress
 import re
 from pathlib import Path

@@ -1,4 +1,5 @@
 """The app's args: one pydantic model, unknown keys and bad values rejected with the field named."""
+
 import pytest
 import yaml
 
@@ -15,8 +16,15 @@ def test_defaults_are_the_embedded_model_on_a_cpu_bundle():
 
 
 def test_flat_keys_land_in_the_tree_where_they_are_declared():
-    cfg = AppConfig.from_args({"max_num_seqs": 7, "dtype": "bfloat16", "swap_min_computed_tokens": 9,
-                               "fair_output_weight": 3, "num_replicas": 2})
+    cfg = AppConfig.from_args(
+        {
+            "max_num_seqs": 7,
+            "dtype": "bfloat16",
+            "swap_min_computed_tokens": 9,
+            "fair_output_weight": 3,
+            "num_replicas": 2,
+        }
+    )
     assert cfg.engine.scheduler.max_num_seqs == 7 and cfg.engine.dtype == "bfloat16"
     assert cfg.engine.scheduler.swap_min_computed_tokens == 9
     assert cfg.engine.scheduler.fair_output_weight == 3.0 and cfg.num_replicas == 2
@@ -24,8 +32,12 @@ def test_flat_keys_land_in_the_tree_where_they_are_declared():
 
 def test_optional_sections_say_the_same_as_flat_keys():
     flat = AppConfig.from_args({"max_num_seqs": 7, "dtype": "bfloat16", "policy": "fair"})
-    nested = AppConfig.from_args({"engine": {"dtype": "bfloat16", "scheduler": {"max_num_seqs": 7}},
-                                  "scheduler": {"policy": "fair"}})
+    nested = AppConfig.from_args(
+        {
+            "engine": {"dtype": "bfloat16", "scheduler": {"max_num_seqs": 7}},
+            "scheduler": {"policy": "fair"},
+        }
+    )
     assert flat.engine == nested.engine
 
 
@@ -45,42 +57,50 @@ def test_the_readme_configuration_table_is_generated_from_the_tree():
     assert replace_table(readme) == readme, "run: python -m deploy.settings_doc --write README.md"
 
 
-@pytest.mark.parametrize("args, field", [
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    ({"num_replicas": 0}, "num_replicas"),
-    ({"policy": "lottery"}, "policy"),
-    ({"device": "tpu"}, "device"),
-    ({"max_num_seqs": "many"}, "max_num_seqs"),
-    ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling"),
-    ({"autoscaling": {"max_replicas": 2, "target_load": 3}}, "autoscaling.target_load"),
-    ({"num_replicas": 2, "autoscaling": {"max_replicas": 4}}, "num_replicas"),
-    ({"preemption_mode": "swap"}, "num_cpu_blocks"),
-    ({"dtype": "auto"}, "dtype"),
-    ({"watermark": 1.5}, "watermark"),
-    ({"router": "fleet", "router_kwargs": {"router_policy": "dice"}}, "router_kwargs.*router_policy"),
-    ({"router": "fleet", "router_kwargs": {"imbalance": 3}}, "router_kwargs.*imbalance"),
-    ({"router": "power_of_two", "router_kwargs": {"imbalance_threshold": 3}}, "router_kwargs"),
-    ({"omp_spin_count": -1}, "omp_spin_count"),
-    ({"omp_spin_count": 2**64}, "omp_spin_count"),
-    ({"omp_spin_count": float("nan")}, "omp_spin_count"),
-    ({"omp_spin_count": "short"}, "omp_spin_count"),
-    ({"process_niceness": -21}, "process_niceness"),
-    ({"process_niceness": 2**64}, "process_niceness"),
-    ({"process_niceness": float("nan")}, "process_niceness"),
-    ({"stream_interval": 0}, "stream_interval"),
-    ({"stream_interval": 2**64}, "stream_interval"),
-    ({"stream_interval": 2.5}, "stream_interval"),
-    ({"stream_interval": -1}, "stream_interval"),
-    ({"stream_interval": float("nan")}, "stream_interval"),
-    ({"stream_interval": 10**9}, "stream_interval"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"num_replicas": 0}, "num_replicas"),
+        ({"policy": "lottery"}, "policy"),
+        ({"device": "tpu"}, "device"),
+        ({"max_num_seqs": "many"}, "max_num_seqs"),
+        ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling"),
+        ({"autoscaling": {"max_replicas": 2, "target_load": 3}}, "autoscaling.target_load"),
+        ({"num_replicas": 2, "autoscaling": {"max_replicas": 4}}, "num_replicas"),
+        ({"preemption_mode": "swap"}, "num_cpu_blocks"),
+        ({"dtype": "auto"}, "dtype"),
+        ({"watermark": 1.5}, "watermark"),
+        (
+            {"router": "fleet", "router_kwargs": {"router_policy": "dice"}},
+            "router_kwargs.*router_policy",
+        ),
+        ({"router": "fleet", "router_kwargs": {"imbalance": 3}}, "router_kwargs.*imbalance"),
+        ({"router": "power_of_two", "router_kwargs": {"imbalance_threshold": 3}}, "router_kwargs"),
+        ({"omp_spin_count": -1}, "omp_spin_count"),
+        ({"omp_spin_count": 2**64}, "omp_spin_count"),
+        ({"omp_spin_count": float("nan")}, "omp_spin_count"),
+        ({"omp_spin_count": "short"}, "omp_spin_count"),
+        ({"process_niceness": -21}, "process_niceness"),
+        ({"process_niceness": 2**64}, "process_niceness"),
+        ({"process_niceness": float("nan")}, "process_niceness"),
+        ({"stream_interval": 0}, "stream_interval"),
+        ({"stream_interval": 2**64}, "stream_interval"),
+        ({"stream_interval": 2.5}, "stream_interval"),
+        ({"stream_interval": -1}, "stream_interval"),
+        ({"stream_interval": float("nan")}, "stream_interval"),
+        ({"stream_interval": 10**9}, "stream_interval"),
+    ],
+)
 def test_bad_values_name_the_field(args, field):
     with pytest.raises(ValueError, match=field):
         AppConfig.from_args(args)
 
 
 def test_the_spin_count_reaches_the_replica_process_environment():
-    assert "runtime_env" not in AppConfig.from_args({}).replica_actor_options()  # libgomp's own default
+    assert (
+        "runtime_env" not in AppConfig.from_args({}).replica_actor_options()
+    )  # libgomp's own default
     options = AppConfig.from_args({"omp_spin_count": 3000}).replica_actor_options()
     assert options["runtime_env"] == {"env_vars": {"GOMP_SPINCOUNT": "3000"}}
 
@@ -97,7 +117,11 @@ def test_build_app_stops_on_a_bad_arg_with_the_field_named():
 
 def test_tensor_parallel_replica_gets_one_bundle_per_worker():
     cfg = AppConfig.from_args({"device": "cuda", "tensor_parallel_size": 2, "worker_num_cpus": 2})
-    assert cfg.placement_group_bundles() == [{"CPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
+    assert cfg.placement_group_bundles() == [
+        {"CPU": 1.0},
+        {"CPU": 2.0, "GPU": 1.0},
+        {"CPU": 2.0, "GPU": 1.0},
+    ]
     # Serve places the replica actor in the first bundle: its resources must fit there.
     assert cfg.replica_actor_options() == {"num_cpus": 1.0, "num_gpus": 0.0}
 
@@ -115,8 +139,9 @@ def test_single_gpu_replica_runs_its_worker_in_process():
 
 
 def test_autoscaling_becomes_serve_autoscaling_config():
-    cfg = AppConfig.from_args({"autoscaling": {"min_replicas": 1, "max_replicas": 4,
-                                               "target_ongoing_requests": 8}})
+    cfg = AppConfig.from_args(
+        {"autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}}
+    )
     opts = cfg.scaling_options()
     assert opts["num_replicas"] == "auto"
     assert opts["autoscaling_config"]["max_replicas"] == 4
@@ -124,9 +149,16 @@ def test_autoscaling_becomes_serve_autoscaling_config():
 
 
 def test_router_choice_maps_to_request_router_config():
-    assert AppConfig.from_args({"router": "power_of_two"}).request_router_config() is None  # Serve's own
-    assert AppConfig.from_args({}).request_router_config()["request_router_class"] == "cluster.serve_router.FleetRouter"
-    fleet = AppConfig.from_args({"router": "fleet", "router_kwargs": {"router_policy": "least_loaded"}})
+    assert (
+        AppConfig.from_args({"router": "power_of_two"}).request_router_config() is None
+    )  # Serve's own
+    assert (
+        AppConfig.from_args({}).request_router_config()["request_router_class"]
+        == "cluster.serve_router.FleetRouter"
+    )
+    fleet = AppConfig.from_args(
+        {"router": "fleet", "router_kwargs": {"router_policy": "least_loaded"}}
+    )
     rc = fleet.request_router_config()
     assert rc["request_router_class"] == "cluster.serve_router.FleetRouter"
     assert rc["request_router_kwargs"] == {"router_policy": "least_loaded"}
@@ -140,14 +172,18 @@ def test_deploy_yaml_args_build_the_two_deployments():
     assert ingress.name == "OpenAIIngress"
     assert replica.name == "LLMReplica"
     assert replica._deployment_config.num_replicas == 1
-    assert replica._replica_config.placement_group_bundles == [{"CPU": 2.0}]  # both cores for the engine
+    assert replica._replica_config.placement_group_bundles == [
+        {"CPU": 2.0}
+    ]  # both cores for the engine
     assert ingress._replica_config.ray_actor_options["num_cpus"] == 0
 
 
 def test_api_keys_come_from_an_environment_variable_named_in_the_args(monkeypatch):
     monkeypatch.setenv("KEYS_FOR_TEST", '{"k1": {"tenant": "team-a", "max_priority": 5}}')
     cfg = AppConfig.from_args({"api_keys_env": "KEYS_FOR_TEST"})
-    assert cfg.key_profiles()["k1"].tenant == "team-a" and cfg.key_profiles()["k1"].max_priority == 5
+    assert (
+        cfg.key_profiles()["k1"].tenant == "team-a" and cfg.key_profiles()["k1"].max_priority == 5
+    )
     assert "k1" not in str(cfg.summary())  # what the app logs holds no key
     monkeypatch.setenv("KEYS_FOR_TEST", "not json")
     with pytest.raises(ValueError, match="api_keys_env: KEYS_FOR_TEST must hold") as raised:
@@ -159,7 +195,10 @@ def test_api_keys_come_from_an_environment_variable_named_in_the_args(monkeypatc
 
 def test_the_default_queue_limit_follows_replica_capacity():
     assert AppConfig.from_args({"max_ongoing_requests": 8, "num_replicas": 3}).queue_limit() == 24
-    assert AppConfig.from_args({"max_ongoing_requests": 8, "max_queued_requests": -1}).queue_limit() == -1
+    assert (
+        AppConfig.from_args({"max_ongoing_requests": 8, "max_queued_requests": -1}).queue_limit()
+        == -1
+    )
 
 
 def test_an_app_exposed_beyond_loopback_needs_a_key_or_an_explicit_waiver(monkeypatch):
@@ -179,8 +218,12 @@ def test_a_replica_runs_as_many_torch_threads_as_its_bundle_reserves():
 
     assert AppConfig.from_args({"replica_num_cpus": 2}).engine.cpu_threads == 2
     assert AppConfig.from_args({"replica_num_cpus": 0.5}).engine.cpu_threads == 1  # at least one
-    assert AppConfig.from_args({"replica_num_cpus": 4, "cpu_threads": 1}).engine.cpu_threads == 1  # explicit wins
+    assert (
+        AppConfig.from_args({"replica_num_cpus": 4, "cpu_threads": 1}).engine.cpu_threads == 1
+    )  # explicit wins
     shipped = yaml.safe_load(open("deploy.yaml"))["applications"][0]["args"]
-    assert AppConfig.from_args(shipped).engine.cpu_threads == 2  # both cores of the 2-core dev machine
+    assert (
+        AppConfig.from_args(shipped).engine.cpu_threads == 2
+    )  # both cores of the 2-core dev machine
     # ... at the priority of the client and the node's other processes, not Ray's nice 15
     assert AppConfig.from_args(shipped).engine.process_niceness == 0

@@ -1,4 +1,5 @@
 """The one exception-to-status mapping of the HTTP layer, exception by exception."""
+
 import json
 
 import pytest
@@ -17,7 +18,9 @@ def _mapped(exc: BaseException) -> tuple[int, dict, dict]:
 
 def test_validation_error_names_the_nested_field():
     with pytest.raises(ValidationError) as info:
-        CompletionRequest.model_validate({"model": "m", "prompt": "x", "stream_options": {"include_usage": "maybe"}})
+        CompletionRequest.model_validate(
+            {"model": "m", "prompt": "x", "stream_options": {"include_usage": "maybe"}}
+        )
     status, err, _ = _mapped(info.value)
     assert status == 400 and err["param"] == "stream_options.include_usage"
 
@@ -38,8 +41,14 @@ def test_context_length_and_model_errors():
 
 @pytest.mark.parametrize("status, retry_after", [(503, None), (429, 2.5)])
 def test_backpressure_keeps_the_configured_status_and_retry_after(status, retry_after):
-    code, err, headers = _mapped(BackPressureError(num_queued_requests=8, max_queued_requests=8,
-                                                   status_code=status, retry_after_s=retry_after))
+    code, err, headers = _mapped(
+        BackPressureError(
+            num_queued_requests=8,
+            max_queued_requests=8,
+            status_code=status,
+            retry_after_s=retry_after,
+        )
+    )
     assert code == status and err["code"] == "overloaded"
     assert headers.get("retry-after") == ("3" if retry_after else None)
 

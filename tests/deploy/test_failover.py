@@ -1,5 +1,7 @@
 """A replica killed mid-generation loses no request: each choice resumes on the other replica and
-the client sees one uninterrupted stream with the same text as an undisturbed run (greedy and seeded)."""
+the client sees one uninterrupted stream with the same text as an undisturbed run (greedy and
+seeded)."""
+
 import asyncio
 import json
 import os
@@ -20,16 +22,25 @@ APP = "failover"
 MODEL = "tiny-failover"
 MAX_TOKENS = 200
 # (prompt, sampling): greedy ones and seeded temperature sampling, which must resume exactly too.
-CASES = [(f"Story number {i}:", {"temperature": 0.0}) for i in range(4)] + \
-        [(f"Poem number {i}:", {"temperature": 0.9, "seed": 100 + i}) for i in range(4)]
+CASES = [(f"Story number {i}:", {"temperature": 0.0}) for i in range(4)] + [
+    (f"Poem number {i}:", {"temperature": 0.9, "seed": 100 + i}) for i in range(4)
+]
 
 
 def app_args(model_dir: str, **changes) -> dict:
-    return {"model": model_dir, "served_model_name": MODEL, "max_model_len": 256, "num_gpu_blocks": 128,
-            "num_replicas": 2, "replica_num_cpus": 0.5, "ingress_num_cpus": 0.25, "max_ongoing_requests": 16,
-            # Held tokens die with a killed replica: resumption must regenerate them exactly.
-            "stream_interval": 3,
-            **changes}
+    return {
+        "model": model_dir,
+        "served_model_name": MODEL,
+        "max_model_len": 256,
+        "num_gpu_blocks": 128,
+        "num_replicas": 2,
+        "replica_num_cpus": 0.5,
+        "ingress_num_cpus": 0.25,
+        "max_ongoing_requests": 16,
+        # Held tokens die with a killed replica: resumption must regenerate them exactly.
+        "stream_interval": 3,
+        **changes,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +53,14 @@ def failover_url(ray_cluster, http_port, tiny_model_dir):
 
 
 def _body(prompt: str, sampling: dict, stream: bool) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": stream,
-            **sampling}
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": stream,
+        **sampling,
+    }
 
 
 async def _complete(client: httpx.AsyncClient, prompt: str, sampling: dict) -> tuple[str, int]:
@@ -53,7 +70,9 @@ async def _complete(client: httpx.AsyncClient, prompt: str, sampling: dict) -> t
     return body["choices"][0]["text"], body["usage"]["completion_tokens"]
 
 
-async def _stream(client: httpx.AsyncClient, prompt: str, sampling: dict, started: asyncio.Event) -> tuple[str, int]:
+async def _stream(
+    client: httpx.AsyncClient, prompt: str, sampling: dict, started: asyncio.Event
+) -> tuple[str, int]:
     text, usage = "", 0
     body = {**_body(prompt, sampling, stream=True), "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/completions", json=body) as r:
@@ -122,35 +141,51 @@ async def _stall_worker_fault() -> None:
 
 def _replica_names(excluding: str = "") -> list[str]:
     """The live LLMReplica actors of the app (all but `excluding`)."""
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if f"{APP}#LLMReplica" in a["name"] and a["name"] != excluding]
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if f"{APP}#LLMReplica" in a["name"] and a["name"] != excluding
+    ]
 
 
 def _wait_replica_gone(replica: str, timeout: float = 120) -> None:
     def gone() -> bool:
-        return not any(replica in a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+        return not any(
+            replica in a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        )
+
     assert wait_for(gone, timeout, 0.5), f"replica {replica} was not replaced"
 
 
 def _wait_replaced(victim: str, timeout: float = 180) -> None:
     """Until two live replicas other than the killed one run: the 503s come back before Serve's
     controller has even noticed the death, so the app's status alone still reads RUNNING then."""
-    assert wait_for(lambda: len(_replica_names(excluding=victim)) >= 2, timeout, 0.5), _replica_names(victim)
+    assert wait_for(lambda: len(_replica_names(excluding=victim)) >= 2, timeout, 0.5), (
+        _replica_names(victim)
+    )
     assert len(_replica_names(excluding=victim)) == 2, _replica_names(victim)
     _wait_replicas_running(2)
 
 
-async def _run_cases(url: str, fault: Callable[[], Awaitable[None]] | None) -> list[tuple[str, int]]:
+async def _run_cases(
+    url: str, fault: Callable[[], Awaitable[None]] | None
+) -> list[tuple[str, int]]:
     """Every CASE at once (odd ones streamed); the fault strikes once every request is generating."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         events = [asyncio.Event() for _ in CASES]
-        tasks = [asyncio.create_task(_stream(client, p, s, e) if i % 2 else _complete(client, p, s))
-                 for i, ((p, s), e) in enumerate(zip(CASES, events))]
+        tasks = [
+            asyncio.create_task(_stream(client, p, s, e) if i % 2 else _complete(client, p, s))
+            for i, ((p, s), e) in enumerate(zip(CASES, events))
+        ]
         if fault is not None:
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for i, e in enumerate(events) if i % 2)), 120)
+            await asyncio.wait_for(
+                asyncio.gather(*(e.wait() for i, e in enumerate(events) if i % 2)), 120
+            )
             in_flight = sum(not t.done() for t in tasks)
             await fault()
-            assert in_flight == len(CASES), "the fault must strike while every request is generating"
+            assert in_flight == len(CASES), (
+                "the fault must strike while every request is generating"
+            )
         return await asyncio.gather(*tasks)
 
 
@@ -173,14 +208,18 @@ def _wait_running(timeout: float = 180) -> None:
     def running() -> bool:
         last["status"] = serve.status().applications[APP].status
         return last["status"] == "RUNNING"
+
     assert wait_for(running, timeout, 0.5), last["status"]
 
 
 def _wait_replicas_running(n: int, timeout: float = 180) -> None:
-    """Until the app's LLMReplica deployment has exactly n replicas, all RUNNING (a failed one replaced)."""
+    """Until the app's LLMReplica deployment has exactly n replicas, all RUNNING (a failed one
+    replaced)."""
+
     def states() -> dict:
         app = serve.status().applications.get(APP)
         return {} if app is None else dict(app.deployments["LLMReplica"].replica_states)
+
     wait_for(lambda: states() == {"RUNNING": n}, timeout, 0.5)
     assert states() == {"RUNNING": n}, states()
 
@@ -193,7 +232,8 @@ def _redeploy(model_dir: str, **changes) -> None:
 
 
 def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_a_clean_503(
-        failover_url, tiny_model_dir):
+    failover_url, tiny_model_dir
+):
     """Redeploy with a changed config while requests stream (the old replicas drain), then, with
     max_migrations 0, kill a replica: its requests end with a 503, the others complete."""
     from deploy.app import build_app
@@ -201,10 +241,17 @@ def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_
     async def under_update() -> list[tuple[str, int]]:
         async with httpx.AsyncClient(base_url=failover_url, timeout=300) as client:
             events = [asyncio.Event() for _ in CASES]
-            tasks = [asyncio.create_task(_stream(client, p, s, e)) for (p, s), e in zip(CASES, events)]
+            tasks = [
+                asyncio.create_task(_stream(client, p, s, e)) for (p, s), e in zip(CASES, events)
+            ]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
-            await asyncio.to_thread(serve.run, build_app(app_args(tiny_model_dir, max_migrations=0)), name=APP,
-                                    route_prefix=f"/{APP}", blocking=False)
+            await asyncio.to_thread(
+                serve.run,
+                build_app(app_args(tiny_model_dir, max_migrations=0)),
+                name=APP,
+                route_prefix=f"/{APP}",
+                blocking=False,
+            )
             return await asyncio.gather(*tasks)
 
     for result in asyncio.run(under_update()):
@@ -237,12 +284,19 @@ async def _run_one(url: str) -> tuple[str, int]:
         return await _complete(client, "After the storm:", {"temperature": 0.0})
 
 
-def test_a_tp2_replica_whose_worker_dies_or_stalls_hands_its_requests_to_the_other(failover_url, tiny_model_dir):
+def test_a_tp2_replica_whose_worker_dies_or_stalls_hands_its_requests_to_the_other(
+    failover_url, tiny_model_dir
+):
     """TP=2 replicas: a killed worker fails the engine at once; a stopped one hangs its step, the
     watchdog notices (engine_stall_timeout_s) and Serve replaces the replica. Either way every
     request finishes elsewhere with the text of an undisturbed run."""
-    _redeploy(tiny_model_dir, tensor_parallel_size=2, worker_num_cpus=0.5, engine_stall_timeout_s=3,
-              health_check_period_s=1)
+    _redeploy(
+        tiny_model_dir,
+        tensor_parallel_size=2,
+        worker_num_cpus=0.5,
+        engine_stall_timeout_s=3,
+        health_check_period_s=1,
+    )
     undisturbed = asyncio.run(_run_cases(failover_url, None))
     disturbed = asyncio.run(_run_cases(failover_url, _kill_worker_fault))
     assert disturbed == undisturbed
@@ -276,8 +330,11 @@ def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, long_tin
                     break
                 await asyncio.sleep(0.05)
             assert stats["num_running"] == 4, stats
-            ingress = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if f"{APP}#OpenAIIngress" in a["name"]]
+            ingress = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if f"{APP}#OpenAIIngress" in a["name"]
+            ]
             ray.kill(ray.get_actor(ingress[0], namespace="serve"), no_restart=True)
             # The streams end as soon as the watchdog finds the orphans; the engine thread applies
             # the aborts (and republishes its figures) once its step in progress ends.

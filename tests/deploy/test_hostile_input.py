@@ -1,6 +1,7 @@
 """Hostile input against a served model: every answer is 2xx or 4xx OpenAI error JSON without
 internals, the replica keeps serving and is never restarted, and a burst past the queue limit is
 refused with 429/503, never dropped. Bounded in count (hypothesis max_examples) and time."""
+
 import asyncio
 import json
 import math
@@ -15,29 +16,97 @@ from tests.deploy.conftest import TINY, TINY_KEY, replica_stats
 
 pytestmark = pytest.mark.slow
 
-FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "presence_penalty",
-          "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "ignore_eos", "stream",
-          "stream_options", "user", "priority", "logit_bias", "prompt", "messages", "model", "echo", "tools",
-          "response_format", "best_of", "max_completion_tokens", "suffix", "metadata", "request_timeout_s",
-          "no_such_field"]
-HOSTILE_NUMBERS = [2**63, 2**64, -(2**63), 10**30, -1, 0, 1, 20, 21, 129, 2**31, math.nan, math.inf, -math.inf,
-                   1e308, -0.0, 0.5, 2.5, 100.0, 101.0]
-SCALARS = st.one_of(st.sampled_from(HOSTILE_NUMBERS), st.integers(), st.floats(allow_nan=True),
-                    st.booleans(), st.none(), st.text(max_size=40))
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=6),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                      max_leaves=12)
-INTERNALS = re.compile(r"Traceback|File \"|ray::|RayTaskError|ActorDiedError|\bpid[=:]|\x1b\[|"
-                       r"\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b")
-RAW_BODIES = [b"\xff\xfe\xfa not utf-8", b"[" * 100_000, b"{" * 50_000, b"[1, 2, 3]", b"\"just a string\"",
-              b"{\"model\": \"" + TINY.encode() + b"\", \"prompt\": " + b"[" * 5_000 + b"]" * 5_000 + b"}",
-              b"{\"model\": \"" + TINY.encode() + b"\", \"prompt\": \"" + b"a" * (17 << 20) + b"\"}"]
+FIELDS = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "user",
+    "priority",
+    "logit_bias",
+    "prompt",
+    "messages",
+    "model",
+    "echo",
+    "tools",
+    "response_format",
+    "best_of",
+    "max_completion_tokens",
+    "suffix",
+    "metadata",
+    "request_timeout_s",
+    "no_such_field",
+]
+HOSTILE_NUMBERS = [
+    2**63,
+    2**64,
+    -(2**63),
+    10**30,
+    -1,
+    0,
+    1,
+    20,
+    21,
+    129,
+    2**31,
+    math.nan,
+    math.inf,
+    -math.inf,
+    1e308,
+    -0.0,
+    0.5,
+    2.5,
+    100.0,
+    101.0,
+]
+SCALARS = st.one_of(
+    st.sampled_from(HOSTILE_NUMBERS),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=40),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+INTERNALS = re.compile(
+    r"Traceback|File \"|ray::|RayTaskError|ActorDiedError|\bpid[=:]|\x1b\[|"
+    r"\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b"
+)
+RAW_BODIES = [
+    b"\xff\xfe\xfa not utf-8",
+    b"[" * 100_000,
+    b"{" * 50_000,
+    b"[1, 2, 3]",
+    b'"just a string"',
+    b'{"model": "' + TINY.encode() + b'", "prompt": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",
+    b'{"model": "' + TINY.encode() + b'", "prompt": "' + b"a" * (17 << 20) + b'"}',
+]
 seen = {"cases": 0, "5xx": 0}
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_url):
-    with httpx.Client(base_url=tiny_url, timeout=120, headers={"Authorization": f"Bearer {TINY_KEY}"}) as c:
+    with httpx.Client(
+        base_url=tiny_url, timeout=120, headers={"Authorization": f"Bearer {TINY_KEY}"}
+    ) as c:
         yield c
 
 
@@ -49,7 +118,10 @@ def replica_before(tiny_url):
 def _check_answer(r: httpx.Response) -> None:
     seen["cases"] += 1
     seen["5xx"] += r.status_code >= 500
-    assert r.status_code < 500 and r.status_code in (200, 400, 404, 408, 413, 422), (r.status_code, r.text[:500])
+    assert r.status_code < 500 and r.status_code in (200, 400, 404, 408, 413, 422), (
+        r.status_code,
+        r.text[:500],
+    )
     assert not INTERNALS.search(r.text), r.text[:500]
     if r.status_code >= 400:
         error = r.json()["error"]
@@ -63,21 +135,41 @@ def _still_serving(client: httpx.Client) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(chat=st.booleans(), fields=st.dictionaries(st.sampled_from(FIELDS), VALUES, min_size=1, max_size=4))
-def test_fuzzed_fields_get_2xx_or_4xx_and_the_server_keeps_serving(tiny, replica_before, chat, fields):
-    base = ({"model": TINY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3} if chat
-            else {"model": TINY, "prompt": "Hi", "max_tokens": 3})
-    body = json.dumps({**base, **fields})  # NaN and Infinity go out as JSON extensions, as attackers send them
-    r = tiny.post("/chat/completions" if chat else "/completions", content=body,
-                  headers={"content-type": "application/json"})
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    chat=st.booleans(),
+    fields=st.dictionaries(st.sampled_from(FIELDS), VALUES, min_size=1, max_size=4),
+)
+def test_fuzzed_fields_get_2xx_or_4xx_and_the_server_keeps_serving(
+    tiny, replica_before, chat, fields
+):
+    base = (
+        {"model": TINY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        if chat
+        else {"model": TINY, "prompt": "Hi", "max_tokens": 3}
+    )
+    body = json.dumps(
+        {**base, **fields}
+    )  # NaN and Infinity go out as JSON extensions, as attackers send them
+    r = tiny.post(
+        "/chat/completions" if chat else "/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
     _check_answer(r)
     _still_serving(tiny)
 
 
-@pytest.mark.parametrize("raw", RAW_BODIES, ids=["bad-utf8", "deep-list", "deep-object", "array", "string",
-                                                 "deep-prompt", "17MiB"])
+@pytest.mark.parametrize(
+    "raw",
+    RAW_BODIES,
+    ids=["bad-utf8", "deep-list", "deep-object", "array", "string", "deep-prompt", "17MiB"],
+)
 def test_raw_hostile_bodies_get_4xx(tiny, replica_before, raw):
     r = tiny.post("/completions", content=raw, headers={"content-type": "application/json"})
     _check_answer(r)
@@ -96,12 +188,20 @@ def test_a_burst_past_the_queue_limit_is_refused_not_dropped(tiny_url):
     async def burst(n: int) -> list[int]:
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
         headers = {"Authorization": f"Bearer {TINY_KEY}"}
-        async with httpx.AsyncClient(base_url=tiny_url, timeout=120, limits=limits, headers=headers) as c:
+        async with httpx.AsyncClient(
+            base_url=tiny_url, timeout=120, limits=limits, headers=headers
+        ) as c:
+
             async def one(i: int) -> int:
-                r = await c.post("/completions", json={"model": TINY, "prompt": f"burst {i}", "max_tokens": 4})
+                r = await c.post(
+                    "/completions", json={"model": TINY, "prompt": f"burst {i}", "max_tokens": 4}
+                )
                 if r.status_code in (429, 503):
-                    assert r.json()["error"]["code"] == "overloaded" and r.headers.get("retry-after")
+                    assert r.json()["error"]["code"] == "overloaded" and r.headers.get(
+                        "retry-after"
+                    )
                 return r.status_code
+
             return await asyncio.gather(*(one(i) for i in range(n)))
 
     statuses = asyncio.run(burst(200))

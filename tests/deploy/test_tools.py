@@ -1,21 +1,43 @@
 """Tool calling without a model: formats from templates, grammars that accept exactly valid calls,
 and parsing calls back out of text, whole and as it streams."""
+
 import json
 
 import llguidance
 import pytest
 
-from deploy.tools import (HERMES, LLAMA3_JSON, SMOLLM2, ToolCallParser, ToolSpec, detect_format, prepare_chat,
-                          template_renders_tools, tool_constraint)
+from deploy.tools import (
+    HERMES,
+    LLAMA3_JSON,
+    SMOLLM2,
+    ToolCallParser,
+    ToolSpec,
+    detect_format,
+    prepare_chat,
+    template_renders_tools,
+    tool_constraint,
+)
 from workers.grammar import to_grammar
 
-WEATHER = ToolSpec("get_weather", "Current weather of a city",
-                   {"type": "object", "properties": {"city": {"type": "string"},
-                                                     "unit": {"enum": ["c", "f"]}},
-                    "required": ["city"], "additionalProperties": False})
-ADD = ToolSpec("add", "Sum of two integers", {"type": "object", "properties": {"a": {"type": "integer"},
-                                                                                 "b": {"type": "integer"}},
-                                              "required": ["a", "b"]})
+WEATHER = ToolSpec(
+    "get_weather",
+    "Current weather of a city",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+)
+ADD = ToolSpec(
+    "add",
+    "Sum of two integers",
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    },
+)
 
 
 def accepts(grammar_text: str, text: str) -> bool:
@@ -51,29 +73,41 @@ def test_required_accepts_valid_calls_only(fmt):
 
 def test_a_named_choice_allows_that_function_only():
     grammar = to_grammar(tool_constraint([WEATHER, ADD], "add", SMOLLM2))
-    assert accepts(grammar, '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>')
-    assert not accepts(grammar, '<tool_call>[{"name": "get_weather", "arguments": {"city": "x"}}]</tool_call>')
+    assert accepts(
+        grammar, '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>'
+    )
+    assert not accepts(
+        grammar, '<tool_call>[{"name": "get_weather", "arguments": {"city": "x"}}]</tool_call>'
+    )
 
 
 def test_auto_allows_text_or_calls_but_nothing_malformed_after_the_marker():
     grammar = to_grammar(tool_constraint([WEATHER], "auto", SMOLLM2))
     assert accepts(grammar, "It is sunny, no tool needed.")
-    assert accepts(grammar, '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>')
+    assert accepts(
+        grammar, '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>'
+    )
     assert not accepts(grammar, "<tool_call>I changed my mind")
     assert not accepts(grammar, '  <tool_call>[{"name": "nope", "arguments": {}}]</tool_call>')
 
 
 def test_parallel_calls_are_allowed_unless_turned_off():
-    two = '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}, ' \
-          '{"name": "add", "arguments": {"a": 3, "b": 4}}]</tool_call>'
+    two = (
+        '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+        '{"name": "add", "arguments": {"a": 3, "b": 4}}]</tool_call>'
+    )
     assert accepts(to_grammar(tool_constraint([ADD], "required", SMOLLM2)), two)
     assert not accepts(to_grammar(tool_constraint([ADD], "required", SMOLLM2, parallel=False)), two)
 
 
 def test_streamed_parsing_holds_back_a_possible_marker_and_emits_each_call_once_complete():
     parser = ToolCallParser(HERMES)
-    pieces = ["<tool", "_call>\n{\"name\": \"add\", \"arguments\": {\"a\"", ": 1, \"b\": 2}}\n</tool_call>",
-              "\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>"]
+    pieces = [
+        "<tool",
+        '_call>\n{"name": "add", "arguments": {"a"',
+        ': 1, "b": 2}}\n</tool_call>',
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    ]
     sent = [parser.feed(p) for p in pieces]
     assert [content for content, _ in sent] == ["", "", "", ""]
     assert [len(calls) for _, calls in sent] == [0, 0, 1, 1]
@@ -98,14 +132,28 @@ def test_a_call_cut_off_before_it_completes_comes_back_as_text():
 
 
 def test_templates_without_tools_get_them_described_and_past_calls_written_back():
-    history = [{"role": "user", "content": "Add 1 and 2"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
-               {"role": "tool", "content": "3", "tool_call_id": "c1"}]
+    history = [
+        {"role": "user", "content": "Add 1 and 2"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "3", "tool_call_id": "c1"},
+    ]
     messages, tools_arg = prepare_chat(history, [ADD], SMOLLM2, renders_tools=False)
     assert tools_arg is None
     assert messages[0]["role"] == "system" and '"name": "add"' in messages[0]["content"]
-    assert messages[2]["content"] == '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>'
+    assert (
+        messages[2]["content"]
+        == '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>'
+    )
     messages, tools_arg = prepare_chat(history, [ADD], HERMES, renders_tools=True)
     assert tools_arg == [ADD.as_openai()]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}

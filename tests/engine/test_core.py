@@ -1,10 +1,10 @@
 """EngineCore: requests in, RequestOutputs out, one scheduled batch per step()."""
+
 from __future__ import annotations
 
 import pytest
 
 from engine.config import EngineConfig
-
 from engine.core import EngineCore
 from scheduler import Request, SamplingParams
 
@@ -12,7 +12,9 @@ from scheduler import Request, SamplingParams
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
     path, _ = tiny_checkpoint("llama")
-    core = EngineCore(EngineConfig(model=path, device="cpu", kv_cache_memory_gb=0.01, load_progress=False))
+    core = EngineCore(
+        EngineConfig(model=path, device="cpu", kv_cache_memory_gb=0.01, load_progress=False)
+    )
     yield core
     core.shutdown()
 
@@ -38,18 +40,39 @@ def test_a_max_model_len_past_the_model_s_positions_is_refused_before_any_step(t
     the first sequence that reaches position 512, so it is a config error, naming the field."""
     path, _ = tiny_checkpoint("llama")
     for too_long in (2048, 2**64):
-        with pytest.raises(ValueError, match=f"max_model_len: {too_long} exceeds the model's context of 512"):
-            EngineCore(EngineConfig.from_kwargs(model=path, device="cpu", kv_cache_memory_gb=0.01,
-                                                load_progress=False, max_model_len=too_long))
-    at_limit = EngineCore(EngineConfig.from_kwargs(model=path, device="cpu", kv_cache_memory_gb=0.01,
-                                                   load_progress=False, max_model_len=512))
+        with pytest.raises(
+            ValueError, match=f"max_model_len: {too_long} exceeds the model's context of 512"
+        ):
+            EngineCore(
+                EngineConfig.from_kwargs(
+                    model=path,
+                    device="cpu",
+                    kv_cache_memory_gb=0.01,
+                    load_progress=False,
+                    max_model_len=too_long,
+                )
+            )
+    at_limit = EngineCore(
+        EngineConfig.from_kwargs(
+            model=path,
+            device="cpu",
+            kv_cache_memory_gb=0.01,
+            load_progress=False,
+            max_model_len=512,
+        )
+    )
     at_limit.shutdown()
 
 
 def test_step_streams_one_token_per_request_until_max_tokens(engine):
-    engine.add_request(Request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
-    engine.add_request(Request("b", list(range(40, 90)), SamplingParams(max_tokens=5, temperature=0.0,
-                                                                        ignore_eos=True)))
+    engine.add_request(
+        Request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    )
+    engine.add_request(
+        Request(
+            "b", list(range(40, 90)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        )
+    )
     seen = drain(engine)
     assert [len(o.new_token_ids) for o in seen["a"]] == [1, 1, 1]
     assert [o.finished for o in seen["b"]] == [False] * 4 + [True]
@@ -66,7 +89,9 @@ def test_eos_defaults_to_the_models(engine):
 
 def test_abort_finishes_a_request_and_frees_its_blocks(engine):
     free = engine.stats().num_free_blocks
-    engine.add_request(Request("long", list(range(100, 164)), SamplingParams(max_tokens=400, ignore_eos=True)))
+    engine.add_request(
+        Request("long", list(range(100, 164)), SamplingParams(max_tokens=400, ignore_eos=True))
+    )
     engine.step()
     assert engine.stats().num_free_blocks < free
     [out] = engine.abort_requests(["long"])
@@ -99,21 +124,45 @@ def test_seeded_sampling_is_reproducible_across_batches(engine):
     engine.add_request(Request("s1", [9, 10, 11], params))
     first = drain(engine)["s1"]
     engine.add_request(Request("s2", [9, 10, 11], params))
-    engine.add_request(Request("other", [3, 4, 5, 6], SamplingParams(max_tokens=8, temperature=1.0)))
+    engine.add_request(
+        Request("other", [3, 4, 5, 6], SamplingParams(max_tokens=8, temperature=1.0))
+    )
     second = drain(engine)["s2"]
-    assert [t for o in first for t in o.new_token_ids] == [t for o in second for t in o.new_token_ids]
+    assert [t for o in first for t in o.new_token_ids] == [
+        t for o in second for t in o.new_token_ids
+    ]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("dtype", "float64"), ("device", "tpu"), ("tensor_parallel_size", 0), ("kv_cache_memory_gb", 0),
-    ("gpu_memory_utilization", 1.5), ("num_gpu_blocks", 0), ("max_model_len", 0),
-    ("attention_backend", "xformers"), ("model", ""), ("seed", -1), ("seed", 2**64),
-    ("kv_cache_memory_gb", float("nan")), ("cpu_threads", 0), ("tensor_parallel_size", True),
-    ("process_niceness", -21), ("process_niceness", 20), ("process_niceness", 2**64),
-    ("process_niceness", float("nan")), ("process_niceness", True),
-    ("stream_interval", 0), ("stream_interval", -1), ("stream_interval", 2**64), ("stream_interval", float("nan")),
-    ("stream_interval", 10**9), ("stream_interval", True),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("dtype", "float64"),
+        ("device", "tpu"),
+        ("tensor_parallel_size", 0),
+        ("kv_cache_memory_gb", 0),
+        ("gpu_memory_utilization", 1.5),
+        ("num_gpu_blocks", 0),
+        ("max_model_len", 0),
+        ("attention_backend", "xformers"),
+        ("model", ""),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("kv_cache_memory_gb", float("nan")),
+        ("cpu_threads", 0),
+        ("tensor_parallel_size", True),
+        ("process_niceness", -21),
+        ("process_niceness", 20),
+        ("process_niceness", 2**64),
+        ("process_niceness", float("nan")),
+        ("process_niceness", True),
+        ("stream_interval", 0),
+        ("stream_interval", -1),
+        ("stream_interval", 2**64),
+        ("stream_interval", float("nan")),
+        ("stream_interval", 10**9),
+        ("stream_interval", True),
+    ],
+)
 def test_engine_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig.from_kwargs(**{field: value})
@@ -129,15 +178,19 @@ def test_engine_config_splits_scheduler_knobs():
 def test_swap_needs_a_cpu_pool_before_any_model_loads():
     with pytest.raises(ValueError, match="swap_space_gb or num_cpu_blocks"):
         EngineConfig.from_kwargs(preemption_mode="swap")
-    assert EngineConfig.from_kwargs(preemption_mode="swap", swap_space_gb=0.5).scheduler.num_cpu_blocks is None
+    assert (
+        EngineConfig.from_kwargs(preemption_mode="swap", swap_space_gb=0.5).scheduler.num_cpu_blocks
+        is None
+    )
 
 
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 1234)])
 def test_a_resumed_request_continues_exactly_where_it_stopped(engine, temperature, seed):
     # What a migrated choice does: prompt + the tokens already emitted, the same parameters.
     prompt = list(range(200, 230))
-    params = SamplingParams(max_tokens=12, temperature=temperature, seed=seed, ignore_eos=True,
-                            presence_penalty=0.5)
+    params = SamplingParams(
+        max_tokens=12, temperature=temperature, seed=seed, ignore_eos=True, presence_penalty=0.5
+    )
     engine.add_request(Request("whole", prompt, params))
     whole = [t for o in drain(engine)["whole"] for t in o.new_token_ids]
     engine.add_request(Request("resumed", prompt, params, output_token_ids=whole[:5]))
@@ -154,15 +207,19 @@ def test_a_resumed_request_must_leave_room_to_generate():
 def test_the_routers_prefix_index_follows_the_engines_reports_by_their_changes(engine):
     """What a replica sends (RoutingStats of engine.prefix_report) leaves the router's index holding
     exactly the engine's cached blocks; from the second report on, the report says what changed."""
-    from router.stats import RoutingStats
-    from router.fleet import FleetState
     from router.config import RoutingConfig
+    from router.fleet import FleetState
+    from router.stats import RoutingStats
     from scheduler import hash_prompt_blocks
 
     router = FleetState(RoutingConfig())
     reports = []
-    for i, prompt in enumerate([list(range(100, 164)), list(range(100, 148)) + list(range(300, 340))]):
-        engine.add_request(Request(f"prefix-{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+    for i, prompt in enumerate(
+        [list(range(100, 164)), list(range(100, 148)) + list(range(300, 340))]
+    ):
+        engine.add_request(
+            Request(f"prefix-{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        )
         drain(engine)
         stats = RoutingStats.of(engine.stats())
         stats.set_prefix(engine.prefix_report(4096))
@@ -172,4 +229,6 @@ def test_the_routers_prefix_index_follows_the_engines_reports_by_their_changes(e
     shared = hash_prompt_blocks(list(range(100, 148)), engine.scheduler.kv.block_size)
     assert set(shared) <= router.index.blocks_of("replica")
     assert reports[1]["prefix_base_id"] == reports[0]["prefix_report_id"]
-    assert set(reports[1]["prefix_listed"]) == set(reports[1]["prefix_hashes"]) - set(reports[0]["prefix_hashes"])
+    assert set(reports[1]["prefix_listed"]) == set(reports[1]["prefix_hashes"]) - set(
+        reports[0]["prefix_hashes"]
+    )

@@ -4,6 +4,7 @@ The same 32 mixed requests run alone, batched, with a 32-token budget (chunked p
 forced preemption (recompute and swap) and again over a warm prefix cache. Results may differ
 only where the reference run had a true near-tie (tests/workers/greedy.py).
 """
+
 from __future__ import annotations
 
 import random
@@ -17,8 +18,26 @@ pytestmark = pytest.mark.slow
 
 NUM_REQUESTS = 32
 ALONE = (0, 7, 13, 30)  # requests also run one at a time
-WORDS = ("river stone light market engine garden winter paper signal forest copper "
-         "harbor lantern window orbit cotton meadow thunder").split()
+WORDS = [
+    "river",
+    "stone",
+    "light",
+    "market",
+    "engine",
+    "garden",
+    "winter",
+    "paper",
+    "signal",
+    "forest",
+    "copper",
+    "harbor",
+    "lantern",
+    "window",
+    "orbit",
+    "cotton",
+    "meadow",
+    "thunder",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +49,16 @@ def workload(smollm2_tokenizer):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 60)))
         if i % 2:
             text = smollm2_tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"Summarise: {text}"}], tokenize=False, add_generation_prompt=True)
+                [{"role": "user", "content": f"Summarise: {text}"}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
         prompts.append(smollm2_tokenizer.encode(text, add_special_tokens=False)[:160])
-        params.append(SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.0, ignore_eos=True, logprobs=2))
+        params.append(
+            SamplingParams(
+                max_tokens=rng.randint(4, 16), temperature=0.0, ignore_eos=True, logprobs=2
+            )
+        )
     return prompts, params
 
 
@@ -53,7 +79,9 @@ def batched(batched_llm, workload):
 
 def assert_all_match(outs, refs, what):
     for i, (out, ref) in enumerate(zip(outs, refs)):
-        assert_greedy_match(out.token_ids, from_logprobs(ref.token_ids, ref.logprobs), f"{what}, request {i}")
+        assert_greedy_match(
+            out.token_ids, from_logprobs(ref.token_ids, ref.logprobs), f"{what}, request {i}"
+        )
 
 
 def test_batch_of_32_equals_each_request_alone(llm_factory, workload, batched):
@@ -61,7 +89,9 @@ def test_batch_of_32_equals_each_request_alone(llm_factory, workload, batched):
     alone_llm = llm_factory(model="default", dtype="float32", enable_prefix_caching=False)
     for i in ALONE:
         alone = run(alone_llm, [prompts[i]], [params[i]])[0]
-        assert_greedy_match(batched[i].token_ids, from_logprobs(alone.token_ids, alone.logprobs), f"request {i}")
+        assert_greedy_match(
+            batched[i].token_ids, from_logprobs(alone.token_ids, alone.logprobs), f"request {i}"
+        )
         assert batched[i].finish_reason == "length"
         assert len(batched[i].token_ids) == params[i].max_tokens
 
@@ -90,5 +120,8 @@ def test_prefix_cache_hit_keeps_tokens(batched_llm, workload, batched):
     for i, out in zip(ALONE, again):
         if len(prompts[i]) > 16:
             assert out.num_cached_tokens >= 16, f"request {i} found no cached block"
-        assert_greedy_match(out.token_ids, from_logprobs(batched[i].token_ids, batched[i].logprobs),
-                            f"prefix hit, request {i}")
+        assert_greedy_match(
+            out.token_ids,
+            from_logprobs(batched[i].token_ids, batched[i].logprobs),
+            f"prefix hit, request {i}",
+        )

@@ -1,4 +1,5 @@
 """The offline API: LLM(...).generate / .chat over prompts given as text or token ids."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,9 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 @pytest.mark.slow
 def test_chat_answers_with_the_default_model(smollm2_llm):
-    [out] = smollm2_llm.chat([[{"role": "user", "content": "What is the capital of France?"}]], GREEDY,
-                             use_tqdm=False)
+    [out] = smollm2_llm.chat(
+        [[{"role": "user", "content": "What is the capital of France?"}]], GREEDY, use_tqdm=False
+    )
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # <|im_end|>, the model's EOS
     assert out.token_ids[-1] == smollm2_llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -44,8 +46,11 @@ def test_outputs_come_back_in_prompt_order_with_per_prompt_params(tiny_llm):
 
 
 def test_logprobs_list_the_sampled_token_then_the_top_n(tiny_llm):
-    [out] = tiny_llm.generate([[20, 21, 22]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3,
-                                                             ignore_eos=True), use_tqdm=False)
+    [out] = tiny_llm.generate(
+        [[20, 21, 22]],
+        SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert len(out.logprobs) == 4
     for token, entry in zip(out.token_ids, out.logprobs):
         assert entry[0][0] == token and len(entry) == 4
@@ -56,11 +61,14 @@ def test_logprobs_list_the_sampled_token_then_the_top_n(tiny_llm):
 def test_stop_string_truncates_the_text(tiny_llm):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     [full] = tiny_llm.generate([[30, 31, 32]], params, use_tqdm=False)
-    stop = full.text[len(full.text) // 2:][:3]
+    stop = full.text[len(full.text) // 2 :][:3]
     if not stop.strip():
         pytest.skip("the random model's text has no usable stop string")
-    [cut] = tiny_llm.generate([[30, 31, 32]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
-                                                             stop=[stop]), use_tqdm=False)
+    [cut] = tiny_llm.generate(
+        [[30, 31, 32]],
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.find(stop)]
     assert not tiny_llm.engine.has_unfinished_requests()
@@ -70,12 +78,18 @@ def test_stop_string_completed_by_the_last_token_still_finishes_as_stop(tiny_llm
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     [full] = tiny_llm.generate([[40, 41, 42]], params, use_tqdm=False)
     # The shortest tail of the text that occurs nowhere earlier: only the final token completes it.
-    tails = [full.text[-k:] for k in range(1, len(full.text) + 1)
-             if full.text[-k:].strip() and full.text.find(full.text[-k:]) == len(full.text) - k]
+    tails = [
+        full.text[-k:]
+        for k in range(1, len(full.text) + 1)
+        if full.text[-k:].strip() and full.text.find(full.text[-k:]) == len(full.text) - k
+    ]
     if not tails:
         pytest.skip("the random model's text has no usable stop string")
-    [cut] = tiny_llm.generate([[40, 41, 42]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                             stop=[tails[0]]), use_tqdm=False)
+    [cut] = tiny_llm.generate(
+        [[40, 41, 42]],
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop=[tails[0]]),
+        use_tqdm=False,
+    )
     assert cut.finish_reason == "stop" and cut.text == full.text[: -len(tails[0])]
 
 
@@ -93,23 +107,36 @@ def test_more_than_one_sample_per_prompt_is_refused(tiny_llm):
         tiny_llm.generate([[1, 2]], SamplingParams(n=2), use_tqdm=False)
 
 
-@pytest.mark.parametrize("model, message", [
-    ("/does/not/exist", "does not exist"),
-    (__file__, "neither a .gguf file nor"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("/does/not/exist", "does not exist"),
+        (__file__, "neither a .gguf file nor"),
+    ],
+)
 def test_bad_model_paths_raise_clear_errors(model, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=model, device="cpu")
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'
+    )
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(model=str(tmp_path), device="cpu")
 
 
 # What the GPU machines lack: the TP=1 offline engine must not need any of it.
-ABSENT_ON_GPU_MACHINES = ("ray", "pydantic", "fastapi", "starlette", "uvicorn", "gguf", "flash_attn")
+ABSENT_ON_GPU_MACHINES = (
+    "ray",
+    "pydantic",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "gguf",
+    "flash_attn",
+)
 
 
 def test_the_offline_engine_runs_without_ray_or_the_serving_stack(tiny_checkpoint):

@@ -1,16 +1,18 @@
-"""A fault that belongs to one request finishes that request alone: the batch goes on, no block leaks.
+"""A fault that belongs to one request finishes that request alone: the batch goes on, no block
+leaks.
 
 Faults are injected into the real engine at the two places a request's own inputs are used: the
 building of its sampling state, and its row of the sampler.
 """
+
 from __future__ import annotations
 
 import pytest
 
 from engine.core import EngineCore
 from scheduler import Request, SamplingParams
-from workers import sampler as sampler_module
 from workers import runner as runner_module
+from workers import sampler as sampler_module
 
 BAD_SEED = 4242  # the injected faults pick their victim by this seed
 PROMPTS = {f"r{i}": list(range(10 + 7 * i, 30 + 7 * i)) for i in range(4)}
@@ -21,8 +23,11 @@ def engine(tiny_checkpoint):
     from engine.config import EngineConfig
 
     path, _ = tiny_checkpoint("llama")
-    core = EngineCore(EngineConfig.from_kwargs(model=path, device="cpu", kv_cache_memory_gb=0.01,
-                                               load_progress=False))
+    core = EngineCore(
+        EngineConfig.from_kwargs(
+            model=path, device="cpu", kv_cache_memory_gb=0.01, load_progress=False
+        )
+    )
     yield core
     core.shutdown()
 
@@ -31,8 +36,13 @@ def run(engine: EngineCore, victim: str | None) -> dict[str, list]:
     """The four prompts in one batch, greedy; the victim (if any) carries BAD_SEED."""
     for rid, prompt in PROMPTS.items():
         seed = BAD_SEED if rid == victim else None
-        engine.add_request(Request(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0, seed=seed,
-                                                               ignore_eos=True)))
+        engine.add_request(
+            Request(
+                rid,
+                prompt,
+                SamplingParams(max_tokens=6, temperature=0.0, seed=seed, ignore_eos=True),
+            )
+        )
     seen: dict[str, list] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

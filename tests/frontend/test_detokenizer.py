@@ -1,4 +1,5 @@
 """Incremental detokenization and stop strings, on the embedded model's byte-level BPE tokenizer."""
+
 import pytest
 
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher

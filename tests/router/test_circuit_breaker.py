@@ -1,5 +1,6 @@
 """The fleet router's per-replica circuit breaker, without Ray: K consecutive failures open it, the
 router then skips the replica, and it closes after a cool-down on a success or a fresh ok report."""
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -59,7 +60,9 @@ def test_after_the_cool_down_a_fresh_ok_report_closes_it():
 
 def test_half_open_lets_one_probe_per_cool_down_and_its_success_closes_it():
     breaker = opened(cooldown_s=10.0, at=0.0)
-    assert breaker.allows(A, 10.0) and breaker.allows(A, 10.2)  # eligible until a request goes there
+    assert breaker.allows(A, 10.0) and breaker.allows(
+        A, 10.2
+    )  # eligible until a request goes there
     breaker.on_picked(A, 10.2)  # the probe
     assert not breaker.allows(A, 10.5)  # no second one while the probe is out
     breaker.record_success(A, 11.0)
@@ -99,14 +102,22 @@ def test_forget_drops_a_removed_replica():
     assert breaker.allows(A, 0.0) and not breaker.replicas()
 
 
-events = st.lists(st.tuples(st.sampled_from(["fail", "ok", "report", "pick"]),
-                            st.floats(min_value=0, max_value=5)), max_size=60)
+events = st.lists(
+    st.tuples(
+        st.sampled_from(["fail", "ok", "report", "pick"]), st.floats(min_value=0, max_value=5)
+    ),
+    max_size=60,
+)
 
 
 @given(threshold=st.integers(1, 5), cooldown_s=st.floats(0.5, 20), script=events)
-def test_open_iff_threshold_failures_in_a_row_and_never_closed_within_a_cool_down(threshold, cooldown_s, script):
-    """Against a model: opens on the threshold-th failure in a row; stays open (and skipped but for one
-    probe per cool-down) until cooldown_s after its last failure; then a success or an ok report closes it."""
+def test_open_iff_threshold_failures_in_a_row_and_never_closed_within_a_cool_down(
+    threshold, cooldown_s, script
+):
+    """Against a model: opens on the threshold-th failure in a row; stays open (and skipped but for
+    one
+    probe per cool-down) until cooldown_s after its last failure; then a success or an ok report
+    closes it."""
     breaker = CircuitBreaker(threshold, cooldown_s)
     now, run, last_failure, is_open, last_probe = 0.0, 0, 0.0, False, 0.0
     for kind, dt in script:

@@ -1,20 +1,17 @@
 """Fleet routing policies, without Ray: load beats affinity past the threshold, longest prefix wins
 otherwise, the prefix index stays within its LRU bound, and dead replicas are forgotten."""
+
 import itertools
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.fleet import FleetState, RouteRequest
-
-from router.policies import LeastLoaded, PowerOfTwo, PrefixAffinity, RoundRobin
-
-from router.loads import LoadTracker
-
-from router.prefix_index import PrefixIndex, ReportChange, _in_listed_order
-
 from router.config import RoutingConfig
+from router.fleet import FleetState
+from router.loads import LoadTracker
+from router.policies import LeastLoaded, PowerOfTwo, PrefixAffinity, RouteRequest
+from router.prefix_index import PrefixIndex, ReportChange, _in_listed_order
 
 A, B, C = "a", "b", "c"
 
@@ -35,18 +32,29 @@ def busy(state: FleetState, replica: str, n: int, now: float = 0.0) -> None:
 # ---------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("field,value", [
-    ("router_policy", "random"), ("imbalance_threshold", -1), ("imbalance_ratio", 0.5), ("min_match_blocks", 0),
-    ("max_index_blocks", 0), ("tokens_per_request", 0), ("kv_usage_weight", -0.5),
-    ("stats_grace_s", -1), ("unconfirmed_ttl_s", 0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("router_policy", "random"),
+        ("imbalance_threshold", -1),
+        ("imbalance_ratio", 0.5),
+        ("min_match_blocks", 0),
+        ("max_index_blocks", 0),
+        ("tokens_per_request", 0),
+        ("kv_usage_weight", -0.5),
+        ("stats_grace_s", -1),
+        ("unconfirmed_ttl_s", 0),
+    ],
+)
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         RoutingConfig(**{field: value})
 
 
 def test_router_kwargs_map_one_to_one_and_unknown_keys_are_named():
-    config = RoutingConfig.from_router_kwargs({"router_policy": "least_loaded", "imbalance_threshold": 2})
+    config = RoutingConfig.from_router_kwargs(
+        {"router_policy": "least_loaded", "imbalance_threshold": 2}
+    )
     assert (config.router_policy, config.imbalance_threshold) == ("least_loaded", 2)
     assert RoutingConfig.from_router_kwargs(None) == RoutingConfig()
     with pytest.raises(ValueError, match="router_kwargs.imbalance"):
@@ -146,7 +154,8 @@ def test_replica_prefix_report_corrects_the_index_after_evictions():
     index = PrefixIndex(max_blocks=100)
     index.insert(A, [1, 2], now=0)
     index.insert(A, [5], now=9)
-    # At t=10 the replica reports blocks 1 and 4 resident: 2 was evicted, 4 arrived from another router,
+    # At t=10 the replica reports blocks 1 and 4 resident: 2 was evicted, 4 arrived from another
+    # router,
     # 5 is younger than the grace window and may postdate the report, so it stays.
     index.sync_replica(A, [1, 4], now=10, grace_s=5)
     assert index.blocks_of(A) == {1, 4, 5}
@@ -196,7 +205,9 @@ def test_load_imbalance_beats_affinity_past_the_threshold():
     state = fleet()
     state.index.insert(A, [1, 2, 3], now=0)
     busy(state, A, 3)
-    assert policy.rank([A, B], RouteRequest("q", 0, [1, 2, 3]), state)[0] == A  # exactly at threshold
+    assert (
+        policy.rank([A, B], RouteRequest("q", 0, [1, 2, 3]), state)[0] == A
+    )  # exactly at threshold
     busy(state, A, 4)
     assert policy.rank([A, B], RouteRequest("q", 0, [1, 2, 3]), state) == [B, A]
 
@@ -321,8 +332,10 @@ hashes = st.lists(st.integers(0, 30), max_size=8)
 
 
 @settings(max_examples=200, deadline=None)
-@given(bound=st.integers(1, 12),
-       inserts=st.lists(st.tuples(st.sampled_from([A, B, C]), hashes), max_size=40))
+@given(
+    bound=st.integers(1, 12),
+    inserts=st.lists(st.tuples(st.sampled_from([A, B, C]), hashes), max_size=40),
+)
 def test_index_never_exceeds_its_bound_and_both_directions_agree(bound, inserts):
     index = PrefixIndex(bound)
     for t, (replica, blocks) in enumerate(inserts):
@@ -344,18 +357,31 @@ class _EveryInsertApplied(PrefixIndex):
 
 
 def _index_state(index: PrefixIndex) -> tuple:
-    """Everything a later pick, insert or report reads: owners in LRU order and the per-replica sets."""
+    """Everything a later pick, insert or report reads: owners in LRU order and the per-replica
+    sets."""
     return (list(index._owners.items()), index._by_replica, index._reported, index._unreported)
 
 
 @settings(max_examples=300, deadline=None)
-@given(bound=st.integers(1, 12), grace=st.integers(0, 3), ops=st.lists(st.tuples(
-    st.sampled_from(["plant", "again", "again later", "match", "report", "remove"]), st.sampled_from([A, B]),
-    st.lists(st.integers(0, 8), max_size=6)), max_size=40))  # few distinct blocks: ops overlap
+@given(
+    bound=st.integers(1, 12),
+    grace=st.integers(0, 3),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["plant", "again", "again later", "match", "report", "remove"]),
+            st.sampled_from([A, B]),
+            st.lists(st.integers(0, 8), max_size=6),
+        ),
+        max_size=40,
+    ),
+)  # few distinct blocks: ops overlap
 def test_an_insert_repeating_the_last_with_nothing_between_is_skipped_without_changing_the_index(
-        bound, grace, ops):
-    """A router charges a request at its pick and again at its confirmation; in a simulator both come
-    at one instant, and the second insert is skipped. The index must end as if it had been applied."""
+    bound, grace, ops
+):
+    """A router charges a request at its pick and again at its confirmation; in a simulator both
+    come
+    at one instant, and the second insert is skipped. The index must end as if it had been
+    applied."""
     index, reference = PrefixIndex(bound), _EveryInsertApplied(bound)
     last = (A, [], 0.0)
     for t, (kind, replica, blocks) in enumerate(ops):
@@ -377,10 +403,14 @@ def test_an_insert_repeating_the_last_with_nothing_between_is_skipped_without_ch
         assert _index_state(index) == _index_state(reference)
 
 
-index_ops = st.lists(st.one_of(
-    st.tuples(st.just("plant"), st.sampled_from([A, B]), hashes),
-    st.tuples(st.just("report"), st.sampled_from([A, B]), hashes),
-    st.tuples(st.just("remove"), st.sampled_from([A, B]), st.just([]))), max_size=40)
+index_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("plant"), st.sampled_from([A, B]), hashes),
+        st.tuples(st.just("report"), st.sampled_from([A, B]), hashes),
+        st.tuples(st.just("remove"), st.sampled_from([A, B]), st.just([])),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -398,7 +428,9 @@ def test_reports_apply_as_differences_yet_give_what_a_full_rebuild_would(ops, gr
             planted_at.update({(replica, h): now for h in blocks})
         elif kind == "report":
             index.sync_replica(replica, blocks, now=now, grace_s=grace)
-            young = {h for h in held[replica] if planted_at.get((replica, h), -10**9) >= now - grace}
+            young = {
+                h for h in held[replica] if planted_at.get((replica, h), -(10**9)) >= now - grace
+            }
             held[replica] = set(blocks) | young
         else:
             index.remove_replica(replica)
@@ -413,8 +445,11 @@ def test_reports_apply_as_differences_yet_give_what_a_full_rebuild_would(ops, gr
 @settings(max_examples=300, deadline=None)
 @given(listed=st.lists(st.integers(0, 10**6), unique=True, max_size=300), data=st.data())
 def test_newly_listed_blocks_keep_the_report_order_wherever_they_sit(listed, data):
-    """The tail search gives what a filter of the whole report gives, for any positions of the wanted."""
-    wanted = set(data.draw(st.lists(st.sampled_from(listed), max_size=40) if listed else st.just([])))
+    """The tail search gives what a filter of the whole report gives, for any positions of the
+    wanted."""
+    wanted = set(
+        data.draw(st.lists(st.sampled_from(listed), max_size=40) if listed else st.just([]))
+    )
     assert _in_listed_order(listed, wanted) == [h for h in listed if h in wanted]
 
 
@@ -425,7 +460,9 @@ def test_the_candidate_loads_follow_every_change_of_a_replica_load():
     assert list(state.loads.loads_of(names)) == [0.0, 0.0, 0.0]
     busy(state, B, 2)
     state.on_stats(C, {"num_waiting": 3, "num_running": 1, "kv_cache_usage": 0.5}, now=0)
-    assert list(state.loads.loads_of(names)) == [state.loads.load(r) for r in names] == [0.0, 2.0, 4.5]
+    assert (
+        list(state.loads.loads_of(names)) == [state.loads.load(r) for r in names] == [0.0, 2.0, 4.5]
+    )
     state.on_completed(next(iter(state.loads._requests)))
     state.remove_replica(C)
     assert list(state.loads.loads_of(names)) == [0.0, 1.0, 0.0]
@@ -444,10 +481,19 @@ def test_the_least_load_rises_with_its_only_holder_and_is_found_afresh_for_anoth
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["route", "complete", "report", "remove", "relist"]),
-                              st.sampled_from([A, B, C, "d"]), st.integers(0, 3)), max_size=60))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["route", "complete", "report", "remove", "relist"]),
+            st.sampled_from([A, B, C, "d"]),
+            st.integers(0, 3),
+        ),
+        max_size=60,
+    )
+)
 def test_the_least_candidate_load_and_footprint_follow_every_change(ops):
-    """The kept minimum equals a fresh min over the kept list after every change, whichever way it moves."""
+    """The kept minimum equals a fresh min over the kept list after every change, whichever way it
+    moves."""
     state = fleet(kv_usage_weight=1.0)
     names = [A, B, C, "d"]
     for i, (kind, replica, n) in enumerate(ops):
@@ -456,16 +502,30 @@ def test_the_least_candidate_load_and_footprint_follow_every_change(ops):
         elif kind == "complete" and state.loads._requests:
             state.on_completed(sorted(state.loads._requests)[n % len(state.loads._requests)])
         elif kind == "report":
-            state.on_stats(replica, {"num_waiting": n, "num_running": 0, "kv_cache_usage": n / 4,
-                                     "prefix_hashes": list(range(n))}, now=i)
+            state.on_stats(
+                replica,
+                {
+                    "num_waiting": n,
+                    "num_running": 0,
+                    "kv_cache_usage": n / 4,
+                    "prefix_hashes": list(range(n)),
+                },
+                now=i,
+            )
         elif kind == "remove":
             state.remove_replica(replica)
         elif kind == "relist":
             names = list(names)  # another list object: read afresh
-        assert state.loads.least_load(names) == min(state.loads.loads_of(names)) == \
-            min(state.loads.load(r) for r in names)
-        assert state.index.smallest_footprint(names) == min(state.index.footprints(names)) == \
-            min(state.index.footprint(r) for r in names)
+        assert (
+            state.loads.least_load(names)
+            == min(state.loads.loads_of(names))
+            == min(state.loads.load(r) for r in names)
+        )
+        assert (
+            state.index.smallest_footprint(names)
+            == min(state.index.footprints(names))
+            == min(state.index.footprint(r) for r in names)
+        )
 
 
 def _stats(report, with_change: bool) -> dict:
@@ -481,9 +541,15 @@ def _stats(report, with_change: bool) -> dict:
 
 
 @settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 2**32), num_ops=st.integers(1, 150), grace=st.integers(0, 6),
-       bound=st.sampled_from([10, 10_000]))
-def test_reports_applied_by_their_change_leave_the_index_a_whole_list_would(seed, num_ops, grace, bound):
+@given(
+    seed=st.integers(0, 2**32),
+    num_ops=st.integers(1, 150),
+    grace=st.integers(0, 6),
+    bound=st.sampled_from([10, 10_000]),
+)
+def test_reports_applied_by_their_change_leave_the_index_a_whole_list_would(
+    seed, num_ops, grace, bound
+):
     """A router applying each report's own account of its change ends exactly where one comparing
     whole lists ends (owners, LRU order, unreported plants), also when it missed a report (it then
     compares lists), when a list was cut at the limit, and with the index at its LRU bound."""
@@ -491,16 +557,23 @@ def test_reports_applied_by_their_change_leave_the_index_a_whole_list_would(seed
 
     from scheduler.block_manager import BlockPool
 
-    rng = random.Random(seed)  # a seeded stream of operations: hypothesis alone favours short, empty ones
+    rng = random.Random(
+        seed
+    )  # a seeded stream of operations: hypothesis alone favours short, empty ones
     pools = {A: BlockPool(12), B: BlockPool(12)}
     held: dict[str, list[int]] = {A: [], B: []}
     by_change, by_list = (fleet(max_index_blocks=bound, stats_grace_s=grace) for _ in range(2))
     for now in range(num_ops):
         replica = rng.choice([A, B])
-        pool, kind = pools[replica], rng.choice(["fill", "fill", "free", "plant", "report", "report", "skip", "cut"])
+        pool, kind = (
+            pools[replica],
+            rng.choice(["fill", "fill", "free", "plant", "report", "report", "skip", "cut"]),
+        )
         if kind == "fill":
             blocks = pool.allocate(min(rng.randint(1, 4), pool.num_free))
-            h = rng.randrange(40)  # hashes collide: some are cached already, some come back after eviction
+            h = rng.randrange(
+                40
+            )  # hashes collide: some are cached already, some come back after eviction
             for i, block in enumerate(blocks):
                 pool.register(block, h + i)
             held[replica] += blocks
@@ -520,50 +593,127 @@ def test_reports_applied_by_their_change_leave_the_index_a_whole_list_would(seed
                 by_list.on_stats(replica, _stats(report, False), now)
         a, b = by_change.index, by_list.index
         assert list(a._owners.items()) == list(b._owners.items())
-        assert a._by_replica == b._by_replica and a._unreported == b._unreported and a._reported == b._reported
+        assert (
+            a._by_replica == b._by_replica
+            and a._unreported == b._unreported
+            and a._reported == b._reported
+        )
 
 
 def test_a_report_whose_change_does_not_add_up_is_applied_as_a_whole_list():
     state = fleet()
     state.on_stats(A, {"prefix_hashes": [1, 2, 3], "prefix_report_id": 1}, now=0)
     # Claims 9 is new and 1 gone, but the list says otherwise: the list wins.
-    state.on_stats(A, {"prefix_hashes": [1, 2, 3, 4], "prefix_report_id": 2, "prefix_base_id": 1,
-                       "prefix_listed": [9], "prefix_unlisted": [1]}, now=1)
+    state.on_stats(
+        A,
+        {
+            "prefix_hashes": [1, 2, 3, 4],
+            "prefix_report_id": 2,
+            "prefix_base_id": 1,
+            "prefix_listed": [9],
+            "prefix_unlisted": [1],
+        },
+        now=1,
+    )
     assert state.index.blocks_of(A) == {1, 2, 3, 4}
-    state.on_stats(A, {"prefix_hashes": [2, 3, 4, 5], "prefix_report_id": 3, "prefix_base_id": 2,
-                       "prefix_listed": [5], "prefix_unlisted": [1]}, now=2)
+    state.on_stats(
+        A,
+        {
+            "prefix_hashes": [2, 3, 4, 5],
+            "prefix_report_id": 3,
+            "prefix_base_id": 2,
+            "prefix_listed": [5],
+            "prefix_unlisted": [1],
+        },
+        now=2,
+    )
     assert state.index.blocks_of(A) == {2, 3, 4, 5}
     # Malformed change fields are ignored, never an error.
-    state.on_stats(A, {"prefix_hashes": [2, 3], "prefix_report_id": "x", "prefix_base_id": 3,
-                       "prefix_listed": 7, "prefix_unlisted": None}, now=3)
+    state.on_stats(
+        A,
+        {
+            "prefix_hashes": [2, 3],
+            "prefix_report_id": "x",
+            "prefix_base_id": 3,
+            "prefix_listed": 7,
+            "prefix_unlisted": None,
+        },
+        now=3,
+    )
     assert state.index.blocks_of(A) == {2, 3}
 
 
-@pytest.mark.parametrize("listed,usable", [
-    ([], True), ([0, 7, 2**128 - 1], True), ([2**128], False), ([-1], False), ([True], False), ([1.0], False),
-    ([3, "3"], False), ([None], False), ((3,), False), ("3", False)])
+@pytest.mark.parametrize(
+    "listed,usable",
+    [
+        ([], True),
+        ([0, 7, 2**128 - 1], True),
+        ([2**128], False),
+        ([-1], False),
+        ([True], False),
+        ([1.0], False),
+        ([3, "3"], False),
+        ([None], False),
+        ((3,), False),
+        ("3", False),
+    ],
+)
 def test_a_change_is_used_only_when_its_lists_hold_block_hashes(listed, usable):
-    """A change list is a list of ints in [0, 2^128); anything else sends the router to the full list."""
-    change = ReportChange.of({"prefix_report_id": 2, "prefix_base_id": 1, "prefix_listed": listed,
-                              "prefix_unlisted": [5]})
+    """A change list is a list of ints in [0, 2^128); anything else sends the router to the full
+    list."""
+    change = ReportChange.of(
+        {
+            "prefix_report_id": 2,
+            "prefix_base_id": 1,
+            "prefix_listed": listed,
+            "prefix_unlisted": [5],
+        }
+    )
     assert (change.base_id is not None) == usable
 
 
-@pytest.mark.parametrize("field,value", [
-    ("prefix_report_id", 2**64), ("prefix_report_id", -1), ("prefix_report_id", float("nan")),
-    ("prefix_base_id", 2**64), ("prefix_base_id", -1), ("prefix_base_id", float("nan")),
-    ("prefix_listed", list(range(100_000))), ("prefix_listed", [float("nan")]), ("prefix_listed", [2**64, -1]),
-    ("prefix_unlisted", list(range(100_000))), ("prefix_unlisted", [-1]), ("prefix_unlisted", "x" * 10_000_000)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("prefix_report_id", 2**64),
+        ("prefix_report_id", -1),
+        ("prefix_report_id", float("nan")),
+        ("prefix_base_id", 2**64),
+        ("prefix_base_id", -1),
+        ("prefix_base_id", float("nan")),
+        ("prefix_listed", list(range(100_000))),
+        ("prefix_listed", [float("nan")]),
+        ("prefix_listed", [2**64, -1]),
+        ("prefix_unlisted", list(range(100_000))),
+        ("prefix_unlisted", [-1]),
+        ("prefix_unlisted", "x" * 10_000_000),
+    ],
+)
 def test_hostile_report_change_fields_never_corrupt_the_index(field, value):
     """Whatever a change field holds, the index ends holding exactly what the report lists."""
     state = fleet()
     state.on_stats(A, {"prefix_hashes": [1, 2, 3], "prefix_report_id": 1}, now=0)
-    report = {"prefix_hashes": [2, 3, 4], "prefix_report_id": 2, "prefix_base_id": 1,
-              "prefix_listed": [4], "prefix_unlisted": [1], field: value}
+    report = {
+        "prefix_hashes": [2, 3, 4],
+        "prefix_report_id": 2,
+        "prefix_base_id": 1,
+        "prefix_listed": [4],
+        "prefix_unlisted": [1],
+        field: value,
+    }
     state.on_stats(A, report, now=1)
     assert state.index.blocks_of(A) == {2, 3, 4}
-    state.on_stats(A, {"prefix_hashes": [3, 4, 5], "prefix_report_id": 3, "prefix_base_id": 2,
-                       "prefix_listed": [5], "prefix_unlisted": [2]}, now=2)
+    state.on_stats(
+        A,
+        {
+            "prefix_hashes": [3, 4, 5],
+            "prefix_report_id": 3,
+            "prefix_base_id": 2,
+            "prefix_listed": [5],
+            "prefix_unlisted": [2],
+        },
+        now=2,
+    )
     assert state.index.blocks_of(A) == {3, 4, 5}
 
 
@@ -577,8 +727,10 @@ op = st.one_of(
 
 
 @settings(max_examples=200, deadline=None)
-@given(policy=st.sampled_from(["round_robin", "least_loaded", "power_of_two", "prefix_affinity"]),
-       ops=st.lists(op, max_size=60))
+@given(
+    policy=st.sampled_from(["round_robin", "least_loaded", "power_of_two", "prefix_affinity"]),
+    ops=st.lists(op, max_size=60),
+)
 def test_never_routes_to_a_dead_replica_and_keeps_no_state_for_it(policy, ops):
     state = fleet(router_policy=policy, max_index_blocks=16, seed=0)
     alive = {A, B, C}
@@ -595,8 +747,16 @@ def test_never_routes_to_a_dead_replica_and_keeps_no_state_for_it(policy, ops):
         elif o[0] == "complete":
             state.on_completed(f"r{o[1]}")
         elif o[0] == "stats" and o[1] in alive:
-            state.on_stats(o[1], {"num_waiting": 0, "num_running": o[2], "kv_cache_usage": 0.0,
-                                  "prefix_hashes": o[3]}, now=t)
+            state.on_stats(
+                o[1],
+                {
+                    "num_waiting": 0,
+                    "num_running": o[2],
+                    "kv_cache_usage": 0.0,
+                    "prefix_hashes": o[3],
+                },
+                now=t,
+            )
         elif o[0] == "kill":
             alive.discard(o[1])
             dead.add(o[1])
@@ -608,11 +768,17 @@ def test_never_routes_to_a_dead_replica_and_keeps_no_state_for_it(policy, ops):
 @pytest.mark.parametrize("state", ["failed", "stalled", "draining"])
 def test_a_replica_that_reports_itself_unhealthy_is_never_picked(state):
     fleet_state = fleet(router_policy="least_loaded")
-    fleet_state.on_stats(A, {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0, "state": state}, now=0)
-    fleet_state.on_stats(B, {"num_waiting": 9, "num_running": 9, "kv_cache_usage": 0.9, "state": "ok"}, now=0)
+    fleet_state.on_stats(
+        A, {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0, "state": state}, now=0
+    )
+    fleet_state.on_stats(
+        B, {"num_waiting": 9, "num_running": 9, "kv_cache_usage": 0.9, "state": "ok"}, now=0
+    )
     for i in range(5):
         assert fleet_state.route(RouteRequest(f"r{i}", 10, []), [A, B], now=1) == [B]
-    fleet_state.on_stats(A, {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0, "state": "ok"}, now=2)
+    fleet_state.on_stats(
+        A, {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0, "state": "ok"}, now=2
+    )
     assert fleet_state.route(RouteRequest("back", 10, []), [A, B], now=3)[0] == A
 
 
@@ -631,7 +797,9 @@ def fail_on(state: FleetState, replica: str, n: int, now: float) -> None:
 
 
 def test_consecutive_failures_reported_by_the_caller_open_the_circuit_and_the_router_skips_it():
-    state = fleet(router_policy="least_loaded", circuit_breaker_failures=3, circuit_breaker_cooldown_s=10)
+    state = fleet(
+        router_policy="least_loaded", circuit_breaker_failures=3, circuit_breaker_cooldown_s=10
+    )
     fail_on(state, A, 2, now=0)
     assert A in state.route(RouteRequest("still", 10, []), [A, B], now=1)
     fail_on(state, A, 1, now=1)
@@ -641,7 +809,9 @@ def test_consecutive_failures_reported_by_the_caller_open_the_circuit_and_the_ro
 
 
 def test_an_open_circuit_closes_on_a_fresh_ok_report_after_the_cool_down():
-    state = fleet(router_policy="least_loaded", circuit_breaker_failures=1, circuit_breaker_cooldown_s=10)
+    state = fleet(
+        router_policy="least_loaded", circuit_breaker_failures=1, circuit_breaker_cooldown_s=10
+    )
     busy(state, B, 5, now=0)
     fail_on(state, A, 1, now=0)
     state.on_stats(A, {**OK_STATS, "num_running": 1}, now=5)  # too early: may predate the failure
@@ -668,12 +838,16 @@ def test_when_every_circuit_is_open_the_router_still_routes():
 
 
 def test_after_the_cool_down_one_probe_goes_to_the_replica_and_its_success_closes_the_circuit():
-    state = fleet(router_policy="least_loaded", circuit_breaker_failures=1, circuit_breaker_cooldown_s=10)
+    state = fleet(
+        router_policy="least_loaded", circuit_breaker_failures=1, circuit_breaker_cooldown_s=10
+    )
     fail_on(state, A, 1, now=0)
     busy(state, B, 5, now=0)
     probe = RouteRequest("probe", 10, [])
     assert state.route(probe, [A, B], now=10)[0] == A
-    assert state.route(RouteRequest("second", 10, []), [A, B], now=10.5) == [B]  # one probe at a time
+    assert state.route(RouteRequest("second", 10, []), [A, B], now=10.5) == [
+        B
+    ]  # one probe at a time
     state.on_routed(probe, A, now=10)
     assert state.on_outcome("probe", ok=True, now=11) == A
     assert state.route(RouteRequest("back", 10, []), [A, B], now=11)[0] == A
@@ -690,8 +864,15 @@ def test_outcomes_of_unknown_requests_are_ignored_and_removal_forgets_the_circui
     assert not state.breaker.replicas()
 
 
-@pytest.mark.parametrize("field,value", [("circuit_breaker_failures", -1), ("circuit_breaker_cooldown_s", 0),
-                                         ("circuit_breaker_cooldown_s", float("nan")), ("seed", -1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("circuit_breaker_failures", -1),
+        ("circuit_breaker_cooldown_s", 0),
+        ("circuit_breaker_cooldown_s", float("nan")),
+        ("seed", -1),
+    ],
+)
 def test_breaker_settings_reject_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         RoutingConfig(**{field: value})

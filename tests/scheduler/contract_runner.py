@@ -6,6 +6,7 @@ block table names. That proves prefix-cache hits, swap copies and block-table di
 Sampled tokens are a pure function of (request id, position), so the expected output of a request
 does not depend on how it was scheduled.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,7 +31,9 @@ class _State:
 class ContractRunner:
     """Executes SchedulerOutputs against simulated KV slots and checks the contract."""
 
-    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, vocab: int = 50) -> None:
+    def __init__(
+        self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, vocab: int = 50
+    ) -> None:
         self.block_size = block_size
         self.vocab = vocab
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
@@ -39,7 +42,9 @@ class ContractRunner:
 
     def _slot(self, state: _State, pos: int) -> tuple[int, int]:
         block = pos // self.block_size
-        assert block < len(state.block_ids), f"position {pos} has no block (table {state.block_ids})"
+        assert block < len(state.block_ids), (
+            f"position {pos} has no block (table {state.block_ids})"
+        )
         return state.block_ids[block], pos % self.block_size
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -74,7 +79,8 @@ class ContractRunner:
             for pos in range(state.computed):
                 b, off = self._slot(state, pos)
                 assert self.gpu[b][off] == state.token_ids[pos], (
-                    f"{rid}: KV slot for position {pos} holds {self.gpu[b][off]}, expected {state.token_ids[pos]}")
+                    f"{rid}: KV slot for position {pos} holds {self.gpu[b][off]}, expected {state.token_ids[pos]}"
+                )
         sampled: list[list[int]] = []
         for rid in scheduled:
             state = self.states[rid]
@@ -90,8 +96,15 @@ class ContractRunner:
         return ModelRunnerOutput(req_ids=scheduled, sampled_token_ids=sampled)
 
 
-def expected_output(request_id: str, prompt_len: int, max_tokens: int, eos: int | None,
-                    stop_ids: list[int], max_model_len: int, vocab: int = 50) -> tuple[list[int], str]:
+def expected_output(
+    request_id: str,
+    prompt_len: int,
+    max_tokens: int,
+    eos: int | None,
+    stop_ids: list[int],
+    max_model_len: int,
+    vocab: int = 50,
+) -> tuple[list[int], str]:
     """What a request must produce under ContractRunner, whatever the scheduling."""
     out: list[int] = []
     while True:

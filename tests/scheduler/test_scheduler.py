@@ -1,28 +1,61 @@
 """The continuous-batching scheduler, behaviour by behaviour."""
+
 from __future__ import annotations
 
 import pytest
-
-from scheduler import (ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
-                       SchedulerConfig, SchedulerOutput)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler import (
+    ModelRunnerOutput,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from tests.scheduler.contract_runner import ContractRunner, expected_output
 
 
 def make(**overrides) -> tuple[Scheduler, ContractRunner]:
-    cfg = SchedulerConfig(**{"max_num_batched_tokens": 2048, "max_num_seqs": 128, "block_size": 16,
-                             "num_gpu_blocks": 1024, "max_model_len": 8192, **overrides})
+    cfg = SchedulerConfig(
+        **{
+            "max_num_batched_tokens": 2048,
+            "max_num_seqs": 128,
+            "block_size": 16,
+            "num_gpu_blocks": 1024,
+            "max_model_len": 8192,
+            **overrides,
+        }
+    )
     return Scheduler(cfg), ContractRunner(cfg.block_size, cfg.num_gpu_blocks, cfg.cpu_blocks)
 
 
-def req(rid: str, n: int, max_tokens: int = 16, *, base: int = 100, eos: int | None = None,
-        priority: int = 0, tenant: str = "default", ignore_eos: bool = False,
-        stop_token_ids: list[int] | None = None) -> Request:
+def req(
+    rid: str,
+    n: int,
+    max_tokens: int = 16,
+    *,
+    base: int = 100,
+    eos: int | None = None,
+    priority: int = 0,
+    tenant: str = "default",
+    ignore_eos: bool = False,
+    stop_token_ids: list[int] | None = None,
+) -> Request:
     prompt = [base + (i % 1000) for i in range(n)]
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or [])
-    return Request(rid, prompt, params, eos_token_ids=() if eos is None else (eos,), priority=priority, tenant=tenant)
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or []
+    )
+    return Request(
+        rid,
+        prompt,
+        params,
+        eos_token_ids=() if eos is None else (eos,),
+        priority=priority,
+        tenant=tenant,
+    )
 
 
 def step(s: Scheduler, r: ContractRunner) -> tuple[SchedulerOutput, list]:
@@ -50,7 +83,10 @@ def test_budget_goes_to_running_first_then_chunks_a_long_prompt():
     s, r = make()
     s.add_request(req("running", 99, max_tokens=50))
     step(s, r)  # prefill 99, sample one token: now at 99 computed of 100
-    assert (s.requests["running"].num_computed_tokens, s.requests["running"].num_tokens) == (99, 100)
+    assert (s.requests["running"].num_computed_tokens, s.requests["running"].num_tokens) == (
+        99,
+        100,
+    )
     s.add_request(req("long", 4096))
     s.add_request(req("short", 128))
     out, _ = step(s, r)
@@ -112,14 +148,18 @@ def test_sampling_happens_exactly_when_the_sequence_is_fully_computed():
 
 
 # ---- stop conditions ----------------------------------------------------------------------------
-@pytest.mark.parametrize("eos,ignore_eos,stop_ids", [(None, False, []), ("first", False, []),
-                                                      ("first", True, []), (None, False, "first")])
+@pytest.mark.parametrize(
+    "eos,ignore_eos,stop_ids",
+    [(None, False, []), ("first", False, []), ("first", True, []), (None, False, "first")],
+)
 def test_stop_conditions(eos, ignore_eos, stop_ids):
     s, r = make()
     first = expected_output("x", 20, 30, None, [], 8192)[0][3]  # the 4th token the fake model emits
     eos_id = first if eos == "first" else None
     stops = [first] if stop_ids == "first" else []
-    s.add_request(req("x", 20, max_tokens=30, eos=eos_id, ignore_eos=ignore_eos, stop_token_ids=stops))
+    s.add_request(
+        req("x", 20, max_tokens=30, eos=eos_id, ignore_eos=ignore_eos, stop_token_ids=stops)
+    )
     tokens = run_to_end(s, r)["x"]
     want, reason = expected_output("x", 20, 30, None if ignore_eos else eos_id, stops, 8192)
     assert tokens == want
@@ -168,7 +208,8 @@ def test_tokens_sampled_for_a_request_aborted_mid_step_are_dropped():
     assert s.requests["a"].output_token_ids == []
 
 
-# ---- invalid input --------------------------------------------------------------------------------
+# ---- invalid input
+# --------------------------------------------------------------------------------
 def test_invalid_requests_raise_value_error_naming_the_field():
     s, _ = make(max_model_len=64, num_gpu_blocks=8)
     with pytest.raises(ValueError, match="prompt_token_ids"):
@@ -182,13 +223,23 @@ def test_invalid_requests_raise_value_error_naming_the_field():
         s.add_request(req("dup", 5))
 
 
-@pytest.mark.parametrize("field,value", [("num_gpu_blocks", 3), ("policy", "lottery"),
-                                         ("preemption_mode", "drop"), ("preemption_victim", "random"),
-                                         ("max_num_batched_tokens", 0), ("watermark", 1.5),
-                                         ("num_cpu_blocks", -1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_gpu_blocks", 3),
+        ("policy", "lottery"),
+        ("preemption_mode", "drop"),
+        ("preemption_victim", "random"),
+        ("max_num_batched_tokens", 0),
+        ("watermark", 1.5),
+        ("num_cpu_blocks", -1),
+    ],
+)
 def test_unworkable_config_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
-        SchedulerConfig(**{"max_model_len": 64, "block_size": 16, "num_gpu_blocks": 8, field: value})
+        SchedulerConfig(
+            **{"max_model_len": 64, "block_size": 16, "num_gpu_blocks": 8, field: value}
+        )
 
 
 def test_swap_mode_needs_a_cpu_pool():
@@ -196,7 +247,8 @@ def test_swap_mode_needs_a_cpu_pool():
         SchedulerConfig(preemption_mode="swap", num_cpu_blocks=0)
 
 
-# ---- prefix caching -------------------------------------------------------------------------------
+# ---- prefix caching
+# -------------------------------------------------------------------------------
 def test_prefix_hit_shows_as_computed_tokens_in_new_request_data():
     s, r = make()
     s.add_request(req("a", 100, max_tokens=1))
@@ -259,9 +311,18 @@ def test_prefix_caching_off_never_hits():
         run_to_end(s, r)
 
 
-# ---- preemption -----------------------------------------------------------------------------------
+# ---- preemption
+# -----------------------------------------------------------------------------------
 def small(**kw):
-    return make(**{"num_gpu_blocks": 6, "block_size": 4, "max_model_len": 24, "max_num_batched_tokens": 64, **kw})
+    return make(
+        **{
+            "num_gpu_blocks": 6,
+            "block_size": 4,
+            "max_model_len": 24,
+            "max_num_batched_tokens": 64,
+            **kw,
+        }
+    )
 
 
 def fill_and_grow(s, r):
@@ -288,7 +349,12 @@ def test_recompute_preemption_takes_the_newest_and_it_resumes_ahead_of_new_arriv
             break
         out, _ = step(s, r)
         for rid in [n.req_id for n in out.scheduled_new_reqs] + [
-                rid for rid, res in zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.resumed) if res]:
+            rid
+            for rid, res in zip(
+                out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.resumed
+            )
+            if res
+        ]:
             admitted_at.setdefault(rid, i)
     assert admitted_at["r2"] <= admitted_at["late"]
     assert used_blocks(s) == 0
@@ -342,7 +408,9 @@ def test_swap_preemption_keeps_progress_and_copies_blocks_both_ways():
     assert used_blocks(s) == 0 and len(s.kv.cpu_free) == 8
 
 
-@pytest.mark.parametrize("threshold,expect", [(0, RequestStatus.SWAPPED), (10_000, RequestStatus.PREEMPTED)])
+@pytest.mark.parametrize(
+    "threshold,expect", [(0, RequestStatus.SWAPPED), (10_000, RequestStatus.PREEMPTED)]
+)
 def test_auto_mode_swaps_only_past_the_computed_token_threshold(threshold, expect):
     s, r = small(preemption_mode="auto", num_cpu_blocks=8, swap_min_computed_tokens=threshold)
     fill_and_grow(s, r)
@@ -368,7 +436,8 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full():
     raise AssertionError("no preemption happened")
 
 
-# ---- queue policies -------------------------------------------------------------------------------
+# ---- queue policies
+# -------------------------------------------------------------------------------
 def test_priority_orders_admission_lower_number_first_ties_by_arrival():
     s, r = make(policy="priority", max_num_seqs=1)
     s.add_request(req("low", 4, max_tokens=1, priority=5))
@@ -462,7 +531,9 @@ def test_stats_reflect_queues_and_kv_usage():
     step(s, r)
     st = s.stats()
     assert (st.num_running, st.num_waiting, st.num_swapped) == (1, 1, 0)
-    assert st.kv_cache_usage == pytest.approx(2 / 1024)  # the sampled 33rd token gets its slot next step
+    assert st.kv_cache_usage == pytest.approx(
+        2 / 1024
+    )  # the sampled 33rd token gets its slot next step
     assert st.num_preemptions == 0
 
 
@@ -487,7 +558,8 @@ def test_swap_in_waits_for_room_for_every_swapped_block():
     assert not s.kv.can_swap_in(victim, 1, reserve=0)
 
 
-# ---- the router's view of the prefix cache ----------------------------------------------------------
+# ---- the router's view of the prefix cache
+# ----------------------------------------------------------
 def test_recent_hashes_follow_registration_and_eviction_and_cost_nothing_when_unchanged():
     from scheduler.block_manager import BlockPool
 
@@ -503,16 +575,25 @@ def test_recent_hashes_follow_registration_and_eviction_and_cost_nothing_when_un
     assert pool.recent_hashes(8) == [12, 13]
 
 
-pool_ops = st.lists(st.one_of(
-    st.tuples(st.just("fill"), st.integers(1, 4), st.integers(0, 40)),  # allocate n blocks, register them
-    st.tuples(st.just("free"), st.integers(0, 12), st.just(0)),  # release the oldest held blocks
-    st.tuples(st.just("report"), st.integers(1, 12), st.just(0))), max_size=60)
+pool_ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("fill"), st.integers(1, 4), st.integers(0, 40)
+        ),  # allocate n blocks, register them
+        st.tuples(
+            st.just("free"), st.integers(0, 12), st.just(0)
+        ),  # release the oldest held blocks
+        st.tuples(st.just("report"), st.integers(1, 12), st.just(0)),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=300, deadline=None)
 @given(ops=pool_ops)
 def test_a_prefix_report_gives_exactly_its_change_since_the_previous_report(ops):
-    """listed / unlisted are the difference of the two lists, listed in the new list's order; a list cut
+    """listed / unlisted are the difference of the two lists, listed in the new list's order; a list
+    cut
     at the limit (now or before) gives no change."""
     from scheduler.block_manager import BlockPool
 
@@ -543,14 +624,32 @@ def test_a_prefix_report_gives_exactly_its_change_since_the_previous_report(ops)
             previous = (report, whole)
 
 
-# ---- bounds: no value can reach a batch that would fail it --------------------------------------------
-@pytest.mark.parametrize("field, value", [
-    ("top_k", 2**63), ("top_k", -2), ("seed", 2**63), ("seed", -1), ("temperature", float("nan")),
-    ("temperature", float("inf")), ("top_p", float("nan")), ("repetition_penalty", float("inf")),
-    ("max_tokens", 0), ("max_tokens", 1.5), ("max_tokens", True), ("logprobs", 21), ("n", 129),
-    ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: float("nan")}),
-])
+# ---- bounds: no value can reach a batch that would fail it
+# --------------------------------------------
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", 2**63),
+        ("top_k", -2),
+        ("seed", 2**63),
+        ("seed", -1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("repetition_penalty", float("inf")),
+        ("max_tokens", 0),
+        ("max_tokens", 1.5),
+        ("max_tokens", True),
+        ("logprobs", 21),
+        ("n", 129),
+        ("stop", ["a", "b", "c", "d", "e"]),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("logit_bias", {1: 101.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {1: float("nan")}),
+    ],
+)
 def test_sampling_params_reject_out_of_range_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}"):
         SamplingParams(**{field: value})
@@ -571,7 +670,8 @@ def test_vocabulary_bounds_are_checked_against_the_model():
     SamplingParams(top_k=49_152, logit_bias={49_151: -100.0}).check_vocab(49_152)
 
 
-# ---- the fair queue at scale ----------------------------------------------------------------------------
+# ---- the fair queue at scale
+# ----------------------------------------------------------------------------
 def test_fair_queue_forgets_twenty_thousand_one_off_tenants():
     from scheduler.queues import FairQueue
 
@@ -586,8 +686,16 @@ def test_fair_queue_forgets_twenty_thousand_one_off_tenants():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "pop", "charge", "prepend"]), st.integers(0, 5),
-                          st.integers(1, 50)), max_size=80))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "pop", "charge", "prepend"]),
+            st.integers(0, 5),
+            st.integers(1, 50),
+        ),
+        max_size=80,
+    )
+)
 def test_fair_queue_always_serves_the_least_served_backlogged_tenant(ops):
     from scheduler.queues import FairQueue
 
@@ -610,10 +718,15 @@ def test_fair_queue_always_serves_the_least_served_backlogged_tenant(ops):
 
 
 @settings(max_examples=200, deadline=None)
-@given(tokens=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=80), block_size=st.integers(1, 9),
-       have=st.integers(0, 12), want=st.integers(-2, 14))
+@given(
+    tokens=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=80),
+    block_size=st.integers(1, 9),
+    have=st.integers(0, 12),
+    want=st.integers(-2, 14),
+)
 def test_a_chain_extended_in_one_pass_has_the_block_by_block_keys(tokens, block_size, have, want):
-    """extend_block_hashes gives hash_block_tokens' chain from where the given hashes stop, full blocks
+    """extend_block_hashes gives hash_block_tokens' chain from where the given hashes stop, full
+    blocks
     only: asked past the tokens it stops at the last full block instead of hashing a short one."""
     from scheduler import extend_block_hashes, hash_block_tokens, hash_prompt_blocks
 
@@ -621,10 +734,10 @@ def test_a_chain_extended_in_one_pass_has_the_block_by_block_keys(tokens, block_
     chain: list[int] = []
     parent = None
     for i in range(full):
-        parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size])
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
         chain.append(parent)
-    start = chain[:min(have, full)]
+    start = chain[: min(have, full)]
     extended = extend_block_hashes(list(start), tokens, block_size, want)
-    assert extended == chain[:max(len(start), min(want, full))]
+    assert extended == chain[: max(len(start), min(want, full))]
     assert hash_prompt_blocks(tokens, block_size) == chain
-    assert hash_prompt_blocks(tokens, block_size, max_blocks=want) == chain[:max(0, want)]
+    assert hash_prompt_blocks(tokens, block_size, max_blocks=want) == chain[: max(0, want)]

@@ -1,4 +1,5 @@
 """Scheduler invariants under random workloads, policies and preemption modes (hypothesis)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -52,18 +53,28 @@ def configs(draw) -> SchedulerConfig:
 @st.composite
 def workloads(draw, cfg: SchedulerConfig) -> list[Spec]:
     # Prompts share prefixes (a few "system prompts") so that prefix caching gets exercised.
-    systems = [tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=40))) for _ in range(3)]
+    systems = [
+        tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=40))) for _ in range(3)
+    ]
     specs = []
     for i in range(draw(st.integers(1, 20))):
         head = draw(st.sampled_from(systems))
         tail = tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30)))
         prompt = (head + tail)[: cfg.max_model_len]
-        specs.append(Spec(
-            rid=f"r{i}", prompt=prompt, max_tokens=draw(st.integers(1, 24)),
-            arrival_step=draw(st.integers(0, 20)), priority=draw(st.integers(0, 3)),
-            tenant=draw(st.sampled_from(["t0", "t1", "t2"])), use_eos=draw(st.booleans()),
-            abort_step=draw(st.one_of(st.none(), st.integers(0, 40))) if draw(st.integers(0, 4)) == 0 else None,
-        ))
+        specs.append(
+            Spec(
+                rid=f"r{i}",
+                prompt=prompt,
+                max_tokens=draw(st.integers(1, 24)),
+                arrival_step=draw(st.integers(0, 20)),
+                priority=draw(st.integers(0, 3)),
+                tenant=draw(st.sampled_from(["t0", "t1", "t2"])),
+                use_eos=draw(st.booleans()),
+                abort_step=draw(st.one_of(st.none(), st.integers(0, 40)))
+                if draw(st.integers(0, 4)) == 0
+                else None,
+            )
+        )
     return specs
 
 
@@ -71,7 +82,9 @@ def check_block_accounting(s: Scheduler) -> None:
     pool = s.kv.pool
     owners = Counter(b for blocks in s.kv.req_blocks.values() for b in blocks)
     for block_id in range(pool.num_blocks):
-        assert pool.ref_cnt[block_id] == owners[block_id], f"block {block_id} ref count disagrees with owners"
+        assert pool.ref_cnt[block_id] == owners[block_id], (
+            f"block {block_id} ref count disagrees with owners"
+        )
     for blocks in s.kv.req_blocks.values():
         assert len(set(blocks)) == len(blocks), "a request holds a block twice"
     assert set(pool.free) == {b for b in range(pool.num_blocks) if pool.ref_cnt[b] == 0}
@@ -80,7 +93,9 @@ def check_block_accounting(s: Scheduler) -> None:
     assert len(cpu_owned) == len(set(cpu_owned)), "a CPU block owned twice"
     assert not set(cpu_owned) & set(s.kv.cpu_free)
     for rid, blocks in s.kv.req_blocks.items():
-        assert s.requests[rid].status == RequestStatus.RUNNING, f"{rid} holds blocks but is not running"
+        assert s.requests[rid].status == RequestStatus.RUNNING, (
+            f"{rid} holds blocks but is not running"
+        )
     assert s.stats().num_swapped == sum(1 for r in s.waiting if r.status == RequestStatus.SWAPPED)
 
 
@@ -97,11 +112,22 @@ def test_random_workloads_keep_every_invariant(data):
     for step_no in range(3000):
         while pending and pending[0].arrival_step <= step_no:
             sp = pending.pop(0)
-            s.add_request(Request(sp.rid, list(sp.prompt), SamplingParams(max_tokens=sp.max_tokens),
-                                  eos_token_ids=(EOS,) if sp.use_eos else (), priority=sp.priority,
-                                  tenant=sp.tenant))
+            s.add_request(
+                Request(
+                    sp.rid,
+                    list(sp.prompt),
+                    SamplingParams(max_tokens=sp.max_tokens),
+                    eos_token_ids=(EOS,) if sp.use_eos else (),
+                    priority=sp.priority,
+                    tenant=sp.tenant,
+                )
+            )
         for sp in specs:
-            if sp.abort_step == step_no and sp.rid in s.requests and not s.requests[sp.rid].is_finished:
+            if (
+                sp.abort_step == step_no
+                and sp.rid in s.requests
+                and not s.requests[sp.rid].is_finished
+            ):
                 s.abort_requests([sp.rid])
                 aborted.add(sp.rid)
         if not pending and not s.has_unfinished_requests():
@@ -125,11 +151,20 @@ def test_random_workloads_keep_every_invariant(data):
         assert req.is_finished
         if sp.rid in aborted:
             continue
-        want, reason = expected_output(sp.rid, len(sp.prompt), sp.max_tokens, EOS if sp.use_eos else None,
-                                       [], cfg.max_model_len, VOCAB)
+        want, reason = expected_output(
+            sp.rid,
+            len(sp.prompt),
+            sp.max_tokens,
+            EOS if sp.use_eos else None,
+            [],
+            cfg.max_model_len,
+            VOCAB,
+        )
         assert req.output_token_ids == want, f"{sp.rid} produced the wrong tokens"
         assert req.status.finish_reason == reason
-    assert all(c == 0 for c in s.kv.pool.ref_cnt), "blocks still referenced after every request finished"
+    assert all(c == 0 for c in s.kv.pool.ref_cnt), (
+        "blocks still referenced after every request finished"
+    )
     assert s.kv.num_free_blocks == cfg.num_gpu_blocks
     s.schedule()  # the step that reports the last finishes also returns deferred CPU blocks
     assert sorted(s.kv.cpu_free) == list(range(cfg.num_cpu_blocks))

@@ -1,4 +1,5 @@
 """Scheduler.advance_decode: k pure-decode steps at once leave the state k single steps would."""
+
 from __future__ import annotations
 
 import copy
@@ -15,16 +16,33 @@ from tests.scheduler.test_scheduler_properties import EOS, VOCAB, configs, workl
 def snapshot(s: Scheduler) -> dict:
     """Everything a later step or a stats report could read."""
     pool, kv = s.kv.pool, s.kv
-    reqs = {rid: (r.status, list(r.all_token_ids), list(r.output_token_ids), r.num_computed_tokens,
-                  r.num_synced_tokens, list(r.block_hashes), r.num_cached_tokens)
-            for rid, r in s.requests.items()}
+    reqs = {
+        rid: (
+            r.status,
+            list(r.all_token_ids),
+            list(r.output_token_ids),
+            r.num_computed_tokens,
+            r.num_synced_tokens,
+            list(r.block_hashes),
+            r.num_cached_tokens,
+        )
+        for rid, r in s.requests.items()
+    }
     return {
-        "running": [r.request_id for r in s.running], "waiting": [r.request_id for r in s.waiting],
-        "requests": reqs, "req_blocks": copy.deepcopy(kv.req_blocks),
-        "registered": dict(kv.num_registered_blocks), "ref_cnt": list(pool.ref_cnt),
-        "free": list(pool.free), "cached": list(pool.cached.items()), "block_hash": list(pool.block_hash),
-        "version": pool.version, "stats": s.stats(), "finished": set(s._finished_ids),
-        "counters": dict(getattr(s.waiting, "counters", {})), "cpu_free": list(kv.cpu_free),
+        "running": [r.request_id for r in s.running],
+        "waiting": [r.request_id for r in s.waiting],
+        "requests": reqs,
+        "req_blocks": copy.deepcopy(kv.req_blocks),
+        "registered": dict(kv.num_registered_blocks),
+        "ref_cnt": list(pool.ref_cnt),
+        "free": list(pool.free),
+        "cached": list(pool.cached.items()),
+        "block_hash": list(pool.block_hash),
+        "version": pool.version,
+        "stats": s.stats(),
+        "finished": set(s._finished_ids),
+        "counters": dict(getattr(s.waiting, "counters", {})),
+        "cpu_free": list(kv.cpu_free),
     }
 
 
@@ -46,8 +64,9 @@ def check_jump_equals_steps(s: Scheduler, sample, k: int) -> None:
     outs = jumped.advance_decode(tokens)
     assert snapshot(jumped) == snapshot(stepped)
     assert {o.request_id: o.new_token_ids for o in outs} == tokens
-    assert [(o.request_id, o.num_output_tokens, o.num_cached_tokens, o.finished) for o in outs] == \
-        [(o.request_id, o.num_output_tokens, o.num_cached_tokens, o.finished) for o in last]
+    assert [(o.request_id, o.num_output_tokens, o.num_cached_tokens, o.finished) for o in outs] == [
+        (o.request_id, o.num_output_tokens, o.num_cached_tokens, o.finished) for o in last
+    ]
 
 
 def counting_sample(s: Scheduler, out) -> ModelRunnerOutput:
@@ -56,18 +75,34 @@ def counting_sample(s: Scheduler, out) -> ModelRunnerOutput:
     sampled = []
     for rid in ids:
         r = s.requests[rid]
-        sampled.append([1 + r.num_computed_tokens % 40] if r.num_computed_tokens == r.num_tokens else [])
+        sampled.append(
+            [1 + r.num_computed_tokens % 40] if r.num_computed_tokens == r.num_tokens else []
+        )
     return ModelRunnerOutput(ids, sampled)
 
 
-def decoding(policy: str = "fcfs", blocks: int = 64, prefix: bool = True, n: int = 3,
-             max_tokens: int = 40) -> Scheduler:
-    cfg = SchedulerConfig(block_size=4, num_gpu_blocks=blocks, max_model_len=min(128, 4 * blocks), policy=policy,
-                          enable_prefix_caching=prefix, max_num_batched_tokens=64)
+def decoding(
+    policy: str = "fcfs", blocks: int = 64, prefix: bool = True, n: int = 3, max_tokens: int = 40
+) -> Scheduler:
+    cfg = SchedulerConfig(
+        block_size=4,
+        num_gpu_blocks=blocks,
+        max_model_len=min(128, 4 * blocks),
+        policy=policy,
+        enable_prefix_caching=prefix,
+        max_num_batched_tokens=64,
+    )
     s = Scheduler(cfg)
     for i in range(n):  # shared 8-token head, so blocks are shared and registered
-        s.add_request(Request(f"r{i}", [5, 6, 7, 8, 9, 10, 11, 12] + [20 + i] * (3 + i),
-                              SamplingParams(max_tokens=max_tokens), eos_token_ids=(0,), tenant=f"t{i % 2}"))
+        s.add_request(
+            Request(
+                f"r{i}",
+                [5, 6, 7, 8, 9, 10, 11, 12] + [20 + i] * (3 + i),
+                SamplingParams(max_tokens=max_tokens),
+                eos_token_ids=(0,),
+                tenant=f"t{i % 2}",
+            )
+        )
     step_k(s, counting_sample, 2)  # prefill, then one decode step
     return s
 
@@ -93,7 +128,9 @@ def test_no_jump_while_something_waits_or_prefills():
     s = decoding()
     s.add_request(Request("brief", [1, 2, 3], SamplingParams(max_tokens=1)))
     assert s.max_decode_jump(10) == 0  # a waiting request would be admitted
-    cfg = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=128, long_prefill_token_threshold=2)
+    cfg = SchedulerConfig(
+        block_size=4, num_gpu_blocks=64, max_model_len=128, long_prefill_token_threshold=2
+    )
     s = Scheduler(cfg)
     s.add_request(Request("chunked", list(range(1, 9)), SamplingParams(max_tokens=9)))
     step_k(s, counting_sample, 1)  # 2 of 8 prompt tokens computed
@@ -107,7 +144,9 @@ def test_a_jump_right_after_a_finish_leaves_what_the_steps_reporting_it_would():
     assert s._finished_ids == {"brief"}
     assert s.max_decode_jump(10) == 10
     check_jump_equals_steps(s, counting_sample, 6)
-    assert s.schedule().finished_req_ids == {"brief"}  # untouched: check_jump_equals_steps jumps a copy
+    assert s.schedule().finished_req_ids == {
+        "brief"
+    }  # untouched: check_jump_equals_steps jumps a copy
 
 
 def test_a_jump_may_end_with_the_step_that_reaches_a_length_cap():
@@ -115,8 +154,14 @@ def test_a_jump_may_end_with_the_step_that_reaches_a_length_cap():
     assert s.max_decode_jump(100) == 10 - 2
     check_jump_equals_steps(s, counting_sample, 8)
     outs = s.advance_decode({r.request_id: [1] * 8 for r in s.running})
-    assert [(o.finished, o.finish_reason, o.num_output_tokens) for o in outs] == [(True, "length", 10)] * 3
-    assert s.running == [] and s.kv.req_blocks == {} and s.schedule().finished_req_ids == {"r0", "r1", "r2"}
+    assert [(o.finished, o.finish_reason, o.num_output_tokens) for o in outs] == [
+        (True, "length", 10)
+    ] * 3
+    assert (
+        s.running == []
+        and s.kv.req_blocks == {}
+        and s.schedule().finished_req_ids == {"r0", "r1", "r2"}
+    )
     cfg = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=20)
     s = Scheduler(cfg)
     s.add_request(Request("a", list(range(1, 13)), SamplingParams(max_tokens=100)))
@@ -126,15 +171,19 @@ def test_a_jump_may_end_with_the_step_that_reaches_a_length_cap():
 
 
 def eos_at(step_of: dict[str, int]):
-    """counting_sample, except that request rid samples EOS (0) at its step_of[rid]-th call from now."""
+    """counting_sample, except that request rid samples EOS (0) at its step_of[rid]-th call from
+    now."""
     calls = {"n": 0}
 
     def sample(s: Scheduler, out) -> ModelRunnerOutput:
         calls["n"] += 1
         runner = counting_sample(s, out)
-        runner.sampled_token_ids = [[0] if step_of.get(rid) == calls["n"] else toks
-                                    for rid, toks in zip(runner.req_ids, runner.sampled_token_ids)]
+        runner.sampled_token_ids = [
+            [0] if step_of.get(rid) == calls["n"] else toks
+            for rid, toks in zip(runner.req_ids, runner.sampled_token_ids)
+        ]
         return runner
+
     return sample
 
 
@@ -142,8 +191,11 @@ def test_a_jump_may_end_with_the_step_that_samples_a_stop_token():
     s = decoding()
     check_jump_equals_steps(s, eos_at({"r1": 5}), 5)  # r1 stops at the last step; the others run on
     outs = s.advance_decode({"r0": [1] * 5, "r1": [1] * 4 + [0], "r2": [1] * 5})
-    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == \
-        [("r0", False, None), ("r1", True, "stop"), ("r2", False, None)]
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [
+        ("r0", False, None),
+        ("r1", True, "stop"),
+        ("r2", False, None),
+    ]
     assert [r.request_id for r in s.running] == ["r0", "r2"] and "r1" not in s.kv.req_blocks
 
 
@@ -162,7 +214,8 @@ def test_advance_decode_rejects_what_single_steps_would_not_do():
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_jump_equals_single_steps_on_random_workloads(data):
-    """At every point a jump is allowed, k steps at once equal k single steps of the contract runner."""
+    """At every point a jump is allowed, k steps at once equal k single steps of the contract
+    runner."""
     cfg = data.draw(configs())
     specs = data.draw(workloads(cfg))
     s = Scheduler(cfg)
@@ -172,8 +225,15 @@ def test_jump_equals_single_steps_on_random_workloads(data):
     for step_no in range(3000):
         while pending and pending[0].arrival_step <= step_no:
             sp = pending.pop(0)
-            s.add_request(Request(sp.rid, list(sp.prompt), SamplingParams(max_tokens=sp.max_tokens),
-                                  eos_token_ids=(EOS,) if sp.use_eos else (), tenant=sp.tenant))
+            s.add_request(
+                Request(
+                    sp.rid,
+                    list(sp.prompt),
+                    SamplingParams(max_tokens=sp.max_tokens),
+                    eos_token_ids=(EOS,) if sp.use_eos else (),
+                    tenant=sp.tenant,
+                )
+            )
         if not pending and not s.has_unfinished_requests():
             break
         k = s.max_decode_jump(data.draw(st.integers(1, 30), label="limit"))
@@ -200,19 +260,38 @@ def _steps_through_the_first_finish(s: Scheduler, runner: ContractRunner, k: int
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(block_size=st.sampled_from([1, 2, 4]), max_len=st.sampled_from([8, 12, 16]), spare=st.integers(0, 3),
-       prompt_len=st.integers(1, 4), reqs=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 12)),
-                                                   min_size=2, max_size=5), limit=st.integers(1, 20))
-def test_jump_equals_single_steps_when_requests_refill_evicted_blocks(block_size, max_len, spare, prompt_len,
-                                                                      reqs, limit):
-    """Same prompt, tokens by position only: decodes fill blocks whose hashes sit evictable on the free
+@given(
+    block_size=st.sampled_from([1, 2, 4]),
+    max_len=st.sampled_from([8, 12, 16]),
+    spare=st.integers(0, 3),
+    prompt_len=st.integers(1, 4),
+    reqs=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 12)), min_size=2, max_size=5),
+    limit=st.integers(1, 20),
+)
+def test_jump_equals_single_steps_when_requests_refill_evicted_blocks(
+    block_size, max_len, spare, prompt_len, reqs, limit
+):
+    """Same prompt, tokens by position only: decodes fill blocks whose hashes sit evictable on the
+    free
     list, so the order of evictions and registrations within a step is observable."""
-    s = Scheduler(SchedulerConfig(block_size=block_size, num_gpu_blocks=-(-max_len // block_size) + spare,
-                                  max_model_len=max_len, max_num_batched_tokens=64))
+    s = Scheduler(
+        SchedulerConfig(
+            block_size=block_size,
+            num_gpu_blocks=-(-max_len // block_size) + spare,
+            max_model_len=max_len,
+            max_num_batched_tokens=64,
+        )
+    )
     for step_no in range(80):
         for i, (arrival, max_tokens) in enumerate(reqs):
             if arrival == step_no:
-                s.add_request(Request(f"r{i}", list(range(5, 5 + prompt_len)), SamplingParams(max_tokens=max_tokens)))
+                s.add_request(
+                    Request(
+                        f"r{i}",
+                        list(range(5, 5 + prompt_len)),
+                        SamplingParams(max_tokens=max_tokens),
+                    )
+                )
         k = s.max_decode_jump(limit)
         if k:
             check_jump_equals_steps(s, counting_sample, k)

@@ -1,4 +1,6 @@
-"""The fleet simulator: deterministic, conserving, fork-free, exact under coalescing, strict on input."""
+"""The fleet simulator: deterministic, conserving, fork-free, exact under coalescing, strict on
+input."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,31 +17,69 @@ from hypothesis import strategies as st
 
 import router.config
 import router.fleet
+import router.policies
 import scheduler
+from router.config import RoutingConfig
 from scheduler import SchedulerConfig
 from sim import FleetSim, SimConfig, WorkloadConfig, load_profile, load_trace, synthetic_workload
-from sim import fleet as sim_fleet, replica as sim_replica
-from router.config import RoutingConfig
+from sim import fleet as sim_fleet
+from sim import replica as sim_replica
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(policy: str = "prefix_affinity", coalesce: bool = True, seed: int = 0, n: int = 80,
-         blocks: int = 60, fair: bool = False, output_len: tuple[int, int] = (1, 24), rate: float = 4.0,
-         profile: str = "cpu"):
-    wl = synthetic_workload(WorkloadConfig(num_requests=n, rate=rate, tenants=5, system_prompt_len=64,
-                                           question_len=(4, 40), output_len=output_len, seed=seed))
-    sched = SchedulerConfig(num_gpu_blocks=blocks, max_model_len=256, max_num_batched_tokens=128,
-                            max_num_seqs=8, policy="fair" if fair else "fcfs")
-    cfg = SimConfig(num_replicas=3, scheduler=sched, routing=RoutingConfig(router_policy=policy, seed=seed),
-                    coalesce=coalesce)
+def _run(
+    policy: str = "prefix_affinity",
+    coalesce: bool = True,
+    seed: int = 0,
+    n: int = 80,
+    blocks: int = 60,
+    fair: bool = False,
+    output_len: tuple[int, int] = (1, 24),
+    rate: float = 4.0,
+    profile: str = "cpu",
+):
+    wl = synthetic_workload(
+        WorkloadConfig(
+            num_requests=n,
+            rate=rate,
+            tenants=5,
+            system_prompt_len=64,
+            question_len=(4, 40),
+            output_len=output_len,
+            seed=seed,
+        )
+    )
+    sched = SchedulerConfig(
+        num_gpu_blocks=blocks,
+        max_model_len=256,
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+        policy="fair" if fair else "fcfs",
+    )
+    cfg = SimConfig(
+        num_replicas=3,
+        scheduler=sched,
+        routing=RoutingConfig(router_policy=policy, seed=seed),
+        coalesce=coalesce,
+    )
     sim = FleetSim(cfg, load_profile(profile))
     return wl, sim.run(wl)
 
 
 def _fingerprint(result) -> list[tuple]:
-    return [(r.request_id, r.replica, r.first_token_s, r.finish_s, r.num_output_tokens, r.cached_tokens,
-             tuple(r.itl_s)) for r in result.records]
+    return [
+        (
+            r.request_id,
+            r.replica,
+            r.first_token_s,
+            r.finish_s,
+            r.num_output_tokens,
+            r.cached_tokens,
+            tuple(r.itl_s),
+        )
+        for r in result.records
+    ]
 
 
 def test_same_seed_same_result_and_other_seed_differs():
@@ -49,25 +89,34 @@ def test_same_seed_same_result_and_other_seed_differs():
 
 def test_a_run_collects_garbage_rarely_and_leaves_the_collector_as_it_found_it():
     """Young collections are rare while a run is in progress (they took a quarter of a
-    1,000-replica run's wall time); the threshold and the frozen set come back, also after a failure."""
+    1,000-replica run's wall time); the threshold and the frozen set come back, also after a
+    failure."""
     import gc
 
     threshold = gc.get_threshold()
     seen: list[tuple] = []
     wl = synthetic_workload(WorkloadConfig(num_requests=5, rate=4.0, tenants=1, seed=0))
-    FleetSim(SimConfig(num_replicas=2), load_profile("cpu"),
-             on_step=lambda replica, now: seen.append((gc.get_threshold()[0], gc.get_freeze_count()))).run(wl)
-    assert seen and all(young == sim_fleet.RUN_GC_THRESHOLD and frozen > 0 for young, frozen in seen)
+    FleetSim(
+        SimConfig(num_replicas=2),
+        load_profile("cpu"),
+        on_step=lambda replica, now: seen.append((gc.get_threshold()[0], gc.get_freeze_count())),
+    ).run(wl)
+    assert seen and all(
+        young == sim_fleet.RUN_GC_THRESHOLD and frozen > 0 for young, frozen in seen
+    )
     assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
 
     def fail(replica, now):
         raise RuntimeError("injected")
+
     with pytest.raises(RuntimeError, match="injected"):
         FleetSim(SimConfig(num_replicas=2), load_profile("cpu"), on_step=fail).run(wl)
     assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two", "prefix_affinity"])
+@pytest.mark.parametrize(
+    "policy", ["round_robin", "least_loaded", "power_of_two", "prefix_affinity"]
+)
 def test_every_request_finishes_with_its_length_and_no_block_leaks(policy):
     wl, result = _run(policy, blocks=40)  # tight pool: preemptions happen
     by_id = {r.request_id: r for r in wl}
@@ -91,11 +140,26 @@ def test_coalesced_run_equals_step_by_step(policy, fair):
     assert coalesced.jumped_steps > 0 and stepwise.jumped_steps == 0
 
 
-@pytest.mark.parametrize("profile,rate,output_len,blocks,fair", [
-    ("cpu", 4.0, (1, 24), 60, False),
-    ("cpu", 2.0, (40, 150), 60, True),  # long decodes, a tight pool: jumps stop at block shortages
-    ("h100", 400.0, (20, 150), 200, False),  # sub-ms steps: stretches of hundreds between arrivals
-])
+@pytest.mark.parametrize(
+    "profile,rate,output_len,blocks,fair",
+    [
+        ("cpu", 4.0, (1, 24), 60, False),
+        (
+            "cpu",
+            2.0,
+            (40, 150),
+            60,
+            True,
+        ),  # long decodes, a tight pool: jumps stop at block shortages
+        (
+            "h100",
+            400.0,
+            (20, 150),
+            200,
+            False,
+        ),  # sub-ms steps: stretches of hundreds between arrivals
+    ],
+)
 def test_k_step_jumps_equal_step_by_step(profile, rate, output_len, blocks, fair):
     """Jumped stretches make the scheduler decisions, step counts and token times of single steps."""
     kw = dict(profile=profile, rate=rate, output_len=output_len, blocks=blocks, fair=fair, n=60)
@@ -103,9 +167,12 @@ def test_k_step_jumps_equal_step_by_step(profile, rate, output_len, blocks, fair
     _, stepwise = _run(coalesce=False, **kw)
     assert jumped.jumped_steps > 0
     assert _fingerprint(jumped) == _fingerprint(stepwise)  # finish times, TTFTs, outputs, every ITL
-    assert [(r.num_steps, r.busy_s) for r in jumped.replicas] == [(r.num_steps, r.busy_s) for r in stepwise.replicas]
-    assert [r.scheduler.num_preemptions for r in jumped.replicas] == \
-        [r.scheduler.num_preemptions for r in stepwise.replicas]
+    assert [(r.num_steps, r.busy_s) for r in jumped.replicas] == [
+        (r.num_steps, r.busy_s) for r in stepwise.replicas
+    ]
+    assert [r.scheduler.num_preemptions for r in jumped.replicas] == [
+        r.scheduler.num_preemptions for r in stepwise.replicas
+    ]
     assert jumped.summary() == stepwise.summary()
 
 
@@ -113,28 +180,44 @@ def test_sim_uses_the_production_classes():
     assert sim_replica.Scheduler is scheduler.Scheduler
     assert sim_replica.Request is scheduler.Request
     assert sim_fleet.FleetState is router.fleet.FleetState
-    assert sim_fleet.RouteRequest is router.fleet.RouteRequest
+    assert sim_fleet.RouteRequest is router.policies.RouteRequest
     _, result = _run(n=5)
     assert all(type(r.scheduler) is scheduler.Scheduler for r in result.replicas)
 
 
 def test_sim_imports_neither_torch_nor_ray():
-    code = ("import sys, sim, sim.fleet, sim.__main__; "
-            "bad = [m for m in ('torch', 'ray') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys, sim, sim.fleet, sim.__main__; "
+        "bad = [m for m in ('torch', 'ray') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("line,message", [
-    ('{"arrival_s": 0, "prompt_len": 5}', "field 'output_len': missing"),
-    ('{"arrival_s": 0, "prompt_len": "5", "output_len": 2}', "field 'prompt_len': expected int"),
-    ('{"arrival_s": -1, "prompt_len": 5, "output_len": 2}', "field 'arrival_s'"),
-    ('{"arrival_s": 0, "prompt_len": 5, "output_len": 2, "colour": 1}', "field 'colour': unknown"),
-    ('{"arrival_s": 0, "prompt_len": 5, "output_len": 0}', "field 'output_len'"),
-    ('{"arrival_s": 0, "prompt_len": 5, "output_len": 2, "prefix_len": 9}', "field 'prefix_len'"),
-    ('[1, 2]', "expected a JSON object"),
-    ('{"arrival_s": 0,', "invalid JSON"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"arrival_s": 0, "prompt_len": 5}', "field 'output_len': missing"),
+        (
+            '{"arrival_s": 0, "prompt_len": "5", "output_len": 2}',
+            "field 'prompt_len': expected int",
+        ),
+        ('{"arrival_s": -1, "prompt_len": 5, "output_len": 2}', "field 'arrival_s'"),
+        (
+            '{"arrival_s": 0, "prompt_len": 5, "output_len": 2, "colour": 1}',
+            "field 'colour': unknown",
+        ),
+        ('{"arrival_s": 0, "prompt_len": 5, "output_len": 0}', "field 'output_len'"),
+        (
+            '{"arrival_s": 0, "prompt_len": 5, "output_len": 2, "prefix_len": 9}',
+            "field 'prefix_len'",
+        ),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"arrival_s": 0,', "invalid JSON"),
+    ],
+)
 def test_bad_trace_line_names_line_and_field(tmp_path, line, message):
     path = tmp_path / "trace.jsonl"
     path.write_text('{"arrival_s": 0.5, "prompt_len": 5, "output_len": 2}\n\n' + line + "\n")
@@ -145,8 +228,18 @@ def test_bad_trace_line_names_line_and_field(tmp_path, line, message):
 
 def test_trace_replay_runs(tmp_path):
     path = tmp_path / "trace.jsonl"
-    rows = [{"arrival_s": 0.1 * i, "prompt_len": 40, "output_len": 3, "prefix_group": "g", "prefix_len": 32,
-             "tenant": "a", "priority": 0} for i in range(6)]
+    rows = [
+        {
+            "arrival_s": 0.1 * i,
+            "prompt_len": 40,
+            "output_len": 3,
+            "prefix_group": "g",
+            "prefix_len": 32,
+            "tenant": "a",
+            "priority": 0,
+        }
+        for i in range(6)
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     result = FleetSim(SimConfig(num_replicas=1), load_profile("cpu")).run(load_trace(path))
     assert [r.num_output_tokens for r in result.records] == [3] * 6
@@ -155,8 +248,19 @@ def test_trace_replay_runs(tmp_path):
 
 def test_bad_profile_and_config_name_the_field(tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"name": "x", "flops_per_s": 1.0, "bytes_per_s": 1.0, "num_params": 1,
-                                "weight_bytes": 1, "kv_bytes_per_token": 1, "speed": 3}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "x",
+                "flops_per_s": 1.0,
+                "bytes_per_s": 1.0,
+                "num_params": 1,
+                "weight_bytes": 1,
+                "kv_bytes_per_token": 1,
+                "speed": 3,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="'speed'"):
         load_profile(str(path))
     path.write_text(json.dumps({"name": "x", "flops_per_s": "fast"}))
@@ -176,8 +280,12 @@ def test_serving_overhead_delays_routing_and_adds_to_ttft_and_latency():
     from sim import SimRequest
 
     workload = [SimRequest("a", 1.0, prompt_len=40, output_len=8)]
-    bare, served = (FleetSim(SimConfig(num_replicas=1, serving_overhead_s=overhead), load_profile("cpu")).run(workload)
-                    for overhead in (0.0, 0.0132))
+    bare, served = (
+        FleetSim(SimConfig(num_replicas=1, serving_overhead_s=overhead), load_profile("cpu")).run(
+            workload
+        )
+        for overhead in (0.0, 0.0132)
+    )
     (b,), (s,) = bare.records, served.records
     assert s.ttft_s == pytest.approx(b.ttft_s + 0.0132)
     assert s.finish_s - s.arrival_s == pytest.approx(b.finish_s - b.arrival_s + 0.0132)
@@ -187,7 +295,21 @@ def test_serving_overhead_delays_routing_and_adds_to_ttft_and_latency():
 def test_plan_picks_the_smallest_fleet_meeting_the_slos(capsys):
     from sim.__main__ import main
 
-    main(["plan", "--requests", "200", "--rate", "12", "--slo-ttft", "1.0", "--slo-itl", "0.5", "--max-replicas", "8"])
+    main(
+        [
+            "plan",
+            "--requests",
+            "200",
+            "--rate",
+            "12",
+            "--slo-ttft",
+            "1.0",
+            "--slo-itl",
+            "0.5",
+            "--max-replicas",
+            "8",
+        ]
+    )
     out = capsys.readouterr().out
     picked = int(out.split("plan: ")[1].split()[0])
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| prefix_affinity")]
@@ -211,7 +333,9 @@ def test_cli_bad_trace_exits_with_the_line(tmp_path, capsys):
 def test_prompt_hashes_cached_per_prefix_group_equal_the_scheduler_hash():
     from scheduler import hash_prompt_blocks
 
-    wl = synthetic_workload(WorkloadConfig(num_requests=40, tenants=3, system_prompt_len=40, question_len=(1, 30)))
+    wl = synthetic_workload(
+        WorkloadConfig(num_requests=40, tenants=3, system_prompt_len=40, question_len=(1, 30))
+    )
     sim = FleetSim(SimConfig(num_replicas=1), load_profile("cpu"))
     for i, req in enumerate(wl):
         prompt = req.prompt_token_ids(i)
@@ -219,15 +343,20 @@ def test_prompt_hashes_cached_per_prefix_group_equal_the_scheduler_hash():
 
 
 def test_run_until_stops_at_that_simulated_second_with_the_same_history():
-    wl = synthetic_workload(WorkloadConfig(num_requests=80, rate=8.0, tenants=4, system_prompt_len=32, seed=3))
-    cfg = SimConfig(num_replicas=2, scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=256))
+    wl = synthetic_workload(
+        WorkloadConfig(num_requests=80, rate=8.0, tenants=4, system_prompt_len=32, seed=3)
+    )
+    cfg = SimConfig(
+        num_replicas=2, scheduler=SchedulerConfig(num_gpu_blocks=120, max_model_len=256)
+    )
     full = FleetSim(cfg, load_profile("cpu")).run(wl)
     cut = FleetSim(cfg, load_profile("cpu")).run(wl, until_s=5.0)
     assert cut.end_s == 5.0
     done = [r for r in full.records if r.finish_s <= 5.0]
     assert done and len(done) < len(wl)
-    assert _fingerprint(SimpleNamespace(records=done)) == \
-        _fingerprint(SimpleNamespace(records=[r for r in cut.records if r.finish_s is not None]))
+    assert _fingerprint(SimpleNamespace(records=done)) == _fingerprint(
+        SimpleNamespace(records=[r for r in cut.records if r.finish_s is not None])
+    )
 
 
 def test_the_fleet_itl_tally_counts_exactly_the_finished_requests_gaps():
@@ -235,9 +364,14 @@ def test_the_fleet_itl_tally_counts_exactly_the_finished_requests_gaps():
     cut short takes back those of the requests it leaves in flight."""
     from collections import Counter
 
-    wl = synthetic_workload(WorkloadConfig(num_requests=120, rate=6.0, tenants=4, system_prompt_len=32,
-                                           output_len=(8, 120), seed=5))
-    cfg = SimConfig(num_replicas=2, scheduler=SchedulerConfig(num_gpu_blocks=200, max_model_len=512))
+    wl = synthetic_workload(
+        WorkloadConfig(
+            num_requests=120, rate=6.0, tenants=4, system_prompt_len=32, output_len=(8, 120), seed=5
+        )
+    )
+    cfg = SimConfig(
+        num_replicas=2, scheduler=SchedulerConfig(num_gpu_blocks=200, max_model_len=512)
+    )
     for until in (math.inf, 9.0):
         result = FleetSim(cfg, load_profile("cpu")).run(wl, until_s=until)
         finished = [r for r in result.records if r.finish_s is not None]
@@ -250,31 +384,64 @@ def test_the_fleet_itl_tally_counts_exactly_the_finished_requests_gaps():
 def test_vtc_counter_gap_between_backlogged_tenants_stays_within_the_bound():
     from sim.studies import CounterGap, vtc_gap_bound
 
-    wl = synthetic_workload(WorkloadConfig(num_requests=300, rate=8.0, tenants=5, tenant_weights=[8, 1, 1, 1, 1],
-                                           system_prompt_len=0, question_len=(16, 96), output_len=(4, 32), seed=2))
+    wl = synthetic_workload(
+        WorkloadConfig(
+            num_requests=300,
+            rate=8.0,
+            tenants=5,
+            tenant_weights=[8, 1, 1, 1, 1],
+            system_prompt_len=0,
+            question_len=(16, 96),
+            output_len=(4, 32),
+            seed=2,
+        )
+    )
     sched = SchedulerConfig(num_gpu_blocks=256, max_model_len=256, policy="fair", max_num_seqs=8)
     gap = CounterGap()
-    result = FleetSim(SimConfig(num_replicas=1, scheduler=sched), load_profile("cpu"), on_step=gap).run(wl)
+    result = FleetSim(
+        SimConfig(num_replicas=1, scheduler=sched), load_profile("cpu"), on_step=gap
+    ).run(wl)
     assert result.replicas[0].scheduler.num_preemptions == 0  # the bound assumes none
     assert gap.samples > 100  # tenants stayed backlogged together for most of the run
-    assert 0 < gap.max_gap <= vtc_gap_bound(sched, wl, gap.max_running_per_tenant) <= vtc_gap_bound(sched, wl)
+    assert (
+        0
+        < gap.max_gap
+        <= vtc_gap_bound(sched, wl, gap.max_running_per_tenant)
+        <= vtc_gap_bound(sched, wl)
+    )
 
 
 @settings(max_examples=150, deadline=None)
-@given(policy=st.sampled_from(list(router.config.POLICIES)), seed=st.integers(0, 2**32),
-       n=st.integers(1, 40), threshold=st.sampled_from([0.0, 1.0, 2.0]), num_ops=st.integers(1, 200),
-       index_bound=st.sampled_from([6, 200_000]))
+@given(
+    policy=st.sampled_from(list(router.config.POLICIES)),
+    seed=st.integers(0, 2**32),
+    n=st.integers(1, 40),
+    threshold=st.sampled_from([0.0, 1.0, 2.0]),
+    num_ops=st.integers(1, 200),
+    index_bound=st.sampled_from([6, 200_000]),
+)
 def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_ops, index_bound):
     """The simulator's FleetState.pick makes route()'s choice and leaves the same state behind, also
     with the prefix index evicting at its bound."""
     import random
 
-    from router.fleet import FleetState, RouteRequest
+    from router.fleet import FleetState
+    from router.policies import RouteRequest
 
     names = [f"replica-{i}" for i in range(n)]
     # Whole-number loads (no tokens, KV usage 0 or 1) so that ties and the imbalance ceiling matter.
-    states = [FleetState(RoutingConfig(router_policy=policy, seed=seed, imbalance_threshold=threshold,
-                                       imbalance_ratio=1.0, max_index_blocks=index_bound)) for _ in range(2)]
+    states = [
+        FleetState(
+            RoutingConfig(
+                router_policy=policy,
+                seed=seed,
+                imbalance_threshold=threshold,
+                imbalance_ratio=1.0,
+                max_index_blocks=index_bound,
+            )
+        )
+        for _ in range(2)
+    ]
     rng = random.Random(seed)  # the operations come from a seeded stream: hypothesis favours zeros
     inflight: list[str] = []
     for i in range(num_ops):
@@ -297,9 +464,13 @@ def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_op
                 s.on_completed(rid)
         else:
             replica = names[x % n]
-            stats = {"num_waiting": x % 2, "num_running": x % 3, "kv_cache_usage": float(x % 2),
-                     "prefix_hashes": [rng.randrange(4) * 100 + b for b in range(rng.randrange(5))],
-                     "state": "ok" if x % 7 else "draining"}
+            stats = {
+                "num_waiting": x % 2,
+                "num_running": x % 3,
+                "kv_cache_usage": float(x % 2),
+                "prefix_hashes": [rng.randrange(4) * 100 + b for b in range(rng.randrange(5))],
+                "state": "ok" if x % 7 else "draining",
+            }
             for s in states:
                 s.on_stats(replica, stats, now=i)
     assert [states[0].loads.load(r) for r in names] == [states[1].loads.load(r) for r in names]
@@ -312,12 +483,18 @@ def test_arrival_exactly_at_a_step_end_of_a_cruise_matches_step_by_step():
 
     ends: list[float] = []
     long_one = SimRequest("long", 0.0, prompt_len=40, output_len=200)
-    cfg = SimConfig(num_replicas=1, scheduler=SchedulerConfig(num_gpu_blocks=64, max_model_len=512), coalesce=False)
+    cfg = SimConfig(
+        num_replicas=1,
+        scheduler=SchedulerConfig(num_gpu_blocks=64, max_model_len=512),
+        coalesce=False,
+    )
     FleetSim(cfg, load_profile("h100"), on_step=lambda _, now: ends.append(now)).run([long_one])
     at = ends[len(ends) // 3]  # the exact float end of a step in the middle of a decode stretch
     workload = [long_one, SimRequest("late", at, prompt_len=20, output_len=5)]
-    jumped, stepwise = (FleetSim(dataclasses.replace(cfg, coalesce=c), load_profile("h100")).run(workload)
-                        for c in (True, False))
+    jumped, stepwise = (
+        FleetSim(dataclasses.replace(cfg, coalesce=c), load_profile("h100")).run(workload)
+        for c in (True, False)
+    )
     assert _fingerprint(jumped) == _fingerprint(stepwise)
     assert jumped.jumped_steps > 0
 
@@ -330,21 +507,43 @@ class _ReportLog(router.fleet.FleetState):
         self.log: list[tuple] = []
 
     def on_stats(self, replica, stats, now):
-        self.log.append((replica, now, stats["num_waiting"], stats["num_running"], stats["kv_cache_usage"],
-                         tuple(stats["prefix_hashes"])))
+        self.log.append(
+            (
+                replica,
+                now,
+                stats["num_waiting"],
+                stats["num_running"],
+                stats["kv_cache_usage"],
+                tuple(stats["prefix_hashes"]),
+            )
+        )
         super().on_stats(replica, stats, now)
 
 
 def test_a_busy_replica_reports_once_its_running_step_ends_in_cruises_as_step_by_step():
     """Long decodes cruise across many stats takes; every report the router receives, and when,
     matches step-by-step simulation, and a report comes after the step running at its take."""
-    wl = synthetic_workload(WorkloadConfig(num_requests=40, rate=1.0, tenants=3, system_prompt_len=64,
-                                           question_len=(4, 40), output_len=(60, 200), seed=3))
+    wl = synthetic_workload(
+        WorkloadConfig(
+            num_requests=40,
+            rate=1.0,
+            tenants=3,
+            system_prompt_len=64,
+            question_len=(4, 40),
+            output_len=(60, 200),
+            seed=3,
+        )
+    )
     logs = []
     for coalesce in (True, False):
-        cfg = SimConfig(num_replicas=3, scheduler=SchedulerConfig(num_gpu_blocks=200, max_model_len=512),
-                        routing=RoutingConfig(router_policy="prefix_affinity"), coalesce=coalesce,
-                        stats_period_s=0.3, stats_delay_s=0.0)
+        cfg = SimConfig(
+            num_replicas=3,
+            scheduler=SchedulerConfig(num_gpu_blocks=200, max_model_len=512),
+            routing=RoutingConfig(router_policy="prefix_affinity"),
+            coalesce=coalesce,
+            stats_period_s=0.3,
+            stats_delay_s=0.0,
+        )
         sim = FleetSim(cfg, load_profile("cpu"))
         sim.fleet = _ReportLog(cfg.routing)
         result = sim.run(wl)
@@ -352,9 +551,14 @@ def test_a_busy_replica_reports_once_its_running_step_ends_in_cruises_as_step_by
     (cruised, cruised_fp, jumped), (stepwise, stepwise_fp, _) = logs
     assert jumped > 0
     assert cruised == stepwise and cruised_fp == stepwise_fp
-    # No delivery delay: an idle replica's report arrives at its take, a busy one's when its step ends.
+    # No delivery delay: an idle replica's report arrives at its take, a busy one's when its step
+    # ends.
     takes = sorted({when for _, when, *_ in stepwise})
-    late = [when for _, when, *_ in stepwise if min(abs(when - k * 0.3) for k in range(int(when / 0.3) + 2)) > 1e-9]
+    late = [
+        when
+        for _, when, *_ in stepwise
+        if min(abs(when - k * 0.3) for k in range(int(when / 0.3) + 2)) > 1e-9
+    ]
     assert late and len(late) < len(stepwise), (len(late), len(stepwise), takes[:5])
 
 
@@ -363,17 +567,24 @@ def test_cohosted_replicas_share_cores_while_both_are_busy():
     from sim import HostConfig, SimRequest
 
     sched = SchedulerConfig(num_gpu_blocks=64, max_model_len=256)
-    cfg = SimConfig(num_replicas=2, scheduler=sched, routing=RoutingConfig(router_policy="round_robin"))
+    cfg = SimConfig(
+        num_replicas=2, scheduler=sched, routing=RoutingConfig(router_policy="round_robin")
+    )
     one = [SimRequest("a", 0.0, prompt_len=40, output_len=12)]
     two = one + [SimRequest("b", 0.0, prompt_len=40, output_len=12)]
     alone = FleetSim(cfg, load_profile("cpu")).run(one)
-    shared = dataclasses.replace(cfg, host=HostConfig(replicas_per_host=2, cores=1.0, cores_per_replica=1.0))
+    shared = dataclasses.replace(
+        cfg, host=HostConfig(replicas_per_host=2, cores=1.0, cores_per_replica=1.0)
+    )
     both = FleetSim(shared, load_profile("cpu")).run(two)
     assert {r.replica for r in both.records} == {"replica-0", "replica-1"}
     for rec in both.records:
         assert rec.finish_s == pytest.approx(2 * alone.records[0].finish_s)
     # Separate hosts (one replica per host), or enough cores: no stretch.
-    for host in (HostConfig(replicas_per_host=1, cores=1.0), HostConfig(replicas_per_host=2, cores=2.0)):
+    for host in (
+        HostConfig(replicas_per_host=1, cores=1.0),
+        HostConfig(replicas_per_host=2, cores=2.0),
+    ):
         apart = FleetSim(dataclasses.replace(cfg, host=host), load_profile("cpu")).run(two)
         assert [r.finish_s for r in apart.records] == [alone.records[0].finish_s] * 2
 
@@ -382,13 +593,36 @@ def test_cohosted_replicas_share_cores_while_both_are_busy():
 def test_cohosted_coalesced_run_equals_step_by_step(background):
     from sim import HostConfig
 
-    wl = synthetic_workload(WorkloadConfig(num_requests=60, rate=4.0, tenants=5, system_prompt_len=64,
-                                           question_len=(4, 40), output_len=(1, 40), seed=4))
-    sched = SchedulerConfig(num_gpu_blocks=60, max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8)
-    host = HostConfig(replicas_per_host=2, cores=2.0, cores_per_replica=1.0, background_cores=background)
-    runs = [FleetSim(SimConfig(num_replicas=3, scheduler=sched, host=host, coalesce=c,
-                               routing=RoutingConfig(router_policy="least_loaded")), load_profile("cpu")).run(wl)
-            for c in (True, False)]
+    wl = synthetic_workload(
+        WorkloadConfig(
+            num_requests=60,
+            rate=4.0,
+            tenants=5,
+            system_prompt_len=64,
+            question_len=(4, 40),
+            output_len=(1, 40),
+            seed=4,
+        )
+    )
+    sched = SchedulerConfig(
+        num_gpu_blocks=60, max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8
+    )
+    host = HostConfig(
+        replicas_per_host=2, cores=2.0, cores_per_replica=1.0, background_cores=background
+    )
+    runs = [
+        FleetSim(
+            SimConfig(
+                num_replicas=3,
+                scheduler=sched,
+                host=host,
+                coalesce=c,
+                routing=RoutingConfig(router_policy="least_loaded"),
+            ),
+            load_profile("cpu"),
+        ).run(wl)
+        for c in (True, False)
+    ]
     assert _fingerprint(runs[0]) == _fingerprint(runs[1])
     assert runs[0].coalesced_steps > 0 and runs[0].jumped_steps == 0
 
@@ -400,7 +634,9 @@ def test_bad_host_config_names_the_field():
         HostConfig(replicas_per_host=0)
     with pytest.raises(ValueError, match="background_cores"):
         HostConfig(cores=2.0, background_cores=2.0)
-    assert HostConfig(replicas_per_host=2, cores=2.0, background_cores=0.5).stretch(2) == pytest.approx(2 / 1.5)
+    assert HostConfig(replicas_per_host=2, cores=2.0, background_cores=0.5).stretch(
+        2
+    ) == pytest.approx(2 / 1.5)
 
 
 @pytest.mark.parametrize("field", ["cores", "cores_per_replica", "background_cores"])
@@ -415,13 +651,15 @@ def test_hostile_host_config_values_name_the_field(field, value):
 def test_host_config_takes_huge_counts_and_refuses_non_integers():
     from sim import HostConfig
 
-    assert HostConfig(replicas_per_host=2 ** 64, cores=2.0 ** 64).stretch(3) == 1.0
+    assert HostConfig(replicas_per_host=2**64, cores=2.0**64).stretch(3) == 1.0
     for bad in (-1, 0, 2.5, True, float("nan")):
         with pytest.raises(ValueError, match="replicas_per_host"):
             HostConfig(replicas_per_host=bad)
 
 
-@pytest.mark.parametrize("field", ["step_overhead_s", "prefill_step_overhead_s", "prefill_pair_s", "bytes_per_s"])
+@pytest.mark.parametrize(
+    "field", ["step_overhead_s", "prefill_step_overhead_s", "prefill_pair_s", "bytes_per_s"]
+)
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
 def test_hostile_cost_model_values_name_the_field(field, value):
     base = dataclasses.asdict(load_profile("cpu"))
@@ -430,13 +668,22 @@ def test_hostile_cost_model_values_name_the_field(field, value):
 
 
 @settings(max_examples=200, deadline=None)
-@given(profile=st.sampled_from(["cpu", "h100"]), seqs=st.integers(1, 300), kv=st.integers(0, 10**6),
-       steps=st.integers(0, 50), start=st.floats(0, 1e5), horizon=st.floats(0, 2e5),
-       memory_scale=st.sampled_from([1e-3, 1.0, 1e3]))
-def test_decode_steps_times_each_step_as_step_time_does_to_the_bit(profile, seqs, kv, steps, start, horizon,
-                                                                  memory_scale):
+@given(
+    profile=st.sampled_from(["cpu", "h100"]),
+    seqs=st.integers(1, 300),
+    kv=st.integers(0, 10**6),
+    steps=st.integers(0, 50),
+    start=st.floats(0, 1e5),
+    horizon=st.floats(0, 2e5),
+    memory_scale=st.sampled_from([1e-3, 1.0, 1e3]),
+)
+def test_decode_steps_times_each_step_as_step_time_does_to_the_bit(
+    profile, seqs, kv, steps, start, horizon, memory_scale
+):
     """A cruise's step times are the single steps' (memory_scale moves the roofline's knee)."""
-    cost = dataclasses.replace(load_profile(profile), bytes_per_s=load_profile(profile).bytes_per_s * memory_scale)
+    cost = dataclasses.replace(
+        load_profile(profile), bytes_per_s=load_profile(profile).bytes_per_s * memory_scale
+    )
     ends: list[float] = []
     durations: list[float] = []
     cost.decode_steps(seqs, kv, start, steps, horizon, ends, durations)
@@ -452,7 +699,8 @@ def test_decode_steps_times_each_step_as_step_time_does_to_the_bit(profile, seqs
 
 
 def test_requests_arriving_at_one_instant_are_scheduled_together():
-    """As an engine handed a batch: the first step prefills all of them, so all get their first token at once."""
+    """As an engine handed a batch: the first step prefills all of them, so all get their first
+    token at once."""
     from sim import SimRequest
 
     wl = [SimRequest(f"r{i}", 0.0, prompt_len=20 + i, output_len=3) for i in range(4)]
@@ -482,21 +730,27 @@ def test_validation_workloads_are_the_benchmarks_own():
     assert (len(prompts), sum(prompts), sum(outputs)) == (64, 7326, 4385)
     theirs = _bench_module("router_bench").Workload().build(16)
     ours = validate.router_bench_workload()
-    assert [(round(t, 12), r.tenant, len(r.prompt_token_ids)) for t, r in theirs] == \
-        [(round(r.arrival_s, 12), r.tenant, r.prompt_len) for r in ours]
+    assert [(round(t, 12), r.tenant, len(r.prompt_token_ids)) for t, r in theirs] == [
+        (round(r.arrival_s, 12), r.tenant, r.prompt_len) for r in ours
+    ]
 
 
 def test_capacity_is_what_an_overloaded_replica_completes_and_refuses_an_underload():
     """The studies' load unit: completions per replica-second while every queue stays non-empty."""
     from sim.studies import capacity, fleet_config, fleet_workload
 
-    cap = capacity(fleet_workload, fleet_config, overload_rate=64.0, replicas=2, seconds=40.0, warmup_s=10.0)
+    cap = capacity(
+        fleet_workload, fleet_config, overload_rate=64.0, replicas=2, seconds=40.0, warmup_s=10.0
+    )
     assert 0 < cap < 64.0
     # Twice the overload completes no more (within a request per replica-second): it is the ceiling.
-    assert capacity(fleet_workload, fleet_config, overload_rate=128.0, replicas=2, seconds=40.0,
-                    warmup_s=10.0) == pytest.approx(cap, abs=1.0)
+    assert capacity(
+        fleet_workload, fleet_config, overload_rate=128.0, replicas=2, seconds=40.0, warmup_s=10.0
+    ) == pytest.approx(cap, abs=1.0)
     with pytest.raises(ValueError, match="overload_rate"):
-        capacity(fleet_workload, fleet_config, overload_rate=0.5, replicas=2, seconds=40.0, warmup_s=10.0)
+        capacity(
+            fleet_workload, fleet_config, overload_rate=0.5, replicas=2, seconds=40.0, warmup_s=10.0
+        )
 
 
 def test_the_floor_study_times_replicas_that_only_decode_and_report():
@@ -505,7 +759,9 @@ def test_the_floor_study_times_replicas_that_only_decode_and_report():
     is the study's figure, never a test's.)"""
     from sim.studies import TARGET_US_PER_REPLICA_S, scale_floor
 
-    assert TARGET_US_PER_REPLICA_S == pytest.approx(250.0)  # 15 wall minutes for 3.6 million replica-seconds
+    assert (
+        pytest.approx(250.0) == TARGET_US_PER_REPLICA_S
+    )  # 15 wall minutes for 3.6 million replica-seconds
     (row,) = scale_floor((4,), running=2, seconds=3.0, warmup_s=1.0)
     assert row["replicas"] == 4 and row["us_per_replica_s"] > 0  # the window was timed
     assert row["budget_share"] == pytest.approx(row["us_per_replica_s"] / 250.0)

@@ -3,6 +3,7 @@
 A mixed batch (decodes, a fresh prefill, a chunk continuing a cached prefix) is laid out in a
 paged cache with scattered blocks; every backend must match a dense per-request reference.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,7 +36,7 @@ def run_batch(backend, device: str, dtype: torch.dtype = torch.float32):
     """Attention output of the REQUESTS batch and the dense reference, both [tokens, HQ, D]."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = 64
-    layer = Attention(HQ, D, HK, scale=D ** -0.5)
+    layer = Attention(HQ, D, HK, scale=D**-0.5)
     if isinstance(backend, str):
         backend = select_backend(torch.device(device), backend, dtype)
     layer.backend = backend
@@ -55,8 +56,9 @@ def run_batch(backend, device: str, dtype: torch.dtype = torch.float32):
         tables.append(table)
         qs.append(q), ks.append(k[cached:]), vs.append(v[cached:])
         refs.append(dense_reference(q, k, v, layer.scale))
-    meta, _ = AttentionMetadata.build([c for c, _ in REQUESTS], [n for _, n in REQUESTS], tables,
-                                      BLOCK, torch.device(device))
+    meta, _ = AttentionMetadata.build(
+        [c for c, _ in REQUESTS], [n for _, n in REQUESTS], tables, BLOCK, torch.device(device)
+    )
     layer.backend.prepare(meta)
     cat = lambda xs: torch.cat(xs).to(device, dtype).flatten(1)  # noqa: E731
     out = layer(cat(qs), cat(ks), cat(vs), meta).view(-1, HQ, D).float().cpu()
@@ -64,8 +66,9 @@ def run_batch(backend, device: str, dtype: torch.dtype = torch.float32):
 
 
 def test_decode_and_prefill_layout():
-    meta, positions = AttentionMetadata.build([5, 0, 8], [1, 7, 12], [[9, 3], [1, 2], [4, 5, 6, 7, 8]],
-                                              BLOCK, torch.device("cpu"))
+    meta, positions = AttentionMetadata.build(
+        [5, 0, 8], [1, 7, 12], [[9, 3], [1, 2], [4, 5, 6, 7, 8]], BLOCK, torch.device("cpu")
+    )
     assert meta.num_decodes == 1
     assert meta.query_start_loc_cpu == [0, 1, 8, 20]
     assert meta.seq_lens_cpu == [6, 7, 20]
@@ -102,23 +105,29 @@ def test_cuda_backends_match_dense_attention(backend):
     module = {"triton": "triton", "flash_attn": "flash_attn"}.get(backend)
     if module and importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed")
-    out, ref = run_batch(backend, "cuda", torch.float16 if backend == "flash_attn" else torch.float32)
+    out, ref = run_batch(
+        backend, "cuda", torch.float16 if backend == "flash_attn" else torch.float32
+    )
     tol = 2e-3 if backend == "flash_attn" else 1e-4
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.skipif(int(np.__version__.split(".")[0]) >= 2,
-                    reason="Triton's interpreter cannot take loop bounds from tensors under numpy 2")
+@pytest.mark.skipif(
+    int(np.__version__.split(".")[0]) >= 2,
+    reason="Triton's interpreter cannot take loop bounds from tensors under numpy 2",
+)
 def test_triton_decode_kernel_in_interpreter_mode():
     """The Triton kernel, run by Triton's CPU interpreter (TRITON_INTERPRET=1) in a subprocess."""
     import subprocess
     import sys
-    code = ("from tests.workers.test_attention import check_triton_on_cpu; check_triton_on_cpu()")
+
+    code = "from tests.workers.test_attention import check_triton_on_cpu; check_triton_on_cpu()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -129,4 +138,6 @@ def check_triton_on_cpu() -> None:
     for splits in (1, 2, 8):
         triton_decode.num_splits = lambda *_, s=splits: s
         out, ref = run_batch(triton_decode.TritonDecodeBackend(), "cpu")
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=lambda m, s=splits: f"{s} splits: {m}")
+        torch.testing.assert_close(
+            out, ref, atol=1e-4, rtol=1e-4, msg=lambda m, s=splits: f"{s} splits: {m}"
+        )

@@ -10,6 +10,7 @@ of the output) of a float32 computation on the same bfloat16 inputs, since the k
 in float32 and rounds once; and within 2e-2 of the bfloat16 gather + SDPA path, which rounds
 its own intermediates.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,9 @@ from workers.layers.attention import AttentionMetadata
 from workers.layers.backends import cpu_paged
 from workers.layers.backends.torch_ref import TorchBackend
 
-pytestmark = pytest.mark.skipif(cpu_paged.load() is None, reason="the CPU kernel cannot be built here")
+pytestmark = pytest.mark.skipif(
+    cpu_paged.load() is None, reason="the CPU kernel cannot be built here"
+)
 
 BLOCK = 16
 # Context lengths: mid-block, exactly one block, one token, several blocks ending mid-block.
@@ -56,10 +59,16 @@ def kernel(q, k_cache, v_cache, tables, seq_lens, scale):
 def gather_sdpa(q, k_cache, v_cache, tables, seq_lens, scale):
     """The torch backend's gather + masked SDPA decode path."""
     n = q.shape[0]
-    meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long),
-                             query_start_loc=torch.arange(n + 1, dtype=torch.int32), seq_lens=seq_lens,
-                             block_tables=tables, num_decodes=n, query_start_loc_cpu=list(range(n + 1)),
-                             seq_lens_cpu=seq_lens.tolist(), block_size=BLOCK)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.long),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        num_decodes=n,
+        query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=seq_lens.tolist(),
+        block_size=BLOCK,
+    )
     backend = TorchBackend(paged_kernel=False)
     backend.prepare(meta)
     return backend.decode(q, k_cache, v_cache, meta, scale)
@@ -82,20 +91,24 @@ def dense_fp32(q, k_cache, v_cache, tables, seq_lens, scale):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_float32_matches_gather_sdpa(hq, hk, d, seed):
     inputs = paged_inputs(hq, hk, d, torch.float32, seed)
-    scale = d ** -0.5
-    torch.testing.assert_close(kernel(*inputs, scale), gather_sdpa(*inputs, scale), atol=1e-5, rtol=1e-5)
+    scale = d**-0.5
+    torch.testing.assert_close(
+        kernel(*inputs, scale), gather_sdpa(*inputs, scale), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (16, 8, 128)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bfloat16_rounds_a_float32_result_once(hq, hk, d, seed):
     inputs = paged_inputs(hq, hk, d, torch.bfloat16, seed)
-    scale = d ** -0.5
+    scale = d**-0.5
     out = kernel(*inputs, scale)
     assert out.dtype == torch.bfloat16
     ref = dense_fp32(*inputs, scale)
-    torch.testing.assert_close(out.float(), ref, atol=2 ** -8, rtol=2 ** -8)
-    torch.testing.assert_close(out.float(), gather_sdpa(*inputs, scale).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref, atol=2**-8, rtol=2**-8)
+    torch.testing.assert_close(
+        out.float(), gather_sdpa(*inputs, scale).float(), atol=2e-2, rtol=2e-2
+    )
 
 
 def test_strided_query_of_a_fused_projection():
@@ -104,25 +117,35 @@ def test_strided_query_of_a_fused_projection():
     fused = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 3 * 64)], dim=1)
     strided = fused[:, : 9 * 64].view(-1, 9, 64)
     assert not strided.is_contiguous()
-    torch.testing.assert_close(kernel(strided, k_cache, v_cache, tables, seq_lens, 0.125),
-                               kernel(q, k_cache, v_cache, tables, seq_lens, 0.125), atol=0, rtol=0)
+    torch.testing.assert_close(
+        kernel(strided, k_cache, v_cache, tables, seq_lens, 0.125),
+        kernel(q, k_cache, v_cache, tables, seq_lens, 0.125),
+        atol=0,
+        rtol=0,
+    )
 
 
 def test_rows_do_not_depend_on_the_batch():
-    """A request's output is bitwise the same alone and among others (one task per request and head)."""
+    """A request's output is bitwise the same alone and among others (one task per request and
+    head)."""
     q, k_cache, v_cache, tables, seq_lens = paged_inputs(9, 3, 64, torch.float32, 3)
     batched = kernel(q, k_cache, v_cache, tables, seq_lens, 0.125)
     for i in (0, 4, 7):
-        alone = kernel(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], seq_lens[i:i + 1], 0.125)
+        alone = kernel(
+            q[i : i + 1], k_cache, v_cache, tables[i : i + 1], seq_lens[i : i + 1], 0.125
+        )
         assert torch.equal(alone[0], batched[i])
 
 
-@pytest.mark.parametrize("field,change", [
-    ("block_tables", lambda t, s: (t.fill_(10_000), s)),
-    ("seq_lens", lambda t, s: (t, s.fill_(0))),
-    ("seq_lens", lambda t, s: (t, s.fill_(10_000))),
-    ("block_tables/seq_lens", lambda t, s: (t.long(), s)),
-])
+@pytest.mark.parametrize(
+    "field,change",
+    [
+        ("block_tables", lambda t, s: (t.fill_(10_000), s)),
+        ("seq_lens", lambda t, s: (t, s.fill_(0))),
+        ("seq_lens", lambda t, s: (t, s.fill_(10_000))),
+        ("block_tables/seq_lens", lambda t, s: (t.long(), s)),
+    ],
+)
 def test_bad_tables_raise_value_error_naming_the_field(field, change):
     q, k_cache, v_cache, tables, seq_lens = paged_inputs(9, 3, 64, torch.float32, 4)
     tables, seq_lens = change(tables, seq_lens)
@@ -132,15 +155,22 @@ def test_bad_tables_raise_value_error_naming_the_field(field, change):
 
 def test_without_a_compiler_the_backend_gathers(tmp_path):
     """A fresh build directory and no C++ compiler: load() gives None and decode still matches."""
-    code = ("import torch; from workers.layers.backends import cpu_paged;"
-            "from workers.layers.backends.torch_ref import TorchBackend;"
-            "from tests.workers.test_attention import run_batch;"
-            "assert cpu_paged.load() is None; backend = TorchBackend(paged_kernel=True);"
-            "assert backend.kernel is None; out, ref = run_batch(backend, 'cpu');"
-            "torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)")
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-compiler")}
+    code = (
+        "import torch; from workers.layers.backends import cpu_paged;"
+        "from workers.layers.backends.torch_ref import TorchBackend;"
+        "from tests.workers.test_attention import run_batch;"
+        "assert cpu_paged.load() is None; backend = TorchBackend(paged_kernel=True);"
+        "assert backend.kernel is None; out, ref = run_batch(backend, 'cpu');"
+        "torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)"
+    )
+    env = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": str(tmp_path),
+        "CXX": str(tmp_path / "no-compiler"),
+    }
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

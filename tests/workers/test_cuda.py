@@ -1,8 +1,11 @@
-"""The CUDA path on a real GPU: parity with Hugging Face, the Triton kernel, CUDA graphs, memory, NCCL.
+"""The CUDA path on a real GPU: parity with Hugging Face, the Triton kernel, CUDA graphs, memory,
+NCCL.
 
 Models are random-weight checkpoints of published shapes (Llama 3.2 1B, Qwen3 0.6B) written on the
-GPU machine itself. Skipped without a GPU; run there with `python -m pytest -m cuda tests/workers/test_cuda.py`.
+GPU machine itself. Skipped without a GPU; run there with `python -m pytest -m cuda
+tests/workers/test_cuda.py`.
 """
+
 from __future__ import annotations
 
 import gc
@@ -14,11 +17,15 @@ from scheduler import SamplingParams
 from tests.random_checkpoint import random_prompts, write_random_checkpoint
 from tests.workers.greedy import NEAR_TIE, Greedy, from_logprobs, hf_greedy
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 FAMILIES = ("llama3-1b", "qwen3-0.6b")
 NEW_TOKENS = 24
-# These logits reach 16-32, where bf16's step is 0.125: two bf16 paths may part ways where HF's top two
+# These logits reach 16-32, where bf16's step is 0.125: two bf16 paths may part ways where HF's top
+# two
 # are within two such steps.
 BF16_NEAR_TIE = 0.25
 # Measured on an H100: up to 0.34 nats on Llama-3.2-1B-shaped logits of magnitude ~20 (under 2%).
@@ -27,7 +34,10 @@ BF16_LOGPROB_TOL = 0.5
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
-    return {shape: write_random_checkpoint(shape, str(tmp_path_factory.mktemp(shape))).path for shape in FAMILIES}
+    return {
+        shape: write_random_checkpoint(shape, str(tmp_path_factory.mktemp(shape))).path
+        for shape in FAMILIES
+    }
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +56,11 @@ def references(checkpoints, prompts) -> dict[tuple[str, str], list[Greedy]]:
     refs = {}
     for family, path in checkpoints.items():
         for dtype in ("float32", "bfloat16"):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).cuda().eval()
+            model = (
+                AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+                .cuda()
+                .eval()
+            )
             refs[family, dtype] = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
             del model
             _release()
@@ -61,8 +75,15 @@ def _release() -> None:
 def make_llm(path: str, dtype: str, **kwargs):
     from engine.llm import LLM
 
-    args = dict(dtype=dtype, device="cuda", load_progress=False, max_model_len=1024, num_gpu_blocks=2048,
-                max_num_batched_tokens=128, max_num_seqs=32)
+    args = dict(
+        dtype=dtype,
+        device="cuda",
+        load_progress=False,
+        max_model_len=1024,
+        num_gpu_blocks=2048,
+        max_num_batched_tokens=128,
+        max_num_seqs=32,
+    )
     return LLM(model=path, **{**args, **kwargs})
 
 
@@ -88,11 +109,15 @@ def check_against_hf(outputs: list, refs: list[Greedy], dtype: str, what: str) -
             worst_lp = max(worst_lp, abs(ours.top2[j][0] - ref.top2[j][0]))
             if a != b:
                 gap = ref.top2[j][0] - ref.top2[j][1]
-                assert gap <= tie, f"{what} prompt {i}: token {j} is {a}, HF {b}, HF top-2 gap {gap:.4f} > {tie}"
+                assert gap <= tie, (
+                    f"{what} prompt {i}: token {j} is {a}, HF {b}, HF top-2 gap {gap:.4f} > {tie}"
+                )
                 worst_tie = max(worst_tie, gap)
                 break
     if dtype == "bfloat16":
-        assert worst_lp <= BF16_LOGPROB_TOL, f"{what}: top logprob differs from HF by {worst_lp:.4f}"
+        assert worst_lp <= BF16_LOGPROB_TOL, (
+            f"{what}: top logprob differs from HF by {worst_lp:.4f}"
+        )
     else:
         assert worst_lp <= 1e-3, f"{what}: top logprob differs from HF by {worst_lp:.6f}"
     print(f"{what}: max |top logprob - HF| {worst_lp:.5f}, widest tie taken {worst_tie:.5f}")
@@ -102,15 +127,18 @@ def check_against_hf(outputs: list, refs: list[Greedy], dtype: str, what: str) -
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_hf_with_chunked_prefill_and_prefix_hits(family, dtype, backend, checkpoints, prompts,
-                                                                   references):
+def test_greedy_matches_hf_with_chunked_prefill_and_prefix_hits(
+    family, dtype, backend, checkpoints, prompts, references
+):
     llm = make_llm(checkpoints[family], dtype, attention_backend=backend)
     try:
         first = generate(llm, prompts)
         check_against_hf(first, references[family, dtype], dtype, f"{family} {dtype} {backend}")
         again = generate(llm, prompts[-2:])  # the shared 256-token prefix is cached now
         assert all(out.num_cached_tokens >= 256 for out in again)
-        check_against_hf(again, references[family, dtype][-2:], dtype, f"{family} {dtype} {backend} prefix hit")
+        check_against_hf(
+            again, references[family, dtype][-2:], dtype, f"{family} {dtype} {backend} prefix hit"
+        )
     finally:
         shutdown(llm)
 
@@ -119,17 +147,27 @@ def test_greedy_matches_hf_with_chunked_prefill_and_prefix_hits(family, dtype, b
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_preempted_requests_still_match_hf(mode, dtype, checkpoints, prompts, references):
     family = "llama3-1b"
-    # 8 prompts need ~110 blocks of 16; 48 force preemption (swap keeps the blocks in pinned CPU memory).
+    # 8 prompts need ~110 blocks of 16; 48 force preemption (swap keeps the blocks in pinned CPU
+    # memory).
     extra = {"num_cpu_blocks": 256} if mode == "swap" else {}
-    llm = make_llm(checkpoints[family], dtype, attention_backend="triton", num_gpu_blocks=48, max_model_len=512,
-                   preemption_mode=mode, **extra)
+    llm = make_llm(
+        checkpoints[family],
+        dtype,
+        attention_backend="triton",
+        num_gpu_blocks=48,
+        max_model_len=512,
+        preemption_mode=mode,
+        **extra,
+    )
     try:
         outs = generate(llm, prompts)
         stats = llm.engine.stats()
         assert stats.num_preemptions > 0, "the pool was meant to force preemption"
         if mode == "swap":
             assert llm.engine.executor.runner.kv_cache.cpu.is_pinned()
-        check_against_hf(outs, references[family, dtype], dtype, f"{family} {dtype} {mode} preemption")
+        check_against_hf(
+            outs, references[family, dtype], dtype, f"{family} {dtype} {mode} preemption"
+        )
     finally:
         shutdown(llm)
 
@@ -141,8 +179,14 @@ def test_decode_graphs_give_the_tokens_of_eager_decode(dtype, checkpoints):
     params = [SamplingParams(max_tokens=i + 1, temperature=0.0, ignore_eos=True) for i in range(37)]
     tokens = {}
     for eager in (True, False):
-        llm = make_llm(checkpoints["qwen3-0.6b"], dtype, attention_backend="triton", enforce_eager=eager,
-                       max_num_batched_tokens=4096, max_num_seqs=64)
+        llm = make_llm(
+            checkpoints["qwen3-0.6b"],
+            dtype,
+            attention_backend="triton",
+            enforce_eager=eager,
+            max_num_batched_tokens=4096,
+            max_num_seqs=64,
+        )
         try:
             graphs = llm.engine.executor.runner.graphs
             assert (graphs is None) == eager
@@ -159,17 +203,28 @@ def test_gpu_memory_utilization_sizes_the_pool_and_a_full_step_fits(checkpoints)
 
     _release()
     total = torch.cuda.mem_get_info()[1]
-    llm = make_llm(checkpoints["qwen3-0.6b"], "bfloat16", num_gpu_blocks=None, gpu_memory_utilization=0.5,
-                   max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=4096)
+    llm = make_llm(
+        checkpoints["qwen3-0.6b"],
+        "bfloat16",
+        num_gpu_blocks=None,
+        gpu_memory_utilization=0.5,
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        max_model_len=4096,
+    )
     try:
         runner = llm.engine.executor.runner
         pool = runner.kv_cache.gpu.numel() * runner.kv_cache.gpu.element_size()
         free, _ = torch.cuda.mem_get_info()
         used = total - free
-        print(f"total {total / GiB:.2f} GiB, KV pool {pool / GiB:.2f} GiB ({llm.engine.num_gpu_blocks} blocks), "
-              f"used after start {used / GiB:.2f} GiB = {used / total:.1%} (target 50%)")
+        print(
+            f"total {total / GiB:.2f} GiB, KV pool {pool / GiB:.2f} GiB ({llm.engine.num_gpu_blocks} blocks), "
+            f"used after start {used / GiB:.2f} GiB = {used / total:.1%} (target 50%)"
+        )
         assert pool > 0.3 * total
-        assert used < 0.5 * total + 2 * GiB  # graphs' pool and the CUDA context on top of the budget
+        assert (
+            used < 0.5 * total + 2 * GiB
+        )  # graphs' pool and the CUDA context on top of the budget
         # A full budget: 256 prompts of 32 tokens fill the first step's 8192 tokens.
         prompts = random_prompts(256, 150000, 32, 32, seed=5)
         outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -208,28 +263,34 @@ def test_nccl_group_of_one_runs_the_tp_collectives(checkpoints):
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 8), (32, 8), (16, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_triton_paged_decode_matches_the_torch_reference(head_dim, num_heads, num_kv_heads, block_size, dtype):
-    """Contexts of 1 token to 2,049 tokens in scattered blocks, against SDPA over the gathered context."""
+def test_triton_paged_decode_matches_the_torch_reference(
+    head_dim, num_heads, num_kv_heads, block_size, dtype
+):
+    """Contexts of 1 token to 2,049 tokens in scattered blocks, against SDPA over the gathered
+    context."""
     from workers.layers.backends.triton_decode import paged_decode
 
     gen = torch.Generator(device="cuda").manual_seed(head_dim * num_heads + block_size)
     lengths = [1, 15, 16, 17, 300, 2049]
     width = -(-max(lengths) // block_size)
     num_blocks = len(lengths) * width + 1
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device="cuda", dtype=dtype, generator=gen)
+    k_cache = torch.randn(
+        num_blocks, block_size, num_kv_heads, head_dim, device="cuda", dtype=dtype, generator=gen
+    )
     v_cache = torch.randn_like(k_cache)
     order = torch.randperm(num_blocks, device="cuda", generator=gen)
     tables = order[: len(lengths) * width].view(len(lengths), width).to(torch.int32)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lengths), num_heads, head_dim, device="cuda", dtype=dtype, generator=gen)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale)
     for i, n in enumerate(lengths):
         blocks = tables[i, : -(-n // block_size)].long()
         k = k_cache[blocks].flatten(0, 1)[:n].float().transpose(0, 1)
         v = v_cache[blocks].flatten(0, 1)[:n].float().transpose(0, 1)
         ref = torch.nn.functional.scaled_dot_product_attention(
-            q[i].float().unsqueeze(1), k, v, scale=scale, enable_gqa=True).squeeze(1)
+            q[i].float().unsqueeze(1), k, v, scale=scale, enable_gqa=True
+        ).squeeze(1)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
 
@@ -244,12 +305,16 @@ def check_fused_ops(device: str, dtype: torch.dtype) -> None:
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     x, res, w = rand(7, 96), rand(7, 96), rand(96)
     ref_sum = x + res
-    ref = w * (ref_sum.float() * torch.rsqrt(ref_sum.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    ref = w * (
+        ref_sum.float() * torch.rsqrt(ref_sum.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    ).to(dtype)
     out, summed = triton_ops.rms_norm(x, w, 1e-6, res)
     assert torch.equal(summed, ref_sum), (summed - ref_sum).abs().max()
     torch.testing.assert_close(out, ref, **tol)
     heads = rand(5, 3, 32)  # per-head norm of a [T, H, D] view, as Qwen3's q/k norm
-    ref = w[:32] * (heads.float() * torch.rsqrt(heads.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    ref = w[:32] * (
+        heads.float() * torch.rsqrt(heads.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    ).to(dtype)
     torch.testing.assert_close(triton_ops.rms_norm(heads, w[:32], 1e-6), ref, **tol)
     gate_up = rand(6, 2 * 100)
     ref = torch.nn.functional.silu(gate_up[:, :100]) * gate_up[:, 100:]
@@ -258,7 +323,10 @@ def check_fused_ops(device: str, dtype: torch.dtype) -> None:
     qkv = rand(9, (4 + 2 + 2) * 64)
     q, k = qkv[:, :256].view(9, 4, 64), qkv[:, 256:384].view(9, 2, 64)
     positions = torch.tensor([0, 1, 5, 17, 100, 255, 256, 300, 511], device=device)
-    cos, sin = rope.cos[positions].unsqueeze(1).to(dtype), rope.sin[positions].unsqueeze(1).to(dtype)
+    cos, sin = (
+        rope.cos[positions].unsqueeze(1).to(dtype),
+        rope.sin[positions].unsqueeze(1).to(dtype),
+    )
     half = lambda t: torch.cat((-t[..., 32:], t[..., :32]), -1)  # noqa: E731
     ref_q, ref_k = q * cos + half(q) * sin, k * cos + half(k) * sin
     triton_ops.rotary_(q, k, positions, rope.cos, rope.sin)

@@ -4,6 +4,7 @@ SmolLM2 is read from the embedded GGUF file by both sides (transformers de-quant
 the tiny checkpoints are written by Hugging Face and read back through our HF-directory loader.
 A token may differ only at a true near-tie (see tests/workers/greedy.py).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,13 +31,16 @@ TEXTS = [
 
 
 def chat_ids(tokenizer, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_smollm2_greedy_matches_hf_generate(smollm2_llm, hf_smollm2, smollm2_tokenizer):
-    prompts = [chat_ids(smollm2_tokenizer, c) for c in CHATS] + [smollm2_tokenizer.encode(t) for t in TEXTS]
+    prompts = [chat_ids(smollm2_tokenizer, c) for c in CHATS] + [
+        smollm2_tokenizer.encode(t) for t in TEXTS
+    ]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = smollm2_llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -59,13 +63,21 @@ def test_smollm2_weights_equal_transformers_dequantisation(smollm2_llm, hf_smoll
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_tiny_checkpoint_greedy_matches_hf_generate(family, tiny_checkpoint, llm_factory, smollm2_tokenizer):
+def test_tiny_checkpoint_greedy_matches_hf_generate(
+    family, tiny_checkpoint, llm_factory, smollm2_tokenizer
+):
     path, hf_model = tiny_checkpoint(family)
     llm = llm_factory(model=path, dtype="float32")
-    prompts = [smollm2_tokenizer.encode(t) for t in TEXTS[:3]] + [chat_ids(smollm2_tokenizer, CHATS[0])]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    prompts = [smollm2_tokenizer.encode(t) for t in TEXTS[:3]] + [
+        chat_ids(smollm2_tokenizer, CHATS[0])
+    ]
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     for prompt, out in zip(prompts, outs):
-        assert_greedy_match(out.token_ids, hf_greedy(hf_model, prompt, 24), f"{family}: {prompt[:5]}")
+        assert_greedy_match(
+            out.token_ids, hf_greedy(hf_model, prompt, 24), f"{family}: {prompt[:5]}"
+        )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -74,7 +86,9 @@ def test_tiny_checkpoint_logits_close_to_hf(family, tiny_checkpoint, llm_factory
     path, hf_model = tiny_checkpoint(family)
     llm = llm_factory(model=path, dtype="float32")
     prompt = list(range(300, 340))
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20), use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20), use_tqdm=False
+    )[0]
     with torch.inference_mode():
         ref = hf_model(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
     for token, logprob in out.logprobs[0][1:]:

@@ -1,4 +1,5 @@
 """KV cache pools: sizing arithmetic, binding to attention layers, swap copies."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,9 @@ def test_block_bytes_cover_k_and_v_of_every_layer():
 
 
 def test_spec_from_config_replicates_kv_heads_beyond_their_count():
-    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=5)
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=5
+    )
     assert KVCacheSpec.from_hf_config(config, 16, torch.float32, tp_size=1).num_kv_heads == 2
     assert KVCacheSpec.from_hf_config(config, 16, torch.float32, tp_size=2).num_kv_heads == 1
     assert KVCacheSpec.from_hf_config(config, 16, torch.float32, tp_size=4).num_kv_heads == 1
@@ -31,7 +34,11 @@ def test_bind_gives_each_layer_its_own_slices():
     layers = [Attention(4, 8, 2, 1.0) for _ in range(3)]
     cache.bind(layers)
     layers[1].v_cache.fill_(7.0)
-    assert cache.gpu[1, 1].eq(7.0).all() and cache.gpu[1, 0].eq(0.0).all() and cache.gpu[2].eq(0.0).all()
+    assert (
+        cache.gpu[1, 1].eq(7.0).all()
+        and cache.gpu[1, 0].eq(0.0).all()
+        and cache.gpu[2].eq(0.0).all()
+    )
     assert layers[0].k_cache.shape == (6, 4, 2, 8)
 
 

@@ -1,4 +1,5 @@
 """Finding, converting and loading checkpoints: "default", GGUF files and HF directories."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +10,13 @@ import pytest
 import torch
 
 from workers.loader import iterate_weights, safetensors_files
-from workers.model_files import DEFAULT_MODEL, default_model_path, load_tokenizer, max_model_len_of, resolve_model
+from workers.model_files import (
+    DEFAULT_MODEL,
+    default_model_path,
+    load_tokenizer,
+    max_model_len_of,
+    resolve_model,
+)
 
 
 def test_default_is_the_embedded_smollm2_gguf():
@@ -34,13 +41,20 @@ def test_gguf_is_converted_once_into_a_directory_keyed_by_its_hash(smollm2_dir):
 @pytest.mark.slow
 def test_converted_tokenizer_matches_the_gguf_tokenizer(smollm2_tokenizer):
     from transformers import AutoTokenizer
+
     path = default_model_path()
     gguf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    for text in ["Hello, world!", "def f(x):\n    return x ** 2", "Ünïcödé — 東京 🚀", "  spaces  "]:
+    for text in [
+        "Hello, world!",
+        "def f(x):\n    return x ** 2",
+        "Ünïcödé — 東京 🚀",
+        "  spaces  ",
+    ]:
         assert smollm2_tokenizer.encode(text) == gguf_tok.encode(text)
     chat = [{"role": "user", "content": "Hi there"}]
-    assert (smollm2_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-            == gguf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert smollm2_tokenizer.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    ) == gguf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert load_tokenizer(DEFAULT_MODEL).eos_token == "<|im_end|>"
 
 
@@ -68,9 +82,16 @@ def test_bad_paths_raise_value_errors(tmp_path):
 
 def test_max_model_len_defaults_to_positions_and_respects_sliding_window():
     from transformers import MistralConfig
-    assert max_model_len_of(MistralConfig(max_position_embeddings=2048, sliding_window=None)) == 2048
-    assert max_model_len_of(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 4096
-    assert max_model_len_of(MistralConfig(max_position_embeddings=131072, sliding_window=None)) == 8192
+
+    assert (
+        max_model_len_of(MistralConfig(max_position_embeddings=2048, sliding_window=None)) == 2048
+    )
+    assert (
+        max_model_len_of(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 4096
+    )
+    assert (
+        max_model_len_of(MistralConfig(max_position_embeddings=131072, sliding_window=None)) == 8192
+    )
 
 
 def test_load_model_rejects_a_checkpoint_missing_tensors(tiny_checkpoint, tmp_path):
@@ -78,10 +99,16 @@ def test_load_model_rejects_a_checkpoint_missing_tensors(tiny_checkpoint, tmp_pa
     from transformers import AutoConfig
 
     from workers.loader import load_model
+
     path, _ = tiny_checkpoint("llama")
     state = load_file(safetensors_files(path)[0])
     state.pop("model.layers.1.mlp.down_proj.weight")
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks 1 tensors"):
-        load_model(str(tmp_path), AutoConfig.from_pretrained(path), torch.float32, torch.device("cpu"),
-                   progress=False)
+        load_model(
+            str(tmp_path),
+            AutoConfig.from_pretrained(path),
+            torch.float32,
+            torch.device("cpu"),
+            progress=False,
+        )

@@ -5,6 +5,7 @@ order than BLAS; no bit-identity is promised), bfloat16 within torch's bf16 defa
 atol 1e-2 (one bf16 rounding of the output). Shapes are decode-like (few rows) and prefill-like
 (hundreds of rows), at SmolLM2's widths and at odd ones.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,18 +13,29 @@ import torch
 import torch.nn.functional as F
 
 import workers.layers.linear as linear_mod
-from workers.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
-                                   cpu_pack, linear, pack_cpu_weights)
+from workers.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    cpu_pack,
+    linear,
+    pack_cpu_weights,
+)
 from workers.loader import load_model
 
-TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2}}
-DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_pack(torch.ones(2, 2, dtype=torch.bfloat16)) is not None else [])
+TOLERANCE = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2},
+}
+DTYPES = [torch.float32] + (
+    [torch.bfloat16] if cpu_pack(torch.ones(2, 2, dtype=torch.bfloat16)) is not None else []
+)
 
 
 def weights(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight scaled so outputs are of order 1, and a bias."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) / k ** 0.5
+    w = torch.randn(n, k, generator=g) / k**0.5
     return w.to(dtype), torch.randn(n, generator=g).to(dtype)
 
 
@@ -46,9 +58,13 @@ def test_packed_linear_takes_leading_dims_and_strided_input():
     w, b = weights(48, 32, torch.float32)
     packed = cpu_pack(w)
     x = torch.randn(3, 5, 32)
-    torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), **TOLERANCE[torch.float32])
+    torch.testing.assert_close(
+        linear(x, w, b, packed), F.linear(x, w, b), **TOLERANCE[torch.float32]
+    )
     xt = torch.randn(32, 6).t()  # a transposed view, as a split or chunk may hand over
-    torch.testing.assert_close(linear(xt, w, None, packed), F.linear(xt, w), **TOLERANCE[torch.float32])
+    torch.testing.assert_close(
+        linear(xt, w, None, packed), F.linear(xt, w), **TOLERANCE[torch.float32]
+    )
 
 
 def test_weights_oneDNN_cannot_pack_take_the_plain_path():
@@ -56,7 +72,9 @@ def test_weights_oneDNN_cannot_pack_take_the_plain_path():
     assert cpu_pack(torch.ones(4)) is None
     w, b = weights(8, 4, torch.float32)
     x = torch.randn(3, 4)
-    torch.testing.assert_close(linear(x.double(), w.double(), b.double(), None), F.linear(x, w, b).double())
+    torch.testing.assert_close(
+        linear(x.double(), w.double(), b.double(), None), F.linear(x, w, b).double()
+    )
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -84,17 +102,24 @@ def test_each_tp_rank_packs_its_own_shard(rank, monkeypatch):
     torch.testing.assert_close(merged(x), expected, **TOLERANCE[torch.float32])
     torch.testing.assert_close(column(x), F.linear(x, w[rows], b[rows]), **TOLERANCE[torch.float32])
     h = torch.randn(5, 96)
-    torch.testing.assert_close(down(h[:, rows]), F.linear(h[:, rows], w_down[:, rows]), **TOLERANCE[torch.float32])
+    torch.testing.assert_close(
+        down(h[:, rows]), F.linear(h[:, rows], w_down[:, rows]), **TOLERANCE[torch.float32]
+    )
 
 
 def test_load_model_packs_every_linear_and_the_lm_head(tiny_checkpoint):
     from transformers import AutoConfig
+
     path, _ = tiny_checkpoint("llama")
-    model = load_model(path, AutoConfig.from_pretrained(path), torch.float32, torch.device("cpu"), progress=False)
+    model = load_model(
+        path, AutoConfig.from_pretrained(path), torch.float32, torch.device("cpu"), progress=False
+    )
     layers = [m for m in model.modules() if isinstance(m, linear_mod.CpuPackedWeight)]
     assert model.lm_head in layers and len(layers) == 1 + 4 * model.args.num_layers
     assert all(m.packed is not None for m in layers)
     hidden = torch.randn(3, model.args.hidden_size)
     expected = F.linear(hidden, model.lm_head.weight)[:, : model.args.vocab_size]
     torch.testing.assert_close(model.compute_logits(hidden), expected, **TOLERANCE[torch.float32])
-    assert pack_cpu_weights(model) == len(layers)  # packing again (after a weight change) repacks all
+    assert pack_cpu_weights(model) == len(
+        layers
+    )  # packing again (after a weight change) repacks all

@@ -1,4 +1,5 @@
 """set_niceness: every thread of the process, and the threads started later, run at the new value."""
+
 import subprocess
 import sys
 import textwrap
@@ -26,11 +27,19 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's"
+)
 def test_every_thread_runs_at_the_new_niceness():
-    root = Path(__file__).resolve().parents[2]  # this checkout's workers/, whatever the venv points at
-    out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(root)!r})\n" + CHILD],
-                         capture_output=True, text=True, check=True).stdout.split(" ", 1)
+    root = (
+        Path(__file__).resolve().parents[2]
+    )  # this checkout's workers/, whatever the venv points at
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(root)!r})\n" + CHILD],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split(" ", 1)
     target, values = int(out[0]), out[1].strip()
     assert values == f"[{target}]"
 

@@ -1,10 +1,11 @@
 """ModelRunner follows SchedulerOutput diffs: new requests, chunks, resumption and finishing."""
+
 from __future__ import annotations
 
 import pytest
 
-from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from engine.config import EngineConfig
+from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from workers.runner import BlockTableRows, ModelRunner, RequestState
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -14,7 +15,9 @@ PROMPT = list(range(200, 230))  # 30 tokens: two blocks of 16
 @pytest.fixture(scope="module")
 def runner(tiny_checkpoint):
     path, _ = tiny_checkpoint("llama")
-    r = ModelRunner(EngineConfig(device="cpu", load_progress=False).runner_config(path, max_model_len=512))
+    r = ModelRunner(
+        EngineConfig(device="cpu", load_progress=False).runner_config(path, max_model_len=512)
+    )
     r.init_kv_cache(64, 8)
     return r
 
@@ -24,7 +27,9 @@ def new(rid: str, blocks: list[int], n: int, computed: int = 0) -> SchedulerOutp
     return SchedulerOutput([req], CachedRequestData(), {rid: n}, n)
 
 
-def cached(rid: str, n: int, computed: int, tokens=(), blocks=(), resumed=False, finished=()) -> SchedulerOutput:
+def cached(
+    rid: str, n: int, computed: int, tokens=(), blocks=(), resumed=False, finished=()
+) -> SchedulerOutput:
     data = CachedRequestData([rid], [resumed], [list(tokens)], [list(blocks)], [computed])
     return SchedulerOutput([], data, {rid: n}, n, finished_req_ids=set(finished))
 
@@ -49,13 +54,20 @@ def test_outputs_arrive_through_new_token_ids(runner):
 def test_resumed_request_replaces_its_block_table_and_finished_is_dropped(runner):
     token = runner.execute_model(new("moved", [7, 8], 30)).sampled_token_ids[0][0]
     # Preempted (recompute): back with fresh blocks, the prompt and its first output recomputed.
-    out = runner.execute_model(cached("moved", 31, 0, tokens=[token], blocks=[20, 21], resumed=True))
+    out = runner.execute_model(
+        cached("moved", 31, 0, tokens=[token], blocks=[20, 21], resumed=True)
+    )
     assert runner.requests["moved"].block_ids == [20, 21]
     # The same sequence decoded without preemption gives the same next token.
     first = runner.execute_model(new("again", [9, 10], 30)).sampled_token_ids[0][0]
     assert first == token
-    assert out.sampled_token_ids == runner.execute_model(cached("again", 1, 30, tokens=[first])).sampled_token_ids
-    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"moved", "again"}))
+    assert (
+        out.sampled_token_ids
+        == runner.execute_model(cached("again", 1, 30, tokens=[first])).sampled_token_ids
+    )
+    runner.execute_model(
+        SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"moved", "again"})
+    )
     assert "moved" not in runner.requests and "again" not in runner.requests
 
 

@@ -1,4 +1,5 @@
 """The sampler, specified on logits built by hand: each knob does what its definition says."""
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,11 @@ DRAWS = 4000  # rows per batched draw; a frequency's standard error is then belo
 
 # No subnormals: dividing one by the temperature can round it to zero, which makes it tie with a
 # real 0.0 logit at the k-th place (ties are kept), a float artefact rather than a top-k rule.
-logits_rows = st.lists(st.floats(-10.0, 10.0, allow_nan=False, allow_subnormal=False, width=32), min_size=2,
-                       max_size=30)
+logits_rows = st.lists(
+    st.floats(-10.0, 10.0, allow_nan=False, allow_subnormal=False, width=32),
+    min_size=2,
+    max_size=30,
+)
 
 
 def make_state(device: str = "cpu", prompt: list[int] | None = None, **params) -> SamplingState:
@@ -109,9 +113,16 @@ def test_top_k_samples_the_renormalised_k_best():
     torch.testing.assert_close(frequencies(tokens, 4), expected, atol=0.03, rtol=0)
 
 
-@pytest.mark.parametrize(("top_p", "expected"), [
-    (0.4, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}), (0.99, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3}),
-])
+@pytest.mark.parametrize(
+    ("top_p", "expected"),
+    [
+        (0.4, {0}),
+        (0.75, {0, 1}),
+        (0.85, {0, 1, 2}),
+        (0.99, {0, 1, 2, 3}),
+        (1.0, {0, 1, 2, 3}),
+    ],
+)
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p, expected):
     masked = apply_top_k_top_p(torch.tensor([LOGITS]), torch.tensor([4]), torch.tensor([top_p]))[0]
     assert kept(masked) == expected
@@ -121,24 +132,36 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, expected):
 @settings(max_examples=60, deadline=None)
 @given(row=logits_rows, top_p=st.floats(0.05, 0.99))
 def test_top_p_support_is_minimal(row, top_p):
-    masked = apply_top_k_top_p(torch.tensor([row]), torch.tensor([len(row)]), torch.tensor([top_p]))[0]
+    masked = apply_top_k_top_p(
+        torch.tensor([row]), torch.tensor([len(row)]), torch.tensor([top_p])
+    )[0]
     probs = torch.tensor(row, dtype=torch.float64).softmax(-1)
     survivors = sorted(kept(masked), key=lambda i: probs[i].item())
     mass = sum(probs[i].item() for i in survivors)
     assert mass >= top_p - 1e-5  # reaches p
     # ... and would not without its least likely token.
     assert mass - probs[survivors[0]].item() < top_p + 1e-5
-    assert all(probs[j] <= probs[survivors[0]] + 1e-7 for j in set(range(len(row))) - set(survivors))
+    assert all(
+        probs[j] <= probs[survivors[0]] + 1e-7 for j in set(range(len(row))) - set(survivors)
+    )
 
 
 def test_top_p_samples_the_renormalised_nucleus():
     expected = torch.tensor([0.5, 0.3, 0.0, 0.0], dtype=torch.float64) / 0.8
-    torch.testing.assert_close(frequencies(draw(LOGITS, top_p=0.75), 4), expected, atol=0.03, rtol=0)
+    torch.testing.assert_close(
+        frequencies(draw(LOGITS, top_p=0.75), 4), expected, atol=0.03, rtol=0
+    )
 
 
-@pytest.mark.parametrize(("min_p", "expected"), [
-    (0.0, {0, 1, 2, 3}), (0.2, {0, 1, 2}), (0.5, {0, 1}), (1.0, {0}),
-])
+@pytest.mark.parametrize(
+    ("min_p", "expected"),
+    [
+        (0.0, {0, 1, 2, 3}),
+        (0.2, {0, 1, 2}),
+        (0.5, {0, 1}),
+        (1.0, {0}),
+    ],
+)
 def test_min_p_drops_tokens_below_min_p_times_the_top_probability(min_p, expected):
     # Thresholds: 0.2 * 0.5 = 0.1 drops 0.05; 0.5 * 0.5 = 0.25 also drops 0.15.
     masked = apply_min_p(torch.tensor([LOGITS]), torch.tensor([min_p]))[0]
@@ -169,8 +192,15 @@ def penalise(logits, seen: list[dict[int, int]], repetition, presence, frequency
     rows = torch.tensor([r for r, d in enumerate(seen) for _ in d], dtype=torch.long)
     ids = torch.tensor([t for d in seen for t in d], dtype=torch.long)
     counts = torch.tensor([c for d in seen for c in d.values()], dtype=torch.float32)
-    return apply_penalties(logits, rows, ids, counts, torch.tensor(repetition), torch.tensor(presence),
-                           torch.tensor(frequency))
+    return apply_penalties(
+        logits,
+        rows,
+        ids,
+        counts,
+        torch.tensor(repetition),
+        torch.tensor(presence),
+        torch.tensor(frequency),
+    )
 
 
 def test_penalties_follow_their_formulas():
@@ -178,11 +208,11 @@ def test_penalties_follow_their_formulas():
     seen = [{0: 0, 4: 0, 1: 2, 2: 1}]  # prompt tokens 0 and 4; outputs 1, 1, 2
     out = penalise(logits, seen, repetition=[2.0], presence=[0.5], frequency=[0.25])
     expected = [
-        2.0 / 2,                     # prompt token, positive: divided; presence/frequency ignore prompts
-        -1.0 * 2 - 0.5 - 0.25 * 2,   # output token twice, negative: multiplied, then both penalties
-        0.5 / 2 - 0.5 - 0.25 * 1,    # output token once
-        3.0,                         # never seen
-        -4.0 * 2,                    # prompt token, negative: multiplied
+        2.0 / 2,  # prompt token, positive: divided; presence/frequency ignore prompts
+        -1.0 * 2 - 0.5 - 0.25 * 2,  # output token twice, negative: multiplied, then both penalties
+        0.5 / 2 - 0.5 - 0.25 * 1,  # output token once
+        3.0,  # never seen
+        -4.0 * 2,  # prompt token, negative: multiplied
     ]
     torch.testing.assert_close(out[0], torch.tensor(expected))
     assert logits[0, 0].item() == 2.0  # out of place
@@ -206,7 +236,9 @@ def test_sparse_penalties_equal_a_dense_pass_bitwise():
             prompt[r, t] += 1
         for t in torch.randint(vocab, (25,), generator=gen).tolist():
             output[r, t] += 1
-        seen.append({t: int(output[r, t]) for t in (prompt[r] + output[r]).nonzero().flatten().tolist()})
+        seen.append(
+            {t: int(output[r, t]) for t in (prompt[r] + output[r]).nonzero().flatten().tolist()}
+        )
     repetition = torch.rand(batch, generator=gen) + 0.5
     presence, frequency = torch.randn(batch, generator=gen), torch.randn(batch, generator=gen)
     dense_penalty = torch.where((prompt + output) > 0, repetition[:, None], 1.0)
@@ -220,17 +252,23 @@ def test_sampler_penalises_each_row_with_its_own_history():
     # Token 0 leads token 1 by 0.5; each row's own history decides whether a penalty overturns that.
     logits = torch.tensor([[1.0, 0.5, -5.0]]).expand(4, -1)
     frequency = make_state(temperature=0.0, frequency_penalty=0.3)
-    frequency.output_token_ids = [0, 0]                 # 1.0 - 0.6 < 0.5
+    frequency.output_token_ids = [0, 0]  # 1.0 - 0.6 < 0.5
     once = make_state(temperature=0.0, frequency_penalty=0.3)
-    once.output_token_ids = [0]                         # 1.0 - 0.3 > 0.5
+    once.output_token_ids = [0]  # 1.0 - 0.3 > 0.5
     presence_prompt_only = make_state(prompt=[0, 0, 0], temperature=0.0, presence_penalty=2.0)
     repetition = make_state(prompt=[0], temperature=0.0, repetition_penalty=4.0)  # 1.0 / 4 < 0.5
     out = Sampler().sample(logits, [frequency, once, presence_prompt_only, repetition])
     assert out.token_ids == [1, 0, 0, 1]
 
 
-def run_seeded(sampler: Sampler, logits: torch.Tensor, seed: int, steps: int, position: int,
-               companions: list[SamplingState]) -> list[int]:
+def run_seeded(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    seed: int,
+    steps: int,
+    position: int,
+    companions: list[SamplingState],
+) -> list[int]:
     """Decode `steps` tokens for a seeded request sitting at `position` among `companions`."""
     state = make_state(str(logits.device), seed=seed, top_p=0.9, presence_penalty=0.3)
     for _ in range(steps):
@@ -246,8 +284,13 @@ def test_seeded_requests_reproduce_whatever_the_batch(device):
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(1)).to(device)
     alone = run_seeded(sampler, logits, seed=42, steps=12, position=0, companions=[])
     torch.manual_seed(123)  # unseeded companions draw from the global generator; must not matter
-    companions = [make_state(device), make_state(device, seed=7), make_state(device, temperature=0.0),
-                  make_state(device, seed=42, top_k=5), make_state(device, logprobs=2)]
+    companions = [
+        make_state(device),
+        make_state(device, seed=7),
+        make_state(device, temperature=0.0),
+        make_state(device, seed=42, top_k=5),
+        make_state(device, logprobs=2),
+    ]
     crowded = run_seeded(sampler, logits, seed=42, steps=12, position=3, companions=companions)
     assert crowded == alone
     assert run_seeded(sampler, logits, seed=43, steps=12, position=0, companions=[]) != alone
@@ -276,8 +319,11 @@ def test_a_resumed_seeded_request_continues_with_exactly_its_own_tokens():
 def test_logprobs_are_sampled_first_then_top_n_of_the_raw_distribution():
     logits = torch.randn(3, 20)
     raw = logits.log_softmax(-1)
-    states = [make_state(logprobs=3, temperature=0.7, presence_penalty=1.0),
-              make_state(logprobs=0, temperature=0.0), make_state()]
+    states = [
+        make_state(logprobs=3, temperature=0.7, presence_penalty=1.0),
+        make_state(logprobs=0, temperature=0.0),
+        make_state(),
+    ]
     states[0].output_token_ids = [int(logits[0].argmax())]
     out = Sampler().sample(logits, states)
     assert out.logprobs is not None
@@ -300,9 +346,12 @@ def test_logprobs_top_n_is_capped_at_the_vocabulary():
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixed_batch_of_greedy_random_and_seeded_rows(device):
     logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(2)).to(device)
-    states = [make_state(device, temperature=0.0), make_state(device, top_k=3),
-              make_state(device, seed=11, temperature=0.8),
-              make_state(device, temperature=0.0, logprobs=1)]
+    states = [
+        make_state(device, temperature=0.0),
+        make_state(device, top_k=3),
+        make_state(device, seed=11, temperature=0.8),
+        make_state(device, temperature=0.0, logprobs=1),
+    ]
     out = Sampler().sample(logits, states)
     solo = Sampler().sample(logits[2:3], [make_state(device, seed=11, temperature=0.8)])
     assert out.token_ids[0] == logits[0].argmax().item()
@@ -315,8 +364,10 @@ def test_mixed_batch_of_greedy_random_and_seeded_rows(device):
 def test_sampler_leaves_the_callers_logits_untouched():
     logits = torch.randn(2, 10)
     before = logits.clone()
-    states = [make_state(repetition_penalty=1.5, prompt=[1, 2], min_p=0.1, top_k=4),
-              make_state(top_p=0.5)]
+    states = [
+        make_state(repetition_penalty=1.5, prompt=[1, 2], min_p=0.1, top_k=4),
+        make_state(top_p=0.5),
+    ]
     Sampler().sample(logits, states)
     assert torch.equal(logits, before)
 
@@ -332,8 +383,12 @@ def test_logit_bias_moves_only_its_own_rows_tokens():
 
     logits = torch.zeros(3, 8)
     logits[:, 2] = 1.0  # every row's argmax is token 2 without a bias
-    states = [SamplingState.create(SamplingParams(temperature=0, logit_bias=bias), [1], torch.device("cpu"))
-              for bias in ({5: 100.0}, {}, {2: -100.0, 7: 0.5})]
+    states = [
+        SamplingState.create(
+            SamplingParams(temperature=0, logit_bias=bias), [1], torch.device("cpu")
+        )
+        for bias in ({5: 100.0}, {}, {2: -100.0, 7: 0.5})
+    ]
     assert Sampler().sample(logits, states).token_ids == [5, 2, 7]
 
 
@@ -341,8 +396,9 @@ def test_logit_bias_leaves_the_reported_logprobs_raw():
     from workers.sampler import Sampler, SamplingState
 
     logits = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
-    state = SamplingState.create(SamplingParams(temperature=0, logprobs=0, logit_bias={3: 50.0}), [1],
-                                 torch.device("cpu"))
+    state = SamplingState.create(
+        SamplingParams(temperature=0, logprobs=0, logit_bias={3: 50.0}), [1], torch.device("cpu")
+    )
     out = Sampler().sample(logits, [state])
     assert out.token_ids == [3]
     assert out.logprobs[0][0][1] == pytest.approx(torch.log_softmax(logits, -1)[0, 3].item())

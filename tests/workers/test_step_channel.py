@@ -1,5 +1,6 @@
 """The step channel: every rank gets each step, rank 0's answer comes back, and a rank that raises,
 dies or hangs is named; only a connection presenting the rank's token is served."""
+
 import pickle
 import socket
 import threading
@@ -21,6 +22,7 @@ def test_every_rank_runs_each_step_and_rank_0s_answer_comes_back():
         def execute(payload):
             seen[i].append(bytes(payload))
             return bytes(payload[::-1]) if i == 0 else None
+
         return execute
 
     servers = _servers(rank(0), rank(1))
@@ -59,7 +61,6 @@ def test_a_rank_that_hangs_times_out_and_one_that_closes_is_a_connection_error()
     client.close()
 
 
-
 def test_a_rank_whose_process_dies_is_a_connection_error_naming_it():
     listener = socket.create_server(("127.0.0.1", 0))  # a rank that dies right after connecting
     port = listener.getsockname()[1]
@@ -68,6 +69,7 @@ def test_a_rank_whose_process_dies_is_a_connection_error_naming_it():
         conn, _ = listener.accept()
         conn.recv(16)
         conn.close()
+
     threading.Thread(target=die, daemon=True).start()
     live = _servers(lambda p: b"ok")[0]
     client = StepClient([live.address, ChannelAddress("127.0.0.1", port, b"t" * 16)])

@@ -1,4 +1,5 @@
 """Constrained decoding on the embedded SmolLM2: every output obeys its schema, regex or choice."""
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,18 @@ PERSON_SCHEMA = {
         "name": {"type": "string", "minLength": 1, "maxLength": 16},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 8},
+            "minItems": 1,
+            "maxItems": 3,
+        },
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 16},
-                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city", "zip"],
             "additionalProperties": False,
         },
@@ -31,9 +39,28 @@ PERSON_SCHEMA = {
     "required": ["name", "age", "role", "tags", "address"],
     "additionalProperties": False,
 }
-TOPICS = ["a pilot", "a chef", "a student", "a retired teacher", "a painter", "a nurse", "a farmer",
-          "a software engineer", "a child", "a musician", "a lawyer", "a gardener", "an astronaut",
-          "a baker", "a firefighter", "a librarian", "a doctor", "a sailor", "a poet", "a barista"]
+TOPICS = [
+    "a pilot",
+    "a chef",
+    "a student",
+    "a retired teacher",
+    "a painter",
+    "a nurse",
+    "a farmer",
+    "a software engineer",
+    "a child",
+    "a musician",
+    "a lawyer",
+    "a gardener",
+    "an astronaut",
+    "a baker",
+    "a firefighter",
+    "a librarian",
+    "a doctor",
+    "a sailor",
+    "a poet",
+    "a barista",
+]
 
 
 def chat(topic: str) -> list[dict]:
@@ -42,8 +69,10 @@ def chat(topic: str) -> list[dict]:
 
 def test_twenty_json_schema_outputs_parse_and_validate(smollm2_llm):
     constraint = StructuredOutput.json_schema(PERSON_SCHEMA)
-    params = [SamplingParams(max_tokens=160, temperature=0.8, seed=i, structured=constraint)
-              for i in range(len(TOPICS))]
+    params = [
+        SamplingParams(max_tokens=160, temperature=0.8, seed=i, structured=constraint)
+        for i in range(len(TOPICS))
+    ]
     outputs = smollm2_llm.chat([chat(t) for t in TOPICS], params, use_tqdm=False)
     for out in outputs:
         assert out.finish_reason == "stop", f"{out.text!r} did not finish"
@@ -54,10 +83,18 @@ def test_regex_and_choice_outputs_obey(smollm2_llm):
     pattern = r"[A-Z][a-z]{2,8} \d{1,3}(\.\d)?"
     choices = ["positive", "negative", "neutral"]
     prompts = ["The city and temperature:", "Name and score:", "Weather today:", "Player:"]
-    regex = [SamplingParams(max_tokens=24, temperature=0.9, seed=i, structured=StructuredOutput("regex", pattern))
-             for i in range(4)]
-    choice = [SamplingParams(max_tokens=8, temperature=0.9, seed=i, structured=StructuredOutput.choice(choices))
-              for i in range(4)]
+    regex = [
+        SamplingParams(
+            max_tokens=24, temperature=0.9, seed=i, structured=StructuredOutput("regex", pattern)
+        )
+        for i in range(4)
+    ]
+    choice = [
+        SamplingParams(
+            max_tokens=8, temperature=0.9, seed=i, structured=StructuredOutput.choice(choices)
+        )
+        for i in range(4)
+    ]
     outputs = smollm2_llm.generate(prompts + prompts, regex + choice, use_tqdm=False)
     for out in outputs[:4]:
         assert re.fullmatch(pattern, out.text), out.text
@@ -69,10 +106,12 @@ def test_unconstrained_rows_unchanged_by_constrained_neighbours(smollm2_llm):
     free = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
     free_params = SamplingParams(max_tokens=24, temperature=0.0)
     alone = smollm2_llm.generate(free, free_params, use_tqdm=False)
-    constrained = SamplingParams(max_tokens=60, temperature=0.0,
-                                 structured=StructuredOutput.json_schema(PERSON_SCHEMA))
-    mixed = smollm2_llm.generate(free + ["A user record:"] * 2, [free_params] * 3 + [constrained] * 2,
-                                 use_tqdm=False)
+    constrained = SamplingParams(
+        max_tokens=60, temperature=0.0, structured=StructuredOutput.json_schema(PERSON_SCHEMA)
+    )
+    mixed = smollm2_llm.generate(
+        free + ["A user record:"] * 2, [free_params] * 3 + [constrained] * 2, use_tqdm=False
+    )
     assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in alone]
 
 
@@ -85,7 +124,10 @@ def test_constrained_request_survives_preemption(mode, llm_factory):
     llm = llm_factory(model="default", dtype="float32", **kwargs)
     before = llm.engine.stats().num_preemptions
     constraint = StructuredOutput.json_schema(PERSON_SCHEMA)
-    params = [SamplingParams(max_tokens=160, temperature=0.8, seed=i, structured=constraint) for i in range(5)]
+    params = [
+        SamplingParams(max_tokens=160, temperature=0.8, seed=i, structured=constraint)
+        for i in range(5)
+    ]
     filler = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)] * 4
     prompts = [chat(t) for t in TOPICS[:5]] + [chat("an old story " * 20)] * 4
     outputs = llm.chat(prompts, params + filler, use_tqdm=False)
@@ -94,13 +136,20 @@ def test_constrained_request_survives_preemption(mode, llm_factory):
         jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
 
 
-@pytest.mark.parametrize("constraint, field", [
-    (StructuredOutput("json_schema", '{"type": "objectx"}', "response_format.json_schema"),
-     "response_format.json_schema"),
-    (StructuredOutput("regex", "[a-", "structured_outputs.regex"), "structured_outputs.regex"),
-    (StructuredOutput("grammar", "start: undefined_rule", "structured_outputs.grammar"),
-     "structured_outputs.grammar"),
-])
+@pytest.mark.parametrize(
+    "constraint, field",
+    [
+        (
+            StructuredOutput("json_schema", '{"type": "objectx"}', "response_format.json_schema"),
+            "response_format.json_schema",
+        ),
+        (StructuredOutput("regex", "[a-", "structured_outputs.regex"), "structured_outputs.regex"),
+        (
+            StructuredOutput("grammar", "start: undefined_rule", "structured_outputs.grammar"),
+            "structured_outputs.grammar",
+        ),
+    ],
+)
 def test_invalid_constraints_name_their_field(constraint, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         check_constraint(constraint)

@@ -3,6 +3,7 @@
 Covers KV heads split across ranks and a single KV head replicated on both, biases on q/k/v/o
 (the row-parallel o_proj adds its bias once), the vocab-split embedding and the gathered LM head.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,10 @@ def forward_logits(model_dir: str) -> torch.Tensor | None:
         layer.backend = backend
     logits = []
     with torch.inference_mode():
-        for starts, lens, tables, ids in [([0], [10], [[3, 7, 1]], list(range(50, 60))),
-                                          ([10, 0], [1, 5], [[3, 7, 1], [2, 9]], [77, 5, 6, 7, 8, 9])]:
+        for starts, lens, tables, ids in [
+            ([0], [10], [[3, 7, 1]], list(range(50, 60))),
+            ([10, 0], [1, 5], [[3, 7, 1], [2, 9]], [77, 5, 6, 7, 8, 9]),
+        ]:
             meta, positions = AttentionMetadata.build(starts, lens, tables, 4, torch.device("cpu"))
             backend.prepare(meta)
             hidden = model(torch.tensor(ids), positions, meta)
@@ -67,6 +70,7 @@ def test_two_ranks_match_one(family, tiny_checkpoint, tmp_path):
 def test_qkv_shards_replicate_kv_heads_when_ranks_outnumber_them(monkeypatch):
     """Rank r of 4 with 2 KV heads holds q heads [2r, 2r+1] and KV head r // 2."""
     import workers.layers.linear as linear
+
     hidden, head_dim = 8, 2
     q = torch.arange(8 * head_dim * hidden, dtype=torch.float32).view(8 * head_dim, hidden)
     k = -torch.arange(2 * head_dim * hidden, dtype=torch.float32).view(2 * head_dim, hidden)
@@ -77,9 +81,9 @@ def test_qkv_shards_replicate_kv_heads_when_ranks_outnumber_them(monkeypatch):
         layer.weight_loader(layer.weight, q, "q")
         layer.weight_loader(layer.weight, k, "k")
         assert layer.num_heads == 2 and layer.num_kv_heads == 1
-        assert torch.equal(layer.weight[:4], q[rank * 4:(rank + 1) * 4])
+        assert torch.equal(layer.weight[:4], q[rank * 4 : (rank + 1) * 4])
         kv_head = rank // 2
-        assert torch.equal(layer.weight[4:6], k[kv_head * 2:(kv_head + 1) * 2])
+        assert torch.equal(layer.weight[4:6], k[kv_head * 2 : (kv_head + 1) * 2])
 
 
 def test_a_group_of_one_runs_the_collectives_through_the_backend():

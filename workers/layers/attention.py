@@ -4,6 +4,7 @@ The runner orders a batch decodes first (requests with one query token), then pr
 and builds one AttentionMetadata per step; the chosen backend derives what it needs from it once
 (`prepare`) and every layer reuses that.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -38,8 +39,14 @@ class AttentionMetadata:
             raise ValueError("query_start_loc_cpu: needs one more entry than seq_lens_cpu")
 
     @classmethod
-    def build(cls, starts: list[int], query_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+    def build(
+        cls,
+        starts: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
         """Metadata and token positions for requests that each compute query_lens[i] tokens from
         position starts[i]; requests with one query token must come first."""
         width = max(len(t) for t in block_tables)
@@ -47,8 +54,14 @@ class AttentionMetadata:
         return cls.from_tables(starts, query_lens, tables, block_size, device)
 
     @classmethod
-    def from_tables(cls, starts: list[int], query_lens: list[int], tables: torch.Tensor, block_size: int,
-                    device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+    def from_tables(
+        cls,
+        starts: list[int],
+        query_lens: list[int],
+        tables: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
         """As `build`, with the block tables already a host int32 tensor [B, width] (rows padded)."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
@@ -65,7 +78,9 @@ class AttentionMetadata:
             row = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
             cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
             torch.cumsum(q_lens, 0, out=cu[1:])
-            positions = (starts_t[row] + torch.arange(len(row), dtype=torch.int32) - cu[:-1][row]).long()
+            positions = (
+                starts_t[row] + torch.arange(len(row), dtype=torch.int32) - cu[:-1][row]
+            ).long()
             block = tables[row, positions // block_size]
         slots = block.long() * block_size + positions % block_size
         meta = cls(
@@ -102,18 +117,29 @@ class AttentionBackend(Protocol):
     """Computes attention for a whole batch once K/V of the step are in the cache."""
 
     name: str
-    supports_cuda_graphs: bool  # a pure-decode forward may be captured (fixed shapes, no host syncs)
+    supports_cuda_graphs: (
+        bool  # a pure-decode forward may be captured (fixed shapes, no host syncs)
+    )
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Derive per-step state (gather indices, masks) into meta.backend_state."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (already written to the cache) -> [T, Hq, D]."""
 
 
-def select_backend(device: torch.device, name: str = "auto",
-                   dtype: torch.dtype = torch.float16) -> AttentionBackend:
+def select_backend(
+    device: torch.device, name: str = "auto", dtype: torch.dtype = torch.float16
+) -> AttentionBackend:
     """`torch` on CPU; on CUDA flash-attn when importable (fp16/bf16 only), else the Triton
     decode kernel, else torch."""
     if name not in BACKENDS:
@@ -132,12 +158,15 @@ def select_backend(device: torch.device, name: str = "auto",
             name = "torch"
     if name == "flash_attn":
         from workers.layers.backends.flash import FlashAttnBackend
+
         backend: AttentionBackend = FlashAttnBackend()
     elif name == "triton":
         from workers.layers.backends.triton_decode import TritonDecodeBackend
+
         backend = TritonDecodeBackend()
     else:
         from workers.layers.backends.torch_ref import TorchBackend
+
         backend = TorchBackend(paged_kernel=device.type == "cpu")
     logger.info("attention backend: %s", backend.name)
     return backend
@@ -155,7 +184,9 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]."""
         if self.backend is None or self.k_cache.numel() == 0:
             raise RuntimeError("Attention: KV cache and backend must be bound before the forward")
@@ -164,11 +195,18 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale).view(t, -1)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale).view(
+            t, -1
+        )
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Scatter the step's keys and values into their cache slots."""
     hk, d = k.shape[1], k.shape[2]
     k_cache.view(-1, hk, d).index_copy_(0, slot_mapping, k)

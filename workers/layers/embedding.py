@@ -1,4 +1,5 @@
 """Vocabulary-parallel token embedding and LM head (logits gathered to rank 0)."""
+
 from __future__ import annotations
 
 import torch
@@ -19,12 +20,18 @@ class VocabParallelEmbedding(nn.Module):
         padded = -(-vocab_size // self.tp_size) * self.tp_size
         self.vocab_per_rank = divide(padded, self.tp_size, "vocab_size")
         self.vocab_start = self.tp_rank * self.vocab_per_rank
-        self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
         if loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"vocab_size: checkpoint has {loaded.shape[0]} rows, config says {self.vocab_size}")
+            raise ValueError(
+                f"vocab_size: checkpoint has {loaded.shape[0]} rows, config says {self.vocab_size}"
+            )
         num_rows = max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
         rows = loaded.narrow(0, self.vocab_start, num_rows)
         param.data.zero_()  # the padding rows of the last rank stay zero

@@ -3,6 +3,7 @@
 They do for CUDA tensors when Triton is installed, unless RAYLM_TRITON_OPS=0 (for A/B timing).
 CPU tensors always take the plain torch path.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,6 +25,7 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
         enabled = os.environ.get("RAYLM_TRITON_OPS", "1") != "0"
         if enabled and importlib.util.find_spec("triton") is not None:
             from workers.layers import triton_ops
+
             _ops = triton_ops
         _resolved = True
     return _ops

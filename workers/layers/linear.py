@@ -3,6 +3,7 @@
 Column-parallel layers split the output dimension (no communication); row-parallel layers split
 the input dimension and all-reduce the partial sums. At world size 1 they are plain linears.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,18 +12,21 @@ from torch import nn
 
 from workers.parallel import all_reduce, divide, get_tp_rank, get_tp_world_size
 
-
 # Below this many rows a CPU matmul streams weights faster as W @ x^T than as x @ W^T.
 _CPU_SMALL_BATCH = 128
 # Weight dtypes oneDNN packs, bf16 only where oneDNN reports bf16 support on this CPU.
-_PACKABLE = {torch.float32: lambda: True,
-             torch.bfloat16: lambda: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+_PACKABLE = {
+    torch.float32: lambda: True,
+    torch.bfloat16: lambda: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+}
 
 
 def cpu_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight reordered once into oneDNN's blocked layout for `linear`, or None where that does not apply.
+    """weight reordered once into oneDNN's blocked layout for `linear`, or None where that does not
+    apply.
 
-    A packed weight skips the per-call reorder a plain linear does; on SmolLM2's shapes it was 1.1-3x
+    A packed weight skips the per-call reorder a plain linear does; on SmolLM2's shapes it was
+    1.1-3x
     faster than MKL sgemm (fp32) and than unpacked oneDNN (bf16) for decode batches, and 2.3x (fp32)
     or on par (bf16) for prefill chunks. Any number of rows may use it (MKL's own packed sgemm
     serves only the row count it was packed for).
@@ -35,8 +39,12 @@ def cpu_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x @ weight^T + bias, through `packed` (cpu_pack of weight) when given and x is on CPU.
 
     Unpacked on CPU with few rows (decode steps) it computes (weight @ x^T)^T: BLAS then walks the
@@ -51,7 +59,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class CpuPackedWeight(nn.Module):
-    """A layer whose `weight` may be packed for CPU linears once it is loaded (see pack_cpu_weights).
+    """A layer whose `weight` may be packed for CPU linears once it is loaded (see
+    pack_cpu_weights).
 
     The packed copy sits beside the weight, which stays for loading, tests and the tied embedding,
     so a CPU model holds its linear weights twice."""
@@ -65,7 +74,8 @@ class CpuPackedWeight(nn.Module):
 
 
 def pack_cpu_weights(model: nn.Module) -> int:
-    """Pack the weights of every CpuPackedWeight layer of a loaded model; returns how many were packed.
+    """Pack the weights of every CpuPackedWeight layer of a loaded model; returns how many were
+    packed.
 
     Call again after changing weights: a packed copy does not follow its weight."""
     return sum(m.pack_weight() for m in model.modules() if isinstance(m, CpuPackedWeight))
@@ -77,8 +87,10 @@ def _shard(loaded: torch.Tensor, dim: int, size: int, index: int) -> torch.Tenso
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"{name}: checkpoint shard has shape {tuple(loaded.shape)}, "
-                         f"expected {tuple(param.shape)}")
+        raise ValueError(
+            f"{name}: checkpoint shard has shape {tuple(loaded.shape)}, "
+            f"expected {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -90,7 +102,9 @@ class ColumnParallelLinear(CpuPackedWeight):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.input_size = input_size
         self.output_size_per_rank = divide(output_size, self.tp_size, "output_size")
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_rank, input_size), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False)
@@ -98,7 +112,9 @@ class ColumnParallelLinear(CpuPackedWeight):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
         _copy(param, _shard(loaded, 0, param.shape[0], self.tp_rank), "ColumnParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,13 +128,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
         self.output_sizes = [divide(s, self.tp_size, "output_sizes") for s in output_sizes]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
-            raise ValueError(f"shard_id: must be an index below {len(self.output_sizes)}, got {shard_id!r}")
+            raise ValueError(
+                f"shard_id: must be an index below {len(self.output_sizes)}, got {shard_id!r}"
+            )
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
-        _copy(param.data.narrow(0, offset, size), _shard(loaded, 0, size, self.tp_rank),
-              "MergedColumnParallelLinear")
+        _copy(
+            param.data.narrow(0, offset, size),
+            _shard(loaded, 0, size, self.tp_rank),
+            "MergedColumnParallelLinear",
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -127,8 +150,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     With more ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads ranks.
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         tp_size = get_tp_world_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
@@ -136,13 +160,18 @@ class QKVParallelLinear(ColumnParallelLinear):
             divide(tp_size, num_kv_heads, "num_key_value_heads (replication)")
             self.num_kv_heads, self.kv_replicas = 1, tp_size // num_kv_heads
         else:
-            self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, tp_size, "num_key_value_heads"), 1
+            self.num_kv_heads, self.kv_replicas = (
+                divide(num_kv_heads, tp_size, "num_key_value_heads"),
+                1,
+            )
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
         if shard_id == "q":
             offset, size, index = 0, self.q_size, self.tp_rank
         elif shard_id in ("k", "v"):
@@ -150,7 +179,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, index = self.kv_size, self.tp_rank // self.kv_replicas
         else:
             raise ValueError(f"shard_id: must be 'q', 'k' or 'v', got {shard_id!r}")
-        _copy(param.data.narrow(0, offset, size), _shard(loaded, 0, size, index), "QKVParallelLinear")
+        _copy(
+            param.data.narrow(0, offset, size), _shard(loaded, 0, size, index), "QKVParallelLinear"
+        )
 
 
 class RowParallelLinear(CpuPackedWeight):
@@ -160,7 +191,9 @@ class RowParallelLinear(CpuPackedWeight):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.input_size_per_rank = divide(input_size, self.tp_size, "input_size")
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_rank), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -168,10 +201,14 @@ class RowParallelLinear(CpuPackedWeight):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
         _copy(param, _shard(loaded, 1, param.shape[1], self.tp_rank), "RowParallelLinear")
 
-    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def bias_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
         _copy(param, loaded.narrow(0, 0, loaded.shape[0]), "RowParallelLinear.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
 """Rotary position embedding (neox / rotate-half layout, as Hugging Face checkpoints expect)."""
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,10 @@ def rope_inv_freq(head_dim: int, rope_parameters: dict) -> torch.Tensor:
     """Inverse frequencies for rope_type default, linear or llama3 (float32, like transformers)."""
     rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_parameters.rope_type: {rope_type!r} is not supported "
-                         f"(supported: {SUPPORTED_ROPE_TYPES})")
+        raise ValueError(
+            f"rope_parameters.rope_type: {rope_type!r} is not supported "
+            f"(supported: {SUPPORTED_ROPE_TYPES})"
+        )
     base = rope_parameters["rope_theta"]
     dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -47,7 +50,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope_parameters)
         if inv_freq.numel() * 2 != head_dim:
-            raise ValueError("rope_parameters.partial_rotary_factor: partial rotary is not supported")
+            raise ValueError(
+                "rope_parameters.partial_rotary_factor: partial rotary is not supported"
+            )
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)

@@ -5,6 +5,7 @@ by those launches and their passes over memory rather than by the matrix product
 rounds where the torch path rounds (to the activation dtype after every op that torch runs in
 it), so the fused path gives the tokens of the unfused one.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_xt, stride_xh, stride_rt, heads, n, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_rt,
+    heads,
+    n,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     t = row // heads
     h = row % heads
@@ -32,9 +46,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_xt, str
     tl.store(out_ptr + row * n + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x), or (norm(x + residual), x + residual); x is [T, N] or [T, H, N] with unit last stride."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x), or (norm(x + residual), x + residual); x is [T, N] or [T, H, N] with unit last
+    stride."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     n = x.shape[-1]
@@ -44,15 +60,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(x.shape[0] * heads,)](
-        x, residual if residual is not None else x, weight, out, res_out, x.stride(0), stride_h,
-        residual.stride(0) if residual is not None else 0, heads, n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        res_out,
+        x.stride(0),
+        stride_h,
+        residual.stride(0) if residual is not None else 0,
+        heads,
+        n,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8),
+    )
     return out if residual is None else (out, res_out)
 
 
 @triton.jit
-def _rotate_heads(base_ptr, stride_h, num_heads, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr):
+def _rotate_heads(
+    base_ptr,
+    stride_h,
+    num_heads,
+    c,
+    s,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """x * cos + rotate_half(x) * sin for the heads of one token, rounded as torch rounds each op."""
     heads = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
@@ -68,8 +104,23 @@ def _rotate_heads(base_ptr, stride_h, num_heads, c, s, HALF: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                   num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_c,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     offs = tl.arange(0, BLOCK_HALF)
@@ -81,16 +132,30 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, c, s, HALF, BLOCK_H, BLOCK_HALF)
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place at positions (cos/sin: [max_pos, D] float32)."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: need unit stride in the head dimension")
     half = q.shape[-1] // 2
     _rotary_kernel[(q.shape[0],)](
-        q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        q.shape[1], k.shape[1], HALF=half, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
-        BLOCK_HALF=triton.next_power_of_2(half))
+        q,
+        k,
+        cos,
+        sin,
+        positions,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        q.shape[1],
+        k.shape[1],
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+        BLOCK_HALF=triton.next_power_of_2(half),
+    )
     return q, k
 
 

@@ -1,10 +1,15 @@
 """Model classes by the `architectures` name in a Hugging Face config."""
+
 from __future__ import annotations
 
 from torch import nn
 
-from workers.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                  Qwen3ForCausalLM)
+from workers.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -14,8 +19,12 @@ MODELS: dict[str, type[nn.Module]] = {
 }
 
 # Configs converted from GGUF carry a model_type but sometimes no architectures list.
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def model_class(config) -> type[nn.Module]:
@@ -26,5 +35,7 @@ def model_class(config) -> type[nn.Module]:
     for arch in archs:
         if arch in MODELS:
             return MODELS[arch]
-    raise ValueError(f"architectures: {archs or config.model_type!r} is not supported "
-                     f"(supported: {sorted(MODELS)})")
+    raise ValueError(
+        f"architectures: {archs or config.model_type!r} is not supported "
+        f"(supported: {sorted(MODELS)})"
+    )

@@ -3,6 +3,7 @@
 Variants differ only in flags read from the Hugging Face config: qkv bias (Qwen2), per-head
 q/k RMSNorm (Qwen3), tied embeddings, rope scaling. Tensor parallelism lives in the layers.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -43,7 +44,9 @@ class LlamaArgs:
     def from_hf_config(cls, config, *, qkv_bias: bool = False, qk_norm: bool = False) -> LlamaArgs:
         attention_bias = bool(getattr(config, "attention_bias", False))
         rope = getattr(config, "rope_parameters", None) or {
-            "rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+            "rope_type": "default",
+            "rope_theta": getattr(config, "rope_theta", 10000.0),
+        }
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -51,7 +54,8 @@ class LlamaArgs:
             num_layers=config.num_hidden_layers,
             num_heads=config.num_attention_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads,
             rms_norm_eps=config.rms_norm_eps,
             rope_parameters=dict(rope),
             max_position=config.max_position_embeddings,
@@ -68,17 +72,22 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias
+        )
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, a.o_bias)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.head_dim = a.head_dim
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by all layers
-        self.attn = Attention(self.qkv_proj.num_heads, a.head_dim, self.qkv_proj.num_kv_heads,
-                              a.head_dim ** -0.5)
+        self.attn = Attention(
+            self.qkv_proj.num_heads, a.head_dim, self.qkv_proj.num_kv_heads, a.head_dim**-0.5
+        )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, -1, self.head_dim)
@@ -94,7 +103,9 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias
+        )
         self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, a.mlp_bias)
         self.act = SiluAndMul()
 
@@ -112,8 +123,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -131,7 +147,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
@@ -165,7 +183,9 @@ class LlamaForCausalLM(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -176,11 +196,14 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into this rank's shards; returns names loaded."""
+        """Copy checkpoint tensors (Hugging Face names) into this rank's shards; returns names
+        loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
+            if "rotary_emb.inv_freq" in name or (
+                name == "lm_head.weight" and self.args.tie_word_embeddings
+            ):
                 continue
             shard_id = None
             for ckpt, ours, sid in _STACKED:
@@ -188,13 +211,17 @@ class LlamaForCausalLM(nn.Module):
                     name, shard_id = name.replace(ckpt, ours), sid
                     break
             if name not in params:
-                raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                raise ValueError(
+                    f"weights: checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
+                )
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 _copy_plain(param, tensor.narrow(0, 0, tensor.shape[0]), name)  # all of it
             else:
-                loader(param, tensor, shard_id)  # the loader reads its slice; copy_ converts the dtype
+                loader(
+                    param, tensor, shard_id
+                )  # the loader reads its slice; copy_ converts the dtype
             loaded.add(name)
         return loaded
 
@@ -205,12 +232,16 @@ class LlamaForCausalLM(nn.Module):
             names.discard("lm_head.weight")
         missing = sorted(names - loaded)
         if missing:
-            raise ValueError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+            raise ValueError(
+                f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
+            )
 
 
 def _copy_plain(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        raise ValueError(
+            f"{name}: checkpoint has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
     param.data.copy_(tensor)
 
 

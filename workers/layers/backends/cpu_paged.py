@@ -10,10 +10,12 @@ load); softmax takes two passes, no running rescale.
 The source is paged_decode.cpp next to this file. It is built once per machine and CPU capability
 by torch.utils.cpp_extension.load (10-20 s on the 2-core machine; ATen headers only, no pybind),
 cached in torch's extensions directory (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR
-says otherwise); later processes only load the built library. It needs a C++ compiler and ninja (the `ninja`
+says otherwise); later processes only load the built library. It needs a C++ compiler and ninja (the
+`ninja`
 package is a dependency). Without them, or if the build fails, `load()` returns None and callers
 keep the gather + SDPA path.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,15 +59,23 @@ def load():
     """The compiled op (torch.ops.raylm.paged_decode), or None when it cannot be built here."""
     try:
         from torch.utils.cpp_extension import load as build
+
         _put_ninja_on_path()
         isa = torch.backends.cpu.get_cpu_capability().lower()
         flags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
         t0 = time.perf_counter()
-        build(name=f"raylm_paged_decode_{isa}", sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-              is_python_module=False)
+        build(
+            name=f"raylm_paged_decode_{isa}",
+            sources=[_SOURCE],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
         op = torch.ops.raylm.paged_decode
-    except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the torch path still works
-        logger.warning("CPU paged-decode kernel unavailable, decode attention gathers blocks instead: %r", exc)
+    except Exception as exc:
+        logger.warning(
+            "CPU paged-decode kernel unavailable, decode attention gathers blocks instead: %r", exc
+        )
         return None
     logger.info("CPU paged-decode kernel ready (%s, %.1fs)", isa, time.perf_counter() - t0)
     return op
@@ -75,8 +85,16 @@ def supports(dtype: torch.dtype, head_size: int) -> bool:
     return dtype in DTYPES and head_size in HEAD_SIZES
 
 
-def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
-    """out[i] = softmax(q[i] K_i^T * scale) V_i over the first seq_lens[i] cached tokens of request i,
+def paged_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """out[i] = softmax(q[i] K_i^T * scale) V_i over the first seq_lens[i] cached tokens of request
+    i,
     K_i/V_i read through block_tables[i]. Requires `load()` to have returned the op."""
     load()(out, q, k_cache, v_cache, block_tables, seq_lens, scale)

@@ -3,6 +3,7 @@
 flash-attn reads paged K/V itself only for pages of 256 tokens or more; with smaller blocks the
 context is gathered into a packed [sum(seq_lens), Hk, D] tensor first (one index_select).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,14 +42,29 @@ class FlashAttnBackend:
             slots = meta.block_tables[row, pos // bs].long() * bs + pos % bs
         meta.backend_state = _FlashState(cu_k, meta.max_query_len, meta.max_seq_len, slots)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         st: _FlashState = meta.backend_state
-        common = dict(cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=st.cu_seqlens_k,
-                      max_seqlen_q=st.max_seqlen_q, max_seqlen_k=st.max_seqlen_k,
-                      softmax_scale=scale, causal=True)
+        common = dict(
+            cu_seqlens_q=meta.query_start_loc,
+            cu_seqlens_k=st.cu_seqlens_k,
+            max_seqlen_q=st.max_seqlen_q,
+            max_seqlen_k=st.max_seqlen_k,
+            softmax_scale=scale,
+            causal=True,
+        )
         if st.context_slots is None:
-            return flash_attn_varlen_func(q, k_cache, v_cache, block_table=meta.block_tables, **common)
+            return flash_attn_varlen_func(
+                q, k_cache, v_cache, block_table=meta.block_tables, **common
+            )
         hk, d = k_cache.shape[2], k_cache.shape[3]
         k_ctx = k_cache.view(-1, hk, d).index_select(0, st.context_slots)
         v_ctx = v_cache.view(-1, hk, d).index_select(0, st.context_slots)

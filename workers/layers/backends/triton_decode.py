@@ -4,6 +4,7 @@ The kernel reads K/V straight from the paged cache through the block table (no g
 one program per (request, KV head) walks the context block by block with an online softmax,
 serving all query heads of the GQA group at once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,12 +16,34 @@ from workers.layers.backends.torch_ref import TorchBackend
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, block_tables_ptr, seq_lens_ptr, scale,
-                         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-                         stride_ot, stride_oh, stride_os,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+def _paged_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -31,8 +54,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, block_table
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     # The GQA group's query heads are the rows of one matrix product per tile (padded to 16 rows).
-    q = tl.load(q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.cdiv(seq_len, TILE)
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -45,15 +71,23 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, block_table
     for i in range(0, per_split):
         pos = (first + i) * TILE + offs_n
         valid = pos < seq_len
-        blocks = tl.load(block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offsets = (blocks[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh
-                   + offs_d[None, :])
+        blocks = tl.load(
+            block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0
+        ).to(tl.int64)
+        offsets = (
+            blocks[:, None] * stride_kb
+            + (pos % BLOCK_SIZE)[:, None] * stride_ks
+            + kv_head * stride_kh
+            + offs_d[None, :]
+        )
         kv_mask = valid[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty tile must not give -inf - -inf
+        m_safe = tl.where(
+            m_new == float("-inf"), 0.0, m_new
+        )  # an empty tile must not give -inf - -inf
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
@@ -62,19 +96,43 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, block_table
         m_i = m_new
     out_mask = mask_g[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
     else:  # unnormalised partials; _combine_splits_kernel merges them (an empty split has l = 0)
-        tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
-                 acc, mask=out_mask)
-        stats = (req * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # m, l: [N, Hq, splits]
+        tl.store(
+            out_ptr
+            + req * stride_ot
+            + heads[:, None] * stride_oh
+            + split * stride_os
+            + offs_d[None, :],
+            acc,
+            mask=out_mask,
+        )
+        stats = (
+            req * GROUP * tl.num_programs(1) + heads
+        ) * NUM_SPLITS + split  # m, l: [N, Hq, splits]
         tl.store(m_ptr + stats, m_i, mask=mask_g)
         tl.store(l_ptr + stats, l_i, mask=mask_g)
 
 
 @triton.jit
-def _combine_splits_kernel(part_ptr, m_ptr, l_ptr, out_ptr, stride_pt, stride_ph, stride_ps, stride_ot, stride_oh,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _combine_splits_kernel(
+    part_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
     req = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -83,36 +141,61 @@ def _combine_splits_kernel(part_ptr, m_ptr, l_ptr, out_ptr, stride_pt, stride_ph
     m = tl.load(m_ptr + stats)
     l_split = tl.load(l_ptr + stats)
     weight = tl.exp(m - tl.max(m, axis=0))  # split 0 always holds a block, so the max is finite
-    part = tl.load(part_ptr + req * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                   mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    part = tl.load(
+        part_ptr
+        + req * stride_pt
+        + head * stride_ph
+        + offs_s[:, None] * stride_ps
+        + offs_d[None, :],
+        mask=offs_d[None, :] < HEAD_DIM,
+        other=0.0,
+    )
     out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight * l_split, axis=0)
-    tl.store(out_ptr + req * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + req * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Context splits per (request, KV head): enough programs to fill the GPU twice over, at most 16.
+    """Context splits per (request, KV head): enough programs to fill the GPU twice over, at most
+    16.
 
     A function of the batch shape only, so a captured graph keeps its split count at every length.
     """
     # Off CUDA (Triton's interpreter in the CPU tests) a small machine is assumed.
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
     programs = 2 * sms
     return min(16, triton.next_power_of_2(max(1, -(-programs // (num_reqs * num_kv_heads)))))
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+) -> torch.Tensor:
     """q: [N, Hq, D], one token per request; caches [blocks, block_size, Hk, D] -> [N, Hq, D].
 
-    Short batches split each context across programs (flash-decoding) and merge the partial softmaxes.
+    Short batches split each context across programs (flash-decoding) and merge the partial
+    softmaxes.
     """
     n, hq, d = q.shape
     _, block_size, hk, _ = k_cache.shape
     if k_cache.stride() != v_cache.stride():
         raise ValueError("v_cache: must share k_cache's layout")
     if block_size & (block_size - 1):
-        raise ValueError(f"block_size: the Triton decode kernel needs a power of two, got {block_size}")
+        raise ValueError(
+            f"block_size: the Triton decode kernel needs a power of two, got {block_size}"
+        )
     if seq_lens.stride(0) != 1 or block_tables.stride(1) != 1 or q.stride(2) != 1:
         raise ValueError("seq_lens, block_tables and q: need unit stride in their last dimension")
     group = hq // hk
@@ -120,25 +203,77 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     # Tiles of 64+ tokens keep enough bytes in flight; tl.dot needs 16 rows and a 16-wide inner dim.
     # float32 stays exact (no TF32) so that the fp32 path matches Hugging Face.
-    meta = dict(GROUP=group, HEAD_DIM=d, BLOCK_G=max(triton.next_power_of_2(group), 16),
-                BLOCK_D=max(triton.next_power_of_2(d), 16), BLOCK_SIZE=block_size, TILE=max(64, block_size),
-                NUM_SPLITS=splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    meta = dict(
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_G=max(triton.next_power_of_2(group), 16),
+        BLOCK_D=max(triton.next_power_of_2(d), 16),
+        BLOCK_SIZE=block_size,
+        TILE=max(64, block_size),
+        NUM_SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
     if splits == 1:
         _paged_decode_kernel[(n, hk, 1)](
-            q, k_cache, v_cache, out, out, out, block_tables, seq_lens, scale,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1), 0, **meta)
+            q,
+            k_cache,
+            v_cache,
+            out,
+            out,
+            out,
+            block_tables,
+            seq_lens,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            0,
+            **meta,
+        )
         return out
     part = torch.empty((n, hq, splits, d), dtype=torch.float32, device=q.device)
     m = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
     l_split = torch.empty_like(m)
     _paged_decode_kernel[(n, hk, splits)](
-        q, k_cache, v_cache, part, m, l_split, block_tables, seq_lens, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), **meta)
-    _combine_splits_kernel[(n, hq)](part, m, l_split, out, part.stride(0), part.stride(1), part.stride(2),
-                                    out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-                                    NUM_SPLITS=splits)
+        q,
+        k_cache,
+        v_cache,
+        part,
+        m,
+        l_split,
+        block_tables,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        **meta,
+    )
+    _combine_splits_kernel[(n, hq)](
+        part,
+        m,
+        l_split,
+        out,
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        NUM_SPLITS=splits,
+    )
     return out
 
 
@@ -148,7 +283,15 @@ class TritonDecodeBackend(TorchBackend):
     name = "triton"
     supports_cuda_graphs = True  # decode reads only fixed-shape tensors; lengths are data
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         nd = q.shape[0]
-        return paged_decode(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        return paged_decode(
+            q.contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+        )
