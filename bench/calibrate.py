@@ -88,7 +88,8 @@ _CUDA_GRID = dict(
 
 @dataclass(slots=True)
 class CalibrationConfig:
-    """What to build and which step shapes to time (empty shape lists: the device's default grid)."""
+    """What to build and which step shapes to time (empty shape lists: the device's default
+    grid)."""
 
     model: str = "default"
     device: str = "cpu"
@@ -145,7 +146,8 @@ class Calibration:
 
     def report(self) -> str:
         lines = [
-            f"fit: {prediction_error(self.profile, self.fit_samples)} (the {len(self.fit_samples)} fitted shapes)"
+            f"fit: {prediction_error(self.profile, self.fit_samples)} (the "
+            f"{len(self.fit_samples)} fitted shapes)"
         ]
         lines += [f"held out, {name}: {err}" for name, err in self.errors().items()]
         return "\n".join(lines)
@@ -276,7 +278,8 @@ def _median_sample(runs: list[StepSample]) -> StepSample:
 
 
 def _mixed_prompt(i: int, batch: int, budget: int) -> int:
-    """The prompt prefilled beside a decode batch: a quarter of the budget, or 64 tokens, by turns."""
+    """The prompt prefilled beside a decode batch: a quarter of the budget, or 64 tokens, by
+    turns."""
     return max(1, min(budget - batch, budget // 4 if i % 2 == 0 else 64))
 
 
@@ -353,7 +356,8 @@ def calibrate(cfg: CalibrationConfig) -> Calibration:
     name = f"{cfg.device}-{_model_label(cfg)}-{cfg.dtype}"
     source = (
         f"bench/calibrate.py on {where}, {cfg.dtype}, {started}, load average {load_before:.1f} -> "
-        f"{os.getloadavg()[0]:.1f}; {len(fit_samples)} shapes fitted (median of {cfg.repeats} steps each) "
+        f"{os.getloadavg()[0]:.1f}; {len(fit_samples)} shapes fitted (median of {cfg.repeats} "
+        "steps each) "
         f"in {elapsed:.0f} s"
     )
     cal = Calibration(
@@ -414,7 +418,7 @@ def _time_heldout(timer: StepTimer, cfg: CalibrationConfig) -> dict[str, list[St
 
 
 def _shape(text: str) -> tuple[int, int]:
-    a, sep, b = text.partition(":")
+    a, _, b = text.partition(":")
     try:
         return int(a), int(b)
     except ValueError:
@@ -428,7 +432,8 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
     if a.from_samples:
         if not a.output:
             raise ValueError(
-                "output: --from-samples needs --output (the device's default profile is not replaced)"
+                "output: --from-samples needs --output (the device's default profile is not "
+                "replaced)"
             )
         data = json.loads(Path(a.from_samples).read_text())
         cal = _refit(data, samples_from_json)

@@ -130,12 +130,14 @@ def report(
     print("| run | completed | lost | identical text | e2e p50 | e2e p99 |")
     print("| --- | --- | --- | --- | --- | --- |")
     print(
-        f"| no faults | {len(calm_e2e)} | {len(calm) - len(calm_e2e)} | - | {statistics.median(calm_e2e):.2f} s | "
+        f"| no faults | {len(calm_e2e)} | {len(calm) - len(calm_e2e)} | - | "
+        f"{statistics.median(calm_e2e):.2f} s | "
         f"{pct(calm_e2e, 0.99):.2f} s |"
     )
     print(
         f"| replica killed every {kill_every_s:.0f} s | {len(done)} | {len(chaos) - len(done)} | "
-        f"{len(same)}/{len(comparable)} | {statistics.median(chaos_e2e):.2f} s | {pct(chaos_e2e, 0.99):.2f} s |"
+        f"{len(same)}/{len(comparable)} | {statistics.median(chaos_e2e):.2f} s | "
+        f"{pct(chaos_e2e, 0.99):.2f} s |"
     )
     print(
         f"identical text: greedy {greedy[1]}/{greedy[0]}, seeded sampling "
@@ -143,8 +145,10 @@ def report(
     )
     if hit:
         print(
-            f"requests in flight at a kill: {len(hit)}, their e2e median {statistics.median(hit):.2f} s, "
-            f"{statistics.median(hit) - statistics.median(calm_e2e):+.2f} s against the no-fault median"
+            f"requests in flight at a kill: {len(hit)}, their e2e median "
+            f"{statistics.median(hit):.2f} s, "
+            f"{statistics.median(hit) - statistics.median(calm_e2e):+.2f} s against the no-fault "
+            "median"
         )
 
 

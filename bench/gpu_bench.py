@@ -12,6 +12,7 @@ input and output lengths uniform in 100..1024, ignore_eos, bf16).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -47,7 +48,8 @@ def copy_bandwidth(num_bytes: int = 2 * GiB, repeats: int = 10) -> float:
 
 
 def graph_time_ms(fn, calls: int = 20, repeats: int = 10) -> float:
-    """GPU time of one fn() call, replayed from a CUDA graph so that launch overhead does not count."""
+    """GPU time of one fn() call, replayed from a CUDA graph so that launch overhead does not
+    count."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -69,7 +71,8 @@ def graph_time_ms(fn, calls: int = 20, repeats: int = 10) -> float:
 
 
 def bench_kernel(bandwidth: float) -> list[dict]:
-    """Triton paged decode vs the torch backend's gather + SDPA, Qwen3-0.6B heads, bf16, block 16."""
+    """Triton paged decode vs the torch backend's gather + SDPA, Qwen3-0.6B heads, bf16, block
+    16."""
     from workers.layers.attention import AttentionMetadata
     from workers.layers.backends.torch_ref import TorchBackend
     from workers.layers.backends.triton_decode import paged_decode
@@ -88,9 +91,13 @@ def bench_kernel(bandwidth: float) -> list[dict]:
         torch_backend = TorchBackend()
         torch_backend.prepare(meta)
         t_triton = graph_time_ms(
-            lambda: paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5)
+            functools.partial(
+                paged_decode, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5
+            )
         )
-        t_torch = graph_time_ms(lambda: torch_backend.decode(q, k_cache, v_cache, meta, d**-0.5))
+        t_torch = graph_time_ms(
+            functools.partial(torch_backend.decode, q, k_cache, v_cache, meta, d**-0.5)
+        )
         kv_bytes = 2 * batch * ctx * hk * d * 2
         rows.append(
             dict(
@@ -280,7 +287,8 @@ def main() -> None:
     if "kernel" in only:
         result["kernel"] = bench_kernel(bandwidth)
         print(
-            "\n| batch | context | Triton paged decode (us) | torch gather + SDPA (us) | Triton share of copy bw |"
+            "\n| batch | context | Triton paged decode (us) | torch gather + SDPA (us) | Triton "
+            "share of copy bw |"
         )
         print("| --- | --- | --- | --- | --- |")
         for r in result["kernel"]:
@@ -293,16 +301,19 @@ def main() -> None:
             llama = write_random_checkpoint("llama3-1b", os.path.join(tmp, "llama3-1b")).path
             result["roofline"] = bench_roofline(llama, bandwidth)
             print(
-                "\nDecode roofline, Llama-3.2-1B shape, bf16, 512-token prompts (step = schedule + forward + sample)"
+                "\nDecode roofline, Llama-3.2-1B shape, bf16, 512-token prompts (step = schedule "
+                "+ forward + sample)"
             )
             print(
-                "| batch | weights + KV read (GB) | floor (ms) | mode | forward (ms) | share | engine step (ms) | share |"
+                "| batch | weights + KV read (GB) | floor (ms) | mode | forward (ms) | share | "
+                "engine step (ms) | share |"
             )
             print("| --- | --- | --- | --- | --- | --- | --- | --- |")
             for r in result["roofline"]:
                 for key, label in (("eager", "eager"), ("graphs", "CUDA graphs")):
                     print(
-                        f"| {r['batch']} | {r['weights_gb'] + r['kv_gb']:.2f} | {r['floor_ms']:.3f} | {label} | "
+                        f"| {r['batch']} | {r['weights_gb'] + r['kv_gb']:.2f} | "
+                        f"{r['floor_ms']:.3f} | {label} | "
                         f"{r[key + '_forward_ms']:.3f} | {r[key + '_forward_share']:.0%} | "
                         f"{r[key + '_ms']:.3f} | {r[key + '_share']:.0%} |"
                     )
@@ -323,13 +334,15 @@ def main() -> None:
                 hf_batch=args.hf_batch,
             )
             print(
-                f"\nOffline throughput, Qwen3-0.6B shape, bf16, {len(prompts)} sequences, {total} output tokens"
+                f"\nOffline throughput, Qwen3-0.6B shape, bf16, {len(prompts)} sequences, {total} "
+                "output tokens"
             )
             print("| system | time (s) | output tok/s | vs HF |")
             print("| --- | --- | --- | --- |")
             print(f"| raylm | {ours:.1f} | {total / ours:.0f} | {hf / ours:.1f}x |")
             print(
-                f"| HF transformers, static batches of {args.hf_batch} | {hf:.1f} | {total / hf:.0f} | 1.0x |"
+                f"| HF transformers, static batches of {args.hf_batch} | {hf:.1f} | "
+                f"{total / hf:.0f} | 1.0x |"
             )
     if args.json:
         with open(args.json, "w") as f:

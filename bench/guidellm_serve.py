@@ -159,7 +159,8 @@ def main() -> None:
     step = min(step_before, step_after)
     itl, ttft = ok("inter_token_latency_ms"), ok("time_to_first_token_ms")
     print(
-        f"GuideLLM concurrency {args.concurrency}, {args.requests} requests, {args.prompt_tokens} prompt / "
+        f"GuideLLM concurrency {args.concurrency}, {args.requests} requests, {args.prompt_tokens} "
+        "prompt / "
         f"{args.output_tokens} output tokens (synthetic), deploy.yaml {' '.join(args.set)}"
     )
     print(
@@ -167,13 +168,16 @@ def main() -> None:
         f"{step_after:.1f} ms after; the ratio uses {step:.1f} ms"
     )
     print(
-        "| TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | TPOT p50 | output tok/s | offline decode step | ITL p50 / step |"
+        "| TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | TPOT p50 | output tok/s | offline decode "
+        "step | ITL p50 / step |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print(
-        f"| {ttft['median'] / 1e3:.2f} s | {ttft['percentiles']['p90'] / 1e3:.2f} s | {itl['median']:.1f} ms | "
+        f"| {ttft['median'] / 1e3:.2f} s | {ttft['percentiles']['p90'] / 1e3:.2f} s | "
+        f"{itl['median']:.1f} ms | "
         f"{itl['percentiles']['p90']:.1f} ms | {ok('time_per_output_token_ms')['median']:.1f} ms | "
-        f"{ok('output_tokens_per_second')['mean']:.1f} | {step:.1f} ms | {itl['median'] / step:.2f}x |"
+        f"{ok('output_tokens_per_second')['mean']:.1f} | {step:.1f} ms | "
+        f"{itl['median'] / step:.2f}x |"
     )
 
 

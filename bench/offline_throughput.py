@@ -205,7 +205,8 @@ def main() -> None:
         hf_rate = useful / hf_seconds
         same, tie, other = compare(ours, hf_tokens, top2)
         print(
-            f"[{dtype_name}] HF static batch {args.hf_batch}: {hf_seconds:.1f} s, {hf_rate:.0f} useful tok/s"
+            f"[{dtype_name}] HF static batch {args.hf_batch}: {hf_seconds:.1f} s, {hf_rate:.0f} "
+            "useful tok/s"
         )
         print(
             f"[{dtype_name}] raylm / HF = {rate / hf_rate:.2f}x; tokens vs HF: {same} identical, "

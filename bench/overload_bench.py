@@ -109,17 +109,20 @@ async def run(args: argparse.Namespace, url: str) -> None:
     refused = sum(s in (429, 503) for s in statuses)
     other = len(statuses) - statuses.count(200) - refused
     print(
-        f"sustained: {rate:.2f} req/s at concurrency {args.concurrency}; offered {args.factor:.1f}x = "
+        f"sustained: {rate:.2f} req/s at concurrency {args.concurrency}; offered "
+        f"{args.factor:.1f}x = "
         f"{args.factor * rate:.2f} req/s for {args.overload_s:.0f} s ({len(results)} requests)"
     )
     print(
-        "| offered | served (200) | refused (429/503) | other | TTFT p50 served | TTFT p99 served | "
+        "| offered | served (200) | refused (429/503) | other | TTFT p50 served | TTFT p99 served "
+        "| "
         "ingress RSS before -> after |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     print(
         f"| {args.factor:.1f}x {rate:.2f} req/s | {statuses.count(200) / len(statuses):.0%} | "
-        f"{refused / len(statuses):.0%} | {other} | {statistics.median(served) if served else float('nan'):.2f} s | "
+        f"{refused / len(statuses):.0%} | {other} | "
+        f"{statistics.median(served) if served else float('nan'):.2f} s | "
         f"{pct(served, 0.99):.2f} s | {rss_before:.0f} -> {rss_after:.0f} MB |"
     )
 

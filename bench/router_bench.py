@@ -58,7 +58,8 @@ else:
     _RAY_PREFIX_IMPORT_ERROR = None
 
     class TokenPrefixCacheAffinityRouter(PrefixCacheAffinityRouter):
-        """Ray's router matches prompt text; ours carry token ids, so each id becomes one character."""
+        """Ray's router matches prompt text; ours carry token ids, so each id becomes one
+        character."""
 
         def _extract_text_from_request(self, pending_request) -> str:
             return "".join(map(chr, pending_request.args[0].prompt_token_ids))
@@ -143,8 +144,10 @@ class Result:
 
     def headline(self) -> str:
         return (
-            f"hit rate {self.hit_rate:.1%}, TTFT p50 {self.ttft_p50_s:.2f} s, p90 {self.ttft_p90_s:.2f} s, "
-            f"{self.output_tok_s:.1f} output tok/s, {self.completed} ok, {self.errors} errors, split {self.split}"
+            f"hit rate {self.hit_rate:.1%}, TTFT p50 {self.ttft_p50_s:.2f} s, p90 "
+            f"{self.ttft_p90_s:.2f} s, "
+            f"{self.output_tok_s:.1f} output tok/s, {self.completed} ok, {self.errors} errors, "
+            f"split {self.split}"
         )
 
 

@@ -75,7 +75,8 @@ def main() -> None:
     args = parser.parse_args()
 
     print(
-        f"{'running':>8} {'prefix cache':>12} {'us/step':>10} {'us/request':>11} {'vs vLLM 9.6 us/req':>19}"
+        f"{'running':>8} {'prefix cache':>12} {'us/step':>10} {'us/request':>11} "
+        f"{'vs vLLM 9.6 us/req':>19}"
     )
     per_req: dict[tuple[int, bool], float] = {}
     for n in args.sizes:
@@ -100,7 +101,8 @@ def main() -> None:
         per_req[(n, p)] <= TARGET_US_PER_REQ for n in args.sizes if n >= 256 for p in (True, False)
     )
     print(
-        f"target <= {TARGET_US_PER_REQ} us per running request at 256 and 1024: {'met' if met else 'NOT met'}"
+        f"target <= {TARGET_US_PER_REQ} us per running request at 256 and 1024: "
+        f"{'met' if met else 'NOT met'}"
     )
 
 

@@ -107,7 +107,8 @@ def make_prompts(
 
 
 def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Gaps between arrivals: gamma-distributed (Poisson when burstiness is 1); zeros for rate=inf."""
+    """Gaps between arrivals: gamma-distributed (Poisson when burstiness is 1); zeros for
+    rate=inf."""
     if rate == float("inf"):
         return [0.0] * num
     rng = np.random.default_rng(seed)
@@ -286,13 +287,15 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
 # --------------------------------------------------------------------------------------
 def print_summary(s: dict) -> None:
     print(
-        f"  {s['name']:<24} {s['completed']:>4} ok {s['failed']:>3} failed  {s['duration_s']:7.2f} s  "
+        f"  {s['name']:<24} {s['completed']:>4} ok {s['failed']:>3} failed  "
+        f"{s['duration_s']:7.2f} s  "
         f"{s['output_tok_s']:8.1f} out tok/s  goodput {s['goodput_req_s']:6.2f} req/s"
     )
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         v = s[key]
         print(
-            f"      {key[:-3].upper():<5} mean {v['mean']:8.1f}  p50 {v['p50']:8.1f}  p90 {v['p90']:8.1f}  "
+            f"      {key[:-3].upper():<5} mean {v['mean']:8.1f}  p50 {v['p50']:8.1f}  p90 "
+            f"{v['p90']:8.1f}  "
             f"p99 {v['p99']:8.1f} ms"
         )
 
@@ -337,7 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-threads",
         type=int,
         default=1,
-        help="torch threads, both paths (1: what Ray gives a 1-CPU replica; more thrash on a busy box)",
+        help="torch threads, both paths (1: what Ray gives a 1-CPU replica; more thrash on a busy "
+        "box)",
     )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
@@ -414,13 +418,15 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(a.cpu_threads)
     # Ray starts worker processes at nice 15. This process (the offline engine) runs at nice 0, so
-    # on a
-    # shared, oversubscribed machine the default would measure OS priority rather than the stack.
-    os.environ["RAY_worker_niceness"] = str(a.worker_niceness)
+    # on a shared, oversubscribed machine the default would measure OS priority rather than the
+    # stack.
+    os.environ["RAY_worker_niceness"] = str(a.worker_niceness)  # noqa: SIM112 - Ray spells it so
     args = app_args(a, a.cpu_threads)
     print(
-        f"model {a.model}: {a.input_len} prompt + {a.output_len} output tokens, {a.cpu_threads} torch "
-        f"thread(s) per engine, Ray workers at nice {a.worker_niceness}; offline and Serve runs interleaved"
+        f"model {a.model}: {a.input_len} prompt + {a.output_len} output tokens, {a.cpu_threads} "
+        "torch "
+        f"thread(s) per engine, Ray workers at nice {a.worker_niceness}; offline and Serve runs "
+        "interleaved"
     )
 
     # Both engines live side by side; only the one being measured is busy.
@@ -509,11 +515,14 @@ def main(argv: list[str] | None = None) -> None:
     for summary in summaries[2:]:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in summary["cpu_s"].items())
         print(
-            f"  CPU seconds, {summary['name']}: {parts} ({summary['cpu_s_per_1k_tokens']:.2f} per 1k output tokens)"
+            f"  CPU seconds, {summary['name']}: {parts} ({summary['cpu_s_per_1k_tokens']:.2f} per "
+            "1k output tokens)"
         )
     print(
-        f"\nServe stack overhead: median TTFT +{ttft_added:.1f} ms at low load, paired request by request "
-        f"(target <= 30 ms); throughput at saturation {100 * kept:.1f}% of the offline engine (target >= 90%)"
+        f"\nServe stack overhead: median TTFT +{ttft_added:.1f} ms at low load, paired request by "
+        "request "
+        f"(target <= 30 ms); throughput at saturation {100 * kept:.1f}% of the offline engine "
+        "(target >= 90%)"
     )
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from deploy.app import build_app
 
 cpus = float(sys.argv[1])
-args = yaml.safe_load(open("deploy.yaml"))["applications"][0]["args"]
+with open("deploy.yaml") as f:
+    args = yaml.safe_load(f)["applications"][0]["args"]
 args.update(replica_num_cpus=cpus, ingress_num_cpus=0.0 if cpus >= 2 else 0.5)
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 serve.start(http_options={"host": "127.0.0.1", "port": 8011})

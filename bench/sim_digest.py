@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         s = result.summary()
         print(
-            f"scale   {n:5d} replicas {a.seconds:.0f} s: {digest(result)}  ({s['requests']} done, {s['steps']} steps, "
-            f"{result.jumped_steps} jumped, hit {s['hit_rate']:.4f}; {time.perf_counter() - t0:.1f} s wall)",
+            f"scale   {n:5d} replicas {a.seconds:.0f} s: {digest(result)}  ({s['requests']} done, "
+            f"{s['steps']} steps, "
+            f"{result.jumped_steps} jumped, hit {s['hit_rate']:.4f}; "
+            f"{time.perf_counter() - t0:.1f} s wall)",
             flush=True,
         )
     for policy in POLICIES:

@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def measured_router_bench(path: Path = MEASURED_ROUTER_BENCH) -> dict[str, dict]:
-    """The real benchmark's figures by router, from the results file bench/router_bench.py writes."""
+    """The real benchmark's figures by router, from the results file bench/router_bench.py
+    writes."""
     try:
         return {r["router"]: r for r in json.loads(path.read_text())["results"]}
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -255,18 +256,24 @@ def _router(a: argparse.Namespace) -> None:
         )
         for row in simulate_router_bench(a.profile, host, serving_overhead_s=a.serving_overhead):
             print(
-                f"{a.profile} host {a.host_cores} cores, background {bg}, overhead {a.serving_overhead * 1e3:.1f} ms: "
+                f"{a.profile} host {a.host_cores} cores, background {bg}, overhead "
+                f"{a.serving_overhead * 1e3:.1f} ms: "
                 f"{row['router']:16s} "
-                f"hit {row['hit_rate']:.3f} ttft p50 {row['ttft_p50_s']:.3f} p90 {row['ttft_p90_s']:.3f} "
-                f"out tok/s {row['output_tok_s']:.1f} busy {row['busy_share']:.2f} steps {row['steps']}"
+                f"hit {row['hit_rate']:.3f} ttft p50 {row['ttft_p50_s']:.3f} p90 "
+                f"{row['ttft_p90_s']:.3f} "
+                f"out tok/s {row['output_tok_s']:.1f} busy {row['busy_share']:.2f} steps "
+                f"{row['steps']}"
             )
             real = measured.get(row["router"])
             if real is not None:
                 print(
-                    f"    measured: hit {real['hit_rate']:.3f} ({100 * (row['hit_rate'] - real['hit_rate']):+.1f} points)"
-                    f" ttft p50 {real['ttft_p50_s']:.3f} ({_err(row['ttft_p50_s'], real['ttft_p50_s'])})"
+                    f"    measured: hit {real['hit_rate']:.3f} "
+                    f"({100 * (row['hit_rate'] - real['hit_rate']):+.1f} points)"
+                    f" ttft p50 {real['ttft_p50_s']:.3f} "
+                    f"({_err(row['ttft_p50_s'], real['ttft_p50_s'])})"
                     f" p90 {real['ttft_p90_s']:.3f} ({_err(row['ttft_p90_s'], real['ttft_p90_s'])})"
-                    f" out tok/s {real['output_tok_s']:.1f} ({_err(row['output_tok_s'], real['output_tok_s'])})"
+                    f" out tok/s {real['output_tok_s']:.1f} "
+                    f"({_err(row['output_tok_s'], real['output_tok_s'])})"
                 )
 
 
@@ -307,7 +314,8 @@ def _offline(a: argparse.Namespace) -> None:
             Path(a.steps_out).write_text(json.dumps(measured) + "\n")
         print(
             f"measured here: {measured['steps']} steps, {measured['seconds']:.2f} s "
-            f"({measured['output_tok_s']:.1f} useful tok/s), pool {measured['num_gpu_blocks']} blocks"
+            f"({measured['output_tok_s']:.1f} useful tok/s), pool {measured['num_gpu_blocks']} "
+            "blocks"
         )
     for name in a.profile:
         sim = simulate_offline(name)

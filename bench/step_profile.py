@@ -111,7 +111,8 @@ def time_paths(
 def gemm_roofline(
     shapes: Counter, dtype: torch.dtype, repeats: int
 ) -> tuple[dict[str, float], float]:
-    """Seconds per path for the step's GEMMs timed alone at their own shapes, and their total FLOPs."""
+    """Seconds per path for the step's GEMMs timed alone at their own shapes, and their total
+    FLOPs."""
     totals, total_flop = dict.fromkeys(PATHS, 0.0), 0.0
     for (m, k, n), count in sorted(shapes.items()):
         best = time_paths(m, k, n, count, dtype, repeats)
@@ -212,13 +213,16 @@ def main() -> None:
     )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     print(
-        f"step median       {step_s * 1e3:8.1f} ms  (min {min(step_times) * 1e3:.1f}, {args.repeats} runs)"
+        f"step median       {step_s * 1e3:8.1f} ms  (min {min(step_times) * 1e3:.1f}, "
+        f"{args.repeats} runs)"
     )
     print(
-        f"step GEMMs alone  {own_s * 1e3:8.1f} ms  -> step is {step_s / own_s:.2f}x its own-shape roofline"
+        f"step GEMMs alone  {own_s * 1e3:8.1f} ms  -> step is {step_s / own_s:.2f}x its own-shape "
+        "roofline"
     )
     print(
-        f"  weights cold    {own['packed cold'] * 1e3:8.1f} ms  -> step is {step_s / own['packed cold']:.2f}x "
+        f"  weights cold    {own['packed cold'] * 1e3:8.1f} ms  -> step is "
+        f"{step_s / own['packed cold']:.2f}x "
         f"its own GEMMs with weights streamed from memory"
     )
     print(
@@ -235,7 +239,8 @@ def main() -> None:
     if args.ab_rounds:
         p, u = statistics.median(ab_packed), statistics.median(ab_unpacked)
         print(
-            f"step A/B          packed {p * 1e3:.1f} ms (min {min(ab_packed) * 1e3:.1f}), unpacked {u * 1e3:.1f} ms "
+            f"step A/B          packed {p * 1e3:.1f} ms (min {min(ab_packed) * 1e3:.1f}), "
+            f"unpacked {u * 1e3:.1f} ms "
             f"(min {min(ab_unpacked) * 1e3:.1f}) -> unpacked / packed {u / p:.2f}x median, "
             f"{min(ab_unpacked) / min(ab_packed):.2f}x min"
         )
@@ -243,7 +248,8 @@ def main() -> None:
         print(
             f"prefill GEMMs     {args.prefill_rows} rows: "
             + ", ".join(
-                f"{path} {prefill[path] * 1e3:.1f} ms ({prefill_flop / prefill[path] / 1e9:.0f} GFLOP/s)"
+                f"{path} {prefill[path] * 1e3:.1f} ms ({prefill_flop / prefill[path] / 1e9:.0f} "
+                "GFLOP/s)"
                 for path in PATHS
             )
         )

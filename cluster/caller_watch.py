@@ -34,7 +34,8 @@ class CallerWatch:
         self._handles: dict[str, Any] = {}
 
     async def gone(self, callers: set[str]) -> set[str]:
-        """The callers among these that are dead; forgets handles of callers no longer asked about."""
+        """The callers among these that are dead; forgets handles of callers no longer asked
+        about."""
         for name in set(self._handles) - callers:
             del self._handles[name]
         results = await asyncio.gather(*(self._is_gone(name) for name in callers))

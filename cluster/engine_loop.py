@@ -55,13 +55,15 @@ class EngineLoop:
         self._inbox.put((_ABORT, request_ids))
 
     def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
-        """Run fn(engine) on the engine thread between steps; the future resolves on the event loop."""
+        """Run fn(engine) on the engine thread between steps; the future resolves on the event
+        loop."""
         future = self._loop.create_future()
         self._inbox.put((_CALL, (fn, future)))
         return future
 
     def stalled_for(self) -> float:
-        """Seconds the step in progress has run (0 when idle, between steps, or in the first step)."""
+        """Seconds the step in progress has run (0 when idle, between steps, or in the first
+        step)."""
         started = self.step_started
         return 0.0 if started is None or not self.warmed_up else time.monotonic() - started
 

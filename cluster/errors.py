@@ -2,7 +2,8 @@
 
 
 class EngineFailedError(RuntimeError):
-    """A replica's engine failed (a forward pass or a worker died): its requests belong elsewhere."""
+    """A replica's engine failed (a forward pass or a worker died): its requests belong
+    elsewhere."""
 
 
 class ReplicaDrainingError(RuntimeError):

@@ -77,7 +77,8 @@ class RayExecutor:
             _start_local_ray(self.tp)
         if step_transport not in STEP_TRANSPORTS:
             raise ValueError(
-                f"step_transport: must be one of {', '.join(STEP_TRANSPORTS)}, got {step_transport!r}"
+                f"step_transport: must be one of {', '.join(STEP_TRANSPORTS)}, got "
+                f"{step_transport!r}"
             )
         self.step_transport = step_transport
         self.step_timeout_s, self.init_timeout_s = step_timeout_s, init_timeout_s
@@ -138,7 +139,7 @@ class RayExecutor:
             raise RuntimeError(
                 f"placement_group: {self.tp} bundles of {bundle} could not be placed on one "
                 f"node within {self.init_timeout_s:.0f}s (cluster: {ray.cluster_resources()})"
-            )
+            ) from None
         return pg
 
     def _create_workers(self, worker_cls: type, config: RunnerConfig) -> list[Any]:

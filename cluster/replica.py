@@ -241,7 +241,8 @@ class LLMReplica:
         self.metrics.record_stats(stats)
 
     def _settle(self, stream: _Stream, output: RequestOutput, now: float) -> RequestOutput:
-        """The output as the client gets it (cut at a stop string), with its tokens in the metrics."""
+        """The output as the client gets it (cut at a stop string), with its tokens in the
+        metrics."""
         if stream.text is not None and output.new_token_ids:
             output = self._cut_at_stop_string(stream.text, output)
         if output.new_token_ids:

@@ -18,7 +18,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def check_exposure(host: str | None, config: AppConfig) -> None:
-    """An app reachable beyond this machine needs keys, unless allow_unauthenticated says otherwise."""
+    """An app reachable beyond this machine needs keys, unless allow_unauthenticated says
+    otherwise."""
     if (
         host is None
         or host in LOOPBACK_HOSTS
@@ -50,7 +51,8 @@ def _serve_http_host() -> str | None:
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """The Serve application for deploy.yaml's `args`; a bad arg raises ValueError naming the field."""
+    """The Serve application for deploy.yaml's `args`; a bad arg raises ValueError naming the
+    field."""
     config = AppConfig.from_args(args)
     check_exposure(_serve_http_host(), config)
     replica_options: dict[str, Any] = {

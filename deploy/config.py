@@ -166,8 +166,10 @@ class AppConfig(BaseModel):
         ge=0,
         le=10**12,
         description="GOMP_SPINCOUNT of the replica's processes (TP workers "
-        "inherit it): how long torch's OpenMP threads spin for work before they sleep. Long spins are fastest "
-        "on cores of their own; when other processes take a core, the engine's threads share one and each "
+        "inherit it): how long torch's OpenMP threads spin for work before they sleep. Long spins "
+        "are fastest "
+        "on cores of their own; when other processes take a core, the engine's threads share one "
+        "and each "
         "spin is lost time (unset: libgomp's 300,000)",
     )
     ingress_num_cpus: float = Field(default=0.5, ge=0, description="CPUs of each ingress replica")
@@ -204,8 +206,7 @@ class AppConfig(BaseModel):
             raise ValueError("api_keys: keys must be non-empty")
         if self.engine.cpu_threads is None and self.engine.tensor_parallel_size == 1:
             # A CPU replica's torch threads default to the cores its bundle reserves, not to
-            # whatever
-            # Ray's OMP_NUM_THREADS says (a fraction rounds down, at least one).
+            # whatever Ray's OMP_NUM_THREADS says (a fraction rounds down, at least one).
             self.engine = replace(self.engine, cpu_threads=max(1, int(self.replica_num_cpus)))
         if self.router == "fleet":
             from router.config import RoutingConfig  # pure policy code, no Ray

@@ -48,8 +48,10 @@ class ContextLengthError(BadRequestError):
 
     def __init__(self, max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> None:
         super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            "requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} "
             f"in the completion). Please reduce the prompt or max_tokens.",
             param="max_tokens",
             code="context_length_exceeded",

@@ -1,4 +1,5 @@
-"""One choice of a completion: replica stream -> token deltas -> text deltas, cut at stop strings."""
+"""One choice of a completion: replica stream -> token deltas -> text deltas, cut at stop
+strings."""
 
 from __future__ import annotations
 

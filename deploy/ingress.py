@@ -354,7 +354,8 @@ class OpenAIIngress:
         constraint: StructuredOutput | None,
     ) -> list[Choice]:
         max_len = await self.max_model_len()
-        base_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
+        kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
+        base_id = f"{kind}-{uuid.uuid4().hex}"
         choices = []
         for p, prompt in enumerate(prompts):
             try:

@@ -128,7 +128,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions, each bounded as SamplingParams is."""
+    """Fields shared by /v1/completions and /v1/chat/completions, each bounded as SamplingParams
+    is."""
 
     # OpenAI clients send bookkeeping fields we do not use (metadata, store, ...): ignore those;
     # fields that would change the output and are not implemented are refused (_UNSUPPORTED).

@@ -60,9 +60,12 @@ class EngineConfig:
     )
     process_niceness: int | None = setting(
         None,
-        "nice value of the engine's processes, every thread (the replica, its TP workers; served, the "
-        "ingress too). Ray starts workers at nice 15, behind every other process of the node (the HTTP "
-        "client, other jobs); going below 15 needs CAP_SYS_NICE, else a warning. Unset: left as started",
+        "nice value of the engine's processes, every thread (the replica, its TP workers; served, "
+        "the "
+        "ingress too). Ray starts workers at nice 15, behind every other process of the node (the "
+        "HTTP "
+        "client, other jobs); going below 15 needs CAP_SYS_NICE, else a warning. Unset: left as "
+        "started",
         ge=MIN_NICE,
         le=MAX_NICE,
     )
@@ -86,8 +89,10 @@ class EngineConfig:
     )
     stream_interval: int = setting(
         1,
-        "served: tokens per streamed chunk of a request. The first tokens and the finish go at once; "
-        "larger values cut the serving stack's per-chunk CPU (Ray and Serve handle each chunk twice) at the "
+        "served: tokens per streamed chunk of a request. The first tokens and the finish go at "
+        "once; "
+        "larger values cut the serving stack's per-chunk CPU (Ray and Serve handle each chunk "
+        "twice) at the "
         "cost of smoothness",
         ge=1,
         le=MAX_STREAM_INTERVAL,
@@ -105,7 +110,8 @@ class EngineConfig:
             self.scheduler = scheduler_from_dict(self.scheduler)
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(
-                f"scheduler: must be a SchedulerConfig or a mapping, got {type(self.scheduler).__name__}"
+                "scheduler: must be a SchedulerConfig or a mapping, got "
+                f"{type(self.scheduler).__name__}"
             )
         sched = self.scheduler
         if (

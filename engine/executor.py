@@ -47,7 +47,8 @@ class LocalExecutor:
     def __init__(self, runner_config: RunnerConfig, tensor_parallel_size: int = 1) -> None:
         if tensor_parallel_size != 1:
             raise ValueError(
-                f"tensor_parallel_size: {tensor_parallel_size} ranks need a worker each; this process "
+                f"tensor_parallel_size: {tensor_parallel_size} ranks need a worker each; this "
+                "process "
                 "runs one. Pass executor_factory=cluster.ray_executor.ray_executor (Ray actors)"
             )
         self.runner = ModelRunner(runner_config)

@@ -20,7 +20,8 @@ class RoutingConfig:
     router_policy: str = setting("prefix_affinity", "how replicas are ranked", choices=POLICIES)
     imbalance_threshold: float = setting(
         4.0,
-        "load units (about one in-flight request each) by which the prefix holder may exceed the least "
+        "load units (about one in-flight request each) by which the prefix holder may exceed the "
+        "least "
         "loaded replica before load wins over affinity",
         ge=0,
     )
@@ -55,7 +56,8 @@ class RoutingConfig:
     )
     circuit_breaker_failures: int = setting(
         3,
-        "consecutive requests failed by a replica (actor died or unreachable, engine failed) after which "
+        "consecutive requests failed by a replica (actor died or unreachable, engine failed) "
+        "after which "
         "the router skips that replica (0: never)",
         ge=0,
         le=1_000_000,
@@ -74,7 +76,8 @@ class RoutingConfig:
 
     @classmethod
     def from_router_kwargs(cls, kwargs: Mapping[str, Any] | None) -> RoutingConfig:
-        """Validated config from request_router_kwargs; an unknown key raises ValueError naming it."""
+        """Validated config from request_router_kwargs; an unknown key raises ValueError naming
+        it."""
         known = cls.__dataclass_fields__
         for key in kwargs or {}:
             if key not in known:

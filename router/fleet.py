@@ -22,7 +22,8 @@ MAX_RECENT_ROUTES = 65_536
 
 
 class FleetState:
-    """Everything the fleet router knows: loads, the prefix index, and the policy that reads them."""
+    """Everything the fleet router knows: loads, the prefix index, and the policy that reads
+    them."""
 
     def __init__(self, config: RoutingConfig):
         self.config = config

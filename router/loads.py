@@ -82,7 +82,8 @@ class _Aligned:
 
 
 class LoadTracker:
-    """Per-replica load: exact in-flight counts of this router combined with late replica reports."""
+    """Per-replica load: exact in-flight counts of this router combined with late replica
+    reports."""
 
     def __init__(self, tokens_per_request: int, kv_usage_weight: float, unconfirmed_ttl_s: float):
         self.tokens_per_request = tokens_per_request
@@ -106,7 +107,8 @@ class LoadTracker:
         return self._replicas.get(replica) or ReplicaLoad()
 
     def load(self, replica: str) -> float:
-        """Load in request units: the larger of own and reported requests, plus token and KV terms."""
+        """Load in request units: the larger of own and reported requests, plus token and KV
+        terms."""
         return self._load.get(replica, 0.0)
 
     def _refresh(self, replica: str) -> None:
@@ -122,7 +124,8 @@ class LoadTracker:
         self._aligned.update(replica)
 
     def by_load(self, replicas: list[str]) -> list[str]:
-        """replicas sorted by load, least first; the sort is stable, so ties keep the given order."""
+        """replicas sorted by load, least first; the sort is stable, so ties keep the given
+        order."""
         return sorted(replicas, key=self._load.__getitem__)
 
     def least(self, replicas: Sequence[str]) -> str:
@@ -163,7 +166,8 @@ class LoadTracker:
             self._refresh(entry.replica)
 
     def expire(self, now: float) -> None:
-        """Forget unconfirmed decisions older than the TTL (their request never reached a replica)."""
+        """Forget unconfirmed decisions older than the TTL (their request never reached a
+        replica)."""
         stale = [
             rid
             for rid in self._unconfirmed

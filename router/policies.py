@@ -29,7 +29,8 @@ class FleetView(Protocol):
 
 
 class _Rotation:
-    """Rotating tie-break so equally loaded replicas take turns instead of the first always winning."""
+    """Rotating tie-break so equally loaded replicas take turns instead of the first always
+    winning."""
 
     def __init__(self) -> None:
         self._offset = 0
@@ -45,7 +46,8 @@ class _Rotation:
         return replicas[offset:] + replicas[:offset]
 
     def turn(self, n: int) -> int:
-        """This turn's offset into n replicas (each call is a turn): rotate()'s, without the copy."""
+        """This turn's offset into n replicas (each call is a turn): rotate()'s, without the
+        copy."""
         offset = self._offset % n
         self._offset += 1
         return offset
@@ -88,7 +90,8 @@ def rotated_positions(n: int, offset: int) -> Iterable[int]:
 
 
 class _Positions:
-    """The candidate list a router last ranked, as a set and an index map (rebuilt when it changes)."""
+    """The candidate list a router last ranked, as a set and an index map (rebuilt when it
+    changes)."""
 
     def __init__(self) -> None:
         self._of: list[str] | None = None

@@ -104,10 +104,9 @@ class PrefixIndex:
 
     def _add(self, replica: str, block_hashes: Iterable[int], planted: float) -> None:
         # planted: when routing last sent the block there (-inf: only a report listed it), so that a
-        # report lacking it spares it for the grace window.
-        # Reversed so the leading blocks end up most recent: they are the most shared, and evicting
-        # a
-        # tail block first keeps the leading run of every other prompt intact.
+        # report lacking it spares it for the grace window. Reversed so the leading blocks end up
+        # most recent: they are the most shared, and evicting a tail block first keeps the leading
+        # run of every other prompt intact.
         self._changes += 1
         mine = self._by_replica.setdefault(replica, set())
         reported = self._reported.get(replica, frozenset())

@@ -129,7 +129,8 @@ class BlockPool:
             self.ref_cnt[block_id] += 1
 
     def release(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference per block; blocks reaching zero join the LRU tail in the given order."""
+        """Drop one reference per block; blocks reaching zero join the LRU tail in the given
+        order."""
         ref_cnt, free = self.ref_cnt, self.free
         for block_id in block_ids:
             ref_cnt[block_id] -= 1
@@ -155,7 +156,8 @@ class BlockPool:
             self._unlisted_since.add(block_hash)
 
     def recent_hashes(self, limit: int) -> list[int]:
-        """Up to `limit` cached hashes, oldest first: O(limit) after a change, O(1) when unchanged."""
+        """Up to `limit` cached hashes, oldest first: O(limit) after a change, O(1) when
+        unchanged."""
         version, cached_limit, hashes = self._recent
         if version != self.version or cached_limit != limit:
             # One pass when all fit: each pass touches every hash object (cache misses at fleet
@@ -230,7 +232,8 @@ class KVCacheManager:
         return self.req_blocks.get(request_id, [])
 
     def num_reclaimable_blocks(self, request_ids: Sequence[str]) -> int:
-        """Blocks that freeing all these requests would return to the pool: those no one else holds."""
+        """Blocks that freeing all these requests would return to the pool: those no one else
+        holds."""
         held = Counter(b for rid in request_ids for b in self.req_blocks.get(rid, ()))
         ref_cnt = self.pool.ref_cnt
         return sum(1 for block, owners in held.items() if ref_cnt[block] == owners)

@@ -64,7 +64,8 @@ class SchedulerConfig:
     # block each way: 256 tokens is where re-prefilling a small model costs more than two copies.
     swap_min_computed_tokens: int = setting(
         256,
-        "preemption_mode auto: swap a victim with at least this many computed tokens, else recompute",
+        "preemption_mode auto: swap a victim with at least this many computed tokens, else "
+        "recompute",
         ge=0,
     )
     fair_input_weight: float = setting(

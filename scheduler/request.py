@@ -78,7 +78,8 @@ class Request:
             and -MAX_PRIORITY <= self.priority <= MAX_PRIORITY
         ):
             raise ValueError(
-                f"priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}"
+                f"priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got "
+                f"{self.priority!r}"
             )
         if not isinstance(self.tenant, str) or len(self.tenant) > MAX_TENANT_CHARS:
             raise ValueError(f"tenant: must be a string of at most {MAX_TENANT_CHARS} characters")

@@ -551,7 +551,8 @@ class Scheduler:
     def _append_tokens(
         req: Request, sampled: list[int], max_len: int
     ) -> tuple[int, RequestStatus | None]:
-        """Append sampled tokens up to the first stop; returns (how many were kept, final status)."""
+        """Append sampled tokens up to the first stop; returns (how many were kept, final
+        status)."""
         sp = req.sampling_params
         eos = () if sp.ignore_eos else req.eos_token_ids
         stop_ids = sp.stop_token_ids

@@ -68,7 +68,8 @@ def _range_error(value: Any, meta: dict[str, Any]) -> str | None:
 
 
 def check_settings(obj: Any, prefix: str = "") -> None:
-    """Validate every declared setting of a dataclass instance; ints given for floats become floats."""
+    """Validate every declared setting of a dataclass instance; ints given for floats become
+    floats."""
     for f in fields(obj):
         if "doc" not in f.metadata:
             continue

@@ -153,7 +153,8 @@ def cmd_plan(a: argparse.Namespace) -> None:
     rows.sort(key=lambda r: r["replicas"])
     _print_table(rows)
     print(
-        f"plan: {hi} replicas meet TTFT p90 <= {a.slo_ttft}s and ITL p90 <= {a.slo_itl}s at {a.rate} req/s"
+        f"plan: {hi} replicas meet TTFT p90 <= {a.slo_ttft}s and ITL p90 <= {a.slo_itl}s at "
+        f"{a.rate} req/s"
     )
     if a.plot:
         _plot(a.plot, rows, "replicas", ("ttft_p90_s", "itl_p90_s"), f"plan at {a.rate} req/s")

@@ -247,7 +247,8 @@ class FitError:
 
     def __str__(self) -> str:
         return (
-            f"{self.num_steps} steps: median |error| {self.median_abs_pct:.1f}%, p90 {self.p90_abs_pct:.1f}%, "
+            f"{self.num_steps} steps: median |error| {self.median_abs_pct:.1f}%, p90 "
+            f"{self.p90_abs_pct:.1f}%, "
             f"total time {self.total_pct:+.1f}%"
         )
 

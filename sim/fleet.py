@@ -340,7 +340,8 @@ class FleetSim:
             self._push(now, _KICK, replica)
 
     def _hashes(self, req: SimRequest, prompt: list[int]) -> list[int]:
-        """hash_prompt_blocks(prompt), hashing a prefix group's shared full blocks once per group."""
+        """hash_prompt_blocks(prompt), hashing a prefix group's shared full blocks once per
+        group."""
         bs = self.config.scheduler.block_size
         shared = (min(req.prefix_len, req.prompt_len) if req.prefix_group else 0) // bs * bs
         key = tuple(prompt[:shared])

@@ -77,7 +77,7 @@ class RequestRecord:
 
 def nearest_rank(n: int, q: float) -> int:
     """0-based index of the q-th percentile among n sorted values (nearest rank); n > 0."""
-    return min(n - 1, max(0, int(round(q / 100 * n + 0.5)) - 1))
+    return min(n - 1, max(0, round(q / 100 * n + 0.5) - 1))
 
 
 def percentile(values: list[float], q: float) -> float:

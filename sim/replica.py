@@ -86,7 +86,8 @@ def step_shape(out: SchedulerOutput, requests: dict[str, Request]) -> tuple[int,
 
 
 class SimReplica:
-    """A real Scheduler whose steps take the cost model's time and sample EOS at the output length."""
+    """A real Scheduler whose steps take the cost model's time and sample EOS at the output
+    length."""
 
     def __init__(self, name: str, config: SchedulerConfig, cost: CostModel):
         self.name = name
@@ -244,7 +245,8 @@ class SimReplica:
                 del self.output_len[o.request_id]
 
     def routing_stats(self, max_hashes: int = 4096) -> dict:
-        """What a production replica reports to the router: queue lengths, KV usage, hot prefixes."""
+        """What a production replica reports to the router: queue lengths, KV usage, hot
+        prefixes."""
         # As a production replica reports them (cluster/replica.py): the pool's prefix report.
         stats = RoutingStats.of(self.scheduler.stats())
         stats.set_prefix(self.scheduler.kv.pool.prefix_report(max_hashes))

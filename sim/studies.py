@@ -68,7 +68,8 @@ def chat_workload(n: int, seconds: float, rate_per_replica: float) -> list[SimRe
 
 
 def chat_config(n: int) -> SimConfig:
-    """1,024 blocks (16k tokens) per replica; records keep no per-token gaps (millions of requests)."""
+    """1,024 blocks (16k tokens) per replica; records keep no per-token gaps (millions of
+    requests)."""
     return SimConfig(
         num_replicas=n,
         scheduler=SchedulerConfig(num_gpu_blocks=1024, max_model_len=2048),
@@ -124,7 +125,8 @@ def routing_at_scale(
             rows.append(row)
             print(
                 f"{router:16s} {n:4d} hit {row['hit_rate']:.3f} ttft_p50 {row['ttft_p50_s']:.3f}"
-                f" ttft_p90 {row['ttft_p90_s']:.3f} goodput {row['goodput_rps']:.1f} of {rate * n:.1f} req/s",
+                f" ttft_p90 {row['ttft_p90_s']:.3f} goodput {row['goodput_rps']:.1f} of "
+                f"{rate * n:.1f} req/s",
                 flush=True,
             )
     _plot(
@@ -175,8 +177,10 @@ def fairness(out: Path, requests: int = 1500) -> None:
             )  # the VTC weights (1 in, 2 out)
         total = sum(service.values())
         print(
-            f"{policy}: light TTFT p90 {percentile(light, 90):.2f}s, heavy TTFT p90 {percentile(heavy, 90):.2f}s,"
-            f" heavy share {service['t0'] / total:.3f}, light share each {min(service[f't{k}'] for k in range(1, 10)) / total:.3f}"
+            f"{policy}: light TTFT p90 {percentile(light, 90):.2f}s, heavy TTFT p90 "
+            f"{percentile(heavy, 90):.2f}s,"
+            f" heavy share {service['t0'] / total:.3f}, light share each "
+            f"{min(service[f't{k}'] for k in range(1, 10)) / total:.3f}"
             f"-{max(service[f't{k}'] for k in range(1, 10)) / total:.3f}",
             flush=True,
         )
@@ -244,9 +248,12 @@ def vtc_gap(requests: int = 1500) -> dict:
         "preemptions": sum(r.scheduler.num_preemptions for r in result.replicas),
     }
     print(
-        f"vtc: max counter gap among backlogged tenants {row['max_gap']:.0f} (at {row['at_s']:.1f} s, over"
-        f" {row['samples']} steps with >= 2 backlogged); bound {row['bound']:.0f} with max_num_seqs, "
-        f"{row['observed_running_bound']:.0f} with the {row['max_running_per_tenant']} requests one tenant ran at"
+        f"vtc: max counter gap among backlogged tenants {row['max_gap']:.0f} (at "
+        f"{row['at_s']:.1f} s, over"
+        f" {row['samples']} steps with >= 2 backlogged); bound {row['bound']:.0f} with "
+        "max_num_seqs, "
+        f"{row['observed_running_bound']:.0f} with the {row['max_running_per_tenant']} requests "
+        "one tenant ran at"
         f" most; preemptions {row['preemptions']}",
         flush=True,
     )
@@ -318,8 +325,10 @@ def scale(sizes=(10, 100, 1000), seconds: float = 60.0, warmup_s: float = 120.0)
         print(
             f"scale {n:5d} replicas: simulated s {warmup_s:.0f}-{end_s:.0f} at {steady:.2f}"
             f" simulated s per wall s (whole run {end_s + 1:.0f} s in {wall:.1f} s); an hour would"
-            f" take {row['hour_wall_min']:.1f} min; {row['steps']} steps, {result.jumped_steps} jumped;"
-            f" {row['requests']} requests done, TTFT p50/p90 {row['ttft_p50_s']:.2f}/{row['ttft_p90_s']:.2f} s,"
+            f" take {row['hour_wall_min']:.1f} min; {row['steps']} steps, {result.jumped_steps} "
+            "jumped;"
+            f" {row['requests']} requests done, TTFT p50/p90 "
+            f"{row['ttft_p50_s']:.2f}/{row['ttft_p90_s']:.2f} s,"
             f" hit rate {row['hit_rate']:.3f}; max RSS {row['max_rss_gb']:.2f} GB",
             flush=True,
         )
@@ -367,8 +376,10 @@ def scale_floor(
             }
         )
         print(
-            f"floor {n:5d} replicas, {running} decoding each, no arrivals: simulated s {warmup_s:.0f}-{end_s:.0f}"
-            f" cost {us:.0f} us per replica-second, {us / TARGET_US_PER_REPLICA_S:.0%} of the scale target's"
+            f"floor {n:5d} replicas, {running} decoding each, no arrivals: simulated s "
+            f"{warmup_s:.0f}-{end_s:.0f}"
+            f" cost {us:.0f} us per replica-second, {us / TARGET_US_PER_REPLICA_S:.0%} of the "
+            "scale target's"
             f" {TARGET_US_PER_REPLICA_S:.0f} us",
             flush=True,
         )
@@ -407,7 +418,8 @@ def decode_heavy(n: int = 100, seconds: float = 120.0) -> list[dict]:
             }
         )
         print(
-            f"decode-heavy {n} replicas, coalesce {coalesce}: {seconds:.0f} simulated s in {wall:.1f} wall s ="
+            f"decode-heavy {n} replicas, coalesce {coalesce}: {seconds:.0f} simulated s in "
+            f"{wall:.1f} wall s ="
             f" {seconds / wall:.2f} sim-s/wall-s; {steps} steps, {result.jumped_steps} jumped",
             flush=True,
         )

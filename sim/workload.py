@@ -29,7 +29,8 @@ class SimRequest:
     priority: int = 0
 
     def prompt_token_ids(self, index: int) -> list[int]:
-        """Deterministic token ids: a group's prefix is identical across requests, the rest unique."""
+        """Deterministic token ids: a group's prefix is identical across requests, the rest
+        unique."""
         shared = min(self.prefix_len, self.prompt_len) if self.prefix_group else 0
         group = (hash_group(self.prefix_group) % (1 << 20)) << 20
         suffix_base = (index + 1) << 16

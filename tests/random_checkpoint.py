@@ -132,7 +132,8 @@ def write_word_tokenizer(path: str, vocab_size: int) -> None:
 def random_prompts(
     num: int, vocab_size: int, min_len: int, max_len: int, seed: int = 0
 ) -> list[list[int]]:
-    """`num` prompts of random token ids (specials excluded), lengths uniform in [min_len, max_len]."""
+    """`num` prompts of random token ids (specials excluded), lengths uniform in [min_len,
+    max_len]."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]

@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 32, then multiples of 32; the last one is the first that holds max_num_seqs."""
+    """1, 2, 4, 8, 16, 32, then multiples of 32; the last one is the first that holds
+    max_num_seqs."""
     sizes: list[int] = []
     size = 1
     while not sizes or sizes[-1] < max_num_seqs:
@@ -47,9 +48,8 @@ class DecodeGraphs:
         self.block_size, self.pad_block = block_size, pad_block
         n = self.sizes[-1]
         # Device buffers the graphs read: token ids, positions and cache slots (int64, one row
-        # each),
-        # then sequence lengths and block tables (int32, contiguous, as the attention kernel takes
-        # them).
+        # each), then sequence lengths and block tables (int32, contiguous, as the attention kernel
+        # takes them).
         self.longs = torch.zeros((3, n), dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)

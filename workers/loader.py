@@ -34,7 +34,8 @@ def safetensors_files(model_dir: str) -> list[Path]:
 
 
 class CheckpointTensor:
-    """One safetensors tensor read on demand: narrow() reads only the rows or columns a rank keeps."""
+    """One safetensors tensor read on demand: narrow() reads only the rows or columns a rank
+    keeps."""
 
     def __init__(self, handle, name: str) -> None:
         self._slice = handle.get_slice(name)
@@ -58,7 +59,7 @@ def iterate_weights(
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for h in handles:
-            for name in h.keys():
+            for name in h.keys():  # noqa: SIM118 - a safetensors handle is no dict
                 yield name, CheckpointTensor(h, name) if lazy else h.get_tensor(name)
                 bar.update(1)
 

@@ -36,7 +36,7 @@ def default_model_path() -> Path:
         raise ValueError(
             f"model: 'default' needs the {_DEFAULT_PACKAGE.replace('_', '-')} package installed"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
     if not path.is_file():
         raise ValueError(f"model: 'default' expected {path}, which does not exist")
     return path

@@ -33,7 +33,8 @@ def set_niceness(nice: int) -> None:
             continue
         except PermissionError:
             logger.warning(
-                "process_niceness: cannot set nice %d (needs CAP_SYS_NICE); the process stays at %d",
+                "process_niceness: cannot set nice %d (needs CAP_SYS_NICE); "
+                "the process stays at %d",
                 nice,
                 os.getpriority(os.PRIO_PROCESS, 0),
             )

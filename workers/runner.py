@@ -276,7 +276,8 @@ class ModelRunner:
         return output
 
     def _update_states(self, out: SchedulerOutput) -> dict[str, str]:
-        """Apply the step's diffs; returns the new requests whose sampling state could not be built."""
+        """Apply the step's diffs; returns the new requests whose sampling state could not be
+        built."""
         requests = self.requests
         failed: dict[str, str] = {}
         for rid in out.finished_req_ids:
@@ -429,7 +430,8 @@ class ModelRunner:
         states: list[SamplingState],
         failed: dict[str, str],
     ) -> list[tuple[list[int], SamplerOutput]]:
-        """After a failed batched draw: each row on its own, so one request's fault fails it alone."""
+        """After a failed batched draw: each row on its own, so one request's fault fails it
+        alone."""
         results = []
         for i, (row, state) in enumerate(zip(batch.sample_rows, states)):
             try:

@@ -153,7 +153,8 @@ class StepClient:
             raise
 
     def step(self, payload: bytes, timeout_s: float) -> bytearray:
-        """Broadcast one step; raises RankFailedError naming the first rank that failed to answer."""
+        """Broadcast one step; raises RankFailedError naming the first rank that failed to
+        answer."""
         deadline = time.monotonic() + timeout_s
         for rank, sock in enumerate(self._socks):
             try:

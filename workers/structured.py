@@ -38,7 +38,8 @@ MAX_CACHED_GRAMMARS = 256
 
 
 class GrammarCompiler:
-    """Per-process: the llguidance tokenizer (built once) and an LRU of compiled matchers by text."""
+    """Per-process: the llguidance tokenizer (built once) and an LRU of compiled matchers by
+    text."""
 
     def __init__(
         self, load_tokenizer: Any, vocab_size: int, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
@@ -53,7 +54,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def matcher(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of the constraint; ValueError naming the field if it fails."""
+        """A fresh matcher at the start of the constraint; ValueError naming the field if it
+        fails."""
         key = f"{constraint.kind}\0{constraint.spec}"
         with self._lock:
             template = self._cache.get(key)

@@ -12,7 +12,8 @@ def greedy_tokens(
     max_tokens: int,
     prefix: str = "req",
 ) -> tuple[dict[str, list[int]], Scheduler]:
-    """Run prompts to max_tokens greedy tokens each; returns tokens by request id and the scheduler."""
+    """Run prompts to max_tokens greedy tokens each; returns tokens by request id and the
+    scheduler."""
     scheduler = Scheduler(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):

@@ -1,4 +1,5 @@
-"""Tensor parallelism over Ray workers (gloo on CPU) yields the greedy tokens of a single process."""
+"""Tensor parallelism over Ray workers (gloo on CPU) yields the greedy tokens of a single
+process."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def started(executor):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """The in-process reference runs on one thread, as each CPU worker does on this 2-core machine."""
+    """The in-process reference runs on one thread, as each CPU worker does on this 2-core
+    machine."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

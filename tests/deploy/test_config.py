@@ -1,5 +1,7 @@
 """The app's args: one pydantic model, unknown keys and bad values rejected with the field named."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -53,7 +55,7 @@ def test_a_bad_value_names_its_full_path():
 def test_the_readme_configuration_table_is_generated_from_the_tree():
     from deploy.settings_doc import replace_table
 
-    readme = open("README.md").read()
+    readme = Path("README.md").read_text()
     assert replace_table(readme) == readme, "run: python -m deploy.settings_doc --write README.md"
 
 
@@ -165,7 +167,7 @@ def test_router_choice_maps_to_request_router_config():
 
 
 def test_deploy_yaml_args_build_the_two_deployments():
-    spec = yaml.safe_load(open("deploy.yaml"))
+    spec = yaml.safe_load(Path("deploy.yaml").read_text())
     app = build_app(spec["applications"][0]["args"])
     ingress = app._bound_deployment
     replica = ingress.init_args[1]._bound_deployment
@@ -221,7 +223,7 @@ def test_a_replica_runs_as_many_torch_threads_as_its_bundle_reserves():
     assert (
         AppConfig.from_args({"replica_num_cpus": 4, "cpu_threads": 1}).engine.cpu_threads == 1
     )  # explicit wins
-    shipped = yaml.safe_load(open("deploy.yaml"))["applications"][0]["args"]
+    shipped = yaml.safe_load(Path("deploy.yaml").read_text())["applications"][0]["args"]
     assert (
         AppConfig.from_args(shipped).engine.cpu_threads == 2
     )  # both cores of the 2-core dev machine

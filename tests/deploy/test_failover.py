@@ -170,7 +170,8 @@ def _wait_replaced(victim: str, timeout: float = 180) -> None:
 async def _run_cases(
     url: str, fault: Callable[[], Awaitable[None]] | None
 ) -> list[tuple[str, int]]:
-    """Every CASE at once (odd ones streamed); the fault strikes once every request is generating."""
+    """Every CASE at once (odd ones streamed); the fault strikes once every request is
+    generating."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         events = [asyncio.Event() for _ in CASES]
         tasks = [

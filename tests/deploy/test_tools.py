@@ -41,7 +41,8 @@ ADD = ToolSpec(
 
 
 def accepts(grammar_text: str, text: str) -> bool:
-    """Whether the grammar accepts `text` exactly (checked at the byte level, no tokenizer needed)."""
+    """Whether the grammar accepts `text` exactly (checked at the byte level, no tokenizer
+    needed)."""
     tokenizer = llguidance.LLTokenizer("byte")
     matcher = llguidance.LLMatcher(tokenizer, grammar_text)
     ids = tokenizer.tokenize_bytes(text.encode())

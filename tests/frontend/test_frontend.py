@@ -21,7 +21,8 @@ MESSAGES = [
 ]
 # A Llama-3-style template: it writes the BOS itself, so the tokenizer must not add another.
 BOS_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] "
+    "}}<|im_end|>\n"
     "{% endfor %}<|im_start|>assistant\n"
 )
 EXTRA_EOS = 5  # an end-of-turn id only generation_config.json names
@@ -30,7 +31,8 @@ BOS = 0  # <|endoftext|>: a special token the template uses nowhere else
 
 @pytest.fixture(scope="module")
 def bos_model_dir(tiny_checkpoint, tmp_path_factory) -> str:
-    """The tiny Llama with a tokenizer that adds BOS, a BOS-emitting chat template and two EOS ids."""
+    """The tiny Llama with a tokenizer that adds BOS, a BOS-emitting chat template and two EOS
+    ids."""
     source, _ = tiny_checkpoint("llama")
     path = tmp_path_factory.mktemp("tiny-bos")
     shutil.copytree(source, path, dirs_exist_ok=True)

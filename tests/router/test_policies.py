@@ -155,8 +155,7 @@ def test_replica_prefix_report_corrects_the_index_after_evictions():
     index.insert(A, [1, 2], now=0)
     index.insert(A, [5], now=9)
     # At t=10 the replica reports blocks 1 and 4 resident: 2 was evicted, 4 arrived from another
-    # router,
-    # 5 is younger than the grace window and may postdate the report, so it stays.
+    # router, 5 is younger than the grace window and may postdate the report, so it stays.
     index.sync_replica(A, [1, 4], now=10, grace_s=5)
     assert index.blocks_of(A) == {1, 4, 5}
     assert index.replicas_of(2) == set()

@@ -79,7 +79,8 @@ class ContractRunner:
             for pos in range(state.computed):
                 b, off = self._slot(state, pos)
                 assert self.gpu[b][off] == state.token_ids[pos], (
-                    f"{rid}: KV slot for position {pos} holds {self.gpu[b][off]}, expected {state.token_ids[pos]}"
+                    f"{rid}: KV slot for position {pos} holds {self.gpu[b][off]}, expected "
+                    f"{state.token_ids[pos]}"
                 )
         sampled: list[list[int]] = []
         for rid in scheduled:

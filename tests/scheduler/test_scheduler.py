@@ -142,7 +142,7 @@ def test_sampling_happens_exactly_when_the_sequence_is_fully_computed():
     s.add_request(req("a", 100))
     lens = []
     for _ in range(3):
-        out, outs = step(s, r)
+        _, outs = step(s, r)
         lens.append([len(o.new_token_ids) for o in outs])
     assert lens == [[], [], [1]]
 
@@ -538,7 +538,7 @@ def test_stats_reflect_queues_and_kv_usage():
 
 
 def test_update_with_runner_output_for_unknown_ids_is_ignored():
-    s, r = make()
+    s, _ = make()
     s.add_request(req("a", 4))
     out = s.schedule()
     assert s.update_from_output(out, ModelRunnerOutput(["ghost"], [[1]])) == []

@@ -92,7 +92,7 @@ def check_block_accounting(s: Scheduler) -> None:
     cpu_owned = [b for blocks in s.kv.req_cpu_blocks.values() for b in blocks]
     assert len(cpu_owned) == len(set(cpu_owned)), "a CPU block owned twice"
     assert not set(cpu_owned) & set(s.kv.cpu_free)
-    for rid, blocks in s.kv.req_blocks.items():
+    for rid in s.kv.req_blocks:
         assert s.requests[rid].status == RequestStatus.RUNNING, (
             f"{rid} holds blocks but is not running"
         )

@@ -128,7 +128,8 @@ def test_fit_with_noise_stays_close_and_reports_its_error():
 
 
 def test_fit_when_every_step_is_memory_bound_still_predicts_them():
-    """Overhead and weight read are then one constant: the fit picks a split, the predictions hold."""
+    """Overhead and weight read are then one constant: the fit picks a split, the predictions
+    hold."""
     truth = _truth("gpu")
     batches = (
         (1, 128),

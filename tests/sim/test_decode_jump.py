@@ -244,7 +244,7 @@ def test_jump_equals_single_steps_on_random_workloads(data):
         if k:
             jumps += 1
             r_copy = copy.deepcopy(runner)
-            check_jump_equals_steps(s, lambda _, out: r_copy.execute(out), k)
+            check_jump_equals_steps(s, lambda _, out, r=r_copy: r.execute(out), k)
         out = s.schedule()
         s.update_from_output(out, runner.execute(out))
     event(f"jumps={'yes' if jumps else 'no'}")

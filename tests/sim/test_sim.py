@@ -161,7 +161,8 @@ def test_coalesced_run_equals_step_by_step(policy, fair):
     ],
 )
 def test_k_step_jumps_equal_step_by_step(profile, rate, output_len, blocks, fair):
-    """Jumped stretches make the scheduler decisions, step counts and token times of single steps."""
+    """Jumped stretches make the scheduler decisions, step counts and token times of single
+    steps."""
     kw = dict(profile=profile, rate=rate, output_len=output_len, blocks=blocks, fair=fair, n=60)
     _, jumped = _run(coalesce=True, **kw)
     _, stepwise = _run(coalesce=False, **kw)
@@ -188,7 +189,8 @@ def test_sim_uses_the_production_classes():
 def test_sim_imports_neither_torch_nor_ray():
     code = (
         "import sys, sim, sim.fleet, sim.__main__; "
-        "bad = [m for m in ('torch', 'ray') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+        "bad = [m for m in ('torch', 'ray') if m in sys.modules]; print(bad); sys.exit(1 if bad "
+        "else 0)"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -276,7 +278,8 @@ def test_bad_profile_and_config_name_the_field(tmp_path):
 
 
 def test_serving_overhead_delays_routing_and_adds_to_ttft_and_latency():
-    """The Serve stack's own time comes before the router: an idle fleet's TTFT grows by exactly it."""
+    """The Serve stack's own time comes before the router: an idle fleet's TTFT grows by exactly
+    it."""
     from sim import SimRequest
 
     workload = [SimRequest("a", 1.0, prompt_len=40, output_len=8)]
@@ -563,7 +566,8 @@ def test_a_busy_replica_reports_once_its_running_step_ends_in_cruises_as_step_by
 
 
 def test_cohosted_replicas_share_cores_while_both_are_busy():
-    """One core for two one-core replicas: while both run, each step takes twice the profile's time."""
+    """One core for two one-core replicas: while both run, each step takes twice the profile's
+    time."""
     from sim import HostConfig, SimRequest
 
     sched = SchedulerConfig(num_gpu_blocks=64, max_model_len=256)
@@ -724,7 +728,8 @@ def _bench_module(name: str):
 
 
 def test_validation_workloads_are_the_benchmarks_own():
-    """The offline trace holds the bench's totals; the router workload redraws the bench's arrivals."""
+    """The offline trace holds the bench's totals; the router workload redraws the bench's
+    arrivals."""
     validate = _bench_module("sim_validate")
     prompts, outputs = validate.offline_lengths()
     assert (len(prompts), sum(prompts), sum(outputs)) == (64, 7326, 4385)

@@ -61,7 +61,8 @@ def assert_greedy_match(tokens: list[int], ref: Greedy, what: str = "") -> None:
         if tokens[i] != ref.token_ids[i]:
             best, second = ref.top2[i]
             assert best - second <= NEAR_TIE, (
-                f"{what}: token {i} is {tokens[i]}, reference {ref.token_ids[i]}, and the reference's "
+                f"{what}: token {i} is {tokens[i]}, reference {ref.token_ids[i]}, and the "
+                "reference's "
                 f"top-2 logprobs {best:.6f} / {second:.6f} are not a near-tie"
             )
             return

@@ -34,7 +34,8 @@ SEQ_LENS = [1, 16, 17, 150, 199, 33, 200, 64]
 
 
 def paged_inputs(hq: int, hk: int, d: int, dtype: torch.dtype, seed: int):
-    """q [n, hq, d], caches with every request's blocks at random places, int32 tables and lengths."""
+    """q [n, hq, d], caches with every request's blocks at random places, int32 tables and
+    lengths."""
     gen = torch.Generator().manual_seed(seed)
     n = len(SEQ_LENS)
     blocks = [-(-s // BLOCK) for s in SEQ_LENS]

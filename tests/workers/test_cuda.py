@@ -25,8 +25,7 @@ pytestmark = [
 FAMILIES = ("llama3-1b", "qwen3-0.6b")
 NEW_TOKENS = 24
 # These logits reach 16-32, where bf16's step is 0.125: two bf16 paths may part ways where HF's top
-# two
-# are within two such steps.
+# two are within two such steps.
 BF16_NEAR_TIE = 0.25
 # Measured on an H100: up to 0.34 nats on Llama-3.2-1B-shaped logits of magnitude ~20 (under 2%).
 BF16_LOGPROB_TOL = 0.5
@@ -42,7 +41,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    """Six prompts of 20-400 tokens (longer than the 128-token budget: chunked) and two sharing 256."""
+    """Six prompts of 20-400 tokens (longer than the 128-token budget: chunked) and two sharing
+    256."""
     base = random_prompts(6, 128000, 20, 400, seed=1)
     shared = random_prompts(1, 128000, 256, 256, seed=2)[0]
     return base + [shared + p for p in random_prompts(2, 128000, 10, 40, seed=3)]
@@ -218,7 +218,8 @@ def test_gpu_memory_utilization_sizes_the_pool_and_a_full_step_fits(checkpoints)
         free, _ = torch.cuda.mem_get_info()
         used = total - free
         print(
-            f"total {total / GiB:.2f} GiB, KV pool {pool / GiB:.2f} GiB ({llm.engine.num_gpu_blocks} blocks), "
+            f"total {total / GiB:.2f} GiB, KV pool {pool / GiB:.2f} GiB "
+            f"({llm.engine.num_gpu_blocks} blocks), "
             f"used after start {used / GiB:.2f} GiB = {used / total:.1%} (target 50%)"
         )
         assert pool > 0.3 * total

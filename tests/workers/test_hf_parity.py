@@ -57,6 +57,7 @@ def test_smollm2_weights_equal_transformers_dequantisation(smollm2_llm, hf_smoll
     assert torch.equal(k, theirs["model.layers.3.self_attn.k_proj.weight"])
     assert torch.equal(v, theirs["model.layers.3.self_attn.v_proj.weight"])
     gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+    assert torch.equal(gate, theirs["model.layers.3.mlp.gate_proj.weight"])
     assert torch.equal(up, theirs["model.layers.3.mlp.up_proj.weight"])
     assert torch.equal(ours.model.embed_tokens.weight, theirs["model.embed_tokens.weight"])
     assert ours.lm_head.weight is ours.model.embed_tokens.weight  # tied

@@ -29,7 +29,8 @@ def test_gguf_is_converted_once_into_a_directory_keyed_by_its_hash(smollm2_dir):
     assert digest in os.path.basename(smollm2_dir)
     names = set(os.listdir(smollm2_dir))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
-    config = json.loads(open(os.path.join(smollm2_dir, "config.json")).read())
+    with open(os.path.join(smollm2_dir, "config.json")) as f:
+        config = json.load(f)
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert "quantization_config" not in config  # the stored weights are de-quantised
     weights = os.path.join(smollm2_dir, "model.safetensors")

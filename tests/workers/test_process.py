@@ -1,4 +1,5 @@
-"""set_niceness: every thread of the process, and the threads started later, run at the new value."""
+"""set_niceness: every thread of the process, and the threads started later, run at the new
+value."""
 
 import subprocess
 import sys

@@ -15,9 +15,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
-
 from workers.options import ATTENTION_BACKENDS as BACKENDS
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -62,7 +62,8 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """As `build`, with the block tables already a host int32 tensor [B, width] (rows padded)."""
+        """As `build`, with the block tables already a host int32 tensor [B, width] (rows
+        padded)."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1

@@ -11,7 +11,8 @@ from workers.parallel import all_reduce, divide, gather, get_tp_rank, get_tp_wor
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous slice of the (padded) vocabulary; lookups are summed over ranks."""
+    """Each rank holds a contiguous slice of the (padded) vocabulary; lookups are summed over
+    ranks."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()

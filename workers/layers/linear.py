@@ -185,7 +185,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(CpuPackedWeight):
-    """y = x W^T + b with W split by input columns; partial sums are all-reduced, bias added once."""
+    """y = x W^T + b with W split by input columns; partial sums are all-reduced, bias added
+    once."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()

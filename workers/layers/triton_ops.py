@@ -89,7 +89,8 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """x * cos + rotate_half(x) * sin for the heads of one token, rounded as torch rounds each op."""
+    """x * cos + rotate_half(x) * sin for the heads of one token, rounded as torch rounds each
+    op."""
     heads = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
     dt = base_ptr.dtype.element_ty
@@ -135,7 +136,8 @@ def _rotary_kernel(
 def rotary_(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hk, D] in place at positions (cos/sin: [max_pos, D] float32)."""
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place at positions (cos/sin: [max_pos, D]
+    float32)."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: need unit stride in the head dimension")
     half = q.shape[-1] // 2

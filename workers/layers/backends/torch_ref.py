@@ -184,5 +184,5 @@ def _prefill(
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Blocks of the cache, concatenated: [len(block_ids) * block_size, Hk, D]."""
-    _, bs, hk, d = cache.shape
+    _, _, hk, d = cache.shape
     return cache.index_select(0, block_ids).view(-1, hk, d)
