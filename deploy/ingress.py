@@ -34,7 +34,7 @@ from deploy.errors import (
 from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams, with_deadline
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
 from deploy.tools import (
-    ToolCallFormat,
+    DeclaredTools,
     ToolCallParser,
     ToolSpec,
     detect_format,
@@ -110,8 +110,8 @@ class _ChatSplit:
     """One chat choice's text as OpenAI message fields: plain content, or tool calls when tools are
     on."""
 
-    def __init__(self, tool_format: ToolCallFormat | None) -> None:
-        self.parser = ToolCallParser(tool_format) if tool_format is not None else None
+    def __init__(self, tools: DeclaredTools | None) -> None:
+        self.parser = ToolCallParser(tools) if tools is not None else None
 
     def message(self, text: str) -> dict[str, Any]:
         """The whole reply as a message."""
@@ -252,9 +252,8 @@ class OpenAIIngress:
             choices = await self._choices(body, [prompt], body.num_logprobs, tenant, constraint)
         except Exception as exc:
             return error_response(exc)
-        return await self._respond(
-            body, choices, chat=True, tool_format=self._tool_format if tools else None
-        )
+        declared = DeclaredTools.of(tools, self._tool_format) if tools else None
+        return await self._respond(body, choices, chat=True, tools=declared)
 
     # ---- request -> GenerateRequests
     # --------------------------------------------------------------
@@ -413,7 +412,7 @@ class OpenAIIngress:
         body: Any,
         choices: list[Choice],
         chat: bool,
-        tool_format: ToolCallFormat | None = None,
+        tools: DeclaredTools | None = None,
     ):
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
         timeout = self.config.request_timeout_s
@@ -431,11 +430,11 @@ class OpenAIIngress:
                 return error_response(exc)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._sse_stream(rid, _prepend(first, deltas), chat, include_usage, tool_format),
+                self._sse_stream(rid, _prepend(first, deltas), chat, include_usage, tools),
                 media_type="text/event-stream",
             )
         try:
-            return JSONResponse(await self._collect(rid, deltas, len(choices), chat, tool_format))
+            return JSONResponse(await self._collect(rid, deltas, len(choices), chat, tools))
         except Exception as exc:
             return error_response(exc)
 
@@ -445,7 +444,7 @@ class OpenAIIngress:
         deltas: AsyncIterator[ChoiceDelta],
         n: int,
         chat: bool,
-        tool_format: ToolCallFormat | None,
+        tools: DeclaredTools | None,
     ) -> dict:
         texts = [""] * n
         logprobs: list[list] = [[] for _ in range(n)]
@@ -464,7 +463,7 @@ class OpenAIIngress:
         for i in range(n):
             lp = self._logprobs(tokens[i], logprobs[i], chat) if logprobs[i] else None
             if chat:
-                split = _ChatSplit(tool_format)
+                split = _ChatSplit(tools)
                 message = split.message(texts[i])
                 out_choices.append(
                     {
@@ -493,7 +492,7 @@ class OpenAIIngress:
         deltas: AsyncIterator[ChoiceDelta],
         chat: bool,
         include_usage: bool,
-        tool_format: ToolCallFormat | None,
+        tools: DeclaredTools | None,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = {
@@ -518,7 +517,7 @@ class OpenAIIngress:
                         yield _sse({**head, "choices": [choice]})
                 else:
                     first = d.index not in splits
-                    split = splits.setdefault(d.index, _ChatSplit(tool_format))
+                    split = splits.setdefault(d.index, _ChatSplit(tools))
                     delta = split.delta(d.text, d.finish_reason is not None, first)
                     # A delta whose text is held back (partial UTF-8, a possible stop string or
                     # tool-call marker) sends nothing.

@@ -12,12 +12,10 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from scheduler.structured_output import StructuredOutput
-
-_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +122,7 @@ def tool_constraint(
         # valid calls can follow.
         marker = re.escape(fmt.marker)
         grammar = (
-            f"start: calls | TEXT\nTEXT: /(.|\\n)+/ & ~/\\s*{marker}(.|\\n)*/\n"
+            f"start: calls | TEXT\nTEXT: /(.|\\n)+/ & ~/[ \\t\\r\\n]*{marker}(.|\\n)*/\n"
             f"{_calls_rule(tools, fmt, parallel)}"
         )
     else:
@@ -170,28 +168,53 @@ def _arguments(arguments: Any) -> Any:
     return arguments if arguments is not None else {}
 
 
-@dataclass(slots=True)
+# The whitespace a reply may start with before a call: the same set in the `auto` grammar and in the
+# parser, so that no text the grammar let through as plain text can be read back as a call.
+_WHITESPACE = " \t\r\n"
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredTools:
+    """The calls a reply may make: the model's call format and the functions the request
+    declared."""
+
+    fmt: ToolCallFormat
+    names: frozenset[str]
+
+    @classmethod
+    def of(cls, tools: list[ToolSpec], fmt: ToolCallFormat) -> DeclaredTools:
+        return cls(fmt, frozenset(t.name for t in tools))
+
+
 class ToolCallParser:
     """Splits one choice's text into plain content and tool calls, whole or as it streams.
 
     Until the text shows whether it is a call (it might still be the start of the marker) it is
     held back; a reply goes out as content, a call block as OpenAI tool calls once each is complete.
+    Each character is read once however the text is cut into deltas. Only calls of declared
+    functions with object arguments come back; that the arguments fit the function's schema is the
+    `tool_constraint` grammar's guarantee, which every request with tools generates under.
     """
 
-    fmt: ToolCallFormat
-    text: str = ""
-    mode: str = "undecided"  # "content" | "calls"
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    _sent: int = 0  # characters of `text` already sent as content
+    def __init__(self, tools: DeclaredTools) -> None:
+        self.fmt = tools.fmt
+        self.names = tools.names
+        self.text = ""
+        self.mode = "undecided"  # "content" | "calls"
+        self.calls: list[dict[str, Any]] = []
+        self._sent = 0  # characters of `text` already sent as content
+        self._reader = _CallReader(tools.fmt)
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """(content to send, completed calls to send) after `delta` more text."""
         self.text += delta
         if self.mode == "undecided":
-            stripped = self.text.lstrip()
-            if stripped.startswith(self.fmt.marker):
+            start = _skip_ws(self.text, 0)
+            rest = self.text[start : start + len(self.fmt.marker)]
+            if rest == self.fmt.marker:
                 self.mode = "calls"
-            elif stripped and not self.fmt.marker.startswith(stripped):
+                self._reader.pos = start
+            elif start < len(self.text) and not self.fmt.marker.startswith(rest):
                 self.mode = "content"
         if self.mode == "content":
             out, self._sent = self.text[self._sent :], len(self.text)
@@ -213,69 +236,154 @@ class ToolCallParser:
         return out, []
 
     def _new_calls(self) -> list[dict[str, Any]]:
-        objs = _complete_call_objects(self.text.lstrip(), self.fmt)
-        new = [_openai_call(o, self.fmt) for o in objs[len(self.calls) :]]
+        new = []
+        for obj in self._reader.read(self.text):
+            name, arguments = obj.get("name"), obj.get(self.fmt.arguments_key, {})
+            if name not in self.names or not isinstance(arguments, dict):
+                self._reader.stop()  # never a call of an undeclared function
+                break
+            new.append(_openai_call(name, arguments))
         self.calls += new
         return new
 
 
-def _complete_call_objects(text: str, fmt: ToolCallFormat) -> list[dict[str, Any]]:
-    """The call objects that are complete so far in a calls block (in order)."""
-    objs: list[dict[str, Any]] = []
-    pos = 0
-    while text.startswith(fmt.open, pos) and (fmt.open or not objs):
-        pos += len(fmt.open)
-        if fmt.as_list:
-            pos = _skip_ws(text, pos)
-            if not text.startswith("[", pos):
-                return objs
-            pos += 1
-            while True:
-                obj, pos = _decode_at(text, _skip_ws(text, pos))
-                if obj is None:
-                    return objs
-                objs.append(obj)
-                pos = _skip_ws(text, pos)
-                if text.startswith(",", pos):
-                    pos += 1
-                    continue
-                if not text.startswith("]", pos):
-                    return objs
-                pos += 1
+class _CallReader:
+    """Reads the call objects of a calls block as its text grows, resuming where it stopped."""
+
+    def __init__(self, fmt: ToolCallFormat) -> None:
+        self.fmt = fmt
+        self.pos = 0  # where reading resumes
+        self._expect = "open"  # open | list | object | next | close | gap | done
+        self._scanning: _ObjectEnd | None = None
+        self._blocks = 0
+
+    def stop(self) -> None:
+        self._expect = "done"
+
+    def read(self, text: str) -> list[dict[str, Any]]:
+        """The call objects completed since the last call (in order)."""
+        objs: list[dict[str, Any]] = []
+        while self._expect != "done":
+            step = getattr(self, f"_{self._expect}")(text, objs)
+            if step is None:  # needs more text
                 break
-        else:
-            obj, pos = _decode_at(text, pos)
-            if obj is None:
-                return objs
-            objs.append(obj)
-        if not text.startswith(fmt.close, pos) or not fmt.close:
-            return objs
-        pos += len(fmt.close)
-        if text.startswith("\n", pos):
-            pos += 1
-    return objs
+        return objs
+
+    def _literal(self, text: str, literal: str, then: str) -> bool | None:
+        """Consume `literal` at pos (True); None while the text so far is a prefix of it; anything
+        else ends the block."""
+        got = text[self.pos : self.pos + len(literal)]
+        if got == literal:
+            self.pos += len(literal)
+            self._expect = then
+            return True
+        if literal.startswith(got):
+            return None
+        self._expect = "done"
+        return True
+
+    def _open(self, text: str, objs: list[dict[str, Any]]) -> bool | None:
+        if not self.fmt.open and self._blocks:  # a bare object format carries one call
+            self._expect = "done"
+            return True
+        return self._literal(text, self.fmt.open, "list" if self.fmt.as_list else "object")
+
+    def _list(self, text: str, objs: list[dict[str, Any]]) -> bool | None:
+        self.pos = _skip_ws(text, self.pos)
+        return self._literal(text, "[", "object")
+
+    def _object(self, text: str, objs: list[dict[str, Any]]) -> bool | None:
+        if self._scanning is None:
+            if self.fmt.as_list:
+                self.pos = _skip_ws(text, self.pos)
+            if self.pos >= len(text):
+                return None
+            if text[self.pos] != "{":
+                self._expect = "done"
+                return True
+            self._scanning = _ObjectEnd(self.pos)
+        end = self._scanning.scan(text)
+        if end is None:
+            return None
+        try:
+            obj = json.loads(text[self._scanning.start : end])
+        except json.JSONDecodeError:
+            self._expect = "done"
+            return True
+        self._scanning, self.pos = None, end
+        objs.append(obj)
+        self._expect = "next" if self.fmt.as_list else "close"
+        return True
+
+    def _next(self, text: str, objs: list[dict[str, Any]]) -> bool | None:
+        self.pos = _skip_ws(text, self.pos)
+        if self.pos >= len(text):
+            return None
+        if text[self.pos] == ",":
+            self.pos += 1
+            self._expect = "object"
+            return True
+        return self._literal(text, "]", "close")
+
+    def _close(self, text: str, objs: list[dict[str, Any]]) -> bool | None:
+        self._blocks += 1
+        if not self.fmt.close:
+            self._expect = "done"
+            return True
+        return self._literal(text, self.fmt.close, "gap")
+
+    def _gap(self, text: str, objs: list[dict[str, Any]]) -> bool | None:
+        if self.pos >= len(text):
+            return None
+        if text[self.pos] == "\n":
+            self.pos += 1
+        self._expect = "open"
+        return True
+
+
+class _ObjectEnd:
+    """Finds where a JSON object starting at `start` ends, reading each character once."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.pos = start
+        self.depth = 0
+        self.in_string = self.escaped = False
+
+    def scan(self, text: str) -> int | None:
+        """The end (exclusive) once the object is complete, else None (read on next time)."""
+        for i in range(self.pos, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
 
 
 def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
+    while pos < len(text) and text[pos] in _WHITESPACE:
         pos += 1
     return pos
 
 
-def _decode_at(text: str, pos: int) -> tuple[dict[str, Any] | None, int]:
-    try:
-        obj, end = _DECODER.raw_decode(text, pos)
-    except json.JSONDecodeError:
-        return None, pos
-    return (obj, end) if isinstance(obj, dict) else (None, pos)
-
-
-def _openai_call(obj: dict[str, Any], fmt: ToolCallFormat) -> dict[str, Any]:
-    arguments = obj.get(fmt.arguments_key, {})
+def _openai_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": str(obj.get("name", "")), "arguments": json.dumps(arguments)},
+        "function": {"name": name, "arguments": json.dumps(arguments)},
     }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from frontend.chat import control_texts, encode_chat
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
 from scheduler.block_manager import hash_prompt_blocks
 from workers.model_files import context_limit_of, max_model_len_of, resolve_model
@@ -75,6 +76,7 @@ class Frontend:
     def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self._controls = control_texts(tokenizer)
 
     @classmethod
     def load(cls, model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Frontend:
@@ -113,8 +115,9 @@ class Frontend:
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        """A chat prompt: the template emits its own specials, so the tokenizer adds none."""
-        return self.tokenizer.encode(self.render_chat(messages, tools), add_special_tokens=False)
+        """A chat prompt: the template emits its own specials, so the tokenizer adds none; the
+        messages' content is text, whatever control tokens it spells (frontend/chat.py)."""
+        return encode_chat(self.tokenizer, self.render_chat, self._controls, messages, tools)
 
     def check_token_ids(self, token_ids: Sequence[int], field_name: str = "prompt") -> None:
         """ValueError unless every id is in the vocabulary (one bad id would fail a whole batch)."""

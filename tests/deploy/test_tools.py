@@ -5,11 +5,15 @@ import json
 
 import llguidance
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deploy.tools import (
     HERMES,
     LLAMA3_JSON,
     SMOLLM2,
+    DeclaredTools,
+    ToolCallFormat,
     ToolCallParser,
     ToolSpec,
     detect_format,
@@ -47,6 +51,10 @@ def accepts(grammar_text: str, text: str) -> bool:
     matcher = llguidance.LLMatcher(tokenizer, grammar_text)
     ids = tokenizer.tokenize_bytes(text.encode())
     return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def parser_for(fmt: ToolCallFormat, tools: tuple[ToolSpec, ...] = (WEATHER, ADD)) -> ToolCallParser:
+    return ToolCallParser(DeclaredTools.of(list(tools), fmt))
 
 
 def test_formats_are_recognised_from_the_chat_template():
@@ -102,7 +110,7 @@ def test_parallel_calls_are_allowed_unless_turned_off():
 
 
 def test_streamed_parsing_holds_back_a_possible_marker_and_emits_each_call_once_complete():
-    parser = ToolCallParser(HERMES)
+    parser = parser_for(HERMES)
     pieces = [
         "<tool",
         '_call>\n{"name": "add", "arguments": {"a"',
@@ -120,14 +128,14 @@ def test_streamed_parsing_holds_back_a_possible_marker_and_emits_each_call_once_
 
 
 def test_plain_text_streams_as_content_once_it_cannot_be_a_call():
-    parser = ToolCallParser(SMOLLM2)
+    parser = parser_for(SMOLLM2)
     assert parser.feed("<") == ("", [])
     assert parser.feed("b>bold</b>") == ("<b>bold</b>", [])
     assert parser.feed(" more") == (" more", [])
 
 
 def test_a_call_cut_off_before_it_completes_comes_back_as_text():
-    parser = ToolCallParser(SMOLLM2)
+    parser = parser_for(SMOLLM2)
     assert parser.feed('<tool_call>[{"name": "add", "argu') == ("", [])
     assert parser.finish() == ('<tool_call>[{"name": "add", "argu', [])
 
@@ -158,3 +166,68 @@ def test_templates_without_tools_get_them_described_and_past_calls_written_back(
     messages, tools_arg = prepare_chat(history, [ADD], HERMES, renders_tools=True)
     assert tools_arg == [ADD.as_openai()]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+
+
+# Characters that str.isspace() calls whitespace but a grammar's regex class may not.
+_SPACE_LIKE = " \t\r\n\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u2028\u3000"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prefix=st.text(alphabet=_SPACE_LIKE, max_size=4),
+    fmt=st.sampled_from([SMOLLM2, HERMES]),
+    arguments=st.sampled_from([{"city": "Oslo"}, {"town": "Oslo"}, {"city": 3}]),
+    name=st.sampled_from(["get_weather", "get_time"]),
+)
+def test_whatever_the_auto_grammar_passes_comes_back_only_as_valid_declared_calls(
+    prefix, fmt, arguments, name
+):
+    """The grammar and the parser agree on where a call starts: text that the grammar lets through
+    as plain text is never read back as a call (a call to an undeclared function, or with
+    arguments outside the schema, would otherwise reach the client)."""
+    grammar = to_grammar(tool_constraint([WEATHER], "auto", fmt))
+    call = {"name": name, fmt.arguments_key: arguments}
+    body = json.dumps([call]) if fmt.as_list else json.dumps(call)
+    text = f"{prefix}{fmt.open}{body}{fmt.close}"
+    if not accepts(grammar, text):
+        return
+    parser = parser_for(fmt, (WEATHER,))
+    calls = parser.feed(text)[1] + parser.finish()[1]
+    for c in calls:
+        assert c["function"]["name"] == "get_weather"
+        assert json.loads(c["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_a_reply_opening_with_a_control_character_is_plain_text():
+    text = '\x1c<tool_call>[{"name": "get_time", "arguments": {}}]</tool_call>'
+    assert accepts(to_grammar(tool_constraint([WEATHER], "auto", SMOLLM2)), text)  # as TEXT
+    parser = parser_for(SMOLLM2)
+    assert parser.feed(text) == (text, [])
+    assert parser.finish() == ("", []) and not parser.calls
+
+
+def test_a_call_of_an_undeclared_function_never_comes_back():
+    parser = parser_for(SMOLLM2, (ADD,))
+    text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]</tool_call>'
+    assert parser.feed(text) == ("", [])
+    assert parser.finish() == (text, [])  # what never became a call is the reply's text
+
+
+def test_streamed_parsing_reads_each_call_once_however_the_text_is_cut(monkeypatch):
+    """A long call fed a character at a time is decoded once, when it completes (no re-parse of
+    the whole text on every delta)."""
+    import deploy.tools
+
+    decoded = []
+    real_loads = json.loads
+    monkeypatch.setattr(deploy.tools.json, "loads", lambda s: decoded.append(s) or real_loads(s))
+    city = "x" * 5000 + '\\"}]{['
+    text = (
+        f'<tool_call>[{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}, '
+        '{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>'
+    )
+    parser = parser_for(SMOLLM2)
+    calls = [c for ch in text for c in parser.feed(ch)[1]]
+    assert len(decoded) == 2  # json.loads here is the module's: count before reading the calls
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[0]["function"]["arguments"])["city"] == city.replace('\\"', '"')

@@ -1,0 +1,107 @@
+"""Chat prompts whose control tokens come only from the template.
+
+A chat template writes each turn between control tokens (`<|im_start|>user ... <|im_end|>`). If
+the rendered text were tokenized whole, a control token typed inside a message would become a
+real one, and a user could close their turn and open a forged system turn. Message content is
+therefore encoded as text, as the OpenAI API treats it; every other client string the template
+renders (names, ids, tool arguments and schemas) may not contain a control token at all.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+Render = Callable[[Sequence[dict[str, Any]], "list[dict[str, Any]] | None"], str]
+
+
+def control_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The text of every token the tokenizer treats as a control token."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    texts = {t.content for t in added.values() if getattr(t, "special", False)}
+    texts.update(getattr(tokenizer, "all_special_tokens", ()))
+    return tuple(sorted(t for t in texts if t))
+
+
+def encode_chat(
+    tokenizer: Any,
+    render: Render,
+    controls: Sequence[str],
+    messages: Sequence[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The token ids of a chat, its message content encoded as text.
+
+    A conversation without control text in any message is encoded exactly as its rendered text
+    always was; only content that carries control text takes the piecewise path.
+    """
+    _refuse_controls_outside_content(messages, tools, controls)
+    if not any(_holds_control(m.get("content"), controls) for m in messages):
+        return tokenizer.encode(render(messages, tools), add_special_tokens=False)
+    return _encode_piecewise(tokenizer, render, messages, tools)
+
+
+def _encode_piecewise(
+    tokenizer: Any,
+    render: Render,
+    messages: Sequence[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+) -> list[int]:
+    """Render with a placeholder for each message's content, then encode the template's text with
+    its control tokens and each content as plain text (control texts split into ordinary tokens)."""
+    nonce = uuid.uuid4().hex
+    contents: dict[str, str] = {}
+    placed = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, str):
+            mark = f"\ue000{nonce}-{i}\ue001"
+            contents[mark] = content
+            message = {**message, "content": mark}
+        placed.append(message)
+    rendered = render(placed, tools)
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, contents)) + ")", rendered):
+        if piece in contents:
+            text = contents[piece]
+            ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
+
+
+def _holds_control(value: Any, controls: Sequence[str]) -> bool:
+    return isinstance(value, str) and any(c in value for c in controls)
+
+
+def _refuse_controls_outside_content(
+    messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None, controls: Sequence[str]
+) -> None:
+    fields = [
+        (f"messages[{i}].{key}", value)
+        for i, m in enumerate(messages)
+        for key, value in m.items()
+        if key != "content"
+    ]
+    fields += [(f"tools[{i}]", tool) for i, tool in enumerate(tools or ())]
+    for path, value in fields:
+        for where, text in _strings(path, value):
+            if _holds_control(text, controls):
+                raise ValueError(f"{where}: must not contain a control token of the chat template")
+
+
+def _strings(path: str, value: Any) -> Iterator[tuple[str, str]]:
+    """Every string inside a JSON-like value, with its path (keys count too); iterative, so a
+    deeply nested value costs no stack."""
+    stack = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            yield where, item
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack += [(f"{where}.{key}", key), (f"{where}.{key}", child)]
+        elif isinstance(item, (list, tuple)):
+            stack += [(f"{where}[{i}]", child) for i, child in enumerate(item)]
