@@ -15,38 +15,39 @@ logger = logging.getLogger(__name__)
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Where serve.run starts Serve when nothing started it before (ray.serve.config.HTTPOptions).
+SERVE_DEFAULT_HOST = "127.0.0.1"
 
 
 def check_exposure(host: str | None, config: AppConfig) -> None:
-    """An app reachable beyond this machine needs keys, unless allow_unauthenticated says
-    otherwise."""
-    if (
-        host is None
-        or host in LOOPBACK_HOSTS
-        or config.key_profiles()
-        or config.allow_unauthenticated
-    ):
+    """An app reachable beyond this machine needs keys, unless allow_unauthenticated says otherwise.
+
+    host: where Serve's proxies listen; None when that could not be read, which counts as beyond
+    loopback (an app must not go keyless because a lookup failed).
+    """
+    if host in LOOPBACK_HOSTS or config.key_profiles() or config.allow_unauthenticated:
         return
+    where = f"Serve listens on {host}, beyond loopback" if host else "Serve's host is unknown"
     raise ValueError(
-        f"api_keys: Serve listens on {host}, beyond loopback, and the app has no api_key, "
-        "api_keys or api_keys_env; set one, or allow_unauthenticated: true"
+        f"api_keys: {where}, and the app has no api_key, api_keys or api_keys_env; set one, or "
+        "allow_unauthenticated: true"
     )
 
 
 def _serve_http_host() -> str | None:
-    """The host Serve's proxies bind, when this runs where Serve is up (serve run, the app builder
-    task)."""
+    """The host Serve's proxies bind (None if it cannot be read). Where Ray or Serve is not running
+    yet, serve.run will start Serve on its default host, loopback."""
     import ray
 
     if not ray.is_initialized():
-        return None
+        return SERVE_DEFAULT_HOST
     try:
         from ray.serve.context import _get_global_client
 
         client = _get_global_client(raise_if_no_controller_running=False)
-        return client.http_config.host if client is not None else None
+        return client.http_config.host if client is not None else SERVE_DEFAULT_HOST
     except Exception:
-        logger.debug("Serve's HTTP host is unknown here", exc_info=True)
+        logger.warning("cannot read the host Serve listens on", exc_info=True)
         return None
 
 

@@ -51,7 +51,8 @@ from workers.process import set_niceness
 
 logger = logging.getLogger(__name__)
 
-app = FastAPI(title="raylm", docs_url=None, redoc_url=None)
+# The schema is served by a route of its own, behind the same keys as every other route.
+app = FastAPI(title="raylm", docs_url=None, redoc_url=None, openapi_url=None)
 
 # No tokenizer packs more characters than this into one token of real text: a longer prompt
 # cannot fit the context, and is refused before the tokenizer spends time on it.
@@ -175,6 +176,14 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self) -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

@@ -119,6 +119,10 @@ def test_missing_or_wrong_api_key_is_401(tiny_url, tiny):
         err = _error(httpx.post(f"{tiny_url}/completions", json=body, headers=headers), 401)
         assert err["type"] == "authentication_error"
     _error(httpx.get(f"{tiny_url}/models"), 401)
+    root = tiny_url.removesuffix("/v1")
+    _error(httpx.get(f"{root}/openapi.json"), 401)  # the schema is behind the key too
+    spec = httpx.get(f"{root}/openapi.json", headers={"Authorization": f"Bearer {TINY_KEY}"})
+    assert spec.status_code == 200 and "/v1/chat/completions" in spec.json()["paths"]
     _still_serving(tiny, TINY)
 
 

@@ -208,11 +208,21 @@ def test_an_app_exposed_beyond_loopback_needs_a_key_or_an_explicit_waiver(monkey
 
     open_app = AppConfig.from_args({})
     check_exposure("127.0.0.1", open_app)
-    check_exposure(None, open_app)  # Serve not running here: nothing to check against
+    with pytest.raises(ValueError, match="api_keys: Serve's host is unknown"):
+        check_exposure(None, open_app)  # a lookup that failed never waives the keys
+    check_exposure(None, AppConfig.from_args({"api_key": "k"}))
     with pytest.raises(ValueError, match="api_keys: Serve listens on serving.example"):
         check_exposure("serving.example", open_app)
     check_exposure("serving.example", AppConfig.from_args({"api_key": "k"}))
     check_exposure("serving.example", AppConfig.from_args({"allow_unauthenticated": True}))
+
+
+def test_serve_default_host_is_the_loopback_the_exposure_check_assumes():
+    from ray.serve.config import HTTPOptions
+
+    from deploy.app import SERVE_DEFAULT_HOST
+
+    assert HTTPOptions().host == SERVE_DEFAULT_HOST
 
 
 def test_a_replica_runs_as_many_torch_threads_as_its_bundle_reserves():
