@@ -52,11 +52,14 @@ def test_a_bad_value_names_its_full_path():
         AppConfig.from_args({"engine": {"scheduler": {"not_a_knob": 1}}})
 
 
-def test_the_readme_configuration_table_is_generated_from_the_tree():
+def test_the_configuration_page_table_is_generated_from_the_tree():
     from deploy.settings_doc import replace_table
 
-    readme = Path("README.md").read_text()
-    assert replace_table(readme) == readme, "run: python -m deploy.settings_doc --write README.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    text = page.read_text()
+    assert replace_table(text) == text, (
+        "run: python -m deploy.settings_doc --write docs/configuration.md"
+    )
 
 
 @pytest.mark.parametrize(
