@@ -73,9 +73,7 @@ class PrefixReport:
 
     hashes: list[int]  # up to the limit's most recently cached, oldest first
     report_id: int
-    base_id: int | None = (
-        None  # None: no change given (the first report, or a list cut at the limit)
-    )
+    base_id: int | None = None  # None: no change given (the first report, or a list cut short)
     listed: list[int] = field(default_factory=list)  # cached now, not at base_id: in `hashes` order
     unlisted: list[int] = field(default_factory=list)  # cached at base_id, not now
 
@@ -150,8 +148,9 @@ class BlockPool:
                     self._listed_since[block_hash] = None
 
     def _untrack(self, block_hash: int) -> None:
-        if block_hash in self._listed_since:  # registered and evicted between two reports
-            del self._listed_since[block_hash]
+        listed = self._listed_since
+        if listed is not None and block_hash in listed:  # registered and evicted between reports
+            del listed[block_hash]
         else:
             self._unlisted_since.add(block_hash)
 
@@ -202,9 +201,9 @@ class KVCacheManager:
     def __init__(self, config: SchedulerConfig) -> None:
         self.block_size = config.block_size
         self.enable_prefix_caching = config.enable_prefix_caching
-        self.pool = BlockPool(config.num_gpu_blocks)
+        num_gpu_blocks, _ = config.require_sizes()
+        self.pool = BlockPool(num_gpu_blocks)
         self.cpu_free: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
-        self.num_cpu_blocks = config.cpu_blocks
         # CPU blocks released by a swap-in return to the pool only after the step is emitted, so a
         # swap-out in the same step cannot overwrite them before the swap-in reads them.
         self._cpu_pending_free: list[int] = []
