@@ -73,9 +73,7 @@ class PrefixReport:
 
     hashes: list[int]  # up to the limit's most recently cached, oldest first
     report_id: int
-    base_id: int | None = (
-        None  # None: no change given (the first report, or a list cut at the limit)
-    )
+    base_id: int | None = None  # None: no change given (the first report, or a list cut short)
     listed: list[int] = field(default_factory=list)  # cached now, not at base_id: in `hashes` order
     unlisted: list[int] = field(default_factory=list)  # cached at base_id, not now
 
@@ -150,8 +148,9 @@ class BlockPool:
                     self._listed_since[block_hash] = None
 
     def _untrack(self, block_hash: int) -> None:
-        if block_hash in self._listed_since:  # registered and evicted between two reports
-            del self._listed_since[block_hash]
+        listed = self._listed_since
+        if listed is not None and block_hash in listed:  # registered and evicted between reports
+            del listed[block_hash]
         else:
             self._unlisted_since.add(block_hash)
 
@@ -202,9 +201,9 @@ class KVCacheManager:
     def __init__(self, config: SchedulerConfig) -> None:
         self.block_size = config.block_size
         self.enable_prefix_caching = config.enable_prefix_caching
-        self.pool = BlockPool(config.num_gpu_blocks)
+        num_gpu_blocks, _ = config.require_sizes()
+        self.pool = BlockPool(num_gpu_blocks)
         self.cpu_free: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
-        self.num_cpu_blocks = config.cpu_blocks
         # CPU blocks released by a swap-in return to the pool only after the step is emitted, so a
         # swap-out in the same step cannot overwrite them before the swap-in reads them.
         self._cpu_pending_free: list[int] = []
@@ -314,59 +313,6 @@ class KVCacheManager:
             new_blocks.extend(pool.allocate(needed))
         blocks.extend(new_blocks)
         return new_blocks
-
-    # ---- multi-step decode ---------------------------------------------------------------------
-    def num_decode_blocks(self, requests: Sequence[Request], num_steps: int) -> int:
-        """New blocks that num_steps one-token decode steps of every request would allocate."""
-        bs = self.block_size
-        total = 0
-        for req in requests:
-            held = len(self.req_blocks[req.request_id])
-            total += max(0, -(-(req.num_computed_tokens + num_steps) // bs) - held)
-        return total
-
-    def advance_decode(self, requests: Sequence[Request], num_steps: int) -> None:
-        """Apply num_steps one-token decode steps of requests (in batch order) to the pool.
-
-        Blocks are allocated and full blocks registered in exactly the order the single steps
-        would do it (step by step; allocations of a step before its registrations; batch order
-        within each), so free-list order, evictions and the hash index end up the same. The
-        caller has checked that the free pool suffices and appended the sampled tokens.
-        """
-        events: list[tuple[int, int, int]] = []  # (step, 0 allocate | 1 register, batch position)
-        bs = self.block_size
-        for i, req in enumerate(requests):
-            c = req.num_computed_tokens
-            # Step j writes position c + j - 1: a new block each time that position starts one.
-            first_alloc = len(self.req_blocks[req.request_id]) * bs - c + 1
-            events.extend((j, 0, i) for j in range(first_alloc, num_steps + 1, bs))
-            if self.enable_prefix_caching:
-                events.extend((j, 1, i) for j in self._register_steps(req, num_steps))
-        events.sort()
-        pool = self.pool
-        for j, kind, i in events:
-            req = requests[i]
-            if kind == 0:
-                self.req_blocks[req.request_id].extend(pool.allocate(1))
-            else:
-                start = req.num_computed_tokens
-                req.num_computed_tokens = start + j
-                self.register_computed_blocks(req)
-                req.num_computed_tokens = start
-        for req in requests:
-            req.num_computed_tokens += num_steps
-
-    def _register_steps(self, request: Request, num_steps: int) -> list[int]:
-        """The decode steps after which update_from_output would register request's full blocks."""
-        bs = self.block_size
-        c = request.num_computed_tokens
-        registered = self.num_registered_blocks.get(request.request_id, 0)
-        # A request behind on registration (none normally, between steps) catches up in step 1.
-        first = 1 if (c + 1) // bs > registered else (registered + 1) * bs - c
-        if first > num_steps:
-            return []
-        later = ((c + first) // bs + 1) * bs - c
-        return [first, *range(later, num_steps + 1, bs)]
 
     def free(self, request: Request) -> None:
         """Release the request's GPU blocks (tail first, so its prefix stays cached longest)."""

@@ -87,13 +87,15 @@ class SchedulerConfig:
                     f"cannot hold one max_model_len={self.max_model_len} request (needs {needed})"
                 )
 
-    def require_sizes(self) -> None:
-        """A Scheduler needs the pool sizes and the context length (an engine measures them)."""
-        for name in ("num_gpu_blocks", "max_model_len"):
-            if getattr(self, name) is None:
-                raise ValueError(
-                    f"{name}: must be set for a Scheduler (an engine sizes it from memory)"
-                )
+    def require_sizes(self) -> tuple[int, int]:
+        """(num_gpu_blocks, max_model_len): a Scheduler needs them set (an engine measures them)."""
+        num_gpu_blocks, max_model_len = self.num_gpu_blocks, self.max_model_len
+        if num_gpu_blocks is None or max_model_len is None:
+            name = "num_gpu_blocks" if num_gpu_blocks is None else "max_model_len"
+            raise ValueError(
+                f"{name}: must be set for a Scheduler (an engine sizes it from memory)"
+            )
+        return num_gpu_blocks, max_model_len
 
     @property
     def num_watermark_blocks(self) -> int:

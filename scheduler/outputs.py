@@ -110,9 +110,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None
-    error: str | None = (
-        None  # why the request failed (finish_reason "error"); for logs, not clients
-    )
+    error: str | None = None  # why the request failed (finish_reason "error"); for logs only
 
 
 @dataclass(slots=True)
@@ -130,9 +128,8 @@ class SchedulerStats:
     num_prompt_tokens_hit: int = 0
 
 
-# Field order of the encoded tuples (positional, so they follow the dataclasses as they change).
-_STEP_REST = tuple(f.name for f in fields(SchedulerOutput))[
-    2:
-]  # after the new and the cached requests
+# Field order of the encoded tuples (positional, so they follow the dataclasses as they change);
+# a step's rest is every field after the new and the cached requests.
+_STEP_REST = tuple(f.name for f in fields(SchedulerOutput))[2:]
 _CACHED_FIELDS = tuple(f.name for f in fields(CachedRequestData))
 _RUNNER_OUTPUT_FIELDS = tuple(f.name for f in fields(ModelRunnerOutput))

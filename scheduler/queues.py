@@ -202,4 +202,9 @@ WaitingQueue = FCFSQueue | PriorityQueue | FairQueue
 
 def make_waiting_queue(policy: str) -> WaitingQueue:
     """The waiting queue for a SchedulerConfig.policy value."""
-    return {"fcfs": FCFSQueue, "priority": PriorityQueue, "fair": FairQueue}[policy]()
+    queues: dict[str, type[WaitingQueue]] = {
+        "fcfs": FCFSQueue,
+        "priority": PriorityQueue,
+        "fair": FairQueue,
+    }
+    return queues[policy]()

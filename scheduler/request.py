@@ -62,7 +62,7 @@ class Request:
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = field(default=0, init=False)
-    num_cached_tokens: int = field(default=-1, init=False)  # prefix-cache hit at first admission
+    num_cached_tokens: int | None = field(default=None, init=False)  # prefix hit at first admission
     num_preemptions: int = field(default=0, init=False)
     # How many of all_token_ids the model runner already holds (the rest travel in the next step).
     num_synced_tokens: int = field(default=0, init=False)

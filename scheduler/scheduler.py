@@ -21,10 +21,12 @@ from scheduler.outputs import (
     RequestOutput,
     SchedulerOutput,
     SchedulerStats,
+    TokenLogprobs,
 )
 from scheduler.preemption import VictimPolicy
 from scheduler.queues import make_waiting_queue
 from scheduler.request import Request, RequestStatus
+from scheduler.stop import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +68,25 @@ class _Step:
 
 
 class Scheduler:
-    """Decides, step by step, which tokens of which requests run and where their KV lives."""
+    """Decides, step by step, which tokens of which requests run and where their KV lives.
+
+    A step is `schedule()`, the model runner's forward, then `update_from_output()`.
+
+    Subclasses add to it without changing a step, as vLLM's AsyncScheduler does over its
+    Scheduler; the simulator's multi-step decode (sim/jump.py) is one. Their hooks are the class
+    attributes `kv_manager_class` (the KVCacheManager the pool is built as) and
+    `finished_retention` (how many finished requests stay readable in `requests`), and the
+    protected helpers at the end of the class: `_append_tokens` (the stop rules), `_finish`,
+    `_take_finished_ids` and `_output` (the one RequestOutput factory).
+    """
+
+    kv_manager_class: type[KVCacheManager] = KVCacheManager
+    finished_retention = FINISHED_RETENTION
 
     def __init__(self, config: SchedulerConfig) -> None:
-        config.require_sizes()
+        _, self.max_model_len = config.require_sizes()
         self.config = config
-        self.kv = KVCacheManager(config)
+        self.kv = self.kv_manager_class(config)
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -81,9 +96,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
         self._finished_order: OrderedDict[str, None] = OrderedDict()
-        self.finished_retention = (
-            FINISHED_RETENTION  # a simulator of millions of requests keeps fewer
-        )
         self._prefill_cap = config.long_prefill_token_threshold or _NO_CAP
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -93,10 +105,10 @@ class Scheduler:
         old = self.requests.get(rid)
         if old is not None and not old.is_finished:
             raise ValueError(f"request_id: {rid!r} is already in flight")
-        if request.num_tokens > self.config.max_model_len:
+        if request.num_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt_token_ids: {request.num_tokens} prompt (and resumed output) tokens "
-                f"exceed max_model_len={self.config.max_model_len}"
+                f"exceed max_model_len={self.max_model_len}"
             )
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request_id: {rid!r} was already scheduled once; build a new Request")
@@ -112,7 +124,7 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             self._finish_early(req, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._output(req, [], None))
+            outputs.append(self._output(req, []))
         return outputs
 
     def _finish_early(self, req: Request, status: RequestStatus) -> None:
@@ -130,9 +142,7 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             self._finish_early(req, RequestStatus.FINISHED_ERROR)
-            output = self._output(req, [], None)
-            output.error = reason
-            outputs.append(output)
+            outputs.append(self._output(req, [], error=reason))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -221,7 +231,7 @@ class Scheduler:
         if new_blocks is None:
             return False
         self.waiting.pop()
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens is None:  # first admission: count its prefix-cache lookup
             req.num_cached_tokens = num_hit
             kv.record_lookup(req.num_tokens, num_hit)
         req.num_computed_tokens = num_hit
@@ -338,7 +348,7 @@ class Scheduler:
             req.num_synced_tokens = len(tokens)
             new_blocks.append(step_blocks[rid])
             computed.append(step_start[rid])
-        finished, self._finished_ids = self._finished_ids, set()
+        finished = self._take_finished_ids()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -354,12 +364,10 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests' blocks."""
-        requests = self.requests
+        """Append sampled tokens under the stop rules, free finished requests' blocks."""
         kv = self.kv
         prefix_caching = self.config.enable_prefix_caching
         registered, bs = kv.num_registered_blocks, kv.block_size
-        max_len = self.config.max_model_len
         charge = self.waiting.charge if self.waiting.charges_tokens else None
         logprobs = runner_output.logprobs
         outputs = self._fail(runner_output.failed) if runner_output.failed else []
@@ -367,7 +375,7 @@ class Scheduler:
         for i, (rid, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids)
         ):
-            req = requests.get(rid)
+            req = self.requests.get(rid)
             if req is None or req.status is not _RUNNING:  # aborted while the step ran
                 continue
             # Hash and register only when a block has just filled up (one step in block_size).
@@ -375,198 +383,36 @@ class Scheduler:
                 kv.register_computed_blocks(req)
             if not sampled:
                 continue
-            accepted, status = self._append_tokens(req, sampled, max_len)
+            kept, status = self._append_tokens(req, sampled)
             if charge is not None:
-                charge(req.tenant, self.config.fair_output_weight * accepted)
-            new_lp = (
-                logprobs[i][:accepted] if logprobs is not None and logprobs[i] is not None else None
-            )
-            new_ids = sampled if accepted == len(sampled) else sampled[:accepted]
-            if status is None:
-                outputs.append(
-                    RequestOutput(
-                        rid,
-                        new_ids,
-                        False,
-                        None,
-                        len(req.prompt_token_ids),
-                        len(req.output_token_ids),
-                        req.num_cached_tokens,
-                        new_lp,
-                    )
-                )
-                continue
-            any_finished = True
-            self._finish(req, status)
-            outputs.append(self._output(req, new_ids, new_lp))
+                charge(req.tenant, self.config.fair_output_weight * kept)
+            if status is not None:
+                any_finished = True
+                self._finish(req, status)
+            lp = logprobs[i] if logprobs is not None else None
+            outputs.append(self._output(req, sampled[:kept], lp[:kept] if lp is not None else None))
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
-    # ---- multi-step decode (a simulator's k-step jump)
-    # ---------------------------------------------
-    def max_decode_jump(self, limit: int) -> int:
-        """How many of the next steps (at most limit) are certain to be the same pure-decode step.
+    # ---- helpers for subclasses (the simulator's multi-step decode, sim/jump.py) ----------------
+    def _append_tokens(self, req: Request, sampled: list[int]) -> tuple[int, RequestStatus | None]:
+        """Append sampled tokens up to the first that stops the request (check_stop).
 
-        That holds while nothing waits, every running request has just its last sampled token to
-        compute, the whole batch fits the token budget, no request reaches max_tokens or
-        max_model_len before the last of them, and the free pool covers every block the batch
-        crosses (so nothing is preempted). A stop token before the last step is the caller's to
-        rule out.
+        Returns how many were kept and the request's final status, None while it goes on; the
+        caller finishes it.
         """
-        running = self.running
-        cfg = self.config
-        if not running or len(self.waiting) or len(running) > cfg.max_num_batched_tokens:
-            return 0
-        k = limit
-        for req in running:
-            n = len(req.all_token_ids)
-            if n - req.num_computed_tokens != 1:
-                return 0
-            # The step that reaches a cap finishes the request: it may be the last one.
-            k = min(
-                k, req.sampling_params.max_tokens - len(req.output_token_ids), cfg.max_model_len - n
-            )
-        if k <= 0:
-            return 0
-        free = self.kv.num_free_blocks
-        if self.kv.num_decode_blocks(running, k) <= free:  # the common case: the pool is no limit
-            return k
-        lo, hi = 0, k - 1  # largest step count whose new blocks fit the free pool (monotone)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.kv.num_decode_blocks(running, mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def advance_decode(self, sampled_token_ids: dict[str, list[int]]) -> list[RequestOutput]:
-        """Run k pure-decode steps at once: state as after k `schedule()` + `update_from_output()`.
-
-        sampled_token_ids holds, for every running request, the k tokens its steps sample (a stop
-        token only as the last); k must not exceed `max_decode_jump(k)`. Block tables, the free
-        list, prefix-hash registrations, fair-share counters, token lists and the finishes of the
-        last step end as the single steps would leave them. Returns one output per request
-        carrying all k tokens (no logprobs). A jump sends nothing to a model runner: the finished
-        requests whose ids the first step would have carried to it are taken as told.
-        """
-        running = self.running
-        k = len(next(iter(sampled_token_ids.values()), ()))
-        if sampled_token_ids.keys() != {r.request_id for r in running}:
-            raise ValueError("sampled_token_ids: needs exactly the running requests' ids")
-        if (
-            k < 1
-            or any(len(t) != k for t in sampled_token_ids.values())
-            or self.max_decode_jump(k) < k
-        ):
-            raise ValueError(
-                f"sampled_token_ids: {k} steps is not a pure-decode stretch of equal length"
-            )
-        heads: dict[int, frozenset[int]] = {}  # callers often pass one list for many requests
-        for req in running:
-            sp = req.sampling_params
-            tokens = sampled_token_ids[req.request_id]
-            head = heads.get(id(tokens))
-            if head is None:
-                head = heads[id(tokens)] = frozenset(tokens[:-1])
-            if not head.isdisjoint(sp.stop_token_ids or ()) or (
-                not sp.ignore_eos and not head.isdisjoint(req.eos_token_ids)
-            ):
-                raise ValueError(
-                    f"sampled_token_ids: {req.request_id!r} samples a stop token before its last "
-                    "step; step it singly"
-                )
-        max_len = self.config.max_model_len
-        finishing: list[tuple[Request, RequestStatus]] = []
-        outputs: list[RequestOutput] = []
-        for req in running:
-            sp = req.sampling_params
-            tokens = sampled_token_ids[req.request_id]
-            out, all_ids = req.output_token_ids, req.all_token_ids
-            last = tokens[-1]
-            if (
-                last in req.eos_token_ids
-                or last in (sp.stop_token_ids or ())
-                or len(out) + k >= sp.max_tokens
-                or len(all_ids) + k >= max_len
-            ):
-                # The last step may finish the request: its token goes through the single step's
-                # checks.
-                out.extend(tokens[:-1])
-                all_ids.extend(tokens[:-1])
-                _, status = self._append_tokens(req, tokens[-1:], max_len)
-            else:
-                out.extend(tokens)
-                all_ids.extend(tokens)
-                status = None
-            req.num_synced_tokens = len(all_ids) - 1  # the last step's token is not sent yet
-            if status is None:
-                outputs.append(
-                    RequestOutput(
-                        req.request_id,
-                        tokens,
-                        False,
-                        None,
-                        len(req.prompt_token_ids),
-                        len(out),
-                        req.num_cached_tokens,
-                    )
-                )
-            else:
-                finishing.append((req, status))
-                outputs.append(
-                    RequestOutput(
-                        req.request_id,
-                        tokens,
-                        True,
-                        status.finish_reason,
-                        len(req.prompt_token_ids),
-                        len(out),
-                        max(req.num_cached_tokens, 0),
-                    )
-                )
-        self._finished_ids = set()
-        self.kv.advance_decode(running, k)
-        self.kv.end_step()
-        if self.waiting.charges_tokens:
-            self._charge_decode(running, k)
-        # Freeing commutes with the last step's registrations (neither touches what the other
-        # reads), so the finishes come after them, in batch order as update_from_output makes them.
-        for req, status in finishing:
-            self._finish(req, status)
-        if finishing:
-            self.running = [r for r in running if r.status is _RUNNING]
-        return outputs
-
-    def _charge_decode(self, running: list[Request], num_steps: int) -> None:
-        # One charge per token in step order, as update_from_output makes them: the float sums
-        # match.
-        charge, weight = self.waiting.charge, self.config.fair_output_weight
-        for _ in range(num_steps):
-            for req in running:
-                charge(req.tenant, weight)
-
-    @staticmethod
-    def _append_tokens(
-        req: Request, sampled: list[int], max_len: int
-    ) -> tuple[int, RequestStatus | None]:
-        """Append sampled tokens up to the first stop; returns (how many were kept, final
-        status)."""
-        sp = req.sampling_params
-        eos = () if sp.ignore_eos else req.eos_token_ids
-        stop_ids = sp.stop_token_ids
         out, all_ids = req.output_token_ids, req.all_token_ids
         for i, token in enumerate(sampled, 1):
             out.append(token)
             all_ids.append(token)
-            if token in eos or (stop_ids and token in stop_ids):
-                return i, RequestStatus.FINISHED_STOPPED
-            if len(out) >= sp.max_tokens or len(all_ids) >= max_len:
-                return i, RequestStatus.FINISHED_LENGTH_CAPPED
+            status = check_stop(req, self.max_model_len)
+            if status is not None:
+                return i, status
         return len(sampled), None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Give the request its final status and its blocks back; the next step tells the runner."""
         req.status = status
         self.kv.free(req)
         rid = req.request_id
@@ -577,8 +423,21 @@ class Scheduler:
             if self.requests.get(old) is not None and self.requests[old].is_finished:
                 del self.requests[old]
 
+    def _take_finished_ids(self) -> set[str]:
+        """The requests finished since the last step, which the next step tells the runner to
+        free."""
+        finished, self._finished_ids = self._finished_ids, set()
+        return finished
+
     @staticmethod
-    def _output(req: Request, new_token_ids: list[int], new_logprobs: list | None) -> RequestOutput:
+    def _output(
+        req: Request,
+        new_token_ids: list[int],
+        new_logprobs: list[TokenLogprobs] | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
+        """The one place a RequestOutput is built: what req produced this step and where it
+        stands."""
         return RequestOutput(
             req.request_id,
             new_token_ids,
@@ -586,6 +445,7 @@ class Scheduler:
             req.status.finish_reason,
             req.num_prompt_tokens,
             len(req.output_token_ids),
-            max(req.num_cached_tokens, 0),
+            req.num_cached_tokens or 0,  # None: never admitted (aborted or failed while waiting)
             new_logprobs,
+            error,
         )

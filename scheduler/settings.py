@@ -8,6 +8,7 @@ The same metadata renders the README's configuration table, so docs cannot drift
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import Field, field, fields
 from typing import Any
 
@@ -52,7 +53,7 @@ def _type_error(value: Any, base: str) -> str | None:
     return None  # nested configs and runtime objects check themselves
 
 
-def _range_error(value: Any, meta: dict[str, Any]) -> str | None:
+def _range_error(value: Any, meta: Mapping[str, Any]) -> str | None:
     if meta["choices"] is not None and value not in meta["choices"]:
         return f"must be one of {list(meta['choices'])}"
     for key, ok, word in (

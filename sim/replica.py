@@ -1,4 +1,5 @@
-"""One simulated replica: the production Scheduler and a stand-in runner timed by the cost model."""
+"""One simulated replica: the production Scheduler (with the multi-step decode of sim/jump.py) and
+a stand-in runner timed by the cost model."""
 
 from __future__ import annotations
 
@@ -11,15 +12,14 @@ from scheduler import (
     Request,
     RequestOutput,
     SamplingParams,
-    Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
 from sim.cost import CostModel
+from sim.jump import JumpScheduler
 
 EOS = 0
 TOKEN = 1
-FINISHED_RETENTION = 8
 
 
 @dataclass(slots=True)
@@ -91,10 +91,7 @@ class SimReplica:
 
     def __init__(self, name: str, config: SchedulerConfig, cost: CostModel):
         self.name = name
-        self.scheduler = Scheduler(config)
-        # Finished requests hold their token lists (~10 KB each): 1,000 replicas retaining 1,024
-        # each would hold gigabytes that nothing here reads.
-        self.scheduler.finished_retention = FINISHED_RETENTION
+        self.scheduler = JumpScheduler(config)
         self.cost = cost
         self.output_len: dict[str, int] = {}
         self.in_flight: StepPlan | Cruise | AppliedStep | None = None

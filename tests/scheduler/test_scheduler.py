@@ -15,6 +15,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.stop import check_stop, is_stop_token
 from tests.scheduler.contract_runner import ContractRunner, expected_output
 
 
@@ -178,6 +179,60 @@ def test_prompt_of_exactly_max_model_len_yields_one_token():
     s, r = make(max_model_len=32, num_gpu_blocks=4)
     s.add_request(req("x", 32))
     assert len(run_to_end(s, r)["x"]) == 1
+
+
+STOPPED, CAPPED = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+@pytest.mark.parametrize(
+    "token,num_outputs,num_tokens,ignore_eos,expect",
+    [
+        (7, 1, 10, False, None),
+        (2, 1, 10, False, STOPPED),  # EOS
+        (2, 1, 10, True, None),  # EOS ignored
+        (3, 1, 10, True, STOPPED),  # a stop token id stops even with ignore_eos
+        (7, 4, 10, False, CAPPED),  # max_tokens=4 outputs
+        (7, 1, 16, False, CAPPED),  # max_model_len=16 tokens in all
+        (3, 4, 16, False, STOPPED),  # a stop token wins over the caps the same token reaches
+    ],
+)
+def test_check_stop_decides_stop_ids_eos_and_the_length_caps(
+    token, num_outputs, num_tokens, ignore_eos, expect
+):
+    params = SamplingParams(max_tokens=4, ignore_eos=ignore_eos, stop_token_ids=[3])
+    r = Request("x", [9] * (num_tokens - num_outputs), params, eos_token_ids=(2,))
+    outputs = [7] * (num_outputs - 1) + [token]
+    r.output_token_ids.extend(outputs)
+    r.all_token_ids.extend(outputs)
+    assert check_stop(r, max_model_len=16) == expect
+    assert is_stop_token(r, token) == (expect is STOPPED)
+
+
+def test_every_output_reports_the_prefix_hit_of_the_first_admission_and_never_less_than_zero():
+    s, r = make(block_size=4, num_gpu_blocks=64, max_model_len=256)
+    s.add_request(req("a", 12, max_tokens=1))
+    run_to_end(s, r)
+    s.add_request(req("b", 12))  # a's prompt: two full blocks cached (the last token computes)
+    s.add_request(req("never", 12, base=500))
+    (aborted,) = s.abort_requests(["never"])  # never admitted
+    assert (aborted.finish_reason, aborted.num_cached_tokens) == ("abort", 0)
+    _, outs = step(s, r)
+    assert [(o.request_id, o.num_cached_tokens) for o in outs] == [("b", 8)]
+    out = s.schedule()
+    (failed,) = s.update_from_output(out, ModelRunnerOutput([], [], failed={"b": "boom"}))
+    assert (failed.finish_reason, failed.error, failed.num_cached_tokens) == ("error", "boom", 8)
+
+
+def test_finished_requests_stay_readable_for_the_last_finished_retention_finishes():
+    class Forgetful(Scheduler):
+        finished_retention = 2
+
+    for cls, kept in ((Scheduler, {"a", "b", "c"}), (Forgetful, {"b", "c"})):
+        s = cls(SchedulerConfig(num_gpu_blocks=64, max_model_len=256))
+        for rid in "abc":
+            s.add_request(req(rid, 5, max_tokens=1))
+        run_to_end(s, ContractRunner(16, 64, 0))
+        assert set(s.requests) == kept
 
 
 # ---- abort --------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Scheduler.advance_decode: k pure-decode steps at once leave the state k single steps would."""
+"""JumpScheduler.advance_decode: k pure-decode steps at once leave the state k single steps of the
+production Scheduler would."""
 
 from __future__ import annotations
 
@@ -8,9 +9,29 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import (
+    KVCacheManager,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
+from sim.jump import JumpKVCacheManager, JumpScheduler
 from tests.scheduler.contract_runner import ContractRunner
 from tests.scheduler.test_scheduler_properties import EOS, VOCAB, configs, workloads
+
+
+def test_the_jump_subclasses_add_to_the_production_classes_and_replace_nothing():
+    """Every step the simulator does not jump runs the production Scheduler's and pool's code."""
+
+    def replaced(sub: type, base: type) -> set[str]:
+        return {n for n in set(vars(sub)) & set(vars(base)) if not n.startswith("__")}
+
+    assert replaced(JumpScheduler, Scheduler) == {"kv_manager_class", "finished_retention"}
+    assert replaced(JumpKVCacheManager, KVCacheManager) == set()
+    s = JumpScheduler(SchedulerConfig(num_gpu_blocks=8, max_model_len=64))
+    assert type(s.kv) is JumpKVCacheManager
 
 
 def snapshot(s: Scheduler) -> dict:
@@ -83,7 +104,7 @@ def counting_sample(s: Scheduler, out) -> ModelRunnerOutput:
 
 def decoding(
     policy: str = "fcfs", blocks: int = 64, prefix: bool = True, n: int = 3, max_tokens: int = 40
-) -> Scheduler:
+) -> JumpScheduler:
     cfg = SchedulerConfig(
         block_size=4,
         num_gpu_blocks=blocks,
@@ -92,7 +113,7 @@ def decoding(
         enable_prefix_caching=prefix,
         max_num_batched_tokens=64,
     )
-    s = Scheduler(cfg)
+    s = JumpScheduler(cfg)
     for i in range(n):  # shared 8-token head, so blocks are shared and registered
         s.add_request(
             Request(
@@ -131,7 +152,7 @@ def test_no_jump_while_something_waits_or_prefills():
     cfg = SchedulerConfig(
         block_size=4, num_gpu_blocks=64, max_model_len=128, long_prefill_token_threshold=2
     )
-    s = Scheduler(cfg)
+    s = JumpScheduler(cfg)
     s.add_request(Request("chunked", list(range(1, 9)), SamplingParams(max_tokens=9)))
     step_k(s, counting_sample, 1)  # 2 of 8 prompt tokens computed
     assert s.max_decode_jump(10) == 0
@@ -163,7 +184,7 @@ def test_a_jump_may_end_with_the_step_that_reaches_a_length_cap():
         and s.schedule().finished_req_ids == {"r0", "r1", "r2"}
     )
     cfg = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=20)
-    s = Scheduler(cfg)
+    s = JumpScheduler(cfg)
     s.add_request(Request("a", list(range(1, 13)), SamplingParams(max_tokens=100)))
     step_k(s, counting_sample, 1)  # 13 tokens of 20
     assert s.max_decode_jump(100) == 20 - 13
@@ -218,7 +239,7 @@ def test_jump_equals_single_steps_on_random_workloads(data):
     runner."""
     cfg = data.draw(configs())
     specs = data.draw(workloads(cfg))
-    s = Scheduler(cfg)
+    s = JumpScheduler(cfg)
     runner = ContractRunner(cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, VOCAB)
     pending = sorted(specs, key=lambda sp: sp.arrival_step)
     jumps = 0
@@ -250,7 +271,7 @@ def test_jump_equals_single_steps_on_random_workloads(data):
     event(f"jumps={'yes' if jumps else 'no'}")
 
 
-def _steps_through_the_first_finish(s: Scheduler, runner: ContractRunner, k: int) -> int:
+def _steps_through_the_first_finish(s: JumpScheduler, runner: ContractRunner, k: int) -> int:
     for j in range(k):
         out = s.schedule()
         if any(o.finished for o in s.update_from_output(out, runner.execute(out))):
@@ -274,7 +295,7 @@ def test_jump_equals_single_steps_when_requests_refill_evicted_blocks(
     """Same prompt, tokens by position only: decodes fill blocks whose hashes sit evictable on the
     free
     list, so the order of evictions and registrations within a step is observable."""
-    s = Scheduler(
+    s = JumpScheduler(
         SchedulerConfig(
             block_size=block_size,
             num_gpu_blocks=-(-max_len // block_size) + spare,

@@ -1,0 +1,35 @@
+"""The stop rules of a request's sampled tokens: stop token ids, EOS and the length caps.
+
+Stop *strings* need detokenized text and are cut by the frontend; everything decided on token ids
+is decided here, once, for the scheduler and for the simulator's multi-step decode.
+"""
+
+from __future__ import annotations
+
+from scheduler.request import Request, RequestStatus
+
+
+def is_stop_token(request: Request, token_id: int) -> bool:
+    """Whether sampling token_id ends the request: one of its stop_token_ids, or an EOS id unless
+    ignore_eos."""
+    params = request.sampling_params
+    if params.stop_token_ids and token_id in params.stop_token_ids:
+        return True
+    return not params.ignore_eos and token_id in request.eos_token_ids
+
+
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """The final status the request's last appended token gives it, or None while it goes on.
+
+    A stop token wins over a length cap reached by the same token: the request stopped (finish
+    reason "stop"). Otherwise the request is capped once it holds max_tokens outputs or
+    max_model_len tokens in all.
+    """
+    if is_stop_token(request, request.all_token_ids[-1]):
+        return RequestStatus.FINISHED_STOPPED
+    if (
+        len(request.output_token_ids) >= request.sampling_params.max_tokens
+        or len(request.all_token_ids) >= max_model_len
+    ):
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None
