@@ -35,6 +35,9 @@ class ReplicaState(str, Enum):
     DRAINING = "draining"  # shutting down
 
 
+_STATES = tuple(s.value for s in ReplicaState)
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingStats:
     """One report of a replica to the router."""
@@ -58,10 +61,11 @@ class RoutingStats:
         """Parse what a replica sent; ValueError naming the first field that is missing or wrong."""
         if not isinstance(report, Mapping):
             raise ValueError(f"routing stats: expected a dict, got {type(report).__name__}")
-        try:
-            state = ReplicaState(report.get("state", "ok"))
-        except ValueError:
-            raise ValueError(f"routing stats field 'state': unknown {report['state']!r}") from None
+        state = report.get("state", "ok")
+        if state not in _STATES:
+            raise ValueError(
+                f"routing stats field 'state': expected one of {_STATES}, got {_short(state)}"
+            )
         prefix = None
         if report.get("prefix_hashes") is not None:
             base_id = report.get("prefix_base_id")
@@ -72,7 +76,7 @@ class RoutingStats:
                 _block_hashes(report, "prefix_listed"),
                 _block_hashes(report, "prefix_unlisted"),
             )
-        return cls(_scheduler_stats(report), state, prefix)
+        return cls(_scheduler_stats(report), ReplicaState(state), prefix)
 
 
 _FIELD_TYPES = get_type_hints(SchedulerStats)
@@ -100,14 +104,18 @@ def _field(report: Mapping[str, Any], key: str) -> Any:
 def _count(report: Mapping[str, Any], key: str) -> int:
     value = _field(report, key)
     if type(value) is not int or value < 0:
-        raise ValueError(f"routing stats field {key!r}: expected an integer >= 0, got {value!r}")
+        raise ValueError(
+            f"routing stats field {key!r}: expected an integer >= 0, got {_short(value)}"
+        )
     return value
 
 
 def _figure(report: Mapping[str, Any], key: str) -> float:
     value = _field(report, key)
     if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"routing stats field {key!r}: expected a number >= 0, got {value!r}")
+        raise ValueError(
+            f"routing stats field {key!r}: expected a number >= 0, got {_short(value)}"
+        )
     return float(value)
 
 
