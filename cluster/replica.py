@@ -27,7 +27,7 @@ from cluster.ray_executor import ray_executor
 from engine.config import EngineConfig
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
-from router.stats import RoutingStats
+from router.stats import ReplicaState, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import GenerateRequest, Request
 
@@ -166,7 +166,7 @@ class LLMReplica:
         self._streams: dict[str, _Stream] = {}
         self._draining = False
         self._event_loop = asyncio.get_running_loop()
-        self._stats: SchedulerStats | None = self.engine.stats()
+        self._stats: SchedulerStats = self.engine.stats()
         self.metrics.record_stats(self._stats)
         self._loop_thread = EngineLoop(
             self.engine, asyncio.get_running_loop(), self._on_step, self._on_error
@@ -181,11 +181,9 @@ class LLMReplica:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request."""
         state = self._state()
-        if state == "failed":
-            raise EngineFailedError(f"engine failed: {self._loop_thread.failure!r}")
-        if state == "stalled":
-            raise EngineFailedError(f"engine stalled for {self._loop_thread.stalled_for():.0f} s")
-        if state == "draining":
+        if state in (ReplicaState.FAILED, ReplicaState.STALLED):
+            raise self._unavailable(state)
+        if state is ReplicaState.DRAINING:
             raise ReplicaDrainingError("replica is shutting down")
         rid = request.request_id
         if rid in self._streams:
@@ -299,17 +297,11 @@ class LLMReplica:
     def _fail_over_if_stalled(self) -> None:
         """Hand every in-flight request to migration once the step in progress overruns its limit:
         the ingress resumes them elsewhere without waiting for Serve to replace this replica."""
-        stalled = self._state() == "stalled"
+        stalled = self._state() is ReplicaState.STALLED
         if stalled and not self._stall_failed_over:
-            logger.error(
-                "engine stalled for %.0f s: failing over %d requests",
-                self._loop_thread.stalled_for(),
-                len(self._streams),
-            )
-            self._on_error(
-                None,
-                EngineFailedError(f"engine stalled for {self._loop_thread.stalled_for():.0f} s"),
-            )
+            error = self._unavailable(ReplicaState.STALLED)
+            logger.error("%s: failing over %d requests", error, len(self._streams))
+            self._on_error(None, error)
         self._stall_failed_over = stalled
 
     async def _abort_orphans(self) -> None:
@@ -342,7 +334,7 @@ class LLMReplica:
     async def stats(self) -> dict[str, Any]:
         """The latest scheduler figures (updated after every step and every abort)."""
         return {
-            **RoutingStats.of(self._stats).as_dict(),
+            **RoutingStats(self._stats, self._state()).to_dict(),
             "replica": self.replica,
             "num_streams": len(self._streams),
             "orphans_aborted": self._orphans_aborted,
@@ -352,39 +344,40 @@ class LLMReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request router: queues, KV usage, prefix-cache figures and the
         hashes of the most recently cached blocks (the router's prefix index syncs to them)."""
-        stats = RoutingStats.of(self._stats)
-        stats.state = self._state()
+        prefix = None
         if self._loop_thread.failure is None:
             try:
-                stats.set_prefix(
-                    await asyncio.wait_for(
-                        self._loop_thread.call(
-                            lambda engine: engine.prefix_report(MAX_REPORTED_PREFIX_HASHES)
-                        ),
-                        timeout=5,
-                    )
+                prefix = await asyncio.wait_for(
+                    self._loop_thread.call(
+                        lambda engine: engine.prefix_report(MAX_REPORTED_PREFIX_HASHES)
+                    ),
+                    timeout=5,
                 )
             except asyncio.TimeoutError:
                 logger.warning("engine busy for 5 s: routing stats without prefix hashes")
-        return stats.as_dict()
+        return RoutingStats(self._stats, self._state(), prefix).to_dict()
 
     async def check_health(self) -> None:
         """Serve's probe: a failed or stalled engine fails it, and Serve replaces this replica."""
-        stalled = self._loop_thread.stalled_for()
-        if stalled > self.config.engine_stall_timeout_s:
-            logger.error(
-                "engine stalled: one step has run for %.0f s; failing the health check", stalled
-            )
-            raise EngineFailedError(f"engine stalled for {stalled:.0f} s")
-        if self._loop_thread.failure is not None:
-            raise EngineFailedError(f"engine loop failed: {self._loop_thread.failure!r}")
+        state = self._state()
+        if state in (ReplicaState.FAILED, ReplicaState.STALLED):
+            error = self._unavailable(state)
+            logger.error("%s: failing the health check", error)
+            raise error
 
-    def _state(self) -> str:
+    def _state(self) -> ReplicaState:
+        """Where this replica stands: the one place that judges a failed or stalled engine."""
         if self._loop_thread.failure is not None:
-            return "failed"
+            return ReplicaState.FAILED
         if self._loop_thread.stalled_for() > self.config.engine_stall_timeout_s:
-            return "stalled"
-        return "draining" if self._draining else "ok"
+            return ReplicaState.STALLED
+        return ReplicaState.DRAINING if self._draining else ReplicaState.OK
+
+    def _unavailable(self, state: ReplicaState) -> EngineFailedError:
+        """Why a FAILED or STALLED replica serves nothing."""
+        if state is ReplicaState.FAILED:
+            return EngineFailedError(f"engine failed: {self._loop_thread.failure!r}")
+        return EngineFailedError(f"engine stalled for {self._loop_thread.stalled_for():.0f} s")
 
     def __del__(self) -> None:
         """Serve's shutdown, after its graceful wait: hand what is still in flight back for

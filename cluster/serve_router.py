@@ -29,6 +29,7 @@ from cluster.outcomes import subscribe
 from router.config import RoutingConfig
 from router.fleet import FleetState
 from router.policies import RouteRequest
+from router.stats import RoutingStats
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class FleetRouter(RequestRouter):
         circuit_breaker_cooldown_s)."""
         config = RoutingConfig.from_router_kwargs(router_kwargs)
         self.fleet = FleetState(config)
+        # Each replica's report as Serve last handed it: Serve hands the same dict with every
+        # request until the next report comes, and each is parsed once.
+        self._reports: dict[str, dict[str, Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve routes on, once known
         subscribe(self)
         logger.info("FleetRouter for %s: %s", self._deployment_id, config)
@@ -88,6 +92,7 @@ class FleetRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self._reports.pop(replica_id.unique_id, None)
         if self.fleet.remove_replica(replica_id.unique_id):
             logger.warning(
                 "FleetRouter: replica %s died; dropped from the prefix index", replica_id.unique_id
@@ -95,16 +100,21 @@ class FleetRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.fleet.retain(r.replica_id.unique_id for r in replicas)
+        alive = {r.replica_id.unique_id for r in replicas}
+        self._reports = {key: report for key, report in self._reports.items() if key in alive}
+        self.fleet.retain(alive)
 
-    def _observe_stats(self, key: str, stats: dict[str, Any], now: float) -> None:
-        if not stats:
+    def _observe_stats(self, key: str, report: dict[str, Any], now: float) -> None:
+        if not report or report is self._reports.get(key):
             return
+        self._reports[key] = report
         try:
-            self.fleet.on_stats(key, stats, now)
+            stats = RoutingStats.from_dict(report)
         except ValueError as e:
             # A malformed report must not stop routing; load then falls back to own counts.
             logger.warning("FleetRouter: ignoring routing stats of %s: %s", key, e)
+            return
+        self.fleet.on_stats(key, stats, now)
 
 
 def route_request(pending_request: PendingRequest) -> RouteRequest:

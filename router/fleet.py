@@ -2,21 +2,20 @@
 reads it.
 
 No Ray here. cluster/serve_router.py adapts it to Serve's RequestRouter; sim/ drives the same object
-with
-its own clock. Replicas are named by plain strings (Serve's replica unique ids).
+with its own clock. Replicas are named by plain strings (Serve's replica unique ids).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from router.circuit_breaker import CircuitBreaker
 from router.config import RoutingConfig
 from router.loads import LoadTracker
 from router.policies import RouteRequest, make_policy
-from router.prefix_index import PrefixIndex, ReportChange
+from router.prefix_index import PrefixIndex
+from router.stats import RoutingStats
 
 MAX_RECENT_ROUTES = 65_536
 
@@ -32,43 +31,49 @@ class FleetState:
         )
         self.index = PrefixIndex(config.max_index_blocks)
         self.policy = make_policy(config)
-        self.routed: Counter[str] = (
-            Counter()
-        )  # requests Serve confirmed, per replica (logs, benches)
+        # Requests Serve confirmed, per replica (logs, benches).
+        self.routed: Counter[str] = Counter()
         self.breaker = CircuitBreaker(
             config.circuit_breaker_failures, config.circuit_breaker_cooldown_s
         )
         # request id -> replica of recently routed requests, so a failure reported later is
-        # attributed.
+        # attributed to its replica.
         self._recent: OrderedDict[str, str] = OrderedDict()
-        self._stats_seen: dict[str, Mapping[str, Any]] = {}
-        self._sorted: tuple[tuple[str, ...], list[str]] = (
-            (),
-            [],
-        )  # last replica set and its sorted names
+        self._stats_seen: dict[str, RoutingStats] = {}
+        # The replica set as last given, and sorted: it rarely changes between requests.
+        self._given: tuple[str, ...] = ()
+        self._sorted: list[str] = []
 
     def route(self, request: RouteRequest, replicas: Iterable[str], now: float) -> list[str]:
-        """Replicas ranked best first for request; the first is provisionally charged with it."""
+        """Replicas ranked best first for request, as Serve wants them: the choice (see choose()),
+        then the other candidates least loaded first, where Serve goes while a replica is full."""
         candidates = self._candidates(replicas, now)
         if not candidates:
             return []
-        ranking = self.policy.rank(candidates, request, self)
-        self._picked(request, ranking[0], now)
-        return ranking
+        choice = self._choose(request, candidates, now)
+        return [choice, *sorted((r for r in candidates if r != choice), key=self.loads.load)]
 
-    def pick(self, request: RouteRequest, replicas: Iterable[str], now: float) -> str | None:
-        """route(...)[0], with the same state changes, without ranking the rest (a simulator's
-        fleet)."""
+    def choose(self, request: RouteRequest, replicas: Iterable[str], now: float) -> str | None:
+        """The replica for request, charged with it (None: no replica to choose from): route()'s
+        first, for a caller whose replicas never turn a request away (the simulator's)."""
         candidates = self._candidates(replicas, now)
-        if not candidates:
-            return None
-        best = self.policy.best(candidates, request, self)
-        self._picked(request, best, now)
-        return best
+        return self._choose(request, candidates, now) if candidates else None
+
+    def _choose(self, request: RouteRequest, candidates: list[str], now: float) -> str:
+        choice = self.policy.choose(candidates, request, self)
+        self.breaker.on_picked(choice, now)
+        # Charged now, not when Serve confirms: a burst routes before any confirmation comes back.
+        self._charge(request, choice, now, confirmed=False)
+        return choice
 
     def _candidates(self, replicas: Iterable[str], now: float) -> list[str]:
-        # A replica that reports itself failed, stalled or draining is never picked.
-        healthy = self._healthy_sorted(replicas)
+        """The replicas a policy may choose from, in name order (a policy's ties go by position)."""
+        given = tuple(replicas)
+        if given != self._given:
+            self._given, self._sorted = given, sorted(set(given))
+        # A replica that reports itself failed, stalled or draining is never chosen.
+        unhealthy = self.loads.unhealthy
+        healthy = [r for r in self._sorted if r not in unhealthy]
         if not healthy:
             return []
         self.loads.expire(now)
@@ -77,23 +82,6 @@ class FleetState:
         if self.breaker.any_open():
             return [r for r in healthy if self.breaker.allows(r, now)] or healthy
         return healthy
-
-    def _picked(self, request: RouteRequest, replica: str, now: float) -> None:
-        self.breaker.on_picked(replica, now)
-        # Charged now, not when Serve confirms: a burst routes before any confirmation comes back.
-        self._charge(request, replica, now, confirmed=False)
-
-    def _healthy_sorted(self, replicas: Iterable[str]) -> list[str]:
-        # The replica set rarely changes between requests: sort it once per change, not per request.
-        # A caller that passes the same tuple again (a simulator's fleet) skips even the copy: at
-        # 1,000 replicas it touches 1,000 name objects scattered over memory.
-        key = replicas if type(replicas) is tuple else tuple(replicas)
-        if key is not self._sorted[0] and key != self._sorted[0]:
-            self._sorted = (key, sorted(set(key)))
-        unhealthy = self.loads.unhealthy
-        # The cached list itself while all are healthy (no caller mutates it): policies key caches
-        # on it.
-        return [r for r in self._sorted[1] if r not in unhealthy] if unhealthy else self._sorted[1]
 
     def on_routed(self, request: RouteRequest, replica: str, now: float) -> None:
         """Serve sent request to replica (it may differ from the ranking's first if that one was
@@ -121,22 +109,18 @@ class FleetState:
     def on_completed(self, request_id: str) -> None:
         self.loads.finish(request_id)
 
-    def on_stats(self, replica: str, stats: Mapping[str, Any], now: float) -> None:
-        """Apply a replica's routing stats once per distinct report."""
-        seen = self._stats_seen.get(replica)
+    def on_stats(self, replica: str, stats: RoutingStats, now: float) -> None:
+        """Apply a replica's report once per distinct report."""
         # Serve re-broadcasts the last report with every replica-set change; re-applying an old
         # prefix report after the grace window would drop blocks planted since it was taken.
-        if stats is seen or stats == seen:
+        if stats == self._stats_seen.get(replica):
             return
         self._stats_seen[replica] = stats
         self.loads.report(replica, stats)
         if self.loads.is_healthy(replica):
             self.breaker.record_healthy_report(replica, now)
-        prefix_hashes = stats.get("prefix_hashes")
-        if prefix_hashes is not None:
-            self.index.sync_replica(
-                replica, prefix_hashes, now, self.config.stats_grace_s, ReportChange.of(stats)
-            )
+        if stats.prefix is not None:
+            self.index.sync_replica(replica, stats.prefix, now, self.config.stats_grace_s)
 
     def remove_replica(self, replica: str) -> bool:
         """Forget a dead or removed replica at once: its load, its requests, its index entries.

@@ -1,73 +1,137 @@
-"""What a replica reports to the fleet router: queues, KV usage, state and its prefix report."""
+"""What a replica reports to the fleet router: its scheduler's figures, state and prefix report.
+
+A plain dict only on the way through Serve (`record_routing_stats` returns one, and the router reads
+it from `RunningReplica.routing_stats`): `to_dict` and `from_dict` are that edge.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from enum import Enum
+from typing import Any, get_type_hints
 
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
 
-
-@dataclass(slots=True)
-class RoutingStats:
-    """A replica's figures for the router; a dict only at Serve's edge (record_routing_stats)."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    num_swapped: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-    num_free_blocks: int = 0
-    state: str = (
-        "ok"  # "ok" | "failed" | "stalled" | "draining": the router picks only "ok" replicas
-    )
-    prefix_hashes: list[int] | None = None  # most recently cached blocks, oldest first
-    # The pool's report number, and the change of prefix_hashes since report prefix_base_id (a
-    # router that applied that one applies these instead of comparing whole lists).
-    prefix_report_id: int | None = None
-    prefix_base_id: int | None = None
-    prefix_listed: list[int] | None = None
-    prefix_unlisted: list[int] | None = None
-
-    @classmethod
-    def of(cls, stats: SchedulerStats | None) -> RoutingStats:
-        if stats is None:
-            return cls()
-        return cls(
-            num_waiting=stats.num_waiting,
-            num_running=stats.num_running,
-            num_swapped=stats.num_swapped,
-            kv_cache_usage=stats.kv_cache_usage,
-            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-            num_preemptions=stats.num_preemptions,
-            num_free_blocks=stats.num_free_blocks,
-        )
-
-    def set_prefix(self, report: PrefixReport) -> None:
-        """Carry the pool's prefix report (its change only when it gives one)."""
-        self.prefix_hashes = report.hashes
-        self.prefix_report_id = report.report_id
-        if report.base_id is not None:
-            self.prefix_base_id = report.base_id
-            self.prefix_listed = report.listed
-            self.prefix_unlisted = report.unlisted
-
-    def as_dict(self) -> dict[str, Any]:
-        """The figures, and the prefix fields that are set."""
-        out = {name: getattr(self, name) for name in self.__slots__ if name not in _PREFIX_FIELDS}
-        for name in _PREFIX_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        return out
-
-
-_PREFIX_FIELDS = (
+# Block hashes are 128-bit (scheduler.hashing).
+_HASH_LIMIT = 1 << 128
+_PREFIX_KEYS = (
     "prefix_hashes",
     "prefix_report_id",
     "prefix_base_id",
     "prefix_listed",
     "prefix_unlisted",
 )
+
+
+class ReplicaState(str, Enum):
+    """How a replica stands; the router picks only OK replicas."""
+
+    OK = "ok"
+    FAILED = "failed"  # its engine loop died
+    STALLED = "stalled"  # one engine step has overrun the stall timeout
+    DRAINING = "draining"  # shutting down
+
+
+_STATES = tuple(s.value for s in ReplicaState)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingStats:
+    """One report of a replica to the router."""
+
+    scheduler: SchedulerStats
+    state: ReplicaState = ReplicaState.OK
+    prefix: PrefixReport | None = None  # None: the engine could not be asked in time
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as Serve carries it: flat, plain values."""
+        out = {f.name: getattr(self.scheduler, f.name) for f in fields(SchedulerStats)}
+        out["state"] = self.state.value
+        if self.prefix is not None:
+            p = self.prefix
+            values = (p.hashes, p.report_id, p.base_id, p.listed, p.unlisted)
+            out.update(zip(_PREFIX_KEYS, values))
+        return out
+
+    @classmethod
+    def from_dict(cls, report: Any) -> RoutingStats:
+        """Parse what a replica sent; ValueError naming the first field that is missing or wrong."""
+        if not isinstance(report, Mapping):
+            raise ValueError(f"routing stats: expected a dict, got {type(report).__name__}")
+        state = report.get("state", "ok")
+        if state not in _STATES:
+            raise ValueError(
+                f"routing stats field 'state': expected one of {_STATES}, got {_short(state)}"
+            )
+        prefix = None
+        if report.get("prefix_hashes") is not None:
+            base_id = report.get("prefix_base_id")
+            prefix = PrefixReport(
+                _block_hashes(report, "prefix_hashes"),
+                _count(report, "prefix_report_id"),
+                None if base_id is None else _count(report, "prefix_base_id"),
+                _block_hashes(report, "prefix_listed"),
+                _block_hashes(report, "prefix_unlisted"),
+            )
+        return cls(_scheduler_stats(report), ReplicaState(state), prefix)
+
+
+_FIELD_TYPES = get_type_hints(SchedulerStats)
+
+
+def _scheduler_stats(report: Mapping[str, Any]) -> SchedulerStats:
+    """SchedulerStats from the report's fields; those with a default there may be absent."""
+    values: dict[str, Any] = {}
+    for f in fields(SchedulerStats):
+        if f.name not in report and f.default is not MISSING:
+            continue
+        if _FIELD_TYPES[f.name] is int:
+            values[f.name] = _count(report, f.name)
+        else:
+            values[f.name] = _figure(report, f.name)
+    return SchedulerStats(**values)
+
+
+def _field(report: Mapping[str, Any], key: str) -> Any:
+    if key not in report:
+        raise ValueError(f"routing stats field {key!r}: missing")
+    return report[key]
+
+
+def _count(report: Mapping[str, Any], key: str) -> int:
+    value = _field(report, key)
+    if type(value) is not int or value < 0:
+        raise ValueError(
+            f"routing stats field {key!r}: expected an integer >= 0, got {_short(value)}"
+        )
+    return value
+
+
+def _figure(report: Mapping[str, Any], key: str) -> float:
+    value = _field(report, key)
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"routing stats field {key!r}: expected a number >= 0, got {_short(value)}"
+        )
+    return float(value)
+
+
+def _block_hashes(report: Mapping[str, Any], key: str) -> list[int]:
+    value = _field(report, key)
+    # C-level passes: every report of every replica carries a few thousand hashes.
+    if type(value) is not list or (
+        value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) >= _HASH_LIMIT)
+    ):
+        raise ValueError(
+            f"routing stats field {key!r}: expected a list of block hashes (integers in "
+            f"[0, 2**128)), got {_short(value)}"
+        )
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -16,6 +16,7 @@ from operator import sub
 from router.config import RoutingConfig
 from router.fleet import FleetState
 from router.policies import RouteRequest
+from router.stats import RoutingStats
 from scheduler import RequestOutput, SchedulerConfig, extend_block_hashes, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import GapTally, RequestRecord, SimResult
@@ -62,7 +63,7 @@ class _StatsRound:
     reaches the router the moment it is taken.
     """
 
-    reports: list[tuple[int, str, dict]] = field(
+    reports: list[tuple[int, str, RoutingStats]] = field(
         default_factory=list
     )  # (replica index, name, stats)
     delivered: bool = False
@@ -205,9 +206,7 @@ class FleetSim:
             if config.host.shared
             else {}
         )
-        self.names = tuple(
-            r.name for r in self.replicas
-        )  # one tuple: the router's pick reuses its sort
+        self.names = tuple(r.name for r in self.replicas)
         self._by_name = {r.name: r for r in self.replicas}
         self.fleet = FleetState(config.routing)
         self._events: list[tuple[float, int, int, object]] = []
@@ -318,10 +317,10 @@ class FleetSim:
     ) -> None:
         """Route request i of the workload and queue it at its replica."""
         prompt = req.prompt_token_ids(i)
-        route = RouteRequest(
-            req.request_id, req.prompt_len + req.output_len, self._hashes(req, prompt)
-        )
-        name = self.fleet.pick(route, self.names, now)
+        hashes = self._hashes(req, prompt)
+        route = RouteRequest(req.request_id, req.prompt_len + req.output_len, hashes)
+        name = self.fleet.choose(route, self.names, now)
+        assert name is not None  # simulated replicas always report themselves OK
         self.fleet.on_routed(route, name, now)
         replica = self._by_name[name]
         if isinstance(replica.in_flight, Cruise):
@@ -334,7 +333,7 @@ class FleetSim:
             req.tenant,
             req.priority,
             now,
-            route.block_hashes,
+            hashes,
         )
         if replica.in_flight is None:
             self._push(now, _KICK, replica)

