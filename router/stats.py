@@ -8,6 +8,13 @@ from typing import Any
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
 
+# How often Serve asks each replica for its report (request_routing_stats_period_s); the simulator
+# reports at the same period.
+ROUTING_STATS_PERIOD_S = 1.0
+# Prefix hashes per report: enough to describe the hot prefixes, each report one pickled list of
+# 128-bit ints.
+MAX_REPORTED_PREFIX_HASHES = 4096
+
 
 @dataclass(slots=True)
 class RoutingStats:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from router.stats import RoutingStats
+from router.stats import MAX_REPORTED_PREFIX_HASHES, RoutingStats
 from scheduler import (
     ModelRunnerOutput,
     Request,
@@ -244,7 +244,7 @@ class SimReplica:
             if o.finished:
                 del self.output_len[o.request_id]
 
-    def routing_stats(self, max_hashes: int = 4096) -> dict:
+    def routing_stats(self, max_hashes: int = MAX_REPORTED_PREFIX_HASHES) -> dict:
         """What a production replica reports to the router: queue lengths, KV usage, hot
         prefixes."""
         # As a production replica reports them (cluster/replica.py): the pool's prefix report.
