@@ -18,7 +18,7 @@ import math
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, TypeGuard, TypeVar, Union, get_args, get_origin, get_type_hints
 
 C = TypeVar("C")
 
@@ -73,7 +73,8 @@ class _Kind:
     item: type | None = None
 
 
-def is_config(tp: Any) -> bool:
+def is_config(tp: object) -> TypeGuard[type]:
+    """A config class: a dataclass, as every config of the tree is."""
     return isinstance(tp, type) and is_dataclass(tp)
 
 
@@ -139,9 +140,10 @@ def _range_error(value: Any, meta: Mapping[str, Any]) -> str | None:
 
 def _checked(f: Field, kind: _Kind, value: Any) -> Any:
     """The field's value once valid (a section built from its mapping, an int made a float)."""
-    if is_config(kind.base):
-        if isinstance(value, (kind.base, Mapping)):
-            return build(kind.base, value, f"{f.name}.")
+    section = kind.base
+    if is_config(section):
+        if isinstance(value, (section, Mapping)):
+            return build(section, value, f"{f.name}.")
         raise ValueError(f"{f.name}: must be a mapping, got {shown(value)}")
     problem = _type_error(value, kind.base) or _range_error(value, f.metadata)
     if problem:
@@ -162,7 +164,8 @@ def _checked(f: Field, kind: _Kind, value: Any) -> Any:
 def check_settings(obj: Any) -> None:
     """Validate every declared setting and section of a config instance, naming the field of the
     first bad value; sections given as mappings become configs, ints given for floats floats."""
-    for f, kind in _checked_fields(type(obj)):
+    cls: type = type(obj)
+    for f, kind in _checked_fields(cls):
         value = getattr(obj, f.name)
         if value is None and kind.optional:
             continue
@@ -233,11 +236,11 @@ def _entries(value: Any) -> list[tuple[str, Any]]:
 def _sections(cls: type) -> dict[str, type]:
     """The sections that are always there (an optional one, like autoscaling, takes no flat
     keys)."""
-    return {
-        f.name: kind.base
-        for f, kind in _checked_fields(cls)
-        if is_config(kind.base) and not kind.optional
-    }
+    out: dict[str, type] = {}
+    for f, kind in _checked_fields(cls):
+        if is_config(kind.base) and not kind.optional:
+            out[f.name] = kind.base
+    return out
 
 
 @functools.cache
