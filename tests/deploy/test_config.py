@@ -316,7 +316,8 @@ def _taken_or_refused_by_path(key: tuple, value: object) -> None:
         return
     kept = landed(config)
     if isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        assert kept == value and type(kept) in (int, float, str)
+        assert type(kept) in (int, float, str)
+        assert kept == (float(value) if isinstance(kept, float) else value)  # an int for a float
 
 
 def test_hostile_values_of_every_key_are_taken_or_refused_naming_its_path():
