@@ -21,10 +21,9 @@ from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
 from scheduler.settings import build, check_settings, clipped, nest, setting, shown
 
 ROUTERS = {
-    "power_of_two": None,  # Serve's built-in PowerOfTwoChoicesRequestRouter
     "fleet": "cluster.serve_router.FleetRouter",  # load + prefix affinity (router/)
+    "power_of_two": None,  # Serve's built-in PowerOfTwoChoicesRequestRouter
 }
-ROUTER_NAMES = ("fleet", "power_of_two")
 # A bundle lives on one node; the replica's also sets its torch threads.
 MAX_BUNDLE_CPUS = 1024
 
@@ -95,7 +94,7 @@ class AppConfig:
     router: str = setting(
         "fleet",
         "`fleet` (load + prefix affinity) or Serve's `power_of_two`",
-        choices=ROUTER_NAMES,
+        choices=tuple(ROUTERS),
     )
     # Serve hands this mapping to the router as request_router_kwargs; it is checked here.
     router_kwargs: dict[str, Any] | None = setting(
