@@ -41,6 +41,7 @@ from ray import serve
 from cluster.replica import LLMReplica
 from cluster.serve_router import ROUTER_CLASS_PATH
 from deploy.config import AppConfig
+from router.stats import ROUTING_STATS_PERIOD_S
 from scheduler import SamplingParams, hash_prompt_blocks
 from scheduler.request import GenerateRequest
 
@@ -153,7 +154,10 @@ class Result:
 
 def router_configs(threshold: float) -> dict[str, dict[str, Any] | None]:
     """request_router_config per router name (None: Serve's default power-of-two)."""
-    fleet = {"request_router_class": ROUTER_CLASS_PATH, "request_routing_stats_period_s": 1.0}
+    fleet = {
+        "request_router_class": ROUTER_CLASS_PATH,
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
     configs: dict[str, dict[str, Any] | None] = {
         "prefix_affinity": {
             **fleet,

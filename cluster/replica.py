@@ -27,7 +27,7 @@ from cluster.ray_executor import ray_executor
 from engine.config import EngineConfig
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
-from router.stats import ReplicaState, RoutingStats
+from router.stats import MAX_REPORTED_PREFIX_HASHES, ReplicaState, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import GenerateRequest, Request
 
@@ -103,8 +103,6 @@ class _Stream:
         return item
 
 
-# Enough to describe the hot prefixes; each report is one pickled list of 128-bit ints.
-MAX_REPORTED_PREFIX_HASHES = 4096
 # How often the watchdog looks for a stalled engine and for requests whose caller died.
 WATCHDOG_PERIOD_S = 1.0
 # Where Serve puts every replica actor, the ingress replicas that call us included (the runtime

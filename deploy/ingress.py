@@ -44,7 +44,6 @@ from deploy.tools import (
 )
 from frontend.frontend import Frontend
 from scheduler.request import GenerateRequest
-from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput
 from workers.grammar import check_constraint
 from workers.process import set_niceness
@@ -384,22 +383,7 @@ class OpenAIIngress:
                     param="stop",
                 )
             for i in range(body.n):
-                params = SamplingParams(
-                    max_tokens=max_tokens,
-                    temperature=body.temperature,
-                    top_p=body.top_p,
-                    top_k=body.top_k,
-                    min_p=body.min_p,
-                    seed=None if body.seed is None else body.seed + i,
-                    repetition_penalty=body.repetition_penalty,
-                    presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty,
-                    logprobs=logprobs,
-                    ignore_eos=body.ignore_eos,
-                    stop=list(body.stop),
-                    logit_bias=dict(body.logit_bias or {}),
-                    structured=constraint,
-                )
+                params = body.sampling_params(max_tokens, logprobs, constraint, choice=i)
                 params.check_vocab(self.frontend.info.vocab_size)
                 request = GenerateRequest(
                     request_id=f"{base_id}-{p * body.n + i}",

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
-from scheduler.sampling_params import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_N,
-    MAX_SEED,
-    MAX_STOP_STRINGS,
-    MAX_TOKEN_ID,
-)
+from scheduler.sampling_params import MAX_SEED, SamplingParams
 from scheduler.structured_output import StructuredOutput
 
 # Documented OpenAI (and vLLM) request fields raylm does not implement: a 400 naming the field
@@ -128,26 +122,26 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions, each bounded as SamplingParams
-    is."""
+    """Fields shared by /v1/completions and /v1/chat/completions. The sampling fields are only
+    parsed here: SamplingParams owns their bounds, and its ValueError is a 400 naming the field."""
 
     # OpenAI clients send bookkeeping fields we do not use (metadata, store, ...): ignore those;
     # fields that would change the output and are not implemented are refused (_UNSUPPORTED).
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field(max_length=1024)
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKEN_ID)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, le=MAX_TOKEN_ID)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=MAX_SEED)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
     stop: list[str] = Field(default_factory=list)
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
-    logit_bias: dict[int, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -175,16 +169,60 @@ class _SamplingFields(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _seeds_stay_in_range(self) -> _SamplingFields:
+    def _sampling_bounds(self) -> _SamplingFields:
+        # Built once here, SamplingParams refuses a bad value before any work is done.
+        max_tokens = self.asked_max_tokens
+        try:
+            params = self.sampling_params(
+                1 if max_tokens is None else max_tokens, self.asked_logprobs
+            )
+            replace(params, n=self.n)  # each choice is one engine request; n bounds the fan-out
+        except ValueError as exc:
+            name, _, problem = str(exc).partition(":")
+            raise ValueError(f"{self.field_name(name)}:{problem}") from None
         # Choice i of n draws with seed + i: the last one must still be a valid seed.
         if self.seed is not None and self.seed + self.n - 1 >= MAX_SEED:
             raise ValueError(f"seed: seed + n - 1 must be < 2^63, got seed={self.seed}, n={self.n}")
-        for token, bias in (self.logit_bias or {}).items():
-            if not (0 <= token <= MAX_TOKEN_ID and -100.0 <= bias <= 100.0):
-                raise ValueError(
-                    f"logit_bias: token {token} must be a token id and its bias in [-100, 100]"
-                )
         return self
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: StructuredOutput | None = None,
+        choice: int = 0,
+    ) -> SamplingParams:
+        """The SamplingParams of choice `choice` of this request (seeded seed + choice)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=None if self.seed is None else self.seed + choice,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=logprobs,
+            ignore_eos=self.ignore_eos,
+            stop=list(self.stop),
+            logit_bias=dict(self.logit_bias or {}),
+            structured=structured,
+        )
+
+    @property
+    def asked_max_tokens(self) -> int | None:
+        """max_tokens as the client asked for it (unset: what the context leaves)."""
+        return self.max_tokens
+
+    @property
+    def asked_logprobs(self) -> int | None:
+        """The top-logprobs count as the client asked for it (None: no logprobs)."""
+        return None
+
+    def field_name(self, name: str) -> str:
+        """This request's name for a SamplingParams field."""
+        return name
 
     def output_constraint(self) -> StructuredOutput | None:
         """The constraint asked for by response_format, structured_outputs or a guided_* field."""
@@ -217,22 +255,19 @@ class _SamplingFields(BaseModel):
     def _stop_list(cls, v: object) -> object:
         if v is None:
             return []
-        stops = [v] if isinstance(v, str) else v
-        if not isinstance(stops, list):
-            return stops  # the list[str] check reports it
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
-        return stops
+        return [v] if isinstance(v, str) else v
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
+
+    @property
+    def asked_logprobs(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="before")
     @classmethod
@@ -286,9 +321,9 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -317,3 +352,21 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+    @property
+    def asked_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def asked_logprobs(self) -> int | None:
+        # top_logprobs is bounded even while logprobs is off.
+        return self.top_logprobs if self.top_logprobs is not None else self.num_logprobs
+
+    def field_name(self, name: str) -> str:
+        if name == "logprobs":
+            return "top_logprobs"
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return name

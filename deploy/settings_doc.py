@@ -34,43 +34,16 @@ def _default_text(value: Any, derived: str | None) -> str:
     return f"`{value}`" if isinstance(value, str) else str(value)
 
 
-def _dataclass_rows(section: str, cls: type) -> list[str]:
+def _rows(section: str, cls: type, unset: str = "unset") -> list[str]:
+    """One row per declared setting of cls; `unset` shows a default of None that nothing
+    derives."""
     rows = []
     for f in declared_settings(cls):
         meta = f.metadata
         default = f.default if f.default is not MISSING else None
         rows.append(
-            f"| `{f.name}` | {section} | {_default_text(default, meta['derived'])} | "
+            f"| `{f.name}` | {section} | {_default_text(default, meta['derived'] or unset)} | "
             f"{range_text(meta)} | {meta['doc']} |"
-        )
-    return rows
-
-
-def _pydantic_range(field: Any) -> str:
-    bounds: dict[str, Any] = {"ge": None, "gt": None, "le": None, "lt": None, "choices": None}
-    for item in field.metadata:
-        for key in ("ge", "gt", "le", "lt"):
-            if getattr(item, key, None) is not None:
-                bounds[key] = getattr(item, key)
-    args = getattr(field.annotation, "__args__", None)
-    if (
-        getattr(field.annotation, "__origin__", None) is not None
-        and args
-        and all(isinstance(a, (str, int)) for a in args)
-    ):
-        bounds["choices"] = args
-    return range_text(bounds)
-
-
-def _app_rows() -> list[str]:
-    rows = []
-    for name, field in AppConfig.model_fields.items():
-        if name == "engine":
-            continue
-        default = field.get_default(call_default_factory=True)
-        shown = "none" if default in (None, {}) else _default_text(default, None)
-        rows.append(
-            f"| `{name}` | app | {shown} | {_pydantic_range(field)} | {field.description} |"
         )
     return rows
 
@@ -79,10 +52,10 @@ def settings_table() -> str:
     """Every setting of the tree: flat key, section, default, range, meaning."""
     head = ["| key | section | default | range | meaning |", "| --- | --- | --- | --- | --- |"]
     rows = (
-        _app_rows()
-        + _dataclass_rows("router_kwargs", RoutingConfig)
-        + _dataclass_rows("engine", EngineConfig)
-        + _dataclass_rows("scheduler", SchedulerConfig)
+        _rows("app", AppConfig, unset="none")
+        + _rows("router_kwargs", RoutingConfig)
+        + _rows("engine", EngineConfig)
+        + _rows("scheduler", SchedulerConfig)
     )
     return "\n".join(head + rows)
 

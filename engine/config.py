@@ -8,21 +8,16 @@ Importing this module loads no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from scheduler.config import SchedulerConfig
-from scheduler.settings import check_settings, declared_settings, setting
+from scheduler.settings import build, check_settings, nest, setting, shown
 from workers.options import ATTENTION_BACKENDS, DEFAULT_CACHE_DIR, DTYPE_NAMES, STEP_TRANSPORTS
 from workers.process import MAX_NICE, MIN_NICE
 
 if TYPE_CHECKING:
     from workers.runner import RunnerConfig
-
-# Settings a flat mapping (LLM(**kwargs), deploy.yaml args) may name, generated from the
-# dataclasses.
-SCHEDULER_KEYS = tuple(f.name for f in declared_settings(SchedulerConfig))
-
 
 # A chunk is held until this many tokens at most: beyond it a stream is no stream.
 MAX_STREAM_INTERVAL = 256
@@ -105,14 +100,7 @@ class EngineConfig:
         if not self.model:
             raise ValueError("model: must be a non-empty string")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
-            raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if isinstance(self.scheduler, dict):
-            self.scheduler = scheduler_from_dict(self.scheduler)
-        if not isinstance(self.scheduler, SchedulerConfig):
-            raise ValueError(
-                "scheduler: must be a SchedulerConfig or a mapping, got "
-                f"{type(self.scheduler).__name__}"
-            )
+            raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {shown(self.device)}")
         sched = self.scheduler
         if (
             sched.preemption_mode == "swap"
@@ -120,23 +108,15 @@ class EngineConfig:
             and self.swap_space_gb == 0
         ):
             raise ValueError(
-                "preemption_mode: 'swap' needs a CPU pool: set swap_space_gb or num_cpu_blocks"
+                "scheduler.preemption_mode: 'swap' needs a CPU pool: set swap_space_gb or "
+                "num_cpu_blocks"
             )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Engine settings and SchedulerConfig knobs mixed in one flat call (as LLM(...) takes
-        them)."""
-        own = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in kwargs if k not in own and k not in SCHEDULER_KEYS)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: not an engine or scheduler setting")
-        engine = {k: v for k, v in kwargs.items() if k in own and k != "scheduler"}
-        nested = kwargs.get("scheduler", {})
-        if isinstance(nested, SchedulerConfig):
-            nested = {name: getattr(nested, name) for name in SCHEDULER_KEYS}
-        knobs = {**nested, **{k: v for k, v in kwargs.items() if k in SCHEDULER_KEYS}}
-        return cls(**engine, scheduler=scheduler_from_dict(knobs))
+        """Engine settings and SchedulerConfig knobs mixed in one flat call, as LLM(...) takes
+        them (a `scheduler` mapping or SchedulerConfig too: the flat knobs win)."""
+        return build(cls, nest(cls, kwargs))
 
     def resolved_device(self) -> str:
         """ "auto" resolved against what this process can see."""
@@ -183,19 +163,6 @@ class EngineConfig:
     @property
     def block_size(self) -> int:
         return self.scheduler.block_size
-
-
-def scheduler_from_dict(knobs: dict[str, Any]) -> SchedulerConfig:
-    """A SchedulerConfig from a mapping; unknown keys and bad values name the `scheduler.` path."""
-    unknown = sorted(set(knobs) - set(SCHEDULER_KEYS))
-    if unknown:
-        raise ValueError(
-            f"scheduler.{unknown[0]}: not a scheduler setting; known: {list(SCHEDULER_KEYS)}"
-        )
-    try:
-        return SchedulerConfig(**knobs)
-    except ValueError as exc:
-        raise ValueError(f"scheduler.{exc}") from None
 
 
 def _is_cuda_index(device: str) -> bool:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.settings import check_settings, setting
+from scheduler.settings import build, check_settings, setting
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_affinity")
 # Routed requests whose outcome the router can still attribute (a few minutes of heavy traffic).
@@ -76,10 +76,6 @@ class RoutingConfig:
 
     @classmethod
     def from_router_kwargs(cls, kwargs: Mapping[str, Any] | None) -> RoutingConfig:
-        """Validated config from request_router_kwargs; an unknown key raises ValueError naming
-        it."""
-        known = cls.__dataclass_fields__
-        for key in kwargs or {}:
-            if key not in known:
-                raise ValueError(f"router_kwargs.{key}: unknown; known: {sorted(known)}")
-        return cls(**(kwargs or {}))
+        """Validated config from request_router_kwargs; an unknown key or a bad value raises
+        ValueError naming it (`router_kwargs.<key>`)."""
+        return build(cls, kwargs, "router_kwargs.")

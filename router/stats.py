@@ -15,6 +15,14 @@ from typing import Any, get_type_hints
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
 
+# How often Serve asks each replica for its report (request_routing_stats_period_s); the simulator
+# reports at the same period.
+ROUTING_STATS_PERIOD_S = 1.0
+# Prefix hashes per report: enough to describe the hot prefixes, each report one pickled list of
+# 128-bit ints.
+MAX_REPORTED_PREFIX_HASHES = 4096
+
+
 # Block hashes are 128-bit (scheduler.hashing).
 _HASH_LIMIT = 1 << 128
 _PREFIX_KEYS = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from scheduler.settings import shown as _shown
 from scheduler.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
@@ -16,8 +17,17 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63  # exclusive: a torch.Generator seed is a signed 64-bit integer
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; the engine checks against the real one
+MAX_TOKENS = 2**31 - 1  # positions are 32-bit; the engine checks against max_model_len
 MAX_N = 128
 MAX_LOGIT_BIAS = 300
+# OpenAI's range (vLLM's too). A smaller positive temperature is greedy: dividing float32 logits
+# by it would overflow them (1e-46 is 0 in float32).
+MAX_TEMPERATURE = 2.0
+MIN_TEMPERATURE = 1e-5
+# Positive logits are divided by the penalty and negative ones multiplied: within [1/100, 100]
+# float32 logits stay finite (a penalty that rounds to 0 in float32 would make them inf or NaN).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -30,14 +40,21 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past the float range
+        return False
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. Temperature 0 means greedy."""
+    """How to pick tokens and when to stop. Every bound of a request's sampling fields is here;
+    the HTTP schema only parses and hands the values over."""
 
     max_tokens: int = 16
+    # In [0, MAX_TEMPERATURE]; below MIN_TEMPERATURE (0 included) the pick is greedy.
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -60,9 +77,9 @@ class SamplingParams:
 
     def _check_numbers(self) -> None:
         _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            _is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS,
             "max_tokens",
-            f"must be an integer >= 1, got {self.max_tokens!r}",
+            f"must be an integer in [1, 2^31), got {_shown(self.max_tokens)}",
         )
         for name in (
             "temperature",
@@ -75,20 +92,25 @@ class SamplingParams:
             _check(
                 _is_number(getattr(self, name)),
                 name,
-                f"must be a finite number, got {getattr(self, name)!r}",
+                f"must be a finite number, got {_shown(getattr(self, name))}",
             )
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(
+            0.0 <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(
             _is_int(self.top_k) and -1 <= self.top_k <= MAX_TOKEN_ID,
             "top_k",
-            f"must be -1, 0 (off) or a vocabulary-sized k >= 1, got {self.top_k!r}",
+            f"must be -1, 0 (off) or a vocabulary-sized k >= 1, got {_shown(self.top_k)}",
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(
-            self.repetition_penalty > 0.0,
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
-            f"must be > 0, got {self.repetition_penalty}",
+            f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+            f"got {self.repetition_penalty}",
         )
         _check(
             -2.0 <= self.presence_penalty <= 2.0,
@@ -103,18 +125,18 @@ class SamplingParams:
         _check(
             self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED),
             "seed",
-            f"must be an integer in [0, 2^63), got {self.seed!r}",
+            f"must be an integer in [0, 2^63), got {_shown(self.seed)}",
         )
         _check(
             self.logprobs is None
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
-            f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            f"must be in [0, {MAX_LOGPROBS}], got {_shown(self.logprobs)}",
         )
         _check(
             _is_int(self.n) and 1 <= self.n <= MAX_N,
             "n",
-            f"must be in [1, {MAX_N}], got {self.n!r}",
+            f"must be in [1, {MAX_N}], got {_shown(self.n)}",
         )
         _check(
             self.structured is None or isinstance(self.structured, StructuredOutput),
@@ -124,7 +146,7 @@ class SamplingParams:
         _check(
             isinstance(self.ignore_eos, bool),
             "ignore_eos",
-            f"must be true or false, got {self.ignore_eos!r}",
+            f"must be true or false, got {_shown(self.ignore_eos)}",
         )
         # A constraint ends where its grammar accepts: generating past that point has no valid
         # token.
@@ -163,12 +185,12 @@ class SamplingParams:
             _check(
                 _is_int(token) and 0 <= token <= MAX_TOKEN_ID,
                 "logit_bias",
-                f"token id {token!r} is invalid",
+                f"token id {_shown(token)} is invalid",
             )
             _check(
                 _is_number(bias) and -100.0 <= bias <= 100.0,
                 "logit_bias",
-                f"bias of token {token} must be in [-100, 100], got {bias!r}",
+                f"bias of token {token} must be in [-100, 100], got {_shown(bias)}",
             )
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -190,4 +212,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """A temperature below MIN_TEMPERATURE takes the argmax."""
+        return self.temperature < MIN_TEMPERATURE

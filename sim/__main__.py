@@ -6,13 +6,19 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import Any
 
 from router.config import POLICIES, RoutingConfig
 from scheduler import SchedulerConfig
+from scheduler.config import POLICIES as QUEUE_POLICIES
 from sim.cost import load_profile
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import SIM_MAX_MODEL_LEN, SIM_NUM_GPU_BLOCKS, FleetSim, SimConfig
 from sim.plots import plot_rows as _plot
-from sim.workload import WorkloadConfig, load_trace, synthetic_workload
+from sim.workload import SimRequest, WorkloadConfig, load_trace, synthetic_workload
+
+# The command line's defaults are the configs' own.
+_SCHEDULER = SchedulerConfig()
+_SIM = SimConfig()
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -33,11 +39,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-len", type=_range, default=(16, 16), help="LO,HI tokens")
     p.add_argument("--output-len", type=_range, default=(16, 16), help="LO,HI tokens")
     p.add_argument("--router", choices=POLICIES, nargs="+", default=["prefix_affinity"])
-    p.add_argument("--policy", default="fcfs", help="scheduler policy: fcfs | priority | fair")
-    p.add_argument("--blocks", type=int, default=1024, help="KV blocks per replica")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--stats-delay", type=float, default=0.5)
+    p.add_argument("--policy", choices=QUEUE_POLICIES, default=_SCHEDULER.policy)
+    p.add_argument("--blocks", type=int, default=SIM_NUM_GPU_BLOCKS, help="KV blocks per replica")
+    p.add_argument("--block-size", type=int, default=_SCHEDULER.block_size, help="tokens per block")
+    p.add_argument("--max-num-seqs", type=int, default=_SCHEDULER.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=_SCHEDULER.max_num_batched_tokens)
+    p.add_argument(
+        "--stats-delay",
+        type=float,
+        default=_SIM.stats_delay_s,
+        help="seconds a replica's report takes to reach the router",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
     p.add_argument("--slo-itl", type=float, default=0.5, help="seconds")
@@ -50,7 +62,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="PNG path")
 
 
-def _workload(a: argparse.Namespace):
+def _workload(a: argparse.Namespace) -> list[SimRequest]:
     if a.trace:
         return load_trace(a.trace)
     return synthetic_workload(
@@ -67,13 +79,16 @@ def _workload(a: argparse.Namespace):
     )
 
 
-def _simulate(a: argparse.Namespace, replicas: int, router: str, workload) -> dict:
+def _simulate(
+    a: argparse.Namespace, replicas: int, router: str, workload: list[SimRequest]
+) -> dict[str, Any]:
     sched = SchedulerConfig(
         num_gpu_blocks=a.blocks,
+        block_size=a.block_size,
         max_num_seqs=a.max_num_seqs,
         policy=a.policy,
         max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=min(4096, a.blocks * 16),
+        max_model_len=min(SIM_MAX_MODEL_LEN, a.blocks * a.block_size),
     )
     cfg = SimConfig(
         num_replicas=replicas,
@@ -84,7 +99,7 @@ def _simulate(a: argparse.Namespace, replicas: int, router: str, workload) -> di
     t0 = time.perf_counter()
     result = FleetSim(cfg, load_profile(a.profile)).run(workload, until_s=a.until)
     wall = time.perf_counter() - t0
-    row = result.summary(a.slo_ttft, a.slo_itl)
+    row: dict[str, Any] = dict(result.summary(a.slo_ttft, a.slo_itl))
     row.update(
         replicas=replicas,
         router=router,
@@ -160,7 +175,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
         _plot(a.plot, rows, "replicas", ("ttft_p90_s", "itl_p90_s"), f"plan at {a.rate} req/s")
 
 
-def main(argv: list[str] | None = None) -> None:
+def command_line() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sim")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate a fleet and print its figures")
@@ -169,6 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     plan = sub.add_parser("plan", help="smallest replica count meeting the SLOs")
     _add_common(plan)
     plan.add_argument("--max-replicas", type=int, default=4096)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line()
     a = parser.parse_args(argv)
     try:
         {"run": cmd_run, "plan": cmd_plan}[a.command](a)

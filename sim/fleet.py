@@ -16,7 +16,7 @@ from operator import sub
 from router.config import RoutingConfig
 from router.fleet import FleetState
 from router.policies import RouteRequest
-from router.stats import RoutingStats
+from router.stats import ROUTING_STATS_PERIOD_S, RoutingStats
 from scheduler import RequestOutput, SchedulerConfig, extend_block_hashes, hash_prompt_blocks
 from sim.cost import CostModel
 from sim.metrics import GapTally, RequestRecord, SimResult
@@ -129,6 +129,12 @@ class HostConfig:
         return max(1.0, busy * self.cores_per_replica / (self.cores - self.background_cores))
 
 
+# What a simulated replica's engine would measure (KV blocks) and the context length, where the
+# scheduler config leaves them unset.
+SIM_NUM_GPU_BLOCKS = 1024
+SIM_MAX_MODEL_LEN = 4096
+
+
 @dataclass(slots=True)
 class SimConfig:
     """The simulated fleet: replica count, each replica's scheduler, router and its stats delay."""
@@ -137,10 +143,10 @@ class SimConfig:
     # Pool sizes and context length an engine would measure; left None they take these values.
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
-    stats_period_s: float = (
-        1.0  # how often replicas report to the router (Serve's routing-stats period)
-    )
-    stats_delay_s: float = 0.5  # how late a report reaches the router
+    stats_period_s: float = ROUTING_STATS_PERIOD_S  # how often replicas report to the router
+    # How late a report reaches the router: Serve polls each replica once a period, so the router
+    # reads a report half a period old on average.
+    stats_delay_s: float = ROUTING_STATS_PERIOD_S / 2
     # Run a replica's steps back to back while no other event intervenes, and jump over its
     # pure-decode stretches (False: every step through the event queue, the reference).
     coalesce: bool = True
@@ -157,9 +163,9 @@ class SimConfig:
         s = self.scheduler
         self.scheduler = dataclasses.replace(
             s,
-            num_gpu_blocks=s.num_gpu_blocks if s.num_gpu_blocks is not None else 1024,
+            num_gpu_blocks=s.num_gpu_blocks if s.num_gpu_blocks is not None else SIM_NUM_GPU_BLOCKS,
             num_cpu_blocks=s.num_cpu_blocks if s.num_cpu_blocks is not None else 0,
-            max_model_len=s.max_model_len if s.max_model_len is not None else 4096,
+            max_model_len=s.max_model_len if s.max_model_len is not None else SIM_MAX_MODEL_LEN,
         )
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas: must be >= 1, got {self.num_replicas}")

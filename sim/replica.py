@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from router.stats import RoutingStats
+from router.stats import MAX_REPORTED_PREFIX_HASHES, RoutingStats
 from scheduler import (
     ModelRunnerOutput,
     Request,
@@ -241,7 +241,7 @@ class SimReplica:
             if o.finished:
                 del self.output_len[o.request_id]
 
-    def routing_stats(self, max_hashes: int = 4096) -> RoutingStats:
+    def routing_stats(self, max_hashes: int = MAX_REPORTED_PREFIX_HASHES) -> RoutingStats:
         """What a production replica reports to the router (cluster/replica.py): queue lengths, KV
         usage and the pool's prefix report."""
         return RoutingStats(

@@ -29,6 +29,10 @@ from sim.workload import SimRequest, WorkloadConfig, synthetic_workload
 # scale use the calibrated profile, at half of the capacity measured below.
 STUDY_PROFILE = "cpu-derived"
 FLEET_PROFILE = "cpu"
+# The fleet sizes and timed window of the routing and scale studies (the command line's defaults).
+ROUTING_SIZES = (8, 64, 512)
+SCALE_SIZES = (10, 100, 1000)
+SCALE_SECONDS = 60.0
 
 
 def _fleet_traffic(n: int, seconds: float, rate_per_replica: float, **shape) -> list[SimRequest]:
@@ -101,7 +105,10 @@ def capacity(
 
 
 def routing_at_scale(
-    out: Path, sizes=(8, 64, 512), seconds: float = 10.0, capacity_router: str = "prefix_affinity"
+    out: Path,
+    sizes: tuple[int, ...] = ROUTING_SIZES,
+    seconds: float = 10.0,
+    capacity_router: str = "prefix_affinity",
 ) -> list[dict]:
     """Every policy at 50% of a replica's capacity as measured under capacity_router's routing
     (prefix affinity's replicas hit their tenants' cached prompts, so they serve far more)."""
@@ -288,7 +295,9 @@ def _timed_window(
     return result, window, time.perf_counter() - t0
 
 
-def scale(sizes=(10, 100, 1000), seconds: float = 60.0, warmup_s: float = 120.0) -> list[dict]:
+def scale(
+    sizes: tuple[int, ...] = SCALE_SIZES, seconds: float = SCALE_SECONDS, warmup_s: float = 120.0
+) -> list[dict]:
     """Simulated seconds per wall second on the chat workload at 50% of measured capacity.
 
     The steady rate is that of the simulated window [warmup_s, warmup_s + seconds] of one run, timed
@@ -430,14 +439,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sim.studies", description=__doc__)
     parser.add_argument("outdir", nargs="?", default="sim/results")
     parser.add_argument(
-        "sizes", nargs="*", type=int, default=[8, 64, 512], help="routing study fleet sizes"
+        "sizes", nargs="*", type=int, default=list(ROUTING_SIZES), help="routing study fleet sizes"
     )
     parser.add_argument("--only", nargs="+", choices=STUDIES, default=list(STUDIES))
-    parser.add_argument("--scale-sizes", nargs="+", type=int, default=[10, 100, 1000])
+    parser.add_argument("--scale-sizes", nargs="+", type=int, default=list(SCALE_SIZES))
     parser.add_argument(
         "--scale-seconds",
         type=float,
-        default=60.0,
+        default=SCALE_SECONDS,
         help="simulated seconds timed, after two minutes",
     )
     a = parser.parse_args(argv)

@@ -88,6 +88,45 @@ def test_bad_chat_field_is_400_naming_it(smol, body, param):
     _still_serving(smol, SMOL)
 
 
+# NaN and infinities are not JSON, but Python's json (and so many clients) writes them anyway.
+HOSTILE_SAMPLING = [2**64, -1, "NaN", "Infinity", "-Infinity", "1e400", str(10**400)]
+
+
+@pytest.mark.parametrize(
+    "field", ["temperature", "repetition_penalty", "top_p", "max_tokens", "seed"]
+)
+@pytest.mark.parametrize("value", HOSTILE_SAMPLING)
+def test_hostile_sampling_values_are_400_naming_the_field(smol, field, value):
+    raw = f'{{"model": "{SMOL}", "prompt": "x", "{field}": {value}}}'
+    response = smol.post(
+        "/completions", content=raw.encode(), headers={"content-type": "application/json"}
+    )
+    err = _error(response, 400)
+    assert err["param"] == field and len(err["message"]) < 300
+
+
+def test_the_offline_bounds_hold_over_http(smol):
+    # SamplingParams decides for both paths: temperature is OpenAI's [0, 2], the repetition
+    # penalty [0.01, 100] (the schema once allowed (0, 100], SamplingParams anything > 0).
+    for field, value in (("temperature", 2.5), ("repetition_penalty", 1e-46)):
+        err = _error(
+            smol.post("/completions", json={"model": SMOL, "prompt": "x", field: value}), 400
+        )
+        assert err["param"] == field
+    _still_serving(smol, SMOL)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(smol):
+    # 1e-46 is 0 in float32: sampled, every logit would be inf and every token id 0.
+    def text(temperature: float) -> str:
+        body = {"model": SMOL, "prompt": "The capital of France is", "max_tokens": 8}
+        r = smol.post("/completions", json={**body, "temperature": temperature})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert text(1e-46) == text(0.0)
+
+
 def test_unknown_model_is_404(smol):
     err = _error(smol.post("/completions", json={"model": "gpt-17", "prompt": "x"}), 404)
     assert err["code"] == "model_not_found" and "gpt-17" in err["message"]

@@ -1,12 +1,18 @@
-"""The app's args: one pydantic model, unknown keys and bad values rejected with the field named."""
+"""The app's args: one config tree, unknown keys and bad values rejected with the field's path."""
 
+import functools
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deploy.app import build_app
-from deploy.config import AppConfig
+from deploy.config import ApiKeyProfile, AppConfig, AutoscalingArgs
+from scheduler.settings import declared_settings
 
 
 def test_defaults_are_the_embedded_model_on_a_cpu_bundle():
@@ -111,7 +117,7 @@ def test_the_spin_count_reaches_the_replica_process_environment():
 
 
 def test_unknown_keys_are_rejected_not_ignored():
-    with pytest.raises(ValueError, match="tensor_parallel\\b.*Extra inputs are not permitted"):
+    with pytest.raises(ValueError, match="tensor_parallel: unknown setting"):
         AppConfig.from_args({"tensor_parallel": 2})
 
 
@@ -242,3 +248,98 @@ def test_a_replica_runs_as_many_torch_threads_as_its_bundle_reserves():
     )  # both cores of the 2-core dev machine
     # ... at the priority of the client and the node's other processes, not Ray's nice 15
     assert AppConfig.from_args(shipped).engine.process_niceness == 0
+
+
+def test_the_routing_stats_period_is_the_one_the_replicas_report_at():
+    from router.stats import ROUTING_STATS_PERIOD_S
+
+    config = AppConfig.from_args({}).request_router_config()
+    assert config["request_routing_stats_period_s"] == ROUTING_STATS_PERIOD_S
+
+
+# ---- every key of the tree, fuzzed: taken as given, or refused naming its path
+HUGE = "x" * 10_000_000
+HOSTILE = [2**64, -(2**64), -1, 0, math.nan, math.inf, 10**400, 1e308, HUGE, None, True, [], {}]
+
+
+def _keys() -> list[tuple[dict, str, Callable[[AppConfig], object]]]:
+    """(args that set one key to VALUE, the path errors name, where the value lands)."""
+    from engine.config import EngineConfig
+    from router.config import RoutingConfig
+    from scheduler.config import SchedulerConfig
+
+    def at(*names: str) -> Callable[[AppConfig], object]:
+        return lambda cfg: functools.reduce(getattr, names, cfg)
+
+    keys = [({f.name: VALUE}, f.name, at(f.name)) for f in declared_settings(AppConfig)]
+    keys += [
+        ({f.name: VALUE}, f"engine.{f.name}", at("engine", f.name))
+        for f in declared_settings(EngineConfig)
+    ]
+    keys += [
+        ({f.name: VALUE}, f"engine.scheduler.{f.name}", at("engine", "scheduler", f.name))
+        for f in declared_settings(SchedulerConfig)
+    ]
+    keys += [
+        ({"engine": VALUE}, "engine", at("engine")),
+        ({"scheduler": VALUE}, "engine.scheduler", at("engine", "scheduler")),
+    ]
+    keys += [
+        (
+            {"router_kwargs": {f.name: VALUE}},
+            f"router_kwargs.{f.name}",
+            lambda cfg, n=f.name: cfg.router_kwargs[n],
+        )
+        for f in declared_settings(RoutingConfig)
+    ]
+    keys += [
+        ({"autoscaling": {f.name: VALUE}}, f"autoscaling.{f.name}", at("autoscaling", f.name))
+        for f in declared_settings(AutoscalingArgs)
+    ]
+    keys += [
+        (
+            {"api_keys": {"k": {"tenant": "t", f.name: VALUE}}},
+            f"api_keys[0].{f.name}",
+            lambda cfg, n=f.name: getattr(cfg.api_keys["k"], n),
+        )
+        for f in declared_settings(ApiKeyProfile)
+    ]
+    return keys
+
+
+VALUE = object()  # where _keys puts the fuzzed value
+KEYS = _keys()
+
+
+def _with(args: dict, value: object) -> dict:
+    return {
+        k: _with(v, value) if isinstance(v, dict) else (value if v is VALUE else v)
+        for k, v in args.items()
+    }
+
+
+def _taken_or_refused_by_path(key: tuple, value: object) -> None:
+    args, path, landed = key
+    try:
+        config = AppConfig.from_args(_with(args, value))
+    except ValueError as exc:
+        message = str(exc)
+        assert message.startswith(f"invalid raylm app args: {path}"), message[:300]
+        assert len(message) < 2000
+        return
+    kept = landed(config)
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        assert type(kept) in (int, float, str)
+        assert kept == (float(value) if isinstance(kept, float) else value)  # an int for a float
+
+
+def test_hostile_values_of_every_key_are_taken_or_refused_naming_its_path():
+    for key in KEYS:
+        for value in HOSTILE:
+            _taken_or_refused_by_path(key, value)
+
+
+@settings(deadline=None)
+@given(st.sampled_from(KEYS), st.one_of(st.integers(), st.floats(), st.text(max_size=8)))
+def test_any_value_of_any_key_is_taken_or_refused_naming_its_path(key, value):
+    _taken_or_refused_by_path(key, value)

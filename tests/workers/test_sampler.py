@@ -80,10 +80,10 @@ def test_temperature_samples_softmax_of_scaled_logits(temperature):
 
 
 def test_lower_temperature_sharpens_and_higher_flattens():
-    top_share = {t: frequencies(draw(LOGITS, temperature=t), 4)[0].item() for t in (0.3, 1.0, 3.0)}
+    top_share = {t: frequencies(draw(LOGITS, temperature=t), 4)[0].item() for t in (0.3, 1.0, 2.0)}
     assert top_share[0.3] > PROBS[0] + 0.1
     assert abs(top_share[1.0] - PROBS[0]) < 0.03
-    assert top_share[3.0] < PROBS[0] - 0.1
+    assert top_share[2.0] < PROBS[0] - 0.08  # 0.38 expected at temperature 2
 
 
 @settings(max_examples=60, deadline=None)
@@ -103,7 +103,7 @@ def test_top_k_keeps_exactly_the_k_best(row, data):
 def test_top_k_never_samples_outside_the_k_best(row, data):
     k = data.draw(st.integers(1, len(row)))
     kth_best = sorted(row, reverse=True)[k - 1]
-    tokens = draw(row, n=200, top_k=k, temperature=data.draw(st.floats(0.1, 5.0)))
+    tokens = draw(row, n=200, top_k=k, temperature=data.draw(st.floats(0.1, 2.0)))
     assert all(row[t] >= kth_best for t in tokens.tolist())
 
 
@@ -170,8 +170,8 @@ def test_min_p_drops_tokens_below_min_p_times_the_top_probability(min_p, expecte
 
 
 def test_min_p_is_relative_to_the_tempered_distribution():
-    # At temperature 3 the probabilities flatten, so 0.05 is no longer below 0.2 * p_max.
-    assert set(draw(LOGITS, temperature=3.0, min_p=0.2).tolist()) == {0, 1, 2, 3}
+    # At temperature 2 the probabilities flatten, so 0.05 is no longer below 0.2 * p_max.
+    assert set(draw(LOGITS, temperature=2.0, min_p=0.2).tolist()) == {0, 1, 2, 3}
 
 
 def test_seen_tokens_follow_appended_outputs_incrementally():
@@ -402,3 +402,9 @@ def test_logit_bias_leaves_the_reported_logprobs_raw():
     out = Sampler().sample(logits, [state])
     assert out.token_ids == [3]
     assert out.logprobs[0][0][1] == pytest.approx(torch.log_softmax(logits, -1)[0, 3].item())
+
+
+def test_a_temperature_that_underflows_float32_is_greedy():
+    # 1e-46 is 0 in float32: dividing by it would turn every logit into inf or NaN.
+    row = [0.1, 2.0, -1.0, 1.5]
+    assert set(draw(row, n=50, temperature=1e-46).tolist()) == {1}
