@@ -20,6 +20,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from tests.random_checkpoint import TINY_FAMILIES, TINY_SERVED_LLAMA, write_random_checkpoint
 from workers.distributed import free_port
@@ -28,6 +29,29 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 # Small KV pools keep several engines within memory; enough for 32 requests of ~200 tokens.
 TEST_KV_GB = 0.25
+
+# Hypothesis profiles, picked by HYPOTHESIS_PROFILE (or --hypothesis-profile): "ci", the default,
+# bounds every property's examples; "dev" is for the edit-test loop; "thorough" hunts. A test's
+# own @settings(max_examples=...) pins its count in every profile. No deadline and no too-slow
+# check: on a shared machine they fail on the machine's load, not on the code.
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", settings.get_profile("ci"), max_examples=10)
+settings.register_profile("thorough", settings.get_profile("ci"), max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Tests that start Ray or Serve, or load the embedded SmolLM2 model, reach one of these fixtures;
+# a test that loads SmolLM2 by name is marked slow where it is written.
+SLOW_FIXTURES = {"ray_cluster", "smollm2_llm", "hf_smollm2"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark slow every test that reaches a slow fixture, so `-m "not slow"` leaves it out."""
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
