@@ -39,7 +39,7 @@ settings.register_profile(
 )
 settings.register_profile("dev", settings.get_profile("ci"), max_examples=10)
 settings.register_profile("thorough", settings.get_profile("ci"), max_examples=1000)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
 
 # Tests that start Ray or Serve, or load the embedded SmolLM2 model, reach one of these fixtures;
 # a test that loads SmolLM2 by name is marked slow where it is written.
