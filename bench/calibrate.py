@@ -440,12 +440,12 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
     elif a.random_shape:
         import tempfile
 
-        from tests.random_checkpoint import (
-            write_random_checkpoint,
-        )  # torch, transformers: loaded here only
+        # torch and transformers: loaded here only
+        from tests.random_checkpoint import SHAPES, write_random_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
-            ckpt = write_random_checkpoint(a.random_shape, str(Path(tmp) / a.random_shape))
+            path = str(Path(tmp) / a.random_shape)
+            ckpt = write_random_checkpoint(SHAPES[a.random_shape], path, device=a.device)
             cal = _calibrate(a, ckpt.path, label=f"{a.random_shape}-random")
     else:
         cal = _calibrate(a, a.model, label="")

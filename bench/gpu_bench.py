@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scheduler import SamplingParams
 from scheduler.request import Request
-from tests.random_checkpoint import random_prompts, write_random_checkpoint
+from tests.random_checkpoint import SHAPES, random_prompts, write_random_checkpoint
 
 GiB = 1 << 30
 
@@ -298,7 +298,9 @@ def main() -> None:
             )
     with tempfile.TemporaryDirectory() as tmp:
         if "roofline" in only:
-            llama = write_random_checkpoint("llama3-1b", os.path.join(tmp, "llama3-1b")).path
+            llama = write_random_checkpoint(
+                SHAPES["llama3-1b"], os.path.join(tmp, "llama3-1b"), device="cuda"
+            ).path
             result["roofline"] = bench_roofline(llama, bandwidth)
             print(
                 "\nDecode roofline, Llama-3.2-1B shape, bf16, 512-token prompts (step = schedule "
@@ -318,7 +320,9 @@ def main() -> None:
                         f"{r[key + '_ms']:.3f} | {r[key + '_share']:.0%} |"
                     )
         if "throughput" in only:
-            qwen = write_random_checkpoint("qwen3-0.6b", os.path.join(tmp, "qwen3-0.6b")).path
+            qwen = write_random_checkpoint(
+                SHAPES["qwen3-0.6b"], os.path.join(tmp, "qwen3-0.6b"), device="cuda"
+            ).path
             prompts, max_tokens = throughput_workload(151936, args.num_seqs)
             total = sum(max_tokens)
             ours = bench_raylm(qwen, prompts, max_tokens)

@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -300,12 +299,6 @@ def print_summary(s: dict) -> None:
         )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---- main
 # ------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -415,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     from deploy.app import build_app
     from deploy.config import AppConfig
     from engine.core import EngineCore
+    from workers.distributed import free_port
 
     torch.set_num_threads(a.cpu_threads)
     # Ray starts worker processes at nice 15. This process (the offline engine) runs at nice 0, so

@@ -33,14 +33,16 @@ class EngineLoop:
         loop: asyncio.AbstractEventLoop,
         on_step: Callable[[list[RequestOutput], SchedulerStats], None],
         on_error: Callable[[str | None, BaseException], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
+        self._clock = clock
         self._loop = loop
         self._on_step = on_step
         self._on_error = on_error
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.failure: BaseException | None = None
-        self.step_started: float | None = None  # monotonic start of the step in progress, if any
+        self._step_started_at: float | None = None  # None between steps
         # The first step compiles the TP broadcast graph and warms the kernels: it may take long
         # without being stuck, so only later steps count as stalls (step_timeout_s bounds it).
         self.warmed_up = False
@@ -64,8 +66,8 @@ class EngineLoop:
     def stalled_for(self) -> float:
         """Seconds the step in progress has run (0 when idle, between steps, or in the first
         step)."""
-        started = self.step_started
-        return 0.0 if started is None or not self.warmed_up else time.monotonic() - started
+        started = self._step_started_at
+        return 0.0 if started is None or not self.warmed_up else self._clock() - started
 
     def stop(self, shutdown_engine: bool = False, wait: bool = True) -> None:
         """End the loop after the step in progress (then release the engine, if asked)."""
@@ -78,9 +80,9 @@ class EngineLoop:
         try:
             while self._apply_inbox(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
-                    self.step_started = time.monotonic()
+                    self._step_started_at = self._clock()
                     outputs = self.engine.step()
-                    self.step_started = None
+                    self._step_started_at = None
                     self.warmed_up = True
                     self._publish(outputs)
             if self._shutdown_engine:  # the replica is going away: the workers go with the loop

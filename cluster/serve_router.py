@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.serve.request_router import (
@@ -48,6 +49,8 @@ class FleetRouter(RequestRouter):
         # Each replica's report as Serve last handed it: Serve hands the same dict with every
         # request until the next report comes, and each is parsed once.
         self._reports: dict[str, dict[str, Any]] = {}
+        # The routing state's time: a test moves it past a circuit's cool-down instead of waiting.
+        self.clock: Callable[[], float] = time.monotonic
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve routes on, once known
         subscribe(self)
         logger.info("FleetRouter for %s: %s", self._deployment_id, config)
@@ -58,7 +61,7 @@ class FleetRouter(RequestRouter):
             self._loop.call_soon_threadsafe(self._apply_outcome, internal_request_id, ok)
 
     def _apply_outcome(self, internal_request_id: str, ok: bool) -> None:
-        replica = self.fleet.on_outcome(internal_request_id, ok, time.monotonic())
+        replica = self.fleet.on_outcome(internal_request_id, ok, self.clock())
         if replica is not None and not ok:
             logger.info(
                 "FleetRouter: request %s failed on replica %s", internal_request_id, replica
@@ -73,7 +76,7 @@ class FleetRouter(RequestRouter):
         self._loop = asyncio.get_running_loop()
         if not candidate_replicas:
             return []
-        now = time.monotonic()
+        now = self.clock()
         by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
         for key, replica in by_key.items():
             self._observe_stats(key, replica.routing_stats, now)
@@ -85,7 +88,7 @@ class FleetRouter(RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        self.fleet.on_routed(route_request(pending_request), replica_id.unique_id, time.monotonic())
+        self.fleet.on_routed(route_request(pending_request), replica_id.unique_id, self.clock())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.fleet.on_completed(internal_request_id)

@@ -58,11 +58,6 @@ class ContextLengthError(BadRequestError):
         )
 
 
-class OverloadedError(APIError):
-    status = 503
-    type = "overloaded_error"
-
-
 def error_body(type_: str, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

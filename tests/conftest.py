@@ -7,33 +7,51 @@
 - ray_cluster: one loopback Ray instance for the whole session (Serve shut down with it); every
   test that needs Ray or Serve uses it, so Ray starts once.
 - tiny_model_dir / long_tiny_model_dir: a random two-layer Llama with SmolLM2's tokenizer and no
-  chat
-  template, with 256 or 4,096 positions.
-- tiny_checkpoint: writes small random Llama / Qwen2 / Qwen3 / Mistral (and one-KV-head Llama)
-  checkpoints
-  (config.json + safetensors + tokenizer) and returns (directory, Hugging Face model).
+  chat template, with 256 or 4,096 positions.
+- tiny_checkpoint: small random Llama / Qwen2 / Qwen3 / Mistral (and one-KV-head Llama)
+  checkpoints with SmolLM2's tokenizer, and the Hugging Face models they hold.
+
+Every random checkpoint is written by tests/random_checkpoint.py.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+from tests.random_checkpoint import TINY_FAMILIES, TINY_SERVED_LLAMA, write_random_checkpoint
+from workers.distributed import free_port
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 # Small KV pools keep several engines within memory; enough for 32 requests of ~200 tokens.
 TEST_KV_GB = 0.25
 
+# Hypothesis profiles, picked by HYPOTHESIS_PROFILE (or --hypothesis-profile): "ci", the default,
+# bounds every property's examples; "dev" is for the edit-test loop; "thorough" hunts. A test's
+# own @settings(max_examples=...) pins its count in every profile. No deadline and no too-slow
+# check: on a shared machine they fail on the machine's load, not on the code.
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", settings.get_profile("ci"), max_examples=10)
+settings.register_profile("thorough", settings.get_profile("ci"), max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Tests that start Ray or Serve, or load the embedded SmolLM2 model, reach one of these fixtures;
+# a test that loads SmolLM2 by name is marked slow where it is written.
+SLOW_FIXTURES = {"ray_cluster", "smollm2_llm", "hf_smollm2"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark slow every test that reaches a slow fixture, so `-m "not slow"` leaves it out."""
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -110,44 +128,26 @@ def llm_factory():
         llm.shutdown()
 
 
-def _write_tiny_llama(out, max_positions: int) -> str:
-    """A random 2-layer Llama with SmolLM2's tokenizer, minus its chat template (the fallback
-    applies)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir):
+    """The served tiny Llama with 256 positions."""
+    return _served_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir, 256)
 
-    from workers.model_files import load_tokenizer
 
-    tokenizer = load_tokenizer("default")
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(tmp_path_factory, smollm2_dir):
+    """The served tiny Llama with 4,096 positions, for generations that outlast a watchdog round."""
+    return _served_tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), smollm2_dir, 4096)
+
+
+def _served_tiny_llama(path, smollm2_dir: str, max_positions: int) -> str:
+    """SmolLM2's tokenizer without its chat template, so the fallback template applies."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     tokenizer.chat_template = None
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """The tiny Llama with 256 positions."""
-    return _write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), 256)
-
-
-@pytest.fixture(scope="session")
-def long_tiny_model_dir(tmp_path_factory):
-    """The tiny Llama with 4,096 positions, for generations that must outlast a watchdog round."""
-    return _write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), 4096)
+    spec = TINY_SERVED_LLAMA.with_fields(max_position_embeddings=max_positions)
+    return write_random_checkpoint(spec, str(path), tokenizer=tokenizer).path
 
 
 @pytest.fixture(scope="session")
@@ -155,77 +155,22 @@ def smollm2_llm(llm_factory):
     return llm_factory(model="default", dtype="float32")
 
 
-TINY_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-)
-TINY_FAMILIES = {
-    # Llama 3 with llama3 rope scaling, untied head, bias-free.
-    "llama": (
-        "LlamaConfig",
-        dict(
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            tie_word_embeddings=False,
-        ),
-    ),
-    # Qwen2: qkv bias, tied embeddings; saved in shards with an index.
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    # Qwen3: q/k RMSNorm, head_dim not hidden/heads.
-    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
-    "mistral": ("MistralConfig", dict(sliding_window=None, head_dim=16, tie_word_embeddings=False)),
-    # One KV head: tensor parallelism must replicate it.
-    "llama_mqa": (
-        "LlamaConfig",
-        dict(num_key_value_heads=1, attention_bias=True, tie_word_embeddings=False),
-    ),
-}
-
-
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
-    """family -> (checkpoint directory, the Hugging Face model it was saved from)."""
-    import transformers
+def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer):
+    """family (a key of TINY_FAMILIES) -> (checkpoint directory, the Hugging Face model)."""
     from transformers import AutoModelForCausalLM
 
     made: dict[str, tuple[str, torch.nn.Module]] = {}
 
     def make(family: str) -> tuple[str, torch.nn.Module]:
-        if family in made:
-            return made[family]
-        config_cls, extra = TINY_FAMILIES[family]
-        config = getattr(transformers, config_cls)(
-            vocab_size=len(smollm2_tokenizer),
-            bos_token_id=1,
-            eos_token_id=2,
-            **{**TINY_COMMON, **extra},
-        )
-        torch.manual_seed(sum(map(ord, family)))
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        with torch.no_grad():
-            # Random init gives nearly flat logits (ties everywhere); sharpen them so greedy
-            # decoding is decided by clear margins, as in a trained model.
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.15)
-            model.lm_head.weight.normal_(0.0, 0.6)
-        path = tmp_path_factory.mktemp(f"tiny-{family}")
-        model.save_pretrained(path, max_shard_size="2MB" if family == "qwen2" else "1GB")
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if os.path.exists(os.path.join(smollm2_dir, name)):
-                shutil.copy(os.path.join(smollm2_dir, name), path / name)
-        made[family] = (str(path), model)
+        if family not in made:
+            path = str(tmp_path_factory.mktemp(f"tiny-{family}"))
+            seed = sum(map(ord, family))
+            write_random_checkpoint(
+                TINY_FAMILIES[family], path, seed=seed, tokenizer=smollm2_tokenizer
+            )
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            made[family] = (path, model)
         return made[family]
 
     return make

@@ -1,78 +1,43 @@
-"""Random-weight checkpoints of real model shapes, written on the machine that runs them.
+"""Random-weight checkpoints: the one writer of every model the tests and benchmarks make up.
 
-The GPU machine has no hub access and no room for real weights, so the CUDA tests and
-bench/gpu_bench.py write config.json + safetensors + a word-level tokenizer that covers the whole
-vocabulary (every id decodes) into a directory, then load it through the normal code paths.
+A `ModelSpec` names a transformers config and how its weights are drawn; `write_random_checkpoint`
+saves config.json + safetensors + a tokenizer into a directory, which then loads through the
+normal code paths. The tiny specs keep the CPU tests fast; the published shapes exist because the
+GPU machine has no hub access and no room for real weights.
+
+Greedy-token tests depend on the exact weights: a spec, its seed and the order of the draws below
+fix them, so change none of them without rerunning the tests that load the model.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-# Published shapes (random weights): Llama 3.2 1B (GQA 32/8), Qwen3 0.6B (q/k norm, head_dim 128),
-# SmolLM2-135M.
-SHAPES: dict[str, tuple[str, dict]] = {
-    "llama3-1b": (
-        "LlamaConfig",
-        dict(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-        ),
-    ),
-    "qwen3-0.6b": (
-        "Qwen3Config",
-        dict(
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        ),
-    ),
-    # SmolLM2-135M (the embedded default model): what `sim calibrate --random-shape` times on a GPU.
-    "smollm2-135m": (
-        "LlamaConfig",
-        dict(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=64,
-            max_position_embeddings=8192,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-        ),
-    ),
-}
-EOS_ID = 2
+BOS_ID, EOS_ID = 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model to draw at random.
+
+    Transformers' own initialisation gives nearly flat logits, so greedy choices are decided by
+    rounding. A trained model's logits are far apart; `matrix_std` and `head_std` redraw the
+    weights to get there.
+    """
+
+    config_class: str  # a transformers config class, e.g. "LlamaConfig"
+    fields: dict[str, Any] = field(default_factory=dict)
+    matrix_std: float | None = None  # every 2-D weight ~ N(0, std), in parameter order
+    head_std: float | None = None  # then the LM head ~ N(0, std)
+    dtype: torch.dtype = torch.float32
+    max_shard_size: str = "5GB"  # smaller than the weights: shards and an index
+
+    def with_fields(self, **fields: Any) -> ModelSpec:
+        return dataclasses.replace(self, fields={**self.fields, **fields})
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,37 +45,164 @@ class RandomCheckpoint:
     """Where a random checkpoint lives and what it is."""
 
     path: str
-    shape: str
     vocab_size: int
 
 
-def write_random_checkpoint(
-    shape: str, path: str, seed: int = 0, logit_scale: float = 4.0
-) -> RandomCheckpoint:
-    """Write the `shape` model with random weights (bf16 on disk) and a tokenizer into `path`.
+# Two layers, four query heads over two KV heads: tensor parallelism at 2 splits the KV heads and
+# at 4 replicates them.
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 
-    Default initialisation gives nearly flat logits; the LM head is rescaled so that logits have
-    a standard deviation of about `logit_scale`, as in a trained model, and greedy choices are
-    decided by clear margins rather than rounding.
+
+def _tiny(config_class: str, **fields: Any) -> ModelSpec:
+    """A tiny model with sharp logits: greedy decoding is decided by clear margins."""
+    return ModelSpec(config_class, {**_TINY, **fields}, matrix_std=0.15, head_std=0.6)
+
+
+# One per model family the loader knows, each with what sets it apart.
+TINY_FAMILIES: dict[str, ModelSpec] = {
+    # Llama 3 with llama3 rope scaling, untied head, bias-free.
+    "llama": _tiny(
+        "LlamaConfig",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=False,
+    ),
+    # Qwen2: qkv bias, tied embeddings; saved in shards with an index.
+    "qwen2": dataclasses.replace(
+        _tiny("Qwen2Config", tie_word_embeddings=True), max_shard_size="2MB"
+    ),
+    # Qwen3: q/k RMSNorm, head_dim not hidden/heads.
+    "qwen3": _tiny("Qwen3Config", head_dim=32, tie_word_embeddings=False),
+    "mistral": _tiny("MistralConfig", sliding_window=None, head_dim=16, tie_word_embeddings=False),
+    # One KV head: tensor parallelism must replicate it.
+    "llama_mqa": _tiny(
+        "LlamaConfig", num_key_value_heads=1, attention_bias=True, tie_word_embeddings=False
+    ),
+}
+
+# The model the serving tests put behind HTTP: a tied Llama left at transformers' initialisation.
+TINY_SERVED_LLAMA = ModelSpec("LlamaConfig", {**_TINY, "tie_word_embeddings": True})
+
+# The tensor-parallel tests' model: a vocabulary of 250 that no TP degree divides evenly.
+TINY_TP_LLAMA = ModelSpec(
+    "LlamaConfig", {**_TINY, "vocab_size": 250, "tie_word_embeddings": False}, matrix_std=0.15
+)
+
+
+def _published(config_class: str, **fields: Any) -> ModelSpec:
+    """A published shape in bf16, its LM head rescaled so that logits have a standard deviation
+    of about 4, as in a trained model."""
+    head_std = 4.0 / fields["hidden_size"] ** 0.5
+    return ModelSpec(config_class, fields, head_std=head_std, dtype=torch.bfloat16)
+
+
+# Published shapes (random weights): Llama 3.2 1B (GQA 32/8), Qwen3 0.6B (q/k norm, head_dim 128),
+# SmolLM2-135M.
+SHAPES: dict[str, ModelSpec] = {
+    "llama3-1b": _published(
+        "LlamaConfig",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "qwen3-0.6b": _published(
+        "Qwen3Config",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
+    # SmolLM2-135M (the embedded default model): what `sim calibrate --random-shape` times on a GPU.
+    "smollm2-135m": _published(
+        "LlamaConfig",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    ),
+}
+
+
+def write_random_checkpoint(
+    spec: ModelSpec, path: str, *, seed: int = 0, tokenizer: Any = None, device: str = "cpu"
+) -> RandomCheckpoint:
+    """Draw `spec`'s weights from `seed` on `device` and save them with a tokenizer into `path`.
+
+    `tokenizer` (a transformers tokenizer) is saved as it is and sets the vocabulary size unless
+    the spec does; without one, a word-level tokenizer covers the whole vocabulary (every id
+    decodes). The seed is for `device`'s generator: the same spec drawn on a GPU differs.
     """
     import transformers
     from transformers import AutoModelForCausalLM
 
-    config_cls, fields = SHAPES[shape]
-    config = getattr(transformers, config_cls)(bos_token_id=1, eos_token_id=EOS_ID, **fields)
+    fields = dict(spec.fields)
+    if tokenizer is not None:
+        fields.setdefault("vocab_size", len(tokenizer))
+    config = getattr(transformers, spec.config_class)(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, **fields
+    )
     torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=spec.dtype).eval()
     with torch.no_grad():
-        head = model.get_output_embeddings().weight
-        head.normal_(0.0, logit_scale / config.hidden_size**0.5)
-    model.save_pretrained(path)
-    write_word_tokenizer(path, config.vocab_size)
+        if spec.matrix_std is not None:
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, spec.matrix_std)
+        if spec.head_std is not None:
+            model.get_output_embeddings().weight.normal_(0.0, spec.head_std)
+    model.save_pretrained(path, max_shard_size=spec.max_shard_size)
+    if tokenizer is None:
+        write_word_tokenizer(path, config.vocab_size)
+    else:
+        tokenizer.save_pretrained(path)
     del model
-    if device == "cuda":
+    if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
-    return RandomCheckpoint(path, shape, config.vocab_size)
+    return RandomCheckpoint(path, config.vocab_size)
 
 
 def write_word_tokenizer(path: str, vocab_size: int) -> None:
@@ -118,7 +210,7 @@ def write_word_tokenizer(path: str, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": EOS_ID}
+    vocab = {"<unk>": 0, "<s>": BOS_ID, "</s>": EOS_ID}
     vocab.update({f"w{i}": i for i in range(3, vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -126,7 +218,6 @@ def write_word_tokenizer(path: str, vocab_size: int) -> None:
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
     fast.save_pretrained(path)
-    os.makedirs(path, exist_ok=True)
 
 
 def random_prompts(

@@ -25,7 +25,8 @@ def backend_for(device: str) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on host right now (the rendezvous binds it a moment later)."""
+    """A TCP port free on host right now (nothing reserves it: another process may bind it
+    first)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

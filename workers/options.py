@@ -2,6 +2,5 @@
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
-DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CACHE_DIR = "~/.cache/raylm"
 STEP_TRANSPORTS = ("socket", "compiled_graph", "actor_calls")

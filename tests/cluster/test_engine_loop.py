@@ -103,38 +103,51 @@ def test_merged_deltas_keep_every_token_and_the_last_state():
     assert m.num_output_tokens == 3 and [lp[0][0] for lp in m.new_logprobs] == [1, 2, 3]
 
 
-def test_a_step_that_does_not_return_shows_as_a_stall(engine, monkeypatch):
-    import threading
-    import time
+class ManualClock:
+    """A clock that moves only when the test moves it."""
 
-    release = threading.Event()
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_step_that_does_not_return_shows_as_a_stall(engine, monkeypatch):
+    entered, release = threading.Event(), threading.Event()
     execute = engine.executor.execute_model
 
     def blocking_step(out):  # fault injection: the forward pass hangs until released
+        entered.set()
         release.wait(timeout=30)
         return execute(out)
 
+    async def hang_next_step() -> None:
+        await asyncio.to_thread(entered.wait, 30)
+        entered.clear()
+
     async def go():
         c = Collector()
-        loop = EngineLoop(engine, asyncio.get_running_loop(), c.on_step, c.on_error)
+        clock = ManualClock()
+        loop = EngineLoop(engine, asyncio.get_running_loop(), c.on_step, c.on_error, clock=clock)
+        monkeypatch.setattr(engine.executor, "execute_model", blocking_step)
         try:
             assert loop.stalled_for() == 0.0
-            # The first step (graph compile, warm-up) may be slow without being a stall: it is
-            # exempt.
+            # The first step (graph compile, warm-up) may be slow without being a stall.
             loop.add(_request("warm", max_tokens=1))
-            await asyncio.wait_for(c.wait("warm"), 30)
-            monkeypatch.setattr(engine.executor, "execute_model", blocking_step)
-            loop.add(_request("hangs", max_tokens=2))
-            await asyncio.sleep(0.5)
-            assert (
-                loop.stalled_for() >= 0.4
-            )  # LLMReplica.check_health fails past engine_stall_timeout_s
+            await hang_next_step()
+            clock.now = 60.0
+            assert loop.stalled_for() == 0.0
             release.set()
-            monkeypatch.setattr(engine.executor, "execute_model", execute)
+            await asyncio.wait_for(c.wait("warm"), 30)
+            release.clear()
+
+            loop.add(_request("hangs", max_tokens=2))
+            await hang_next_step()
+            clock.now += 7.5
+            assert loop.stalled_for() == 7.5  # LLMReplica.check_health compares it to its timeout
+            release.set()
             await asyncio.wait_for(c.wait("hangs"), 30)
-            deadline = time.monotonic() + 5
-            while loop.stalled_for() and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
             assert loop.stalled_for() == 0.0
         finally:
             release.set()

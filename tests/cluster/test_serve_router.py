@@ -9,7 +9,7 @@ cache."""
 
 import asyncio
 import os
-import socket
+import time
 import uuid
 from collections import Counter
 
@@ -31,6 +31,7 @@ from scheduler import SamplingParams, hash_prompt_blocks
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
 from scheduler.request import GenerateRequest
+from workers.distributed import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +71,7 @@ class StreamingReplica:
         self.resident.update(dict.fromkeys(request.block_hashes))
         try:
             for _ in range(request.sampling_params.max_tokens):
-                await asyncio.sleep(self.tick_s)
+                await asyncio.sleep(self.tick_s)  # a stream's pace: concurrent streams overlap
                 yield self.name
         finally:
             self.running -= 1
@@ -83,15 +84,9 @@ class StreamingReplica:
         ).to_dict()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def handle(ray_cluster):
-    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": _free_port()})
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": free_port()})
     h = serve.run(StreamingReplica.bind(), name=APP, route_prefix=None)
     yield h
     serve.delete(APP)
@@ -120,6 +115,11 @@ async def stream(handle, req: GenerateRequest) -> str:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def fleet_router(handle) -> FleetRouter:
+    """The FleetRouter that Serve built for this handle in this process (a Serve-internal path)."""
+    return handle._router._asyncio_router.request_router
 
 
 async def settle() -> None:
@@ -188,7 +188,8 @@ def test_replica_failures_reported_by_the_caller_open_its_circuit_until_the_cool
         ]
         # Nor does a prefix the victim holds.
         open_circuit.append(await stream(handle, request(prompt_for(20, 1), max_tokens=2)))
-        await asyncio.sleep(CIRCUIT_COOLDOWN_S + 1.0)
+        router = fleet_router(handle)
+        router.clock = lambda: time.monotonic() + CIRCUIT_COOLDOWN_S  # the cool-down has passed
         closed = []
         for tenant in (
             70,
@@ -198,6 +199,7 @@ def test_replica_failures_reported_by_the_caller_open_its_circuit_until_the_cool
             internal_id = _route_as_own_request()
             closed.append(await stream(handle, request(prompt_for(tenant, 0), max_tokens=2)))
             report_outcome(internal_id, ok=True)
+        router.clock = time.monotonic
         return victim, open_circuit, closed
 
     victim, open_circuit, closed = run(trip())
@@ -215,7 +217,7 @@ def test_killed_replica_is_routed_around(handle):
             asyncio.ensure_future(stream(handle, request(prompt_for(t, 1), max_tokens=200)))
             for t in (5, 6, 7, 8)
         ]
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the streams reach both replicas before one is killed
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         outcomes = await asyncio.gather(*in_flight, return_exceptions=True)
         # The dead replica's prefix and fresh prefixes alike are served by live replicas.
@@ -242,17 +244,16 @@ PREFIX_BLOCKS = 8
 
 
 def routed_counts(handle) -> Counter:
-    """Requests per replica so far, as counted by the FleetRouter that Serve built for this handle
-    in
-    this process (a Serve-internal path; empty until the handle sends its first request)."""
+    """Requests per replica so far, as counted by the handle's FleetRouter (empty until the handle
+    sends its first request)."""
     if handle._router is None:
         return Counter()
-    return Counter(handle._router._asyncio_router.request_router.fleet.routed)
+    return Counter(fleet_router(handle).fleet.routed)
 
 
 @pytest.fixture(scope="module")
 def llm_handle(ray_cluster):
-    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": _free_port()})
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": free_port()})
     config = AppConfig.from_args(
         {
             "model": "default",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from workers.distributed import free_port
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -58,7 +58,7 @@ def _wait_running(app: str, timeout: float = 300) -> None:
             return
         if status is not None and status.status == "DEPLOY_FAILED":
             raise RuntimeError(f"app {app} failed: {status.message}")
-        time.sleep(0.5)
+        time.sleep(0.5)  # a bounded poll: Serve deploys the app in other processes
     raise TimeoutError(f"app {app} not running after {timeout}s")
 
 
@@ -91,6 +91,8 @@ def replica_stats(app: str) -> dict:
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1):
+    """Poll predicate until it holds or timeout passes (what it reads changes in other processes);
+    its last value."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

@@ -329,7 +329,7 @@ def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, long_tin
                 stats = await handle.stats.remote()
                 if stats["num_running"] == 4:
                     break
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # a bounded poll: the replica admits them in its process
             assert stats["num_running"] == 4, stats
             ingress = [
                 a["name"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from scheduler import SamplingParams
-from tests.random_checkpoint import random_prompts, write_random_checkpoint
+from tests.random_checkpoint import SHAPES, random_prompts, write_random_checkpoint
 from tests.workers.greedy import NEAR_TIE, Greedy, from_logprobs, hf_greedy
 
 pytestmark = [
@@ -34,7 +34,9 @@ BF16_LOGPROB_TOL = 0.5
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     return {
-        shape: write_random_checkpoint(shape, str(tmp_path_factory.mktemp(shape))).path
+        shape: write_random_checkpoint(
+            SHAPES[shape], str(tmp_path_factory.mktemp(shape)), device="cuda"
+        ).path
         for shape in FAMILIES
     }
 

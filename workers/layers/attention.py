@@ -101,10 +101,6 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
-    @property
     def max_query_len(self) -> int:
         q = self.query_start_loc_cpu
         return max((q[i + 1] - q[i] for i in range(len(q) - 1)), default=0)
