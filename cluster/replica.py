@@ -351,12 +351,14 @@ class LLMReplica:
         return "draining" if self._draining else "ok"
 
     # ---- shutdown --------------------------------------------------------------------------
-    async def shutdown(self) -> str:
+    async def shutdown(self) -> dict[str, Any]:
         """Stop taking requests, hand every one in flight back to its ingress for migration (with
-        the tokens it holds), and release the engine. Idempotent; returns the replica's name.
+        the tokens it holds), and release the engine. Idempotent.
 
-        Serve calls it through __del__; tests and operators may call it directly.
+        Serve calls it through __del__; tests and operators may call it directly. Returns the
+        replica's name and how many requests this call handed back.
         """
+        streams: dict[str, _Stream] = {}
         if not self._draining:
             self._draining = True
             streams, self._streams = self._streams, {}
@@ -367,7 +369,7 @@ class LLMReplica:
             self._watchdog.cancel()
             # Never blocks the event loop: the engine thread releases the workers after its step.
             self._loop_thread.stop(shutdown_engine=True, wait=False)
-        return self.replica
+        return {"replica": self.replica, "handed_back": len(streams)}
 
     async def __del__(self) -> None:
         """Serve's shutdown hook, awaited once at the end of a graceful stop.

@@ -309,13 +309,13 @@ def test_shutdown_hands_back_what_each_stream_holds_and_refuses_new_requests(
                 break
             await asyncio.sleep(0.005)
         held_tokens = {rid[:1]: list(h.new_token_ids) for rid, h in held.items()}
-        assert await replica.shutdown() == "t#1"
+        assert await replica.shutdown() == {"replica": "t#1", "handed_back": 2}
         rest = {}
         for rid, stream in streams.items():
             rest[rid] = [o async for o in stream]
         with pytest.raises(ReplicaDrainingError):
             await _collect(replica, "late", prompts["a"], _greedy(4))
-        assert await replica.shutdown() == "t#1"
+        assert await replica.shutdown() == {"replica": "t#1", "handed_back": 0}
         replica._loop_thread.stop(shutdown_engine=True)  # waits for the engine thread's end
         return undisturbed, firsts, held_tokens, rest
 

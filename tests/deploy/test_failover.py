@@ -359,60 +359,46 @@ def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, long_tin
 
 # Held back at every moment (no text contains it): a hand-back or a migration must carry it on.
 HOLD = "<never in this text: it holds back 40 chars>"
-LONG_TOKENS = 600
+LONG_TOKENS = 300
 LONG_CASES = [
     (prompt, {**sampling, "max_tokens": LONG_TOKENS, "stop": [HOLD]}) for prompt, sampling in CASES
 ]
 
 
-async def _both_replicas_busy(timeout: float = 60) -> None:
-    """Until each of the two replicas reports requests in flight."""
-    handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
-    busy: set[str] = set()
-    deadline = time.monotonic() + timeout
-    while len(busy) < 2 and time.monotonic() < deadline:
-        stats = await handle.stats.remote()
-        if stats["num_streams"] > 0:
-            busy.add(stats["replica"])
-        await asyncio.sleep(0.02)
-    assert len(busy) == 2, busy
-
-
-def _deploy_long(long_tiny_model_dir: str) -> None:
-    # 600 tokens outlast the graceful shutdown: the scale-down's victim dies mid-stream.
-    _redeploy(
-        long_tiny_model_dir,
+def _long_app_args(model_dir: str, num_replicas: int = 2) -> dict:
+    """Generations that outlast graceful_shutdown_timeout_s: a stopped replica dies mid-stream.
+    Migrations enough to outlast the seconds until routers learn a replica is draining."""
+    return app_args(
+        model_dir,
         max_model_len=2048,
         num_gpu_blocks=1024,
         graceful_shutdown_timeout_s=0.5,
-        max_migrations=6,
+        max_migrations=16,
+        num_replicas=num_replicas,
     )
 
 
+def _deploy_long(model_dir: str) -> None:
+    from deploy.app import build_app
+
+    serve.run(build_app(_long_app_args(model_dir)), name=APP, route_prefix=f"/{APP}")
+    _wait_replicas_running(2)
+
+
 def test_a_scale_down_mid_stream_keeps_every_character(failover_url, long_tiny_model_dir):
-    """2 -> 1 replicas while every case streams, past graceful_shutdown_timeout_s: Serve kills the
-    replica it drops without calling its shutdown hook, and each of its choices resumes on the
-    survivor from the tokens it received. With stream_interval 3 (tokens held back at the
-    replica) and a stop string that holds text back at the ingress, every text is that of an
-    undisturbed run."""
+    """2 -> 1 replicas while every case streams. serve.run deploys a new version (the ingress's
+    arguments changed too), so Serve stops both replicas and, past graceful_shutdown_timeout_s,
+    kills them without calling their shutdown hook; each choice resumes on the new replica from
+    the tokens it received. With stream_interval 3 (tokens held back at the replica) and a stop
+    string that holds text back at the ingress, every text is that of an undisturbed run."""
     from deploy.app import build_app
 
     _deploy_long(long_tiny_model_dir)
     undisturbed = asyncio.run(_run_cases(failover_url, None, LONG_CASES))
 
     async def scale_down() -> None:
-        await _both_replicas_busy()
-        args = app_args(
-            long_tiny_model_dir,
-            max_model_len=2048,
-            num_gpu_blocks=1024,
-            graceful_shutdown_timeout_s=0.5,
-            max_migrations=6,
-            num_replicas=1,
-        )
-        await asyncio.to_thread(
-            serve.run, build_app(args), name=APP, route_prefix=f"/{APP}", blocking=False
-        )
+        app = build_app(_long_app_args(long_tiny_model_dir, num_replicas=1))
+        await asyncio.to_thread(serve.run, app, name=APP, route_prefix=f"/{APP}", blocking=False)
 
     disturbed = asyncio.run(_run_cases(failover_url, scale_down, LONG_CASES))
     for (prompt, _), calm, hit in zip(LONG_CASES, undisturbed, disturbed):
@@ -423,22 +409,20 @@ def test_a_scale_down_mid_stream_keeps_every_character(failover_url, long_tiny_m
 def test_a_replica_shut_down_mid_stream_hands_back_every_character(
     failover_url, long_tiny_model_dir
 ):
-    """What Serve runs at the end of a graceful stop, its shutdown hook (LLMReplica.shutdown) and
-    then a kill, done while every case streams: the replica hands each request back with the
-    tokens it held (stream_interval 3), the ingress sends the text those tokens complete, keeps
-    what the stop string holds back, and resumes on the other replica. Every text is that of an
-    undisturbed run."""
+    """Serve's shutdown hook (LLMReplica.shutdown, which Serve awaits only once a replica is idle)
+    called while every case streams: the replica hands each request back with the tokens it held
+    (stream_interval 3), the ingress sends the text those tokens complete, keeps what the stop
+    string holds back, and resumes on the other replica (the drained one refuses requests until
+    the routers learn it is draining). Every text is that of an undisturbed run."""
     _deploy_long(long_tiny_model_dir)
     undisturbed = asyncio.run(_run_cases(failover_url, None, LONG_CASES))
 
     async def shut_down_one() -> None:
-        await _both_replicas_busy()
         handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
-        victim = await handle.shutdown.remote()
-        name = next(name for name in _replica_names() if victim in name)
-        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        # DeploymentHandle.shutdown is the handle's own; the router picks the less loaded replica.
+        victim = await handle.options(method_name="shutdown").remote()
+        assert victim["handed_back"] > 0, victim
 
     disturbed = asyncio.run(_run_cases(failover_url, shut_down_one, LONG_CASES))
     for (prompt, _), calm, hit in zip(LONG_CASES, undisturbed, disturbed):
         assert hit == calm, prompt
-    _wait_replicas_running(2)
