@@ -116,8 +116,11 @@ class StopMatcher:
         return out
 
     def _find(self, window: str) -> int | None:
-        hits = [i for s in self.stops if (i := window.find(s)) != -1]
-        return min(hits) if hits else None
+        """Where the stop string that completes first begins (the one beginning first, of those
+        completing at the same character): the cut depends on the text, never on how it was
+        split into deltas."""
+        hits = [(i + len(s), i) for s in self.stops if (i := window.find(s)) != -1]
+        return min(hits)[1] if hits else None
 
 
 @dataclass(slots=True)

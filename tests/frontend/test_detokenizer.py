@@ -66,10 +66,12 @@ def test_false_alarm_is_released_and_final_flushes_the_tail():
     assert out == "a\nbc" and not m.stopped
 
 
-def test_earliest_of_several_stop_strings_wins():
+def test_the_stop_string_that_completes_first_wins():
     m = StopMatcher(["world", "lo"])
     assert m.feed("hello world", final=True) == "hel"
     assert m.stopped
+    # "b" is complete before "SbS" is, whether the text comes at once or in pieces.
+    assert StopMatcher(["SbS", "b"]).feed("SSbS", final=True) == "SS"
 
 
 def test_without_stop_strings_everything_passes_at_once():
@@ -154,15 +156,15 @@ def test_any_chunking_of_the_tokens_rebuilds_the_text(tokenizer, text, cuts):
     cuts=st.lists(st.integers(0, 5), max_size=30),
 )
 def test_stop_strings_cut_the_same_text_however_it_is_split(text, stops, cuts):
-    """Fed in any pieces, the text sent is the text up to the earliest stop string (all of it
-    when none appears), and nothing is sent after a stop."""
+    """Fed in any pieces, the text sent is the text up to the stop string that completes first
+    (all of it when none appears), and nothing is sent after a stop."""
     m = StopMatcher(stops)
     sent, start = [], 0
     for size in cuts:
         sent.append(m.feed(text[start : start + size]))
         start += size
     sent.append(m.feed(text[start:], final=True))
-    hits = [i for s in stops if (i := text.find(s)) != -1]
-    expected = text[: min(hits)] if hits else text
+    ends = [(i + len(s), i) for s in stops if (i := text.find(s)) != -1]
+    expected = text[: min(ends)[1]] if ends else text
     assert "".join(sent) == expected == m.text
-    assert m.stopped == bool(hits)
+    assert m.stopped == bool(ends)
