@@ -24,7 +24,7 @@ test: install
 
 # The edit-test loop: everything but the tests marked slow (models, Ray, Serve), in about a minute.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-dev} $(PY) -m pytest -q -m "not slow"
 
 # Lint, format and types, as CI runs them before the tests.
 lint: install

@@ -1,4 +1,10 @@
-"""Replica metrics through ray.util.metrics, tagged by replica (exported as ray_raylm_*)."""
+"""Serving metrics through ray.util.metrics (exported as ray_raylm_*).
+
+A replica records what it sees, tagged by replica: its queues, KV cache, tokens, time to first
+token and between tokens. The ingress records how each request ended as its client saw it, and
+how long it took, migrations included: only the ingress knows a stop string from a client that
+went away, and only it sees one request across the replicas it moved through.
+"""
 
 from __future__ import annotations
 
@@ -57,14 +63,12 @@ class ReplicaMetrics:
         self.prompt_tokens = counter("raylm_prompt_tokens_total", "Prompt tokens admitted.")
         self.generation_tokens = counter("raylm_generation_tokens_total", "Tokens generated.")
         self.preemptions = counter("raylm_preemptions_total", "Requests preempted.")
-        self.requests = counter("raylm_requests_total", "Finished requests.", ("finish_reason",))
         self.ttft = histogram(
             "raylm_ttft_seconds", "Time to first token at the replica.", _LATENCY_BUCKETS
         )
         self.itl = histogram(
             "raylm_inter_token_seconds", "Time between output deltas.", _LATENCY_BUCKETS
         )
-        self.e2e = histogram("raylm_e2e_seconds", "Request latency at the replica.", _E2E_BUCKETS)
         for metric in (
             self.waiting,
             self.running,
@@ -74,10 +78,8 @@ class ReplicaMetrics:
             self.prompt_tokens,
             self.generation_tokens,
             self.preemptions,
-            self.requests,
             self.ttft,
             self.itl,
-            self.e2e,
         ):
             metric.set_default_tags({"replica": replica})
         self._preemptions_seen = 0
@@ -92,8 +94,6 @@ class ReplicaMetrics:
             gauge.set(0.0)
         for counter in (self.prompt_tokens, self.generation_tokens, self.preemptions):
             counter._record(0.0)
-        for reason in FINISH_REASONS:
-            self.requests._record(0.0, tags={"finish_reason": reason})
 
     def record_stats(self, stats: SchedulerStats) -> None:
         self.waiting.set(stats.num_waiting)
@@ -117,6 +117,27 @@ class ReplicaMetrics:
         if itl is not None:
             self.itl.observe(itl)
 
-    def record_finished(self, finish_reason: str | None, e2e: float) -> None:
-        self.requests.inc(1, tags={"finish_reason": finish_reason or "unknown"})
+
+class RequestMetrics:
+    """What the ingress records of each choice of a request, as its client saw it: a choice that
+    moved between replicas counts once, with its whole latency."""
+
+    def __init__(self) -> None:
+        self.requests = Counter(
+            "raylm_requests_total",
+            "Finished requests by finish reason, one per choice, as the client saw them.",
+            tag_keys=("finish_reason",),
+        )
+        self.e2e = Histogram(
+            "raylm_e2e_seconds",
+            "Latency of each choice at the ingress, from admission to its end (migrations "
+            "included).",
+            boundaries=_E2E_BUCKETS,
+        )
+        # Every reason's series exists from the start (see ReplicaMetrics._export_zeros).
+        for reason in FINISH_REASONS:
+            self.requests._record(0.0, tags={"finish_reason": reason})
+
+    def record_finished(self, finish_reason: str, e2e: float) -> None:
+        self.requests.inc(1, tags={"finish_reason": finish_reason})
         self.e2e.observe(e2e)

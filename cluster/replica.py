@@ -3,6 +3,10 @@
 The EngineCore steps on one background thread while it has work; each step's RequestOutputs are
 handed to the replica's event loop, which feeds one asyncio.Queue per request. The event loop
 never blocks on the model, so `generate` streams, aborts and routing-stats calls stay responsive.
+
+The replica deals in tokens only: stop strings, text and each request's finish as the client
+sees it belong to the ingress's frontend (deploy/generation.py), which cancels the stream at a
+stop string.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ray import serve
-from transformers import AutoTokenizer
 
 from cluster.caller_watch import CallerGoneError, CallerWatch
 from cluster.engine_loop import EngineLoop
@@ -25,8 +28,6 @@ from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.metrics import ReplicaMetrics
 from cluster.ray_executor import ray_executor
 from engine.config import EngineConfig
-from frontend.detokenizer import TextStream
-from frontend.frontend import Frontend
 from router.stats import MAX_REPORTED_PREFIX_HASHES, ReplicaState, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import GenerateRequest, Request
@@ -61,16 +62,11 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
 class _Stream:
     """Event-loop side of one in-flight request."""
 
+    request_id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     caller: str | None = None  # the caller actor's name (its death aborts the request)
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
-    counted: bool = (
-        False  # its finish is in the metrics (a cancel arriving later must not count again)
-    )
-    # Stop strings are matched here too, so a stop-string finish is a "stop" in the engine and the
-    # metrics, not an "abort" when the ingress cancels.
-    text: TextStream | None = None
     sent: bool = False  # a delta with tokens has gone out (the first tokens are never held back)
     held: RequestOutput | None = None  # tokens waiting for a full chunk (stream_interval)
 
@@ -89,6 +85,16 @@ class _Stream:
             return None
         self.sent = self.sent or bool(output.new_token_ids)
         return output
+
+    def hand_back(self) -> None:
+        """End the stream with an "abort" that carries every token it still holds (queued deltas
+        merge into it in next()): the ingress sends their text, then resumes the request on
+        another replica from there."""
+        if self.held is None:
+            last = RequestOutput(self.request_id, [], True, "abort")
+        else:
+            last, self.held = replace(self.held, finished=True, finish_reason="abort"), None
+        self.queue.put_nowait(last)
 
     async def next(self) -> RequestOutput:
         item = await self.queue.get()
@@ -158,12 +164,8 @@ class LLMReplica:
         self.replica = replica = serve.get_replica_context().replica_tag
         self.metrics = ReplicaMetrics(replica)
         self.engine = build_engine(config)
-        self.frontend = Frontend(
-            AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info
-        )
         self._streams: dict[str, _Stream] = {}
         self._draining = False
-        self._event_loop = asyncio.get_running_loop()
         self._stats: SchedulerStats = self.engine.stats()
         self.metrics.record_stats(self._stats)
         self._loop_thread = EngineLoop(
@@ -186,11 +188,7 @@ class LLMReplica:
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in flight")
-        stream = self._streams[rid] = _Stream(caller=request.caller)
-        if request.sampling_params.stop:
-            stream.text = self.frontend.text_stream(
-                request.prompt_token_ids, request.sampling_params.stop
-            )
+        stream = self._streams[rid] = _Stream(rid, caller=request.caller)
         self.metrics.record_admitted(len(request.prompt_token_ids))
         self._loop_thread.add(
             Request(
@@ -212,66 +210,32 @@ class LLMReplica:
                 yield output
         finally:
             self._streams.pop(rid, None)
-            if not finished:
+            if not finished:  # cancelled by the ingress (a stop string, a client gone)
                 self._loop_thread.abort([rid])
-                if not stream.counted:
-                    self.metrics.record_finished("abort", time.perf_counter() - stream.arrival)
 
     def _on_step(self, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
         now = time.perf_counter()
         for output in outputs:
             stream = self._streams.get(output.request_id)
-            if stream is None or stream.counted:
-                # already gone (aborted by its caller), or already finished at a stop string
+            if stream is None:  # already gone: cancelled, or handed back
                 continue
-            try:
-                output = self._settle(stream, output, now)
-            except Exception as exc:
-                output = self._fail_one(output, exc)
-            if output.finished:
-                stream.counted = True
-                self.metrics.record_finished(output.finish_reason, now - stream.arrival)
+            self._settle(stream, output, now)
             if (output := stream.chunk(output, self.config.stream_interval)) is not None:
                 stream.queue.put_nowait(output)
         self._stats = stats
         self.metrics.record_stats(stats)
 
-    def _settle(self, stream: _Stream, output: RequestOutput, now: float) -> RequestOutput:
-        """The output as the client gets it (cut at a stop string), with its tokens in the
-        metrics."""
-        if stream.text is not None and output.new_token_ids:
-            output = self._cut_at_stop_string(stream.text, output)
-        if output.new_token_ids:
-            first = stream.last_token is None
-            self.metrics.record_tokens(
-                len(output.new_token_ids),
-                ttft=now - stream.arrival if first else None,
-                itl=None if first else now - stream.last_token,
-            )
-            stream.last_token = now
-        return output
-
-    def _fail_one(self, output: RequestOutput, exc: Exception) -> RequestOutput:
-        """Finish one request whose output could not be handled (e.g. its detokenizer failed)."""
-        logger.error("request %s failed handling its output: %r", output.request_id, exc)
-        if not output.finished:
-            self._loop_thread.abort([output.request_id])
-        return replace(
-            output,
-            new_token_ids=[],
-            new_logprobs=None,
-            finished=True,
-            finish_reason="error",
-            error=f"output handling failed: {exc!r}",
+    def _settle(self, stream: _Stream, output: RequestOutput, now: float) -> None:
+        """The output's tokens in the metrics, with the time to the first and between the next."""
+        if not output.new_token_ids:
+            return
+        first = stream.last_token is None
+        self.metrics.record_tokens(
+            len(output.new_token_ids),
+            ttft=now - stream.arrival if first else None,
+            itl=None if first else now - stream.last_token,
         )
-
-    def _cut_at_stop_string(self, text: TextStream, output: RequestOutput) -> RequestOutput:
-        text.feed(output.new_token_ids, output.finished)
-        if not text.stopped:
-            return output
-        if not output.finished:
-            self._loop_thread.abort([output.request_id])
-        return replace(output, finished=True, finish_reason="stop")
+        stream.last_token = now
 
     def _on_error(self, request_id: str | None, exc: BaseException) -> None:
         targets = (
@@ -343,7 +307,8 @@ class LLMReplica:
         """Serve polls this for the request router: queues, KV usage, prefix-cache figures and the
         hashes of the most recently cached blocks (the router's prefix index syncs to them)."""
         prefix = None
-        if self._loop_thread.failure is None:
+        state = self._state()
+        if state is ReplicaState.OK:  # a failed or stopped engine answers no call
             try:
                 prefix = await asyncio.wait_for(
                     self._loop_thread.call(
@@ -353,12 +318,13 @@ class LLMReplica:
                 )
             except asyncio.TimeoutError:
                 logger.warning("engine busy for 5 s: routing stats without prefix hashes")
-        return RoutingStats(self._stats, self._state(), prefix).to_dict()
+        return RoutingStats(self._stats, state, prefix).to_dict()
 
     async def check_health(self) -> None:
-        """Serve's probe: a failed or stalled engine fails it, and Serve replaces this replica."""
+        """Serve's probe: a failed, stalled or shut-down engine fails it, and Serve replaces this
+        replica."""
         state = self._state()
-        if state in (ReplicaState.FAILED, ReplicaState.STALLED):
+        if state is not ReplicaState.OK:
             error = self._unavailable(state)
             logger.error("%s: failing the health check", error)
             raise error
@@ -372,24 +338,43 @@ class LLMReplica:
         return ReplicaState.DRAINING if self._draining else ReplicaState.OK
 
     def _unavailable(self, state: ReplicaState) -> EngineFailedError:
-        """Why a FAILED or STALLED replica serves nothing."""
+        """Why a replica that is not OK serves nothing."""
         if state is ReplicaState.FAILED:
             return EngineFailedError(f"engine failed: {self._loop_thread.failure!r}")
+        if state is ReplicaState.DRAINING:
+            return EngineFailedError("replica shut down")
         return EngineFailedError(f"engine stalled for {self._loop_thread.stalled_for():.0f} s")
 
-    def __del__(self) -> None:
-        """Serve's shutdown, after its graceful wait: hand what is still in flight back for
-        migration."""
-        loop_thread = getattr(self, "_loop_thread", None)
-        if loop_thread is None:
-            return
-        self._draining = True
+    # ---- shutdown --------------------------------------------------------------------------
+    async def shutdown(self) -> dict[str, Any]:
+        """Stop taking requests, hand every one in flight back to its ingress for migration (with
+        the tokens it holds), and release the engine. Idempotent.
 
-        def hand_back() -> None:
-            for rid, stream in list(self._streams.items()):
-                stream.queue.put_nowait(RequestOutput(rid, [], True, "abort"))
+        Serve calls it through __del__; tests and operators may call it directly. Returns the
+        replica's name and how many requests this call handed back.
+        """
+        streams: dict[str, _Stream] = {}
+        if not self._draining:
+            self._draining = True
+            streams, self._streams = self._streams, {}
+            for stream in streams.values():
+                stream.hand_back()
+            if streams:
+                logger.warning("shutting down: %d requests handed back", len(streams))
+            self._watchdog.cancel()
+            # Never blocks the event loop: the engine thread releases the workers after its step.
+            self._loop_thread.stop(shutdown_engine=True, wait=False)
+        return {"replica": self.replica, "handed_back": len(streams)}
 
-        if not self._event_loop.is_closed():  # a closed loop has no stream left to hand back to
-            self._event_loop.call_soon_threadsafe(hand_back)
-        # Never blocks the event loop: the engine thread releases the workers once its step ends.
-        loop_thread.stop(shutdown_engine=True, wait=False)
+    async def __del__(self) -> None:
+        """Serve's shutdown hook, awaited once at the end of a graceful stop.
+
+        Serve 2.60's controller asks the replica actor to stop (perform_graceful_shutdown): it
+        waits until no request is in flight, then awaits this method once (call_destructor,
+        which accepts a coroutine), then kills the actor. Past graceful_shutdown_timeout_s the
+        controller kills the actor without calling it; each ingress then resumes its requests
+        from the tokens it has received. A garbage collector calling this would only make a
+        coroutine that never runs, so nothing here depends on when, or whether, that happens.
+        """
+        if hasattr(self, "_loop_thread"):  # Serve calls it even when __init__ failed
+            await self.shutdown()

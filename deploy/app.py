@@ -79,6 +79,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return OpenAIIngress.options(
         num_replicas=config.ingress_replicas,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        # A redeployed ingress lets its streams run to their deadline: its requests cannot move.
+        graceful_shutdown_timeout_s=config.request_timeout_s,
         # The ingress only forwards and streams: it must never be the bottleneck on concurrency.
         max_ongoing_requests=max(1024, config.max_ongoing_requests * 4),
     ).bind(config, replica)

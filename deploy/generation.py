@@ -15,6 +15,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.context import _set_request_context
 
 from cluster.errors import EngineFailedError, ReplicaDrainingError
+from cluster.metrics import RequestMetrics
 from cluster.outcomes import report_outcome
 from deploy.errors import ReplicaUnavailableError, RequestFailedError, RequestTimeoutError
 from frontend.detokenizer import TextStream
@@ -80,7 +81,8 @@ class UsageTally:
 
 
 class ReplicaAbortedError(RuntimeError):
-    """The replica aborted a request it had accepted (it is shutting down): resume it elsewhere."""
+    """The replica handed back a request it had accepted (it is shutting down): resume it
+    elsewhere."""
 
 
 def is_replica_failure(exc: BaseException) -> bool:
@@ -113,19 +115,36 @@ def is_replica_fault(exc: BaseException) -> bool:
 class Choice:
     """Streams one GenerateRequest through replica handles, detokenizing on the way.
 
-    The choice owns its emitted token ids: when its replica fails it resumes on another one (prompt
-    + emitted tokens, the same parameters), at most max_migrations times, and the client sees one
-    uninterrupted stream.
+    The choice owns its emitted token ids and its text: when its replica fails or hands it back
+    it resumes on another one (prompt + emitted tokens, the same parameters), at most
+    max_migrations times, and the client sees one uninterrupted stream. Its finish is counted in
+    `metrics` once, as the client saw it.
     """
 
     index: int
     prompt_index: int
     request: GenerateRequest
     frontend: Frontend
+    metrics: RequestMetrics
     max_migrations: int = 3
     emitted: list[int] = field(default_factory=list)
 
     async def stream(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
+        """The choice's deltas, its finish reason on the last. One that raises counts as "error",
+        one closed before its finish (a client gone, a deadline) as "abort"."""
+        start = time.perf_counter()
+        finish = "abort"
+        try:
+            async for delta in self._migrating(replica):
+                finish = delta.finish_reason or finish
+                yield delta
+        except Exception:
+            finish = "error"
+            raise
+        finally:
+            self.metrics.record_finished(finish, time.perf_counter() - start)
+
+    async def _migrating(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
         text_stream = self.frontend.text_stream(
             self.request.prompt_token_ids, self.request.sampling_params.stop
         )
@@ -176,20 +195,21 @@ class Choice:
             async for out in response:
                 tokens = out.new_token_ids
                 self.emitted.extend(tokens)
+                # A hand-back ("abort") is not the end of the text: what the text stream holds
+                # back (a partial character, a possible stop string) goes on on the next replica.
+                handed_back = out.finished and out.finish_reason == "abort"
+                finished = out.finished and not handed_back
                 # Usage counts every token generated, including those past a stop string's cut.
-                sent = text_stream.feed(tokens, out.finished)
+                sent = text_stream.feed(tokens, finished)
                 finish = (
-                    "stop" if text_stream.stopped else (out.finish_reason if out.finished else None)
+                    "stop" if text_stream.stopped else (out.finish_reason if finished else None)
                 )
-                if finish == "abort":
-                    raise ReplicaAbortedError(
-                        f"request {request.request_id} was aborted by its replica"
-                    )
                 if finish == "error":
                     raise RequestFailedError(request.request_id, out.error)
                 done = finish is not None
                 if done:
                     report_outcome(internal_request_id, ok=True)
+                # The text of handed-back tokens goes out before the request moves.
                 yield ChoiceDelta(
                     self.index,
                     self.prompt_index,
@@ -203,6 +223,10 @@ class Choice:
                 )
                 if done:
                     return
+                if handed_back:
+                    raise ReplicaAbortedError(
+                        f"request {request.request_id} was handed back by its replica"
+                    )
         except Exception as exc:
             if is_replica_fault(exc):
                 report_outcome(

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster.metrics import RequestMetrics
 from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import (
     AuthenticationError,
@@ -164,6 +165,7 @@ class OpenAIIngress:
         self.config = config
         self.replica = replica
         self.frontend = Frontend.load(config.engine.model, config.engine.cache_dir)
+        self.metrics = RequestMetrics()
         self._keys = config.key_profiles()
         self._tool_format = detect_format(self.frontend.chat_template)
         self._renders_tools = template_renders_tools(self.frontend.chat_template)
@@ -395,7 +397,14 @@ class OpenAIIngress:
                     caller=self._actor_name,
                 )
                 choices.append(
-                    Choice(p * body.n + i, p, request, self.frontend, self.config.max_migrations)
+                    Choice(
+                        p * body.n + i,
+                        p,
+                        request,
+                        self.frontend,
+                        self.metrics,
+                        self.config.max_migrations,
+                    )
                 )
         return choices
 

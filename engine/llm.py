@@ -100,56 +100,55 @@ class LLM:
 
     def _run(
         self,
-        texts: list[str | None],
+        prompts: list[str | None],
         token_ids: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[GenerationOutput]:
         params = _params_per_prompt(sampling_params, len(token_ids))
         outputs: dict[str, GenerationOutput] = {}
-        stops: dict[str, TextStream] = {}
+        texts: dict[str, TextStream] = {}
         live: set[str] = set()
         with tqdm(total=len(token_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             try:
-                for text, ids, sp in zip(texts, token_ids, params):
+                for prompt, ids, sp in zip(prompts, token_ids, params):
                     rid = f"llm-{next(self._ids)}"
                     self.engine.add_request(Request(rid, ids, sp))
                     live.add(rid)
                     outputs[rid] = GenerationOutput(
-                        rid, text, ids, logprobs=[] if sp.logprobs is not None else None
+                        rid, prompt, ids, logprobs=[] if sp.logprobs is not None else None
                     )
-                    if sp.stop:  # text is built as it streams, so stop strings cut it at once
-                        stops[rid] = self.frontend.text_stream(ids, sp.stop)
+                    # The text is built as the served one is, so stop strings cut it at once.
+                    texts[rid] = self.frontend.text_stream(ids, sp.stop)
                 while live:
-                    finished = self._step(outputs, stops)
+                    finished = self._step(outputs, texts)
                     live -= finished
                     bar.update(len(finished))
             finally:
                 if live:  # a bad prompt or an interruption: nothing of this call stays queued
                     self.engine.abort_requests(list(live))
-        for rid, out in outputs.items():
-            if rid not in stops:
-                out.text = self.frontend.decode(out.token_ids)
         return list(outputs.values())
 
-    def _step(self, outputs: dict[str, GenerationOutput], stops: dict[str, TextStream]) -> set[str]:
+    def _step(self, outputs: dict[str, GenerationOutput], texts: dict[str, TextStream]) -> set[str]:
+        """One engine step: tokens and text for each request; the ids of those that finished (a
+        stop string finishes its request here, and the engine aborts it)."""
         finished = set()
         for ro in self.engine.step():
             out = outputs.get(ro.request_id)
-            if out is None:
+            if out is None or ro.request_id not in texts:
                 continue
             out.token_ids.extend(ro.new_token_ids)
             out.num_cached_tokens = ro.num_cached_tokens
             if out.logprobs is not None and ro.new_logprobs:
                 out.logprobs.extend(ro.new_logprobs)
-            stop = stops.get(ro.request_id)
-            hit_stop = stop is not None and _hit_stop(out, stop, ro.new_token_ids, ro.finished)
-            if hit_stop and not ro.finished:
-                self.engine.abort_requests([ro.request_id])
-                finished.add(ro.request_id)
-            elif ro.finished:
-                if not hit_stop:  # a stop string on the last token still finishes as "stop"
-                    out.finish_reason = ro.finish_reason
+            text = texts[ro.request_id]
+            text.feed(ro.new_token_ids, ro.finished)
+            if text.stopped or ro.finished:
+                if not ro.finished:
+                    self.engine.abort_requests([ro.request_id])
+                # A stop string completed by the last token still finishes as "stop".
+                out.finish_reason = "stop" if text.stopped else ro.finish_reason
+                out.text = texts.pop(ro.request_id).text
                 finished.add(ro.request_id)
         return finished
 
@@ -179,14 +178,3 @@ def _params_per_prompt(
             constraint
         )  # a bad grammar is the caller's ValueError, before anything runs
     return params
-
-
-def _hit_stop(
-    out: GenerationOutput, stream: TextStream, new_token_ids: list[int], finished: bool
-) -> bool:
-    """Feed a step's tokens to the text stream; on a stop string the text is cut before it."""
-    stream.feed(new_token_ids, finished)
-    out.text = stream.text
-    if stream.stopped:
-        out.finish_reason = "stop"
-    return stream.stopped

@@ -9,6 +9,13 @@ from typing import Any
 # leading space from the first decoded piece (SentencePiece) still produce it.
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+# How many deltas in a row may be held back waiting for a character to complete. A character
+# split over tokens completes within a few (four byte tokens at most); past this many, text that
+# still ends in U+FFFD (a lone continuation byte, an invalid sequence) is emitted as the
+# tokenizer decodes it. Without the cap each such token re-decodes a window one token longer:
+# quadratic work. Counted in deltas, not tokens: one delta of many tokens (a chunk) may end
+# inside a character like any other.
+MAX_HELD_DELTAS = 8
 
 
 class IncrementalDetokenizer:
@@ -16,7 +23,8 @@ class IncrementalDetokenizer:
 
     Decodes a sliding window [prefix_offset:] and emits only what grew beyond the window's already
     emitted part; text ending in U+FFFD (an incomplete UTF-8 byte sequence) is held back until the
-    next token completes it. Each step decodes a handful of tokens, not the whole output.
+    next token completes it, for at most MAX_HELD_DELTAS deltas. Each delta decodes a bounded
+    window, never the whole output.
     """
 
     def __init__(
@@ -30,7 +38,12 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list((prompt_token_ids or [])[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
+        self._deltas: list[str] = []
+        self._held = 0  # deltas held back in a row, waiting for a character to complete
+
+    @property
+    def text(self) -> str:
+        return "".join(self._deltas)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -42,21 +55,24 @@ class IncrementalDetokenizer:
         self.ids.extend(token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+        complete = len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT)
+        if not complete and self._held < MAX_HELD_DELTAS:
+            self._held += 1
             return ""
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        self.text += delta
-        return delta
+        return self._advance(new_text[len(prefix_text) :])
 
     def flush(self) -> str:
         """At the end of generation: whatever is still held back (a truncated UTF-8 sequence)."""
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])
-        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
-        self.prefix_offset = self.read_offset = len(self.ids)
-        self.text += delta
+        return self._advance(new_text[len(prefix_text) :])
+
+    def _advance(self, delta: str) -> str:
+        """Emit delta: the window now starts at the tokens it was decoded from."""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._held = 0
+        if delta:
+            self._deltas.append(delta)
         return delta
 
 
@@ -66,36 +82,45 @@ class StopMatcher:
     one.
 
     feed(delta) returns the text that is safe to send now; stopped turns True once a stop string
-    appeared (the text is cut before it, as OpenAI does).
+    appeared (the text is cut before it, as OpenAI does). Each feed searches only the held-back
+    tail and the new delta.
     """
 
     stops: list[str]
-    text: str = ""
-    sent: int = 0
     stopped: bool = False
     _hold: int = field(init=False, default=0)
+    _sent: list[str] = field(init=False, default_factory=list)
+    _pending: str = field(init=False, default="")  # not yet sent: it may begin a stop string
 
     def __post_init__(self) -> None:
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
+    @property
+    def text(self) -> str:
+        """Everything fed so far, cut before the stop string once one appeared."""
+        return "".join(self._sent) + self._pending
+
     def feed(self, delta: str, final: bool = False) -> str:
         if self.stopped:
             return ""
-        start = max(0, len(self.text) - self._hold)
-        self.text += delta
-        cut = self._find(start)
+        # Everything before the pending tail was sent, so it holds no start of a stop string.
+        window = self._pending + delta
+        cut = self._find(window)
         if cut is not None:
-            self.text = self.text[:cut]
-            self.stopped = True
-            final = True
-        end = len(self.text) if final else max(self.sent, len(self.text) - self._hold)
-        out = self.text[self.sent : end]
-        self.sent = end
+            window = window[:cut]
+            self.stopped = final = True
+        end = len(window) if final else max(0, len(window) - self._hold)
+        out, self._pending = window[:end], window[end:]
+        if out:
+            self._sent.append(out)
         return out
 
-    def _find(self, start: int) -> int | None:
-        hits = [i for s in self.stops if (i := self.text.find(s, start)) != -1]
-        return min(hits) if hits else None
+    def _find(self, window: str) -> int | None:
+        """Where the stop string that completes first begins (the one beginning first, of those
+        completing at the same character): the cut depends on the text, never on how it was
+        split into deltas."""
+        hits = [(i + len(s), i) for s in self.stops if (i := window.find(s)) != -1]
+        return min(hits)[1] if hits else None
 
 
 @dataclass(slots=True)
@@ -107,7 +132,12 @@ class TextStream:
     matcher: StopMatcher
 
     def feed(self, token_ids: list[int], finished: bool) -> str:
-        """The text safe to emit after these tokens; `stopped` turns True at a stop string."""
+        """The text safe to emit after these tokens; `stopped` turns True at a stop string.
+
+        finished flushes what is held back (a truncated character, a possible stop string's
+        start): only the generation's real end may do that, never a hand-back to another
+        replica, where the text goes on.
+        """
         delta = self.detokenizer.add(token_ids)
         if finished:
             delta += self.detokenizer.flush()

@@ -14,6 +14,10 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from scheduler import Request, RequestOutput, SamplingParams
 
+# A replica built outside Serve is collected without its async __del__ (Serve's shutdown hook)
+# being awaited: the coroutine never runs, which is the point.
+pytestmark = pytest.mark.filterwarnings("ignore:coroutine 'LLMReplica.__del__' was never awaited")
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
@@ -205,59 +209,136 @@ def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
     assert list(itertools.chain(*chunked)) == list(itertools.chain(*every_token))
 
 
-def test_a_request_whose_detokenizer_fails_finishes_alone(
-    engine, tiny_model_dir, ray_cluster, monkeypatch
-):
-    """Fault injection in the replica's own output handling: one request's stop-string detokenizer
-    raises mid-stream; it alone finishes with 'error', its neighbours in the batch stream on."""
-    from frontend.detokenizer import TextStream
+def _greedy(max_tokens: int, stop: list[str] | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop or [])
+
+
+async def _collect(replica, rid: str, prompt: list[int], params) -> list[RequestOutput]:
     from scheduler.request import GenerateRequest
 
-    victim_marker = (
-        4242  # the victim's prompt ends with it; the detokenizer keeps the prompt's tail
-    )
-    feed = TextStream.feed
+    return [out async for out in replica.generate(GenerateRequest(rid, prompt, params))]
 
-    def failing_feed(self, token_ids, finished):
-        if victim_marker in self.detokenizer.ids and len(self.detokenizer.ids) > 7:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return feed(self, token_ids, finished)
 
-    monkeypatch.setattr(TextStream, "feed", failing_feed)
+def test_stop_strings_are_the_ingress_business_the_replica_streams_tokens(
+    engine, tiny_model_dir, ray_cluster, monkeypatch
+):
+    """The replica knows token-level stops only: a stop string its text contains changes nothing
+    there (the ingress's frontend cuts the text and cancels the stream)."""
+    from transformers import AutoTokenizer
 
-    async def collect(replica, rid: str, prompt: list[int]) -> list[RequestOutput]:
-        params = SamplingParams(
-            max_tokens=12, temperature=0.0, ignore_eos=True, stop=["never-appears-here"]
-        )
-        return [out async for out in replica.generate(GenerateRequest(rid, prompt, params))]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = [5, 6, 7, 8, 9] * 4
 
     async def go():
         replica = await _replica_on(engine, tiny_model_dir, monkeypatch)
         try:
-            free = replica._stats.num_free_blocks
-            results = await asyncio.wait_for(
-                asyncio.gather(
-                    collect(replica, "a", [5, 6, 7, 8, 9] * 4),
-                    collect(replica, "victim", [5, 6, 7, 8, victim_marker]),
-                    collect(replica, "b", [9, 8, 7, 6, 5] * 4),
-                ),
-                120,
+            plain = await _collect(replica, "plain", prompt, _greedy(24))
+            text = tokenizer.decode([t for o in plain for t in o.new_token_ids])
+            stop = next(
+                text[i : i + 2] for i in range(len(text) // 3, len(text)) if text[i : i + 2].strip()
             )
-            outs = dict(zip(("a", "victim", "b"), results))
-            assert (
-                outs["victim"][-1].finish_reason == "error"
-                and "injected" in outs["victim"][-1].error
-            )
-            for rid in ("a", "b"):
-                assert outs[rid][-1].finish_reason == "length"
-                assert sum(len(o.new_token_ids) for o in outs[rid]) == 12
-            assert replica._loop_thread.failure is None
-            assert await replica._loop_thread.call(lambda e: e.has_unfinished_requests()) is False
-            assert await replica._loop_thread.call(lambda e: e.stats().num_free_blocks) == free
+            stopped = await _collect(replica, "stop", prompt, _greedy(24, [stop]))
         finally:
             replica._loop_thread.stop()
+        return plain, stopped
 
-    asyncio.run(go())
+    plain, stopped = asyncio.run(go())
+    tokens = [[t for o in outs for t in o.new_token_ids] for outs in (plain, stopped)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 24
+    assert stopped[-1].finish_reason == plain[-1].finish_reason == "length"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=1, max_size=30),
+    interval=st.integers(1, 8),
+)
+def test_a_hand_back_carries_every_token_the_ingress_has_not_received(steps, interval):
+    """Whatever was chunked (stream_interval), queued and read before it: the hand-back is one
+    last "abort" output whose tokens are exactly those the consumer has not received yet."""
+    from cluster.replica import _Stream
+
+    async def go() -> list[RequestOutput]:
+        stream, received, produced = _Stream("r"), [], 0
+        for count, read in steps:
+            tokens = list(range(produced, produced + count))
+            produced += count
+            out = RequestOutput("r", tokens, False, None, 3, produced)
+            if (chunk := stream.chunk(out, interval)) is not None:
+                stream.queue.put_nowait(chunk)
+            if read and not stream.queue.empty():
+                received.append(await stream.next())
+        stream.hand_back()
+        while not received or not received[-1].finished:
+            received.append(await stream.next())
+        return received
+
+    received = asyncio.run(go())
+    produced = sum(count for count, _ in steps)
+    assert list(itertools.chain.from_iterable(o.new_token_ids for o in received)) == list(
+        range(produced)
+    )
+    assert received[-1].finish_reason == "abort"
+    assert not any(o.finished for o in received[:-1])
+
+
+def test_shutdown_hands_back_what_each_stream_holds_and_refuses_new_requests(
+    tiny_model_dir, ray_cluster, monkeypatch
+):
+    """stream_interval 256 holds every token after the first. shutdown() (what Serve's __del__
+    hook awaits) ends each stream with an "abort" carrying the tokens it held, the same tokens an
+    undisturbed run makes; the replica then refuses requests, and a second shutdown is a
+    no-op."""
+    from cluster.errors import ReplicaDrainingError
+
+    own_engine = EngineCore(  # shutdown releases the engine: not the module's
+        EngineConfig.from_kwargs(
+            model=tiny_model_dir,
+            max_model_len=256,
+            num_gpu_blocks=64,
+            kv_cache_memory_gb=0.1,
+            load_progress=False,
+        )
+    )
+    prompts = {"a": [5, 6, 7, 8, 9] * 4, "b": [9, 8, 7, 6, 5] * 4}
+
+    async def go():
+        from scheduler.request import GenerateRequest
+
+        replica = await _replica_on(own_engine, tiny_model_dir, monkeypatch, stream_interval=256)
+        undisturbed = {}
+        for rid, p in prompts.items():
+            outs = await _collect(replica, rid, p, _greedy(200))
+            undisturbed[rid] = [t for o in outs for t in o.new_token_ids]
+        streams = {
+            rid: replica.generate(GenerateRequest(f"{rid}-2", p, _greedy(200)))
+            for rid, p in prompts.items()
+        }
+        firsts = {rid: await anext(s) for rid, s in streams.items()}  # the first token: at once
+        held = {}
+        for _ in range(2000):
+            held = {rid: s.held for rid, s in replica._streams.items() if s.held is not None}
+            if len(held) == 2 and all(len(h.new_token_ids) >= 3 for h in held.values()):
+                break
+            await asyncio.sleep(0.005)
+        held_tokens = {rid[:1]: list(h.new_token_ids) for rid, h in held.items()}
+        assert await replica.shutdown() == {"replica": "t#1", "handed_back": 2}
+        rest = {}
+        for rid, stream in streams.items():
+            rest[rid] = [o async for o in stream]
+        with pytest.raises(ReplicaDrainingError):
+            await _collect(replica, "late", prompts["a"], _greedy(4))
+        assert await replica.shutdown() == {"replica": "t#1", "handed_back": 0}
+        replica._loop_thread.stop(shutdown_engine=True)  # waits for the engine thread's end
+        return undisturbed, firsts, held_tokens, rest
+
+    undisturbed, firsts, held, rest = asyncio.run(go())
+    for rid in prompts:
+        [last] = rest[rid]
+        assert last.finished and last.finish_reason == "abort"
+        assert len(held[rid]) >= 3 and last.new_token_ids == held[rid]
+        tokens = firsts[rid].new_token_ids + last.new_token_ids
+        assert tokens == undisturbed[rid][: len(tokens)]
 
 
 def test_the_engine_is_built_on_a_thread_that_has_ended_when_it_returns():
@@ -280,7 +361,7 @@ def test_stream_chunks_keep_every_token_and_hold_only_below_the_interval(steps, 
     interval."""
     from cluster.replica import _Stream
 
-    stream, sent, produced = _Stream(), [], 0
+    stream, sent, produced = _Stream("r"), [], 0
     for i, count in enumerate(steps):
         tokens = list(range(produced, produced + count))
         produced += count

@@ -1,4 +1,5 @@
-"""Replica metrics reach Ray's metrics export port, tagged by replica."""
+"""Serving metrics reach Ray's metrics export port: a replica's tagged by replica, and each
+request's finish and latency as the ingress saw them."""
 
 import re
 import urllib.request
@@ -11,15 +12,15 @@ from tests.deploy.conftest import SMOL, replica_stats, wait_for
 
 pytestmark = pytest.mark.slow
 
-GAUGES = [
+REPLICA_GAUGES = [
     "raylm_num_requests_waiting",
     "raylm_num_requests_running",
     "raylm_num_requests_swapped",
     "raylm_kv_cache_usage",
     "raylm_prefix_cache_hit_rate",
 ]
-COUNTERS = ["raylm_prompt_tokens_total", "raylm_generation_tokens_total", "raylm_requests_total"]
-HISTOGRAMS = ["raylm_ttft_seconds", "raylm_inter_token_seconds", "raylm_e2e_seconds"]
+REPLICA_COUNTERS = ["raylm_prompt_tokens_total", "raylm_generation_tokens_total"]
+REPLICA_HISTOGRAMS = ["raylm_ttft_seconds", "raylm_inter_token_seconds"]
 
 
 def _scrape() -> str:
@@ -27,7 +28,18 @@ def _scrape() -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
 
-def test_replica_metrics_are_exported_with_a_replica_tag(smol_url):
+def _total(text: str, name: str, **tags: str) -> float | None:
+    """The sum of the series of ray_<name> that carry these tags (None when there is none)."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(f"ray_{name}{{") and all(f'{k}="{v}"' in line for k, v in tags.items())
+    ]
+    return sum(values) if values else None
+
+
+def test_replica_metrics_carry_a_replica_tag_and_the_ingress_counts_each_finish(smol_url):
+    before = _total(_scrape(), "raylm_requests_total", finish_reason="length") or 0.0
     r = httpx.post(
         f"{smol_url}/completions",
         timeout=120,
@@ -35,54 +47,41 @@ def test_replica_metrics_are_exported_with_a_replica_tag(smol_url):
     )
     assert r.status_code == 200
     replica = replica_stats("raylm")["replica"]
-    wanted = (
-        GAUGES + COUNTERS + [f"{h}_bucket" for h in HISTOGRAMS] + [f"{h}_count" for h in HISTOGRAMS]
+    tagged = (
+        REPLICA_GAUGES
+        + REPLICA_COUNTERS
+        + [f"{h}_{part}" for h in REPLICA_HISTOGRAMS for part in ("bucket", "count")]
     )
-
-    def length_finishes(text: str) -> float:
-        lines = [
-            line
-            for line in text.splitlines()
-            if line.startswith("ray_raylm_requests_total{")
-            and f'replica="{replica}"' in line
-            and 'finish_reason="length"' in line
-        ]
-        return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
     def all_present():
         text = _scrape()
-        tagged = all(re.search(rf'^ray_{m}{{[^}}]*replica="{replica}"', text, re.M) for m in wanted)
-        return text if tagged and length_finishes(text) >= 1 else None
+        by_replica = all(
+            re.search(rf'^ray_{m}{{[^}}]*replica="{replica}"', text, re.M) for m in tagged
+        )
+        finished = (_total(text, "raylm_requests_total", finish_reason="length") or 0.0) > before
+        e2e = _total(text, "raylm_e2e_seconds_count") or 0.0
+        return text if by_replica and finished and e2e >= 1 else None
 
     text = wait_for(all_present, timeout=60, interval=1.0)
-    assert text, [m for m in wanted if f"ray_{m}" not in _scrape()]
+    assert text, [m for m in tagged if f"ray_{m}" not in _scrape()]
+    # The ingress's series are its own: no replica could tell a stop string from a client gone.
+    assert not re.search(r"^ray_raylm_requests_total{[^}]*replica=", text, re.M)
 
 
-def _series(text: str, name: str, replica: str, **tags: str) -> float | None:
-    for line in text.splitlines():
-        if (
-            line.startswith(f"ray_{name}{{")
-            and f'replica="{replica}"' in line
-            and all(f'{k}="{v}"' in line for k, v in tags.items())
-        ):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-def test_every_counter_exists_from_the_start_and_a_stop_string_finish_counts_as_stop(smol_url):
+def test_every_finish_reason_exists_from_the_start_and_a_stop_string_counts_as_stop(smol_url):
     replica = replica_stats("raylm")["replica"]
 
     # Exported at zero before anything happened: panels read 0, not "No data".
     def exported_at_zero():
         t = _scrape()
-        return t if _series(t, "raylm_preemptions_total", replica) is not None else None
+        replica_zero = _total(t, "raylm_preemptions_total", replica=replica) is not None
+        ingress_zero = _total(t, "raylm_requests_total", finish_reason="error") is not None
+        return t if replica_zero and ingress_zero else None
 
     text = wait_for(exported_at_zero, timeout=60, interval=1.0)
-    assert (
-        text and _series(text, "raylm_requests_total", replica, finish_reason="error") is not None
-    )
-    before = _series(text, "raylm_requests_total", replica, finish_reason="stop") or 0.0
-    aborts = _series(text, "raylm_requests_total", replica, finish_reason="abort") or 0.0
+    assert text
+    stops = _total(text, "raylm_requests_total", finish_reason="stop") or 0.0
+    aborts = _total(text, "raylm_requests_total", finish_reason="abort") or 0.0
     r = httpx.post(
         f"{smol_url}/completions",
         timeout=120,
@@ -100,11 +99,40 @@ def test_every_counter_exists_from_the_start_and_a_stop_string_finish_counts_as_
     def stop_counted():
         t = _scrape()
         return (
-            t
-            if (_series(t, "raylm_requests_total", replica, finish_reason="stop") or 0.0) > before
-            else None
+            t if (_total(t, "raylm_requests_total", finish_reason="stop") or 0.0) > stops else None
         )
 
     text = wait_for(stop_counted, timeout=60, interval=1.0)
     assert text, "the stop-string finish was not counted as stop"
-    assert (_series(text, "raylm_requests_total", replica, finish_reason="abort") or 0.0) == aborts
+    # The ingress cancelled the replica's stream at the stop string: that is no abort.
+    assert (_total(text, "raylm_requests_total", finish_reason="abort") or 0.0) == aborts
+    assert _total(text, "raylm_requests_total", finish_reason="stop") == stops + 1
+
+
+def test_a_client_that_goes_away_counts_as_abort(smol_url):
+    aborts = _total(_scrape(), "raylm_requests_total", finish_reason="abort") or 0.0
+    body = {
+        "model": SMOL,
+        "prompt": "Write a very long essay about the sea.",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{smol_url}/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+
+    def abort_counted():
+        t = _scrape()
+        return (
+            t
+            if (_total(t, "raylm_requests_total", finish_reason="abort") or 0.0) > aborts
+            else None
+        )
+
+    assert wait_for(abort_counted, timeout=60, interval=1.0), "the client's abort was not counted"

@@ -1,6 +1,6 @@
-"""A replica killed mid-generation loses no request: each choice resumes on the other replica and
-the client sees one uninterrupted stream with the same text as an undisturbed run (greedy and
-seeded)."""
+"""A replica killed, scaled down, redeployed or shut down mid-generation loses no request and no
+character: each choice resumes on another replica and the client sees one uninterrupted stream
+with the same text as an undisturbed run (greedy and seeded)."""
 
 import asyncio
 import json
@@ -168,15 +168,15 @@ def _wait_replaced(victim: str, timeout: float = 180) -> None:
 
 
 async def _run_cases(
-    url: str, fault: Callable[[], Awaitable[None]] | None
+    url: str, fault: Callable[[], Awaitable[None]] | None, cases: list[tuple[str, dict]] = CASES
 ) -> list[tuple[str, int]]:
-    """Every CASE at once (odd ones streamed); the fault strikes once every request is
+    """Every case at once (odd ones streamed); the fault strikes once every request is
     generating."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        events = [asyncio.Event() for _ in CASES]
+        events = [asyncio.Event() for _ in cases]
         tasks = [
             asyncio.create_task(_stream(client, p, s, e) if i % 2 else _complete(client, p, s))
-            for i, ((p, s), e) in enumerate(zip(CASES, events))
+            for i, ((p, s), e) in enumerate(zip(cases, events))
         ]
         if fault is not None:
             await asyncio.wait_for(
@@ -184,7 +184,7 @@ async def _run_cases(
             )
             in_flight = sum(not t.done() for t in tasks)
             await fault()
-            assert in_flight == len(CASES), (
+            assert in_flight == len(cases), (
                 "the fault must strike while every request is generating"
             )
         return await asyncio.gather(*tasks)
@@ -235,9 +235,12 @@ def _redeploy(model_dir: str, **changes) -> None:
 def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_a_clean_503(
     failover_url, tiny_model_dir
 ):
-    """Redeploy with a changed config while requests stream (the old replicas drain), then, with
-    max_migrations 0, kill a replica: its requests end with a 503, the others complete."""
+    """Redeploy with a changed config while requests stream (the old replicas drain): every text is
+    that of an undisturbed run. Then, with max_migrations 0, kill a replica: its requests end with
+    a 503, the others complete."""
     from deploy.app import build_app
+
+    undisturbed = asyncio.run(_run_cases(failover_url, None))
 
     async def under_update() -> list[tuple[str, int]]:
         async with httpx.AsyncClient(base_url=failover_url, timeout=300) as client:
@@ -255,8 +258,7 @@ def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_
             )
             return await asyncio.gather(*tasks)
 
-    for result in asyncio.run(under_update()):
-        assert result[1] == MAX_TOKENS
+    assert asyncio.run(under_update()) == undisturbed  # same text, every token counted once
     _wait_running()
 
     async def killed() -> list[int]:
@@ -353,3 +355,74 @@ def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, long_tin
     assert stats["kv_cache_usage"] == 0.0, stats
     _wait_running()
     assert asyncio.run(_run_one(failover_url))[1] == MAX_TOKENS
+
+
+# Held back at every moment (no text contains it): a hand-back or a migration must carry it on.
+HOLD = "<never in this text: it holds back 40 chars>"
+LONG_TOKENS = 300
+LONG_CASES = [
+    (prompt, {**sampling, "max_tokens": LONG_TOKENS, "stop": [HOLD]}) for prompt, sampling in CASES
+]
+
+
+def _long_app_args(model_dir: str, num_replicas: int = 2) -> dict:
+    """Generations that outlast graceful_shutdown_timeout_s: a stopped replica dies mid-stream.
+    Migrations enough to outlast the seconds until routers learn a replica is draining."""
+    return app_args(
+        model_dir,
+        max_model_len=2048,
+        num_gpu_blocks=1024,
+        graceful_shutdown_timeout_s=0.5,
+        max_migrations=16,
+        num_replicas=num_replicas,
+    )
+
+
+def _deploy_long(model_dir: str) -> None:
+    from deploy.app import build_app
+
+    serve.run(build_app(_long_app_args(model_dir)), name=APP, route_prefix=f"/{APP}")
+    _wait_replicas_running(2)
+
+
+def test_a_scale_down_mid_stream_keeps_every_character(failover_url, long_tiny_model_dir):
+    """2 -> 1 replicas while every case streams. serve.run deploys a new version (the ingress's
+    arguments changed too), so Serve stops both replicas and, past graceful_shutdown_timeout_s,
+    kills them without calling their shutdown hook; each choice resumes on the new replica from
+    the tokens it received. With stream_interval 3 (tokens held back at the replica) and a stop
+    string that holds text back at the ingress, every text is that of an undisturbed run."""
+    from deploy.app import build_app
+
+    _deploy_long(long_tiny_model_dir)
+    undisturbed = asyncio.run(_run_cases(failover_url, None, LONG_CASES))
+
+    async def scale_down() -> None:
+        app = build_app(_long_app_args(long_tiny_model_dir, num_replicas=1))
+        await asyncio.to_thread(serve.run, app, name=APP, route_prefix=f"/{APP}", blocking=False)
+
+    disturbed = asyncio.run(_run_cases(failover_url, scale_down, LONG_CASES))
+    for (prompt, _), calm, hit in zip(LONG_CASES, undisturbed, disturbed):
+        assert hit == calm, prompt  # every character, and usage counts every token once
+    _wait_replicas_running(1)
+
+
+def test_a_replica_shut_down_mid_stream_hands_back_every_character(
+    failover_url, long_tiny_model_dir
+):
+    """Serve's shutdown hook (LLMReplica.shutdown, which Serve awaits only once a replica is idle)
+    called while every case streams: the replica hands each request back with the tokens it held
+    (stream_interval 3), the ingress sends the text those tokens complete, keeps what the stop
+    string holds back, and resumes on the other replica (the drained one refuses requests until
+    the routers learn it is draining). Every text is that of an undisturbed run."""
+    _deploy_long(long_tiny_model_dir)
+    undisturbed = asyncio.run(_run_cases(failover_url, None, LONG_CASES))
+
+    async def shut_down_one() -> None:
+        handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
+        # DeploymentHandle.shutdown is the handle's own; the router picks the less loaded replica.
+        victim = await handle.options(method_name="shutdown").remote()
+        assert victim["handed_back"] > 0, victim
+
+    disturbed = asyncio.run(_run_cases(failover_url, shut_down_one, LONG_CASES))
+    for (prompt, _), calm, hit in zip(LONG_CASES, undisturbed, disturbed):
+        assert hit == calm, prompt
