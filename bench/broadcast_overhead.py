@@ -30,7 +30,14 @@ from cluster.ray_executor import (
 )
 from engine.config import EngineConfig
 from engine.executor import LocalExecutor
-from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import (
+    EngineRequest,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
 from scheduler.outputs import SchedulerOutput
 from workers.model_files import resolve_model
 from workers.options import STEP_TRANSPORTS
@@ -99,9 +106,8 @@ def decode_scheduler(num_steps: int) -> Scheduler:
     scheduler = Scheduler(config)
     params = SamplingParams(max_tokens=num_steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(BATCH):
-        scheduler.add_request(
-            Request(f"r{i}", [(13 * i + j) % 1000 + 3 for j in range(PROMPT_LEN)], params)
-        )
+        prompt = [(13 * i + j) % 1000 + 3 for j in range(PROMPT_LEN)]
+        scheduler.add_request(Request(EngineRequest(f"r{i}", prompt, params)))
     return scheduler
 
 

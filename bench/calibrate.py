@@ -33,7 +33,7 @@ from pathlib import Path
 # Run as a script from anywhere (the GPU machine has the tree, not an install).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler import Request, SamplingParams, SchedulerConfig
+from scheduler import EngineRequest, SamplingParams, SchedulerConfig
 from sim.cost import PROFILE_DIR, CostModel
 from sim.fit import (
     FitError,
@@ -168,7 +168,7 @@ class StepTimer:
         vocab = int(self.engine.vocab_size)
         prompt = [self.rng.randrange(3, vocab) for _ in range(prompt_len)]
         self.engine.add_request(
-            Request(
+            EngineRequest(
                 rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             )
         )

@@ -24,10 +24,11 @@ import time
 
 import torch
 
+from scheduler.request import EngineRequest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scheduler import SamplingParams
-from scheduler.request import Request
 from tests.random_checkpoint import SHAPES, random_prompts, write_random_checkpoint
 
 GiB = 1 << 30
@@ -145,7 +146,7 @@ def decode_step_ms(
     runner = engine.executor.runner
     for i, prompt in enumerate(random_prompts(batch, vocab, context, context, seed=batch)):
         engine.add_request(
-            Request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 30, ignore_eos=True))
+            EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=steps + 30, ignore_eos=True))
         )
     for _ in range(
         -(-batch * context // 16384) + 5

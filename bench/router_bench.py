@@ -43,7 +43,7 @@ from cluster.serve_router import ROUTER_CLASS_PATH
 from deploy.config import AppConfig
 from router.stats import ROUTING_STATS_PERIOD_S
 from scheduler import SamplingParams, hash_prompt_blocks
-from scheduler.request import GenerateRequest
+from scheduler.request import EngineRequest
 
 logger = logging.getLogger("router_bench")
 
@@ -80,7 +80,7 @@ class Workload:
     vocab_low: int = 200  # token ids stay clear of the special tokens
     vocab_high: int = 40_000
 
-    def build(self, block_size: int) -> list[tuple[float, GenerateRequest]]:
+    def build(self, block_size: int) -> list[tuple[float, EngineRequest]]:
         """(arrival offset in seconds, request) pairs; the same sequence for every router."""
         rng = random.Random(self.seed)
         systems = [
@@ -98,7 +98,7 @@ class Workload:
             out.append(
                 (
                     at,
-                    GenerateRequest(
+                    EngineRequest(
                         request_id=f"bench-{i}",
                         prompt_token_ids=prompt,
                         tenant=f"tenant-{tenant}",
@@ -195,7 +195,7 @@ def replica_options(config: AppConfig, router_config: dict[str, Any] | None) -> 
     return options
 
 
-async def one_request(handle, request: GenerateRequest, run_start: float) -> Sample:
+async def one_request(handle, request: EngineRequest, run_start: float) -> Sample:
     start = time.perf_counter()
     ttft, prompt, cached, produced = math.nan, 0, 0, 0
     head = (request.tenant, start - run_start)
@@ -225,9 +225,7 @@ async def one_request(handle, request: GenerateRequest, run_start: float) -> Sam
     )
 
 
-async def replay(
-    handle, schedule: list[tuple[float, GenerateRequest]]
-) -> tuple[list[Sample], float]:
+async def replay(handle, schedule: list[tuple[float, EngineRequest]]) -> tuple[list[Sample], float]:
     """Send each request at its arrival offset; all samples and the wall time of the run."""
     start = time.perf_counter()
     tasks = []
@@ -247,7 +245,7 @@ async def replay(
 async def warm_up(handle, config: AppConfig, n: int) -> None:
     """Compile/allocate on every replica with prompts that share nothing with the workload."""
     reqs = [
-        GenerateRequest(
+        EngineRequest(
             request_id=f"warm-{uuid.uuid4().hex}",
             prompt_token_ids=[11 + i] * 20,
             sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
@@ -316,7 +314,7 @@ def run_router(
     name: str,
     router_config: dict[str, Any] | None,
     config: AppConfig,
-    schedule: list[tuple[float, GenerateRequest]],
+    schedule: list[tuple[float, EngineRequest]],
 ) -> Run:
     app = f"router_bench_{name}"
     logger.info("%s: starting two fresh replicas", name)

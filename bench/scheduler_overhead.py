@@ -15,7 +15,14 @@ import gc
 import statistics
 import time
 
-from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import (
+    EngineRequest,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
 
 PROMPT_LEN = 512
 VLLM_US_PER_REQ_AT_256 = 9.6
@@ -35,7 +42,7 @@ def build(num_running: int, prefix_caching: bool) -> Scheduler:
     params = SamplingParams(max_tokens=4096, ignore_eos=True)
     for i in range(num_running):
         prompt = [(i * 7919 + j) % 49_000 for j in range(PROMPT_LEN)]
-        sched.add_request(Request(f"req-{i}", prompt, params, eos_token_ids=(0,)))
+        sched.add_request(Request(EngineRequest(f"req-{i}", prompt, params, eos_token_ids=(0,))))
     # Drive every request through its prefill into steady decode.
     while True:
         out = sched.schedule()

@@ -17,7 +17,7 @@ from typing import Any
 
 from cluster.errors import EngineFailedError
 from scheduler.outputs import RequestOutput, SchedulerStats
-from scheduler.request import Request
+from scheduler.request import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="raylm-engine-loop", daemon=True)
         self._thread.start()
 
-    def add(self, request: Request) -> None:
+    def add(self, request: EngineRequest) -> None:
         self._inbox.put((_ADD, request))
 
     def abort(self, request_ids: list[str]) -> None:

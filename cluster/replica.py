@@ -30,7 +30,7 @@ from cluster.ray_executor import ray_executor
 from engine.config import EngineConfig
 from router.stats import MAX_REPORTED_PREFIX_HASHES, ReplicaState, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
-from scheduler.request import GenerateRequest, Request
+from scheduler.request import EngineRequest
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -178,7 +178,7 @@ class LLMReplica:
         logger.info("replica %s ready: %s", replica, self.model_info_sync())
 
     # ---- the request path ----------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request."""
         state = self._state()
         if state in (ReplicaState.FAILED, ReplicaState.STALLED):
@@ -190,18 +190,7 @@ class LLMReplica:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         stream = self._streams[rid] = _Stream(rid, caller=request.caller)
         self.metrics.record_admitted(len(request.prompt_token_ids))
-        self._loop_thread.add(
-            Request(
-                request_id=rid,
-                prompt_token_ids=request.prompt_token_ids,
-                # eos_token_ids: the engine fills in the model's
-                sampling_params=request.sampling_params,
-                priority=request.priority,
-                tenant=request.tenant,
-                block_hashes=list(request.block_hashes),
-                output_token_ids=list(request.output_token_ids),
-            )
-        )
+        self._loop_thread.add(request)  # end-of-turn ids: the engine fills in the model's
         finished = False
         try:
             while not finished:

@@ -121,7 +121,7 @@ class FleetRouter(RequestRouter):
 
 
 def route_request(pending_request: PendingRequest) -> RouteRequest:
-    """The routing view of a request whose first argument is a scheduler.request.GenerateRequest.
+    """The routing view of a request whose first argument is a scheduler.request.EngineRequest.
 
     Any other argument is routed by load alone: no block hashes, no token cost.
     """

@@ -21,7 +21,7 @@ from deploy.errors import ReplicaUnavailableError, RequestFailedError, RequestTi
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
-from scheduler.request import GenerateRequest
+from scheduler.request import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def is_replica_fault(exc: BaseException) -> bool:
 
 @dataclass(slots=True)
 class Choice:
-    """Streams one GenerateRequest through replica handles, detokenizing on the way.
+    """Streams one EngineRequest through replica handles, detokenizing on the way.
 
     The choice owns its emitted token ids and its text: when its replica fails or hands it back
     it resumes on another one (prompt + emitted tokens, the same parameters), at most
@@ -123,7 +123,7 @@ class Choice:
 
     index: int
     prompt_index: int
-    request: GenerateRequest
+    request: EngineRequest
     frontend: Frontend
     metrics: RequestMetrics
     max_migrations: int = 3
@@ -176,7 +176,7 @@ class Choice:
                 # Give Serve a moment to take the dead replica out of the routing set.
                 await asyncio.sleep(0.2 * migrations)
 
-    def _attempt(self, migrations: int) -> GenerateRequest:
+    def _attempt(self, migrations: int) -> EngineRequest:
         if migrations == 0:
             return self.request
         return replace(
@@ -186,7 +186,7 @@ class Choice:
         )
 
     async def _stream_once(
-        self, replica: Any, request: GenerateRequest, text_stream: TextStream
+        self, replica: Any, request: EngineRequest, text_stream: TextStream
     ) -> AsyncIterator[ChoiceDelta]:
         internal_request_id = _route_as_own_request()
         response = replica.options(stream=True).generate.remote(request)

@@ -44,7 +44,7 @@ from deploy.tools import (
     tool_constraint,
 )
 from frontend.frontend import Frontend
-from scheduler.request import GenerateRequest
+from scheduler.request import EngineRequest
 from scheduler.structured_output import StructuredOutput
 from workers.grammar import check_constraint
 from workers.process import set_niceness
@@ -265,7 +265,7 @@ class OpenAIIngress:
         declared = DeclaredTools.of(tools, self._tool_format) if tools else None
         return await self._respond(body, choices, chat=True, tools=declared)
 
-    # ---- request -> GenerateRequests
+    # ---- request -> EngineRequests
     # --------------------------------------------------------------
     async def _parse(self, request: Request, schema: type) -> tuple[Any, str]:
         """The validated body and the caller's tenant."""
@@ -387,7 +387,7 @@ class OpenAIIngress:
             for i in range(body.n):
                 params = body.sampling_params(max_tokens, logprobs, constraint, choice=i)
                 params.check_vocab(self.frontend.info.vocab_size)
-                request = GenerateRequest(
+                request = EngineRequest(
                     request_id=f"{base_id}-{p * body.n + i}",
                     prompt_token_ids=prompt,
                     sampling_params=params,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from transformers import AutoConfig
 
@@ -11,7 +12,7 @@ from engine.executor import Executor, ExecutorFactory, local_executor
 from frontend.frontend import ModelInfo
 from scheduler import RequestOutput, Scheduler, SchedulerStats
 from scheduler.block_manager import PrefixReport
-from scheduler.request import Request
+from scheduler.request import EngineRequest, Request
 from workers.kv_cache import GiB, KVCacheSpec
 from workers.runner import DTYPES
 
@@ -79,7 +80,7 @@ class EngineCore:
         )
         return spec.blocks_in(self.config.swap_space_gb * GiB)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Queue a request (its end-of-turn ids default to the model's); ValueError if it cannot
         run."""
         ids = request.prompt_token_ids
@@ -92,8 +93,8 @@ class EngineCore:
             )
         request.sampling_params.check_vocab(self.vocab_size)
         if not request.eos_token_ids:
-            request.eos_token_ids = self.eos_token_ids
-        self.scheduler.add_request(request)
+            request = replace(request, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add_request(Request(request))
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         return self.scheduler.abort_requests(request_ids)

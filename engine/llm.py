@@ -17,7 +17,7 @@ from engine.executor import ExecutorFactory, local_executor
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
-from scheduler.request import Request
+from scheduler.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from workers.grammar import check_constraint
 
@@ -113,7 +113,7 @@ class LLM:
             try:
                 for prompt, ids, sp in zip(prompts, token_ids, params):
                     rid = f"llm-{next(self._ids)}"
-                    self.engine.add_request(Request(rid, ids, sp))
+                    self.engine.add_request(EngineRequest(rid, ids, sp))
                     live.add(rid)
                     outputs[rid] = GenerationOutput(
                         rid, prompt, ids, logprobs=[] if sp.logprobs is not None else None

@@ -16,12 +16,13 @@ from scheduler.outputs import (
     SchedulerStats,
     TokenLogprobs,
 )
-from scheduler.request import Request, RequestStatus
+from scheduler.request import EngineRequest, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 
 __all__ = [
     "CachedRequestData",
+    "EngineRequest",
     "KVCacheManager",
     "ModelRunnerOutput",
     "NewRequestData",

@@ -42,9 +42,14 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(slots=True, eq=False)
-class Request:
-    """Prompt, parameters and progress of one sequence."""
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """What one generation asks of an engine: the message, immutable once built.
+
+    The ingress and the offline LLM build it; it crosses to a replica whole (the fleet router
+    reads it as ``pending_request.args[0]``) and an engine turns it into its own `Request`, the
+    scheduler's state of it. Every check of a request's own fields is made here, once.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -52,22 +57,15 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()  # end-of-turn ids (an engine fills in the model's)
     priority: int = 0  # lower is more urgent
     tenant: str = "default"
-    arrival_time: float = field(default_factory=time.monotonic)
-    # Chained hashes of the full blocks of all_token_ids; grown lazily by the KV cache manager.
+    # Chained hashes of the prompt's full blocks (block size of the deployment), computed in the
+    # ingress so the fleet router can estimate prefix-cache affinity without tokenizing.
     block_hashes: list[int] = field(default_factory=list)
     # Outputs already emitted elsewhere (a request resumed after its replica failed): they count
     # as outputs for penalties, stops and max_tokens; their KV is recomputed like the prompt's.
     output_token_ids: list[int] = field(default_factory=list)
-
-    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
-    all_token_ids: list[int] = field(init=False)
-    num_computed_tokens: int = field(default=0, init=False)
-    num_cached_tokens: int | None = field(default=None, init=False)  # prefix hit at first admission
-    num_preemptions: int = field(default=0, init=False)
-    # How many of all_token_ids the model runner already holds (the rest travel in the next step).
-    num_synced_tokens: int = field(default=0, init=False)
-    # True once the runner has been sent this request's NewRequestData.
-    known_to_runner: bool = field(default=False, init=False)
+    # The Ray actor name of the caller (an ingress replica): when that actor dies, the replica
+    # aborts the request instead of generating for nobody. None: not watched (e.g. a driver).
+    caller: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -85,19 +83,68 @@ class Request:
             raise ValueError(f"tenant: must be a string of at most {MAX_TENANT_CHARS} characters")
         if not self.prompt_token_ids:
             raise ValueError(f"prompt_token_ids: request {self.request_id!r} has an empty prompt")
-        self.prompt_token_ids = list(self.prompt_token_ids)
-        self.output_token_ids = list(self.output_token_ids)
         if len(self.output_token_ids) >= self.sampling_params.max_tokens:
             raise ValueError(
                 f"output_token_ids: a resumed request must have fewer than max_tokens="
                 f"{self.sampling_params.max_tokens} outputs, got {len(self.output_token_ids)}"
             )
-        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """The scheduler's state of one sequence: its spec, and the progress made on it."""
+
+    spec: EngineRequest
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    # The outputs so far (a resumed request starts with the spec's), and prompt + outputs.
+    output_token_ids: list[int] = field(init=False)
+    all_token_ids: list[int] = field(init=False)
+    # Chained hashes of the full blocks of all_token_ids; grown lazily by the KV cache manager.
+    block_hashes: list[int] = field(init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    num_cached_tokens: int | None = field(default=None, init=False)  # prefix hit at first admission
+    num_preemptions: int = field(default=0, init=False)
+    # How many of all_token_ids the model runner already holds (the rest travel in the next step).
+    num_synced_tokens: int = field(default=0, init=False)
+    # True once the runner has been sent this request's NewRequestData.
+    known_to_runner: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        self.output_token_ids = list(spec.output_token_ids)
+        self.all_token_ids = list(spec.prompt_token_ids) + self.output_token_ids
+        self.block_hashes = list(spec.block_hashes)
         self.num_synced_tokens = len(self.all_token_ids)
 
     @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.spec.prompt_token_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.spec.sampling_params
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.spec.eos_token_ids
+
+    @property
+    def priority(self) -> int:
+        return self.spec.priority
+
+    @property
+    def tenant(self) -> str:
+        return self.spec.tenant
+
+    @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.spec.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -110,32 +157,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    """A tokenized prompt bound for one LLMReplica.
-
-    block_hashes are the chained hash_block_tokens of the prompt's full blocks (block size of the
-    deployment), computed in the ingress so the fleet router can estimate prefix-cache affinity
-    without tokenizing. The router reads it as ``pending_request.args[0]``.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    priority: int = 0
-    tenant: str = "default"
-    block_hashes: list[int] = field(default_factory=list)
-    # Tokens this choice already emitted on a replica that failed: the new replica resumes after
-    # them.
-    output_token_ids: list[int] = field(default_factory=list)
-    # The Ray actor name of the caller (an ingress replica): when that actor dies, the replica
-    # aborts the request instead of generating for nobody. None: not watched (e.g. a driver).
-    caller: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.request_id:
-            raise ValueError("request_id: must be a non-empty string")
-        if not self.prompt_token_ids:
-            raise ValueError(f"prompt_token_ids: request {self.request_id!r} has an empty prompt")

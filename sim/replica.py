@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from router.stats import MAX_REPORTED_PREFIX_HASHES, RoutingStats
 from scheduler import (
+    EngineRequest,
     ModelRunnerOutput,
     Request,
     RequestOutput,
@@ -116,14 +117,16 @@ class SimReplica:
         # keys).
         self.scheduler.add_request(
             Request(
-                request_id,
-                prompt,
-                params,
-                eos_token_ids=(EOS,),
-                priority=priority,
-                tenant=tenant,
+                EngineRequest(
+                    request_id,
+                    prompt,
+                    params,
+                    eos_token_ids=(EOS,),
+                    priority=priority,
+                    tenant=tenant,
+                    block_hashes=block_hashes or [],
+                ),
                 arrival_time=now,
-                block_hashes=list(block_hashes or ()),
             )
         )
 

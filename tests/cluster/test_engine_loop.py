@@ -12,7 +12,7 @@ from cluster.engine_loop import EngineLoop
 from cluster.replica import merge_outputs
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from scheduler import Request, RequestOutput, SamplingParams
+from scheduler import EngineRequest, RequestOutput, SamplingParams
 
 # A replica built outside Serve is collected without its async __del__ (Serve's shutdown hook)
 # being awaited: the coroutine never runs, which is the point.
@@ -57,8 +57,10 @@ class Collector:
         await self.done.setdefault(rid, asyncio.Event()).wait()
 
 
-def _request(rid: str, max_tokens: int = 8) -> Request:
-    return Request(rid, [5, 6, 7, 8, 9] * 4, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def _request(rid: str, max_tokens: int = 8) -> EngineRequest:
+    return EngineRequest(
+        rid, [5, 6, 7, 8, 9] * 4, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
 
 
 def test_concurrent_requests_stream_to_completion_and_aborts_free_blocks(engine):
@@ -89,7 +91,7 @@ def test_a_rejected_request_errors_alone(engine):
         c = Collector()
         loop = EngineLoop(engine, asyncio.get_running_loop(), c.on_step, c.on_error)
         try:
-            loop.add(Request("too-long", list(range(300)), SamplingParams(max_tokens=1)))
+            loop.add(EngineRequest("too-long", list(range(300)), SamplingParams(max_tokens=1)))
             loop.add(_request("fine", max_tokens=2))
             await c.wait("fine")
             assert isinstance(c.errors["too-long"], ValueError) and "fine" not in c.errors
@@ -188,7 +190,7 @@ def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
 ):
     """stream_interval 4: a 14-token greedy answer arrives as 1 + 4 + 4 + 4 + 1 tokens, the same
     tokens as with interval 1 (which sends every step's token on its own)."""
-    from scheduler.request import GenerateRequest
+    from scheduler.request import EngineRequest
 
     async def deltas(interval: int) -> list[list[int]]:
         replica = await _replica_on(engine, tiny_model_dir, monkeypatch, stream_interval=interval)
@@ -197,7 +199,7 @@ def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many(
             return [
                 out.new_token_ids
                 async for out in replica.generate(
-                    GenerateRequest(f"i{interval}", [5, 6, 7, 8, 9] * 4, params)
+                    EngineRequest(f"i{interval}", [5, 6, 7, 8, 9] * 4, params)
                 )
             ]
         finally:
@@ -214,9 +216,9 @@ def _greedy(max_tokens: int, stop: list[str] | None = None) -> SamplingParams:
 
 
 async def _collect(replica, rid: str, prompt: list[int], params) -> list[RequestOutput]:
-    from scheduler.request import GenerateRequest
+    from scheduler.request import EngineRequest
 
-    return [out async for out in replica.generate(GenerateRequest(rid, prompt, params))]
+    return [out async for out in replica.generate(EngineRequest(rid, prompt, params))]
 
 
 def test_stop_strings_are_the_ingress_business_the_replica_streams_tokens(
@@ -303,7 +305,7 @@ def test_shutdown_hands_back_what_each_stream_holds_and_refuses_new_requests(
     prompts = {"a": [5, 6, 7, 8, 9] * 4, "b": [9, 8, 7, 6, 5] * 4}
 
     async def go():
-        from scheduler.request import GenerateRequest
+        from scheduler.request import EngineRequest
 
         replica = await _replica_on(own_engine, tiny_model_dir, monkeypatch, stream_interval=256)
         undisturbed = {}
@@ -311,7 +313,7 @@ def test_shutdown_hands_back_what_each_stream_holds_and_refuses_new_requests(
             outs = await _collect(replica, rid, p, _greedy(200))
             undisturbed[rid] = [t for o in outs for t in o.new_token_ids]
         streams = {
-            rid: replica.generate(GenerateRequest(f"{rid}-2", p, _greedy(200)))
+            rid: replica.generate(EngineRequest(f"{rid}-2", p, _greedy(200)))
             for rid, p in prompts.items()
         }
         firsts = {rid: await anext(s) for rid, s in streams.items()}  # the first token: at once

@@ -30,7 +30,7 @@ from router.stats import RoutingStats
 from scheduler import SamplingParams, hash_prompt_blocks
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
-from scheduler.request import GenerateRequest
+from scheduler.request import EngineRequest
 from workers.distributed import free_port
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ class StreamingReplica:
         self.resident: dict[int, None] = {}
         self.reports = 0
 
-    async def generate(self, request: GenerateRequest):
+    async def generate(self, request: EngineRequest):
         self.running += 1
         self.resident.update(dict.fromkeys(request.block_hashes))
         try:
@@ -92,8 +92,8 @@ def handle(ray_cluster):
     serve.delete(APP)
 
 
-def request(prompt: list[int], max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(
+def request(prompt: list[int], max_tokens: int) -> EngineRequest:
+    return EngineRequest(
         request_id=uuid.uuid4().hex,
         prompt_token_ids=prompt,
         sampling_params=SamplingParams(max_tokens=max_tokens),
@@ -106,7 +106,7 @@ def prompt_for(tenant: int, question: int, prefix_blocks: int = 8) -> list[int]:
     return system + [7, question, 9]
 
 
-async def stream(handle, req: GenerateRequest) -> str:
+async def stream(handle, req: EngineRequest) -> str:
     """Consume a stream; the replica that served it."""
     names = [name async for name in handle.options(stream=True).generate.remote(req)]
     assert len(set(names)) == 1 and len(names) == req.sampling_params.max_tokens
@@ -281,7 +281,7 @@ def llm_handle(ray_cluster):
     serve.delete(REAL_APP)
 
 
-async def generate(handle, req: GenerateRequest):
+async def generate(handle, req: EngineRequest):
     """(output token count, cached prompt tokens) of one streamed request."""
     produced, cached = 0, 0
     async for out in handle.options(stream=True).generate.remote(req):
@@ -295,8 +295,8 @@ def real_prompt(tenant: int, question: int) -> list[int]:
     return system + [500 + question, 600 + question, 700]
 
 
-def greedy(prompt: list[int], max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(
+def greedy(prompt: list[int], max_tokens: int) -> EngineRequest:
+    return EngineRequest(
         request_id=uuid.uuid4().hex,
         prompt_token_ids=prompt,
         sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),

@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from scheduler import Request, SamplingParams
+from scheduler import EngineRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +68,12 @@ def test_a_max_model_len_past_the_model_s_positions_is_refused_before_any_step(t
 
 def test_step_streams_one_token_per_request_until_max_tokens(engine):
     engine.add_request(
-        Request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        EngineRequest(
+            "a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        )
     )
     engine.add_request(
-        Request(
+        EngineRequest(
             "b", list(range(40, 90)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         )
     )
@@ -83,16 +85,17 @@ def test_step_streams_one_token_per_request_until_max_tokens(engine):
 
 
 def test_eos_defaults_to_the_models(engine):
-    request = Request("eos-default", [1, 2, 3], SamplingParams(max_tokens=2))
-    engine.add_request(request)
-    assert 2 in request.eos_token_ids
+    engine.add_request(EngineRequest("eos-default", [1, 2, 3], SamplingParams(max_tokens=2)))
+    assert 2 in engine.scheduler.requests["eos-default"].eos_token_ids
     drain(engine)
 
 
 def test_abort_finishes_a_request_and_frees_its_blocks(engine):
     free = engine.stats().num_free_blocks
     engine.add_request(
-        Request("long", list(range(100, 164)), SamplingParams(max_tokens=400, ignore_eos=True))
+        EngineRequest(
+            "long", list(range(100, 164)), SamplingParams(max_tokens=400, ignore_eos=True)
+        )
     )
     engine.step()
     assert engine.stats().num_free_blocks < free
@@ -107,27 +110,29 @@ def test_abort_finishes_a_request_and_frees_its_blocks(engine):
 @pytest.mark.parametrize("past_end", [False, True])
 def test_a_token_id_outside_the_vocabulary_is_rejected_and_others_still_run(engine, past_end):
     bad_id = engine.vocab_size if past_end else -1
-    engine.add_request(Request("fine", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True)))
+    engine.add_request(
+        EngineRequest("fine", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    )
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        engine.add_request(Request("bad", [5, bad_id], SamplingParams(max_tokens=2)))
+        engine.add_request(EngineRequest("bad", [5, bad_id], SamplingParams(max_tokens=2)))
     seen = drain(engine)
     assert seen["fine"][-1].finished and "bad" not in seen
 
 
 def test_duplicate_request_id_is_rejected(engine):
-    engine.add_request(Request("dup", [1, 2, 3], SamplingParams(max_tokens=2)))
+    engine.add_request(EngineRequest("dup", [1, 2, 3], SamplingParams(max_tokens=2)))
     with pytest.raises(ValueError, match="request_id"):
-        engine.add_request(Request("dup", [1, 2, 3], SamplingParams(max_tokens=2)))
+        engine.add_request(EngineRequest("dup", [1, 2, 3], SamplingParams(max_tokens=2)))
     drain(engine)
 
 
 def test_seeded_sampling_is_reproducible_across_batches(engine):
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
-    engine.add_request(Request("s1", [9, 10, 11], params))
+    engine.add_request(EngineRequest("s1", [9, 10, 11], params))
     first = drain(engine)["s1"]
-    engine.add_request(Request("s2", [9, 10, 11], params))
+    engine.add_request(EngineRequest("s2", [9, 10, 11], params))
     engine.add_request(
-        Request("other", [3, 4, 5, 6], SamplingParams(max_tokens=8, temperature=1.0))
+        EngineRequest("other", [3, 4, 5, 6], SamplingParams(max_tokens=8, temperature=1.0))
     )
     second = drain(engine)["s2"]
     assert [t for o in first for t in o.new_token_ids] == [
@@ -193,9 +198,9 @@ def test_a_resumed_request_continues_exactly_where_it_stopped(engine, temperatur
     params = SamplingParams(
         max_tokens=12, temperature=temperature, seed=seed, ignore_eos=True, presence_penalty=0.5
     )
-    engine.add_request(Request("whole", prompt, params))
+    engine.add_request(EngineRequest("whole", prompt, params))
     whole = [t for o in drain(engine)["whole"] for t in o.new_token_ids]
-    engine.add_request(Request("resumed", prompt, params, output_token_ids=whole[:5]))
+    engine.add_request(EngineRequest("resumed", prompt, params, output_token_ids=whole[:5]))
     seen = drain(engine)["resumed"]
     assert [t for o in seen for t in o.new_token_ids] == whole[5:]
     assert seen[-1].finish_reason == "length" and seen[-1].num_output_tokens == 12
@@ -203,7 +208,7 @@ def test_a_resumed_request_continues_exactly_where_it_stopped(engine, temperatur
 
 def test_a_resumed_request_must_leave_room_to_generate():
     with pytest.raises(ValueError, match="^output_token_ids"):
-        Request("r", [1, 2], SamplingParams(max_tokens=2), output_token_ids=[3, 4])
+        EngineRequest("r", [1, 2], SamplingParams(max_tokens=2), output_token_ids=[3, 4])
 
 
 def test_the_routers_prefix_index_follows_the_engines_reports_by_their_changes(engine):
@@ -220,7 +225,7 @@ def test_the_routers_prefix_index_follows_the_engines_reports_by_their_changes(e
         [list(range(100, 164)), list(range(100, 148)) + list(range(300, 340))]
     ):
         engine.add_request(
-            Request(f"prefix-{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+            EngineRequest(f"prefix-{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
         )
         drain(engine)
         reports.append(engine.prefix_report(4096))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core import EngineCore
-from scheduler import Request, SamplingParams
+from scheduler import EngineRequest, SamplingParams
 from workers import runner as runner_module
 from workers import sampler as sampler_module
 
@@ -37,7 +37,7 @@ def run(engine: EngineCore, victim: str | None) -> dict[str, list]:
     for rid, prompt in PROMPTS.items():
         seed = BAD_SEED if rid == victim else None
         engine.add_request(
-            Request(
+            EngineRequest(
                 rid,
                 prompt,
                 SamplingParams(max_tokens=6, temperature=0.0, seed=seed, ignore_eos=True),

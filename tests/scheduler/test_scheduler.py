@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import (
+    EngineRequest,
     ModelRunnerOutput,
     Request,
     RequestStatus,
@@ -50,12 +51,14 @@ def req(
         max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or []
     )
     return Request(
-        rid,
-        prompt,
-        params,
-        eos_token_ids=() if eos is None else (eos,),
-        priority=priority,
-        tenant=tenant,
+        EngineRequest(
+            rid,
+            prompt,
+            params,
+            eos_token_ids=() if eos is None else (eos,),
+            priority=priority,
+            tenant=tenant,
+        )
     )
 
 
@@ -200,7 +203,7 @@ def test_check_stop_decides_stop_ids_eos_and_the_length_caps(
     token, num_outputs, num_tokens, ignore_eos, expect
 ):
     params = SamplingParams(max_tokens=4, ignore_eos=ignore_eos, stop_token_ids=[3])
-    r = Request("x", [9] * (num_tokens - num_outputs), params, eos_token_ids=(2,))
+    r = Request(EngineRequest("x", [9] * (num_tokens - num_outputs), params, eos_token_ids=(2,)))
     outputs = [7] * (num_outputs - 1) + [token]
     r.output_token_ids.extend(outputs)
     r.all_token_ids.extend(outputs)
@@ -268,7 +271,7 @@ def test_tokens_sampled_for_a_request_aborted_mid_step_are_dropped():
 def test_invalid_requests_raise_value_error_naming_the_field():
     s, _ = make(max_model_len=64, num_gpu_blocks=8)
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        Request("e", [], SamplingParams())
+        Request(EngineRequest("e", [], SamplingParams()))
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="prompt_token_ids"):
@@ -684,7 +687,7 @@ def test_a_prefix_report_gives_exactly_its_change_since_the_previous_report(ops)
 @pytest.mark.parametrize("priority", [10**30, -(10**30), 1.5, True])
 def test_request_priority_is_a_bounded_integer(priority):
     with pytest.raises(ValueError, match="^priority"):
-        Request("p", [1, 2], SamplingParams(), priority=priority)
+        Request(EngineRequest("p", [1, 2], SamplingParams(), priority=priority))
 
 
 # ---- the fair queue at scale

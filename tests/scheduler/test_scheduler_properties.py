@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import (
+    EngineRequest,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
 from tests.scheduler.contract_runner import ContractRunner, expected_output
 
 EOS = 7
@@ -114,12 +121,14 @@ def test_random_workloads_keep_every_invariant(data):
             sp = pending.pop(0)
             s.add_request(
                 Request(
-                    sp.rid,
-                    list(sp.prompt),
-                    SamplingParams(max_tokens=sp.max_tokens),
-                    eos_token_ids=(EOS,) if sp.use_eos else (),
-                    priority=sp.priority,
-                    tenant=sp.tenant,
+                    EngineRequest(
+                        sp.rid,
+                        list(sp.prompt),
+                        SamplingParams(max_tokens=sp.max_tokens),
+                        eos_token_ids=(EOS,) if sp.use_eos else (),
+                        priority=sp.priority,
+                        tenant=sp.tenant,
+                    )
                 )
             )
         for sp in specs:
@@ -178,7 +187,9 @@ def test_fcfs_serves_requests_in_arrival_order_of_first_admission(cfg, n, max_to
     s = Scheduler(cfg)
     runner = ContractRunner(cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, VOCAB)
     for i in range(n):
-        s.add_request(Request(f"r{i}", [i + 1] * 5, SamplingParams(max_tokens=max_tokens)))
+        s.add_request(
+            Request(EngineRequest(f"r{i}", [i + 1] * 5, SamplingParams(max_tokens=max_tokens)))
+        )
     first: list[str] = []
     for _ in range(3000):
         if not s.has_unfinished_requests():

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from scheduler import (
+    EngineRequest,
     KVCacheManager,
     ModelRunnerOutput,
     Request,
@@ -117,11 +118,13 @@ def decoding(
     for i in range(n):  # shared 8-token head, so blocks are shared and registered
         s.add_request(
             Request(
-                f"r{i}",
-                [5, 6, 7, 8, 9, 10, 11, 12] + [20 + i] * (3 + i),
-                SamplingParams(max_tokens=max_tokens),
-                eos_token_ids=(0,),
-                tenant=f"t{i % 2}",
+                EngineRequest(
+                    f"r{i}",
+                    [5, 6, 7, 8, 9, 10, 11, 12] + [20 + i] * (3 + i),
+                    SamplingParams(max_tokens=max_tokens),
+                    eos_token_ids=(0,),
+                    tenant=f"t{i % 2}",
+                )
             )
         )
     step_k(s, counting_sample, 2)  # prefill, then one decode step
@@ -137,7 +140,9 @@ def test_jump_across_block_boundaries_equals_single_steps(policy, prefix):
 
 def test_jump_evicts_cached_blocks_in_lru_order():
     s = decoding(blocks=20, n=2)
-    s.add_request(Request("gone", [90, 91, 92, 93, 94], SamplingParams(max_tokens=1)))
+    s.add_request(
+        Request(EngineRequest("gone", [90, 91, 92, 93, 94], SamplingParams(max_tokens=1)))
+    )
     step_k(s, counting_sample, 2)  # "gone" finishes: its cached block sits on the free list
     step_k(s, counting_sample, 1)  # the step that reports the finish
     k = s.max_decode_jump(100)
@@ -147,20 +152,22 @@ def test_jump_evicts_cached_blocks_in_lru_order():
 
 def test_no_jump_while_something_waits_or_prefills():
     s = decoding()
-    s.add_request(Request("brief", [1, 2, 3], SamplingParams(max_tokens=1)))
+    s.add_request(Request(EngineRequest("brief", [1, 2, 3], SamplingParams(max_tokens=1))))
     assert s.max_decode_jump(10) == 0  # a waiting request would be admitted
     cfg = SchedulerConfig(
         block_size=4, num_gpu_blocks=64, max_model_len=128, long_prefill_token_threshold=2
     )
     s = JumpScheduler(cfg)
-    s.add_request(Request("chunked", list(range(1, 9)), SamplingParams(max_tokens=9)))
+    s.add_request(
+        Request(EngineRequest("chunked", list(range(1, 9)), SamplingParams(max_tokens=9)))
+    )
     step_k(s, counting_sample, 1)  # 2 of 8 prompt tokens computed
     assert s.max_decode_jump(10) == 0
 
 
 def test_a_jump_right_after_a_finish_leaves_what_the_steps_reporting_it_would():
     s = decoding()
-    s.add_request(Request("brief", [1, 2, 3], SamplingParams(max_tokens=1)))
+    s.add_request(Request(EngineRequest("brief", [1, 2, 3], SamplingParams(max_tokens=1))))
     step_k(s, counting_sample, 1)  # "brief" runs and finishes; the next schedule() would report it
     assert s._finished_ids == {"brief"}
     assert s.max_decode_jump(10) == 10
@@ -185,7 +192,7 @@ def test_a_jump_may_end_with_the_step_that_reaches_a_length_cap():
     )
     cfg = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=20)
     s = JumpScheduler(cfg)
-    s.add_request(Request("a", list(range(1, 13)), SamplingParams(max_tokens=100)))
+    s.add_request(Request(EngineRequest("a", list(range(1, 13)), SamplingParams(max_tokens=100))))
     step_k(s, counting_sample, 1)  # 13 tokens of 20
     assert s.max_decode_jump(100) == 20 - 13
     check_jump_equals_steps(s, counting_sample, 7)
@@ -248,11 +255,13 @@ def test_jump_equals_single_steps_on_random_workloads(data):
             sp = pending.pop(0)
             s.add_request(
                 Request(
-                    sp.rid,
-                    list(sp.prompt),
-                    SamplingParams(max_tokens=sp.max_tokens),
-                    eos_token_ids=(EOS,) if sp.use_eos else (),
-                    tenant=sp.tenant,
+                    EngineRequest(
+                        sp.rid,
+                        list(sp.prompt),
+                        SamplingParams(max_tokens=sp.max_tokens),
+                        eos_token_ids=(EOS,) if sp.use_eos else (),
+                        tenant=sp.tenant,
+                    )
                 )
             )
         if not pending and not s.has_unfinished_requests():
@@ -308,9 +317,11 @@ def test_jump_equals_single_steps_when_requests_refill_evicted_blocks(
             if arrival == step_no:
                 s.add_request(
                     Request(
-                        f"r{i}",
-                        list(range(5, 5 + prompt_len)),
-                        SamplingParams(max_tokens=max_tokens),
+                        EngineRequest(
+                            f"r{i}",
+                            list(range(5, 5 + prompt_len)),
+                            SamplingParams(max_tokens=max_tokens),
+                        )
                     )
                 )
         k = s.max_decode_jump(limit)
