@@ -38,6 +38,7 @@ from deploy.logprobs import (
     check_budget,
     completion_logprobs,
     num_entries,
+    response_json,
 )
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
 from deploy.tenants import TenantLimiter
@@ -68,13 +69,6 @@ LOGPROBS_OFF_LOOP = 4096
 def _sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
-
-
-def _json_bytes(content: dict) -> bytes:
-    """`content` encoded as JSONResponse encodes it."""
-    return json.dumps(
-        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
-    ).encode()
 
 
 @functools.lru_cache(maxsize=256)
@@ -495,35 +489,31 @@ class OpenAIIngress:
         tools: DeclaredTools | None,
     ) -> bytes:
         """The whole response as JSON bytes (on a thread when its logprobs are many)."""
-        out_choices = []
+        out_choices, out_logprobs = [], []
         for i in range(len(texts)):
             if chat:
-                lp = chat_logprobs(logprobs[i], self._texts) if logprobs[i] else None
                 split = _ChatSplit(tools)
                 message = split.message(texts[i])
                 out_choices.append(
                     {
                         "index": i,
                         "message": message,
-                        "logprobs": lp,
                         "finish_reason": split.finish_reason(finish[i]),
                     }
                 )
+                lp = chat_logprobs(logprobs[i], self._texts) if logprobs[i] else None
             else:
+                out_choices.append({"index": i, "text": texts[i], "finish_reason": finish[i]})
                 lp = completion_logprobs(logprobs[i], self._texts) if logprobs[i] else None
-                out_choices.append(
-                    {"index": i, "text": texts[i], "logprobs": lp, "finish_reason": finish[i]}
-                )
-        return _json_bytes(
-            {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": self.config.model_name,
-                "choices": out_choices,
-                "usage": tally.as_dict(),
-            }
-        )
+            out_logprobs.append(lp)
+        head = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.config.model_name,
+            "usage": tally.as_dict(),
+        }
+        return response_json(head, out_choices, out_logprobs)
 
     async def _sse_stream(
         self,

@@ -6,10 +6,15 @@ Each position's entry is `[(sampled id, logprob), (top id, logprob), ...]` (sche
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from deploy.errors import BadRequestError
 from scheduler.outputs import TokenLogprobs
+
+# A response's per-position lists are encoded this many positions at a time: the encoder holds the
+# interpreter while it runs, and a thread encoding a large response lets the event loop in between.
+POSITIONS_PER_PIECE = 256
 
 
 class TokenTexts:
@@ -95,3 +100,30 @@ def completion_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> dic
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def response_json(head: dict[str, Any], choices: list[dict[str, Any]], logprobs: list) -> bytes:
+    """The response `{**head, "choices": [...]}` as JSON bytes (as JSONResponse encodes it),
+    choice i with `logprobs[i]` (a dict of per-position lists, or None) encoded piece by piece."""
+    encoded = [
+        _json(choice)[:-1] + b',"logprobs":' + (_pieces(lp) if lp else b"null") + b"}"
+        for choice, lp in zip(choices, logprobs, strict=True)
+    ]
+    return _json(head)[:-1] + b',"choices":[' + b",".join(encoded) + b"]}"
+
+
+def _pieces(logprobs: dict[str, list]) -> bytes:
+    fields = []
+    for name, items in logprobs.items():
+        pieces = [
+            _json(items[i : i + POSITIONS_PER_PIECE])[1:-1]
+            for i in range(0, len(items), POSITIONS_PER_PIECE)
+        ]
+        fields.append(_json(name) + b":[" + b",".join(pieces) + b"]")
+    return b"{" + b",".join(fields) + b"}"
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(
+        value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode()

@@ -232,6 +232,29 @@ def test_token_texts_are_the_tokenizer_decoding_each_id(tiny_model_dir):
     assert texts.text(len(tokenizer) + 5) == tokenizer.decode([len(tokenizer) + 5])
 
 
+def test_a_response_encoded_piece_by_piece_is_the_json_of_the_whole(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from deploy.logprobs import (
+        POSITIONS_PER_PIECE,
+        TokenTexts,
+        chat_logprobs,
+        completion_logprobs,
+        response_json,
+    )
+
+    texts = TokenTexts.of(AutoTokenizer.from_pretrained(tiny_model_dir))
+    positions = [[(i, -0.5), (i + 1, -1.5), (7, -2.0)] for i in range(2 * POSITIONS_PER_PIECE + 3)]
+    for build in (chat_logprobs, completion_logprobs):
+        logprobs = [build(positions, texts), None, build(positions[:1], texts)]
+        choices = [{"index": i, "text": "é\u2028\x00", "finish_reason": "length"} for i in range(3)]
+        head = {"id": "cmpl-1", "usage": {"prompt_tokens": 1}}
+        whole = {**head, "choices": [{**c, "logprobs": lp} for c, lp in zip(choices, logprobs)]}
+        assert json.loads(response_json(head, choices, logprobs)) == whole
+    with pytest.raises(ValueError):  # as JSONResponse: no NaN or infinity on the wire
+        response_json(head, choices[:1], [{"token_logprobs": [-math.inf]}])
+
+
 # ---- slow bodies and tenants -------------------------------------------------------------------
 def _slow_post(port: int, key: str, results: list, started: threading.Event | None = None) -> None:
     """POSTs a completion whose body arrives a byte a second; appends (the response, the body
