@@ -3,7 +3,8 @@ bodies that arrive a byte a second, and one tenant's requests past its cap. Each
 with its 4xx, the ingress goes on serving everyone else, and nothing is restarted.
 
 `tiny` is the shared test app (conftest); `gated` is a second copy of the tiny model served here
-with tenant keys, a one-request cap per tenant, a short body deadline and a small logprob budget.
+with tenant keys, a one-request cap per tenant, a short body deadline, a small logprob budget and
+the 16 MiB body cap that was the default before the cap followed the context.
 """
 
 import asyncio
@@ -26,7 +27,7 @@ from tests.deploy.conftest import TINY, TINY_KEY, replica_stats, wait_for
 
 pytestmark = pytest.mark.slow
 
-# What stands for "did not hang": the app's request timeout would end anything slower.
+# What stands for "did not hang": far beyond any answer here, within the app's request timeout.
 HANG_S = 120.0
 BODY_TIMEOUT_S = 2.0
 LOGPROB_BUDGET = 100
@@ -60,6 +61,7 @@ def gated_url(ray_cluster, http_port, tiny_model_dir):
         "max_requests_per_tenant": 1,
         "request_body_timeout_s": BODY_TIMEOUT_S,
         "max_logprob_entries": LOGPROB_BUDGET,
+        "max_request_body_bytes": 16 << 20,
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
     }
@@ -103,17 +105,23 @@ def _chat(messages: list, **fields) -> bytes:
     ).encode()
 
 
-async def _beside_a_small_request(url: str, body: bytes) -> tuple[httpx.Response, float]:
+async def _beside_a_small_request(
+    url: str, body: bytes, key: str = TINY_KEY, neighbour_key: str = TINY_KEY
+) -> tuple[httpx.Response, float]:
     """Posts `body` to chat while a small completion runs beside it; the small one must
     complete."""
-    async with httpx.AsyncClient(base_url=url, timeout=HANG_S, headers=_auth(TINY_KEY)) as c:
+    async with httpx.AsyncClient(base_url=url, timeout=HANG_S) as c:
 
         async def hostile() -> tuple[httpx.Response, float]:
             start = time.perf_counter()
-            r = await c.post("/chat/completions", content=body, headers=JSON)
+            r = await c.post("/chat/completions", content=body, headers={**JSON, **_auth(key)})
             return r, time.perf_counter() - start
 
-        small = c.post("/completions", json={"model": TINY, "prompt": "Hi", "max_tokens": 2})
+        small = c.post(
+            "/completions",
+            json={"model": TINY, "prompt": "Hi", "max_tokens": 2},
+            headers=_auth(neighbour_key),
+        )
         (r, took), neighbour = await asyncio.gather(hostile(), small)
     assert neighbour.status_code == 200, neighbour.text[:500]
     return r, took
@@ -134,6 +142,19 @@ def test_a_million_empty_messages_are_refused_by_the_body_cap(tiny_url, tiny):
     )
     assert _ingress("tiny").pid == ingress.pid
     _still_serving(tiny)
+
+
+def test_a_million_empty_messages_under_the_body_cap_are_a_400_naming_messages(gated_url, gated):
+    ingress = _ingress("gated")
+    rss = ingress.memory_info().rss
+    flood = _chat([{"role": "user"}] * 1_000_000)  # 16.0 MB, under gated's 16 MiB cap
+    r, took = asyncio.run(_beside_a_small_request(gated_url, flood, "key-a", "key-b"))
+    error = _error(r, 400)
+    assert error["param"] == "messages" and "at most 2048 messages" in error["message"]
+    grown = (ingress.memory_info().rss - rss) / 2**20
+    print(f"1,000,000 empty messages under a 16 MiB cap: 400 in {took:.2f} s, RSS {grown:+.0f} MiB")
+    assert _ingress("gated").pid == ingress.pid
+    _still_serving(gated)
 
 
 def test_a_message_flood_under_the_body_cap_is_a_400_naming_messages(tiny_url, tiny):
