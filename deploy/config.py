@@ -14,6 +14,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
+from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
 from router.config import RoutingConfig
 from router.stats import ROUTING_STATS_PERIOD_S
@@ -141,10 +142,34 @@ class AppConfig:
         le=3600,
     )
     # Request limits at the ingress.
-    max_request_body_bytes: int = setting(
-        16 << 20, "larger bodies get 413 before they are parsed", ge=1024
+    max_request_body_bytes: int | None = setting(
+        None,
+        "larger bodies get 413 before they are parsed",
+        ge=1024,
+        le=1 << 32,
+        derived="max_model_len x 32 characters a token x 6 bytes a character, at least 2 MiB",
+    )
+    request_body_timeout_s: float = setting(
+        30.0, "longest the body of one request may take to arrive; past it: 408", gt=0, le=3600
+    )
+    max_messages: int = setting(
+        MAX_MESSAGES, "messages of one chat request (OpenAI's limit)", ge=1, le=1 << 20
     )
     max_sequences_per_request: int = setting(128, "prompts x n of one request", ge=1, le=4096)
+    max_logprob_entries: int = setting(
+        1 << 18,
+        "log-probabilities one request may ask for: choices x max_tokens x (top logprobs + 1); "
+        "past it: 400 before generation (max_tokens unset counts the context left)",
+        ge=1,
+        le=1 << 40,
+    )
+    max_requests_per_tenant: int | None = setting(
+        None,
+        "requests of one tenant in flight at once on each ingress replica; past it: 429 with "
+        "Retry-After (`overload_retry_after_s`)",
+        ge=1,
+        le=1 << 20,
+    )
     max_stop_string_chars: int = setting(1024, "longest stop string accepted", ge=1)
     grammar_timeout_s: float = setting(
         10.0,

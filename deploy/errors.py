@@ -101,6 +101,17 @@ class PayloadTooLargeError(APIError):
     type = "invalid_request_error"
 
 
+class TooManyRequestsError(APIError):
+    """The caller's tenant has as many requests in flight as it may."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.retry_after_s = retry_after_s
+
+
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]|\x1b\[[0-9;]*[A-Za-z]")
 _MAX_MESSAGE = 1000
 
@@ -172,7 +183,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     """The OpenAI error JSON response for exc."""
     status, type_, message, param, code = _classify(exc)
     retry_after = (
-        getattr(exc, "retry_after_s", None) if isinstance(exc, BackPressureError) else None
+        getattr(exc, "retry_after_s", None)
+        if isinstance(exc, (BackPressureError, TooManyRequestsError))
+        else None
     )
     headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after else None
     return JSONResponse(

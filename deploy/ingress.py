@@ -17,23 +17,32 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.metrics import RequestMetrics
+from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
 from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import (
     AuthenticationError,
     BadRequestError,
     ContextLengthError,
     ModelNotFoundError,
-    PayloadTooLargeError,
     error_event,
     error_response,
 )
 from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams, with_deadline
+from deploy.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    check_budget,
+    completion_logprobs,
+    num_entries,
+    response_json,
+)
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
+from deploy.tenants import TenantLimiter
 from deploy.tools import (
     DeclaredTools,
     ToolCallParser,
@@ -54,35 +63,8 @@ logger = logging.getLogger(__name__)
 # The schema is served by a route of its own, behind the same keys as every other route.
 app = FastAPI(title="raylm", docs_url=None, redoc_url=None, openapi_url=None)
 
-# No tokenizer packs more characters than this into one token of real text: a longer prompt
-# cannot fit the context, and is refused before the tokenizer spends time on it.
-MAX_CHARS_PER_TOKEN = 32
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 once it passes `limit` bytes (before it is parsed)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(
-            f"Request body of {declared} bytes exceeds the {limit}-byte limit."
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"Request body exceeds the {limit}-byte limit.")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _json_object(raw: bytes) -> dict:
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):  # invalid JSON or UTF-8, or nested past Python's stack
-        raise BadRequestError("Request body is not valid JSON.", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise BadRequestError("Request body must be a JSON object.", code="invalid_json")
-    return data
+# A response with more log-probabilities than this is built and encoded on a thread.
+LOGPROBS_OFF_LOOP = 4096
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -166,7 +148,9 @@ class OpenAIIngress:
         self.replica = replica
         self.frontend = Frontend.load(config.engine.model, config.engine.cache_dir)
         self.metrics = RequestMetrics()
+        self._texts = TokenTexts.of(self.frontend.tokenizer, self.frontend.info.vocab_size)
         self._keys = config.key_profiles()
+        self._tenants = TenantLimiter(config.max_requests_per_tenant, config.overload_retry_after_s)
         self._tool_format = detect_format(self.frontend.chat_template)
         self._renders_tools = template_renders_tools(self.frontend.chat_template)
         self._max_model_len: int | None = None
@@ -203,80 +187,101 @@ class OpenAIIngress:
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
-    async def completions(self, request: Request):
-        try:
-            body, tenant = await self._parse(request, CompletionRequest)
-            if body.echo:
-                raise BadRequestError("echo is not supported", param="echo")
-            raw_prompts = body.prompts()
-            self._check_fanout(len(raw_prompts), body.n)
-            prompts = [
-                await self._tokenize(self.frontend.encode_prompt, p, len(p))
-                if isinstance(p, str)
-                else p
-                for p in raw_prompts
-            ]
-            constraint = await self._check(body.output_constraint())
-            choices = await self._choices(body, prompts, body.logprobs, tenant, constraint)
-        except Exception as exc:
-            return error_response(exc)
-        return await self._respond(body, choices, chat=False)
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, self._complete)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, self._chat)
+
+    async def _serve(self, request: Request, schema: type, answer: Any) -> Response:
+        """Authorize, admit the tenant, read and check the body, answer. The request holds its
+        tenant's place until the answer is ready, or its stream ends."""
         try:
-            body, tenant = await self._parse(request, ChatCompletionRequest)
-            if body.max_completion_tokens is not None:
-                body.max_tokens = body.max_completion_tokens
-            self._check_fanout(1, body.n)
-            tools = (
-                [
-                    ToolSpec(t.function.name, t.function.description, t.function.parameters)
-                    for t in body.tools or []
-                ]
-                if body.tool_choice_name != "none"
-                else []
-            )
-            constraint = body.output_constraint()
-            if tools and constraint is not None:
-                raise BadRequestError(
-                    f"{constraint.field_name}: cannot be combined with tools unless "
-                    "tool_choice is none",
-                    param=constraint.field_name,
-                )
-            if tools:
-                constraint = tool_constraint(
-                    tools, body.tool_choice_name, self._tool_format, body.parallel_tool_calls
-                )
-            constraint = await self._check(constraint)
-            messages, tool_args = prepare_chat(
-                [self._message(m) for m in body.messages],
-                tools,
-                self._tool_format,
-                self._renders_tools,
-            )
-            num_chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tool_args or []))
-            prompt = await self._tokenize(
-                functools.partial(self.frontend.encode_chat, tools=tool_args), messages, num_chars
-            )
-            choices = await self._choices(body, [prompt], body.num_logprobs, tenant, constraint)
+            profile = self._authorize(request)
+            lease = self._tenants.admit(profile.tenant if profile is not None else "default")
         except Exception as exc:
             return error_response(exc)
+        try:
+            body = await self._parse(request, schema, profile)
+            response = await answer(body, lease.tenant)
+        except Exception as exc:
+            response = error_response(exc)
+        except BaseException:  # cancelled: the client is gone
+            lease.release()
+            raise
+        return lease.hold(response)
+
+    async def _complete(self, body: CompletionRequest, tenant: str) -> Response:
+        if body.echo:
+            raise BadRequestError("echo is not supported", param="echo")
+        raw_prompts = body.prompts()
+        self._check_fanout(len(raw_prompts), body.n)
+        prompts = [
+            await self._tokenize(self.frontend.encode_prompt, p, len(p))
+            if isinstance(p, str)
+            else p
+            for p in raw_prompts
+        ]
+        constraint = await self._check(body.output_constraint())
+        choices = await self._choices(body, prompts, body.logprobs, tenant, constraint)
+        return await self._respond(body, choices, chat=False)
+
+    async def _chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        self._check_fanout(1, body.n)
+        tools = (
+            [
+                ToolSpec(t.function.name, t.function.description, t.function.parameters)
+                for t in body.tools or []
+            ]
+            if body.tool_choice_name != "none"
+            else []
+        )
+        constraint = body.output_constraint()
+        if tools and constraint is not None:
+            raise BadRequestError(
+                f"{constraint.field_name}: cannot be combined with tools unless "
+                "tool_choice is none",
+                param=constraint.field_name,
+            )
+        if tools:
+            constraint = tool_constraint(
+                tools, body.tool_choice_name, self._tool_format, body.parallel_tool_calls
+            )
+        constraint = await self._check(constraint)
+        messages, tool_args = prepare_chat(
+            [self._message(m) for m in body.messages],
+            tools,
+            self._tool_format,
+            self._renders_tools,
+        )
+        # Each message renders one token at least (its role's markers): counted as a token's
+        # worth of characters, a flood of empty messages is refused before the template runs.
+        num_chars = (
+            sum(len(m["content"]) for m in messages)
+            + len(messages) * MAX_CHARS_PER_TOKEN
+            + len(json.dumps(tool_args or []))
+        )
+        prompt = await self._tokenize(
+            functools.partial(self.frontend.encode_chat, tools=tool_args),
+            messages,
+            num_chars,
+            "messages",
+            f"characters (each message counts {MAX_CHARS_PER_TOKEN} besides its content)",
+        )
+        choices = await self._choices(body, [prompt], body.num_logprobs, tenant, constraint)
         declared = DeclaredTools.of(tools, self._tool_format) if tools else None
         return await self._respond(body, choices, chat=True, tools=declared)
 
     # ---- request -> EngineRequests
     # --------------------------------------------------------------
-    async def _parse(self, request: Request, schema: type) -> tuple[Any, str]:
-        """The validated body and the caller's tenant."""
-        profile = self._authorize(request)
-        data = _json_object(await _read_body(request, self.config.max_request_body_bytes))
-        try:
-            body = schema.model_validate(data)
-        except RecursionError:
-            raise BadRequestError(
-                "Request body is nested too deeply.", code="invalid_json"
-            ) from None
+    async def _parse(self, request: Request, schema: type, profile: ApiKeyProfile | None) -> Any:
+        """The validated body, its priority capped by the caller's key."""
+        limit = body_limit(self.config, await self.max_model_len())
+        raw = await read_body(request, limit, self.config.request_body_timeout_s)
+        body: Any = await parse_body(raw, schema, self.config.max_messages)
         if body.model != self.config.model_name and body.model != self.config.engine.model:
             raise ModelNotFoundError(
                 f"The model `{body.model}` does not exist; this server serves "
@@ -288,7 +293,7 @@ class OpenAIIngress:
         # them.
         if profile is not None:
             body.priority = max(body.priority, profile.max_priority)
-        return body, (profile.tenant if profile is not None else "default")
+        return body
 
     def _authorize(self, request: Request) -> ApiKeyProfile | None:
         """The caller's key profile; None when the app needs no key."""
@@ -315,15 +320,22 @@ class OpenAIIngress:
                 param="n",
             )
 
-    async def _tokenize(self, encode: Any, prompt: Any, num_chars: int) -> list[int]:
+    async def _tokenize(
+        self,
+        encode: Any,
+        prompt: Any,
+        num_chars: int,
+        param: str = "prompt",
+        counted: str = "characters",
+    ) -> list[int]:
         """Encode off the event loop (a 10 MB prompt must not stall other streams), after a size
         check."""
         limit = await self.max_model_len() * MAX_CHARS_PER_TOKEN
         if num_chars > limit:
             raise BadRequestError(
-                f"prompt: {num_chars} characters cannot fit this model's context "
+                f"{param}: {num_chars} {counted} cannot fit this model's context "
                 f"(at most {limit} characters)",
-                param="prompt",
+                param=param,
                 code="context_length_exceeded",
             )
         return await asyncio.to_thread(encode, prompt)
@@ -366,6 +378,7 @@ class OpenAIIngress:
         kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
         base_id = f"{kind}-{uuid.uuid4().hex}"
         choices = []
+        asked_logprobs = 0
         for p, prompt in enumerate(prompts):
             try:
                 self.frontend.check_token_ids(prompt)
@@ -376,6 +389,8 @@ class OpenAIIngress:
                 raise ContextLengthError(
                     max_len, len(prompt), max(max_tokens, body.max_tokens or 0)
                 )
+            if logprobs is not None:
+                asked_logprobs += body.n * max_tokens * (logprobs + 1)
             hashes = self.frontend.block_hashes(prompt, self.config.engine.block_size)
             too_long = [s for s in body.stop if len(s) > self.config.max_stop_string_chars]
             if too_long:
@@ -406,6 +421,12 @@ class OpenAIIngress:
                         self.config.max_migrations,
                     )
                 )
+        check_budget(
+            asked_logprobs,
+            self.config.max_logprob_entries,
+            body.field_name("logprobs"),
+            body.field_name("max_tokens"),
+        )
         return choices
 
     # ---- responses -----------------------------------------------------------------------------
@@ -415,7 +436,7 @@ class OpenAIIngress:
         choices: list[Choice],
         chat: bool,
         tools: DeclaredTools | None = None,
-    ):
+    ) -> Response:
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
         timeout = self.config.request_timeout_s
         if body.request_timeout_s is not None:
@@ -436,7 +457,7 @@ class OpenAIIngress:
                 media_type="text/event-stream",
             )
         try:
-            return JSONResponse(await self._collect(rid, deltas, len(choices), chat, tools))
+            return await self._collect(rid, deltas, len(choices), chat, tools)
         except Exception as exc:
             return error_response(exc)
 
@@ -447,23 +468,38 @@ class OpenAIIngress:
         n: int,
         chat: bool,
         tools: DeclaredTools | None,
-    ) -> dict:
+    ) -> Response:
         texts = [""] * n
         logprobs: list[list] = [[] for _ in range(n)]
-        tokens: list[list[int]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         tally = UsageTally()
         async for d in deltas:
             texts[d.index] += d.text
-            tokens[d.index] += d.token_ids
             if d.logprobs:
                 logprobs[d.index] += d.logprobs
             if d.finish_reason is not None:
                 finish[d.index] = d.finish_reason
             tally.add(d)
-        out_choices = []
-        for i in range(n):
-            lp = self._logprobs(tokens[i], logprobs[i], chat) if logprobs[i] else None
+        encode = functools.partial(
+            self._response_body, rid, texts, logprobs, finish, tally, chat, tools
+        )
+        large = sum(num_entries(lp) for lp in logprobs) > LOGPROBS_OFF_LOOP
+        content = await asyncio.to_thread(encode) if large else encode()
+        return Response(content, media_type="application/json")
+
+    def _response_body(
+        self,
+        rid: str,
+        texts: list[str],
+        logprobs: list[list],
+        finish: list[str | None],
+        tally: UsageTally,
+        chat: bool,
+        tools: DeclaredTools | None,
+    ) -> bytes:
+        """The whole response as JSON bytes (on a thread when its logprobs are many)."""
+        out_choices, out_logprobs = [], []
+        for i in range(len(texts)):
             if chat:
                 split = _ChatSplit(tools)
                 message = split.message(texts[i])
@@ -471,22 +507,22 @@ class OpenAIIngress:
                     {
                         "index": i,
                         "message": message,
-                        "logprobs": lp,
                         "finish_reason": split.finish_reason(finish[i]),
                     }
                 )
+                lp = chat_logprobs(logprobs[i], self._texts) if logprobs[i] else None
             else:
-                out_choices.append(
-                    {"index": i, "text": texts[i], "logprobs": lp, "finish_reason": finish[i]}
-                )
-        return {
+                out_choices.append({"index": i, "text": texts[i], "finish_reason": finish[i]})
+                lp = completion_logprobs(logprobs[i], self._texts) if logprobs[i] else None
+            out_logprobs.append(lp)
+        head = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.config.model_name,
-            "choices": out_choices,
             "usage": tally.as_dict(),
         }
+        return response_json(head, out_choices, out_logprobs)
 
     async def _sse_stream(
         self,
@@ -507,7 +543,9 @@ class OpenAIIngress:
         tally = UsageTally()
         try:
             async for d in deltas:
-                lp = self._logprobs(d.token_ids, d.logprobs, chat) if d.logprobs else None
+                lp = None
+                if d.logprobs:
+                    lp = (chat_logprobs if chat else completion_logprobs)(d.logprobs, self._texts)
                 if not chat:
                     if d.text or lp or d.finish_reason is not None:
                         choice = {
@@ -537,42 +575,3 @@ class OpenAIIngress:
         except Exception as exc:
             yield _sse(error_event(exc))
         yield _sse("[DONE]")
-
-    def _logprobs(self, token_ids: list[int], entries: list, chat: bool) -> dict:
-        decode = self._token_text
-        if chat:
-            content = []
-            for entry in entries:
-                (tid, lp), top = entry[0], entry[1:]
-                text = decode(tid)
-                content.append(
-                    {
-                        "token": text,
-                        "logprob": lp,
-                        "bytes": list(text.encode()),
-                        "top_logprobs": [
-                            {"token": decode(t), "logprob": v, "bytes": list(decode(t).encode())}
-                            for t, v in top
-                        ],
-                    }
-                )
-            return {"content": content}
-        tokens, token_logprobs, top_logprobs = [], [], []
-        for entry in entries:
-            (tid, lp), top = entry[0], entry[1:]
-            tokens.append(decode(tid))
-            token_logprobs.append(lp)
-            top_logprobs.append({decode(t): v for t, v in top})
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top_logprobs,
-            "text_offset": offsets,
-        }
-
-    def _token_text(self, token_id: int) -> str:
-        return self.frontend.tokenizer.decode([token_id])

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
 from scheduler.sampling_params import MAX_SEED, SamplingParams
@@ -26,6 +26,12 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "structural_tag": (None,),
 }
 MAX_TOOLS = 128
+# The messages of one conversation, as OpenAI (and Azure OpenAI) bound them; the app's
+# `max_messages` setting defaults to this and is passed in the validation context.
+MAX_MESSAGES = 2048
+# Content parts and earlier tool calls over all the messages of one conversation: each costs a
+# validation, and a body of empty ones is almost all overhead.
+MAX_MESSAGE_PARTS = 4096
 
 
 class JsonSchemaFormat(BaseModel):
@@ -280,7 +286,7 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v):
+    def _non_empty(cls, v: Any) -> Any:
         if isinstance(v, list) and (not v or any(isinstance(p, (str, list)) and not p for p in v)):
             raise ValueError("prompt must not be empty")
         if isinstance(v, str) and not v:
@@ -293,8 +299,8 @@ class CompletionRequest(_SamplingFields):
         if isinstance(p, str):
             return [p]
         if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+            return [cast(list[int], list(p))]
+        return cast(list[str | list[int]], list(p))
 
 
 class TextPart(BaseModel):
@@ -327,6 +333,30 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_messages(cls, data: Any, info: ValidationInfo) -> Any:
+        """Counted on the raw JSON, before a single message is validated."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if not isinstance(messages, list):
+            return data
+        limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
+        if len(messages) > limit:
+            raise ValueError(f"messages: at most {limit} messages, got {len(messages)}")
+        parts = sum(
+            len(m[key])
+            for m in messages
+            if isinstance(m, dict)
+            for key in ("content", "tool_calls")
+            if isinstance(m.get(key), list)
+        )
+        if parts > MAX_MESSAGE_PARTS:
+            raise ValueError(
+                f"messages: at most {MAX_MESSAGE_PARTS} content parts and tool calls over all "
+                f"messages, got {parts}"
+            )
+        return data
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:

@@ -1,0 +1,129 @@
+"""Logprobs as OpenAI's JSON, and the budget that bounds how many one request may ask for.
+
+Each position's entry is `[(sampled id, logprob), (top id, logprob), ...]` (scheduler/outputs.py
+`TokenLogprobs`). A token's text is decoded once per vocabulary (TokenTexts), not once per entry.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from deploy.errors import BadRequestError
+from scheduler.outputs import TokenLogprobs
+
+# A response's per-position lists are encoded this many positions at a time: the encoder holds the
+# interpreter while it runs, and a thread encoding a large response lets the event loop in between.
+POSITIONS_PER_PIECE = 256
+
+
+class TokenTexts:
+    """Each token's text as logprobs show it (`tokenizer.decode([id])`), decoded once."""
+
+    __slots__ = ("_bytes", "_texts", "_tokenizer")
+
+    def __init__(self, texts: list[str], tokenizer: Any) -> None:
+        self._texts = texts
+        self._bytes: dict[int, list[int]] = {}  # at most one list per id of the vocabulary
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def of(cls, tokenizer: Any, vocab_size: int = 0) -> TokenTexts:
+        """Every id the model can sample: the tokenizer's, and the embedding's padding beyond."""
+        ids = range(max(len(tokenizer), vocab_size))
+        return cls([tokenizer.decode([i]) for i in ids], tokenizer)
+
+    def text(self, token_id: int) -> str:
+        if 0 <= token_id < len(self._texts):
+            return self._texts[token_id]
+        return self._tokenizer.decode([token_id])
+
+    def utf8(self, token_id: int) -> list[int]:
+        """The text's UTF-8 bytes, as chat logprobs list them."""
+        found = self._bytes.get(token_id)
+        if found is None:
+            found = list(self.text(token_id).encode())
+            if 0 <= token_id < len(self._texts):
+                self._bytes[token_id] = found
+        return found
+
+
+def check_budget(entries: int, budget: int, param: str, max_tokens_param: str) -> None:
+    """A 400 naming the fields when a request asks for more log-probabilities than `budget`."""
+    if entries > budget:
+        raise BadRequestError(
+            f"{param}: n x {max_tokens_param} x ({param} + 1) asks for {entries} "
+            f"log-probabilities, more than this server's {budget} per request (an unset "
+            f"{max_tokens_param} counts the context left); lower n, {max_tokens_param} or {param}",
+            param=param,
+        )
+
+
+def num_entries(logprobs: list[TokenLogprobs]) -> int:
+    """Log-probabilities in a list of positions (the sampled token's and the alternatives')."""
+    return sum(len(entry) for entry in logprobs)
+
+
+def chat_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> dict[str, Any]:
+    """`choices[i].logprobs` of a chat completion: `{"content": [...]}`."""
+    content = []
+    for entry in logprobs:
+        (token_id, logprob), top = entry[0], entry[1:]
+        content.append(
+            {
+                "token": texts.text(token_id),
+                "logprob": logprob,
+                "bytes": texts.utf8(token_id),
+                "top_logprobs": [
+                    {"token": texts.text(t), "logprob": v, "bytes": texts.utf8(t)} for t, v in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> dict[str, Any]:
+    """`choices[i].logprobs` of a completion: tokens, their logprobs, top alternatives, offsets."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    for entry in logprobs:
+        (token_id, logprob), top = entry[0], entry[1:]
+        token = texts.text(token_id)
+        tokens.append(token)
+        token_logprobs.append(logprob)
+        top_logprobs.append({texts.text(t): v for t, v in top})
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def response_json(head: dict[str, Any], choices: list[dict[str, Any]], logprobs: list) -> bytes:
+    """The response `{**head, "choices": [...]}` as JSON bytes (as JSONResponse encodes it),
+    choice i with `logprobs[i]` (a dict of per-position lists, or None) encoded piece by piece."""
+    encoded = [
+        _json(choice)[:-1] + b',"logprobs":' + (_pieces(lp) if lp else b"null") + b"}"
+        for choice, lp in zip(choices, logprobs, strict=True)
+    ]
+    return _json(head)[:-1] + b',"choices":[' + b",".join(encoded) + b"]}"
+
+
+def _pieces(logprobs: dict[str, list]) -> bytes:
+    fields = []
+    for name, items in logprobs.items():
+        pieces = [
+            _json(items[i : i + POSITIONS_PER_PIECE])[1:-1]
+            for i in range(0, len(items), POSITIONS_PER_PIECE)
+        ]
+        fields.append(_json(name) + b":[" + b",".join(pieces) + b"]")
+    return b"{" + b",".join(fields) + b"}"
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(
+        value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode()
