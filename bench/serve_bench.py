@@ -202,7 +202,7 @@ def run_offline(
     engine, prompts: list[list[int]], output_len: int, concurrency: int | None, name: str
 ) -> Report:
     """Drive EngineCore.step() directly: `concurrency` requests in flight (None: all at once)."""
-    from scheduler import Request, SamplingParams
+    from scheduler import EngineRequest, SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     pending = list(enumerate(prompts))
@@ -217,7 +217,7 @@ def run_offline(
             rid = f"{name}-{i}-{time.monotonic_ns()}"
             starts[rid] = time.perf_counter()
             results[rid] = RequestResult(ok=False)
-            engine.add_request(Request(rid, prompt, params))
+            engine.add_request(EngineRequest(rid, prompt, params))
         for out in engine.step():
             now = time.perf_counter()
             r = results[out.request_id]

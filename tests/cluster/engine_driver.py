@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
 
 
 def greedy_tokens(
@@ -17,7 +17,7 @@ def greedy_tokens(
     scheduler = Scheduler(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        scheduler.add_request(Request(f"{prefix}-{i}", prompt, params))
+        scheduler.add_request(Request(EngineRequest(f"{prefix}-{i}", prompt, params)))
     tokens: dict[str, list[int]] = {f"{prefix}-{i}": [] for i in range(len(prompts))}
     while scheduler.has_unfinished_requests():
         step = scheduler.schedule()
