@@ -171,13 +171,6 @@ class AppConfig:
         le=1 << 20,
     )
     max_stop_string_chars: int = setting(1024, "longest stop string accepted", ge=1)
-    grammar_timeout_s: float = setting(
-        10.0,
-        "longest a structured-output "
-        "schema, regex or grammar may take to check; slower ones get 400",
-        gt=0,
-        le=600,
-    )
     # Resources and placement (one bundle for the replica, one per TP worker when TP > 1).
     replica_num_cpus: float = setting(1.0, "CPUs of the replica's bundle", ge=0, le=MAX_BUNDLE_CPUS)
     worker_num_cpus: float = setting(

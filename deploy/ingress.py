@@ -55,7 +55,7 @@ from deploy.tools import (
 from frontend.frontend import Frontend
 from scheduler.request import EngineRequest
 from scheduler.structured_output import StructuredOutput
-from workers.grammar import check_constraint
+from workers.grammar_sandbox import GrammarSandbox, TokenizerSpec
 from workers.process import set_niceness
 
 logger = logging.getLogger(__name__)
@@ -70,14 +70,6 @@ LOGPROBS_OFF_LOOP = 4096
 def _sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
-
-
-@functools.lru_cache(maxsize=256)
-def _checked_constraint(constraint: StructuredOutput, timeout_s: float) -> StructuredOutput:
-    """The constraint once its grammar checks out (ValueError naming the field if not); repeated
-    schemas are checked once."""
-    check_constraint(constraint, timeout_s)
-    return constraint
 
 
 async def _prepend(
@@ -149,6 +141,10 @@ class OpenAIIngress:
         self.frontend = Frontend.load(config.engine.model, config.engine.cache_dir)
         self.metrics = RequestMetrics()
         self._texts = TokenTexts.of(self.frontend.tokenizer, self.frontend.info.vocab_size)
+        self._grammars = GrammarSandbox(
+            TokenizerSpec.of(self.frontend.tokenizer, self.frontend.info.vocab_size),
+            timeout_s=config.engine.grammar_timeout_s,
+        )
         self._keys = config.key_profiles()
         self._tenants = TenantLimiter(config.max_requests_per_tenant, config.overload_retry_after_s)
         self._tool_format = detect_format(self.frontend.chat_template)
@@ -341,12 +337,10 @@ class OpenAIIngress:
         return await asyncio.to_thread(encode, prompt)
 
     async def _check(self, constraint: StructuredOutput | None) -> StructuredOutput | None:
-        """A valid constraint (checked off the event loop, within grammar_timeout_s) or a 400."""
+        """A valid constraint (checked in the grammar sandbox, off the event loop) or a 400."""
         if constraint is None:
             return None
-        return await asyncio.to_thread(
-            _checked_constraint, constraint, self.config.grammar_timeout_s
-        )
+        return await asyncio.to_thread(self._grammars.check, constraint)
 
     @staticmethod
     def _message(message: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ Each position's entry is `[(sampled id, logprob), (top id, logprob), ...]` (sche
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from deploy.errors import BadRequestError
@@ -15,6 +16,7 @@ from scheduler.outputs import TokenLogprobs
 # A response's per-position lists are encoded this many positions at a time: the encoder holds the
 # interpreter while it runs, and a thread encoding a large response lets the event loop in between.
 POSITIONS_PER_PIECE = 256
+MIN_LOGPROB = -9999.0
 
 
 class TokenTexts:
@@ -59,6 +61,12 @@ def check_budget(entries: int, budget: int, param: str, max_tokens_param: str) -
         )
 
 
+def finite(logprob: float) -> float:
+    """A logprob JSON can carry: an impossible token (-inf, or NaN from a broken row) reads as
+    OpenAI's floor for "never", so no response fails to encode after its generation."""
+    return logprob if math.isfinite(logprob) and logprob >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def num_entries(logprobs: list[TokenLogprobs]) -> int:
     """Log-probabilities in a list of positions (the sampled token's and the alternatives')."""
     return sum(len(entry) for entry in logprobs)
@@ -72,10 +80,11 @@ def chat_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> dict[str,
         content.append(
             {
                 "token": texts.text(token_id),
-                "logprob": logprob,
+                "logprob": finite(logprob),
                 "bytes": texts.utf8(token_id),
                 "top_logprobs": [
-                    {"token": texts.text(t), "logprob": v, "bytes": texts.utf8(t)} for t, v in top
+                    {"token": texts.text(t), "logprob": finite(v), "bytes": texts.utf8(t)}
+                    for t, v in top
                 ],
             }
         )
@@ -90,8 +99,8 @@ def completion_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> dic
         (token_id, logprob), top = entry[0], entry[1:]
         token = texts.text(token_id)
         tokens.append(token)
-        token_logprobs.append(logprob)
-        top_logprobs.append({texts.text(t): v for t, v in top})
+        token_logprobs.append(finite(logprob))
+        top_logprobs.append({texts.text(t): finite(v) for t, v in top})
         offsets.append(offset)
         offset += len(token)
     return {

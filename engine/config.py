@@ -92,6 +92,20 @@ class EngineConfig:
         ge=1,
         le=MAX_STREAM_INTERVAL,
     )
+    grammar_timeout_s: float = setting(
+        10.0,
+        "longest a structured-output schema, regex or grammar may take to check and compile "
+        "(its first mask included); slower ones get 400",
+        gt=0,
+        le=600,
+    )
+    grammar_mask_deadline_s: float = setting(
+        1.0,
+        "longest a step waits for a constrained request's token mask; a later mask fails that "
+        "request alone",
+        gt=0,
+        le=60,
+    )
     load_progress: bool = setting(True, "show a progress bar while loading weights")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -158,6 +172,8 @@ class EngineConfig:
             cpu_threads=self.cpu_threads,
             process_niceness=self.process_niceness,
             enforce_eager=self.enforce_eager,
+            grammar_timeout_s=self.grammar_timeout_s,
+            grammar_mask_deadline_s=self.grammar_mask_deadline_s,
         )
 
     @property

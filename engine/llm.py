@@ -19,7 +19,7 @@ from frontend.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
-from workers.grammar import check_constraint
+from workers.grammar_sandbox import GrammarSandbox, TokenizerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ class LLM:
             AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info
         )
         self.tokenizer = self.frontend.tokenizer
+        self._grammars = GrammarSandbox(
+            TokenizerSpec.of(self.tokenizer, self.engine.model_info.vocab_size),
+            timeout_s=config.grammar_timeout_s,
+        )
         self._ids = itertools.count()
 
     def generate(
@@ -106,6 +110,8 @@ class LLM:
         use_tqdm: bool,
     ) -> list[GenerationOutput]:
         params = _params_per_prompt(sampling_params, len(token_ids))
+        for constraint in {sp.structured for sp in params if sp.structured is not None}:
+            self._grammars.check(constraint)  # a bad grammar is the caller's ValueError, now
         outputs: dict[str, GenerationOutput] = {}
         texts: dict[str, TextStream] = {}
         live: set[str] = set()
@@ -153,6 +159,7 @@ class LLM:
         return finished
 
     def shutdown(self) -> None:
+        self._grammars.close()
         self.engine.shutdown()
 
 
@@ -173,8 +180,4 @@ def _params_per_prompt(
                 f"n: LLM.generate returns one completion per prompt, got n={sp.n}; "
                 "repeat the prompt instead"
             )
-    for constraint in {sp.structured for sp in params if sp.structured is not None}:
-        check_constraint(
-            constraint
-        )  # a bad grammar is the caller's ValueError, before anything runs
     return params

@@ -1,20 +1,23 @@
-"""Constraints -> llguidance grammars, and their validation with a time limit. No torch.
+"""Constraints -> llguidance grammars and matchers, on threads whose stacks fit them. No torch.
 
-Both the ingress (to answer a bad schema with a 400 before anything is queued) and the worker
-(to compile it against the tokenizer) come through here, so they agree on what a constraint means.
+The grammar checker (workers.grammar_sandbox, for the ingress and the offline LLM) and the worker
+(workers.structured, to compile against the tokenizer and mask) both come through here, so they
+agree on what a constraint means and on the limits it runs under.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import llguidance
 
 from scheduler.structured_output import StructuredOutput
+from workers.grammar_bounds import check_bounds
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
@@ -24,11 +27,32 @@ LIMITS = llguidance.LLParserLimits(
     initial_lexer_fuel=5_000_000, max_grammar_size=500_000, verbose_errors=False
 )
 
+# llguidance recurses once per rule while it validates and compiles (about 3 KB of stack a
+# level): a 3,000-rule chain overflows a default 8 MiB thread stack and kills the process. Within
+# the bounds of workers.grammar_bounds the deepest accepted spec needs a few MiB; a 200,000-char
+# chain (the spec cap) needs about 60 MiB. The reservation is virtual: only touched pages count.
+GRAMMAR_STACK_BYTES = 256 << 20
+
 T = TypeVar("T")
 
-# Grammar work runs here: the caller waits at most its time limit, and a grammar that still
-# runs past it holds one of these threads, never the event loop or the engine thread.
-_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar")
+
+def big_stack_pool(max_workers: int, name: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads all run on GRAMMAR_STACK_BYTES stacks, started now (the
+    stack size is set only while they are created)."""
+    pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name)
+    started = threading.Barrier(max_workers + 1)
+    with _STACK_SIZE_LOCK:
+        previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            for _ in range(max_workers):
+                pool.submit(started.wait)
+            started.wait()
+        finally:
+            threading.stack_size(previous)
+    return pool
+
+
+_STACK_SIZE_LOCK = threading.Lock()
 
 
 def to_grammar(constraint: StructuredOutput) -> str:
@@ -46,20 +70,32 @@ def to_grammar(constraint: StructuredOutput) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec)
 
 
-def check_constraint(
-    constraint: StructuredOutput, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
-) -> str:
-    """The grammar text of a valid constraint; ValueError naming the field when it is invalid,
-    uses an unsupported keyword, or takes longer than timeout_s to check."""
-
-    def check() -> str:
+def validate(constraint: StructuredOutput) -> str:
+    """The grammar text of a constraint within bounds that llguidance accepts; ValueError naming
+    the field otherwise. Call it on a big_stack_pool thread."""
+    check_bounds(constraint)
+    try:
         grammar = to_grammar(constraint)
-        error = llguidance.LLMatcher.validate_grammar(grammar, limits=LIMITS)
-        if error:
-            raise ValueError(f"{constraint.field_name}: {first_line(error)}")
-        return grammar
+    except Exception as exc:
+        raise ValueError(f"{constraint.field_name}: {first_line(str(exc))}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=LIMITS)
+    if error:
+        raise ValueError(f"{constraint.field_name}: {first_line(error)}")
+    return grammar
 
-    return run_with_timeout(check, timeout_s, constraint.field_name)
+
+def compile_matcher(ll_tokenizer: Any, constraint: StructuredOutput) -> llguidance.LLMatcher:
+    """A matcher at the start of the constraint; ValueError naming the field if it fails. Call it
+    on a big_stack_pool thread."""
+    check_bounds(constraint)
+    try:
+        grammar = to_grammar(constraint)
+    except Exception as exc:
+        raise ValueError(f"{constraint.field_name}: {first_line(str(exc))}") from None
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar, limits=LIMITS)
+    if matcher.is_error():
+        raise ValueError(f"{constraint.field_name}: {first_line(matcher.get_error())}")
+    return matcher
 
 
 def first_line(message: str) -> str:
@@ -68,9 +104,11 @@ def first_line(message: str) -> str:
     return lines[0][:500] if lines else "invalid grammar"
 
 
-def run_with_timeout(fn: Callable[[], T], timeout_s: float, field_name: str) -> T:
-    """fn() on the grammar pool; ValueError naming field_name if it fails or overruns timeout_s."""
-    future = _POOL.submit(fn)
+def run_with_timeout(
+    pool: ThreadPoolExecutor, fn: Callable[[], T], timeout_s: float, field_name: str
+) -> T:
+    """fn() on `pool`; ValueError naming field_name if it fails or overruns timeout_s."""
+    future = pool.submit(fn)
     try:
         return future.result(timeout=timeout_s)
     except FutureTimeout:

@@ -55,6 +55,8 @@ class RunnerConfig:
     cpu_threads: int | None = None
     process_niceness: int | None = None
     enforce_eager: bool = False
+    grammar_timeout_s: float = 10.0
+    grammar_mask_deadline_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -386,8 +388,10 @@ class ModelRunner:
             return
         if self.structured is None:
             model_dir = self.config.model_dir
-            compiler = GrammarCompiler(lambda: load_tokenizer(model_dir), self._vocab_size)
-            self.structured = StructuredDecoding(compiler)
+            compiler = GrammarCompiler(
+                lambda: load_tokenizer(model_dir), self._vocab_size, self.config.grammar_timeout_s
+            )
+            self.structured = StructuredDecoding(compiler, self.config.grammar_mask_deadline_s)
         self.structured.add(req_id, params.structured)
 
     def _start_masks(self, batch: _Batch) -> PendingMasks | None:
@@ -407,13 +411,15 @@ class ModelRunner:
             return ModelRunnerOutput(batch.req_ids, sampled)
         states = [self.requests[batch.req_ids[i]].sampling for i in batch.sample_rows]
         failed: dict[str, str] = {}
+        unmasked = None
         if masks is not None:
-            logits = apply_masks(logits.float(), masks)
+            unmasked = logits.float()
+            logits = apply_masks(unmasked, masks)
             failed.update(masks.failed)
         try:
-            results = [(batch.sample_rows, self.sampler.sample(logits.float(), states))]
+            results = [(batch.sample_rows, self.sampler.sample(logits.float(), states, unmasked))]
         except Exception:
-            results = self._sample_rows_alone(batch, logits, states, failed)
+            results = self._sample_rows_alone(batch, logits, states, failed, unmasked)
         for rows, result in results:
             for row, token in zip(rows, result.token_ids):
                 sampled[row] = [token]
@@ -429,13 +435,17 @@ class ModelRunner:
         logits: torch.Tensor,
         states: list[SamplingState],
         failed: dict[str, str],
+        unmasked: torch.Tensor | None,
     ) -> list[tuple[list[int], SamplerOutput]]:
         """After a failed batched draw: each row on its own, so one request's fault fails it
         alone."""
         results = []
         for i, (row, state) in enumerate(zip(batch.sample_rows, states)):
             try:
-                results.append(([row], self.sampler.sample(logits[i : i + 1].float(), [state])))
+                alone = None if unmasked is None else unmasked[i : i + 1]
+                results.append(
+                    ([row], self.sampler.sample(logits[i : i + 1].float(), [state], alone))
+                )
             except Exception as exc:
                 rid = batch.req_ids[row]
                 logger.warning("request %s failed in the sampler: %r", rid, exc)

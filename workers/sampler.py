@@ -147,8 +147,16 @@ def apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> torch
 class Sampler:
     """Picks the next token for every row of a logits batch."""
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
-        """logits: [B, V] on any device, one row per state (row i belongs to states[i])."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        unmasked: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """logits: [B, V] on any device, one row per state (row i belongs to states[i]).
+
+        unmasked: the same logits before a grammar masked them. Logprobs come from it, as OpenAI
+        reports them: the model's distribution, finite, not the mask's -inf."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits: expected shape [{len(states)}, V], got {tuple(logits.shape)}"
@@ -157,7 +165,8 @@ class Sampler:
             return SamplerOutput([], None)
         logits = logits.float()
         wants_logprobs = any(s.params.logprobs is not None for s in states)
-        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
+        raw = logits if unmasked is None else unmasked.float()
+        raw_logprobs = raw.log_softmax(dim=-1) if wants_logprobs else None
         if any(s.params.logit_bias for s in states):
             logits = apply_logit_bias(logits, states)
         if not wants_logprobs and all(s.params.greedy and not s.has_penalties for s in states):

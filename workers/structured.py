@@ -1,12 +1,13 @@
 """Constrained decoding with llguidance: compile off the engine thread, mask the constrained rows
-only.
+only, and never hold the batch past a deadline.
 
-Grammars compile on the grammar pool (workers.grammar) and are cached by their text; the engine
-thread only submits the work, so a new constrained request's compile overlaps its prefill. Each
-request owns a matcher that catches up on its output tokens before every mask, so a request
-preempted, swapped, resumed or migrated rebuilds its state from the tokens it already has. Masks
-are filled on a background thread (llguidance releases the GIL) while the forward runs, then
-applied to the constrained rows' logits in one op. No row constrained: nothing here runs.
+Grammars compile on big-stack grammar threads (workers.grammar) and are cached by their text;
+the engine thread only submits the work, so a new constrained request's compile overlaps its
+prefill. Each request owns a matcher that catches up on its output tokens before every mask, so
+a request preempted, swapped, resumed or migrated rebuilds its state from the tokens it already
+has. Each row's mask is filled on a mask thread (llguidance releases the GIL) while the forward
+runs; a row whose mask is not ready by the deadline fails alone and the others are sampled. No
+row constrained: nothing here runs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +27,17 @@ import torch
 from scheduler.structured_output import StructuredOutput
 from workers.grammar import (
     DEFAULT_COMPILE_TIMEOUT_S,
-    LIMITS,
+    big_stack_pool,
+    compile_matcher,
     first_line,
     run_with_timeout,
-    to_grammar,
 )
 
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
+DEFAULT_MASK_DEADLINE_S = 1.0
+MASK_THREADS = 4
 
 
 class GrammarCompiler:
@@ -52,6 +55,12 @@ class GrammarCompiler:
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        self._pool = big_stack_pool(2, "grammar-compile")
+        self._waiting = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-wait")
+
+    def submit(self, constraint: StructuredOutput) -> Future:
+        """matcher(constraint), started now: a Future of the matcher or of its ValueError."""
+        return self._waiting.submit(self.matcher, constraint)
 
     def matcher(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher at the start of the constraint; ValueError naming the field if it
@@ -63,7 +72,10 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return template.deep_copy()
         template = run_with_timeout(
-            lambda: self._compile(constraint), self.timeout_s, constraint.field_name
+            self._pool,
+            lambda: compile_matcher(self._tokenizer(), constraint),
+            self.timeout_s,
+            constraint.field_name,
         )
         with self._lock:
             self._cache[key] = template
@@ -79,17 +91,12 @@ class GrammarCompiler:
                 )
             return self._ll_tokenizer
 
-    def _compile(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._tokenizer(), to_grammar(constraint), limits=LIMITS)
-        if matcher.is_error():
-            raise ValueError(f"{constraint.field_name}: {first_line(matcher.get_error())}")
-        return matcher
-
 
 @dataclass(slots=True)
 class _Row:
     matcher: Future  # of an llguidance.LLMatcher, compiled on the grammar pool
     consumed: int = 0  # output tokens the matcher has accepted
+    busy: Future | None = None  # its last mask, while a late one still runs
 
 
 @dataclass(slots=True)
@@ -99,24 +106,28 @@ class PendingMasks:
     rows: list[int]
     req_ids: list[str]
     bitmask: torch.Tensor
-    future: Future
+    futures: list[Future]  # one per row: None, or raises why its constraint failed
+    compiled: list[Future]  # each row's compile, waited on up to the compile timeout
+    deadline_s: float
+    compile_timeout_s: float
     failed: dict[str, str] = field(default_factory=dict)  # req id -> why its constraint failed
 
 
 class StructuredDecoding:
     """The matchers of the constrained requests of one runner."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(
+        self, compiler: GrammarCompiler, mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S
+    ) -> None:
         self.compiler = compiler
+        self.mask_deadline_s = mask_deadline_s
         self._rows: dict[str, _Row] = {}
-        self._executor = llguidance.LLExecutor()
-        self._compiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
-        self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._masks = big_stack_pool(MASK_THREADS, "grammar-mask")
 
     def add(self, req_id: str, constraint: StructuredOutput) -> None:
         """Start compiling a request's matcher; the outputs it already has are consumed at its next
         mask."""
-        self._rows[req_id] = _Row(self._compiles.submit(self.compiler.matcher, constraint))
+        self._rows[req_id] = _Row(self.compiler.submit(constraint))
 
     def drop(self, req_id: str) -> None:
         self._rows.pop(req_id, None)
@@ -142,40 +153,67 @@ class StructuredDecoding:
         if not positions:
             return None
         bitmask = llguidance.torch.allocate_token_bitmask(len(positions), self.compiler.vocab_size)
-        pending = PendingMasks(positions, rids, bitmask, Future())
-        pending.future = self._masks.submit(self._fill, pending, rows, new_tokens)
-        return pending
-
-    def _fill(self, pending: PendingMasks, rows: list[_Row], new_tokens: list[list[int]]) -> None:
-        """On the mask thread: wait for each compile, advance, then fill all masks in parallel."""
-        ready: list[tuple[Any, int]] = []
-        for i, (rid, row, tokens) in enumerate(zip(pending.req_ids, rows, new_tokens)):
-            try:
-                matcher = row.matcher.result()
-                if tokens:
-                    matcher.consume_tokens(tokens)
-                if matcher.is_error():
-                    raise ValueError(
-                        f"the output left its constraint: {first_line(matcher.get_error())}"
-                    )
-            except Exception as exc:
-                pending.failed[rid] = f"structured output: {exc}"
-                pending.bitmask[i].fill_(
-                    -1
-                )  # every token allowed: the row is failed, not sampled from
+        futures = []
+        for i, (row, tokens) in enumerate(zip(rows, new_tokens)):
+            if row.busy is not None and not row.busy.done():
+                futures.append(_failed("its previous mask is still being computed"))
                 continue
-            ready.append((matcher, i))
-        if ready:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, ready, pending.bitmask)
+            row.busy = self._masks.submit(_fill_row, row.matcher, tokens, bitmask, i)
+            futures.append(row.busy)
+        return PendingMasks(
+            positions,
+            rids,
+            bitmask,
+            futures,
+            [row.matcher for row in rows],
+            self.mask_deadline_s,
+            self.compiler.timeout_s,
+        )
+
+
+def _failed(why: str) -> Future:
+    future: Future = Future()
+    future.set_exception(ValueError(why))
+    return future
+
+
+def _fill_row(compiled: Future, tokens: list[int], bitmask: torch.Tensor, index: int) -> None:
+    """On a mask thread: wait for the row's compile, advance it, fill its mask."""
+    matcher = compiled.result()
+    if tokens:
+        matcher.consume_tokens(tokens)
+    if matcher.is_error():
+        raise ValueError(f"the output left its constraint: {first_line(matcher.get_error())}")
+    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, index)
 
 
 def apply_masks(logits: torch.Tensor, pending: PendingMasks) -> torch.Tensor:
-    """Disallowed tokens of the constrained rows to -inf, in one vectorised op. Out of place."""
-    pending.future.result()
+    """Disallowed tokens of the constrained rows to -inf, in one vectorised op. Out of place.
+
+    Waits for the masks up to their deadline (a row still compiling gets up to the compile
+    timeout: the ingress proved its compile fits in that); a late or failed row is recorded in
+    `pending.failed` and left unmasked, since it is failed rather than sampled from."""
+    _, late = wait(pending.futures, timeout=pending.deadline_s)
+    compiling = [f for f, c in zip(pending.futures, pending.compiled) if f in late and not c.done()]
+    if compiling:
+        wait(compiling, timeout=pending.compile_timeout_s)
+    for i, (rid, future) in enumerate(zip(pending.req_ids, pending.futures)):
+        why = _why_failed(future, pending.deadline_s)
+        if why is not None:
+            pending.failed[rid] = f"structured output: {why}"
+            pending.bitmask[i].fill_(-1)
     vocab = logits.shape[-1]
-    bits = pending.bitmask.to(logits.device, non_blocking=True)
+    # A copy: a late row's thread may still write its (failed) row.
+    bits = pending.bitmask.to(logits.device, copy=True)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bits[:, :, None] >> shifts) & 1).bool().view(bits.shape[0], -1)[:, :vocab]
     index = torch.tensor(pending.rows, device=logits.device)
     masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
     return logits.index_copy(0, index, masked)
+
+
+def _why_failed(future: Future, deadline_s: float) -> str | None:
+    if not future.done():
+        return f"its mask took longer than {deadline_s:g}s"
+    error = future.exception()
+    return None if error is None else str(error)

@@ -528,6 +528,165 @@ def test_fuzzed_logprob_combinations_get_2xx_or_4xx(tiny, before_fuzz, prompt, f
     _still_serving(tiny)
 
 
+# ---- untrusted grammars ------------------------------------------------------------------------
+def _rule_chain(links: int) -> str:
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(links)) + f'r{links}: "x"\n'
+
+
+def _ref_chain(links: int) -> dict:
+    defs: dict = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(links)}
+    defs[f"d{links}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"structured_outputs": {"grammar": _rule_chain(3_000)}}, "structured_outputs.grammar"),
+        ({"guided_grammar": _rule_chain(15_000)}, "guided_grammar"),
+        ({"structured_outputs": {"json": _ref_chain(3_000)}}, "structured_outputs.json"),
+        ({"guided_json": _ref_chain(200)}, "guided_json"),
+        ({"structured_outputs": {"regex": "a{1000}{1000}"}}, "structured_outputs.regex"),
+        ({"guided_json": {"type": "string", "pattern": "(ab){500}{500}"}}, "guided_json"),
+        ({"guided_grammar": "start: /[a-z]{999}{999}/"}, "guided_grammar"),
+    ],
+    ids=[
+        "rule-chain",
+        "long-rule-chain",
+        "ref-chain",
+        "deep-refs",
+        "regex-bomb",
+        "pattern-bomb",
+        "terminal-bomb",
+    ],
+)
+def test_grammars_that_crashed_or_stalled_a_process_are_a_400_naming_the_field(
+    tiny_url, tiny, fields, param
+):
+    ingress = _ingress("tiny").pid
+    body = _chat([{"role": "user", "content": "Hi"}], max_tokens=4, **fields)
+    r, took = asyncio.run(_beside_a_small_request(tiny_url, body))
+    assert _error(r, 400)["message"].startswith(param), r.text[:500]
+    assert took < HANG_S
+    assert _ingress("tiny").pid == ingress
+    _still_serving(tiny)
+
+
+def test_the_widest_accepted_regexes_leave_a_neighbouring_stream_and_the_replica_bounded(tiny):
+    """Three requests at the regex bound beside a plain stream: they are served, the stream's
+    pace is recorded (not asserted: no timings in tests), and the replica's memory stays
+    bounded."""
+    replica = _replica("tiny")
+    rss_before = replica.memory_info().rss
+    widest = [f"[a-z]{{{20_000 - i}}}" for i in range(3)]  # three distinct templates
+
+    async def run() -> tuple[list[float], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=str(tiny.base_url), timeout=HANG_S) as c:
+            stream_gaps: list[float] = []
+
+            async def plain_stream() -> None:
+                body = {"model": TINY, "prompt": "Hi", "max_tokens": 24, "stream": True}
+                async with c.stream(
+                    "POST", "/completions", json=body, headers=_auth(TINY_KEY)
+                ) as r:
+                    last = time.perf_counter()
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            now = time.perf_counter()
+                            stream_gaps.append(now - last)
+                            last = now
+
+            bombs = [
+                c.post(
+                    "/completions",
+                    json={
+                        "model": TINY,
+                        "prompt": "Hi",
+                        "max_tokens": 8,
+                        "structured_outputs": {"regex": regex},
+                    },
+                    headers=_auth(TINY_KEY),
+                )
+                for regex in widest
+            ]
+            *answers, _ = await asyncio.gather(*bombs, plain_stream())
+            return stream_gaps, answers
+
+    gaps, answers = asyncio.run(run())
+    assert all(a.status_code == 200 for a in answers), [a.text[:300] for a in answers]
+    grown_mib = (replica.memory_info().rss - rss_before) / (1 << 20)
+    print(
+        f"widest regexes: neighbour ITL median {sorted(gaps)[len(gaps) // 2] * 1000:.0f} ms, "
+        f"max {max(gaps) * 1000:.0f} ms over {len(gaps)} chunks; replica RSS +{grown_mib:.0f} MiB"
+    )
+    assert grown_mib < 256
+
+
+def _replica(app: str) -> psutil.Process:
+    title = f"ray::ServeReplica:{app}:LLMReplica"
+    [process] = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if (p.info["cmdline"] or [""])[0].startswith(title)
+    ]
+    return process
+
+
+REGEX_PIECES = st.sampled_from(["a", "[a-z]", "\\d", "(ab|c)", ".", "\\", "(", ")", "[", "|"])
+REGEXES = st.builds(
+    lambda pieces, counts: "".join(
+        p + (f"{{{c}}}" if c is not None else "") for p, c in zip(pieces, counts)
+    ),
+    st.lists(REGEX_PIECES, min_size=1, max_size=6),
+    st.lists(st.sampled_from([None, 0, 1, 30, 999, 1000, 100_000, 2**64]), min_size=6, max_size=6),
+)
+SCHEMAS = st.recursive(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["string", "integer", "object", "array", "nonsense"])},
+        optional={
+            "pattern": REGEXES,
+            "maxLength": st.sampled_from([-1, 0, 8, 2**64, 1.5]),
+            "$ref": st.sampled_from(["#/$defs/a", "#/nowhere", "#", 7]),
+        },
+    ),
+    lambda inner: st.one_of(
+        st.fixed_dictionaries(
+            {"type": st.just("object"), "properties": st.dictionaries(TEXT, inner, max_size=3)}
+        ),
+        st.fixed_dictionaries({"type": st.just("array"), "items": inner}),
+        st.fixed_dictionaries(
+            {"$defs": st.fixed_dictionaries({"a": inner}), "$ref": st.just("#/$defs/a")}
+        ),
+    ),
+    max_leaves=8,
+)
+GRAMMARS = st.one_of(
+    st.builds(_rule_chain, st.sampled_from([1, 10, 999, 1000, 1001, 5000])),
+    st.builds(lambda r: f"start: /{r}/", REGEXES),
+    st.builds(lambda n: f'start: "a"~{n}', st.sampled_from([0, 5, 100_000, 100_001, 2**64])),
+    st.text(max_size=40),
+)
+CONSTRAINTS = st.one_of(
+    st.fixed_dictionaries({"structured_outputs": st.fixed_dictionaries({"regex": REGEXES})}),
+    st.fixed_dictionaries({"structured_outputs": st.fixed_dictionaries({"json": SCHEMAS})}),
+    st.fixed_dictionaries({"guided_grammar": GRAMMARS}),
+    st.fixed_dictionaries({"guided_json": st.one_of(SCHEMAS, st.text(max_size=20), st.integers())}),
+    st.fixed_dictionaries(
+        {"structured_outputs": st.fixed_dictionaries({"choice": st.lists(TEXT, max_size=3)})}
+    ),
+)
+
+
+@FUZZ
+@given(constraint=CONSTRAINTS, fields=st.fixed_dictionaries({}, optional=LOGPROB_FIELDS))
+def test_fuzzed_grammars_schemas_and_regexes_get_2xx_or_4xx(tiny, before_fuzz, constraint, fields):
+    fields["max_tokens"] = 4
+    fields.pop("max_completion_tokens", None)
+    body = {"model": TINY, "messages": [{"role": "user", "content": "Hi"}], **constraint, **fields}
+    _case(tiny, "/chat/completions", body)
+    _still_serving(tiny)
+
+
 def test_after_the_fuzz_nothing_was_restarted(tiny, before_fuzz):
     # Runs after the fuzz above (file order): the same replica and ingress served every case.
     assert (replica_stats("tiny")["replica"], _ingress("tiny").pid) == before_fuzz

@@ -10,7 +10,7 @@ import pytest
 
 from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput
-from workers.grammar import check_constraint
+from workers.grammar import big_stack_pool, validate
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_constrained_request_survives_preemption(mode, llm_factory):
 )
 def test_invalid_constraints_name_their_field(constraint, field):
     with pytest.raises(ValueError, match=re.escape(field)):
-        check_constraint(constraint)
+        big_stack_pool(1, "test").submit(validate, constraint).result()
 
 
 def test_bad_constraint_shapes_are_refused():
