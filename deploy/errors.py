@@ -91,6 +91,28 @@ class ReplicaUnavailableError(APIError):
         )
 
 
+class RepeatedReplicaFailureError(APIError):
+    """A choice was in flight on MAX_REPLICA_FAULTS replicas that failed: it may be what failed
+    them, so it is not carried to a third."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, request_id: str, faults: int) -> None:
+        incident = uuid.uuid4().hex[:16]
+        logger.error(
+            "request %s was in flight on %d failed replicas; not resumed again (incident %s)",
+            request_id,
+            faults,
+            incident,
+        )
+        super().__init__(
+            f"The request was in flight on {faults} replicas that failed; it is not resumed "
+            f"again, since it may be the cause (incident {incident}).",
+            code="replica_failures",
+        )
+
+
 class RequestTimeoutError(APIError):
     status = 408
     type = "timeout"

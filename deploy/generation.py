@@ -17,7 +17,12 @@ from ray.serve.context import _set_request_context
 from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.metrics import RequestMetrics
 from cluster.outcomes import report_outcome
-from deploy.errors import ReplicaUnavailableError, RequestFailedError, RequestTimeoutError
+from deploy.errors import (
+    RepeatedReplicaFailureError,
+    ReplicaUnavailableError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
@@ -111,6 +116,31 @@ def is_replica_fault(exc: BaseException) -> bool:
     )
 
 
+# A request present in this many replica faults (a dead actor, a failed engine; not an orderly
+# hand-back) is not resumed again: one that crashes its engine would otherwise crash every replica
+# it is carried to, max_migrations times over.
+MAX_REPLICA_FAULTS = 2
+
+
+@dataclass(slots=True)
+class MigrationBudget:
+    """How often one choice may still move to another replica."""
+
+    request_id: str
+    max_migrations: int
+    migrations: int = 0
+    faults: int = 0
+
+    def spend(self, failure: BaseException) -> None:
+        """Count a replica failure; raises when the choice must not move again."""
+        self.migrations += 1
+        self.faults += is_replica_fault(failure)
+        if self.faults >= MAX_REPLICA_FAULTS:
+            raise RepeatedReplicaFailureError(self.request_id, self.faults) from None
+        if self.migrations > self.max_migrations:
+            raise ReplicaUnavailableError(self.request_id, self.max_migrations) from None
+
+
 @dataclass(slots=True)
 class Choice:
     """Streams one EngineRequest through replica handles, detokenizing on the way.
@@ -148,33 +178,29 @@ class Choice:
         text_stream = self.frontend.text_stream(
             self.request.prompt_token_ids, self.request.sampling_params.stop
         )
-        migrations = 0
+        budget = MigrationBudget(self.request.request_id, self.max_migrations)
         while True:
             try:
                 async for delta in self._stream_once(
-                    replica, self._attempt(migrations), text_stream
+                    replica, self._attempt(budget.migrations), text_stream
                 ):
                     yield delta
                 return
             except Exception as exc:
                 if not is_replica_failure(exc):
                     raise
-                migrations += 1
-                if migrations > self.max_migrations:
-                    raise ReplicaUnavailableError(
-                        self.request.request_id, self.max_migrations
-                    ) from None
+                budget.spend(exc)
                 logger.warning(
                     "choice %s: its replica failed (%s); resuming after %d tokens elsewhere "
                     "(migration %d of at most %d)",
                     self.request.request_id,
                     type(exc).__name__,
                     len(self.emitted),
-                    migrations,
+                    budget.migrations,
                     self.max_migrations,
                 )
                 # Give Serve a moment to take the dead replica out of the routing set.
-                await asyncio.sleep(0.2 * migrations)
+                await asyncio.sleep(0.2 * budget.migrations)
 
     def _attempt(self, migrations: int) -> EngineRequest:
         if migrations == 0:
