@@ -206,7 +206,7 @@ def _check_in_child(constraint: StructuredOutput, ll_tokenizer: Any) -> tuple[st
     try:
         grammar = validate(constraint)
         if ll_tokenizer is not None:
-            compile_matcher(ll_tokenizer, constraint).compute_bitmask()
+            compile_matcher(ll_tokenizer, constraint).matcher.compute_bitmask()
     except ValueError as exc:
         return "error", str(exc)
     return "ok", grammar

@@ -27,6 +27,7 @@ import torch
 from scheduler.structured_output import StructuredOutput
 from workers.grammar import (
     DEFAULT_COMPILE_TIMEOUT_S,
+    Template,
     big_stack_pool,
     compile_matcher,
     first_line,
@@ -36,13 +37,14 @@ from workers.grammar import (
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_GRAMMAR_BYTES = 256 << 20  # estimated (workers.grammar.Template)
 DEFAULT_MASK_DEADLINE_S = 1.0
 MASK_THREADS = 4
 
 
 class GrammarCompiler:
     """Per-process: the llguidance tokenizer (built once) and an LRU of compiled matchers by
-    text."""
+    text, bounded by count and by their estimated bytes."""
 
     def __init__(
         self, load_tokenizer: Any, vocab_size: int, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
@@ -53,7 +55,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self._ll_tokenizer: Any = None
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, Template] = OrderedDict()
+        self.cached_bytes = 0
         self._lock = threading.Lock()
         self._pool = big_stack_pool(2, "grammar-compile")
         self._waiting = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-wait")
@@ -67,10 +70,10 @@ class GrammarCompiler:
         fails."""
         key = f"{constraint.kind}\0{constraint.spec}"
         with self._lock:
-            template = self._cache.get(key)
-            if template is not None:
+            cached = self._cache.get(key)
+            if cached is not None:
                 self._cache.move_to_end(key)
-                return template.deep_copy()
+                return cached.matcher.deep_copy()
         template = run_with_timeout(
             self._pool,
             lambda: compile_matcher(self._tokenizer(), constraint),
@@ -78,10 +81,15 @@ class GrammarCompiler:
             constraint.field_name,
         )
         with self._lock:
-            self._cache[key] = template
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        return template.deep_copy()
+            if key not in self._cache:
+                self._cache[key] = template
+                self.cached_bytes += template.estimated_bytes
+            while len(self._cache) > MAX_CACHED_GRAMMARS or (
+                self.cached_bytes > MAX_CACHED_GRAMMAR_BYTES and len(self._cache) > 1
+            ):
+                _, evicted = self._cache.popitem(last=False)
+                self.cached_bytes -= evicted.estimated_bytes
+        return template.matcher.deep_copy()
 
     def _tokenizer(self) -> Any:
         with self._lock:

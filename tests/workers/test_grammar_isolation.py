@@ -115,7 +115,7 @@ def test_the_largest_accepted_specs_validate_compile_and_mask_on_grammar_threads
 ):
     def whole_check() -> bytes:
         validate(constraint)
-        return compile_matcher(ll_tokenizer, constraint).compute_bitmask()
+        return compile_matcher(ll_tokenizer, constraint).matcher.compute_bitmask()
 
     assert any(big_stack_pool(1, "test").submit(whole_check).result())
 
@@ -178,6 +178,23 @@ def test_a_late_mask_fails_its_own_row_and_the_neighbour_is_masked(monkeypatch):
     assert set(pending.failed) == {"bomb"} and "took longer than 0.2s" in pending.failed["bomb"]
     allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
     assert allowed and all(re.fullmatch("[0-9]+", tokenizer.decode([t])) for t in allowed[:50])
+
+
+def test_the_template_cache_is_bounded_by_estimated_bytes(monkeypatch):
+    from workers import structured
+
+    tokenizer = load_tokenizer(str(default_model_path()))
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer))
+    big = [
+        StructuredOutput("grammar", "start: " + " | ".join(f'"w{j}_{i}"' for j in range(2000)))
+        for i in range(6)
+    ]
+    one = compiler._pool.submit(compile_matcher, compiler._tokenizer(), big[0]).result()
+    monkeypatch.setattr(structured, "MAX_CACHED_GRAMMAR_BYTES", 3 * one.estimated_bytes)
+    for constraint in big:
+        compiler.matcher(constraint)
+    assert len(compiler._cache) == 3 and compiler.cached_bytes <= 3 * one.estimated_bytes
+    assert list(compiler._cache) == [f"grammar\0{c.spec}" for c in big[3:]]  # least recent out
 
 
 # ---- logprobs come before the mask --------------------------------------------------------------
