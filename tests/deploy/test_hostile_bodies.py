@@ -77,8 +77,18 @@ def gated(gated_url):
 
 
 def _ingress(app: str) -> psutil.Process:
-    """The (single) ingress replica's process, found by the title Ray gives its workers."""
-    title = f"ray::ServeReplica:{app}:OpenAIIngress"
+    """The (single) ingress replica's process."""
+    return _replica_process(app, "OpenAIIngress")
+
+
+def _replica(app: str) -> psutil.Process:
+    """The (single) model replica's process."""
+    return _replica_process(app, "LLMReplica")
+
+
+def _replica_process(app: str, deployment: str) -> psutil.Process:
+    """A deployment's single replica process, found by the title Ray gives its workers."""
+    title = f"ray::ServeReplica:{app}:{deployment}"
     [process] = [
         p
         for p in psutil.process_iter(["cmdline"])
@@ -620,16 +630,6 @@ def test_the_widest_accepted_regexes_leave_a_neighbouring_stream_and_the_replica
         f"max {max(gaps) * 1000:.0f} ms over {len(gaps)} chunks; replica RSS +{grown_mib:.0f} MiB"
     )
     assert grown_mib < 256
-
-
-def _replica(app: str) -> psutil.Process:
-    title = f"ray::ServeReplica:{app}:LLMReplica"
-    [process] = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if (p.info["cmdline"] or [""])[0].startswith(title)
-    ]
-    return process
 
 
 REGEX_PIECES = st.sampled_from(["a", "[a-z]", "\\d", "(ab|c)", ".", "\\", "(", ")", "[", "|"])
