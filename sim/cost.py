@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
@@ -133,6 +134,8 @@ def load_profile(name_or_path: str) -> CostModel:
             isinstance(value, bool) or not isinstance(value, (int, float))
         ):
             raise ValueError(f"profile field {key!r}: expected a number, got {value!r}")
-    return CostModel(
-        **{k: (float(v) if k not in ("name", "source") else v) for k, v in data.items()}
-    )
+    # A JSON object's values, checked above: numbers become floats, name and source pass as read.
+    values: dict[str, Any] = {
+        k: (float(v) if k not in ("name", "source") else v) for k, v in data.items()
+    }
+    return CostModel(**values)

@@ -223,7 +223,7 @@ def fit_coefficients(samples: list[StepSample], max_iters: int = 50) -> Coeffici
     sizes = sorted({s.prefill_tokens for s in samples if s.prefill_tokens})
     starts = [[False] * len(samples), [True] * len(samples)]
     starts += [[0 < n <= s.prefill_tokens for s in samples] for n in sizes]
-    best: Coefficients | None = None
+    fits = []
     for regime in starts:
         for _ in range(max_iters):
             c = Coefficients(*_nonnegative_fit([_row(s, r) for s, r in zip(samples, regime)], ys))
@@ -231,9 +231,8 @@ def fit_coefficients(samples: list[StepSample], max_iters: int = 50) -> Coeffici
             if new == regime:
                 break
             regime = new
-        if best is None or _relative_sse(c, samples) < _relative_sse(best, samples):
-            best = c
-    return best
+        fits.append(c)
+    return min(fits, key=lambda fit: _relative_sse(fit, samples))  # ties: the earlier start
 
 
 @dataclass(frozen=True, slots=True)
