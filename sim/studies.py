@@ -313,11 +313,11 @@ def scale(
     """Simulated seconds per wall second on the chat workload at 50% of measured capacity.
 
     The steady rate is that of the simulated window [warmup_s, warmup_s + seconds] of one run, timed
-    as the run passes its ends. The fleet fills up over the first minute and the replicas' prefix
-    caches over the first 100 s, each step of which makes a simulated second dearer (at 1,000
-    replicas: 5.0, 7.2, 7.6, 8.4, 8.8 and 9.9 wall s per 20 simulated s). Subtracting the wall time
-    of a second run, to the window's start, read 1,000 replicas' window at 1.57 simulated s per wall
-    s where the run itself spent 2.23-2.38 on it.
+    as the run passes its ends. The window starts after warm-up because the fleet fills up over the
+    first minute and the replicas' prefix caches over the first 100 s, each step of which makes a
+    simulated second dearer. It is timed inside the one run: subtracting a second run's wall time to
+    the window's start misreads it, as two runs do not spend the same wall time on the same
+    simulated seconds.
     """
     cap = capacity(chat_workload, chat_config, overload_rate=2.0)
     rate = cap / 2
