@@ -2,8 +2,7 @@
 
 LocalExecutor runs one ModelRunner in this process (TP=1); cluster.ray_executor.RayExecutor drives
 one worker actor per tensor-parallel rank. Both satisfy the Executor protocol; an EngineCore gets
-its
-executor from an ExecutorFactory, so this Ray-free package never names the Ray one.
+its executor from an ExecutorFactory, so this Ray-free package never names the Ray one.
 """
 
 from __future__ import annotations

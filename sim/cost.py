@@ -19,10 +19,9 @@ class CostModel:
     compute: 2 * num_params FLOPs per token at flops_per_s; memory: the weights and the KV read
     (context plus the step's own tokens) at bytes_per_s. A step with prefill tokens also pays
     prefill_step_overhead_s and prefill_step_per_seq_s per sequence (on a GPU it runs eagerly,
-    decode
-    steps replay CUDA graphs), a cost per prefilling sequence, and its attention: one unit per
-    (prefill query token, key) pair, which grows with the square of a prompt and with a chunk's
-    prior context.
+    decode steps replay CUDA graphs), a cost per prefilling sequence, and its attention: one unit
+    per (prefill query token, key) pair, which grows with the square of a prompt and with a
+    chunk's prior context.
     """
 
     name: str

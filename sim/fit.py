@@ -2,11 +2,11 @@
 
 The cost model is linear in its nine coefficients once each step's binding regime is known:
 
-    t = overhead + per_seq * seqs + [prefill] (prefill_overhead + prefill_step_per_seq * seqs
-        + per_prefill_seq * prefill_seqs + per_pair * prefill_pairs) + (compute-bound: sec_per_token
-        * tokens
-                                       | memory-bound: weight_read + sec_per_kv_token * (kv_read +
-                                       tokens))
+    t = overhead + per_seq * seqs
+        + [prefill] (prefill_overhead + prefill_step_per_seq * seqs
+                     + per_prefill_seq * prefill_seqs + per_pair * prefill_pairs)
+        + (compute-bound: sec_per_token * tokens
+           | memory-bound: weight_read + sec_per_kv_token * (kv_read + tokens))
 
 The fit alternates between weighted non-negative least squares over all steps (residuals relative
 to the step's time, so 2 ms decode steps weigh as much as 2 s prefills) and re-assigning each step

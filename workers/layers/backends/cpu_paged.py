@@ -94,6 +94,5 @@ def paged_decode(
     scale: float,
 ) -> None:
     """out[i] = softmax(q[i] K_i^T * scale) V_i over the first seq_lens[i] cached tokens of request
-    i,
-    K_i/V_i read through block_tables[i]. Requires `load()` to have returned the op."""
+    i, K_i/V_i read through block_tables[i]. Requires `load()` to have returned the op."""
     load()(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
