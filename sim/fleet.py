@@ -41,7 +41,7 @@ def _rare_collections() -> Iterator[None]:
     step plans) while the workload, the records and the replicas' caches live on, and every
     collection scans those: at the default threshold a large fleet spends a good part of its wall
     time rescanning them. The run makes no reference cycles of its own, so collecting rarely costs
-    it no memory.
+    it no memory (docs/decisions/0008 has the figures).
     """
     threshold = gc.get_threshold()
     frozen_by_caller = gc.get_freeze_count() > 0  # unfreeze() would thaw the caller's objects too

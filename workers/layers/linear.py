@@ -27,7 +27,7 @@ def cpu_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
     A packed weight skips the per-call reorder a plain linear does, which makes it faster than MKL
     sgemm (fp32) and than unpacked oneDNN (bf16) for decode batches, and no slower for prefill
-    chunks. Any number of rows may use it (MKL's own packed sgemm
+    chunks (docs/decisions/0016). Any number of rows may use it (MKL's own packed sgemm
     serves only the row count it was packed for).
     """
     supported = _PACKABLE.get(weight.dtype)
