@@ -315,9 +315,8 @@ def ray_executor(
     config: EngineConfig, runner_config: RunnerConfig, placement_group: PlacementGroup | None = None
 ) -> RayExecutor:
     """An engine.executor.ExecutorFactory: one worker actor per rank, in placement_group when given
-    (a Serve
-    replica's group holds the replica's own bundle first, then one per worker), else in a group
-    of its own."""
+    (a Serve replica's group holds the replica's own bundle first, then one per worker), else in a
+    group of its own."""
     return RayExecutor(
         runner_config,
         config.tensor_parallel_size,

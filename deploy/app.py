@@ -74,9 +74,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     router_config = config.request_router_config()
     if router_config is not None:
         replica_options["request_router_config"] = router_config
-    replica = LLMReplica.options(**replica_options).bind(config.engine)
+    # mypy keeps a decorated class's own type (python/mypy#3135); @serve.deployment made these
+    # Deployments, which have options().
+    replica = LLMReplica.options(**replica_options).bind(config.engine)  # type: ignore[attr-defined]
     logger.info("raylm app: %s", config.summary())
-    return OpenAIIngress.options(
+    return OpenAIIngress.options(  # type: ignore[attr-defined]
         num_replicas=config.ingress_replicas,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         # A redeployed ingress lets its streams run to their deadline: its requests cannot move.

@@ -106,16 +106,17 @@ class _ChatSplit:
     def delta(self, text: str, last: bool, first: bool) -> dict[str, Any]:
         """The streamed delta for `text` more (empty when nothing can be sent yet)."""
         calls: list[dict[str, Any]] = []
+        start = 0  # the index of this delta's first call among the reply's calls
         if self.parser is not None:
             text, calls = self.parser.feed(text)
             if last:
                 rest, more = self.parser.finish()
                 text, calls = text + rest, calls + more
+            start = len(self.parser.calls) - len(calls)
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text or (first and not calls):
             delta["content"] = text
         if calls:
-            start = len(self.parser.calls) - len(calls)
             delta["tool_calls"] = [{"index": start + k, **call} for k, call in enumerate(calls)]
         return delta
 

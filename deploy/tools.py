@@ -55,7 +55,7 @@ def detect_format(chat_template: str | None) -> ToolCallFormat:
 
 def template_renders_tools(chat_template: str | None) -> bool:
     """Whether the template lays out the `tools` it is given (else raylm describes them itself)."""
-    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+    return chat_template is not None and re.search(r"\btools\b", chat_template) is not None
 
 
 @dataclass(frozen=True, slots=True)

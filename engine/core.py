@@ -123,8 +123,7 @@ class EngineCore:
 
     def prefix_report(self, limit: int) -> PrefixReport:
         """Hashes of up to `limit` most recently cached KV blocks (what the router's prefix index
-        mirrors),
-        numbered, with their change since the previous report."""
+        mirrors), numbered, with their change since the previous report."""
         return self.scheduler.kv.pool.prefix_report(limit)
 
     def shutdown(self) -> None:

@@ -2,8 +2,7 @@
 
 LocalExecutor runs one ModelRunner in this process (TP=1); cluster.ray_executor.RayExecutor drives
 one worker actor per tensor-parallel rank. Both satisfy the Executor protocol; an EngineCore gets
-its
-executor from an ExecutorFactory, so this Ray-free package never names the Ray one.
+its executor from an ExecutorFactory, so this Ray-free package never names the Ray one.
 """
 
 from __future__ import annotations
@@ -51,16 +50,21 @@ class LocalExecutor:
                 "process "
                 "runs one. Pass executor_factory=cluster.ray_executor.ray_executor (Ray actors)"
             )
-        self.runner = ModelRunner(runner_config)
+        self.runner: ModelRunner | None = ModelRunner(runner_config)
 
     def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
+        return self._live().determine_num_blocks()
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+        self._live().init_kv_cache(num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        return self._live().execute_model(scheduler_output)
+
+    def _live(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("LocalExecutor: shut down, its model is released")
+        return self.runner
 
     def shutdown(self) -> None:
         """Release the model and the cache."""

@@ -6,7 +6,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
@@ -21,9 +21,25 @@ from scheduler.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from workers.grammar_sandbox import GrammarSandbox, TokenizerSpec
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+Conversation = list[dict]  # {"role", "content"} messages
+
+
+def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
+    """A single prompt (text, or token ids) rather than a batch of them."""
+    return isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+
+
+def _is_one_conversation(
+    conversations: Conversation | Sequence[Conversation],
+) -> TypeIs[Conversation]:
+    """A single conversation (a list of messages) rather than a batch of them."""
+    return bool(conversations and isinstance(conversations[0], dict))
 
 
 @dataclass(slots=True)
@@ -80,31 +96,29 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[GenerationOutput]:
         """Complete each prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
+        batch = [prompts] if _is_one_prompt(prompts) else prompts
+        texts = [p if isinstance(p, str) else None for p in batch]
         token_ids = [
-            self.frontend.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts
+            self.frontend.encode_prompt(p) if isinstance(p, str) else list(p) for p in batch
         ]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
     def chat(
         self,
-        conversations: list[dict] | Sequence[list[dict]],
+        conversations: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[GenerationOutput]:
         """Reply to each conversation (a list of {"role", "content"} messages) via the chat
         template."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        texts = [self.frontend.render_chat(c) for c in conversations]
-        token_ids = [self.frontend.encode_chat(c) for c in conversations]
+        batch = [conversations] if _is_one_conversation(conversations) else conversations
+        texts = [self.frontend.render_chat(c) for c in batch]
+        token_ids = [self.frontend.encode_chat(c) for c in batch]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
     def _run(
         self,
-        prompts: list[str | None],
+        prompts: Sequence[str | None],
         token_ids: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,

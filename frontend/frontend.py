@@ -55,17 +55,17 @@ class ModelInfo:
             sources.append(GenerationConfig.from_pretrained(model_dir))
         except OSError:
             pass  # no generation_config.json
-        eos: set[int] = set()
+        found: list[object] = []  # an id, a list of ids, or None, as each source declares it
         for source in sources:
             ids = getattr(source, "eos_token_id", None)
-            eos.update(ids if isinstance(ids, (list, tuple)) else [ids])
+            found.extend(ids if isinstance(ids, (list, tuple)) else [ids])
         tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_dir)
-        eos.add(tokenizer.eos_token_id)
+        found.append(tokenizer.eos_token_id)
         return cls(
             model_dir=model_dir,
             max_model_len=max_model_len_of(config),
             vocab_size=int(config.vocab_size),
-            eos_token_ids=tuple(sorted(i for i in eos if isinstance(i, int))),
+            eos_token_ids=tuple(sorted({i for i in found if isinstance(i, int)})),
             context_limit=context_limit_of(config),
         )
 

@@ -18,9 +18,21 @@ import math
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
-from typing import Any, TypeGuard, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    TypeGuard,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")  # a setting() dataclass
 
 # Every integer setting reaches Ray, Serve or torch, which hold it in 64 bits.
 INT_LIMIT = 2**63
@@ -73,7 +85,7 @@ class _Kind:
     item: type | None = None
 
 
-def is_config(tp: object) -> TypeGuard[type]:
+def is_config(tp: object) -> TypeGuard[type[DataclassInstance]]:
     """A config class: a dataclass, as every config of the tree is."""
     return isinstance(tp, type) and is_dataclass(tp)
 
@@ -185,7 +197,7 @@ def build(cls: type[C], data: Mapping[str, Any] | C | None, path: str = "") -> C
     if not isinstance(data, Mapping):
         where = path.removesuffix(".") or cls.__name__
         raise ValueError(f"{where}: must be a mapping, got {shown(data)}")
-    params = {f.name: f for f in fields(cls) if f.init}  # type: ignore[arg-type]
+    params = {f.name: f for f in fields(cls) if f.init}
     for key in data:
         if key not in params:
             name = clipped(key) if isinstance(key, str) else shown(key)

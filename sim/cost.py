@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
@@ -18,10 +19,9 @@ class CostModel:
     compute: 2 * num_params FLOPs per token at flops_per_s; memory: the weights and the KV read
     (context plus the step's own tokens) at bytes_per_s. A step with prefill tokens also pays
     prefill_step_overhead_s and prefill_step_per_seq_s per sequence (on a GPU it runs eagerly,
-    decode
-    steps replay CUDA graphs), a cost per prefilling sequence, and its attention: one unit per
-    (prefill query token, key) pair, which grows with the square of a prompt and with a chunk's
-    prior context.
+    decode steps replay CUDA graphs), a cost per prefilling sequence, and its attention: one unit
+    per (prefill query token, key) pair, which grows with the square of a prompt and with a
+    chunk's prior context.
     """
 
     name: str
@@ -133,6 +133,8 @@ def load_profile(name_or_path: str) -> CostModel:
             isinstance(value, bool) or not isinstance(value, (int, float))
         ):
             raise ValueError(f"profile field {key!r}: expected a number, got {value!r}")
-    return CostModel(
-        **{k: (float(v) if k not in ("name", "source") else v) for k, v in data.items()}
-    )
+    # A JSON object's values, checked above: numbers become floats, name and source pass as read.
+    values: dict[str, Any] = {
+        k: (float(v) if k not in ("name", "source") else v) for k, v in data.items()
+    }
+    return CostModel(**values)

@@ -2,11 +2,11 @@
 
 The cost model is linear in its nine coefficients once each step's binding regime is known:
 
-    t = overhead + per_seq * seqs + [prefill] (prefill_overhead + prefill_step_per_seq * seqs
-        + per_prefill_seq * prefill_seqs + per_pair * prefill_pairs) + (compute-bound: sec_per_token
-        * tokens
-                                       | memory-bound: weight_read + sec_per_kv_token * (kv_read +
-                                       tokens))
+    t = overhead + per_seq * seqs
+        + [prefill] (prefill_overhead + prefill_step_per_seq * seqs
+                     + per_prefill_seq * prefill_seqs + per_pair * prefill_pairs)
+        + (compute-bound: sec_per_token * tokens
+           | memory-bound: weight_read + sec_per_kv_token * (kv_read + tokens))
 
 The fit alternates between weighted non-negative least squares over all steps (residuals relative
 to the step's time, so 2 ms decode steps weigh as much as 2 s prefills) and re-assigning each step
@@ -223,7 +223,7 @@ def fit_coefficients(samples: list[StepSample], max_iters: int = 50) -> Coeffici
     sizes = sorted({s.prefill_tokens for s in samples if s.prefill_tokens})
     starts = [[False] * len(samples), [True] * len(samples)]
     starts += [[0 < n <= s.prefill_tokens for s in samples] for n in sizes]
-    best: Coefficients | None = None
+    fits = []
     for regime in starts:
         for _ in range(max_iters):
             c = Coefficients(*_nonnegative_fit([_row(s, r) for s, r in zip(samples, regime)], ys))
@@ -231,9 +231,8 @@ def fit_coefficients(samples: list[StepSample], max_iters: int = 50) -> Coeffici
             if new == regime:
                 break
             regime = new
-        if best is None or _relative_sse(c, samples) < _relative_sse(best, samples):
-            best = c
-    return best
+        fits.append(c)
+    return min(fits, key=lambda fit: _relative_sse(fit, samples))  # ties: the earlier start
 
 
 @dataclass(frozen=True, slots=True)

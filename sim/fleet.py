@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import sub
+from typing import cast
 
 from router.config import RoutingConfig
 from router.fleet import FleetState
@@ -38,9 +39,9 @@ def _rare_collections() -> Iterator[None]:
 
     Steps allocate many short-lived objects that reference counting frees (outputs, token lists,
     step plans) while the workload, the records and the replicas' caches live on, and every
-    collection scans those. At the default threshold 90 simulated seconds at 1,000 replicas made
-    1,002 young, 91 middle and 8 full collections: 49.7 s of wall time against 38.6 s with this.
-    The run makes no reference cycles of its own, so its memory is unchanged (0.80 GB either way).
+    collection scans those: at the default threshold a large fleet spends a good part of its wall
+    time rescanning them. The run makes no reference cycles of its own, so collecting rarely costs
+    it no memory (docs/decisions/0008 has the figures).
     """
     threshold = gc.get_threshold()
     frozen_by_caller = gc.get_freeze_count() > 0  # unfreeze() would thaw the caller's objects too
@@ -74,6 +75,12 @@ class _StatsRound:
 # engine that is handed a batch of requests at once schedules them together).
 _ARRIVAL, _KICK, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4, 5
 
+# Each kind's payload: an arrival carries (workload index, request), a kick its replica, a step end
+# (replica, the step or cruise it ends), a delivery its round; a stats take and the stop none.
+_Arrival = tuple[int, SimRequest]
+_StepEnd = tuple[SimReplica, StepPlan | Cruise | AppliedStep]
+_Payload = _Arrival | SimReplica | _StepEnd | _StatsRound | None
+
 
 @dataclass(frozen=True, slots=True)
 class HostConfig:
@@ -85,9 +92,8 @@ class HostConfig:
     `background_cores` go to what runs beside the engines (Serve's proxy and controller, the router,
     the client). While `busy` replicas of a host run steps, each step progresses at 1 / stretch of
     the profile's speed, stretch = max(1, busy * cores_per_replica / (cores - background_cores)):
-    the
-    engines share the cores left, and none runs faster than its own threads allow. A replica that
-    starts or stops running steps re-times the co-hosted steps in flight (processor sharing).
+    the engines share the cores left, and none runs faster than its own threads allow. A replica
+    that starts or stops running steps re-times the co-hosted steps in flight (processor sharing).
     Replicas that share a host take no k-step jumps: a co-host's start would change their times.
     cores == 0: no sharing (every replica has its profile's cores to itself).
     """
@@ -215,7 +221,7 @@ class FleetSim:
         self.names = tuple(r.name for r in self.replicas)
         self._by_name = {r.name: r for r in self.replicas}
         self.fleet = FleetState(config.routing)
-        self._events: list[tuple[float, int, int, object]] = []
+        self._events: list[tuple[float, int, int, _Payload]] = []
         self._seq = 0
         self._next_stats_s = 0.0
         self._index = {r.name: i for i, r in enumerate(self.replicas)}
@@ -229,7 +235,7 @@ class FleetSim:
         ] = {}  # a prefix group's leading blocks
         self._itl_tally = GapTally()  # finished requests' gaps
 
-    def _push(self, t: float, kind: int, payload: object) -> None:
+    def _push(self, t: float, kind: int, payload: _Payload) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, kind, self._seq, payload))
 
@@ -260,19 +266,22 @@ class FleetSim:
         now = 0.0
         while self._events and remaining:
             now, kind, _, payload = heapq.heappop(self._events)
+            # The kind says which payload it carries (see _Payload).
             if kind == _ARRIVAL:
-                self._arrive(*payload, now, records)
+                self._arrive(*cast(_Arrival, payload), now, records)
                 self._push_arrival(arrivals)
             elif kind == _KICK:
-                if payload.in_flight is None:
-                    self._step(payload, now)
+                replica = cast(SimReplica, payload)
+                if replica.in_flight is None:
+                    self._step(replica, now)
             elif kind == _STEP_END:
-                remaining -= self._end_step(payload, now, records)
+                remaining -= self._end_step(cast(_StepEnd, payload), now, records)
             elif kind == _STATS_TAKE:
                 self._take_stats(now)
             elif kind == _STATS_DELIVER:
-                payload.delivered = True
-                for _, name, stats in sorted(payload.reports, key=lambda report: report[0]):
+                round_ = cast(_StatsRound, payload)
+                round_.delivered = True
+                for _, name, stats in sorted(round_.reports, key=lambda report: report[0]):
                     self.fleet.on_stats(name, stats, now)
             else:
                 return self._result(records, until_s)
@@ -370,7 +379,11 @@ class FleetSim:
         Each keeps the work it has left (its remaining time over the old factor) and finishes it at
         the new factor; the event at its old end time is then ignored.
         """
-        others = [o for o in self._cohosts[replica.name] if isinstance(o.in_flight, StepPlan)]
+        others = [
+            (o, plan)
+            for o in self._cohosts[replica.name]
+            if isinstance(plan := o.in_flight, StepPlan)
+        ]
         if not others:
             return
         busy = len(others) + 1 if became_busy else len(others)
@@ -378,8 +391,7 @@ class FleetSim:
         after = self.config.host.stretch(busy)
         if before == after:
             return
-        for o in others:
-            plan = o.in_flight
+        for o, plan in others:
             end = now + (plan.end_s - now) / before * after
             o.busy_s += end - plan.end_s
             plan.end_s = end
@@ -403,18 +415,13 @@ class FleetSim:
                 return cruise
         return replica.start_step(now, self._stretch(replica))
 
-    def _end_step(
-        self,
-        payload: tuple[SimReplica, StepPlan | Cruise | AppliedStep],
-        now: float,
-        records: dict[str, RequestRecord],
-    ) -> int:
+    def _end_step(self, payload: _StepEnd, now: float, records: dict[str, RequestRecord]) -> int:
         """Finish replica's step (or cruise) and, while no other event comes first, run the next in
         place."""
-        replica, plan = payload
+        replica, ended = payload
         # A cruise an arrival interrupted (its steps are applied), or a step re-timed by host
         # sharing.
-        if replica.in_flight is not plan or plan.end_s != now:
+        if replica.in_flight is not ended or ended.end_s != now:
             return 0
         finished = 0
         while True:
@@ -452,7 +459,7 @@ class FleetSim:
         ):  # the last step, which may finish requests: seen at its end
             if done > cruise.applied:
                 self._apply_jump(replica, cruise, done, records)
-            plan = replica.step_singly()
+            plan: StepPlan | AppliedStep = replica.step_singly()
         else:
             # The ended steps and the running one in one jump, which ends with the running step:
             # on_step sees it then.

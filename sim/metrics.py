@@ -6,7 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import mul
-from typing import Any
+
+from sim.replica import SimReplica
 
 # Inter-token gaps are tallied in 10-microsecond bins for the fleet percentiles: few enough
 # distinct keys that the tally stays small and cache-resident over millions of requests.
@@ -39,11 +40,12 @@ class RequestRecord:
         if n == 0:
             return None
         gap = None
-        if self.first_token_s is None:
+        last = self.last_token_s  # set with first_token_s, so None until the first token
+        if last is None:
             self.first_token_s = now
             self.cached_tokens = cached
         else:
-            gap = now - self.last_token_s
+            gap = now - last
             self.itl_s.append(gap)
         self.last_token_s = now
         return gap
@@ -72,6 +74,8 @@ class RequestRecord:
 
     @property
     def ttft_s(self) -> float:
+        if self.first_token_s is None:
+            raise ValueError(f"request {self.request_id!r}: no first token yet, so no TTFT")
         return self.first_token_s - self.arrival_s
 
 
@@ -136,7 +140,7 @@ class SimResult:
 
     records: list[RequestRecord]
     end_s: float
-    replicas: list[Any]
+    replicas: list[SimReplica]
     coalesced_steps: int = 0
     jumped_steps: int = 0
     itl_tally: Counter[int] = field(
@@ -150,9 +154,8 @@ class SimResult:
         ttft = [r.ttft_s for r in done]
         queried = sum(rep.scheduler.kv.num_queried_tokens for rep in self.replicas)
         hit = sum(rep.scheduler.kv.num_hit_tokens for rep in self.replicas)
-        span = max((r.finish_s for r in done), default=0.0) - min(
-            (r.arrival_s for r in done), default=0.0
-        )
+        finishes = [r.finish_s for r in done if r.finish_s is not None]
+        span = max(finishes, default=0.0) - min((r.arrival_s for r in done), default=0.0)
         good = [r for r in done if r.ttft_s <= slo_ttft_s and r.itl_p90_s <= slo_itl_s]
         return {
             "requests": len(done),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from router.config import POLICIES, RoutingConfig
 from scheduler import SchedulerConfig
+from scheduler.queues import FairQueue
 from sim.cost import load_profile
 from sim.fleet import FleetSim, SimConfig
 from sim.metrics import SimResult, percentile
@@ -35,7 +36,13 @@ SCALE_SIZES = (10, 100, 1000)
 SCALE_SECONDS = 60.0
 
 
-def _fleet_traffic(n: int, seconds: float, rate_per_replica: float, **shape) -> list[SimRequest]:
+def _fleet_traffic(
+    n: int,
+    seconds: float,
+    rate_per_replica: float,
+    question_len: tuple[int, int],
+    output_len: tuple[int, int],
+) -> list[SimRequest]:
     """seconds of Poisson arrivals at rate_per_replica on each of n replicas, two tenants per
     replica."""
     return synthetic_workload(
@@ -44,7 +51,8 @@ def _fleet_traffic(n: int, seconds: float, rate_per_replica: float, **shape) -> 
             rate=rate_per_replica * n,
             tenants=2 * n,
             seed=0,
-            **shape,
+            question_len=question_len,
+            output_len=output_len,
         )
     )
 
@@ -52,7 +60,7 @@ def _fleet_traffic(n: int, seconds: float, rate_per_replica: float, **shape) -> 
 def fleet_workload(n: int, seconds: float, rate_per_replica: float) -> list[SimRequest]:
     """The routing study's traffic on n replicas: two tenants per replica, 256-token system prompts,
     16-token questions and answers."""
-    return _fleet_traffic(n, seconds, rate_per_replica)
+    return _fleet_traffic(n, seconds, rate_per_replica, question_len=(16, 16), output_len=(16, 16))
 
 
 def fleet_config(n: int, router: str = "prefix_affinity") -> SimConfig:
@@ -123,12 +131,12 @@ def routing_at_scale(
     for n in sizes:
         wl = fleet_workload(n, seconds, rate)
         for router in POLICIES:
-            row = (
+            summary = (
                 FleetSim(fleet_config(n, router), load_profile(FLEET_PROFILE))
                 .run(wl)
                 .summary(slo_ttft_s=1.0, slo_itl_s=0.5)
             )
-            row.update(router=router, replicas=n)
+            row: dict[str, float | str] = {**summary, "router": router, "replicas": n}
             rows.append(row)
             print(
                 f"{router:16s} {n:4d} hit {row['hit_rate']:.3f} ttft_p50 {row['ttft_p50_s']:.3f}"
@@ -177,7 +185,7 @@ def fairness(out: Path, requests: int = 1500) -> None:
         horizon = max(r.arrival_s for r in result.records)
         service: dict[str, float] = defaultdict(float)
         for r in result.records:
-            if r.finish_s > horizon:
+            if r.finish_s is None or r.finish_s > horizon:
                 continue
             service[r.tenant] += (
                 r.prompt_len + 2 * r.num_output_tokens
@@ -204,6 +212,10 @@ class CounterGap:
 
     def __call__(self, replica: SimReplica, now: float) -> None:
         queue = replica.scheduler.waiting
+        if not isinstance(queue, FairQueue):
+            raise TypeError(
+                f"CounterGap: needs the fair policy's queue, got {type(queue).__name__}"
+            )
         tenants = queue.backlogged()
         per_tenant = Counter(r.tenant for r in replica.scheduler.running)
         self.max_running_per_tenant = max(
@@ -301,11 +313,11 @@ def scale(
     """Simulated seconds per wall second on the chat workload at 50% of measured capacity.
 
     The steady rate is that of the simulated window [warmup_s, warmup_s + seconds] of one run, timed
-    as the run passes its ends. The fleet fills up over the first minute and the replicas' prefix
-    caches over the first 100 s, each step of which makes a simulated second dearer (at 1,000
-    replicas: 5.0, 7.2, 7.6, 8.4, 8.8 and 9.9 wall s per 20 simulated s). Subtracting the wall time
-    of a second run, to the window's start, read 1,000 replicas' window at 1.57 simulated s per wall
-    s where the run itself spent 2.23-2.38 on it.
+    as the run passes its ends. The window starts after warm-up because the fleet fills up over the
+    first minute and the replicas' prefix caches over the first 100 s, each step of which makes a
+    simulated second dearer. It is timed inside the one run: subtracting a second run's wall time to
+    the window's start misreads it, as two runs do not spend the same wall time on the same
+    simulated seconds.
     """
     cap = capacity(chat_workload, chat_config, overload_rate=2.0)
     rate = cap / 2
@@ -349,7 +361,10 @@ TARGET_US_PER_REPLICA_S = 15 * 60 / 3600 / 1000 * 1e6
 
 
 def scale_floor(
-    sizes=(1000,), running: int = 3, seconds: float = 40.0, warmup_s: float = 10.0
+    sizes: tuple[int, ...] = (1000,),
+    running: int = 3,
+    seconds: float = 40.0,
+    warmup_s: float = 10.0,
 ) -> list[dict]:
     """What a fleet costs per replica and simulated second with no request arriving or finishing.
 

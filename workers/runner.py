@@ -126,8 +126,8 @@ class BlockTableRows:
 
     def select(self, rows: list[int], width: int) -> torch.Tensor:
         """[len(rows), width] copy of those rows' first `width` entries. Past a row's own blocks: 0
-        or
-        blocks it held before a preemption; readers stop at ceil(seq_len / block_size) or mask."""
+        or blocks it held before a preemption; readers stop at ceil(seq_len / block_size) or
+        mask."""
         return self.table[:, :width].index_select(0, torch.tensor(rows, dtype=torch.long))
 
     def _allocate(self) -> int:

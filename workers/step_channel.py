@@ -1,12 +1,12 @@
 """The step channel: each step's pickled SchedulerOutput to every TP rank over one TCP connection
-per
-rank, and each rank's answer back (rank 0's output, the others' acknowledgement).
+per rank, and each rank's answer back (rank 0's output, the others' acknowledgement).
 
-Why not Ray: a compiled-graph round trip to two actors costs ~180 us on a 2-core machine before any
-payload moves, a socket round trip tens of microseconds. Ray still starts the workers and carries
-every other call; only the per-step hot path goes through here. A rank's server accepts only a
-connection that opens with the token its actor handed the executor over Ray, so nothing else on
-the network can feed it steps (they are unpickled).
+Why not Ray: a compiled-graph round trip to the actors costs several times a socket round trip
+before any payload moves, and a step pays it every time (docs/decisions/0002 has the figures).
+Ray still starts the workers and carries every other call; only the per-step hot path goes
+through here. A rank's server accepts only a connection that opens with the token its actor
+handed the executor over Ray, so nothing else on the network can feed it steps (they are
+unpickled).
 """
 
 from __future__ import annotations

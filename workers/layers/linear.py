@@ -25,10 +25,9 @@ def cpu_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight reordered once into oneDNN's blocked layout for `linear`, or None where that does not
     apply.
 
-    A packed weight skips the per-call reorder a plain linear does; on SmolLM2's shapes it was
-    1.1-3x
-    faster than MKL sgemm (fp32) and than unpacked oneDNN (bf16) for decode batches, and 2.3x (fp32)
-    or on par (bf16) for prefill chunks. Any number of rows may use it (MKL's own packed sgemm
+    A packed weight skips the per-call reorder a plain linear does, which makes it faster than MKL
+    sgemm (fp32) and than unpacked oneDNN (bf16) for decode batches, and no slower for prefill
+    chunks (docs/decisions/0016). Any number of rows may use it (MKL's own packed sgemm
     serves only the row count it was packed for).
     """
     supported = _PACKABLE.get(weight.dtype)

@@ -8,12 +8,11 @@ it loads. Scores and the weighted sum accumulate in float32 (bfloat16 caches are
 load); softmax takes two passes, no running rescale.
 
 The source is paged_decode.cpp next to this file. It is built once per machine and CPU capability
-by torch.utils.cpp_extension.load (10-20 s on the 2-core machine; ATen headers only, no pybind),
+by torch.utils.cpp_extension.load (ATen headers only, no pybind, so the compile stays short),
 cached in torch's extensions directory (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR
-says otherwise); later processes only load the built library. It needs a C++ compiler and ninja (the
-`ninja`
-package is a dependency). Without them, or if the build fails, `load()` returns None and callers
-keep the gather + SDPA path.
+says otherwise); later processes only load the built library. It needs a C++ compiler and ninja
+(the `ninja` package is a dependency). Without them, or if the build fails, `load()` returns None
+and callers keep the gather + SDPA path.
 """
 
 from __future__ import annotations
@@ -95,6 +94,5 @@ def paged_decode(
     scale: float,
 ) -> None:
     """out[i] = softmax(q[i] K_i^T * scale) V_i over the first seq_lens[i] cached tokens of request
-    i,
-    K_i/V_i read through block_tables[i]. Requires `load()` to have returned the op."""
+    i, K_i/V_i read through block_tables[i]. Requires `load()` to have returned the op."""
     load()(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
