@@ -79,10 +79,10 @@ def test_a_request_whose_sampling_state_fails_finishes_alone(engine, clean, monk
 def test_a_request_whose_sampler_row_fails_finishes_alone(engine, clean, monkeypatch):
     sample = sampler_module.Sampler.sample
 
-    def failing_sample(self, logits, states):
+    def failing_sample(self, logits, states, unmasked=None):
         if any(s.params.seed == BAD_SEED for s in states):
             raise RuntimeError("injected: sampler fault on one row")
-        return sample(self, logits, states)
+        return sample(self, logits, states, unmasked)
 
     monkeypatch.setattr(sampler_module.Sampler, "sample", failing_sample)
     free = engine.stats().num_free_blocks
