@@ -116,9 +116,10 @@ def is_replica_fault(exc: BaseException) -> bool:
     )
 
 
-# A request present in this many replica faults (a dead actor, a failed engine; not an orderly
-# hand-back) is not resumed again: one that crashes its engine would otherwise crash every replica
-# it is carried to, max_migrations times over.
+# A request present in this many engine failures is not resumed again: one that fails its engine
+# would otherwise fail every engine it is carried to, max_migrations times over. Only an engine
+# that reported its failure counts: a replica process that vanished (RayActorError) may have been
+# stopped by Serve on a scale-down, which must not cost a request anything.
 MAX_REPLICA_FAULTS = 2
 
 
@@ -134,7 +135,7 @@ class MigrationBudget:
     def spend(self, failure: BaseException) -> None:
         """Count a replica failure; raises when the choice must not move again."""
         self.migrations += 1
-        self.faults += is_replica_fault(failure)
+        self.faults += isinstance(failure, EngineFailedError)
         if self.faults >= MAX_REPLICA_FAULTS:
             raise RepeatedReplicaFailureError(self.request_id, self.faults) from None
         if self.migrations > self.max_migrations:

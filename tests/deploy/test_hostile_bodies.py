@@ -687,6 +687,48 @@ def test_fuzzed_grammars_schemas_and_regexes_get_2xx_or_4xx(tiny, before_fuzz, c
     _still_serving(tiny)
 
 
+TOOL_NAMES = st.sampled_from(["get_weather", "f", "", "a" * 65, "bad name", "f", 7])
+TOOL = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "function", "web", None])},
+    optional={
+        "function": st.fixed_dictionaries(
+            {"name": TOOL_NAMES},
+            optional={
+                "parameters": st.one_of(SCHEMAS, st.just({"type": "object"}), st.integers()),
+                "strict": st.sampled_from([True, False, "yes"]),
+                "description": TEXT,
+            },
+        )
+    },
+)
+TOOL_FIELDS = st.fixed_dictionaries(
+    {"tools": st.one_of(st.lists(TOOL, max_size=3), st.builds(lambda t: [t] * 129, TOOL))},
+    optional={
+        "tool_choice": st.one_of(
+            st.sampled_from(["auto", "none", "required", "any", None, 3]),
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("function"),
+                    "function": st.fixed_dictionaries({"name": TOOL_NAMES}),
+                }
+            ),
+        ),
+        "parallel_tool_calls": st.sampled_from([True, False, None, "no"]),
+        "structured_outputs": st.fixed_dictionaries({"regex": REGEXES}),
+    },
+)
+
+
+@FUZZ
+@given(tools=TOOL_FIELDS, messages=st.lists(MESSAGE, max_size=3))
+def test_fuzzed_tools_get_2xx_or_4xx(tiny, before_fuzz, tools, messages):
+    messages = messages or [{"role": "user", "content": "Hi"}]
+    _case(
+        tiny, "/chat/completions", {"model": TINY, "messages": messages, "max_tokens": 8, **tools}
+    )
+    _still_serving(tiny)
+
+
 def test_after_the_fuzz_nothing_was_restarted(tiny, before_fuzz):
     # Runs after the fuzz above (file order): the same replica and ingress served every case.
     assert (replica_stats("tiny")["replica"], _ingress("tiny").pid) == before_fuzz
