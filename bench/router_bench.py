@@ -186,7 +186,7 @@ def replica_options(config: AppConfig, router_config: dict[str, Any] | None) -> 
         **config.scaling_options(),
         "ray_actor_options": config.replica_actor_options(),
         "placement_group_bundles": config.placement_group_bundles(),
-        "placement_group_strategy": config.placement_strategy,
+        "placement_group_strategy": config.placement_group_strategy(),
         "max_ongoing_requests": config.max_ongoing_requests,
         "health_check_timeout_s": 120,
     }

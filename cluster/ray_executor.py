@@ -24,6 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayT
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.placement import TP_STRATEGY, UnplaceableError, live_nodes, unplaceable
 from engine.config import EngineConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.options import STEP_TRANSPORTS
@@ -124,14 +125,13 @@ class RayExecutor:
     def _create_pg(self, device: str) -> PlacementGroup:
         kind = "GPU" if device.startswith("cuda") else "CPU"
         bundle = {kind: 1.0}
-        # STRICT_PACK puts every rank on one node: say so now rather than wait out the timeout.
-        largest = max((n["Resources"].get(kind, 0) for n in ray.nodes() if n["Alive"]), default=0)
-        if largest < self.tp:
-            raise ValueError(
-                f"tensor_parallel_size: {self.tp} ranks need {self.tp} {kind}s on one node; "
-                f"the largest node of this Ray cluster has {largest:g}"
-            )
-        pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
+        bundles = [dict(bundle) for _ in range(self.tp)]
+        # Every rank on one node: say now when no node can hold them rather than wait out the
+        # timeout (an offline engine has no autoscaler to wait for).
+        problem = unplaceable(bundles, TP_STRATEGY, live_nodes())
+        if problem is not None:
+            raise UnplaceableError(f"tensor_parallel_size: {self.tp} ranks: {problem}")
+        pg = placement_group(bundles, strategy=TP_STRATEGY)
         try:
             ray.get(pg.ready(), timeout=self.init_timeout_s)
         except GetTimeoutError:

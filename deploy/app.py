@@ -7,6 +7,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from cluster.placement import spread_warning, wait_until_placeable
 from cluster.replica import LLMReplica
 from deploy.config import AppConfig
 from deploy.ingress import OpenAIIngress
@@ -51,16 +52,37 @@ def _serve_http_host() -> str | None:
         return None
 
 
+def check_placement(config: AppConfig) -> None:
+    """Warn where a replica's ranks may leave one node; on a running cluster, fail (after
+    placement_timeout_s for an autoscaler) where no node can hold a replica's bundles, instead of
+    deploying replicas that wait for a placement group forever."""
+    import ray
+
+    strategy = config.placement_group_strategy()
+    warning = spread_warning(strategy, config.engine.tensor_parallel_size)
+    if warning is not None:
+        logger.warning("%s", warning)
+    if ray.is_initialized():  # else only the app is built here (serve build), for elsewhere
+        wait_until_placeable(config.placement_group_bundles(), strategy, config.placement_timeout_s)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The Serve application for deploy.yaml's `args`; a bad arg raises ValueError naming the
-    field."""
+    field, a replica no node can hold raises UnplaceableError (a ValueError) naming its bundles."""
     config = AppConfig.from_args(args)
     check_exposure(_serve_http_host(), config)
+    check_placement(config)
+    return application(config)
+
+
+def application(config: AppConfig) -> Application:
+    """The two deployments for a validated config (what build_app returns, without its checks
+    against the cluster)."""
     replica_options: dict[str, Any] = {
         **config.scaling_options(),
         "ray_actor_options": config.replica_actor_options(),
         "placement_group_bundles": config.placement_group_bundles(),
-        "placement_group_strategy": config.placement_strategy,
+        "placement_group_strategy": config.placement_group_strategy(),
         "max_ongoing_requests": config.max_ongoing_requests,
         "max_queued_requests": config.queue_limit(),
         # The ingress's handle raises BackPressureError carrying this status (and Retry-After).

@@ -14,6 +14,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
+from cluster.placement import STRATEGIES, default_strategy
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
 from router.config import RoutingConfig
@@ -176,10 +177,20 @@ class AppConfig:
     worker_num_cpus: float = setting(
         1.0, "CPUs of each TP worker's bundle (TP > 1)", ge=0, le=MAX_BUNDLE_CPUS
     )
-    placement_strategy: str = setting(
-        "PACK",
-        "placement of a replica's bundles",
-        choices=("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
+    placement_strategy: str | None = setting(
+        None,
+        "placement of a replica's bundles; anything but STRICT_PACK at TP > 1 lets ranks land on "
+        "different nodes, with NCCL over the network (a warning says so)",
+        choices=STRATEGIES,
+        derived="STRICT_PACK when tensor_parallel_size > 1, else PACK",
+    )
+    placement_timeout_s: float = setting(
+        900.0,
+        "when no node of the cluster can hold a replica's bundles, how long the app waits at "
+        "deploy for one to join (an autoscaler's) before it fails naming the bundles and the "
+        "largest node; 0 fails at once",
+        ge=0,
+        le=86400,
     )
     omp_spin_count: int | None = setting(
         None,
@@ -274,6 +285,10 @@ class AppConfig:
         return [{"CPU": self.replica_num_cpus}] + [
             dict(worker) for _ in range(self.engine.tensor_parallel_size)
         ]
+
+    def placement_group_strategy(self) -> str:
+        """placement_strategy, or its default for the tensor-parallel size."""
+        return self.placement_strategy or default_strategy(self.engine.tensor_parallel_size)
 
     def replica_actor_options(self) -> dict[str, Any]:
         first = self.placement_group_bundles()[0]

@@ -46,7 +46,12 @@ class EngineConfig:
         0.0, "CPU pool for swap preemption, in GiB (unless num_cpu_blocks pins it)", ge=0
     )
     cache_dir: str = setting(DEFAULT_CACHE_DIR, "where converted GGUF weights are cached")
-    attention_backend: str = setting("auto", "paged attention kernel", choices=ATTENTION_BACKENDS)
+    attention_backend: str = setting(
+        "auto",
+        "paged attention kernel: `auto` is the Triton decode kernel on CUDA (captured by CUDA "
+        "graphs), torch elsewhere; `flash_attn` runs only when named (a source build)",
+        choices=ATTENTION_BACKENDS,
+    )
     cpu_threads: int | None = setting(
         None,
         "torch intra-op threads of a CPU engine (unset: a served replica's "

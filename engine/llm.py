@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -13,13 +14,14 @@ from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.executor import ExecutorFactory, local_executor
+from engine.executor import Executor, ExecutorFactory, local_executor
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from workers.grammar_sandbox import GrammarSandbox, TokenizerSpec
+from workers.runner import RunnerConfig
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -57,7 +59,10 @@ class GenerationOutput:
 
 
 class LLM:
-    """An in-process engine with a tokenizer: batch generation over many prompts at once."""
+    """An in-process engine with a tokenizer: batch generation over many prompts at once.
+
+    `with LLM(...) as llm:` or `llm.shutdown()` releases its workers; so does dropping it.
+    """
 
     def __init__(
         self,
@@ -78,16 +83,33 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             **kwargs,
         )
-        self.engine = EngineCore(config, executor_factory)
-        self.frontend = Frontend(
-            AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info
-        )
-        self.tokenizer = self.frontend.tokenizer
-        self._grammars = GrammarSandbox(
-            TokenizerSpec.of(self.tokenizer, self.engine.model_info.vocab_size),
-            timeout_s=config.grammar_timeout_s,
-        )
+        made: list[Executor] = []  # what a failed construction must release
+
+        def recorded(engine_config: EngineConfig, runner_config: RunnerConfig) -> Executor:
+            made.append(executor_factory(engine_config, runner_config))
+            return made[-1]
+
+        try:
+            self.engine = EngineCore(config, recorded)
+            self.frontend = Frontend(
+                AutoTokenizer.from_pretrained(self.engine.model_dir), self.engine.model_info
+            )
+            self.tokenizer = self.frontend.tokenizer
+            self._grammars = GrammarSandbox(
+                TokenizerSpec.of(self.tokenizer, self.engine.model_info.vocab_size),
+                timeout_s=config.grammar_timeout_s,
+            )
+        except BaseException:
+            for executor in made:
+                executor.shutdown()
+            raise
         self._ids = itertools.count()
+        # Released by shutdown(), by the end of a `with` block, or when the LLM is collected:
+        # a dropped tensor-parallel engine's worker actors and placement group would otherwise
+        # hold their CPUs or GPUs until the process ends, and the next LLM would wait for them.
+        # Not at interpreter exit: Ray releases the job's actors and groups itself then.
+        self._finalizer = weakref.finalize(self, _release, self.engine, self._grammars)
+        self._finalizer.atexit = False
 
     def generate(
         self,
@@ -173,8 +195,22 @@ class LLM:
         return finished
 
     def shutdown(self) -> None:
-        self._grammars.close()
-        self.engine.shutdown()
+        """Stop the workers (a tensor-parallel engine's actors and placement group) and the
+        grammar checkers; later calls do nothing."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def _release(engine: EngineCore, grammars: GrammarSandbox) -> None:
+    """What an LLM holds outside its own memory; must not refer to the LLM (it would never be
+    collected)."""
+    grammars.close()
+    engine.shutdown()
 
 
 def _params_per_prompt(

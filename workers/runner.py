@@ -176,7 +176,13 @@ class ModelRunner:
         )
         logger.info("model loaded in %.1fs", time.perf_counter() - t0)
         self.layers = self.model.attention_layers()
-        self.backend = select_backend(self.device, config.attention_backend, self.dtype)
+        self.backend = select_backend(
+            self.device,
+            config.attention_backend,
+            self.dtype,
+            head_dim=self.layers[0].head_dim,
+            block_size=config.block_size,
+        )
         for layer in self.layers:
             layer.backend = self.backend
         self.kv_spec = KVCacheSpec.of(self.layers, config.block_size, self.dtype)

@@ -9,7 +9,8 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-from deploy.app import build_app
+from deploy.app import application, check_exposure
+from deploy.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = [ROOT / "deploy.yaml"] + sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
@@ -56,14 +57,19 @@ def test_serve_config_validates_and_builds(path):
     spec = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
     for app in spec.applications:
         assert app.import_path == "deploy.app:build_app"
-        build_app(app.args)
+        # build_app's checks, but placement's: this machine has none of the GPU nodes.
+        config = AppConfig.from_args(app.args)
+        check_exposure(spec.http_options.host, config)
+        application(config)
 
 
-def test_gpu_example_packs_two_gpu_workers_per_replica():
-    spec = yaml.safe_load((ROOT / "deploy" / "examples" / "gpu_tp2.yaml").read_text())
+@pytest.mark.parametrize("name", ["gpu_tp2.yaml", "gpu_dp_tp2.yaml"])
+def test_gpu_examples_put_two_gpu_workers_of_a_replica_on_one_node(name):
+    spec = yaml.safe_load((ROOT / "deploy" / "examples" / name).read_text())
     args = spec["applications"][0]["args"]
-    replica = build_app(args)._bound_deployment.init_args[1]._bound_deployment
+    app = application(AppConfig.from_args(args))
+    replica = app._bound_deployment.init_args[1]._bound_deployment
     assert args["tensor_parallel_size"] == 2
     bundles = replica._replica_config.placement_group_bundles
     assert bundles == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
-    assert replica._replica_config.placement_group_strategy == "PACK"
+    assert replica._replica_config.placement_group_strategy == "STRICT_PACK"

@@ -156,3 +156,49 @@ assert len(out[0].token_ids) == 3, out
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_with_block_releases_the_engine(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen2")
+    with LLM(model=path, device="cpu", load_progress=False, kv_cache_memory_gb=0.05) as llm:
+        [out] = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert out.token_ids
+    assert llm.engine.executor.runner is None  # the model and cache are released
+    llm.shutdown()  # a second close does nothing
+
+
+def test_a_dropped_llm_releases_its_engine_when_collected(tiny_checkpoint):
+    import gc
+    import weakref
+
+    path, _ = tiny_checkpoint("qwen2")
+    llm = LLM(model=path, device="cpu", load_progress=False, kv_cache_memory_gb=0.05)
+    executor, dropped = llm.engine.executor, weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert dropped() is None
+    assert executor.runner is None
+
+
+def test_a_failed_construction_releases_the_executor_it_made(tiny_checkpoint):
+    """The workers start, then the KV pool proves too small for max_model_len: the executor does
+    not stay behind."""
+    from engine.executor import local_executor
+
+    path, _ = tiny_checkpoint("qwen2")
+    made = []
+
+    def recording(config, runner_config):
+        made.append(local_executor(config, runner_config))
+        return made[-1]
+
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        LLM(
+            model=path,
+            device="cpu",
+            load_progress=False,
+            kv_cache_memory_gb=1e-5,
+            max_model_len=512,
+            executor_factory=recording,
+        )
+    assert made and made[0].runner is None

@@ -200,6 +200,21 @@ def test_decode_graphs_give_the_tokens_of_eager_decode(dtype, checkpoints):
     assert tokens[False] == tokens[True]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_backend_is_the_triton_kernel_with_decode_graphs(dtype, checkpoints):
+    """What a user gets without naming a backend: the verified kernel, its decode steps replayed
+    from captured graphs (flash-attn, where installed, is not picked)."""
+    llm = make_llm(checkpoints["llama3-1b"], dtype)  # attention_backend: auto
+    try:
+        runner = llm.engine.executor.runner
+        assert runner.backend.name == "triton"
+        assert runner.graphs is not None
+        generate(llm, random_prompts(4, 128000, 5, 30, seed=5))
+        assert runner.graphs.replays > 0
+    finally:
+        shutdown(llm)
+
+
 def test_gpu_memory_utilization_sizes_the_pool_and_a_full_step_fits(checkpoints):
     from workers.kv_cache import GiB
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from workers.options import ATTENTION_BACKENDS as BACKENDS
+from workers.layers.backend_choice import KERNEL_LIBRARIES, BackendInputs, choose_backend
 
 logger = logging.getLogger(__name__)
 
@@ -135,29 +135,29 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(
-    device: torch.device, name: str = "auto", dtype: torch.dtype = torch.float16
+    device: torch.device,
+    name: str = "auto",
+    dtype: torch.dtype = torch.float16,
+    head_dim: int | None = None,
+    block_size: int | None = None,
 ) -> AttentionBackend:
-    """`torch` on CPU; on CUDA flash-attn when importable (fp16/bf16 only), else the Triton
-    decode kernel, else torch."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend: must be one of {BACKENDS}, got {name!r}")
-    half = dtype in (torch.float16, torch.bfloat16)
-    if name == "flash_attn" and not half:
-        raise ValueError(f"attention_backend: flash_attn needs float16 or bfloat16, got {dtype}")
-    if name == "auto":
-        if device.type != "cuda":
-            name = "torch"
-        elif half and importlib.util.find_spec("flash_attn") is not None:
-            name = "flash_attn"
-        elif importlib.util.find_spec("triton") is not None:
-            name = "triton"
-        else:
-            name = "torch"
-    if name == "flash_attn":
+    """The backend for `attention_backend: name` (workers/layers/backend_choice.py decides:
+    `auto` is the Triton decode kernel on CUDA, torch elsewhere; flash-attn only by name)."""
+    inputs = BackendInputs(
+        device_type=device.type,
+        importable=frozenset(
+            lib for lib in KERNEL_LIBRARIES if importlib.util.find_spec(lib) is not None
+        ),
+        dtype=str(dtype).removeprefix("torch."),
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+    choice = choose_backend(name, inputs)
+    if choice.name == "flash_attn":
         from workers.layers.backends.flash import FlashAttnBackend
 
         backend: AttentionBackend = FlashAttnBackend()
-    elif name == "triton":
+    elif choice.name == "triton":
         from workers.layers.backends.triton_decode import TritonDecodeBackend
 
         backend = TritonDecodeBackend()
@@ -165,7 +165,7 @@ def select_backend(
         from workers.layers.backends.torch_ref import TorchBackend
 
         backend = TorchBackend(paged_kernel=device.type == "cpu")
-    logger.info("attention backend: %s", backend.name)
+    logger.info("attention backend: %s (%s)", backend.name, choice.why)
     return backend
 
 
