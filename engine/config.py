@@ -72,6 +72,12 @@ class EngineConfig:
     enforce_eager: bool = setting(
         False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs"
     )
+    async_scheduling: bool | None = setting(
+        None,
+        "schedule each step while the previous one runs, before its tokens are back (the tokens "
+        "are the same either way). Unset: on for CUDA, off for CPU (no faster there, "
+        "bench/async_scheduling.py). tensor_parallel_size > 1 always runs synchronously",
+    )
     step_transport: str = setting(
         "socket",
         "TP > 1: how each step reaches the workers: a TCP connection per rank "
@@ -145,6 +151,17 @@ class EngineConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def uses_async_scheduling(self) -> bool:
+        """Whether steps overlap: async_scheduling resolved against the device and the TP size.
+
+        Under tensor parallelism only rank 0 samples, and the other ranks learn each token from
+        the next step, so a step cannot be sent before the previous one's tokens are back."""
+        if self.tensor_parallel_size > 1:
+            return False
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.resolved_device().startswith("cuda")
+
     def sized_scheduler(
         self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int
     ) -> SchedulerConfig:
@@ -179,6 +196,7 @@ class EngineConfig:
             enforce_eager=self.enforce_eager,
             grammar_timeout_s=self.grammar_timeout_s,
             grammar_mask_deadline_s=self.grammar_mask_deadline_s,
+            async_scheduling=self.uses_async_scheduling(),
         )
 
     @property

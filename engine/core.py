@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import replace
 
 from transformers import AutoConfig
 
 from engine.config import EngineConfig
 from engine.executor import Executor, ExecutorFactory, local_executor
+from engine.step_pipeline import StepPipeline
 from frontend.frontend import ModelInfo
-from scheduler import RequestOutput, Scheduler, SchedulerStats
+from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
+from scheduler.async_scheduler import AsyncScheduler
 from scheduler.block_manager import PrefixReport
 from scheduler.request import EngineRequest, Request
 from workers.kv_cache import GiB, KVCacheSpec
@@ -53,9 +56,21 @@ class EngineCore:
                 num_gpu_blocks,
             )
         self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
-        self.scheduler = Scheduler(
+        overlap = runner_config.async_scheduling
+        if config.async_scheduling and not overlap:
+            logger.warning(
+                "async_scheduling: tensor_parallel_size %d runs synchronously (only rank 0 "
+                "samples; the other ranks learn each token from the next step)",
+                config.tensor_parallel_size,
+            )
+        scheduler_class = AsyncScheduler if overlap else Scheduler
+        self.scheduler = scheduler_class(
             config.sized_scheduler(num_gpu_blocks, num_cpu_blocks, self.max_model_len)
         )
+        # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
+        # being updated from (scheduler/async_scheduler.py).
+        self.pipeline = StepPipeline(self.executor) if overlap else None
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -100,7 +115,7 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and return what each request produced."""
@@ -108,6 +123,8 @@ class EngineCore:
             raise RuntimeError(
                 f"engine failed in an earlier step: {self.failure!r}"
             ) from self.failure
+        if self.pipeline is not None:
+            return self._step_overlapped(self.pipeline)
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
@@ -118,6 +135,36 @@ class EngineCore:
             raise
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def _step_overlapped(self, pipeline: StepPipeline) -> list[RequestOutput]:
+        """Async scheduling: launch the next step, then wait for the one in flight and return its
+        outputs; the next step runs while the caller handles them."""
+        current = self._in_flight or self._launch(pipeline, self.scheduler.schedule())
+        self._in_flight = None
+        if self.scheduler.has_unfinished_requests():
+            self._in_flight = self._launch(pipeline, self.scheduler.schedule())
+        scheduler_output, future = current
+        try:
+            runner_output = future.result()
+        except BaseException as exc:
+            self.failure = exc  # as in a synchronous step; the pipeline runs no later step
+            raise
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    @staticmethod
+    def _launch(
+        pipeline: StepPipeline, out: SchedulerOutput
+    ) -> tuple[SchedulerOutput, Future[ModelRunnerOutput]]:
+        if out.is_empty and not (
+            out.finished_req_ids
+            or out.preempted_req_ids
+            or out.blocks_to_swap_out
+            or out.blocks_to_swap_in
+        ):
+            done: Future[ModelRunnerOutput] = Future()  # nothing for the runner to do or to hear
+            done.set_result(ModelRunnerOutput([], []))
+            return out, done
+        return out, pipeline.submit(out)
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
@@ -127,4 +174,6 @@ class EngineCore:
         return self.scheduler.kv.pool.prefix_report(limit)
 
     def shutdown(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
         self.executor.shutdown()

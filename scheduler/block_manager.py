@@ -265,11 +265,16 @@ class KVCacheManager:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def register_computed_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose KV is now written (called after a step ran)."""
+    def register_computed_blocks(self, request: Request, num_written: int | None = None) -> None:
+        """Register the request's full blocks whose KV is now written (called after a step ran).
+
+        num_written: its tokens whose KV is written, when steps still in flight count in
+        num_computed_tokens (async scheduling)."""
         rid = request.request_id
         done = self.num_registered_blocks.get(rid, 0)
-        num_full = request.num_computed_tokens // self.block_size
+        if num_written is None:
+            num_written = request.num_computed_tokens
+        num_full = num_written // self.block_size
         if num_full <= done:
             return
         blocks = self.req_blocks[rid]

@@ -110,6 +110,8 @@ class Request:
     num_synced_tokens: int = field(default=0, init=False)
     # True once the runner has been sent this request's NewRequestData.
     known_to_runner: bool = field(default=False, init=False)
+    # Tokens being sampled by steps in flight, not yet appended (async scheduling; 0 otherwise).
+    num_output_placeholders: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         spec = self.spec

@@ -73,11 +73,13 @@ class Scheduler:
     A step is `schedule()`, the model runner's forward, then `update_from_output()`.
 
     Subclasses add to it without changing a step, as vLLM's AsyncScheduler does over its
-    Scheduler; the simulator's multi-step decode (sim/jump.py) is one. Their hooks are the class
+    Scheduler; the simulator's multi-step decode (sim/jump.py) and async scheduling
+    (scheduler/async_scheduler.py) are two. Their hooks are the class
     attributes `kv_manager_class` (the KVCacheManager the pool is built as) and
     `finished_retention` (how many finished requests stay readable in `requests`), and the
-    protected helpers at the end of the class: `_append_tokens` (the stop rules), `_finish`,
-    `_take_finished_ids` and `_output` (the one RequestOutput factory).
+    protected helpers at the end of the class: `_tokens_in_flight`, `_append_tokens` (the stop
+    rules), `_finish`, `_finish_early`, `_take_finished_ids` and `_output` (the one RequestOutput
+    factory).
     """
 
     kv_manager_class: type[KVCacheManager] = KVCacheManager
@@ -185,8 +187,9 @@ class Scheduler:
             if req.status is not _RUNNING:  # preempted earlier in this pass
                 continue
             computed = req.num_computed_tokens
-            n = min(len(req.all_token_ids) - computed, cap, step.budget)
-            if n <= 0:
+            pending = req.num_output_placeholders  # tokens still being sampled (async scheduling)
+            n = min(len(req.all_token_ids) + pending - computed, cap, step.budget)
+            if n <= 0 or (pending and self._finishes_on_pending(req)):
                 continue
             new_blocks = kv.allocate_slots(req, n)
             while new_blocks is None:
@@ -217,6 +220,15 @@ class Scheduler:
             if cfg.policy == "priority" and self._displace_for(req, step, reserve):
                 continue
             break
+
+    def _finishes_on_pending(self, req: Request) -> bool:
+        """Whether the tokens being sampled for req take it to max_tokens or max_model_len: no
+        step needs to be scheduled for it after them."""
+        pending = req.num_output_placeholders
+        return (
+            len(req.output_token_ids) + pending >= req.sampling_params.max_tokens
+            or len(req.all_token_ids) + pending >= self.max_model_len
+        )
 
     def _admit(self, req: Request, step: _Step, reserve: int) -> bool:
         """Admit a WAITING or PREEMPTED request, reusing its longest cached prefix."""
@@ -372,6 +384,7 @@ class Scheduler:
         logprobs = runner_output.logprobs
         outputs = self._fail(runner_output.failed) if runner_output.failed else []
         any_finished = False
+        ahead = self._tokens_in_flight()
         for i, (rid, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids)
         ):
@@ -379,8 +392,11 @@ class Scheduler:
             if req is None or req.status is not _RUNNING:  # aborted while the step ran
                 continue
             # Hash and register only when a block has just filled up (one step in block_size).
-            if prefix_caching and req.num_computed_tokens // bs > registered.get(rid, 0):
-                kv.register_computed_blocks(req)
+            written = (
+                req.num_computed_tokens - ahead.get(rid, 0) if ahead else req.num_computed_tokens
+            )
+            if prefix_caching and written // bs > registered.get(rid, 0):
+                kv.register_computed_blocks(req, written)
             if not sampled:
                 continue
             kept, status = self._append_tokens(req, sampled)
@@ -396,6 +412,12 @@ class Scheduler:
         return outputs
 
     # ---- helpers for subclasses (the simulator's multi-step decode, sim/jump.py) ----------------
+    def _tokens_in_flight(self) -> dict[str, int]:
+        """Tokens per request scheduled in steps later than the one being updated, whose KV is not
+        written yet: none here, where each step is updated before the next is scheduled
+        (scheduler.async_scheduler.AsyncScheduler schedules one ahead)."""
+        return {}
+
     def _append_tokens(self, req: Request, sampled: list[int]) -> tuple[int, RequestStatus | None]:
         """Append sampled tokens up to the first that stops the request (check_stop).
 

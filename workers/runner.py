@@ -57,6 +57,9 @@ class RunnerConfig:
     enforce_eager: bool = False
     grammar_timeout_s: float = 10.0
     grammar_mask_deadline_s: float = 1.0
+    # The engine schedules a step before the previous one's tokens are back (TP = 1 only): the
+    # runner appends what it samples itself, and the scheduler sends no sampled token back.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -433,7 +436,18 @@ class ModelRunner:
                 logprobs = logprobs or [None] * len(batch.req_ids)
                 for row, lp in zip(rows, result.logprobs):
                     logprobs[row] = [lp] if lp is not None else None
+        if self.config.async_scheduling:
+            self._append_sampled(batch, sampled)
         return ModelRunnerOutput(batch.req_ids, sampled, logprobs, failed)
+
+    def _append_sampled(self, batch: _Batch, sampled: list[list[int]]) -> None:
+        """Async scheduling: the next step, already scheduled, decodes from these tokens (the
+        scheduler's placeholders), and penalties, seeds and grammar masks read them."""
+        for rid, tokens in zip(batch.req_ids, sampled):
+            if tokens:
+                state = self.requests[rid]
+                state.token_ids.extend(tokens)
+                state.sampling.output_token_ids.extend(tokens)
 
     def _sample_rows_alone(
         self,

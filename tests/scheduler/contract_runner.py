@@ -32,9 +32,16 @@ class ContractRunner:
     """Executes SchedulerOutputs against simulated KV slots and checks the contract."""
 
     def __init__(
-        self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, vocab: int = 50
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        vocab: int = 50,
+        appends_sampled: bool = False,
     ) -> None:
         self.block_size = block_size
+        # Async scheduling: the runner appends what it samples, as workers.runner does then.
+        self.appends_sampled = appends_sampled
         self.vocab = vocab
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
@@ -64,6 +71,8 @@ class ContractRunner:
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.states[rid]
+            if self.appends_sampled:
+                assert not cached.new_token_ids[i], f"{rid}: a sampled token was sent back"
             state.token_ids.extend(cached.new_token_ids[i])
             if cached.resumed[i]:
                 state.block_ids = list(cached.new_block_ids[i])
@@ -94,6 +103,8 @@ class ContractRunner:
                 self.gpu[b][off] = state.token_ids[pos]
             state.computed = end
             sampled.append([token_at(rid, end, self.vocab)] if end == len(state.token_ids) else [])
+            if self.appends_sampled:
+                state.token_ids.extend(sampled[-1])
         return ModelRunnerOutput(req_ids=scheduled, sampled_token_ids=sampled)
 
 

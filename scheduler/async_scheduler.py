@@ -1,0 +1,139 @@
+"""AsyncScheduler: step N+1 is scheduled while step N runs, before N's sampled tokens are known.
+
+The engine (engine/core.py) keeps one step in flight: it schedules and launches step N+1, then
+waits for step N and updates from it. A request whose step N samples a token holds a placeholder
+for it (`Request.num_output_placeholders`), so step N+1 schedules its next decode; the runner feeds
+that decode its own last sampled token (under async scheduling it appends what it samples), so no
+token travels back to the runner and nothing waits between steps.
+
+What stays exact, and how:
+- Stops: a request stopped by step N's token (EOS, a stop id) was scheduled again in N+1. Its
+  extra token is dropped (it is no longer running when that token arrives), its blocks were freed
+  by N's update, and the runner drops its state when the next step lists it as finished. A request
+  that N's token takes to max_tokens or max_model_len is not scheduled again at all.
+- Preemption: a request preempted (recompute or swap) while its token is in flight keeps that
+  token when it arrives, as a synchronous step would have appended it before preempting; the
+  token's KV was written before the preemption's copies or frees run (steps run in order). If the
+  token stops the request, it leaves the waiting queue finished.
+- Prefix caching: a block is registered once the step that writes its KV has finished.
+- Aborts and per-request failures between steps finish the request at once; a token still in
+  flight for it is dropped.
+- A token is matched to the Request object its step scheduled, not to the id: a new request that
+  reuses a finished one's id never receives the old one's late token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, TokenLogprobs
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+
+_PREEMPTED = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A step scheduled and not yet updated from."""
+
+    requests: dict[str, Request]  # the requests it runs, by id
+    num_scheduled_tokens: dict[str, int]
+
+
+class AsyncScheduler(Scheduler):
+    """The Scheduler, able to schedule a step before the previous one's tokens are appended.
+
+    Calls alternate as schedule(N+1), update_from_output(N): at most one step is scheduled ahead of
+    the one being updated. With no step ahead it behaves as the Scheduler does.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._in_flight: deque[_InFlight] = deque()
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        requests = self.requests
+        scheduled = {rid: requests[rid] for rid in out.num_scheduled_tokens}
+        for req in scheduled.values():
+            # The chunk reaches the request's last token: the step samples one more.
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1
+        self._in_flight.append(_InFlight(scheduled, out.num_scheduled_tokens))
+        return out
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        step = self._in_flight.popleft()
+        live = self.requests
+        late: list[RequestOutput] = []
+        dropped: set[int] = set()
+        stale: set[str] = set()
+        for i, (rid, sampled) in enumerate(
+            zip(runner_output.req_ids, runner_output.sampled_token_ids)
+        ):
+            req = step.requests.get(rid)
+            if req is None:
+                continue
+            if sampled:
+                req.num_output_placeholders -= 1
+                # The runner appended them itself: the next step need not send them.
+                req.num_synced_tokens += len(sampled)
+            if live.get(rid) is not req:  # finished, and its id taken by a new request since
+                dropped.add(i)
+                stale.add(rid)
+            elif sampled and req.status in _PREEMPTED:
+                dropped.add(i)
+                late.append(self._append_late(req, sampled, runner_output.logprobs, i))
+        for rid in runner_output.failed:
+            req = step.requests.get(rid)
+            if req is not None and live.get(rid) is not req:
+                stale.add(rid)
+        if dropped or stale:
+            runner_output = _without(runner_output, dropped, stale)
+        return late + super().update_from_output(scheduler_output, runner_output)
+
+    def _tokens_in_flight(self) -> dict[str, int]:
+        if not self._in_flight:
+            return {}
+        if len(self._in_flight) == 1:
+            return self._in_flight[0].num_scheduled_tokens
+        ahead: dict[str, int] = {}
+        for step in self._in_flight:
+            for rid, n in step.num_scheduled_tokens.items():
+                ahead[rid] = ahead.get(rid, 0) + n
+        return ahead
+
+    def _append_late(
+        self,
+        req: Request,
+        sampled: list[int],
+        logprobs: list[list[TokenLogprobs] | None] | None,
+        row: int,
+    ) -> RequestOutput:
+        """The token of a request preempted while it was being sampled: kept, under the stop
+        rules."""
+        kept, status = self._append_tokens(req, sampled)
+        if self.waiting.charges_tokens:
+            self.waiting.charge(req.tenant, self.config.fair_output_weight * kept)
+        if status is not None:
+            self._finish_early(req, status)
+        lp = logprobs[row] if logprobs is not None else None
+        return self._output(req, sampled[:kept], lp[:kept] if lp is not None else None)
+
+
+def _without(output: ModelRunnerOutput, rows: set[int], stale: set[str]) -> ModelRunnerOutput:
+    """output less the given rows, and less the failures of request ids it no longer speaks for."""
+    keep = [i for i in range(len(output.req_ids)) if i not in rows]
+    logprobs = output.logprobs
+    return replace(
+        output,
+        req_ids=[output.req_ids[i] for i in keep],
+        sampled_token_ids=[output.sampled_token_ids[i] for i in keep],
+        logprobs=None if logprobs is None else [logprobs[i] for i in keep],
+        failed={rid: why for rid, why in output.failed.items() if rid not in stale},
+    )
