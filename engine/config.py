@@ -75,8 +75,9 @@ class EngineConfig:
     async_scheduling: bool | None = setting(
         None,
         "schedule each step while the previous one runs, before its tokens are back (the tokens "
-        "are the same either way). Unset: on for CUDA, off for CPU (no faster there, "
-        "bench/async_scheduling.py). tensor_parallel_size > 1 always runs synchronously",
+        "are the same either way). Unset: off until it is measured on a GPU (on CPU it is not "
+        "reliably faster, bench/async_scheduling.py). tensor_parallel_size > 1 always runs "
+        "synchronously",
     )
     step_transport: str = setting(
         "socket",
@@ -158,9 +159,9 @@ class EngineConfig:
         the next step, so a step cannot be sent before the previous one's tokens are back."""
         if self.tensor_parallel_size > 1:
             return False
-        if self.async_scheduling is not None:
-            return self.async_scheduling
-        return self.resolved_device().startswith("cuda")
+        # Unset stays off: the overlapped path has been proven exact on CPU but has not yet run
+        # on a GPU, and the default path must be the measured one.
+        return bool(self.async_scheduling)
 
     def sized_scheduler(
         self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int

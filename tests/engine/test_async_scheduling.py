@@ -95,9 +95,11 @@ def assert_idle_and_clean(engine: EngineCore) -> None:
     assert all(r.num_output_placeholders == 0 for r in engine.scheduler.running)
 
 
-def test_async_scheduling_is_a_setting_resolved_by_device_and_tp():
+def test_async_scheduling_is_a_setting_off_until_asked_for_and_off_under_tp():
+    # Unset is off on every device until the overlapped path has been measured on a GPU.
     assert not EngineConfig(device="cpu").uses_async_scheduling()
-    assert EngineConfig(device="cuda").uses_async_scheduling()
+    assert not EngineConfig(device="cuda").uses_async_scheduling()
+    assert EngineConfig(device="cuda", async_scheduling=True).uses_async_scheduling()
     assert EngineConfig(device="cpu", async_scheduling=True).uses_async_scheduling()
     assert not EngineConfig(device="cuda", async_scheduling=False).uses_async_scheduling()
     # Only rank 0 samples: under tensor parallelism a step waits for the previous one's tokens.
