@@ -8,6 +8,8 @@ atol 1e-2 (one bf16 rounding of the output). Shapes are decode-like (few rows) a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from workers.layers.linear import (
     cpu_pack,
     linear,
     pack_cpu_weights,
+    packed_rows,
 )
 from workers.loader import load_model
 
@@ -40,7 +43,7 @@ def weights(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Te
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 32, 64, 513])
+@pytest.mark.parametrize("rows", [1, 7, 17, 32, 64, 100, 513])
 @pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (100, 37)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_f_linear(dtype, rows, k, n, with_bias):
@@ -65,6 +68,31 @@ def test_packed_linear_takes_leading_dims_and_strided_input():
     torch.testing.assert_close(
         linear(xt, w, None, packed), F.linear(xt, w), **TOLERANCE[torch.float32]
     )
+
+
+def test_row_counts_round_up_to_a_few_buckets_with_little_padding():
+    """oneDNN keeps a primitive per row count it sees: a step's token count may take every value
+    up to the budget, the buckets must stay few (well under its 1,024-entry cache)."""
+    budget = 2048
+    buckets = {packed_rows(r) for r in range(1, budget + 1)}
+    assert len(buckets) <= 80
+    for rows in range(1, 4 * budget):
+        assert rows <= packed_rows(rows) <= rows * 1.125
+        assert packed_rows(packed_rows(rows)) == packed_rows(rows)
+    assert [packed_rows(r) for r in range(1, 17)] == list(range(1, 17))  # decodes run unpadded
+
+
+def test_packed_linear_shows_onednn_only_bucketed_row_counts(capfd):
+    """What oneDNN executes (its verbose log) is the bucketed row count, whatever the input's."""
+    w, _ = weights(48, 32, torch.float32)
+    packed = cpu_pack(w)
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        for rows in range(1, 80):
+            out = linear(torch.randn(rows, 32), w, None, packed)
+            assert out.shape == (rows, 48)
+    executed = {int(m) for m in re.findall(r"mb(\d+)ic32oc48", capfd.readouterr().out)}
+    assert executed == {packed_rows(r) for r in range(1, 80)}
 
 
 def test_weights_oneDNN_cannot_pack_take_the_plain_path():

@@ -14,6 +14,14 @@ from workers.parallel import all_reduce, divide, get_tp_rank, get_tp_world_size
 
 # Below this many rows a CPU matmul streams weights faster as W @ x^T than as x @ W^T.
 _CPU_SMALL_BATCH = 128
+# Row counts a packed linear runs at: exact up to this, then rounded up to one of 8 sizes per
+# octave (at most 12.5% padding). oneDNN builds a primitive (~280 KiB of JIT code) per row count and
+# keeps it twice, in ideep's cache and in its own (1,024 entries each), so with a step's row count
+# free to take every value up to the token budget the caches filled over hours of traffic: +535 MiB
+# of replica RSS over a 4,000-request soak, then churn. Buckets keep the row counts to about 80 for
+# a 2,048-token budget, every primitive built once (bench/results/2026-11-25-soak.md).
+_EXACT_ROWS = 16
+_BUCKETS_PER_OCTAVE_BITS = 3
 # Weight dtypes oneDNN packs, bf16 only where oneDNN reports bf16 support on this CPU.
 _PACKABLE = {
     torch.float32: lambda: True,
@@ -50,11 +58,33 @@ def linear(
     weight matrix, which comes cold from memory, about 1.5-3x faster than x @ weight^T."""
     if x.device.type == "cpu":
         if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+            return _packed_linear(x, packed, bias)
         if x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH:
             y = torch.mm(weight, x.t()).t().contiguous()
             return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def packed_rows(rows: int) -> int:
+    """The row count a packed linear of `rows` rows runs at (see _EXACT_ROWS)."""
+    if rows <= _EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 1 - _BUCKETS_PER_OCTAVE_BITS)
+    return -(-rows // step) * step
+
+
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x through oneDNN's packed weight, its rows padded with zeros to packed_rows (the padding
+    rows' outputs are dropped; each row's output depends only on that row)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    padded = packed_rows(rows)
+    if padded != rows:
+        x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
+    y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, bias, "none", [], "")
+    return y[:rows].view(*x.shape[:-1], y.shape[-1])
 
 
 class CpuPackedWeight(nn.Module):
