@@ -33,16 +33,24 @@ def test_tensor_parallel_replicas_default_to_one_node():
 
 
 @pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_SPREAD"])
-def test_spreading_tensor_parallel_ranks_is_allowed_with_a_warning(strategy, caplog):
+def test_spreading_tensor_parallel_ranks_is_allowed_with_a_warning(strategy):
     assert spread_warning(strategy, 1) is None
     assert spread_warning("STRICT_PACK", 4) is None
+    warning = spread_warning(strategy, 2)
+    assert warning is not None
+    assert f"placement_strategy: {strategy} with tensor_parallel_size 2" in warning
+    assert "cross the network through NCCL" in warning
+
+
+@pytest.mark.parametrize("strategy", ["PACK", "SPREAD"])
+def test_the_app_logs_the_spread_warning_before_placing(strategy, caplog):
+    # PACK and SPREAD fit a one-node test cluster; STRICT_SPREAD would wait for more nodes.
     config = AppConfig.from_args(
         {"tensor_parallel_size": 2, "placement_strategy": strategy, "device": "cpu"}
     )
     with caplog.at_level(logging.WARNING, logger="deploy.app"):
-        check_placement(config)  # without Ray, or on the test cluster: its bundles fit
-    assert f"placement_strategy: {strategy} with tensor_parallel_size 2" in caplog.text
-    assert "cross the network through NCCL" in caplog.text
+        check_placement(config)
+    assert spread_warning(strategy, 2) in caplog.text
 
 
 def test_a_gpu_node_holds_a_tp2_replica_under_every_strategy_that_can_fit():
