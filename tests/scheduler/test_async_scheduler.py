@@ -21,13 +21,14 @@ from scheduler import (
     SchedulerOutput,
 )
 from scheduler.async_scheduler import AsyncScheduler
-from tests.scheduler.contract_runner import ContractRunner, expected_output
+from tests.scheduler.contract_runner import ContractRunner
 from tests.scheduler.test_scheduler_properties import (
-    EOS,
     VOCAB,
     Spec,
     check_block_accounting,
+    check_every_block_returned,
     configs,
+    expected_for,
     workloads,
 )
 
@@ -51,7 +52,7 @@ def run(cfg: SchedulerConfig, specs: list[Spec], overlap: bool) -> Scheduler:
     for step_no in range(3000):
         while pending and pending[0].arrival_step <= step_no:
             sp = pending.pop(0)
-            s.add_request(Request(_request(sp)))
+            s.add_request(Request(sp.engine_request()))
         for sp in specs:  # aborts land between steps: under overlap, while a step is in flight
             req = s.requests.get(sp.rid)
             if sp.abort_step == step_no and req is not None and not req.is_finished:
@@ -67,17 +68,6 @@ def run(cfg: SchedulerConfig, specs: list[Spec], overlap: bool) -> Scheduler:
     return s
 
 
-def _request(sp: Spec) -> EngineRequest:
-    return EngineRequest(
-        sp.rid,
-        list(sp.prompt),
-        SamplingParams(max_tokens=sp.max_tokens),
-        eos_token_ids=(EOS,) if sp.use_eos else (),
-        priority=sp.priority,
-        tenant=sp.tenant,
-    )
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_async_scheduling_gives_every_request_the_synchronous_tokens(data):
@@ -88,26 +78,14 @@ def test_async_scheduling_gives_every_request_the_synchronous_tokens(data):
     for sp in specs:
         req, ref = overlapped.requests[sp.rid], sync.requests[sp.rid]
         assert req.is_finished and ref.is_finished
-        want, reason = expected_output(
-            sp.rid,
-            len(sp.prompt),
-            sp.max_tokens,
-            EOS if sp.use_eos else None,
-            [],
-            cfg.max_model_len,
-            VOCAB,
-        )
+        want, reason = expected_for(sp, cfg)
         if sp.abort_step is not None:  # aborted somewhere: whatever it has is a prefix
             assert req.output_token_ids == want[: len(req.output_token_ids)]
             continue
         assert req.output_token_ids == want == ref.output_token_ids, sp.rid
         assert req.status == ref.status and req.status.finish_reason == reason
         assert req.num_output_placeholders == 0
-    # No block leaks: every GPU block is back, and the CPU pool too once a step reports the end.
-    assert all(c == 0 for c in overlapped.kv.pool.ref_cnt)
-    assert overlapped.kv.num_free_blocks == cfg.num_gpu_blocks
-    overlapped.schedule()
-    assert sorted(overlapped.kv.cpu_free) == list(range(cfg.num_cpu_blocks))
+    check_every_block_returned(overlapped, cfg)
 
 
 def test_a_request_stopped_by_its_in_flight_token_is_not_scheduled_past_its_cap():

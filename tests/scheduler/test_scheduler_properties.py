@@ -33,6 +33,16 @@ class Spec:
     use_eos: bool
     abort_step: int | None
 
+    def engine_request(self) -> EngineRequest:
+        return EngineRequest(
+            self.rid,
+            list(self.prompt),
+            SamplingParams(max_tokens=self.max_tokens),
+            eos_token_ids=(EOS,) if self.use_eos else (),
+            priority=self.priority,
+            tenant=self.tenant,
+        )
+
 
 @st.composite
 def configs(draw) -> SchedulerConfig:
@@ -106,6 +116,23 @@ def check_block_accounting(s: Scheduler) -> None:
     assert s.stats().num_swapped == sum(1 for r in s.waiting if r.status == RequestStatus.SWAPPED)
 
 
+def expected_for(sp: Spec, cfg: SchedulerConfig) -> tuple[list[int], str]:
+    """The tokens and finish reason the contract runner's model gives this request."""
+    eos = EOS if sp.use_eos else None
+    return expected_output(sp.rid, len(sp.prompt), sp.max_tokens, eos, [], cfg.max_model_len, VOCAB)
+
+
+def check_every_block_returned(s: Scheduler, cfg: SchedulerConfig) -> None:
+    """After every request finished: no GPU block referenced, and, once the next step reports the
+    last finishes, every deferred CPU block back too."""
+    assert all(c == 0 for c in s.kv.pool.ref_cnt), (
+        "blocks still referenced after every request finished"
+    )
+    assert s.kv.num_free_blocks == cfg.num_gpu_blocks
+    s.schedule()
+    assert sorted(s.kv.cpu_free) == list(range(cfg.num_cpu_blocks))
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_workloads_keep_every_invariant(data):
@@ -119,18 +146,7 @@ def test_random_workloads_keep_every_invariant(data):
     for step_no in range(3000):
         while pending and pending[0].arrival_step <= step_no:
             sp = pending.pop(0)
-            s.add_request(
-                Request(
-                    EngineRequest(
-                        sp.rid,
-                        list(sp.prompt),
-                        SamplingParams(max_tokens=sp.max_tokens),
-                        eos_token_ids=(EOS,) if sp.use_eos else (),
-                        priority=sp.priority,
-                        tenant=sp.tenant,
-                    )
-                )
-            )
+            s.add_request(Request(sp.engine_request()))
         for sp in specs:
             if (
                 sp.abort_step == step_no
@@ -160,23 +176,10 @@ def test_random_workloads_keep_every_invariant(data):
         assert req.is_finished
         if sp.rid in aborted:
             continue
-        want, reason = expected_output(
-            sp.rid,
-            len(sp.prompt),
-            sp.max_tokens,
-            EOS if sp.use_eos else None,
-            [],
-            cfg.max_model_len,
-            VOCAB,
-        )
+        want, reason = expected_for(sp, cfg)
         assert req.output_token_ids == want, f"{sp.rid} produced the wrong tokens"
         assert req.status.finish_reason == reason
-    assert all(c == 0 for c in s.kv.pool.ref_cnt), (
-        "blocks still referenced after every request finished"
-    )
-    assert s.kv.num_free_blocks == cfg.num_gpu_blocks
-    s.schedule()  # the step that reports the last finishes also returns deferred CPU blocks
-    assert sorted(s.kv.cpu_free) == list(range(cfg.num_cpu_blocks))
+    check_every_block_returned(s, cfg)
 
 
 @settings(max_examples=40, deadline=None)
