@@ -42,7 +42,7 @@ class CallerWatch:
         return {name for name, dead in zip(callers, results) if dead}
 
     async def _is_gone(self, name: str) -> bool:
-        handle = self._handles.get(name)
+        handle: Any = self._handles.get(name)
         if handle is None:
             try:
                 handle = await asyncio.to_thread(ray.get_actor, name, namespace=self.namespace)

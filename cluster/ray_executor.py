@@ -87,15 +87,14 @@ class RayExecutor:
         self._channel: StepClient | None = None
         self._dead: EngineDeadError | None = None
         self._owns_pg = placement_group is None
-        self._pg = (
-            placement_group
-            if placement_group is not None
-            else self._create_pg(runner_config.device)
-        )
+        pg = placement_group
+        if pg is None:
+            pg = self._create_pg(runner_config.device)
+        self._pg: PlacementGroup | None = pg
         self._offset = bundle_offset
-        if len(self._pg.bundle_specs) < bundle_offset + self.tp:
+        if len(pg.bundle_specs) < bundle_offset + self.tp:
             raise ValueError(
-                f"placement_group: has {len(self._pg.bundle_specs)} bundles, needs "
+                f"placement_group: has {len(pg.bundle_specs)} bundles, needs "
                 f"bundle_offset={bundle_offset} + tensor_parallel_size={self.tp}"
             )
         self.workers = self._create_workers(worker_cls or RayWorker, runner_config)
@@ -149,10 +148,11 @@ class RayExecutor:
             config = dataclasses.replace(config, device="cuda")
         # Ranks share the node's cores: without a cap each would start one thread per core.
         threads = max(1, (os.cpu_count() or 1) // self.tp) if on_cpu else None
-        actor_cls = ray.remote(worker_cls)
+        actor_cls: Any = ray.remote(worker_cls)
         workers = []
         for rank in range(self.tp):
             index = self._offset + rank
+            assert self._pg is not None  # released only by shutdown
             bundle = self._pg.bundle_specs[index]
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self._pg,
@@ -220,7 +220,7 @@ class RayExecutor:
         self._pg = None
 
     # ---- internals -------------------------------------------------------------------------------
-    def _compile(self):
+    def _compile(self) -> Any:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as step:
@@ -257,7 +257,7 @@ class RayExecutor:
         # A killed rank makes its peers fail too (a broken collective, a closed channel):
         # name the dead actor, the root cause, over whatever error surfaced first.
         dead_rank, dead_exc = self._find_dead_worker()
-        if dead_rank is not None:
+        if dead_rank is not None and dead_exc is not None:
             rank, exc = dead_rank, dead_exc
         elif rank is None:
             rank = self._rank_in(exc)
@@ -274,7 +274,7 @@ class RayExecutor:
         probes = {w.pid.remote(): rank for rank, w in enumerate(self.workers)}
         # Live actors inside a compiled graph cannot answer until teardown: wait briefly only.
         ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
-        for ref in sorted(ready, key=probes.get):
+        for ref in sorted(ready, key=lambda r: probes[r]):
             try:
                 ray.get(ref)
             except RayActorError as exc:
@@ -285,14 +285,16 @@ class RayExecutor:
         """The rank an error came from: set by Worker.execute_model, else from Ray's actor id or
         pid."""
         cause = exc.cause if isinstance(exc, RayTaskError) else exc
-        if isinstance(getattr(cause, "tp_rank", None), int):
-            return cause.tp_rank
+        rank = getattr(cause, "tp_rank", None)
+        if isinstance(rank, int):
+            return rank
         actor_id = getattr(exc, "actor_id", None) or getattr(exc, "_actor_id", None)
         if isinstance(actor_id, bytes):
             actor_id = actor_id.hex()
         if actor_id in self._rank_of_actor:
             return self._rank_of_actor[actor_id]
-        return self._rank_of_pid.get(getattr(exc, "pid", None))
+        pid = getattr(exc, "pid", None)
+        return self._rank_of_pid.get(pid) if isinstance(pid, int) else None
 
     def _teardown_transport(self) -> None:
         channel, self._channel = self._channel, None

@@ -159,7 +159,8 @@ def on_passing_thread(fn: Callable[[], T]) -> T:
 class LLMReplica:
     """One data-parallel engine: its scheduler, KV cache and (TP) workers."""
 
-    async def __init__(self, config: EngineConfig) -> None:
+    # Serve awaits an async constructor, so the replica can take its event loop here.
+    async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]
         self.config = config
         self.replica = replica = serve.get_replica_context().replica_tag
         self.metrics = ReplicaMetrics(replica)
@@ -209,8 +210,9 @@ class LLMReplica:
             if stream is None:  # already gone: cancelled, or handed back
                 continue
             self._settle(stream, output, now)
-            if (output := stream.chunk(output, self.config.stream_interval)) is not None:
-                stream.queue.put_nowait(output)
+            chunk = stream.chunk(output, self.config.stream_interval)
+            if chunk is not None:
+                stream.queue.put_nowait(chunk)
         self._stats = stats
         self.metrics.record_stats(stats)
 
@@ -218,11 +220,11 @@ class LLMReplica:
         """The output's tokens in the metrics, with the time to the first and between the next."""
         if not output.new_token_ids:
             return
-        first = stream.last_token is None
+        last = stream.last_token
         self.metrics.record_tokens(
             len(output.new_token_ids),
-            ttft=now - stream.arrival if first else None,
-            itl=None if first else now - stream.last_token,
+            ttft=now - stream.arrival if last is None else None,
+            itl=None if last is None else now - last,
         )
         stream.last_token = now
 
