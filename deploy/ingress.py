@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster.fleet_view import replica_reports
 from cluster.metrics import RequestMetrics
+from deploy import metrics_page
 from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
 from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import (
@@ -44,6 +46,13 @@ from deploy.logprobs import (
 )
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
 from deploy.tenants import TenantLimiter
+from deploy.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+    tokenize_response,
+)
 from deploy.tools import (
     DeclaredTools,
     ToolCallParser,
@@ -184,6 +193,24 @@ class OpenAIIngress:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
+    @app.get("/metrics")
+    async def prometheus_metrics(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except Exception as exc:
+            return error_response(exc)
+        in_flight = sum(self._tenants.in_flight.values())
+        page = metrics_page.render(self.metrics, replica_reports(), in_flight)
+        return Response(page, media_type=metrics_page.CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize_route(self, request: Request) -> Response:
+        return await self._serve(request, TokenizeRequest, self._tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(self, request: Request) -> Response:
+        return await self._serve(request, DetokenizeRequest, self._detokenize_body)
+
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, self._complete)
@@ -287,6 +314,22 @@ class OpenAIIngress:
         declared = DeclaredTools.of(tools, self._tool_format) if tools else None
         return await self._respond(body, choices, chat=True, tools=declared)
 
+    async def _tokenize_body(self, body: TokenizeRequest, tenant: str) -> Response:
+        messages = [self._message(m) for m in body.messages or []]
+        encode = functools.partial(tokenize, self.frontend, body)
+        ids = await self._tokenize(encode, messages, body.num_chars)
+        max_model_len = await self.max_model_len()
+        return JSONResponse(tokenize_response(self.frontend, body, ids, max_model_len))
+
+    async def _detokenize_body(self, body: DetokenizeRequest, tenant: str) -> Response:
+        max_model_len = await self.max_model_len()
+        if len(body.tokens) > max_model_len:
+            raise BadRequestError(
+                f"tokens: at most max_model_len={max_model_len} ids, got {len(body.tokens)}",
+                param="tokens",
+            )
+        return JSONResponse(await asyncio.to_thread(detokenize, self.frontend, body))
+
     # ---- request -> EngineRequests
     # --------------------------------------------------------------
     async def _parse(
@@ -298,7 +341,8 @@ class OpenAIIngress:
         raw = await read_body(request, limit, self.config.request_body_timeout_s)
         mode: Any = self.config.unknown_fields
         body: Any = await parse_body(raw, schema, self.config.max_messages, mode, ignored)
-        if body.model != self.config.model_name and body.model != self.config.engine.model:
+        named = body.model is not None  # /tokenize and /detokenize may leave it out
+        if named and body.model not in (self.config.model_name, self.config.engine.model):
             raise ModelNotFoundError(
                 f"The model `{body.model}` does not exist; this server serves "
                 f"`{self.config.model_name}`.",

@@ -30,6 +30,10 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
     "reasoning_effort": (None,),
     "prompt_logprobs": (None,),
+    "verbosity": (None,),
+    "moderation": (None,),
+    "prompt_cache_options": (None,),
+    "prompt_cache_retention": (None,),
 }
 MAX_TOOLS = 128
 # The messages of one conversation, as OpenAI (and Azure OpenAI) bound them; the app's
@@ -166,6 +170,8 @@ class _SamplingFields(BaseModel):
     user: str | None = Field(default=None, max_length=MAX_TENANT_CHARS)
     # OpenAI's bookkeeping: accepted within OpenAI's bounds, not used.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    safety_identifier: str | None = Field(default=None, max_length=MAX_TENANT_CHARS)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)  # caching is automatic
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     request_timeout_s: float | None = Field(default=None, gt=0, le=86400)  # raylm extension
     response_format: ResponseFormat | None = None
@@ -336,6 +342,29 @@ class CompletionRequest(_SamplingFields):
         return cast(list[str | list[int]], list(p))
 
 
+def bounded_messages(data: Any, info: ValidationInfo) -> Any:
+    """A body's messages counted on the raw JSON, before a single message is validated."""
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list):
+        return data
+    limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
+    if len(messages) > limit:
+        raise ValueError(f"messages: at most {limit} messages, got {len(messages)}")
+    parts = sum(
+        len(m[key])
+        for m in messages
+        if isinstance(m, dict)
+        for key in ("content", "tool_calls")
+        if isinstance(m.get(key), list)
+    )
+    if parts > MAX_MESSAGE_PARTS:
+        raise ValueError(
+            f"messages: at most {MAX_MESSAGE_PARTS} content parts and tool calls over all "
+            f"messages, got {parts}"
+        )
+    return data
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -394,26 +423,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _bounded_messages(cls, data: Any, info: ValidationInfo) -> Any:
-        """Counted on the raw JSON, before a single message is validated."""
-        messages = data.get("messages") if isinstance(data, dict) else None
-        if not isinstance(messages, list):
-            return data
-        limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
-        if len(messages) > limit:
-            raise ValueError(f"messages: at most {limit} messages, got {len(messages)}")
-        parts = sum(
-            len(m[key])
-            for m in messages
-            if isinstance(m, dict)
-            for key in ("content", "tool_calls")
-            if isinstance(m.get(key), list)
-        )
-        if parts > MAX_MESSAGE_PARTS:
-            raise ValueError(
-                f"messages: at most {MAX_MESSAGE_PARTS} content parts and tool calls over all "
-                f"messages, got {parts}"
-            )
-        return data
+        return bounded_messages(data, info)
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
