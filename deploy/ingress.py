@@ -351,7 +351,7 @@ class OpenAIIngress:
             )
         # The tenant and the priority ceiling are the key's; the request's `user` does not choose
         # them.
-        if profile is not None:
+        if profile is not None and hasattr(body, "priority"):  # /tokenize has no priority
             body.priority = max(body.priority, profile.max_priority)
         return body
 
