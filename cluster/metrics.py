@@ -8,6 +8,8 @@ went away, and only it sees one request across the replicas it moved through.
 
 from __future__ import annotations
 
+import bisect
+
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from scheduler.outputs import SchedulerStats
@@ -137,7 +139,20 @@ class RequestMetrics:
         # Every reason's series exists from the start (see ReplicaMetrics._export_zeros).
         for reason in FINISH_REASONS:
             self.requests._record(0.0, tags={"finish_reason": reason})
+        # The same figures kept here too, for the ingress's own /metrics page (Ray's exporter
+        # cannot be read back).
+        self.finished: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        self.e2e_buckets = list(_E2E_BUCKETS)
+        self.e2e_counts = [0] * len(_E2E_BUCKETS)  # per bucket, not cumulative
+        self.e2e_sum = 0.0
+        self.e2e_count = 0
 
     def record_finished(self, finish_reason: str, e2e: float) -> None:
         self.requests.inc(1, tags={"finish_reason": finish_reason})
         self.e2e.observe(e2e)
+        self.finished[finish_reason] = self.finished.get(finish_reason, 0) + 1
+        self.e2e_sum += e2e
+        self.e2e_count += 1
+        bucket = bisect.bisect_left(self.e2e_buckets, e2e)
+        if bucket < len(self.e2e_counts):
+            self.e2e_counts[bucket] += 1

@@ -26,6 +26,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from cluster.fleet_view import register
 from cluster.outcomes import subscribe
 from router.config import RoutingConfig
 from router.fleet import FleetState
@@ -53,7 +54,12 @@ class FleetRouter(RequestRouter):
         self.clock: Callable[[], float] = time.monotonic
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve routes on, once known
         subscribe(self)
+        register(self)
         logger.info("FleetRouter for %s: %s", self._deployment_id, config)
+
+    def replica_reports(self) -> dict[str, RoutingStats]:
+        """Each live replica's latest report (the ingress's /metrics page shows them)."""
+        return self.fleet.reports()
 
     def post_outcome(self, internal_request_id: str, ok: bool) -> None:
         """Hand a request's outcome to the routing loop (callers run on another thread)."""

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from deploy.config import AppConfig
 from deploy.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError
+from deploy.fields import Ignored, UnknownFields, check_fields
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -63,16 +64,31 @@ async def _chunks(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def parse_body(raw: bytes, schema: type[M], max_messages: int) -> M:
-    """The validated body (400 naming the field if not); a large one is parsed on a thread."""
+async def parse_body(
+    raw: bytes,
+    schema: type[M],
+    max_messages: int,
+    unknown_fields: UnknownFields = "reject",
+    ignored: Ignored | None = None,
+) -> M:
+    """The validated body (400 naming the field if not); a large one is parsed on a thread.
+
+    A field the schema does not implement is a 400 naming it, or, under unknown_fields: ignore,
+    dropped and added to `ignored` (deploy/fields.py)."""
+    ignored = ignored if ignored is not None else Ignored()
     if len(raw) > PARSE_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(_parsed, raw, schema, max_messages)
-    return _parsed(raw, schema, max_messages)
+        return await asyncio.to_thread(_parsed, raw, schema, max_messages, unknown_fields, ignored)
+    return _parsed(raw, schema, max_messages, unknown_fields, ignored)
 
 
-def _parsed(raw: bytes, schema: type[M], max_messages: int) -> M:
+def _parsed(
+    raw: bytes, schema: type[M], max_messages: int, mode: UnknownFields, ignored: Ignored
+) -> M:
+    data = _json_object(raw)
+    found = check_fields(data, schema, mode)
+    ignored.paths, ignored.count = found.paths, found.count
     try:
-        return schema.model_validate(_json_object(raw), context={"max_messages": max_messages})
+        return schema.model_validate(data, context={"max_messages": max_messages})
     except RecursionError:
         raise BadRequestError("Request body is nested too deeply.", code="invalid_json") from None
 

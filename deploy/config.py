@@ -172,6 +172,13 @@ class AppConfig:
         le=1 << 20,
     )
     max_stop_string_chars: int = setting(1024, "longest stop string accepted", ge=1)
+    unknown_fields: str = setting(
+        "reject",
+        "a request field the server does not implement (unknown, or OpenAI's but not "
+        "implemented): `reject` answers 400 naming it; `ignore` drops it and lists it in the "
+        "`x-raylm-ignored-fields` response header",
+        choices=("reject", "ignore"),
+    )
     # Resources and placement (one bundle for the replica, one per TP worker when TP > 1).
     replica_num_cpus: float = setting(1.0, "CPUs of the replica's bundle", ge=0, le=MAX_BUNDLE_CPUS)
     worker_num_cpus: float = setting(

@@ -177,7 +177,7 @@ class Choice:
 
     async def _migrating(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
         text_stream = self.frontend.text_stream(
-            self.request.prompt_token_ids, self.request.sampling_params.stop
+            self.request.prompt_token_ids, self.request.sampling_params
         )
         budget = MigrationBudget(self.request.request_id, self.max_migrations)
         while True:
@@ -227,7 +227,7 @@ class Choice:
                 handed_back = out.finished and out.finish_reason == "abort"
                 finished = out.finished and not handed_back
                 # Usage counts every token generated, including those past a stop string's cut.
-                sent = text_stream.feed(tokens, finished)
+                sent = text_stream.feed(tokens, finished, finished and out.finish_reason == "stop")
                 finish = (
                     "stop" if text_stream.stopped else (out.finish_reason if finished else None)
                 )

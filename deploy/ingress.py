@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster.fleet_view import replica_reports
 from cluster.metrics import RequestMetrics
+from deploy import metrics_page
 from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
 from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import (
@@ -32,6 +34,7 @@ from deploy.errors import (
     error_event,
     error_response,
 )
+from deploy.fields import Ignored
 from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams, with_deadline
 from deploy.logprobs import (
     TokenTexts,
@@ -43,6 +46,13 @@ from deploy.logprobs import (
 )
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
 from deploy.tenants import TenantLimiter
+from deploy.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+    tokenize_response,
+)
 from deploy.tools import (
     DeclaredTools,
     ToolCallParser,
@@ -183,6 +193,24 @@ class OpenAIIngress:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
+    @app.get("/metrics")
+    async def prometheus_metrics(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except Exception as exc:
+            return error_response(exc)
+        in_flight = sum(self._tenants.in_flight.values())
+        page = metrics_page.render(self.metrics, replica_reports(), in_flight)
+        return Response(page, media_type=metrics_page.CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize_route(self, request: Request) -> Response:
+        return await self._serve(request, TokenizeRequest, self._tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(self, request: Request) -> Response:
+        return await self._serve(request, DetokenizeRequest, self._detokenize_body)
+
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, self._complete)
@@ -199,19 +227,19 @@ class OpenAIIngress:
             lease = self._tenants.admit(profile.tenant if profile is not None else "default")
         except Exception as exc:
             return error_response(exc)
+        ignored = Ignored()
         try:
-            body = await self._parse(request, schema, profile)
+            body = await self._parse(request, schema, profile, ignored)
             response = await answer(body, lease.tenant)
         except Exception as exc:
             response = error_response(exc)
         except BaseException:  # cancelled: the client is gone
             lease.release()
             raise
+        response.headers.update(ignored.header())
         return lease.hold(response)
 
     async def _complete(self, body: CompletionRequest, tenant: str) -> Response:
-        if body.echo:
-            raise BadRequestError("echo is not supported", param="echo")
         raw_prompts = body.prompts()
         self._check_fanout(len(raw_prompts), body.n)
         prompts = [
@@ -220,9 +248,19 @@ class OpenAIIngress:
             else p
             for p in raw_prompts
         ]
+        k = body.truncate_prompt_tokens
+        if k is not None:
+            prompts = [p[-k:] for p in prompts]
+        echoes = None
+        if body.echo:  # the prompt's text as the model saw it (decoded when given as ids)
+            echoes = [
+                p if isinstance(p, str) and k is None else self.frontend.decode(ids)
+                for p, ids in zip(raw_prompts, prompts)
+            ]
         constraint = await self._check(body.output_constraint())
         choices = await self._choices(body, prompts, body.logprobs, tenant, constraint)
-        return await self._respond(body, choices, chat=False)
+        prefixes = [echoes[c.prompt_index] for c in choices] if echoes is not None else None
+        return await self._respond(body, choices, chat=False, prefixes=prefixes)
 
     async def _chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
         if body.max_completion_tokens is not None:
@@ -262,24 +300,49 @@ class OpenAIIngress:
             + len(json.dumps(tool_args or []))
         )
         prompt = await self._tokenize(
-            functools.partial(self.frontend.encode_chat, tools=tool_args),
+            functools.partial(
+                self.frontend.encode_chat, tools=tool_args, options=body.chat_options()
+            ),
             messages,
             num_chars,
             "messages",
             f"characters (each message counts {MAX_CHARS_PER_TOKEN} besides its content)",
         )
+        if body.truncate_prompt_tokens is not None:
+            prompt = prompt[-body.truncate_prompt_tokens :]
         choices = await self._choices(body, [prompt], body.num_logprobs, tenant, constraint)
         declared = DeclaredTools.of(tools, self._tool_format) if tools else None
         return await self._respond(body, choices, chat=True, tools=declared)
 
+    async def _tokenize_body(self, body: TokenizeRequest, tenant: str) -> Response:
+        messages = [self._message(m) for m in body.messages or []]
+        encode = functools.partial(tokenize, self.frontend, body)
+        ids = await self._tokenize(encode, messages, body.num_chars)
+        max_model_len = await self.max_model_len()
+        return JSONResponse(tokenize_response(self.frontend, body, ids, max_model_len))
+
+    async def _detokenize_body(self, body: DetokenizeRequest, tenant: str) -> Response:
+        max_model_len = await self.max_model_len()
+        if len(body.tokens) > max_model_len:
+            raise BadRequestError(
+                f"tokens: at most max_model_len={max_model_len} ids, got {len(body.tokens)}",
+                param="tokens",
+            )
+        return JSONResponse(await asyncio.to_thread(detokenize, self.frontend, body))
+
     # ---- request -> EngineRequests
     # --------------------------------------------------------------
-    async def _parse(self, request: Request, schema: type, profile: ApiKeyProfile | None) -> Any:
-        """The validated body, its priority capped by the caller's key."""
+    async def _parse(
+        self, request: Request, schema: type, profile: ApiKeyProfile | None, ignored: Ignored
+    ) -> Any:
+        """The validated body, its priority capped by the caller's key; the fields it dropped
+        (unknown_fields: ignore) go in `ignored`."""
         limit = body_limit(self.config, await self.max_model_len())
         raw = await read_body(request, limit, self.config.request_body_timeout_s)
-        body: Any = await parse_body(raw, schema, self.config.max_messages)
-        if body.model != self.config.model_name and body.model != self.config.engine.model:
+        mode: Any = self.config.unknown_fields
+        body: Any = await parse_body(raw, schema, self.config.max_messages, mode, ignored)
+        named = body.model is not None  # /tokenize and /detokenize may leave it out
+        if named and body.model not in (self.config.model_name, self.config.engine.model):
             raise ModelNotFoundError(
                 f"The model `{body.model}` does not exist; this server serves "
                 f"`{self.config.model_name}`.",
@@ -288,7 +351,7 @@ class OpenAIIngress:
             )
         # The tenant and the priority ceiling are the key's; the request's `user` does not choose
         # them.
-        if profile is not None:
+        if profile is not None and hasattr(body, "priority"):  # /tokenize has no priority
             body.priority = max(body.priority, profile.max_priority)
         return body
 
@@ -374,6 +437,7 @@ class OpenAIIngress:
         base_id = f"{kind}-{uuid.uuid4().hex}"
         choices = []
         asked_logprobs = 0
+        bad_words = self.frontend.bad_words_token_ids(body.bad_words or [])
         for p, prompt in enumerate(prompts):
             try:
                 self.frontend.check_token_ids(prompt)
@@ -395,7 +459,7 @@ class OpenAIIngress:
                     param="stop",
                 )
             for i in range(body.n):
-                params = body.sampling_params(max_tokens, logprobs, constraint, choice=i)
+                params = body.sampling_params(max_tokens, logprobs, constraint, i, bad_words)
                 params.check_vocab(self.frontend.info.vocab_size)
                 request = EngineRequest(
                     request_id=f"{base_id}-{p * body.n + i}",
@@ -431,7 +495,9 @@ class OpenAIIngress:
         choices: list[Choice],
         chat: bool,
         tools: DeclaredTools | None = None,
+        prefixes: list[str] | None = None,
     ) -> Response:
+        """prefixes: text each choice begins with (an echoed prompt), before what it generates."""
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
         timeout = self.config.request_timeout_s
         if body.request_timeout_s is not None:
@@ -448,11 +514,13 @@ class OpenAIIngress:
                 return error_response(exc)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._sse_stream(rid, _prepend(first, deltas), chat, include_usage, tools),
+                self._sse_stream(
+                    rid, _prepend(first, deltas), chat, include_usage, tools, prefixes
+                ),
                 media_type="text/event-stream",
             )
         try:
-            return await self._collect(rid, deltas, len(choices), chat, tools)
+            return await self._collect(rid, deltas, len(choices), chat, tools, prefixes)
         except Exception as exc:
             return error_response(exc)
 
@@ -463,8 +531,9 @@ class OpenAIIngress:
         n: int,
         chat: bool,
         tools: DeclaredTools | None,
+        prefixes: list[str] | None = None,
     ) -> Response:
-        texts = [""] * n
+        texts = list(prefixes) if prefixes is not None else [""] * n
         logprobs: list[list] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         tally = UsageTally()
@@ -526,6 +595,7 @@ class OpenAIIngress:
         chat: bool,
         include_usage: bool,
         tools: DeclaredTools | None,
+        prefixes: list[str] | None = None,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = {
@@ -535,6 +605,7 @@ class OpenAIIngress:
             "model": self.config.model_name,
         }
         splits: dict[int, _ChatSplit] = {}
+        unechoed = set(range(len(prefixes))) if prefixes is not None else set()
         tally = UsageTally()
         try:
             async for d in deltas:
@@ -542,10 +613,14 @@ class OpenAIIngress:
                 if d.logprobs:
                     lp = (chat_logprobs if chat else completion_logprobs)(d.logprobs, self._texts)
                 if not chat:
-                    if d.text or lp or d.finish_reason is not None:
+                    text = d.text
+                    if d.index in unechoed and prefixes is not None:  # the echo goes first
+                        unechoed.discard(d.index)
+                        text = prefixes[d.index] + text
+                    if text or lp or d.finish_reason is not None:
                         choice = {
                             "index": d.index,
-                            "text": d.text,
+                            "text": text,
                             "logprobs": lp,
                             "finish_reason": d.finish_reason,
                         }

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from frontend.chat import ChatOptions
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
-from scheduler.sampling_params import MAX_SEED, SamplingParams
+from scheduler.sampling_params import MAX_SEED, MAX_TOKENS, SamplingParams
 from scheduler.structured_output import StructuredOutput
 
-# Documented OpenAI (and vLLM) request fields raylm does not implement: a 400 naming the field
-# beats silently generating something the client did not ask for. Neutral values pass.
+# Documented OpenAI (and vLLM) request fields raylm does not implement, with the values that ask
+# for nothing: those pass, any other is refused naming the field (deploy/fields.py), unless the
+# server's unknown_fields setting is ignore.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -24,6 +26,14 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "guided_decoding_backend": (None,),
     "structural_tag": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,),
+    "prompt_logprobs": (None,),
+    "verbosity": (None,),
+    "moderation": (None,),
+    "prompt_cache_options": (None,),
+    "prompt_cache_retention": (None,),
 }
 MAX_TOOLS = 128
 # The messages of one conversation, as OpenAI (and Azure OpenAI) bound them; the app's
@@ -124,6 +134,11 @@ class ToolCallMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "include_obfuscation": (None, False),
+        "continuous_usage_stats": (None, False),
+    }
+
     include_usage: bool = False
 
 
@@ -131,8 +146,9 @@ class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. The sampling fields are only
     parsed here: SamplingParams owns their bounds, and its ValueError is a 400 naming the field."""
 
-    # OpenAI clients send bookkeeping fields we do not use (metadata, store, ...): ignore those;
-    # fields that would change the output and are not implemented are refused (_UNSUPPORTED).
+    # Every key of a body is checked against these fields before validation (deploy/fields.py):
+    # what is not declared here is refused, or dropped under unknown_fields: ignore.
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field(max_length=1024)
@@ -152,6 +168,10 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=MAX_TENANT_CHARS)
+    # OpenAI's bookkeeping: accepted within OpenAI's bounds, not used.
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    safety_identifier: str | None = Field(default=None, max_length=MAX_TENANT_CHARS)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)  # caching is automatic
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     request_timeout_s: float | None = Field(default=None, gt=0, le=86400)  # raylm extension
     response_format: ResponseFormat | None = None
@@ -162,26 +182,25 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, neutral in _UNSUPPORTED.items():
-                if name in data and not any(
-                    data[name] == v and type(data[name]) is type(v) for v in neutral
-                ):
-                    raise ValueError(f"{name}: not supported by this server")
-        return data
+    # vLLM's sampling and detokenization extensions (bounded by SamplingParams).
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     @model_validator(mode="after")
     def _sampling_bounds(self) -> _SamplingFields:
-        # Built once here, SamplingParams refuses a bad value before any work is done.
+        # Built once here, SamplingParams refuses a bad value before any work is done. Unset,
+        # max_tokens is checked as large enough for min_tokens (the context decides later).
         max_tokens = self.asked_max_tokens
+        if max_tokens is None:
+            floor = self.min_tokens if 0 < self.min_tokens <= MAX_TOKENS else 1
+            max_tokens = max(1, floor)
         try:
-            params = self.sampling_params(
-                1 if max_tokens is None else max_tokens, self.asked_logprobs
-            )
+            params = self.sampling_params(max_tokens, self.asked_logprobs)
             replace(params, n=self.n)  # each choice is one engine request; n bounds the fan-out
         except ValueError as exc:
             name, _, problem = str(exc).partition(":")
@@ -197,8 +216,10 @@ class _SamplingFields(BaseModel):
         logprobs: int | None,
         structured: StructuredOutput | None = None,
         choice: int = 0,
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> SamplingParams:
-        """The SamplingParams of choice `choice` of this request (seeded seed + choice)."""
+        """The SamplingParams of choice `choice` of this request (seeded seed + choice); the
+        bad words' token sequences come from the frontend (Frontend.bad_words_token_ids)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -214,6 +235,14 @@ class _SamplingFields(BaseModel):
             stop=list(self.stop),
             logit_bias=dict(self.logit_bias or {}),
             structured=structured,
+            min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            bad_words=list(self.bad_words or []),
+            bad_words_token_ids=bad_words_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @property
@@ -267,6 +296,14 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
+    # Tools belong to chat: here only their neutral values pass.
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_UNSUPPORTED,
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None,),
+    }
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -275,14 +312,16 @@ class CompletionRequest(_SamplingFields):
     def asked_logprobs(self) -> int | None:
         return self.logprobs
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_tools(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in ("tools", "tool_choice", "parallel_tool_calls"):
-                if data.get(name) not in (None, [], "none"):
-                    raise ValueError(f"{name}: tools are taken by /v1/chat/completions only")
-        return data
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        # Echoed prompt tokens would need their log-probabilities from the prefill, which the
+        # engine does not compute (prompt_logprobs is refused for the same reason).
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo: cannot be combined with logprobs: this server does not compute the "
+                "prompt's log-probabilities"
+            )
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -303,12 +342,43 @@ class CompletionRequest(_SamplingFields):
         return cast(list[str | list[int]], list(p))
 
 
+def bounded_messages(data: Any, info: ValidationInfo) -> Any:
+    """A body's messages counted on the raw JSON, before a single message is validated."""
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list):
+        return data
+    limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
+    if len(messages) > limit:
+        raise ValueError(f"messages: at most {limit} messages, got {len(messages)}")
+    parts = sum(
+        len(m[key])
+        for m in messages
+        if isinstance(m, dict)
+        for key in ("content", "tool_calls")
+        if isinstance(m.get(key), list)
+    )
+    if parts > MAX_MESSAGE_PARTS:
+        raise ValueError(
+            f"messages: at most {MAX_MESSAGE_PARTS} content parts and tool calls over all "
+            f"messages, got {parts}"
+        )
+    return data
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    # What the openai client writes back when a reply's message object is appended as it is.
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "refusal": (None,),
+        "annotations": (None, []),
+        "audio": (None,),
+        "function_call": (None,),
+        "reasoning_content": (None,),
+    }
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -333,30 +403,27 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True  # vLLM extensions: how the template renders the chat
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_options_valid(self) -> ChatCompletionRequest:
+        self.chat_options()
+        return self
+
+    def chat_options(self) -> ChatOptions:
+        """How the conversation is rendered (ValueError naming the field when it cannot be)."""
+        return ChatOptions(
+            self.add_generation_prompt,
+            self.continue_final_message,
+            dict(self.chat_template_kwargs or {}),
+        )
 
     @model_validator(mode="before")
     @classmethod
     def _bounded_messages(cls, data: Any, info: ValidationInfo) -> Any:
-        """Counted on the raw JSON, before a single message is validated."""
-        messages = data.get("messages") if isinstance(data, dict) else None
-        if not isinstance(messages, list):
-            return data
-        limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
-        if len(messages) > limit:
-            raise ValueError(f"messages: at most {limit} messages, got {len(messages)}")
-        parts = sum(
-            len(m[key])
-            for m in messages
-            if isinstance(m, dict)
-            for key in ("content", "tool_calls")
-            if isinstance(m.get(key), list)
-        )
-        if parts > MAX_MESSAGE_PARTS:
-            raise ValueError(
-                f"messages: at most {MAX_MESSAGE_PARTS} content parts and tool calls over all "
-                f"messages, got {parts}"
-            )
-        return data
+        return bounded_messages(data, info)
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:

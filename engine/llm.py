@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.executor import Executor, ExecutorFactory, local_executor
+from frontend.chat import ChatOptions
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
@@ -130,12 +131,19 @@ class LLM:
         conversations: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationOutput]:
         """Reply to each conversation (a list of {"role", "content"} messages) via the chat
-        template."""
+        template: a new assistant turn, or (continue_final_message) the last message continued;
+        chat_template_kwargs are variables the template reads (`enable_thinking`)."""
         batch = [conversations] if _is_one_conversation(conversations) else conversations
-        texts = [self.frontend.render_chat(c) for c in batch]
-        token_ids = [self.frontend.encode_chat(c) for c in batch]
+        options = ChatOptions(
+            add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {})
+        )
+        texts = [self.frontend.render_chat(c, options=options) for c in batch]
+        token_ids = [self.frontend.encode_chat(c, options=options) for c in batch]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
     def _run(
@@ -145,7 +153,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[GenerationOutput]:
-        params = _params_per_prompt(sampling_params, len(token_ids))
+        params = [
+            self.frontend.prepare(sp) for sp in _params_per_prompt(sampling_params, len(token_ids))
+        ]
+        token_ids = [self.frontend.truncate(ids, sp) for ids, sp in zip(token_ids, params)]
         for constraint in {sp.structured for sp in params if sp.structured is not None}:
             self._grammars.check(constraint)  # a bad grammar is the caller's ValueError, now
         outputs: dict[str, GenerationOutput] = {}
@@ -161,7 +172,7 @@ class LLM:
                         rid, prompt, ids, logprobs=[] if sp.logprobs is not None else None
                     )
                     # The text is built as the served one is, so stop strings cut it at once.
-                    texts[rid] = self.frontend.text_stream(ids, sp.stop)
+                    texts[rid] = self.frontend.text_stream(ids, sp)
                 while live:
                     finished = self._step(outputs, texts)
                     live -= finished
@@ -184,7 +195,7 @@ class LLM:
             if out.logprobs is not None and ro.new_logprobs:
                 out.logprobs.extend(ro.new_logprobs)
             text = texts[ro.request_id]
-            text.feed(ro.new_token_ids, ro.finished)
+            text.feed(ro.new_token_ids, ro.finished, ro.finished and ro.finish_reason == "stop")
             if text.stopped or ro.finished:
                 if not ro.finished:
                     self.engine.abort_requests([ro.request_id])

@@ -9,12 +9,103 @@ renders (names, ids, tool arguments and schemas) may not contain a control token
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 Render = Callable[[Sequence[dict[str, Any]], "list[dict[str, Any]] | None"], str]
+
+# chat_template_kwargs: a few named flags (`enable_thinking`) for the template, not a second body.
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARGS_BYTES = 4096
+_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# Names the renderer or the template already binds: a kwarg may not replace them (a second
+# `messages` would be a TypeError, a `bos_token` a forged control token).
+_RESERVED = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+        "raise_exception",
+        "strftime_now",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a conversation is rendered: the assistant's turn opened, or the last message continued,
+    and the extra variables the template reads (`enable_thinking`). Checked where built."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "continue_final_message: needs add_generation_prompt false (the last message is "
+                "continued, no new turn is opened)"
+            )
+        kwargs = self.template_kwargs
+        if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(
+                f"chat_template_kwargs: must be an object of at most {MAX_TEMPLATE_KWARGS} names"
+            )
+        for name in kwargs:
+            if not isinstance(name, str) or not _KWARG_NAME.fullmatch(name):
+                raise ValueError("chat_template_kwargs: names must be identifiers of 1-64 chars")
+            if name in _RESERVED:
+                raise ValueError(f"chat_template_kwargs: {name} is set by the server")
+        try:
+            size = len(json.dumps(kwargs, allow_nan=False))
+        except (ValueError, TypeError, RecursionError):
+            raise ValueError("chat_template_kwargs: values must be finite JSON") from None
+        if size > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(
+                f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON, "
+                f"got {size}"
+            )
+
+    def check(self, messages: Sequence[dict[str, Any]], controls: Sequence[str]) -> None:
+        """ValueError unless these messages can be rendered with these options."""
+        if self.continue_final_message:
+            last = messages[-1] if messages else {}
+            if not (isinstance(last.get("content"), str) and last["content"]):
+                raise ValueError("continue_final_message: the last message must have text")
+        for where, text in _strings("chat_template_kwargs", self.template_kwargs):
+            if _holds_control(text, controls):
+                raise ValueError(f"{where}: must not contain a control token of the chat template")
+
+
+DEFAULT_CHAT = ChatOptions()
 
 
 def control_texts(tokenizer: Any) -> tuple[str, ...]:

@@ -32,9 +32,12 @@ class IncrementalDetokenizer:
         tokenizer: Any,
         prompt_token_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Only slow (Python) tokenizers read it; fast ones join special tokens as they are.
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.ids: list[int] = list((prompt_token_ids or [])[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -46,7 +49,11 @@ class IncrementalDetokenizer:
         return "".join(self._deltas)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if self.spaces_between_special_tokens:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, spaces_between_special_tokens=False
+        )
 
     def add(self, token_ids: list[int]) -> str:
         """Append token ids; return the newly complete text (may be empty)."""
@@ -87,6 +94,7 @@ class StopMatcher:
     """
 
     stops: list[str]
+    include_stop: bool = False  # the text ends after the stop string instead of before it
     stopped: bool = False
     _hold: int = field(init=False, default=0)
     _sent: list[str] = field(init=False, default_factory=list)
@@ -120,7 +128,10 @@ class StopMatcher:
         completing at the same character): the cut depends on the text, never on how it was
         split into deltas."""
         hits = [(i + len(s), i) for s in self.stops if (i := window.find(s)) != -1]
-        return min(hits)[1] if hits else None
+        if not hits:
+            return None
+        end, start = min(hits)
+        return end if self.include_stop else start
 
 
 @dataclass(slots=True)
@@ -131,13 +142,18 @@ class TextStream:
     detokenizer: IncrementalDetokenizer
     matcher: StopMatcher
 
-    def feed(self, token_ids: list[int], finished: bool) -> str:
+    # False: a generation that ends on a stop token (EOS, a stop id) leaves that token's text out.
+    include_stop_token: bool = True
+
+    def feed(self, token_ids: list[int], finished: bool, stop_token: bool = False) -> str:
         """The text safe to emit after these tokens; `stopped` turns True at a stop string.
 
         finished flushes what is held back (a truncated character, a possible stop string's
         start): only the generation's real end may do that, never a hand-back to another
-        replica, where the text goes on.
+        replica, where the text goes on. stop_token: the last of token_ids ended the generation.
         """
+        if stop_token and not self.include_stop_token:
+            token_ids = token_ids[:-1]
         delta = self.detokenizer.add(token_ids)
         if finished:
             delta += self.detokenizer.flush()

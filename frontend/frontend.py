@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from frontend.chat import control_texts, encode_chat
+from frontend.chat import DEFAULT_CHAT, ChatOptions, control_texts, encode_chat
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
 from scheduler.block_manager import hash_prompt_blocks
+from scheduler.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from workers.model_files import context_limit_of, max_model_len_of, resolve_model
 from workers.options import DEFAULT_CACHE_DIR
 
@@ -98,9 +100,13 @@ class Frontend:
         return template or FALLBACK_CHAT_TEMPLATE
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions = DEFAULT_CHAT,
     ) -> str:
-        """The conversation through the model's chat template, ready for the assistant's turn."""
+        """The conversation through the model's chat template, ready for the assistant's turn
+        (or continuing the last assistant message, as options ask)."""
         template = (
             None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         )
@@ -109,15 +115,28 @@ class Frontend:
             chat_template=template,
             tools=tools,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **options.template_kwargs,
         )
 
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions = DEFAULT_CHAT,
     ) -> list[int]:
         """A chat prompt: the template emits its own specials, so the tokenizer adds none; the
         messages' content is text, whatever control tokens it spells (frontend/chat.py)."""
-        return encode_chat(self.tokenizer, self.render_chat, self._controls, messages, tools)
+        options.check(messages, self._controls)
+
+        def render(msgs: Sequence[dict[str, Any]], tls: list[dict[str, Any]] | None) -> str:
+            try:
+                return self.render_chat(msgs, tls, options)
+            except TemplateError as exc:  # the template's own raise_exception, or a bad use of it
+                raise ValueError(f"messages: the chat template refused them: {exc}") from None
+
+        return encode_chat(self.tokenizer, render, self._controls, messages, tools)
 
     def check_token_ids(self, token_ids: Sequence[int], field_name: str = "prompt") -> None:
         """ValueError unless every id is in the vocabulary (one bad id would fail a whole batch)."""
@@ -129,11 +148,49 @@ class Frontend:
                 f"{field_name}: token ids must be in [0, {self.info.vocab_size}), got {low}..{high}"
             )
 
-    def text_stream(self, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> TextStream:
-        """Incremental text of one generation, cut at the first stop string."""
-        return TextStream(
-            IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids)), StopMatcher(list(stop))
+    def text_stream(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> TextStream:
+        """Incremental text of one generation, cut at the first stop string, decoded as params
+        ask (special tokens, the stop string or stop token kept or not)."""
+        params = params if params is not None else SamplingParams()
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            list(prompt_token_ids),
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
         )
+        matcher = StopMatcher(list(params.stop), params.include_stop_str_in_output)
+        return TextStream(detokenizer, matcher, params.include_stop_str_in_output)
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each banned word as the token sequences that spell it: alone, and after a space (the
+        way a word usually follows another); duplicates once."""
+        found: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise ValueError(
+                        f"bad_words: a word encodes to more than {MAX_BAD_WORD_TOKENS} tokens"
+                    )
+                if ids:
+                    found.setdefault(ids)
+        return [list(ids) for ids in found]
+
+    def prepare(self, params: SamplingParams) -> SamplingParams:
+        """params with its bad words encoded for this model's tokenizer, checked against its
+        vocabulary."""
+        if params.bad_words and not params.bad_words_token_ids:
+            params = replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        params.check_vocab(self.info.vocab_size)
+        return params
+
+    @staticmethod
+    def truncate(token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (all of it when unset)."""
+        k = params.truncate_prompt_tokens
+        return token_ids if k is None or k >= len(token_ids) else token_ids[-k:]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -122,6 +122,10 @@ class FleetState:
         if stats.prefix is not None:
             self.index.sync_replica(replica, stats.prefix, now, self.config.stats_grace_s)
 
+    def reports(self) -> dict[str, RoutingStats]:
+        """Each live replica's latest report, as this router last applied it."""
+        return dict(self._stats_seen)
+
     def remove_replica(self, replica: str) -> bool:
         """Forget a dead or removed replica at once: its load, its requests, its index entries.
 

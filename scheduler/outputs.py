@@ -21,6 +21,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit) before this step
     output_token_ids: list[int] = field(default_factory=list)  # a resumed request's earlier outputs
+    eos_token_ids: tuple[int, ...] = ()  # masked with stop_token_ids until min_tokens outputs
 
 
 @dataclass(slots=True)

@@ -20,6 +20,11 @@ MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; the engine checks agai
 MAX_TOKENS = 2**31 - 1  # positions are 32-bit; the engine checks against max_model_len
 MAX_N = 128
 MAX_LOGIT_BIAS = 300
+# Banned words (vLLM's bad_words): each word is checked against every row's outputs at every
+# step, so their number and length are bounded; a word becomes one or two token sequences.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 256
 # OpenAI's range (vLLM's too). A smaller positive temperature is greedy: dividing float32 logits
 # by it would overflow them (1e-46 is 0 in float32).
 MAX_TEMPERATURE = 2.0
@@ -70,10 +75,22 @@ class SamplingParams:
     n: int = 1  # parallel samples: the frontends fan a request out into n engine requests
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured: StructuredOutput | None = None  # the output must match this constraint
+    # EOS and stop_token_ids cannot be sampled before this many outputs (vLLM's min_tokens).
+    min_tokens: int = 0
+    # Words that must never complete in the output: the frontend encodes each into token
+    # sequences (bad_words_token_ids), whose last token the sampler masks when the outputs end
+    # with the rest of the sequence.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text)
+    skip_special_tokens: bool = True  # detokenization drops special tokens' text
+    spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_lists()
+        self._check_extensions()
 
     def _check_numbers(self) -> None:
         _check(
@@ -193,6 +210,63 @@ class SamplingParams:
                 f"bias of token {token} must be in [-100, 100], got {_shown(bias)}",
             )
 
+    def _check_extensions(self) -> None:
+        """vLLM's sampling and detokenization extensions."""
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be an integer in [0, max_tokens={self.max_tokens}], "
+            f"got {_shown(self.min_tokens)}",
+        )
+        _check(
+            not (self.min_tokens and self.structured is not None),
+            "min_tokens",
+            "cannot be combined with a structured output constraint (or tools)",
+        )
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"must be true or false, got {_shown(value)}")
+        value = self.spaces_between_special_tokens
+        _check(
+            isinstance(value, bool),
+            "spaces_between_special_tokens",
+            f"must be true or false, got {_shown(value)}",
+        )
+        _check(
+            self.truncate_prompt_tokens is None
+            or (
+                _is_int(self.truncate_prompt_tokens)
+                and 1 <= self.truncate_prompt_tokens <= MAX_TOKENS
+            ),
+            "truncate_prompt_tokens",
+            f"must be an integer in [1, 2^31), got {_shown(self.truncate_prompt_tokens)}",
+        )
+        _check(
+            isinstance(self.bad_words, list)
+            and len(self.bad_words) <= MAX_BAD_WORDS
+            and all(
+                isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS
+                for w in self.bad_words
+            ),
+            "bad_words",
+            f"must be at most {MAX_BAD_WORDS} non-blank strings of at most "
+            f"{MAX_BAD_WORD_CHARS} characters",
+        )
+        ids = self.bad_words_token_ids
+        _check(
+            isinstance(ids, list)
+            and len(ids) <= 2 * MAX_BAD_WORDS
+            and all(
+                isinstance(seq, list)
+                and 1 <= len(seq) <= MAX_BAD_WORD_TOKENS
+                and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in seq)
+                for seq in ids
+            ),
+            "bad_words",
+            f"token sequences: at most {2 * MAX_BAD_WORDS} of 1 to {MAX_BAD_WORD_TOKENS} token "
+            "ids >= 0",
+        )
+
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError unless every token id and top_k fit the model's vocabulary."""
         _check(
@@ -203,6 +277,7 @@ class SamplingParams:
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias)),
+            ("bad_words", [t for seq in self.bad_words_token_ids for t in seq]),
         ):
             _check(
                 all(t < vocab_size for t in ids),

@@ -340,6 +340,7 @@ class Scheduler:
                     step.new_blocks[rid],
                     step.start[rid],
                     list(req.output_token_ids),
+                    req.eos_token_ids,
                 )
             )
             req.known_to_runner = True

@@ -304,7 +304,11 @@ class ModelRunner:
         for new in out.scheduled_new_reqs:
             try:
                 sampling = SamplingState.create(
-                    new.sampling_params, new.prompt_token_ids, self.device, new.output_token_ids
+                    new.sampling_params,
+                    new.prompt_token_ids,
+                    self.device,
+                    new.output_token_ids,
+                    new.eos_token_ids,
                 )
                 self._start_constraint(new.req_id, new.sampling_params)
             except Exception as exc:

@@ -8,6 +8,7 @@ E ~ Exp(1)), which samples exactly from p and lets each seeded row own its noise
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -15,6 +16,7 @@ import torch
 
 from scheduler.outputs import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
+from workers.bans import Bans, apply_bans
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class SamplingState:
     # step never recounts a whole sequence nor builds a vocabulary-wide row per request.
     seen: dict[int, int] | None = None
     num_counted: int = 0  # outputs already folded into `seen`
+    bans: Bans | None = None  # min_tokens and bad_words: tokens masked before each draw
 
     @classmethod
     def create(
@@ -43,6 +46,7 @@ class SamplingState:
         prompt_token_ids: list[int],
         device: torch.device,
         output_token_ids: list[int] | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> SamplingState:
         """Fresh state (a resumed request brings its earlier outputs); a seeded one gets a
         generator."""
@@ -50,7 +54,13 @@ class SamplingState:
         if params.seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed)
-        return cls(params, list(prompt_token_ids), list(output_token_ids or []), generator)
+        return cls(
+            params,
+            list(prompt_token_ids),
+            list(output_token_ids or []),
+            generator,
+            bans=Bans.of(params, eos_token_ids),
+        )
 
     @property
     def has_penalties(self) -> bool:
@@ -169,6 +179,8 @@ class Sampler:
         raw_logprobs = raw.log_softmax(dim=-1) if wants_logprobs else None
         if any(s.params.logit_bias for s in states):
             logits = apply_logit_bias(logits, states)
+        if any(s.bans is not None for s in states):
+            logits = apply_bans(logits, [(s.bans, s.output_token_ids) for s in states])
         if not wants_logprobs and all(s.params.greedy and not s.has_penalties for s in states):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
 

@@ -4,7 +4,8 @@ with its 4xx, the ingress goes on serving everyone else, and nothing is restarte
 
 `tiny` is the shared test app (conftest); `gated` is a second copy of the tiny model served here
 with tenant keys, a one-request cap per tenant, a short body deadline, a small logprob budget and
-the 16 MiB body cap that was the default before the cap followed the context.
+the 16 MiB body cap that was the default before the cap followed the context. It runs
+`unknown_fields: ignore`: fields it does not implement are dropped and named in a header.
 """
 
 import asyncio
@@ -62,6 +63,7 @@ def gated_url(ray_cluster, http_port, tiny_model_dir):
         "request_body_timeout_s": BODY_TIMEOUT_S,
         "max_logprob_entries": LOGPROB_BUDGET,
         "max_request_body_bytes": 16 << 20,
+        "unknown_fields": "ignore",
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
     }
@@ -135,6 +137,28 @@ async def _beside_a_small_request(
         (r, took), neighbour = await asyncio.gather(hostile(), small)
     assert neighbour.status_code == 200, neighbour.text[:500]
     return r, took
+
+
+# ---- unknown fields under `ignore` -------------------------------------------------------------
+IGNORED = "x-raylm-ignored-fields"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_fields_under_ignore_are_dropped_and_named_in_a_header(gated, stream):
+    body = {"model": TINY, "max_tokens": 2, "stream": stream, "frobnicate": 1, "best_of": 3}
+    body["messages"] = [{"role": "user", "content": "Hi", "mood": "odd"}]
+    r = gated.post("/chat/completions", json=body)
+    assert r.status_code == 200, r.text[:500]
+    assert r.headers[IGNORED] == "frobnicate, best_of, messages.0.mood"
+    r = gated.post("/completions", json={"model": TINY, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and IGNORED not in r.headers
+
+
+def test_a_flood_of_unknown_fields_gets_a_bounded_header(gated):
+    body = {"model": TINY, "prompt": "Hi", "max_tokens": 2, **{f"k{i}": i for i in range(100_000)}}
+    r = gated.post("/completions", json=body)
+    assert r.status_code == 200, r.text[:500]
+    assert len(r.headers[IGNORED]) < 2000 and r.headers[IGNORED].endswith("more")
 
 
 # ---- message floods ----------------------------------------------------------------------------

@@ -48,6 +48,32 @@ FIELDS = [
     "metadata",
     "request_timeout_s",
     "no_such_field",
+    # vLLM's extensions and the fields refused by name
+    "min_tokens",
+    "stop_token_ids",
+    "bad_words",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "store",
+]
+TOKENIZE_FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "tokens",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "return_token_strs",
+    "no_such_field",
 ]
 HOSTILE_NUMBERS = [
     2**63,
@@ -99,7 +125,7 @@ RAW_BODIES = [
     b'{"model": "' + TINY.encode() + b'", "prompt": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",
     b'{"model": "' + TINY.encode() + b'", "prompt": "' + b"a" * (17 << 20) + b'"}',
 ]
-seen = {"cases": 0, "5xx": 0}
+seen = {"cases": 0, "5xx": 0, "slowest_s": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +143,7 @@ def replica_before(tiny_url):
 
 def _check_answer(r: httpx.Response) -> None:
     seen["cases"] += 1
+    seen["slowest_s"] = max(seen["slowest_s"], r.elapsed.total_seconds())
     seen["5xx"] += r.status_code >= 500
     assert r.status_code < 500 and r.status_code in (200, 400, 404, 408, 413, 422), (
         r.status_code,
@@ -165,6 +192,64 @@ def test_fuzzed_fields_get_2xx_or_4xx_and_the_server_keeps_serving(
     _still_serving(tiny)
 
 
+# In-range values of the extensions, so that they reach the sampler and the detokenizer.
+EXTENSIONS = st.fixed_dictionaries(
+    {},
+    optional={
+        "min_tokens": st.integers(0, 3),
+        "stop_token_ids": st.lists(st.integers(0, 49151), max_size=64),
+        "bad_words": st.lists(st.text(min_size=1, max_size=12), max_size=16),
+        "include_stop_str_in_output": st.booleans(),
+        "skip_special_tokens": st.booleans(),
+        "spaces_between_special_tokens": st.booleans(),
+        "truncate_prompt_tokens": st.integers(1, 8),
+        "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
+        "ignore_eos": st.booleans(),
+        "stream": st.booleans(),
+    },
+)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(chat=st.booleans(), echo=st.booleans(), fields=EXTENSIONS)
+def test_fuzzed_extension_values_are_served(tiny, replica_before, chat, echo, fields):
+    base = (
+        {"model": TINY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        if chat
+        else {"model": TINY, "prompt": "Hi there, how", "max_tokens": 3, "echo": echo}
+    )
+    r = tiny.post("/chat/completions" if chat else "/completions", json={**base, **fields})
+    _check_answer(r)
+    blank = any(not w.strip() for w in fields.get("bad_words", []))
+    assert r.status_code == 200 or blank, r.text[:500]
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    path=st.sampled_from(["/tokenize", "/detokenize"]),
+    fields=st.dictionaries(st.sampled_from(TOKENIZE_FIELDS), VALUES, min_size=1, max_size=4),
+)
+def test_fuzzed_tokenize_bodies_get_2xx_or_4xx(tiny, replica_before, path, fields):
+    base = {"prompt": "Hi"} if path == "/tokenize" else {"tokens": [1, 2]}
+    root = str(tiny.base_url).rstrip("/").removesuffix("/v1")
+    r = tiny.post(
+        root + path,
+        content=json.dumps({**base, **fields}),
+        headers={"content-type": "application/json"},
+    )
+    _check_answer(r)
+
+
 @pytest.mark.parametrize(
     "raw",
     RAW_BODIES,
@@ -181,7 +266,10 @@ def test_the_replica_was_never_restarted(tiny, replica_before):
     # Runs after the fuzz cases above (file order): the same replica actor served them all.
     assert replica_stats("tiny")["replica"] == replica_before
     assert seen["5xx"] == 0
-    print(f"hostile-input cases: {seen['cases']}, 5xx: {seen['5xx']}")
+    print(
+        f"hostile-input cases: {seen['cases']}, 5xx: {seen['5xx']}, "
+        f"slowest: {seen['slowest_s']:.2f} s"
+    )
 
 
 def test_a_burst_past_the_queue_limit_is_refused_not_dropped(tiny_url):

@@ -1,0 +1,37 @@
+"""The replicas' latest reports as the fleet routers of this process hold them.
+
+The ingress's /metrics page shows them, so a scraper sees the replicas' queues and KV usage on the
+HTTP port without reaching Ray's per-node metrics ports. Like cluster/outcomes.py, this module
+must stay importable by reference: Serve ships the router class by value.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+from router.stats import RoutingStats
+
+
+class FleetSource(Protocol):
+    def replica_reports(self) -> dict[str, RoutingStats]: ...
+
+
+# Held weakly: Serve owns the routers.
+_SOURCES: weakref.WeakSet[FleetSource] = weakref.WeakSet()
+
+
+def register(source: FleetSource) -> None:
+    """Let replica_reports() read source's reports (a router of this process)."""
+    _SOURCES.add(source)
+
+
+def replica_reports() -> dict[str, RoutingStats]:
+    """Each replica's latest report known in this process (empty under Serve's own router)."""
+    reports: dict[str, RoutingStats] = {}
+    for source in list(_SOURCES):
+        try:
+            reports.update(source.replica_reports())
+        except RuntimeError:  # changed while copied on the router's thread: next scrape has it
+            continue
+    return reports

@@ -1,0 +1,67 @@
+"""GET /metrics on the HTTP port: what the ingress sees, as Prometheus text (format 0.0.4).
+
+The ingress's own figures (finished choices by reason, end-to-end latency, requests in flight)
+and each replica's latest report as this ingress's fleet router holds it (queues, KV usage,
+prefix hits, state). Ray's export (ray_raylm_* on every node's metrics port) stays as it was;
+these carry no `ray_` prefix. With several ingress replicas, each page is one ingress's view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cluster.metrics import RequestMetrics
+from router.stats import ReplicaState, RoutingStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_REPLICA_GAUGES = (
+    ("raylm_num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("raylm_num_requests_running", "num_running", "Requests in the running batch."),
+    ("raylm_num_requests_swapped", "num_swapped", "Requests swapped out to the CPU pool."),
+    ("raylm_kv_cache_usage", "kv_cache_usage", "Fraction of GPU KV blocks in use (0-1)."),
+    ("raylm_prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prefix-cache hit rate (0-1)."),
+    ("raylm_num_free_blocks", "num_free_blocks", "Free KV blocks."),
+)
+
+
+def render(metrics: RequestMetrics, reports: dict[str, RoutingStats], in_flight: int) -> str:
+    """The whole page."""
+    return "".join(f"{line}\n" for line in _lines(metrics, reports, in_flight))
+
+
+def _lines(
+    metrics: RequestMetrics, reports: dict[str, RoutingStats], in_flight: int
+) -> Iterator[str]:
+    yield from _head("raylm_requests_total", "counter", "Finished choices by finish reason.")
+    for reason, count in sorted(metrics.finished.items()):
+        yield f'raylm_requests_total{{finish_reason="{_label(reason)}"}} {count}'
+    yield from _head("raylm_e2e_seconds", "histogram", "Latency of each choice at the ingress.")
+    cumulative = 0
+    for bound, count in zip(metrics.e2e_buckets, metrics.e2e_counts):
+        cumulative += count
+        yield f'raylm_e2e_seconds_bucket{{le="{bound:g}"}} {cumulative}'
+    yield f'raylm_e2e_seconds_bucket{{le="+Inf"}} {metrics.e2e_count}'
+    yield f"raylm_e2e_seconds_sum {metrics.e2e_sum!r}"
+    yield f"raylm_e2e_seconds_count {metrics.e2e_count}"
+    yield from _head("raylm_ingress_requests_in_flight", "gauge", "HTTP requests being served.")
+    yield f"raylm_ingress_requests_in_flight {in_flight}"
+    yield from _head("raylm_replicas", "gauge", "Replicas known to the router, by state.")
+    states = [r.state.value for r in reports.values()]
+    for state in ReplicaState:
+        yield f'raylm_replicas{{state="{state.value}"}} {states.count(state.value)}'
+    for name, attr, doc in _REPLICA_GAUGES:
+        yield from _head(name, "gauge", doc)
+        for replica, report in sorted(reports.items()):
+            value = getattr(report.scheduler, attr)
+            yield f'{name}{{replica="{_label(replica)}"}} {float(value)!r}'
+
+
+def _head(name: str, kind: str, doc: str) -> Iterator[str]:
+    yield f"# HELP {name} {doc}"
+    yield f"# TYPE {name} {kind}"
+
+
+def _label(value: str) -> str:
+    """A label value escaped as the text format asks."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
