@@ -28,6 +28,8 @@ MIN_TEMPERATURE = 1e-5
 # float32 logits stay finite (a penalty that rounds to 0 in float32 would make them inf or NaN).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+# How an embedding request pools the final hidden states of its prompt.
+POOLINGS = ("last", "mean")
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -70,10 +72,28 @@ class SamplingParams:
     n: int = 1  # parallel samples: the frontends fan a request out into n engine requests
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured: StructuredOutput | None = None  # the output must match this constraint
+    # An embedding request: the prompt's final hidden states pooled ("last" token or "mean"),
+    # returned with the one token the request samples (RequestOutput.pooled).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_lists()
+        self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        _check(
+            self.pooling in POOLINGS,
+            "pooling",
+            f"must be one of {list(POOLINGS)}, got {_shown(self.pooling)}",
+        )
+        _check(
+            self.max_tokens == 1 and self.structured is None and self.logprobs is None,
+            "pooling",
+            "an embedding request samples one token, with no constraint and no logprobs",
+        )
 
     def _check_numbers(self) -> None:
         _check(
