@@ -133,7 +133,9 @@ class EngineCore:
             # written: later steps would read garbage or stall, so the engine stays failed.
             self.failure = exc
             raise
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return _with_pooled(
+            self.scheduler.update_from_output(scheduler_output, runner_output), runner_output
+        )
 
     def _step_overlapped(self, pipeline: StepPipeline) -> list[RequestOutput]:
         """Async scheduling: launch the next step, then wait for the one in flight and return its
@@ -148,7 +150,9 @@ class EngineCore:
         except BaseException as exc:
             self.failure = exc  # as in a synchronous step; the pipeline runs no later step
             raise
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return _with_pooled(
+            self.scheduler.update_from_output(scheduler_output, runner_output), runner_output
+        )
 
     @staticmethod
     def _launch(
@@ -177,3 +181,13 @@ class EngineCore:
         if self.pipeline is not None:
             self.pipeline.shutdown()
         self.executor.shutdown()
+
+
+def _with_pooled(
+    outputs: list[RequestOutput], runner_output: ModelRunnerOutput
+) -> list[RequestOutput]:
+    """Embedding requests' vectors go out with the one token each sampled."""
+    if runner_output.pooled:
+        for out in outputs:
+            out.pooled = runner_output.pooled.get(out.request_id)
+    return outputs

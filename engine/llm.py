@@ -146,6 +146,35 @@ class LLM:
         token_ids = [self.frontend.encode_chat(c, options=options) for c in batch]
         return self._run(texts, token_ids, sampling_params, use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last") -> list[list[float]]:
+        """One normalised embedding per prompt (text or token ids): the final hidden states of
+        its tokens pooled (`last` token or `mean`), batched by the scheduler as prefills."""
+        batch = [prompts] if _is_one_prompt(prompts) else prompts
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        vectors: dict[str, list[float] | None] = {}
+        try:
+            for p in batch:
+                ids = self.frontend.encode_prompt(p) if isinstance(p, str) else list(p)
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(EngineRequest(rid, ids, params))
+                vectors[rid] = None
+            live = set(vectors)
+            while live:
+                for ro in self.engine.step():
+                    if ro.request_id in live and ro.finished:
+                        if ro.pooled is None:
+                            raise RuntimeError(
+                                f"{ro.request_id}: finished ({ro.finish_reason}) "
+                                f"without its embedding: {ro.error}"
+                            )
+                        vectors[ro.request_id] = ro.pooled
+                        live.discard(ro.request_id)
+        finally:
+            left = [rid for rid, v in vectors.items() if v is None]
+            if left:
+                self.engine.abort_requests(left)
+        return [v for v in vectors.values() if v is not None]
+
     def _run(
         self,
         prompts: Sequence[str | None],

@@ -248,8 +248,8 @@ class KVCacheManager:
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of cached leading blocks, leaving at least the last token to compute."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.sampling_params.pooling == "mean":
+            return []  # a mean over the prompt needs every prompt token's hidden state computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._ensure_hashes(request, max_blocks)
         cached = self.pool.cached

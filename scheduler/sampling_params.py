@@ -33,6 +33,8 @@ MIN_TEMPERATURE = 1e-5
 # float32 logits stay finite (a penalty that rounds to 0 in float32 would make them inf or NaN).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+# How an embedding request pools the final hidden states of its prompt.
+POOLINGS = ("last", "mean")
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -86,11 +88,29 @@ class SamplingParams:
     skip_special_tokens: bool = True  # detokenization drops special tokens' text
     spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # An embedding request: the prompt's final hidden states pooled ("last" token or "mean"),
+    # returned with the one token the request samples (RequestOutput.pooled).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_lists()
         self._check_extensions()
+        self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        _check(
+            self.pooling in POOLINGS,
+            "pooling",
+            f"must be one of {list(POOLINGS)}, got {_shown(self.pooling)}",
+        )
+        _check(
+            self.max_tokens == 1 and self.structured is None and self.logprobs is None,
+            "pooling",
+            "an embedding request samples one token, with no constraint and no logprobs",
+        )
 
     def _check_numbers(self) -> None:
         _check(

@@ -22,6 +22,7 @@ from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import load_model
 from workers.model_files import load_tokenizer
 from workers.parallel import get_tp_rank, get_tp_world_size
+from workers.pooling import Pooler
 from workers.process import set_niceness
 from workers.sampler import Sampler, SamplerOutput, SamplingState
 from workers.structured import GrammarCompiler, PendingMasks, StructuredDecoding, apply_masks
@@ -89,6 +90,8 @@ class _Batch:
     starts: list[int] = field(default_factory=list)  # computed tokens before the step
     query_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # batch rows that sample this step
+    pooling_rows: list[int] = field(default_factory=list)  # rows of embedding requests
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # their vectors, when complete
 
 
 class BlockTableRows:
@@ -197,6 +200,7 @@ class ModelRunner:
             -(-config.max_model_len // config.block_size), config.max_num_seqs
         )
         self.structured: StructuredDecoding | None = None  # built at the first constrained request
+        self.pooler = Pooler()
         self._vocab_size = int(hf_config.vocab_size)
         # Graphs capture collectives too, but TP > 1 over NCCL has not run on a multi-GPU machine
         # yet.
@@ -284,6 +288,7 @@ class ModelRunner:
         logits = self._forward(batch)
         output = self._sample(batch, logits, masks)
         output.failed.update(failed)
+        output.pooled = batch.pooled
         return output
 
     def _update_states(self, out: SchedulerOutput) -> dict[str, str]:
@@ -297,6 +302,7 @@ class ModelRunner:
                 self.block_tables.release(state)
             if self.structured is not None:
                 self.structured.drop(rid)
+            self.pooler.drop(rid)
         for rid in out.preempted_req_ids:
             state = requests.get(rid)
             if state is not None:
@@ -363,6 +369,8 @@ class ModelRunner:
             )
         if start + n == len(state.token_ids):
             batch.sample_rows.append(len(batch.req_ids))
+        if state.sampling.params.pooling is not None:
+            batch.pooling_rows.append(len(batch.req_ids))
         batch.req_ids.append(rid)
         batch.input_ids.extend(state.token_ids[start : start + n])
         batch.starts.append(start)
@@ -372,7 +380,8 @@ class ModelRunner:
         """Run the model on a batch; logits of the sampling rows (rank 0), None elsewhere."""
         dev = self.device
         graphs = self.graphs
-        if graphs is not None and len(batch.input_ids) == len(batch.req_ids) <= graphs.max_batch:
+        pure_decode = len(batch.input_ids) == len(batch.req_ids) and not batch.pooling_rows
+        if graphs is not None and pure_decode and len(batch.req_ids) <= graphs.max_batch:
             tables = [self.requests[rid].block_ids for rid in batch.req_ids]
             hidden = graphs.run(batch.input_ids, batch.starts, tables)  # a pure-decode step
             if not batch.sample_rows:
@@ -389,10 +398,28 @@ class ModelRunner:
         self.backend.prepare(meta)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model(input_ids, positions, meta)
+        if batch.pooling_rows and self.is_driver:
+            self._pool(batch, hidden, meta.query_start_loc_cpu)
         if not batch.sample_rows:  # only partial prefills this step
             return None
         last = [meta.query_start_loc_cpu[i + 1] - 1 for i in batch.sample_rows]
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
+
+    def _pool(self, batch: _Batch, hidden: torch.Tensor, query_start_loc: list[int]) -> None:
+        """Embedding requests: pool their rows' hidden states (the vector when a prompt ends)."""
+        for row in batch.pooling_rows:
+            rid = batch.req_ids[row]
+            state = self.requests[rid]
+            begin, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
+            vector = self.pooler.pool(
+                rid,
+                state.sampling.params.pooling,
+                hidden[begin:end],
+                batch.starts[row],
+                len(state.sampling.prompt_token_ids),
+            )
+            if vector is not None:
+                batch.pooled[rid] = vector
 
     def _start_constraint(self, req_id: str, params: SamplingParams) -> None:
         """A new (or resumed) constrained request gets a fresh matcher; only the sampling rank
