@@ -37,6 +37,12 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "tensor-parallel ranks (GPUs, or CPU worker actors) per replica", ge=1
     )
+    expert_parallel: bool = setting(
+        False,
+        "mixture-of-experts models: each tensor-parallel rank holds whole experts (about "
+        "num_experts / tensor_parallel_size of them) instead of a slice of every expert; "
+        "dense models ignore it",
+    )
     seed: int = setting(0, "seed of the engine's default sampling generator", ge=0, lt=2**63)
     kv_cache_memory_gb: float = setting(2.0, "KV pool of a CPU engine, in GiB", gt=0)
     gpu_memory_utilization: float = setting(
@@ -198,6 +204,7 @@ class EngineConfig:
             grammar_timeout_s=self.grammar_timeout_s,
             grammar_mask_deadline_s=self.grammar_mask_deadline_s,
             async_scheduling=self.uses_async_scheduling(),
+            expert_parallel=self.expert_parallel,
         )
 
     @property

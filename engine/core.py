@@ -37,7 +37,7 @@ class EngineCore:
             # The rotary table ends there: a sequence past it would fail the whole engine mid-step.
             raise ValueError(
                 f"max_model_len: {sched.max_model_len} exceeds the model's context of {limit} "
-                f"tokens (max_position_embeddings / sliding_window in its config.json)"
+                f"tokens (max_position_embeddings in its config.json)"
             )
         self.max_model_len = sched.max_model_len or self.model_info.max_model_len
         self.vocab_size = self.model_info.vocab_size

@@ -37,14 +37,12 @@ class ModelInfo:
     """What serving needs to know of a model, read once from its directory."""
 
     model_dir: str
-    max_model_len: int  # the model's positions (and sliding window), capped: the default context
+    max_model_len: int  # the model's positions, capped: the default context
     vocab_size: int
     eos_token_ids: tuple[
         int, ...
     ]  # every id that ends a turn (config, generation config, tokenizer)
-    context_limit: int | None = (
-        None  # positions (and sliding window) uncapped: no max_model_len beyond it
-    )
+    context_limit: int | None = None  # positions uncapped: no max_model_len beyond it
 
     @classmethod
     def load(

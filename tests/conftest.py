@@ -8,8 +8,9 @@
   test that needs Ray or Serve uses it, so Ray starts once.
 - tiny_model_dir / long_tiny_model_dir: a random two-layer Llama with SmolLM2's tokenizer and no
   chat template, with 256 or 4,096 positions.
-- tiny_checkpoint: small random Llama / Qwen2 / Qwen3 / Mistral (and one-KV-head Llama)
-  checkpoints with SmolLM2's tokenizer, and the Hugging Face models they hold.
+- tiny_checkpoint: small random Llama / Qwen2 / Qwen3 / Mistral (and one-KV-head Llama), MoE
+  (Mixtral, Qwen2-MoE, Qwen3-MoE) and sliding-window Mistral checkpoints with SmolLM2's tokenizer,
+  and the Hugging Face models they hold.
 
 Every random checkpoint is written by tests/random_checkpoint.py.
 """
@@ -22,7 +23,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from tests.random_checkpoint import TINY_FAMILIES, TINY_SERVED_LLAMA, write_random_checkpoint
+from tests.random_checkpoint import (
+    TINY_FAMILIES,
+    TINY_MOE_FAMILIES,
+    TINY_SERVED_LLAMA,
+    TINY_SLIDING_MISTRAL,
+    write_random_checkpoint,
+)
 from workers.distributed import free_port
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -157,18 +164,18 @@ def smollm2_llm(llm_factory):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer):
-    """family (a key of TINY_FAMILIES) -> (checkpoint directory, the Hugging Face model)."""
+    """family (a key of TINY_FAMILIES or TINY_MOE_FAMILIES, or "mistral_window") -> (checkpoint
+    directory, the Hugging Face model)."""
     from transformers import AutoModelForCausalLM
 
     made: dict[str, tuple[str, torch.nn.Module]] = {}
+    specs = {**TINY_FAMILIES, **TINY_MOE_FAMILIES, "mistral_window": TINY_SLIDING_MISTRAL}
 
     def make(family: str) -> tuple[str, torch.nn.Module]:
         if family not in made:
             path = str(tmp_path_factory.mktemp(f"tiny-{family}"))
             seed = sum(map(ord, family))
-            write_random_checkpoint(
-                TINY_FAMILIES[family], path, seed=seed, tokenizer=smollm2_tokenizer
-            )
+            write_random_checkpoint(specs[family], path, seed=seed, tokenizer=smollm2_tokenizer)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             made[family] = (path, model)
         return made[family]

@@ -31,7 +31,7 @@ class ModelSpec:
 
     config_class: str  # a transformers config class, e.g. "LlamaConfig"
     fields: dict[str, Any] = field(default_factory=dict)
-    matrix_std: float | None = None  # every 2-D weight ~ N(0, std), in parameter order
+    matrix_std: float | None = None  # every 2-D (and 3-D expert) weight ~ N(0, std), in order
     head_std: float | None = None  # then the LM head ~ N(0, std)
     dtype: torch.dtype = torch.float32
     max_shard_size: str = "5GB"  # smaller than the weights: shards and an index
@@ -93,6 +93,62 @@ TINY_FAMILIES: dict[str, ModelSpec] = {
         "LlamaConfig", num_key_value_heads=1, attention_bias=True, tie_word_embeddings=False
     ),
 }
+
+# Mixtures of experts: 8 experts, top-2 and top-4, a shared expert where the family has one.
+TINY_MOE_FAMILIES: dict[str, ModelSpec] = {
+    # Mixtral: every layer sparse, top-2 renormalised; intermediate_size is per expert.
+    "mixtral": _tiny(
+        "MixtralConfig",
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    # Qwen2-MoE: top-4 without renormalisation, a gated shared expert, q/k/v bias, and a dense
+    # MLP on layer 1 (mlp_only_layers).
+    "qwen2_moe": _tiny(
+        "Qwen2MoeConfig",
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=96,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3-MoE: top-2 renormalised (norm_topk_prob), q/k RMSNorm, head_dim not hidden/heads.
+    "qwen3_moe": _tiny(
+        "Qwen3MoeConfig",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
+}
+
+# A 24-token sliding window on every layer: prompts of 30-60 tokens reach well past it.
+TINY_SLIDING_MISTRAL = _tiny(
+    "MistralConfig", sliding_window=24, head_dim=32, tie_word_embeddings=False
+)
+
+# The MoE tensor/expert-parallel tests' model: 12 heads, 48-wide experts and a 96-wide shared
+# expert split at 2, 3 and 4 ranks; 8 experts split by 2 and 4 (and unevenly by 3).
+TINY_TP_MOE = _tiny(
+    "Qwen2MoeConfig",
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    shared_expert_intermediate_size=96,
+    vocab_size=250,
+    tie_word_embeddings=False,
+)
 
 # The model the serving tests put behind HTTP: a tied Llama left at transformers' initialisation.
 TINY_SERVED_LLAMA = ModelSpec("LlamaConfig", {**_TINY, "tie_word_embeddings": True})
@@ -190,7 +246,7 @@ def write_random_checkpoint(
     with torch.no_grad():
         if spec.matrix_std is not None:
             for p in model.parameters():
-                if p.dim() == 2:
+                if p.dim() >= 2:  # 3-D: transformers holds a layer's experts in one tensor
                     p.normal_(0.0, spec.matrix_std)
         if spec.head_std is not None:
             model.get_output_embeddings().weight.normal_(0.0, spec.head_std)

@@ -121,14 +121,9 @@ def _convert_gguf(path: Path, out: Path) -> None:
 
 
 def context_limit_of(config: PretrainedConfig) -> int | None:
-    """Longest sequence the model computes exactly: its positions (and sliding window); None if
-    unstated."""
-    length = getattr(config, "max_position_embeddings", None) or None
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) is not False:
-        # No sliding-window attention yet: stay within the window, where full attention is exact.
-        length = min(length, window) if length else window
-    return length
+    """Longest sequence the model computes exactly: its positions; None if unstated. A sliding
+    window does not limit it: attention applies the window (workers/layers/attention.py)."""
+    return getattr(config, "max_position_embeddings", None) or None
 
 
 def max_model_len_of(config: PretrainedConfig, cap: int = 8192) -> int:

@@ -15,6 +15,9 @@ class ParallelState:
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
+    # MoE layers hold whole experts per rank instead of a slice of every expert (EngineConfig's
+    # expert_parallel); read by the layers when they are built, like the rank.
+    expert_parallel: bool = False
 
 
 _state = ParallelState()
@@ -32,8 +35,19 @@ def init_tensor_parallel(
 
 
 def reset_tensor_parallel() -> None:
-    """Back to a single process (rank 0 of 1)."""
+    """Back to a single process (rank 0 of 1), experts split as in tensor parallelism."""
     init_tensor_parallel(0, 1, None)
+    _state.expert_parallel = False
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """Whether MoE layers built from now on split experts across ranks (True) or split each
+    expert's intermediate dimension (False)."""
+    _state.expert_parallel = enabled
+
+
+def get_expert_parallel() -> bool:
+    return _state.expert_parallel
 
 
 def get_tp_rank() -> int:

@@ -21,7 +21,7 @@ from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_bloc
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import load_model
 from workers.model_files import load_tokenizer
-from workers.parallel import get_tp_rank, get_tp_world_size
+from workers.parallel import get_tp_rank, get_tp_world_size, set_expert_parallel
 from workers.pooling import Pooler
 from workers.process import set_niceness
 from workers.sampler import Sampler, SamplerOutput, SamplingState
@@ -61,6 +61,8 @@ class RunnerConfig:
     # The engine schedules a step before the previous one's tokens are back (TP = 1 only): the
     # runner appends what it samples itself, and the scheduler sends no sampled token back.
     async_scheduling: bool = False
+    # MoE layers hold whole experts per rank (workers/layers/moe.py).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -172,6 +174,7 @@ class ModelRunner:
                 torch.set_num_threads(config.cpu_threads)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
+        set_expert_parallel(config.expert_parallel)  # read by the MoE layers as they are built
         self.model = load_model(
             config.model_dir,
             hf_config,

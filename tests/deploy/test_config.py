@@ -101,6 +101,11 @@ def test_the_configuration_page_table_is_generated_from_the_tree():
         ({"stream_interval": -1}, "stream_interval"),
         ({"stream_interval": float("nan")}, "stream_interval"),
         ({"stream_interval": 10**9}, "stream_interval"),
+        ({"expert_parallel": "yes"}, "expert_parallel"),
+        ({"expert_parallel": 2**64}, "expert_parallel"),
+        ({"expert_parallel": -1}, "expert_parallel"),
+        ({"expert_parallel": float("nan")}, "expert_parallel"),
+        ({"expert_parallel": "x" * 10_000_000}, "expert_parallel"),
     ],
 )
 def test_bad_values_name_the_field(args, field):

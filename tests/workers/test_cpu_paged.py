@@ -51,13 +51,13 @@ def paged_inputs(hq: int, hk: int, d: int, dtype: torch.dtype, seed: int):
     return q, k_cache, v_cache, tables, torch.tensor(SEQ_LENS, dtype=torch.int32)
 
 
-def kernel(q, k_cache, v_cache, tables, seq_lens, scale):
+def kernel(q, k_cache, v_cache, tables, seq_lens, scale, window=0):
     out = torch.empty(q.shape, dtype=q.dtype)
-    cpu_paged.paged_decode(out, q, k_cache, v_cache, tables, seq_lens, scale)
+    cpu_paged.paged_decode(out, q, k_cache, v_cache, tables, seq_lens, scale, window)
     return out
 
 
-def gather_sdpa(q, k_cache, v_cache, tables, seq_lens, scale):
+def gather_sdpa(q, k_cache, v_cache, tables, seq_lens, scale, window=None):
     """The torch backend's gather + masked SDPA decode path."""
     n = q.shape[0]
     meta = AttentionMetadata(
@@ -72,17 +72,19 @@ def gather_sdpa(q, k_cache, v_cache, tables, seq_lens, scale):
     )
     backend = TorchBackend(paged_kernel=False)
     backend.prepare(meta)
-    return backend.decode(q, k_cache, v_cache, meta, scale)
+    return backend.decode(q, k_cache, v_cache, meta, scale, window)
 
 
-def dense_fp32(q, k_cache, v_cache, tables, seq_lens, scale):
-    """Per request, per head: softmax(q K^T * scale) V in float32 over the request's own tokens."""
+def dense_fp32(q, k_cache, v_cache, tables, seq_lens, scale, window=None):
+    """Per request, per head: softmax(q K^T * scale) V in float32 over the request's own tokens
+    (its last `window` of them)."""
     hq, hk = q.shape[1], k_cache.shape[2]
     outs = []
     for i, s in enumerate(seq_lens.tolist()):
         ids = tables[i, : -(-s // BLOCK)].long()
-        k = k_cache[ids].flatten(0, 1)[:s].float().repeat_interleave(hq // hk, dim=1)
-        v = v_cache[ids].flatten(0, 1)[:s].float().repeat_interleave(hq // hk, dim=1)
+        first = max(0, s - window) if window else 0
+        k = k_cache[ids].flatten(0, 1)[first:s].float().repeat_interleave(hq // hk, dim=1)
+        v = v_cache[ids].flatten(0, 1)[first:s].float().repeat_interleave(hq // hk, dim=1)
         p = (torch.einsum("hd,khd->hk", q[i].float(), k) * scale).softmax(-1)
         outs.append(torch.einsum("hk,khd->hd", p, v))
     return torch.stack(outs)
@@ -96,6 +98,17 @@ def test_float32_matches_gather_sdpa(hq, hk, d, seed):
     torch.testing.assert_close(
         kernel(*inputs, scale), gather_sdpa(*inputs, scale), atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 24, 150])
+def test_sliding_window_attends_to_the_last_window_tokens_only(window):
+    """Windows shorter than a block, a block long, spanning blocks, and longer than some
+    contexts: kernel, gather + SDPA and a dense float32 reference agree."""
+    inputs = paged_inputs(8, 2, 64, torch.float32, 5)
+    out = kernel(*inputs, 0.125, window)
+    torch.testing.assert_close(out, dense_fp32(*inputs, 0.125, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, gather_sdpa(*inputs, 0.125, window), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, kernel(*inputs, 0.125), atol=1e-3)  # the window mattered
 
 
 @pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (16, 8, 128)])

@@ -81,14 +81,17 @@ def test_bad_paths_raise_value_errors(tmp_path):
         safetensors_files(str(tmp_path))
 
 
-def test_max_model_len_defaults_to_positions_and_respects_sliding_window():
+def test_max_model_len_defaults_to_positions_whatever_the_sliding_window():
+    """The window is applied in attention, so it no longer caps the context (it once did: a
+    512-position Mistral with a 24-token window was served at 24 tokens)."""
     from transformers import MistralConfig
 
     assert (
         max_model_len_of(MistralConfig(max_position_embeddings=2048, sliding_window=None)) == 2048
     )
+    assert max_model_len_of(MistralConfig(max_position_embeddings=512, sliding_window=24)) == 512
     assert (
-        max_model_len_of(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 4096
+        max_model_len_of(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 8192
     )
     assert (
         max_model_len_of(MistralConfig(max_position_embeddings=131072, sliding_window=None)) == 8192

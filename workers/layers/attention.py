@@ -130,8 +130,12 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] (already written to the cache) -> [T, Hq, D]."""
+        """q: [T, Hq, D], k/v: [T, Hk, D] (already written to the cache) -> [T, Hq, D].
+
+        window: the query at position p attends to positions (p - window, p] only (a sliding
+        window, as transformers defines it); None: to every position up to p."""
 
 
 def select_backend(
@@ -172,10 +176,20 @@ def select_backend(
 class Attention(nn.Module):
     """Writes the step's K/V into this layer's cache slots, then attends over the paged context."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window: must be at least 1, got {sliding_window}")
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None
         # [num_blocks, block_size, num_kv_heads, head_dim]; bound by workers.kv_cache.
         self.k_cache = torch.empty(0)
@@ -192,9 +206,10 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale).view(
-            t, -1
+        out = self.backend.forward(
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window
         )
+        return out.view(t, -1)
 
 
 def write_kv(

@@ -6,8 +6,8 @@ q/k RMSNorm (Qwen3), tied embeddings, rope scaling. Tensor parallelism lives in 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,6 +39,16 @@ class LlamaArgs:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    # Per layer: attend to at most this many most recent tokens (None: the whole context).
+    sliding_windows: list[int | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.sliding_windows:
+            self.sliding_windows = [None] * self.num_layers
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(
+                f"layer_types: {len(self.sliding_windows)} entries for {self.num_layers} layers"
+            )
 
     @classmethod
     def from_hf_config(cls, config, *, qkv_bias: bool = False, qk_norm: bool = False) -> LlamaArgs:
@@ -64,13 +74,31 @@ class LlamaArgs:
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=qk_norm,
+            sliding_windows=sliding_windows_of(config),
         )
+
+
+def sliding_windows_of(config) -> list[int | None]:
+    """Each layer's attention window from an HF config: `sliding_window` on every layer (Mistral,
+    Mixtral) or on the layers `layer_types` marks "sliding_attention" (Qwen2); None: full."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return [None] * n
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window: must be a positive integer, got {window!r}")
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * n
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 class LlamaAttention(nn.Module):
     """Self-attention: fused qkv projection, optional q/k norm, rotary, paged attention, o_proj."""
 
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, a: LlamaArgs, rotary: RotaryEmbedding, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias
@@ -82,7 +110,11 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by all layers
         self.attn = Attention(
-            self.qkv_proj.num_heads, a.head_dim, self.qkv_proj.num_kv_heads, a.head_dim**-0.5
+            self.qkv_proj.num_heads,
+            a.head_dim,
+            self.qkv_proj.num_kv_heads,
+            a.head_dim**-0.5,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -101,12 +133,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SiLU-gated MLP with gate and up fused into one column-parallel matrix."""
 
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias
-        )
-        self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, a.mlp_bias)
+        inter = intermediate_size or a.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [inter] * 2, a.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, a.hidden_size, a.mlp_bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,12 +145,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next norm."""
+    """Pre-norm block; the residual add is fused into the next norm. `mlp` replaces the dense MLP
+    (a mixture of experts)."""
 
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        a: LlamaArgs,
+        rotary: RotaryEmbedding,
+        index: int = 0,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(a, rotary)
-        self.mlp = LlamaMLP(a)
+        self.self_attn = LlamaAttention(a, rotary, a.sliding_windows[index])
+        self.mlp = mlp if mlp is not None else LlamaMLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -140,11 +178,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(
+        self, a: LlamaArgs, make_mlp: Callable[[int], nn.Module | None] | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size)
         rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope_parameters)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(a, rotary, i, make_mlp(i) if make_mlp else None)
+            for i in range(a.num_layers)
+        )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(
@@ -178,10 +221,14 @@ class LlamaForCausalLM(nn.Module):
         self.args = LlamaArgs.from_hf_config(config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
         if max_model_len is not None:  # the rotary table needs no rows past the longest sequence
             self.args.max_position = min(self.args.max_position, max_model_len)
-        self.model = LlamaModel(self.args)
+        self.model = LlamaModel(self.args, self.make_mlp)
         self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """The feed-forward block of a layer; None: the dense Llama MLP (families override)."""
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -246,7 +293,7 @@ def _copy_plain(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama layout (sliding window not applied; max_model_len is capped to the window)."""
+    """Mistral: Llama layout; its sliding window is applied in attention."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -92,7 +92,9 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> None:
     """out[i] = softmax(q[i] K_i^T * scale) V_i over the first seq_lens[i] cached tokens of request
-    i, K_i/V_i read through block_tables[i]. Requires `load()` to have returned the op."""
-    load()(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+    i (the last `window` of them when window > 0), K_i/V_i read through block_tables[i]. Requires
+    `load()` to have returned the op."""
+    load()(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)

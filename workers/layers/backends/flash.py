@@ -51,6 +51,7 @@ class FlashAttnBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         st: _FlashState = meta.backend_state
         common = dict(
@@ -60,6 +61,8 @@ class FlashAttnBackend:
             max_seqlen_k=st.max_seqlen_k,
             softmax_scale=scale,
             causal=True,
+            # flash-attn's left window counts the keys before the query's own position.
+            window_size=(window - 1 if window else -1, 0 if window else -1),
         )
         if st.context_slots is None:
             return flash_attn_varlen_func(

@@ -71,39 +71,41 @@ inline void axpy(float p, const T* v, float* acc) {
 struct Shape {
   int64_t hk, group, block_size, table_stride;
   float scale;
+  int64_t window;  // attend to the last `window` tokens only; 0: all of them
 };
 
 // One request's KV heads [h0, h0 + nh): their nh * group query rows (row j at q + j * q_head_stride,
-// KV head h0 + j / group) attend over seq_len cached tokens. Each token's K (then V) row is read
-// once for all of those heads, so a block is one contiguous read when nh covers every KV head.
+// KV head h0 + j / group) attend over cached tokens [first, seq_len) (first > 0 under a sliding
+// window). Each token's K (then V) row is read once for all of those heads, so a block is one
+// contiguous read when nh covers every KV head.
 template <typename T, int D>
-void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const int32_t* table, int64_t seq_len,
-            int64_t h0, int64_t nh, const Shape& s, float* work, T* out) {
-  const int64_t G = s.group, R = nh * G, bs = s.block_size, token = s.hk * D;
+void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const int32_t* table, int64_t first,
+            int64_t seq_len, int64_t h0, int64_t nh, const Shape& s, float* work, T* out) {
+  const int64_t G = s.group, R = nh * G, bs = s.block_size, token = s.hk * D, n = seq_len - first;
   float* qf = work;                 // [R, D] scaled queries
   float* acc = qf + R * D;          // [R, D] weighted values
-  float* scores = acc + R * D;      // [R, seq_len]
+  float* scores = acc + R * D;      // [R, n]
   for (int64_t j = 0; j < R; ++j)
     for (int64_t i = 0; i < D; ++i) qf[j * D + i] = widen(q[j * q_head_stride + i]) * s.scale;
   std::fill(acc, acc + R * D, 0.f);
-  for (int64_t t0 = 0; t0 < seq_len; t0 += bs) {
+  for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
     const T* kb = kc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h0 * D;
-    for (int64_t t = t0; t < std::min(seq_len, t0 + bs); ++t)
+    for (int64_t t = std::max(t0, first); t < std::min(seq_len, t0 + bs); ++t)
       for (int64_t j = 0; j < R; ++j)
-        scores[j * seq_len + t] = dot<T, D>(qf + j * D, kb + (t - t0) * token + (j / G) * D);
+        scores[j * n + t - first] = dot<T, D>(qf + j * D, kb + (t - t0) * token + (j / G) * D);
   }
   for (int64_t j = 0; j < R; ++j) {
-    float* row = scores + j * seq_len;
-    const float m = *std::max_element(row, row + seq_len);
-    for (int64_t t = 0; t < seq_len; ++t) row[t] = exp_nonpositive(row[t] - m);
-    const float inv = 1.f / sum(row, seq_len);
-    for (int64_t t = 0; t < seq_len; ++t) row[t] *= inv;
+    float* row = scores + j * n;
+    const float m = *std::max_element(row, row + n);
+    for (int64_t t = 0; t < n; ++t) row[t] = exp_nonpositive(row[t] - m);
+    const float inv = 1.f / sum(row, n);
+    for (int64_t t = 0; t < n; ++t) row[t] *= inv;
   }
-  for (int64_t t0 = 0; t0 < seq_len; t0 += bs) {
+  for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
     const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h0 * D;
-    for (int64_t t = t0; t < std::min(seq_len, t0 + bs); ++t)
+    for (int64_t t = std::max(t0, first); t < std::min(seq_len, t0 + bs); ++t)
       for (int64_t j = 0; j < R; ++j)
-        axpy<T, D>(scores[j * seq_len + t], vb + (t - t0) * token + (j / G) * D, acc + j * D);
+        axpy<T, D>(scores[j * n + t - first], vb + (t - t0) * token + (j / G) * D, acc + j * D);
   }
   for (int64_t i = 0; i < R * D; ++i) out[i] = static_cast<T>(acc[i]);
 }
@@ -126,8 +128,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::T
     std::vector<float> work(nh * s.group * (2 * D + longest));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / parts, h0 = (item % parts) * nh, head = h0 * s.group;
-      attend<T, D>(qp + r * q.stride(0) + head * q.stride(1), q.stride(1), kp, vp, tp + r * s.table_stride, lp[r],
-                   h0, nh, s, work.data(), op + (r * hq + head) * D);
+      const int64_t first = s.window > 0 ? std::max<int64_t>(0, lp[r] - s.window) : 0;
+      attend<T, D>(qp + r * q.stride(0) + head * q.stride(1), q.stride(1), kp, vp, tp + r * s.table_stride, first,
+                   lp[r], h0, nh, s, work.data(), op + (r * hq + head) * D);
     }
   });
 }
@@ -162,9 +165,10 @@ void check_tables(const at::Tensor& tables, const at::Tensor& seq_lens, int64_t 
 }  // namespace
 
 // out, q: [n, Hq, D] (q may be a strided view, e.g. of a fused QKV projection); caches: [num_blocks, block_size, Hk, D]; tables: [n, >= blocks] int32;
-// seq_lens: [n] int32 (context length including this step's token).
+// seq_lens: [n] int32 (context length including this step's token); window: attend to the last
+// `window` tokens only (a sliding window), 0 for the whole context.
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                  at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                  at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1 && out.is_contiguous() && out.sizes() == q.sizes(),
               "q/out: [n, Hq, D] of one shape, out contiguous, q contiguous in its last dimension");
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
@@ -178,9 +182,10 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v
               "block_tables/seq_lens: int32 [n, blocks] (rows contiguous) and [n]");
   const int64_t hk = k_cache.size(2);
   TORCH_CHECK_VALUE(q.size(1) % hk == 0, "q: ", q.size(1), " heads are not a multiple of ", hk, " KV heads");
+  TORCH_CHECK_VALUE(window >= 0, "window: must be 0 (none) or positive, got ", window);
   if (q.size(0) == 0) return;
   check_tables(block_tables, seq_lens, k_cache.size(0), k_cache.size(1));
-  const Shape s{hk, q.size(1) / hk, k_cache.size(1), block_tables.stride(0), static_cast<float>(scale)};
+  const Shape s{hk, q.size(1) / hk, k_cache.size(1), block_tables.stride(0), static_cast<float>(scale), window};
   if (q.scalar_type() == at::kFloat) return dispatch_head<float>(out, q, k_cache, v_cache, block_tables, seq_lens, s);
   TORCH_CHECK_VALUE(q.scalar_type() == at::kBFloat16, "q: float32 or bfloat16, got ", q.scalar_type());
   dispatch_head<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, s);

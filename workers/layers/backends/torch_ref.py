@@ -3,7 +3,7 @@ per request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,19 @@ class _Prefill:
     block_ids: torch.Tensor | None  # context blocks to gather; None: the chunk is the whole context
     seq_len: int
     mask: torch.Tensor | None  # [q, seq_len] bool, True where the query may attend
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> mask
+
+    def mask_for(self, window: int | None, dev: torch.device) -> torch.Tensor | None:
+        """The causal mask, narrowed to the last `window` positions of each query when the
+        context is longer than the window; None: plain causal over the chunk itself."""
+        if window is None or window >= self.seq_len:
+            return self.mask
+        if window not in self.windowed:
+            q_len = self.end - self.start
+            q_pos = torch.arange(q_len, device=dev)[:, None] + (self.seq_len - q_len)
+            k_pos = torch.arange(self.seq_len, device=dev)[None, :]
+            self.windowed[window] = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        return self.windowed[window]
 
 
 @dataclass(slots=True)
@@ -26,9 +39,8 @@ class _TorchState:
     prefills: list[_Prefill]
     # Gather path only, derived at the first layer that takes it (the CPU kernel needs none of it):
     decode_block_ids: torch.Tensor | None = None  # [num_decodes * blocks] flattened
-    decode_mask: torch.Tensor | None = (
-        None  # [num_decodes, 1, 1, blocks * block_size] additive (0 / -inf)
-    )
+    # sliding window (None: full) -> [num_decodes, 1, 1, blocks * block_size] additive (0 / -inf)
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     # Gather buffers reused by every layer of the step (fresh large allocations page-fault on CPU).
     k_buf: torch.Tensor | None = None
     v_buf: torch.Tensor | None = None
@@ -59,6 +71,7 @@ class TorchBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         state: _TorchState = meta.backend_state
         out = q.new_empty(
@@ -74,10 +87,11 @@ class TorchBackend:
                 meta.block_tables[:nd],
                 meta.seq_lens[:nd],
                 scale,
+                window or 0,
             )
         elif nd:
-            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
-        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, scale)
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale, window)
+        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, scale, window)
         return out
 
     def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -95,6 +109,7 @@ class TorchBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """One query token per request: gather each context through the block table, masked SDPA.
 
@@ -102,7 +117,10 @@ class TorchBackend:
         """
         state: _TorchState = meta.backend_state
         if state.decode_block_ids is None:
-            state.decode_block_ids, state.decode_mask = _prepare_gather(meta)
+            state.decode_block_ids = _prepare_gather(meta)
+        if window not in state.decode_masks:  # once per step and window, not once per layer
+            state.decode_masks[window] = _decode_mask(meta, window).to(q.dtype)
+        mask = state.decode_masks[window]
         nd, hq, d = q.shape
         hk = k_cache.shape[2]
         if state.k_buf is None:
@@ -113,24 +131,31 @@ class TorchBackend:
         v = torch.index_select(v_cache, 0, state.decode_block_ids, out=state.v_buf)
         k = k.view(nd, -1, hk, d).transpose(1, 2)
         v = v.view(nd, -1, hk, d).transpose(1, 2)
-        if state.decode_mask.dtype != q.dtype:  # once per step, not once per layer
-            state.decode_mask = state.decode_mask.to(q.dtype)
         o = F.scaled_dot_product_attention(
-            q.view(nd, hk, hq // hk, d), k, v, attn_mask=state.decode_mask, scale=scale
+            q.view(nd, hk, hq // hk, d), k, v, attn_mask=mask, scale=scale
         )
         return o.reshape(nd, hq, d)
 
 
-def _prepare_gather(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flattened block ids of the decodes' contexts (as many blocks as the longest) and the mask
-    that hides each row's positions past its own length."""
+def _prepare_gather(meta: AttentionMetadata) -> torch.Tensor:
+    """Flattened block ids of the decodes' contexts (as many blocks as the longest)."""
     nd, bs = meta.num_decodes, meta.block_size
     nblocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
-    ids = meta.block_tables[:nd, :nblocks].reshape(-1).long()
-    pos = torch.arange(nblocks * bs, device=meta.seq_lens.device)
-    outside = (pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
-    mask = torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))
-    return ids, mask
+    return meta.block_tables[:nd, :nblocks].reshape(-1).long()
+
+
+def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+    """The additive mask over the gathered contexts that hides each row's positions past its own
+    length and, with a sliding window, those `window` or more tokens behind its query."""
+    nd, bs = meta.num_decodes, meta.block_size
+    nblocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
+    pos = torch.arange(nblocks * bs, device=meta.seq_lens.device)[None, :]
+    seq_lens = meta.seq_lens[:nd, None]
+    outside = pos >= seq_lens
+    if window is not None:
+        outside |= pos < seq_lens - window
+    outside = outside.view(nd, 1, 1, -1)
+    return torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))
 
 
 def _prepare_prefills(meta: AttentionMetadata) -> list[_Prefill]:
@@ -159,6 +184,7 @@ def _prefill(
     v_cache: torch.Tensor,
     prefills: list[_Prefill],
     scale: float,
+    window: int | None = None,
 ) -> None:
     """Prefill chunks one request at a time (few per step, each a large matmul).
 
@@ -167,18 +193,16 @@ def _prefill(
     """
     for p in prefills:
         qi = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        mask = p.mask_for(window, q.device)
         if p.block_ids is None:  # no cached context: the chunk's own K/V are the whole context
             ki = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
             vi = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            oi = F.scaled_dot_product_attention(
-                qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
-            )
         else:
             ki = _gather(k_cache, p.block_ids)[: p.seq_len].transpose(0, 1).unsqueeze(0)
             vi = _gather(v_cache, p.block_ids)[: p.seq_len].transpose(0, 1).unsqueeze(0)
-            oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=p.mask, scale=scale, enable_gqa=True
-            )
+        oi = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
         out[p.start : p.end] = oi[0].transpose(0, 1)
 
 

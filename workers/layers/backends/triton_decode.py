@@ -26,6 +26,7 @@ def _paged_decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -60,9 +61,13 @@ def _paged_decode_kernel(
         other=0.0,
     )
     seq_len = tl.load(seq_lens_ptr + req)
-    num_tiles = tl.cdiv(seq_len, TILE)
+    # A sliding window (window > 0) starts the context at lo: tiles wholly before it are skipped,
+    # positions before it in the first tile are masked. Split 0 always holds position lo.
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    first_tile = lo // TILE
+    num_tiles = tl.cdiv(seq_len, TILE) - first_tile
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    first = split * per_split
+    first = first_tile + split * per_split
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -70,7 +75,7 @@ def _paged_decode_kernel(
     # masked (no memory read).
     for i in range(0, per_split):
         pos = (first + i) * TILE + offs_n
-        valid = pos < seq_len
+        valid = (pos < seq_len) & (pos >= lo)
         blocks = tl.load(
             block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0
         ).to(tl.int64)
@@ -182,8 +187,10 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: [N, Hq, D], one token per request; caches [blocks, block_size, Hk, D] -> [N, Hq, D].
+    window > 0: each request attends to its last `window` tokens only.
 
     Short batches split each context across programs (flash-decoding) and merge the partial
     softmaxes.
@@ -224,6 +231,7 @@ def paged_decode(
             block_tables,
             seq_lens,
             scale,
+            window,
             q.stride(0),
             q.stride(1),
             k_cache.stride(0),
@@ -249,6 +257,7 @@ def paged_decode(
         block_tables,
         seq_lens,
         scale,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -290,8 +299,15 @@ class TritonDecodeBackend(TorchBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         nd = q.shape[0]
         return paged_decode(
-            q.contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.block_tables[:nd],
+            meta.seq_lens[:nd],
+            scale,
+            window=window or 0,
         )

@@ -1,0 +1,91 @@
+"""Mixture-of-experts families and a sliding-window Mistral: greedy output equals Hugging Face
+transformers' greedy generate on the same random checkpoint (fp32), batched, under chunked
+prefill and under preemption (recompute and swap).
+
+The checkpoints come from tests/random_checkpoint.py (TINY_MOE_FAMILIES: 8 experts, top-2 and
+top-4, Qwen2-MoE's shared expert; TINY_SLIDING_MISTRAL: a 24-token window on every layer). Half
+of the prompts run well past the window. A token may differ only at a true near-tie
+(tests/workers/greedy.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import SamplingParams
+from tests.workers.greedy import Greedy, assert_greedy_match, hf_greedy
+from tests.workers.test_hf_parity import CHATS, TEXTS, chat_ids
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 20
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer) -> list[list[int]]:
+    """Short texts and a chat, and two prompts of 45 and 70 tokens (past a 24-token window)."""
+    return [
+        smollm2_tokenizer.encode(TEXTS[1]),
+        chat_ids(smollm2_tokenizer, CHATS[0]),
+        list(range(300, 345)),
+        [(7 * i) % 40000 + 100 for i in range(70)],
+    ]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint, prompts):
+    """family -> Hugging Face's greedy continuation of every prompt (computed once)."""
+    made: dict[str, list[Greedy]] = {}
+
+    def get(family: str) -> list[Greedy]:
+        if family not in made:
+            _, hf_model = tiny_checkpoint(family)
+            made[family] = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+        return made[family]
+
+    return get
+
+
+def assert_matches(outs, refs, what: str) -> None:
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert_greedy_match(out.token_ids, ref, f"{what}, prompt {i}")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "mistral_window"])
+def test_batched_greedy_matches_hf_generate(
+    family, tiny_checkpoint, llm_factory, prompts, references
+):
+    path, _ = tiny_checkpoint(family)
+    llm = llm_factory(model=path, dtype="float32")
+    assert_matches(llm.generate(prompts, PARAMS, use_tqdm=False), references(family), family)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mistral_window"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_chunked_prefill_and_preemption_keep_hf_tokens(
+    family, mode, tiny_checkpoint, llm_factory, prompts, references
+):
+    """A 16-token budget splits every long prompt (and the window's edge) across steps, and 8
+    blocks of 16 tokens hold about one request at a time, so the others are evicted and resumed."""
+    path, _ = tiny_checkpoint(family)
+    kwargs: dict = dict(num_gpu_blocks=8, max_model_len=8 * 16, preemption_mode=mode)
+    if mode == "swap":
+        kwargs["num_cpu_blocks"] = 64
+    llm = llm_factory(model=path, dtype="float32", max_num_batched_tokens=16, **kwargs)
+    before = llm.engine.stats().num_preemptions
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert_matches(outs, references(family), f"{family} {mode}")
+    assert llm.engine.stats().num_preemptions > before
+
+
+def test_the_window_changes_what_a_long_prompt_generates(tiny_checkpoint, prompts, references):
+    """Without its window the same weights continue the 70-token prompt differently, so the
+    parity above is a test of the window."""
+    _, hf_model = tiny_checkpoint("mistral_window")
+    hf_model.config.sliding_window = None
+    try:
+        full = hf_greedy(hf_model, prompts[3], MAX_TOKENS)
+    finally:
+        hf_model.config.sliding_window = 24
+    assert full.token_ids != references("mistral_window")[3].token_ids

@@ -1,0 +1,223 @@
+"""Mixture-of-experts feed-forward: a router picks top-k experts per token, each a SwiGLU MLP.
+
+One interface for every family (`MoEConfig` says how routing works; `FusedMoE` holds the experts)
+and two ways to split the experts over a tensor-parallel group of n ranks:
+
+- tensor-parallel (default): every rank holds a 1/n slice of every expert's intermediate dimension;
+- expert-parallel (`expert_parallel: true`): every rank holds whole experts, a contiguous range of
+  about num_experts / n of them (uneven counts are allowed).
+
+Either way the router is replicated, so every rank sees every token and the same routing: dispatch
+needs no communication, each rank computes its own share of each token's output, and one all-reduce
+sums the shares (the same all-reduce a row-parallel MLP ends with).
+
+The expert computation is grouped: the (token, slot) pairs are sorted by expert once, then each
+local expert runs one GEMM pair over its contiguous rows. Python loops over experts, never over
+tokens. On CPU each expert's matrices are packed for oneDNN once after loading, as the dense linears
+are (workers/layers/linear.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.layers.activation import SiluAndMul
+from workers.layers.linear import CpuPackedWeight, cpu_pack, linear
+from workers.parallel import all_reduce, divide, get_expert_parallel, get_tp_rank, get_tp_world_size
+
+ACTIVATIONS = ("silu",)
+SCORING = ("softmax", "topk_softmax")
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """How a family routes tokens to experts.
+
+    scoring "softmax": softmax over all experts, then top-k (Mixtral, Qwen MoE); "topk_softmax":
+    top-k of the logits, then softmax over those k. renormalize scales the k weights to sum to 1.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int  # per expert
+    renormalize: bool
+    activation: str = "silu"
+    scoring: str = "softmax"
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts: must be at least 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: must be in [1, num_experts={self.num_experts}], "
+                f"got {self.top_k}"
+            )
+        if self.intermediate_size < 1:
+            raise ValueError(
+                f"moe_intermediate_size: must be at least 1, got {self.intermediate_size}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act: {self.activation!r} is not supported for experts "
+                f"(supported: {list(ACTIVATIONS)})"
+            )
+        if self.scoring not in SCORING:
+            raise ValueError(f"scoring: must be one of {list(SCORING)}, got {self.scoring!r}")
+
+
+def route(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the k chosen experts and their weights (float32): ([T, k] weights, [T, k] ids)."""
+    if cfg.scoring == "softmax":
+        weights, ids = logits.float().softmax(-1).topk(cfg.top_k, dim=-1)
+    else:
+        top, ids = logits.float().topk(cfg.top_k, dim=-1)
+        weights = top.softmax(-1)
+    if cfg.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
+    """[first, end) of the experts rank holds under expert parallelism: contiguous, sizes differ by
+    at most one."""
+    return rank * num_experts // world, (rank + 1) * num_experts // world
+
+
+class ReplicatedLinear(CpuPackedWeight):
+    """y = x W^T, the whole matrix on every rank (routers and gates: small, and every rank needs
+    every output)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, packed=self.packed)
+
+
+class FusedMoE(CpuPackedWeight):
+    """The experts of one layer: w13 [E_local, 2 * I_local, H] (gate rows, then up rows) and
+    w2 [E_local, H, I_local]; forward(x, router_logits) returns the routed sum, all-reduced.
+
+    As a CpuPackedWeight it is packed by pack_cpu_weights: every local expert's two matrices."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
+        self.expert_parallel = get_expert_parallel() and self.tp_size > 1
+        if self.expert_parallel:
+            if cfg.num_experts < self.tp_size:
+                raise ValueError(
+                    f"num_experts: {cfg.num_experts} experts cannot give each of "
+                    f"tensor_parallel_size={self.tp_size} expert-parallel ranks one"
+                )
+            self.first, end = expert_range(cfg.num_experts, self.tp_rank, self.tp_size)
+            self.inter = cfg.intermediate_size
+        else:
+            self.first, end = 0, cfg.num_experts
+            self.inter = divide(cfg.intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.num_local = end - self.first
+        h = cfg.hidden_size
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, h, self.inter), requires_grad=False)
+        self.act = SiluAndMul()
+        self.packed13: list[torch.Tensor | None] = [None] * self.num_local
+        self.packed2: list[torch.Tensor | None] = [None] * self.num_local
+        # Rows (token, expert pairs) each rank of the group computed in the last forward.
+        self.rows_per_rank: list[int] = [0] * self.tp_size
+
+    def pack_weight(self) -> bool:
+        self.packed13 = [cpu_pack(w) for w in self.w13]
+        self.packed2 = [cpu_pack(w) for w in self.w2]
+        return all(p is not None for p in self.packed13 + self.packed2)
+
+    def load_expert(self, expert: int, part: str, tensor) -> bool:
+        """Copy one checkpoint matrix of one expert ("gate" or "up" [I, H], "down" [H, I]) into
+        this rank's share; False if this rank does not hold the expert."""
+        local = expert - self.first
+        if not 0 <= expert < self.cfg.num_experts:
+            raise ValueError(f"weights: expert {expert} >= num_experts={self.cfg.num_experts}")
+        if not 0 <= local < self.num_local:
+            return False
+        shard = 0 if self.expert_parallel else self.tp_rank
+        if part == "down":
+            self._copy(self.w2[local], tensor.narrow(1, shard * self.inter, self.inter), part)
+        elif part in ("gate", "up"):
+            rows = self.w13[local].narrow(0, 0 if part == "gate" else self.inter, self.inter)
+            self._copy(rows, tensor.narrow(0, shard * self.inter, self.inter), part)
+        else:
+            raise ValueError(f"part: must be 'gate', 'up' or 'down', got {part!r}")
+        return True
+
+    def load_fused(self, name: str, tensor) -> None:
+        """Every expert at once from a 3-D checkpoint tensor: gate_up_proj [E, 2I, H] (gate rows,
+        then up rows) or down_proj [E, H, I]."""
+        if tensor.shape[0] != self.cfg.num_experts:
+            raise ValueError(
+                f"{name}: has {tensor.shape[0]} experts, num_experts={self.cfg.num_experts}"
+            )
+        full = self.cfg.intermediate_size
+        mine = tensor.narrow(0, self.first, self.num_local)
+        for local in range(self.num_local):
+            if name.endswith("down_proj"):
+                self.load_expert(self.first + local, "down", mine[local])
+            else:
+                self.load_expert(self.first + local, "gate", mine[local].narrow(0, 0, full))
+                self.load_expert(self.first + local, "up", mine[local].narrow(0, full, full))
+
+    @staticmethod
+    def _copy(param: torch.Tensor, loaded: torch.Tensor, part: str) -> None:
+        if param.shape != loaded.shape:
+            raise ValueError(
+                f"experts.{part}: checkpoint shard has shape {tuple(loaded.shape)}, "
+                f"expected {tuple(param.shape)}"
+            )
+        param.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(router_logits, self.cfg)
+        return all_reduce(self.experts(x, weights, ids))
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), without the
+        all-reduce.
+
+        Pairs are sorted by expert (stably, so a token's rows keep their order), every local
+        expert runs over its contiguous rows, and each token's k results are summed in slot order
+        (the same order whatever the batch)."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()  # one host sync
+        self._count_rows(counts)
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        lo, hi = starts[self.first], starts[self.first + self.num_local]
+        mine = order[lo:hi]
+        xs = x.index_select(0, mine // k)
+        out = x.new_zeros(t * k, x.shape[1])
+        ys = torch.empty_like(xs)
+        for local in range(self.num_local):
+            s, e = starts[self.first + local] - lo, starts[self.first + local + 1] - lo
+            if s == e:
+                continue
+            h = self.act(linear(xs[s:e], self.w13[local], packed=self.packed13[local]))
+            ys[s:e] = linear(h, self.w2[local], packed=self.packed2[local])
+        scale = weights.reshape(-1).index_select(0, mine).to(x.dtype)
+        out.index_copy_(0, mine, ys * scale[:, None])
+        return out.view(t, k, -1).sum(1)
+
+    def _count_rows(self, counts: list[int]) -> None:
+        if not self.expert_parallel:
+            self.rows_per_rank = [sum(counts)] * self.tp_size
+            return
+        e = self.cfg.num_experts
+        self.rows_per_rank = [
+            sum(counts[slice(*expert_range(e, r, self.tp_size))]) for r in range(self.tp_size)
+        ]
