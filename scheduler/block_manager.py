@@ -247,8 +247,10 @@ class KVCacheManager:
         )
 
     def find_cached_blocks(self, request: Request) -> list[int]:
-        """The longest run of cached leading blocks, leaving at least the last token to compute."""
-        if not self.enable_prefix_caching:
+        """The longest run of cached leading blocks, leaving at least the last token to compute.
+        None for a request that asks for its prompt's log-probabilities: every position of its
+        prompt must go through the model."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._ensure_hashes(request, max_blocks)

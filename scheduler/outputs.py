@@ -87,6 +87,9 @@ class ModelRunnerOutput:
     # Requests whose own inputs failed this step (sampling state, their sampler row): request id ->
     # reason. They are finished with an error; the step's other requests go on.
     failed: dict[str, str] = field(default_factory=dict)
+    # Requests that asked for prompt_logprobs and sampled their first token this step: one entry
+    # per prompt token after the first (the token itself, then the alternatives).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
@@ -112,6 +115,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # why the request failed (finish_reason "error"); for logs only
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, when asked for
 
 
 @dataclass(slots=True)

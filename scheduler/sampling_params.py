@@ -86,6 +86,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # detokenization drops special tokens' text
     spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # The log-probability of each prompt token after the first, plus this many alternatives
+    # (computed in the prefill; such a request does not reuse cached prompt blocks).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -212,6 +215,12 @@ class SamplingParams:
 
     def _check_extensions(self) -> None:
         """vLLM's sampling and detokenization extensions."""
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {_shown(self.prompt_logprobs)}",
+        )
         _check(
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",
