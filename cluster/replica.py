@@ -55,6 +55,7 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         num_cached_tokens=later.num_cached_tokens,
         new_logprobs=logprobs,
         error=later.error,
+        prompt_logprobs=first.prompt_logprobs or later.prompt_logprobs,
     )
 
 

@@ -56,6 +56,7 @@ class ChoiceDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the choice's first tokens
 
 
 @dataclass(slots=True)
@@ -159,6 +160,8 @@ class Choice:
     metrics: RequestMetrics
     max_migrations: int = 3
     emitted: list[int] = field(default_factory=list)
+    # The prompt's log-probabilities came (a choice resumed elsewhere gets them once).
+    has_prompt_logprobs: bool = False
 
     async def stream(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
         """The choice's deltas, its finish reason on the last. One that raises counts as "error",
@@ -236,6 +239,9 @@ class Choice:
                 done = finish is not None
                 if done:
                     report_outcome(internal_request_id, ok=True)
+                prompt_logprobs = None
+                if out.prompt_logprobs is not None and not self.has_prompt_logprobs:
+                    prompt_logprobs, self.has_prompt_logprobs = out.prompt_logprobs, True
                 # The text of handed-back tokens goes out before the request moves.
                 yield ChoiceDelta(
                     self.index,
@@ -247,6 +253,7 @@ class Choice:
                     len(request.prompt_token_ids),
                     len(self.emitted),
                     out.num_cached_tokens,
+                    prompt_logprobs,
                 )
                 if done:
                     return

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -42,6 +43,7 @@ from deploy.logprobs import (
     check_budget,
     completion_logprobs,
     num_entries,
+    prompt_logprobs_json,
     response_json,
 )
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
@@ -89,6 +91,16 @@ async def _prepend(
         yield first
         async for delta in rest:
             yield delta
+
+
+@dataclass(slots=True)
+class _PromptSide:
+    """What a response shows of each choice's prompt: its echoed text, its log-probabilities."""
+
+    prefixes: list[str] | None = None  # echo: the text each choice begins with
+    first_tokens: list[int] = field(default_factory=list)  # each choice's first prompt token
+    echo_logprobs: int | None = None  # echo with logprobs: alternatives shown per position
+    prompt_logprobs: bool = False  # a `prompt_logprobs` list per choice (or for the chat)
 
 
 class _ChatSplit:
@@ -259,8 +271,13 @@ class OpenAIIngress:
             ]
         constraint = await self._check(body.output_constraint())
         choices = await self._choices(body, prompts, body.logprobs, tenant, constraint)
-        prefixes = [echoes[c.prompt_index] for c in choices] if echoes is not None else None
-        return await self._respond(body, choices, chat=False, prefixes=prefixes)
+        side = _PromptSide(
+            [echoes[c.prompt_index] for c in choices] if echoes is not None else None,
+            [c.request.prompt_token_ids[0] for c in choices],
+            body.logprobs if body.echo_logprobs else None,
+            body.prompt_logprobs is not None,
+        )
+        return await self._respond(body, choices, chat=False, side=side)
 
     async def _chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
         if body.max_completion_tokens is not None:
@@ -312,7 +329,11 @@ class OpenAIIngress:
             prompt = prompt[-body.truncate_prompt_tokens :]
         choices = await self._choices(body, [prompt], body.num_logprobs, tenant, constraint)
         declared = DeclaredTools.of(tools, self._tool_format) if tools else None
-        return await self._respond(body, choices, chat=True, tools=declared)
+        side = _PromptSide(
+            first_tokens=[prompt[0]] * len(choices),
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
+        return await self._respond(body, choices, chat=True, tools=declared, side=side)
 
     async def _tokenize_body(self, body: TokenizeRequest, tenant: str) -> Response:
         messages = [self._message(m) for m in body.messages or []]
@@ -450,6 +471,8 @@ class OpenAIIngress:
                 )
             if logprobs is not None:
                 asked_logprobs += body.n * max_tokens * (logprobs + 1)
+            if body.asked_prompt_logprobs is not None:
+                asked_logprobs += body.n * len(prompt) * (body.asked_prompt_logprobs + 1)
             hashes = self.frontend.block_hashes(prompt, self.config.engine.block_size)
             too_long = [s for s in body.stop if len(s) > self.config.max_stop_string_chars]
             if too_long:
@@ -495,9 +518,10 @@ class OpenAIIngress:
         choices: list[Choice],
         chat: bool,
         tools: DeclaredTools | None = None,
-        prefixes: list[str] | None = None,
+        side: _PromptSide | None = None,
     ) -> Response:
-        """prefixes: text each choice begins with (an echoed prompt), before what it generates."""
+        """side: what each choice shows of its prompt (echo, prompt log-probabilities)."""
+        side = side if side is not None else _PromptSide()
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
         timeout = self.config.request_timeout_s
         if body.request_timeout_s is not None:
@@ -515,12 +539,12 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 self._sse_stream(
-                    rid, _prepend(first, deltas), chat, include_usage, tools, prefixes
+                    rid, _prepend(first, deltas), chat, include_usage, tools, side.prefixes
                 ),
                 media_type="text/event-stream",
             )
         try:
-            return await self._collect(rid, deltas, len(choices), chat, tools, prefixes)
+            return await self._collect(rid, deltas, len(choices), chat, tools, side)
         except Exception as exc:
             return error_response(exc)
 
@@ -531,23 +555,32 @@ class OpenAIIngress:
         n: int,
         chat: bool,
         tools: DeclaredTools | None,
-        prefixes: list[str] | None = None,
+        side: _PromptSide,
     ) -> Response:
-        texts = list(prefixes) if prefixes is not None else [""] * n
+        texts = list(side.prefixes) if side.prefixes is not None else [""] * n
         logprobs: list[list] = [[] for _ in range(n)]
+        prompt_logprobs: list[list] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         tally = UsageTally()
         async for d in deltas:
             texts[d.index] += d.text
             if d.logprobs:
                 logprobs[d.index] += d.logprobs
+            if d.prompt_logprobs:
+                prompt_logprobs[d.index] = d.prompt_logprobs
             if d.finish_reason is not None:
                 finish[d.index] = d.finish_reason
             tally.add(d)
+        if side.echo_logprobs is not None:  # the prompt's entries lead each choice's logprobs
+            k = side.echo_logprobs
+            logprobs = [[e[: k + 1] for e in p] + g for p, g in zip(prompt_logprobs, logprobs)]
         encode = functools.partial(
             self._response_body, rid, texts, logprobs, finish, tally, chat, tools
         )
-        large = sum(num_entries(lp) for lp in logprobs) > LOGPROBS_OFF_LOOP
+        if side.prompt_logprobs or side.echo_logprobs is not None:
+            encode = functools.partial(encode, side=side, prompt_logprobs=prompt_logprobs)
+        entries = logprobs + prompt_logprobs
+        large = sum(num_entries(lp) for lp in entries) > LOGPROBS_OFF_LOOP
         content = await asyncio.to_thread(encode) if large else encode()
         return Response(content, media_type="application/json")
 
@@ -560,8 +593,12 @@ class OpenAIIngress:
         tally: UsageTally,
         chat: bool,
         tools: DeclaredTools | None,
+        side: _PromptSide | None = None,
+        prompt_logprobs: list[list] | None = None,
     ) -> bytes:
         """The whole response as JSON bytes (on a thread when its logprobs are many)."""
+        side = side if side is not None else _PromptSide()
+        echo_first = side.first_tokens if side.echo_logprobs is not None else None
         out_choices, out_logprobs = [], []
         for i in range(len(texts)):
             if chat:
@@ -577,15 +614,26 @@ class OpenAIIngress:
                 lp = chat_logprobs(logprobs[i], self._texts) if logprobs[i] else None
             else:
                 out_choices.append({"index": i, "text": texts[i], "finish_reason": finish[i]})
-                lp = completion_logprobs(logprobs[i], self._texts) if logprobs[i] else None
+                first = echo_first[i] if echo_first is not None else None
+                lp = (
+                    completion_logprobs(logprobs[i], self._texts, first)
+                    if logprobs[i] or first is not None
+                    else None
+                )
+                if side.prompt_logprobs and prompt_logprobs is not None:
+                    out_choices[-1]["prompt_logprobs"] = prompt_logprobs_json(
+                        prompt_logprobs[i], self._texts
+                    )
             out_logprobs.append(lp)
-        head = {
+        head: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.config.model_name,
             "usage": tally.as_dict(),
         }
+        if chat and side.prompt_logprobs and prompt_logprobs:  # one prompt: at the top, as vLLM
+            head["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs[0], self._texts)
         return response_json(head, out_choices, out_logprobs)
 
     async def _sse_stream(

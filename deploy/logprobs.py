@@ -91,10 +91,24 @@ def chat_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> dict[str,
     return {"content": content}
 
 
-def completion_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> dict[str, Any]:
-    """`choices[i].logprobs` of a completion: tokens, their logprobs, top alternatives, offsets."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+def completion_logprobs(
+    logprobs: list[TokenLogprobs], texts: TokenTexts, first_token: int | None = None
+) -> dict[str, Any]:
+    """`choices[i].logprobs` of a completion: tokens, their logprobs, top alternatives, offsets.
+
+    first_token: an echoed prompt's first token, which nothing precedes: its logprob and
+    alternatives are null (the entries of the prompt's other tokens lead `logprobs`)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = 0
+    if first_token is not None:
+        tokens.append(texts.text(first_token))
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        offsets.append(0)
+        offset = len(tokens[0])
     for entry in logprobs:
         (token_id, logprob), top = entry[0], entry[1:]
         token = texts.text(token_id)
@@ -109,6 +123,29 @@ def completion_logprobs(logprobs: list[TokenLogprobs], texts: TokenTexts) -> dic
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_json(
+    entries: list[TokenLogprobs], texts: TokenTexts
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map from token
+    id to `{logprob, rank, decoded_token}`: the prompt's token (its rank among the alternatives
+    when it is one of them, else null) and the top alternatives (ranks 1, 2, ...)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in entries:
+        (token_id, logprob), top = entry[0], entry[1:]
+        ranks = {t: rank for rank, (t, _) in enumerate(top, 1)}
+        position = {
+            str(t): {"logprob": finite(v), "rank": rank, "decoded_token": texts.text(t)}
+            for rank, (t, v) in enumerate(top, 1)
+        }
+        position[str(token_id)] = {
+            "logprob": finite(logprob),
+            "rank": ranks.get(token_id),
+            "decoded_token": texts.text(token_id),
+        }
+        out.append(position)
+    return out
 
 
 def response_json(head: dict[str, Any], choices: list[dict[str, Any]], logprobs: list) -> bytes:

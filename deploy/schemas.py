@@ -29,7 +29,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
     "reasoning_effort": (None,),
-    "prompt_logprobs": (None,),
     "verbosity": (None,),
     "moderation": (None,),
     "prompt_cache_options": (None,),
@@ -190,6 +189,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _sampling_bounds(self) -> _SamplingFields:
@@ -243,7 +243,20 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=self.asked_prompt_logprobs,
         )
+
+    @property
+    def asked_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token (None: the prompt's log-probabilities are not asked)."""
+        return self.prompt_logprobs
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> _SamplingFields:
+        if self.stream and self.asked_prompt_logprobs is not None:
+            name = "prompt_logprobs" if self.prompt_logprobs is not None else "echo"
+            raise ValueError(f"{name}: the prompt's log-probabilities are not streamed")
+        return self
 
     @property
     def asked_max_tokens(self) -> int | None:
@@ -312,16 +325,16 @@ class CompletionRequest(_SamplingFields):
     def asked_logprobs(self) -> int | None:
         return self.logprobs
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        # Echoed prompt tokens would need their log-probabilities from the prefill, which the
-        # engine does not compute (prompt_logprobs is refused for the same reason).
-        if self.echo and self.logprobs is not None:
-            raise ValueError(
-                "echo: cannot be combined with logprobs: this server does not compute the "
-                "prompt's log-probabilities"
-            )
-        return self
+    @property
+    def echo_logprobs(self) -> bool:
+        """echo with logprobs: the prompt's tokens lead the logprobs (from its prefill)."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def asked_prompt_logprobs(self) -> int | None:
+        if self.echo_logprobs:
+            return max(self.logprobs or 0, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -57,6 +57,9 @@ class GenerationOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing precedes it),
+    # then each prompt token's (id, logprob) followed by the alternatives.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -223,6 +226,8 @@ class LLM:
             out.num_cached_tokens = ro.num_cached_tokens
             if out.logprobs is not None and ro.new_logprobs:
                 out.logprobs.extend(ro.new_logprobs)
+            if ro.prompt_logprobs is not None and out.prompt_logprobs is None:
+                out.prompt_logprobs = [None, *ro.prompt_logprobs]
             text = texts[ro.request_id]
             text.feed(ro.new_token_ids, ro.finished, ro.finished and ro.finish_reason == "stop")
             if text.stopped or ro.finished:

@@ -88,7 +88,9 @@ class AsyncScheduler(Scheduler):
                 stale.add(rid)
             elif sampled and req.status in _PREEMPTED:
                 dropped.add(i)
-                late.append(self._append_late(req, sampled, runner_output.logprobs, i))
+                out = self._append_late(req, sampled, runner_output.logprobs, i)
+                out.prompt_logprobs = runner_output.prompt_logprobs.get(rid)
+                late.append(out)
         for rid in runner_output.failed:
             req = step.requests.get(rid)
             if req is not None and live.get(rid) is not req:

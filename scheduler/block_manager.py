@@ -247,9 +247,16 @@ class KVCacheManager:
         )
 
     def find_cached_blocks(self, request: Request) -> list[int]:
-        """The longest run of cached leading blocks, leaving at least the last token to compute."""
-        if not self.enable_prefix_caching or request.sampling_params.pooling == "mean":
-            return []  # a mean over the prompt needs every prompt token's hidden state computed
+        """The longest run of cached leading blocks, leaving at least the last token to compute.
+        None for a request whose every prompt position must go through the model: one that asks
+        for its prompt's log-probabilities, or a mean-pooled embedding."""
+        params = request.sampling_params
+        if (
+            not self.enable_prefix_caching
+            or params.pooling == "mean"
+            or params.prompt_logprobs is not None
+        ):
+            return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._ensure_hashes(request, max_blocks)
         cached = self.pool.cached

@@ -90,6 +90,9 @@ class ModelRunnerOutput:
     # Embedding requests whose prompt ended this step: request id -> the pooled, normalised
     # hidden state.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Requests that asked for prompt_logprobs and sampled their first token this step: one entry
+    # per prompt token after the first (the token itself, then the alternatives).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
@@ -116,6 +119,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # why the request failed (finish_reason "error"); for logs only
     pooled: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, when asked for
 
 
 @dataclass(slots=True)

@@ -91,6 +91,9 @@ class SamplingParams:
     # An embedding request: the prompt's final hidden states pooled ("last" token or "mean"),
     # returned with the one token the request samples (RequestOutput.pooled).
     pooling: str | None = None
+    # The log-probability of each prompt token after the first, plus this many alternatives
+    # (computed in the prefill; such a request does not reuse cached prompt blocks).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -232,6 +235,12 @@ class SamplingParams:
 
     def _check_extensions(self) -> None:
         """vLLM's sampling and detokenization extensions."""
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {_shown(self.prompt_logprobs)}",
+        )
         _check(
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",

@@ -407,7 +407,10 @@ class Scheduler:
                 any_finished = True
                 self._finish(req, status)
             lp = logprobs[i] if logprobs is not None else None
-            outputs.append(self._output(req, sampled[:kept], lp[:kept] if lp is not None else None))
+            out = self._output(req, sampled[:kept], lp[:kept] if lp is not None else None)
+            if runner_output.prompt_logprobs:
+                out.prompt_logprobs = runner_output.prompt_logprobs.get(rid)
+            outputs.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig
 
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
@@ -24,6 +24,7 @@ from workers.model_files import load_tokenizer
 from workers.parallel import get_tp_rank, get_tp_world_size, set_expert_parallel
 from workers.pooling import Pooler
 from workers.process import set_niceness
+from workers.prompt_logprobs import prompt_logprobs
 from workers.sampler import Sampler, SamplerOutput, SamplingState
 from workers.structured import GrammarCompiler, PendingMasks, StructuredDecoding, apply_masks
 
@@ -81,6 +82,10 @@ class RequestState:
     sampling: SamplingState
     table_row: int = -1  # its row of BlockTableRows, once it has run
     num_synced_blocks: int = 0  # block_ids already written to that row
+    # prompt_logprobs: the entries so far (rank 0 only) until they go out with the first token,
+    # and how many prompt positions are done (every rank, so all compute the same rows).
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_prompt_logprobs: int = 0
 
 
 @dataclass(slots=True)
@@ -331,6 +336,12 @@ class ModelRunner:
                 list(new.block_ids),
                 new.num_computed_tokens,
                 sampling,
+                # A resumed request sent its prompt's entries before.
+                prompt_logprobs=(
+                    []
+                    if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
+                    else None
+                ),
             )
         cached = out.scheduled_cached_reqs
         for rid, resumed, tokens, blocks, computed in zip(
@@ -387,6 +398,8 @@ class ModelRunner:
         if graphs is not None and pure_decode and len(batch.req_ids) <= graphs.max_batch:
             tables = [self.requests[rid].block_ids for rid in batch.req_ids]
             hidden = graphs.run(batch.input_ids, batch.starts, tables)  # a pure-decode step
+            # A prompt's last chunk may be one token long, like a decode.
+            self._prompt_logprobs(batch, hidden, list(range(len(batch.req_ids) + 1)))
             if not batch.sample_rows:
                 return None
             if len(batch.sample_rows) < len(batch.req_ids):
@@ -403,6 +416,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         if batch.pooling_rows and self.is_driver:
             self._pool(batch, hidden, meta.query_start_loc_cpu)
+        self._prompt_logprobs(batch, hidden, meta.query_start_loc_cpu)
         if not batch.sample_rows:  # only partial prefills this step
             return None
         last = [meta.query_start_loc_cpu[i + 1] - 1 for i in batch.sample_rows]
@@ -423,6 +437,27 @@ class ModelRunner:
             )
             if vector is not None:
                 batch.pooled[rid] = vector
+    def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, starts: list[int]) -> None:
+        """Entries for the prompt positions this step computed, of the requests that asked."""
+        for i, rid in enumerate(batch.req_ids):
+            state = self.requests[rid]
+            if state.prompt_logprobs is None:
+                continue
+            num_prompt = len(state.sampling.prompt_token_ids)
+            first = max(batch.starts[i], state.num_prompt_logprobs)  # recomputed ones once
+            end = min(batch.starts[i] + batch.query_lens[i], num_prompt - 1)
+            if end <= first:
+                continue
+            row = int(starts[i]) + first - batch.starts[i]
+            entries = prompt_logprobs(
+                self.model.compute_logits,
+                hidden[row : row + end - first],
+                state.token_ids[first + 1 : end + 1],
+                state.sampling.params.prompt_logprobs or 0,
+            )
+            state.num_prompt_logprobs = end
+            if entries is not None:
+                state.prompt_logprobs.extend(entries)
 
     def _start_constraint(self, req_id: str, params: SamplingParams) -> None:
         """A new (or resumed) constrained request gets a fresh matcher; only the sampling rank
@@ -472,7 +507,17 @@ class ModelRunner:
                     logprobs[row] = [lp] if lp is not None else None
         if self.config.async_scheduling:
             self._append_sampled(batch, sampled)
-        return ModelRunnerOutput(batch.req_ids, sampled, logprobs, failed)
+        output = ModelRunnerOutput(batch.req_ids, sampled, logprobs, failed)
+        for row in batch.sample_rows:
+            state = self.requests[batch.req_ids[row]]
+            if state.prompt_logprobs is not None and sampled[row]:  # with its first token
+                rid = batch.req_ids[row]
+                if len(state.prompt_logprobs) == len(state.sampling.prompt_token_ids) - 1:
+                    output.prompt_logprobs[rid] = state.prompt_logprobs
+                else:  # a position skipped (never expected): fail it rather than answer short
+                    output.failed[rid] = "prompt_logprobs: incomplete"
+                state.prompt_logprobs = None
+        return output
 
     def _append_sampled(self, batch: _Batch, sampled: list[list[int]]) -> None:
         """Async scheduling: the next step, already scheduled, decodes from these tokens (the

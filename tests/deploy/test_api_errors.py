@@ -62,7 +62,7 @@ def test_malformed_json_is_400(smol):
         ({"prompt": [-1]}, "prompt"),
         ({"prompt": [2**70]}, "prompt"),
         ({}, "prompt"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),
     ],
 )
 def test_bad_completion_field_is_400_naming_it(smol, body, param):

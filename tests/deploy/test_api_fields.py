@@ -97,6 +97,42 @@ def test_echo_returns_the_prompt_streamed_and_not(client):
     assert streamed == full
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_generation_would(client):
+    # What evaluation harnesses send for log-likelihood (lm-eval: echo, logprobs=1, max_tokens=1).
+    prompt = "The capital of France is"
+    step = client.completions.create(model=SMOL, prompt=prompt, max_tokens=1, logprobs=1, **GREEDY)
+    word = step.choices[0].text
+    scored = client.completions.create(
+        model=SMOL, prompt=prompt + word, max_tokens=1, logprobs=1, echo=True, **GREEDY
+    )
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.startswith(prompt + word)
+    assert len(lp.tokens) == scored.usage.prompt_tokens + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens).startswith(prompt + word)
+    n = scored.usage.prompt_tokens
+    assert lp.tokens[n - 1] == word
+    assert lp.token_logprobs[n - 1] == pytest.approx(
+        step.choices[0].logprobs.token_logprobs[0], abs=1e-3
+    )
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+
+
+def test_prompt_logprobs_in_vllm_shape(smol):
+    body = {"model": SMOL, "messages": SHORT_ANSWER, "max_tokens": 1, "prompt_logprobs": 2}
+    chat = smol.post("/chat/completions", json=body).json()
+    entries = chat["prompt_logprobs"]
+    assert len(entries) == chat["usage"]["prompt_tokens"] and entries[0] is None
+    assert all(2 <= len(e) <= 3 for e in entries[1:])
+    ranks = sorted(v["rank"] for v in entries[1].values() if v["rank"] is not None)
+    assert ranks[:2] == [1, 2] and all(v["logprob"] <= 0 for v in entries[1].values())
+    body = {"model": SMOL, "prompt": ["Hi there", "Bye now"], "max_tokens": 1, "prompt_logprobs": 0}
+    done = smol.post("/completions", json=body).json()
+    lists = [c["prompt_logprobs"] for c in done["choices"]]
+    assert [e[0] for e in lists] == [None, None] and all(len(e) >= 2 for e in lists)
+    assert sum(map(len, lists)) == done["usage"]["prompt_tokens"]
+
+
 def test_a_stop_string_is_kept_when_asked(client):
     kwargs = dict(model=SMOL, prompt="1, 2, 3, 4, 5,", max_tokens=12, stop=["7"], **GREEDY)
     cut = client.completions.create(**kwargs).choices[0].text
@@ -171,8 +207,9 @@ def test_each_bad_value_is_a_400_naming_the_field(smol, value):
 
 def test_semantic_refusals_name_their_field(smol):
     cases = [
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-        ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
         ({"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids"),
         ({"prompt": "x", "bad_words": ["\U0001f600" * 200]}, "bad_words"),

@@ -32,7 +32,6 @@ def _refused(body: dict, schema: type = ChatCompletionRequest) -> BadRequestErro
         ({**CHAT, "best_of": 2}, "best_of"),
         ({**CHAT, "store": True}, "store"),
         ({**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
-        ({**CHAT, "prompt_logprobs": 1}, "prompt_logprobs"),
         ({**CHAT, "chat_template": "{{ 7 * 7 }}"}, "chat_template"),
         ({**CHAT, "messages": [{"role": "user", "content": "x", "x": 1}]}, "messages.0.x"),
         ({**CHAT, "messages": [{"role": "assistant", "refusal": "no"}]}, "messages.0.refusal"),
