@@ -404,7 +404,10 @@ def _usage(tally: UsageTally, reasoning_tokens: int) -> dict[str, Any]:
     counts = tally.as_dict()
     return {
         "input_tokens": counts["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
+        "input_tokens_details": {
+            "cached_tokens": counts["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": 0,  # no prompt is written to a cache on request
+        },
         "output_tokens": counts["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": counts["total_tokens"],
