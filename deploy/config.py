@@ -17,9 +17,11 @@ from typing import Any
 from cluster.placement import STRATEGIES, default_strategy
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
+from frontend.reasoning import PARSERS
 from router.config import RoutingConfig
 from router.stats import ROUTING_STATS_PERIOD_S
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
+from scheduler.sampling_params import POOLINGS
 from scheduler.settings import build, check_settings, clipped, nest, setting, shown
 
 ROUTERS = {
@@ -178,6 +180,20 @@ class AppConfig:
         "implemented): `reject` answers 400 naming it; `ignore` drops it and lists it in the "
         "`x-raylm-ignored-fields` response header",
         choices=("reject", "ignore"),
+    )
+    # Reasoning models and embeddings.
+    reasoning_parser: str | None = setting(
+        None,
+        "splits a reasoning model's thinking block out of its reply: `reasoning_content` in chat, "
+        "reasoning items in the Responses API; tools and response formats constrain the answer "
+        "after the block (unset: no split)",
+        choices=tuple(PARSERS),
+    )
+    embedding_pooling: str = setting(
+        "last",
+        "how `/v1/embeddings` pools the model's final hidden states: the last prompt token's, or "
+        "the mean over the prompt; either is normalised to unit length",
+        choices=POOLINGS,
     )
     # Resources and placement (one bundle for the replica, one per TP worker when TP > 1).
     replica_num_cpus: float = setting(1.0, "CPUs of the replica's bundle", ge=0, le=MAX_BUNDLE_CPUS)

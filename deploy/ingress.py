@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -27,11 +27,13 @@ from cluster.metrics import RequestMetrics
 from deploy import metrics_page
 from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
 from deploy.config import ApiKeyProfile, AppConfig
+from deploy.embeddings import EmbeddingRequest, check_fits, embed_one, embedding_response
 from deploy.errors import (
     AuthenticationError,
     BadRequestError,
     ContextLengthError,
     ModelNotFoundError,
+    RequestTimeoutError,
     error_event,
     error_response,
 )
@@ -46,6 +48,8 @@ from deploy.logprobs import (
     prompt_logprobs_json,
     response_json,
 )
+from deploy.reply import ReplySplit
+from deploy.responses import ResponseBuilder, ResponsesRequest, renamed, sse_event
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
 from deploy.tenants import TenantLimiter
 from deploy.tokenize import (
@@ -57,7 +61,6 @@ from deploy.tokenize import (
 )
 from deploy.tools import (
     DeclaredTools,
-    ToolCallParser,
     ToolSpec,
     detect_format,
     prepare_chat,
@@ -65,7 +68,9 @@ from deploy.tools import (
     tool_constraint,
 )
 from frontend.frontend import Frontend
+from frontend.reasoning import Reasoning, ReasoningSplitter
 from scheduler.request import EngineRequest
+from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput
 from workers.grammar_sandbox import GrammarSandbox, TokenizerSpec
 from workers.process import set_niceness
@@ -103,48 +108,60 @@ class _PromptSide:
     prompt_logprobs: bool = False  # a `prompt_logprobs` list per choice (or for the chat)
 
 
-class _ChatSplit:
-    """One chat choice's text as OpenAI message fields: plain content, or tool calls when tools are
-    on."""
+async def _response_events(
+    builder: ResponseBuilder, deltas: AsyncIterator[ChoiceDelta]
+) -> AsyncIterator[bytes]:
+    """A Responses stream: its typed events, an error event if it fails after the start."""
+    for event in builder.start():
+        yield sse_event(event)
+    try:
+        async for delta in deltas:
+            for event in builder.feed(delta):
+                yield sse_event(event)
+    except Exception as exc:
+        yield sse_event(builder.error(exc))
 
-    def __init__(self, tools: DeclaredTools | None) -> None:
-        self.parser = ToolCallParser(tools) if tools is not None else None
+
+class _ChatSplit:
+    """One chat choice's text as OpenAI message fields: reasoning (with a reasoning parser), plain
+    content, or tool calls when tools are on."""
+
+    def __init__(self, tools: DeclaredTools | None, reasoning: ReasoningSplitter | None) -> None:
+        self.split = ReplySplit(tools, reasoning)
 
     def message(self, text: str) -> dict[str, Any]:
         """The whole reply as a message."""
-        if self.parser is None:
-            return {"role": "assistant", "content": text}
-        content, calls = self.parser.feed(text)
-        rest, more = self.parser.finish()
-        calls = calls + more
+        piece = self.split.whole(text)
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": (content + rest) or (None if calls else ""),
+            "content": piece.content or (None if piece.calls else ""),
         }
-        if calls:
-            message["tool_calls"] = calls
+        if self.split.reasoning is not None:
+            message["reasoning_content"] = piece.reasoning or None
+        if piece.calls:
+            message["tool_calls"] = piece.calls
         return message
 
     def delta(self, text: str, last: bool, first: bool) -> dict[str, Any]:
         """The streamed delta for `text` more (empty when nothing can be sent yet)."""
-        calls: list[dict[str, Any]] = []
-        start = 0  # the index of this delta's first call among the reply's calls
-        if self.parser is not None:
-            text, calls = self.parser.feed(text)
-            if last:
-                rest, more = self.parser.finish()
-                text, calls = text + rest, calls + more
-            start = len(self.parser.calls) - len(calls)
+        piece = self.split.feed(text)
+        if last:
+            piece += self.split.finish()
+        start = self.split.num_calls - len(piece.calls)  # this delta's first call's index
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text or (first and not calls):
-            delta["content"] = text
-        if calls:
-            delta["tool_calls"] = [{"index": start + k, **call} for k, call in enumerate(calls)]
+        if piece.reasoning:
+            delta["reasoning_content"] = piece.reasoning
+        if piece.content or (first and not piece.calls and not piece.reasoning):
+            delta["content"] = piece.content
+        if piece.calls:
+            delta["tool_calls"] = [
+                {"index": start + k, **call} for k, call in enumerate(piece.calls)
+            ]
         return delta
 
     def finish_reason(self, reason: str | None) -> str | None:
         """A reply that made calls and stopped by itself finishes with "tool_calls"."""
-        if reason == "stop" and self.parser is not None and self.parser.calls:
+        if reason == "stop" and self.split.num_calls:
             return "tool_calls"
         return reason
 
@@ -172,6 +189,11 @@ class OpenAIIngress:
         self._tenants = TenantLimiter(config.max_requests_per_tenant, config.overload_retry_after_s)
         self._tool_format = detect_format(self.frontend.chat_template)
         self._renders_tools = template_renders_tools(self.frontend.chat_template)
+        self._reasoning = (
+            Reasoning.of(config.reasoning_parser, self.frontend.tokenizer)
+            if config.reasoning_parser is not None
+            else None
+        )
         self._max_model_len: int | None = None
         self._created = int(time.time())
         self._actor_name = ray.get_runtime_context().get_actor_name()  # replicas abort our orphans
@@ -231,6 +253,14 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, self._chat)
 
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, ResponsesRequest, self._responses)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self._serve(request, EmbeddingRequest, self._embed)
+
     async def _serve(self, request: Request, schema: type, answer: Any) -> Response:
         """Authorize, admit the tenant, read and check the body, answer. The request holds its
         tenant's place until the answer is ready, or its stream ends."""
@@ -280,6 +310,113 @@ class OpenAIIngress:
         return await self._respond(body, choices, chat=False, side=side)
 
     async def _chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
+        choices, declared, opened = await self._chat_choices(body, tenant)
+        side = _PromptSide(
+            first_tokens=[c.request.prompt_token_ids[0] for c in choices],
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
+        return await self._respond(
+            body, choices, chat=True, tools=declared, opened=opened, side=side
+        )
+
+    async def _responses(self, body: ResponsesRequest, tenant: str) -> Response:
+        """POST /v1/responses: the chat completion it means, answered as a Responses object."""
+        try:
+            chat = body.as_chat(self.config.max_messages)
+            chat.priority = body.priority  # already capped by the key
+            choices, declared, opened = await self._chat_choices(chat, tenant)
+        except Exception as exc:
+            raise renamed(exc) from None
+        reasoning = self._reasoning
+        builder = ResponseBuilder(
+            body,
+            self.config.model_name,
+            ReplySplit(declared, self._splitter(opened)),
+            functools.partial(reasoning.num_reasoning_tokens, opened=bool(opened))
+            if reasoning is not None
+            else None,
+        )
+        deltas = self._deltas(chat, choices)
+        if body.stream:
+            try:
+                first = await anext(deltas, None)
+            except Exception as exc:
+                return error_response(exc)
+            return StreamingResponse(
+                _response_events(builder, _prepend(first, deltas)),
+                media_type="text/event-stream",
+            )
+        try:
+            async for delta in deltas:
+                builder.feed(delta)
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse(builder.response())
+
+    async def _embed(self, body: EmbeddingRequest, tenant: str) -> Response:
+        """POST /v1/embeddings: one pooling request per input, all in flight at once."""
+        max_len = await self.max_model_len()
+        base_id = f"embd-{uuid.uuid4().hex}"
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, pooling=self.config.embedding_pooling
+        )
+        requests = []
+        inputs = body.inputs()
+        limit = self.config.max_sequences_per_request  # one engine request per input
+        if len(inputs) > limit:
+            raise BadRequestError(
+                f"input: {len(inputs)} inputs, more than this server takes at once ({limit})",
+                param="input",
+            )
+        for i, item in enumerate(inputs):
+            ids = (
+                await self._tokenize(self.frontend.encode_prompt, item, len(item), "input")
+                if isinstance(item, str)
+                else item
+            )
+            try:
+                self.frontend.check_token_ids(ids, "input")
+            except ValueError as exc:
+                raise BadRequestError(str(exc), param="input") from None
+            check_fits(len(ids), max_len, i)
+            requests.append(
+                EngineRequest(
+                    request_id=f"{base_id}-{i}",
+                    prompt_token_ids=ids,
+                    sampling_params=params,
+                    priority=body.priority,
+                    tenant=tenant,
+                    block_hashes=self.frontend.block_hashes(ids, self.config.engine.block_size),
+                    caller=self._actor_name,
+                )
+            )
+        timeout = self.config.request_timeout_s
+        if body.request_timeout_s is not None:
+            timeout = min(timeout, body.request_timeout_s)
+        try:
+            vectors = await asyncio.wait_for(
+                asyncio.gather(*(embed_one(self.replica, r) for r in requests)), timeout
+            )
+        except TimeoutError:
+            raise RequestTimeoutError(
+                "The request did not finish within its deadline (request_timeout_s).",
+                code="request_timeout",
+            ) from None
+        answer = functools.partial(
+            embedding_response,
+            vectors,
+            body.encoding_format,
+            self.config.model_name,
+            sum(len(r.prompt_token_ids) for r in requests),
+        )
+        content = await asyncio.to_thread(lambda: json.dumps(answer()).encode())
+        return Response(content, media_type="application/json")
+
+    async def _chat_choices(
+        self, body: ChatCompletionRequest, tenant: str
+    ) -> tuple[list[Choice], DeclaredTools | None, bool | None]:
+        """A chat request's choices, the tools its replies may call, and whether its replies start
+        inside a reasoning block (None: no reasoning parser)."""
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         self._check_fanout(1, body.n)
@@ -327,13 +464,13 @@ class OpenAIIngress:
         )
         if body.truncate_prompt_tokens is not None:
             prompt = prompt[-body.truncate_prompt_tokens :]
+        opened = self._reasoning.opened_by(prompt) if self._reasoning is not None else None
+        if constraint is not None and opened and self._reasoning is not None:
+            # The reasoning block is free; the constraint applies to the answer after it.
+            constraint = replace(constraint, after=self._reasoning.end_id)
         choices = await self._choices(body, [prompt], body.num_logprobs, tenant, constraint)
         declared = DeclaredTools.of(tools, self._tool_format) if tools else None
-        side = _PromptSide(
-            first_tokens=[prompt[0]] * len(choices),
-            prompt_logprobs=body.prompt_logprobs is not None,
-        )
-        return await self._respond(body, choices, chat=True, tools=declared, side=side)
+        return choices, declared, opened
 
     async def _tokenize_body(self, body: TokenizeRequest, tenant: str) -> Response:
         messages = [self._message(m) for m in body.messages or []]
@@ -439,6 +576,12 @@ class OpenAIIngress:
             out["tool_call_id"] = message.tool_call_id
         return out
 
+    def _splitter(self, opened: bool | None) -> ReasoningSplitter | None:
+        """A reply's reasoning splitter; None without a reasoning parser."""
+        if self._reasoning is None or opened is None:
+            return None
+        return ReasoningSplitter(self._reasoning.fmt, opened)
+
     async def max_model_len(self) -> int:
         if self._max_model_len is None:
             info = await self.replica.model_info.remote()
@@ -512,23 +655,28 @@ class OpenAIIngress:
         return choices
 
     # ---- responses -----------------------------------------------------------------------------
+    def _deltas(self, body: Any, choices: list[Choice]) -> AsyncIterator[ChoiceDelta]:
+        """The choices' deltas as they arrive, until the request's deadline."""
+        timeout = self.config.request_timeout_s
+        if body.request_timeout_s is not None:
+            timeout = min(timeout, body.request_timeout_s)
+        return with_deadline(
+            merge_streams([c.stream(self.replica) for c in choices]), time.monotonic() + timeout
+        )
+
     async def _respond(
         self,
         body: Any,
         choices: list[Choice],
         chat: bool,
         tools: DeclaredTools | None = None,
+        opened: bool | None = None,
         side: _PromptSide | None = None,
     ) -> Response:
         """side: what each choice shows of its prompt (echo, prompt log-probabilities)."""
         side = side if side is not None else _PromptSide()
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
-        timeout = self.config.request_timeout_s
-        if body.request_timeout_s is not None:
-            timeout = min(timeout, body.request_timeout_s)
-        deltas = with_deadline(
-            merge_streams([c.stream(self.replica) for c in choices]), time.monotonic() + timeout
-        )
+        deltas = self._deltas(body, choices)
         if body.stream:
             # Wait for the first delta so that admission errors (overload, a replica's rejection)
             # still get their HTTP status instead of an in-band error after a 200.
@@ -539,12 +687,12 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 self._sse_stream(
-                    rid, _prepend(first, deltas), chat, include_usage, tools, side.prefixes
+                    rid, _prepend(first, deltas), chat, include_usage, tools, opened, side.prefixes
                 ),
                 media_type="text/event-stream",
             )
         try:
-            return await self._collect(rid, deltas, len(choices), chat, tools, side)
+            return await self._collect(rid, deltas, len(choices), chat, tools, opened, side)
         except Exception as exc:
             return error_response(exc)
 
@@ -555,6 +703,7 @@ class OpenAIIngress:
         n: int,
         chat: bool,
         tools: DeclaredTools | None,
+        opened: bool | None,
         side: _PromptSide,
     ) -> Response:
         texts = list(side.prefixes) if side.prefixes is not None else [""] * n
@@ -575,7 +724,7 @@ class OpenAIIngress:
             k = side.echo_logprobs
             logprobs = [[e[: k + 1] for e in p] + g for p, g in zip(prompt_logprobs, logprobs)]
         encode = functools.partial(
-            self._response_body, rid, texts, logprobs, finish, tally, chat, tools
+            self._response_body, rid, texts, logprobs, finish, tally, chat, tools, opened
         )
         if side.prompt_logprobs or side.echo_logprobs is not None:
             encode = functools.partial(encode, side=side, prompt_logprobs=prompt_logprobs)
@@ -593,6 +742,7 @@ class OpenAIIngress:
         tally: UsageTally,
         chat: bool,
         tools: DeclaredTools | None,
+        opened: bool | None,
         side: _PromptSide | None = None,
         prompt_logprobs: list[list] | None = None,
     ) -> bytes:
@@ -602,7 +752,7 @@ class OpenAIIngress:
         out_choices, out_logprobs = [], []
         for i in range(len(texts)):
             if chat:
-                split = _ChatSplit(tools)
+                split = _ChatSplit(tools, self._splitter(opened))
                 message = split.message(texts[i])
                 out_choices.append(
                     {
@@ -643,6 +793,7 @@ class OpenAIIngress:
         chat: bool,
         include_usage: bool,
         tools: DeclaredTools | None,
+        opened: bool | None,
         prefixes: list[str] | None = None,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -675,7 +826,7 @@ class OpenAIIngress:
                         yield _sse({**head, "choices": [choice]})
                 else:
                     first = d.index not in splits
-                    split = splits.setdefault(d.index, _ChatSplit(tools))
+                    split = splits.setdefault(d.index, _ChatSplit(tools, self._splitter(opened)))
                     delta = split.delta(d.text, d.finish_reason is not None, first)
                     # A delta whose text is held back (partial UTF-8, a possible stop string or
                     # tool-call marker) sends nothing.

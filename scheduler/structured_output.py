@@ -23,6 +23,9 @@ class StructuredOutput:
     kind: str
     spec: str = ""
     field_name: str = "structured_outputs"  # the request field it came from, named in errors
+    # A token id: the constraint applies to the output after its first occurrence (the end of a
+    # reasoning block); the output before it is free. None: from the first output token.
+    after: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -33,6 +36,10 @@ class StructuredOutput:
             raise ValueError(
                 f"{self.field_name}: must be text of at most {MAX_SPEC_CHARS} characters"
             )
+        if self.after is not None and (
+            not isinstance(self.after, int) or isinstance(self.after, bool) or self.after < 0
+        ):
+            raise ValueError(f"{self.field_name}: after must be a token id, got {self.after!r}")
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"{self.field_name}: the {self.kind} must not be empty")
 

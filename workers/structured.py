@@ -105,6 +105,21 @@ class _Row:
     matcher: Future  # of an llguidance.LLMatcher, compiled on the grammar pool
     consumed: int = 0  # output tokens the matcher has accepted
     busy: Future | None = None  # its last mask, while a late one still runs
+    after: int | None = None  # the token the constraint starts after (StructuredOutput.after)
+    searched: int = 0  # output tokens searched for `after` so far
+
+    def catch_up(self, out: list[int]) -> bool:
+        """Whether the constraint applies yet: a row that starts after a token leaves the output
+        free (unmasked) until that token is sampled, then consumes only what follows it."""
+        if self.after is None:
+            return True
+        try:
+            found = out.index(self.after, self.searched)
+        except ValueError:
+            self.searched = len(out)
+            return False
+        self.after, self.consumed = None, found + 1
+        return True
 
 
 @dataclass(slots=True)
@@ -135,7 +150,7 @@ class StructuredDecoding:
     def add(self, req_id: str, constraint: StructuredOutput) -> None:
         """Start compiling a request's matcher; the outputs it already has are consumed at its next
         mask."""
-        self._rows[req_id] = _Row(self.compiler.submit(constraint))
+        self._rows[req_id] = _Row(self.compiler.submit(constraint), after=constraint.after)
 
     def drop(self, req_id: str) -> None:
         self._rows.pop(req_id, None)
@@ -149,7 +164,7 @@ class StructuredDecoding:
         positions, rids, rows, new_tokens = [], [], [], []
         for pos, (rid, out) in enumerate(zip(req_ids, outputs)):
             row = self._rows.get(rid)
-            if row is None:
+            if row is None or not row.catch_up(out):
                 continue
             positions.append(pos)
             rids.append(rid)

@@ -83,6 +83,47 @@ def tiny_url(ray_cluster, http_port, tiny_model_dir):
     serve.delete("tiny")
 
 
+# A reasoning template: the assistant's turn opens a think block, as Qwen3's thinking templates
+# and DeepSeek-R1's do; `<think>` and `</think>` are single (non-special) tokens.
+THINK = "tiny-think"
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+def write_think_model(path: str, smollm2_dir: str) -> str:
+    """The tiny served Llama with SmolLM2's tokenizer, the think markers and THINK_TEMPLATE."""
+    from transformers import AutoTokenizer
+
+    from tests.random_checkpoint import TINY_SERVED_LLAMA, write_random_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINK_TEMPLATE
+    return write_random_checkpoint(TINY_SERVED_LLAMA, path, tokenizer=tokenizer).path
+
+
+@pytest.fixture(scope="session")
+def think_url(ray_cluster, http_port, tmp_path_factory, smollm2_dir):
+    """A reasoning app: the think model under the qwen3 reasoning parser, no key."""
+    from deploy.app import build_app
+
+    args = {
+        "model": write_think_model(str(tmp_path_factory.mktemp("think")), smollm2_dir),
+        "served_model_name": THINK,
+        "max_model_len": 256,
+        "num_gpu_blocks": 64,
+        "kv_cache_memory_gb": 0.1,
+        "reasoning_parser": "qwen3",
+        "replica_num_cpus": 0.5,
+        "ingress_num_cpus": 0.25,
+    }
+    serve.run(build_app(args), name="think", route_prefix="/think")
+    yield f"http://127.0.0.1:{http_port}/think/v1"
+    serve.delete("think")
+
+
 def replica_stats(app: str) -> dict:
     """The scheduler figures of the app's (single) LLMReplica."""
     return (

@@ -255,10 +255,102 @@ def test_fuzzed_tokenize_bodies_get_2xx_or_4xx(tiny, replica_before, path, field
     RAW_BODIES,
     ids=["bad-utf8", "deep-list", "deep-object", "array", "string", "deep-prompt", "17MiB"],
 )
-def test_raw_hostile_bodies_get_4xx(tiny, replica_before, raw):
-    r = tiny.post("/completions", content=raw, headers={"content-type": "application/json"})
+@pytest.mark.parametrize("path", ["/completions", "/responses", "/embeddings"])
+def test_raw_hostile_bodies_get_4xx(tiny, replica_before, raw, path):
+    r = tiny.post(path, content=raw, headers={"content-type": "application/json"})
     _check_answer(r)
     assert r.status_code in (400, 413, 422)
+    _still_serving(tiny)
+
+
+RESPONSES_FIELDS = [
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "stream",
+    "store",
+    "previous_response_id",
+    "reasoning",
+    "include",
+    "truncation",
+    "metadata",
+    "logit_bias",
+    "model",
+    "no_such_field",
+]
+ITEMS = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["message", "function_call", "function_call_output", "x"])},
+        optional={
+            "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+            "content": VALUES,
+            "call_id": VALUES,
+            "name": VALUES,
+            "arguments": VALUES,
+            "output": VALUES,
+        },
+    ),
+    max_size=4,
+)
+RESPONSES_VALUES = st.one_of(
+    VALUES,
+    ITEMS,
+    st.fixed_dictionaries({"format": st.fixed_dictionaries({"type": VALUES, "schema": VALUES})}),
+    st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": VALUES}), max_size=3),
+)
+EMBEDDINGS_FIELDS = ["input", "encoding_format", "dimensions", "user", "model", "no_such_field"]
+
+
+def _check_events(r: httpx.Response) -> None:
+    """A streamed Responses answer: typed events ending with the response, none an error."""
+    if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
+        assert '"type":"error"' not in r.text, r.text[-500:]
+        last = r.text.rstrip().rsplit("data: ", 1)[-1]
+        assert json.loads(last)["type"] in ("response.completed", "response.incomplete")
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(fields=st.dictionaries(st.sampled_from(RESPONSES_FIELDS), RESPONSES_VALUES, max_size=4))
+def test_fuzzed_responses_get_2xx_or_4xx(tiny, replica_before, fields):
+    body = json.dumps({"model": TINY, "input": "Hi", "max_output_tokens": 3, **fields})
+    r = tiny.post("/responses", content=body, headers={"content-type": "application/json"})
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        seen["cases"] += 1
+        _check_events(r)
+    else:
+        _check_answer(r)
+    _still_serving(tiny)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    fields=st.dictionaries(
+        st.sampled_from(EMBEDDINGS_FIELDS),
+        st.one_of(VALUES, st.lists(st.integers(-5, 60000), max_size=300)),
+        max_size=3,
+    )
+)
+def test_fuzzed_embeddings_get_2xx_or_4xx(tiny, replica_before, fields):
+    body = json.dumps({"model": TINY, "input": "Hi", **fields})
+    r = tiny.post("/embeddings", content=body, headers={"content-type": "application/json"})
+    _check_answer(r)
     _still_serving(tiny)
 
 
