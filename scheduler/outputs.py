@@ -86,6 +86,9 @@ class ModelRunnerOutput:
     # Requests whose own inputs failed this step (sampling state, their sampler row): request id ->
     # reason. They are finished with an error; the step's other requests go on.
     failed: dict[str, str] = field(default_factory=dict)
+    # Mixture-of-experts models: the (token, expert) rows each tensor-parallel rank computed this
+    # step, summed over layers (the expert-parallel load balance); None for dense models.
+    expert_tokens_per_rank: list[int] | None = None
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
@@ -126,6 +129,8 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_prompt_tokens_queried: int = 0
     num_prompt_tokens_hit: int = 0
+    # Cumulative (token, expert) rows per tensor-parallel rank (empty for dense models).
+    expert_tokens_per_rank: list[int] = field(default_factory=list)
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);
