@@ -65,6 +65,12 @@ class ReplicaMetrics:
         self.prompt_tokens = counter("raylm_prompt_tokens_total", "Prompt tokens admitted.")
         self.generation_tokens = counter("raylm_generation_tokens_total", "Tokens generated.")
         self.preemptions = counter("raylm_preemptions_total", "Requests preempted.")
+        self.expert_tokens = counter(
+            "raylm_expert_tokens_total",
+            "Mixture-of-experts models: (token, expert) rows computed per tensor-parallel rank, "
+            "summed over layers (expert-parallel load balance).",
+            ("rank",),
+        )
         self.ttft = histogram(
             "raylm_ttft_seconds", "Time to first token at the replica.", _LATENCY_BUCKETS
         )
@@ -80,11 +86,13 @@ class ReplicaMetrics:
             self.prompt_tokens,
             self.generation_tokens,
             self.preemptions,
+            self.expert_tokens,
             self.ttft,
             self.itl,
         ):
             metric.set_default_tags({"replica": replica})
         self._preemptions_seen = 0
+        self._expert_tokens_seen: list[int] = []
         self._export_zeros()
 
     def _export_zeros(self) -> None:
@@ -107,6 +115,12 @@ class ReplicaMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
+        seen = self._expert_tokens_seen
+        seen.extend([0] * (len(stats.expert_tokens_per_rank) - len(seen)))
+        for rank, total in enumerate(stats.expert_tokens_per_rank):
+            if total > seen[rank]:
+                self.expert_tokens.inc(total - seen[rank], tags={"rank": str(rank)})
+            seen[rank] = total
 
     def record_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -93,6 +93,9 @@ class ModelRunnerOutput:
     # Requests that asked for prompt_logprobs and sampled their first token this step: one entry
     # per prompt token after the first (the token itself, then the alternatives).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Mixture-of-experts models: the (token, expert) rows each tensor-parallel rank computed this
+    # step, summed over layers (the expert-parallel load balance); None for dense models.
+    expert_tokens_per_rank: list[int] | None = None
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
@@ -135,6 +138,8 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_prompt_tokens_queried: int = 0
     num_prompt_tokens_hit: int = 0
+    # Cumulative (token, expert) rows per tensor-parallel rank (empty for dense models).
+    expert_tokens_per_rank: list[int] = field(default_factory=list)
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);

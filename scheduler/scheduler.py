@@ -96,6 +96,7 @@ class Scheduler:
             config.preemption_victim, by_priority=config.policy == "priority"
         )
         self.num_preemptions = 0
+        self.expert_tokens_per_rank: list[int] = []  # summed over steps (MoE models only)
         self._finished_ids: set[str] = set()
         self._finished_order: OrderedDict[str, None] = OrderedDict()
         self._prefill_cap = config.long_prefill_token_threshold or _NO_CAP
@@ -163,6 +164,7 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
             num_prompt_tokens_queried=kv.num_queried_tokens,
             num_prompt_tokens_hit=kv.num_hit_tokens,
+            expert_tokens_per_rank=list(self.expert_tokens_per_rank),
         )
 
     # ---- schedule ------------------------------------------------------------------------------
@@ -374,6 +376,13 @@ class Scheduler:
         )
 
     # ---- results -------------------------------------------------------------------------------
+    def _count_expert_tokens(self, rows: list[int]) -> None:
+        totals = self.expert_tokens_per_rank
+        if len(totals) != len(rows):
+            totals[:] = [0] * len(rows)
+        for rank, n in enumerate(rows):
+            totals[rank] += n
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
@@ -384,6 +393,8 @@ class Scheduler:
         charge = self.waiting.charge if self.waiting.charges_tokens else None
         logprobs = runner_output.logprobs
         outputs = self._fail(runner_output.failed) if runner_output.failed else []
+        if runner_output.expert_tokens_per_rank:
+            self._count_expert_tokens(runner_output.expert_tokens_per_rank)
         any_finished = False
         ahead = self._tokens_in_flight()
         for i, (rid, sampled) in enumerate(

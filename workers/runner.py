@@ -297,6 +297,9 @@ class ModelRunner:
         output = self._sample(batch, logits, masks)
         output.failed.update(failed)
         output.pooled = batch.pooled
+        expert_load = getattr(self.model, "expert_rows_per_rank", None)
+        if expert_load is not None and self.is_driver:
+            output.expert_tokens_per_rank = expert_load()
         return output
 
     def _update_states(self, out: SchedulerOutput) -> dict[str, str]:

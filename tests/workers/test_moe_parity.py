@@ -59,6 +59,8 @@ def test_batched_greedy_matches_hf_generate(
     path, _ = tiny_checkpoint(family)
     llm = llm_factory(model=path, dtype="float32")
     assert_matches(llm.generate(prompts, PARAMS, use_tqdm=False), references(family), family)
+    rows = llm.engine.stats().expert_tokens_per_rank  # every token's k experts in every layer
+    assert (rows[0] > 0) if family != "mistral_window" else rows == []
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mistral_window"])

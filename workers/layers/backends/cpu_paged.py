@@ -18,6 +18,7 @@ and callers keep the gather + SDPA path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -53,6 +54,11 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def _source_digest() -> str:
+    with open(_SOURCE, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
+
+
 @functools.cache
 def load():
     """The compiled op (torch.ops.raylm.paged_decode), or None when it cannot be built here."""
@@ -64,7 +70,10 @@ def load():
         flags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
         t0 = time.perf_counter()
         build(
-            name=f"raylm_paged_decode_{isa}",
+            # The source's hash in the name: checkouts with different kernels (another branch's
+            # worktree, an older install) sharing one extensions directory never load each
+            # other's library or rebuild over each other.
+            name=f"raylm_paged_decode_{isa}_{_source_digest()}",
             sources=[_SOURCE],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
