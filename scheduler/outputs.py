@@ -126,6 +126,7 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_prompt_tokens_queried: int = 0
     num_prompt_tokens_hit: int = 0
+    num_gpu_blocks: int = 0  # the KV pool's size: the router bounds its index of this replica by it
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);

@@ -163,6 +163,7 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
             num_prompt_tokens_queried=kv.num_queried_tokens,
             num_prompt_tokens_hit=kv.num_hit_tokens,
+            num_gpu_blocks=kv.pool.num_blocks,
         )
 
     # ---- schedule ------------------------------------------------------------------------------
