@@ -14,7 +14,7 @@ from router.circuit_breaker import CircuitBreaker
 from router.config import RoutingConfig
 from router.loads import LoadTracker
 from router.policies import RouteRequest, make_policy
-from router.prefix_index import PrefixIndex
+from router.prefix_index import DEFAULT_REPLICA_BLOCKS, PrefixIndex
 from router.stats import RoutingStats
 
 MAX_RECENT_ROUTES = 65_536
@@ -29,7 +29,9 @@ class FleetState:
         self.loads = LoadTracker(
             config.tokens_per_request, config.kv_usage_weight, config.unconfirmed_ttl_s
         )
-        self.index = PrefixIndex(config.max_index_blocks)
+        self.index = PrefixIndex(
+            config.index_blocks_per_replica or DEFAULT_REPLICA_BLOCKS, config.max_index_blocks
+        )
         self.policy = make_policy(config)
         # Requests Serve confirmed, per replica (logs, benches).
         self.routed: Counter[str] = Counter()
@@ -119,6 +121,9 @@ class FleetState:
         self.loads.report(replica, stats)
         if self.loads.is_healthy(replica):
             self.breaker.record_healthy_report(replica, now)
+        blocks = self.config.index_blocks_per_replica or stats.scheduler.num_gpu_blocks
+        if blocks and blocks != self.index.bound(replica):
+            self.index.set_bound(replica, blocks)
         if stats.prefix is not None:
             self.index.sync_replica(replica, stats.prefix, now, self.config.stats_grace_s)
 

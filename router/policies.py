@@ -86,15 +86,21 @@ class PowerOfTwo:
 class PrefixAffinity:
     """Longest run of the prompt's leading blocks wins, among replicas within the ceiling.
 
-    The ceiling: max(least + imbalance_threshold, least * imbalance_ratio), least being the least
-    loaded replica's load. Ties go as in LeastLoaded.
+    The ceiling: max(base + imbalance_threshold, base * imbalance_ratio), base being the least
+    loaded replica's load (reference "least") or the mean load of the replicas ("mean"). The least
+    loaded replica is always within it. Ties go as in LeastLoaded.
     """
 
     def __init__(
-        self, imbalance_threshold: float, min_match_blocks: int, imbalance_ratio: float = 1.0
+        self,
+        imbalance_threshold: float,
+        min_match_blocks: int,
+        imbalance_ratio: float = 1.0,
+        reference: str = "least",
     ) -> None:
         self.imbalance_threshold = imbalance_threshold
         self.imbalance_ratio = imbalance_ratio
+        self.reference = reference
         self.min_match_blocks = min_match_blocks
         self._turns = _Turns()
 
@@ -103,7 +109,8 @@ class PrefixAffinity:
         least = min(keyed)
         if not request.block_hashes:
             return least[2]
-        ceiling = max(least[0] + self.imbalance_threshold, least[0] * self.imbalance_ratio)
+        base = least[0] if self.reference == "least" else sum(k[0] for k in keyed) / len(keyed)
+        ceiling = max(base + self.imbalance_threshold, base * self.imbalance_ratio)
         # An overloaded holder of the longest run drops out; a shorter run on an acceptable replica
         # still beats none.
         eligible = [k for k in keyed if k[0] <= ceiling]
@@ -129,5 +136,8 @@ def make_policy(config: RoutingConfig) -> Policy:
     if config.router_policy == "power_of_two":
         return PowerOfTwo(config.seed)
     return PrefixAffinity(
-        config.imbalance_threshold, config.min_match_blocks, config.imbalance_ratio
+        config.imbalance_threshold,
+        config.min_match_blocks,
+        config.imbalance_ratio,
+        config.imbalance_reference,
     )

@@ -27,14 +27,31 @@ def _in_listed_order(listed: list[int], wanted: Hashes) -> list[int]:
     return [h for h in listed if h in wanted]
 
 
-class PrefixIndex:
-    """LRU-bounded map from prompt block hash to the replicas believed to hold that block."""
+# Entries kept for a replica that has not yet said how many KV blocks it has: as many as its
+# prefix report may list.
+DEFAULT_REPLICA_BLOCKS = 4096
 
-    def __init__(self, max_blocks: int):
+
+class PrefixIndex:
+    """Map from prompt block hash to the replicas believed to hold that block, bounded per replica.
+
+    Each replica's entries are kept in LRU order up to its bound (the KV blocks it can hold, once
+    its stats say so), so the index grows with the fleet instead of one global LRU squeezing every
+    replica's share as replicas are added. An optional max_blocks caps all entries together,
+    trimming the replica with the most entries first.
+    """
+
+    def __init__(
+        self, blocks_per_replica: int = DEFAULT_REPLICA_BLOCKS, max_blocks: int | None = None
+    ):
+        self.blocks_per_replica = blocks_per_replica
         self.max_blocks = max_blocks
-        # hash -> {replica: when routing last planted it there}, least recently used first
-        self._owners: OrderedDict[int, dict[str, float]] = OrderedDict()
-        self._by_replica: dict[str, set[int]] = {}
+        # hash -> {replica: when routing last planted it there}
+        self._owners: dict[int, dict[str, float]] = {}
+        # replica -> its blocks, least recently planted or listed first
+        self._by_replica: dict[str, OrderedDict[int, None]] = {}
+        self._bounds: dict[str, int] = {}
+        self.num_entries = 0  # (replica, block) pairs: the sum of every replica's entries
         # What each replica's last report listed, and the blocks planted by routing since then that
         # no report has confirmed yet: a report is applied as its difference from the previous one,
         # so a fleet of replicas holding thousands of blocks each costs the changes, not the
@@ -44,6 +61,7 @@ class PrefixIndex:
         self._report_ids: dict[str, int] = {}  # the number of the report applied last
 
     def __len__(self) -> int:
+        """Distinct blocks held by any replica."""
         return len(self._owners)
 
     def replicas_of(self, block_hash: int) -> set[str]:
@@ -52,12 +70,30 @@ class PrefixIndex:
     def blocks_of(self, replica: str) -> set[int]:
         return set(self._by_replica.get(replica, ()))
 
+    def lru_order(self, replica: str) -> list[int]:
+        """replica's blocks, least recently used first."""
+        return list(self._by_replica.get(replica, ()))
+
     def replicas(self) -> set[str]:
         return set(self._by_replica)
 
     def footprint(self, replica: str) -> int:
         """Blocks attributed to replica: how much of the fleet's cached prefixes it holds."""
         return len(self._by_replica.get(replica, ()))
+
+    def bound(self, replica: str) -> int:
+        """The most entries replica may have."""
+        return self._bounds.get(replica, self.blocks_per_replica)
+
+    def set_bound(self, replica: str, blocks: int) -> None:
+        """Keep at most blocks entries for replica (its KV block count), trimming the least
+        recently used at once."""
+        if blocks < 1:
+            raise ValueError(
+                f"prefix index bound of replica {replica!r}: must be >= 1, got {blocks}"
+            )
+        self._bounds[replica] = blocks
+        self._trim(replica)
 
     def insert(self, replica: str, block_hashes: Iterable[int], now: float) -> None:
         """Record that replica received these blocks: routing planted them at now.
@@ -67,29 +103,53 @@ class PrefixIndex:
         blocks end up most recent: they are the most shared, and evicting a tail block first keeps
         the leading run of every other prompt intact.
         """
-        mine = self._by_replica.setdefault(replica, set())
+        mine = self._by_replica.setdefault(replica, OrderedDict())
         reported: Hashes = self._reported.get(replica, frozenset())
         unreported = self._unreported.setdefault(replica, set())
         for h in reversed(list(block_hashes)):
             owners = self._owners.get(h)
             if owners is None:
                 owners = self._owners[h] = {}
-            else:
-                self._owners.move_to_end(h)
             owners[replica] = now
-            mine.add(h)
+            if h in mine:
+                mine.move_to_end(h)
+            else:
+                mine[h] = None
+                self.num_entries += 1
             if h not in reported:
                 unreported.add(h)
-        while len(self._owners) > self.max_blocks:
-            h, owners = self._owners.popitem(last=False)
-            for r in owners:
-                self._by_replica[r].discard(h)
+        self._trim(replica)
+
+    def _trim(self, replica: str) -> None:
+        mine = self._by_replica.get(replica)
+        if mine is None:
+            return
+        bound = self.bound(replica)
+        while len(mine) > bound:
+            self._forget(replica, mine.popitem(last=False)[0])
+        if self.max_blocks is not None and self.num_entries > self.max_blocks:
+            self._trim_fleet(self.max_blocks)
+
+    def _trim_fleet(self, max_blocks: int) -> None:
+        """The global cap: the replica with the most entries gives up its least recently used."""
+        while self.num_entries > max_blocks:
+            fullest = max(self._by_replica.items(), key=lambda kv: (len(kv[1]), kv[0]))
+            name, blocks = fullest
+            self._forget(name, blocks.popitem(last=False)[0])
+
+    def _forget(self, replica: str, block_hash: int) -> None:
+        """Drop replica's entry for block_hash, already taken out of its LRU order."""
+        self.num_entries -= 1
+        self._drop(replica, block_hash)
 
     def match(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
-        """Length of the leading run of block_hashes held by each replica; a match is a use."""
+        """Length of the leading run of block_hashes held by each replica.
+
+        A match is not a use: the replica routing then picks is charged with the blocks (insert()),
+        which refreshes them there, as that replica's own cache is refreshed by the request.
+        """
         runs = dict.fromkeys(replicas, 0)
         alive = set(runs)
-        matched = 0
         for i, h in enumerate(block_hashes):
             owners = self._owners.get(h)
             if not owners:
@@ -99,16 +159,16 @@ class PrefixIndex:
                 break
             for r in alive:
                 runs[r] = i + 1
-            matched = i + 1
-        for h in reversed(block_hashes[:matched]):
-            self._owners.move_to_end(h)
         return runs
 
     def remove_replica(self, replica: str) -> None:
         self._reported.pop(replica, None)
         self._unreported.pop(replica, None)
         self._report_ids.pop(replica, None)
-        for h in self._by_replica.pop(replica, ()):
+        self._bounds.pop(replica, None)
+        mine = self._by_replica.pop(replica, OrderedDict())
+        self.num_entries -= len(mine)
+        for h in mine:
             self._drop(replica, h)
 
     def _drop(self, replica: str, block_hash: int) -> None:
@@ -123,12 +183,12 @@ class PrefixIndex:
 
         Blocks new since the previous report are inserted (as insert() would); blocks it listed
         before and lists no more are dropped, and so are blocks routing planted that stayed
-        unreported for grace_s. A block still resident keeps its place in the LRU order (a match
-        refreshes it), and one the LRU bound evicted comes back only when routing plants it or a
-        report lists it anew.
+        unreported for grace_s. A block still resident keeps its place in the LRU order (routing a
+        request there refreshes it), and one the bound evicted comes back only when routing plants
+        it or a report lists it anew.
         """
         listed, dropped, ordered = self._relist(replica, report)
-        mine = self._by_replica.setdefault(replica, set())
+        mine = self._by_replica.setdefault(replica, OrderedDict())
         unreported = self._unreported.setdefault(replica, set())
         # unreported never holds a block the previous report listed, so of the blocks listed now
         # only the newly listed can be in it.
@@ -138,10 +198,10 @@ class PrefixIndex:
         owners = self._owners
         stale = [h for h in unreported if h not in mine or owners[h][replica] < cutoff]
         unreported.difference_update(stale)
-        mine.difference_update(stale)
         for h in stale:
-            self._drop(replica, h)
-        new = listed - mine
+            if mine.pop(h, 0) is None:  # an entry (its value is None); 0: the bound evicted it
+                self._forget(replica, h)
+        new = listed.difference(mine)
         if new:
             self.insert(replica, _in_listed_order(ordered, new), -math.inf)
 

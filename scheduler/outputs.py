@@ -140,6 +140,7 @@ class SchedulerStats:
     num_prompt_tokens_hit: int = 0
     # Cumulative (token, expert) rows per tensor-parallel rank (empty for dense models).
     expert_tokens_per_rank: list[int] = field(default_factory=list)
+    num_gpu_blocks: int = 0  # the KV pool's size: the router bounds its index of this replica by it
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);

@@ -165,6 +165,7 @@ class Scheduler:
             num_prompt_tokens_queried=kv.num_queried_tokens,
             num_prompt_tokens_hit=kv.num_hit_tokens,
             expert_tokens_per_rank=list(self.expert_tokens_per_rank),
+            num_gpu_blocks=kv.pool.num_blocks,
         )
 
     # ---- schedule ------------------------------------------------------------------------------

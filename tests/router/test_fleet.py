@@ -8,13 +8,15 @@ from hypothesis import strategies as st
 
 from router.fleet import FleetState
 from router.policies import RouteRequest
+from router.stats import RoutingStats
+from scheduler.outputs import SchedulerStats
 from tests.router.scaffold import busy, fail_on, fleet, report
 
 A, B, C = "a", "b", "c"
 
 
 def test_a_burst_sharing_a_prefix_stays_together_until_the_threshold_then_spills():
-    state = fleet(imbalance_threshold=2)
+    state = fleet(imbalance_threshold=2, imbalance_reference="least")
     prefix = [11, 12, 13]
     firsts = [state.route(RouteRequest(f"r{i}", 0, prefix), [A, B], now=0)[0] for i in range(6)]
     # Charged at decision time, so the burst sees its own earlier members before any confirmation:
@@ -209,3 +211,16 @@ def test_outcomes_of_unknown_requests_are_ignored_and_removal_forgets_the_circui
     fail_on(state, B, 1, now=0)
     state.retain([A])
     assert not state.breaker.replicas()
+
+
+def test_a_replicas_reported_kv_blocks_bound_its_index_entries():
+    state = fleet()
+    state.index.insert(A, list(range(10)), now=0)
+    figures = SchedulerStats(0, 0, 0, 0.0, 0.0, 0, num_gpu_blocks=4)
+    state.on_stats(A, RoutingStats(figures), now=1)
+    assert state.index.bound(A) == 4 and state.index.footprint(A) == 4
+    assert state.index.blocks_of(A) == {0, 1, 2, 3}  # the leading blocks, inserted last
+    # A setting overrides what replicas report.
+    pinned = fleet(index_blocks_per_replica=2)
+    pinned.on_stats(A, RoutingStats(figures), now=1)
+    assert pinned.index.bound(A) == 2

@@ -192,3 +192,20 @@ def test_the_route_starts_with_the_policys_choice_and_ranks_every_candidate_once
             state.on_stats(op[1], report(num_running=op[2], state=op[3]), now=t)
         else:
             fail_on(state, op[1], 1, now=t)
+
+
+def test_the_mean_reference_keeps_a_holder_that_only_an_idle_replica_undercuts():
+    """Of many replicas one is nearly always idle, so a ceiling above the least loaded spills a
+    holder with a few requests more; one above the mean keeps it while it is near the fleet's
+    typical load."""
+    state = fleet()
+    state.index.insert(A, [1, 2, 3], now=0)
+    for replica in (A, B, C):
+        busy(state, replica, 6)
+    replicas = [A, B, C, "idle"]
+    least = PrefixAffinity(imbalance_threshold=3, min_match_blocks=1, reference="least")
+    mean = PrefixAffinity(imbalance_threshold=3, min_match_blocks=1, reference="mean")
+    assert least.choose(replicas, RouteRequest("q", 0, [1, 2, 3]), state) == "idle"
+    assert mean.choose(replicas, RouteRequest("q", 0, [1, 2, 3]), state) == A
+    busy(state, A, 3)  # 9 > 4.5 + 3 (the mean 4.5 is now 5.25: 9 > 8.25)
+    assert mean.choose(replicas, RouteRequest("q", 0, [1, 2, 3]), state) == "idle"

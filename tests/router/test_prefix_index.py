@@ -1,8 +1,9 @@
-"""The router's prefix index: leading runs, the LRU bound, removal, and replicas' prefix reports
-applied by their change or as whole lists."""
+"""The router's prefix index: leading runs, the per-replica and fleet bounds, removal, and
+replicas' prefix reports applied by their change or as whole lists."""
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,18 +27,33 @@ def test_match_counts_only_the_leading_run():
     assert index.match([], [A]) == {A: 0}
 
 
-def test_lru_bound_evicts_least_recently_used_blocks_and_tail_blocks_first():
-    index = PrefixIndex(max_blocks=4)
+def test_each_replica_keeps_its_own_lru_bound_and_evicts_tail_blocks_first():
+    index = PrefixIndex(blocks_per_replica=3)
     index.insert(A, [1, 2, 3], now=0)
     index.insert(B, [7, 8], now=1)
-    assert len(index) == 4
-    # Block 3, the tail of the oldest prompt, goes first: A keeps its leading run 1-2.
-    assert index.match([1, 2, 3], [A]) == {A: 2}
-    assert index.blocks_of(A) == {1, 2}
-    index.match([1, 2], [A])  # a match is a use
-    index.insert(C, [5], now=2)
-    assert index.replicas_of(8) == set() and index.replicas_of(7) == {B}
-    assert index.replicas_of(1) == {A}
+    index.insert(A, [4, 5], now=2)  # A is at its bound: its oldest entries go, B keeps its own
+    # Block 3, then 2, the tail of A's oldest prompt, go first: A keeps the leading block 1.
+    assert index.blocks_of(A) == {1, 4, 5} and index.blocks_of(B) == {7, 8}
+    assert index.match([1, 2, 3], [A]) == {A: 1}
+    index.insert(A, [1], now=3)  # routing there again refreshes the block
+    index.insert(A, [6], now=4)
+    assert index.blocks_of(A) == {1, 4, 6}  # 5, the tail of [4, 5], was older
+    index.set_bound(B, 1)  # a replica reporting fewer KV blocks is trimmed at once
+    assert index.blocks_of(B) == {7} and index.num_entries == 4
+
+
+def test_the_fleet_cap_trims_the_replica_with_the_most_entries():
+    index = PrefixIndex(blocks_per_replica=10, max_blocks=4)
+    index.insert(A, [1, 2, 3], now=0)
+    index.insert(B, [7, 8], now=1)
+    assert index.num_entries == 4 and index.blocks_of(A) == {1, 2}
+    index.insert(C, [5], now=2)  # A and B hold two each: the name breaks the tie
+    assert index.blocks_of(B) == {7} and index.blocks_of(A) == {1, 2}
+
+
+def test_a_bound_below_one_is_refused():
+    with pytest.raises(ValueError, match="bound"):
+        PrefixIndex().set_bound(A, 0)
 
 
 def test_the_footprint_counts_the_blocks_attributed_to_a_replica():
@@ -91,14 +107,31 @@ hashes = st.lists(st.integers(0, 30), max_size=8)
 
 @settings(max_examples=200, deadline=None)
 @given(
-    bound=st.integers(1, 12),
-    inserts=st.lists(st.tuples(st.sampled_from([A, B, C]), hashes), max_size=40),
+    bounds=st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(1, 12)),
+    cap=st.one_of(st.none(), st.integers(1, 30)),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.sampled_from([A, B, C]), hashes),
+            st.tuples(st.sampled_from([A, B, C]), st.integers(1, 12)),  # a new bound
+        ),
+        max_size=40,
+    ),
 )
-def test_index_never_exceeds_its_bound_and_both_directions_agree(bound, inserts):
-    index = PrefixIndex(bound)
-    for t, (replica, blocks) in enumerate(inserts):
-        index.insert(replica, blocks, now=t)
-        assert len(index) <= bound
+def test_no_replica_exceeds_its_bound_and_the_index_is_at_most_their_sum(bounds, cap, ops):
+    index = PrefixIndex(blocks_per_replica=5, max_blocks=cap)
+    bound = dict(zip((A, B, C), bounds))
+    for replica, b in bound.items():
+        index.set_bound(replica, b)
+    for t, (replica, arg) in enumerate(ops):
+        if isinstance(arg, int):
+            bound[replica] = arg
+            index.set_bound(replica, arg)
+        else:
+            index.insert(replica, arg, now=t)
+        for r in (A, B, C):
+            assert index.footprint(r) <= bound[r] == index.bound(r)
+        assert index.num_entries == sum(index.footprint(r) for r in (A, B, C))
+        assert len(index) <= index.num_entries <= min(sum(bound.values()), cap or 10**9)
     for replica in (A, B, C):
         assert index.footprint(replica) == len(index.blocks_of(replica))
         for h in index.blocks_of(replica):
@@ -159,7 +192,7 @@ def test_reports_applied_by_their_change_leave_the_index_a_whole_list_would(
 ):
     """An index applying each report's own account of its change ends exactly where one comparing
     whole lists ends (owners, LRU order, unreported plants), also when it missed a report (it then
-    compares lists), when a list was cut at the limit, and with the index at its LRU bound."""
+    compares lists), when a list was cut at the limit, and with each replica at its bound."""
     rng = random.Random(seed)  # a seeded stream of operations: hypothesis favours short, empty ones
     pools = {A: BlockPool(12), B: BlockPool(12)}
     held: dict[str, list[int]] = {A: [], B: []}
