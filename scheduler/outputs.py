@@ -52,6 +52,12 @@ class SchedulerOutput:
     # (gpu_block, cpu_block) copies the runner performs before the forward: out first, then in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the proposed tokens each request verifies this step (they follow its
+    # last token in the step's input and count in its num_scheduled_tokens)...
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # ...and the block tables cut back after rejected tokens gave their slots up: request id ->
+    # blocks kept. Applied before this step's diffs.
+    truncated_block_tables: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -86,6 +92,9 @@ class ModelRunnerOutput:
     # Requests whose own inputs failed this step (sampling state, their sampler row): request id ->
     # reason. They are finished with an error; the step's other requests go on.
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: per request, tokens proposed to follow what it sampled this step (the
+    # scheduler decides how many of them the next step verifies). None: no proposer.
+    spec_token_ids: list[list[int]] | None = None
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
@@ -126,6 +135,11 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_prompt_tokens_queried: int = 0
     num_prompt_tokens_hit: int = 0
+    # Speculative decoding, cumulative: proposed tokens verified, those accepted, and verify rows
+    # (accepted / rows is the mean accepted length; each row also yields one token of its own).
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_verify_rows: int = 0
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);

@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
+from scheduler.speculative import SpeculativeConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.layers.attention import AttentionMetadata, select_backend
@@ -23,7 +24,9 @@ from workers.loader import load_model
 from workers.model_files import load_tokenizer
 from workers.parallel import get_tp_rank, get_tp_world_size
 from workers.process import set_niceness
+from workers.proposer import make_proposer
 from workers.sampler import Sampler, SamplerOutput, SamplingState
+from workers.spec_verify import accepted_run, position_states
 from workers.structured import GrammarCompiler, PendingMasks, StructuredDecoding, apply_masks
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,8 @@ class RunnerConfig:
     # The engine schedules a step before the previous one's tokens are back (TP = 1 only): the
     # runner appends what it samples itself, and the scheduler sends no sampled token back.
     async_scheduling: bool = False
+    # Speculative decoding: the runner proposes after sampling and verifies what is scheduled.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -89,6 +94,9 @@ class _Batch:
     starts: list[int] = field(default_factory=list)  # computed tokens before the step
     query_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)  # batch rows that sample this step
+    # Speculative decoding: the proposed tokens each verify row runs after its last token; such a
+    # row samples len(drafts) + 1 positions.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class BlockTableRows:
@@ -191,6 +199,7 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.of(self.layers, config.block_size, self.dtype)
         self.kv_cache: KVCache | None = None
         self.sampler = Sampler()
+        self.proposer = make_proposer(config.speculative)
         self.is_driver = get_tp_rank() == 0
         self.requests: dict[str, RequestState] = {}
         self.block_tables = BlockTableRows(
@@ -301,6 +310,11 @@ class ModelRunner:
             state = requests.get(rid)
             if state is not None:
                 state.block_ids, state.num_synced_blocks = [], 0
+        for rid, keep in out.truncated_block_tables.items():  # rejected proposals' blocks
+            state = requests.get(rid)
+            if state is not None:
+                del state.block_ids[keep:]
+                state.num_synced_blocks = min(state.num_synced_blocks, keep)
         for new in out.scheduled_new_reqs:
             try:
                 sampling = SamplingState.create(
@@ -345,22 +359,29 @@ class ModelRunner:
         # Decodes first: the attention backends batch them as one block.
         scheduled = out.num_scheduled_tokens
         order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
+        spec = out.scheduled_spec_tokens
         for rid in order:
             state = self.requests.get(rid)
             if state is not None:  # absent: it failed to start this step and is being finished
-                self._add_to_batch(batch, rid, state, scheduled[rid])
+                self._add_to_batch(batch, rid, state, scheduled[rid], spec.get(rid))
         return batch
 
-    def _add_to_batch(self, batch: _Batch, rid: str, state: RequestState, n: int) -> None:
+    def _add_to_batch(
+        self, batch: _Batch, rid: str, state: RequestState, n: int, drafts: list[int] | None = None
+    ) -> None:
         start = state.num_computed_tokens
-        if start + n > len(state.token_ids):
+        end = start + n - len(drafts or ())
+        if end > len(state.token_ids) or (drafts and end != len(state.token_ids)):
             raise ValueError(
                 f"num_scheduled_tokens: {rid!r} scheduled past its {len(state.token_ids)} tokens"
             )
-        if start + n == len(state.token_ids):
+        if end == len(state.token_ids):
             batch.sample_rows.append(len(batch.req_ids))
         batch.req_ids.append(rid)
-        batch.input_ids.extend(state.token_ids[start : start + n])
+        batch.input_ids.extend(state.token_ids[start:end])
+        if drafts:
+            batch.input_ids.extend(drafts)
+            batch.drafts[rid] = drafts
         batch.starts.append(start)
         batch.query_lens.append(n)
 
@@ -387,7 +408,16 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         if not batch.sample_rows:  # only partial prefills this step
             return None
-        last = [meta.query_start_loc_cpu[i + 1] - 1 for i in batch.sample_rows]
+        ends = meta.query_start_loc_cpu
+        if batch.drafts:  # a verify row's logits at its last token and each proposed one
+            drafts, ids = batch.drafts, batch.req_ids
+            last = [
+                pos
+                for i in batch.sample_rows
+                for pos in range(ends[i + 1] - 1 - len(drafts.get(ids[i], ())), ends[i + 1])
+            ]
+        else:
+            last = [ends[i + 1] - 1 for i in batch.sample_rows]
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
 
     def _start_constraint(self, req_id: str, params: SamplingParams) -> None:
@@ -418,27 +448,84 @@ class ModelRunner:
         logprobs: list | None = None
         if not self.is_driver or not batch.sample_rows:
             return ModelRunnerOutput(batch.req_ids, sampled)
-        states = [self.requests[batch.req_ids[i]].sampling for i in batch.sample_rows]
+        rows, states = self._logit_rows(batch)
         failed: dict[str, str] = {}
         unmasked = None
         if masks is not None:
+            if batch.drafts:  # a constrained row never verifies: it has one logits row
+                masks.rows = [rows.index(batch.sample_rows[p]) for p in masks.rows]
             unmasked = logits.float()
             logits = apply_masks(unmasked, masks)
             failed.update(masks.failed)
         try:
-            results = [(batch.sample_rows, self.sampler.sample(logits.float(), states, unmasked))]
+            results = [(rows, self.sampler.sample(logits.float(), states, unmasked))]
         except Exception:
-            results = self._sample_rows_alone(batch, logits, states, failed, unmasked)
-        for rows, result in results:
-            for row, token in zip(rows, result.token_ids):
-                sampled[row] = [token]
+            results = self._sample_rows_alone(batch, logits, rows, states, failed, unmasked)
+        for rows_of, result in results:
+            for row, token in zip(rows_of, result.token_ids):
+                sampled[row].append(token)
             if result.logprobs is not None:
                 logprobs = logprobs or [None] * len(batch.req_ids)
-                for row, lp in zip(rows, result.logprobs):
-                    logprobs[row] = [lp] if lp is not None else None
+                for row, lp in zip(rows_of, result.logprobs):
+                    if lp is not None:
+                        logprobs[row] = (logprobs[row] or []) + [lp]
+        if batch.drafts:
+            self._keep_accepted(batch, sampled, logprobs, failed)
         if self.config.async_scheduling:
             self._append_sampled(batch, sampled)
-        return ModelRunnerOutput(batch.req_ids, sampled, logprobs, failed)
+        proposals = self._propose(batch, sampled) if self.proposer is not None else None
+        return ModelRunnerOutput(batch.req_ids, sampled, logprobs, failed, proposals)
+
+    def _logit_rows(self, batch: _Batch) -> tuple[list[int], list[SamplingState]]:
+        """The batch row and the sampling state of each logits row: one per sampling request, and
+        one per position of a verify row (spec_verify.position_states)."""
+        requests, drafts = self.requests, batch.drafts
+        if not drafts:
+            return batch.sample_rows, [
+                requests[batch.req_ids[i]].sampling for i in batch.sample_rows
+            ]
+        rows: list[int] = []
+        states: list[SamplingState] = []
+        for i in batch.sample_rows:
+            rid = batch.req_ids[i]
+            at = position_states(requests[rid].sampling, drafts.get(rid, []))
+            rows.extend([i] * len(at))
+            states.extend(at)
+        return rows, states
+
+    def _keep_accepted(
+        self,
+        batch: _Batch,
+        sampled: list[list[int]],
+        logprobs: list | None,
+        failed: dict[str, str],
+    ) -> None:
+        """Cut each verify row to the run it keeps (spec_verify.accepted_run)."""
+        for row, rid in enumerate(batch.req_ids):
+            drafts = batch.drafts.get(rid)
+            if not drafts or rid in failed:
+                continue
+            kept = len(accepted_run(sampled[row], drafts))
+            del sampled[row][kept:]
+            if logprobs is not None and logprobs[row] is not None:
+                del logprobs[row][kept:]
+
+    def _propose(self, batch: _Batch, sampled: list[list[int]]) -> list[list[int]]:
+        """Proposals to follow each request's new tokens; none under a grammar (its mask cannot
+        run ahead of the tokens) nor for a row that sampled nothing."""
+        requests = self.requests
+        rows = [
+            i
+            for i, tokens in enumerate(sampled)
+            if tokens and requests[batch.req_ids[i]].sampling.params.structured is None
+        ]
+        proposals: list[list[int]] = [[] for _ in sampled]
+        if not rows or self.proposer is None:
+            return proposals
+        contexts = [requests[batch.req_ids[i]].token_ids + sampled[i] for i in rows]
+        for i, proposal in zip(rows, self.proposer.propose(contexts)):
+            proposals[i] = proposal
+        return proposals
 
     def _append_sampled(self, batch: _Batch, sampled: list[list[int]]) -> None:
         """Async scheduling: the next step, already scheduled, decodes from these tokens (the
@@ -453,6 +540,7 @@ class ModelRunner:
         self,
         batch: _Batch,
         logits: torch.Tensor,
+        rows: list[int],
         states: list[SamplingState],
         failed: dict[str, str],
         unmasked: torch.Tensor | None,
@@ -460,7 +548,7 @@ class ModelRunner:
         """After a failed batched draw: each row on its own, so one request's fault fails it
         alone."""
         results = []
-        for i, (row, state) in enumerate(zip(batch.sample_rows, states)):
+        for i, (row, state) in enumerate(zip(rows, states)):
             try:
                 alone = None if unmasked is None else unmasked[i : i + 1]
                 results.append(
