@@ -71,6 +71,16 @@ class ReplicaMetrics:
             "summed over layers (expert-parallel load balance).",
             ("rank",),
         )
+        # Speculative decoding: mean accepted length is accepted / verify rows.
+        self.spec_proposed = counter(
+            "raylm_spec_proposed_tokens_total", "Speculative tokens proposed and verified."
+        )
+        self.spec_accepted = counter(
+            "raylm_spec_accepted_tokens_total", "Speculative tokens accepted by verification."
+        )
+        self.spec_rows = counter(
+            "raylm_spec_verify_rows_total", "Verify rows (a decode that verified proposals)."
+        )
         self.ttft = histogram(
             "raylm_ttft_seconds", "Time to first token at the replica.", _LATENCY_BUCKETS
         )
@@ -87,12 +97,16 @@ class ReplicaMetrics:
             self.generation_tokens,
             self.preemptions,
             self.expert_tokens,
+            self.spec_proposed,
+            self.spec_accepted,
+            self.spec_rows,
             self.ttft,
             self.itl,
         ):
             metric.set_default_tags({"replica": replica})
         self._preemptions_seen = 0
         self._expert_tokens_seen: list[int] = []
+        self._spec_seen = (0, 0, 0)
         self._export_zeros()
 
     def _export_zeros(self) -> None:
@@ -102,7 +116,14 @@ class ReplicaMetrics:
         """
         for gauge in (self.waiting, self.running, self.swapped, self.kv_usage, self.hit_rate):
             gauge.set(0.0)
-        for counter in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+        for counter in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.preemptions,
+            self.spec_proposed,
+            self.spec_accepted,
+            self.spec_rows,
+        ):
             counter._record(0.0)
 
     def record_stats(self, stats: SchedulerStats) -> None:
@@ -121,6 +142,17 @@ class ReplicaMetrics:
             if total > seen[rank]:
                 self.expert_tokens.inc(total - seen[rank], tags={"rank": str(rank)})
             seen[rank] = total
+        spec = (
+            stats.num_spec_proposed_tokens,
+            stats.num_spec_accepted_tokens,
+            stats.num_spec_verify_rows,
+        )
+        for metric, now, seen in zip(
+            (self.spec_proposed, self.spec_accepted, self.spec_rows), spec, self._spec_seen
+        ):
+            if now > seen:
+                metric.inc(now - seen)
+        self._spec_seen = spec
 
     def record_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from router.config import RoutingConfig
 from scheduler.config import SchedulerConfig
 from scheduler.settings import declared_settings, range_text
+from scheduler.speculative import SpeculativeConfig
 
 BEGIN = (
     "<!-- settings-table:begin "
@@ -56,6 +57,7 @@ def settings_table() -> str:
         + _rows("router_kwargs", RoutingConfig)
         + _rows("engine", EngineConfig)
         + _rows("scheduler", SchedulerConfig)
+        + _rows("speculative", SpeculativeConfig)
     )
     return "\n".join(head + rows)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.config import SchedulerConfig
 from scheduler.settings import build, check_settings, nest, setting, shown
+from scheduler.speculative import SpeculativeConfig
 from workers.options import ATTENTION_BACKENDS, DEFAULT_CACHE_DIR, DTYPE_NAMES, STEP_TRANSPORTS
 from workers.process import MAX_NICE, MIN_NICE
 
@@ -125,6 +126,11 @@ class EngineConfig:
         le=60,
     )
     load_progress: bool = setting(True, "show a progress bar while loading weights")
+    speculative: SpeculativeConfig | None = setting(
+        None,
+        "speculative decoding: `{method, num_tokens, ngram_min, ngram_max, draft_model, "
+        "max_batch_size, min_acceptance_rate}` (docs/speculative.md). Unset: one token per step",
+    )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -142,6 +148,12 @@ class EngineConfig:
             raise ValueError(
                 "scheduler.preemption_mode: 'swap' needs a CPU pool: set swap_space_gb or "
                 "num_cpu_blocks"
+            )
+        if self.speculative is not None and self.async_scheduling:
+            # The next step would be scheduled before the proposals it verifies are known.
+            raise ValueError(
+                "speculative: cannot be combined with async_scheduling: true (leave "
+                "async_scheduling unset or false)"
             )
 
     @classmethod
@@ -205,6 +217,7 @@ class EngineConfig:
             grammar_mask_deadline_s=self.grammar_mask_deadline_s,
             async_scheduling=self.uses_async_scheduling(),
             expert_parallel=self.expert_parallel,
+            speculative=self.speculative,
         )
 
     @property

@@ -16,6 +16,7 @@ from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutp
 from scheduler.async_scheduler import AsyncScheduler
 from scheduler.block_manager import PrefixReport
 from scheduler.request import EngineRequest, Request
+from scheduler.spec_scheduler import SpecScheduler
 from workers.kv_cache import GiB, KVCacheSpec
 from workers.runner import DTYPES
 
@@ -63,10 +64,12 @@ class EngineCore:
                 "samples; the other ranks learn each token from the next step)",
                 config.tensor_parallel_size,
             )
-        scheduler_class = AsyncScheduler if overlap else Scheduler
-        self.scheduler = scheduler_class(
-            config.sized_scheduler(num_gpu_blocks, num_cpu_blocks, self.max_model_len)
-        )
+        sized = config.sized_scheduler(num_gpu_blocks, num_cpu_blocks, self.max_model_len)
+        self.scheduler: Scheduler
+        if config.speculative is not None:
+            self.scheduler = SpecScheduler(sized, config.speculative)
+        else:
+            self.scheduler = (AsyncScheduler if overlap else Scheduler)(sized)
         # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
         # being updated from (scheduler/async_scheduler.py).
         self.pipeline = StepPipeline(self.executor) if overlap else None

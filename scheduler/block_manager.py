@@ -281,7 +281,8 @@ class KVCacheManager:
         done = self.num_registered_blocks.get(rid, 0)
         if num_written is None:
             num_written = request.num_computed_tokens
-        num_full = num_written // self.block_size
+        # Accepted speculative tokens are computed before they are appended: hash what is there.
+        num_full = min(num_written, request.num_tokens) // self.block_size
         if num_full <= done:
             return
         blocks = self.req_blocks[rid]
@@ -325,6 +326,18 @@ class KVCacheManager:
             new_blocks.extend(pool.allocate(needed))
         blocks.extend(new_blocks)
         return new_blocks
+
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """Release the request's blocks past those its first num_tokens tokens need (slots of
+        rejected speculative tokens), tail first; the blocks kept, or None when none was released.
+        Trailing blocks were never registered: only blocks of computed, accepted tokens are."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = self.num_blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return None
+        self.pool.release(blocks[keep:][::-1])
+        del blocks[keep:]
+        return keep
 
     def free(self, request: Request) -> None:
         """Release the request's GPU blocks (tail first, so its prefix stays cached longest)."""

@@ -53,6 +53,12 @@ class SchedulerOutput:
     # (gpu_block, cpu_block) copies the runner performs before the forward: out first, then in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the proposed tokens each request verifies this step (they follow its
+    # last token in the step's input and count in its num_scheduled_tokens)...
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # ...and the block tables cut back after rejected tokens gave their slots up: request id ->
+    # blocks kept. Applied before this step's diffs.
+    truncated_block_tables: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -96,6 +102,9 @@ class ModelRunnerOutput:
     # Mixture-of-experts models: the (token, expert) rows each tensor-parallel rank computed this
     # step, summed over layers (the expert-parallel load balance); None for dense models.
     expert_tokens_per_rank: list[int] | None = None
+    # Speculative decoding: per request, tokens proposed to follow what it sampled this step (the
+    # scheduler decides how many of them the next step verifies). None: no proposer.
+    spec_token_ids: list[list[int]] | None = None
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
@@ -141,6 +150,11 @@ class SchedulerStats:
     # Cumulative (token, expert) rows per tensor-parallel rank (empty for dense models).
     expert_tokens_per_rank: list[int] = field(default_factory=list)
     num_gpu_blocks: int = 0  # the KV pool's size: the router bounds its index of this replica by it
+    # Speculative decoding, cumulative: proposed tokens verified, those accepted, and verify rows
+    # (accepted / rows is the mean accepted length; each row also yields one token of its own).
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_verify_rows: int = 0
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);

@@ -76,14 +76,16 @@ class Scheduler:
     Scheduler; the simulator's multi-step decode (sim/jump.py) and async scheduling
     (scheduler/async_scheduler.py) are two. Their hooks are the class
     attributes `kv_manager_class` (the KVCacheManager the pool is built as) and
-    `finished_retention` (how many finished requests stay readable in `requests`), and the
-    protected helpers at the end of the class: `_tokens_in_flight`, `_append_tokens` (the stop
+    `finished_retention` (how many finished requests stay readable in `requests`), `speculates`
+    (speculative decoding, scheduler/spec_scheduler.py), and the protected helpers at the end of
+    the class: `_num_spec_tokens`, `_tokens_in_flight`, `_append_tokens` (the stop
     rules), `_finish`, `_finish_early`, `_take_finished_ids` and `_output` (the one RequestOutput
     factory).
     """
 
     kv_manager_class: type[KVCacheManager] = KVCacheManager
     finished_retention = FINISHED_RETENTION
+    speculates = False  # a decode may also run proposed tokens (scheduler/spec_scheduler.py)
 
     def __init__(self, config: SchedulerConfig) -> None:
         _, self.max_model_len = config.require_sizes()
@@ -191,7 +193,10 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             pending = req.num_output_placeholders  # tokens still being sampled (async scheduling)
-            n = min(len(req.all_token_ids) + pending - computed, cap, step.budget)
+            gap = len(req.all_token_ids) + pending - computed
+            if gap == 1 and self.speculates:  # a decode: it may verify proposed tokens too
+                gap += self._num_spec_tokens(req)
+            n = min(gap, cap, step.budget)
             if n <= 0 or (pending and self._finishes_on_pending(req)):
                 continue
             new_blocks = kv.allocate_slots(req, n)
@@ -428,6 +433,10 @@ class Scheduler:
         return outputs
 
     # ---- helpers for subclasses (the simulator's multi-step decode, sim/jump.py) ----------------
+    def _num_spec_tokens(self, req: Request) -> int:
+        """Proposed tokens req's decode verifies this step, when `speculates` (none here)."""
+        return 0
+
     def _tokens_in_flight(self) -> dict[str, int]:
         """Tokens per request scheduled in steps later than the one being updated, whose KV is not
         written yet: none here, where each step is updated before the next is scheduled

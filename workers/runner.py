@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
+from scheduler.speculative import SpeculativeConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.layers.attention import AttentionMetadata, select_backend
@@ -25,7 +26,9 @@ from workers.parallel import get_tp_rank, get_tp_world_size, set_expert_parallel
 from workers.pooling import Pooler
 from workers.process import set_niceness
 from workers.prompt_logprobs import prompt_logprobs
+from workers.proposer import make_proposer
 from workers.sampler import Sampler, SamplerOutput, SamplingState
+from workers.spec_verify import accepted_run, position_states
 from workers.structured import GrammarCompiler, PendingMasks, StructuredDecoding, apply_masks
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,8 @@ class RunnerConfig:
     async_scheduling: bool = False
     # MoE layers hold whole experts per rank (workers/layers/moe.py).
     expert_parallel: bool = False
+    # Speculative decoding: the runner proposes after sampling and verifies what is scheduled.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -99,6 +104,9 @@ class _Batch:
     sample_rows: list[int] = field(default_factory=list)  # batch rows that sample this step
     pooling_rows: list[int] = field(default_factory=list)  # rows of embedding requests
     pooled: dict[str, list[float]] = field(default_factory=dict)  # their vectors, when complete
+    # Speculative decoding: the proposed tokens each verify row runs after its last token; such a
+    # row samples len(drafts) + 1 positions.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class BlockTableRows:
@@ -202,6 +210,7 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.of(self.layers, config.block_size, self.dtype)
         self.kv_cache: KVCache | None = None
         self.sampler = Sampler()
+        self.proposer = make_proposer(config.speculative)
         self.is_driver = get_tp_rank() == 0
         self.requests: dict[str, RequestState] = {}
         self.block_tables = BlockTableRows(
@@ -318,6 +327,11 @@ class ModelRunner:
             state = requests.get(rid)
             if state is not None:
                 state.block_ids, state.num_synced_blocks = [], 0
+        for rid, keep in out.truncated_block_tables.items():  # rejected proposals' blocks
+            state = requests.get(rid)
+            if state is not None:
+                del state.block_ids[keep:]
+                state.num_synced_blocks = min(state.num_synced_blocks, keep)
         for new in out.scheduled_new_reqs:
             try:
                 sampling = SamplingState.create(
@@ -372,24 +386,31 @@ class ModelRunner:
         # Decodes first: the attention backends batch them as one block.
         scheduled = out.num_scheduled_tokens
         order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
+        spec = out.scheduled_spec_tokens
         for rid in order:
             state = self.requests.get(rid)
             if state is not None:  # absent: it failed to start this step and is being finished
-                self._add_to_batch(batch, rid, state, scheduled[rid])
+                self._add_to_batch(batch, rid, state, scheduled[rid], spec.get(rid))
         return batch
 
-    def _add_to_batch(self, batch: _Batch, rid: str, state: RequestState, n: int) -> None:
+    def _add_to_batch(
+        self, batch: _Batch, rid: str, state: RequestState, n: int, drafts: list[int] | None = None
+    ) -> None:
         start = state.num_computed_tokens
-        if start + n > len(state.token_ids):
+        end = start + n - len(drafts or ())
+        if end > len(state.token_ids) or (drafts and end != len(state.token_ids)):
             raise ValueError(
                 f"num_scheduled_tokens: {rid!r} scheduled past its {len(state.token_ids)} tokens"
             )
-        if start + n == len(state.token_ids):
+        if end == len(state.token_ids):
             batch.sample_rows.append(len(batch.req_ids))
         if state.sampling.params.pooling is not None:
             batch.pooling_rows.append(len(batch.req_ids))
         batch.req_ids.append(rid)
-        batch.input_ids.extend(state.token_ids[start : start + n])
+        batch.input_ids.extend(state.token_ids[start:end])
+        if drafts:
+            batch.input_ids.extend(drafts)
+            batch.drafts[rid] = drafts
         batch.starts.append(start)
         batch.query_lens.append(n)
 
@@ -422,7 +443,16 @@ class ModelRunner:
         self._prompt_logprobs(batch, hidden, meta.query_start_loc_cpu)
         if not batch.sample_rows:  # only partial prefills this step
             return None
-        last = [meta.query_start_loc_cpu[i + 1] - 1 for i in batch.sample_rows]
+        ends = meta.query_start_loc_cpu
+        if batch.drafts:  # a verify row's logits at its last token and each proposed one
+            drafts, ids = batch.drafts, batch.req_ids
+            last = [
+                pos
+                for i in batch.sample_rows
+                for pos in range(ends[i + 1] - 1 - len(drafts.get(ids[i], ())), ends[i + 1])
+            ]
+        else:
+            last = [ends[i + 1] - 1 for i in batch.sample_rows]
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
 
     def _pool(self, batch: _Batch, hidden: torch.Tensor, query_start_loc: list[int]) -> None:
@@ -440,6 +470,7 @@ class ModelRunner:
             )
             if vector is not None:
                 batch.pooled[rid] = vector
+
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, starts: list[int]) -> None:
         """Entries for the prompt positions this step computed, of the requests that asked."""
         for i, rid in enumerate(batch.req_ids):
@@ -490,27 +521,35 @@ class ModelRunner:
         logprobs: list | None = None
         if not self.is_driver or not batch.sample_rows:
             return ModelRunnerOutput(batch.req_ids, sampled)
-        states = [self.requests[batch.req_ids[i]].sampling for i in batch.sample_rows]
+        rows, states = self._logit_rows(batch)
         failed: dict[str, str] = {}
         unmasked = None
         if masks is not None:
+            if batch.drafts:  # a constrained row never verifies: it has one logits row
+                masks.rows = [rows.index(batch.sample_rows[p]) for p in masks.rows]
             unmasked = logits.float()
             logits = apply_masks(unmasked, masks)
             failed.update(masks.failed)
         try:
-            results = [(batch.sample_rows, self.sampler.sample(logits.float(), states, unmasked))]
+            results = [(rows, self.sampler.sample(logits.float(), states, unmasked))]
         except Exception:
-            results = self._sample_rows_alone(batch, logits, states, failed, unmasked)
-        for rows, result in results:
-            for row, token in zip(rows, result.token_ids):
-                sampled[row] = [token]
+            results = self._sample_rows_alone(batch, logits, rows, states, failed, unmasked)
+        for rows_of, result in results:
+            for row, token in zip(rows_of, result.token_ids):
+                sampled[row].append(token)
             if result.logprobs is not None:
                 logprobs = logprobs or [None] * len(batch.req_ids)
-                for row, lp in zip(rows, result.logprobs):
-                    logprobs[row] = [lp] if lp is not None else None
+                for row, lp in zip(rows_of, result.logprobs):
+                    if lp is not None:
+                        logprobs[row] = (logprobs[row] or []) + [lp]
+        if batch.drafts:
+            self._keep_accepted(batch, sampled, logprobs, failed)
         if self.config.async_scheduling:
             self._append_sampled(batch, sampled)
-        output = ModelRunnerOutput(batch.req_ids, sampled, logprobs, failed)
+        proposals = self._propose(batch, sampled) if self.proposer is not None else None
+        output = ModelRunnerOutput(
+            batch.req_ids, sampled, logprobs, failed, spec_token_ids=proposals
+        )
         for row in batch.sample_rows:
             state = self.requests[batch.req_ids[row]]
             if state.prompt_logprobs is not None and sampled[row]:  # with its first token
@@ -521,6 +560,57 @@ class ModelRunner:
                     output.failed[rid] = "prompt_logprobs: incomplete"
                 state.prompt_logprobs = None
         return output
+
+    def _logit_rows(self, batch: _Batch) -> tuple[list[int], list[SamplingState]]:
+        """The batch row and the sampling state of each logits row: one per sampling request, and
+        one per position of a verify row (spec_verify.position_states)."""
+        requests, drafts = self.requests, batch.drafts
+        if not drafts:
+            return batch.sample_rows, [
+                requests[batch.req_ids[i]].sampling for i in batch.sample_rows
+            ]
+        rows: list[int] = []
+        states: list[SamplingState] = []
+        for i in batch.sample_rows:
+            rid = batch.req_ids[i]
+            at = position_states(requests[rid].sampling, drafts.get(rid, []))
+            rows.extend([i] * len(at))
+            states.extend(at)
+        return rows, states
+
+    def _keep_accepted(
+        self,
+        batch: _Batch,
+        sampled: list[list[int]],
+        logprobs: list | None,
+        failed: dict[str, str],
+    ) -> None:
+        """Cut each verify row to the run it keeps (spec_verify.accepted_run)."""
+        for row, rid in enumerate(batch.req_ids):
+            drafts = batch.drafts.get(rid)
+            if not drafts or rid in failed:
+                continue
+            kept = len(accepted_run(sampled[row], drafts))
+            del sampled[row][kept:]
+            if logprobs is not None and logprobs[row] is not None:
+                del logprobs[row][kept:]
+
+    def _propose(self, batch: _Batch, sampled: list[list[int]]) -> list[list[int]]:
+        """Proposals to follow each request's new tokens; none under a grammar (its mask cannot
+        run ahead of the tokens) nor for a row that sampled nothing."""
+        requests = self.requests
+        rows = [
+            i
+            for i, tokens in enumerate(sampled)
+            if tokens and requests[batch.req_ids[i]].sampling.params.structured is None
+        ]
+        proposals: list[list[int]] = [[] for _ in sampled]
+        if not rows or self.proposer is None:
+            return proposals
+        contexts = [requests[batch.req_ids[i]].token_ids + sampled[i] for i in rows]
+        for i, proposal in zip(rows, self.proposer.propose(contexts)):
+            proposals[i] = proposal
+        return proposals
 
     def _append_sampled(self, batch: _Batch, sampled: list[list[int]]) -> None:
         """Async scheduling: the next step, already scheduled, decodes from these tokens (the
@@ -535,6 +625,7 @@ class ModelRunner:
         self,
         batch: _Batch,
         logits: torch.Tensor,
+        rows: list[int],
         states: list[SamplingState],
         failed: dict[str, str],
         unmasked: torch.Tensor | None,
@@ -542,7 +633,7 @@ class ModelRunner:
         """After a failed batched draw: each row on its own, so one request's fault fails it
         alone."""
         results = []
-        for i, (row, state) in enumerate(zip(batch.sample_rows, states)):
+        for i, (row, state) in enumerate(zip(rows, states)):
             try:
                 alone = None if unmasked is None else unmasked[i : i + 1]
                 results.append(

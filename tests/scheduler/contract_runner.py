@@ -10,6 +10,7 @@ does not depend on how it was scheduled.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler import ModelRunnerOutput, SchedulerOutput
@@ -38,6 +39,7 @@ class ContractRunner:
         num_cpu_blocks: int,
         vocab: int = 50,
         appends_sampled: bool = False,
+        proposer: Callable[[str, list[int]], list[int]] | None = None,
     ) -> None:
         self.block_size = block_size
         # Async scheduling: the runner appends what it samples, as workers.runner does then.
@@ -46,6 +48,9 @@ class ContractRunner:
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.states: dict[str, _State] = {}
+        # Speculative decoding: (request id, its tokens) -> proposed next tokens, verified against
+        # token_at like a model's samples.
+        self.proposer = proposer
 
     def _slot(self, state: _State, pos: int) -> tuple[int, int]:
         block = pos // self.block_size
@@ -60,6 +65,9 @@ class ContractRunner:
         for rid in out.preempted_req_ids:
             if rid in self.states:
                 self.states[rid].block_ids = []
+        for rid, keep in out.truncated_block_tables.items():
+            if rid in self.states:
+                del self.states[rid].block_ids[keep:]
         for gpu, cpu in out.blocks_to_swap_out:
             self.cpu[cpu] = list(self.gpu[gpu])
         for gpu, cpu in out.blocks_to_swap_in:
@@ -96,16 +104,37 @@ class ContractRunner:
             state = self.states[rid]
             n = out.num_scheduled_tokens[rid]
             assert n >= 1
+            drafts = out.scheduled_spec_tokens.get(rid, [])
+            tokens = state.token_ids + drafts
             end = state.computed + n
-            assert end <= len(state.token_ids), f"{rid}: scheduled past its known tokens"
+            assert end <= len(tokens), f"{rid}: scheduled past its known tokens"
+            assert not drafts or end == len(tokens), f"{rid}: proposals not at its end"
             for pos in range(state.computed, end):
                 b, off = self._slot(state, pos)
-                self.gpu[b][off] = state.token_ids[pos]
+                self.gpu[b][off] = tokens[pos]
             state.computed = end
-            sampled.append([token_at(rid, end, self.vocab)] if end == len(state.token_ids) else [])
+            sampled.append(self._sample(rid, len(state.token_ids), drafts, end == len(tokens)))
             if self.appends_sampled:
                 state.token_ids.extend(sampled[-1])
-        return ModelRunnerOutput(req_ids=scheduled, sampled_token_ids=sampled)
+        proposals = None
+        if self.proposer is not None:
+            proposals = [
+                self.proposer(rid, self.states[rid].token_ids + new) if new else []
+                for rid, new in zip(scheduled, sampled)
+            ]
+        return ModelRunnerOutput(scheduled, sampled, spec_token_ids=proposals)
+
+    def _sample(self, rid: str, length: int, drafts: list[int], samples: bool) -> list[int]:
+        """The fake model's tokens: one at the end of the sequence, or a verify row's run (each
+        proposed token kept while it is the model's, then one of the model's)."""
+        if not samples:
+            return []
+        out = []
+        for j in range(len(drafts) + 1):
+            out.append(token_at(rid, length + j, self.vocab))
+            if j == len(drafts) or drafts[j] != out[-1]:
+                return out
+        return out
 
 
 def expected_output(

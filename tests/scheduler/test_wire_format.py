@@ -18,6 +18,8 @@ def test_a_step_round_trips_with_every_field():
         finished_req_ids={"e", "f"},
         blocks_to_swap_out=[(1, 2)],
         blocks_to_swap_in=[(3, 4)],
+        scheduled_spec_tokens={"b": [8, 9]},
+        truncated_block_tables={"g": 3},
     )
     assert SchedulerOutput.decode(step.encode()) == step
     assert (
@@ -29,6 +31,10 @@ def test_an_empty_step_and_a_runner_output_round_trip():
     empty = SchedulerOutput([], CachedRequestData(), {}, 0)
     assert SchedulerOutput.decode(empty.encode()) == empty
     out = ModelRunnerOutput(
-        ["a", "b"], [[5], []], [[[(5, -0.25), (6, -1.5)]], None], {"c": "bad logit_bias"}
+        ["a", "b"],
+        [[5], []],
+        [[[(5, -0.25), (6, -1.5)]], None],
+        {"c": "bad logit_bias"},
+        [[7, 8], []],
     )
     assert ModelRunnerOutput.decode(out.encode()) == out

@@ -1,0 +1,136 @@
+"""Speculative decoding: its settings, and how many proposed tokens each request may verify.
+
+The runner proposes (workers/proposer.py) and verifies (workers/spec_verify.py); the scheduler
+decides how many of a request's proposed tokens run in a step, counts them in the token budget,
+allocates their KV slots and gives back the slots of rejected ones (scheduler/spec_scheduler.py).
+`SpecPolicy` here is the adaptive part: a pure object, so the simulator can run it unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.settings import check_settings, setting, shown
+
+SPEC_METHODS = ("ngram", "draft")
+MAX_SPEC_TOKENS = 16  # verifying more per step costs more than even a perfect run gains on CPU
+MAX_NGRAM = 64
+MAX_DRAFT_MODEL_CHARS = 4096
+# Acceptance estimate: an exponential average over verify steps (and over shadow proposals checked
+# against the tokens decoded without speculation), starting optimistic so each request gets tried.
+_EMA_WEIGHT = 0.3
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """`speculative:` in the engine settings; unset (the default) decodes one token per step."""
+
+    method: str = setting(
+        "ngram",
+        "how tokens are proposed: `ngram` (prompt lookup) or `draft` (a smaller model; not yet "
+        "available)",
+        choices=SPEC_METHODS,
+    )
+    num_tokens: int = setting(4, "tokens proposed and verified per step", ge=1, le=MAX_SPEC_TOKENS)
+    ngram_min: int = setting(2, "ngram: shortest suffix matched", ge=1, le=MAX_NGRAM)
+    ngram_max: int = setting(4, "ngram: longest suffix matched (tried first)", ge=1, le=MAX_NGRAM)
+    draft_model: str | None = setting(None, "draft: the draft model (same tokenizer)")
+    max_batch_size: int = setting(
+        16,
+        "no speculation in a step whose running batch is larger (a large batch has no idle "
+        "compute to spend)",
+        ge=1,
+    )
+    min_acceptance_rate: float = setting(
+        0.4,
+        "a request speculates only while its recent share of accepted proposed tokens is at "
+        "least this (its proposals are still checked against what it decodes, so it resumes)",
+        ge=0,
+        le=1,
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"ngram_min: must be <= ngram_max={self.ngram_max}, got {self.ngram_min}"
+            )
+        if self.draft_model is not None and len(self.draft_model) > MAX_DRAFT_MODEL_CHARS:
+            raise ValueError(
+                f"draft_model: must be at most {MAX_DRAFT_MODEL_CHARS} characters, got "
+                f"{shown(self.draft_model)}"
+            )
+        if self.method == "draft":
+            raise ValueError("method: 'draft' (a draft model) is not available yet; use 'ngram'")
+        if self.draft_model is not None:
+            raise ValueError("draft_model: only with method 'draft'")
+
+
+@dataclass(slots=True)
+class _Acceptance:
+    rate: float = 1.0  # recent share of proposed tokens accepted
+    shadow: list[int] = field(default_factory=list)  # a proposal not run, checked as tokens come
+    shadow_at: int = 0  # the request's token count when `shadow` was proposed
+
+
+class SpecPolicy:
+    """How many proposed tokens each request verifies: fewer when the batch is large, none for a
+    request whose recent proposals were mostly rejected.
+
+    A request that does not speculate keeps a "shadow" proposal, compared with the tokens it then
+    decodes one by one: its estimate keeps moving at no cost, and it speculates again as soon as
+    its output turns repetitive.
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._by_req: dict[str, _Acceptance] = {}
+
+    def num_tokens(self, req_id: str, batch_size: int) -> int:
+        """Proposed tokens req_id may verify in a step of batch_size running requests."""
+        cfg = self.config
+        if batch_size > cfg.max_batch_size:
+            return 0
+        acc = self._by_req.get(req_id)
+        if acc is not None and acc.rate < cfg.min_acceptance_rate:
+            return 0
+        return cfg.num_tokens
+
+    def observe(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A verify step of req_id accepted num_accepted of num_proposed tokens."""
+        if num_proposed <= 0:
+            return
+        acc = self._by_req.setdefault(req_id, _Acceptance())
+        acc.rate += _EMA_WEIGHT * (num_accepted / num_proposed - acc.rate)
+        acc.shadow = []
+
+    def shadow(self, req_id: str, proposal: list[int], num_tokens: int) -> None:
+        """Keep a proposal that will not run (made when the request held num_tokens tokens), unless
+        an earlier one is still being checked."""
+        acc = self._by_req.setdefault(req_id, _Acceptance())
+        if not acc.shadow and proposal:
+            acc.shadow, acc.shadow_at = list(proposal), num_tokens
+
+    def check_shadow(self, req_id: str, token_ids: list[int]) -> None:
+        """Compare req_id's shadow proposal with the tokens decoded since (token_ids: all of them);
+        once it is decided, it counts as a verify step would have."""
+        acc = self._by_req.get(req_id)
+        if acc is None or not acc.shadow:
+            return
+        decoded = token_ids[acc.shadow_at :]
+        shadow = acc.shadow
+        accepted = 0
+        for proposed, actual in zip(shadow, decoded):
+            if proposed != actual:
+                break
+            accepted += 1
+        if accepted < len(shadow) and accepted == len(decoded):
+            return  # every decoded token matched so far: wait for the next
+        self.observe(req_id, len(shadow), accepted)
+
+    def drop(self, req_id: str) -> None:
+        self._by_req.pop(req_id, None)
+
+    def rate(self, req_id: str) -> float:
+        acc = self._by_req.get(req_id)
+        return 1.0 if acc is None else acc.rate
