@@ -136,12 +136,12 @@ class ReplicaMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
-        seen = self._expert_tokens_seen
-        seen.extend([0] * (len(stats.expert_tokens_per_rank) - len(seen)))
+        ranks_seen = self._expert_tokens_seen
+        ranks_seen.extend([0] * (len(stats.expert_tokens_per_rank) - len(ranks_seen)))
         for rank, total in enumerate(stats.expert_tokens_per_rank):
-            if total > seen[rank]:
-                self.expert_tokens.inc(total - seen[rank], tags={"rank": str(rank)})
-            seen[rank] = total
+            if total > ranks_seen[rank]:
+                self.expert_tokens.inc(total - ranks_seen[rank], tags={"rank": str(rank)})
+            ranks_seen[rank] = total
         spec = (
             stats.num_spec_proposed_tokens,
             stats.num_spec_accepted_tokens,
