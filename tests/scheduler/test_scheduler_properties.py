@@ -59,7 +59,7 @@ def configs(draw) -> SchedulerConfig:
         max_model_len=max_model_len,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 17])),
         enable_prefix_caching=draw(st.booleans()),
-        policy=draw(st.sampled_from(["fcfs", "priority", "fair"])),
+        policy=draw(st.sampled_from(["fcfs", "priority", "fair", "srpt", "fair_srpt"])),
         preemption_mode=mode,
         preemption_victim=draw(st.sampled_from(["lifo", "least_progress"])),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1])),
