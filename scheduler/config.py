@@ -9,7 +9,7 @@ from scheduler.settings import check_settings, setting
 
 POLICIES = ("fcfs", "priority", "fair", "srpt", "fair_srpt")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-PREEMPTION_VICTIMS = ("lifo", "least_progress")
+PREEMPTION_VICTIMS = ("lifo", "least_progress", "most_remaining")
 
 
 @dataclass(slots=True)

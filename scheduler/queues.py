@@ -3,7 +3,9 @@ shortest predicted remaining first (SRPT) with aging.
 
 Each queue holds WAITING, PREEMPTED and SWAPPED requests. A preempted request goes back with
 `prepend`, ahead of newer arrivals. `charge` feeds the fair policy's counters; the others ignore it.
-`learn` feeds the SRPT policy's length predictor with each finished request; the others ignore it.
+`learn` feeds the SRPT policy's length predictor with each finished request, and
+`predicted_remaining` asks it (for the `most_remaining` victim rule); the others ignore or answer
+None.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class FCFSQueue:
     def learn(self, request: Request) -> None:
         pass
 
+    def predicted_remaining(self, request: Request) -> float | None:
+        return None
+
     def __len__(self) -> int:
         return len(self._q)
 
@@ -91,6 +96,9 @@ class PriorityQueue:
 
     def learn(self, request: Request) -> None:
         pass
+
+    def predicted_remaining(self, request: Request) -> float | None:
+        return None
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -207,6 +215,9 @@ class FairQueue:
         if self._srpt is not None:
             self._srpt.learn(request)
 
+    def predicted_remaining(self, request: Request) -> float | None:
+        return self._srpt.predicted_remaining(request) if self._srpt is not None else None
+
     def backlogged(self) -> list[str]:
         """Tenants with queued requests (VTC's backlogged clients)."""
         return list(self._queues)
@@ -317,6 +328,11 @@ class SRPTQueue:
 
     def learn(self, request: Request) -> None:
         safe_observe(self.predictor, request)
+
+    def predicted_remaining(self, request: Request) -> float | None:
+        """The predictor's median remaining output of request (None: no estimate)."""
+        estimate = safe_predict(self.predictor, request)
+        return estimate.median if estimate is not None else None
 
     def __len__(self) -> int:
         return len(self._front) + len(self._entries)

@@ -93,7 +93,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.victims = VictimPolicy(
-            config.preemption_victim, by_priority=config.policy == "priority"
+            config.preemption_victim,
+            by_priority=config.policy == "priority",
+            remaining=self.waiting.predicted_remaining,
         )
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()

@@ -96,7 +96,11 @@ class Recorder:
 
 
 def config(
-    policy: str, num_gpu_blocks: int, max_num_seqs: int = MAX_NUM_SEQS, aging: float = 2.0
+    policy: str,
+    num_gpu_blocks: int,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    aging: float = 2.0,
+    victim: str = "lifo",
 ) -> SimConfig:
     return SimConfig(
         num_replicas=1,
@@ -106,6 +110,7 @@ def config(
             max_num_seqs=max_num_seqs,
             policy="fcfs" if policy == "fcfs" else "srpt",
             srpt_aging_factor=aging,
+            preemption_victim=victim,
         ),
         routing=RoutingConfig(router_policy="round_robin"),
         max_tokens=MAX_TOKENS,
@@ -120,9 +125,11 @@ def run(
     profile: str,
     max_num_seqs: int = MAX_NUM_SEQS,
     aging: float = 2.0,
+    victim: str = "lifo",
 ) -> tuple[SimResult, dict[str, LengthEstimate | None]]:
     """policy: fcfs, srpt (the learning predictor) or oracle (SRPT on true lengths)."""
-    sim = FleetSim(config(policy, num_gpu_blocks, max_num_seqs, aging), load_profile(profile))
+    cfg = config(policy, num_gpu_blocks, max_num_seqs, aging, victim)
+    sim = FleetSim(cfg, load_profile(profile))
     predictions: dict[str, LengthEstimate | None] = {}
     for replica in sim.replicas:
         queue = replica.scheduler.waiting
@@ -220,8 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS)
     parser.add_argument("--aging", type=float, default=2.0, help="srpt_aging_factor")
+    parser.add_argument(
+        "--victim", default="lifo", help="preemption_victim of the SRPT runs (FCFS keeps lifo)"
+    )
+    parser.add_argument("--pools", type=int, nargs="+", help="KV pools to run (default: both)")
     a = parser.parse_args(argv)
-    for blocks in (a.blocks, a.tight_blocks):
+    for blocks in a.pools or (a.blocks, a.tight_blocks):
         cap = capacity(blocks, a.profile, 400, a.max_num_seqs)
         print(
             f"profile {a.profile}, {blocks} KV blocks, max_num_seqs {a.max_num_seqs}, aging"
@@ -231,7 +242,10 @@ def main(argv: list[str] | None = None) -> None:
             wl = length_workload(a.requests, load * cap, a.seed)
             print(f" load {load:.0%} ({load * cap:.3f} req/s, {a.requests} requests):")
             for policy in ("fcfs", "srpt", "oracle"):
-                result, predictions = run(policy, wl, blocks, a.profile, a.max_num_seqs, a.aging)
+                victim = "lifo" if policy == "fcfs" else a.victim
+                result, predictions = run(
+                    policy, wl, blocks, a.profile, a.max_num_seqs, a.aging, victim
+                )
                 f = figures(result, a.slo_ttft)
                 print(
                     f"  {policy:6s} E2E mean {f['e2e_mean_s']:8.2f} p99 {f['e2e_p99_s']:8.2f} s;"

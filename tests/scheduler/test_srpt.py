@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.length_prediction import LengthEstimate, LengthPredictor
+from scheduler.preemption import VictimPolicy
 from scheduler.queues import FairQueue, SRPTQueue
 from tests.scheduler.contract_runner import ContractRunner
 
@@ -154,3 +155,22 @@ def test_fair_srpt_is_a_scheduler_policy_that_learns():
         out = s.schedule()
         s.update_from_output(out, runner.execute(out))
     assert s.waiting._srpt is not None and s.waiting._srpt.predictor.num_observed == 1
+
+
+def test_the_most_remaining_victim_is_the_longest_predicted_and_lifo_without_predictions():
+    running = [req("a"), req("b"), req("c"), req("d")]
+    lengths = {"a": 5, "b": 90, "c": 90, "d": 1}
+    queue = SRPTQueue(Oracle(lengths))
+    policy = VictimPolicy("most_remaining", remaining=queue.predicted_remaining)
+    assert policy.choose(running).request_id == "c"  # b and c tie: the newer goes
+    assert VictimPolicy("most_remaining").choose(running).request_id == "d"
+    cold = VictimPolicy("most_remaining", remaining=SRPTQueue(Broken()).predicted_remaining)
+    assert cold.choose(running).request_id == "d"
+
+
+class Broken:
+    def predict_request(self, request: Request) -> LengthEstimate | None:
+        raise RuntimeError("broken")
+
+    def observe_request(self, request: Request) -> None:
+        raise RuntimeError("broken")
