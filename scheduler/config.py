@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from scheduler.settings import check_settings, setting
 
-POLICIES = ("fcfs", "priority", "fair")
+POLICIES = ("fcfs", "priority", "fair", "srpt", "fair_srpt")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-PREEMPTION_VICTIMS = ("lifo", "least_progress")
+PREEMPTION_VICTIMS = ("lifo", "least_progress", "most_remaining")
 
 
 @dataclass(slots=True)
@@ -48,7 +48,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
     policy: str = setting(
         "fcfs",
-        "queue order: first come, priority (lower first), fair (VTC per tenant)",
+        "queue order: first come, priority (lower first), fair (VTC per tenant), srpt (shortest "
+        "predicted remaining output first, aged), fair_srpt (VTC across tenants, srpt within each)",
         choices=POLICIES,
     )
     preemption_mode: str = setting(
@@ -67,6 +68,13 @@ class SchedulerConfig:
         "preemption_mode auto: swap a victim with at least this many computed tokens, else "
         "recompute",
         ge=0,
+    )
+    srpt_aging_factor: float = setting(
+        2.0,
+        "policy srpt, fair_srpt: no request waits more than this times its FCFS wait, counted in "
+        "admissions (of its tenant under fair_srpt)",
+        ge=1,
+        le=1_000_000,
     )
     fair_input_weight: float = setting(
         1.0, "policy fair: weight of a prefill token in the tenant counters", ge=0

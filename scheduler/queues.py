@@ -1,16 +1,28 @@
-"""Waiting-queue policies: FCFS, priority, and per-tenant fairness by virtual token counters.
+"""Waiting-queue policies: FCFS, priority, per-tenant fairness by virtual token counters, and
+shortest predicted remaining first (SRPT) with aging.
 
 Each queue holds WAITING, PREEMPTED and SWAPPED requests. A preempted request goes back with
 `prepend`, ahead of newer arrivals. `charge` feeds the fair policy's counters; the others ignore it.
+`learn` feeds the SRPT policy's length predictor with each finished request, and
+`predicted_remaining` asks it (for the `most_remaining` victim rule); the others ignore or answer
+None.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from scheduler.length_prediction import (
+    LengthPredictor,
+    RemainingLength,
+    safe_observe,
+    safe_predict,
+)
 from scheduler.request import Request
 
 
@@ -39,6 +51,12 @@ class FCFSQueue:
 
     def charge(self, tenant: str, tokens: float) -> None:
         pass
+
+    def learn(self, request: Request) -> None:
+        pass
+
+    def predicted_remaining(self, request: Request) -> float | None:
+        return None
 
     def __len__(self) -> int:
         return len(self._q)
@@ -76,6 +94,12 @@ class PriorityQueue:
     def charge(self, tenant: str, tokens: float) -> None:
         pass
 
+    def learn(self, request: Request) -> None:
+        pass
+
+    def predicted_remaining(self, request: Request) -> float | None:
+        return None
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -95,8 +119,11 @@ class FairQueue:
 
     charges_tokens = True
 
-    def __init__(self) -> None:
-        self._queues: dict[str, deque[Request]] = {}  # backlogged tenants only
+    def __init__(self, srpt: SRPTQueue | None = None) -> None:
+        # srpt: a template whose predictor and aging factor order each tenant's own line (policy
+        # fair_srpt); None: each tenant's requests in arrival order.
+        self._srpt = srpt
+        self._queues: dict[str, _Line] = {}  # backlogged tenants only
         self.counters: dict[str, float] = {}
         # (counter, tiebreak, tenant); entries go stale when a counter moves and are skipped lazily.
         self._heap: list[tuple[float, int, str]] = []
@@ -137,12 +164,17 @@ class FairQueue:
             return self.counters[tenant]
         return self.counters.get(self._last_left, 0.0) if self._last_left is not None else 0.0
 
-    def _enter(self, tenant: str, lift: bool) -> deque[Request]:
+    def _new_line(self) -> _Line:
+        if self._srpt is None:
+            return deque()
+        return _SRPTLine(SRPTQueue(self._srpt.predictor, self._srpt.aging_factor))
+
+    def _enter(self, tenant: str, lift: bool) -> _Line:
         q = self._queues.get(tenant)
         if q is None:
             own = self.counters.get(tenant, 0.0)
             self.counters[tenant] = max(own, self._floor()) if lift else own
-            q = self._queues[tenant] = deque()
+            q = self._queues[tenant] = self._new_line()
             self._push(tenant)
         return q
 
@@ -179,6 +211,13 @@ class FairQueue:
         self._leave_if_empty(request.tenant)
         self._len -= 1
 
+    def learn(self, request: Request) -> None:
+        if self._srpt is not None:
+            self._srpt.learn(request)
+
+    def predicted_remaining(self, request: Request) -> float | None:
+        return self._srpt.predicted_remaining(request) if self._srpt is not None else None
+
     def backlogged(self) -> list[str]:
         """Tenants with queued requests (VTC's backlogged clients)."""
         return list(self._queues)
@@ -197,12 +236,153 @@ class FairQueue:
         return itertools.chain.from_iterable(self._queues.values())
 
 
-WaitingQueue = FCFSQueue | PriorityQueue | FairQueue
+@dataclass(slots=True, eq=False)
+class _Waiting:
+    """A request in the SRPT queue, with what its order and its aging need."""
+
+    request: Request
+    seq: int  # arrival order
+    remaining: float  # predicted remaining output tokens (inf: no prediction)
+    limit: int  # later arrivals of its priority that may be admitted before it
+    skips: int = 0  # later arrivals of its priority admitted before it so far
 
 
-def make_waiting_queue(policy: str) -> WaitingQueue:
+class SRPTQueue:
+    """Shortest predicted remaining output first, within the most urgent priority present, aged.
+
+    The aging bound: counted in admissions, no request waits more than aging_factor times its FCFS
+    wait. A request that finds `ahead` requests waiting would, under FCFS, be admitted with the
+    (ahead + 1)-th admission from its arrival; here it lets at most floor((f - 1) * (ahead + 1))
+    later arrivals of its priority go first, and once it has it is due: a due request goes before
+    every later arrival, the earliest due first. So it is admitted within f * (ahead + 1)
+    admissions. The bound holds among requests of one priority (more urgent ones go first, as under
+    `priority`) and for requests never preempted (a preempted request returns to the front, as
+    under FCFS). A request with no prediction (cold or broken predictor) sorts last, so with no
+    predictions at all the order is FCFS. Choosing costs O(waiting) per admission.
+    """
+
+    charges_tokens = False
+
+    def __init__(self, predictor: RemainingLength | None = None, aging_factor: float = 2.0):
+        if not (math.isfinite(aging_factor) and aging_factor >= 1):
+            raise ValueError(f"srpt_aging_factor: must be a finite number >= 1, got {aging_factor}")
+        self.predictor = predictor
+        self.aging_factor = aging_factor
+        self._front: deque[Request] = deque()  # preempted requests, next in FCFS order
+        self._entries: list[_Waiting] = []  # in arrival order
+        self._seq = itertools.count()
+        self._chosen: int | None = None  # index of the next entry, until the queue changes
+
+    def add(self, request: Request) -> None:
+        estimate = safe_predict(self.predictor, request)
+        remaining = estimate.median if estimate is not None else math.inf
+        ahead = len(self)
+        limit = math.floor((self.aging_factor - 1) * (ahead + 1))
+        self._entries.append(_Waiting(request, next(self._seq), remaining, limit))
+        self._chosen = None
+
+    def prepend(self, request: Request) -> None:
+        self._front.appendleft(request)
+
+    def _choose(self) -> int:
+        if self._chosen is None:
+            entries = self._entries
+            urgent = min(e.request.priority for e in entries)
+            mine = [(i, e) for i, e in enumerate(entries) if e.request.priority == urgent]
+            due = next((i for i, e in mine if e.skips >= e.limit), None)
+            if due is None:
+                due = min(mine, key=lambda ie: (ie[1].remaining, ie[1].seq))[0]
+            self._chosen = due
+        return self._chosen
+
+    def peek(self) -> Request:
+        if self._front:
+            return self._front[0]
+        if not self._entries:
+            raise IndexError("peek from an empty queue")
+        return self._entries[self._choose()].request
+
+    def pop(self) -> Request:
+        if self._front:
+            return self._front.popleft()
+        if not self._entries:
+            raise IndexError("pop from an empty queue")
+        chosen = self._entries.pop(self._choose())
+        self._chosen = None
+        for e in self._entries:
+            if e.seq > chosen.seq:
+                break  # entries are in arrival order: the rest arrived later
+            if e.request.priority == chosen.request.priority:
+                e.skips += 1
+        return chosen.request
+
+    def remove(self, request: Request) -> None:
+        if request in self._front:
+            self._front.remove(request)
+            return
+        self._entries = [e for e in self._entries if e.request is not request]
+        self._chosen = None
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        pass
+
+    def learn(self, request: Request) -> None:
+        safe_observe(self.predictor, request)
+
+    def predicted_remaining(self, request: Request) -> float | None:
+        """The predictor's median remaining output of request (None: no estimate)."""
+        estimate = safe_predict(self.predictor, request)
+        return estimate.median if estimate is not None else None
+
+    def __len__(self) -> int:
+        return len(self._front) + len(self._entries)
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.chain(self._front, (e.request for e in self._entries))
+
+
+class _SRPTLine:
+    """One tenant's line under fair_srpt: an SRPTQueue behind the deque methods FairQueue uses."""
+
+    def __init__(self, queue: SRPTQueue) -> None:
+        self._q = queue
+
+    def append(self, request: Request) -> None:
+        self._q.add(request)
+
+    def appendleft(self, request: Request) -> None:
+        self._q.prepend(request)
+
+    def popleft(self) -> Request:
+        return self._q.pop()
+
+    def __getitem__(self, i: int) -> Request:
+        if i != 0:
+            raise IndexError("a tenant's SRPT line shows only its next request")
+        return self._q.peek()
+
+    def remove(self, request: Request) -> None:
+        self._q.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+_Line = deque[Request] | _SRPTLine
+
+WaitingQueue = FCFSQueue | PriorityQueue | FairQueue | SRPTQueue
+
+
+def make_waiting_queue(policy: str, srpt_aging_factor: float = 2.0) -> WaitingQueue:
     """The waiting queue for a SchedulerConfig.policy value."""
-    queues: dict[str, type[WaitingQueue]] = {
+    if policy == "srpt":
+        return SRPTQueue(LengthPredictor(), srpt_aging_factor)
+    if policy == "fair_srpt":
+        return FairQueue(SRPTQueue(LengthPredictor(), srpt_aging_factor))
+    queues: dict[str, type[FCFSQueue | PriorityQueue | FairQueue]] = {
         "fcfs": FCFSQueue,
         "priority": PriorityQueue,
         "fair": FairQueue,

@@ -91,11 +91,13 @@ class Scheduler:
         _, self.max_model_len = config.require_sizes()
         self.config = config
         self.kv = self.kv_manager_class(config)
-        self.waiting = make_waiting_queue(config.policy)
+        self.waiting = make_waiting_queue(config.policy, config.srpt_aging_factor)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.victims = VictimPolicy(
-            config.preemption_victim, by_priority=config.policy == "priority"
+            config.preemption_victim,
+            by_priority=config.policy == "priority",
+            remaining=self.waiting.predicted_remaining,
         )
         self.num_preemptions = 0
         self.expert_tokens_per_rank: list[int] = []  # summed over steps (MoE models only)
@@ -462,6 +464,7 @@ class Scheduler:
         """Give the request its final status and its blocks back; the next step tells the runner."""
         req.status = status
         self.kv.free(req)
+        self.waiting.learn(req)  # the srpt policy's length predictor learns from it
         rid = req.request_id
         self._finished_ids.add(rid)
         self._finished_order[rid] = None

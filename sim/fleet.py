@@ -164,6 +164,10 @@ class SimConfig:
     # handle's routing call, the token's way back), charged before it reaches the router: its
     # TTFT and end-to-end time grow by this much. bench/serve_bench.py measures it.
     serving_overhead_s: float = 0.0
+    # Every request's max_tokens, when above its output length (0: its output length, so that it
+    # ends by length). Set it and requests end by EOS, unknown in advance as a served request's are:
+    # what a length predictor is measured on.
+    max_tokens: int = 0
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -201,7 +205,8 @@ class FleetSim:
         self.cost = cost
         self.on_step = on_step
         self.replicas = [
-            SimReplica(f"replica-{i}", config.scheduler, cost) for i in range(config.num_replicas)
+            SimReplica(f"replica-{i}", config.scheduler, cost, config.max_tokens)
+            for i in range(config.num_replicas)
         ]
         per_host = config.host.replicas_per_host
         self._cohosts = (

@@ -90,8 +90,9 @@ class SimReplica:
     """A real Scheduler whose steps take the cost model's time and sample EOS at the output
     length."""
 
-    def __init__(self, name: str, config: SchedulerConfig, cost: CostModel):
+    def __init__(self, name: str, config: SchedulerConfig, cost: CostModel, max_tokens: int = 0):
         self.name = name
+        self.max_tokens = max_tokens  # 0: each request's output length
         self.scheduler = JumpScheduler(config)
         self.cost = cost
         self.output_len: dict[str, int] = {}
@@ -112,7 +113,7 @@ class SimReplica:
         """Queue a request; block_hashes, the prompt's full-block hashes if the router computed
         them."""
         self.output_len[request_id] = output_len
-        params = _greedy(output_len)
+        params = _greedy(max(output_len, self.max_tokens))
         # The scheduler extends the hash chain from what it is given (the same hash, so the same
         # keys).
         self.scheduler.add_request(

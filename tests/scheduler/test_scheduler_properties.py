@@ -59,9 +59,9 @@ def configs(draw) -> SchedulerConfig:
         max_model_len=max_model_len,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 17])),
         enable_prefix_caching=draw(st.booleans()),
-        policy=draw(st.sampled_from(["fcfs", "priority", "fair"])),
+        policy=draw(st.sampled_from(["fcfs", "priority", "fair", "srpt", "fair_srpt"])),
         preemption_mode=mode,
-        preemption_victim=draw(st.sampled_from(["lifo", "least_progress"])),
+        preemption_victim=draw(st.sampled_from(["lifo", "least_progress", "most_remaining"])),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1])),
         swap_min_computed_tokens=draw(st.sampled_from([0, 8, 64])),
     )
