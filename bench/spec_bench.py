@@ -3,7 +3,11 @@
 Workloads (chat-templated, greedy, ignore_eos):
 - `rewrite`: repeat or lightly edit a provided passage or piece of code (the output copies its
   prompt: what prompt lookup is for), at batch 1 and batch 8;
-- `chat`: open questions whose answers do not copy the prompt, at batch 1 and batch 8.
+- `chat`: open questions whose answers do not copy the prompt, at batch 1 and batch 8 (greedy: a
+  135M model's greedy answers often repeat themselves, which prompt lookup finds);
+- `chat-sampled`: the same questions sampled (temperature 1.0, top-p 0.95, a seed per request, so
+  both engines must give the same tokens): output that repeats little, where adaptive skipping
+  must keep speculation from costing time.
 Both engines live in this process and run each workload in turn, alternating plain and speculative
 runs `--repeats` times; the best run of each counts (a shared machine's load only slows a run).
 Reported: output tokens/s each way by wall clock and by the process's CPU time (steadier on a
@@ -81,8 +85,17 @@ def chat_prompts(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
 
 
+def sampled(n: int, max_tokens: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(
+            max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=1000 + i, ignore_eos=True
+        )
+        for i in range(n)
+    ]
+
+
 def run(
-    llm: LLM, convs: list[list[dict]], params: SamplingParams
+    llm: LLM, convs: list[list[dict]], params: SamplingParams | list[SamplingParams]
 ) -> tuple[tuple[float, float], list, tuple]:
     before = llm.engine.stats()
     t, cpu = time.perf_counter(), time.process_time()
@@ -107,37 +120,47 @@ def main() -> None:
         "--cpu-threads", type=int, default=None, help="torch threads (1 on a shared machine)"
     )
     parser.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens")
+    parser.add_argument("--ngram-min", type=int, default=2, help="speculative.ngram_min")
+    parser.add_argument("--max-batch-size", type=int, default=4, help="speculative.max_batch_size")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--workloads", default="rewrite,chat")
+    parser.add_argument("--workloads", default="rewrite,chat,chat-sampled")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     common = dict(model="default", device="cpu", load_progress=False, cpu_threads=args.cpu_threads)
     plain = LLM(**common)
-    spec = LLM(**common, speculative={"num_tokens": args.num_tokens})
+    spec = LLM(
+        **common,
+        speculative={
+            "num_tokens": args.num_tokens,
+            "ngram_min": args.ngram_min,
+            "max_batch_size": args.max_batch_size,
+        },
+    )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for llm in (plain, spec):  # warm-up: allocator, kernels
         llm.chat(chat_prompts(2), SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     print(
         f"SmolLM2-135M float32, CPU, torch threads {torch.get_num_threads()}, max_tokens "
-        f"{args.max_tokens}, greedy; speculative: ngram num_tokens {args.num_tokens} "
-        f"(ngram 2-4, min_acceptance_rate 0.4, max_batch_size 16); best of {args.repeats}; "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"{args.max_tokens}, greedy unless sampled; speculative: ngram num_tokens "
+        f"{args.num_tokens} (ngram {args.ngram_min}-4, min_acceptance_rate 0.4, max_batch_size "
+        f"{args.max_batch_size}); best of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
     )
     print(
         "| workload | batch | plain tok/s | spec tok/s | speedup | speedup (CPU time) | "
         "acceptance | mean accepted length | identical |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    makers = {"rewrite": rewrite_prompts, "chat": chat_prompts}
+    makers = {"rewrite": rewrite_prompts, "chat": chat_prompts, "chat-sampled": chat_prompts}
     for name in args.workloads.split(","):
         for batch in map(int, args.batches.split(",")):
             convs = makers[name](batch)
+            how = sampled(batch, args.max_tokens) if name == "chat-sampled" else params
             best = {"plain": [float("inf")] * 2, "spec": [float("inf")] * 2}
             tokens: dict[str, list] = {}
             proposed = accepted = rows = 0
             for _ in range(args.repeats):
                 for key, llm in (("plain", plain), ("spec", spec)):
-                    elapsed, tokens[key], (p, a, r) = run(llm, convs, params)
+                    elapsed, tokens[key], (p, a, r) = run(llm, convs, how)
                     best[key] = [min(b, e) for b, e in zip(best[key], elapsed)]
                     proposed, accepted, rows = proposed + p, accepted + a, rows + r
             total = sum(len(t) for t in tokens["plain"])

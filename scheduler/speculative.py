@@ -36,9 +36,9 @@ class SpeculativeConfig:
     ngram_max: int = setting(4, "ngram: longest suffix matched (tried first)", ge=1, le=MAX_NGRAM)
     draft_model: str | None = setting(None, "draft: the draft model (same tokenizer)")
     max_batch_size: int = setting(
-        16,
-        "no speculation in a step whose running batch is larger (a large batch has no idle "
-        "compute to spend)",
+        4,
+        "no speculation in a step whose running batch is larger: a large batch has no idle "
+        "compute to spend (on CPU, past about 4 requests; a GPU has room for more)",
         ge=1,
     )
     min_acceptance_rate: float = setting(

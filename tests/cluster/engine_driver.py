@@ -11,10 +11,11 @@ def greedy_tokens(
     prompts: list[list[int]],
     max_tokens: int,
     prefix: str = "req",
+    scheduler: Scheduler | None = None,
 ) -> tuple[dict[str, list[int]], Scheduler]:
     """Run prompts to max_tokens greedy tokens each; returns tokens by request id and the
-    scheduler."""
-    scheduler = Scheduler(config)
+    scheduler (a Scheduler of config unless one is given)."""
+    scheduler = scheduler or Scheduler(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         scheduler.add_request(Request(EngineRequest(f"{prefix}-{i}", prompt, params)))

@@ -4,6 +4,7 @@ loss."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import ray
@@ -12,6 +13,8 @@ from cluster.ray_executor import EngineDeadError, RayExecutor
 from engine.config import EngineConfig
 from engine.executor import LocalExecutor
 from scheduler import CachedRequestData, SchedulerConfig, SchedulerOutput
+from scheduler.spec_scheduler import SpecScheduler
+from scheduler.speculative import SpeculativeConfig
 from tests.cluster.engine_driver import greedy_tokens
 from workers.runner import RunnerConfig
 
@@ -97,6 +100,20 @@ def test_tp2_over_the_step_channel_gives_the_greedy_tokens_of_tp1(socket_tp2, re
     assert socket_tp2.step_transport == "socket"
     tokens, _ = greedy_tokens(socket_tp2, scheduler_config(), PROMPTS, max_tokens=16)
     assert tokens == reference
+
+
+def test_tp2_with_speculation_gives_the_greedy_tokens_of_tp1(ray_cluster, tiny_llama, reference):
+    """Proposals come from rank 0 and reach both ranks in the step, with the block tables cut
+    after rejections: every rank runs the same verify forward."""
+    spec = SpeculativeConfig(num_tokens=3, ngram_min=1, ngram_max=2, min_acceptance_rate=0.0)
+    executor = started(RayExecutor(replace(runner_config(tiny_llama), speculative=spec), 2))
+    try:
+        scheduler = SpecScheduler(scheduler_config(), spec)
+        tokens, _ = greedy_tokens(executor, scheduler_config(), PROMPTS, 16, scheduler=scheduler)
+    finally:
+        executor.shutdown()
+    assert tokens == reference
+    assert scheduler.stats().num_spec_verify_rows > 0
 
 
 def test_a_worker_exception_over_the_step_channel_names_rank_and_cause(socket_tp2):

@@ -192,3 +192,32 @@ def test_a_constrained_request_does_not_speculate_and_stays_valid(llms):
 def test_async_scheduling_is_refused_with_speculation():
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig.from_kwargs(speculative=SPEC, async_scheduling=True)
+
+
+PASSAGE = (
+    "The river rose through the night, and by morning the lower streets of the town were under "
+    "water. The bakers carried their flour to the upper floors, and the children watched from the "
+    "bridge."
+)
+
+
+@pytest.mark.slow
+def test_ngram_on_smollm2_gives_its_plain_tokens(smollm2_llm):
+    """The embedded model copying a passage (where prompt lookup is right), greedy and seeded."""
+    spec = LLM(
+        "default", device="cpu", load_progress=False, kv_cache_memory_gb=0.25, speculative={}
+    )
+    try:
+        convs = [
+            [{"role": "user", "content": f"Repeat this passage word for word.\n\n{PASSAGE}"}],
+            [{"role": "user", "content": f"Summarise this passage.\n\n{PASSAGE}"}],
+        ]
+        params = [
+            SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=48, temperature=0.8, seed=7, ignore_eos=True),
+        ]
+        want = [o.token_ids for o in smollm2_llm.chat(convs, params, use_tqdm=False)]
+        assert [o.token_ids for o in spec.chat(convs, params, use_tqdm=False)] == want
+        assert spec.engine.stats().num_spec_accepted_tokens > 0
+    finally:
+        spec.shutdown()
