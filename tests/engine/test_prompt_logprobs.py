@@ -10,6 +10,8 @@ import pytest
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # loads a model
+
 PROMPT = list(range(100, 140))  # 40 tokens: several chunks of 16
 
 
