@@ -113,9 +113,12 @@ class ReplicaMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
+
+    def record_expert_load(self, totals: list[int]) -> None:
+        """The engine's cumulative (token, expert) rows per rank (EngineCore.expert_load)."""
         seen = self._expert_tokens_seen
-        seen.extend([0] * (len(stats.expert_tokens_per_rank) - len(seen)))
-        for rank, total in enumerate(stats.expert_tokens_per_rank):
+        seen.extend([0] * (len(totals) - len(seen)))
+        for rank, total in enumerate(totals):
             if total > seen[rank]:
                 self.expert_tokens.inc(total - seen[rank], tags={"rank": str(rank)})
             seen[rank] = total

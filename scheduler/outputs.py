@@ -129,8 +129,6 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_prompt_tokens_queried: int = 0
     num_prompt_tokens_hit: int = 0
-    # Cumulative (token, expert) rows per tensor-parallel rank (empty for dense models).
-    expert_tokens_per_rank: list[int] = field(default_factory=list)
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);

@@ -32,7 +32,7 @@ def test_llm_with_expert_parallel_2_generates_what_one_process_does(ray_cluster,
         )
         try:
             tokens[tp] = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-            load[tp] = llm.engine.stats().expert_tokens_per_rank
+            load[tp] = llm.engine.expert_load()
         finally:
             llm.shutdown()
     assert tokens[2] == tokens[1]

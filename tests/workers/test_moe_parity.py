@@ -59,7 +59,7 @@ def test_batched_greedy_matches_hf_generate(
     path, _ = tiny_checkpoint(family)
     llm = llm_factory(model=path, dtype="float32")
     assert_matches(llm.generate(prompts, PARAMS, use_tqdm=False), references(family), family)
-    rows = llm.engine.stats().expert_tokens_per_rank  # every token's k experts in every layer
+    rows = llm.engine.expert_load()  # every token's k experts in every layer
     assert (rows[0] > 0) if family in ("mixtral", "qwen2_moe", "qwen3_moe") else rows == []
 
 
