@@ -136,12 +136,6 @@ class ReplicaMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
-        ranks_seen = self._expert_tokens_seen
-        ranks_seen.extend([0] * (len(stats.expert_tokens_per_rank) - len(ranks_seen)))
-        for rank, total in enumerate(stats.expert_tokens_per_rank):
-            if total > ranks_seen[rank]:
-                self.expert_tokens.inc(total - ranks_seen[rank], tags={"rank": str(rank)})
-            ranks_seen[rank] = total
         spec = (
             stats.num_spec_proposed_tokens,
             stats.num_spec_accepted_tokens,
@@ -153,6 +147,15 @@ class ReplicaMetrics:
             if now > seen:
                 metric.inc(now - seen)
         self._spec_seen = spec
+
+    def record_expert_load(self, totals: list[int]) -> None:
+        """The engine's cumulative (token, expert) rows per rank (EngineCore.expert_load)."""
+        seen = self._expert_tokens_seen
+        seen.extend([0] * (len(totals) - len(seen)))
+        for rank, total in enumerate(totals):
+            if total > seen[rank]:
+                self.expert_tokens.inc(total - seen[rank], tags={"rank": str(rank)})
+            seen[rank] = total
 
     def record_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -216,6 +216,7 @@ class LLMReplica:
                 stream.queue.put_nowait(chunk)
         self._stats = stats
         self.metrics.record_stats(stats)
+        self.metrics.record_expert_load(self.engine.expert_load())
 
     def _settle(self, stream: _Stream, output: RequestOutput, now: float) -> None:
         """The output's tokens in the metrics, with the time to the first and between the next."""

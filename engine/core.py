@@ -175,6 +175,11 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def expert_load(self) -> list[int]:
+        """Mixture-of-experts models: (token, expert) rows each tensor-parallel rank computed so
+        far, summed over layers and steps; empty for dense models."""
+        return list(self.scheduler.expert_tokens_per_rank)
+
     def prefix_report(self, limit: int) -> PrefixReport:
         """Hashes of up to `limit` most recently cached KV blocks (what the router's prefix index
         mirrors), numbered, with their change since the previous report."""

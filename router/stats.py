@@ -88,7 +88,6 @@ class RoutingStats:
 
 
 _FIELD_TYPES = get_type_hints(SchedulerStats)
-_MAX_RANKS = 1024
 
 
 def _scheduler_stats(report: Mapping[str, Any]) -> SchedulerStats:
@@ -99,8 +98,6 @@ def _scheduler_stats(report: Mapping[str, Any]) -> SchedulerStats:
             continue
         if _FIELD_TYPES[f.name] is int:
             values[f.name] = _count(report, f.name)
-        elif _FIELD_TYPES[f.name] == list[int]:
-            values[f.name] = _counts(report, f.name)
         else:
             values[f.name] = _figure(report, f.name)
     return SchedulerStats(**values)
@@ -117,21 +114,6 @@ def _count(report: Mapping[str, Any], key: str) -> int:
     if type(value) is not int or value < 0:
         raise ValueError(
             f"routing stats field {key!r}: expected an integer >= 0, got {_short(value)}"
-        )
-    return value
-
-
-def _counts(report: Mapping[str, Any], key: str) -> list[int]:
-    """A per-rank list of counts (at most one per possible tensor-parallel rank)."""
-    value = _field(report, key)
-    if (
-        type(value) is not list
-        or len(value) > _MAX_RANKS
-        or any(type(v) is not int or v < 0 for v in value)
-    ):
-        raise ValueError(
-            f"routing stats field {key!r}: expected at most {_MAX_RANKS} integers >= 0, got "
-            f"{_short(value)}"
         )
     return value
 

@@ -147,8 +147,6 @@ class SchedulerStats:
     num_free_blocks: int = 0
     num_prompt_tokens_queried: int = 0
     num_prompt_tokens_hit: int = 0
-    # Cumulative (token, expert) rows per tensor-parallel rank (empty for dense models).
-    expert_tokens_per_rank: list[int] = field(default_factory=list)
     num_gpu_blocks: int = 0  # the KV pool's size: the router bounds its index of this replica by it
     # Speculative decoding, cumulative: proposed tokens verified, those accepted, and verify rows
     # (accepted / rows is the mean accepted length; each row also yields one token of its own).

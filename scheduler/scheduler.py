@@ -100,7 +100,9 @@ class Scheduler:
             remaining=self.waiting.predicted_remaining,
         )
         self.num_preemptions = 0
-        self.expert_tokens_per_rank: list[int] = []  # summed over steps (MoE models only)
+        # (token, expert) rows per tensor-parallel rank, summed over steps (MoE models only; kept
+        # out of SchedulerStats, which the router reads as scalars).
+        self.expert_tokens_per_rank: list[int] = []
         self._finished_ids: set[str] = set()
         self._finished_order: OrderedDict[str, None] = OrderedDict()
         self._prefill_cap = config.long_prefill_token_threshold or _NO_CAP
@@ -168,7 +170,6 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
             num_prompt_tokens_queried=kv.num_queried_tokens,
             num_prompt_tokens_hit=kv.num_hit_tokens,
-            expert_tokens_per_rank=list(self.expert_tokens_per_rank),
             num_gpu_blocks=kv.pool.num_blocks,
         )
 

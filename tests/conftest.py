@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, settings
 from tests.random_checkpoint import (
     TINY_FAMILIES,
     TINY_MOE_FAMILIES,
+    TINY_PHI3,
     TINY_SERVED_LLAMA,
     TINY_SLIDING_MISTRAL,
     write_random_checkpoint,
@@ -164,12 +165,17 @@ def smollm2_llm(llm_factory):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer):
-    """family (a key of TINY_FAMILIES or TINY_MOE_FAMILIES, or "mistral_window") -> (checkpoint
-    directory, the Hugging Face model)."""
+    """family (a key of TINY_FAMILIES or TINY_MOE_FAMILIES, "mistral_window" or "phi3") ->
+    (checkpoint directory, the Hugging Face model)."""
     from transformers import AutoModelForCausalLM
 
     made: dict[str, tuple[str, torch.nn.Module]] = {}
-    specs = {**TINY_FAMILIES, **TINY_MOE_FAMILIES, "mistral_window": TINY_SLIDING_MISTRAL}
+    specs = {
+        **TINY_FAMILIES,
+        **TINY_MOE_FAMILIES,
+        "mistral_window": TINY_SLIDING_MISTRAL,
+        "phi3": TINY_PHI3,
+    }
 
     def make(family: str) -> tuple[str, torch.nn.Module]:
         if family not in made:

@@ -130,6 +130,9 @@ TINY_MOE_FAMILIES: dict[str, ModelSpec] = {
     ),
 }
 
+# Phi-3: q/k/v and gate/up fused in the checkpoint.
+TINY_PHI3 = _tiny("Phi3Config", pad_token_id=0, tie_word_embeddings=False)
+
 # A 24-token sliding window on every layer: prompts of 30-60 tokens reach well past it.
 TINY_SLIDING_MISTRAL = _tiny(
     "MistralConfig", sliding_window=24, head_dim=32, tie_word_embeddings=False

@@ -178,3 +178,25 @@ def test_sliding_windows_per_layer():
         None,
         None,
     ]
+
+
+def test_fused_checkpoint_layout_loads_like_per_expert_tensors(monkeypatch):
+    """transformers' in-memory layout (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) gives the same shards as experts.N.{gate,up,down}_proj, at every rank of a split."""
+    weights3 = random_experts(CFG)
+    gate, up, down = weights3
+    for rank, world, ep in [(0, 1, False), (1, 3, True), (1, 2, False)]:
+        per_expert = build(CFG, weights3, monkeypatch, rank, world, ep)
+        fused = FusedMoE(CFG)  # built for the same rank (the monkeypatches still hold)
+        fused.load_fused("gate_up_proj", torch.cat([gate, up], dim=1))
+        fused.load_fused("down_proj", down)
+        assert torch.equal(fused.w13, per_expert.w13) and torch.equal(fused.w2, per_expert.w2)
+
+
+def test_phi3_refuses_a_partial_rotary_factor():
+    from transformers import Phi3Config
+
+    tiny = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)
+    config = Phi3Config(partial_rotary_factor=0.5, pad_token_id=0, **tiny)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        model_class(config)(config)

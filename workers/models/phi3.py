@@ -1,0 +1,50 @@
+"""Phi-3: the Llama decoder with q/k/v and gate/up fused in the checkpoint (`qkv_proj`,
+`gate_up_proj`), split here into the shards our fused layers load.
+
+Each rank reads a fused tensor whole before taking its slices. LongRoPE scaling (Phi-3 128k
+checkpoints) is refused by the rotary table, and a partial rotary factor other than 1 here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from workers.models.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 (mini, small, medium; 4k-context variants)."""
+
+    def __init__(self, config, max_model_len: int | None = None) -> None:
+        rope = getattr(config, "rope_parameters", None) or {}
+        factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if factor not in (None, 1, 1.0):
+            raise ValueError(
+                f"rope_parameters.partial_rotary_factor: {factor!r} is not supported (only 1.0)"
+            )
+        super().__init__(config, max_model_len)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._unfused(weights))
+
+    def _unfused(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        a = self.args
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        for name, tensor in weights:
+            if name.endswith(".qkv_proj.weight"):
+                whole = tensor.narrow(0, 0, tensor.shape[0])
+                base = name.removesuffix("qkv_proj.weight")
+                yield f"{base}q_proj.weight", whole.narrow(0, 0, q)
+                yield f"{base}k_proj.weight", whole.narrow(0, q, kv)
+                yield f"{base}v_proj.weight", whole.narrow(0, q + kv, kv)
+            elif name.endswith(".gate_up_proj.weight"):
+                whole = tensor.narrow(0, 0, tensor.shape[0])
+                base, half = name.removesuffix("gate_up_proj.weight"), whole.shape[0] // 2
+                yield f"{base}gate_proj.weight", whole.narrow(0, 0, half)
+                yield f"{base}up_proj.weight", whole.narrow(0, half, half)
+            else:
+                yield name, tensor
