@@ -60,6 +60,9 @@ class RunnerConfig:
     # The engine schedules a step before the previous one's tokens are back (TP = 1 only): the
     # runner appends what it samples itself, and the scheduler sends no sampled token back.
     async_scheduling: bool = False
+    # A GGUF file whose Q4_0/Q4_1/Q8_0 weights are multiplied as stored (CPU); None: model_dir's
+    # float weights.
+    gguf_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -176,6 +179,7 @@ class ModelRunner:
             self.device,
             config.max_model_len,
             progress=config.load_progress,
+            gguf_file=config.gguf_file,
         )
         logger.info("model loaded in %.1fs", time.perf_counter() - t0)
         self.layers = self.model.attention_layers()
