@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 from scheduler.config import SchedulerConfig
 from scheduler.settings import build, check_settings, nest, setting, shown
 from scheduler.speculative import SpeculativeConfig
-from workers.options import ATTENTION_BACKENDS, DEFAULT_CACHE_DIR, DTYPE_NAMES, STEP_TRANSPORTS
+from workers.options import (
+    ATTENTION_BACKENDS,
+    DEFAULT_CACHE_DIR,
+    DTYPE_NAMES,
+    QUANTIZATIONS,
+    STEP_TRANSPORTS,
+)
 from workers.process import MAX_NICE, MIN_NICE
 
 if TYPE_CHECKING:
@@ -51,6 +57,14 @@ class EngineConfig:
     )
     swap_space_gb: float = setting(
         0.0, "CPU pool for swap preemption, in GiB (unless num_cpu_blocks pins it)", ge=0
+    )
+    quantization: str = setting(
+        "none",
+        "GGUF weights: `gguf` keeps Q4_0, Q4_1 and Q8_0 blocks as stored and multiplies them "
+        "with raylm's CPU kernels (one copy, a quarter to an eighth of the bytes; CPU only); "
+        "`none` de-quantises to `dtype` once; `auto` is `gguf` for a .gguf model on CPU, else "
+        "`none`. Ignored for HF directories",
+        choices=QUANTIZATIONS,
     )
     cache_dir: str = setting(DEFAULT_CACHE_DIR, "where converted GGUF weights are cached")
     attention_backend: str = setting(
@@ -218,7 +232,26 @@ class EngineConfig:
             async_scheduling=self.uses_async_scheduling(),
             expert_parallel=self.expert_parallel,
             speculative=self.speculative,
+            gguf_file=self.quantized_gguf(),
         )
+
+    def quantized_gguf(self) -> str | None:
+        """The GGUF file whose blocks the workers keep quantized, per `quantization`; None when
+        the weights load as floats."""
+        if self.quantization == "none":
+            return None
+        from workers.model_files import gguf_path
+
+        path = gguf_path(self.model)
+        if path is None:
+            return None
+        if self.resolved_device() != "cpu":
+            if self.quantization == "gguf":
+                raise ValueError(
+                    f"quantization: 'gguf' runs on CPU only, the device is {self.resolved_device()}"
+                )
+            return None
+        return str(path)
 
     @property
     def block_size(self) -> int:

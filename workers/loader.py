@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from workers.layers.linear import pack_cpu_weights
+from workers.layers.quantized import drop_float_copies
 from workers.models import model_class
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,18 @@ def load_model(
     device: torch.device,
     max_model_len: int | None = None,
     progress: bool = True,
+    gguf_file: str | None = None,
 ) -> torch.nn.Module:
-    """Build the model for config on device in dtype and load this rank's weight shards."""
+    """Build the model for config on device in dtype and load this rank's weight shards.
+
+    With gguf_file (CPU only) the weights come from that GGUF file, its Q4_0/Q4_1/Q8_0 tensors
+    kept as blocks (workers.layers.quantized); the float storage those parameters were built
+    with, never written, is freed."""
+    if gguf_file is not None and device.type != "cpu":
+        raise ValueError(
+            f"quantization: GGUF blocks are kept quantized on CPU only, not on {device.type}; "
+            "use quantization: none"
+        )
     cls = model_class(config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -81,8 +92,15 @@ def load_model(
             model = cls(config, max_model_len=max_model_len)
     finally:
         torch.set_default_dtype(previous)
-    loaded = model.load_weights(iterate_weights(model_dir, progress, lazy=True))
+    if gguf_file is not None:
+        from workers.gguf import iterate_gguf
+
+        loaded = model.load_weights(iterate_gguf(gguf_file, config))
+    else:
+        loaded = model.load_weights(iterate_weights(model_dir, progress, lazy=True))
     model.check_loaded(loaded)
+    if gguf_file is not None:
+        logger.info("%d weights kept as GGUF blocks", drop_float_copies(model))
     if device.type == "cpu":
         pack_cpu_weights(model)  # once, on this rank's shards, now that they hold their values
     return model.requires_grad_(False).eval()

@@ -42,6 +42,12 @@ def default_model_path() -> Path:
     return path
 
 
+def gguf_path(model: str) -> Path | None:
+    """The GGUF file `model` names ("default" or a .gguf file), or None for an HF directory."""
+    path = default_model_path() if model == DEFAULT_MODEL else Path(model).expanduser()
+    return path.resolve() if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_model(model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:
     """The HF directory holding `model` ("default", an HF directory or a .gguf file), converting
     GGUF once."""

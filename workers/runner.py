@@ -69,6 +69,9 @@ class RunnerConfig:
     expert_parallel: bool = False
     # Speculative decoding: the runner proposes after sampling and verifies what is scheduled.
     speculative: SpeculativeConfig | None = None
+    # A GGUF file whose Q4_0/Q4_1/Q8_0 weights are multiplied as stored (CPU); None: model_dir's
+    # float weights.
+    gguf_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -195,6 +198,7 @@ class ModelRunner:
             self.device,
             config.max_model_len,
             progress=config.load_progress,
+            gguf_file=config.gguf_file,
         )
         logger.info("model loaded in %.1fs", time.perf_counter() - t0)
         self.layers = self.model.attention_layers()

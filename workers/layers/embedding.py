@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.layers.linear import CpuPackedWeight, linear
+from workers.layers.quantized import GGUFWeight, load_target
 from workers.parallel import all_reduce, divide, gather, get_tp_rank, get_tp_world_size
 
 
@@ -35,15 +36,25 @@ class VocabParallelEmbedding(nn.Module):
             )
         num_rows = max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
         rows = loaded.narrow(0, self.vocab_start, num_rows)
-        param.data.zero_()  # the padding rows of the last rank stay zero
-        param.data[: rows.shape[0]].copy_(rows)
+        target = load_target(param, loaded)
+        if isinstance(target, GGUFWeight):  # allocated as zeros: padding rows stay zero
+            target.narrow(0, 0, num_rows).copy_(rows)
+            return
+        target.zero_()  # the padding rows of the last rank stay zero
+        target[:num_rows].copy_(rows.dequantize() if isinstance(rows, GGUFWeight) else rows)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        gguf = getattr(self.weight, "gguf", None)
+        if gguf is not None:  # only the looked-up rows are de-quantised
+            return gguf.embedding(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return all_reduce(out)
 

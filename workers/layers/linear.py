@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.quantized import GGUFWeight, as_float, load_target
 from workers.parallel import all_reduce, divide, get_tp_rank, get_tp_world_size
 
 # Below this many rows a CPU matmul streams weights faster as W @ x^T than as x @ W^T.
@@ -50,12 +51,18 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: torch.Tensor | GGUFWeight | None = None,
 ) -> torch.Tensor:
     """x @ weight^T + bias, through `packed` (cpu_pack of weight) when given and x is on CPU.
 
+    The weight's format picks the kernel: `packed` may instead be the weight's GGUF blocks
+    (workers.layers.quantized), multiplied as stored.
+
     Unpacked on CPU with few rows (decode steps) it computes (weight @ x^T)^T: BLAS then walks the
     weight matrix, which comes cold from memory, about 1.5-3x faster than x @ weight^T."""
+    if isinstance(packed, GGUFWeight):
+        y = packed.matmul(x)
+        return y if bias is None else y + bias
     if x.device.type == "cpu":
         if packed is not None:
             return _packed_linear(x, packed, bias)
@@ -92,13 +99,15 @@ class CpuPackedWeight(nn.Module):
     pack_cpu_weights).
 
     The packed copy sits beside the weight, which stays for loading, tests and the tied embedding,
-    so a CPU model holds its linear weights twice."""
+    so a float CPU model holds its linear weights twice. A weight loaded from GGUF blocks
+    (`weight.gguf`) is used as stored instead: one copy, no packing."""
 
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | GGUFWeight | None = None
 
     def pack_weight(self) -> bool:
-        """Pack this rank's (loaded) weight shard; True if it was packed."""
-        self.packed = cpu_pack(self.weight)
+        """Pack this rank's (loaded) weight shard; True if it was packed (or is GGUF blocks)."""
+        gguf = getattr(self.weight, "gguf", None)
+        self.packed = gguf if gguf is not None else cpu_pack(self.weight)
         return self.packed is not None
 
 
@@ -114,13 +123,17 @@ def _shard(loaded: torch.Tensor, dim: int, size: int, index: int) -> torch.Tenso
     return loaded.narrow(dim, index * size, size)
 
 
-def _copy(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+def _copy(param: torch.Tensor | GGUFWeight, loaded, name: str) -> None:
+    """Copy a checkpoint shard (a tensor, or GGUF blocks) into param (a tensor, or GGUF blocks)."""
     if param.shape != loaded.shape:
         raise ValueError(
             f"{name}: checkpoint shard has shape {tuple(loaded.shape)}, "
             f"expected {tuple(param.shape)}"
         )
-    param.data.copy_(loaded)
+    if isinstance(param, GGUFWeight):
+        param.copy_(loaded)
+    else:
+        param.data.copy_(as_float(loaded))
 
 
 class ColumnParallelLinear(CpuPackedWeight):
@@ -144,7 +157,11 @@ class ColumnParallelLinear(CpuPackedWeight):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
-        _copy(param, _shard(loaded, 0, param.shape[0], self.tp_rank), "ColumnParallelLinear")
+        _copy(
+            load_target(param, loaded),
+            _shard(loaded, 0, param.shape[0], self.tp_rank),
+            "ColumnParallelLinear",
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -167,7 +184,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
         _copy(
-            param.data.narrow(0, offset, size),
+            load_target(param, loaded).narrow(0, offset, size),
             _shard(loaded, 0, size, self.tp_rank),
             "MergedColumnParallelLinear",
         )
@@ -209,7 +226,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"shard_id: must be 'q', 'k' or 'v', got {shard_id!r}")
         _copy(
-            param.data.narrow(0, offset, size), _shard(loaded, 0, size, index), "QKVParallelLinear"
+            load_target(param, loaded).narrow(0, offset, size),
+            _shard(loaded, 0, size, index),
+            "QKVParallelLinear",
         )
 
 
@@ -234,12 +253,16 @@ class RowParallelLinear(CpuPackedWeight):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
-        _copy(param, _shard(loaded, 1, param.shape[1], self.tp_rank), "RowParallelLinear")
+        _copy(
+            load_target(param, loaded),
+            _shard(loaded, 1, param.shape[1], self.tp_rank),
+            "RowParallelLinear",
+        )
 
     def bias_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
-        _copy(param, loaded.narrow(0, 0, loaded.shape[0]), "RowParallelLinear.bias")
+        _copy(param, as_float(loaded.narrow(0, 0, loaded.shape[0])), "RowParallelLinear.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(linear(x, self.weight, packed=self.packed))

@@ -1,0 +1,239 @@
+"""GGUF blocks kept quantized: the kernels, the layout conversion, sharding, and the embedded model.
+
+Tolerances: the block kernel and the de-quantise + GEMM path both multiply the exact de-quantised
+weights, so they differ from a float64 product of those weights only by float32 summation:
+|y - y64| <= 1e-5 * (|x| @ |W|^T) + 1e-6, a bound on reordered float32 sums of K <= 2048 terms.
+De-quantisation itself is exact: the same bits as gguf-py's (and transformers' conversion).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from transformers import LlamaConfig
+
+from workers.gguf import blocks_to_weight, hf_name, iterate_gguf
+from workers.layers.backends import gguf_cpu
+from workers.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
+from workers.layers.quantized import KERNEL_MAX_ROWS, QTYPES, GGUFWeight
+
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def raw_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF blocks (uint8 [rows, bytes per row]) with finite fp16 scales (and mins)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // 32, _BLOCK_BYTES[qtype]), dtype=np.uint8)
+    raw[:, :, 0:2] = (rng.random((rows, cols // 32, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    if qtype == "Q4_1":
+        raw[:, :, 2:4] = (
+            (rng.standard_normal((rows, cols // 32, 1)) * 0.05).astype(np.float16).view(np.uint8)
+        )
+    return raw.reshape(rows, -1)
+
+
+def weight(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
+    return blocks_to_weight(qtype, raw_blocks(qtype, rows, cols, seed), "w")
+
+
+def assert_product_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    exact = (x.double() @ w.double().t()).float()
+    bound = 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
+    assert bool(((y - exact).abs() <= bound).all()), float((y - exact).abs().max())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_blocks_de_quantise_to_gguf_py_bits(qtype):
+    raw = raw_blocks(qtype, 24, 96)
+    expected = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(24, 96)
+    w = blocks_to_weight(qtype, raw, "w")
+    assert torch.equal(w.dequantize(), torch.from_numpy(expected.astype(np.float32)))
+    assert torch.equal(
+        gguf_cpu.dequantize_reference(qtype, w.codes, w.scales, w.mins), w.dequantize()
+    )
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 70])
+@pytest.mark.parametrize("n, k", [(96, 576), (40, 1536), (7, 32)])
+def test_quantized_matmul_matches_the_float_reference(qtype, rows, n, k):
+    w = weight(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    y = linear(x, torch.empty(0), None, w)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    assert_product_close(y, x, w.dequantize())
+
+
+def test_quantized_matmul_keeps_leading_dims_dtype_and_bias():
+    w = weight("Q4_1", 16, 64)
+    x = torch.randn(2, 3, 64).bfloat16()
+    bias = torch.randn(16).bfloat16()
+    y = linear(x, torch.empty(0), bias, w)
+    assert y.shape == (2, 3, 16) and y.dtype == torch.bfloat16
+    expected = x.float().reshape(6, 64) @ w.dequantize().t() + bias.float()
+    torch.testing.assert_close(y.float().reshape(6, 16), expected, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_shards_along_whole_blocks_multiply_like_the_whole(qtype):
+    w = weight(qtype, 32, 128)
+    x = torch.randn(4, 128)
+    full = w.matmul(x)
+    rows = torch.cat([w.narrow(0, 0, 20).matmul(x), w.narrow(0, 20, 12).matmul(x)], dim=1)
+    torch.testing.assert_close(rows, full, atol=0, rtol=0)
+    cols = w.narrow(1, 0, 64).matmul(x[:, :64]) + w.narrow(1, 64, 64).matmul(x[:, 64:])
+    torch.testing.assert_close(cols, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("start, length", [(16, 32), (0, 48), (32, 40)])
+def test_a_split_inside_a_block_is_refused(start, length):
+    with pytest.raises(ValueError, match="cut a Q4_1 block of 32"):
+        weight("Q4_1", 4, 128).narrow(1, start, length)
+
+
+def test_layers_keep_gguf_blocks_and_use_them():
+    layer = ColumnParallelLinear(64, 48)
+    w = weight("Q8_0", 48, 64)
+    layer.weight.weight_loader(layer.weight, w)
+    assert layer.pack_weight() and layer.packed is layer.weight.gguf
+    x = torch.randn(5, 64)
+    assert_product_close(layer(x), x, w.dequantize())
+    row = RowParallelLinear(64, 48)
+    row.weight.weight_loader(row.weight, w)
+    row.pack_weight()
+    assert_product_close(row(x), x, w.dequantize())
+
+
+def test_mixed_block_types_in_one_fused_weight_fall_back_to_float():
+    from workers.layers.linear import MergedColumnParallelLinear
+
+    layer = MergedColumnParallelLinear(64, [16, 16])
+    a, b = weight("Q4_1", 16, 64), weight("Q8_0", 16, 64, seed=3)
+    layer.weight.weight_loader(layer.weight, a, 0)
+    layer.weight.weight_loader(layer.weight, b, 1)
+    assert getattr(layer.weight, "gguf", None) is None
+    expected = torch.cat([a.dequantize(), b.dequantize()])
+    assert torch.equal(layer.weight.data, expected)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_scales_are_refused_naming_the_tensor(bad):
+    raw = raw_blocks("Q4_0", 4, 64)
+    raw[2, 0:2] = np.array([bad], dtype=np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="'blk.0.attn_q.weight' has non-finite Q4_0 scales"):
+        blocks_to_weight("Q4_0", raw, "blk.0.attn_q.weight")
+
+
+def test_gguf_names_map_to_hugging_face_names():
+    assert hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    with pytest.raises(ValueError, match="'blk.0.ssm_conv1d.weight' has no counterpart"):
+        hf_name("blk.0.ssm_conv1d.weight")
+
+
+def test_unsupported_block_types_are_refused_at_load_naming_the_type(tmp_path):
+    path = tmp_path / "k.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    # One Q4_K super-block row: 144 bytes for 256 weights.
+    writer.add_tensor(
+        "blk.0.ffn_up.weight",
+        np.zeros((2, 144), dtype=np.uint8),
+        raw_dtype=GGMLQuantizationType.Q4_K,
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=4)
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' is Q4_K.*quantization: none"):
+        list(iterate_gguf(str(path), config))
+
+
+@pytest.mark.slow
+def test_the_embedded_model_loads_as_blocks_bit_equal_to_the_float_conversion(smollm2_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from workers.loader import load_model
+    from workers.model_files import default_model_path
+
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    model = load_model(
+        smollm2_dir,
+        config,
+        torch.float32,
+        torch.device("cpu"),
+        progress=False,
+        gguf_file=str(default_model_path()),
+    )
+    floats = load_file(f"{smollm2_dir}/model.safetensors")
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+    fused |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    params = dict(model.named_parameters())
+    blocks = 0
+    for name, p in params.items():
+        gguf = getattr(p, "gguf", None)
+        blocks += gguf is not None
+        value = gguf.dequantize() if gguf is not None else p.data
+        parts = [n for n in floats if any(n == name.replace(v, k) for k, v in fused.items())]
+        expected = torch.cat([floats[n] for n in sorted(parts, key=_fused_order)] or [floats[name]])
+        assert torch.equal(value, expected), name
+        if gguf is not None:
+            assert p.numel() == 0  # no float copy beside the blocks
+    assert blocks == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the tied embedding
+
+
+def _fused_order(name: str) -> int:
+    order = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    return next(i for i, part in enumerate(order) if part in name)
+
+
+@pytest.mark.slow
+def test_quantized_greedy_tokens_equal_the_float_path_except_at_near_ties(llm_factory):
+    """32 chat prompts, 24 greedy tokens each: the first difference of each prompt (if any) must
+    sit on a near-tie of the float path (top-2 logprobs within 1e-3), and the sampled token's
+    logprob agrees within 1e-3 up to there."""
+    import random
+
+    from scheduler import SamplingParams
+    from tests.workers.greedy import NEAR_TIE
+
+    rng = random.Random(31)
+    words = [
+        "river",
+        "stone",
+        "light",
+        "market",
+        "engine",
+        "garden",
+        "winter",
+        "paper",
+        "signal",
+        "forest",
+        "copper",
+    ]
+    chats = [
+        [
+            {
+                "role": "user",
+                "content": " ".join(rng.choice(words) for _ in range(rng.randint(3, 20))),
+            }
+        ]
+        for _ in range(32)
+    ]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    ref = llm_factory(quantization="none", kv_cache_memory_gb=0.25).chat(chats, sp, use_tqdm=False)
+    got = llm_factory(quantization="gguf", kv_cache_memory_gb=0.25).chat(chats, sp, use_tqdm=False)
+    same = 0
+    for r, g in zip(ref, got, strict=True):
+        for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids, strict=True)):
+            if a != b:
+                assert r.logprobs[i][1][1] - r.logprobs[i][2][1] <= NEAR_TIE, (r.request_id, i)
+                break
+            same += 1
+            assert abs(r.logprobs[i][0][1] - g.logprobs[i][0][1]) <= 1e-3
+    assert same >= 0.9 * 32 * 24

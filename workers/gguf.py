@@ -1,0 +1,124 @@
+"""Read a GGUF file's tensors under Hugging Face names, quantized blocks kept as stored.
+
+Q4_0, Q4_1 and Q8_0 tensors become GGUFWeights (codes copied bit for bit, fp16 scales widened
+exactly to float32); F32, F16 and BF16 tensors become float32 tensors. Other block types are
+refused at load, naming the type and the tensor (`quantization: none` de-quantises them instead).
+llama.cpp stores Llama-architecture q and k rows interleaved for its rotary layout; they are put
+back in Hugging Face order by permuting whole rows, which moves blocks without touching them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+from workers.layers.quantized import BLOCK, GGUFWeight
+
+# GGUF name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_TOP = re.compile(r"^(\w+)\.(weight|bias)$")
+# Architectures whose converter interleaved the q and k rows (llama.cpp's convert_hf_to_gguf).
+_PERMUTED_ARCHS = ("llama",)
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+# type -> (bytes per block, offset of the codes, has a min)
+_BLOCKS = {"Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, False)}
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor name; ValueError for names we do not map."""
+    if m := _LAYER.match(name):
+        part = _LAYER_NAMES.get(m.group(2))
+        if part is not None:
+            return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    elif (m := _TOP.match(name)) and m.group(1) in _TOP_NAMES:
+        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"model: GGUF tensor {name!r} has no counterpart in the Llama family")
+
+
+def blocks_to_weight(qtype: str, raw: np.ndarray, name: str) -> GGUFWeight:
+    """GGUF blocks (uint8 [rows, bytes per row]) as a GGUFWeight; NaN or infinite scales raise."""
+    size, start, has_min = _BLOCKS[qtype]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, size)
+    scales = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0]).float()
+    mins = (
+        torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0]).float()
+        if has_min
+        else None
+    )
+    for label, t in (("scales", scales), ("mins", mins)):
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"model: GGUF tensor {name!r} has non-finite {qtype} {label}")
+    codes = torch.from_numpy(np.ascontiguousarray(blocks[:, :, start:]).reshape(rows, -1))
+    return GGUFWeight(qtype, codes, scales, mins)
+
+
+def _tensor(t, name: str) -> torch.Tensor | GGUFWeight:
+    qtype = t.tensor_type.name
+    if qtype in _BLOCKS:
+        return blocks_to_weight(qtype, np.asarray(t.data), name)
+    if qtype not in _FLOAT_TYPES:
+        supported = ", ".join((*_BLOCKS, *_FLOAT_TYPES))
+        raise ValueError(
+            f"model: GGUF tensor {name!r} is {qtype}, which raylm does not keep quantized "
+            f"(supported: {supported}); load it with quantization: none to de-quantise it"
+        )
+    data = np.asarray(t.data)
+    if qtype == "BF16":  # numpy has no bfloat16: gguf-py hands over the raw 16-bit words
+        out = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float()
+    else:
+        out = torch.from_numpy(data.astype(np.float32))
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"model: GGUF tensor {name!r} has non-finite values")
+    return out.reshape(tuple(int(d) for d in reversed(t.shape)))
+
+
+def _unpermute_rows(w: torch.Tensor | GGUFWeight, heads: int) -> torch.Tensor | GGUFWeight:
+    """Undo llama.cpp's per-head interleave of rotary halves (a permutation of rows)."""
+    rows = w.shape[0]
+    index = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+    return w.index_rows(index) if isinstance(w, GGUFWeight) else w.index_select(0, index)
+
+
+def iterate_gguf(
+    path: str, config: PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """(Hugging Face name, tensor or GGUF blocks) of every tensor in the file."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else ""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        w = _tensor(t, t.name)
+        if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _unpermute_rows(w, heads if ".q_proj." in name else kv_heads)
+        yield name, w
+
+
+__all__ = ["BLOCK", "blocks_to_weight", "hf_name", "iterate_gguf"]
