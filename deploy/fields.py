@@ -57,6 +57,8 @@ def check_fields(data: dict[str, Any], model: type[BaseModel], mode: UnknownFiel
     stack: list[tuple[dict[str, Any], type[BaseModel], str]] = [(data, model, "")]
     while stack:  # iterative: the nesting depth is the models', not the body's
         obj, cls, path = stack.pop()
+        if cls.model_config.get("extra") == "forbid":
+            continue  # a strict model (the Responses API, embeddings) refuses unknowns itself
         known = _known(cls)
         neutral: dict[str, tuple[Any, ...]] = getattr(cls, "NEUTRAL", {})
         for key in list(obj):
