@@ -447,6 +447,7 @@ NEW_SETTINGS = [
     "grammar_mask_deadline_s",
     "placement_timeout_s",
     "async_scheduling",
+    "quantization",
 ]
 
 
