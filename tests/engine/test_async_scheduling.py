@@ -20,9 +20,9 @@ from engine.llm import LLM
 from scheduler import EngineRequest, SamplingParams
 from scheduler.async_scheduler import AsyncScheduler
 from scheduler.structured_output import StructuredOutput
+from tests.engine.paired_engines import SMALL_POOL, paired_engines
 
 # 12 blocks of 16 tokens hold a fraction of the workload: preemption is certain.
-SMALL_POOL = dict(num_gpu_blocks=12, max_model_len=12 * 16, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -33,23 +33,7 @@ def model(tiny_checkpoint) -> str:
 @pytest.fixture(scope="module")
 def llms(model):
     """(off, on) LLM pairs by preemption mode, built once."""
-    made: dict[str, tuple[LLM, LLM]] = {}
-
-    def make(mode: str = "recompute") -> tuple[LLM, LLM]:
-        if mode not in made:
-            kwargs = dict(SMALL_POOL, preemption_mode=mode)
-            if mode == "swap":
-                kwargs["num_cpu_blocks"] = 200
-            made[mode] = tuple(  # type: ignore[assignment]
-                LLM(model, device="cpu", load_progress=False, async_scheduling=on, **kwargs)
-                for on in (False, True)
-            )
-        return made[mode]
-
-    yield make
-    for pair in made.values():
-        for llm in pair:
-            llm.shutdown()
+    yield from paired_engines(model, "async_scheduling", (False, True))
 
 
 def workload(seed: int, n: int = 12) -> tuple[list[list[int]], list[SamplingParams]]:

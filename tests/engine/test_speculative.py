@@ -24,10 +24,10 @@ from engine.llm import LLM
 from scheduler import SamplingParams
 from scheduler.speculative import SpeculativeConfig
 from scheduler.structured_output import StructuredOutput
+from tests.engine.paired_engines import paired_engines
 from workers.proposer import NgramProposer
 
 # 12 blocks of 16 tokens hold a fraction of the workload: preemption is certain.
-SMALL_POOL = dict(num_gpu_blocks=12, max_model_len=12 * 16, max_num_batched_tokens=64)
 SPEC = {"num_tokens": 4, "ngram_min": 1, "ngram_max": 3, "min_acceptance_rate": 0.0}
 
 
@@ -71,23 +71,7 @@ def with_oracle(spec: LLM, wrong: float, prompts, outputs) -> OracleProposer:
 @pytest.fixture(scope="module")
 def llms(model):
     """(plain, speculative) LLM pairs by preemption mode, built once."""
-    made: dict[str, tuple[LLM, LLM]] = {}
-
-    def make(mode: str = "recompute") -> tuple[LLM, LLM]:
-        if mode not in made:
-            kwargs = dict(SMALL_POOL, preemption_mode=mode)
-            if mode == "swap":
-                kwargs["num_cpu_blocks"] = 200
-            made[mode] = tuple(  # type: ignore[assignment]
-                LLM(model, device="cpu", load_progress=False, speculative=spec, **kwargs)
-                for spec in (None, SPEC)
-            )
-        return made[mode]
-
-    yield make
-    for pair in made.values():
-        for llm in pair:
-            llm.shutdown()
+    yield from paired_engines(model, "speculative", (None, SPEC))
 
 
 @pytest.fixture(autouse=True)
