@@ -109,31 +109,10 @@ def quality(model: str, n: int, threads: int, seed: int) -> dict:
 
     from engine.llm import LLM
     from scheduler import SamplingParams
+    from tests.prompts import random_chats
 
     torch.set_num_threads(threads)
-    rng = random.Random(seed)
-    words = [
-        "river",
-        "stone",
-        "light",
-        "market",
-        "engine",
-        "garden",
-        "winter",
-        "paper",
-        "signal",
-        "forest",
-        "copper",
-    ]
-    chats = [
-        [
-            {
-                "role": "user",
-                "content": " ".join(rng.choice(words) for _ in range(rng.randint(3, 30))),
-            }
-        ]
-        for _ in range(n)
-    ]
+    chats = random_chats(n, seed, max_words=30)
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
     for q in ("none", "gguf"):

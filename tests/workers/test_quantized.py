@@ -202,34 +202,12 @@ def test_quantized_greedy_tokens_equal_the_float_path_except_at_near_ties(llm_fa
     the first difference of each prompt (if any) must
     sit on a near-tie of the float path (top-2 logprobs within 1e-3), and the sampled token's
     logprob agrees within 1e-3 up to there."""
-    import random
 
     from scheduler import SamplingParams
+    from tests.prompts import random_chats
     from tests.workers.greedy import NEAR_TIE
 
-    rng = random.Random(31)
-    words = [
-        "river",
-        "stone",
-        "light",
-        "market",
-        "engine",
-        "garden",
-        "winter",
-        "paper",
-        "signal",
-        "forest",
-        "copper",
-    ]
-    chats = [
-        [
-            {
-                "role": "user",
-                "content": " ".join(rng.choice(words) for _ in range(rng.randint(3, 20))),
-            }
-        ]
-        for _ in range(32)
-    ]
+    chats = random_chats(32, seed=31, max_words=20)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     ref = llm_factory(quantization="none", kv_cache_memory_gb=0.25).chat(chats, sp, use_tqdm=False)
     got = llm_factory(quantization="gguf", kv_cache_memory_gb=0.25).chat(chats, sp, use_tqdm=False)
