@@ -28,7 +28,13 @@ from pydantic import (
 from deploy.errors import APIError, BadRequestError, error_event
 from deploy.generation import ChoiceDelta, UsageTally
 from deploy.reply import ReplyPiece, ReplySplit
-from deploy.schemas import MAX_MESSAGE_PARTS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
+from deploy.schemas import (
+    MAX_MESSAGE_PARTS,
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ChatCompletionRequest,
+    count_parts,
+)
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
 
 MAX_ID_CHARS = 256
@@ -227,13 +233,7 @@ class ResponsesRequest(_Strict):
             limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
             if len(items) > limit:
                 raise ValueError(f"input: at most {limit} items, got {len(items)}")
-            parts = sum(
-                len(item[key])
-                for item in items
-                if isinstance(item, dict)
-                for key in ("content", "output", "summary")
-                if isinstance(item.get(key), list)
-            )
+            parts = count_parts(items, ("content", "output", "summary"))
             if parts > MAX_MESSAGE_PARTS:
                 raise ValueError(
                     f"input: at most {MAX_MESSAGE_PARTS} content parts over all items, got {parts}"

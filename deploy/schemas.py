@@ -355,6 +355,17 @@ class CompletionRequest(_SamplingFields):
         return cast(list[str | list[int]], list(p))
 
 
+def count_parts(items: list[Any], keys: tuple[str, ...]) -> int:
+    """List-valued parts (content parts, tool calls, ...) over a raw JSON list of objects."""
+    return sum(
+        len(item[key])
+        for item in items
+        if isinstance(item, dict)
+        for key in keys
+        if isinstance(item.get(key), list)
+    )
+
+
 def bounded_messages(data: Any, info: ValidationInfo) -> Any:
     """A body's messages counted on the raw JSON, before a single message is validated."""
     messages = data.get("messages") if isinstance(data, dict) else None
@@ -363,13 +374,7 @@ def bounded_messages(data: Any, info: ValidationInfo) -> Any:
     limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
     if len(messages) > limit:
         raise ValueError(f"messages: at most {limit} messages, got {len(messages)}")
-    parts = sum(
-        len(m[key])
-        for m in messages
-        if isinstance(m, dict)
-        for key in ("content", "tool_calls")
-        if isinstance(m.get(key), list)
-    )
+    parts = count_parts(messages, ("content", "tool_calls"))
     if parts > MAX_MESSAGE_PARTS:
         raise ValueError(
             f"messages: at most {MAX_MESSAGE_PARTS} content parts and tool calls over all "
@@ -406,22 +411,15 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+class ChatTemplateFields(BaseModel):
+    """vLLM's fields for how the chat template renders a conversation (chat and /tokenize)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True  # vLLM extensions: how the template renders the chat
+    add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _chat_options_valid(self) -> ChatCompletionRequest:
+    def _chat_options_valid(self) -> ChatTemplateFields:
         self.chat_options()
         return self
 
@@ -432,6 +430,18 @@ class ChatCompletionRequest(_SamplingFields):
             self.continue_final_message,
             dict(self.chat_template_kwargs or {}),
         )
+
+
+class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="before")
     @classmethod

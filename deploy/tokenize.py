@@ -7,12 +7,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
-from deploy.schemas import ChatMessage, bounded_messages
-from frontend.chat import ChatOptions
+from deploy.schemas import ChatMessage, ChatTemplateFields, bounded_messages
 from frontend.frontend import Frontend
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """A `prompt`, or `messages` rendered with the chat template; exactly one."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -22,9 +21,6 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     # vLLM's defaults: a prompt gets the tokenizer's specials (BOS), a rendered chat has its own.
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="before")
@@ -36,15 +32,7 @@ class TokenizeRequest(BaseModel):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give exactly one of prompt and messages")
-        self.chat_options()
         return self
-
-    def chat_options(self) -> ChatOptions:
-        return ChatOptions(
-            self.add_generation_prompt,
-            self.continue_final_message,
-            dict(self.chat_template_kwargs or {}),
-        )
 
     @property
     def num_chars(self) -> int:
