@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, settings
 
 from tests.random_checkpoint import (
     TINY_FAMILIES,
+    TINY_GEMMA,
     TINY_MOE_FAMILIES,
     TINY_PHI3,
     TINY_SERVED_LLAMA,
@@ -175,6 +176,7 @@ def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer):
         **TINY_MOE_FAMILIES,
         "mistral_window": TINY_SLIDING_MISTRAL,
         "phi3": TINY_PHI3,
+        **TINY_GEMMA,
     }
 
     def make(family: str) -> tuple[str, torch.nn.Module]:

@@ -33,6 +33,8 @@ class ModelSpec:
     fields: dict[str, Any] = field(default_factory=dict)
     matrix_std: float | None = None  # every 2-D (and 3-D expert) weight ~ N(0, std), in order
     head_std: float | None = None  # then the LM head ~ N(0, std)
+    # then every 1-D weight (norms, biases, sinks) ~ N(0, std); None: transformers' own values
+    vector_std: float | None = None
     dtype: torch.dtype = torch.float32
     max_shard_size: str = "5GB"  # smaller than the weights: shards and an index
 
@@ -132,6 +134,42 @@ TINY_MOE_FAMILIES: dict[str, ModelSpec] = {
 
 # Phi-3: q/k/v and gate/up fused in the checkpoint.
 TINY_PHI3 = _tiny("Phi3Config", pad_token_id=0, tie_word_embeddings=False)
+
+# Gemma 2 and 3 (text): a 24-token window on layer 0, a global layer 1, head_dim 32 (the CPU
+# decode kernel's size) wider than hidden / heads, query_pre_attn_scalar not head_dim, random
+# norm weights (Gemma scales by 1 + weight), an untied head (tied, the sqrt(hidden)-scaled
+# embeddings make every token repeat itself). Gemma 2 caps attention scores at 3
+# (most scores of these weights bend) and the logits at 8; Gemma 3 has q/k norms and a linear
+# rope scaling on its global layer, another base on its local one.
+TINY_GEMMA: dict[str, ModelSpec] = {
+    "gemma2": dataclasses.replace(
+        _tiny(
+            "Gemma2Config",
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0,
+            tie_word_embeddings=False,
+        ),
+        vector_std=0.3,
+    ),
+    "gemma3": dataclasses.replace(
+        _tiny(
+            "Gemma3TextConfig",
+            head_dim=32,
+            query_pre_attn_scalar=48,
+            sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+            tie_word_embeddings=False,
+        ),
+        vector_std=0.3,
+    ),
+}
 
 # A 24-token sliding window on every layer: prompts of 30-60 tokens reach well past it.
 TINY_SLIDING_MISTRAL = _tiny(
@@ -253,6 +291,10 @@ def write_random_checkpoint(
                     p.normal_(0.0, spec.matrix_std)
         if spec.head_std is not None:
             model.get_output_embeddings().weight.normal_(0.0, spec.head_std)
+        if spec.vector_std is not None:
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.normal_(0.0, spec.vector_std)
     model.save_pretrained(path, max_shard_size=spec.max_shard_size)
     if tokenizer is None:
         write_word_tokenizer(path, config.vocab_size)

@@ -1,10 +1,11 @@
-"""Mixture-of-experts families, a sliding-window Mistral and Phi-3: greedy output equals Hugging
-Face transformers' greedy generate on the same random checkpoint (fp32), batched, under chunked
-prefill and under preemption (recompute and swap).
+"""Mixture-of-experts families, a sliding-window Mistral, Phi-3 and Gemma 2/3: greedy output
+equals Hugging Face transformers' greedy generate on the same random checkpoint (fp32), batched,
+under chunked prefill and under preemption (recompute and swap).
 
 The checkpoints come from tests/random_checkpoint.py (TINY_MOE_FAMILIES: 8 experts, top-2 and
-top-4, Qwen2-MoE's shared expert; TINY_SLIDING_MISTRAL: a 24-token window on every layer). Half
-of the prompts run well past the window. A token may differ only at a true near-tie
+top-4, Qwen2-MoE's shared expert; TINY_SLIDING_MISTRAL: a 24-token window on every layer;
+TINY_GEMMA: a 24-token window on one of two layers, Gemma 2's attention soft-cap). Half of the
+prompts run well past the window. A token may differ only at a true near-tie
 (tests/workers/greedy.py).
 """
 
@@ -52,7 +53,9 @@ def assert_matches(outs, refs, what: str) -> None:
         assert_greedy_match(out.token_ids, ref, f"{what}, prompt {i}")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "mistral_window", "phi3"])
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen2_moe", "qwen3_moe", "mistral_window", "phi3", "gemma2", "gemma3"]
+)
 def test_batched_greedy_matches_hf_generate(
     family, tiny_checkpoint, llm_factory, prompts, references
 ):
@@ -63,8 +66,13 @@ def test_batched_greedy_matches_hf_generate(
     assert (rows[0] > 0) if family in ("mixtral", "qwen2_moe", "qwen3_moe") else rows == []
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mistral_window"])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize(
+    "family,mode",
+    [
+        *((f, m) for f in ("qwen2_moe", "mistral_window") for m in ("recompute", "swap")),
+        ("gemma2", "recompute"),  # windowed and global layers, soft-capped, across chunks
+    ],
+)
 def test_chunked_prefill_and_preemption_keep_hf_tokens(
     family, mode, tiny_checkpoint, llm_factory, prompts, references
 ):
@@ -91,3 +99,18 @@ def test_the_window_changes_what_a_long_prompt_generates(tiny_checkpoint, prompt
     finally:
         hf_model.config.sliding_window = 24
     assert full.token_ids != references("mistral_window")[3].token_ids
+
+
+def test_the_soft_cap_changes_what_gemma2_generates(tiny_checkpoint, prompts, references):
+    """Without its attention soft-cap the same Gemma 2 weights continue some prompt differently,
+    so its parity above is a test of the cap."""
+    _, hf_model = tiny_checkpoint("gemma2")
+    layers = [layer.self_attn for layer in hf_model.model.layers]
+    try:
+        for attn in layers:
+            attn.attn_logit_softcapping = None
+        uncapped = [hf_greedy(hf_model, p, MAX_TOKENS).token_ids for p in prompts[2:]]
+    finally:
+        for attn in layers:
+            attn.attn_logit_softcapping = hf_model.config.attn_logit_softcapping
+    assert uncapped != [r.token_ids for r in references("gemma2")[2:]]

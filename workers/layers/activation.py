@@ -18,3 +18,24 @@ class SiluAndMul(nn.Module):
             return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+# transformers' activation names -> torch's GELU approximation ("gelu_new" is the tanh formula).
+GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
+
+
+class GeluAndMul(nn.Module):
+    """gelu(gate) * up over a merged [gate | up] input (GeGLU, Gemma's MLP)."""
+
+    def __init__(self, activation: str = "gelu_pytorch_tanh") -> None:
+        super().__init__()
+        if activation not in GELU_APPROXIMATIONS:
+            raise ValueError(
+                f"hidden_activation: {activation!r} is not supported "
+                f"(supported: {sorted(GELU_APPROXIMATIONS)})"
+            )
+        self.approximate = GELU_APPROXIMATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
