@@ -23,6 +23,9 @@ ROUTING_STATS_PERIOD_S = 1.0
 MAX_REPORTED_PREFIX_HASHES = 4096
 
 
+# Adapter names per report, and characters per name: a replica has a few dozen device slots.
+MAX_REPORTED_LORAS = 1024
+MAX_LORA_NAME_CHARS = 256
 # Block hashes are 128-bit (scheduler.hashing).
 _HASH_LIMIT = 1 << 128
 _PREFIX_KEYS = (
@@ -57,6 +60,7 @@ class RoutingStats:
     def to_dict(self) -> dict[str, Any]:
         """The report as Serve carries it: flat, plain values."""
         out = {f.name: getattr(self.scheduler, f.name) for f in fields(SchedulerStats)}
+        out["loaded_loras"] = list(self.scheduler.loaded_loras)
         out["state"] = self.state.value
         if self.prefix is not None:
             p = self.prefix
@@ -98,6 +102,8 @@ def _scheduler_stats(report: Mapping[str, Any]) -> SchedulerStats:
             continue
         if _FIELD_TYPES[f.name] is int:
             values[f.name] = _count(report, f.name)
+        elif f.name == "loaded_loras":
+            values[f.name] = _names(report, f.name)
         else:
             values[f.name] = _figure(report, f.name)
     return SchedulerStats(**values)
@@ -125,6 +131,20 @@ def _figure(report: Mapping[str, Any], key: str) -> float:
             f"routing stats field {key!r}: expected a number >= 0, got {_short(value)}"
         )
     return float(value)
+
+
+def _names(report: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = _field(report, key)
+    if (
+        type(value) not in (list, tuple)
+        or len(value) > MAX_REPORTED_LORAS
+        or any(type(v) is not str or not 0 < len(v) <= MAX_LORA_NAME_CHARS for v in value)
+    ):
+        raise ValueError(
+            f"routing stats field {key!r}: expected at most {MAX_REPORTED_LORAS} adapter names "
+            f"(strings of 1-{MAX_LORA_NAME_CHARS} characters), got {_short(value)}"
+        )
+    return tuple(value)
 
 
 def _block_hashes(report: Mapping[str, Any], key: str) -> list[int]:

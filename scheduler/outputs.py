@@ -153,6 +153,8 @@ class SchedulerStats:
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_verify_rows: int = 0
+    # LoRA adapters in the device slots: the router prefers replicas that hold a request's adapter.
+    loaded_loras: tuple[str, ...] = ()
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);
