@@ -19,7 +19,9 @@ from router.fleet import FleetState
 from router.policies import RouteRequest
 from router.stats import ROUTING_STATS_PERIOD_S, RoutingStats
 from scheduler import RequestOutput, SchedulerConfig, extend_block_hashes, hash_prompt_blocks
+from sim.adapters import AdapterSlotsConfig
 from sim.cost import CostModel
+from sim.lora_replica import LoraSimReplica
 from sim.metrics import GapTally, RequestRecord, SimResult
 from sim.replica import AppliedStep, Cruise, SimReplica, StepPlan
 from sim.workload import SimRequest
@@ -168,6 +170,9 @@ class SimConfig:
     # ends by length). Set it and requests end by EOS, unknown in advance as a served request's are:
     # what a length predictor is measured on.
     max_tokens: int = 0
+    # Each replica's LoRA adapter slots (None: replicas ignore requests' adapters; the router still
+    # sees them).
+    adapters: AdapterSlotsConfig | None = None
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -204,8 +209,11 @@ class FleetSim:
         self.config = config
         self.cost = cost
         self.on_step = on_step
+        adapters = config.adapters
         self.replicas = [
             SimReplica(f"replica-{i}", config.scheduler, cost, config.max_tokens)
+            if adapters is None
+            else LoraSimReplica(f"replica-{i}", config.scheduler, cost, config.max_tokens, adapters)
             for i in range(config.num_replicas)
         ]
         per_host = config.host.replicas_per_host
@@ -338,7 +346,9 @@ class FleetSim:
         """Route request i of the workload and queue it at its replica."""
         prompt = req.prompt_token_ids(i)
         hashes = self._hashes(req, prompt)
-        route = RouteRequest(req.request_id, req.prompt_len + req.output_len, hashes)
+        route = RouteRequest(
+            req.request_id, req.prompt_len + req.output_len, hashes, req.lora_name or None
+        )
         name = self.fleet.choose(route, self.names, now)
         assert name is not None  # simulated replicas always report themselves OK
         self.fleet.on_routed(route, name, now)
@@ -354,6 +364,7 @@ class FleetSim:
             req.priority,
             now,
             hashes,
+            req.lora_name,
         )
         if replica.in_flight is None:
             self._push(now, _KICK, replica)

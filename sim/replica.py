@@ -109,9 +109,10 @@ class SimReplica:
         priority: int,
         now: float,
         block_hashes: list[int] | None = None,
+        lora_name: str = "",
     ) -> None:
         """Queue a request; block_hashes, the prompt's full-block hashes if the router computed
-        them."""
+        them; lora_name, its adapter ("": the base model; slots are sim/lora_replica.py's)."""
         self.output_len[request_id] = output_len
         params = _greedy(max(output_len, self.max_tokens))
         # The scheduler extends the hash chain from what it is given (the same hash, so the same
