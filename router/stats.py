@@ -14,6 +14,7 @@ from typing import Any, get_type_hints
 
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
+from scheduler.request import check_lora_name
 
 # How often Serve asks each replica for its report (request_routing_stats_period_s); the simulator
 # reports at the same period.
@@ -23,9 +24,8 @@ ROUTING_STATS_PERIOD_S = 1.0
 MAX_REPORTED_PREFIX_HASHES = 4096
 
 
-# Adapter names per report, and characters per name: a replica has a few dozen device slots.
+# Adapter names per report: a replica has a few dozen device slots.
 MAX_REPORTED_LORAS = 1024
-MAX_LORA_NAME_CHARS = 256
 # Block hashes are 128-bit (scheduler.hashing).
 _HASH_LIMIT = 1 << 128
 _PREFIX_KEYS = (
@@ -102,7 +102,7 @@ def _scheduler_stats(report: Mapping[str, Any]) -> SchedulerStats:
             continue
         if _FIELD_TYPES[f.name] is int:
             values[f.name] = _count(report, f.name)
-        elif f.name == "loaded_loras":
+        elif _FIELD_TYPES[f.name] == tuple[str, ...]:
             values[f.name] = _names(report, f.name)
         else:
             values[f.name] = _figure(report, f.name)
@@ -135,15 +135,16 @@ def _figure(report: Mapping[str, Any], key: str) -> float:
 
 def _names(report: Mapping[str, Any], key: str) -> tuple[str, ...]:
     value = _field(report, key)
-    if (
-        type(value) not in (list, tuple)
-        or len(value) > MAX_REPORTED_LORAS
-        or any(type(v) is not str or not 0 < len(v) <= MAX_LORA_NAME_CHARS for v in value)
-    ):
+    if type(value) not in (list, tuple) or len(value) > MAX_REPORTED_LORAS:
         raise ValueError(
-            f"routing stats field {key!r}: expected at most {MAX_REPORTED_LORAS} adapter names "
-            f"(strings of 1-{MAX_LORA_NAME_CHARS} characters), got {_short(value)}"
+            f"routing stats field {key!r}: expected a list of at most {MAX_REPORTED_LORAS} adapter "
+            f"names, got {_short(value)}"
         )
+    for name in value:
+        try:
+            check_lora_name(name)
+        except ValueError as e:
+            raise ValueError(f"routing stats field {key!r}: {e}") from None
     return tuple(value)
 
 

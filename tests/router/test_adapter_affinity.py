@@ -95,9 +95,9 @@ def test_a_removed_replica_is_forgotten():
 
 
 def test_loaded_loras_travel_through_the_report_dict():
-    stats = holding("x", "tenant-7/summarise")
+    stats = holding("x", "tenant-7.summarise")
     sent = stats.to_dict()
-    assert sent["loaded_loras"] == ["x", "tenant-7/summarise"]
+    assert sent["loaded_loras"] == ["x", "tenant-7.summarise"]
     assert RoutingStats.from_dict(sent) == stats
     del sent["loaded_loras"]  # a replica without LoRA support
     assert RoutingStats.from_dict(sent).scheduler.loaded_loras == ()
