@@ -4,11 +4,11 @@
 
 Every request names one of `adapters_per_replica` x N adapters, drawn from a Zipf(s) popularity;
 prompts share no prefix, so the only locality to exploit is the adapter. Each replica holds
-`slots` adapters; a request whose adapter is not loaded waits for a slot and the replica's next
-step takes `load_s` longer (sim/adapters.py). The load is set at half of a replica's capacity,
-measured without adapters. Prints one row per router and size: the share of requests whose adapter
-was loaded on their replica when they arrived (the hit rate), loads per replica-minute, TTFT and
-goodput.
+`slots` adapters (the production scheduler's slots: a request whose adapter cannot get one waits),
+and a step that loads an adapter takes `load_s` longer (sim/adapters.py). The load is set at half
+of a replica's capacity, measured without adapters. Prints one row per router and size: the share
+of requests whose adapter was loaded on their replica when they arrived (the hit rate), loads per
+replica-minute, TTFT and goodput.
 """
 
 from __future__ import annotations
@@ -88,15 +88,17 @@ class LoraStudy:
         result = FleetSim(self.config(n, router, affinity), load_profile(FLEET_PROFILE)).run(
             self.workload(n, rate_per_replica)
         )
-        slots = [r.slots for r in result.replicas if isinstance(r, LoraSimReplica)]
+        replicas = [r for r in result.replicas if isinstance(r, LoraSimReplica)]
         summary = result.summary(slo_ttft_s=1.0, slo_itl_s=0.5)
-        requests = sum(s.requests for s in slots)
+        requests = sum(r.lora_requests for r in replicas)
         return {
             "router": label,
             "replicas": n,
-            "adapter_hit_rate": sum(s.hits for s in slots) / max(1, requests),
-            "loads_per_replica_min": sum(s.loads for s in slots) / n / (self.seconds / 60),
-            "evictions": sum(s.evictions for s in slots),
+            "adapter_hit_rate": sum(r.lora_hits for r in replicas) / max(1, requests),
+            "loads_per_replica_min": sum(r.slots.num_loads for r in replicas)
+            / n
+            / (self.seconds / 60),
+            "evictions": sum(r.slots.num_evictions for r in replicas),
             "ttft_p50_s": summary["ttft_p50_s"],
             "ttft_p90_s": summary["ttft_p90_s"],
             "goodput_rps": summary["goodput_rps"],

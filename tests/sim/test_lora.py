@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from router.config import RoutingConfig
 from scheduler import SchedulerConfig
 from sim import FleetSim, SimConfig, WorkloadConfig, load_profile, synthetic_workload
-from sim.adapters import AdapterMix, AdapterSlots, AdapterSlotsConfig, adapter_name, with_adapters
+from sim.adapters import AdapterMix, AdapterSlotsConfig, adapter_name, with_adapters
 from sim.lora_replica import LoraSimReplica
 from sim.lora_study import LoraStudy, format_row
 
@@ -52,36 +52,6 @@ def _fingerprint(result) -> list[tuple]:
     ]
 
 
-def test_slots_evict_the_least_recently_used_adapter_no_request_uses():
-    slots = AdapterSlots(AdapterSlotsConfig(slots=2, load_s=0.5))
-    assert slots.admit("a") and slots.admit("b")
-    assert slots.take_load_s() == 1.0 and slots.take_load_s() == 0.0
-    assert not slots.admit("c")  # both in use: the request waits
-    slots.release("a")
-    slots.admit("b")  # b is now the most recently used, and a is unused
-    slots.release("b")
-    slots.release("b")
-    assert slots.admit("c")  # evicts a, the least recently used
-    assert list(slots.loaded) == ["b", "c"] and slots.evictions == 1 and slots.loads == 3
-    slots.arrive("b")
-    slots.arrive("a")
-    assert (slots.requests, slots.hits) == (2, 1)
-
-
-@settings(max_examples=50, deadline=None)
-@given(ops=st.lists(st.tuples(st.booleans(), st.sampled_from("abcde")), max_size=40))
-def test_slots_never_exceed_their_count_nor_evict_an_adapter_in_use(ops):
-    slots = AdapterSlots(AdapterSlotsConfig(slots=3))
-    for admit, adapter in ops:
-        if admit:
-            before = set(slots.in_use)
-            slots.admit(adapter)
-            assert before <= set(slots.loaded)
-        elif slots.in_use[adapter]:
-            slots.release(adapter)
-        assert len(slots.loaded) <= 3 and set(slots.in_use) <= set(slots.loaded)
-
-
 def test_adapter_popularity_is_zipf_and_seeded():
     wl = _workload(n=2000, adapters=8, base_share=0.25)
     counts = Counter(r.lora_name for r in wl)
@@ -118,36 +88,60 @@ def test_bad_slot_settings_name_their_field(kwargs):
 
 
 def test_under_slot_pressure_every_request_finishes_and_loads_cost_step_time():
+    """One slot, 12 adapters: the production scheduler's slots make requests wait, never fail;
+    each load the scheduler sends lengthens its step by load_s."""
     wl = _workload(adapters=12)
-    free = FleetSim(_config("least_loaded", AdapterSlotsConfig(1, 0.0)), load_profile("cpu")).run(
-        wl
-    )
-    paid = FleetSim(_config("least_loaded", AdapterSlotsConfig(1, 0.2)), load_profile("cpu")).run(
-        wl
-    )
-    for result in (free, paid):
+    runs = [
+        FleetSim(_config("least_loaded", AdapterSlotsConfig(1, load_s)), load_profile("cpu")).run(
+            wl
+        )
+        for load_s in (0.0, 0.2)
+    ]
+    for result in runs:
         assert all(r.finish_s is not None for r in result.records)
         for rep in result.replicas:
             assert isinstance(rep, LoraSimReplica)
-            assert rep.slots.in_use == Counter() and not rep._held
-            assert len(rep.slots.loaded) == 1
+            assert len(rep.slots.loaded()) == 1 and not rep.slots.users
             assert not rep.scheduler.has_unfinished_requests()
-    loads = sum(rep.slots.loads for rep in paid.replicas)
-    assert loads > 12
-    busy_paid = sum(rep.busy_s for rep in paid.replicas)
-    assert busy_paid > sum(rep.busy_s for rep in free.replicas) + 0.2 * loads * 0.5
+    free, paid = runs
+    loads = sum(rep.slots.num_loads for rep in paid.replicas)
+    assert loads > 12 and sum(rep.slots.num_evictions for rep in paid.replicas) == loads - 3
+    assert sum(rep.busy_s for rep in paid.replicas) > sum(rep.busy_s for rep in free.replicas)
 
 
 def test_free_loads_and_ample_slots_change_nothing_for_a_load_only_router():
-    """With adapters off, and with loads that cost nothing and never wait, a router blind to
-    adapters gives the same run to the bit: the adapter model adds only what it models."""
-    wl = _workload()
-    plain = FleetSim(_config("least_loaded"), load_profile("cpu")).run(wl)
-    free = FleetSim(_config("least_loaded", AdapterSlotsConfig(64, 0.0)), load_profile("cpu")).run(
-        wl
+    """With one adapter for every request, loads that cost nothing and slots that never run out, a
+    router blind to adapters gives the run without adapters to the bit: the adapter model adds only
+    what it models (a shared system prompt stays shared under one adapter)."""
+    plain_wl = _workload(base_share=1.0)
+    one = _workload(adapters=1, base_share=0.0)
+    plain = FleetSim(_config("least_loaded"), load_profile("cpu")).run(plain_wl)
+    free = FleetSim(_config("least_loaded", AdapterSlotsConfig(8, 0.0)), load_profile("cpu")).run(
+        one
     )
     assert _fingerprint(plain) == _fingerprint(free)
     assert [r.busy_s for r in plain.replicas] == [r.busy_s for r in free.replicas]
+    assert sum(rep.slots.num_loads for rep in free.replicas) == 3
+
+
+def test_adapters_are_ignored_without_slots():
+    """SimConfig.adapters None: a workload naming adapters runs as if it named none."""
+    named = FleetSim(_config(), load_profile("cpu")).run(_workload())
+    plain = FleetSim(_config(), load_profile("cpu")).run(_workload(base_share=1.0))
+    assert _fingerprint(named) == _fingerprint(plain)
+
+
+def test_a_prompt_under_two_adapters_shares_no_blocks():
+    """The simulator hashes a request's blocks under its adapter, as the ingress does: the same
+    system prompt under two adapters is cached twice, once per adapter."""
+    wl = _workload(n=40, adapters=2, base_share=0.0)
+    cfg = dataclasses.replace(_config("round_robin", AdapterSlotsConfig(2, 0.0)), num_replicas=1)
+    result = FleetSim(cfg, load_profile("cpu")).run(wl)
+    first_hit = {}
+    for rec, req in zip(result.records, wl):
+        first_hit.setdefault((req.tenant, req.lora_name), rec.cached_tokens)
+    assert all(cached == 0 for cached in first_hit.values())
+    assert sum(r.cached_tokens for r in result.records) > 0
 
 
 @pytest.mark.parametrize("router", ["prefix_affinity", "least_loaded"])
@@ -166,3 +160,21 @@ def test_replicas_report_their_adapters_and_affinity_raises_the_hit_rate():
     rows = {label: study.run(4, 1.5, label) for label in ("least_loaded", "adapter_affinity")}
     assert rows["adapter_affinity"]["adapter_hit_rate"] > rows["least_loaded"]["adapter_hit_rate"]
     assert format_row(rows["least_loaded"]).startswith("| 4 | least_loaded |")
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    slots=st.integers(1, 3),
+    adapters=st.integers(1, 6),
+    base_share=st.sampled_from([0.0, 0.3]),
+    router=st.sampled_from(["prefix_affinity", "least_loaded", "round_robin"]),
+    seed=st.integers(0, 3),
+)
+def test_every_request_finishes_whatever_the_slots_and_the_mix(
+    slots, adapters, base_share, router, seed
+):
+    wl = _workload(n=25, adapters=adapters, base_share=base_share, seed=seed)
+    result = FleetSim(_config(router, AdapterSlotsConfig(slots, 0.01)), load_profile("cpu")).run(wl)
+    assert all(r.finish_s is not None for r in result.records)
+    for rep in result.replicas:
+        assert len(rep.slots.loaded()) <= slots and not rep.slots.users
