@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.errors import EngineFailedError
+from scheduler.lora_slots import UnknownLoraError
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import EngineRequest
 
@@ -107,7 +108,7 @@ class EngineLoop:
             if kind == _ADD:
                 try:
                     self.engine.add_request(payload)
-                except ValueError as exc:
+                except (ValueError, UnknownLoraError) as exc:  # this request's, not the engine's
                     self._loop.call_soon_threadsafe(self._on_error, payload.request_id, exc)
             elif kind == _CALL:
                 self._resolve(*payload)

@@ -16,6 +16,8 @@ from router.stats import RoutingStats
 class FleetSource(Protocol):
     def replica_reports(self) -> dict[str, RoutingStats]: ...
 
+    def replica_ids(self) -> set[str]: ...
+
 
 # Held weakly: Serve owns the routers.
 _SOURCES: weakref.WeakSet[FleetSource] = weakref.WeakSet()
@@ -35,3 +37,15 @@ def replica_reports() -> dict[str, RoutingStats]:
         except RuntimeError:  # changed while copied on the router's thread: next scrape has it
             continue
     return reports
+
+
+def replica_ids() -> set[str]:
+    """The running replicas the routers of this process know (empty under Serve's own router):
+    where a run-time adapter change must go (cluster/lora_admin.py)."""
+    ids: set[str] = set()
+    for source in list(_SOURCES):
+        try:
+            ids |= source.replica_ids()
+        except RuntimeError:  # changed while copied on the router's thread
+            continue
+    return ids

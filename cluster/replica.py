@@ -25,6 +25,8 @@ from ray import serve
 from cluster.caller_watch import CallerGoneError, CallerWatch
 from cluster.engine_loop import EngineLoop
 from cluster.errors import EngineFailedError, ReplicaDrainingError
+from cluster.lora_admin import LoraCommand, WrongReplicaError
+from cluster.lora_metrics import LoraMetrics
 from cluster.metrics import ReplicaMetrics
 from cluster.ray_executor import ray_executor
 from engine.config import EngineConfig
@@ -165,6 +167,7 @@ class LLMReplica:
         self.config = config
         self.replica = replica = serve.get_replica_context().replica_tag
         self.metrics = ReplicaMetrics(replica)
+        self.lora_metrics = LoraMetrics(replica)
         self.engine = build_engine(config)
         self._streams: dict[str, _Stream] = {}
         self._draining = False
@@ -192,6 +195,8 @@ class LLMReplica:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         stream = self._streams[rid] = _Stream(rid, caller=request.caller)
         self.metrics.record_admitted(len(request.prompt_token_ids))
+        if request.lora_name is not None:
+            self.lora_metrics.record_request(request.lora_name)
         self._loop_thread.add(request)  # end-of-turn ids: the engine fills in the model's
         finished = False
         try:
@@ -217,6 +222,8 @@ class LLMReplica:
         self._stats = stats
         self.metrics.record_stats(stats)
         self.metrics.record_expert_load(self.engine.expert_load())
+        slots = self.engine.scheduler.loras  # plain counters, read as expert_load() is
+        self.lora_metrics.record_slots(stats.loaded_loras, slots.num_loads, slots.num_evictions)
 
     def _settle(self, stream: _Stream, output: RequestOutput, now: float) -> None:
         """The output's tokens in the metrics, with the time to the first and between the next."""
@@ -312,6 +319,23 @@ class LLMReplica:
             except asyncio.TimeoutError:
                 logger.warning("engine busy for 5 s: routing stats without prefix hashes")
         return RoutingStats(self._stats, state, prefix).to_dict()
+
+    async def list_loras(self) -> list[str]:
+        """The adapters requests may name on this replica, in the order they were added."""
+        return await self._loop_thread.call(lambda engine: engine.list_loras())
+
+    async def lora_command(self, command: LoraCommand) -> list[str]:
+        """Add or remove an adapter at run time, on the engine's thread between steps (the running
+        batch is not touched); returns the replica's adapters after it. A bad adapter raises
+        ValueError, an unknown one UnknownLoraError, one in use LoraInUseError."""
+        if command.replica != self.replica:
+            raise WrongReplicaError(f"command for replica {command.replica} reached {self.replica}")
+        if command.op == "add":
+            await self._loop_thread.call(lambda e: e.add_lora(command.name, command.path))
+        else:
+            await self._loop_thread.call(lambda e: e.remove_lora(command.name))
+        logger.info("LoRA adapter %s: %s", command.name, command.op)
+        return await self.list_loras()
 
     async def check_health(self) -> None:
         """Serve's probe: a failed, stalled or shut-down engine fails it, and Serve replaces this

@@ -27,6 +27,7 @@ from ray.serve.request_router import (
 )
 
 from cluster.fleet_view import register
+from cluster.lora_admin import LoraCommand
 from cluster.outcomes import subscribe
 from router.config import RoutingConfig
 from router.fleet import FleetState
@@ -53,6 +54,7 @@ class FleetRouter(RequestRouter):
         # The routing state's time: a test moves it past a circuit's cool-down instead of waiting.
         self.clock: Callable[[], float] = time.monotonic
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve routes on, once known
+        self._alive: frozenset[str] = frozenset()  # the running replicas, as Serve last listed them
         subscribe(self)
         register(self)
         logger.info("FleetRouter for %s: %s", self._deployment_id, config)
@@ -60,6 +62,10 @@ class FleetRouter(RequestRouter):
     def replica_reports(self) -> dict[str, RoutingStats]:
         """Each live replica's latest report (the ingress's /metrics page shows them)."""
         return self.fleet.reports()
+
+    def replica_ids(self) -> set[str]:
+        """The running replicas (the ingress sends run-time adapter changes to each)."""
+        return set(self._alive)
 
     def post_outcome(self, internal_request_id: str, ok: bool) -> None:
         """Hand a request's outcome to the routing loop (callers run on another thread)."""
@@ -88,6 +94,9 @@ class FleetRouter(RequestRouter):
             self._observe_stats(key, replica.routing_stats, now)
         if pending_request is None:
             return [candidate_replicas]
+        target = _target_of(pending_request)
+        if target is not None and target in by_key:  # a command for one replica (lora_admin.py)
+            return [[by_key[target]]]
         ranking = self.fleet.route(route_request(pending_request), by_key, now)
         return [[by_key[key]] for key in ranking]
 
@@ -110,6 +119,7 @@ class FleetRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         alive = {r.replica_id.unique_id for r in replicas}
+        self._alive = frozenset(alive)
         self._reports = {key: report for key, report in self._reports.items() if key in alive}
         self.fleet.retain(alive)
 
@@ -136,4 +146,16 @@ def route_request(pending_request: PendingRequest) -> RouteRequest:
     block_hashes = getattr(arg, "block_hashes", None) or ()
     prompt = getattr(arg, "prompt_token_ids", None) or ()
     max_tokens = getattr(getattr(arg, "sampling_params", None), "max_tokens", None) or 0
-    return RouteRequest(request_id, len(prompt) + int(max_tokens), list(block_hashes))
+    lora_name = getattr(arg, "lora_name", None)
+    return RouteRequest(
+        request_id,
+        len(prompt) + int(max_tokens),
+        list(block_hashes),
+        lora_name if isinstance(lora_name, str) else None,
+    )
+
+
+def _target_of(pending_request: PendingRequest) -> str | None:
+    """The replica a LoraCommand names (None: an ordinary request, ranked by the policy)."""
+    arg = pending_request.args[0] if pending_request.args else None
+    return arg.replica if isinstance(arg, LoraCommand) else None

@@ -63,6 +63,9 @@ class ApiKeyProfile:
     max_priority: int = setting(
         0, "the most urgent priority the key may ask for", ge=-MAX_PRIORITY, le=MAX_PRIORITY
     )
+    admin: bool = setting(
+        False, "the key may load and unload LoRA adapters at run time (allow_runtime_lora)"
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -72,7 +75,7 @@ class ApiKeyProfile:
             )
 
 
-UNLIMITED_KEY = ApiKeyProfile(tenant="default", max_priority=-MAX_PRIORITY)
+UNLIMITED_KEY = ApiKeyProfile(tenant="default", max_priority=-MAX_PRIORITY, admin=True)
 
 
 @dataclass(slots=True)
@@ -240,6 +243,14 @@ class AppConfig:
         "serve without keys although Serve "
         "listens beyond loopback (behind your own authenticating proxy)",
     )
+    # Off by default: a load reads files on every replica's host.
+    allow_runtime_lora: bool = setting(
+        False,
+        "`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` change the adapters of every "
+        "replica at run time (with keys configured, only a key with `admin: true`, or `api_key`, "
+        "may call them); needs `router: fleet` and LoRA on (`lora_root`, `lora_modules` or "
+        "`max_loras`)",
+    )
     api_keys_env: str | None = setting(
         None,
         "name of an environment variable holding `api_keys` as JSON (keeps the "
@@ -260,6 +271,15 @@ class AppConfig:
             # A CPU replica's torch threads default to the cores its bundle reserves, not to
             # whatever Ray's OMP_NUM_THREADS says (a fraction rounds down, at least one).
             self.engine = replace(self.engine, cpu_threads=max(1, int(self.replica_num_cpus)))
+        if self.allow_runtime_lora and self.router != "fleet":
+            raise ValueError(
+                "allow_runtime_lora: needs router: fleet, which can reach every replica"
+            )
+        if self.allow_runtime_lora and not self.engine.num_lora_slots:
+            raise ValueError(
+                "allow_runtime_lora: LoRA is off (set lora_root, where adapters may be loaded "
+                "from, or max_loras)"
+            )
         if self.router == "fleet":
             RoutingConfig.from_router_kwargs(self.router_kwargs)
         elif self.router_kwargs:

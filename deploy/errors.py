@@ -12,6 +12,8 @@ from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
+from scheduler.lora_slots import UnknownLoraError
+
 logger = logging.getLogger(__name__)
 
 
@@ -168,6 +170,8 @@ def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None
     exc = _cause(exc)
     if isinstance(exc, APIError):
         return exc.status, exc.type, _clean(exc.message), exc.param, exc.code
+    if isinstance(exc, UnknownLoraError):  # a LookupError: the model (adapter) does not exist
+        return 404, "invalid_request_error", _clean(str(exc)), "model", "model_not_found"
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")

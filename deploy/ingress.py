@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster.fleet_view import replica_reports
+from cluster.fleet_view import replica_ids, replica_reports
 from cluster.metrics import RequestMetrics
 from deploy import metrics_page
 from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
@@ -32,7 +32,6 @@ from deploy.errors import (
     AuthenticationError,
     BadRequestError,
     ContextLengthError,
-    ModelNotFoundError,
     RequestTimeoutError,
     error_event,
     error_response,
@@ -47,6 +46,14 @@ from deploy.logprobs import (
     num_entries,
     prompt_logprobs_json,
     response_json,
+)
+from deploy.lora import (
+    LoadLoraAdapterRequest,
+    LoraAdmin,
+    UnloadLoraAdapterRequest,
+    adapter_cards,
+    adapter_of,
+    check_admin,
 )
 from deploy.reply import ReplySplit
 from deploy.responses import ResponseBuilder, ResponsesRequest, renamed, sse_event
@@ -196,6 +203,9 @@ class OpenAIIngress:
         )
         self._max_model_len: int | None = None
         self._created = int(time.time())
+        # What `model` may name besides an adapter (deploy/lora.py).
+        self._base_names = (config.model_name, config.engine.model)
+        self._lora_admin = LoraAdmin(replica, replica_ids)
         self._actor_name = ray.get_runtime_context().get_actor_name()  # replicas abort our orphans
 
     # ---- routes --------------------------------------------------------------------------------
@@ -216,6 +226,7 @@ class OpenAIIngress:
         try:
             self._authorize(request)
             max_model_len = await self.max_model_len()
+            adapters = await self.replica.list_loras.remote()
         except Exception as exc:
             return error_response(exc)
         card = {
@@ -225,7 +236,28 @@ class OpenAIIngress:
             "owned_by": "raylm",
             "max_model_len": max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+        loras = adapter_cards(adapters, self.config.model_name, self._created)
+        return JSONResponse({"object": "list", "data": [card, *loras]})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        """Load a LoRA adapter on every replica (allow_runtime_lora; an admin key)."""
+        try:
+            body = await self._admin_body(request, LoadLoraAdapterRequest)
+            loaded = await self._lora_admin.load(body.lora_name, body.lora_path)
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse({"lora_name": body.lora_name, "status": "loaded", "replicas": loaded})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        """Unload a LoRA adapter from every replica; refused while requests use it."""
+        try:
+            body = await self._admin_body(request, UnloadLoraAdapterRequest)
+            loaded = await self._lora_admin.unload(body.lora_name)
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse({"lora_name": body.lora_name, "status": "unloaded", "adapters": loaded})
 
     @app.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> Response:
@@ -355,6 +387,10 @@ class OpenAIIngress:
 
     async def _embed(self, body: EmbeddingRequest, tenant: str) -> Response:
         """POST /v1/embeddings: one pooling request per input, all in flight at once."""
+        if adapter_of(body.model, self._base_names) is not None:
+            raise BadRequestError(
+                "model: embeddings come from the base model, not a LoRA adapter", param="model"
+            )
         max_len = await self.max_model_len()
         base_id = f"embd-{uuid.uuid4().hex}"
         params = SamplingParams(
@@ -499,18 +535,22 @@ class OpenAIIngress:
         raw = await read_body(request, limit, self.config.request_body_timeout_s)
         mode: Any = self.config.unknown_fields
         body: Any = await parse_body(raw, schema, self.config.max_messages, mode, ignored)
-        named = body.model is not None  # /tokenize and /detokenize may leave it out
-        if named and body.model not in (self.config.model_name, self.config.engine.model):
-            raise ModelNotFoundError(
-                f"The model `{body.model}` does not exist; this server serves "
-                f"`{self.config.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
+        # /tokenize and /detokenize may leave `model` out; an adapter's name is checked here, its
+        # existence by the replica (404 either way).
+        adapter_of(body.model, self._base_names)
         # The tenant and the priority ceiling are the key's; the request's `user` does not choose
         # them.
         if profile is not None and hasattr(body, "priority"):  # /tokenize has no priority
             body.priority = max(body.priority, profile.max_priority)
+        return body
+
+    async def _admin_body(self, request: Request, schema: type) -> Any:
+        """A run-time adapter change's body, once the app allows them and the key may make them."""
+        profile = self._authorize(request)
+        check_admin(self.config.allow_runtime_lora, None if profile is None else profile.admin)
+        raw = await read_body(request, 64 * 1024, self.config.request_body_timeout_s)
+        body: Any = await parse_body(raw, schema, self.config.max_messages)
+        await self.max_model_len()  # the handle's first call: its router learns the replicas
         return body
 
     def _authorize(self, request: Request) -> ApiKeyProfile | None:
@@ -597,6 +637,7 @@ class OpenAIIngress:
         constraint: StructuredOutput | None,
     ) -> list[Choice]:
         max_len = await self.max_model_len()
+        lora = adapter_of(body.model, self._base_names)
         kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
         base_id = f"{kind}-{uuid.uuid4().hex}"
         choices = []
@@ -616,7 +657,7 @@ class OpenAIIngress:
                 asked_logprobs += body.n * max_tokens * (logprobs + 1)
             if body.asked_prompt_logprobs is not None:
                 asked_logprobs += body.n * len(prompt) * (body.asked_prompt_logprobs + 1)
-            hashes = self.frontend.block_hashes(prompt, self.config.engine.block_size)
+            hashes = self.frontend.block_hashes(prompt, self.config.engine.block_size, lora)
             too_long = [s for s in body.stop if len(s) > self.config.max_stop_string_chars]
             if too_long:
                 raise BadRequestError(
@@ -635,6 +676,7 @@ class OpenAIIngress:
                     tenant=tenant,
                     block_hashes=hashes,
                     caller=self._actor_name,
+                    lora_name=lora,
                 )
                 choices.append(
                     Choice(

@@ -37,6 +37,11 @@ class RoutingConfig:
         "the load the ceiling is set above: the least loaded replica's or the fleet's mean",
         choices=IMBALANCE_REFERENCES,
     )
+    adapter_affinity: bool = setting(
+        True,
+        "prefix_affinity sends a LoRA adapter's requests to replicas that hold the adapter, within "
+        "the same load ceiling; a cold adapter goes to the least loaded replica",
+    )
     min_match_blocks: int = setting(
         1, "leading prompt blocks a replica must hold for affinity to count", ge=1
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
+from router.adapter_affinity import AdapterIndex
 from router.circuit_breaker import CircuitBreaker
 from router.config import RoutingConfig
 from router.loads import LoadTracker
@@ -32,6 +33,7 @@ class FleetState:
         self.index = PrefixIndex(
             config.index_blocks_per_replica or DEFAULT_REPLICA_BLOCKS, config.max_index_blocks
         )
+        self.adapters = AdapterIndex()
         self.policy = make_policy(config)
         # Requests Serve confirmed, per replica (logs, benches).
         self.routed: Counter[str] = Counter()
@@ -126,6 +128,8 @@ class FleetState:
             self.index.set_bound(replica, blocks)
         if stats.prefix is not None:
             self.index.sync_replica(replica, stats.prefix, now, self.config.stats_grace_s)
+        loaded = stats.scheduler.loaded_loras
+        self.adapters.sync_replica(replica, loaded, now, self.config.stats_grace_s)
 
     def reports(self) -> dict[str, RoutingStats]:
         """Each live replica's latest report, as this router last applied it."""
@@ -139,9 +143,11 @@ class FleetState:
             replica in self.loads.replicas()
             or replica in self.index.replicas()
             or replica in self._stats_seen
+            or replica in self.adapters.replicas()
         )
         self.loads.remove_replica(replica)
         self.index.remove_replica(replica)
+        self.adapters.remove_replica(replica)
         self.breaker.forget(replica)
         self._stats_seen.pop(replica, None)
         return known
@@ -154,6 +160,7 @@ class FleetState:
             | self.index.replicas()
             | set(self._stats_seen)
             | self.breaker.replicas()
+            | self.adapters.replicas()
         )
         for replica in known - alive:
             self.remove_replica(replica)
@@ -162,3 +169,5 @@ class FleetState:
         self.loads.start(request.request_id, replica, request.num_tokens, now, confirmed)
         if request.block_hashes:
             self.index.insert(replica, request.block_hashes, now)
+        if request.lora_name is not None:
+            self.adapters.plant(replica, request.lora_name, now)

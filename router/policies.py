@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from router.adapter_affinity import AdapterIndex, holders_within
 from router.config import RoutingConfig
 from router.loads import LoadTracker
 from router.prefix_index import PrefixIndex
@@ -14,16 +15,19 @@ from router.prefix_index import PrefixIndex
 
 @dataclass(slots=True)
 class RouteRequest:
-    """What routing needs to know about a request: its id, cost, and leading prompt block hashes."""
+    """What routing needs to know about a request: its id, cost, leading prompt block hashes and
+    LoRA adapter (None: the base model)."""
 
     request_id: str
     num_tokens: int = 0
     block_hashes: Sequence[int] = ()
+    lora_name: str | None = None
 
 
 class FleetView(Protocol):
     loads: LoadTracker
     index: PrefixIndex
+    adapters: AdapterIndex
 
 
 class _Turns:
@@ -89,6 +93,10 @@ class PrefixAffinity:
     The ceiling: max(base + imbalance_threshold, base * imbalance_ratio), base being the least
     loaded replica's load (reference "least") or the mean load of the replicas ("mean"). The least
     loaded replica is always within it. Ties go as in LeastLoaded.
+
+    A request for a LoRA adapter (with adapter_affinity) first narrows the replicas within the
+    ceiling to those holding its adapter; if none does, the adapter is cold there and the least
+    loaded replica gets it (router/adapter_affinity.py).
     """
 
     def __init__(
@@ -97,8 +105,10 @@ class PrefixAffinity:
         min_match_blocks: int,
         imbalance_ratio: float = 1.0,
         reference: str = "least",
+        adapter_affinity: bool = True,
     ) -> None:
         self.imbalance_threshold = imbalance_threshold
+        self.adapter_affinity = adapter_affinity
         self.imbalance_ratio = imbalance_ratio
         self.reference = reference
         self.min_match_blocks = min_match_blocks
@@ -107,13 +117,20 @@ class PrefixAffinity:
     def choose(self, replicas: Sequence[str], request: RouteRequest, fleet: FleetView) -> str:
         keyed = _keyed_by_load(replicas, fleet.loads, self._turns.next(len(replicas)))
         least = min(keyed)
-        if not request.block_hashes:
+        adapter = request.lora_name if self.adapter_affinity else None
+        if not request.block_hashes and adapter is None:
             return least[2]
         base = least[0] if self.reference == "least" else sum(k[0] for k in keyed) / len(keyed)
         ceiling = max(base + self.imbalance_threshold, base * self.imbalance_ratio)
         # An overloaded holder of the longest run drops out; a shorter run on an acceptable replica
         # still beats none.
         eligible = [k for k in keyed if k[0] <= ceiling]
+        if adapter is not None:
+            eligible = holders_within(eligible, adapter, fleet.adapters)
+            if not eligible:  # cold within the ceiling: by load
+                return least[2]
+            if not request.block_hashes:
+                return min(eligible)[2]
         runs = fleet.index.match(request.block_hashes, replicas)
         longest = max(runs[r] for *_, r in eligible)
         if longest >= self.min_match_blocks:
@@ -140,4 +157,5 @@ def make_policy(config: RoutingConfig) -> Policy:
         config.min_match_blocks,
         config.imbalance_ratio,
         config.imbalance_reference,
+        config.adapter_affinity,
     )

@@ -14,6 +14,7 @@ from typing import Any, get_type_hints
 
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
+from scheduler.request import check_lora_name
 
 # How often Serve asks each replica for its report (request_routing_stats_period_s); the simulator
 # reports at the same period.
@@ -23,6 +24,8 @@ ROUTING_STATS_PERIOD_S = 1.0
 MAX_REPORTED_PREFIX_HASHES = 4096
 
 
+# Adapter names per report: a replica has a few dozen device slots.
+MAX_REPORTED_LORAS = 1024
 # Block hashes are 128-bit (scheduler.hashing).
 _HASH_LIMIT = 1 << 128
 _PREFIX_KEYS = (
@@ -57,7 +60,7 @@ class RoutingStats:
     def to_dict(self) -> dict[str, Any]:
         """The report as Serve carries it: flat, plain values."""
         out = {f.name: getattr(self.scheduler, f.name) for f in fields(SchedulerStats)}
-        out["loaded_loras"] = list(self.scheduler.loaded_loras)  # plain values only
+        out["loaded_loras"] = list(self.scheduler.loaded_loras)
         out["state"] = self.state.value
         if self.prefix is not None:
             p = self.prefix
@@ -121,13 +124,6 @@ def _count(report: Mapping[str, Any], key: str) -> int:
     return value
 
 
-def _names(report: Mapping[str, Any], key: str) -> tuple[str, ...]:
-    value = _field(report, key)
-    if not isinstance(value, (list, tuple)) or not all(type(v) is str for v in value):
-        raise ValueError(f"routing stats field {key!r}: expected a list of strings")
-    return tuple(value)
-
-
 def _figure(report: Mapping[str, Any], key: str) -> float:
     value = _field(report, key)
     if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
@@ -135,6 +131,21 @@ def _figure(report: Mapping[str, Any], key: str) -> float:
             f"routing stats field {key!r}: expected a number >= 0, got {_short(value)}"
         )
     return float(value)
+
+
+def _names(report: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = _field(report, key)
+    if type(value) not in (list, tuple) or len(value) > MAX_REPORTED_LORAS:
+        raise ValueError(
+            f"routing stats field {key!r}: expected a list of at most {MAX_REPORTED_LORAS} adapter "
+            f"names, got {_short(value)}"
+        )
+    for name in value:
+        try:
+            check_lora_name(name)
+        except ValueError as e:
+            raise ValueError(f"routing stats field {key!r}: {e}") from None
+    return tuple(value)
 
 
 def _block_hashes(report: Mapping[str, Any], key: str) -> list[int]:

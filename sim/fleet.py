@@ -19,7 +19,9 @@ from router.fleet import FleetState
 from router.policies import RouteRequest
 from router.stats import ROUTING_STATS_PERIOD_S, RoutingStats
 from scheduler import RequestOutput, SchedulerConfig, extend_block_hashes, hash_prompt_blocks
+from sim.adapters import AdapterSlotsConfig
 from sim.cost import CostModel
+from sim.lora_replica import LoraSimReplica
 from sim.metrics import GapTally, RequestRecord, SimResult
 from sim.replica import AppliedStep, Cruise, SimReplica, StepPlan
 from sim.workload import SimRequest
@@ -168,6 +170,9 @@ class SimConfig:
     # ends by length). Set it and requests end by EOS, unknown in advance as a served request's are:
     # what a length predictor is measured on.
     max_tokens: int = 0
+    # Each replica's LoRA adapter slots and load time (None: requests' adapters are ignored, by the
+    # router and the replicas alike, as before adapters).
+    adapters: AdapterSlotsConfig | None = None
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -204,8 +209,11 @@ class FleetSim:
         self.config = config
         self.cost = cost
         self.on_step = on_step
+        adapters = config.adapters
         self.replicas = [
             SimReplica(f"replica-{i}", config.scheduler, cost, config.max_tokens)
+            if adapters is None
+            else LoraSimReplica(f"replica-{i}", config.scheduler, cost, config.max_tokens, adapters)
             for i in range(config.num_replicas)
         ]
         per_host = config.host.replicas_per_host
@@ -235,9 +243,8 @@ class FleetSim:
         ] = {}  # replicas that report once their running step ends
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
         self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
-        self._shared_hashes: dict[
-            tuple[int, ...], list[int]
-        ] = {}  # a prefix group's leading blocks
+        # a prefix group's leading blocks (keyed by (adapter, tokens) under an adapter)
+        self._shared_hashes: dict[tuple, list[int]] = {}
         self._itl_tally = GapTally()  # finished requests' gaps
 
     def _push(self, t: float, kind: int, payload: _Payload) -> None:
@@ -337,8 +344,9 @@ class FleetSim:
     ) -> None:
         """Route request i of the workload and queue it at its replica."""
         prompt = req.prompt_token_ids(i)
-        hashes = self._hashes(req, prompt)
-        route = RouteRequest(req.request_id, req.prompt_len + req.output_len, hashes)
+        lora = (req.lora_name or None) if self.config.adapters is not None else None
+        hashes = self._hashes(req, prompt, lora)
+        route = RouteRequest(req.request_id, req.prompt_len + req.output_len, hashes, lora)
         name = self.fleet.choose(route, self.names, now)
         assert name is not None  # simulated replicas always report themselves OK
         self.fleet.on_routed(route, name, now)
@@ -354,20 +362,22 @@ class FleetSim:
             req.priority,
             now,
             hashes,
+            lora,
         )
         if replica.in_flight is None:
             self._push(now, _KICK, replica)
 
-    def _hashes(self, req: SimRequest, prompt: list[int]) -> list[int]:
-        """hash_prompt_blocks(prompt), hashing a prefix group's shared full blocks once per
-        group."""
+    def _hashes(self, req: SimRequest, prompt: list[int], lora: str | None) -> list[int]:
+        """hash_prompt_blocks(prompt, lora_name=lora), hashing a prefix group's shared full blocks
+        once per group and adapter."""
         bs = self.config.scheduler.block_size
         shared = (min(req.prefix_len, req.prompt_len) if req.prefix_group else 0) // bs * bs
         key = tuple(prompt[:shared])
-        hashes = self._shared_hashes.get(key)
+        cache_key = key if lora is None else (lora, key)
+        hashes = self._shared_hashes.get(cache_key)
         if hashes is None:
-            hashes = self._shared_hashes[key] = hash_prompt_blocks(key, bs)
-        return extend_block_hashes(list(hashes), prompt, bs, len(prompt) // bs)
+            hashes = self._shared_hashes[cache_key] = hash_prompt_blocks(key, bs, lora_name=lora)
+        return extend_block_hashes(list(hashes), prompt, bs, len(prompt) // bs, lora)
 
     def _stretch(self, replica: SimReplica) -> float:
         """The host-sharing factor for a step this replica starts now (it counts as busy)."""

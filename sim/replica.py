@@ -109,9 +109,10 @@ class SimReplica:
         priority: int,
         now: float,
         block_hashes: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request; block_hashes, the prompt's full-block hashes if the router computed
-        them."""
+        them (under lora_name, its adapter: None for the base model)."""
         self.output_len[request_id] = output_len
         params = _greedy(max(output_len, self.max_tokens))
         # The scheduler extends the hash chain from what it is given (the same hash, so the same
@@ -126,6 +127,7 @@ class SimReplica:
                     priority=priority,
                     tenant=tenant,
                     block_hashes=block_hashes or [],
+                    lora_name=lora_name,
                 ),
                 arrival_time=now,
             )

@@ -27,6 +27,7 @@ class SimRequest:
     prefix_len: int = 0
     tenant: str = "default"
     priority: int = 0
+    lora_name: str = ""  # its LoRA adapter ("": the base model); see sim/adapters.py
 
     def prompt_token_ids(self, index: int) -> list[int]:
         """Deterministic token ids: a group's prefix is identical across requests, the rest
@@ -132,6 +133,7 @@ _TRACE_FIELDS = {
     "prefix_len": int,
     "tenant": str,
     "priority": int,
+    "lora_name": str,
 }
 _REQUIRED = ("arrival_s", "prompt_len", "output_len")
 

@@ -342,7 +342,8 @@ def test_prompt_hashes_cached_per_prefix_group_equal_the_scheduler_hash():
     sim = FleetSim(SimConfig(num_replicas=1), load_profile("cpu"))
     for i, req in enumerate(wl):
         prompt = req.prompt_token_ids(i)
-        assert sim._hashes(req, prompt) == hash_prompt_blocks(prompt, 16)
+        assert sim._hashes(req, prompt, None) == hash_prompt_blocks(prompt, 16)
+        assert sim._hashes(req, prompt, "x") == hash_prompt_blocks(prompt, 16, lora_name="x")
 
 
 def test_run_until_stops_at_that_simulated_second_with_the_same_history():

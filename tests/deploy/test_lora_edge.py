@@ -1,0 +1,169 @@
+"""LoRA at the HTTP edge, without Ray: which adapter `model` names, the admin bodies and checks,
+the error mapping, the app settings, and the commands that address one replica each."""
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from cluster.fleet_view import register, replica_ids
+from cluster.lora_admin import LoraCommand
+from deploy.body import parse_body
+from deploy.config import ApiKeyProfile, AppConfig
+from deploy.errors import APIError, ModelNotFoundError, error_response
+from deploy.lora import (
+    LoadLoraAdapterRequest,
+    PermissionDeniedError,
+    UnloadLoraAdapterRequest,
+    adapter_cards,
+    adapter_of,
+    check_admin,
+)
+from scheduler.lora_slots import LoraInUseError, UnknownLoraError
+
+BASE = ("tiny", "/models/tiny-llama")
+
+
+def _mapped(exc: BaseException) -> tuple[int, dict]:
+    response = error_response(exc)
+    return response.status_code, json.loads(response.body)["error"]
+
+
+@pytest.mark.parametrize(
+    "model,adapter",
+    [
+        (None, None),
+        ("tiny", None),
+        ("/models/tiny-llama", None),
+        ("tiny:sql-v2", "sql-v2"),
+        ("/models/tiny-llama:sql-v2", "sql-v2"),
+        ("sql-v2", "sql-v2"),
+    ],
+)
+def test_model_names_the_base_or_an_adapter(model, adapter):
+    assert adapter_of(model, BASE) == adapter
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["other:sql", "tiny:", "tiny:a b", "a/b", "x" * 65, "tiny:" + "x" * 10_000_000, "", ":"],
+)
+def test_a_model_that_is_neither_is_a_404_naming_model(model):
+    with pytest.raises(ModelNotFoundError) as info:
+        adapter_of(model, BASE)
+    status, err = _mapped(info.value)
+    assert status == 404 and err["param"] == "model" and err["code"] == "model_not_found"
+    assert len(err["message"]) < 300
+
+
+@settings(max_examples=100, deadline=None)
+@given(model=st.text(max_size=80))
+def test_any_model_string_is_the_base_an_adapter_or_a_404(model):
+    try:
+        adapter = adapter_of(model, BASE)
+    except ModelNotFoundError:
+        return
+    assert adapter is None or model in (adapter, f"tiny:{adapter}", f"{BASE[1]}:{adapter}")
+
+
+def test_adapter_cards_name_their_parent():
+    cards = adapter_cards(["a", "b"], "tiny", 7)
+    assert [c["id"] for c in cards] == ["a", "b"]
+    assert all(c["parent"] == "tiny" and c["object"] == "model" for c in cards)
+
+
+def test_an_unknown_adapter_is_a_404_and_one_in_use_a_400():
+    status, err = _mapped(UnknownLoraError("nope"))
+    assert status == 404 and err["code"] == "model_not_found" and "nope" in err["message"]
+    status, err = _mapped(LoraInUseError("lora_name: adapter 'a' is used by 2 requests"))
+    assert status == 400 and err["param"] == "lora_name"
+
+
+@pytest.mark.parametrize(
+    "raw,field",
+    [
+        ({"lora_name": "a"}, "lora_path"),
+        ({"lora_name": "a", "lora_path": ""}, "lora_path"),
+        ({"lora_name": "a", "lora_path": "x" * 10_000_000}, "lora_path"),
+        ({"lora_name": "x" * 100_000, "lora_path": "/p"}, "lora_name"),
+        ({"lora_name": 2**64, "lora_path": "/p"}, "lora_name"),
+        ({"lora_name": "a", "lora_path": "/p", "base_model_name": "m"}, "base_model_name"),
+    ],
+)
+def test_a_bad_load_body_is_a_400_naming_its_field(raw, field):
+    with pytest.raises((ValidationError, APIError)) as info:
+        asyncio.run(parse_body(json.dumps(raw).encode(), LoadLoraAdapterRequest, 16))
+    status, err = _mapped(info.value)
+    assert status == 400 and field in (err["param"] or "") + err["message"]
+
+
+def test_an_unload_body_names_the_adapter():
+    body = asyncio.run(parse_body(b'{"lora_name": "a"}', UnloadLoraAdapterRequest, 16))
+    assert body.lora_name == "a"
+
+
+def test_admin_calls_need_the_setting_and_an_admin_key():
+    status, err = _mapped(_raised(lambda: check_admin(False, None)))
+    assert status == 400 and err["code"] == "runtime_lora_disabled"
+    status, err = _mapped(_raised(lambda: check_admin(True, False)))
+    assert status == 403 and err["code"] == "permission_denied"
+    check_admin(True, True)
+    check_admin(True, None)  # no keys configured: the app is open to its callers
+    assert isinstance(_raised(lambda: check_admin(True, False)), PermissionDeniedError)
+
+
+def _raised(fn) -> BaseException:
+    with pytest.raises(Exception) as info:
+        fn()
+    return info.value
+
+
+def test_runtime_lora_needs_the_fleet_router_and_lora_on():
+    with pytest.raises(ValueError, match="allow_runtime_lora: needs router: fleet"):
+        AppConfig.from_args({"allow_runtime_lora": True, "router": "power_of_two"})
+    with pytest.raises(ValueError, match="allow_runtime_lora: LoRA is off"):
+        AppConfig.from_args({"allow_runtime_lora": True})
+    config = AppConfig.from_args({"allow_runtime_lora": True, "lora_root": "/adapters"})
+    assert config.engine.num_lora_slots == 4
+    assert config.key_profiles() == {}
+    keyed = AppConfig.from_args(
+        {"api_key": "k", "api_keys": {"t": {"tenant": "t"}, "op": {"tenant": "o", "admin": True}}}
+    )
+    assert {k: p.admin for k, p in keyed.key_profiles().items()} == {
+        "t": False,
+        "op": True,
+        "k": True,
+    }
+    with pytest.raises(ValueError, match="admin"):
+        ApiKeyProfile(tenant="t", admin="yes")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"op": "list", "name": "a"},
+        {"op": "add", "name": "a"},
+        {"op": "add", "name": "a", "path": "x" * 10_000},
+        {"op": "remove", "name": "a b"},
+        {"op": "remove", "name": "x" * 100_000},
+    ],
+)
+def test_a_bad_command_is_refused_by_field(kwargs):
+    with pytest.raises(ValueError):
+        LoraCommand("r1", **kwargs)
+
+
+def test_replica_ids_come_from_the_routers_of_this_process():
+    class Source:
+        def replica_reports(self):
+            return {}
+
+        def replica_ids(self):
+            return {"r1", "r2"}
+
+    source = Source()
+    register(source)
+    assert {"r1", "r2"} <= replica_ids()
