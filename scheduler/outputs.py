@@ -153,6 +153,9 @@ class SchedulerStats:
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_verify_rows: int = 0
+    # Tokens the waiting requests still have to compute before they run (prompts, and a preempted
+    # request's recompute): the backlog the autoscaling policy weighs (router/autoscaling.py).
+    num_waiting_prompt_tokens: int = 0
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);
