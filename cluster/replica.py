@@ -354,6 +354,7 @@ class LLMReplica:
             max_num_seqs=self.config.scheduler.max_num_seqs,
             ttft_p90_s=self._ttft_window.p90(now),
             itl_p90_s=self._itl_window.p90(now),
+            kv_cache_tokens=stats.num_gpu_blocks * self.config.block_size,
         ).to_dict()
 
     async def check_health(self) -> None:

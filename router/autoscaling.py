@@ -138,10 +138,11 @@ class ReplicaSignals:
     max_num_seqs: int = 1
     ttft_p90_s: float | None = None  # over the replica's recent window; None: no samples
     itl_p90_s: float | None = None
+    kv_cache_tokens: int = 0  # the KV pool's size in tokens (0: unknown)
 
     def __post_init__(self) -> None:
         _check_number("kv_cache_usage", self.kv_cache_usage, 1.0)
-        for name in ("num_waiting", "num_waiting_prompt_tokens", "num_running"):
+        for name in ("num_waiting", "num_waiting_prompt_tokens", "num_running", "kv_cache_tokens"):
             _check_number(name, getattr(self, name), float(1 << 62))
         _check_number("max_num_seqs", self.max_num_seqs, float(1 << 62))
         if self.max_num_seqs < 1:
@@ -215,10 +216,17 @@ class Demand:
         )
 
 
+def _kv_needed(s: ReplicaSignals) -> float:
+    """The replica's KV in use plus what its waiting requests will take, as a share of its pool:
+    a full cache with a queue behind it needs more than one replica's KV."""
+    queued = s.num_waiting_prompt_tokens / s.kv_cache_tokens if s.kv_cache_tokens else 0.0
+    return s.kv_cache_usage + queued
+
+
 def demand(signals: Sequence[ReplicaSignals], targets: SignalTargets) -> Demand:
     """Replicas each load signal asks for: non-decreasing in every signal."""
     return Demand(
-        kv_cache=sum(s.kv_cache_usage for s in signals) / targets.kv_cache_usage,
+        kv_cache=sum(map(_kv_needed, signals)) / targets.kv_cache_usage,
         batch=sum((s.num_running + s.num_waiting) / s.max_num_seqs for s in signals)
         / targets.batch_fraction,
         queued_tokens=sum(s.num_waiting_prompt_tokens for s in signals)

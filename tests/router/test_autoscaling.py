@@ -76,6 +76,7 @@ def test_each_signal_scales_up_with_its_reason():
         ([busy(0.9), busy(0.9)], "kv_cache"),
         ([busy(0.1, running=SEQS, waiting=40)] * 2, "batch"),
         ([busy(0.1, waiting=2, tokens=40_000)] * 2, "queued_tokens"),
+        ([busy(0.7, waiting=2, tokens=2000, kv_cache_tokens=8192)] * 2, "kv_cache"),
         ([busy(0.1, ttft_p90_s=3.0)] * 2, "ttft_slo"),
         ([busy(0.1, itl_p90_s=0.5)] * 2, "itl_slo"),
     ]
@@ -139,6 +140,7 @@ signal = st.builds(
     st.just(SEQS),
     st.none() | st.floats(0, 10),
     st.none() | st.floats(0, 1),
+    st.sampled_from([0, 4096]),
 )
 
 
@@ -162,6 +164,7 @@ def test_more_load_never_asks_for_fewer_replicas(signals, factor, extra, current
             SEQS,
             None if s.ttft_p90_s is None else s.ttft_p90_s * factor,
             None if s.itl_p90_s is None else s.itl_p90_s * factor,
+            s.kv_cache_tokens,
         )
         for s in signals
     ]
