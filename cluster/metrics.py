@@ -45,7 +45,7 @@ _E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120
 class ReplicaMetrics:
     """The queue gauges, token counters and latency histograms of one LLMReplica."""
 
-    def __init__(self, replica: str) -> None:
+    def __init__(self, replica: str, model: str = "") -> None:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, tag_keys=_TAGS)
 
@@ -87,6 +87,16 @@ class ReplicaMetrics:
         self.itl = histogram(
             "raylm_inter_token_seconds", "Time between output deltas.", _LATENCY_BUCKETS
         )
+        # Requests that ended by themselves, by whether they met the model's SLO (TTFT and ITL
+        # p90): the dashboards' SLO attainment. Tagged by model, for the per-model panels.
+        self.slo_requests = Counter(
+            "raylm_slo_requests_total",
+            "Finished requests by whether they met the model's latency SLO.",
+            tag_keys=("replica", "model", "slo"),
+        )
+        self.slo_requests.set_default_tags({"replica": replica, "model": model})
+        for outcome in ("met", "missed"):
+            self.slo_requests._record(0.0, tags={"slo": outcome})
         for metric in (
             self.waiting,
             self.running,
@@ -156,6 +166,9 @@ class ReplicaMetrics:
             if total > seen[rank]:
                 self.expert_tokens.inc(total - seen[rank], tags={"rank": str(rank)})
             seen[rank] = total
+
+    def record_slo(self, met: bool) -> None:
+        self.slo_requests.inc(1, tags={"slo": "met" if met else "missed"})
 
     def record_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

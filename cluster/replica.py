@@ -30,6 +30,7 @@ from cluster.lora_metrics import LoraMetrics
 from cluster.metrics import ReplicaMetrics
 from cluster.ray_executor import ray_executor
 from engine.config import EngineConfig
+from router.autoscaling import LatencyWindow, ReplicaSignals, SloTargets
 from router.stats import MAX_REPORTED_PREFIX_HASHES, ReplicaState, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import EngineRequest
@@ -70,6 +71,9 @@ class _Stream:
     caller: str | None = None  # the caller actor's name (its death aborts the request)
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
+    ttft: float | None = None
+    gaps: int = 0  # inter-token gaps so far, and those over the SLO's ITL
+    slow_gaps: int = 0
     sent: bool = False  # a delta with tokens has gone out (the first tokens are never held back)
     held: RequestOutput | None = None  # tokens waiting for a full chunk (stream_interval)
 
@@ -112,6 +116,8 @@ class _Stream:
         return item
 
 
+# The window of the TTFT and ITL p90 a replica reports to the autoscaling policy.
+LATENCY_WINDOW_S = 30.0
 # How often the watchdog looks for a stalled engine and for requests whose caller died.
 WATCHDOG_PERIOD_S = 1.0
 # Where Serve puts every replica actor, the ingress replicas that call us included (the runtime
@@ -163,11 +169,18 @@ class LLMReplica:
     """One data-parallel engine: its scheduler, KV cache and (TP) workers."""
 
     # Serve awaits an async constructor, so the replica can take its event loop here.
-    async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, config: EngineConfig, slo: SloTargets | None = None, model: str = ""
+    ) -> None:
+        """slo: the model's latency targets, whose attainment each finished request counts (and
+        the autoscaling policy compares the measured p90s with); model: the metrics' model tag."""
         self.config = config
+        self.slo = slo
         self.replica = replica = serve.get_replica_context().replica_tag
-        self.metrics = ReplicaMetrics(replica)
         self.lora_metrics = LoraMetrics(replica)
+        self.metrics = ReplicaMetrics(replica, model)
+        self._ttft_window = LatencyWindow(LATENCY_WINDOW_S)
+        self._itl_window = LatencyWindow(LATENCY_WINDOW_S)
         self.engine = build_engine(config)
         self._streams: dict[str, _Stream] = {}
         self._draining = False
@@ -203,6 +216,8 @@ class LLMReplica:
             while not finished:
                 output = await stream.next()
                 finished = output.finished
+                if finished and output.finish_reason in ("stop", "length"):
+                    self._count_slo(stream)
                 yield output
         finally:
             self._streams.pop(rid, None)
@@ -230,12 +245,25 @@ class LLMReplica:
         if not output.new_token_ids:
             return
         last = stream.last_token
-        self.metrics.record_tokens(
-            len(output.new_token_ids),
-            ttft=now - stream.arrival if last is None else None,
-            itl=None if last is None else now - last,
-        )
+        ttft = now - stream.arrival if last is None else None
+        itl = None if last is None else now - last
+        self.metrics.record_tokens(len(output.new_token_ids), ttft=ttft, itl=itl)
         stream.last_token = now
+        if ttft is not None:
+            stream.ttft = ttft
+            self._ttft_window.add(now, ttft)
+        if itl is not None:
+            self._itl_window.add(now, itl)
+            stream.gaps += 1
+            stream.slow_gaps += self.slo is not None and itl > self.slo.itl_p90_s
+
+    def _count_slo(self, stream: _Stream) -> None:
+        """A request that ended by itself met the SLO if its TTFT did and at most a tenth of its
+        inter-token gaps exceeded the ITL target (its ITL p90 met it)."""
+        if self.slo is None or stream.ttft is None:
+            return
+        met = stream.ttft <= self.slo.ttft_p90_s and stream.slow_gaps * 10 <= stream.gaps
+        self.metrics.record_slo(met)
 
     def _on_error(self, request_id: str | None, exc: BaseException) -> None:
         targets = (
@@ -336,6 +364,21 @@ class LLMReplica:
             await self._loop_thread.call(lambda e: e.remove_lora(command.name))
         logger.info("LoRA adapter %s: %s", command.name, command.op)
         return await self.list_loras()
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve pushes this to the controller for the autoscaling policy
+        (cluster/autoscaling_policy.py): KV usage, queues and backlog, batch size against
+        max_num_seqs, and the TTFT and ITL p90 over the last LATENCY_WINDOW_S (-1: no samples)."""
+        stats, now = self._stats, time.perf_counter()
+        return ReplicaSignals(
+            kv_cache_usage=min(1.0, stats.kv_cache_usage),
+            num_waiting=stats.num_waiting,
+            num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
+            num_running=stats.num_running,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            ttft_p90_s=self._ttft_window.p90(now),
+            itl_p90_s=self._itl_window.p90(now),
+            kv_cache_tokens=stats.num_gpu_blocks * self.config.block_size,
+        ).to_dict()
 
     async def check_health(self) -> None:
         """Serve's probe: a failed, stalled or shut-down engine fails it, and Serve replaces this

@@ -98,7 +98,10 @@ def application(config: AppConfig) -> Application:
         replica_options["request_router_config"] = router_config
     # mypy keeps a decorated class's own type (python/mypy#3135); @serve.deployment made these
     # Deployments, which have options().
-    replica = LLMReplica.options(**replica_options).bind(config.engine)  # type: ignore[attr-defined]
+    slo = config.autoscaling.slo if config.autoscaling is not None else None
+    replica = LLMReplica.options(**replica_options).bind(  # type: ignore[attr-defined]
+        config.engine, slo, config.model_name
+    )
     logger.info("raylm app: %s", config.summary())
     return OpenAIIngress.options(  # type: ignore[attr-defined]
         num_replicas=config.ingress_replicas,

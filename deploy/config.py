@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+
+from cluster.autoscaling_policy import POLICY_PATH
 from cluster.placement import STRATEGIES, default_strategy
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
 from frontend.reasoning import PARSERS
+from router.autoscaling import MAX_DELAY_S, MAX_REPLICAS, SignalTargets, SloTargets
 from router.config import RoutingConfig
 from router.stats import ROUTING_STATS_PERIOD_S
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
@@ -32,18 +37,44 @@ ROUTERS = {
 MAX_BUNDLE_CPUS = 1024
 
 
+AUTOSCALING_POLICIES = ("ongoing_requests", "llm")
+
+
 @dataclass(slots=True)
 class AutoscalingArgs:
-    """Replica autoscaling on ongoing requests per replica (Serve's autoscaling_config subset)."""
+    """Replica autoscaling (Serve's autoscaling_config): on ongoing requests per replica (Serve's
+    default policy), or on LLM signals (router/autoscaling.py: KV usage, queues, batch and the
+    measured latency against `slo`)."""
 
-    min_replicas: int = setting(1, "fewest replicas", ge=0)
-    max_replicas: int = setting(1, "most replicas", ge=1)
-    initial_replicas: int | None = setting(None, "replicas at start (unset: min_replicas)", ge=0)
-    target_ongoing_requests: float = setting(
-        16.0, "ongoing requests per replica that autoscaling aims at", gt=0
+    min_replicas: int = setting(1, "fewest replicas", ge=0, le=MAX_REPLICAS)
+    max_replicas: int = setting(1, "most replicas", ge=1, le=MAX_REPLICAS)
+    initial_replicas: int | None = setting(
+        None, "replicas at start (unset: min_replicas)", ge=0, le=MAX_REPLICAS
     )
-    upscale_delay_s: float = setting(30.0, "load above target this long adds replicas", ge=0)
-    downscale_delay_s: float = setting(600.0, "load below target this long removes replicas", ge=0)
+    policy: str = setting(
+        "ongoing_requests",
+        "`ongoing_requests` (Serve's default: `target_ongoing_requests` per replica) or `llm` "
+        "(KV-cache usage, waiting requests and queued prompt tokens, the running batch against "
+        "max_num_seqs, and the measured TTFT and ITL p90 against `slo`; docs/operations.md)",
+        choices=AUTOSCALING_POLICIES,
+    )
+    target_ongoing_requests: float = setting(
+        16.0, "ongoing requests per replica that the `ongoing_requests` policy aims at", gt=0
+    )
+    upscale_delay_s: float = setting(
+        30.0, "load above target this long adds replicas", ge=0, le=MAX_DELAY_S
+    )
+    downscale_delay_s: float = setting(
+        600.0, "load below target this long removes replicas", ge=0, le=MAX_DELAY_S
+    )
+    look_back_period_s: float = setting(
+        30.0, "Serve averages the replicas' figures over this window", gt=0, le=3600
+    )
+    metrics_interval_s: float = setting(
+        10.0, "how often each replica pushes its figures to Serve's controller", gt=0, le=3600
+    )
+    slo: SloTargets = field(default_factory=SloTargets)
+    targets: SignalTargets = field(default_factory=SignalTargets)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -51,6 +82,42 @@ class AutoscalingArgs:
             raise ValueError(
                 f"min_replicas: must be <= max_replicas ({self.max_replicas}), "
                 f"got {self.min_replicas}"
+            )
+
+    def serve_config(self, model: str) -> dict[str, Any] | AutoscalingConfig:
+        """Serve's autoscaling_config: the `llm` policy's hysteresis is its own (Serve's delays
+        0), and Serve builds the policy once from these settings."""
+        common: dict[str, Any] = {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "look_back_period_s": self.look_back_period_s,
+            "metrics_interval_s": self.metrics_interval_s,
+        }
+        if self.initial_replicas is not None:
+            common["initial_replicas"] = self.initial_replicas
+        if self.policy == "ongoing_requests":
+            return {
+                **common,
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+            }
+        kwargs = {
+            "model": model,
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "slo": asdict(self.slo),
+            "targets": asdict(self.targets),
+        }
+        # An AutoscalingPolicy built here pickles the policy class; from a plain dict Serve's
+        # validation would skip that.
+        policy = AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs=kwargs)
+        with warnings.catch_warnings():  # Serve marks metrics_interval_s deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return AutoscalingConfig(
+                **common, upscale_delay_s=0.0, downscale_delay_s=0.0, policy=policy
             )
 
 
@@ -94,8 +161,9 @@ class AppConfig:
     autoscaling: AutoscalingArgs | None = setting(
         None,
         "instead of `num_replicas`: "
-        "`{min_replicas, max_replicas, initial_replicas, "
-        "target_ongoing_requests, upscale_delay_s, downscale_delay_s}`",
+        "`{min_replicas, max_replicas, initial_replicas, policy, target_ongoing_requests, "
+        "upscale_delay_s, downscale_delay_s, look_back_period_s, metrics_interval_s, "
+        "slo: {ttft_p90_s, itl_p90_s}, targets: {...}}` (docs/operations.md#autoscaling)",
     )
     # Routing across replicas and admission.
     router: str = setting(
@@ -347,9 +415,7 @@ class AppConfig:
             return {"num_replicas": self.num_replicas or 1}
         return {
             "num_replicas": "auto",
-            "autoscaling_config": {
-                k: v for k, v in asdict(self.autoscaling).items() if v is not None
-            },
+            "autoscaling_config": self.autoscaling.serve_config(self.model_name),
         }
 
     def queue_limit(self) -> int:

@@ -175,6 +175,9 @@ class Scheduler:
             num_prompt_tokens_hit=kv.num_hit_tokens,
             num_gpu_blocks=kv.pool.num_blocks,
             loaded_loras=self.loras.loaded(),
+            num_waiting_prompt_tokens=sum(
+                r.num_tokens - r.num_computed_tokens for r in self.waiting
+            ),
         )
 
     # ---- schedule ------------------------------------------------------------------------------

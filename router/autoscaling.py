@@ -1,0 +1,361 @@
+"""Autoscaling on LLM signals: how many replicas a model needs, as a pure function of what its
+replicas report.
+
+Serve's default policy counts ongoing requests, and a replica with ten short chats looks like one
+with ten long essays. What limits an LLM replica is its KV cache, its running batch against
+`max_num_seqs`, the prompts queued behind them, and the latency it delivers against the model's
+SLO; `decide` reads those. Each load signal is turned into a demand in replicas (the fleet's total
+over a per-replica target), and the fleet needs the largest of them:
+
+- up: the largest demand rounds up above the current count, or the measured TTFT or ITL p90 is
+  over its SLO (then the count grows by the ratio, at most doubling; after a scale-up the latency
+  signals are ignored for `slo_cooldown_s`, while the new replica starts and the window refills);
+- down: the largest demand over `downscale_headroom` (a dead band under the targets) still fits in
+  fewer replicas, and both latencies are under `downscale_headroom` of their SLO, for
+  `downscale_delay_s` without a break; the count falls to the most that the wait asked for.
+
+The dead band keeps a noisy load from flapping: a load that sways by less than the band around its
+mean scales once and then holds. The function is pure: the state (`AutoscalingState`) goes in and
+comes out, so Serve (cluster/autoscaling_policy.py) and the simulator (sim/autoscale.py) run the
+same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from scheduler.settings import check_settings, setting
+
+# A fleet this large is a typo, not a setting.
+MAX_REPLICAS = 1 << 20
+MAX_DELAY_S = 86400.0
+# Why a decision went the way it did; the dashboards count decisions by these.
+REASONS = (
+    "kv_cache",  # KV-cache usage over its target
+    "batch",  # running + waiting requests over the batch target
+    "queued_tokens",  # prompt tokens queued over their target
+    "ttft_slo",  # measured TTFT p90 over the SLO
+    "itl_slo",  # measured ITL p90 over the SLO
+    "low_load",  # every signal fits in fewer replicas, with headroom
+    "min_replicas",  # below the lower bound
+    "max_replicas",  # above the upper bound (or capped there)
+    "upscale_delay",  # would scale up: waiting out upscale_delay_s
+    "downscale_delay",  # would scale down: waiting out downscale_delay_s
+    "steady",  # nothing to do
+    "no_signals",  # no replica has reported yet
+)
+
+
+@dataclass(slots=True)
+class SloTargets:
+    """The latency a model promises: the p90 of time to first token and of inter-token gaps."""
+
+    ttft_p90_s: float = setting(
+        2.0, "time to first token, p90, that replicas must meet", gt=0, le=3600
+    )
+    itl_p90_s: float = setting(
+        0.2, "gap between output tokens, p90, that replicas must meet", gt=0, le=3600
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(slots=True)
+class SignalTargets:
+    """Per-replica load the `llm` policy aims at, and its dead band."""
+
+    kv_cache_usage: float = setting(0.75, "KV-cache usage (0-1) per replica", gt=0, le=1)
+    batch_fraction: float = setting(
+        0.75, "running + waiting requests over max_num_seqs, per replica", gt=0, le=8
+    )
+    queued_prompt_tokens: int = setting(
+        16384, "prompt tokens waiting to be scheduled, per replica", ge=1, le=1 << 40
+    )
+    downscale_headroom: float = setting(
+        0.7,
+        "scale down only while every signal stays under this fraction of its target (and of the "
+        "SLO) with fewer replicas: the dead band that keeps a noisy load from flapping",
+        gt=0,
+        lt=1,
+    )
+    slo_cooldown_s: float = setting(
+        30.0,
+        "after a scale-up, latency over the SLO adds no replica for this long (the new replica "
+        "starts and the measurement window refills)",
+        ge=0,
+        le=MAX_DELAY_S,
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(slots=True)
+class AutoscalingPolicyConfig:
+    """What the `llm` policy needs: bounds, delays, the SLO and the per-replica targets."""
+
+    min_replicas: int = setting(1, "fewest replicas", ge=0, le=MAX_REPLICAS)
+    max_replicas: int = setting(1, "most replicas", ge=1, le=MAX_REPLICAS)
+    upscale_delay_s: float = setting(
+        0.0, "load over target this long adds replicas", ge=0, le=MAX_DELAY_S
+    )
+    downscale_delay_s: float = setting(
+        120.0, "load under target (with headroom) this long removes replicas", ge=0, le=MAX_DELAY_S
+    )
+    slo: SloTargets = field(default_factory=SloTargets)
+    targets: SignalTargets = field(default_factory=SignalTargets)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas: must be <= max_replicas ({self.max_replicas}), "
+                f"got {self.min_replicas}"
+            )
+
+
+def _check_number(name: str, value: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    if not (math.isfinite(value) and 0 <= value <= high):
+        raise ValueError(f"{name}: must be in [0, {high:g}], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSignals:
+    """One replica's figures, as it last reported them (cluster/replica.py
+    `record_autoscaling_stats`, or a simulated replica)."""
+
+    kv_cache_usage: float = 0.0  # 0-1
+    num_waiting: int = 0
+    num_waiting_prompt_tokens: int = 0
+    num_running: int = 0
+    max_num_seqs: int = 1
+    ttft_p90_s: float | None = None  # over the replica's recent window; None: no samples
+    itl_p90_s: float | None = None
+    kv_cache_tokens: int = 0  # the KV pool's size in tokens (0: unknown)
+
+    def __post_init__(self) -> None:
+        _check_number("kv_cache_usage", self.kv_cache_usage, 1.0)
+        for name in ("num_waiting", "num_waiting_prompt_tokens", "num_running", "kv_cache_tokens"):
+            _check_number(name, getattr(self, name), float(1 << 62))
+        _check_number("max_num_seqs", self.max_num_seqs, float(1 << 62))
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        for name in ("ttft_p90_s", "itl_p90_s"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_number(name, value, 1e9)
+
+    @classmethod
+    def from_dict(cls, report: Mapping[str, float]) -> ReplicaSignals:
+        """From the flat report Serve carries (record_autoscaling_stats); a latency < 0 is "no
+        samples" (Serve's custom metrics must be numbers)."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in report:
+                continue
+            value = report[f.name]
+            if f.name in ("ttft_p90_s", "itl_p90_s"):
+                values[f.name] = None if value < 0 else float(value)
+            elif f.name == "kv_cache_usage":
+                values[f.name] = float(value)
+            else:
+                values[f.name] = round(value)  # Serve averages over its window
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, float]:
+        out = {k: float(v) if v is not None else -1.0 for k, v in asdict(self).items()}
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingState:
+    """What the policy remembers between decisions (Serve keeps it in policy_state)."""
+
+    up_since_s: float | None = None  # load first asked for more replicas (upscale_delay_s)
+    down_since_s: float | None = None  # load first fitted in fewer (downscale_delay_s)
+    down_to: int = 0  # the most replicas the load asked for during the downscale wait
+    last_scale_up_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AutoscalingState:
+        """From Serve's policy_state, which holds Serve's own keys too: those are skipped."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleDecision:
+    replicas: int
+    reason: str  # one of REASONS
+    state: AutoscalingState
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """The fleet's load in replicas, per signal (each the fleet's total over its target)."""
+
+    kv_cache: float
+    batch: float
+    queued_tokens: float
+
+    def largest(self) -> tuple[float, str]:
+        return max(
+            (self.kv_cache, "kv_cache"),
+            (self.batch, "batch"),
+            (self.queued_tokens, "queued_tokens"),
+        )
+
+
+def _kv_needed(s: ReplicaSignals) -> float:
+    """The replica's KV in use plus what its waiting requests will take, as a share of its pool:
+    a full cache with a queue behind it needs more than one replica's KV."""
+    queued = s.num_waiting_prompt_tokens / s.kv_cache_tokens if s.kv_cache_tokens else 0.0
+    return s.kv_cache_usage + queued
+
+
+def demand(signals: Sequence[ReplicaSignals], targets: SignalTargets) -> Demand:
+    """Replicas each load signal asks for: non-decreasing in every signal."""
+    return Demand(
+        kv_cache=sum(map(_kv_needed, signals)) / targets.kv_cache_usage,
+        batch=sum((s.num_running + s.num_waiting) / s.max_num_seqs for s in signals)
+        / targets.batch_fraction,
+        queued_tokens=sum(s.num_waiting_prompt_tokens for s in signals)
+        / targets.queued_prompt_tokens,
+    )
+
+
+def _latency_ratio(signals: Sequence[ReplicaSignals], slo: SloTargets) -> tuple[float, str]:
+    """The worse of the fleet's TTFT and ITL p90 (mean over the replicas with samples) over its
+    SLO; 0 without samples."""
+    out = (0.0, "ttft_slo")
+    for name, target, reason in (
+        ("ttft_p90_s", slo.ttft_p90_s, "ttft_slo"),
+        ("itl_p90_s", slo.itl_p90_s, "itl_slo"),
+    ):
+        values = [v for s in signals if (v := getattr(s, name)) is not None]
+        if values:
+            out = max(out, (sum(values) / len(values) / target, reason))
+    return out
+
+
+def _ceil(x: float) -> int:
+    # A load of exactly 3.0 replicas fits in 3, whatever rounding left in the sum.
+    return math.ceil(x - 1e-9)
+
+
+def decide(
+    signals: Sequence[ReplicaSignals],
+    current: int,
+    config: AutoscalingPolicyConfig,
+    state: AutoscalingState,
+    now: float,
+) -> ScaleDecision:
+    """The replica count for the model now (current: its target count, replicas starting
+    included), why, and the state for the next call."""
+    lo, hi = config.min_replicas, config.max_replicas
+    if current < lo:
+        return ScaleDecision(lo, "min_replicas", AutoscalingState(last_scale_up_s=now))
+    if current > hi:
+        return ScaleDecision(
+            hi, "max_replicas", AutoscalingState(last_scale_up_s=state.last_scale_up_s)
+        )
+    if not signals:
+        return ScaleDecision(current, "no_signals", state)
+    load, reason = demand(signals, config.targets).largest()
+    up = _ceil(load)
+    ratio, slo_reason = _latency_ratio(signals, config.slo)
+    cooling = (
+        state.last_scale_up_s is not None
+        and now - state.last_scale_up_s < config.targets.slo_cooldown_s
+    )
+    if ratio > 1 and not cooling and _ceil(current * min(ratio, 2.0)) > up:
+        up, reason = max(current + 1, _ceil(current * min(ratio, 2.0))), slo_reason
+    if up > current:
+        return _scale_up(min(up, hi), reason, current, config, state, now)
+    headroom = config.targets.downscale_headroom
+    down = max(lo, _ceil(load / headroom), 1 if lo == 0 and load > 0 else 0)
+    if down < current and ratio < headroom:
+        return _scale_down(down, current, config, state, now)
+    return ScaleDecision(
+        current, "steady", replace(state, up_since_s=None, down_since_s=None, down_to=0)
+    )
+
+
+def _scale_up(
+    target: int,
+    reason: str,
+    current: int,
+    config: AutoscalingPolicyConfig,
+    state: AutoscalingState,
+    now: float,
+) -> ScaleDecision:
+    since = state.up_since_s if state.up_since_s is not None else now
+    if target <= current:  # capped at max_replicas already
+        return ScaleDecision(
+            current, "max_replicas", replace(state, up_since_s=None, down_since_s=None, down_to=0)
+        )
+    if now - since < config.upscale_delay_s:
+        return ScaleDecision(
+            current, "upscale_delay", replace(state, up_since_s=since, down_since_s=None, down_to=0)
+        )
+    return ScaleDecision(target, reason, AutoscalingState(last_scale_up_s=now))
+
+
+def _scale_down(
+    target: int,
+    current: int,
+    config: AutoscalingPolicyConfig,
+    state: AutoscalingState,
+    now: float,
+) -> ScaleDecision:
+    since = state.down_since_s
+    down_to = target if since is None else max(target, state.down_to)
+    if since is None:
+        since = now
+    if now - since < config.downscale_delay_s:
+        return ScaleDecision(
+            current,
+            "downscale_delay",
+            replace(state, up_since_s=None, down_since_s=since, down_to=down_to),
+        )
+    return ScaleDecision(
+        down_to, "low_load", AutoscalingState(last_scale_up_s=state.last_scale_up_s)
+    )
+
+
+class LatencyWindow:
+    """Latency samples of the last `window_s` seconds, for their p90 (the replica's measured TTFT
+    and ITL that the policy compares with the SLO). Bounded: at most `max_samples` kept, the
+    oldest dropped first."""
+
+    def __init__(self, window_s: float = 30.0, max_samples: int = 4096) -> None:
+        if not (math.isfinite(window_s) and window_s > 0):
+            raise ValueError(f"window_s: must be a finite number > 0, got {window_s!r}")
+        if not 1 <= max_samples <= 1 << 24:
+            raise ValueError(f"max_samples: must be in [1, 2^24], got {max_samples!r}")
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def add(self, now: float, value: float) -> None:
+        self._samples.append((now, value))
+
+    def p90(self, now: float) -> float | None:
+        """The p90 (nearest rank) of the samples within the window; None without any."""
+        cutoff = now - self.window_s
+        samples = self._samples
+        while samples and samples[0][0] < cutoff:
+            samples.popleft()
+        if not samples:
+            return None
+        values = sorted(v for _, v in samples)
+        return values[max(0, math.ceil(0.9 * len(values)) - 1)]

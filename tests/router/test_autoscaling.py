@@ -1,0 +1,204 @@
+"""The LLM-signal autoscaling policy: bounded settings, monotone in load, hysteresis, bounds, and no
+flapping on a noisy constant load."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.autoscaling import (
+    REASONS,
+    AutoscalingPolicyConfig,
+    AutoscalingState,
+    LatencyWindow,
+    ReplicaSignals,
+    SignalTargets,
+    SloTargets,
+    decide,
+)
+
+SEQS = 64
+
+
+def config(**kw) -> AutoscalingPolicyConfig:
+    base = dict(min_replicas=1, max_replicas=32, upscale_delay_s=0.0, downscale_delay_s=60.0)
+    return AutoscalingPolicyConfig(**{**base, **kw})
+
+
+def busy(kv: float, running: int = 0, waiting: int = 0, tokens: int = 0, **kw) -> ReplicaSignals:
+    return ReplicaSignals(kv, waiting, tokens, running, SEQS, **kw)
+
+
+@pytest.mark.parametrize(
+    "cls,field,value",
+    [
+        (AutoscalingPolicyConfig, "min_replicas", -1),
+        (AutoscalingPolicyConfig, "max_replicas", 2**64),
+        (AutoscalingPolicyConfig, "max_replicas", 0),
+        (AutoscalingPolicyConfig, "upscale_delay_s", float("nan")),
+        (AutoscalingPolicyConfig, "downscale_delay_s", -1),
+        (SloTargets, "ttft_p90_s", float("nan")),
+        (SloTargets, "itl_p90_s", 0),
+        (SloTargets, "itl_p90_s", 2**64),
+        (SignalTargets, "kv_cache_usage", 1.5),
+        (SignalTargets, "queued_prompt_tokens", 2**64),
+        (SignalTargets, "downscale_headroom", 1.0),
+        (SignalTargets, "slo_cooldown_s", float("inf")),
+        (ReplicaSignals, "kv_cache_usage", float("nan")),
+        (ReplicaSignals, "num_waiting", -1),
+        (ReplicaSignals, "num_waiting_prompt_tokens", 2**64),
+        (ReplicaSignals, "max_num_seqs", 0),
+        (ReplicaSignals, "ttft_p90_s", float("nan")),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(cls, field, value):
+    with pytest.raises(ValueError, match=field):
+        cls(**{field: value})
+
+
+def test_min_above_max_and_sections_from_mappings():
+    with pytest.raises(ValueError, match="min_replicas"):
+        AutoscalingPolicyConfig(min_replicas=3, max_replicas=2)
+    cfg = AutoscalingPolicyConfig(slo={"ttft_p90_s": 1}, targets={"kv_cache_usage": 0.5})  # type: ignore[arg-type]
+    assert cfg.slo.ttft_p90_s == 1.0 and cfg.targets.kv_cache_usage == 0.5
+    with pytest.raises(ValueError, match="slo.ttft_p90_s"):
+        AutoscalingPolicyConfig(slo={"ttft_p90_s": -1})  # type: ignore[arg-type]
+
+
+def test_each_signal_scales_up_with_its_reason():
+    cfg = config()
+    state = AutoscalingState()
+    cases = [
+        ([busy(0.9), busy(0.9)], "kv_cache"),
+        ([busy(0.1, running=SEQS, waiting=40)] * 2, "batch"),
+        ([busy(0.1, waiting=2, tokens=40_000)] * 2, "queued_tokens"),
+        ([busy(0.7, waiting=2, tokens=2000, kv_cache_tokens=8192)] * 2, "kv_cache"),
+        ([busy(0.1, ttft_p90_s=3.0)] * 2, "ttft_slo"),
+        ([busy(0.1, itl_p90_s=0.5)] * 2, "itl_slo"),
+    ]
+    for signals, reason in cases:
+        decision = decide(signals, 2, cfg, state, now=0.0)
+        assert decision.replicas > 2 and decision.reason == reason, (reason, decision)
+        assert decision.reason in REASONS
+
+
+def test_latency_over_the_slo_waits_out_the_cooldown_after_a_scale_up():
+    cfg = config(targets={"slo_cooldown_s": 30})  # type: ignore[arg-type]
+    slow = [busy(0.1, ttft_p90_s=3.0)] * 2
+    first = decide(slow, 2, cfg, AutoscalingState(), now=100.0)
+    assert first.replicas == 3
+    assert decide(slow, 3, cfg, first.state, now=110.0).replicas == 3  # cooling down
+    assert decide(slow, 3, cfg, first.state, now=131.0).replicas > 3
+
+
+def test_scale_down_waits_out_the_delay_and_keeps_the_most_the_wait_asked_for():
+    cfg = config(downscale_delay_s=60)
+    state = AutoscalingState()
+    d = decide([busy(0.05)] * 8, 8, cfg, state, now=0.0)
+    assert (d.replicas, d.reason) == (8, "downscale_delay")
+    d = decide([busy(0.3)] * 8, 8, cfg, d.state, now=30.0)  # asks for ceil(2.4 / 0.75 / 0.7) = 5
+    assert d.replicas == 8
+    d = decide([busy(0.05)] * 8, 8, cfg, d.state, now=61.0)
+    assert (d.replicas, d.reason) == (5, "low_load")
+    # A break in the wait (load back in the dead band) starts it again.
+    d = decide([busy(0.05)] * 5, 5, cfg, AutoscalingState(), now=100.0)
+    d = decide([busy(0.6)] * 5, 5, cfg, d.state, now=130.0)
+    assert d.reason == "steady"
+    d = decide([busy(0.05)] * 5, 5, cfg, d.state, now=170.0)
+    assert (d.replicas, d.reason) == (5, "downscale_delay")
+
+
+def test_upscale_delay_and_bounds():
+    cfg = config(upscale_delay_s=10, max_replicas=4)
+    hot = [busy(1.0)] * 2
+    d = decide(hot, 2, cfg, AutoscalingState(), now=0.0)
+    assert (d.replicas, d.reason) == (2, "upscale_delay")
+    d = decide(hot, 2, cfg, d.state, now=10.0)
+    assert (d.replicas, d.reason) == (3, "kv_cache")
+    assert decide([busy(1.0)] * 4, 4, cfg, AutoscalingState(), 0.0).reason == "max_replicas"
+    assert decide([], 0, cfg, AutoscalingState(), 0.0).replicas == 1
+    assert decide([busy(0.1)] * 6, 6, cfg, AutoscalingState(), 0.0).replicas == 4
+    assert decide([], 3, cfg, AutoscalingState(), 0.0).reason == "no_signals"
+
+
+def test_min_replicas_zero_scales_to_zero_only_when_idle():
+    cfg = config(min_replicas=0, downscale_delay_s=0)
+    assert decide([busy(0.0)], 1, cfg, AutoscalingState(), 0.0).replicas == 0
+    assert decide([busy(0.0, waiting=1)], 1, cfg, AutoscalingState(), 0.0).replicas == 1
+
+
+signal = st.builds(
+    ReplicaSignals,
+    st.floats(0, 1),
+    st.integers(0, 200),
+    st.integers(0, 100_000),
+    st.integers(0, SEQS),
+    st.just(SEQS),
+    st.none() | st.floats(0, 10),
+    st.none() | st.floats(0, 1),
+    st.sampled_from([0, 4096]),
+)
+
+
+@given(
+    st.lists(signal, min_size=1, max_size=8),
+    st.floats(1, 3),
+    st.integers(0, 2),
+    st.integers(1, 40),
+    st.sampled_from([AutoscalingState(), AutoscalingState(down_since_s=0.0, down_to=2)]),
+    st.floats(0, 200),
+)
+def test_more_load_never_asks_for_fewer_replicas(signals, factor, extra, current, state, now):
+    """Raising any signal of any replica never lowers the decision (same state, time, count)."""
+    cfg = config(max_replicas=64)
+    heavier = [
+        ReplicaSignals(
+            min(1.0, s.kv_cache_usage * factor),
+            s.num_waiting + extra,
+            int(s.num_waiting_prompt_tokens * factor),
+            s.num_running,
+            SEQS,
+            None if s.ttft_p90_s is None else s.ttft_p90_s * factor,
+            None if s.itl_p90_s is None else s.itl_p90_s * factor,
+            s.kv_cache_tokens,
+        )
+        for s in signals
+    ]
+    light = decide(signals, current, cfg, state, now)
+    heavy = decide(heavier, current, cfg, state, now)
+    assert heavy.replicas >= light.replicas
+    for d in (light, heavy):
+        assert cfg.min_replicas <= d.replicas <= cfg.max_replicas
+
+
+@given(st.floats(0.5, 20), st.floats(0, 0.12), st.integers(1, 24), st.integers(0, 2**32))
+def test_noisy_constant_load_never_flaps(mean_replicas, noise, start, seed):
+    """A constant load swaying by up to +-12% around its mean (inside the 0.7 dead band) moves the
+    count in one direction at most, then holds: never up then down, or down then up."""
+    cfg = config(max_replicas=64, downscale_delay_s=20)
+    rng = random.Random(seed)
+    n, state, moves = start, AutoscalingState(), []
+    for tick in range(300):
+        total = mean_replicas * cfg.targets.kv_cache_usage * (1 + rng.uniform(-noise, noise))
+        signals = [busy(min(1.0, total / n))] * n  # the fleet's KV spread over its replicas
+        d = decide(signals, n, cfg, state, now=tick * 5.0)
+        if d.replicas != n:
+            moves.append(d.replicas > n)
+        n, state = d.replicas, d.state
+    assert len(set(moves)) <= 1, moves
+
+
+def test_latency_window_p90_over_its_window():
+    window = LatencyWindow(window_s=10)
+    assert window.p90(0.0) is None
+    for i in range(10):
+        window.add(float(i), float(i + 1))  # values 1..10 at t 0..9
+    assert window.p90(9.0) == 9.0
+    assert window.p90(15.0) == 10.0  # only the samples at t >= 5 remain: 6..10
+    assert window.p90(100.0) is None
+    with pytest.raises(ValueError, match="window_s"):
+        LatencyWindow(window_s=math.nan)
