@@ -161,10 +161,11 @@ class LLMReplica:
     """One data-parallel engine: its scheduler, KV cache and (TP) workers."""
 
     # Serve awaits an async constructor, so the replica can take its event loop here.
-    async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]
+    async def __init__(self, config: EngineConfig, model_name: str = "") -> None:  # type: ignore[misc]
+        """model_name: the name clients use (the metrics' `model` tag: an app may serve several)."""
         self.config = config
         self.replica = replica = serve.get_replica_context().replica_tag
-        self.metrics = ReplicaMetrics(replica)
+        self.metrics = ReplicaMetrics(replica, model_name or config.model)
         self.engine = build_engine(config)
         self._streams: dict[str, _Stream] = {}
         self._draining = False
