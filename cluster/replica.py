@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ray import serve
 
 from cluster.caller_watch import CallerGoneError, CallerWatch
+from cluster.cold_start import ColdStart
 from cluster.engine_loop import EngineLoop
 from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.metrics import ReplicaMetrics
@@ -166,6 +167,7 @@ class LLMReplica:
         self.config = config
         self.replica = replica = serve.get_replica_context().replica_tag
         self.metrics = ReplicaMetrics(replica, model_name or config.model)
+        self.cold_start = ColdStart(model_name or config.model, replica)
         self.engine = build_engine(config)
         self._streams: dict[str, _Stream] = {}
         self._draining = False
@@ -178,6 +180,7 @@ class LLMReplica:
         self._stall_failed_over = False
         self._orphans_aborted = 0  # requests aborted because their caller died
         self._watchdog = asyncio.create_task(self._watch())
+        self.cold_start.record_engine(self.engine.startup)
         logger.info("replica %s ready: %s", replica, self.model_info_sync())
 
     # ---- the request path ----------------------------------------------------------------------
@@ -192,6 +195,7 @@ class LLMReplica:
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         stream = self._streams[rid] = _Stream(rid, caller=request.caller)
+        self.cold_start.first_request()
         self.metrics.record_admitted(len(request.prompt_token_ids))
         self._loop_thread.add(request)  # end-of-turn ids: the engine fills in the model's
         finished = False
@@ -224,6 +228,8 @@ class LLMReplica:
         if not output.new_token_ids:
             return
         last = stream.last_token
+        if last is None:
+            self.cold_start.first_token()
         self.metrics.record_tokens(
             len(output.new_token_ids),
             ttft=now - stream.arrival if last is None else None,
@@ -286,6 +292,10 @@ class LLMReplica:
 
     async def model_info(self) -> dict[str, Any]:
         return self.model_info_sync()
+
+    async def cold_start_report(self) -> dict[str, dict[str, float]]:
+        """This replica's start by phase (cluster/cold_start.py), for bench/cold_start.py."""
+        return self.cold_start.report()
 
     async def stats(self) -> dict[str, Any]:
         """The latest scheduler figures (updated after every step and every abort)."""
