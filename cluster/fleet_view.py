@@ -18,6 +18,8 @@ class FleetSource(Protocol):
 
     def replica_ids(self) -> set[str]: ...
 
+    def deployment_name(self) -> str: ...
+
 
 # Held weakly: Serve owns the routers.
 _SOURCES: weakref.WeakSet[FleetSource] = weakref.WeakSet()
@@ -39,11 +41,13 @@ def replica_reports() -> dict[str, RoutingStats]:
     return reports
 
 
-def replica_ids() -> set[str]:
-    """The running replicas the routers of this process know (empty under Serve's own router):
-    where a run-time adapter change must go (cluster/lora_admin.py)."""
+def replica_ids(deployment: str) -> set[str]:
+    """The running replicas of `deployment` the routers of this process know (empty under Serve's
+    own router): where a run-time adapter change must go (cluster/lora_admin.py)."""
     ids: set[str] = set()
     for source in list(_SOURCES):
+        if source.deployment_name() != deployment:  # another model's replicas
+            continue
         try:
             ids |= source.replica_ids()
         except RuntimeError:  # changed while copied on the router's thread

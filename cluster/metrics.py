@@ -14,7 +14,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 from scheduler.outputs import SchedulerStats
 
-_TAGS = ("replica",)
+_TAGS = ("replica", "model")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = [
     0.001,
@@ -113,7 +113,7 @@ class ReplicaMetrics:
             self.ttft,
             self.itl,
         ):
-            metric.set_default_tags({"replica": replica})
+            metric.set_default_tags({"replica": replica, "model": model})
         self._preemptions_seen = 0
         self._expert_tokens_seen: list[int] = []
         self._spec_seen = (0, 0, 0)
@@ -186,18 +186,22 @@ class RequestMetrics:
     """What the ingress records of each choice of a request, as its client saw it: a choice that
     moved between replicas counts once, with its whole latency."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "") -> None:
+        self.model = model  # the served name: one app may serve several
         self.requests = Counter(
             "raylm_requests_total",
             "Finished requests by finish reason, one per choice, as the client saw them.",
-            tag_keys=("finish_reason",),
+            tag_keys=("finish_reason", "model"),
         )
         self.e2e = Histogram(
             "raylm_e2e_seconds",
             "Latency of each choice at the ingress, from admission to its end (migrations "
             "included).",
             boundaries=_E2E_BUCKETS,
+            tag_keys=("model",),
         )
+        self.requests.set_default_tags({"model": model})
+        self.e2e.set_default_tags({"model": model})
         # Every reason's series exists from the start (see ReplicaMetrics._export_zeros).
         for reason in FINISH_REASONS:
             self.requests._record(0.0, tags={"finish_reason": reason})

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ray import serve
 
 from cluster.caller_watch import CallerGoneError, CallerWatch
+from cluster.cold_start import ColdStart
 from cluster.engine_loop import EngineLoop
 from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.lora_admin import LoraCommand, WrongReplicaError
@@ -170,15 +171,17 @@ class LLMReplica:
 
     # Serve awaits an async constructor, so the replica can take its event loop here.
     async def __init__(  # type: ignore[misc]
-        self, config: EngineConfig, slo: SloTargets | None = None, model: str = ""
+        self, config: EngineConfig, slo: SloTargets | None = None, model_name: str = ""
     ) -> None:
         """slo: the model's latency targets, whose attainment each finished request counts (and
-        the autoscaling policy compares the measured p90s with); model: the metrics' model tag."""
+        the autoscaling policy compares the measured p90s with); model_name: the name clients use
+        (the metrics' `model` tag: an app may serve several)."""
         self.config = config
         self.slo = slo
         self.replica = replica = serve.get_replica_context().replica_tag
         self.lora_metrics = LoraMetrics(replica)
-        self.metrics = ReplicaMetrics(replica, model)
+        self.metrics = ReplicaMetrics(replica, model_name or config.model)
+        self.cold_start = ColdStart(model_name or config.model, replica)
         self._ttft_window = LatencyWindow(LATENCY_WINDOW_S)
         self._itl_window = LatencyWindow(LATENCY_WINDOW_S)
         self.engine = build_engine(config)
@@ -193,6 +196,7 @@ class LLMReplica:
         self._stall_failed_over = False
         self._orphans_aborted = 0  # requests aborted because their caller died
         self._watchdog = asyncio.create_task(self._watch())
+        self.cold_start.record_engine(self.engine.startup)
         logger.info("replica %s ready: %s", replica, self.model_info_sync())
 
     # ---- the request path ----------------------------------------------------------------------
@@ -207,6 +211,7 @@ class LLMReplica:
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         stream = self._streams[rid] = _Stream(rid, caller=request.caller)
+        self.cold_start.first_request()
         self.metrics.record_admitted(len(request.prompt_token_ids))
         if request.lora_name is not None:
             self.lora_metrics.record_request(request.lora_name)
@@ -247,6 +252,8 @@ class LLMReplica:
         last = stream.last_token
         ttft = now - stream.arrival if last is None else None
         itl = None if last is None else now - last
+        if last is None:
+            self.cold_start.first_token()
         self.metrics.record_tokens(len(output.new_token_ids), ttft=ttft, itl=itl)
         stream.last_token = now
         if ttft is not None:
@@ -320,6 +327,10 @@ class LLMReplica:
 
     async def model_info(self) -> dict[str, Any]:
         return self.model_info_sync()
+
+    async def cold_start_report(self) -> dict[str, dict[str, float]]:
+        """This replica's start by phase (cluster/cold_start.py), for bench/cold_start.py."""
+        return self.cold_start.report()
 
     async def stats(self) -> dict[str, Any]:
         """The latest scheduler figures (updated after every step and every abort)."""

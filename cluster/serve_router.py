@@ -67,6 +67,10 @@ class FleetRouter(RequestRouter):
         """The running replicas (the ingress sends run-time adapter changes to each)."""
         return set(self._alive)
 
+    def deployment_name(self) -> str:
+        """The deployment whose replicas this router ranks (an app may serve several models)."""
+        return self._deployment_id.name
+
     def post_outcome(self, internal_request_id: str, ok: bool) -> None:
         """Hand a request's outcome to the routing loop (callers run on another thread)."""
         if self._loop is not None and not self._loop.is_closed():

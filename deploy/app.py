@@ -10,6 +10,7 @@ from ray.serve import Application
 from cluster.placement import spread_warning, wait_until_placeable
 from cluster.replica import LLMReplica
 from deploy.config import AppConfig
+from deploy.fleet_config import FleetConfig
 from deploy.ingress import OpenAIIngress
 
 logger = logging.getLogger(__name__)
@@ -20,17 +21,23 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 SERVE_DEFAULT_HOST = "127.0.0.1"
 
 
-def check_exposure(host: str | None, config: AppConfig) -> None:
-    """An app reachable beyond this machine needs keys, unless allow_unauthenticated says otherwise.
+def check_exposure(host: str | None, config: AppConfig | FleetConfig) -> None:
+    """An app reachable beyond this machine needs keys for every model, unless
+    allow_unauthenticated says otherwise.
 
     host: where Serve's proxies listen; None when that could not be read, which counts as beyond
     loopback (an app must not go keyless because a lookup failed).
     """
-    if host in LOOPBACK_HOSTS or config.key_profiles() or config.allow_unauthenticated:
+    fleet = _fleet(config)
+    if host in LOOPBACK_HOSTS or fleet.ingress.allow_unauthenticated:
+        return
+    open_models = [m.model_name for m in fleet.models if not m.key_profiles()]
+    if not open_models:
         return
     where = f"Serve listens on {host}, beyond loopback" if host else "Serve's host is unknown"
+    what = "the app has" if fleet.single else f"model {open_models[0]!r} has"
     raise ValueError(
-        f"api_keys: {where}, and the app has no api_key, api_keys or api_keys_env; set one, or "
+        f"api_keys: {where}, and {what} no api_key, api_keys or api_keys_env; set one, or "
         "allow_unauthenticated: true"
     )
 
@@ -69,15 +76,38 @@ def check_placement(config: AppConfig) -> None:
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The Serve application for deploy.yaml's `args`; a bad arg raises ValueError naming the
     field, a replica no node can hold raises UnplaceableError (a ValueError) naming its bundles."""
-    config = AppConfig.from_args(args)
-    check_exposure(_serve_http_host(), config)
-    check_placement(config)
-    return application(config)
+    fleet = FleetConfig.from_args(args)
+    check_exposure(_serve_http_host(), fleet)
+    for model in fleet.models:
+        check_placement(model)
+    return application(fleet)
 
 
-def application(config: AppConfig) -> Application:
-    """The two deployments for a validated config (what build_app returns, without its checks
-    against the cluster)."""
+def application(config: AppConfig | FleetConfig) -> Application:
+    """The deployments for a validated config: the ingress and each model's replicas (what
+    build_app returns, without its checks against the cluster)."""
+    fleet = _fleet(config)
+    replicas = [
+        replica_deployment(model, fleet.deployment_name(i)) for i, model in enumerate(fleet.models)
+    ]
+    ingress = fleet.ingress
+    logger.info("raylm app: %s", [model.summary() for model in fleet.models])
+    return OpenAIIngress.options(  # type: ignore[attr-defined]
+        num_replicas=ingress.ingress_replicas,
+        ray_actor_options={"num_cpus": ingress.ingress_num_cpus},
+        # A redeployed ingress lets its streams run to their deadline: its requests cannot move.
+        graceful_shutdown_timeout_s=max(m.request_timeout_s for m in fleet.models),
+        # The ingress only forwards and streams: it must never be the bottleneck on concurrency.
+        max_ongoing_requests=max(1024, sum(m.max_ongoing_requests * 4 for m in fleet.models)),
+    ).bind(fleet, replicas)
+
+
+def _fleet(config: AppConfig | FleetConfig) -> FleetConfig:
+    return config if isinstance(config, FleetConfig) else FleetConfig(config, [config])
+
+
+def replica_deployment(config: AppConfig, name: str) -> Any:
+    """One model's LLMReplica deployment, bound to its engine settings."""
     replica_options: dict[str, Any] = {
         **config.scaling_options(),
         "ray_actor_options": config.replica_actor_options(),
@@ -99,15 +129,6 @@ def application(config: AppConfig) -> Application:
     # mypy keeps a decorated class's own type (python/mypy#3135); @serve.deployment made these
     # Deployments, which have options().
     slo = config.autoscaling.slo if config.autoscaling is not None else None
-    replica = LLMReplica.options(**replica_options).bind(  # type: ignore[attr-defined]
+    return LLMReplica.options(name=name, **replica_options).bind(  # type: ignore[attr-defined]
         config.engine, slo, config.model_name
     )
-    logger.info("raylm app: %s", config.summary())
-    return OpenAIIngress.options(  # type: ignore[attr-defined]
-        num_replicas=config.ingress_replicas,
-        ray_actor_options={"num_cpus": config.ingress_num_cpus},
-        # A redeployed ingress lets its streams run to their deadline: its requests cannot move.
-        graceful_shutdown_timeout_s=config.request_timeout_s,
-        # The ingress only forwards and streams: it must never be the bottleneck on concurrency.
-        max_ongoing_requests=max(1024, config.max_ongoing_requests * 4),
-    ).bind(config, replica)

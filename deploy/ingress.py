@@ -7,7 +7,6 @@ signatures' annotations at run time.
 
 import asyncio
 import functools
-import hmac
 import json
 import logging
 import time
@@ -22,14 +21,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster.fleet_view import replica_ids, replica_reports
-from cluster.metrics import RequestMetrics
+from cluster.fleet_view import replica_reports
 from deploy import metrics_page
 from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
-from deploy.config import ApiKeyProfile, AppConfig
 from deploy.embeddings import EmbeddingRequest, check_fits, embed_one, embedding_response
 from deploy.errors import (
-    AuthenticationError,
     BadRequestError,
     ContextLengthError,
     RequestTimeoutError,
@@ -37,9 +33,9 @@ from deploy.errors import (
     error_response,
 )
 from deploy.fields import Ignored
+from deploy.fleet_config import FleetConfig
 from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams, with_deadline
 from deploy.logprobs import (
-    TokenTexts,
     chat_logprobs,
     check_budget,
     completion_logprobs,
@@ -47,14 +43,8 @@ from deploy.logprobs import (
     prompt_logprobs_json,
     response_json,
 )
-from deploy.lora import (
-    LoadLoraAdapterRequest,
-    LoraAdmin,
-    UnloadLoraAdapterRequest,
-    adapter_cards,
-    adapter_of,
-    check_admin,
-)
+from deploy.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, check_admin
+from deploy.models import Caller, ModelTable, ServedModel
 from deploy.reply import ReplySplit
 from deploy.responses import ResponseBuilder, ResponsesRequest, renamed, sse_event
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
@@ -69,17 +59,13 @@ from deploy.tokenize import (
 from deploy.tools import (
     DeclaredTools,
     ToolSpec,
-    detect_format,
     prepare_chat,
-    template_renders_tools,
     tool_constraint,
 )
-from frontend.frontend import Frontend
-from frontend.reasoning import Reasoning, ReasoningSplitter
+from frontend.reasoning import ReasoningSplitter
 from scheduler.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from scheduler.structured_output import StructuredOutput
-from workers.grammar_sandbox import GrammarSandbox, TokenizerSpec
 from workers.process import set_niceness
 
 logger = logging.getLogger(__name__)
@@ -179,33 +165,15 @@ class OpenAIIngress:
     """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI
     JSON."""
 
-    def __init__(self, config: AppConfig, replica: DeploymentHandle) -> None:
+    def __init__(self, fleet: FleetConfig, replicas: list[DeploymentHandle]) -> None:
+        config = fleet.ingress
         if config.engine.process_niceness is not None:
             # The ingress streams every token the engine makes: it runs at the engine's priority.
             set_niceness(config.engine.process_niceness)
-        self.config = config
-        self.replica = replica
-        self.frontend = Frontend.load(config.engine.model, config.engine.cache_dir)
-        self.metrics = RequestMetrics()
-        self._texts = TokenTexts.of(self.frontend.tokenizer, self.frontend.info.vocab_size)
-        self._grammars = GrammarSandbox(
-            TokenizerSpec.of(self.frontend.tokenizer, self.frontend.info.vocab_size),
-            timeout_s=config.engine.grammar_timeout_s,
-        )
-        self._keys = config.key_profiles()
+        self.config = config  # the ingress's own settings; each model's are its ServedModel's
+        self.table = ModelTable([ServedModel.load(c, r) for c, r in zip(fleet.models, replicas)])
         self._tenants = TenantLimiter(config.max_requests_per_tenant, config.overload_retry_after_s)
-        self._tool_format = detect_format(self.frontend.chat_template)
-        self._renders_tools = template_renders_tools(self.frontend.chat_template)
-        self._reasoning = (
-            Reasoning.of(config.reasoning_parser, self.frontend.tokenizer)
-            if config.reasoning_parser is not None
-            else None
-        )
-        self._max_model_len: int | None = None
         self._created = int(time.time())
-        # What `model` may name besides an adapter (deploy/lora.py).
-        self._base_names = (config.model_name, config.engine.model)
-        self._lora_admin = LoraAdmin(replica, replica_ids)
         self._actor_name = ray.get_runtime_context().get_actor_name()  # replicas abort our orphans
 
     # ---- routes --------------------------------------------------------------------------------
@@ -224,37 +192,28 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         try:
-            self._authorize(request)
-            max_model_len = await self.max_model_len()
-            adapters = await self.replica.list_loras.remote()
+            caller = self._authorize(request)
+            cards = [c for m in self.table.visible(caller) for c in await m.cards(self._created)]
         except Exception as exc:
             return error_response(exc)
-        card = {
-            "id": self.config.model_name,
-            "object": "model",
-            "created": self._created,
-            "owned_by": "raylm",
-            "max_model_len": max_model_len,
-        }
-        loras = adapter_cards(adapters, self.config.model_name, self._created)
-        return JSONResponse({"object": "list", "data": [card, *loras]})
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> JSONResponse:
-        """Load a LoRA adapter on every replica (allow_runtime_lora; an admin key)."""
+        """Load a LoRA adapter on every replica of a model (allow_runtime_lora; an admin key)."""
         try:
-            body = await self._admin_body(request, LoadLoraAdapterRequest)
-            loaded = await self._lora_admin.load(body.lora_name, body.lora_path)
+            m, body = await self._admin_body(request, LoadLoraAdapterRequest)
+            loaded = await m.lora_admin.load(body.lora_name, body.lora_path)
         except Exception as exc:
             return error_response(exc)
         return JSONResponse({"lora_name": body.lora_name, "status": "loaded", "replicas": loaded})
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> JSONResponse:
-        """Unload a LoRA adapter from every replica; refused while requests use it."""
+        """Unload a LoRA adapter from every replica of a model; refused while requests use it."""
         try:
-            body = await self._admin_body(request, UnloadLoraAdapterRequest)
-            loaded = await self._lora_admin.unload(body.lora_name)
+            m, body = await self._admin_body(request, UnloadLoraAdapterRequest)
+            loaded = await m.lora_admin.unload(body.lora_name)
         except Exception as exc:
             return error_response(exc)
         return JSONResponse({"lora_name": body.lora_name, "status": "unloaded", "adapters": loaded})
@@ -266,7 +225,8 @@ class OpenAIIngress:
         except Exception as exc:
             return error_response(exc)
         in_flight = sum(self._tenants.in_flight.values())
-        page = metrics_page.render(self.metrics, replica_reports(), in_flight)
+        metrics = [m.metrics for m in self.table.models]
+        page = metrics_page.render(metrics, replica_reports(), in_flight)
         return Response(page, media_type=metrics_page.CONTENT_TYPE)
 
     @app.post("/tokenize")
@@ -297,14 +257,14 @@ class OpenAIIngress:
         """Authorize, admit the tenant, read and check the body, answer. The request holds its
         tenant's place until the answer is ready, or its stream ends."""
         try:
-            profile = self._authorize(request)
-            lease = self._tenants.admit(profile.tenant if profile is not None else "default")
+            caller = self._authorize(request)
+            lease = self._tenants.admit(caller.tenant)
         except Exception as exc:
             return error_response(exc)
         ignored = Ignored()
         try:
-            body = await self._parse(request, schema, profile, ignored)
-            response = await answer(body, lease.tenant)
+            model, body = await self._parse(request, schema, caller, ignored)
+            response = await answer(model, body, lease.tenant)
         except Exception as exc:
             response = error_response(exc)
         except BaseException:  # cancelled: the client is gone
@@ -313,11 +273,11 @@ class OpenAIIngress:
         response.headers.update(ignored.header())
         return lease.hold(response)
 
-    async def _complete(self, body: CompletionRequest, tenant: str) -> Response:
+    async def _complete(self, m: ServedModel, body: CompletionRequest, tenant: str) -> Response:
         raw_prompts = body.prompts()
-        self._check_fanout(len(raw_prompts), body.n)
+        self._check_fanout(m, len(raw_prompts), body.n)
         prompts = [
-            await self._tokenize(self.frontend.encode_prompt, p, len(p))
+            await self._tokenize(m, m.frontend.encode_prompt, p, len(p))
             if isinstance(p, str)
             else p
             for p in raw_prompts
@@ -328,47 +288,47 @@ class OpenAIIngress:
         echoes = None
         if body.echo:  # the prompt's text as the model saw it (decoded when given as ids)
             echoes = [
-                p if isinstance(p, str) and k is None else self.frontend.decode(ids)
+                p if isinstance(p, str) and k is None else m.frontend.decode(ids)
                 for p, ids in zip(raw_prompts, prompts)
             ]
-        constraint = await self._check(body.output_constraint())
-        choices = await self._choices(body, prompts, body.logprobs, tenant, constraint)
+        constraint = await self._check(m, body.output_constraint())
+        choices = await self._choices(m, body, prompts, body.logprobs, tenant, constraint)
         side = _PromptSide(
             [echoes[c.prompt_index] for c in choices] if echoes is not None else None,
             [c.request.prompt_token_ids[0] for c in choices],
             body.logprobs if body.echo_logprobs else None,
             body.prompt_logprobs is not None,
         )
-        return await self._respond(body, choices, chat=False, side=side)
+        return await self._respond(m, body, choices, chat=False, side=side)
 
-    async def _chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
-        choices, declared, opened = await self._chat_choices(body, tenant)
+    async def _chat(self, m: ServedModel, body: ChatCompletionRequest, tenant: str) -> Response:
+        choices, declared, opened = await self._chat_choices(m, body, tenant)
         side = _PromptSide(
             first_tokens=[c.request.prompt_token_ids[0] for c in choices],
             prompt_logprobs=body.prompt_logprobs is not None,
         )
         return await self._respond(
-            body, choices, chat=True, tools=declared, opened=opened, side=side
+            m, body, choices, chat=True, tools=declared, opened=opened, side=side
         )
 
-    async def _responses(self, body: ResponsesRequest, tenant: str) -> Response:
+    async def _responses(self, m: ServedModel, body: ResponsesRequest, tenant: str) -> Response:
         """POST /v1/responses: the chat completion it means, answered as a Responses object."""
         try:
             chat = body.as_chat(self.config.max_messages)
             chat.priority = body.priority  # already capped by the key
-            choices, declared, opened = await self._chat_choices(chat, tenant)
+            choices, declared, opened = await self._chat_choices(m, chat, tenant)
         except Exception as exc:
             raise renamed(exc) from None
-        reasoning = self._reasoning
+        reasoning = m.reasoning
         builder = ResponseBuilder(
             body,
-            self.config.model_name,
-            ReplySplit(declared, self._splitter(opened)),
+            m.config.model_name,
+            ReplySplit(declared, self._splitter(m, opened)),
             functools.partial(reasoning.num_reasoning_tokens, opened=bool(opened))
             if reasoning is not None
             else None,
         )
-        deltas = self._deltas(chat, choices)
+        deltas = self._deltas(m, chat, choices)
         if body.stream:
             try:
                 first = await anext(deltas, None)
@@ -385,20 +345,18 @@ class OpenAIIngress:
             return error_response(exc)
         return JSONResponse(builder.response())
 
-    async def _embed(self, body: EmbeddingRequest, tenant: str) -> Response:
+    async def _embed(self, m: ServedModel, body: EmbeddingRequest, tenant: str) -> Response:
         """POST /v1/embeddings: one pooling request per input, all in flight at once."""
-        if adapter_of(body.model, self._base_names) is not None:
+        if m.adapter(body.model) is not None:
             raise BadRequestError(
                 "model: embeddings come from the base model, not a LoRA adapter", param="model"
             )
-        max_len = await self.max_model_len()
+        max_len = await m.max_model_len()
         base_id = f"embd-{uuid.uuid4().hex}"
-        params = SamplingParams(
-            max_tokens=1, temperature=0.0, pooling=self.config.embedding_pooling
-        )
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=m.config.embedding_pooling)
         requests = []
         inputs = body.inputs()
-        limit = self.config.max_sequences_per_request  # one engine request per input
+        limit = m.config.max_sequences_per_request  # one engine request per input
         if len(inputs) > limit:
             raise BadRequestError(
                 f"input: {len(inputs)} inputs, more than this server takes at once ({limit})",
@@ -406,12 +364,12 @@ class OpenAIIngress:
             )
         for i, item in enumerate(inputs):
             ids = (
-                await self._tokenize(self.frontend.encode_prompt, item, len(item), "input")
+                await self._tokenize(m, m.frontend.encode_prompt, item, len(item), "input")
                 if isinstance(item, str)
                 else item
             )
             try:
-                self.frontend.check_token_ids(ids, "input")
+                m.frontend.check_token_ids(ids, "input")
             except ValueError as exc:
                 raise BadRequestError(str(exc), param="input") from None
             check_fits(len(ids), max_len, i)
@@ -422,16 +380,16 @@ class OpenAIIngress:
                     sampling_params=params,
                     priority=body.priority,
                     tenant=tenant,
-                    block_hashes=self.frontend.block_hashes(ids, self.config.engine.block_size),
+                    block_hashes=m.frontend.block_hashes(ids, m.config.engine.block_size),
                     caller=self._actor_name,
                 )
             )
-        timeout = self.config.request_timeout_s
+        timeout = m.config.request_timeout_s
         if body.request_timeout_s is not None:
             timeout = min(timeout, body.request_timeout_s)
         try:
             vectors = await asyncio.wait_for(
-                asyncio.gather(*(embed_one(self.replica, r) for r in requests)), timeout
+                asyncio.gather(*(embed_one(m.replica, r) for r in requests)), timeout
             )
         except TimeoutError:
             raise RequestTimeoutError(
@@ -442,20 +400,20 @@ class OpenAIIngress:
             embedding_response,
             vectors,
             body.encoding_format,
-            self.config.model_name,
+            m.config.model_name,
             sum(len(r.prompt_token_ids) for r in requests),
         )
         content = await asyncio.to_thread(lambda: json.dumps(answer()).encode())
         return Response(content, media_type="application/json")
 
     async def _chat_choices(
-        self, body: ChatCompletionRequest, tenant: str
+        self, m: ServedModel, body: ChatCompletionRequest, tenant: str
     ) -> tuple[list[Choice], DeclaredTools | None, bool | None]:
         """A chat request's choices, the tools its replies may call, and whether its replies start
         inside a reasoning block (None: no reasoning parser)."""
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        self._check_fanout(1, body.n)
+        self._check_fanout(m, 1, body.n)
         tools = (
             [
                 ToolSpec(t.function.name, t.function.description, t.function.parameters)
@@ -473,14 +431,14 @@ class OpenAIIngress:
             )
         if tools:
             constraint = tool_constraint(
-                tools, body.tool_choice_name, self._tool_format, body.parallel_tool_calls
+                tools, body.tool_choice_name, m.tool_format, body.parallel_tool_calls
             )
-        constraint = await self._check(constraint)
+        constraint = await self._check(m, constraint)
         messages, tool_args = prepare_chat(
-            [self._message(m) for m in body.messages],
+            [self._message(msg) for msg in body.messages],
             tools,
-            self._tool_format,
-            self._renders_tools,
+            m.tool_format,
+            m.renders_tools,
         )
         # Each message renders one token at least (its role's markers): counted as a token's
         # worth of characters, a flood of empty messages is refused before the template runs.
@@ -490,9 +448,8 @@ class OpenAIIngress:
             + len(json.dumps(tool_args or []))
         )
         prompt = await self._tokenize(
-            functools.partial(
-                self.frontend.encode_chat, tools=tool_args, options=body.chat_options()
-            ),
+            m,
+            functools.partial(m.frontend.encode_chat, tools=tool_args, options=body.chat_options()),
             messages,
             num_chars,
             "messages",
@@ -500,78 +457,73 @@ class OpenAIIngress:
         )
         if body.truncate_prompt_tokens is not None:
             prompt = prompt[-body.truncate_prompt_tokens :]
-        opened = self._reasoning.opened_by(prompt) if self._reasoning is not None else None
-        if constraint is not None and opened and self._reasoning is not None:
+        opened = m.reasoning.opened_by(prompt) if m.reasoning is not None else None
+        if constraint is not None and opened and m.reasoning is not None:
             # The reasoning block is free; the constraint applies to the answer after it.
-            constraint = replace(constraint, after=self._reasoning.end_id)
-        choices = await self._choices(body, [prompt], body.num_logprobs, tenant, constraint)
-        declared = DeclaredTools.of(tools, self._tool_format) if tools else None
+            constraint = replace(constraint, after=m.reasoning.end_id)
+        choices = await self._choices(m, body, [prompt], body.num_logprobs, tenant, constraint)
+        declared = DeclaredTools.of(tools, m.tool_format) if tools else None
         return choices, declared, opened
 
-    async def _tokenize_body(self, body: TokenizeRequest, tenant: str) -> Response:
-        messages = [self._message(m) for m in body.messages or []]
-        encode = functools.partial(tokenize, self.frontend, body)
-        ids = await self._tokenize(encode, messages, body.num_chars)
-        max_model_len = await self.max_model_len()
-        return JSONResponse(tokenize_response(self.frontend, body, ids, max_model_len))
+    async def _tokenize_body(self, m: ServedModel, body: TokenizeRequest, tenant: str) -> Response:
+        messages = [self._message(msg) for msg in body.messages or []]
+        encode = functools.partial(tokenize, m.frontend, body)
+        ids = await self._tokenize(m, encode, messages, body.num_chars)
+        max_model_len = await m.max_model_len()
+        return JSONResponse(tokenize_response(m.frontend, body, ids, max_model_len))
 
-    async def _detokenize_body(self, body: DetokenizeRequest, tenant: str) -> Response:
-        max_model_len = await self.max_model_len()
+    async def _detokenize_body(
+        self, m: ServedModel, body: DetokenizeRequest, tenant: str
+    ) -> Response:
+        max_model_len = await m.max_model_len()
         if len(body.tokens) > max_model_len:
             raise BadRequestError(
                 f"tokens: at most max_model_len={max_model_len} ids, got {len(body.tokens)}",
                 param="tokens",
             )
-        return JSONResponse(await asyncio.to_thread(detokenize, self.frontend, body))
+        return JSONResponse(await asyncio.to_thread(detokenize, m.frontend, body))
 
     # ---- request -> EngineRequests
     # --------------------------------------------------------------
     async def _parse(
-        self, request: Request, schema: type, profile: ApiKeyProfile | None, ignored: Ignored
-    ) -> Any:
-        """The validated body, its priority capped by the caller's key; the fields it dropped
-        (unknown_fields: ignore) go in `ignored`."""
-        limit = body_limit(self.config, await self.max_model_len())
+        self, request: Request, schema: type, caller: Caller, ignored: Ignored
+    ) -> tuple[ServedModel, Any]:
+        """The model the body names and the validated body, its priority capped by the caller's
+        key for that model; the fields it dropped (unknown_fields: ignore) go in `ignored`."""
+        # Before the body names its model: the largest any model takes (none is woken for it).
+        limit = max(body_limit(m.config, m.context_bound()) for m in self.table.models)
         raw = await read_body(request, limit, self.config.request_body_timeout_s)
         mode: Any = self.config.unknown_fields
         body: Any = await parse_body(raw, schema, self.config.max_messages, mode, ignored)
-        # /tokenize and /detokenize may leave `model` out; an adapter's name is checked here, its
-        # existence by the replica (404 either way).
-        adapter_of(body.model, self._base_names)
+        # /tokenize and /detokenize may leave `model` out: the first model answers.
+        model, caller = self.table.resolve(body.model, caller)
+        # An adapter's name is checked here, its existence by the replica (404 either way).
+        model.adapter(body.model)
         # The tenant and the priority ceiling are the key's; the request's `user` does not choose
         # them.
-        if profile is not None and hasattr(body, "priority"):  # /tokenize has no priority
-            body.priority = max(body.priority, profile.max_priority)
-        return body
+        if caller.profile is not None and hasattr(body, "priority"):  # /tokenize has none
+            body.priority = max(body.priority, caller.profile.max_priority)
+        return model, body
 
-    async def _admin_body(self, request: Request, schema: type) -> Any:
-        """A run-time adapter change's body, once the app allows them and the key may make them."""
-        profile = self._authorize(request)
-        check_admin(self.config.allow_runtime_lora, None if profile is None else profile.admin)
+    async def _admin_body(self, request: Request, schema: type) -> tuple[ServedModel, Any]:
+        """A run-time adapter change's model and body, once that model allows them and the
+        caller's key may make them (`model` in the body: the first model when left out)."""
+        caller = self._authorize(request)
         raw = await read_body(request, 64 * 1024, self.config.request_body_timeout_s)
         body: Any = await parse_body(raw, schema, self.config.max_messages)
-        await self.max_model_len()  # the handle's first call: its router learns the replicas
-        return body
+        m, caller = self.table.resolve(body.model, caller)
+        check_admin(
+            m.config.allow_runtime_lora, None if caller.profile is None else caller.profile.admin
+        )
+        await m.max_model_len()  # the handle's first call: its router learns the replicas
+        return m, body
 
-    def _authorize(self, request: Request) -> ApiKeyProfile | None:
-        """The caller's key profile; None when the app needs no key."""
-        if not self._keys:
-            return None
-        header = request.headers.get("authorization", "")
-        given = header[7:].encode() if header.lower().startswith("bearer ") else b""
-        match = None
-        for key, profile in self._keys.items():  # every key compared, in constant time each
-            if hmac.compare_digest(given, key.encode()):
-                match = profile
-        if not given or match is None:
-            raise AuthenticationError(
-                "Missing or incorrect API key (Authorization: Bearer <key>).",
-                code="invalid_api_key",
-            )
-        return match
+    def _authorize(self, request: Request) -> Caller:
+        """The caller by its key (a 401 when no model takes it)."""
+        return self.table.authenticate(request.headers.get("authorization", ""))
 
-    def _check_fanout(self, num_prompts: int, n: int) -> None:
-        limit = self.config.max_sequences_per_request
+    def _check_fanout(self, m: ServedModel, num_prompts: int, n: int) -> None:
+        limit = m.config.max_sequences_per_request
         if num_prompts * n > limit:
             raise BadRequestError(
                 f"n: {num_prompts} prompt(s) x n={n} asks for more than {limit} sequences",
@@ -580,6 +532,7 @@ class OpenAIIngress:
 
     async def _tokenize(
         self,
+        m: ServedModel,
         encode: Any,
         prompt: Any,
         num_chars: int,
@@ -588,7 +541,7 @@ class OpenAIIngress:
     ) -> list[int]:
         """Encode off the event loop (a 10 MB prompt must not stall other streams), after a size
         check."""
-        limit = await self.max_model_len() * MAX_CHARS_PER_TOKEN
+        limit = await m.max_model_len() * MAX_CHARS_PER_TOKEN
         if num_chars > limit:
             raise BadRequestError(
                 f"{param}: {num_chars} {counted} cannot fit this model's context "
@@ -598,11 +551,13 @@ class OpenAIIngress:
             )
         return await asyncio.to_thread(encode, prompt)
 
-    async def _check(self, constraint: StructuredOutput | None) -> StructuredOutput | None:
+    async def _check(
+        self, m: ServedModel, constraint: StructuredOutput | None
+    ) -> StructuredOutput | None:
         """A valid constraint (checked in the grammar sandbox, off the event loop) or a 400."""
         if constraint is None:
             return None
-        return await asyncio.to_thread(self._grammars.check, constraint)
+        return await asyncio.to_thread(m.grammars.check, constraint)
 
     @staticmethod
     def _message(message: Any) -> dict[str, Any]:
@@ -616,36 +571,31 @@ class OpenAIIngress:
             out["tool_call_id"] = message.tool_call_id
         return out
 
-    def _splitter(self, opened: bool | None) -> ReasoningSplitter | None:
+    def _splitter(self, m: ServedModel, opened: bool | None) -> ReasoningSplitter | None:
         """A reply's reasoning splitter; None without a reasoning parser."""
-        if self._reasoning is None or opened is None:
+        if m.reasoning is None or opened is None:
             return None
-        return ReasoningSplitter(self._reasoning.fmt, opened)
-
-    async def max_model_len(self) -> int:
-        if self._max_model_len is None:
-            info = await self.replica.model_info.remote()
-            self._max_model_len = int(info["max_model_len"])
-        return self._max_model_len
+        return ReasoningSplitter(m.reasoning.fmt, opened)
 
     async def _choices(
         self,
+        m: ServedModel,
         body: Any,
         prompts: list[list[int]],
         logprobs: int | None,
         tenant: str,
         constraint: StructuredOutput | None,
     ) -> list[Choice]:
-        max_len = await self.max_model_len()
-        lora = adapter_of(body.model, self._base_names)
+        max_len = await m.max_model_len()
+        lora = m.adapter(body.model)
         kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
         base_id = f"{kind}-{uuid.uuid4().hex}"
         choices = []
         asked_logprobs = 0
-        bad_words = self.frontend.bad_words_token_ids(body.bad_words or [])
+        bad_words = m.frontend.bad_words_token_ids(body.bad_words or [])
         for p, prompt in enumerate(prompts):
             try:
-                self.frontend.check_token_ids(prompt)
+                m.frontend.check_token_ids(prompt)
             except ValueError as exc:
                 raise BadRequestError(str(exc), param="prompt") from None
             max_tokens = body.max_tokens if body.max_tokens is not None else max_len - len(prompt)
@@ -657,17 +607,17 @@ class OpenAIIngress:
                 asked_logprobs += body.n * max_tokens * (logprobs + 1)
             if body.asked_prompt_logprobs is not None:
                 asked_logprobs += body.n * len(prompt) * (body.asked_prompt_logprobs + 1)
-            hashes = self.frontend.block_hashes(prompt, self.config.engine.block_size, lora)
-            too_long = [s for s in body.stop if len(s) > self.config.max_stop_string_chars]
+            hashes = m.frontend.block_hashes(prompt, m.config.engine.block_size, lora)
+            too_long = [s for s in body.stop if len(s) > m.config.max_stop_string_chars]
             if too_long:
                 raise BadRequestError(
-                    f"stop: stop strings may have at most {self.config.max_stop_string_chars} "
+                    f"stop: stop strings may have at most {m.config.max_stop_string_chars} "
                     "characters",
                     param="stop",
                 )
             for i in range(body.n):
                 params = body.sampling_params(max_tokens, logprobs, constraint, i, bad_words)
-                params.check_vocab(self.frontend.info.vocab_size)
+                params.check_vocab(m.frontend.info.vocab_size)
                 request = EngineRequest(
                     request_id=f"{base_id}-{p * body.n + i}",
                     prompt_token_ids=prompt,
@@ -683,31 +633,34 @@ class OpenAIIngress:
                         p * body.n + i,
                         p,
                         request,
-                        self.frontend,
-                        self.metrics,
-                        self.config.max_migrations,
+                        m.frontend,
+                        m.metrics,
+                        m.config.max_migrations,
                     )
                 )
         check_budget(
             asked_logprobs,
-            self.config.max_logprob_entries,
+            m.config.max_logprob_entries,
             body.field_name("logprobs"),
             body.field_name("max_tokens"),
         )
         return choices
 
     # ---- responses -----------------------------------------------------------------------------
-    def _deltas(self, body: Any, choices: list[Choice]) -> AsyncIterator[ChoiceDelta]:
+    def _deltas(
+        self, m: ServedModel, body: Any, choices: list[Choice]
+    ) -> AsyncIterator[ChoiceDelta]:
         """The choices' deltas as they arrive, until the request's deadline."""
-        timeout = self.config.request_timeout_s
+        timeout = m.config.request_timeout_s
         if body.request_timeout_s is not None:
             timeout = min(timeout, body.request_timeout_s)
         return with_deadline(
-            merge_streams([c.stream(self.replica) for c in choices]), time.monotonic() + timeout
+            merge_streams([c.stream(m.replica) for c in choices]), time.monotonic() + timeout
         )
 
     async def _respond(
         self,
+        m: ServedModel,
         body: Any,
         choices: list[Choice],
         chat: bool,
@@ -718,7 +671,7 @@ class OpenAIIngress:
         """side: what each choice shows of its prompt (echo, prompt log-probabilities)."""
         side = side if side is not None else _PromptSide()
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
-        deltas = self._deltas(body, choices)
+        deltas = self._deltas(m, body, choices)
         if body.stream:
             # Wait for the first delta so that admission errors (overload, a replica's rejection)
             # still get their HTTP status instead of an in-band error after a 200.
@@ -729,17 +682,25 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 self._sse_stream(
-                    rid, _prepend(first, deltas), chat, include_usage, tools, opened, side.prefixes
+                    m,
+                    rid,
+                    _prepend(first, deltas),
+                    chat,
+                    include_usage,
+                    tools,
+                    opened,
+                    side.prefixes,
                 ),
                 media_type="text/event-stream",
             )
         try:
-            return await self._collect(rid, deltas, len(choices), chat, tools, opened, side)
+            return await self._collect(m, rid, deltas, len(choices), chat, tools, opened, side)
         except Exception as exc:
             return error_response(exc)
 
     async def _collect(
         self,
+        m: ServedModel,
         rid: str,
         deltas: AsyncIterator[ChoiceDelta],
         n: int,
@@ -766,7 +727,15 @@ class OpenAIIngress:
             k = side.echo_logprobs
             logprobs = [[e[: k + 1] for e in p] + g for p, g in zip(prompt_logprobs, logprobs)]
         encode = functools.partial(
-            self._response_body, rid, texts, logprobs, finish, tally, chat, tools, opened
+            functools.partial(self._response_body, m),
+            rid,
+            texts,
+            logprobs,
+            finish,
+            tally,
+            chat,
+            tools,
+            opened,
         )
         if side.prompt_logprobs or side.echo_logprobs is not None:
             encode = functools.partial(encode, side=side, prompt_logprobs=prompt_logprobs)
@@ -777,6 +746,7 @@ class OpenAIIngress:
 
     def _response_body(
         self,
+        m: ServedModel,
         rid: str,
         texts: list[str],
         logprobs: list[list],
@@ -794,7 +764,7 @@ class OpenAIIngress:
         out_choices, out_logprobs = [], []
         for i in range(len(texts)):
             if chat:
-                split = _ChatSplit(tools, self._splitter(opened))
+                split = _ChatSplit(tools, self._splitter(m, opened))
                 message = split.message(texts[i])
                 out_choices.append(
                     {
@@ -803,33 +773,34 @@ class OpenAIIngress:
                         "finish_reason": split.finish_reason(finish[i]),
                     }
                 )
-                lp = chat_logprobs(logprobs[i], self._texts) if logprobs[i] else None
+                lp = chat_logprobs(logprobs[i], m.texts) if logprobs[i] else None
             else:
                 out_choices.append({"index": i, "text": texts[i], "finish_reason": finish[i]})
                 first = echo_first[i] if echo_first is not None else None
                 lp = (
-                    completion_logprobs(logprobs[i], self._texts, first)
+                    completion_logprobs(logprobs[i], m.texts, first)
                     if logprobs[i] or first is not None
                     else None
                 )
                 if side.prompt_logprobs and prompt_logprobs is not None:
                     out_choices[-1]["prompt_logprobs"] = prompt_logprobs_json(
-                        prompt_logprobs[i], self._texts
+                        prompt_logprobs[i], m.texts
                     )
             out_logprobs.append(lp)
         head: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.config.model_name,
+            "model": m.config.model_name,
             "usage": tally.as_dict(),
         }
         if chat and side.prompt_logprobs and prompt_logprobs:  # one prompt: at the top, as vLLM
-            head["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs[0], self._texts)
+            head["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs[0], m.texts)
         return response_json(head, out_choices, out_logprobs)
 
     async def _sse_stream(
         self,
+        m: ServedModel,
         rid: str,
         deltas: AsyncIterator[ChoiceDelta],
         chat: bool,
@@ -843,7 +814,7 @@ class OpenAIIngress:
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
-            "model": self.config.model_name,
+            "model": m.config.model_name,
         }
         splits: dict[int, _ChatSplit] = {}
         unechoed = set(range(len(prefixes))) if prefixes is not None else set()
@@ -852,7 +823,7 @@ class OpenAIIngress:
             async for d in deltas:
                 lp = None
                 if d.logprobs:
-                    lp = (chat_logprobs if chat else completion_logprobs)(d.logprobs, self._texts)
+                    lp = (chat_logprobs if chat else completion_logprobs)(d.logprobs, m.texts)
                 if not chat:
                     text = d.text
                     if d.index in unechoed and prefixes is not None:  # the echo goes first
@@ -868,7 +839,7 @@ class OpenAIIngress:
                         yield _sse({**head, "choices": [choice]})
                 else:
                     first = d.index not in splits
-                    split = splits.setdefault(d.index, _ChatSplit(tools, self._splitter(opened)))
+                    split = splits.setdefault(d.index, _ChatSplit(tools, self._splitter(m, opened)))
                     delta = split.delta(d.text, d.finish_reason is not None, first)
                     # A delta whose text is held back (partial UTF-8, a possible stop string or
                     # tool-call marker) sends nothing.

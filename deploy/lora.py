@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 # How long an admin call waits for this ingress's router to learn the replica set (it learns it
 # with the first request through the handle).
 REPLICA_LIST_WAIT_S = 10.0
+MAX_MODEL_NAME_CHARS = 1024
 
 
 class PermissionDeniedError(APIError):
@@ -34,17 +35,20 @@ class NoReplicasError(APIError):
 
 
 class LoadLoraAdapterRequest(BaseModel):
-    """POST /v1/load_lora_adapter, as vLLM's."""
+    """POST /v1/load_lora_adapter, as vLLM's; `model` picks the base model in an app serving
+    several (left out: the first)."""
 
     model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(default=None, max_length=MAX_MODEL_NAME_CHARS)
     lora_name: str = Field(max_length=MAX_LORA_NAME_CHARS)
     lora_path: str = Field(min_length=1, max_length=MAX_LORA_PATH_CHARS)
 
 
 class UnloadLoraAdapterRequest(BaseModel):
-    """POST /v1/unload_lora_adapter, as vLLM's."""
+    """POST /v1/unload_lora_adapter, as vLLM's; `model` as in LoadLoraAdapterRequest."""
 
     model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(default=None, max_length=MAX_MODEL_NAME_CHARS)
     lora_name: str = Field(max_length=MAX_LORA_NAME_CHARS)
 
 

@@ -25,25 +25,29 @@ _REPLICA_GAUGES = (
 )
 
 
-def render(metrics: RequestMetrics, reports: dict[str, RoutingStats], in_flight: int) -> str:
-    """The whole page."""
+def render(metrics: list[RequestMetrics], reports: dict[str, RoutingStats], in_flight: int) -> str:
+    """The whole page: each model's request figures, labelled by model, then the replicas'."""
     return "".join(f"{line}\n" for line in _lines(metrics, reports, in_flight))
 
 
 def _lines(
-    metrics: RequestMetrics, reports: dict[str, RoutingStats], in_flight: int
+    metrics: list[RequestMetrics], reports: dict[str, RoutingStats], in_flight: int
 ) -> Iterator[str]:
     yield from _head("raylm_requests_total", "counter", "Finished choices by finish reason.")
-    for reason, count in sorted(metrics.finished.items()):
-        yield f'raylm_requests_total{{finish_reason="{_label(reason)}"}} {count}'
+    for m in metrics:
+        model = f'model="{_label(m.model)}"'
+        for reason, count in sorted(m.finished.items()):
+            yield f'raylm_requests_total{{{model},finish_reason="{_label(reason)}"}} {count}'
     yield from _head("raylm_e2e_seconds", "histogram", "Latency of each choice at the ingress.")
-    cumulative = 0
-    for bound, count in zip(metrics.e2e_buckets, metrics.e2e_counts):
-        cumulative += count
-        yield f'raylm_e2e_seconds_bucket{{le="{bound:g}"}} {cumulative}'
-    yield f'raylm_e2e_seconds_bucket{{le="+Inf"}} {metrics.e2e_count}'
-    yield f"raylm_e2e_seconds_sum {metrics.e2e_sum!r}"
-    yield f"raylm_e2e_seconds_count {metrics.e2e_count}"
+    for m in metrics:
+        model = f'model="{_label(m.model)}"'
+        cumulative = 0
+        for bound, count in zip(m.e2e_buckets, m.e2e_counts):
+            cumulative += count
+            yield f'raylm_e2e_seconds_bucket{{{model},le="{bound:g}"}} {cumulative}'
+        yield f'raylm_e2e_seconds_bucket{{{model},le="+Inf"}} {m.e2e_count}'
+        yield f"raylm_e2e_seconds_sum{{{model}}} {m.e2e_sum!r}"
+        yield f"raylm_e2e_seconds_count{{{model}}} {m.e2e_count}"
     yield from _head("raylm_ingress_requests_in_flight", "gauge", "HTTP requests being served.")
     yield f"raylm_ingress_requests_in_flight {in_flight}"
     yield from _head("raylm_replicas", "gauge", "Replicas known to the router, by state.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -31,6 +32,9 @@ class EngineCore:
         self, config: EngineConfig, executor_factory: ExecutorFactory = local_executor
     ) -> None:
         self.config = config
+        # Seconds of each startup phase (cluster/cold_start.py exports them per replica).
+        self.startup: dict[str, float] = {}
+        clock = time.perf_counter()
         self.model_info = ModelInfo.load(config.model, config.cache_dir)
         self.model_dir = self.model_info.model_dir
         sched = config.scheduler
@@ -46,7 +50,9 @@ class EngineCore:
         self.eos_token_ids = self.model_info.eos_token_ids
         self.failure: BaseException | None = None
         runner_config = config.runner_config(self.model_dir, self.max_model_len)
+        clock = self._phase("model_config", clock)
         self.executor: Executor = executor_factory(config, runner_config)
+        clock = self._phase("weights", clock)
         num_gpu_blocks = sched.num_gpu_blocks or self.executor.determine_num_blocks()
         num_cpu_blocks = self._num_cpu_blocks()
         if sched.max_model_len is None and num_gpu_blocks * sched.block_size < self.max_model_len:
@@ -57,7 +63,9 @@ class EngineCore:
                 self.max_model_len,
                 num_gpu_blocks,
             )
+        clock = self._phase("kv_profile", clock)
         self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+        self._phase("kv_allocation", clock)  # CUDA graphs are captured here too
         overlap = runner_config.async_scheduling
         if config.async_scheduling and not overlap:
             logger.warning(
@@ -87,6 +95,11 @@ class EngineCore:
             sched.block_size,
             self.max_model_len,
         )
+
+    def _phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.startup[name] = now - since
+        return now
 
     def _num_cpu_blocks(self) -> int:
         if self.config.scheduler.num_cpu_blocks is not None:

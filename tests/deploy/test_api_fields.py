@@ -265,8 +265,10 @@ def test_metrics_on_the_http_port(client, root):
 
     text = wait_for(page, timeout=60, interval=0.5)
     assert text, "no replica report reached the ingress's router"
-    assert re.search(r'^raylm_requests_total\{finish_reason="length"\} [1-9]', text, re.M)
-    assert re.search(r"^raylm_e2e_seconds_count [1-9]", text, re.M)
+    assert re.search(
+        r'^raylm_requests_total\{model="[^"]*",finish_reason="length"\} [1-9]', text, re.M
+    )
+    assert re.search(r'^raylm_e2e_seconds_count\{model="[^"]*"\} [1-9]', text, re.M)
     assert re.search(r'^raylm_num_requests_waiting\{replica="[^"]+"\} [0-9.]+$', text, re.M)
 
 

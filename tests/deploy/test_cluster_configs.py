@@ -68,7 +68,7 @@ def test_gpu_examples_put_two_gpu_workers_of_a_replica_on_one_node(name):
     spec = yaml.safe_load((ROOT / "deploy" / "examples" / name).read_text())
     args = spec["applications"][0]["args"]
     app = application(AppConfig.from_args(args))
-    replica = app._bound_deployment.init_args[1]._bound_deployment
+    replica = app._bound_deployment.init_args[1][0]._bound_deployment
     assert args["tensor_parallel_size"] == 2
     bundles = replica._replica_config.placement_group_bundles
     assert bundles == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]

@@ -184,7 +184,8 @@ def test_deploy_yaml_args_build_the_two_deployments():
     spec = yaml.safe_load(Path("deploy.yaml").read_text())
     app = build_app(spec["applications"][0]["args"])
     ingress = app._bound_deployment
-    replica = ingress.init_args[1]._bound_deployment
+    (replica_app,) = ingress.init_args[1]  # one model: one replica deployment
+    replica = replica_app._bound_deployment
     assert ingress.name == "OpenAIIngress"
     assert replica.name == "LLMReplica"
     assert replica._deployment_config.num_replicas == 1

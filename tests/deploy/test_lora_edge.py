@@ -156,14 +156,22 @@ def test_a_bad_command_is_refused_by_field(kwargs):
         LoraCommand("r1", **kwargs)
 
 
-def test_replica_ids_come_from_the_routers_of_this_process():
+def test_replica_ids_come_from_the_routers_of_this_process_for_one_deployment():
     class Source:
+        def __init__(self, deployment, ids):
+            self.deployment, self.ids = deployment, ids
+
         def replica_reports(self):
             return {}
 
         def replica_ids(self):
-            return {"r1", "r2"}
+            return self.ids
 
-    source = Source()
-    register(source)
-    assert {"r1", "r2"} <= replica_ids()
+        def deployment_name(self):
+            return self.deployment
+
+    sources = [Source("llm", {"r1", "r2"}), Source("other-model", {"r3"})]
+    for source in sources:
+        register(source)
+    assert {"r1", "r2"} <= replica_ids("llm")
+    assert "r3" not in replica_ids("llm")
