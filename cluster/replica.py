@@ -375,6 +375,7 @@ class LLMReplica:
             await self._loop_thread.call(lambda e: e.remove_lora(command.name))
         logger.info("LoRA adapter %s: %s", command.name, command.op)
         return await self.list_loras()
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve pushes this to the controller for the autoscaling policy
         (cluster/autoscaling_policy.py): KV usage, queues and backlog, batch size against

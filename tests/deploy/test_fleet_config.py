@@ -105,7 +105,19 @@ def _table(args: dict) -> ModelTable:
     fleet = FleetConfig.from_args(args)
     return ModelTable(
         [
-            ServedModel(c, None, None, None, None, None, None, False, None, c.key_profiles())
+            ServedModel(
+                config=c,
+                replica=None,
+                frontend=None,
+                metrics=None,
+                texts=None,
+                grammars=None,
+                tool_format=None,
+                renders_tools=False,
+                reasoning=None,
+                lora_admin=None,
+                keys=c.key_profiles(),
+            )
             for c in fleet.models
         ]
     )
@@ -162,3 +174,16 @@ def test_resolve_never_fails_but_with_an_openai_error(name, header):
     except (AuthenticationError, ModelNotFoundError):
         return
     assert name in ("chat", "default", "small/v1", "/models/tiny")
+
+
+def test_an_adapter_is_named_under_its_model_or_alone_when_one_model_serves_adapters():
+    table = _table(
+        {"models": [{"name": "chat", "max_loras": 2}, {"name": "plain", "model": "/models/p"}]}
+    )
+    caller = table.authenticate("")
+    assert table.resolve("chat:sql", caller)[0].name == "chat"
+    assert table.resolve("sql", caller)[0].name == "chat"  # the only model serving adapters
+    assert table.models[0].adapter("chat:sql") == "sql"
+    assert table.models[0].adapter("chat") is None
+    with pytest.raises(ModelNotFoundError):
+        table.resolve("nobody:sql", caller)
