@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, settings
 from tests.random_checkpoint import (
     TINY_FAMILIES,
     TINY_GEMMA,
+    TINY_GPT_OSS,
     TINY_MOE_FAMILIES,
     TINY_PHI3,
     TINY_SERVED_LLAMA,
@@ -177,6 +178,7 @@ def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer):
         "mistral_window": TINY_SLIDING_MISTRAL,
         "phi3": TINY_PHI3,
         **TINY_GEMMA,
+        "gpt_oss": TINY_GPT_OSS,
     }
 
     def make(family: str) -> tuple[str, torch.nn.Module]:

@@ -171,6 +171,32 @@ TINY_GEMMA: dict[str, ModelSpec] = {
     ),
 }
 
+# gpt-oss: 8 experts top-2 (top-k of the router logits, then softmax), a 24-token window on layer
+# 0 and full attention on layer 1, head_dim 32, yarn rope; random sinks, router and expert biases
+# (vector_std). The SwiGLU limit is lowered to 1.5 so that these weights reach it.
+TINY_GPT_OSS = dataclasses.replace(
+    _tiny(
+        "GptOssConfig",
+        head_dim=32,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=24,
+        swiglu_limit=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 128,
+            "truncate": False,
+        },
+        tie_word_embeddings=False,
+    ),
+    vector_std=0.5,
+)
+
 # A 24-token sliding window on every layer: prompts of 30-60 tokens reach well past it.
 TINY_SLIDING_MISTRAL = _tiny(
     "MistralConfig", sliding_window=24, head_dim=32, tie_word_embeddings=False

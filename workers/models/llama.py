@@ -109,6 +109,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by all layers
+        # [this rank's query heads] sink logits (gpt-oss sets them after construction); None: none
+        self.sinks: nn.Parameter | None = None
         self.attn = Attention(
             self.qkv_proj.num_heads,
             a.head_dim,
@@ -127,7 +129,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta))
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta, sinks=self.sinks))
 
 
 class LlamaMLP(nn.Module):
