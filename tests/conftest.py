@@ -29,6 +29,7 @@ from tests.random_checkpoint import (
     TINY_GPT_OSS,
     TINY_MOE_FAMILIES,
     TINY_PHI3,
+    TINY_PHI3_LONGROPE,
     TINY_SERVED_LLAMA,
     TINY_SLIDING_MISTRAL,
     write_random_checkpoint,
@@ -177,6 +178,7 @@ def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer):
         **TINY_MOE_FAMILIES,
         "mistral_window": TINY_SLIDING_MISTRAL,
         "phi3": TINY_PHI3,
+        "phi3_longrope": TINY_PHI3_LONGROPE,
         **TINY_GEMMA,
         "gpt_oss": TINY_GPT_OSS,
     }

@@ -135,6 +135,18 @@ TINY_MOE_FAMILIES: dict[str, ModelSpec] = {
 # Phi-3: q/k/v and gate/up fused in the checkpoint.
 TINY_PHI3 = _tiny("Phi3Config", pad_token_id=0, tie_word_embeddings=False)
 
+# Phi-3 with LongRoPE stretched from 32 to 512 positions: prompts of 45 and 70 tokens run long
+# from the start, shorter ones cross 32 while decoding.
+TINY_PHI3_LONGROPE = TINY_PHI3.with_fields(
+    original_max_position_embeddings=32,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.5 + 0.5 * i for i in range(8)],
+    },
+)
+
 # Gemma 2 and 3 (text): a 24-token window on layer 0, a global layer 1, head_dim 32 (the CPU
 # decode kernel's size) wider than hidden / heads, query_pre_attn_scalar not head_dim, random
 # norm weights (Gemma scales by 1 + weight), an untied head (tied, the sqrt(hidden)-scaled

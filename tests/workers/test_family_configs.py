@@ -90,3 +90,35 @@ def test_yarn_rope_matches_transformers(truncate):
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, None)
     assert torch.equal(rope_inv_freq(64, rope), inv_freq)
     assert rope_attention_factor(rope) == pytest.approx(factor, rel=1e-12)
+
+
+def phi3_longrope() -> transformers.Phi3Config:
+    fields = {k: v for k, v in TINY.items() if k != "head_dim"}
+    return transformers.Phi3Config(
+        **fields,
+        original_max_position_embeddings=16,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("short_factor", [1.0] * 7),
+        ("long_factor", [1.0] * 7 + [float("nan")]),
+        ("long_factor", [1.0] * 7 + [-2.0]),
+        ("short_factor", "many"),
+        ("original_max_position_embeddings", -1),
+    ],
+)
+def test_bad_longrope_fields_raise_value_error_naming_them(key, value):
+    config = phi3_longrope()
+    assert model_class(config)(config) is not None  # the valid one loads
+    config.rope_parameters[key] = value
+    with pytest.raises(ValueError, match=f"rope_parameters.{key}"):
+        model_class(config)(config)

@@ -137,3 +137,19 @@ def test_the_sinks_change_what_gpt_oss_generates(tiny_checkpoint, prompts, refer
             for s, old in zip(sinks, saved):
                 s.copy_(old)
     assert plain != [r.token_ids for r in references("gpt_oss")[2:]]
+
+
+def test_phi3_longrope_matches_hf_short_and_long(tiny_checkpoint, llm_factory):
+    """LongRoPE stretched from 32 positions: a prompt that stays within 32 tokens with its output
+    (short factors), and prompts of 45 and 70 tokens (long factors from the start). A request that
+    crosses 32 while decoding is left out: transformers then recomputes its whole cache with the
+    long factors, which a paged cache does not (workers/models/phi3.py)."""
+    path, hf_model = tiny_checkpoint("phi3_longrope")
+    prompts = [
+        [5, 17, 300, 42, 9],
+        list(range(300, 345)),
+        [(7 * i) % 40000 + 100 for i in range(70)],
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm_factory(model=path, dtype="float32").generate(prompts, params, use_tqdm=False)
+    assert_matches(outs, [hf_greedy(hf_model, p, 12) for p in prompts], "phi3_longrope")
