@@ -135,6 +135,18 @@ TINY_MOE_FAMILIES: dict[str, ModelSpec] = {
 # Phi-3: q/k/v and gate/up fused in the checkpoint.
 TINY_PHI3 = _tiny("Phi3Config", pad_token_id=0, tie_word_embeddings=False)
 
+# Phi-3 with LongRoPE stretched from 32 to 512 positions: prompts of 45 and 70 tokens run long
+# from the start, shorter ones cross 32 while decoding.
+TINY_PHI3_LONGROPE = TINY_PHI3.with_fields(
+    original_max_position_embeddings=32,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.5 + 0.5 * i for i in range(8)],
+    },
+)
+
 # Gemma 2 and 3 (text): a 24-token window on layer 0, a global layer 1, head_dim 32 (the CPU
 # decode kernel's size) wider than hidden / heads, query_pre_attn_scalar not head_dim, random
 # norm weights (Gemma scales by 1 + weight), an untied head (tied, the sqrt(hidden)-scaled
@@ -170,6 +182,32 @@ TINY_GEMMA: dict[str, ModelSpec] = {
         vector_std=0.3,
     ),
 }
+
+# gpt-oss: 8 experts top-2 (top-k of the router logits, then softmax), a 24-token window on layer
+# 0 and full attention on layer 1, head_dim 32, yarn rope; random sinks, router and expert biases
+# (vector_std). The SwiGLU limit is lowered to 1.5 so that these weights reach it.
+TINY_GPT_OSS = dataclasses.replace(
+    _tiny(
+        "GptOssConfig",
+        head_dim=32,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=24,
+        swiglu_limit=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 128,
+            "truncate": False,
+        },
+        tie_word_embeddings=False,
+    ),
+    vector_std=0.5,
+)
 
 # A 24-token sliding window on every layer: prompts of 30-60 tokens reach well past it.
 TINY_SLIDING_MISTRAL = _tiny(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from workers.models.gpt_oss import GptOssForCausalLM
 from workers.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -25,6 +26,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # Configs converted from GGUF carry a model_type but sometimes no architectures list.
@@ -39,6 +41,7 @@ _BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
