@@ -35,7 +35,8 @@ class LoraBatch:
     num_slots: int = 0  # slots 0 .. num_slots - 1 are grouped (a group may be all padding)
     group: int = 0  # rows per group: the most any slot has this step
     index: torch.Tensor | None = None  # [num_slots * group] token rows (padding: row 0)
-    valid: torch.Tensor | None = None  # [num_slots, group, 1]: 1 for a row, 0 for padding
+    # [num_slots, group, 1]: 1 for a row, 0 for padding; None when no group is padded
+    valid: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +100,12 @@ class LoraLayer:
         if not batch.active:
             return y
         m, g, index, valid = batch.num_slots, batch.group, batch.index, batch.valid
-        assert index is not None and valid is not None
+        assert index is not None
         r = self.rank
         xp = x.index_select(0, index).view(m, g, self.in_features)
         xa = torch.bmm(xp, self.a[:m].transpose(1, 2))  # [m, g, segments * rank]
-        xa.mul_(valid)
+        if valid is not None:  # zero the padding rows' updates
+            xa.mul_(valid)
         if len(self.segments) == 1:
             delta = torch.bmm(xa, self.b[0][:m])
         else:  # each segment's own B, then one contiguous update of the fused output

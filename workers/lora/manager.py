@@ -143,11 +143,13 @@ class LoraManager:
         flat = sorted_slots * group + position
         index = torch.zeros(m * group, dtype=torch.long)
         index[flat] = rows.index_select(0, order)
-        valid = torch.zeros(m * group, dtype=self.dtype)
-        valid[flat] = 1
         batch.num_slots, batch.group = m, group
         batch.index = index.to(self.device, non_blocking=True)
-        batch.valid = valid.view(m, group, 1).to(self.device)
+        batch.valid = None
+        if len(rows) < m * group:  # some groups are padded: their rows must add nothing
+            valid = torch.zeros(m * group, dtype=self.dtype)
+            valid[flat] = 1
+            batch.valid = valid.view(m, group, 1).to(self.device)
         batch.active = True
         return True
 
