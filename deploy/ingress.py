@@ -216,7 +216,7 @@ class OpenAIIngress:
             loaded = await m.lora_admin.unload(body.lora_name)
         except Exception as exc:
             return error_response(exc)
-        return JSONResponse({"lora_name": body.lora_name, "status": "unloaded", "adapters": loaded})
+        return JSONResponse({"lora_name": body.lora_name, "status": "unloaded", "replicas": loaded})
 
     @app.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> Response:

@@ -59,6 +59,15 @@ def _lines(
         for replica, report in sorted(reports.items()):
             value = getattr(report.scheduler, attr)
             yield f'{name}{{replica="{_label(replica)}"}} {float(value)!r}'
+    yield from _head("raylm_lora_adapters_loaded", "gauge", "LoRA adapters in device slots.")
+    for replica, report in sorted(reports.items()):
+        count = len(report.scheduler.loaded_loras)
+        yield f'raylm_lora_adapters_loaded{{replica="{_label(replica)}"}} {count}'
+    yield from _head("raylm_lora_adapter_loaded", "gauge", "1 for each adapter in a device slot.")
+    for replica, report in sorted(reports.items()):
+        labels = f'replica="{_label(replica)}"'
+        for lora in report.scheduler.loaded_loras:
+            yield f'raylm_lora_adapter_loaded{{{labels},lora="{_label(lora)}"}} 1'
 
 
 def _head(name: str, kind: str, doc: str) -> Iterator[str]:

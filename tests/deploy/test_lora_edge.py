@@ -175,3 +175,19 @@ def test_replica_ids_come_from_the_routers_of_this_process_for_one_deployment():
         register(source)
     assert {"r1", "r2"} <= replica_ids("llm")
     assert "r3" not in replica_ids("llm")
+
+
+def test_the_metrics_page_lists_each_replicas_loaded_adapters():
+    from cluster.metrics import RequestMetrics
+    from deploy.metrics_page import render
+    from router.stats import RoutingStats
+    from scheduler.outputs import SchedulerStats
+
+    reports = {
+        "r1": RoutingStats(SchedulerStats(0, 0, 0, 0.0, 0.0, 0, loaded_loras=("a", "b"))),
+        "r2": RoutingStats(SchedulerStats(0, 0, 0, 0.0, 0.0, 0)),
+    }
+    page = render([RequestMetrics()], reports, 0)
+    assert 'raylm_lora_adapters_loaded{replica="r1"} 2' in page
+    assert 'raylm_lora_adapters_loaded{replica="r2"} 0' in page
+    assert 'raylm_lora_adapter_loaded{replica="r1",lora="b"} 1' in page
