@@ -14,7 +14,7 @@ MAX_TENANT_CHARS = 256
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request. Everything from FINISHED_STOPPED on is final."""
+    """Lifecycle of a request. FINISHED_STOPPED to FINISHED_ERROR are final."""
 
     WAITING = 0
     RUNNING = 1
@@ -24,10 +24,13 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    # Its KV is arriving from a lower tier (scheduler/kv_connector.py): neither waiting nor
+    # running; its device blocks are reserved and it is admitted when the load lands.
+    LOADING_KV = 8
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ERROR
 
     @property
     def finish_reason(self) -> str | None:
@@ -158,4 +161,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= RequestStatus.FINISHED_STOPPED
+        return self.status.is_finished
