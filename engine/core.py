@@ -216,6 +216,12 @@ class EngineCore:
         mirrors), numbered, with their change since the previous report."""
         return self.scheduler.kv.pool.prefix_report(limit)
 
+    def tier_hashes(self, limit: int) -> list[int] | None:
+        """Up to `limit` hashes the prefix cache's lower tiers hold, most recently used last; None
+        when the tiers are off."""
+        connector = self.scheduler.connector
+        return None if connector is None else connector.hashes(limit)
+
     def shutdown(self) -> None:
         if self.pipeline is not None:
             self.pipeline.shutdown()

@@ -105,13 +105,17 @@ class KVTiers:
                 logger.warning("KV tier: CPU slot %d does not hold %032x", slot, block_hash)
         for block, block_hash in t.save_disk:
             self._write_file(self.cache.gpu[:, :, block].to("cpu"), block_hash)
-        if t.save:
+        if t.save and self.device.type == "cpu":  # one strided memcpy a block
+            gpu = self.cache.gpu
+            for block, slot, _ in t.save:
+                self.cpu[slot].copy_(gpu[:, :, block])
+        elif t.save:  # one gather on the device, one copy to the host
             blocks = torch.tensor([b for b, _, _ in t.save], dtype=torch.long, device=self.device)
             slots = torch.tensor([s for _, s, _ in t.save], dtype=torch.long)
             # [layers, 2, n, ...] -> [n, layers, 2, ...]
             self.cpu[slots] = self.cache.gpu[:, :, blocks].movedim(2, 0).to("cpu")
-            for _, slot, block_hash in t.save:
-                self.slot_hash[slot] = block_hash
+        for _, slot, block_hash in t.save:
+            self.slot_hash[slot] = block_hash
 
     def load(self, t: KVTransfers) -> list[int]:
         """Copy blocks into their device slots; the device blocks whose load failed its check."""
