@@ -24,6 +24,7 @@ from workers.options import (
 from workers.process import MAX_NICE, MIN_NICE
 
 if TYPE_CHECKING:
+    from workers.kv_tiers import KVTierConfig
     from workers.runner import RunnerConfig
 
 # A chunk is held until this many tokens at most: beyond it a stream is no stream.
@@ -33,6 +34,7 @@ MAX_LORAS = 256
 MAX_LORA_RANK = 256
 MAX_CPU_LORAS = 4096
 DEFAULT_MAX_LORAS = 4
+_MAX_PATH = 4096  # PATH_MAX on Linux
 
 
 @dataclass(slots=True)
@@ -62,6 +64,26 @@ class EngineConfig:
     )
     swap_space_gb: float = setting(
         0.0, "CPU pool for swap preemption, in GiB (unless num_cpu_blocks pins it)", ge=0
+    )
+    kv_cpu_tier_gb: float = setting(
+        0.0,
+        "CPU tier of the prefix cache, in GiB per rank: cached prefix blocks the device pool "
+        "evicts are kept in host memory and loaded back on a later hit instead of recomputed "
+        "(docs/kv-tiers.md; unless num_cpu_tier_blocks pins it). 0: off",
+        ge=0,
+        le=1 << 16,
+    )
+    kv_disk_tier_gb: float = setting(
+        0.0,
+        "disk tier of the prefix cache below the CPU tier, in GiB per rank, under "
+        "kv_disk_tier_dir (unless num_disk_tier_blocks pins it). 0: off",
+        ge=0,
+        le=1 << 20,
+    )
+    kv_disk_tier_dir: str = setting(
+        DEFAULT_CACHE_DIR + "/kv-tier",
+        "where the disk tier writes its block files: a local directory; each engine writes in a "
+        "subdirectory of its own and removes it at shutdown",
     )
     quantization: str = setting(
         "none",
@@ -195,6 +217,11 @@ class EngineConfig:
                 "scheduler.preemption_mode: 'swap' needs a CPU pool: set swap_space_gb or "
                 "num_cpu_blocks"
             )
+        if not 0 < len(self.kv_disk_tier_dir) <= _MAX_PATH or "\0" in self.kv_disk_tier_dir:
+            raise ValueError(
+                f"kv_disk_tier_dir: must be a path of 1 to {_MAX_PATH} characters without NUL, "
+                f"got {shown(self.kv_disk_tier_dir)}"
+            )
         if self.speculative is not None and self.async_scheduling:
             # The next step would be scheduled before the proposals it verifies are known.
             raise ValueError(
@@ -257,7 +284,11 @@ class EngineConfig:
         return bool(self.async_scheduling)
 
     def sized_scheduler(
-        self, num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        max_model_len: int,
+        tiers: KVTierConfig | None = None,
     ) -> SchedulerConfig:
         """The SchedulerConfig with the measured pool sizes and context length filled in."""
         return replace(
@@ -265,9 +296,13 @@ class EngineConfig:
             num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks,
             max_model_len=max_model_len,
+            num_cpu_tier_blocks=tiers.num_cpu_blocks if tiers is not None else 0,
+            num_disk_tier_blocks=tiers.num_disk_blocks if tiers is not None else 0,
         )
 
-    def runner_config(self, model_dir: str, max_model_len: int) -> RunnerConfig:
+    def runner_config(
+        self, model_dir: str, max_model_len: int, tiers: KVTierConfig | None = None
+    ) -> RunnerConfig:
         """What every worker rank needs to build its model and cache."""
         from workers.runner import RunnerConfig
 
@@ -297,6 +332,7 @@ class EngineConfig:
             max_loras=self.num_lora_slots,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.num_cpu_loras,
+            kv_tiers=tiers,
         )
 
     def quantized_gguf(self) -> str | None:

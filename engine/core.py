@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+import os
+import shutil
+import uuid
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -20,6 +23,7 @@ from scheduler.block_manager import PrefixReport
 from scheduler.request import EngineRequest, Request
 from scheduler.spec_scheduler import SpecScheduler
 from workers.kv_cache import GiB, KVCacheSpec
+from workers.kv_tiers import KVTierConfig, disk_tier_blocks
 from workers.runner import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -49,7 +53,8 @@ class EngineCore:
         self.vocab_size = self.model_info.vocab_size
         self.eos_token_ids = self.model_info.eos_token_ids
         self.failure: BaseException | None = None
-        runner_config = config.runner_config(self.model_dir, self.max_model_len)
+        self.tiers = self._kv_tiers()
+        runner_config = config.runner_config(self.model_dir, self.max_model_len, self.tiers)
         clock = self._phase("model_config", clock)
         self.executor: Executor = executor_factory(config, runner_config)
         clock = self._phase("weights", clock)
@@ -73,7 +78,9 @@ class EngineCore:
                 "samples; the other ranks learn each token from the next step)",
                 config.tensor_parallel_size,
             )
-        sized = config.sized_scheduler(num_gpu_blocks, num_cpu_blocks, self.max_model_len)
+        sized = config.sized_scheduler(
+            num_gpu_blocks, num_cpu_blocks, self.max_model_len, self.tiers
+        )
         self.scheduler: Scheduler
         if config.speculative is not None:
             self.scheduler = SpecScheduler(sized, config.speculative)
@@ -106,14 +113,43 @@ class EngineCore:
             return self.config.scheduler.num_cpu_blocks
         if self.config.swap_space_gb == 0:
             return 0
-        # Only a swap pool sized in GiB needs the model's KV shape before the workers report it.
-        spec = KVCacheSpec.from_hf_config(
+        return self._kv_spec().blocks_in(self.config.swap_space_gb * GiB)
+
+    def _kv_spec(self) -> KVCacheSpec:
+        """One rank's KV block shape, before the workers report it (pools sized in GiB)."""
+        return KVCacheSpec.from_hf_config(
             AutoConfig.from_pretrained(self.model_dir),
             self.config.block_size,
             DTYPES[self.config.dtype],
             self.config.tensor_parallel_size,
         )
-        return spec.blocks_in(self.config.swap_space_gb * GiB)
+
+    def _kv_tiers(self) -> KVTierConfig | None:
+        """The prefix cache's lower tiers: pinned in blocks, else sized from GiB; None when off.
+        The disk tier gets a directory of this engine's own under kv_disk_tier_dir."""
+        cfg, sched = self.config, self.config.scheduler
+        cpu, disk = sched.num_cpu_tier_blocks, sched.num_disk_tier_blocks
+        if cpu is None:
+            cpu = self._kv_spec().blocks_in(cfg.kv_cpu_tier_gb * GiB) if cfg.kv_cpu_tier_gb else 0
+        if disk is None:
+            disk = disk_tier_blocks(self._kv_spec(), cfg.kv_disk_tier_gb)
+        if not cpu:
+            if disk:
+                raise ValueError(
+                    "kv_disk_tier_gb: the disk tier is fed by the CPU tier; set kv_cpu_tier_gb"
+                )
+            return None
+        if not sched.enable_prefix_caching:
+            raise ValueError(
+                "kv_cpu_tier_gb: the KV tiers keep prefix-cache blocks; they need "
+                "enable_prefix_caching"
+            )
+        disk_dir = None
+        if disk:
+            disk_dir = os.path.join(
+                os.path.expanduser(cfg.kv_disk_tier_dir), f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            )
+        return KVTierConfig(cpu, disk, disk_dir)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (its end-of-turn ids default to the model's); ValueError if it cannot
@@ -201,12 +237,7 @@ class EngineCore:
     def _launch(
         pipeline: StepPipeline, out: SchedulerOutput
     ) -> tuple[SchedulerOutput, Future[ModelRunnerOutput]]:
-        if out.is_empty and not (
-            out.finished_req_ids
-            or out.preempted_req_ids
-            or out.blocks_to_swap_out
-            or out.blocks_to_swap_in
-        ):
+        if out.is_empty and not (out.finished_req_ids or out.preempted_req_ids or out.has_copies):
             done: Future[ModelRunnerOutput] = Future()  # nothing for the runner to do or to hear
             done.set_result(ModelRunnerOutput([], []))
             return out, done
@@ -225,10 +256,18 @@ class EngineCore:
         mirrors), numbered, with their change since the previous report."""
         return self.scheduler.kv.pool.prefix_report(limit)
 
+    def tier_hashes(self, limit: int) -> list[int] | None:
+        """Up to `limit` hashes the prefix cache's lower tiers hold, most recently used last; None
+        when the tiers are off."""
+        connector = self.scheduler.connector
+        return None if connector is None else connector.hashes(limit)
+
     def shutdown(self) -> None:
         if self.pipeline is not None:
             self.pipeline.shutdown()
         self.executor.shutdown()
+        if self.tiers is not None and self.tiers.disk_dir is not None:
+            shutil.rmtree(self.tiers.disk_dir, ignore_errors=True)  # this engine's files alone
 
 
 def _with_pooled(

@@ -56,6 +56,9 @@ class RoutingStats:
     scheduler: SchedulerStats
     state: ReplicaState = ReplicaState.OK
     prefix: PrefixReport | None = None  # None: the engine could not be asked in time
+    # Hashes the prefix cache's lower tiers hold (CPU, disk; docs/kv-tiers.md): a hit there saves
+    # the prefill too, at the cost of a copy. None: tiers off, or not asked.
+    tier_hashes: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as Serve carries it: flat, plain values."""
@@ -66,6 +69,8 @@ class RoutingStats:
             p = self.prefix
             values = (p.hashes, p.report_id, p.base_id, p.listed, p.unlisted)
             out.update(zip(_PREFIX_KEYS, values))
+        if self.tier_hashes is not None:
+            out["tier_hashes"] = self.tier_hashes
         return out
 
     @classmethod
@@ -88,7 +93,10 @@ class RoutingStats:
                 _block_hashes(report, "prefix_listed"),
                 _block_hashes(report, "prefix_unlisted"),
             )
-        return cls(_scheduler_stats(report), ReplicaState(state), prefix)
+        tier = None
+        if report.get("tier_hashes") is not None:
+            tier = _block_hashes(report, "tier_hashes")
+        return cls(_scheduler_stats(report), ReplicaState(state), prefix, tier)
 
 
 _FIELD_TYPES = get_type_hints(SchedulerStats)

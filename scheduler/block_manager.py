@@ -11,7 +11,7 @@ import hashlib
 import itertools
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig
@@ -117,6 +117,9 @@ class BlockPool:
         self._reported_whole = False  # the last report listed the whole index (it fit the limit)
         self._listed_since: dict[int, None] | None = None
         self._unlisted_since: set[int] = set()
+        # Called with (block id, hash) before a cached block is reused: the KV connector's save
+        # to a lower tier (scheduler/kv_connector.py). None: evicted blocks are dropped.
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -135,6 +138,8 @@ class BlockPool:
                     self.version += 1
                     if self._listed_since is not None:
                         self._untrack(h)
+                    if self.on_evict is not None:
+                        self.on_evict(block_id, h)
                 block_hash[block_id] = None
             ref_cnt[block_id] = 1
             out.append(block_id)
@@ -271,16 +276,22 @@ class KVCacheManager:
             request.spec.lora_name,
         )
 
+    def reuses_prefix(self, request: Request) -> bool:
+        """Whether the request may start from cached KV: not one that asks for its prompt's
+        log-probabilities, nor a mean-pooled embedding (every prompt position goes through the
+        model)."""
+        params = request.sampling_params
+        return (
+            self.enable_prefix_caching
+            and params.pooling != "mean"
+            and params.prompt_logprobs is None
+        )
+
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of cached leading blocks, leaving at least the last token to compute.
         None for a request whose every prompt position must go through the model: one that asks
         for its prompt's log-probabilities, or a mean-pooled embedding."""
-        params = request.sampling_params
-        if (
-            not self.enable_prefix_caching
-            or params.pooling == "mean"
-            or params.prompt_logprobs is not None
-        ):
+        if not self.reuses_prefix(request):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._ensure_hashes(request, max_blocks)

@@ -36,6 +36,22 @@ class SchedulerConfig:
     num_cpu_blocks: int | None = setting(
         None, "CPU pool for swap preemption in blocks", ge=0, derived="from swap_space_gb"
     )
+    num_cpu_tier_blocks: int | None = setting(
+        None,
+        "CPU tier of the prefix cache in blocks: cached prefix blocks the device pool evicts are "
+        "kept there (LRU) and loaded back on a later hit instead of recomputed; 0: off",
+        ge=0,
+        le=1 << 40,
+        derived="from kv_cpu_tier_gb",
+    )
+    num_disk_tier_blocks: int | None = setting(
+        None,
+        "disk tier of the prefix cache in blocks, below the CPU tier (LRU, one file a block); "
+        "0: off",
+        ge=0,
+        le=1 << 40,
+        derived="from kv_disk_tier_gb",
+    )
     max_model_len: int | None = setting(
         None,
         "context length, at most the model's positions; prompt + max_tokens beyond it is rejected",
@@ -87,6 +103,16 @@ class SchedulerConfig:
         check_settings(self)
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("num_cpu_blocks: preemption_mode='swap' needs a CPU pool (> 0)")
+        if self.num_disk_tier_blocks and not self.num_cpu_tier_blocks:
+            raise ValueError(
+                "num_disk_tier_blocks: the disk tier is fed by the CPU tier; set "
+                "num_cpu_tier_blocks (kv_cpu_tier_gb) too"
+            )
+        if self.num_cpu_tier_blocks and not self.enable_prefix_caching:
+            raise ValueError(
+                "num_cpu_tier_blocks: the KV tiers keep prefix-cache blocks; they need "
+                "enable_prefix_caching"
+            )
         if self.num_gpu_blocks is not None and self.max_model_len is not None:
             needed = -(-self.max_model_len // self.block_size)
             if self.num_gpu_blocks < needed:
@@ -112,3 +138,11 @@ class SchedulerConfig:
     @property
     def cpu_blocks(self) -> int:
         return self.num_cpu_blocks or 0
+
+    @property
+    def cpu_tier_blocks(self) -> int:
+        return self.num_cpu_tier_blocks or 0
+
+    @property
+    def disk_tier_blocks(self) -> int:
+        return self.num_disk_tier_blocks or 0

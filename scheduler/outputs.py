@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field, fields
 
+from scheduler.kv_connector import KVTransfers
 from scheduler.sampling_params import SamplingParams
 
 # Per sampled token: (token_id, logprob) pairs, the sampled token first, then the top-N by rank.
@@ -65,10 +66,18 @@ class SchedulerOutput:
     # LoRA adapters to load into device slots before this step's forward: slot -> (name, path)
     # (scheduler/lora_slots.py). Every TP rank loads the same slots in the same step.
     lora_loads: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # KV copies to and from the lower tiers of the prefix cache (scheduler/kv_connector.py), run
+    # around the swap copies; None when there are none.
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_copies(self) -> bool:
+        """Whether the workers have blocks to copy in this step, tokens or not."""
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.kv_transfers)
 
     def encode(self) -> bytes:
         """The step for a TP worker: pickled as flat tuples, which costs half of pickling the
@@ -111,6 +120,9 @@ class ModelRunnerOutput:
     # Speculative decoding: per request, tokens proposed to follow what it sampled this step (the
     # scheduler decides how many of them the next step verifies). None: no proposer.
     spec_token_ids: list[list[int]] | None = None
+    # Device blocks whose load from a lower tier failed its check this step (every rank agrees):
+    # the scheduler recomputes from the first of a request's failed blocks.
+    kv_load_failed: list[int] = field(default_factory=list)
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
@@ -164,6 +176,13 @@ class SchedulerStats:
     # Tokens the waiting requests still have to compute before they run (prompts, and a preempted
     # request's recompute): the backlog the autoscaling policy weighs (router/autoscaling.py).
     num_waiting_prompt_tokens: int = 0
+    # The prefix cache's lower tiers (scheduler/kv_connector.py): blocks held now, and cumulative
+    # blocks saved from the device pool, loaded back intact, and failed loads (recomputed).
+    num_cpu_tier_blocks: int = 0
+    num_disk_tier_blocks: int = 0
+    num_tier_saved_blocks: int = 0
+    num_tier_loaded_blocks: int = 0
+    num_tier_failed_loads: int = 0
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);

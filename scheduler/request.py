@@ -29,7 +29,7 @@ def check_lora_name(name: object, field_name: str = "lora_name") -> str:
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request. Everything from FINISHED_STOPPED on is final."""
+    """Lifecycle of a request. FINISHED_STOPPED to FINISHED_ERROR are final."""
 
     WAITING = 0
     RUNNING = 1
@@ -39,10 +39,13 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    # Its KV is arriving from a lower tier (scheduler/kv_connector.py): neither waiting nor
+    # running; its device blocks are reserved and it is admitted when the load lands.
+    LOADING_KV = 8
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ERROR
 
     @property
     def finish_reason(self) -> str | None:
@@ -182,4 +185,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= RequestStatus.FINISHED_STOPPED
+        return self.status.is_finished

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from scheduler.block_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.lora_slots import LoraSlots
+from scheduler.kv_connector import KVConnector, KVTransfers
 from scheduler.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -36,6 +37,7 @@ FINISHED_RETENTION = 1024
 
 _RUNNING = RequestStatus.RUNNING
 _SWAPPED = RequestStatus.SWAPPED
+_LOADING = RequestStatus.LOADING_KV
 _NO_CAP = 1 << 62
 
 
@@ -109,6 +111,15 @@ class Scheduler:
         self._prefill_cap = config.long_prefill_token_threshold or _NO_CAP
         # LoRA adapters' device slots (scheduler/lora_slots.py); the engine sets max_loras.
         self.loras = LoraSlots(0)
+        # The prefix cache's lower tiers (None: off): requests whose KV is on its way in, and
+        # those whose load landed, running with their blocks reserved but not yet sent to the
+        # runner (their first step sends the whole block table).
+        self.connector: KVConnector | None = None
+        self.loading: dict[str, Request] = {}
+        self._landed: set[str] = set()
+        if config.cpu_tier_blocks:
+            self.connector = KVConnector(config.cpu_tier_blocks, config.disk_tier_blocks)
+            self.kv.pool.on_evict = self.connector.on_evict
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -142,6 +153,11 @@ class Scheduler:
     def _finish_early(self, req: Request, status: RequestStatus) -> None:
         if req.status == _RUNNING:
             self.running.remove(req)
+            self._landed.discard(req.request_id)
+        elif req.status == _LOADING:
+            del self.loading[req.request_id]
+            if self.connector is not None:
+                self.connector.cancel(req.request_id)
         else:
             self.waiting.remove(req)
         self._finish(req, status)
@@ -158,7 +174,7 @@ class Scheduler:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.loading)
 
     def stats(self) -> SchedulerStats:
         """Queue lengths and KV-cache figures now."""
@@ -178,6 +194,20 @@ class Scheduler:
             num_waiting_prompt_tokens=sum(
                 r.num_tokens - r.num_computed_tokens for r in self.waiting
             ),
+            **self._tier_stats(),
+        )
+
+    def _tier_stats(self) -> dict[str, int]:
+        connector = self.connector
+        if connector is None:
+            return {}
+        disk, counts = connector.disk, connector.stats
+        return dict(
+            num_cpu_tier_blocks=len(connector.cpu),
+            num_disk_tier_blocks=len(disk) if disk is not None else 0,
+            num_tier_saved_blocks=counts.num_saved_blocks,
+            num_tier_loaded_blocks=counts.num_loaded_blocks,
+            num_tier_failed_loads=counts.num_failed_loads,
         )
 
     # ---- schedule ------------------------------------------------------------------------------
@@ -219,14 +249,21 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(req, n)
             if new_blocks is None:
                 continue
-            step.cached_reqs.append(req)
+            if self._landed and req.request_id in self._landed:
+                new_blocks = self._send_landed(req, step)
+            else:
+                step.cached_reqs.append(req)
             step.take(req, n, new_blocks)
             if charge is not None:
                 self._charge_input(req, computed, n)
 
     def _schedule_waiting(self, step: _Step) -> None:
         cfg = self.config
-        while len(self.waiting) and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while (
+            len(self.waiting)
+            and step.budget > 0
+            and len(self.running) + len(self.loading) < cfg.max_num_seqs
+        ):
             req = self.waiting.peek()
             if req.request_id in step.preempted:  # never re-admit a victim in the step that took it
                 break
@@ -256,6 +293,11 @@ class Scheduler:
         """Admit a WAITING or PREEMPTED request, reusing its longest cached prefix."""
         kv = self.kv
         cached = kv.find_cached_blocks(req)
+        if self.connector is not None and kv.reuses_prefix(req):
+            end = (req.num_tokens - 1) // kv.block_size  # find_cached_blocks hashed this far
+            num_load = self.connector.lookup(req.block_hashes[len(cached) : end])
+            if num_load:
+                return self._start_loading(req, cached, num_load, reserve)
         num_hit = len(cached) * kv.block_size
         n = min(req.num_tokens - num_hit, self._prefill_cap, step.budget)
         # Anti-thrash: admit only when the whole sequence so far fits, not just this chunk.
@@ -276,6 +318,57 @@ class Scheduler:
             step.new_reqs.append(req)
         self._start_running(req, step, n, new_blocks)
         return True
+
+    def _start_loading(self, req: Request, cached: list[int], num_load: int, reserve: int) -> bool:
+        """Reserve blocks for the request's whole sequence and load num_load blocks after its
+        device hit from the lower tiers; it waits in LOADING_KV until the step is back."""
+        kv, connector = self.kv, self.connector
+        assert connector is not None
+        if not kv.can_admit(req, cached, reserve):
+            return False
+        blocks = kv.allocate_slots(req, req.num_tokens - len(cached) * kv.block_size, cached)
+        if blocks is None:
+            return False
+        self.waiting.pop()
+        first = len(cached)
+        hashes = req.block_hashes[first : first + num_load]
+        connector.load(req.request_id, first, hashes, blocks[first : first + num_load])
+        req.status = _LOADING
+        self.loading[req.request_id] = req
+        return True
+
+    def _land_loads(self, transfers: KVTransfers, failed_blocks: list[int]) -> None:
+        """The step that carried these loads ran: their requests are admitted (running, last)
+        with their loaded blocks computed and findable by others; from the first block that
+        failed its check on, they are recomputed. A running request can be preempted, so blocks
+        reserved this way can always be taken back."""
+        connector = self.connector
+        assert connector is not None
+        failed = set(failed_blocks)
+        for rid in transfers.loading_req_ids:
+            req = self.loading.pop(rid, None)
+            plan = connector.land(rid, failed)
+            if req is None or plan is None:  # aborted while loading
+                continue
+            num_hit = (plan.first + len(plan.blocks)) * self.kv.block_size
+            self.kv.register_computed_blocks(req, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens is None:  # first admission: count its prefix-cache lookup
+                req.num_cached_tokens = num_hit
+                self.kv.record_lookup(req.num_tokens, num_hit)
+            req.status = _RUNNING
+            self.running.append(req)
+            self._landed.add(rid)
+
+    def _send_landed(self, req: Request, step: _Step) -> list[int]:
+        """A landed request's first step: sent in full (or resumed), with its whole table."""
+        self._landed.discard(req.request_id)
+        if req.known_to_runner:
+            step.cached_reqs.append(req)
+            step.resumed.add(req.request_id)
+        else:
+            step.new_reqs.append(req)
+        return list(self.kv.blocks_of(req.request_id))
 
     def _resume_swapped(self, req: Request, step: _Step, reserve: int) -> bool:
         """Bring a SWAPPED request back from the CPU pool with its progress intact."""
@@ -326,9 +419,15 @@ class Scheduler:
         self.running.remove(victim)
         self.loras.release(victim.spec.lora_name)
         cfg = self.config
-        swap = cfg.preemption_mode == "swap" or (
-            cfg.preemption_mode == "auto"
-            and victim.num_computed_tokens >= cfg.swap_min_computed_tokens
+        self._landed.discard(rid)
+        # A request the runner has never seen (its KV landed from a lower tier this step or the
+        # last) could not be resumed from a swap: it is recomputed.
+        swap = victim.known_to_runner and (
+            cfg.preemption_mode == "swap"
+            or (
+                cfg.preemption_mode == "auto"
+                and victim.num_computed_tokens >= cfg.swap_min_computed_tokens
+            )
         )
         if swap and self.kv.can_swap_out(victim):
             step.swap_out.extend(self.kv.swap_out(victim))
@@ -396,6 +495,7 @@ class Scheduler:
             blocks_to_swap_out=step.swap_out,
             blocks_to_swap_in=step.swap_in,
             lora_loads=self.loras.take_loads(),
+            kv_transfers=self.connector.take_transfers() if self.connector is not None else None,
         )
 
     # ---- results -------------------------------------------------------------------------------
@@ -416,6 +516,8 @@ class Scheduler:
         charge = self.waiting.charge if self.waiting.charges_tokens else None
         logprobs = runner_output.logprobs
         outputs = self._fail(runner_output.failed) if runner_output.failed else []
+        if scheduler_output.kv_transfers is not None and self.connector is not None:
+            self._land_loads(scheduler_output.kv_transfers, runner_output.kv_load_failed)
         if runner_output.expert_tokens_per_rank:
             self._count_expert_tokens(runner_output.expert_tokens_per_rank)
         any_finished = False

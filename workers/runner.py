@@ -14,16 +14,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig
 
+from scheduler.kv_connector import KVTransfers
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 from scheduler.speculative import SpeculativeConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
+from workers.kv_tiers import KVTierConfig, KVTiers
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import load_model
 from workers.lora.manager import LoraManager
 from workers.model_files import load_tokenizer
-from workers.parallel import get_tp_rank, get_tp_world_size, set_expert_parallel
+from workers.parallel import all_reduce, get_tp_rank, get_tp_world_size, set_expert_parallel
 from workers.pooling import Pooler
 from workers.process import set_niceness
 from workers.prompt_logprobs import prompt_logprobs
@@ -77,6 +79,8 @@ class RunnerConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     max_cpu_loras: int = 0
+    # The prefix cache's lower tiers (workers/kv_tiers.py); None: off.
+    kv_tiers: KVTierConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -230,6 +234,7 @@ class ModelRunner:
             layer.backend = self.backend
         self.kv_spec = KVCacheSpec.of(self.layers, config.block_size, self.dtype)
         self.kv_cache: KVCache | None = None
+        self.tiers: KVTiers | None = None
         self.sampler = Sampler()
         self.proposer = make_proposer(config.speculative)
         self.is_driver = get_tp_rank() == 0
@@ -295,6 +300,8 @@ class ModelRunner:
         )  # a block past the scheduler's pool, for padded graph rows
         self.kv_cache = KVCache(self.kv_spec, num_gpu_blocks + pad, num_cpu_blocks, self.device)
         self.kv_cache.bind(self.layers)
+        if self.config.kv_tiers is not None:
+            self.tiers = KVTiers(self.kv_cache, self.config.kv_tiers, get_tp_rank())
         if self.use_graphs:
             cfg = self.config
             self.graphs = DecodeGraphs(
@@ -317,22 +324,42 @@ class ModelRunner:
         failed = self._update_states(out)
         if out.lora_loads and self.loras is not None:
             self.loras.load(out.lora_loads)
+        transfers, tiers = out.kv_transfers, self.tiers
+        if tiers is not None:
+            tiers.wait_for_loads()
+            if transfers is not None:
+                tiers.save(transfers)  # reads blocks that the swaps and the forward overwrite
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
+        load_failed = self._load_tiers(tiers, transfers) if transfers is not None else []
         if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [], failed=failed)
+            return ModelRunnerOutput([], [], failed=failed, kv_load_failed=load_failed)
         batch = self._build_batch(out)
         if not batch.req_ids:
-            return ModelRunnerOutput([], [], failed=failed)
+            return ModelRunnerOutput([], [], failed=failed, kv_load_failed=load_failed)
         masks = self._start_masks(batch)  # filled by native threads while the forward runs
         logits = self._forward(batch)
         output = self._sample(batch, logits, masks)
         output.failed.update(failed)
+        output.kv_load_failed = load_failed
         output.pooled = batch.pooled
         expert_load = getattr(self.model, "expert_rows_per_rank", None)
         if expert_load is not None and self.is_driver:
             output.expert_tokens_per_rank = expert_load()
         return output
+
+    def _load_tiers(self, tiers: KVTiers | None, transfers: KVTransfers) -> list[int]:
+        """Run the step's loads from the lower tiers; the device blocks that failed on any rank
+        (every rank recomputes the same blocks)."""
+        if tiers is None:
+            raise RuntimeError("kv_transfers: this runner has no KV tiers (kv_tiers is unset)")
+        failed = tiers.load(transfers)
+        if get_tp_world_size() > 1 and (transfers.load_cpu or transfers.load_disk):
+            blocks = [b for _, b, _ in transfers.load_cpu] + [b for _, b in transfers.load_disk]
+            flags = torch.tensor([b in failed for b in blocks], dtype=torch.int32)
+            flags = all_reduce(flags.to(self.device)).cpu().tolist()
+            failed = [b for b, flag in zip(blocks, flags) if flag]
+        return failed
 
     def _update_states(self, out: SchedulerOutput) -> dict[str, str]:
         """Apply the step's diffs; returns the new requests whose sampling state could not be

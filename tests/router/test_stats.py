@@ -21,6 +21,7 @@ reports = st.builds(
     st.sampled_from(ReplicaState),
     st.none()
     | st.builds(PrefixReport, block_hashes, counts, st.none() | counts, block_hashes, block_hashes),
+    st.none() | block_hashes,  # the KV tiers' hashes
 )
 
 
@@ -84,6 +85,9 @@ GOOD = RoutingStats(SchedulerStats(1, 2, 0, 0.5, 0.0, 0), prefix=PrefixReport([1
         ("prefix_listed", [float("nan")]),
         ("prefix_unlisted", [2**64, -1]),
         ("prefix_unlisted", "x" * 10_000_000),
+        ("tier_hashes", 5),
+        ("tier_hashes", [2**128]),
+        ("tier_hashes", [-1, float("nan")]),
     ],
 )
 def test_a_malformed_field_is_refused_by_name(field, value):

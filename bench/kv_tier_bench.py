@@ -1,0 +1,215 @@
+"""The prefix cache's CPU tier against recomputation: multi-turn chat whose working set is about
+four times the device KV pool, on the embedded SmolLM2-135M (or a model given by --model).
+
+Workload: `--users` conversations (64), each its own system prompt, then `--turns` turns of a user
+message and a greedy answer (`--answer-tokens`, ignore_eos); turn t+1 sends the whole
+conversation so far. Requests go turn by turn over all users (user 0..63 turn 1, then turn 2, ...)
+with `--concurrency` in flight, so between two turns of one user every other user's turn passes
+and a device pool of a quarter of the working set has evicted the conversation. Both engines
+(tier off, tier on) live in this process, run the same requests in the same order, and must give
+the same tokens.
+
+Reported per engine: TTFT p50 / p90 (from submitting a request to its first token), prompt
+tokens computed (prompt less the tokens served from cache), wall time, and the tier's blocks
+loaded; and the ratio off / on. Then the per-block copy time CPU tier -> device (and device -> CPU
+tier) measured on the same KV block shape, on this process's device.
+
+    python bench/kv_tier_bench.py [--users 64] [--turns 4] [--concurrency 8] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import torch
+
+from engine.llm import LLM
+from scheduler import EngineRequest, SamplingParams
+from scheduler.kv_connector import KVTransfers
+from workers.kv_cache import KVCache, KVCacheSpec
+from workers.kv_tiers import KVTierConfig, KVTiers
+
+
+@dataclass
+class RunResult:
+    ttft: list[float] = field(default_factory=list)
+    computed: int = 0  # prompt tokens that went through the model
+    prompt: int = 0
+    wall_s: float = 0.0
+    answers: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    loaded_blocks: int = 0
+    failed_loads: int = 0
+
+
+def conversation_parts(args: argparse.Namespace, vocab: int) -> tuple[list, list]:
+    rng = random.Random(args.seed)
+    systems = [
+        [rng.randrange(10, vocab) for _ in range(args.system_tokens)] for _ in range(args.users)
+    ]
+    messages = [
+        [[rng.randrange(10, vocab) for _ in range(args.user_tokens)] for _ in range(args.turns)]
+        for _ in range(args.users)
+    ]
+    return systems, messages
+
+
+def run(llm: LLM, args: argparse.Namespace, systems: list, messages: list) -> RunResult:
+    """Every (turn, user) request in order, `concurrency` at a time; TTFT per request."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
+    history = [list(s) for s in systems]
+    order = [(t, u) for t in range(args.turns) for u in range(args.users)]
+    result = RunResult()
+    live: dict[str, tuple[int, int, float, list[int]]] = {}
+    started: set[str] = set()
+    nxt = 0
+    t0 = time.perf_counter()
+    before = engine.stats()
+    while nxt < len(order) or live:
+        while nxt < len(order) and len(live) < args.concurrency:
+            turn, user = order[nxt]
+            nxt += 1
+            prompt = history[user] + messages[user][turn]
+            rid = f"u{user}-t{turn}"
+            engine.add_request(EngineRequest(rid, prompt, params))
+            live[rid] = (turn, user, time.perf_counter(), prompt)
+        for out in engine.step():
+            turn, user, sent, prompt = live[out.request_id]
+            if out.request_id not in started and out.new_token_ids:
+                started.add(out.request_id)
+                result.ttft.append(time.perf_counter() - sent)
+                result.computed += len(prompt) - out.num_cached_tokens
+                result.prompt += len(prompt)
+            result.answers.setdefault((user, turn), []).extend(out.new_token_ids)
+            if out.finished:
+                del live[out.request_id]
+                history[user] = prompt + result.answers[(user, turn)]
+    result.wall_s = time.perf_counter() - t0
+    after = engine.stats()
+    result.loaded_blocks = after.num_tier_loaded_blocks - before.num_tier_loaded_blocks
+    result.failed_loads = after.num_tier_failed_loads - before.num_tier_failed_loads
+    return result
+
+
+def quantile(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q * 100) - 1]
+
+
+def copy_times(
+    spec: KVCacheSpec, device: torch.device, n: int, repeats: int
+) -> tuple[float, float]:
+    """Seconds per block to load n blocks CPU tier -> device, and to save n device -> CPU tier."""
+    cache = KVCache(spec, n + 1, 0, device)
+    tiers = KVTiers(cache, KVTierConfig(num_cpu_blocks=n))
+    saves = KVTransfers(save=[(b, b, b + 1) for b in range(n)])
+    loads = KVTransfers(load_cpu=[(b, b, b + 1) for b in range(n)])
+    timings = {"save": [], "load": []}
+    for _ in range(repeats):
+        for name, t in (("save", saves), ("load", loads)):
+            sync(device)
+            start = time.perf_counter()
+            if name == "save":
+                tiers.wait_for_loads()
+                tiers.save(t)
+            else:
+                assert not tiers.load(t)
+                tiers.wait_for_loads()
+            sync(device)
+            timings[name].append((time.perf_counter() - start) / n)
+    return min(timings["load"]), min(timings["save"])
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=192)
+    parser.add_argument("--user-tokens", type=int, default=48)
+    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--pool-share", type=float, default=0.25, help="device pool / working set")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=36)
+    parser.add_argument("--copy-blocks", type=int, default=64)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    bs = args.block_size
+    final = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
+    working_set = args.users * -(-final // bs)
+    pool = max(int(working_set * args.pool_share), -(-(final + bs) // bs) * args.concurrency)
+    common = dict(
+        device=args.device,
+        load_progress=False,
+        num_gpu_blocks=pool,
+        max_model_len=-(-(final + bs) // bs) * bs,
+        max_num_batched_tokens=2048,
+        block_size=bs,
+        max_num_seqs=args.concurrency,
+    )
+    print(
+        f"{args.users} users x {args.turns} turns, final context {final} tokens; working set "
+        f"{working_set} blocks of {bs}, device pool {pool} blocks ({pool / working_set:.2f}x)"
+    )
+    results = {}
+    engines = {
+        "tier off": dict(),
+        "cpu tier": dict(num_cpu_tier_blocks=working_set + pool),
+    }
+    spec = None
+    for name, extra in engines.items():
+        with LLM(args.model, **common, **extra) as llm:
+            vocab = llm.engine.vocab_size
+            systems, messages = conversation_parts(args, vocab)
+            results[name] = run(llm, args, systems, messages)
+            if spec is None:
+                runner = llm.engine.executor.runner  # type: ignore[attr-defined]
+                spec = runner.kv_spec
+    off, on = results["tier off"], results["cpu tier"]
+    print(f"identical tokens: {off.answers == on.answers}")
+    print(
+        f"{'engine':<9} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'prompt tok':>11} "
+        f"{'computed':>9} {'wall s':>7} {'loaded blk':>10} {'failed':>6}"
+    )
+    for name, r in results.items():
+        print(
+            f"{name:<9} {quantile(r.ttft, 0.5) * 1e3:12.1f} {quantile(r.ttft, 0.9) * 1e3:12.1f} "
+            f"{r.prompt:11d} {r.computed:9d} {r.wall_s:7.1f} {r.loaded_blocks:10d} "
+            f"{r.failed_loads:6d}"
+        )
+    print(
+        f"off / on: TTFT p50 {quantile(off.ttft, 0.5) / quantile(on.ttft, 0.5):.2f}x, "
+        f"p90 {quantile(off.ttft, 0.9) / quantile(on.ttft, 0.9):.2f}x, prompt tokens computed "
+        f"{off.computed / max(on.computed, 1):.2f}x, wall {off.wall_s / on.wall_s:.2f}x"
+    )
+    assert spec is not None
+    device = torch.device(args.device)
+    load_s, save_s = copy_times(spec, device, args.copy_blocks, repeats=5)
+    mb = spec.block_bytes / 1e6
+    print(
+        f"per-block copy ({mb:.2f} MB a block, {args.copy_blocks} blocks a batch, {device}): "
+        f"CPU tier -> device {load_s * 1e6:.0f} us ({mb / load_s / 1e3:.2f} GB/s), "
+        f"device -> CPU tier {save_s * 1e6:.0f} us ({mb / save_s / 1e3:.2f} GB/s)"
+    )
+
+
+if __name__ == "__main__":
+    main()
