@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import time
 import os
 import shutil
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import replace

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from scheduler.block_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
-from scheduler.lora_slots import LoraSlots
 from scheduler.kv_connector import KVConnector, KVTransfers
+from scheduler.lora_slots import LoraSlots
 from scheduler.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
