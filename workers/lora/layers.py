@@ -1,17 +1,18 @@
 """LoRA applied to a tensor-parallel linear for a whole batch at once.
 
-Each adapted linear holds every slot's weights stacked: A as [slots, segments, rank, in] and, per
+Each adapted linear holds every slot's weights stacked: A as [slots, segments * rank, in] and, per
 output segment (q, k, v of a fused qkv; gate, up; or the one output), B^T as [slots, rank, out].
-A step sets one `LoraBatch` for the model: each token's slot as a one-hot mask over the slots the
-batch uses. The update is then two matmuls per segment, whatever the mix of adapters:
+A step sets one `LoraBatch` for the model: the adapter rows grouped by slot, each group padded to
+the largest (`index`: [slots, group] token rows, `valid`: 0 on the padding). The update is then a
+segment-grouped matmul, a few batched operations whatever the mix of adapters:
 
-    xa = x @ A[:m]^T          every used slot's rank columns at once  [n, m * segments * rank]
-    xa *= mask                each row keeps its own slot's columns
-    y[:, seg] += xa @ B^T[:m] the zeroed columns add nothing          [n, out]
+    xp = x[index]                  [slots, group, in]
+    xa = bmm(xp, A^T) * valid      [slots, group, segments * rank]
+    y[index] += cat(bmm(xa_seg, B_seg^T) per segment)   (index_add_; the padding adds zeros)
 
-Ranks below the slot's are zero-padded (zeros add nothing), and the scaling is folded into B.
-Rows of the base model are left out (index_select / index_add_), and a batch with no adapter row
-skips the whole path.
+so each row is multiplied by its own adapter only (no work for the other slots' columns). Ranks
+below the slot's are zero-padded (zeros add nothing), and the scaling is folded into B. Rows of
+the base model are in no group, and a batch with no adapter row skips the whole path.
 
 Tensor parallelism: a column-parallel linear keeps A whole and the rank's rows of B (the same
 rows as its weight); a row-parallel one keeps the rank's columns of A, B whole, and adds its
@@ -27,13 +28,15 @@ import torch
 
 @dataclass(slots=True)
 class LoraBatch:
-    """The step's adapter rows, shared by every LoRA layer of a model (set before each
-    forward)."""
+    """The step's adapter rows grouped by slot, shared by every LoRA layer of a model (set before
+    each forward)."""
 
     active: bool = False
-    num_slots: int = 0  # slots the batch uses: 0 .. num_slots - 1
-    rows: torch.Tensor | None = None  # token rows under an adapter; None: every row
-    mask: torch.Tensor | None = None  # [len(rows), num_slots], one-hot in the model's dtype
+    num_slots: int = 0  # slots 0 .. num_slots - 1 are grouped (a group may be all padding)
+    group: int = 0  # rows per group: the most any slot has this step
+    index: torch.Tensor | None = None  # [num_slots * group] token rows (padding: row 0)
+    # [num_slots, group, 1]: 1 for a row, 0 for padding; None when no group is padded
+    valid: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +65,15 @@ class LoraLayer:
     ) -> None:
         self.batch = batch
         self.segments = segments
+        # The segments tile the output in order: their updates are concatenated, not placed.
+        assert [s.offset for s in segments] == [
+            sum(s.size for s in segments[:k]) for k in range(len(segments))
+        ]
         # Row-parallel: this rank's columns of A start here (None: A is replicated).
         self.in_features, self.in_offset = in_features, in_offset
         self.rank = max_rank
         self.a = torch.zeros(
-            max_loras, len(segments), max_rank, in_features, dtype=dtype, device=device
+            max_loras, len(segments) * max_rank, in_features, dtype=dtype, device=device
         )
         self.b = [
             torch.zeros(max_loras, max_rank, s.size, dtype=dtype, device=device) for s in segments
@@ -84,7 +91,7 @@ class LoraLayer:
             r = a.shape[0]
             if self.in_offset is not None:
                 a = a.narrow(1, self.in_offset, self.in_features)
-            self.a[slot, k, :r].copy_(a)
+            self.a[slot, k * self.rank : k * self.rank + r].copy_(a)
             self.b[k][slot, :r].copy_(b.narrow(0, seg.source_offset, seg.size).t())
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -92,18 +99,18 @@ class LoraLayer:
         batch = self.batch
         if not batch.active:
             return y
-        m, rows, mask = batch.num_slots, batch.rows, batch.mask
-        assert mask is not None
-        xr = x if rows is None else x.index_select(0, rows)
-        n, num_segments, r = xr.shape[0], len(self.segments), self.rank
-        a = self.a[:m].view(m * num_segments * r, self.in_features)
-        xa = torch.mm(xr, a.t()).view(n, m, num_segments, r)
-        xa.mul_(mask.view(n, m, 1, 1))
-        for k, seg in enumerate(self.segments):
-            delta = torch.mm(xa[:, :, k].reshape(n, m * r), self.b[k][:m].view(m * r, seg.size))
-            out = y if num_segments == 1 else y.narrow(-1, seg.offset, seg.size)
-            if rows is None:
-                out.add_(delta)
-            else:
-                out.index_add_(0, rows, delta)
-        return y
+        m, g, index, valid = batch.num_slots, batch.group, batch.index, batch.valid
+        assert index is not None
+        r = self.rank
+        xp = x.index_select(0, index).view(m, g, self.in_features)
+        xa = torch.bmm(xp, self.a[:m].transpose(1, 2))  # [m, g, segments * rank]
+        if valid is not None:  # zero the padding rows' updates
+            xa.mul_(valid)
+        if len(self.segments) == 1:
+            delta = torch.bmm(xa, self.b[0][:m])
+        else:  # each segment's own B, then one contiguous update of the fused output
+            delta = torch.cat(
+                [torch.bmm(xa[:, :, k * r : (k + 1) * r], b[:m]) for k, b in enumerate(self.b)],
+                dim=-1,
+            )
+        return y.index_add_(0, index, delta.view(m * g, y.shape[-1]))

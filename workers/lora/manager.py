@@ -13,7 +13,6 @@ import time
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.layers.linear import (
@@ -122,25 +121,35 @@ class LoraManager:
 
     # ---- one step ------------------------------------------------------------------------------
     def set_batch(self, slots: list[int], query_lens: list[int]) -> bool:
-        """Set the step's adapter rows from each request's slot and token count; False (and the
-        LoRA path off) when no request has an adapter."""
+        """Group the step's adapter rows by slot from each request's slot and token count; False
+        (and the LoRA path off) when no request has an adapter."""
         batch = self.batch
         top = max(slots, default=-1)
         if top < 0:
-            batch.active, batch.rows, batch.mask = False, None, None
+            batch.active, batch.index, batch.valid = False, None, None
             return False
         per_token = torch.repeat_interleave(
             torch.tensor(slots, dtype=torch.long), torch.tensor(query_lens, dtype=torch.long)
         )
-        if min(slots) >= 0:
-            rows = None
-        else:
-            rows = (per_token >= 0).nonzero().squeeze(1)
-            per_token = per_token.index_select(0, rows)
-            rows = rows.to(self.device, non_blocking=True)
-        batch.num_slots = top + 1
-        batch.rows = rows
-        batch.mask = F.one_hot(per_token, top + 1).to(self.dtype).to(self.device)
+        rows = (per_token >= 0).nonzero().squeeze(1)
+        slot_of_row = per_token.index_select(0, rows)
+        m = top + 1
+        counts = torch.bincount(slot_of_row, minlength=m)
+        group = int(counts.max())
+        order = torch.argsort(slot_of_row, stable=True)
+        starts = torch.cumsum(counts, 0) - counts  # each slot's first row in `order`
+        sorted_slots = slot_of_row.index_select(0, order)
+        position = torch.arange(len(order)) - starts.index_select(0, sorted_slots)
+        flat = sorted_slots * group + position
+        index = torch.zeros(m * group, dtype=torch.long)
+        index[flat] = rows.index_select(0, order)
+        batch.num_slots, batch.group = m, group
+        batch.index = index.to(self.device, non_blocking=True)
+        batch.valid = None
+        if len(rows) < m * group:  # some groups are padded: their rows must add nothing
+            valid = torch.zeros(m * group, dtype=self.dtype)
+            valid[flat] = 1
+            batch.valid = valid.view(m, group, 1).to(self.device)
         batch.active = True
         return True
 
