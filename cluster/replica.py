@@ -364,7 +364,9 @@ class LLMReplica:
 
     async def list_loras(self) -> list[str]:
         """The adapters requests may name on this replica, in the order they were added."""
-        return await self._loop_thread.call(lambda engine: engine.list_loras())
+        # Read here, not on the engine thread: one list() of a dict (atomic under the GIL), so
+        # /v1/models answers while a long step runs, or after the engine failed.
+        return self.engine.list_loras()
 
     async def lora_command(self, command: LoraCommand) -> list[str]:
         """Add or remove an adapter at run time, on the engine's thread between steps (the running
