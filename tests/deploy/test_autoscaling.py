@@ -8,7 +8,9 @@ One model only: an app serves one model until several models per app land (issue
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 
 import httpx
 import pytest
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.slow
 APP = "autoscale"
 MODEL = "tiny-autoscale"
 MAX_TOKENS = 48
+logger = logging.getLogger(__name__)
 
 
 def _args(model_dir: str) -> dict:
@@ -98,10 +101,12 @@ def test_a_burst_scales_one_to_two_replicas_and_back_losing_no_request(
 ):
     from deploy.app import build_app
 
+    t0 = time.monotonic()
     serve.run(build_app(_args(tiny_model_dir)), name=APP, route_prefix=f"/{APP}")
     url = f"http://127.0.0.1:{http_port}/{APP}/v1"
     try:
         assert wait_for(lambda: _running() == 1, 60, 0.25), _running()
+        logger.info("deployed with 1 replica after %.1f s", time.monotonic() - t0)
         burst: list[int | str] = []
         # 12 clients against max_num_seqs 4: (running + waiting) / 4 / 0.75 asks for 4 replicas,
         # capped at 2.
@@ -112,6 +117,7 @@ def test_a_burst_scales_one_to_two_replicas_and_back_losing_no_request(
             stop.set()
             thread.join(timeout=120)
         assert scaled_up, f"still {_running()} replicas under the burst"
+        logger.info("2 replicas after %.1f s (%d requests)", time.monotonic() - t0, len(burst))
         # One client after the burst: the load fits in one replica with headroom, so the policy
         # drains one while this client's requests keep arriving.
         trickle: list[int | str] = []
@@ -122,6 +128,7 @@ def test_a_burst_scales_one_to_two_replicas_and_back_losing_no_request(
             stop.set()
             thread.join(timeout=120)
         assert scaled_down, f"still {_running()} replicas after the burst"
+        logger.info("1 replica after %.1f s (%d requests)", time.monotonic() - t0, len(trickle))
         assert burst and trickle
         assert set(burst) | set(trickle) == {MAX_TOKENS}  # every request complete, none lost
     finally:
