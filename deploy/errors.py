@@ -156,7 +156,7 @@ def _field_of(message: str) -> str | None:
     return head if head and " " not in head else None
 
 
-def _cause(exc: BaseException) -> BaseException:
+def cause_of(exc: BaseException) -> BaseException:
     """The error a Ray wrapper (RayTaskError, ...) carries, so it is classified by cause, never by
     text."""
     seen = 0
@@ -167,7 +167,7 @@ def _cause(exc: BaseException) -> BaseException:
 
 def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None]:
     """(status, type, message, param, code) for any exception the handlers let through."""
-    exc = _cause(exc)
+    exc = cause_of(exc)
     if isinstance(exc, APIError):
         return exc.status, exc.type, _clean(exc.message), exc.param, exc.code
     if isinstance(exc, UnknownLoraError):  # a LookupError: the model (adapter) does not exist

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.lora_admin import MAX_LORA_PATH_CHARS, LoraCommand
-from deploy.errors import APIError, BadRequestError, ModelNotFoundError
+from cluster.lora_admin import MAX_LORA_PATH_CHARS, LoraCommand, WrongReplicaError
+from deploy.errors import APIError, BadRequestError, ModelNotFoundError, cause_of
 from scheduler.request import MAX_LORA_NAME_CHARS, check_lora_name
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,15 @@ class LoraAdmin:
                 logger.exception("could not undo LoRA %s on replica %s", name, replica)
 
     async def _send(self, command: LoraCommand) -> list[str]:
-        return await self.handle.lora_command.remote(command)
+        try:
+            return await self.handle.lora_command.remote(command)
+        except Exception as exc:
+            if isinstance(cause_of(exc), WrongReplicaError):  # it went away since it was listed
+                raise NoReplicasError(
+                    f"Replica {command.replica} went away during the change; retry.",
+                    code="replica_gone",
+                ) from None
+            raise
 
     async def _replicas(self) -> list[str]:
         deadline = time.monotonic() + REPLICA_LIST_WAIT_S
