@@ -19,11 +19,11 @@ from sim.cost import load_profile
 from sim.fleet import SimConfig
 
 # A day compressed to 90 s, so that the test runs in seconds.
-DAY = DayWorkloadConfig(day_s=90, peak_rate=16, long_share_peak=0.1, long_share_trough=0.5)
+DAY = DayWorkloadConfig(day_s=90, peak_rate=10, long_share_peak=0.1, long_share_trough=0.5)
 
 
 def test_the_day_curve_peaks_mid_day_at_its_ratio():
-    assert DAY.rate(0) == pytest.approx(1.6) and DAY.rate(45) == pytest.approx(16)
+    assert DAY.rate(0) == pytest.approx(1.0) and DAY.rate(45) == pytest.approx(10)
     workload = day_workload(DAY)
     assert workload == day_workload(DAY)  # seeded
     quarters = [
