@@ -7,8 +7,10 @@ the same layout holds swapped-out blocks (pinned on CUDA so copies can overlap).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.layers.attention import Attention
@@ -55,6 +57,17 @@ class KVCacheSpec:
         )
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On CPU its memory comes from calloc, whose large blocks are fresh pages the
+    kernel zeroes when each is first touched: a pool of gigabytes is ready at once, instead of
+    after a memset of all of it (about a second per 2 GiB on a small machine), and holds memory
+    only as blocks are used."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCache:
     """Owns the device and CPU pools and binds the device pool to the model's attention layers."""
 
@@ -75,10 +88,12 @@ class KVCache:
             spec.head_dim,
         )
         # One allocation; zeros so padded block-table entries read finite values.
-        self.gpu = torch.zeros(shape, dtype=spec.dtype, device=device)
-        pin = device.type == "cuda"
+        self.gpu = zeros(shape, spec.dtype, device)
         cpu_shape = (spec.num_layers, 2, num_cpu_blocks, *shape[3:])
-        self.cpu = torch.zeros(cpu_shape, dtype=spec.dtype, device="cpu", pin_memory=pin)
+        if device.type == "cuda":
+            self.cpu = torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=True)
+        else:
+            self.cpu = zeros(cpu_shape, spec.dtype, device)
         logger.info(
             "KV cache: %d device blocks (%.2f GiB), %d CPU blocks (%.2f GiB)",
             num_gpu_blocks,

@@ -34,34 +34,62 @@ def safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-class CheckpointTensor:
-    """One safetensors tensor read on demand: narrow() reads only the rows or columns a rank
-    keeps."""
+# safetensors' dtype names; a tensor of any other is read through the safetensors library.
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
-    def __init__(self, handle, name: str) -> None:
-        self._slice = handle.get_slice(name)
-        self.shape = torch.Size(self._slice.get_shape())
 
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        index = [slice(None)] * len(self.shape)
-        index[dim] = slice(start, start + length)
-        return self._slice[tuple(index)]
+def mapped_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in a safetensors file, each a view of the file mapped into
+    memory (copy-on-write: nothing writes the file).
 
-
-def iterate_weights(
-    model_dir: str, progress: bool = True, lazy: bool = False
-) -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
-    """(name, tensor) pairs of every checkpoint tensor, with a progress bar over tensors.
-
-    lazy=True yields CheckpointTensors, so each tensor-parallel rank reads only its own slices.
+    A rank's loader narrows a view to its shard and copies that into its parameter: the one copy
+    of the weight, read from the page cache as it is touched (no read into a buffer first, no
+    pages of other ranks' shards). A tensor the view cannot type (an unknown dtype, an offset not
+    aligned to its element size) is read by the safetensors library instead.
     """
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    size = path.stat().st_size
+    data = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    raw = torch.empty(0, dtype=torch.uint8).set_(data)
+    base = 8 + header_len
+    fallback = None
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(entry["dtype"])
+        start, end = entry["data_offsets"]
+        if dtype is None or (base + start) % dtype.itemsize:
+            fallback = fallback or safe_open(str(path), framework="pt")
+            yield name, fallback.get_tensor(name)
+            continue
+        yield name, raw[base + start : base + end].view(dtype).view(entry["shape"])
+
+
+def iterate_weights(model_dir: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every checkpoint tensor, with a progress bar over tensors; each a
+    view of its memory-mapped file (mapped_tensors)."""
     files = safetensors_files(model_dir)
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    total = sum(len(h.keys()) for h in handles)
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            total += len(h.keys())
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for h in handles:
-            for name in h.keys():  # noqa: SIM118 - a safetensors handle is no dict
-                yield name, CheckpointTensor(h, name) if lazy else h.get_tensor(name)
+        for f in files:
+            for name, tensor in mapped_tensors(f):
+                yield name, tensor
                 bar.update(1)
 
 
@@ -97,7 +125,7 @@ def load_model(
 
         loaded = model.load_weights(iterate_gguf(gguf_file, config))
     else:
-        loaded = model.load_weights(iterate_weights(model_dir, progress, lazy=True))
+        loaded = model.load_weights(iterate_weights(model_dir, progress))
     model.check_loaded(loaded)
     if gguf_file is not None:
         logger.info("%d weights kept as GGUF blocks", drop_float_copies(model))

@@ -73,17 +73,36 @@ def load_tokenizer(model: str, cache_dir: str = DEFAULT_CACHE_DIR):
 
 
 @lru_cache(maxsize=16)
-def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+def _file_digest(path: Path, size: int, mtime_ns: int, cache_dir: Path | None = None) -> str:
+    """The file's content hash, remembered in cache_dir per (path, size, mtime): every process
+    that serves a GGUF model (each replica's cold start, each ingress) would otherwise read the
+    whole file to hash it again."""
+    memo = None
+    if cache_dir is not None:
+        where = hashlib.sha256(str(path).encode()).hexdigest()[:16]
+        memo = cache_dir / "gguf" / "digests" / f"{where}-{size}-{mtime_ns}"
+        with contextlib.suppress(OSError):
+            known = memo.read_text().strip()
+            if len(known) == 24:
+                return known
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
-    return h.hexdigest()[:24]
+    digest = h.hexdigest()[:24]
+    if memo is not None:
+        with contextlib.suppress(OSError):  # a read-only cache only loses the shortcut
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_name(f".{memo.name}-{os.getpid()}")
+            tmp.write_text(digest)
+            os.replace(tmp, memo)
+    return digest
 
 
 def _converted_gguf(path: Path, cache_dir: Path) -> Path:
     st = path.stat()
-    key = f"{path.stem}-{_file_digest(path, st.st_size, st.st_mtime_ns)}-v{_CONVERSION_VERSION}"
+    digest = _file_digest(path, st.st_size, st.st_mtime_ns, cache_dir)
+    key = f"{path.stem}-{digest}-v{_CONVERSION_VERSION}"
     target = cache_dir / "gguf" / key
     if (target / "model.safetensors").is_file():
         return target

@@ -10,6 +10,7 @@ import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig
@@ -32,7 +33,11 @@ from workers.prompt_logprobs import prompt_logprobs
 from workers.proposer import make_proposer
 from workers.sampler import Sampler, SamplerOutput, SamplingState
 from workers.spec_verify import accepted_run, position_states
-from workers.structured import GrammarCompiler, PendingMasks, StructuredDecoding, apply_masks
+
+if TYPE_CHECKING:
+    # Imported at the first constrained request: llguidance's torch module pulls in
+    # torch._dynamo and inductor, seconds of every replica's cold start.
+    from workers.structured import PendingMasks, StructuredDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -558,6 +563,8 @@ class ModelRunner:
         if params.structured is None or not self.is_driver:
             return
         if self.structured is None:
+            from workers.structured import GrammarCompiler, StructuredDecoding
+
             model_dir = self.config.model_dir
             compiler = GrammarCompiler(
                 lambda: load_tokenizer(model_dir), self._vocab_size, self.config.grammar_timeout_s
@@ -586,6 +593,8 @@ class ModelRunner:
         if masks is not None:
             if batch.drafts:  # a constrained row never verifies: it has one logits row
                 masks.rows = [rows.index(batch.sample_rows[p]) for p in masks.rows]
+            from workers.structured import apply_masks
+
             unmasked = logits.float()
             logits = apply_masks(unmasked, masks)
             failed.update(masks.failed)

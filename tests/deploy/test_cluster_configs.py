@@ -11,6 +11,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deploy.app import application, check_exposure
 from deploy.config import AppConfig
+from deploy.fleet_config import FleetConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = [ROOT / "deploy.yaml"] + sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
@@ -48,8 +49,8 @@ def test_a_config_that_listens_beyond_loopback_requires_a_key(path):
     if spec.get("http_options", {}).get("host", "127.0.0.1") in ("127.0.0.1", "localhost", "::1"):
         return
     for app in spec["applications"]:
-        args = app["args"]
-        assert args.get("api_keys_env") or args.get("api_keys") or args.get("api_key"), path.name
+        for model in FleetConfig.from_args(app["args"]).models:
+            assert model.key_profiles(), path.name
 
 
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
@@ -58,7 +59,7 @@ def test_serve_config_validates_and_builds(path):
     for app in spec.applications:
         assert app.import_path == "deploy.app:build_app"
         # build_app's checks, but placement's: this machine has none of the GPU nodes.
-        config = AppConfig.from_args(app.args)
+        config = FleetConfig.from_args(app.args)
         check_exposure(spec.http_options.host, config)
         application(config)
 

@@ -74,6 +74,12 @@ def test_the_app_has_one_ingress_and_a_replica_deployment_per_model():
         ([{"name": "a", "num_replicas": 2**64}], "models[0].num_replicas"),
         ([{"name": "a", "bogus": 1}], "models[0].bogus"),
         ([{"name": f"m{i}"} for i in range(MAX_MODELS + 1)], "models"),
+        ([{"name": "a"}] * 100_000, "models"),
+        ([{"name": "a", "request_timeout_s": float("nan")}], "models[0].request_timeout_s"),
+        (
+            [{"name": "a", "autoscaling": {"min_replicas": -1}}],
+            "models[0].autoscaling.min_replicas",
+        ),
     ]
     + [([{"name": "a", key: None}], f"models[0].{key}") for key in INGRESS_ONLY],
 )

@@ -59,3 +59,14 @@ def test_swap_pairs_outside_the_pools_are_rejected():
         cache.swap_out([(0, 1)])
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         KVCache(SPEC, num_gpu_blocks=0, num_cpu_blocks=0, device=torch.device("cpu"))
+
+
+def test_a_cpu_pool_is_zeroed_and_writable_without_being_touched_first():
+    from workers.kv_cache import zeros
+
+    pool = zeros((2, 2, 64, 16, 2, 8), torch.bfloat16, torch.device("cpu"))
+    assert pool.dtype == torch.bfloat16 and pool.shape == (2, 2, 64, 16, 2, 8)
+    assert pool.is_contiguous() and not pool.any()
+    pool[1, 0, 5] = 1.0
+    assert pool.sum().item() == 16 * 2 * 8
+    assert zeros((2, 0, 4), torch.float32, torch.device("cpu")).shape == (2, 0, 4)

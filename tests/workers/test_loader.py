@@ -116,3 +116,32 @@ def test_load_model_rejects_a_checkpoint_missing_tensors(tiny_checkpoint, tmp_pa
             torch.device("cpu"),
             progress=False,
         )
+
+
+def test_mapped_tensors_are_the_files_tensors_whatever_their_dtype_and_alignment(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from workers.loader import mapped_tensors
+
+    tensors = {
+        "a.odd_bytes": torch.arange(7, dtype=torch.uint8),  # leaves the next one unaligned
+        "b.f32": torch.randn(3, 5),
+        "c.bf16": torch.randn(4, 2).to(torch.bfloat16),
+        "d.i64": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "e.scalar": torch.tensor(1.5),
+        "f.empty": torch.zeros(0, 4),
+        "g.f8": torch.randn(8).to(torch.float8_e4m3fn),  # no view: read by safetensors
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    mapped = dict(mapped_tensors(path))
+    expected = load_file(str(path))
+    assert mapped.keys() == expected.keys()
+    for name, tensor in expected.items():
+        got = mapped[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+    shard = mapped["b.f32"].narrow(0, 1, 2)  # a rank's rows: a view of the file
+    assert torch.equal(shard, expected["b.f32"][1:3])
+    mapped["b.f32"].add_(1)  # copy-on-write: the file keeps its values
+    assert torch.equal(load_file(str(path))["b.f32"], expected["b.f32"])
