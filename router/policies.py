@@ -24,6 +24,7 @@ class RouteRequest:
 class FleetView(Protocol):
     loads: LoadTracker
     index: PrefixIndex
+    tier_hashes: dict[str, frozenset[int]]  # per replica: what its lower KV tiers hold
 
 
 class _Turns:
@@ -97,7 +98,9 @@ class PrefixAffinity:
         min_match_blocks: int,
         imbalance_ratio: float = 1.0,
         reference: str = "least",
+        tier_hit_discount: float = 0.5,
     ) -> None:
+        self.tier_hit_discount = tier_hit_discount
         self.imbalance_threshold = imbalance_threshold
         self.imbalance_ratio = imbalance_ratio
         self.reference = reference
@@ -114,7 +117,9 @@ class PrefixAffinity:
         # An overloaded holder of the longest run drops out; a shorter run on an acceptable replica
         # still beats none.
         eligible = [k for k in keyed if k[0] <= ceiling]
-        runs = fleet.index.match(request.block_hashes, replicas)
+        runs: dict[str, float] = dict(fleet.index.match(request.block_hashes, replicas))
+        if fleet.tier_hashes:
+            self._add_tier_runs(runs, request.block_hashes, fleet.tier_hashes)
         longest = max(runs[r] for *_, r in eligible)
         if longest >= self.min_match_blocks:
             return min(k for k in eligible if runs[k[2]] == longest)[2]
@@ -122,6 +127,22 @@ class PrefixAffinity:
         # the fleet's caches instead of following momentary load.
         footprint = fleet.index.footprint
         return min((footprint(k[2]), k) for k in eligible)[1][2]
+
+    def _add_tier_runs(
+        self, runs: dict[str, float], hashes: Sequence[int], tiers: dict[str, frozenset[int]]
+    ) -> None:
+        """Each replica's run continued through the blocks its lower tiers hold, at a discount
+        (loading them back costs a copy, not a prefill)."""
+        for replica, run in runs.items():
+            held = tiers.get(replica)
+            if not held:
+                continue
+            more = 0
+            for h in hashes[int(run) :]:
+                if h not in held:
+                    break
+                more += 1
+            runs[replica] = run + self.tier_hit_discount * more
 
 
 Policy = RoundRobin | LeastLoaded | PowerOfTwo | PrefixAffinity
@@ -140,4 +161,5 @@ def make_policy(config: RoutingConfig) -> Policy:
         config.min_match_blocks,
         config.imbalance_ratio,
         config.imbalance_reference,
+        config.tier_hit_discount,
     )
