@@ -45,6 +45,13 @@ class RoutingConfig:
     min_match_blocks: int = setting(
         1, "leading prompt blocks a replica must hold for affinity to count", ge=1
     )
+    tier_hit_discount: float = setting(
+        0.5,
+        "prefix_affinity: a prompt block a replica holds only in a lower KV tier (CPU, disk; "
+        "docs/kv-tiers.md) counts as this share of a block in its device cache",
+        ge=0,
+        le=1,
+    )
     # Per replica, so that the index grows with the fleet: one global bound squeezed each replica's
     # share as replicas were added (hit rate 44.8% at 10 replicas, 28.9% at 1,000).
     index_blocks_per_replica: int = setting(

@@ -44,6 +44,8 @@ class FleetState:
         # attributed to its replica.
         self._recent: OrderedDict[str, str] = OrderedDict()
         self._stats_seen: dict[str, RoutingStats] = {}
+        # The hashes each replica's lower KV tiers held at its last report (absent: tiers off).
+        self.tier_hashes: dict[str, frozenset[int]] = {}
         # The replica set as last given, and sorted: it rarely changes between requests.
         self._given: tuple[str, ...] = ()
         self._sorted: list[str] = []
@@ -130,6 +132,8 @@ class FleetState:
             self.index.sync_replica(replica, stats.prefix, now, self.config.stats_grace_s)
         loaded = stats.scheduler.loaded_loras
         self.adapters.sync_replica(replica, loaded, now, self.config.stats_grace_s)
+        if stats.tier_hashes is not None:
+            self.tier_hashes[replica] = frozenset(stats.tier_hashes)
 
     def reports(self) -> dict[str, RoutingStats]:
         """Each live replica's latest report, as this router last applied it."""
@@ -150,6 +154,7 @@ class FleetState:
         self.adapters.remove_replica(replica)
         self.breaker.forget(replica)
         self._stats_seen.pop(replica, None)
+        self.tier_hashes.pop(replica, None)
         return known
 
     def retain(self, replicas: Iterable[str]) -> None:

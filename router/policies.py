@@ -28,6 +28,7 @@ class FleetView(Protocol):
     loads: LoadTracker
     index: PrefixIndex
     adapters: AdapterIndex
+    tier_hashes: dict[str, frozenset[int]]  # per replica: what its lower KV tiers hold
 
 
 class _Turns:
@@ -106,7 +107,9 @@ class PrefixAffinity:
         imbalance_ratio: float = 1.0,
         reference: str = "least",
         adapter_affinity: bool = True,
+        tier_hit_discount: float = 0.5,
     ) -> None:
+        self.tier_hit_discount = tier_hit_discount
         self.imbalance_threshold = imbalance_threshold
         self.adapter_affinity = adapter_affinity
         self.imbalance_ratio = imbalance_ratio
@@ -131,7 +134,9 @@ class PrefixAffinity:
                 return least[2]
             if not request.block_hashes:
                 return min(eligible)[2]
-        runs = fleet.index.match(request.block_hashes, replicas)
+        runs: dict[str, float] = dict(fleet.index.match(request.block_hashes, replicas))
+        if fleet.tier_hashes:
+            self._add_tier_runs(runs, request.block_hashes, fleet.tier_hashes)
         longest = max(runs[r] for *_, r in eligible)
         if longest >= self.min_match_blocks:
             return min(k for k in eligible if runs[k[2]] == longest)[2]
@@ -139,6 +144,22 @@ class PrefixAffinity:
         # the fleet's caches instead of following momentary load.
         footprint = fleet.index.footprint
         return min((footprint(k[2]), k) for k in eligible)[1][2]
+
+    def _add_tier_runs(
+        self, runs: dict[str, float], hashes: Sequence[int], tiers: dict[str, frozenset[int]]
+    ) -> None:
+        """Each replica's run continued through the blocks its lower tiers hold, at a discount
+        (loading them back costs a copy, not a prefill)."""
+        for replica, run in runs.items():
+            held = tiers.get(replica)
+            if not held:
+                continue
+            more = 0
+            for h in hashes[int(run) :]:
+                if h not in held:
+                    break
+                more += 1
+            runs[replica] = run + self.tier_hit_discount * more
 
 
 Policy = RoundRobin | LeastLoaded | PowerOfTwo | PrefixAffinity
@@ -158,4 +179,5 @@ def make_policy(config: RoutingConfig) -> Policy:
         config.imbalance_ratio,
         config.imbalance_reference,
         config.adapter_affinity,
+        config.tier_hit_discount,
     )

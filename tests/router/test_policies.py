@@ -3,6 +3,7 @@ the longest prefix run wins otherwise, and a new prefix goes where the fewest pr
 
 import copy
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -57,6 +58,27 @@ def test_longest_prefix_run_wins_when_load_is_balanced():
     state.index.insert(B, [1, 2, 3], now=0)
     busy(state, B, 2)  # within the threshold of idle A and C
     assert state.route(RouteRequest("q", 10, [1, 2, 3, 4]), [A, B, C], now=0)[0] == B
+
+
+@pytest.mark.parametrize(
+    "c_device,c_tier,winner",
+    [
+        ([], [1, 2, 3], A),  # three tier blocks (1.5) lose to two device blocks
+        ([1], [2, 3, 4], C),  # one device block and three tier blocks (2.5) win
+        ([1], [3, 4], A),  # a tier run counts only where it follows the device run
+    ],
+)
+def test_a_lower_tier_run_counts_at_its_discount(c_device, c_tier, winner):
+    state = fleet(imbalance_threshold=4, tier_hit_discount=0.5)
+    state.index.insert(A, [1, 2], now=0)
+    if c_device:
+        state.index.insert(C, c_device, now=0)
+    state.tier_hashes[C] = frozenset(c_tier)
+    assert state.route(RouteRequest("q", 10, [1, 2, 3, 4]), [A, C], now=0)[0] == winner
+    state.on_stats(C, report(), now=1)  # a report without tiers leaves C's as they were
+    assert C in state.tier_hashes
+    state.remove_replica(C)
+    assert C not in state.tier_hashes
 
 
 def test_load_imbalance_beats_affinity_past_the_threshold():
