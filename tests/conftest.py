@@ -25,8 +25,11 @@ from hypothesis import HealthCheck, settings
 
 from tests.random_checkpoint import (
     TINY_FAMILIES,
+    TINY_GEMMA,
+    TINY_GPT_OSS,
     TINY_MOE_FAMILIES,
     TINY_PHI3,
+    TINY_PHI3_LONGROPE,
     TINY_SERVED_LLAMA,
     TINY_SLIDING_MISTRAL,
     write_random_checkpoint,
@@ -175,6 +178,9 @@ def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer):
         **TINY_MOE_FAMILIES,
         "mistral_window": TINY_SLIDING_MISTRAL,
         "phi3": TINY_PHI3,
+        "phi3_longrope": TINY_PHI3_LONGROPE,
+        **TINY_GEMMA,
+        "gpt_oss": TINY_GPT_OSS,
     }
 
     def make(family: str) -> tuple[str, torch.nn.Module]:

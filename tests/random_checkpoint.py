@@ -33,6 +33,8 @@ class ModelSpec:
     fields: dict[str, Any] = field(default_factory=dict)
     matrix_std: float | None = None  # every 2-D (and 3-D expert) weight ~ N(0, std), in order
     head_std: float | None = None  # then the LM head ~ N(0, std)
+    # then every 1-D weight (norms, biases, sinks) ~ N(0, std); None: transformers' own values
+    vector_std: float | None = None
     dtype: torch.dtype = torch.float32
     max_shard_size: str = "5GB"  # smaller than the weights: shards and an index
 
@@ -132,6 +134,80 @@ TINY_MOE_FAMILIES: dict[str, ModelSpec] = {
 
 # Phi-3: q/k/v and gate/up fused in the checkpoint.
 TINY_PHI3 = _tiny("Phi3Config", pad_token_id=0, tie_word_embeddings=False)
+
+# Phi-3 with LongRoPE stretched from 32 to 512 positions: prompts of 45 and 70 tokens run long
+# from the start, shorter ones cross 32 while decoding.
+TINY_PHI3_LONGROPE = TINY_PHI3.with_fields(
+    original_max_position_embeddings=32,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.5 + 0.5 * i for i in range(8)],
+    },
+)
+
+# Gemma 2 and 3 (text): a 24-token window on layer 0, a global layer 1, head_dim 32 (the CPU
+# decode kernel's size) wider than hidden / heads, query_pre_attn_scalar not head_dim, random
+# norm weights (Gemma scales by 1 + weight), an untied head (tied, the sqrt(hidden)-scaled
+# embeddings make every token repeat itself). Gemma 2 caps attention scores at 3
+# (most scores of these weights bend) and the logits at 8; Gemma 3 has q/k norms and a linear
+# rope scaling on its global layer, another base on its local one.
+TINY_GEMMA: dict[str, ModelSpec] = {
+    "gemma2": dataclasses.replace(
+        _tiny(
+            "Gemma2Config",
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0,
+            tie_word_embeddings=False,
+        ),
+        vector_std=0.3,
+    ),
+    "gemma3": dataclasses.replace(
+        _tiny(
+            "Gemma3TextConfig",
+            head_dim=32,
+            query_pre_attn_scalar=48,
+            sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+            tie_word_embeddings=False,
+        ),
+        vector_std=0.3,
+    ),
+}
+
+# gpt-oss: 8 experts top-2 (top-k of the router logits, then softmax), a 24-token window on layer
+# 0 and full attention on layer 1, head_dim 32, yarn rope; random sinks, router and expert biases
+# (vector_std). The SwiGLU limit is lowered to 1.5 so that these weights reach it.
+TINY_GPT_OSS = dataclasses.replace(
+    _tiny(
+        "GptOssConfig",
+        head_dim=32,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=24,
+        swiglu_limit=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 128,
+            "truncate": False,
+        },
+        tie_word_embeddings=False,
+    ),
+    vector_std=0.5,
+)
 
 # A 24-token sliding window on every layer: prompts of 30-60 tokens reach well past it.
 TINY_SLIDING_MISTRAL = _tiny(
@@ -253,6 +329,10 @@ def write_random_checkpoint(
                     p.normal_(0.0, spec.matrix_std)
         if spec.head_std is not None:
             model.get_output_embeddings().weight.normal_(0.0, spec.head_std)
+        if spec.vector_std is not None:
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.normal_(0.0, spec.vector_std)
     model.save_pretrained(path, max_shard_size=spec.max_shard_size)
     if tokenizer is None:
         write_word_tokenizer(path, config.vocab_size)

@@ -21,22 +21,28 @@ HQ, HK, D = 4, 2, 8
 REQUESTS = [(5, 1), (16, 1), (39, 1), (0, 7), (20, 12), (3, 1 + BLOCK)]
 
 
-def dense_reference(q, k, v, scale):
-    """q: [Lq, HQ, D] for the last Lq positions of k/v: [L, HK, D]; causal, GQA by repetition."""
+def dense_reference(q, k, v, scale, softcap=None, sinks=None):
+    """q: [Lq, HQ, D] for the last Lq positions of k/v: [L, HK, D]; causal, GQA by repetition;
+    a tanh soft-cap on the scores and per-head sink logits as transformers' eager attention."""
     lq, lk = q.shape[0], k.shape[0]
     k = k.repeat_interleave(HQ // HK, dim=1)
     v = v.repeat_interleave(HQ // HK, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    logits = torch.cat([scores, sinks.view(HQ, 1, 1).expand(HQ, lq, 1)], dim=-1)
+    return torch.einsum("hqk,khd->qhd", logits.softmax(-1)[..., :-1], v)
 
 
-def run_batch(backend, device: str, dtype: torch.dtype = torch.float32):
+def run_batch(backend, device: str, dtype: torch.dtype = torch.float32, softcap=None, sinks=None):
     """Attention output of the REQUESTS batch and the dense reference, both [tokens, HQ, D]."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = 64
-    layer = Attention(HQ, D, HK, scale=D**-0.5)
+    layer = Attention(HQ, D, HK, scale=D**-0.5, logit_softcap=softcap)
     if isinstance(backend, str):
         backend = select_backend(torch.device(device), backend, dtype)
     layer.backend = backend
@@ -55,14 +61,40 @@ def run_batch(backend, device: str, dtype: torch.dtype = torch.float32):
             layer.v_cache[table[pos // BLOCK], pos % BLOCK] = v[pos].to(dtype)
         tables.append(table)
         qs.append(q), ks.append(k[cached:]), vs.append(v[cached:])
-        refs.append(dense_reference(q, k, v, layer.scale))
+        refs.append(dense_reference(q, k, v, layer.scale, softcap, sinks))
     meta, _ = AttentionMetadata.build(
         [c for c, _ in REQUESTS], [n for _, n in REQUESTS], tables, BLOCK, torch.device(device)
     )
     layer.backend.prepare(meta)
     cat = lambda xs: torch.cat(xs).to(device, dtype).flatten(1)  # noqa: E731
-    out = layer(cat(qs), cat(ks), cat(vs), meta).view(-1, HQ, D).float().cpu()
+    sinks_dev = None if sinks is None else sinks.to(device)
+    out = layer(cat(qs), cat(ks), cat(vs), meta, sinks=sinks_dev).view(-1, HQ, D).float().cpu()
     return out, torch.cat(refs)
+
+
+# A cap of 1.5 bends most scores of this batch (|q.k| * D**-0.5 runs to about 3); sinks from
+# well below to well above the scores.
+SINKS = torch.tensor([-4.0, 0.0, 1.0, 3.0])
+
+
+@pytest.mark.parametrize("paged_kernel", [True, False])
+@pytest.mark.parametrize("softcap,sinks", [(1.5, None), (None, SINKS), (1.5, SINKS)])
+def test_softcap_and_sinks_match_eager_attention(paged_kernel, softcap, sinks):
+    """Decodes (C++ kernel or gather) and prefills, as transformers' eager attention computes."""
+    from workers.layers.backends.torch_ref import TorchBackend
+
+    out, ref = run_batch(
+        TorchBackend(paged_kernel=paged_kernel), "cpu", softcap=softcap, sinks=sinks
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    plain, _ = run_batch(TorchBackend(paged_kernel=paged_kernel), "cpu")
+    assert not torch.allclose(out, plain, atol=1e-3)  # the cap or the sinks mattered
+
+
+def test_a_soft_cap_must_be_positive():
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="attn_logit_softcapping"):
+            Attention(HQ, D, HK, scale=1.0, logit_softcap=bad)
 
 
 def test_decode_and_prefill_layout():
@@ -105,11 +137,15 @@ def test_cuda_backends_match_dense_attention(backend):
     module = {"triton": "triton", "flash_attn": "flash_attn"}.get(backend)
     if module and importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed")
-    out, ref = run_batch(
-        backend, "cuda", torch.float16 if backend == "flash_attn" else torch.float32
-    )
+    dtype = torch.float16 if backend == "flash_attn" else torch.float32
     tol = 2e-3 if backend == "flash_attn" else 1e-4
+    out, ref = run_batch(backend, "cuda", dtype)
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    out, ref = run_batch(backend, "cuda", dtype, softcap=1.5)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    if backend != "flash_attn":  # flash-attn has no sinks
+        out, ref = run_batch(backend, "cuda", dtype, softcap=1.5, sinks=SINKS)
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -137,7 +173,10 @@ def check_triton_on_cpu() -> None:
 
     for splits in (1, 2, 8):
         triton_decode.num_splits = lambda *_, s=splits: s
-        out, ref = run_batch(triton_decode.TritonDecodeBackend(), "cpu")
-        torch.testing.assert_close(
-            out, ref, atol=1e-4, rtol=1e-4, msg=lambda m, s=splits: f"{s} splits: {m}"
-        )
+        for softcap, sinks in ((None, None), (1.5, SINKS)):
+            out, ref = run_batch(
+                triton_decode.TritonDecodeBackend(), "cpu", softcap=softcap, sinks=sinks
+            )
+            torch.testing.assert_close(
+                out, ref, atol=1e-4, rtol=1e-4, msg=lambda m, s=splits: f"{s} splits: {m}"
+            )

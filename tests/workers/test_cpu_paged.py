@@ -51,9 +51,11 @@ def paged_inputs(hq: int, hk: int, d: int, dtype: torch.dtype, seed: int):
     return q, k_cache, v_cache, tables, torch.tensor(SEQ_LENS, dtype=torch.int32)
 
 
-def kernel(q, k_cache, v_cache, tables, seq_lens, scale, window=0):
+def kernel(q, k_cache, v_cache, tables, seq_lens, scale, window=0, softcap=0.0, sinks=None):
     out = torch.empty(q.shape, dtype=q.dtype)
-    cpu_paged.paged_decode(out, q, k_cache, v_cache, tables, seq_lens, scale, window)
+    cpu_paged.paged_decode(
+        out, q, k_cache, v_cache, tables, seq_lens, scale, window, softcap, sinks
+    )
     return out
 
 
@@ -75,9 +77,10 @@ def gather_sdpa(q, k_cache, v_cache, tables, seq_lens, scale, window=None):
     return backend.decode(q, k_cache, v_cache, meta, scale, window)
 
 
-def dense_fp32(q, k_cache, v_cache, tables, seq_lens, scale, window=None):
+def dense_fp32(q, k_cache, v_cache, tables, seq_lens, scale, window=None, softcap=0.0, sinks=None):
     """Per request, per head: softmax(q K^T * scale) V in float32 over the request's own tokens
-    (its last `window` of them)."""
+    (its last `window` of them); scores capped at softcap * tanh(score / softcap) and a sink
+    logit per head in the denominator when given."""
     hq, hk = q.shape[1], k_cache.shape[2]
     outs = []
     for i, s in enumerate(seq_lens.tolist()):
@@ -85,7 +88,13 @@ def dense_fp32(q, k_cache, v_cache, tables, seq_lens, scale, window=None):
         first = max(0, s - window) if window else 0
         k = k_cache[ids].flatten(0, 1)[first:s].float().repeat_interleave(hq // hk, dim=1)
         v = v_cache[ids].flatten(0, 1)[first:s].float().repeat_interleave(hq // hk, dim=1)
-        p = (torch.einsum("hd,khd->hk", q[i].float(), k) * scale).softmax(-1)
+        s = torch.einsum("hd,khd->hk", q[i].float(), k) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if sinks is None:
+            p = s.softmax(-1)
+        else:
+            p = torch.cat([s, sinks[:, None]], dim=-1).softmax(-1)[:, :-1]
         outs.append(torch.einsum("hk,khd->hd", p, v))
     return torch.stack(outs)
 
@@ -109,6 +118,28 @@ def test_sliding_window_attends_to_the_last_window_tokens_only(window):
     torch.testing.assert_close(out, dense_fp32(*inputs, 0.125, window), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, gather_sdpa(*inputs, 0.125, window), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out, kernel(*inputs, 0.125), atol=1e-3)  # the window mattered
+
+
+@pytest.mark.parametrize("softcap,with_sinks", [(2.0, False), (0.0, True), (2.0, True)])
+def test_softcap_and_sinks_match_a_dense_reference(softcap, with_sinks):
+    """Gemma 2's tanh cap and gpt-oss's sinks (one per query head, here 8 heads over 2 KV heads,
+    with a 24-token window as gpt-oss's sliding layers have)."""
+    inputs = paged_inputs(8, 2, 64, torch.float32, 6)
+    sinks = torch.linspace(-3.0, 4.0, 8) if with_sinks else None
+    for window in (0, 24):
+        out = kernel(*inputs, 0.125, window, softcap, sinks)
+        ref = dense_fp32(*inputs, 0.125, window or None, softcap, sinks)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(out, kernel(*inputs, 0.125, window), atol=1e-3)
+
+
+def test_bad_sinks_raise_value_error_naming_the_field():
+    inputs = paged_inputs(8, 2, 64, torch.float32, 6)
+    for bad in (torch.zeros(7), torch.zeros(8, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="sinks"):
+            kernel(*inputs, 0.125, 0, 0.0, bad)
+    with pytest.raises(ValueError, match="softcap"):
+        kernel(*inputs, 0.125, 0, -1.0)
 
 
 @pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (16, 8, 128)])

@@ -131,11 +131,16 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (already written to the cache) -> [T, Hq, D].
 
         window: the query at position p attends to positions (p - window, p] only (a sliding
-        window, as transformers defines it); None: to every position up to p."""
+        window, as transformers defines it); None: to every position up to p.
+        softcap: scores (after `scale`) become softcap * tanh(score / softcap) (Gemma 2).
+        sinks: [Hq] float, one extra logit per head in the softmax's denominator that attends to
+        nothing (gpt-oss's attention sinks)."""
 
 
 def select_backend(
@@ -183,22 +188,34 @@ class Attention(nn.Module):
         num_kv_heads: int,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window: must be at least 1, got {sliding_window}")
+        if logit_softcap is not None and not (0 < logit_softcap < float("inf")):
+            raise ValueError(
+                f"attn_logit_softcapping: must be a positive number, got {logit_softcap}"
+            )
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.backend: AttentionBackend | None = None
         # [num_blocks, block_size, num_kv_heads, head_dim]; bound by workers.kv_cache.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]."""
+        """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]; sinks: [Hq] per-head sink logits (this
+        rank's heads) or None."""
         if self.backend is None or self.k_cache.numel() == 0:
             raise RuntimeError("Attention: KV cache and backend must be bound before the forward")
         t = q.shape[0]
@@ -207,7 +224,16 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = self.backend.forward(
-            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.scale,
+            self.sliding_window,
+            softcap=self.logit_softcap,
+            sinks=sinks,
         )
         return out.view(t, -1)
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.layers.activation import SiluAndMul
+from workers.layers.activation import ClampedSwiGLU, SiluAndMul
 from workers.layers.linear import CpuPackedWeight, cpu_pack, linear
 from workers.parallel import all_reduce, divide, get_expert_parallel, get_tp_rank, get_tp_world_size
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "clamped_swiglu")
 SCORING = ("softmax", "topk_softmax")
 
 
@@ -38,6 +38,8 @@ class MoEConfig:
 
     scoring "softmax": softmax over all experts, then top-k (Mixtral, Qwen MoE); "topk_softmax":
     top-k of the logits, then softmax over those k. renormalize scales the k weights to sum to 1.
+    activation "clamped_swiglu" is gpt-oss's (swiglu_alpha, swiglu_limit); bias: every expert
+    matrix has a bias (gpt-oss).
     """
 
     num_experts: int
@@ -47,6 +49,9 @@ class MoEConfig:
     renormalize: bool
     activation: str = "silu"
     scoring: str = "softmax"
+    bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -65,6 +70,11 @@ class MoEConfig:
                 f"hidden_act: {self.activation!r} is not supported for experts "
                 f"(supported: {list(ACTIVATIONS)})"
             )
+        if self.activation == "clamped_swiglu":
+            for name in ("swiglu_alpha", "swiglu_limit"):
+                value = getattr(self, name)
+                if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                    raise ValueError(f"{name}: must be a positive number, got {value!r}")
         if self.scoring not in SCORING:
             raise ValueError(f"scoring: must be one of {list(SCORING)}, got {self.scoring!r}")
 
@@ -91,12 +101,13 @@ class ReplicatedLinear(CpuPackedWeight):
     """y = x W^T, the whole matrix on every rank (routers and gates: small, and every rank needs
     every output)."""
 
-    def __init__(self, input_size: int, output_size: int) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, packed=self.packed)
+        return linear(x, self.weight, self.bias, packed=self.packed)
 
 
 class FusedMoE(CpuPackedWeight):
@@ -125,7 +136,21 @@ class FusedMoE(CpuPackedWeight):
         h = cfg.hidden_size
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local, h, self.inter), requires_grad=False)
-        self.act = SiluAndMul()
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if cfg.bias:
+            self.w13_bias = nn.Parameter(
+                torch.empty(self.num_local, 2 * self.inter), requires_grad=False
+            )
+            self.w2_bias = nn.Parameter(torch.empty(self.num_local, h), requires_grad=False)
+        # The all-reduce sums every rank's share: under tensor parallelism one rank adds the down
+        # bias; under expert parallelism the expert's owner does.
+        self.adds_down_bias = self.expert_parallel or self.tp_rank == 0
+        self.act: nn.Module = (
+            ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
+            if cfg.activation == "clamped_swiglu"
+            else SiluAndMul()
+        )
         self.packed13: list[torch.Tensor | None] = [None] * self.num_local
         self.packed2: list[torch.Tensor | None] = [None] * self.num_local
         # Rows (token, expert pairs) each rank of the group computed in the last forward.
@@ -150,8 +175,17 @@ class FusedMoE(CpuPackedWeight):
         elif part in ("gate", "up"):
             rows = self.w13[local].narrow(0, 0 if part == "gate" else self.inter, self.inter)
             self._copy(rows, tensor.narrow(0, shard * self.inter, self.inter), part)
+        elif part == "down_bias" and self.w2_bias is not None:
+            self._copy(self.w2_bias[local], tensor, part)
+        elif part in ("gate_bias", "up_bias") and self.w13_bias is not None:
+            rows = self.w13_bias[local].narrow(
+                0, 0 if part == "gate_bias" else self.inter, self.inter
+            )
+            self._copy(rows, tensor.narrow(0, shard * self.inter, self.inter), part)
         else:
-            raise ValueError(f"part: must be 'gate', 'up' or 'down', got {part!r}")
+            raise ValueError(
+                f"part: must be 'gate', 'up' or 'down' (or their '_bias' with bias), got {part!r}"
+            )
         return True
 
     def load_fused(self, name: str, tensor) -> None:
@@ -207,8 +241,10 @@ class FusedMoE(CpuPackedWeight):
             s, e = starts[self.first + local] - lo, starts[self.first + local + 1] - lo
             if s == e:
                 continue
-            h = self.act(linear(xs[s:e], self.w13[local], packed=self.packed13[local]))
-            ys[s:e] = linear(h, self.w2[local], packed=self.packed2[local])
+            b13 = None if self.w13_bias is None else self.w13_bias[local]
+            b2 = None if self.w2_bias is None or not self.adds_down_bias else self.w2_bias[local]
+            h = self.act(linear(xs[s:e], self.w13[local], b13, packed=self.packed13[local]))
+            ys[s:e] = linear(h, self.w2[local], b2, packed=self.packed2[local])
         scale = weights.reshape(-1).index_select(0, mine).to(x.dtype)
         out.index_copy_(0, mine, ys * scale[:, None])
         return out.view(t, k, -1).sum(1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from workers.models.gpt_oss import GptOssForCausalLM
 from workers.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -22,6 +24,9 @@ MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # Configs converted from GGUF carry a model_type but sometimes no architectures list.
@@ -34,6 +39,9 @@ _BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

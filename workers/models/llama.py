@@ -53,10 +53,19 @@ class LlamaArgs:
     @classmethod
     def from_hf_config(cls, config, *, qkv_bias: bool = False, qk_norm: bool = False) -> LlamaArgs:
         attention_bias = bool(getattr(config, "attention_bias", False))
-        rope = getattr(config, "rope_parameters", None) or {
-            "rope_type": "default",
-            "rope_theta": getattr(config, "rope_theta", 10000.0),
-        }
+        rope = dict(
+            getattr(config, "rope_parameters", None)
+            or {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+        )
+        if rope.get("rope_type") == "longrope" and rope.get("factor") is None:
+            # LongRoPE's scale on cos/sin follows from how far the context was stretched
+            old = rope.get("original_max_position_embeddings")
+            if not isinstance(old, int) or isinstance(old, bool) or old < 1:
+                raise ValueError(
+                    "rope_parameters.original_max_position_embeddings: must be a positive "
+                    f"integer, got {old!r}"
+                )
+            rope["factor"] = config.max_position_embeddings / old
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -109,6 +118,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary  # one cos/sin table shared by all layers
+        # [this rank's query heads] sink logits (gpt-oss sets them after construction); None: none
+        self.sinks: nn.Parameter | None = None
         self.attn = Attention(
             self.qkv_proj.num_heads,
             a.head_dim,
@@ -127,7 +138,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta))
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta, sinks=self.sinks))
 
 
 class LlamaMLP(nn.Module):

@@ -1,8 +1,17 @@
 """Phi-3: the Llama decoder with q/k/v and gate/up fused in the checkpoint (`qkv_proj`,
 `gate_up_proj`), split here into the shards our fused layers load.
 
-Each rank reads a fused tensor whole before taking its slices. LongRoPE scaling (Phi-3 128k
-checkpoints) is refused by the rotary table, and a partial rotary factor other than 1 here.
+Each rank reads a fused tensor whole before taking its slices. A partial rotary factor other than
+1 is refused.
+
+LongRoPE (Phi-3 128k checkpoints): every token of a request whose context this step runs past
+`original_max_position_embeddings` is rotated with the long factors, the others with the short
+ones, as transformers decides per forward from the sequence's length. Keys already in the cache
+keep the rotation they were written with (transformers' cache does the same), so a request that
+crosses the boundary while decoding matches transformers, and a prompt longer than the boundary
+is rotated long throughout when it is prefilled in one step. A prompt split into chunks across
+the boundary, a recomputed preemption, or a cached prefix reused by a longer prompt keeps the
+short rotation for its earlier keys: a choice per step cannot be undone later.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from workers.layers.attention import AttentionMetadata
 from workers.models.llama import LlamaForCausalLM
 
 
@@ -25,6 +35,17 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 f"rope_parameters.partial_rotary_factor: {factor!r} is not supported (only 1.0)"
             )
         super().__init__(config, max_model_len)
+        self.long_offset = self.model.layers[0].self_attn.rotary.long_offset
+        self.short_len = int(self.args.rope_parameters.get("original_max_position_embeddings", 0))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.long_offset:  # LongRoPE: the long factors' rows of the table, per request
+            q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+            seq_lens = torch.repeat_interleave(meta.seq_lens, q_lens, output_size=len(positions))
+            positions = positions + (seq_lens > self.short_len).long() * self.long_offset
+        return super().forward(input_ids, positions, meta)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._unfused(weights))

@@ -102,8 +102,13 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out[i] = softmax(q[i] K_i^T * scale) V_i over the first seq_lens[i] cached tokens of request
-    i (the last `window` of them when window > 0), K_i/V_i read through block_tables[i]. Requires
-    `load()` to have returned the op."""
-    load()(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+    i (the last `window` of them when window > 0), K_i/V_i read through block_tables[i]. softcap >
+    0 caps the scores at softcap * tanh(score / softcap); sinks (float32 [Hq]) add one logit per
+    head to the softmax's denominator. Requires `load()` to have returned the op."""
+    if sinks is None:
+        sinks = torch.empty(0, dtype=torch.float32)
+    load()(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks)

@@ -52,7 +52,14 @@ class FlashAttnBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError(
+                "attention_backend: flash_attn has no attention sinks (gpt-oss); "
+                "use triton or torch"
+            )
         st: _FlashState = meta.backend_state
         common = dict(
             cu_seqlens_q=meta.query_start_loc,
@@ -63,6 +70,7 @@ class FlashAttnBackend:
             causal=True,
             # flash-attn's left window counts the keys before the query's own position.
             window_size=(window - 1 if window else -1, 0 if window else -1),
+            softcap=softcap or 0.0,  # flash-attn's tanh cap, the same formula (0: none)
         )
         if st.context_slots is None:
             return flash_attn_varlen_func(

@@ -72,15 +72,18 @@ struct Shape {
   int64_t hk, group, block_size, table_stride;
   float scale;
   int64_t window;  // attend to the last `window` tokens only; 0: all of them
+  float softcap;   // scores become softcap * tanh(score / softcap); 0: no cap (Gemma 2)
+  const float* sinks;  // [Hq] one extra logit per query head in the denominator; null: none
 };
 
 // One request's KV heads [h0, h0 + nh): their nh * group query rows (row j at q + j * q_head_stride,
 // KV head h0 + j / group) attend over cached tokens [first, seq_len) (first > 0 under a sliding
 // window). Each token's K (then V) row is read once for all of those heads, so a block is one
-// contiguous read when nh covers every KV head.
+// contiguous read when nh covers every KV head. sinks, when given, points at row 0's sink logit.
 template <typename T, int D>
 void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const int32_t* table, int64_t first,
-            int64_t seq_len, int64_t h0, int64_t nh, const Shape& s, float* work, T* out) {
+            int64_t seq_len, int64_t h0, int64_t nh, const Shape& s, const float* sinks, float* work,
+            T* out) {
   const int64_t G = s.group, R = nh * G, bs = s.block_size, token = s.hk * D, n = seq_len - first;
   float* qf = work;                 // [R, D] scaled queries
   float* acc = qf + R * D;          // [R, D] weighted values
@@ -94,11 +97,15 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
       for (int64_t j = 0; j < R; ++j)
         scores[j * n + t - first] = dot<T, D>(qf + j * D, kb + (t - t0) * token + (j / G) * D);
   }
+  if (s.softcap > 0.f)
+    for (int64_t i = 0; i < R * n; ++i) scores[i] = s.softcap * std::tanh(scores[i] / s.softcap);
   for (int64_t j = 0; j < R; ++j) {
     float* row = scores + j * n;
-    const float m = *std::max_element(row, row + n);
+    // A sink is one more score in the softmax whose value vector is zero: it adds to the
+    // denominator only.
+    const float m = std::max(*std::max_element(row, row + n), sinks ? sinks[j] : -INFINITY);
     for (int64_t t = 0; t < n; ++t) row[t] = exp_nonpositive(row[t] - m);
-    const float inv = 1.f / sum(row, n);
+    const float inv = 1.f / (sum(row, n) + (sinks ? exp_nonpositive(sinks[j] - m) : 0.f));
     for (int64_t t = 0; t < n; ++t) row[t] *= inv;
   }
   for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
@@ -130,7 +137,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::T
       const int64_t r = item / parts, h0 = (item % parts) * nh, head = h0 * s.group;
       const int64_t first = s.window > 0 ? std::max<int64_t>(0, lp[r] - s.window) : 0;
       attend<T, D>(qp + r * q.stride(0) + head * q.stride(1), q.stride(1), kp, vp, tp + r * s.table_stride, first,
-                   lp[r], h0, nh, s, work.data(), op + (r * hq + head) * D);
+                   lp[r], h0, nh, s, s.sinks ? s.sinks + head : nullptr, work.data(), op + (r * hq + head) * D);
     }
   });
 }
@@ -166,9 +173,11 @@ void check_tables(const at::Tensor& tables, const at::Tensor& seq_lens, int64_t 
 
 // out, q: [n, Hq, D] (q may be a strided view, e.g. of a fused QKV projection); caches: [num_blocks, block_size, Hk, D]; tables: [n, >= blocks] int32;
 // seq_lens: [n] int32 (context length including this step's token); window: attend to the last
-// `window` tokens only (a sliding window), 0 for the whole context.
+// `window` tokens only (a sliding window), 0 for the whole context; softcap: tanh cap on the scores,
+// 0 for none; sinks: float32 [Hq] per-head sink logits, or an empty tensor for none.
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                  at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window) {
+                  at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window,
+                  double softcap, at::Tensor sinks) {
   TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1 && out.is_contiguous() && out.sizes() == q.sizes(),
               "q/out: [n, Hq, D] of one shape, out contiguous, q contiguous in its last dimension");
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
@@ -183,9 +192,14 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v
   const int64_t hk = k_cache.size(2);
   TORCH_CHECK_VALUE(q.size(1) % hk == 0, "q: ", q.size(1), " heads are not a multiple of ", hk, " KV heads");
   TORCH_CHECK_VALUE(window >= 0, "window: must be 0 (none) or positive, got ", window);
+  TORCH_CHECK_VALUE(softcap >= 0 && std::isfinite(softcap), "softcap: must be 0 (none) or positive, got ", softcap);
+  TORCH_CHECK_VALUE(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous()
+              && sinks.dim() == 1 && sinks.size(0) == q.size(1)),
+              "sinks: empty, or float32 [Hq] contiguous");
   if (q.size(0) == 0) return;
   check_tables(block_tables, seq_lens, k_cache.size(0), k_cache.size(1));
-  const Shape s{hk, q.size(1) / hk, k_cache.size(1), block_tables.stride(0), static_cast<float>(scale), window};
+  const Shape s{hk, q.size(1) / hk, k_cache.size(1), block_tables.stride(0), static_cast<float>(scale), window,
+                static_cast<float>(softcap), sinks.numel() ? sinks.data_ptr<float>() : nullptr};
   if (q.scalar_type() == at::kFloat) return dispatch_head<float>(out, q, k_cache, v_cache, block_tables, seq_lens, s);
   TORCH_CHECK_VALUE(q.scalar_type() == at::kBFloat16, "q: float32 or bfloat16, got ", q.scalar_type());
   dispatch_head<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, s);

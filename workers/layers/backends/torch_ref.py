@@ -46,6 +46,52 @@ class _TorchState:
     v_buf: torch.Tensor | None = None
 
 
+@dataclass(slots=True)
+class Extras:
+    """What SDPA cannot express: a tanh soft-cap on the scores and per-head sink logits. With
+    either, attention runs eagerly: scores, cap, mask, softmax (float32) with the sink as one
+    more column that is then dropped, as transformers' eager attention does."""
+
+    softcap: float | None
+    sinks: torch.Tensor | None  # [Hq]
+
+    @property
+    def any(self) -> bool:
+        return bool(self.softcap) or self.sinks is not None
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
+    ) -> torch.Tensor:
+        """q: [..., Hk, G, Lq, D]; k, v: [..., Hk, 1, Lk, D]; mask: bool (True: attend) or
+        additive, broadcastable to the scores [..., Hk, G, Lq, Lk]; None: causal from the end."""
+        s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        if self.softcap:
+            s = torch.tanh(s / self.softcap) * self.softcap
+        if mask is None:
+            lq, lk = s.shape[-2], s.shape[-1]
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+        if self.sinks is None:
+            return torch.matmul(s.softmax(-1).to(v.dtype), v)
+        sink = self.sinks.float().view(*s.shape[-4:-2], 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
+        return torch.matmul(p.to(v.dtype), v)
+
+    def attend_prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
+    ) -> torch.Tensor:
+        """SDPA's layout: q [1, Hq, Lq, D], k/v [1, Hk, Lk, D] -> [1, Hq, Lq, D]."""
+        _, hq, lq, d = q.shape
+        hk = k.shape[1]
+        o = self.attend(q.view(1, hk, hq // hk, lq, d), k.unsqueeze(2), v.unsqueeze(2), mask, scale)
+        return o.reshape(1, hq, lq, d)
+
+
+def _no_sinks(q: torch.Tensor) -> torch.Tensor:
+    """The C++ kernel's "no sinks": an empty float32 tensor."""
+    return torch.empty(0, dtype=torch.float32, device=q.device)
+
+
 class TorchBackend:
     """Decodes: on CPU a C++ kernel that reads K/V through the block table (workers/layers/backends/
     cpu_paged.py), else gather each context's blocks and run masked SDPA. Prefills: SDPA per
@@ -72,12 +118,15 @@ class TorchBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         state: _TorchState = meta.backend_state
         out = q.new_empty(
             q.shape
         )  # contiguous, whatever q's strides (it may view a fused QKV output)
         nd = meta.num_decodes
+        extras = Extras(softcap, sinks)
         if nd and self._kernel_takes(q, k_cache):
             self.kernel(
                 out[:nd],
@@ -88,10 +137,14 @@ class TorchBackend:
                 meta.seq_lens[:nd],
                 scale,
                 window or 0,
+                softcap or 0.0,
+                _no_sinks(q) if sinks is None else sinks.float().contiguous(),
             )
         elif nd:
-            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale, window)
-        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, scale, window)
+            out[:nd] = self.decode(
+                q[:nd], k_cache, v_cache, meta, scale, window, softcap=softcap, sinks=sinks
+            )
+        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, scale, window, extras)
         return out
 
     def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -110,8 +163,11 @@ class TorchBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One query token per request: gather each context through the block table, masked SDPA.
+        """One query token per request: gather each context through the block table, masked SDPA
+        (eager attention with a soft-cap or sinks, which SDPA has no place for).
 
         The query heads of a GQA group act as that KV head's query rows, so K/V are never repeated.
         """
@@ -131,9 +187,14 @@ class TorchBackend:
         v = torch.index_select(v_cache, 0, state.decode_block_ids, out=state.v_buf)
         k = k.view(nd, -1, hk, d).transpose(1, 2)
         v = v.view(nd, -1, hk, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.view(nd, hk, hq // hk, d), k, v, attn_mask=mask, scale=scale
-        )
+        extras = Extras(softcap, sinks)
+        if extras.any:  # [nd, hk, G, 1, D] queries against [nd, hk, 1, L, D] keys
+            qg = q.view(nd, hk, hq // hk, 1, d)
+            o = extras.attend(qg, k.unsqueeze(2), v.unsqueeze(2), mask.unsqueeze(2), scale)
+        else:
+            o = F.scaled_dot_product_attention(
+                q.view(nd, hk, hq // hk, d), k, v, attn_mask=mask, scale=scale
+            )
         return o.reshape(nd, hq, d)
 
 
@@ -185,6 +246,7 @@ def _prefill(
     prefills: list[_Prefill],
     scale: float,
     window: int | None = None,
+    extras: Extras | None = None,
 ) -> None:
     """Prefill chunks one request at a time (few per step, each a large matmul).
 
@@ -200,9 +262,12 @@ def _prefill(
         else:
             ki = _gather(k_cache, p.block_ids)[: p.seq_len].transpose(0, 1).unsqueeze(0)
             vi = _gather(v_cache, p.block_ids)[: p.seq_len].transpose(0, 1).unsqueeze(0)
-        oi = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-        )
+        if extras is not None and extras.any:
+            oi = extras.attend_prefill(qi, ki, vi, mask, scale)
+        else:
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
         out[p.start : p.end] = oi[0].transpose(0, 1)
 
 

@@ -25,8 +25,10 @@ def _paged_decode_kernel(
     l_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     scale,
     window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -44,6 +46,8 @@ def _paged_decode_kernel(
     TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,6 +74,13 @@ def _paged_decode_kernel(
     first = first_tile + split * per_split
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS:
+        # A sink is one more score whose value vector is zero: split 0 starts its running max at
+        # the sink logit with exp(sink - max) = 1 already in the denominator. Combining splits
+        # then counts it once.
+        sink = tl.load(sinks_ptr + heads, mask=mask_g, other=float("-inf")).to(tl.float32)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where((split == 0) & mask_g, 1.0, l_i)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     # Every split walks per_split tiles of several cache blocks; those past the context are fully
     # masked (no memory read).
@@ -88,6 +99,8 @@ def _paged_decode_kernel(
         kv_mask = valid[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(
@@ -188,9 +201,13 @@ def paged_decode(
     scale: float,
     splits: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [N, Hq, D], one token per request; caches [blocks, block_size, Hk, D] -> [N, Hq, D].
-    window > 0: each request attends to its last `window` tokens only.
+    window > 0: each request attends to its last `window` tokens only. softcap > 0: scores become
+    softcap * tanh(score / softcap). sinks: float32 [Hq] logits added to each head's softmax
+    denominator (attention sinks).
 
     Short batches split each context across programs (flash-decoding) and merge the partial
     softmaxes.
@@ -206,6 +223,10 @@ def paged_decode(
     if seq_lens.stride(0) != 1 or block_tables.stride(1) != 1 or q.stride(2) != 1:
         raise ValueError("seq_lens, block_tables and q: need unit stride in their last dimension")
     group = hq // hk
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+        if sinks.shape != (hq,):
+            raise ValueError(f"sinks: expected shape ({hq},), got {tuple(sinks.shape)}")
     splits = splits or num_splits(n, hk, q.device)
     out = torch.empty_like(q)
     # Tiles of 64+ tokens keep enough bytes in flight; tl.dot needs 16 rows and a 16-wide inner dim.
@@ -219,7 +240,10 @@ def paged_decode(
         TILE=max(64, block_size),
         NUM_SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None,
     )
+    sinks_arg = sinks if sinks is not None else seq_lens  # never read without HAS_SINKS
     if splits == 1:
         _paged_decode_kernel[(n, hk, 1)](
             q,
@@ -230,8 +254,10 @@ def paged_decode(
             out,
             block_tables,
             seq_lens,
+            sinks_arg,
             scale,
             window,
+            float(softcap or 0.0),
             q.stride(0),
             q.stride(1),
             k_cache.stride(0),
@@ -256,8 +282,10 @@ def paged_decode(
         l_split,
         block_tables,
         seq_lens,
+        sinks_arg,
         scale,
         window,
+        float(softcap or 0.0),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -300,6 +328,8 @@ class TritonDecodeBackend(TorchBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         nd = q.shape[0]
         return paged_decode(
@@ -310,4 +340,6 @@ class TritonDecodeBackend(TorchBackend):
             meta.seq_lens[:nd],
             scale,
             window=window or 0,
+            softcap=softcap or 0.0,
+            sinks=sinks,
         )
