@@ -39,7 +39,7 @@ if DEVICE == "cpu":
         )
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules below are imported
 
-from tests.workers.test_attention import run_batch  # noqa: E402
+from tests.workers.test_attention import SINKS, run_batch  # noqa: E402
 from workers.layers import triton_ops  # noqa: E402
 from workers.layers.activation import SiluAndMul  # noqa: E402
 from workers.layers.attention import AttentionMetadata  # noqa: E402
@@ -142,9 +142,37 @@ def test_paged_decode_16_bit():
     check_decode(DecodeCase(dtype=HALF), splits=4, window=40)
 
 
-def test_triton_backend_on_a_mixed_batch_equals_dense_attention():
-    """The backend as the model calls it: decodes by the kernel, prefill chunks by torch."""
-    out, ref = run_batch(TritonDecodeBackend(), DEVICE)
+# Scores here run to about +-4: a cap of 1.5 bends most of them; sinks from well below to well
+# above them (one per query head).
+CAP = 1.5
+HEAD_SINKS = torch.tensor([-4.0, 0.0, 1.0, 3.0, -1.0, 2.0, 0.5, 6.0])
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+@pytest.mark.parametrize(
+    "softcap,sinks",
+    [(CAP, None), (None, HEAD_SINKS), (CAP, HEAD_SINKS)],
+    ids=["cap", "sinks", "both"],
+)
+def test_paged_decode_soft_cap_and_sinks(softcap, sinks, splits):
+    """Split 0 carries the sink; 8 splits leave later splits of short contexts empty."""
+    extras = {"softcap": softcap, "sinks": None if sinks is None else sinks.to(DEVICE)}
+    check_decode(DecodeCase(), splits, **extras)
+
+
+@pytest.mark.parametrize("window", [1, 40])
+def test_paged_decode_soft_cap_and_sinks_in_a_sliding_window(window):
+    """gpt-oss's layers: sinks with a window, where the first split starts past whole tiles."""
+    check_decode(DecodeCase(), 4, window, softcap=CAP, sinks=HEAD_SINKS.to(DEVICE))
+
+
+@pytest.mark.parametrize(
+    "softcap,sinks", [(None, None), (CAP, None), (None, SINKS), (CAP, SINKS)], ids=str
+)
+def test_triton_backend_on_a_mixed_batch_equals_dense_attention(softcap, sinks):
+    """The backend as the model calls it (decodes by the kernel, prefill chunks by torch) against
+    transformers-style eager attention."""
+    out, ref = run_batch(TritonDecodeBackend(), DEVICE, softcap=softcap, sinks=sinks)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
