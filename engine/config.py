@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 # A chunk is held until this many tokens at most: beyond it a stream is no stream.
 MAX_STREAM_INTERVAL = 256
+# LoRA bounds: device slots, rank, adapters kept read on the CPU and adapters declared up front.
+MAX_LORAS = 256
+MAX_LORA_RANK = 256
+MAX_CPU_LORAS = 4096
+DEFAULT_MAX_LORAS = 4
 
 
 @dataclass(slots=True)
@@ -145,10 +150,37 @@ class EngineConfig:
         "speculative decoding: `{method, num_tokens, ngram_min, ngram_max, draft_model, "
         "max_batch_size, min_acceptance_rate}` (docs/speculative.md). Unset: one token per step",
     )
+    max_loras: int | None = setting(
+        None,
+        "LoRA adapters held on the device at once (slots); requests for other adapters wait for "
+        "a slot. 0: LoRA off. Unset: 4 when lora_modules or lora_root is set, else 0 "
+        "(docs/lora.md)",
+        ge=0,
+        le=MAX_LORAS,
+    )
+    max_lora_rank: int = setting(
+        16, "largest LoRA rank an adapter may have", ge=1, le=MAX_LORA_RANK
+    )
+    max_cpu_loras: int | None = setting(
+        None,
+        "LoRA adapters each worker keeps read in CPU memory (LRU), so a slot is refilled without "
+        "reading the disk. Unset: 2 x max_loras",
+        ge=1,
+        le=MAX_CPU_LORAS,
+    )
+    lora_modules: dict[str, str] | None = setting(
+        None, "LoRA adapters loaded at start: `{name: PEFT adapter directory}`"
+    )
+    lora_root: str | None = setting(
+        None,
+        "directory under which adapters may be loaded at run time (EngineCore.add_lora); "
+        "unset: only the lora_modules paths",
+    )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         check_settings(self)
+        self._check_loras()
         if not self.model:
             raise ValueError("model: must be a non-empty string")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
@@ -169,6 +201,35 @@ class EngineConfig:
                 "speculative: cannot be combined with async_scheduling: true (leave "
                 "async_scheduling unset or false)"
             )
+
+    def _check_loras(self) -> None:
+        from scheduler.request import check_lora_name
+
+        modules = self.lora_modules or {}
+        if len(modules) > MAX_CPU_LORAS:
+            raise ValueError(f"lora_modules: at most {MAX_CPU_LORAS} adapters")
+        for name, path in modules.items():
+            check_lora_name(name, "lora_modules")
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"lora_modules: {name!r} needs a directory path")
+        if modules and self.max_loras == 0:
+            raise ValueError("max_loras: is 0 (LoRA off) but lora_modules names adapters")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.num_lora_slots:
+            raise ValueError(
+                f"max_cpu_loras: must be at least max_loras={self.num_lora_slots}, got "
+                f"{self.max_cpu_loras}"
+            )
+
+    @property
+    def num_lora_slots(self) -> int:
+        """max_loras resolved: LoRA is on when it is set above 0, or when adapters are named."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return DEFAULT_MAX_LORAS if self.lora_modules or self.lora_root is not None else 0
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras or 2 * self.num_lora_slots
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -233,6 +294,9 @@ class EngineConfig:
             expert_parallel=self.expert_parallel,
             speculative=self.speculative,
             gguf_file=self.quantized_gguf(),
+            max_loras=self.num_lora_slots,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.num_cpu_loras,
         )
 
     def quantized_gguf(self) -> str | None:

@@ -10,6 +10,7 @@ from transformers import AutoConfig
 
 from engine.config import EngineConfig
 from engine.executor import Executor, ExecutorFactory, local_executor
+from engine.loras import EngineLoras
 from engine.step_pipeline import StepPipeline
 from frontend.frontend import ModelInfo
 from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
@@ -75,6 +76,9 @@ class EngineCore:
         self.pipeline = StepPipeline(self.executor) if overlap else None
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        self.loras = EngineLoras(config, self.model_dir, self.scheduler.loras)
+        self.scheduler.loras = self.loras.slots
+        self.loras.add_configured()
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             config.model,
@@ -110,9 +114,32 @@ class EngineCore:
                 f"got {min(ids)}..{max(ids)}"
             )
         request.sampling_params.check_vocab(self.vocab_size)
+        self.loras.slots.check(request.lora_name)  # UnknownLoraError for a name not loaded
         if not request.eos_token_ids:
             request = replace(request, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(Request(request))
+
+    # ---- LoRA adapters (engine/loras.py) --------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Make a PEFT adapter directory available as `name`: read and checked now (ValueError
+        naming a bad file, a rank over max_lora_rank, a target the model lacks, a path outside
+        lora_root), loaded into a device slot when a request first needs it. The running batch
+        is not touched."""
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter. Refused (LoraInUseError, a ValueError) while unfinished requests
+        use it, never waited for; UnknownLoraError (a LookupError) for an unknown name."""
+        users = sum(
+            1
+            for r in self.scheduler.requests.values()
+            if not r.is_finished and r.spec.lora_name == name
+        )
+        self.loras.slots.unregister(name, users)
+
+    def list_loras(self) -> list[str]:
+        """The adapters requests may name, in the order they were added."""
+        return self.loras.slots.names()
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         return self.scheduler.abort_requests(request_ids)

@@ -120,14 +120,18 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[GenerationOutput]:
-        """Complete each prompt (text or token ids); outputs come back in prompt order."""
+        """Complete each prompt (text or token ids); outputs come back in prompt order.
+
+        lora: the LoRA adapter every prompt runs under, or one per prompt (None: the base
+        model); adapters come from `lora_modules` or add_lora."""
         batch = [prompts] if _is_one_prompt(prompts) else prompts
         texts = [p if isinstance(p, str) else None for p in batch]
         token_ids = [
             self.frontend.encode_prompt(p) if isinstance(p, str) else list(p) for p in batch
         ]
-        return self._run(texts, token_ids, sampling_params, use_tqdm)
+        return self._run(texts, token_ids, sampling_params, use_tqdm, lora)
 
     def chat(
         self,
@@ -137,6 +141,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[GenerationOutput]:
         """Reply to each conversation (a list of {"role", "content"} messages) via the chat
         template: a new assistant turn, or (continue_final_message) the last message continued;
@@ -147,7 +152,17 @@ class LLM:
         )
         texts = [self.frontend.render_chat(c, options=options) for c in batch]
         token_ids = [self.frontend.encode_chat(c, options=options) for c in batch]
-        return self._run(texts, token_ids, sampling_params, use_tqdm)
+        return self._run(texts, token_ids, sampling_params, use_tqdm, lora)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Make a PEFT adapter directory usable as `name` (EngineCore.add_lora)."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last") -> list[list[float]]:
         """One normalised embedding per prompt (text or token ids): the final hidden states of
@@ -184,7 +199,9 @@ class LLM:
         token_ids: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[GenerationOutput]:
+        loras = _loras_per_prompt(lora, len(token_ids))
         params = [
             self.frontend.prepare(sp) for sp in _params_per_prompt(sampling_params, len(token_ids))
         ]
@@ -196,9 +213,9 @@ class LLM:
         live: set[str] = set()
         with tqdm(total=len(token_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             try:
-                for prompt, ids, sp in zip(prompts, token_ids, params):
+                for prompt, ids, sp, name in zip(prompts, token_ids, params, loras):
                     rid = f"llm-{next(self._ids)}"
-                    self.engine.add_request(EngineRequest(rid, ids, sp))
+                    self.engine.add_request(EngineRequest(rid, ids, sp, lora_name=name))
                     live.add(rid)
                     outputs[rid] = GenerationOutput(
                         rid, prompt, ids, logprobs=[] if sp.logprobs is not None else None
@@ -256,6 +273,15 @@ def _release(engine: EngineCore, grammars: GrammarSandbox) -> None:
     collected)."""
     grammars.close()
     engine.shutdown()
+
+
+def _loras_per_prompt(lora: str | Sequence[str | None] | None, n: int) -> list[str | None]:
+    if lora is None or isinstance(lora, str):
+        return [lora] * n
+    names = list(lora)
+    if len(names) != n:
+        raise ValueError(f"lora: got {len(names)} adapter names for {n} prompts")
+    return names
 
 
 def _params_per_prompt(

@@ -194,6 +194,9 @@ class Frontend:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     @staticmethod
-    def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-        """The prompt's chained block hashes, as the scheduler and the router compute them."""
-        return hash_prompt_blocks(token_ids, block_size)
+    def block_hashes(
+        token_ids: Sequence[int], block_size: int, lora_name: str | None = None
+    ) -> list[int]:
+        """The prompt's chained block hashes, as the scheduler and the router compute them; a
+        request under a LoRA adapter passes its name (its blocks are never the base model's)."""
+        return hash_prompt_blocks(token_ids, block_size, lora_name=lora_name)

@@ -57,6 +57,7 @@ class RoutingStats:
     def to_dict(self) -> dict[str, Any]:
         """The report as Serve carries it: flat, plain values."""
         out = {f.name: getattr(self.scheduler, f.name) for f in fields(SchedulerStats)}
+        out["loaded_loras"] = list(self.scheduler.loaded_loras)  # plain values only
         out["state"] = self.state.value
         if self.prefix is not None:
             p = self.prefix
@@ -98,6 +99,8 @@ def _scheduler_stats(report: Mapping[str, Any]) -> SchedulerStats:
             continue
         if _FIELD_TYPES[f.name] is int:
             values[f.name] = _count(report, f.name)
+        elif _FIELD_TYPES[f.name] == tuple[str, ...]:
+            values[f.name] = _names(report, f.name)
         else:
             values[f.name] = _figure(report, f.name)
     return SchedulerStats(**values)
@@ -116,6 +119,13 @@ def _count(report: Mapping[str, Any], key: str) -> int:
             f"routing stats field {key!r}: expected an integer >= 0, got {_short(value)}"
         )
     return value
+
+
+def _names(report: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = _field(report, key)
+    if not isinstance(value, (list, tuple)) or not all(type(v) is str for v in value):
+        raise ValueError(f"routing stats field {key!r}: expected a list of strings")
+    return tuple(value)
 
 
 def _figure(report: Mapping[str, Any], key: str) -> float:

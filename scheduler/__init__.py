@@ -7,6 +7,7 @@ from scheduler.block_manager import (
     hash_prompt_blocks,
 )
 from scheduler.config import SchedulerConfig
+from scheduler.lora_slots import LoraInUseError, UnknownLoraError
 from scheduler.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -24,6 +25,7 @@ __all__ = [
     "CachedRequestData",
     "EngineRequest",
     "KVCacheManager",
+    "LoraInUseError",
     "ModelRunnerOutput",
     "NewRequestData",
     "Request",
@@ -35,6 +37,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "TokenLogprobs",
+    "UnknownLoraError",
     "extend_block_hashes",
     "hash_block_tokens",
     "hash_prompt_blocks",

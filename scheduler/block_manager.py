@@ -20,9 +20,21 @@ from scheduler.request import Request
 _ROOT = b"raylm-prefix-v1"
 
 
-def hash_block_tokens(parent_hash: int | None, block_token_ids: Sequence[int]) -> int:
-    """Stable 128-bit key of a full block: the same in every process (the router uses it too)."""
-    parent = _ROOT if parent_hash is None else parent_hash.to_bytes(16, "little")
+def _root(lora_name: str | None) -> bytes:
+    """The chain's seed: a block computed under a LoRA adapter holds other KV than the same tokens
+    under the base model or another adapter, so each adapter's chains start from its own seed (the
+    base model's is unchanged)."""
+    if lora_name is None:
+        return _ROOT
+    return _block_digest(_ROOT, b"lora:" + lora_name.encode())
+
+
+def hash_block_tokens(
+    parent_hash: int | None, block_token_ids: Sequence[int], lora_name: str | None = None
+) -> int:
+    """Stable 128-bit key of a full block: the same in every process (the router uses it too).
+    lora_name keys the first block of a chain (parent_hash None) by the request's adapter."""
+    parent = _root(lora_name) if parent_hash is None else parent_hash.to_bytes(16, "little")
     return int.from_bytes(_block_digest(parent, array("q", block_token_ids).tobytes()), "little")
 
 
@@ -31,19 +43,24 @@ def _block_digest(parent: bytes, block: bytes) -> bytes:
 
 
 def extend_block_hashes(
-    hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int
+    hashes: list[int],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    lora_name: str | None = None,
 ) -> list[int]:
     """Extend the chain `hashes` (of token_ids' leading blocks) to at most num_blocks, in place;
     returns it.
 
     The same keys as hash_block_tokens block by block, of full blocks only (token_ids holding fewer
     leave the chain shorter), with the tokens turned into bytes once for the whole run: a prompt's
-    blocks cost one conversion, not one each.
+    blocks cost one conversion, not one each. lora_name: the request's adapter (None: the base
+    model), which seeds the chain.
     """
     done = len(hashes)
     if num_blocks <= done:
         return hashes
-    parent = _ROOT if not hashes else hashes[-1].to_bytes(16, "little")
+    parent = _root(lora_name) if not hashes else hashes[-1].to_bytes(16, "little")
     data = array("q", token_ids[done * block_size : num_blocks * block_size]).tobytes()
     step = 8 * block_size
     for offset in range(0, len(data) - step + 1, step):  # full blocks only
@@ -53,13 +70,17 @@ def extend_block_hashes(
 
 
 def hash_prompt_blocks(
-    token_ids: Sequence[int], block_size: int, max_blocks: int | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    max_blocks: int | None = None,
+    lora_name: str | None = None,
 ) -> list[int]:
-    """Chained hashes of the leading full blocks of token_ids."""
+    """Chained hashes of the leading full blocks of token_ids, under the LoRA adapter lora_name
+    (None: the base model)."""
     n = len(token_ids) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
-    return extend_block_hashes([], token_ids, block_size, n)
+    return extend_block_hashes([], token_ids, block_size, n, lora_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +264,11 @@ class KVCacheManager:
     # ---- prefix cache --------------------------------------------------------------------------
     def _ensure_hashes(self, request: Request, num_blocks: int) -> list[int]:
         return extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, num_blocks
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            num_blocks,
+            request.spec.lora_name,
         )
 
     def find_cached_blocks(self, request: Request) -> list[int]:

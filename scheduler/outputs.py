@@ -22,6 +22,9 @@ class NewRequestData:
     num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit) before this step
     output_token_ids: list[int] = field(default_factory=list)  # a resumed request's earlier outputs
     eos_token_ids: tuple[int, ...] = ()  # masked with stop_token_ids until min_tokens outputs
+    # Its LoRA adapter (None: the base model); the runner finds the adapter's slot by name each
+    # step, so a request resumed after its adapter moved slots reads the right one.
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -59,6 +62,9 @@ class SchedulerOutput:
     # ...and the block tables cut back after rejected tokens gave their slots up: request id ->
     # blocks kept. Applied before this step's diffs.
     truncated_block_tables: dict[str, int] = field(default_factory=dict)
+    # LoRA adapters to load into device slots before this step's forward: slot -> (name, path)
+    # (scheduler/lora_slots.py). Every TP rank loads the same slots in the same step.
+    lora_loads: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -153,6 +159,8 @@ class SchedulerStats:
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_verify_rows: int = 0
+    # The LoRA adapters in device slots (least recently used first), for adapter-affinity routing.
+    loaded_loras: tuple[str, ...] = ()
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);

@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import enum
+import re
 import time
 from dataclasses import dataclass, field
 
 from scheduler.sampling_params import SamplingParams
+from scheduler.settings import clipped
 
 # Priorities order a heap; a bounded range keeps comparisons cheap and the values meaningful.
 MAX_PRIORITY = 2**31 - 1
 MAX_TENANT_CHARS = 256
+# An adapter name: what a URL path, a metric label and a log line can carry unescaped.
+MAX_LORA_NAME_CHARS = 64
+_LORA_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_LORA_NAME_CHARS}}}")
+
+
+def check_lora_name(name: object, field_name: str = "lora_name") -> str:
+    """name if it is a valid LoRA adapter name (1..64 of [A-Za-z0-9._-]), else ValueError."""
+    if not isinstance(name, str) or _LORA_NAME.fullmatch(name) is None:
+        raise ValueError(
+            f"{field_name}: must be 1 to {MAX_LORA_NAME_CHARS} characters of [A-Za-z0-9._-], "
+            f"got {clipped(repr(name))}"
+        )
+    return name
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,10 +81,15 @@ class EngineRequest:
     # The Ray actor name of the caller (an ingress replica): when that actor dies, the replica
     # aborts the request instead of generating for nobody. None: not watched (e.g. a driver).
     caller: str | None = None
+    # The LoRA adapter the request runs under (EngineCore.add_lora names them); None: the base
+    # model. Its block hashes are keyed by it (hash_prompt_blocks(..., lora_name=...)).
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id: must be a non-empty string")
+        if self.lora_name is not None:
+            check_lora_name(self.lora_name)
         if not (
             isinstance(self.priority, int)
             and not isinstance(self.priority, bool)
@@ -143,6 +163,10 @@ class Request:
     @property
     def tenant(self) -> str:
         return self.spec.tenant
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.spec.lora_name
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
+from scheduler.lora_slots import LoraSlots
 from scheduler.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -106,6 +107,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._finished_order: OrderedDict[str, None] = OrderedDict()
         self._prefill_cap = config.long_prefill_token_threshold or _NO_CAP
+        # LoRA adapters' device slots (scheduler/lora_slots.py); the engine sets max_loras.
+        self.loras = LoraSlots(0)
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -171,6 +174,7 @@ class Scheduler:
             num_prompt_tokens_queried=kv.num_queried_tokens,
             num_prompt_tokens_hit=kv.num_hit_tokens,
             num_gpu_blocks=kv.pool.num_blocks,
+            loaded_loras=self.loras.loaded(),
         )
 
     # ---- schedule ------------------------------------------------------------------------------
@@ -223,11 +227,15 @@ class Scheduler:
             req = self.waiting.peek()
             if req.request_id in step.preempted:  # never re-admit a victim in the step that took it
                 break
+            lora = req.spec.lora_name
+            if lora is not None and not self.loras.acquire(lora):
+                break  # every slot's adapter is in use: it waits until one is released
             # With nothing running the watermark could only starve the head request.
             reserve = cfg.num_watermark_blocks if self.running else 0
             admit = self._resume_swapped if req.status == _SWAPPED else self._admit
             if admit(req, step, reserve):
                 continue
+            self.loras.release(lora)
             if cfg.policy == "priority" and self._displace_for(req, step, reserve):
                 continue
             break
@@ -313,6 +321,7 @@ class Scheduler:
             step.new_blocks.pop(rid)
             step.budget += n
         self.running.remove(victim)
+        self.loras.release(victim.spec.lora_name)
         cfg = self.config
         swap = cfg.preemption_mode == "swap" or (
             cfg.preemption_mode == "auto"
@@ -352,6 +361,7 @@ class Scheduler:
                     step.start[rid],
                     list(req.output_token_ids),
                     req.eos_token_ids,
+                    req.spec.lora_name,
                 )
             )
             req.known_to_runner = True
@@ -382,6 +392,7 @@ class Scheduler:
             finished_req_ids=finished,
             blocks_to_swap_out=step.swap_out,
             blocks_to_swap_in=step.swap_in,
+            lora_loads=self.loras.take_loads(),
         )
 
     # ---- results -------------------------------------------------------------------------------
@@ -463,6 +474,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Give the request its final status and its blocks back; the next step tells the runner."""
+        if req.status is _RUNNING:
+            self.loras.release(req.spec.lora_name)
         req.status = status
         self.kv.free(req)
         self.waiting.learn(req)  # the srpt policy's length predictor learns from it

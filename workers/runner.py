@@ -21,6 +21,7 @@ from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import load_model
+from workers.lora.manager import LoraManager
 from workers.model_files import load_tokenizer
 from workers.parallel import get_tp_rank, get_tp_world_size, set_expert_parallel
 from workers.pooling import Pooler
@@ -72,6 +73,10 @@ class RunnerConfig:
     # A GGUF file whose Q4_0/Q4_1/Q8_0 weights are multiplied as stored (CPU); None: model_dir's
     # float weights.
     gguf_file: str | None = None
+    # LoRA: device slots (0: off), their rank, and the adapters each rank keeps read on the CPU.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -94,6 +99,7 @@ class RequestState:
     # and how many prompt positions are done (every rank, so all compute the same rows).
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_prompt_logprobs: int = 0
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass(slots=True)
@@ -201,6 +207,17 @@ class ModelRunner:
             gguf_file=config.gguf_file,
         )
         logger.info("model loaded in %.1fs", time.perf_counter() - t0)
+        self.loras: LoraManager | None = None
+        if config.max_loras:
+            self.loras = LoraManager(
+                self.model,
+                hf_config,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras,
+                self.dtype,
+                self.device,
+            )
         self.layers = self.model.attention_layers()
         self.backend = select_backend(
             self.device,
@@ -298,6 +315,8 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("execute_model: init_kv_cache() must run first")
         failed = self._update_states(out)
+        if out.lora_loads and self.loras is not None:
+            self.loras.load(out.lora_loads)
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         if out.total_num_scheduled_tokens == 0:
@@ -363,6 +382,7 @@ class ModelRunner:
                     if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
                     else None
                 ),
+                lora_name=new.lora_name,
             )
         cached = out.scheduled_cached_reqs
         for rid, resumed, tokens, blocks, computed in zip(
@@ -423,6 +443,8 @@ class ModelRunner:
         dev = self.device
         graphs = self.graphs
         pure_decode = len(batch.input_ids) == len(batch.req_ids) and not batch.pooling_rows
+        if self.loras is not None and self._set_lora_batch(batch, self.loras):
+            graphs = None  # the captured graphs hold no LoRA path: adapter steps run eagerly
         if graphs is not None and pure_decode and len(batch.req_ids) <= graphs.max_batch:
             tables = [self.requests[rid].block_ids for rid in batch.req_ids]
             hidden = graphs.run(batch.input_ids, batch.starts, tables)  # a pure-decode step
@@ -458,6 +480,12 @@ class ModelRunner:
         else:
             last = [ends[i + 1] - 1 for i in batch.sample_rows]
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
+
+    def _set_lora_batch(self, batch: _Batch, loras: LoraManager) -> bool:
+        """Tell the LoRA layers each token's adapter slot; True when any row has an adapter."""
+        requests = self.requests
+        slots = [loras.slot(requests[rid].lora_name) for rid in batch.req_ids]
+        return loras.set_batch(slots, batch.query_lens)
 
     def _pool(self, batch: _Batch, hidden: torch.Tensor, query_start_loc: list[int]) -> None:
         """Embedding requests: pool their rows' hidden states (the vector when a prompt ends)."""

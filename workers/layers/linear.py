@@ -6,12 +6,17 @@ the input dimension and all-reduce the partial sums. At world size 1 they are pl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.layers.quantized import GGUFWeight, as_float, load_target
 from workers.parallel import all_reduce, divide, get_tp_rank, get_tp_world_size
+
+if TYPE_CHECKING:
+    from workers.lora.layers import LoraLayer
 
 # Below this many rows a CPU matmul streams weights faster as W @ x^T than as x @ W^T.
 _CPU_SMALL_BATCH = 128
@@ -103,6 +108,8 @@ class CpuPackedWeight(nn.Module):
     (`weight.gguf`) is used as stored instead: one copy, no packing."""
 
     packed: torch.Tensor | GGUFWeight | None = None
+    # LoRA adapters' slot weights (workers/lora), attached when the engine serves adapters.
+    lora: LoraLayer | None = None
 
     def pack_weight(self) -> bool:
         """Pack this rank's (loaded) weight shard; True if it was packed (or is GGUF blocks)."""
@@ -164,7 +171,8 @@ class ColumnParallelLinear(CpuPackedWeight):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        y = linear(x, self.weight, self.bias, self.packed)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -265,5 +273,8 @@ class RowParallelLinear(CpuPackedWeight):
         _copy(param, as_float(loaded.narrow(0, 0, loaded.shape[0])), "RowParallelLinear.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, packed=self.packed))
+        y = linear(x, self.weight, packed=self.packed)
+        if self.lora is not None:  # each rank's partial update, summed by the all-reduce
+            y = self.lora(x, y)
+        y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

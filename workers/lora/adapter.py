@@ -1,0 +1,178 @@
+"""PEFT LoRA adapters read from disk and checked against the base model.
+
+A PEFT adapter directory holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`, ...)
+and `adapter_model.safetensors`, whose tensors are named like
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
+([out, r]). The update of a projection is `x @ A^T @ B^T * scaling`, with scaling `alpha / r`
+(`alpha / sqrt(r)` under rsLoRA). Every problem raises a ValueError that names it: the engine
+checks an adapter this way before any request can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# The projections an adapter may target: attention (fused as qkv in our models) and the dense MLP
+# (fused as gate_up).
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+# adapter_config.json is a few hundred bytes; a bigger one is not an adapter config.
+MAX_CONFIG_BYTES = 1 << 20
+_TENSOR_NAME = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShapes:
+    """What an adapter must fit: each target's full [out, in] and the number of layers."""
+
+    num_layers: int
+    shapes: dict[str, tuple[int, int]]  # target -> (out_features, in_features), before TP
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelShapes:
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        hidden, inter = config.hidden_size, config.intermediate_size
+        shapes = {
+            "q_proj": (heads * head_dim, hidden),
+            "k_proj": (kv_heads * head_dim, hidden),
+            "v_proj": (kv_heads * head_dim, hidden),
+            "o_proj": (hidden, heads * head_dim),
+        }
+        # Mixture-of-experts models have no dense MLP projections to adapt.
+        if not any(getattr(config, k, None) for k in ("num_local_experts", "num_experts")):
+            shapes |= {
+                "gate_proj": (inter, hidden),
+                "up_proj": (inter, hidden),
+                "down_proj": (hidden, inter),
+            }
+        return cls(config.num_hidden_layers, shapes)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """One adapter's weights on the CPU: (layer, target) -> (A [r, in], B [out, r] * scaling)."""
+
+    name: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def resolve_lora_path(path: str, root: str | None, allowed: set[str]) -> str:
+    """The adapter directory `path` resolved (symlinks followed): it must lie under `root`, or,
+    with no root, be one of `allowed` (the configured lora_modules). ValueError otherwise."""
+    if not isinstance(path, str) or not path or "\x00" in path or len(path) > 4096:
+        raise ValueError("lora_path: must be a non-empty path of at most 4096 characters")
+    real = os.path.realpath(path)
+    if root is None:
+        if real not in {os.path.realpath(p) for p in allowed}:
+            raise ValueError(
+                f"lora_path: {path!r} is not a configured lora_modules path (set lora_root to "
+                "load adapters from a directory at run time)"
+            )
+        return real
+    top = os.path.realpath(root)
+    if os.path.commonpath([real, top]) != top:
+        raise ValueError(f"lora_path: {path!r} is outside lora_root {root!r}")
+    return real
+
+
+def read_adapter(
+    name: str, path: str, model: ModelShapes, max_rank: int, dtype: torch.dtype = torch.float32
+) -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter directory; ValueError naming what is wrong."""
+    directory = Path(path)
+    rank, scaling = _read_config(directory / CONFIG_FILE, max_rank)
+    tensors = _read_tensors(directory / WEIGHTS_FILE)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _TENSOR_NAME.fullmatch(key)
+        if match is None:
+            raise ValueError(
+                f"lora adapter {name!r}: tensor {key!r} is not a supported LoRA weight"
+            )
+        layer, target, which = int(match[1]), match[2], match[3]
+        if target not in model.shapes:
+            raise ValueError(
+                f"lora adapter {name!r}: target module {target!r} is not in the base model "
+                f"(supported: {sorted(model.shapes)})"
+            )
+        if layer >= model.num_layers:
+            raise ValueError(
+                f"lora adapter {name!r}: layer {layer} is past the base model's {model.num_layers}"
+            )
+        pairs.setdefault((layer, target), {})[which] = tensor
+    if not pairs:
+        raise ValueError(f"lora adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    weights = {}
+    for (layer, target), ab in pairs.items():
+        where = f"lora adapter {name!r}: layers.{layer}.{target}"
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: needs both lora_A and lora_B")
+        a, b = ab["A"], ab["B"]
+        out_features, in_features = model.shapes[target]
+        if a.shape != (rank, in_features) or b.shape != (out_features, rank):
+            raise ValueError(
+                f"{where}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not fit the model "
+                f"(rank {rank}: expected {(rank, in_features)} and {(out_features, rank)})"
+            )
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError(f"{where}: weights must be finite")
+        weights[(layer, target)] = (a.to(dtype), (b.double() * scaling).to(dtype))
+    return LoraAdapter(name, rank, weights)
+
+
+def _read_config(path: Path, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) from adapter_config.json, refusing what this engine cannot run."""
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"lora adapter config: {path} is larger than {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"lora adapter config: cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"lora adapter config: {path} is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"lora adapter config: peft_type {config.get('peft_type')!r} is not LORA")
+    for key in ("use_dora", "fan_in_fan_out"):
+        if config.get(key):
+            raise ValueError(f"lora adapter config: {key} is not supported")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
+        if config.get(key):
+            raise ValueError(f"lora adapter config: {key} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError("lora adapter config: bias must be 'none'")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if type(rank) is not int or not 1 <= rank <= max_rank:
+        raise ValueError(f"lora adapter config: rank r={rank!r} must be in [1, {max_rank}]")
+    if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"lora adapter config: lora_alpha={alpha!r} must be a positive number")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, scaling
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"lora adapter weights: cannot read {path}: {exc}") from None
