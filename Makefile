@@ -6,7 +6,7 @@ STAMP := $(VENV)/.raylm-installed
 # Ray 2.60 turns on token authentication for local clusters; the loopback dev cluster runs without it.
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install test test-fast lint bench serve clean
+.PHONY: install test test-fast test-triton lint bench serve clean
 
 install: $(STAMP)
 
@@ -25,6 +25,14 @@ test: install
 # The edit-test loop: everything but the tests marked slow (models, Ray, Serve), in about a minute.
 test-fast: install
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-dev} $(PY) -m pytest -q -m "not slow"
+
+# The Triton kernels on CPU under Triton's interpreter (TRITON_INTERPRET=1), against the torch paths.
+# triton goes into this .venv only, on first use: never into the default install or the test extra,
+# so CI (which skips these tests) does not download it.
+TRITON_VERSION ?= 3.9.0
+test-triton: install
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==$(TRITON_VERSION)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/workers/test_triton_*.py
 
 # Lint, format and types, as CI runs them before the tests.
 lint: install

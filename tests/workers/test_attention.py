@@ -7,9 +7,7 @@ paged cache with scattered blocks; every backend must match a dense per-request 
 from __future__ import annotations
 
 import importlib.util
-import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -146,37 +144,3 @@ def test_cuda_backends_match_dense_attention(backend):
     if backend != "flash_attn":  # flash-attn has no sinks
         out, ref = run_batch(backend, "cuda", dtype, softcap=1.5, sinks=SINKS)
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.skipif(
-    int(np.__version__.split(".")[0]) >= 2,
-    reason="Triton's interpreter cannot take loop bounds from tensors under numpy 2",
-)
-def test_triton_decode_kernel_in_interpreter_mode():
-    """The Triton kernel, run by Triton's CPU interpreter (TRITON_INTERPRET=1) in a subprocess."""
-    import subprocess
-    import sys
-
-    code = "from tests.workers.test_attention import check_triton_on_cpu; check_triton_on_cpu()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def check_triton_on_cpu() -> None:
-    """One pass per context, then contexts split across programs (8 splits leave some empty)."""
-    from workers.layers.backends import triton_decode
-
-    for splits in (1, 2, 8):
-        triton_decode.num_splits = lambda *_, s=splits: s
-        for softcap, sinks in ((None, None), (1.5, SINKS)):
-            out, ref = run_batch(
-                triton_decode.TritonDecodeBackend(), "cpu", softcap=softcap, sinks=sinks
-            )
-            torch.testing.assert_close(
-                out, ref, atol=1e-4, rtol=1e-4, msg=lambda m, s=splits: f"{s} splits: {m}"
-            )

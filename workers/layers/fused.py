@@ -1,4 +1,6 @@
-"""Whether a tensor's layer ops run as the fused Triton kernels of workers.layers.triton_ops.
+"""Whether a tensor's layer ops run as the fused Triton kernels of workers.layers.triton_ops (and
+its MoE experts as workers.layers.backends.triton_moe, its LoRA updates as
+workers.layers.backends.triton_lora).
 
 They do for CUDA tensors when Triton is installed, unless RAYLM_TRITON_OPS=0 (for A/B timing).
 CPU tensors always take the plain torch path.
@@ -29,3 +31,21 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
             _ops = triton_ops
         _resolved = True
     return _ops
+
+
+def triton_moe(x: torch.Tensor) -> ModuleType | None:
+    """workers.layers.backends.triton_moe where the fused ops run (the same switch), else None."""
+    if fused_ops(x) is None:
+        return None
+    from workers.layers.backends import triton_moe as module
+
+    return module
+
+
+def triton_lora(x: torch.Tensor) -> ModuleType | None:
+    """workers.layers.backends.triton_lora where the fused ops run (the same switch), else None."""
+    if fused_ops(x) is None:
+        return None
+    from workers.layers.backends import triton_lora as module
+
+    return module

@@ -14,7 +14,9 @@ sums the shares (the same all-reduce a row-parallel MLP ends with).
 The expert computation is grouped: the (token, slot) pairs are sorted by expert once, then each
 local expert runs one GEMM pair over its contiguous rows. Python loops over experts, never over
 tokens. On CPU each expert's matrices are packed for oneDNN once after loading, as the dense linears
-are (workers/layers/linear.py).
+are (workers/layers/linear.py). On CUDA with Triton, plain SwiGLU experts without biases run as the
+fused-MoE kernel instead (workers/layers/backends/triton_moe.py: two grouped GEMM launches over
+blocks of pairs sorted by expert); everything else keeps the torch path.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workers.layers import fused
 from workers.layers.activation import ClampedSwiGLU, SiluAndMul
 from workers.layers.linear import CpuPackedWeight, cpu_pack, linear
 from workers.parallel import all_reduce, divide, get_expert_parallel, get_tp_rank, get_tp_world_size
@@ -151,6 +154,8 @@ class FusedMoE(CpuPackedWeight):
             if cfg.activation == "clamped_swiglu"
             else SiluAndMul()
         )
+        # The Triton kernel computes silu(gate) * up with no biases (not gpt-oss's experts).
+        self.fits_triton = cfg.activation == "silu" and not cfg.bias
         self.packed13: list[torch.Tensor | None] = [None] * self.num_local
         self.packed2: list[torch.Tensor | None] = [None] * self.num_local
         # Rows (token, expert pairs) each rank of the group computed in the last forward.
@@ -224,6 +229,10 @@ class FusedMoE(CpuPackedWeight):
         Pairs are sorted by expert (stably, so a token's rows keep their order), every local
         expert runs over its contiguous rows, and each token's k results are summed in slot order
         (the same order whatever the batch)."""
+        kernel = fused.triton_moe(x) if self.fits_triton else None
+        if kernel is not None:
+            self._count_kernel_rows(ids)
+            return kernel.fused_experts(x, self.w13, self.w2, weights, ids, first=self.first)
         t, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -248,6 +257,14 @@ class FusedMoE(CpuPackedWeight):
         scale = weights.reshape(-1).index_select(0, mine).to(x.dtype)
         out.index_copy_(0, mine, ys * scale[:, None])
         return out.view(t, k, -1).sum(1)
+
+    def _count_kernel_rows(self, ids: torch.Tensor) -> None:
+        """rows_per_rank without the torch path's counts: under tensor parallelism every rank
+        computes every pair (no host sync); under expert parallelism one sync counts them."""
+        if not self.expert_parallel:
+            self.rows_per_rank = [ids.numel()] * self.tp_size
+            return
+        self._count_rows(torch.bincount(ids.reshape(-1), minlength=self.cfg.num_experts).tolist())
 
     def _count_rows(self, counts: list[int]) -> None:
         if not self.expert_parallel:

@@ -17,6 +17,9 @@ the base model are in no group, and a batch with no adapter row skips the whole 
 Tensor parallelism: a column-parallel linear keeps A whole and the rank's rows of B (the same
 rows as its weight); a row-parallel one keeps the rank's columns of A, B whole, and adds its
 partial update before the all-reduce, which sums them.
+
+On CUDA with Triton the same update runs as shrink and expand kernels over the same groups
+(workers/layers/backends/triton_lora.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from workers.layers import fused
 
 
 @dataclass(slots=True)
@@ -101,6 +106,9 @@ class LoraLayer:
             return y
         m, g, index, valid = batch.num_slots, batch.group, batch.index, batch.valid
         assert index is not None
+        kernel = fused.triton_lora(x)
+        if kernel is not None:
+            return kernel.lora_update(x, y, self.a, self.b, index, batch.valid, m, g)
         r = self.rank
         xp = x.index_select(0, index).view(m, g, self.in_features)
         xa = torch.bmm(xp, self.a[:m].transpose(1, 2))  # [m, g, segments * rank]
