@@ -362,7 +362,7 @@ class OpenAIIngress:
         reasoning = self._reasoning
         builder = ResponseBuilder(
             body,
-            self.config.model_name,
+            self._answering_model(chat, choices),
             ReplySplit(declared, self._splitter(opened)),
             functools.partial(reasoning.num_reasoning_tokens, opened=bool(opened))
             if reasoning is not None
@@ -718,6 +718,7 @@ class OpenAIIngress:
         """side: what each choice shows of its prompt (echo, prompt log-probabilities)."""
         side = side if side is not None else _PromptSide()
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
+        model = self._answering_model(body, choices)
         deltas = self._deltas(body, choices)
         if body.stream:
             # Wait for the first delta so that admission errors (overload, a replica's rejection)
@@ -729,14 +730,28 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 self._sse_stream(
-                    rid, _prepend(first, deltas), chat, include_usage, tools, opened, side.prefixes
+                    rid,
+                    _prepend(first, deltas),
+                    chat,
+                    include_usage,
+                    tools,
+                    opened,
+                    side.prefixes,
+                    model,
                 ),
                 media_type="text/event-stream",
             )
         try:
-            return await self._collect(rid, deltas, len(choices), chat, tools, opened, side)
+            return await self._collect(rid, deltas, len(choices), chat, tools, opened, side, model)
         except Exception as exc:
             return error_response(exc)
+
+    def _answering_model(self, body: Any, choices: list[Choice]) -> str:
+        """The `model` a reply names: the adapter's as the client named it, else the served
+        model's."""
+        if choices and choices[0].request.lora_name is not None:
+            return str(body.model)
+        return self.config.model_name
 
     async def _collect(
         self,
@@ -747,6 +762,7 @@ class OpenAIIngress:
         tools: DeclaredTools | None,
         opened: bool | None,
         side: _PromptSide,
+        model: str,
     ) -> Response:
         texts = list(side.prefixes) if side.prefixes is not None else [""] * n
         logprobs: list[list] = [[] for _ in range(n)]
@@ -766,7 +782,16 @@ class OpenAIIngress:
             k = side.echo_logprobs
             logprobs = [[e[: k + 1] for e in p] + g for p, g in zip(prompt_logprobs, logprobs)]
         encode = functools.partial(
-            self._response_body, rid, texts, logprobs, finish, tally, chat, tools, opened
+            self._response_body,
+            rid,
+            texts,
+            logprobs,
+            finish,
+            tally,
+            chat,
+            tools,
+            opened,
+            model=model,
         )
         if side.prompt_logprobs or side.echo_logprobs is not None:
             encode = functools.partial(encode, side=side, prompt_logprobs=prompt_logprobs)
@@ -787,6 +812,7 @@ class OpenAIIngress:
         opened: bool | None,
         side: _PromptSide | None = None,
         prompt_logprobs: list[list] | None = None,
+        model: str | None = None,
     ) -> bytes:
         """The whole response as JSON bytes (on a thread when its logprobs are many)."""
         side = side if side is not None else _PromptSide()
@@ -821,7 +847,7 @@ class OpenAIIngress:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.config.model_name,
+            "model": model or self.config.model_name,
             "usage": tally.as_dict(),
         }
         if chat and side.prompt_logprobs and prompt_logprobs:  # one prompt: at the top, as vLLM
@@ -837,13 +863,14 @@ class OpenAIIngress:
         tools: DeclaredTools | None,
         opened: bool | None,
         prefixes: list[str] | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
-            "model": self.config.model_name,
+            "model": model or self.config.model_name,
         }
         splits: dict[int, _ChatSplit] = {}
         unechoed = set(range(len(prefixes))) if prefixes is not None else set()
