@@ -322,7 +322,7 @@ class OpenAIIngress:
         reasoning = m.reasoning
         builder = ResponseBuilder(
             body,
-            m.config.model_name,
+            self._answering_model(m, chat, choices),
             ReplySplit(declared, self._splitter(m, opened)),
             functools.partial(reasoning.num_reasoning_tokens, opened=bool(opened))
             if reasoning is not None
@@ -671,6 +671,7 @@ class OpenAIIngress:
         """side: what each choice shows of its prompt (echo, prompt log-probabilities)."""
         side = side if side is not None else _PromptSide()
         rid = choices[0].request.request_id.rsplit("-", 1)[0]
+        model = self._answering_model(m, body, choices)
         deltas = self._deltas(m, body, choices)
         if body.stream:
             # Wait for the first delta so that admission errors (overload, a replica's rejection)
@@ -690,13 +691,24 @@ class OpenAIIngress:
                     tools,
                     opened,
                     side.prefixes,
+                    model,
                 ),
                 media_type="text/event-stream",
             )
         try:
-            return await self._collect(m, rid, deltas, len(choices), chat, tools, opened, side)
+            return await self._collect(
+                m, rid, deltas, len(choices), chat, tools, opened, side, model
+            )
         except Exception as exc:
             return error_response(exc)
+
+    @staticmethod
+    def _answering_model(m: ServedModel, body: Any, choices: list[Choice]) -> str:
+        """The `model` a reply names: the adapter's as the client named it, else the served
+        model's."""
+        if choices and choices[0].request.lora_name is not None:
+            return str(body.model)
+        return m.config.model_name
 
     async def _collect(
         self,
@@ -708,6 +720,7 @@ class OpenAIIngress:
         tools: DeclaredTools | None,
         opened: bool | None,
         side: _PromptSide,
+        model: str,
     ) -> Response:
         texts = list(side.prefixes) if side.prefixes is not None else [""] * n
         logprobs: list[list] = [[] for _ in range(n)]
@@ -736,6 +749,7 @@ class OpenAIIngress:
             chat,
             tools,
             opened,
+            model=model,
         )
         if side.prompt_logprobs or side.echo_logprobs is not None:
             encode = functools.partial(encode, side=side, prompt_logprobs=prompt_logprobs)
@@ -757,6 +771,7 @@ class OpenAIIngress:
         opened: bool | None,
         side: _PromptSide | None = None,
         prompt_logprobs: list[list] | None = None,
+        model: str | None = None,
     ) -> bytes:
         """The whole response as JSON bytes (on a thread when its logprobs are many)."""
         side = side if side is not None else _PromptSide()
@@ -791,7 +806,7 @@ class OpenAIIngress:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": m.config.model_name,
+            "model": model or m.config.model_name,
             "usage": tally.as_dict(),
         }
         if chat and side.prompt_logprobs and prompt_logprobs:  # one prompt: at the top, as vLLM
@@ -808,13 +823,14 @@ class OpenAIIngress:
         tools: DeclaredTools | None,
         opened: bool | None,
         prefixes: list[str] | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
-            "model": m.config.model_name,
+            "model": model or m.config.model_name,
         }
         splits: dict[int, _ChatSplit] = {}
         unechoed = set(range(len(prefixes))) if prefixes is not None else set()

@@ -77,6 +77,12 @@ def test_model_selects_the_adapter_and_models_lists_it(client):
         model=f"{NAME}:a1", messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert chat.choices[0].message.content is not None
+    # A reply names the adapter as the client did; the base model's keep the served name.
+    assert chat.model == f"{NAME}:a1"
+    named = client.completions.create(model="a1", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert named.model == "a1"
+    base = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert base.model == NAME
 
 
 def test_unknown_adapters_are_404_and_the_replicas_keep_serving(client):
@@ -139,6 +145,7 @@ def test_unloading_an_adapter_in_use_is_refused_and_its_stream_ends_whole(lora_a
     )
     chunks = iter(stream)
     first = next(chunks)
+    assert first.model == "a1"
     refused = _admin(url, "unload", {"lora_name": "a1"})
     rest = list(chunks)
     text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
