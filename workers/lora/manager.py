@@ -68,7 +68,7 @@ class LoraManager:
         self, linear: nn.Module, target: str, max_loras: int, max_rank: int
     ) -> LoraLayer:
         segments, in_offset = _segments(linear, target)
-        in_features = linear.weight.shape[1]
+        in_features = _weight_shape(linear)[1]
         return LoraLayer(
             self.batch,
             segments,
@@ -154,11 +154,19 @@ class LoraManager:
         return True
 
 
+def _weight_shape(linear: nn.Module) -> tuple[int, int]:
+    """This rank's [out, in] of a linear's weight, also when it is kept as GGUF blocks (whose float
+    storage was freed)."""
+    gguf = getattr(linear.weight, "gguf", None)
+    out_features, in_features = (gguf if gguf is not None else linear.weight).shape
+    return int(out_features), int(in_features)
+
+
 def _segments(linear: nn.Module, target: str) -> tuple[list[Segment], int | None]:
     """The output segments of a linear on this rank, and where its A columns start (row-parallel
     linears, whose one target is named) or None (A replicated)."""
     if isinstance(linear, RowParallelLinear):
-        n = linear.weight.shape[0]
+        n = _weight_shape(linear)[0]
         return [Segment(target, 0, n, 0)], linear.tp_rank * linear.input_size_per_rank
     if isinstance(linear, QKVParallelLinear):
         q, kv, rank = linear.q_size, linear.kv_size, linear.tp_rank
