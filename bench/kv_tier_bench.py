@@ -157,6 +157,9 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantization", default="none", help="the engine's quantization")
+    parser.add_argument(
+        "--cpu-threads", type=int, default=None, help="torch threads (1 on a loaded machine)"
+    )
     parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--system-tokens", type=int, default=32)
@@ -177,6 +180,7 @@ def main() -> None:
     common = dict(
         device=args.device,
         quantization=args.quantization,
+        cpu_threads=args.cpu_threads,
         load_progress=False,
         num_gpu_blocks=pool,
         max_model_len=-(-(final + bs) // bs) * bs,
