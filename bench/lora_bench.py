@@ -28,6 +28,7 @@ import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+COLD = 3  # adapters first used by the cold-start measurement
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -107,7 +108,7 @@ def main() -> None:
     )
     engine = llm.engine
     hf_config = AutoConfig.from_pretrained(engine.model_dir)
-    names = [f"bench-{i}" for i in range(args.adapters + 1)]  # the last one stays cold
+    names = [f"bench-{i}" for i in range(args.adapters + COLD)]  # the last COLD stay cold
     paths = [
         write_adapter(os.path.join(root, n), hf_config, args.rank, i) for i, n in enumerate(names)
     ]
@@ -150,9 +151,9 @@ def main() -> None:
 
     engine.config.scheduler.enable_prefix_caching = False  # each request computes its prompt
     engine.scheduler.kv.enable_prefix_caching = False
-    cold = first_token_s(names[-1], "cold")
-    warm = first_token_s(names[-1], "warm")
-    base_first = first_token_s(None, "base")
+    cold = statistics.median(first_token_s(n, f"cold-{n}") for n in names[-COLD:])
+    warm = statistics.median(first_token_s(names[-1], f"warm-{i}") for i in range(COLD))
+    base_first = statistics.median(first_token_s(None, f"base-{i}") for i in range(COLD))
 
     print(
         f"model {args.model} ({hf_config.num_hidden_layers} layers, hidden {hf_config.hidden_size})"
@@ -170,7 +171,7 @@ def main() -> None:
     print(f"worker read into CPU cache     {read_s * 1e3:.1f} ms")
     print(f"copy into a device slot        {slot_s * 1e3:.1f} ms")
     print(
-        f"first token, 64-token prompt: cold adapter {cold * 1e3:.1f} ms, "
+        f"first token, 64-token prompt (median of {COLD}): cold adapter {cold * 1e3:.1f} ms, "
         f"warm {warm * 1e3:.1f} ms, base {base_first * 1e3:.1f} ms"
     )
     llm.shutdown()

@@ -76,8 +76,8 @@ class EngineCore:
         self.pipeline = StepPipeline(self.executor) if overlap else None
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
-        self.loras = EngineLoras(config, self.model_dir, self.scheduler.loras)
-        self.scheduler.loras = self.loras.slots
+        self.loras = EngineLoras(config, self.model_dir)
+        self.scheduler.loras = self.loras.slots  # one registry: checked here, placed there
         self.loras.add_configured()
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",

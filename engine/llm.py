@@ -278,6 +278,8 @@ def _release(engine: EngineCore, grammars: GrammarSandbox) -> None:
 def _loras_per_prompt(lora: str | Sequence[str | None] | None, n: int) -> list[str | None]:
     if lora is None or isinstance(lora, str):
         return [lora] * n
+    if not isinstance(lora, Sequence):
+        raise ValueError(f"lora: must be an adapter name, None or one per prompt, got {lora!r}")
     names = list(lora)
     if len(names) != n:
         raise ValueError(f"lora: got {len(names)} adapter names for {n} prompts")

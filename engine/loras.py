@@ -19,10 +19,10 @@ logger = logging.getLogger(__name__)
 class EngineLoras:
     """Checks adapters against the base model and registers them with the scheduler's slots."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, slots: LoraSlots) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.model_dir = model_dir
-        self.slots = LoraSlots(config.num_lora_slots) if config.num_lora_slots else slots
+        self.slots = LoraSlots(config.num_lora_slots)  # the scheduler's, once the engine hands it
         self._shapes: ModelShapes | None = None
 
     def add_configured(self) -> None:

@@ -92,14 +92,18 @@ def test_a_batch_mixing_four_adapters_and_the_base_model_under_slot_pressure(
     assert len(stats.loaded_loras) == 2 and llm.engine.scheduler.loras.num_evictions > 0
 
 
-def test_chunked_prefill_and_preemption_give_the_same_tokens(base, lora_root, prompts, references):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_chunked_prefill_and_preemption_give_the_same_tokens(
+    base, lora_root, prompts, references, mode
+):
     with make_llm(
         base[0],
         lora_root,
         num_gpu_blocks=10,  # 12 requests of up to 4 blocks each: preemptions
+        num_cpu_blocks=48,
         max_num_batched_tokens=16,  # prompts of 18+ tokens prefill in chunks
         long_prefill_token_threshold=8,
-        preemption_mode="recompute",
+        preemption_mode=mode,
         max_loras=4,
     ) as tight:
         names = [None, "a0", "a1", "a2", "a3", "a0"]
@@ -118,6 +122,19 @@ def test_the_same_prompt_under_another_adapter_reuses_no_cached_block(llm):
     other = llm.generate([prompt], GREEDY, use_tqdm=False, lora="a1")[0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32
     assert other.num_cached_tokens == 0
+
+
+def test_a_request_resumed_with_its_outputs_goes_on_under_its_adapter(llm, prompts, references):
+    """Failover: a request resumed elsewhere with the tokens already emitted (their KV
+    recomputed under its adapter) continues as the uninterrupted one did."""
+    engine, ref = llm.engine, references[("a0", 0)]
+    engine.add_request(
+        EngineRequest("resumed", prompts[0], GREEDY, output_token_ids=ref[:4], lora_name="a0")
+    )
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() if o.request_id == "resumed" for t in o.new_token_ids]
+    assert tokens == ref[4:]
 
 
 def _copy_adapter(lora_root: str, name: str, tmp_path) -> str:
