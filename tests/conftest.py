@@ -19,8 +19,16 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels can only run in Triton's interpreter, and TRITON_INTERPRET must be
+# set before triton is imported (the tests/workers/test_triton_*.py modules; torch._dynamo imports
+# triton from many torch paths, and with it triton's own @jit helpers, compiled). Nothing here
+# when triton is not installed; nothing on a CUDA machine, where the compiled kernels run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.random_checkpoint import (

@@ -4,13 +4,14 @@ No GPU is needed: with TRITON_INTERPRET=1, `@triton.jit` returns an interpreted 
 each program on CPU tensors (numpy underneath), slowly but with the kernel's own indexing, masks
 and loop bounds. Shapes stay tiny so the module takes seconds.
 
-Order matters: `@triton.jit` reads TRITON_INTERPRET when a kernel module is imported (at
-decoration), not when the kernel runs. So this module sets it before it imports any module that
-defines a kernel (workers.layers.backends.triton_decode, workers.layers.triton_ops); importing
-`triton` itself earlier is harmless. If an earlier test in the same process already imported one
-of those modules compiled, the module skips rather than launch GPU code on CPU tensors: run it on
-its own with `make test-triton`. Skipped where triton is not installed (CI). On a machine with a
-CUDA GPU nothing is set and the same checks run the compiled kernels on the GPU.
+Order matters: TRITON_INTERPRET must be set before `triton` is imported. `@triton.jit` reads it
+at decoration, and triton's own @jit helpers (tl.cdiv, tl.sigmoid, ...) are decorated when triton
+is imported: compiled ones fail inside an interpreted kernel ("Cannot call @triton.jit'd outside of
+the scope of a kernel"). torch._dynamo imports triton from many torch paths (importing the model
+runner is enough), so tests/conftest.py sets the variable first thing on machines without CUDA,
+and this module sets it again for runs without that conftest. If triton was imported before it
+was set, the module skips: run `make test-triton`. Skipped where triton is not installed (CI). On a
+machine with a CUDA GPU nothing is set and the same checks run the compiled kernels on the GPU.
 """
 
 from __future__ import annotations
@@ -26,18 +27,14 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (make test-triton installs it)", allow_module_level=True)
 
-KERNEL_MODULES = ("workers.layers.backends.triton_decode", "workers.layers.triton_ops")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
-    if any(name in sys.modules for name in KERNEL_MODULES) and not os.environ.get(
-        "TRITON_INTERPRET"
-    ):
+    if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
         pytest.skip(
-            "a Triton kernel module was imported before TRITON_INTERPRET was set; "
-            "run `make test-triton`",
+            "triton was imported before TRITON_INTERPRET was set: `make test-triton`",
             allow_module_level=True,
         )
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules below are imported
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernel modules are imported
 
 from tests.workers.test_attention import SINKS, run_batch  # noqa: E402
 from workers.layers import triton_ops  # noqa: E402

@@ -2,8 +2,8 @@
 CPU interpreter: top-2 and top-4 over 8 experts, uneven loads, an expert no token picks, shapes
 that are not multiples of the kernel's tiles, and an expert-parallel rank's share.
 
-As in test_triton_interpreted.py, TRITON_INTERPRET=1 is set before the kernel module is imported
-(`@triton.jit` reads it at decoration); `make test-triton` runs these on their own. With a CUDA GPU
+As in test_triton_interpreted.py, TRITON_INTERPRET=1 must be set before triton is imported
+(tests/conftest.py does it); `make test-triton` runs these on their own. With a CUDA GPU
 the compiled kernel runs instead.
 """
 
@@ -19,15 +19,14 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (make test-triton installs it)", allow_module_level=True)
 
-KERNEL_MODULE = "workers.layers.backends.triton_moe"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
-    if KERNEL_MODULE in sys.modules and not os.environ.get("TRITON_INTERPRET"):
+    if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
         pytest.skip(
-            "the kernel module was imported before TRITON_INTERPRET was set: `make test-triton`",
+            "triton was imported before TRITON_INTERPRET was set: `make test-triton`",
             allow_module_level=True,
         )
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module below is imported
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernel module are imported
 
 from tests.workers.test_moe import build, random_experts  # noqa: E402
 from workers.layers import fused  # noqa: E402
