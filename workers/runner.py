@@ -460,7 +460,7 @@ class ModelRunner:
             )
         if end == len(state.token_ids):
             batch.sample_rows.append(len(batch.req_ids))
-        if state.sampling.params.pooling is not None:
+        if state.sampling is not None and state.sampling.params.pooling is not None:
             batch.pooling_rows.append(len(batch.req_ids))
         batch.req_ids.append(rid)
         batch.input_ids.extend(state.token_ids[start:end])
