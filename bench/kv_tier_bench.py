@@ -199,6 +199,8 @@ def main() -> None:
     vocab = engines["tier off"].engine.vocab_size
     systems, messages = conversation_parts(args, vocab)
     convs = {name: Conversation([list(s) for s in systems]) for name in engines}
+    for llm in engines.values():  # first-use costs (kernel builds, allocations) out of the timing
+        llm.generate([[3] * 40, [4] * 40], SamplingParams(max_tokens=2), use_tqdm=False)
     # Turn by turn, alternating engines: a shared machine's load drifts over both alike.
     for turn in range(args.turns):
         for name, llm in engines.items():
