@@ -2,13 +2,16 @@
 
 Deploys the embedded model (deploy.yaml's settings) autoscaled from zero replicas, then, --runs
 times: waits until the deployment is at zero, sends one streamed request, and times its first
-token. Serve decides to scale up from zero as soon as a caller queues a request (its cold-start
-path skips the upscale delay), so the request's send time stands for the decision. The replica
-reports its own phases (cluster/cold_start.py); what lies before its process, placement and
-Serve's start of the actor, is the rest.
+token. The scale-up decision is read from Serve's controller log (its "Upscaling ... from 0"
+line); the wait from the request to it is shown apart (Serve 2.60 skips the upscale delay from
+zero, but the decision still waits for a handle's metrics push). The replica reports its own
+phases (cluster/cold_start.py); between the decision and its process lie the placement group and
+the actor's worker process.
 
   python bench/cold_start.py                 # the embedded SmolLM2 on CPU, 3 cold starts
   python bench/cold_start.py --runs 1 --model /path/to/hf-dir --device cuda
+  python bench/cold_start.py --offline       # the replica's own phases in fresh processes, no
+                                             # Ray: imports, engine build, first token
 
 Prints a table by phase (seconds) per run; timings are printed, never asserted.
 """
@@ -18,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -95,6 +100,32 @@ def first_token(url: str, model: str) -> tuple[float, float]:
     raise RuntimeError("the stream ended without a token")
 
 
+_UPSCALE = re.compile(
+    r"^INFO (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*Upscaling Deployment\(name='"
+    + DEPLOYMENT
+    + r"', app='"
+    + APP
+    + r"'\) from 0 to"
+)
+
+
+def decision_time(after: float) -> float | None:
+    """When Serve's controller decided to scale up from zero (its log line), the first decision
+    at or after `after` (time.time())."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    times = []
+    for path in logs.glob("controller_*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            match = _UPSCALE.match(line)
+            if match:
+                stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                times.append(stamp)
+    later = [t for t in times if t >= after - 0.5]  # the log's clock is read to the millisecond
+    return min(later) if later else None
+
+
 def one_run(url: str, model: str) -> dict[str, float]:
     from ray import serve
 
@@ -103,22 +134,77 @@ def one_run(url: str, model: str) -> dict[str, float]:
     handle = serve.get_deployment_handle(DEPLOYMENT, app_name=APP)
     report = handle.cold_start_report.remote().result(timeout_s=60)
     phases, marks = report["phases"], report["marks"]
-    row = {"total": first - sent}
+    decided = decision_time(sent)
+    nan = float("nan")
+    row = {"request_to_first_token": first - sent}
+    row["decision_wait"] = decided - sent if decided is not None else nan
+    row["total_from_decision"] = first - decided if decided is not None else nan
     start = marks.get("process_start")
-    # Before the process: Serve's decision, the placement group, the actor's worker process.
-    row["decision_placement_process"] = (start - sent) if start is not None else float("nan")
+    # Between the decision and the process: the placement group and the actor's worker process
+    # (negative where Ray handed the actor a worker process it had started before).
+    row["placement_and_process_start"] = (
+        start - decided if start is not None and decided is not None else nan
+    )
     row.update({p: phases.get(p, float("nan")) for p in REPLICA_PHASES})
     row["stream_to_client"] = first - marks.get("first_token", first)
     return row
 
 
 def print_table(rows: list[dict[str, float]]) -> None:
-    names = ["decision_placement_process", *REPLICA_PHASES, "stream_to_client", "total"]
+    names = [
+        "decision_wait",
+        "placement_and_process_start",
+        *REPLICA_PHASES,
+        "stream_to_client",
+        "total_from_decision",
+        "request_to_first_token",
+    ]
     head = "| phase | " + " | ".join(f"run {i + 1}" for i in range(len(rows))) + " |"
     print(head)
     print("| --- |" + " --- |" * len(rows))
     for name in names:
         print(f"| {name} | " + " | ".join(f"{r.get(name, float('nan')):.2f}" for r in rows) + " |")
+
+
+def offline_child(model: str | None, device: str | None) -> None:
+    """In a fresh process: what a replica does from its imports to its first token, timed, as
+    JSON on stdout (no Ray, no Serve: the replica's own share of a cold start)."""
+    from cluster.cold_start import process_start_time
+
+    started = time.time()
+    import cluster.replica  # noqa: F401 - what Serve imports to build the replica
+    from deploy.config import AppConfig
+    from engine.core import EngineCore
+    from scheduler.request import EngineRequest
+    from scheduler.sampling_params import SamplingParams
+
+    row = {}
+    process = process_start_time()
+    row["process_and_imports"] = time.time() - (process if process is not None else started)
+    engine = EngineCore(AppConfig.from_args(app_args(model, device)).engine)
+    row.update(engine.startup)
+    arrival = time.time()
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    engine.add_request(EngineRequest("cold", [1, 2, 3, 4], params))
+    while not any(o.new_token_ids for o in engine.step()):
+        pass
+    row["first_token"] = time.time() - arrival
+    row["total"] = time.time() - (process if process is not None else started)
+    print(json.dumps(row))
+
+
+def offline(runs: int, model: str | None, device: str | None) -> list[dict[str, float]]:
+    import subprocess
+
+    rows = []
+    for i in range(runs):
+        command = [sys.executable, __file__, "--offline-child"]
+        command += ["--model", model] if model else []
+        command += ["--device", device] if device else []
+        out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"run {i + 1}: first token {rows[-1]['total']:.2f} s after exec", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -127,7 +213,22 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="an HF directory (default: deploy.yaml's)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--offline", action="store_true", help="no Ray: the replica's phases")
+    parser.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.offline_child:
+        offline_child(args.model, args.device)
+        return
+    if args.offline:
+        rows = offline(args.runs, args.model, args.device)
+        names = ["process_and_imports", *REPLICA_PHASES[1:5], "first_token", "total"]
+        print("| phase | " + " | ".join(f"run {i + 1}" for i in range(len(rows))) + " |")
+        print("| --- |" + " --- |" * len(rows))
+        for name in names:
+            print(f"| {name} | " + " | ".join(f"{r.get(name, 0.0):.2f}" for r in rows) + " |")
+        if args.json is not None:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -147,8 +248,8 @@ def main() -> None:
     try:
         for i in range(args.runs):
             rows.append(one_run(url, model))
-            total = rows[-1]["total"]
-            print(f"run {i + 1}: first token {total:.2f} s after the request", flush=True)
+            total = rows[-1]["total_from_decision"]
+            print(f"run {i + 1}: first token {total:.2f} s after the decision", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
