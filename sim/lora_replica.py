@@ -31,24 +31,13 @@ class LoraSimReplica(SimReplica):
     def slots(self) -> LoraSlots:
         return self.scheduler.loras
 
-    def add(
-        self,
-        request_id: str,
-        prompt: list[int],
-        output_len: int,
-        tenant: str,
-        priority: int,
-        now: float,
-        block_hashes: list[int] | None = None,
-        lora_name: str | None = None,
-    ) -> None:
+    def arrive(self, lora_name: str | None) -> None:
         if lora_name is not None:
             slots = self.scheduler.loras
             if lora_name not in slots.paths:
                 slots.register(lora_name, lora_name)  # a simulated adapter has no files
             self.lora_requests += 1
             self.lora_hits += lora_name in slots.slot_of
-        super().add(request_id, prompt, output_len, tenant, priority, now, block_hashes, lora_name)
 
     def start_step(self, now: float, stretch: float = 1.0) -> StepPlan | None:
         plan = super().start_step(now, stretch)

@@ -100,6 +100,10 @@ class SimReplica:
         self.num_steps = 0
         self.busy_s = 0.0
 
+    def arrive(self, lora_name: str | None) -> None:
+        """Called first by add, before the request is queued: nothing here (LoraSimReplica counts
+        whether the request's adapter already holds a slot)."""
+
     def add(
         self,
         request_id: str,
@@ -113,6 +117,7 @@ class SimReplica:
     ) -> None:
         """Queue a request; block_hashes, the prompt's full-block hashes if the router computed
         them (under lora_name, its adapter: None for the base model)."""
+        self.arrive(lora_name)
         self.output_len[request_id] = output_len
         params = _greedy(max(output_len, self.max_tokens))
         # The scheduler extends the hash chain from what it is given (the same hash, so the same

@@ -4,51 +4,32 @@ No GPU is needed: with TRITON_INTERPRET=1, `@triton.jit` returns an interpreted 
 each program on CPU tensors (numpy underneath), slowly but with the kernel's own indexing, masks
 and loop bounds. Shapes stay tiny so the module takes seconds.
 
-Order matters: TRITON_INTERPRET must be set before `triton` is imported. `@triton.jit` reads it
-at decoration, and triton's own @jit helpers (tl.cdiv, tl.sigmoid, ...) are decorated when triton
-is imported: compiled ones fail inside an interpreted kernel ("Cannot call @triton.jit'd outside of
-the scope of a kernel"). torch._dynamo imports triton from many torch paths (importing the model
-runner is enough), so tests/conftest.py sets the variable first thing on machines without CUDA,
-and this module sets it again for runs without that conftest. If triton was imported before it
-was set, the module skips: run `make test-triton`. Skipped where triton is not installed (CI). On a
-machine with a CUDA GPU nothing is set and the same checks run the compiled kernels on the GPU.
+Order matters: TRITON_INTERPRET must be set before `triton` is imported, so
+tests/workers/triton_env.py (which says why, skips where triton is missing and picks DEVICE
+and HALF) is imported first. On a machine with a CUDA GPU nothing is set and the same checks
+run the compiled kernels on the GPU.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (make test-triton installs it)", allow_module_level=True)
+# First, before triton or a kernel module is imported (see triton_env's docstring).
+from tests.workers.triton_env import DEVICE, HALF
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
-        pytest.skip(
-            "triton was imported before TRITON_INTERPRET was set: `make test-triton`",
-            allow_module_level=True,
-        )
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernel modules are imported
+# isort: split
+from tests.workers.test_attention import SINKS, run_batch
+from workers.layers import triton_ops
+from workers.layers.activation import SiluAndMul
+from workers.layers.attention import AttentionMetadata
+from workers.layers.backends.torch_ref import TorchBackend
+from workers.layers.backends.triton_decode import TritonDecodeBackend, paged_decode
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
 
-from tests.workers.test_attention import SINKS, run_batch  # noqa: E402
-from workers.layers import triton_ops  # noqa: E402
-from workers.layers.activation import SiluAndMul  # noqa: E402
-from workers.layers.attention import AttentionMetadata  # noqa: E402
-from workers.layers.backends.torch_ref import TorchBackend  # noqa: E402
-from workers.layers.backends.triton_decode import TritonDecodeBackend, paged_decode  # noqa: E402
-from workers.layers.norm import RMSNorm  # noqa: E402
-from workers.layers.rotary import RotaryEmbedding  # noqa: E402
-
-# The interpreter keeps bfloat16 as raw uint16 bits: tl.dot on them returns garbage and casts to
-# them truncate instead of rounding to nearest. Off the GPU the 16-bit checks use float16, which
-# numpy holds natively.
-HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 

@@ -3,32 +3,21 @@ run by Triton's CPU interpreter: mixed adapter and base rows, padded groups, fus
 ranks below the slot rank, a row-parallel shard.
 
 As in test_triton_interpreted.py, TRITON_INTERPRET=1 must be set before triton is imported
-(tests/conftest.py does it); `make test-triton` runs these on their own. With a CUDA GPU
+(tests/conftest.py and tests/workers/triton_env.py do it); `make test-triton` runs these on their
+own. With a CUDA GPU
 the compiled kernels run instead.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (make test-triton installs it)", allow_module_level=True)
+# First, before triton or a kernel module is imported (see triton_env's docstring).
+from tests.workers.triton_env import DEVICE, HALF
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
-        pytest.skip(
-            "triton was imported before TRITON_INTERPRET was set: `make test-triton`",
-            allow_module_level=True,
-        )
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernel module are imported
-
-from tests.workers.test_lora_layers import (  # noqa: E402  # noqa: E402
+# isort: split
+from tests.workers.test_lora_layers import (
     IN,
     OUT_KV,
     OUT_Q,
@@ -38,12 +27,10 @@ from tests.workers.test_lora_layers import (  # noqa: E402  # noqa: E402
     qkv_segments,
     set_batch,
 )
-from workers.layers import fused  # noqa: E402
-from workers.layers.backends import triton_lora  # noqa: E402
-from workers.lora.layers import LoraBatch, LoraLayer, Segment  # noqa: E402
+from workers.layers import fused
+from workers.layers.backends import triton_lora
+from workers.lora.layers import LoraBatch, LoraLayer, Segment
 
-# The interpreter holds bfloat16 as raw bits (tl.dot on them is garbage): float16 off the GPU.
-HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 MIXES = (
     [0, -1, 2, 1, -1, 0, 2],  # uneven groups: padding in two of three
     [1, 1, 0, 2, 0, 1, 2],

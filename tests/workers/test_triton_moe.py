@@ -3,39 +3,25 @@ CPU interpreter: top-2 and top-4 over 8 experts, uneven loads, an expert no toke
 that are not multiples of the kernel's tiles, and an expert-parallel rank's share.
 
 As in test_triton_interpreted.py, TRITON_INTERPRET=1 must be set before triton is imported
-(tests/conftest.py does it); `make test-triton` runs these on their own. With a CUDA GPU
+(tests/conftest.py and tests/workers/triton_env.py do it); `make test-triton` runs these on their
+own. With a CUDA GPU
 the compiled kernel runs instead.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (make test-triton installs it)", allow_module_level=True)
+# First, before triton or a kernel module is imported (see triton_env's docstring).
+from tests.workers.triton_env import DEVICE, HALF
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
-        pytest.skip(
-            "triton was imported before TRITON_INTERPRET was set: `make test-triton`",
-            allow_module_level=True,
-        )
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernel module are imported
-
-from tests.workers.test_moe import build, random_experts  # noqa: E402
-from workers.layers import fused  # noqa: E402
-from workers.layers.backends import triton_moe  # noqa: E402
-from workers.layers.backends.triton_moe import fused_experts  # noqa: E402
-from workers.layers.moe import MoEConfig, route  # noqa: E402
-
-# The interpreter holds bfloat16 as raw bits (tl.dot on them is garbage): float16 off the GPU.
-HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+# isort: split
+from tests.workers.test_moe import build, random_experts
+from workers.layers import fused
+from workers.layers.backends import triton_moe
+from workers.layers.backends.triton_moe import fused_experts
+from workers.layers.moe import MoEConfig, route
 
 
 def cfg(top_k: int, hidden: int = 40, inter: int = 24) -> MoEConfig:

@@ -27,7 +27,7 @@ from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.rotary import RotaryEmbedding
-from workers.models.llama import LlamaArgs, LlamaForCausalLM
+from workers.models.llama import LlamaArgs, LlamaForCausalLM, first_norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,10 +171,7 @@ class GemmaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = first_norm(self.input_layernorm, x, residual)
         x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual

@@ -155,6 +155,16 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def first_norm(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's input norm with the previous layer's residual add fused in: (normed x,
+    residual). The first layer has no residual yet, so its input becomes the residual."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the next norm. `mlp` replaces the dense MLP
     (a mixture of experts)."""
@@ -179,10 +189,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = first_norm(self.input_layernorm, x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
