@@ -40,6 +40,20 @@ class AuthenticationError(APIError):
     type = "authentication_error"
 
 
+class PermissionDeniedError(APIError):
+    """The key is valid but may not make this call (e.g. a run-time adapter change)."""
+
+    status = 403
+    type = "invalid_request_error"
+
+
+class NoReplicasError(APIError):
+    """No replica of the model is known to this ingress, or one left mid-change: retry."""
+
+    status = 503
+    type = "overloaded_error"
+
+
 class ModelNotFoundError(APIError):
     status = 404
     type = "invalid_request_error"

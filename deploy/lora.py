@@ -13,7 +13,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.lora_admin import MAX_LORA_PATH_CHARS, LoraCommand, WrongReplicaError
-from deploy.errors import APIError, BadRequestError, ModelNotFoundError, cause_of
+from deploy.errors import (
+    BadRequestError,
+    ModelNotFoundError,
+    NoReplicasError,
+    PermissionDeniedError,
+    cause_of,
+)
 from scheduler.request import MAX_LORA_NAME_CHARS, check_lora_name
 
 logger = logging.getLogger(__name__)
@@ -22,16 +28,6 @@ logger = logging.getLogger(__name__)
 # with the first request through the handle).
 REPLICA_LIST_WAIT_S = 10.0
 MAX_MODEL_NAME_CHARS = 1024
-
-
-class PermissionDeniedError(APIError):
-    status = 403
-    type = "invalid_request_error"
-
-
-class NoReplicasError(APIError):
-    status = 503
-    type = "overloaded_error"
 
 
 class LoadLoraAdapterRequest(BaseModel):

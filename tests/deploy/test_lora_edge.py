@@ -13,10 +13,9 @@ from cluster.fleet_view import register, replica_ids
 from cluster.lora_admin import LoraCommand
 from deploy.body import parse_body
 from deploy.config import ApiKeyProfile, AppConfig
-from deploy.errors import APIError, ModelNotFoundError, error_response
+from deploy.errors import APIError, ModelNotFoundError, PermissionDeniedError, error_response
 from deploy.lora import (
     LoadLoraAdapterRequest,
-    PermissionDeniedError,
     UnloadLoraAdapterRequest,
     adapter_cards,
     adapter_of,
