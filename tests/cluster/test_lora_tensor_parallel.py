@@ -1,8 +1,9 @@
 """LoRA adapters under tensor parallelism (Ray workers, gloo on CPU) give the tokens of one process.
 
-TP=4 over the tiny Llama's 4 query and 2 KV heads covers every way an adapter is sliced: q rows
-split by head, k and v rows of a KV head replicated on two ranks, gate/up rows split, and the
-row-parallel o and down projections' A split by columns with their partial updates all-reduced."""
+TP=2 over a tiny Llama with 4 query heads and one KV head covers every way an adapter is sliced: q
+rows split by head, k and v rows of the one KV head replicated on both ranks, gate/up rows split,
+and the row-parallel o and down projections' A split by columns with their partial updates
+all-reduced."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def make_llm(model_dir: str, modules: dict[str, str], tp: int):
     )
 
 
-def test_tp4_with_adapters_gives_the_tokens_of_tp1(ray_cluster, tiny_checkpoint, tmp_path):
-    model_dir, _ = tiny_checkpoint("llama")
+def test_tp2_with_adapters_gives_the_tokens_of_tp1(ray_cluster, tiny_checkpoint, tmp_path):
+    model_dir, _ = tiny_checkpoint("llama_mqa")
     modules = {
         "all": write_random_lora(model_dir, str(tmp_path / "all"), seed=31, rank=8),
         "qv": write_random_lora(
@@ -64,7 +65,7 @@ def test_tp4_with_adapters_gives_the_tokens_of_tp1(ray_cluster, tiny_checkpoint,
     loras = names * len(prompts)
     with make_llm(model_dir, modules, 1) as one:
         expected = [o.token_ids for o in one.generate(batch, PARAMS, use_tqdm=False, lora=loras)]
-    with make_llm(model_dir, modules, 4) as tp4:
-        tokens = [o.token_ids for o in tp4.generate(batch, PARAMS, use_tqdm=False, lora=loras)]
+    with make_llm(model_dir, modules, 2) as tp2:
+        tokens = [o.token_ids for o in tp2.generate(batch, PARAMS, use_tqdm=False, lora=loras)]
     assert tokens == expected
     assert len({tuple(t) for t in expected}) == len(expected)  # each adapter changed the tokens
