@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from workers.layers.activation import GeluAndMul
-from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.attention import AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workers.layers.rotary import RotaryEmbedding
-from workers.models.llama import LlamaArgs, LlamaForCausalLM, first_norm
+from workers.models.llama import LlamaArgs, LlamaAttention, LlamaForCausalLM, first_norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,38 +103,17 @@ class GemmaRMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
-class GemmaAttention(nn.Module):
-    def __init__(self, a: LlamaArgs, g: GemmaArgs, rotary: RotaryEmbedding, layer: int) -> None:
-        super().__init__()
-        self.qkv_proj = QKVParallelLinear(
-            a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias
-        )
-        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, a.o_bias)
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.head_dim = a.head_dim
-        self.q_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps) if g.qk_norm else None
-        self.k_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps) if g.qk_norm else None
-        self.rotary = rotary
-        self.attn = Attention(
-            self.qkv_proj.num_heads,
-            a.head_dim,
-            self.qkv_proj.num_kv_heads,
-            g.query_pre_attn_scalar**-0.5,
-            sliding_window=a.sliding_windows[layer],
-            logit_softcap=g.attn_softcap,
-        )
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, -1, self.head_dim)
-        k = k.reshape(t, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta))
+def gemma_attention(a: LlamaArgs, g: GemmaArgs, rotary: RotaryEmbedding, layer: int) -> nn.Module:
+    """Llama's attention with Gemma's score scale (query_pre_attn_scalar), soft-cap, (1 + w) q/k
+    norms and the layer's window."""
+    return LlamaAttention(
+        a,
+        rotary,
+        a.sliding_windows[layer],
+        scale=g.query_pre_attn_scalar**-0.5,
+        logit_softcap=g.attn_softcap,
+        qk_norm=GemmaRMSNorm if g.qk_norm else None,
+    )
 
 
 class GemmaMLP(nn.Module):
@@ -156,7 +135,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def __init__(self, a: LlamaArgs, g: GemmaArgs, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
-        self.self_attn = GemmaAttention(a, g, rotary, layer)
+        self.self_attn = gemma_attention(a, g, rotary, layer)
         self.mlp = GemmaMLP(a, g)
         h, eps = a.hidden_size, a.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)

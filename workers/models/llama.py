@@ -106,8 +106,18 @@ class LlamaAttention(nn.Module):
     """Self-attention: fused qkv projection, optional q/k norm, rotary, paged attention, o_proj."""
 
     def __init__(
-        self, a: LlamaArgs, rotary: RotaryEmbedding, sliding_window: int | None = None
+        self,
+        a: LlamaArgs,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None = None,
+        *,
+        scale: float | None = None,
+        logit_softcap: float | None = None,
+        qk_norm: type[nn.Module] | None = None,
     ) -> None:
+        """scale: the scores' scale (None: 1/sqrt(head_dim)); logit_softcap: the scores' tanh cap;
+        qk_norm: the q/k norm's class where a family has its own (Gemma), else RMSNorm when
+        a.qk_norm."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias
@@ -115,8 +125,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, a.o_bias)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.head_dim = a.head_dim
-        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
-        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        norm = qk_norm or (RMSNorm if a.qk_norm else None)
+        self.q_norm = norm(a.head_dim, a.rms_norm_eps) if norm is not None else None
+        self.k_norm = norm(a.head_dim, a.rms_norm_eps) if norm is not None else None
         self.rotary = rotary  # one cos/sin table shared by all layers
         # [this rank's query heads] sink logits (gpt-oss sets them after construction); None: none
         self.sinks: nn.Parameter | None = None
@@ -124,8 +135,9 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_heads,
             a.head_dim,
             self.qkv_proj.num_kv_heads,
-            a.head_dim**-0.5,
+            a.head_dim**-0.5 if scale is None else scale,
             sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )
 
     def forward(
