@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from router.config import POLICIES, RoutingConfig
 from scheduler import SchedulerConfig
 from scheduler.config import POLICIES as QUEUE_POLICIES
 from sim.cost import load_profile
+from sim.disagg import DisaggConfig, DisaggSim
 from sim.fleet import SIM_MAX_MODEL_LEN, SIM_NUM_GPU_BLOCKS, FleetSim, SimConfig
+from sim.kv_copy import LinkConfig
 from sim.plots import plot_rows as _plot
 from sim.workload import SimRequest, WorkloadConfig, load_trace, synthetic_workload
 
@@ -80,8 +83,13 @@ def _workload(a: argparse.Namespace) -> list[SimRequest]:
 
 
 def _simulate(
-    a: argparse.Namespace, replicas: int, router: str, workload: list[SimRequest]
+    a: argparse.Namespace,
+    replicas: int,
+    router: str,
+    workload: list[SimRequest],
+    split: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
+    """One fleet's figures; split (prefill, decode): a disaggregated fleet of that many replicas."""
     sched = SchedulerConfig(
         num_gpu_blocks=a.blocks,
         block_size=a.block_size,
@@ -97,11 +105,17 @@ def _simulate(
         routing=RoutingConfig(router_policy=router, seed=a.seed),
     )
     t0 = time.perf_counter()
-    result = FleetSim(cfg, load_profile(a.profile)).run(workload, until_s=a.until)
+    cost = load_profile(a.profile)
+    if split is None:
+        result = FleetSim(cfg, cost).run(workload, until_s=a.until)
+    else:
+        link = LinkConfig(a.link_bandwidth, a.link_latency)
+        disagg = DisaggConfig(*split, link=link, local_prefill_tokens=a.local_prefill_tokens)
+        result = DisaggSim(cfg, cost, disagg).run(workload, until_s=a.until)
     wall = time.perf_counter() - t0
     row: dict[str, Any] = dict(result.summary(a.slo_ttft, a.slo_itl))
     row.update(
-        replicas=replicas,
+        replicas=replicas if split is None else f"{split[0]}+{split[1]}",
         router=router,
         wall_s=wall,
         sim_per_wall=row["sim_end_s"] / wall if wall else 0,
@@ -140,10 +154,51 @@ def cmd_run(a: argparse.Namespace) -> None:
         _plot(a.plot, rows, "replicas", ("hit_rate", "ttft_p90_s", "goodput_rps"), "sim run")
 
 
+def _smallest(ok: Callable[[int], bool], hi: int) -> int:
+    """The smallest n in [1, hi] with ok(n), given ok(hi) (bisection: ok is monotone)."""
+    lo = 0  # known to fail (or 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _plan_disagg(a: argparse.Namespace, workload: list[SimRequest]) -> None:
+    """Smallest prefill and decode pools meeting the SLOs: double both until (k, k) meets them,
+    then the fewest decode replicas beside k prefill ones, then the fewest prefill replicas."""
+    rows: list[dict] = []
+
+    def ok(split: tuple[int, int]) -> bool:
+        row = _simulate(a, sum(split), a.router[0], workload, split)
+        rows.append(row)
+        return row["ttft_p90_s"] <= a.slo_ttft and row["itl_p90_s"] <= a.slo_itl
+
+    k = 1
+    while not ok((k, k)):
+        if k >= a.max_replicas:
+            _print_table(rows)
+            print(f"no fleet of <= {a.max_replicas} + {a.max_replicas} replicas meets the SLOs")
+            return
+        k = min(k * 2, a.max_replicas)
+    decode = _smallest(lambda d: ok((k, d)), k)
+    prefill = _smallest(lambda p: ok((p, decode)), k)
+    _print_table(rows)
+    print(
+        f"plan: {prefill} prefill + {decode} decode replicas ({prefill + decode} GPUs) meet TTFT "
+        f"p90 <= {a.slo_ttft}s and ITL p90 <= {a.slo_itl}s at {a.rate} req/s"
+    )
+
+
 def cmd_plan(a: argparse.Namespace) -> None:
     """Smallest replica count whose TTFT p90 and ITL p90 meet the SLOs (bisection; load is
-    monotone)."""
+    monotone); --disagg: the smallest prefill and decode pools."""
     workload = _workload(a)
+    if a.disagg:
+        _plan_disagg(a, workload)
+        return
     rows: list[dict] = []
 
     def ok(n: int) -> bool:
@@ -184,6 +239,29 @@ def command_line() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="smallest replica count meeting the SLOs")
     _add_common(plan)
     plan.add_argument("--max-replicas", type=int, default=4096)
+    plan.add_argument(
+        "--disagg",
+        action="store_true",
+        help="size a disaggregated fleet: prefill and decode pools apart (sim/disagg.py)",
+    )
+    plan.add_argument(
+        "--link-bandwidth",
+        type=float,
+        default=LinkConfig().bandwidth_bytes_per_s,
+        help="--disagg: prefill -> decode KV link, bytes/s",
+    )
+    plan.add_argument(
+        "--link-latency",
+        type=float,
+        default=LinkConfig().latency_s,
+        help="--disagg: the link's latency per transfer, seconds",
+    )
+    plan.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
+        help="--disagg: prompts shorter than this prefill on a decode replica",
+    )
     return parser
 
 

@@ -74,14 +74,17 @@ class _StatsRound:
 
 # Event kinds, in the order events of one instant are handled.
 # A kick starts an idle replica's step after every arrival of the same instant is queued (as an
-# engine that is handed a batch of requests at once schedules them together).
-_ARRIVAL, _KICK, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4, 5
+# engine that is handed a batch of requests at once schedules them together). A timer is a
+# subclass's own event (a KV transfer landing, sim/disagg.py): it queues work as an arrival does.
+_ARRIVAL, _TIMER, _KICK, _STEP_END, _STATS_TAKE, _STATS_DELIVER, _STOP = 0, 1, 2, 3, 4, 5, 6
 
-# Each kind's payload: an arrival carries (workload index, request), a kick its replica, a step end
-# (replica, the step or cruise it ends), a delivery its round; a stats take and the stop none.
+# Each kind's payload: an arrival carries (workload index, request), a timer its callback, a kick
+# its replica, a step end (replica, the step or cruise it ends), a delivery its round; a stats take
+# and the stop none.
 _Arrival = tuple[int, SimRequest]
 _StepEnd = tuple[SimReplica, StepPlan | Cruise | AppliedStep]
-_Payload = _Arrival | SimReplica | _StepEnd | _StatsRound | None
+Timer = Callable[[float, dict[str, RequestRecord]], None]  # (now, the run's records)
+_Payload = _Arrival | Timer | SimReplica | _StepEnd | _StatsRound | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +285,8 @@ class FleetSim:
             if kind == _ARRIVAL:
                 self._arrive(*cast(_Arrival, payload), now, records)
                 self._push_arrival(arrivals)
+            elif kind == _TIMER:
+                cast(Timer, payload)(now, records)
             elif kind == _KICK:
                 replica = cast(SimReplica, payload)
                 if replica.in_flight is None:
@@ -351,8 +356,7 @@ class FleetSim:
         assert name is not None  # simulated replicas always report themselves OK
         self.fleet.on_routed(route, name, now)
         replica = self._by_name[name]
-        if isinstance(replica.in_flight, Cruise):
-            self._interrupt(replica, now, records)
+        self._before_add(replica, now, records)
         records[req.request_id].replica = name
         replica.add(
             req.request_id,
@@ -364,6 +368,18 @@ class FleetSim:
             hashes,
             lora,
         )
+        self._after_add(replica, now)
+
+    def _before_add(
+        self, replica: SimReplica, now: float, records: dict[str, RequestRecord]
+    ) -> None:
+        """A request is about to join replica's queue: a cruise in flight ends first."""
+        if isinstance(replica.in_flight, Cruise):
+            self._interrupt(replica, now, records)
+
+    def _after_add(self, replica: SimReplica, now: float) -> None:
+        """A request joined replica's queue: an idle replica starts a step once the instant's other
+        arrivals are queued."""
         if replica.in_flight is None:
             self._push(now, _KICK, replica)
 
@@ -503,12 +519,23 @@ class FleetSim:
             if gap is not None:
                 self._itl_tally.add(gap)
             if out.finished:
-                self._complete(rec, out, now)
-                finished += 1
+                finished += self._on_finished(replica, rec, out, now)
         if self.on_step is not None:
             self.on_step(replica, now)
         self._report_if_awaited(replica, now)
         return finished
+
+    def _timer(self, t: float, callback: Timer) -> None:
+        """Call callback(now, records) at simulated second t (a subclass's own events)."""
+        self._push(t, _TIMER, callback)
+
+    def _on_finished(
+        self, replica: SimReplica, rec: RequestRecord, out: RequestOutput, now: float
+    ) -> int:
+        """replica finished out's request at now: 1 if that ends the request in the fleet (a
+        disaggregated fleet's prefill replica hands it on instead, sim/disagg.py)."""
+        self._complete(rec, out, now)
+        return 1
 
     def _complete(self, rec: RequestRecord, out: RequestOutput, now: float) -> None:
         """out finished its request at now: record it and tell the router."""
@@ -539,8 +566,7 @@ class FleetSim:
             if lead is not None:
                 tally.add(lead)
             if out.finished:
-                self._complete(rec, out, times[-1])
-                finished += 1
+                finished += self._on_finished(replica, rec, out, times[-1])
         tally.add_shared(gaps, len(outputs))
         self.jumped_steps += len(times)
         if notify and self.on_step is not None:

@@ -90,10 +90,13 @@ class SimReplica:
     """A real Scheduler whose steps take the cost model's time and sample EOS at the output
     length."""
 
+    # The scheduler a replica runs: the production one with the multi-step decode (sim/jump.py).
+    scheduler_class: type[JumpScheduler] = JumpScheduler
+
     def __init__(self, name: str, config: SchedulerConfig, cost: CostModel, max_tokens: int = 0):
         self.name = name
         self.max_tokens = max_tokens  # 0: each request's output length
-        self.scheduler = JumpScheduler(config)
+        self.scheduler = self.scheduler_class(config)
         self.cost = cost
         self.output_len: dict[str, int] = {}
         self.in_flight: StepPlan | Cruise | AppliedStep | None = None
@@ -114,9 +117,11 @@ class SimReplica:
         now: float,
         block_hashes: list[int] | None = None,
         lora_name: str | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request; block_hashes, the prompt's full-block hashes if the router computed
-        them (under lora_name, its adapter: None for the base model)."""
+        them (under lora_name, its adapter: None for the base model); output_token_ids, outputs
+        sampled elsewhere (a request handed on by a prefill replica, sim/disagg.py)."""
         self.arrive(lora_name)
         self.output_len[request_id] = output_len
         params = _greedy(max(output_len, self.max_tokens))
@@ -132,6 +137,7 @@ class SimReplica:
                     priority=priority,
                     tenant=tenant,
                     block_hashes=block_hashes or [],
+                    output_token_ids=output_token_ids or [],
                     lora_name=lora_name,
                 ),
                 arrival_time=now,
@@ -213,18 +219,21 @@ class SimReplica:
         """Schedule the next step (None if nothing to run) and time it (times stretch: shared
         cores)."""
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if out.is_empty and out.kv_transfers is None:  # a step may only copy KV (a landing)
             return None
-        prefill, decode, kv_read, pairs = step_shape(out, self.scheduler.requests)
-        duration = self.cost.step_time(
-            prefill, decode, kv_read, len(out.num_scheduled_tokens), pairs
-        )
+        duration = self.step_seconds(out)
         if stretch != 1.0:
             duration *= stretch
         self.in_flight = StepPlan(out, now + duration)
         self.num_steps += 1
         self.busy_s += duration
         return self.in_flight
+
+    def step_seconds(self, out: SchedulerOutput) -> float:
+        """How long the scheduled step takes: the cost model's time of its shape (sim/kv_copy.py
+        adds the step's KV copies)."""
+        prefill, decode, kv_read, pairs = step_shape(out, self.scheduler.requests)
+        return self.cost.step_time(prefill, decode, kv_read, len(out.num_scheduled_tokens), pairs)
 
     def finish_step(self) -> list[RequestOutput]:
         """Sample for every request whose scheduled tokens reach its end; apply to the scheduler."""
