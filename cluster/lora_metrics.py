@@ -1,17 +1,18 @@
 """LoRA adapter metrics of one replica (exported as ray_raylm_lora_*): the adapters in its device
-slots, the loads and evictions of those slots, and the requests each adapter served."""
+slots, the loads and evictions of those slots, and the requests each adapter served; tagged by
+replica and by model (the base model's served name: an app may serve several)."""
 
 from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge
 
-_TAGS = ("replica",)
+_TAGS = ("replica", "model")
 
 
 class LoraMetrics:
     """The slot gauge and the load, eviction and per-adapter request counters of one LLMReplica."""
 
-    def __init__(self, replica: str) -> None:
+    def __init__(self, replica: str, model: str = "") -> None:
         self.loaded = Gauge(
             "raylm_lora_adapters_loaded", "LoRA adapters in device slots.", tag_keys=_TAGS
         )
@@ -29,7 +30,7 @@ class LoraMetrics:
             "raylm_lora_requests_total", "Requests per LoRA adapter.", tag_keys=(*_TAGS, "lora")
         )
         for metric in (self.loaded, self.loads, self.evictions, self.requests):
-            metric.set_default_tags({"replica": replica})
+            metric.set_default_tags({"replica": replica, "model": model})
         self.loaded.set(0)
         self._seen = (0, 0)
 

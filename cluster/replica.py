@@ -179,7 +179,7 @@ class LLMReplica:
         self.config = config
         self.slo = slo
         self.replica = replica = serve.get_replica_context().replica_tag
-        self.lora_metrics = LoraMetrics(replica)
+        self.lora_metrics = LoraMetrics(replica, model_name or config.model)
         self.metrics = ReplicaMetrics(replica, model_name or config.model)
         self.cold_start = ColdStart(model_name or config.model, replica)
         self._ttft_window = LatencyWindow(LATENCY_WINDOW_S)
