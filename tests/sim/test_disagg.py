@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
@@ -52,7 +52,6 @@ def _count_decode_prefills(sim: DisaggSim) -> list[int]:
     return counts
 
 
-@settings(max_examples=5)
 @given(
     seed=st.integers(0, 1000),
     split=st.tuples(st.integers(1, 3), st.integers(1, 3)),
