@@ -25,6 +25,7 @@ from sim.kv_copy import LinkConfig
 from sim.lora_replica import LoraSimReplica
 from sim.metrics import GapTally, RequestRecord, SimResult
 from sim.replica import AppliedStep, Cruise, SimReplica, StepPlan
+from sim.speculation import SpecSimConfig, SpecSimReplica
 from sim.tiers import TierSimReplica
 from sim.workload import SimRequest
 
@@ -181,6 +182,8 @@ class SimConfig:
     # The link to each replica's CPU tier of the prefix cache, which scheduler.num_cpu_tier_blocks
     # turns on (sim/tiers.py): its saves and loads take blocks' bytes over this bandwidth.
     tier_link: LinkConfig = field(default_factory=LinkConfig)
+    # Speculative decoding on every replica (sim/speculation.py; None: off).
+    spec: SpecSimConfig | None = None
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -198,6 +201,8 @@ class SimConfig:
             raise ValueError(f"stats_delay_s: must be >= 0, got {self.stats_delay_s}")
         if self.scheduler.cpu_tier_blocks and self.adapters is not None:
             raise ValueError("num_cpu_tier_blocks: not with adapters in this simulator")
+        if self.spec is not None and (self.adapters is not None or self.scheduler.cpu_tier_blocks):
+            raise ValueError("spec: not with adapters or a CPU tier in this simulator")
         if not 0 <= self.serving_overhead_s <= MAX_SERVING_OVERHEAD_S:
             raise ValueError(
                 f"serving_overhead_s: must be in [0, {MAX_SERVING_OVERHEAD_S:.0f}] seconds, "
@@ -258,6 +263,8 @@ class FleetSim:
             return LoraSimReplica(
                 name, config.scheduler, self.cost, config.max_tokens, config.adapters
             )
+        if config.spec is not None:
+            return SpecSimReplica(name, config.scheduler, self.cost, config.max_tokens, config.spec)
         if config.scheduler.cpu_tier_blocks:
             return TierSimReplica(
                 name, config.scheduler, self.cost, config.max_tokens, config.tier_link
