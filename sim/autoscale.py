@@ -374,9 +374,7 @@ class AutoscaleSim(FleetSim):
 
     def _new_replica(self) -> SimReplica:
         self._serial += 1
-        return SimReplica(
-            f"replica-{self._serial - 1}", self.config.scheduler, self.cost, self.config.max_tokens
-        )
+        return self._new(f"replica-{self._serial - 1}")
 
     def _remove(self, count: int) -> None:
         """Cancel replicas still starting (the latest first), then drain the least busy."""

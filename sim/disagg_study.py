@@ -1,6 +1,6 @@
 """Colocated against disaggregated fleets of equal GPU count, on long prompts beside chat.
 
-    python -m sim.disagg_study --gpus 4 --splits 1:3 2:2 3:1 --local 0 1024
+    python -m sim.disagg_study --gpus 4 --splits 1:3 2:2 3:1 --local 0 1024 [--policy priority]
 
 The workload: chat requests (16 tenants' 256-token system prompts, 32-256-token questions,
 128-512-token answers) beside long documents (2-8k-token prompts, 8-32-token answers), Poisson
@@ -62,9 +62,10 @@ def mixed_workload(mix: MixConfig) -> list[SimRequest]:
             seed=mix.seed + 1,
         )
     )
+    # Chat first under the priority policy (lower is more urgent); FCFS ignores it.
     merged = sorted(
         [dataclasses.replace(r, tenant="chat-" + r.tenant) for r in chat]
-        + [dataclasses.replace(r, tenant="doc") for r in docs],
+        + [dataclasses.replace(r, tenant="doc", priority=1) for r in docs],
         key=lambda r: r.arrival_s,
     )
     return [dataclasses.replace(r, request_id=f"r{i}") for i, r in enumerate(merged)]
@@ -88,11 +89,21 @@ def figures(result: SimResult, slo_ttft_s: float, slo_itl_s: float) -> dict[str,
     }
 
 
+def _split(text: str) -> tuple[int, int]:
+    """PREFILL:DECODE replica counts."""
+    pre, sep, dec = text.partition(":")
+    if not (sep and pre.isdigit() and dec.isdigit() and int(pre) and int(dec)):
+        raise argparse.ArgumentTypeError(f"expected PREFILL:DECODE (two counts >= 1), got {text!r}")
+    return int(pre), int(dec)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sim.disagg_study")
     p.add_argument("--profile", default="h100")
     p.add_argument("--gpus", type=int, default=4)
-    p.add_argument("--splits", nargs="+", default=["1:3", "2:2", "3:1"], help="PREFILL:DECODE")
+    p.add_argument(
+        "--splits", type=_split, nargs="+", default=[(1, 3), (2, 2), (3, 1)], help="PREFILL:DECODE"
+    )
     p.add_argument(
         "--local",
         type=int,
@@ -104,6 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chat-rate", type=float, default=_MIX.chat_rate)
     p.add_argument("--doc-rate", type=float, default=_MIX.doc_rate)
     p.add_argument("--blocks", type=int, default=8192, help="KV blocks per replica")
+    p.add_argument(
+        "--policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="every replica's queue order; priority: chat before documents",
+    )
     p.add_argument("--bandwidth", type=float, default=25e9, help="link bytes/s")
     p.add_argument("--latency", type=float, default=1e-3, help="link latency, seconds")
     p.add_argument("--slo-ttft", type=float, default=1.0)
@@ -111,12 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     cost = load_profile(a.profile)
     workload = mixed_workload(MixConfig(a.seconds, a.chat_rate, a.doc_rate))
-    sched = SchedulerConfig(num_gpu_blocks=a.blocks, max_model_len=16384)
+    sched = SchedulerConfig(num_gpu_blocks=a.blocks, max_model_len=16384, policy=a.policy)
     link = LinkConfig(a.bandwidth, a.latency)
     print(
         f"profile {cost.name}, {a.gpus} GPUs, {len(workload)} requests: chat {a.chat_rate}/s, "
         f"documents {a.doc_rate}/s, {a.seconds:.0f} s; link {a.bandwidth / 1e9:.0f} GB/s + "
-        f"{a.latency * 1e3:.1f} ms; SLO TTFT {a.slo_ttft} s, ITL p90 {a.slo_itl} s\n"
+        f"{a.latency * 1e3:.1f} ms; queue order {a.policy}; SLO TTFT {a.slo_ttft} s, ITL p90 "
+        f"{a.slo_itl} s\n"
     )
     cols = ("chat_ttft_p50_s", "chat_ttft_p90_s", "chat_itl_p50_s", "chat_itl_p90_s")
     print(
@@ -129,8 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         (f"colocated {a.gpus}", SimConfig(num_replicas=a.gpus, scheduler=sched), None)
     ]
     for local in a.local:
-        for split in a.splits:
-            pre, dec = (int(x) for x in split.split(":"))
+        for pre, dec in a.splits:
             name = f"disagg {pre}:{dec}" + (f", local < {local}" if local else "")
             disagg = DisaggConfig(pre, dec, link, None, local)
             runs.append((name, SimConfig(scheduler=sched), disagg))

@@ -21,9 +21,12 @@ from router.stats import ROUTING_STATS_PERIOD_S, RoutingStats
 from scheduler import RequestOutput, SchedulerConfig, extend_block_hashes, hash_prompt_blocks
 from sim.adapters import AdapterSlotsConfig
 from sim.cost import CostModel
+from sim.kv_copy import LinkConfig
 from sim.lora_replica import LoraSimReplica
 from sim.metrics import GapTally, RequestRecord, SimResult
 from sim.replica import AppliedStep, Cruise, SimReplica, StepPlan
+from sim.speculation import SpecSimConfig, SpecSimReplica
+from sim.tiers import TierSimReplica
 from sim.workload import SimRequest
 
 logger = logging.getLogger(__name__)
@@ -176,6 +179,11 @@ class SimConfig:
     # Each replica's LoRA adapter slots and load time (None: requests' adapters are ignored, by the
     # router and the replicas alike, as before adapters).
     adapters: AdapterSlotsConfig | None = None
+    # The link to each replica's CPU tier of the prefix cache, which scheduler.num_cpu_tier_blocks
+    # turns on (sim/tiers.py): its saves and loads take blocks' bytes over this bandwidth.
+    tier_link: LinkConfig = field(default_factory=LinkConfig)
+    # Speculative decoding on every replica (sim/speculation.py; None: off).
+    spec: SpecSimConfig | None = None
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -191,6 +199,10 @@ class SimConfig:
             raise ValueError(f"stats_period_s: must be > 0, got {self.stats_period_s}")
         if not self.stats_delay_s >= 0:
             raise ValueError(f"stats_delay_s: must be >= 0, got {self.stats_delay_s}")
+        if self.scheduler.cpu_tier_blocks and self.adapters is not None:
+            raise ValueError("num_cpu_tier_blocks: not with adapters in this simulator")
+        if self.spec is not None and (self.adapters is not None or self.scheduler.cpu_tier_blocks):
+            raise ValueError("spec: not with adapters or a CPU tier in this simulator")
         if not 0 <= self.serving_overhead_s <= MAX_SERVING_OVERHEAD_S:
             raise ValueError(
                 f"serving_overhead_s: must be in [0, {MAX_SERVING_OVERHEAD_S:.0f}] seconds, "
@@ -212,13 +224,7 @@ class FleetSim:
         self.config = config
         self.cost = cost
         self.on_step = on_step
-        adapters = config.adapters
-        self.replicas = [
-            SimReplica(f"replica-{i}", config.scheduler, cost, config.max_tokens)
-            if adapters is None
-            else LoraSimReplica(f"replica-{i}", config.scheduler, cost, config.max_tokens, adapters)
-            for i in range(config.num_replicas)
-        ]
+        self.replicas = [self._new(f"replica-{i}") for i in range(config.num_replicas)]
         per_host = config.host.replicas_per_host
         self._cohosts = (
             {
@@ -249,6 +255,21 @@ class FleetSim:
         # a prefix group's leading blocks (keyed by (adapter, tokens) under an adapter)
         self._shared_hashes: dict[tuple, list[int]] = {}
         self._itl_tally = GapTally()  # finished requests' gaps
+
+    def _new(self, name: str) -> SimReplica:
+        """A replica as the config has it: with adapter slots, with a CPU tier, or plain."""
+        config = self.config
+        if config.adapters is not None:
+            return LoraSimReplica(
+                name, config.scheduler, self.cost, config.max_tokens, config.adapters
+            )
+        if config.spec is not None:
+            return SpecSimReplica(name, config.scheduler, self.cost, config.max_tokens, config.spec)
+        if config.scheduler.cpu_tier_blocks:
+            return TierSimReplica(
+                name, config.scheduler, self.cost, config.max_tokens, config.tier_link
+            )
+        return SimReplica(name, config.scheduler, self.cost, config.max_tokens)
 
     def _push(self, t: float, kind: int, payload: _Payload) -> None:
         self._seq += 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
@@ -52,7 +52,6 @@ def _count_decode_prefills(sim: DisaggSim) -> list[int]:
     return counts
 
 
-@settings(max_examples=5)
 @given(
     seed=st.integers(0, 1000),
     split=st.tuples(st.integers(1, 3), st.integers(1, 3)),
@@ -189,3 +188,14 @@ def test_plan_refuses_a_bad_link(capsys):
     with pytest.raises(SystemExit) as exc:
         sim_main(["plan", "--disagg", "--requests", "1", "--link-bandwidth", "nan"])
     assert exc.value.code == 2 and "bandwidth_bytes_per_s" in capsys.readouterr().err
+
+
+def test_the_study_compares_equal_gpu_counts(capsys):
+    from sim.disagg_study import main as study_main
+
+    study_main(["--gpus", "2", "--splits", "1:1", "--local", "0", "--seconds", "0.5"])
+    out = capsys.readouterr().out
+    assert "| colocated 2 |" in out and "| disagg 1:1 |" in out
+    with pytest.raises(SystemExit) as exc:
+        study_main(["--splits", "3"])
+    assert exc.value.code == 2 and "PREFILL:DECODE" in capsys.readouterr().err
