@@ -15,6 +15,8 @@ faster relative to the start delay and the delays).
     python bench/autoscale_sim.py --day-s 900 --peak-rate 30 --blocks 512 --jobs 2
 
 Prints one row per setting, then the tuned comparison; never passes or fails on the figures.
+`python -m sim plan --autoscale llm ongoing` runs the same replays (sim/autoscale_plan.py) from the
+simulator's command line, over several seeds at once.
 """
 
 from __future__ import annotations
@@ -22,26 +24,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any
 
 # Run as a script from anywhere, with no install (the simulator needs only the standard library).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router.autoscaling import AutoscalingPolicyConfig, SignalTargets, SloTargets
+from router.autoscaling import SignalTargets, SloTargets
 from scheduler import SchedulerConfig
-from sim.autoscale import (
-    AutoscaleConfig,
-    AutoscaleSim,
-    DayWorkloadConfig,
-    LLMSignalsPolicy,
-    OngoingRequestsPolicy,
-    day_workload,
-)
-from sim.cost import load_profile
-from sim.fleet import SimConfig
+from sim.autoscale import AutoscaleConfig, DayWorkloadConfig
+from sim.autoscale_plan import HEADER, DayPlanConfig, saving, sweep, tuned
 
 
 def _args() -> argparse.Namespace:
@@ -74,80 +65,6 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _run(a: argparse.Namespace, kind: str, knob: float, headroom: float) -> dict[str, Any]:
-    workload = day_workload(
-        DayWorkloadConfig(
-            day_s=a.day_s,
-            peak_rate=a.peak_rate,
-            peak_to_trough=a.peak_to_trough,
-            long_share_peak=a.long_share_peak,
-            long_share_trough=a.long_share_trough,
-            seed=a.seed,
-        )
-    )
-    bounds = {"min_replicas": 1, "max_replicas": a.max_replicas}
-    delays = {"upscale_delay_s": a.upscale_delay, "downscale_delay_s": a.downscale_delay}
-    policy: LLMSignalsPolicy | OngoingRequestsPolicy
-    if kind == "ongoing":
-        policy = OngoingRequestsPolicy(target_ongoing_requests=knob, **bounds, **delays)
-    else:
-        targets = SignalTargets(
-            kv_cache_usage=knob, batch_fraction=knob, downscale_headroom=headroom
-        )
-        slo = SloTargets(ttft_p90_s=a.slo_ttft, itl_p90_s=a.slo_itl)
-        policy = LLMSignalsPolicy(
-            AutoscalingPolicyConfig(**bounds, **delays, slo=slo, targets=targets)
-        )
-    sim = AutoscaleSim(
-        SimConfig(
-            scheduler=SchedulerConfig(
-                num_gpu_blocks=a.blocks,
-                max_num_seqs=a.max_num_seqs,
-                max_model_len=a.blocks * 16,
-            ),
-            keep_itl=False,
-        ),
-        load_profile(a.profile),
-        policy,
-        AutoscaleConfig(
-            decision_period_s=a.decision_period,
-            look_back_s=a.look_back,
-            start_delay_s=a.start_delay,
-            initial_replicas=a.initial_replicas,
-        ),
-    )
-    t0 = time.perf_counter()
-    out = sim.run_day(workload)
-    summary = out.result.summary(a.slo_ttft, a.slo_itl)
-    return {
-        "policy": kind,
-        "knob": knob,
-        "headroom": headroom,
-        "requests": len(workload),
-        # Scaled to a real day: the compressed day's replica-hours times the compression.
-        "replica_hours_day": out.replica_hours * 86400 / a.day_s,
-        "attainment": out.slo_attainment(a.slo_ttft, a.slo_itl),
-        "ttft_p90_s": summary["ttft_p90_s"],
-        "itl_p90_s": summary["itl_p90_s"],
-        "peak_replicas": max(billed for _, _, billed in out.timeline),
-        "changes": sum(out.decisions.values()),
-        "reasons": dict(out.decisions.most_common()),
-        "wall_s": time.perf_counter() - t0,
-    }
-
-
-def _row(r: dict[str, Any]) -> str:
-    if r["policy"] == "ongoing":
-        knob = f"target_ongoing_requests {r['knob']:g}"
-    else:
-        knob = f"kv/batch target {r['knob']:g}, headroom {r['headroom']:g}"
-    return (
-        f"| {r['policy']} | {knob} | {r['replica_hours_day']:.1f} | "
-        f"{r['attainment'] * 100:.2f}% | {r['ttft_p90_s']:.3f} | {r['itl_p90_s'] * 1000:.1f} | "
-        f"{r['peak_replicas']} | {r['changes']} | {r['wall_s']:.0f} |"
-    )
-
-
 def main() -> None:
     a = _args()
     print(
@@ -161,34 +78,48 @@ def main() -> None:
         f"{a.upscale_delay:g}/{a.downscale_delay:g} s"
     )
     print("llm policy's other targets:", dataclasses.asdict(SignalTargets()), flush=True)
-    jobs = [("ongoing", t, 0.0) for t in a.ongoing_targets]
-    jobs += [("llm", k, h) for k in a.kv_targets for h in a.headrooms]
-    rows = []
-    with ProcessPoolExecutor(max_workers=a.jobs) as pool:
-        for future in as_completed([pool.submit(_run, a, *job) for job in jobs]):
-            rows.append(future.result())
-            print("done:", _row(rows[-1]), flush=True)
-    rows.sort(key=lambda r: (r["policy"] != "ongoing", r["knob"], r["headroom"]))
-    print(
-        "\n| policy | setting | replica-hours per day | SLO attainment | TTFT p90 (s) | "
-        "ITL p90 (ms) | peak replicas | count changes | wall (s) |"
+    cfg = DayPlanConfig(
+        day=DayWorkloadConfig(
+            day_s=a.day_s,
+            peak_rate=a.peak_rate,
+            peak_to_trough=a.peak_to_trough,
+            long_share_peak=a.long_share_peak,
+            long_share_trough=a.long_share_trough,
+            seed=a.seed,
+        ),
+        scheduler=SchedulerConfig(
+            num_gpu_blocks=a.blocks, max_num_seqs=a.max_num_seqs, max_model_len=a.blocks * 16
+        ),
+        loop=AutoscaleConfig(
+            decision_period_s=a.decision_period,
+            look_back_s=a.look_back,
+            start_delay_s=a.start_delay,
+            initial_replicas=a.initial_replicas,
+        ),
+        profile=a.profile,
+        slo=SloTargets(ttft_p90_s=a.slo_ttft, itl_p90_s=a.slo_itl),
+        target=a.target,
+        max_replicas=a.max_replicas,
+        upscale_delay_s=a.upscale_delay,
+        downscale_delay_s=a.downscale_delay,
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    settings = [("ongoing", t, 0.0) for t in a.ongoing_targets]
+    settings += [("llm", k, h) for k in a.kv_targets for h in a.headrooms]
+    rows = sweep(cfg, [a.seed], settings, a.jobs)
+    print()
+    print(HEADER)
     for r in rows:
-        print(_row(r))
+        print(r.cells())
     print()
     for r in rows:
-        print(r["policy"], r["knob"], r["headroom"], "changes by reason:", r["reasons"])
-    tuned: dict[str, dict[str, Any]] = {}
+        print(r.policy, r.knob, r.headroom, "changes by reason:", r.reasons)
     for kind in ("ongoing", "llm"):
-        ok = [r for r in rows if r["policy"] == kind and r["attainment"] >= a.target]
-        if ok:
-            tuned[kind] = min(ok, key=lambda r: r["replica_hours_day"])
-        print(f"tuned {kind}:", _row(tuned[kind]) if ok else "none meets the target")
-    if len(tuned) == 2:
-        saving = 1 - tuned["llm"]["replica_hours_day"] / tuned["ongoing"]["replica_hours_day"]
+        best = tuned(rows, kind, a.target)
+        print(f"tuned {kind}:", best.cells() if best is not None else "none meets the target")
+    cut = saving(rows, a.target)
+    if cut is not None:
         print(
-            f"llm signals use {saving:.1%} fewer replica-hours than ongoing requests, both >= "
+            f"llm signals use {cut:.1%} fewer replica-hours than ongoing requests, both >= "
             f"{a.target:.0%} SLO attainment"
         )
 

@@ -12,6 +12,8 @@ from typing import Any
 from router.config import POLICIES, RoutingConfig
 from scheduler import SchedulerConfig
 from scheduler.config import POLICIES as QUEUE_POLICIES
+from sim.autoscale_plan import add_arguments as add_day_arguments
+from sim.autoscale_plan import cmd_plan_day
 from sim.cost import load_profile
 from sim.disagg import DisaggConfig, DisaggSim
 from sim.fleet import SIM_MAX_MODEL_LEN, SIM_NUM_GPU_BLOCKS, FleetSim, SimConfig
@@ -194,7 +196,11 @@ def _plan_disagg(a: argparse.Namespace, workload: list[SimRequest]) -> None:
 
 def cmd_plan(a: argparse.Namespace) -> None:
     """Smallest replica count whose TTFT p90 and ITL p90 meet the SLOs (bisection; load is
-    monotone); --disagg: the smallest prefill and decode pools."""
+    monotone); --disagg: the smallest prefill and decode pools; with --autoscale, a day's
+    replica-hours and SLO attainment under each policy."""
+    if a.autoscale:
+        cmd_plan_day(a)
+        return
     workload = _workload(a)
     if a.disagg:
         _plan_disagg(a, workload)
@@ -236,7 +242,9 @@ def command_line() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="simulate a fleet and print its figures")
     _add_common(run)
     run.add_argument("--replicas", type=int, nargs="+", default=[2])
-    plan = sub.add_parser("plan", help="smallest replica count meeting the SLOs")
+    plan = sub.add_parser(
+        "plan", help="smallest replica count meeting the SLOs, or an autoscaled day's cost"
+    )
     _add_common(plan)
     plan.add_argument("--max-replicas", type=int, default=4096)
     plan.add_argument(
@@ -262,6 +270,7 @@ def command_line() -> argparse.ArgumentParser:
         default=0,
         help="--disagg: prompts shorter than this prefill on a decode replica",
     )
+    add_day_arguments(plan)
     return parser
 
 

@@ -1,8 +1,10 @@
-"""The `llm` autoscaling policy on a real Serve app (CPU, the tiny random Llama): a burst scales the
-model from 1 to 2 replicas on its replicas' signals, and once the burst is over back to 1, draining,
-while every request, those sent during the scale-down included, completes in full.
+"""The `llm` autoscaling policy on a real Serve app of two models (CPU, the tiny random Llama): a
+burst on one model scales it from 1 to 2 replicas on its replicas' signals, and once the burst is
+over back to 1, draining, while every request, those sent during the scale-down included,
+completes in full; the other model in the same app keeps its one replica and answers every
+request sent to it all along (a model's replicas are isolated from the other's, issue 37).
 
-One model only: an app serves one model until several models per app land (issue 37, item 1).
+One app for both models, so the test pays for one ingress and one extra replica, not a second app.
 """
 
 from __future__ import annotations
@@ -22,46 +24,66 @@ pytestmark = pytest.mark.slow
 
 APP = "autoscale"
 MODEL = "tiny-autoscale"
+STEADY = "tiny-steady"  # the other model: one fixed replica, a light steady load
 MAX_TOKENS = 48
 logger = logging.getLogger(__name__)
 
 
 def _args(model_dir: str) -> dict:
     return {
-        "model": model_dir,
-        "served_model_name": MODEL,
         "max_model_len": 256,
         "num_gpu_blocks": 128,
         "max_num_seqs": 4,
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
         "graceful_shutdown_timeout_s": 20,
-        "autoscaling": {
-            "policy": "llm",
-            "min_replicas": 1,
-            "max_replicas": 2,
-            "upscale_delay_s": 0,
-            "downscale_delay_s": 2,
-            # Fast pushes and a short window, so the test takes seconds, not minutes.
-            "metrics_interval_s": 0.25,
-            "look_back_period_s": 1.0,
-            # Latency on a shared 2-core machine says nothing: only the batch signal may scale.
-            "slo": {"ttft_p90_s": 3600, "itl_p90_s": 3600},
-            "targets": {"batch_fraction": 0.75, "slo_cooldown_s": 0},
-        },
+        "models": [
+            {
+                "name": MODEL,
+                "model": model_dir,
+                "autoscaling": {
+                    "policy": "llm",
+                    "min_replicas": 1,
+                    "max_replicas": 2,
+                    "upscale_delay_s": 0,
+                    "downscale_delay_s": 2,
+                    # Fast pushes and a short window, so the test takes seconds, not minutes.
+                    "metrics_interval_s": 0.25,
+                    "look_back_period_s": 1.0,
+                    # Latency on a shared 2-core machine says nothing: only the batch signal may
+                    # scale.
+                    "slo": {"ttft_p90_s": 3600, "itl_p90_s": 3600},
+                    "targets": {"batch_fraction": 0.75, "slo_cooldown_s": 0},
+                },
+            },
+            {"name": STEADY, "model": model_dir, "num_replicas": 1},
+        ],
     }
 
 
-def _running() -> int:
+def _replicas(model: str) -> int:
+    """The model's RUNNING replicas; -1 while any is in another state (starting, stopping)."""
     app = serve.status().applications.get(APP)
-    states = {} if app is None else dict(app.deployments["LLMReplica"].replica_states)
+    deployment = None if app is None else app.deployments.get(f"LLMReplica-{model}")
+    states = {} if deployment is None else dict(deployment.replica_states)
     return states.get("RUNNING", 0) if set(states) <= {"RUNNING"} else -1
 
 
-async def _request(client: httpx.AsyncClient, i: int) -> int | str:
+class Watch:
+    """Every replica count the steady model shows while the other one scales (polled with it)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def running(self) -> int:
+        self.seen.add(_replicas(STEADY))
+        return _replicas(MODEL)
+
+
+async def _request(client: httpx.AsyncClient, model: str, i: int) -> int | str:
     """The completion's token count, or what went wrong (which the test's final check shows)."""
     body = {
-        "model": MODEL,
+        "model": model,
         "prompt": f"Request {i}:",
         "max_tokens": MAX_TOKENS,
         "ignore_eos": True,
@@ -74,29 +96,45 @@ async def _request(client: httpx.AsyncClient, i: int) -> int | str:
     return r.json()["usage"]["completion_tokens"] if r.status_code == 200 else r.text
 
 
-async def _load(url: str, concurrency: int, stop: threading.Event, done: list[int | str]) -> None:
+async def _load(
+    url: str, model: str, concurrency: int, stop: threading.Event, done: list[int | str]
+) -> None:
     """`concurrency` clients, each sending requests back to back until stop is set."""
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
 
         async def worker(k: int) -> None:
             i = 0
             while not stop.is_set():
-                done.append(await _request(client, k * 10_000 + i))
+                done.append(await _request(client, model, k * 10_000 + i))
                 i += 1
 
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
 
 
 def _in_background(
-    url: str, concurrency: int, done: list[int | str]
+    url: str, model: str, concurrency: int, done: list[int | str]
 ) -> tuple[threading.Event, threading.Thread]:
     stop = threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(_load(url, concurrency, stop, done)))
+    thread = threading.Thread(
+        target=lambda: asyncio.run(_load(url, model, concurrency, stop, done))
+    )
     thread.start()
     return stop, thread
 
 
-def test_a_burst_scales_one_to_two_replicas_and_back_losing_no_request(
+def _phase(url: str, clients: int, want: int, watch: Watch) -> tuple[bool, list[int | str]]:
+    """`clients` clients on the scaled model until it runs `want` replicas (or 40 s pass)."""
+    done: list[int | str] = []
+    stop, thread = _in_background(url, MODEL, clients, done)
+    try:
+        reached = wait_for(lambda: watch.running() == want, 40, 0.25)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    return reached, done
+
+
+def test_a_burst_scales_one_model_to_two_replicas_and_back_leaving_the_other_alone(
     ray_cluster, http_port, tiny_model_dir
 ):
     from deploy.app import build_app
@@ -105,31 +143,29 @@ def test_a_burst_scales_one_to_two_replicas_and_back_losing_no_request(
     serve.run(build_app(_args(tiny_model_dir)), name=APP, route_prefix=f"/{APP}")
     url = f"http://127.0.0.1:{http_port}/{APP}/v1"
     try:
-        assert wait_for(lambda: _running() == 1, 60, 0.25), _running()
-        logger.info("deployed with 1 replica after %.1f s", time.monotonic() - t0)
-        burst: list[int | str] = []
-        # 12 clients against max_num_seqs 4: (running + waiting) / 4 / 0.75 asks for 4 replicas,
-        # capped at 2.
-        stop, thread = _in_background(url, 12, burst)
+        assert wait_for(lambda: _replicas(MODEL) == _replicas(STEADY) == 1, 60, 0.25)
+        logger.info("deployed with 1 + 1 replicas after %.1f s", time.monotonic() - t0)
+        watch = Watch()
+        steady: list[int | str] = []  # one client on the other model through both phases
+        stop_steady, steady_thread = _in_background(url, STEADY, 1, steady)
         try:
-            scaled_up = wait_for(lambda: _running() == 2, 40, 0.25)
+            # 12 clients against max_num_seqs 4: (running + waiting) / 4 / 0.75 asks for 4
+            # replicas, capped at 2.
+            scaled_up, burst = _phase(url, 12, 2, watch)
+            assert scaled_up, f"still {_replicas(MODEL)} replicas under the burst"
+            logger.info("2 replicas after %.1f s (%d requests)", time.monotonic() - t0, len(burst))
+            # One client after the burst: the load fits in one replica with headroom, so the
+            # policy drains one while this client's requests keep arriving.
+            scaled_down, trickle = _phase(url, 1, 1, watch)
+            assert scaled_down, f"still {_replicas(MODEL)} replicas after the burst"
+            logger.info("1 replica after %.1f s (%d requests)", time.monotonic() - t0, len(trickle))
         finally:
-            stop.set()
-            thread.join(timeout=120)
-        assert scaled_up, f"still {_running()} replicas under the burst"
-        logger.info("2 replicas after %.1f s (%d requests)", time.monotonic() - t0, len(burst))
-        # One client after the burst: the load fits in one replica with headroom, so the policy
-        # drains one while this client's requests keep arriving.
-        trickle: list[int | str] = []
-        stop, thread = _in_background(url, 1, trickle)
-        try:
-            scaled_down = wait_for(lambda: _running() == 1, 40, 0.25)
-        finally:
-            stop.set()
-            thread.join(timeout=120)
-        assert scaled_down, f"still {_running()} replicas after the burst"
-        logger.info("1 replica after %.1f s (%d requests)", time.monotonic() - t0, len(trickle))
-        assert burst and trickle
+            stop_steady.set()
+            steady_thread.join(timeout=120)
+        assert burst and trickle and steady
         assert set(burst) | set(trickle) == {MAX_TOKENS}  # every request complete, none lost
+        assert set(steady) == {MAX_TOKENS}  # the other model answered every request ...
+        assert watch.seen == {1}  # ... with its one replica all along
+        assert _replicas(STEADY) == 1
     finally:
         serve.delete(APP)
