@@ -189,3 +189,39 @@ def write_quantized_checkpoint(float_dir: str, out_dir: str, ref_dir: str, layou
             config = json.loads(config_path.read_text())
             config["quantization_config"] = quant_config(layout)
             config_path.write_text(json.dumps(config, indent=2))
+
+
+def write_gptq_fast(
+    float_dir: str, out_dir: str, group_size: int = 128, device: str = "cpu"
+) -> None:
+    """Round-to-nearest GPTQ (v1, no act-order) of float_dir's linears into out_dir, vectorised on
+    `device`: the benchmark's writer for published shapes, where the element-by-element packers
+    above would take minutes. Only the INT4 bytes matter there, not the quality of the rounding."""
+    from workers.loader import iterate_weights
+
+    out: dict[str, torch.Tensor] = {}
+    shifts = torch.arange(0, 32, 4, device=device, dtype=torch.int64)
+    for name, t in iterate_weights(float_dir, progress=False):
+        prefix, _, part = name.rpartition(".")
+        if part != "weight" or prefix.rpartition(".")[2] not in LINEARS:
+            out[name] = t.clone()
+            continue
+        w = t.to(device, torch.float32)
+        n, k = w.shape
+        g = w.view(n, k // group_size, group_size)
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        s = ((hi - lo) / 15).clamp(min=1e-4).half().float()
+        z = (-lo / s).round().clamp(1, 15)
+        codes = ((g / s[..., None]).round() + z[..., None]).clamp(0, 15).long().view(n, k)
+        qweight = (codes.t().reshape(k // 8, 8, n) << shifts[None, :, None]).sum(1)
+        qzeros = ((z.long() - 1).t().reshape(k // group_size, n // 8, 8) << shifts).sum(-1)
+        out[f"{prefix}.qweight"] = _to_int32(qweight).cpu()
+        out[f"{prefix}.qzeros"] = _to_int32(qzeros).cpu()
+        out[f"{prefix}.scales"] = s.t().contiguous().half().cpu()
+    src = Path(float_dir)
+    shutil.copytree(src, out_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file(out, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
+    config_path = Path(out_dir) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = quant_config(Layout("gptq", group_size))
+    config_path.write_text(json.dumps(config, indent=2))

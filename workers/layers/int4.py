@@ -11,7 +11,8 @@ of the inputs must fall on a group boundary (checked, with an error naming the g
 
 Kernels, chosen once by `prepare` after loading:
 - CPU: torch's `_weight_int4pack_mm_for_cpu`, in float32 or bf16 (exact codes; each group's
-  zero folded into a float offset, (8 - zero) * scale, as that kernel takes it);
+  zero folded into a float offset, (8 - zero) * scale, as that kernel takes it); in float32 only
+  up to KERNEL_MAX_ROWS rows, larger batches de-quantize (see there);
 - CUDA (compute capability 8.0+): torch's `_weight_int4pack_mm` (tinygemm) in bf16;
 - otherwise (an act-order weight whose shard does not hold whole groups, a shape the kernels
   refuse): the reference, which de-quantizes the weight each call and runs one GEMM.
@@ -21,12 +22,19 @@ permuted to match on each call.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+logger = logging.getLogger(__name__)
+
 GROUP_SIZES = (32, 64, 128)
+# On CPU with float32 activations torch's int4pack kernel is slow for many rows (measured 11x the
+# float GEMM at 64 rows): batches above this many rows de-quantize the codes, kept for them, into
+# one transient float matrix instead (4-bit codes twice: still an eighth of the float32 weight).
+KERNEL_MAX_ROWS = 48
 # g_idx of a fused weight's target before its first part arrives.
 _UNSET = -1
 
@@ -160,13 +168,14 @@ class Int4Weight:
         """Pick the kernel for this weight's device and the activations' dtype, converting the
         codes into its layout once (the codes are then dropped: one copy of the weight)."""
         self.kernel = _int4pack(self, dtype)
-        if self.kernel is not None:
+        cpu_float32 = self.codes.device.type == "cpu" and dtype != torch.bfloat16
+        if self.kernel is not None and not cpu_float32:
             self.codes = self.codes.new_empty(0, 0)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])
-        if self.kernel is not None:
+        if self.kernel is not None and (x2.shape[0] <= KERNEL_MAX_ROWS or self.codes.numel() == 0):
             y = self.kernel(x2)
         else:
             y = F.linear(x2, self.dequantize().to(x2.dtype))
@@ -243,7 +252,13 @@ def _int4pack(w: Int4Weight, dtype: torch.dtype) -> _Kernel | None:
         # tinygemm takes uint8 [rows, cols / 2] with the even column in the high nibble.
         hi_first = (q[:, 0::2] << 4) | q[:, 1::2]
         tiles = 8 if cols % 128 == 0 else 4 if cols % 64 == 0 else 2
-        packed = torch.ops.aten._convert_weight_to_int4pack(hi_first.contiguous(), tiles)
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack(hi_first.contiguous(), tiles)
+        except RuntimeError as e:  # a torch build without tinygemm: correct, if slow
+            logger.warning(
+                "INT4: torch's int4pack kernel refused %s (%s); de-quantizing", w.shape, e
+            )
+            return None
         sz_dtype = torch.bfloat16
     elif device.type == "cpu":
         if rows % 16:  # the CPU kernel's row blocks
