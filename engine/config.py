@@ -90,7 +90,10 @@ class EngineConfig:
         "GGUF weights: `gguf` keeps Q4_0, Q4_1 and Q8_0 blocks as stored and multiplies them "
         "with raylm's CPU kernels (one copy, a quarter to an eighth of the bytes; CPU only); "
         "`none` de-quantises to `dtype` once; `auto` is `gguf` for a .gguf model on CPU, else "
-        "`none`. Ignored for HF directories",
+        "`none`. `fp8` quantizes a float checkpoint's linears to FP8 E4M3 at load (a scale per "
+        "output channel, activations scaled per token; `torch._scaled_mm` on CUDA 8.9+, a "
+        "de-quantizing reference on CPU). A GPTQ, AWQ or compressed-tensors FP8 checkpoint "
+        "always loads in its own format (docs/quantization.md)",
         choices=QUANTIZATIONS,
     )
     cache_dir: str = setting(DEFAULT_CACHE_DIR, "where converted GGUF weights are cached")
@@ -329,6 +332,7 @@ class EngineConfig:
             expert_parallel=self.expert_parallel,
             speculative=self.speculative,
             gguf_file=self.quantized_gguf(),
+            quantization=self.quantization,
             max_loras=self.num_lora_slots,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.num_cpu_loras,
@@ -338,7 +342,7 @@ class EngineConfig:
     def quantized_gguf(self) -> str | None:
         """The GGUF file whose blocks the workers keep quantized, per `quantization`; None when
         the weights load as floats."""
-        if self.quantization == "none":
+        if self.quantization not in ("auto", "gguf"):
             return None
         from workers.model_files import gguf_path
 

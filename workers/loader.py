@@ -16,6 +16,8 @@ from transformers import PretrainedConfig
 from workers.layers.linear import pack_cpu_weights
 from workers.layers.quantized import drop_float_copies
 from workers.models import model_class
+from workers.quant_config import quant_config_of
+from workers.quant_weights import attach_quantized, quantize_model_fp8, quantized_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ _DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 
 
@@ -101,6 +104,7 @@ def load_model(
     max_model_len: int | None = None,
     progress: bool = True,
     gguf_file: str | None = None,
+    quantization: str = "none",
 ) -> torch.nn.Module:
     """Build the model for config on device in dtype and load this rank's weight shards.
 
@@ -112,6 +116,7 @@ def load_model(
             f"quantization: GGUF blocks are kept quantized on CPU only, not on {device.type}; "
             "use quantization: none"
         )
+    qc = None if gguf_file is not None else quant_config_of(config, quantization)
     cls = model_class(config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -125,8 +130,12 @@ def load_model(
 
         loaded = model.load_weights(iterate_gguf(gguf_file, config))
     else:
-        loaded = model.load_weights(iterate_weights(model_dir, progress))
+        loaded = model.load_weights(quantized_tensors(iterate_weights(model_dir, progress), qc))
     model.check_loaded(loaded)
+    if qc is not None and qc.method == "fp8":
+        quantize_model_fp8(model, qc.per_tensor)
+    if qc is not None:
+        logger.info("%d linears kept as %s", attach_quantized(model, dtype), qc.method)
     if gguf_file is not None:
         logger.info("%d weights kept as GGUF blocks", drop_float_copies(model))
     if device.type == "cpu":

@@ -3,5 +3,5 @@
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
 DEFAULT_CACHE_DIR = "~/.cache/raylm"
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "none", "fp8")
 STEP_TRANSPORTS = ("socket", "compiled_graph", "actor_calls")

@@ -80,6 +80,9 @@ class RunnerConfig:
     # A GGUF file whose Q4_0/Q4_1/Q8_0 weights are multiplied as stored (CPU); None: model_dir's
     # float weights.
     gguf_file: str | None = None
+    # `fp8`: quantize the float checkpoint's linears to FP8 at load; other values: the
+    # checkpoint's own format (workers/quant_config.py).
+    quantization: str = "none"
     # LoRA: device slots (0: off), their rank, and the adapters each rank keeps read on the CPU.
     max_loras: int = 0
     max_lora_rank: int = 16
@@ -214,6 +217,7 @@ class ModelRunner:
             config.max_model_len,
             progress=config.load_progress,
             gguf_file=config.gguf_file,
+            quantization=config.quantization,
         )
         logger.info("model loaded in %.1fs", time.perf_counter() - t0)
         self.loras: LoraManager | None = None

@@ -12,10 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers.quantized import GGUFWeight, as_float, load_target
+from workers.layers.quantized import QUANTIZED, GGUFWeight, as_float, load_target
 from workers.parallel import all_reduce, divide, get_tp_rank, get_tp_world_size
 
 if TYPE_CHECKING:
+    from workers.layers.fp8 import FP8Weight
+    from workers.layers.int4 import Int4Weight
     from workers.lora.layers import LoraLayer
 
 # Below this many rows a CPU matmul streams weights faster as W @ x^T than as x @ W^T.
@@ -56,16 +58,17 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | GGUFWeight | None = None,
+    packed: torch.Tensor | GGUFWeight | FP8Weight | Int4Weight | None = None,
 ) -> torch.Tensor:
     """x @ weight^T + bias, through `packed` (cpu_pack of weight) when given and x is on CPU.
 
     The weight's format picks the kernel: `packed` may instead be the weight's GGUF blocks
-    (workers.layers.quantized), multiplied as stored.
+    (workers.layers.quantized) or its FP8 or INT4 form (workers.layers.fp8, .int4), multiplied
+    as stored, on any device.
 
     Unpacked on CPU with few rows (decode steps) it computes (weight @ x^T)^T: BLAS then walks the
     weight matrix, which comes cold from memory, about 1.5-3x faster than x @ weight^T."""
-    if isinstance(packed, GGUFWeight):
+    if isinstance(packed, (GGUFWeight, *QUANTIZED)):
         y = packed.matmul(x)
         return y if bias is None else y + bias
     if x.device.type == "cpu":
@@ -107,14 +110,15 @@ class CpuPackedWeight(nn.Module):
     so a float CPU model holds its linear weights twice. A weight loaded from GGUF blocks
     (`weight.gguf`) is used as stored instead: one copy, no packing."""
 
-    packed: torch.Tensor | GGUFWeight | None = None
+    packed: torch.Tensor | GGUFWeight | FP8Weight | Int4Weight | None = None
     # LoRA adapters' slot weights (workers/lora), attached when the engine serves adapters.
     lora: LoraLayer | None = None
 
     def pack_weight(self) -> bool:
-        """Pack this rank's (loaded) weight shard; True if it was packed (or is GGUF blocks)."""
-        gguf = getattr(self.weight, "gguf", None)
-        self.packed = gguf if gguf is not None else cpu_pack(self.weight)
+        """Pack this rank's (loaded) weight shard; True if it was packed (or is GGUF blocks, FP8 or
+        INT4)."""
+        kept = getattr(self.weight, "gguf", None) or getattr(self.weight, "quant", None)
+        self.packed = kept if kept is not None else cpu_pack(self.weight)
         return self.packed is not None
 
 
@@ -130,14 +134,15 @@ def _shard(loaded: torch.Tensor, dim: int, size: int, index: int) -> torch.Tenso
     return loaded.narrow(dim, index * size, size)
 
 
-def _copy(param: torch.Tensor | GGUFWeight, loaded, name: str) -> None:
-    """Copy a checkpoint shard (a tensor, or GGUF blocks) into param (a tensor, or GGUF blocks)."""
+def _copy(param: torch.Tensor | GGUFWeight | FP8Weight | Int4Weight, loaded, name: str) -> None:
+    """Copy a checkpoint shard (a tensor, GGUF blocks, FP8 or INT4) into param (the same, or a
+    float tensor)."""
     if param.shape != loaded.shape:
         raise ValueError(
             f"{name}: checkpoint shard has shape {tuple(loaded.shape)}, "
             f"expected {tuple(param.shape)}"
         )
-    if isinstance(param, GGUFWeight):
+    if isinstance(param, (GGUFWeight, *QUANTIZED)):
         param.copy_(loaded)
     else:
         param.data.copy_(as_float(loaded))

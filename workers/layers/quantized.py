@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from workers.layers.backends import gguf_cpu
+from workers.layers.fp8 import FP8Weight
+from workers.layers.int4 import Int4Weight
 
 BLOCK = 32
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -126,12 +128,19 @@ class GGUFWeight:
         return sum(t.numel() * t.element_size() for t, _ in self._parts())
 
 
-def load_target(param: torch.Tensor, loaded: object) -> torch.Tensor | GGUFWeight:
+# Weights kept in a checkpoint's quantized format on any device (workers/quant_weights.py).
+QUANTIZED = (FP8Weight, Int4Weight)
+
+
+def load_target(param: torch.Tensor, loaded: object):
     """Where a layer's weight_loader writes `loaded`: the parameter's GGUF blocks when `loaded` is
-    a GGUFWeight (allocated on the first shard, kept as `param.gguf`), its float data otherwise.
+    a GGUFWeight (allocated on the first shard, kept as `param.gguf`), its FP8 or INT4 weight when
+    `loaded` is one (likewise, as `param.quant`), its float data otherwise.
 
     A parameter whose shards arrive in different block types (a fused q/k/v from a mixed file)
     falls back to float: what has arrived is de-quantised into its data."""
+    if isinstance(loaded, QUANTIZED):
+        return _quant_target(param, loaded)
     current = getattr(param, "gguf", None)
     if isinstance(loaded, GGUFWeight) and param.device.type == "cpu":
         if current is None and not getattr(param, "gguf_float", False):
@@ -145,9 +154,22 @@ def load_target(param: torch.Tensor, loaded: object) -> torch.Tensor | GGUFWeigh
     return param.data
 
 
+def _quant_target(param: torch.Tensor, loaded: FP8Weight | Int4Weight) -> FP8Weight | Int4Weight:
+    current = getattr(param, "quant", None)
+    if current is None:
+        current = param.quant = loaded.empty(*param.shape, device=param.device)
+    if type(current) is not type(loaded):
+        raise ValueError(
+            f"weights: one fused weight mixes {type(current).__name__} and "
+            f"{type(loaded).__name__} parts"
+        )
+    return current
+
+
 def as_float(loaded: object) -> object:
-    """A GGUFWeight de-quantised (for float destinations); anything else unchanged."""
-    return loaded.dequantize() if isinstance(loaded, GGUFWeight) else loaded
+    """A GGUF, FP8 or INT4 weight de-quantised (for float destinations); anything else
+    unchanged."""
+    return loaded.dequantize() if isinstance(loaded, (GGUFWeight, *QUANTIZED)) else loaded
 
 
 def drop_float_copies(model: torch.nn.Module) -> int:
