@@ -1,4 +1,18 @@
-"""Speculative decoding (n-gram) against plain decoding on the embedded SmolLM2-135M, CPU.
+"""Speculative decoding (n-gram or a draft model) against plain decoding.
+
+Two modes. Without --device (or with --device cpu): the embedded SmolLM2-135M on CPU, below. With
+--device cuda (or --smoke, on CPU with a tiny model): a random-weight checkpoint of Llama 3.2 1B's
+shape written on the fly (random weights make a draft model meaningless for acceptance), for
+- n-gram on a repetitive workload (prompts of repeated motifs), batch 1 and 8;
+- the cost of a verify step (every request verifies k proposed tokens) against the plain step,
+  at k = 2, 4, 8 and batch 1, 8, 32: engine step wall time and forward time, the plain step with
+  CUDA graphs (as served) and eagerly (as a verify step runs).
+It needs no Ray, FastAPI, gguf or flash-attn.
+
+    python bench/spec_bench.py --device cuda [--json out.json]
+    python bench/spec_bench.py --smoke
+
+Embedded mode (SmolLM2-135M, CPU):
 
 Workloads (chat-templated, greedy, ignore_eos):
 - `rewrite`: repeat or lightly edit a provided passage or piece of code (the output copies its
@@ -15,18 +29,30 @@ loaded machine), their ratios, the share of proposed tokens accepted, the mean a
 verify row, and whether the greedy tokens are identical.
 
     python bench/spec_bench.py [--max-tokens 96] [--repeats 3] [--num-tokens 4] [--cpu-threads 1]
+        [--method draft --draft-model default]
+
+With `--method draft` the draft model (`--draft-model`: `default` is the embedded model drafting
+for itself, which measures the mechanics: acceptance near 1 under greedy, and what the draft's
+forwards cost per step) proposes instead of prompt lookup; "ms/step" is the best run's wall time
+per engine step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import random
+import sys
+import tempfile
 import time
+from collections.abc import Sequence
 
 import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.llm import LLM
 from scheduler import SamplingParams
@@ -94,12 +120,33 @@ def sampled(n: int, max_tokens: int) -> list[SamplingParams]:
     ]
 
 
+def count_steps(llm: LLM) -> list[int]:
+    """Wrap the engine's step so that calls are counted; the counter (a one-element list)."""
+    engine, counter = llm.engine, [0]
+    step = engine.step
+
+    def counted():
+        counter[0] += 1
+        return step()
+
+    engine.step = counted  # type: ignore[method-assign]
+    return counter
+
+
 def run(
-    llm: LLM, convs: list[list[dict]], params: SamplingParams | list[SamplingParams]
-) -> tuple[tuple[float, float], list, tuple]:
+    llm: LLM,
+    convs: Sequence,
+    params: SamplingParams | list[SamplingParams],
+    counter: list[int] | None = None,
+) -> tuple[tuple[float, float], list, tuple, int]:
+    """Chats (or token-id prompts): (wall, CPU) seconds, tokens, spec counts, engine steps."""
     before = llm.engine.stats()
+    steps = counter[0] if counter else 0
     t, cpu = time.perf_counter(), time.process_time()
-    outs = llm.chat(convs, params, use_tqdm=False)
+    if convs and isinstance(convs[0][0], int):
+        outs = llm.generate(list(convs), params, use_tqdm=False)
+    else:
+        outs = llm.chat(list(convs), params, use_tqdm=False)
     elapsed = (time.perf_counter() - t, time.process_time() - cpu)
     after = llm.engine.stats()
     spec = (
@@ -107,18 +154,269 @@ def run(
         after.num_spec_accepted_tokens - before.num_spec_accepted_tokens,
         after.num_spec_verify_rows - before.num_spec_verify_rows,
     )
-    return elapsed, [o.token_ids for o in outs], spec
+    return elapsed, [o.token_ids for o in outs], spec, (counter[0] - steps if counter else 0)
+
+
+def compare(
+    plain: LLM, spec: LLM, name: str, convs: Sequence, how, repeats: int, counters: dict
+) -> dict:
+    """Alternate plain and speculative runs; the best of each, and the speculation counts."""
+    best = {"plain": [float("inf")] * 2, "spec": [float("inf")] * 2}
+    per_step = {"plain": float("inf"), "spec": float("inf")}
+    tokens: dict[str, list] = {}
+    proposed = accepted = rows = 0
+    for _ in range(repeats):
+        for key, llm in (("plain", plain), ("spec", spec)):
+            elapsed, tokens[key], (p, a, r), steps = run(llm, convs, how, counters.get(key))
+            best[key] = [min(b, e) for b, e in zip(best[key], elapsed)]
+            per_step[key] = min(per_step[key], elapsed[0] / max(steps, 1))
+            proposed, accepted, rows = proposed + p, accepted + a, rows + r
+    total = sum(len(t) for t in tokens["plain"])
+    return dict(
+        workload=name,
+        batch=len(convs),
+        plain_tok_s=total / best["plain"][0],
+        spec_tok_s=total / best["spec"][0],
+        cpu_ratio=best["plain"][1] / best["spec"][1],
+        proposed=proposed,
+        accepted=accepted,
+        rows=rows,
+        plain_ms_step=per_step["plain"] * 1e3,
+        spec_ms_step=per_step["spec"] * 1e3,
+        identical=sum(a == b for a, b in zip(tokens["plain"], tokens["spec"])),
+    )
+
+
+TABLE_HEAD = (
+    "| workload | batch | plain tok/s | spec tok/s | speedup | speedup (CPU time) | acceptance | "
+    "mean accepted length | plain ms/step | spec ms/step | identical |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def table_row(r: dict) -> str:
+    acceptance = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
+    mean_len = r["accepted"] / r["rows"] if r["rows"] else 0.0
+    return (
+        f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+        f"{r['spec_tok_s'] / r['plain_tok_s']:.2f}x | {r['cpu_ratio']:.2f}x | "
+        f"{acceptance:.2f} ({r['accepted']}/{r['proposed']}) | "
+        f"{mean_len:.2f} ({r['rows']} rows) | {r['plain_ms_step']:.1f} | "
+        f"{r['spec_ms_step']:.1f} | {r['identical']}/{r['batch']} |"
+    )
+
+
+# ---- embedded SmolLM2 (CPU) ---------------------------------------------------------------------
+def speculative_settings(args: argparse.Namespace) -> dict:
+    spec = {
+        "method": args.method,
+        "num_tokens": args.num_tokens,
+        "max_batch_size": args.max_batch_size,
+    }
+    if args.method == "draft":
+        spec["draft_model"] = args.draft_model
+    else:
+        spec["ngram_min"] = args.ngram_min
+    return spec
+
+
+def embedded_main(args: argparse.Namespace) -> None:
+    common = dict(model="default", device="cpu", load_progress=False, cpu_threads=args.cpu_threads)
+    plain = LLM(**common)
+    spec = LLM(**common, speculative=speculative_settings(args))
+    counters = {"plain": count_steps(plain), "spec": count_steps(spec)}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for llm in (plain, spec):  # warm-up: allocator, kernels
+        llm.chat(chat_prompts(2), SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    how_spec = (
+        f"draft {args.draft_model}" if args.method == "draft" else f"ngram {args.ngram_min}-4"
+    )
+    print(
+        f"SmolLM2-135M float32, CPU, torch threads {torch.get_num_threads()}, max_tokens "
+        f"{args.max_tokens}, greedy unless sampled; speculative: {how_spec}, num_tokens "
+        f"{args.num_tokens}, min_acceptance_rate 0.4, max_batch_size {args.max_batch_size}; best "
+        f"of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
+    )
+    print(TABLE_HEAD)
+    makers = {"rewrite": rewrite_prompts, "chat": chat_prompts, "chat-sampled": chat_prompts}
+    for name in args.workloads.split(","):
+        for batch in map(int, args.batches.split(",")):
+            convs = makers[name](batch)
+            how = sampled(batch, args.max_tokens) if name == "chat-sampled" else params
+            row = compare(plain, spec, name, convs, how, args.repeats, counters)
+            print(table_row(row), flush=True)
+    plain.shutdown()
+    spec.shutdown()
+
+
+# ---- a random Llama-1B-shaped model (CUDA), or a tiny one (--smoke) ------------------------------
+class FixedProposer:
+    """Proposes k tokens for every request (the last token repeated), so every step verifies k."""
+
+    uses_hidden_states = False
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, contexts, hidden_states=None) -> list[list[int]]:
+        return [[ctx[-1]] * self.k for ctx in contexts]
+
+
+def repetitive_prompts(n: int, vocab: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of a few random motifs (4-12 tokens) repeated: what prompt lookup is for."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        motifs = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+        prompts.append([t for _ in range(16) for m in motifs for t in m][:length])
+    return prompts
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_steps(llm: LLM, steps: int, device: str) -> tuple[float, float]:
+    """(engine step, forward) milliseconds over `steps` engine steps."""
+    engine = llm.engine
+    runner = engine.executor.runner  # type: ignore[attr-defined]
+    forward = runner._forward
+    times: list[float] = []
+
+    def timed(batch):
+        sync(device)
+        t = time.perf_counter()
+        out = forward(batch)
+        sync(device)
+        times.append(time.perf_counter() - t)
+        return out
+
+    runner._forward = timed
+    try:
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+        step_ms = (time.perf_counter() - t) / steps * 1e3
+    finally:
+        runner._forward = forward
+    return step_ms, sum(times) / max(len(times), 1) * 1e3
+
+
+def step_cost(
+    make, vocab: int, batches: Sequence[int], ks: Sequence[int], context: int, steps: int, device
+) -> list[dict]:
+    """Plain step (graphs and eager) and verify step at each k, per batch size."""
+    from scheduler.request import EngineRequest
+    from tests.random_checkpoint import random_prompts
+
+    rows: list[dict] = [dict(batch=b) for b in batches]
+    kinds = [("graphs", {}, None), ("eager", {"enforce_eager": True}, None)]
+    always = {"num_tokens": max(ks), "min_acceptance_rate": 0.0, "max_batch_size": max(batches)}
+    kinds += [(f"k{k}", {"speculative": always}, k) for k in ks]
+    for name, extra, k in kinds:
+        llm = make(**extra)
+        if k is not None:
+            llm.engine.executor.runner.proposer = FixedProposer(k)  # type: ignore[attr-defined]
+        for row in rows:
+            batch = row["batch"]
+            for i, prompt in enumerate(random_prompts(batch, vocab, context, context, seed=batch)):
+                params = SamplingParams(max_tokens=(steps + 10) * 9, ignore_eos=True)
+                llm.engine.add_request(EngineRequest(f"{name}-{batch}-{i}", prompt, params))
+            budget = llm.engine.scheduler.config.max_num_batched_tokens
+            for _ in range(-(-batch * context // budget) + 4):  # the prefill, a few decodes
+                llm.engine.step()
+            row[f"{name}_ms"], row[f"{name}_forward_ms"] = timed_steps(llm, steps, device)
+            llm.engine.abort_requests([f"{name}-{batch}-{i}" for i in range(batch)])
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+        llm.shutdown()
+        del llm
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def random_main(args: argparse.Namespace) -> None:
+    from tests.random_checkpoint import SHAPES, TINY_FAMILIES, write_random_checkpoint
+
+    device = "cpu" if args.smoke else args.device
+    if args.smoke:
+        shape, dtype, context, steps = TINY_FAMILIES["llama"], "float32", 64, 6
+        batches, max_tokens = [1, 4], 24
+    else:
+        shape, dtype, context, steps = SHAPES["llama3-1b"], "bfloat16", 512, 40
+        batches, max_tokens = [1, 8, 32], args.max_tokens
+    ks = [2, 4, 8]
+    with tempfile.TemporaryDirectory() as path:
+        t = time.perf_counter()
+        ckpt = write_random_checkpoint(shape, path, device=device)
+        print(f"random checkpoint written in {time.perf_counter() - t:.0f}s", flush=True)
+        blocks_per_request = -(-(context + (steps + 10) * 9 + 16) // 16)
+        max_batch = max(max(batches), 8)
+        pool = dict(
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=max(2048, context * 2),
+            max_model_len=16 * blocks_per_request,
+            num_gpu_blocks=max_batch * blocks_per_request + 16,
+        )
+
+        def make(**extra) -> LLM:
+            return LLM(model=path, dtype=dtype, device=device, load_progress=False, **pool, **extra)
+
+        name = "tiny random Llama (smoke)" if args.smoke else "random Llama-3.2-1B shape"
+        where = torch.cuda.get_device_name(0) if device.startswith("cuda") else "CPU"
+        print(f"{name}, {dtype}, {where}, torch {torch.__version__}")
+        result: dict = {"model": name, "device": where, "ngram": [], "step_cost": []}
+        plain, spec = make(), make(speculative=speculative_settings(args))
+        counters = {"plain": count_steps(plain), "spec": count_steps(spec)}
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        print("\nn-gram, repetitive prompts, greedy\n")
+        print(TABLE_HEAD)
+        for batch in (1, 8):
+            prompts = repetitive_prompts(batch, ckpt.vocab_size, context, seed=batch)
+            run(plain, prompts[:1], params)  # warm-up
+            row = compare(plain, spec, "repetitive", prompts, params, args.repeats, counters)
+            result["ngram"].append(row)
+            print(table_row(row), flush=True)
+        for llm in (plain, spec):
+            llm.shutdown()
+        del plain, spec
+        rows = step_cost(make, ckpt.vocab_size, batches, ks, context, steps, device)
+        result["step_cost"] = rows
+    print(f"\nstep cost, context {context}, ms per engine step (forward ms in brackets)\n")
+    print(
+        "| batch | plain, graphs | plain, eager | " + " | ".join(f"verify k={k}" for k in ks) + " |"
+    )
+    print("| --- " * (3 + len(ks)) + "|")
+    for r in rows:
+        cells = [f"{r[f'{n}_ms']:.2f} ({r[f'{n}_forward_ms']:.2f})" for n in ("graphs", "eager")]
+        for k in ks:
+            ms, forward_ms = r[f"k{k}_ms"], r[f"k{k}_forward_ms"]
+            cells.append(f"{ms:.2f} ({forward_ms:.2f}), {ms / r['eager_ms']:.2f}x")
+        print(f"| {r['batch']} | " + " | ".join(cells) + " |")
+    print("(verify k=N: its step time against the eager plain step)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--device", default="cpu", help="cpu (embedded SmolLM2) or cuda")
+    parser.add_argument("--smoke", action="store_true", help="the cuda mode on CPU, tiny model")
+    parser.add_argument("--json", default=None, help="cuda mode: write the figures here")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--cpu-threads", type=int, default=None, help="torch threads (1 on a shared machine)"
     )
+    parser.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    parser.add_argument("--draft-model", default="default", help="method draft: the draft model")
     parser.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens")
     parser.add_argument("--ngram-min", type=int, default=2, help="speculative.ngram_min")
     parser.add_argument("--max-batch-size", type=int, default=4, help="speculative.max_batch_size")
@@ -126,58 +424,12 @@ def main() -> None:
     parser.add_argument("--workloads", default="rewrite,chat,chat-sampled")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    common = dict(model="default", device="cpu", load_progress=False, cpu_threads=args.cpu_threads)
-    plain = LLM(**common)
-    spec = LLM(
-        **common,
-        speculative={
-            "num_tokens": args.num_tokens,
-            "ngram_min": args.ngram_min,
-            "max_batch_size": args.max_batch_size,
-        },
-    )
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    for llm in (plain, spec):  # warm-up: allocator, kernels
-        llm.chat(chat_prompts(2), SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-    print(
-        f"SmolLM2-135M float32, CPU, torch threads {torch.get_num_threads()}, max_tokens "
-        f"{args.max_tokens}, greedy unless sampled; speculative: ngram num_tokens "
-        f"{args.num_tokens} (ngram {args.ngram_min}-4, min_acceptance_rate 0.4, max_batch_size "
-        f"{args.max_batch_size}); best of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
-    )
-    print(
-        "| workload | batch | plain tok/s | spec tok/s | speedup | speedup (CPU time) | "
-        "acceptance | mean accepted length | identical |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    makers = {"rewrite": rewrite_prompts, "chat": chat_prompts, "chat-sampled": chat_prompts}
-    for name in args.workloads.split(","):
-        for batch in map(int, args.batches.split(",")):
-            convs = makers[name](batch)
-            how = sampled(batch, args.max_tokens) if name == "chat-sampled" else params
-            best = {"plain": [float("inf")] * 2, "spec": [float("inf")] * 2}
-            tokens: dict[str, list] = {}
-            proposed = accepted = rows = 0
-            for _ in range(args.repeats):
-                for key, llm in (("plain", plain), ("spec", spec)):
-                    elapsed, tokens[key], (p, a, r) = run(llm, convs, how)
-                    best[key] = [min(b, e) for b, e in zip(best[key], elapsed)]
-                    proposed, accepted, rows = proposed + p, accepted + a, rows + r
-            total = sum(len(t) for t in tokens["plain"])
-            plain_rate, spec_rate = total / best["plain"][0], total / best["spec"][0]
-            cpu_ratio = best["plain"][1] / best["spec"][1]
-            acceptance = accepted / proposed if proposed else 0.0
-            mean_len = accepted / rows if rows else 0.0
-            same = sum(a == b for a, b in zip(tokens["plain"], tokens["spec"]))
-            print(
-                f"| {name} | {batch} | {plain_rate:.1f} | {spec_rate:.1f} | "
-                f"{spec_rate / plain_rate:.2f}x | {cpu_ratio:.2f}x | "
-                f"{acceptance:.2f} ({accepted}/{proposed}) | "
-                f"{mean_len:.2f} ({rows} rows) | {same}/{batch} |",
-                flush=True,
-            )
-    plain.shutdown()
-    spec.shutdown()
+    if args.smoke or args.device != "cpu":
+        if args.method != "ngram":
+            parser.error("--method: the random model measures n-gram and the verify step only")
+        random_main(args)
+    else:
+        embedded_main(args)
 
 
 if __name__ == "__main__":

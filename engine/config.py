@@ -225,6 +225,14 @@ class EngineConfig:
                 f"kv_disk_tier_dir: must be a path of 1 to {_MAX_PATH} characters without NUL, "
                 f"got {shown(self.kv_disk_tier_dir)}"
             )
+        draft = self.speculative is not None and self.speculative.method == "draft"
+        if draft and (self.kv_cpu_tier_gb or sched.num_cpu_tier_blocks):
+            # The tiers keep the model's KV blocks, not the draft's: a block loaded back would come
+            # without the draft's KV (docs/speculative.md).
+            raise ValueError(
+                "speculative.draft_model: a draft model cannot be combined with the prefix cache's "
+                "lower tiers (kv_cpu_tier_gb, num_cpu_tier_blocks)"
+            )
         if self.speculative is not None and self.async_scheduling:
             # The next step would be scheduled before the proposals it verifies are known.
             raise ValueError(
@@ -304,9 +312,14 @@ class EngineConfig:
         )
 
     def runner_config(
-        self, model_dir: str, max_model_len: int, tiers: KVTierConfig | None = None
+        self,
+        model_dir: str,
+        max_model_len: int,
+        tiers: KVTierConfig | None = None,
+        draft_model_dir: str | None = None,
     ) -> RunnerConfig:
-        """What every worker rank needs to build its model and cache."""
+        """What every worker rank needs to build its model and cache (draft_model_dir: the draft
+        model's directory, checked by workers.draft.check_draft_model)."""
         from workers.runner import RunnerConfig
 
         sched = self.scheduler
@@ -337,16 +350,23 @@ class EngineConfig:
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.num_cpu_loras,
             kv_tiers=tiers,
+            draft_model_dir=draft_model_dir,
+            draft_gguf_file=(
+                self.quantized_gguf(self.speculative.draft_model)
+                if self.speculative is not None and self.speculative.draft_model is not None
+                else None
+            ),
         )
 
-    def quantized_gguf(self) -> str | None:
-        """The GGUF file whose blocks the workers keep quantized, per `quantization`; None when
-        the weights load as floats."""
+    def quantized_gguf(self, model: str | None = None) -> str | None:
+        """The GGUF file whose blocks the workers keep quantized, per `quantization`, of `model`
+        (default: the engine's model; a draft model follows the same rule); None when the weights
+        load as floats."""
         if self.quantization not in ("auto", "gguf"):
             return None
         from workers.model_files import gguf_path
 
-        path = gguf_path(self.model)
+        path = gguf_path(self.model if model is None else model)
         if path is None:
             return None
         if self.resolved_device() != "cpu":

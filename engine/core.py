@@ -54,7 +54,9 @@ class EngineCore:
         self.eos_token_ids = self.model_info.eos_token_ids
         self.failure: BaseException | None = None
         self.tiers = self._kv_tiers()
-        runner_config = config.runner_config(self.model_dir, self.max_model_len, self.tiers)
+        runner_config = config.runner_config(
+            self.model_dir, self.max_model_len, self.tiers, self._draft_model_dir()
+        )
         clock = self._phase("model_config", clock)
         self.executor: Executor = executor_factory(config, runner_config)
         clock = self._phase("weights", clock)
@@ -100,6 +102,22 @@ class EngineCore:
             runner_config.device,
             num_gpu_blocks,
             sched.block_size,
+            self.max_model_len,
+        )
+
+    def _draft_model_dir(self) -> str | None:
+        """The draft model's directory, once checked against the model (speculative.method
+        `draft`)."""
+        spec = self.config.speculative
+        if spec is None or spec.draft_model is None:
+            return None
+        from workers.draft import check_draft_model
+
+        return check_draft_model(
+            spec.draft_model,
+            self.config.cache_dir,
+            self.model_dir,
+            self.vocab_size,
             self.max_model_len,
         )
 

@@ -16,6 +16,7 @@ SPEC_METHODS = ("ngram", "draft")
 MAX_SPEC_TOKENS = 16  # verifying more per step costs more than even a perfect run gains on CPU
 MAX_NGRAM = 64
 MAX_DRAFT_MODEL_CHARS = 4096
+MAX_SPEC_BATCH = 1 << 16  # more running requests than any replica holds
 # Acceptance estimate: an exponential average over verify steps (and over shadow proposals checked
 # against the tokens decoded without speculation), starting optimistic so each request gets tried.
 _EMA_WEIGHT = 0.3
@@ -27,19 +28,24 @@ class SpeculativeConfig:
 
     method: str = setting(
         "ngram",
-        "how tokens are proposed: `ngram` (prompt lookup) or `draft` (a smaller model; not yet "
-        "available)",
+        "how tokens are proposed: `ngram` (prompt lookup) or `draft` (a smaller model with the "
+        "same tokenizer, `draft_model`)",
         choices=SPEC_METHODS,
     )
     num_tokens: int = setting(4, "tokens proposed and verified per step", ge=1, le=MAX_SPEC_TOKENS)
     ngram_min: int = setting(2, "ngram: shortest suffix matched", ge=1, le=MAX_NGRAM)
     ngram_max: int = setting(4, "ngram: longest suffix matched (tried first)", ge=1, le=MAX_NGRAM)
-    draft_model: str | None = setting(None, "draft: the draft model (same tokenizer)")
+    draft_model: str | None = setting(
+        None,
+        "draft: the draft model (`default`, an HF directory or a `.gguf` file) with the model's "
+        "vocabulary and tokenizer; it runs on rank 0 only",
+    )
     max_batch_size: int = setting(
         4,
         "no speculation in a step whose running batch is larger: a large batch has no idle "
         "compute to spend (on CPU, past about 4 requests; a GPU has room for more)",
         ge=1,
+        le=MAX_SPEC_BATCH,
     )
     min_acceptance_rate: float = setting(
         0.4,
@@ -55,15 +61,16 @@ class SpeculativeConfig:
             raise ValueError(
                 f"ngram_min: must be <= ngram_max={self.ngram_max}, got {self.ngram_min}"
             )
-        if self.draft_model is not None and len(self.draft_model) > MAX_DRAFT_MODEL_CHARS:
+        path = self.draft_model
+        if path is not None and not (0 < len(path) <= MAX_DRAFT_MODEL_CHARS and "\0" not in path):
             raise ValueError(
-                f"draft_model: must be at most {MAX_DRAFT_MODEL_CHARS} characters, got "
-                f"{shown(self.draft_model)}"
+                f"draft_model: must be a path of 1 to {MAX_DRAFT_MODEL_CHARS} characters without "
+                f"NUL, got {shown(path)}"
             )
-        if self.method == "draft":
-            raise ValueError("method: 'draft' (a draft model) is not available yet; use 'ngram'")
-        if self.draft_model is not None:
-            raise ValueError("draft_model: only with method 'draft'")
+        if self.method == "draft" and path is None:
+            raise ValueError("draft_model: method 'draft' needs a draft model")
+        if self.method != "draft" and path is not None:
+            raise ValueError(f"draft_model: only with method 'draft', not {self.method!r}")
 
 
 @dataclass(slots=True)

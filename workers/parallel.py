@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,18 @@ def reset_tensor_parallel() -> None:
     """Back to a single process (rank 0 of 1), experts split as in tensor parallelism."""
     init_tensor_parallel(0, 1, None)
     _state.expert_parallel = False
+
+
+@contextmanager
+def single_rank() -> Iterator[None]:
+    """Inside: this process is rank 0 of 1, whatever its tensor-parallel group. A model built and
+    run here is held whole and calls no collectives (rank 0's draft model, workers/draft.py)."""
+    global _state
+    saved, _state = _state, ParallelState()
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def set_expert_parallel(enabled: bool) -> None:

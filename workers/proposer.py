@@ -51,8 +51,9 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
-    """The proposer `config.method` names; None without speculation."""
-    if config is None:
+    """The proposer `config.method` names; None without speculation, and for method `draft`,
+    whose model and KV the runner holds itself (workers/draft.py: it needs the step's batch)."""
+    if config is None or config.method == "draft":
         return None
     if config.method == "ngram":
         return NgramProposer(config)

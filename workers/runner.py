@@ -20,6 +20,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 from scheduler.speculative import SpeculativeConfig
 from workers.cuda_graphs import DecodeGraphs
+from workers.draft import DraftModel, DraftRow
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.kv_tiers import KVTierConfig, KVTiers
 from workers.layers.attention import AttentionMetadata, select_backend
@@ -77,6 +78,9 @@ class RunnerConfig:
     expert_parallel: bool = False
     # Speculative decoding: the runner proposes after sampling and verifies what is scheduled.
     speculative: SpeculativeConfig | None = None
+    # method `draft`: the draft's HF directory (and GGUF file, when its blocks stay quantized).
+    draft_model_dir: str | None = None
+    draft_gguf_file: str | None = None
     # A GGUF file whose Q4_0/Q4_1/Q8_0 weights are multiplied as stored (CPU); None: model_dir's
     # float weights.
     gguf_file: str | None = None
@@ -112,6 +116,7 @@ class RequestState:
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_prompt_logprobs: int = 0
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
+    draft_computed: int = 0  # the draft model's KV holds positions [0, draft_computed)
 
 
 @dataclass(slots=True)
@@ -247,6 +252,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.proposer = make_proposer(config.speculative)
         self.is_driver = get_tp_rank() == 0
+        self.draft = self._load_draft() if self.is_driver else None  # rank 0 only
         self.requests: dict[str, RequestState] = {}
         self.block_tables = BlockTableRows(
             -(-config.max_model_len // config.block_size), config.max_num_seqs
@@ -264,15 +270,40 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
 
+    def _load_draft(self) -> DraftModel | None:
+        cfg, spec = self.config, self.config.speculative
+        if spec is None or spec.method != "draft":
+            return None
+        if cfg.draft_model_dir is None:
+            raise ValueError("speculative.draft_model: the runner got no draft directory")
+        t0 = time.perf_counter()
+        draft = DraftModel(
+            cfg.draft_model_dir,
+            cfg.draft_gguf_file,
+            self.dtype,
+            self.device,
+            cfg.block_size,
+            cfg.max_model_len,
+            cfg.attention_backend,
+            spec.num_tokens,
+            min(spec.max_batch_size, cfg.max_num_seqs),
+        )
+        logger.info("draft model loaded in %.1fs", time.perf_counter() - t0)
+        return draft
+
     # ---- KV cache ------------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
-        """Device blocks for the KV cache: from kv_cache_memory_gb on CPU, profiled on CUDA."""
+        """Device blocks for the KV cache: from kv_cache_memory_gb on CPU, profiled on CUDA (a
+        draft model's blocks share the budget: each block id holds one of each)."""
         if self.device.type != "cuda":
-            return cpu_num_blocks(self.kv_spec, self.config.kv_cache_memory_gb)
+            blocks = cpu_num_blocks(self.kv_spec, self.config.kv_cache_memory_gb)
+            return blocks if self.draft is None else self.draft.share(blocks, self.kv_spec)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
         torch.cuda.synchronize(self.device)
         blocks = cuda_num_blocks(self.kv_spec, self.device, self.config.gpu_memory_utilization)
+        if self.draft is not None:
+            blocks = self.draft.share(blocks, self.kv_spec)
         return blocks - 1 if self.use_graphs else blocks  # one block is the graphs' pad block
 
     @torch.inference_mode()
@@ -309,6 +340,8 @@ class ModelRunner:
         )  # a block past the scheduler's pool, for padded graph rows
         self.kv_cache = KVCache(self.kv_spec, num_gpu_blocks + pad, num_cpu_blocks, self.device)
         self.kv_cache.bind(self.layers)
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
         if self.config.kv_tiers is not None:
             self.tiers = KVTiers(self.kv_cache, self.config.kv_tiers, get_tp_rank())
         if self.use_graphs:
@@ -340,6 +373,8 @@ class ModelRunner:
                 tiers.save(transfers)  # reads blocks that the swaps and the forward overwrite
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
+        if self.draft is not None:
+            self.draft.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         load_failed = self._load_tiers(tiers, transfers) if transfers is not None else []
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], failed=failed, kv_load_failed=load_failed)
@@ -349,6 +384,8 @@ class ModelRunner:
         masks = self._start_masks(batch)  # filled by native threads while the forward runs
         logits = self._forward(batch)
         output = self._sample(batch, logits, masks)
+        if self.draft is not None:
+            output.spec_token_ids = self._propose_draft(self.draft, batch, output.sampled_token_ids)
         output.failed.update(failed)
         output.kv_load_failed = load_failed
         output.pooled = batch.pooled
@@ -386,6 +423,7 @@ class ModelRunner:
             state = requests.get(rid)
             if state is not None:
                 state.block_ids, state.num_synced_blocks = [], 0
+                state.draft_computed = 0
         for rid, keep in out.truncated_block_tables.items():  # rejected proposals' blocks
             state = requests.get(rid)
             if state is not None:
@@ -419,6 +457,8 @@ class ModelRunner:
                     else None
                 ),
                 lora_name=new.lora_name,
+                # A prefix hit's blocks hold the draft's KV too (workers/draft.py).
+                draft_computed=new.num_computed_tokens,
             )
         cached = out.scheduled_cached_reqs
         for rid, resumed, tokens, blocks, computed in zip(
@@ -436,6 +476,7 @@ class ModelRunner:
                 outputs.extend(state.token_ids[num_prompt + len(outputs) :])
             if resumed:
                 state.block_ids, state.num_synced_blocks = list(blocks), 0
+                state.draft_computed = computed
             else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
@@ -682,6 +723,34 @@ class ModelRunner:
         contexts = [requests[batch.req_ids[i]].token_ids + sampled[i] for i in rows]
         for i, proposal in zip(rows, self.proposer.propose(contexts)):
             proposals[i] = proposal
+        return proposals
+
+    def _propose_draft(
+        self, draft: DraftModel, batch: _Batch, sampled: list[list[int]]
+    ) -> list[list[int]]:
+        """The draft catches up with every row's new tokens and proposes for the rows that
+        sampled (none under a grammar; none at all when more rows sampled than may speculate)."""
+        bs, k, requests = self.config.block_size, draft.num_tokens, self.requests
+        rows: list[DraftRow] = []
+        for i, rid in enumerate(batch.req_ids):
+            state, new = requests[rid], sampled[i]
+            own_end = batch.starts[i] + batch.query_lens[i] - len(batch.drafts.get(rid, ()))
+            start = state.draft_computed
+            end = len(state.token_ids) + len(new) if new else own_end
+            asks = bool(new) and state.sampling.params.structured is None
+            num = min(k, self.config.max_model_len - end) if asks else 0
+            tail = state.token_ids[start:] + new
+            rows.append(DraftRow(tail, start, end, state.block_ids, num))
+        if sum(r.num_proposed > 0 for r in rows) > draft.max_rows:
+            for r in rows:
+                r.num_proposed = 0
+        for r in rows:  # a row that does not propose writes no scratch block
+            if not r.num_proposed:
+                r.end = min(r.end, len(r.block_ids) * bs)
+        proposals = draft.propose(rows)
+        for rid, r in zip(batch.req_ids, rows):
+            state = requests[rid]
+            state.draft_computed = max(r.start, min(r.end, len(r.block_ids) * bs))
         return proposals
 
     def _append_sampled(self, batch: _Batch, sampled: list[list[int]]) -> None:

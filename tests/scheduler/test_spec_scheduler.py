@@ -206,7 +206,12 @@ def test_a_shadow_waits_for_enough_decoded_tokens():
         {"draft_model": "x" * 10_000_000},
         {"method": "x" * 10_000_000},
         {"ngram_min": 5, "ngram_max": 2},
-        {"method": "draft", "draft_model": "m"},
+        {"method": "draft"},
+        {"method": "ngram", "draft_model": "m"},
+        {"draft_model": ""},
+        {"draft_model": "a\0b"},
+        {"draft_model": 2**64},
+        {"max_batch_size": 2**64},
     ],
 )
 def test_bad_settings_name_their_field(bad):

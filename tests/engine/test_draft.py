@@ -1,0 +1,122 @@
+"""The draft-model proposer on the tiny random Llama (CPU): the same tokens as without speculation.
+
+The model drafting for itself must have every proposal accepted under greedy decoding: the draft's
+KV (paged by the model's own block ids) is then right at every position, through chunked prefill,
+prefix hits, and preemption by recompute and by swap. A second random model (one layer, another
+seed) drafts for a mixed greedy and seeded batch with penalties and logprobs, where most proposals
+are rejected. Every block is back in the pool once the engine is idle.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from scheduler import SamplingParams
+from tests.engine.paired_engines import SMALL_POOL, paired_engines
+from tests.engine.test_speculative import assert_idle, generate, workload
+from tests.random_checkpoint import TINY_FAMILIES, TINY_TP_LLAMA, write_random_checkpoint
+
+SPEC = {"method": "draft", "num_tokens": 4, "min_acceptance_rate": 0.0}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint) -> str:
+    return tiny_checkpoint("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, smollm2_tokenizer) -> str:
+    """A one-layer random Llama with the model's tokenizer: a draft that is mostly wrong."""
+    path = str(tmp_path_factory.mktemp("draft"))
+    spec = TINY_FAMILIES["llama"].with_fields(num_hidden_layers=1)
+    write_random_checkpoint(spec, path, seed=7, tokenizer=smollm2_tokenizer)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llms(model):
+    """(plain, drafting for itself) LLM pairs by preemption mode, built once."""
+    yield from paired_engines(model, "speculative", (None, {**SPEC, "draft_model": model}))
+
+
+@pytest.fixture(scope="module")
+def greedy_case(llms):
+    """Greedy requests without penalties that preempt each other and share a prefix, and the
+    plain engine's tokens for them (the same in either preemption mode)."""
+    prompts, _ = workload(1)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
+    return prompts, params, generate(llms()[0], prompts, params)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_model_drafting_for_itself_is_always_right(llms, greedy_case, mode):
+    """The draft's argmax is the model's, so every proposal is kept, which holds only if the
+    draft's KV is right after chunked prefill, prefix hits and preemption."""
+    spec = llms(mode)[1]
+    prompts, params, want = greedy_case
+    before, preemptions = spec.engine.stats(), spec.engine.scheduler.num_preemptions
+    assert generate(spec, prompts, params) == want
+    after = spec.engine.stats()
+    proposed = after.num_spec_proposed_tokens - before.num_spec_proposed_tokens
+    accepted = after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
+    assert proposed > 0 and accepted == proposed
+    assert spec.engine.scheduler.num_preemptions > preemptions
+    assert after.prefix_cache_hit_rate > 0
+    assert_idle(spec)
+
+
+@pytest.fixture(scope="module")
+def mixed_case(llms):
+    """Greedy and seeded requests with penalties and logprobs, and the plain engine's tokens."""
+    prompts, params = workload(12, n=4)
+    return prompts, params, generate(llms()[0], prompts, params)
+
+
+def test_seeded_rows_with_penalties_keep_their_tokens(llms, mixed_case):
+    spec = llms()[1]
+    prompts, params, want = mixed_case
+    assert generate(spec, prompts, params) == want
+    assert spec.engine.stats().num_spec_accepted_tokens > 0
+    assert_idle(spec)
+
+
+def test_a_wrong_draft_changes_no_token(model, other_draft, mixed_case):
+    spec = LLM(
+        model,
+        device="cpu",
+        load_progress=False,
+        speculative={**SPEC, "draft_model": other_draft},
+        **SMALL_POOL,
+    )
+    try:
+        prompts, params, want = mixed_case
+        assert generate(spec, prompts, params) == want
+        stats = spec.engine.stats()
+        assert stats.num_spec_proposed_tokens > stats.num_spec_accepted_tokens
+        assert_idle(spec)
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["vocabulary", "tokenizer"])
+def test_a_draft_with_another_vocabulary_is_refused(model, tmp_path, kind):
+    path = str(tmp_path)
+    if kind == "vocabulary":  # 250 tokens
+        write_random_checkpoint(TINY_TP_LLAMA, path)
+    else:  # the model's 49,152 ids, spelled by a word-level tokenizer
+        spec = TINY_TP_LLAMA.with_fields(vocab_size=49152, num_hidden_layers=1)
+        write_random_checkpoint(spec, path)
+    with pytest.raises(ValueError, match=r"speculative\.draft_model: .*" + kind):
+        LLM(model, device="cpu", load_progress=False, speculative={**SPEC, "draft_model": path})
+
+
+def test_a_draft_is_refused_with_the_lower_kv_tiers(model):
+    with pytest.raises(ValueError, match=r"speculative\.draft_model"):
+        LLM(
+            model,
+            device="cpu",
+            load_progress=False,
+            kv_cpu_tier_gb=0.01,
+            speculative={**SPEC, "draft_model": model},
+        )
