@@ -19,6 +19,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
 from cluster.autoscaling_policy import POLICY_PATH
 from cluster.placement import STRATEGIES, default_strategy
+from deploy.disagg_config import DisaggregationArgs
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
 from frontend.reasoning import PARSERS
@@ -164,6 +165,12 @@ class AppConfig:
         "`{min_replicas, max_replicas, initial_replicas, policy, target_ongoing_requests, "
         "upscale_delay_s, downscale_delay_s, look_back_period_s, metrics_interval_s, "
         "slo: {ttft_p90_s, itl_p90_s}, targets: {...}}` (docs/operations.md#autoscaling)",
+    )
+    disaggregation: DisaggregationArgs | None = setting(
+        None,
+        "instead of `num_replicas`: prefill and decode replicas apart, `{prefill_replicas, "
+        "decode_replicas, transfer_timeout_s, prefill: {...}, decode: {...}}` "
+        "(docs/disaggregation.md)",
     )
     # Routing across replicas and admission.
     router: str = setting(
@@ -349,12 +356,29 @@ class AppConfig:
                 "allow_runtime_lora: LoRA is off (set lora_root, where adapters may be loaded "
                 "from, or max_loras)"
             )
+        if self.disaggregation is not None:
+            self._check_disaggregation(self.disaggregation)
         if self.router == "fleet":
             RoutingConfig.from_router_kwargs(self.router_kwargs)
         elif self.router_kwargs:
             raise ValueError(
                 f"router_kwargs: {self.router} takes none, got {shown(sorted(self.router_kwargs))}"
             )
+
+    def _check_disaggregation(self, disagg: DisaggregationArgs) -> None:
+        for name in ("num_replicas", "autoscaling"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: set {name} or disaggregation, not both")
+        if self.router != "fleet":
+            raise ValueError("disaggregation: needs router: fleet (prefill, then decode)")
+        disagg.check(self.engine)
+
+    def phase_engine(self, phase: str) -> EngineConfig:
+        """The engine of the `prefill` or `decode` replicas (the model's without
+        disaggregation)."""
+        if self.disaggregation is None:
+            return self.engine
+        return self.disaggregation.engine(self.engine, phase)
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.config import AppConfig
+from deploy.disagg_config import DisaggregationArgs
 from engine.config import EngineConfig
 from router.config import RoutingConfig
 from scheduler.config import SchedulerConfig
@@ -58,6 +59,7 @@ def settings_table() -> str:
         + _rows("engine", EngineConfig)
         + _rows("scheduler", SchedulerConfig)
         + _rows("speculative", SpeculativeConfig)
+        + _rows("disaggregation", DisaggregationArgs)
     )
     return "\n".join(head + rows)
 

@@ -40,10 +40,18 @@ class KVTransfers:
     load_cpu: list[tuple[int, int, int]] = field(default_factory=list)  # (cpu slot, block, hash)
     load_disk: list[tuple[int, int]] = field(default_factory=list)  # (hash, device block)
     drop_disk: list[int] = field(default_factory=list)  # hashes whose files are deleted
+    # (transfer key, hash, device block): KV arriving from another engine (prefill/decode
+    # disaggregation, scheduler/kv_remote.py), run after the tier loads.
+    load_remote: list[tuple[str, int, int]] = field(default_factory=list)
     # The requests whose loads are in this step (the scheduler's own bookkeeping on update).
     loading_req_ids: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
+        return self.has_tier_copies or bool(self.load_remote)
+
+    @property
+    def has_tier_copies(self) -> bool:
+        """Whether the step copies to or from the lower tiers (the runner's KVTiers)."""
         return bool(
             self.demote
             or self.save
@@ -212,6 +220,10 @@ class KVConnector:
     def cancel(self, req_id: str) -> None:
         """A loading request was aborted: its copies still run, into blocks it gave back."""
         self.plans.pop(req_id, None)
+
+    def release(self, req_id: str) -> None:
+        """The request finished: nothing is kept for it here (a subclass that brings KV from
+        elsewhere drops what it expected for it: scheduler/kv_remote.py)."""
 
     def _forget(self, block_hash: int) -> None:
         if block_hash in self.cpu:

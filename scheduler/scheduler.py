@@ -121,6 +121,13 @@ class Scheduler:
             self.connector = KVConnector(config.cpu_tier_blocks, config.disk_tier_blocks)
             self.kv.pool.on_evict = self.connector.on_evict
 
+    def use_connector(self, connector: KVConnector) -> None:
+        """Replace the KV connector before the first step (a subclass that also brings KV from
+        another engine: scheduler/kv_remote.py); it takes over the tiers' eviction hook."""
+        self.connector = connector
+        if self.config.cpu_tier_blocks:
+            self.kv.pool.on_evict = connector.on_evict
+
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError for a duplicate id or a prompt that cannot fit."""
@@ -583,6 +590,8 @@ class Scheduler:
             self.loras.release(req.spec.lora_name)
         req.status = status
         self.kv.free(req)
+        if self.connector is not None:
+            self.connector.release(req.request_id)
         self.waiting.learn(req)  # the srpt policy's length predictor learns from it
         rid = req.request_id
         self._finished_ids.add(rid)

@@ -23,6 +23,7 @@ from workers.cuda_graphs import DecodeGraphs
 from workers.draft import DraftModel, DraftRow
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.kv_tiers import KVTierConfig, KVTiers
+from workers.kv_transfer import KVReceiver
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import load_model
 from workers.lora.manager import LoraManager
@@ -249,6 +250,8 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.of(self.layers, config.block_size, self.dtype)
         self.kv_cache: KVCache | None = None
         self.tiers: KVTiers | None = None
+        # KV arriving from a prefill engine (workers/kv_transfer.py); set by engine/disagg.py.
+        self.kv_receiver: KVReceiver | None = None
         self.sampler = Sampler()
         self.proposer = make_proposer(config.speculative)
         self.is_driver = get_tp_rank() == 0
@@ -375,7 +378,7 @@ class ModelRunner:
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         if self.draft is not None:
             self.draft.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
-        load_failed = self._load_tiers(tiers, transfers) if transfers is not None else []
+        load_failed = self._load_kv(tiers, transfers) if transfers is not None else []
         if out.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], failed=failed, kv_load_failed=load_failed)
         batch = self._build_batch(out)
@@ -393,6 +396,18 @@ class ModelRunner:
         if expert_load is not None and self.is_driver:
             output.expert_tokens_per_rank = expert_load()
         return output
+
+    def _load_kv(self, tiers: KVTiers | None, transfers: KVTransfers) -> list[int]:
+        """The step's loads: from the lower tiers, then from other engines' transfers."""
+        failed = []
+        if tiers is not None or transfers.has_tier_copies:
+            failed = self._load_tiers(tiers, transfers)
+        if transfers.load_remote:
+            if self.kv_receiver is None or get_tp_world_size() > 1:
+                raise RuntimeError("kv_transfers: this runner receives no KV transfers")
+            assert self.kv_cache is not None
+            failed += self.kv_receiver.load(self.kv_cache, transfers.load_remote)
+        return failed
 
     def _load_tiers(self, tiers: KVTiers | None, transfers: KVTransfers) -> list[int]:
         """Run the step's loads from the lower tiers; the device blocks that failed on any rank

@@ -1,0 +1,43 @@
+"""The KV transfer through Ray's object store (workers/kv_transfer.py's KVTransport).
+
+The prefill replica `ray.put`s the payload and owns the object; the handle carries its ObjectRef
+inside a list, so that Ray passes it through the ingress to the decode replica by reference (the
+decode replica borrows it) instead of fetching it on the way. The decode replica `ray.get`s it
+with a timeout; a prefill replica that died took the object with it (its owner), and the get fails
+at once: the decode replica recomputes. The object is freed when the last handle is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from workers.kv_transfer import KVPayload, TransferHandle
+
+logger = logging.getLogger(__name__)
+
+
+class ObjectStoreTransport:
+    """KVTransport over ray.put / ray.get."""
+
+    def send(self, payload: KVPayload) -> TransferHandle:
+        return TransferHandle(uuid.uuid4().hex, list(payload.hashes), [ray.put(payload)])
+
+    def receive(self, handle: TransferHandle, timeout_s: float) -> KVPayload | None:
+        if len(handle.ref) != 1 or not isinstance(handle.ref[0], ray.ObjectRef):
+            return None
+        try:
+            payload = ray.get(handle.ref[0], timeout=timeout_s)
+        except GetTimeoutError:
+            logger.warning("KV transfer %s: not here after %.1f s", handle.key, timeout_s)
+            return None
+        except RayError as exc:  # the owner (the prefill replica) died, or the object is lost
+            logger.warning("KV transfer %s: %r", handle.key, exc)
+            return None
+        return payload if isinstance(payload, KVPayload) else None
+
+    def release(self, handle: TransferHandle) -> None:
+        handle.ref.clear()  # our reference to the object goes; the owner frees it when none is left

@@ -1,0 +1,80 @@
+"""deploy.yaml's `disaggregation:` section: bounded fields, per-phase engine settings, and the
+settings both phases must share (no KV resharding) as errors naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from deploy.config import AppConfig
+
+
+def app(**disagg) -> AppConfig:
+    return AppConfig.from_args({"model": "default", "disaggregation": disagg})
+
+
+def test_each_phase_gets_the_model_s_engine_with_its_own_settings_over_it():
+    config = app(
+        prefill_replicas=2, decode={"max_num_seqs": 64}, prefill={"max_num_batched_tokens": 2048}
+    )
+    prefill, decode = config.phase_engine("prefill"), config.phase_engine("decode")
+    assert config.disaggregation is not None and config.disaggregation.prefill_replicas == 2
+    assert decode.scheduler.max_num_seqs == 64
+    assert prefill.scheduler.max_num_seqs == config.engine.scheduler.max_num_seqs
+    assert prefill.scheduler.max_num_batched_tokens == 2048
+    assert decode.cpu_threads == prefill.cpu_threads == config.engine.cpu_threads
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("prefill_replicas", 2**64, ": must fit in 64 bits"),
+        ("prefill_replicas", -1, ": must be >= 1"),
+        ("decode_replicas", 100_000, ": must be <= 1024"),
+        ("decode_replicas", 1.5, ": must be an integer"),
+        ("transfer_timeout_s", math.nan, ": must be finite"),
+        ("transfer_timeout_s", -1, ": must be > 0"),
+        ("transfer_timeout_s", 100_000, ": must be <= 600"),
+        ("prefill", 5, ": must be a mapping"),
+        ("decode", {"max_num_seqs": -1}, r"\.scheduler\.max_num_seqs: must be >= 1"),
+        ("decode", {"max_num_seqs": 2**64}, r"\.scheduler\.max_num_seqs: must fit in 64 bits"),
+        ("decode", {"x" * 10_000_000: 1}, r"\.xxx+\.\.\.: unknown setting"),
+    ],
+)
+def test_a_bad_value_is_a_value_error_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=rf"disaggregation\.{field}{message}"):
+        app(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"decode": {"tensor_parallel_size": 2}},
+            r"disaggregation\.decode\.tensor_parallel_size: 2 differs from the prefill "
+            r"replicas' 1; .*no resharding",
+        ),
+        ({"decode": {"block_size": 32}}, r"disaggregation\.decode\.block_size: 32 differs"),
+        ({"prefill": {"dtype": "bfloat16"}}, r"disaggregation\.decode\.dtype: 'float32' differs"),
+        (
+            {"prefill": {"tensor_parallel_size": 2}, "decode": {"tensor_parallel_size": 2}},
+            r"disaggregation\.prefill\.tensor_parallel_size: .* tensor_parallel_size 1, got 2",
+        ),
+        (
+            {"decode": {"enable_prefix_caching": False}},
+            r"disaggregation\.decode\.enable_prefix_caching: .* must be on",
+        ),
+    ],
+)
+def test_what_makes_a_kv_block_must_match_between_the_phases(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        app(**overrides)
+
+
+@pytest.mark.parametrize(
+    "extra", [{"num_replicas": 2}, {"autoscaling": {"max_replicas": 2}}, {"router": "power_of_two"}]
+)
+def test_disaggregation_replaces_the_model_s_replica_count_and_needs_the_fleet_router(extra):
+    with pytest.raises(ValueError, match=r"(num_replicas|autoscaling|disaggregation): "):
+        AppConfig.from_args({"model": "default", "disaggregation": {}, **extra})
