@@ -158,9 +158,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=31)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    from workers.model_files import default_model_path
+    if a.model is None:  # the llama.cpp child always gets --model: its venv has no transformers
+        from workers.model_files import default_model_path
 
-    model = a.model or str(default_model_path())
+        a.model = str(default_model_path())
+    model = a.model
     if a.one is not None:  # a child: one system, JSON on the last line
         if a.one == "llama.cpp":
             result = run_llama_cpp(model, a.threads, a.seed)
