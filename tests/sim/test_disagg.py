@@ -199,3 +199,19 @@ def test_the_study_compares_equal_gpu_counts(capsys):
     with pytest.raises(SystemExit) as exc:
         study_main(["--splits", "3"])
     assert exc.value.code == 2 and "PREFILL:DECODE" in capsys.readouterr().err
+
+
+@given(seed=st.integers(0, 1000))
+def test_coalesced_and_jumped_runs_equal_step_by_step_ones(seed):
+    """The decode replicas' k-step jumps and back-to-back steps change nothing a record holds."""
+    wl = _workload(n=30, seed=seed, output_len=(2, 60))
+
+    def fingerprint(coalesce: bool):
+        config = SimConfig(scheduler=SCHED, coalesce=coalesce)
+        result = DisaggSim(config, H100, DisaggConfig(2, 2)).run(wl)
+        return [
+            (r.request_id, r.replica, r.first_token_s, r.finish_s, tuple(r.itl_s))
+            for r in result.records
+        ]
+
+    assert fingerprint(True) == fingerprint(False)

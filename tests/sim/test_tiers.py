@@ -4,6 +4,7 @@ time."""
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import pairwise
 
 import pytest
@@ -142,3 +143,18 @@ def test_the_study_prints_both_runs(capsys):
     study_main(["--users", "6", "--turns", "2", "--blocks", "64", "--think", "1", "2"])
     out = capsys.readouterr().out
     assert "| off |" in out and "| on |" in out and "with the tier" in out
+
+
+@given(seed=st.integers(0, 1000))
+def test_coalesced_runs_equal_step_by_step_ones(seed):
+    wl = _conversations(users=6, turns=3, seed=seed)
+
+    def fingerprint(coalesce: bool):
+        config = dataclasses.replace(_config(48, replicas=2), coalesce=coalesce)
+        result = FleetSim(config, CPU).run(wl)
+        return [
+            (r.request_id, r.replica, r.first_token_s, r.finish_s, tuple(r.itl_s))
+            for r in result.records
+        ]
+
+    assert fingerprint(True) == fingerprint(False)
