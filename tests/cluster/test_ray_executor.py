@@ -102,21 +102,15 @@ def test_tp2_over_the_step_channel_gives_the_greedy_tokens_of_tp1(socket_tp2, re
     assert tokens == reference
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_tp2_with_speculation_gives_the_greedy_tokens_of_tp1(
-    ray_cluster, tiny_llama, reference, method
-):
+def test_tp2_with_speculation_gives_the_greedy_tokens_of_tp1(ray_cluster, tiny_llama, reference):
     """Proposals come from rank 0 and reach both ranks in the step, with the block tables cut
-    after rejections: every rank runs the same verify forward. The draft (the model drafting for
-    itself) runs whole on rank 0 alone."""
-    if method == "draft":
-        spec = SpeculativeConfig(
-            method="draft", draft_model=tiny_llama, num_tokens=3, min_acceptance_rate=0.0
-        )
-        config = replace(runner_config(tiny_llama), speculative=spec, draft_model_dir=tiny_llama)
-    else:
-        spec = SpeculativeConfig(num_tokens=3, ngram_min=1, ngram_max=2, min_acceptance_rate=0.0)
-        config = replace(runner_config(tiny_llama), speculative=spec)
+    after rejections: every rank runs the same verify forward. They come from a draft model (the
+    model drafting for itself, whole on rank 0 alone, workers/draft.py); an n-gram proposal takes
+    the same way from rank 0 on."""
+    spec = SpeculativeConfig(
+        method="draft", draft_model=tiny_llama, num_tokens=3, min_acceptance_rate=0.0
+    )
+    config = replace(runner_config(tiny_llama), speculative=spec, draft_model_dir=tiny_llama)
     executor = started(RayExecutor(config, 2))
     try:
         scheduler = SpecScheduler(scheduler_config(), spec)

@@ -13,7 +13,7 @@ import pytest
 
 from engine.llm import LLM
 from scheduler import SamplingParams
-from tests.engine.paired_engines import SMALL_POOL, paired_engines
+from tests.engine.paired_engines import SMALL_POOL
 from tests.engine.test_speculative import assert_idle, generate, workload
 from tests.random_checkpoint import TINY_FAMILIES, TINY_TP_LLAMA, write_random_checkpoint
 
@@ -34,10 +34,27 @@ def other_draft(tmp_path_factory, smollm2_tokenizer) -> str:
     return path
 
 
+def engine(model: str, mode: str = "recompute", **kwargs) -> LLM:
+    pool = dict(SMALL_POOL, preemption_mode=mode, num_cpu_blocks=200 if mode == "swap" else 0)
+    return LLM(model, device="cpu", load_progress=False, **pool, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def llms(model):
-    """(plain, drafting for itself) LLM pairs by preemption mode, built once."""
-    yield from paired_engines(model, "speculative", (None, {**SPEC, "draft_model": model}))
+    """mode -> (the plain engine, an engine whose model drafts for itself in that preemption
+    mode), each built on first use (the plain engine's tokens do not depend on the mode)."""
+    made: dict[str, LLM] = {}
+
+    def make(mode: str = "recompute") -> tuple[LLM, LLM]:
+        if "plain" not in made:
+            made["plain"] = engine(model)
+        if mode not in made:
+            made[mode] = engine(model, mode, speculative={**SPEC, "draft_model": model})
+        return made["plain"], made[mode]
+
+    yield make
+    for llm in made.values():
+        llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +62,7 @@ def greedy_case(llms):
     """Greedy requests without penalties that preempt each other and share a prefix, and the
     plain engine's tokens for them (the same in either preemption mode)."""
     prompts, _ = workload(1)
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     return prompts, params, generate(llms()[0], prompts, params)
 
 
@@ -69,7 +86,7 @@ def test_the_model_drafting_for_itself_is_always_right(llms, greedy_case, mode):
 @pytest.fixture(scope="module")
 def mixed_case(llms):
     """Greedy and seeded requests with penalties and logprobs, and the plain engine's tokens."""
-    prompts, params = workload(12, n=4)
+    prompts, params = workload(12, n=3)
     return prompts, params, generate(llms()[0], prompts, params)
 
 
@@ -82,13 +99,7 @@ def test_seeded_rows_with_penalties_keep_their_tokens(llms, mixed_case):
 
 
 def test_a_wrong_draft_changes_no_token(model, other_draft, mixed_case):
-    spec = LLM(
-        model,
-        device="cpu",
-        load_progress=False,
-        speculative={**SPEC, "draft_model": other_draft},
-        **SMALL_POOL,
-    )
+    spec = engine(model, speculative={**SPEC, "num_tokens": 2, "draft_model": other_draft})
     try:
         prompts, params, want = mixed_case
         assert generate(spec, prompts, params) == want
