@@ -17,11 +17,13 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 from tests.random_quantized import Layout, quant_config, quantize_linear
 from workers.layers.fp8 import FP8Weight, quantize_rows, quantize_weight
-from workers.layers.int4 import KERNEL_MAX_ROWS, Int4Weight
+from workers.layers.int4 import GROUP_SIZES, KERNEL_MAX_ROWS, Int4Weight, pack_nibbles
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.quant_config import QuantConfig, quant_config_of
 from workers.quant_weights import attach_quantized, awq_weight, fp8_weight, gptq_weight
@@ -90,6 +92,43 @@ def test_int4_shards_on_group_boundaries_multiply_like_the_whole(layout):
         s.prepare(torch.float32)
     y = sum(s.matmul(x[:, r * size : (r + 1) * size]) for r, s in enumerate(shards))
     assert_int4_close(y, x, deq)
+
+
+@settings(max_examples=20)  # each example converts and multiplies up to 4 shards
+@given(
+    group_size=st.sampled_from(GROUP_SIZES),
+    groups_per_rank=st.integers(1, 3),
+    ranks=st.integers(1, 4),
+    rows=st.sampled_from([16, 24, 48]),
+    act_order=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_any_split_into_whole_groups_multiplies_like_the_whole(
+    group_size, groups_per_rank, ranks, rows, act_order, seed
+):
+    """Row-parallel shards (whole groups of inputs) summed, and column-parallel shards (output
+    rows) joined, equal the whole weight's product; act-order shards keep every group's scales."""
+    gen = torch.Generator().manual_seed(seed)
+    size = group_size * groups_per_rank
+    k, groups = size * ranks, groups_per_rank * ranks
+    w = Int4Weight(
+        pack_nibbles(torch.randint(0, 16, (rows, k), generator=gen)),
+        torch.rand(rows, groups, generator=gen) * 0.01,
+        torch.randint(0, 16, (rows, groups), generator=gen).to(torch.uint8),
+        group_size,
+        _act_order(k, group_size, seed).to(torch.int32) if act_order else None,
+    )
+    deq = w.dequantize()
+    x = torch.randn(3, k, generator=gen)
+    shards = [w.narrow(1, r * size, size) for r in range(ranks)]
+    for shard in shards:
+        shard.prepare(torch.float32)
+    assert_int4_close(
+        sum(s.matmul(x[:, r * size : (r + 1) * size]) for r, s in enumerate(shards)), x, deq
+    )
+    half = rows // 2
+    parts = [w.narrow(0, 0, half), w.narrow(0, half, rows - half)]
+    assert_int4_close(torch.cat([p.matmul(x) for p in parts], dim=1), x, deq)
 
 
 @pytest.mark.parametrize("start, length", [(16, 64), (0, 48), (64, 80)])
