@@ -391,3 +391,11 @@ def test_two_ranks_of_quantized_llamas_match_one(tiny_float_llama, tmp_path):
     floats = forward_logits(str(tmp_path / "rfp8"))
     fp8_error = float((expected[1] - floats).abs().max())
     assert float((fp8 - expected[1]).abs().max()) <= 2 * fp8_error
+
+
+def test_the_fp8_setting_reaches_the_runner_and_leaves_gguf_files_to_conversion():
+    from engine.config import EngineConfig
+
+    config = EngineConfig(device="cpu", quantization="fp8")
+    assert config.quantized_gguf() is None  # the default GGUF model loads as floats, then FP8
+    assert config.runner_config("/m", max_model_len=64).quantization == "fp8"
