@@ -138,7 +138,7 @@ def write_models(spec: ModelSpec, root: str, device: str) -> dict[str, str]:
 def make_llm(path: str, fmt: str, device: str, batch: int, context: int, steps: int):
     from engine.llm import LLM
 
-    blocks = -(-(context + steps + 8) // 16)
+    blocks = -(-(context + steps + _warm_steps(batch, context) + 8) // 16)
     pool = {"num_gpu_blocks": batch * blocks + 16} if device == "cuda" else {}
     return LLM(
         model=path,
@@ -147,22 +147,33 @@ def make_llm(path: str, fmt: str, device: str, batch: int, context: int, steps: 
         quantization="fp8" if fmt == "fp8" else "auto",
         load_progress=False,
         max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, context),
+        max_num_batched_tokens=_budget(context),
         max_model_len=16 * blocks,
         kv_cache_memory_gb=0.25,
         **pool,
     )
 
 
+def _warm_steps(batch: int, context: int) -> int:
+    """Steps before the timed ones: the prefill chunks, then two decode steps."""
+    return -(-batch * context // _budget(context)) + 2
+
+
+def _budget(context: int) -> int:
+    return max(2048, context)
+
+
 def decode_ms(llm, vocab: int, batch: int, context: int, steps: int, device: str) -> float:
-    """Mean wall time of a pure decode step with `batch` requests of `context` tokens."""
+    """Mean wall time of a pure decode step with `batch` requests of `context` tokens (every
+    request still running through the timed steps)."""
     engine = llm.engine
     prompts = random_prompts(batch, vocab, context, context, seed=batch)
+    warm = _warm_steps(batch, context)
     for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+        params = SamplingParams(max_tokens=warm + steps + 4, ignore_eos=True)
         engine.add_request(EngineRequest(f"b{batch}-{i}", prompt, params))
-    for _ in range(-(-batch * context // engine.config.scheduler.max_num_batched_tokens) + 2):
-        engine.step()  # the prefill, then warm decode steps
+    for _ in range(warm):
+        engine.step()
     _sync(device)
     t = time.perf_counter()
     for _ in range(steps):
@@ -206,7 +217,8 @@ def bench_shape(name, spec, args, bandwidth) -> list[dict]:
             for batch in args.batches:
                 ms = decode_ms(llm, config.vocab_size, batch, args.context, args.steps, args.device)
                 model = llm.engine.executor.runner.model
-                weights, kv = step_bytes(model, batch, args.context + args.steps // 2, config)
+                mean_context = args.context + _warm_steps(batch, args.context) + args.steps // 2
+                weights, kv = step_bytes(model, batch, mean_context, config)
                 floor = (weights + kv) / bandwidth * 1e3
                 row = dict(shape=name, format=fmt, batch=batch, step_ms=ms, floor_ms=floor)
                 row |= dict(weights_gb=weights / 1e9, kv_gb=kv / 1e9, floor_share=floor / ms)

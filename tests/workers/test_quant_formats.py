@@ -17,11 +17,13 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 from tests.random_quantized import Layout, quant_config, quantize_linear
 from workers.layers.fp8 import FP8Weight, quantize_rows, quantize_weight
-from workers.layers.int4 import KERNEL_MAX_ROWS, Int4Weight
+from workers.layers.int4 import GROUP_SIZES, KERNEL_MAX_ROWS, Int4Weight, pack_nibbles
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.quant_config import QuantConfig, quant_config_of
 from workers.quant_weights import attach_quantized, awq_weight, fp8_weight, gptq_weight
@@ -90,6 +92,43 @@ def test_int4_shards_on_group_boundaries_multiply_like_the_whole(layout):
         s.prepare(torch.float32)
     y = sum(s.matmul(x[:, r * size : (r + 1) * size]) for r, s in enumerate(shards))
     assert_int4_close(y, x, deq)
+
+
+@settings(max_examples=20)  # each example converts and multiplies up to 4 shards
+@given(
+    group_size=st.sampled_from(GROUP_SIZES),
+    groups_per_rank=st.integers(1, 3),
+    ranks=st.integers(1, 4),
+    rows=st.sampled_from([16, 24, 48]),
+    act_order=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_any_split_into_whole_groups_multiplies_like_the_whole(
+    group_size, groups_per_rank, ranks, rows, act_order, seed
+):
+    """Row-parallel shards (whole groups of inputs) summed, and column-parallel shards (output
+    rows) joined, equal the whole weight's product; act-order shards keep every group's scales."""
+    gen = torch.Generator().manual_seed(seed)
+    size = group_size * groups_per_rank
+    k, groups = size * ranks, groups_per_rank * ranks
+    w = Int4Weight(
+        pack_nibbles(torch.randint(0, 16, (rows, k), generator=gen)),
+        torch.rand(rows, groups, generator=gen) * 0.01,
+        torch.randint(0, 16, (rows, groups), generator=gen).to(torch.uint8),
+        group_size,
+        _act_order(k, group_size, seed).to(torch.int32) if act_order else None,
+    )
+    deq = w.dequantize()
+    x = torch.randn(3, k, generator=gen)
+    shards = [w.narrow(1, r * size, size) for r in range(ranks)]
+    for shard in shards:
+        shard.prepare(torch.float32)
+    assert_int4_close(
+        sum(s.matmul(x[:, r * size : (r + 1) * size]) for r, s in enumerate(shards)), x, deq
+    )
+    half = rows // 2
+    parts = [w.narrow(0, 0, half), w.narrow(0, half, rows - half)]
+    assert_int4_close(torch.cat([p.matmul(x) for p in parts], dim=1), x, deq)
 
 
 @pytest.mark.parametrize("start, length", [(16, 64), (0, 48), (64, 80)])
@@ -306,3 +345,57 @@ def test_a_tiny_llama_from_each_layout_decodes_like_its_de_quantized_floats(
     hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
     for p, tokens in zip(prompts, got, strict=True):
         assert_greedy_match(tokens, hf_greedy(hf, p, 8), str(layout))
+
+
+def _tp_rank_main(rank: int, world: int, init_file: str, model_dirs: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    from tests.workers.test_tensor_parallel import forward_logits
+    from workers.parallel import init_tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        init_tensor_parallel(rank, world, dist.group.WORLD)
+        logits = [forward_logits(d) for d in model_dirs]
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_of_quantized_llamas_match_one(tiny_float_llama, tmp_path):
+    """GPTQ act-order (q/k/v and gate/up split by output rows, o and down by whole groups of 32
+    inputs, every group's scales kept) and compressed-tensors FP8 over two gloo ranks give the
+    single-rank logits (FP8: each rank scales its own activations, so within FP8's own error)."""
+    import torch.multiprocessing as mp
+
+    from tests.random_quantized import write_quantized_checkpoint
+    from tests.workers.test_tensor_parallel import forward_logits
+    from workers.parallel import reset_tensor_parallel
+
+    dirs = []
+    for name, layout in (("gptq", Layout("gptq", 32, act_order=True)), ("fp8", Layout("fp8"))):
+        dirs.append(str(tmp_path / name))
+        write_quantized_checkpoint(
+            tiny_float_llama.path, dirs[-1], str(tmp_path / f"r{name}"), layout
+        )
+    reset_tensor_parallel()
+    expected = [forward_logits(d) for d in dirs]
+    out = tmp_path / "logits.pt"
+    mp.spawn(_tp_rank_main, args=(2, str(tmp_path / "init"), dirs, str(out)), nprocs=2, join=True)
+    gptq, fp8 = torch.load(out)
+    torch.testing.assert_close(gptq, expected[0], atol=1e-4, rtol=1e-4)
+    # Row-parallel ranks round their halves of each token separately: a second FP8 rounding of
+    # the same product, no further from the one-rank logits than FP8 is from the float weights.
+    floats = forward_logits(str(tmp_path / "rfp8"))
+    fp8_error = float((expected[1] - floats).abs().max())
+    assert float((fp8 - expected[1]).abs().max()) <= 2 * fp8_error
+
+
+def test_the_fp8_setting_reaches_the_runner_and_leaves_gguf_files_to_conversion():
+    from engine.config import EngineConfig
+
+    config = EngineConfig(device="cpu", quantization="fp8")
+    assert config.quantized_gguf() is None  # the default GGUF model loads as floats, then FP8
+    assert config.runner_config("/m", max_model_len=64).quantization == "fp8"

@@ -52,7 +52,7 @@ class FP8Weight:
         """An all-zero weight of this format to load shards into."""
         return FP8Weight(
             torch.zeros(rows, cols, dtype=FP8, device=device),
-            torch.zeros(rows, device=device),
+            torch.zeros(rows, dtype=torch.float32, device=device),
         )
 
     def narrow(self, dim: int, start: int, length: int) -> FP8Weight:

@@ -90,7 +90,7 @@ class Int4Weight:
             g_idx = torch.full((cols,), _UNSET, dtype=torch.int32, device=device)
         return Int4Weight(
             torch.zeros(rows, cols // 2, dtype=torch.uint8, device=device),
-            torch.zeros(rows, groups, device=device),
+            torch.zeros(rows, groups, dtype=torch.float32, device=device),
             torch.zeros(rows, groups, dtype=torch.uint8, device=device),
             self.group_size,
             g_idx,

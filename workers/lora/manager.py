@@ -155,10 +155,10 @@ class LoraManager:
 
 
 def _weight_shape(linear: nn.Module) -> tuple[int, int]:
-    """This rank's [out, in] of a linear's weight, also when it is kept as GGUF blocks (whose float
-    storage was freed)."""
-    gguf = getattr(linear.weight, "gguf", None)
-    out_features, in_features = (gguf if gguf is not None else linear.weight).shape
+    """This rank's [out, in] of a linear's weight, also when it is kept as GGUF blocks, FP8 or
+    INT4 (whose float storage was freed)."""
+    kept = getattr(linear.weight, "gguf", None) or getattr(linear.weight, "quant", None)
+    out_features, in_features = (kept if kept is not None else linear.weight).shape
     return int(out_features), int(in_features)
 
 
