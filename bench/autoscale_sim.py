@@ -105,7 +105,7 @@ def main() -> None:
     )
     settings = [("ongoing", t, 0.0) for t in a.ongoing_targets]
     settings += [("llm", k, h) for k in a.kv_targets for h in a.headrooms]
-    rows = sweep(cfg, [a.seed], settings, a.jobs)
+    rows = sweep(cfg, [a.seed], settings, a.jobs, lambda r: print("done:", r.cells(), flush=True))
     print()
     print(HEADER)
     for r in rows:

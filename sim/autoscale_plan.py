@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 
 from router.autoscaling import AutoscalingPolicyConfig, SignalTargets, SloTargets
@@ -183,17 +183,28 @@ def sweep(
     seeds: Sequence[int],
     settings: Sequence[tuple[str, float, float]],
     jobs: int,
+    on_row: Callable[[DayRow], None] | None = None,
 ) -> list[DayRow]:
-    """Every (seed, setting) replayed, `jobs` at a time, in a stable order."""
+    """Every (seed, setting) replayed, `jobs` at a time; on_row sees each row as it is done (a
+    long sweep shows its progress, and a cut one what it finished); the rows in a stable order."""
     days = [replace(cfg, day=replace(cfg.day, seed=seed)) for seed in seeds]
     tasks = [(day, *setting) for day in days for setting in settings]
+    rows: list[DayRow] = []
     if jobs == 1:
-        rows = [replay_day(*task) for task in tasks]
+        done: Iterable[DayRow] = (replay_day(*task) for task in tasks)
+        rows = [_seen(row, on_row) for row in done]
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            rows = list(pool.map(replay_day, *zip(*tasks, strict=True)))
+            futures = [pool.submit(replay_day, *task) for task in tasks]
+            rows = [_seen(f.result(), on_row) for f in as_completed(futures)]
     rows.sort(key=lambda r: (r.seed, r.policy != "ongoing", r.knob, r.headroom))
     return rows
+
+
+def _seen(row: DayRow, on_row: Callable[[DayRow], None] | None) -> DayRow:
+    if on_row is not None:
+        on_row(row)
+    return row
 
 
 # ---- the command line (sim/__main__.py's `plan` hands over when --autoscale is given) ----------
@@ -271,10 +282,10 @@ def config_of(a: argparse.Namespace) -> DayPlanConfig:
 
 def settings_of(a: argparse.Namespace) -> list[tuple[str, float, float]]:
     settings: list[tuple[str, float, float]] = []
-    if "ongoing" in a.autoscale:
-        settings += [("ongoing", t, 0.0) for t in a.ongoing_targets]
     if "llm" in a.autoscale:
         settings += [("llm", k, h) for k in a.kv_targets for h in a.headrooms]
+    if "ongoing" in a.autoscale:
+        settings += [("ongoing", t, 0.0) for t in a.ongoing_targets]
     return settings
 
 
@@ -298,7 +309,8 @@ def cmd_plan_day(a: argparse.Namespace) -> None:
         f"{cfg.downscale_delay_s:g} s, replicas {cfg.min_replicas}-{cfg.max_replicas}",
         flush=True,
     )
-    rows = sweep(cfg, seeds, settings, a.jobs)
+    rows = sweep(cfg, seeds, settings, a.jobs, lambda r: print("done:", r.cells(), flush=True))
+    print()
     print(HEADER)
     for r in rows:
         print(r.cells())

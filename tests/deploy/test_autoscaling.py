@@ -123,11 +123,12 @@ def _in_background(
 
 
 def _phase(url: str, clients: int, want: int, watch: Watch) -> tuple[bool, list[int | str]]:
-    """`clients` clients on the scaled model until it runs `want` replicas (or 40 s pass)."""
+    """`clients` clients on the scaled model until it runs `want` replicas (or 90 s pass: a bound
+    for a 2-core machine shared with other test runs; a quiet one takes seconds)."""
     done: list[int | str] = []
     stop, thread = _in_background(url, MODEL, clients, done)
     try:
-        reached = wait_for(lambda: watch.running() == want, 40, 0.25)
+        reached = wait_for(lambda: watch.running() == want, 90, 0.25)
     finally:
         stop.set()
         thread.join(timeout=120)
@@ -143,7 +144,7 @@ def test_a_burst_scales_one_model_to_two_replicas_and_back_leaving_the_other_alo
     serve.run(build_app(_args(tiny_model_dir)), name=APP, route_prefix=f"/{APP}")
     url = f"http://127.0.0.1:{http_port}/{APP}/v1"
     try:
-        assert wait_for(lambda: _replicas(MODEL) == _replicas(STEADY) == 1, 60, 0.25)
+        assert wait_for(lambda: _replicas(MODEL) == _replicas(STEADY) == 1, 120, 0.25)
         logger.info("deployed with 1 + 1 replicas after %.1f s", time.monotonic() - t0)
         watch = Watch()
         steady: list[int | str] = []  # one client on the other model through both phases
@@ -165,7 +166,7 @@ def test_a_burst_scales_one_model_to_two_replicas_and_back_leaving_the_other_alo
         assert burst and trickle and steady
         assert set(burst) | set(trickle) == {MAX_TOKENS}  # every request complete, none lost
         assert set(steady) == {MAX_TOKENS}  # the other model answered every request ...
-        assert watch.seen == {1}  # ... with its one replica all along
+        assert watch.seen == {1}, watch.seen  # ... with its one replica all along
         assert _replicas(STEADY) == 1
     finally:
         serve.delete(APP)

@@ -10,7 +10,7 @@ from sim.autoscale_plan import DayRow, saving, tuned
 
 # A short, quick day: the control loop's constants shrunk with it, so both policies scale.
 DAY = [
-    "plan", "--autoscale", "llm", "ongoing", "--profile", "h100", "--day-s", "90", "--rate", "6",
+    "plan", "--autoscale", "llm", "ongoing", "--profile", "h100", "--day-s", "60", "--rate", "5",
     "--blocks", "256", "--max-num-seqs", "8", "--tenants", "64", "--slo-itl", "0.1",
     "--start-delay", "3", "--decision-period", "1", "--look-back", "2", "--downscale-delay", "5",
     "--initial-replicas", "1", "--max-replicas", "16", "--ongoing-targets", "4",
