@@ -141,17 +141,20 @@ def score(predict: Predict, test: list[Row]) -> tuple[float, float, float, int]:
 
 
 def hidden_states(rows: list[Row], cache: Path, cpu_threads: int) -> dict[int, list[float]]:
-    """The final hidden state at each chat-templated prompt's last token, cached in a file."""
+    """The final hidden state at each chat-templated prompt's last token, cached in a file (only
+    the prompts missing from it are computed)."""
+    states: dict[int, list[float]] = {}
     if cache.exists():
-        return {int(k): v for k, v in json.loads(cache.read_text()).items()}
-    from engine.llm import LLM
+        states = {int(k): v for k, v in json.loads(cache.read_text()).items()}
+    missing = [r for r in rows if r.id not in states]
+    if missing:
+        from engine.llm import LLM
 
-    llm = LLM(cpu_threads=cpu_threads)
-    ids = [llm.frontend.encode_chat(r.messages) for r in rows]
-    vectors = llm.embed(ids, pooling="last")
-    llm.shutdown()
-    states = {r.id: v for r, v in zip(rows, vectors)}
-    cache.write_text(json.dumps({str(k): v for k, v in states.items()}))
+        llm = LLM(cpu_threads=cpu_threads)
+        ids = [llm.frontend.encode_chat(r.messages) for r in missing]
+        states.update(zip((r.id for r in missing), llm.embed(ids, pooling="last")))
+        llm.shutdown()
+        cache.write_text(json.dumps({str(k): v for k, v in states.items()}))
     return states
 
 

@@ -141,7 +141,8 @@ def config(
         num_replicas=1,
         scheduler=SchedulerConfig(
             num_gpu_blocks=num_gpu_blocks,
-            max_model_len=2600,  # the longest prompt + output is 1,664 tokens
+            # Synthetic: the longest prompt + output is 1,664 tokens; the set's, under 512.
+            max_model_len=2600 if max_tokens == MAX_TOKENS else 1024,
             max_num_seqs=max_num_seqs,
             policy="fcfs" if base == "fcfs" else "srpt",
             srpt_aging_factor=aging,
