@@ -128,6 +128,25 @@ def probe_predictor(
     return lambda r: probe.predict(state(r), MAX_TOKENS)
 
 
+def out_of_fold(
+    rows: list[Row], states: dict[int, list[float]], folds: int, config: ProbeConfig
+) -> dict[int, float]:
+    """Each prompt's probe median (with the kind appended), from a probe trained on the other
+    folds only: estimates a study may use without having seen the prompt's own length."""
+    order = sorted(rows, key=lambda r: r.id)
+    random.Random(config.seed).shuffle(order)
+    out: dict[int, float] = {}
+    for k in range(folds):
+        held = order[k::folds]
+        train = [r for i, r in enumerate(order) if i % folds != k]
+        predict = probe_predictor(train, states, config, with_kind=True)
+        for r in held:
+            est = predict(r)
+            if est is not None:
+                out[r.id] = round(est.median, 2)
+    return out
+
+
 def score(predict: Predict, test: list[Row]) -> tuple[float, float, float, int]:
     """(tau, MAE of log length, upper-quantile exceedance, prompts answered)."""
     pairs = [(predict(r), r.output_len) for r in test]
@@ -167,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=32, help="the probe's projected dimensions")
     parser.add_argument("--states-cache", default="/tmp/length_eval_states.json")
     parser.add_argument("--cpu-threads", type=int, default=1)
+    parser.add_argument(
+        "--write-oof", help="write 3-fold out-of-fold probe medians (id -> tokens) here, as JSON"
+    )
     a = parser.parse_args(argv)
     rows = load_set(a.set)
     train, test = split(rows, a.test_share, a.seed)
@@ -184,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
         table[f"hidden-state probe + kind (rank {a.rank})"] = probe_predictor(
             train, states, cfg, True
         )
+        if a.write_oof:
+            oof = out_of_fold(rows, states, 3, cfg)
+            Path(a.write_oof).write_text(json.dumps({str(k): v for k, v in sorted(oof.items())}))
     print("| predictor | Kendall's tau | MAE of log length | upper (0.9) exceeded | answered |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, predict in table.items():

@@ -76,25 +76,48 @@ def length_workload(num_requests: int, rate: float, seed: int = 0) -> list[SimRe
     return out
 
 
-def load_set(path: str) -> list[tuple[str, int, int]]:
-    """(kind, prompt length, output length) of each prompt of the length evaluation set."""
+def load_set(path: str) -> list[tuple[int, str, int, int]]:
+    """(id, kind, prompt length, output length) of each prompt of the length evaluation set."""
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [(r["kind"], r["prompt_len"], r["output_len"]) for r in rows if "header" not in r]
+    return [
+        (r["id"], r["kind"], r["prompt_len"], r["output_len"]) for r in rows if "header" not in r
+    ]
 
 
 def set_workload(
-    rows: list[tuple[str, int, int]], num_requests: int, rate: float, seed: int = 0
+    rows: list[tuple[int, str, int, int]], num_requests: int, rate: float, seed: int = 0
 ) -> list[SimRequest]:
-    """Poisson arrivals at rate, each request a prompt of the set drawn uniformly."""
+    """Poisson arrivals at rate, each request a prompt of the set drawn uniformly; its id ends in
+    the prompt's (r<i>-<set id>), which the probe's estimates are keyed by."""
     rng = random.Random(seed)
     t = 0.0
     out = []
     for i in range(num_requests):
         t += rng.expovariate(rate)
-        kind, prompt_len, output_len = rng.choice(rows)
-        out.append(SimRequest(f"r{i}", t, prompt_len, output_len, tenant=kind))
+        row, kind, prompt_len, output_len = rng.choice(rows)
+        out.append(SimRequest(f"r{i}-{row}", t, prompt_len, output_len, tenant=kind))
     return out
+
+
+class ProbeEstimates:
+    """SRPT on the hidden-state probe: each set prompt's out-of-fold probe median (from
+    `bench/length_accuracy.py --write-oof`), conditioned on what the request has generated."""
+
+    def __init__(self, medians: dict[int, float]):
+        self.medians = medians
+
+    def predict_request(self, request: Request) -> LengthEstimate | None:
+        total = self.medians.get(int(request.request_id.rsplit("-", 1)[1]))
+        if total is None:
+            return None
+        g = request.num_output_tokens
+        if total <= g:  # past the estimate: as many again as it has made
+            return LengthEstimate(max(g, 1), 2 * max(g, 1))
+        return LengthEstimate(total - g, total - g)
+
+    def observe_request(self, request: Request) -> None:
+        pass
 
 
 class Oracle:
@@ -165,9 +188,10 @@ def run(
     aging: float = 2.0,
     victim: str = "lifo",
     max_tokens: int = MAX_TOKENS,
+    probe: dict[int, float] | None = None,
 ) -> tuple[SimResult, dict[str, LengthEstimate | None]]:
-    """policy: fcfs, srpt (the learning predictor) or oracle (SRPT on true lengths), each
-    optionally +foresight."""
+    """policy: fcfs, srpt (the learning predictor), probe (SRPT on the probe's estimates) or
+    oracle (SRPT on true lengths), each optionally +foresight."""
     cfg = config(policy, num_gpu_blocks, max_num_seqs, aging, victim, max_tokens)
     sim = FleetSim(cfg, load_profile(profile))
     predictions: dict[str, LengthEstimate | None] = {}
@@ -177,6 +201,8 @@ def run(
         if isinstance(queue, SRPTQueue):
             if policy.startswith("oracle"):
                 queue.predictor = Oracle(replica)
+            elif policy.startswith("probe"):
+                queue.predictor = ProbeEstimates(probe or {})
             else:
                 queue.predictor = Recorder(LengthPredictor(), predictions)
             if scheduler.admission is not None:  # foresight shares the queue's predictor
@@ -286,7 +312,12 @@ def main(argv: list[str] | None = None) -> None:
         "--policies",
         nargs="+",
         default=["fcfs", "srpt", "oracle"],
-        help="fcfs, srpt, oracle, each optionally +foresight",
+        help="fcfs, srpt, probe, oracle, each optionally +foresight",
+    )
+    parser.add_argument(
+        "--probe-estimates",
+        default="sim/traces/length_eval_probe.json",
+        help="the probe's out-of-fold medians by set id (policy probe)",
     )
     a = parser.parse_args(argv)
     make: Callable[[int, float, int], list[SimRequest]] = length_workload
@@ -298,6 +329,10 @@ def main(argv: list[str] | None = None) -> None:
         def make(n: int, rate: float, seed: int) -> list[SimRequest]:
             return set_workload(rows, n, rate, seed)
 
+    probe = None
+    if any(p.startswith("probe") for p in a.policies):
+        with open(a.probe_estimates) as fp:
+            probe = {int(k): float(v) for k, v in json.load(fp).items()}
     for blocks in a.pools or (a.blocks, a.tight_blocks):
         cap = capacity(blocks, a.profile, 400, a.max_num_seqs, make, max_tokens)
         print(
@@ -310,7 +345,15 @@ def main(argv: list[str] | None = None) -> None:
             for policy in a.policies:
                 victim = "lifo" if policy.startswith("fcfs") else a.victim
                 result, predictions = run(
-                    policy, wl, blocks, a.profile, a.max_num_seqs, a.aging, victim, max_tokens
+                    policy,
+                    wl,
+                    blocks,
+                    a.profile,
+                    a.max_num_seqs,
+                    a.aging,
+                    victim,
+                    max_tokens,
+                    probe,
                 )
                 f = figures(result, a.slo_ttft)
                 print(
