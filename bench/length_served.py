@@ -1,17 +1,18 @@
 """A served run of length-aware scheduling: one replica, the length evaluation set, Poisson arrivals
 at a share of measured capacity, FCFS against SRPT on predicted lengths in the same run.
 
-    flock /tmp/raylm-ray.lock timeout 600 python bench/length_served.py [--load 0.8]
+    flock /tmp/raylm-ray.lock timeout 600 python bench/length_served.py [--warm 12 --requests 32]
 
-Each policy gets its own deployment of the same app (one CPU replica of the embedded model,
-max_num_seqs --max-num-seqs, so requests queue), one after the other:
+Each policy gets its own app (one CPU replica of the embedded model, half a CPU, one torch
+thread, max_num_seqs --max-num-seqs so requests queue, under its own route prefix), and both run
+side by side, so the machine's other load falls on both alike:
 1. Warm-up and capacity: --warm training prompts of the set (bench/length_accuracy.py's split,
-   the same seed), all sent at once; the predictor of the srpt run learns their lengths. Capacity
-   is completions per second of the FCFS warm-up (every request queued at once, as the simulator
-   measures it); both runs use it.
+   the same seed), all sent at once to each app; the srpt app's predictor learns their lengths.
+   Capacity is completions per second of the FCFS app's warm-up (every request queued at once, as
+   the simulator measures it, with the other app warming up beside it).
 2. Measured: --requests held-out prompts, drawn with a seed, sent as streamed chat completions at
-   Poisson times at --load x capacity (the same prompts at the same times for both policies),
-   greedy, max_tokens 256 as the set was made, each kind a tenant (its own API key).
+   Poisson times at --load x capacity, the same prompts at the same times to both apps; greedy,
+   max_tokens 256 as the set was made, each kind a tenant (its own API key).
 Reports E2E mean/p99, TTFT p50/p99 and the longest wait (the largest TTFT). Timings are printed,
 never asserted. Other work on the machine shares its cores: say so beside the figures.
 """
@@ -92,13 +93,13 @@ def deploy(policy: str, max_num_seqs: int, kinds: list[str]) -> None:
                 "policy": policy,
                 "max_num_seqs": max_num_seqs,
                 "max_ongoing_requests": 256,
-                "replica_num_cpus": 1,
-                "ingress_num_cpus": 0.5,
+                "replica_num_cpus": 0.5,
+                "ingress_num_cpus": 0.25,
                 "api_keys": {f"key-{k}": {"tenant": k} for k in kinds},
             }
         ),
-        name="length",
-        route_prefix="/",
+        name=policy,
+        route_prefix=f"/{policy}",
     )
 
 
@@ -119,35 +120,39 @@ async def run(a: argparse.Namespace) -> None:
     warm_rows = rng.sample(train, a.warm)
     test_rows = rng.sample(test, a.requests)
     kinds = sorted({r.kind for r in rows})
-    capacity = None
-    schedule: list[tuple[float, Row]] = []
+    t0 = time.perf_counter()
+    for policy in a.policies:
+        deploy(policy, a.max_num_seqs, kinds)
+    print(f"<!-- deployed {a.policies} in {time.perf_counter() - t0:.0f} s -->", flush=True)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    clients = [
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}/{p}/v1", timeout=600, limits=limits)
+        for p in a.policies
+    ]
+    rates = await asyncio.gather(*(warm(c, warm_rows, a.max_tokens) for c in clients))
+    capacity = rates[0]
+    schedule: list[tuple[float, Row]] = []
+    t = 0.0
+    for row in test_rows:
+        t += rng.expovariate(a.load * capacity)
+        schedule.append((t, row))
+    print(
+        f"<!-- capacity {capacity:.3f} req/s ({a.policies[0]} warm-up, {a.warm} at once; the "
+        f"others' {', '.join(f'{r:.3f}' for r in rates[1:])}); arrivals at {a.load:.0%}: "
+        f"{a.load * capacity:.3f} req/s over {t:.0f} s; {time.perf_counter() - t0:.0f} s so far "
+        "-->",
+        flush=True,
+    )
+    results = await asyncio.gather(*(measured(c, schedule, a.max_tokens) for c in clients))
+    for c in clients:
+        await c.aclose()
     print(
         "| policy | requests | E2E mean (s) | E2E p99 (s) | TTFT p50 / p99 (s) | longest wait (s) |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |", flush=True)
-    for policy in a.policies:
-        t0 = time.perf_counter()
-        deploy(policy, a.max_num_seqs, kinds)
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{PORT}/v1", timeout=600, limits=limits
-        ) as client:
-            rate = await warm(client, warm_rows, a.max_tokens)
-            if capacity is None:
-                capacity = rate
-                t = 0.0
-                for row in test_rows:
-                    t += rng.expovariate(a.load * capacity)
-                    schedule.append((t, row))
-                print(
-                    f"<!-- capacity {capacity:.3f} req/s ({policy} warm-up, {a.warm} at once); "
-                    f"arrivals at {a.load:.0%}: {a.load * capacity:.3f} req/s -->",
-                    flush=True,
-                )
-            results = await measured(client, schedule, a.max_tokens)
-        report(policy, results)
-        print(f"<!-- {policy}: {time.perf_counter() - t0:.0f} s with deploy -->", flush=True)
-        serve.delete("length")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for policy, res in zip(a.policies, results):
+        report(policy, res)
+    print(f"<!-- {time.perf_counter() - t0:.0f} s in all -->", flush=True)
 
 
 def main() -> None:
