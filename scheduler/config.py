@@ -10,6 +10,8 @@ from scheduler.settings import check_settings, setting
 POLICIES = ("fcfs", "priority", "fair", "srpt", "fair_srpt")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 PREEMPTION_VICTIMS = ("lifo", "least_progress", "most_remaining")
+ADMISSIONS = ("greedy", "foresight")
+FORESIGHT_ESTIMATES = ("median", "upper")
 
 
 @dataclass(slots=True)
@@ -84,6 +86,18 @@ class SchedulerConfig:
         "preemption_mode auto: swap a victim with at least this many computed tokens, else "
         "recompute",
         ge=0,
+    )
+    admission: str = setting(
+        "greedy",
+        "greedy: admit while the request's tokens so far fit; foresight: also only while the "
+        "running batch's predicted peak KV fits the pool (scheduler/admission.py)",
+        choices=ADMISSIONS,
+    )
+    foresight_estimate: str = setting(
+        "median",
+        "admission foresight: each request's remaining length taken at the predictor's median "
+        "or its upper quantile (fewer preemptions still, but fewer admissions: lower goodput)",
+        choices=FORESIGHT_ESTIMATES,
     )
     srpt_aging_factor: float = setting(
         2.0,

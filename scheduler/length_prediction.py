@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -157,7 +158,7 @@ class LengthPredictor:
         return sum(len(q) for q in self._groups.values())
 
 
-def _quantile(ordered: list[int], q: float) -> float:
+def _quantile(ordered: Sequence[float], q: float) -> float:
     """The q-quantile of sorted values, by the nearest rank (always one of the values)."""
     return float(ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))])
 

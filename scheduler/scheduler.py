@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from scheduler.admission import make_admission
 from scheduler.block_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnector, KVTransfers
@@ -101,6 +102,14 @@ class Scheduler:
             config.preemption_victim,
             by_priority=config.policy == "priority",
             remaining=self.waiting.predicted_remaining,
+        )
+        self.admission = make_admission(
+            config.admission,
+            self.waiting,
+            self.kv.pool.num_blocks,
+            config.block_size,
+            self.max_model_len,
+            config.foresight_estimate,
         )
         self.num_preemptions = 0
         # (token, expert) rows per tensor-parallel rank, summed over steps (MoE models only; kept
@@ -309,6 +318,8 @@ class Scheduler:
         n = min(req.num_tokens - num_hit, self._prefill_cap, step.budget)
         # Anti-thrash: admit only when the whole sequence so far fits, not just this chunk.
         if not kv.can_admit(req, cached, reserve):
+            return False
+        if self.admission is not None and not self.admission.fits(req, self.running, reserve):
             return False
         new_blocks = kv.allocate_slots(req, n, cached)
         if new_blocks is None:
@@ -593,6 +604,8 @@ class Scheduler:
         if self.connector is not None:
             self.connector.release(req.request_id)
         self.waiting.learn(req)  # the srpt policy's length predictor learns from it
+        if self.admission is not None:
+            self.admission.learn(req)
         rid = req.request_id
         self._finished_ids.add(rid)
         self._finished_order[rid] = None

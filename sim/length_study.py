@@ -2,20 +2,30 @@
 true lengths (the oracle bound), at several loads and under KV pressure.
 
     python -m sim.length_study [--loads 0.5 0.8 0.95] [--requests 1500] [--profile cpu]
+    python -m sim.length_study --set sim/traces/length_eval.jsonl [--policies fcfs srpt oracle
+        srpt+foresight oracle+foresight]
 
-The workload is synthetic (not the embedded model's answers): four kinds of request, each a tenant,
-whose output lengths are log-uniform over ranges that differ by two orders of magnitude, so the
-lengths vary widely overall and the cheap features (the tenant here) say something without saying
-everything. Every request's max_tokens is the same (2,048), so it carries no hint: requests end by
-EOS. One replica, max_num_seqs 16 (or --max-num-seqs): requests queue once that many run, which is
-where a queue order matters.
+With --set, requests are drawn (seeded, with replacement) from the length evaluation set: its
+prompt and output lengths as the embedded model produced them, its kind as the tenant, max_tokens
+256 (the cap the set was generated with). A policy `X+foresight` runs X with admission
+`foresight` (scheduler/admission.py) on median estimates, `X+foresight-upper` on the upper
+quantile; the oracle's foresight sees the true lengths.
+
+Without --set the workload is synthetic (not the embedded model's answers): four kinds of request,
+each a tenant, whose output lengths are log-uniform over ranges that differ by two orders of
+magnitude, so the lengths vary widely overall and the cheap features (the tenant here) say
+something without saying everything. Every request's max_tokens is the same (2,048), so it
+carries no hint: requests end by EOS. One replica, max_num_seqs 16 (or --max-num-seqs): requests
+queue once that many run, which is where a queue order matters.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.config import RoutingConfig
@@ -36,6 +46,7 @@ KINDS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "essay": ((16, 128), (256, 1536)),
 }
 MAX_TOKENS = 2048
+SET_MAX_TOKENS = 256  # the cap the length evaluation set was generated with
 MAX_NUM_SEQS = 16
 
 
@@ -63,6 +74,50 @@ def length_workload(num_requests: int, rate: float, seed: int = 0) -> list[SimRe
             )
         )
     return out
+
+
+def load_set(path: str) -> list[tuple[int, str, int, int]]:
+    """(id, kind, prompt length, output length) of each prompt of the length evaluation set."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [
+        (r["id"], r["kind"], r["prompt_len"], r["output_len"]) for r in rows if "header" not in r
+    ]
+
+
+def set_workload(
+    rows: list[tuple[int, str, int, int]], num_requests: int, rate: float, seed: int = 0
+) -> list[SimRequest]:
+    """Poisson arrivals at rate, each request a prompt of the set drawn uniformly; its id ends in
+    the prompt's (r<i>-<set id>), which the probe's estimates are keyed by."""
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for i in range(num_requests):
+        t += rng.expovariate(rate)
+        row, kind, prompt_len, output_len = rng.choice(rows)
+        out.append(SimRequest(f"r{i}-{row}", t, prompt_len, output_len, tenant=kind))
+    return out
+
+
+class ProbeEstimates:
+    """SRPT on the hidden-state probe: each set prompt's out-of-fold probe median (from
+    `bench/length_accuracy.py --write-oof`), conditioned on what the request has generated."""
+
+    def __init__(self, medians: dict[int, float]):
+        self.medians = medians
+
+    def predict_request(self, request: Request) -> LengthEstimate | None:
+        total = self.medians.get(int(request.request_id.rsplit("-", 1)[1]))
+        if total is None:
+            return None
+        g = request.num_output_tokens
+        if total <= g:  # past the estimate: as many again as it has made
+            return LengthEstimate(max(g, 1), 2 * max(g, 1))
+        return LengthEstimate(total - g, total - g)
+
+    def observe_request(self, request: Request) -> None:
+        pass
 
 
 class Oracle:
@@ -101,19 +156,25 @@ def config(
     max_num_seqs: int = MAX_NUM_SEQS,
     aging: float = 2.0,
     victim: str = "lifo",
+    max_tokens: int = MAX_TOKENS,
 ) -> SimConfig:
+    """policy: fcfs, srpt or oracle, optionally +foresight (admission foresight)."""
+    base, _, admission = policy.partition("+")  # +foresight, +foresight-upper
     return SimConfig(
         num_replicas=1,
         scheduler=SchedulerConfig(
             num_gpu_blocks=num_gpu_blocks,
-            max_model_len=2600,  # the longest prompt + output is 1,664 tokens
+            # Synthetic: the longest prompt + output is 1,664 tokens; the set's, under 512.
+            max_model_len=2600 if max_tokens == MAX_TOKENS else 1024,
             max_num_seqs=max_num_seqs,
-            policy="fcfs" if policy == "fcfs" else "srpt",
+            policy="fcfs" if base == "fcfs" else "srpt",
             srpt_aging_factor=aging,
             preemption_victim=victim,
+            admission="foresight" if admission else "greedy",
+            foresight_estimate="upper" if admission.endswith("upper") else "median",
         ),
         routing=RoutingConfig(router_policy="round_robin"),
-        max_tokens=MAX_TOKENS,
+        max_tokens=max_tokens,
         keep_itl=False,
     )
 
@@ -126,18 +187,26 @@ def run(
     max_num_seqs: int = MAX_NUM_SEQS,
     aging: float = 2.0,
     victim: str = "lifo",
+    max_tokens: int = MAX_TOKENS,
+    probe: dict[int, float] | None = None,
 ) -> tuple[SimResult, dict[str, LengthEstimate | None]]:
-    """policy: fcfs, srpt (the learning predictor) or oracle (SRPT on true lengths)."""
-    cfg = config(policy, num_gpu_blocks, max_num_seqs, aging, victim)
+    """policy: fcfs, srpt (the learning predictor), probe (SRPT on the probe's estimates) or
+    oracle (SRPT on true lengths), each optionally +foresight."""
+    cfg = config(policy, num_gpu_blocks, max_num_seqs, aging, victim, max_tokens)
     sim = FleetSim(cfg, load_profile(profile))
     predictions: dict[str, LengthEstimate | None] = {}
     for replica in sim.replicas:
-        queue = replica.scheduler.waiting
+        scheduler = replica.scheduler
+        queue = scheduler.waiting
         if isinstance(queue, SRPTQueue):
-            if policy == "oracle":
+            if policy.startswith("oracle"):
                 queue.predictor = Oracle(replica)
+            elif policy.startswith("probe"):
+                queue.predictor = ProbeEstimates(probe or {})
             else:
                 queue.predictor = Recorder(LengthPredictor(), predictions)
+            if scheduler.admission is not None:  # foresight shares the queue's predictor
+                scheduler.admission.predictor = queue.predictor
     return sim.run(workload), predictions
 
 
@@ -158,10 +227,17 @@ def figures(result: SimResult, slo_ttft_s: float) -> dict[str, float]:
     }
 
 
-def capacity(num_gpu_blocks: int, profile: str, requests: int, max_num_seqs: int) -> float:
+def capacity(
+    num_gpu_blocks: int,
+    profile: str,
+    requests: int,
+    max_num_seqs: int,
+    make: Callable[[int, float, int], list[SimRequest]],
+    max_tokens: int = MAX_TOKENS,
+) -> float:
     """Completions per second of one replica under FCFS with every request queued at once."""
-    wl = length_workload(requests, rate=1000.0, seed=99)
-    result, _ = run("fcfs", wl, num_gpu_blocks, profile, max_num_seqs)
+    wl = make(requests, 1000.0, 99)
+    result, _ = run("fcfs", wl, num_gpu_blocks, profile, max_num_seqs, max_tokens=max_tokens)
     finishes = [r.finish_s for r in result.records if r.finish_s is not None]
     return len(finishes) / max(finishes)
 
@@ -231,24 +307,57 @@ def main(argv: list[str] | None = None) -> None:
         "--victim", default="lifo", help="preemption_victim of the SRPT runs (FCFS keeps lifo)"
     )
     parser.add_argument("--pools", type=int, nargs="+", help="KV pools to run (default: both)")
+    parser.add_argument("--set", help="draw requests from this length evaluation set (JSONL)")
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["fcfs", "srpt", "oracle"],
+        help="fcfs, srpt, probe, oracle, each optionally +foresight",
+    )
+    parser.add_argument(
+        "--probe-estimates",
+        default="sim/traces/length_eval_probe.json",
+        help="the probe's out-of-fold medians by set id (policy probe)",
+    )
     a = parser.parse_args(argv)
+    make: Callable[[int, float, int], list[SimRequest]] = length_workload
+    max_tokens = MAX_TOKENS
+    if a.set:
+        rows = load_set(a.set)
+        max_tokens = SET_MAX_TOKENS
+
+        def make(n: int, rate: float, seed: int) -> list[SimRequest]:
+            return set_workload(rows, n, rate, seed)
+
+    probe = None
+    if any(p.startswith("probe") for p in a.policies):
+        with open(a.probe_estimates) as fp:
+            probe = {int(k): float(v) for k, v in json.load(fp).items()}
     for blocks in a.pools or (a.blocks, a.tight_blocks):
-        cap = capacity(blocks, a.profile, 400, a.max_num_seqs)
+        cap = capacity(blocks, a.profile, 400, a.max_num_seqs, make, max_tokens)
         print(
             f"profile {a.profile}, {blocks} KV blocks, max_num_seqs {a.max_num_seqs}, aging"
             f" {a.aging}: capacity {cap:.3f} req/s (FCFS)"
         )
         for load in a.loads:
-            wl = length_workload(a.requests, load * cap, a.seed)
+            wl = make(a.requests, load * cap, a.seed)
             print(f" load {load:.0%} ({load * cap:.3f} req/s, {a.requests} requests):")
-            for policy in ("fcfs", "srpt", "oracle"):
-                victim = "lifo" if policy == "fcfs" else a.victim
+            for policy in a.policies:
+                victim = "lifo" if policy.startswith("fcfs") else a.victim
                 result, predictions = run(
-                    policy, wl, blocks, a.profile, a.max_num_seqs, a.aging, victim
+                    policy,
+                    wl,
+                    blocks,
+                    a.profile,
+                    a.max_num_seqs,
+                    a.aging,
+                    victim,
+                    max_tokens,
+                    probe,
                 )
                 f = figures(result, a.slo_ttft)
                 print(
-                    f"  {policy:6s} E2E mean {f['e2e_mean_s']:8.2f} p99 {f['e2e_p99_s']:8.2f} s;"
+                    f"  {policy:16s} E2E mean {f['e2e_mean_s']:8.2f} p99 {f['e2e_p99_s']:8.2f} s;"
                     f" TTFT p50 {f['ttft_p50_s']:7.2f} p99 {f['ttft_p99_s']:8.2f} s; longest wait"
                     f" {f['longest_wait_s']:8.2f} s; preemptions {f['preemptions']:5d}; goodput"
                     f" {f['goodput_rps']:.3f} req/s; done {f['done']}",

@@ -64,6 +64,8 @@ def configs(draw) -> SchedulerConfig:
         preemption_victim=draw(st.sampled_from(["lifo", "least_progress", "most_remaining"])),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1])),
         swap_min_computed_tokens=draw(st.sampled_from([0, 8, 64])),
+        admission=draw(st.sampled_from(["greedy", "foresight"])),
+        foresight_estimate=draw(st.sampled_from(["median", "upper"])),
     )
 
 
