@@ -3,8 +3,9 @@
 The prefill replica `ray.put`s the payload and owns the object; the handle carries its ObjectRef
 inside a list, so that Ray passes it through the ingress to the decode replica by reference (the
 decode replica borrows it) instead of fetching it on the way. The decode replica `ray.get`s it
-with a timeout; a prefill replica that died took the object with it (its owner), and the get fails
-at once: the decode replica recomputes. The object is freed when the last handle is dropped.
+with a timeout; if the prefill replica (the owner) died, the get may fail (the decode replica
+recomputes) or still find the node's copy (checked like any payload). The object is freed when
+the last handle is dropped.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from ray import serve
 
 from cluster.caller_watch import CallerGoneError, CallerWatch
 from cluster.cold_start import ColdStart
+from cluster.disagg_replica import DisaggPhase, phase_engine, phase_stats, prefill_on
 from cluster.engine_loop import EngineLoop
 from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.lora_admin import LoraCommand, WrongReplicaError
@@ -35,9 +36,11 @@ from router.autoscaling import LatencyWindow, ReplicaSignals, SloTargets
 from router.stats import MAX_REPORTED_PREFIX_HASHES, ReplicaState, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import EngineRequest
+from workers.kv_transfer import TransferHandle
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
+    from engine.disagg import PrefillReply
 
 logger = logging.getLogger(__name__)
 
@@ -171,11 +174,16 @@ class LLMReplica:
 
     # Serve awaits an async constructor, so the replica can take its event loop here.
     async def __init__(  # type: ignore[misc]
-        self, config: EngineConfig, slo: SloTargets | None = None, model_name: str = ""
+        self,
+        config: EngineConfig,
+        slo: SloTargets | None = None,
+        model_name: str = "",
+        phase: DisaggPhase | None = None,
     ) -> None:
         """slo: the model's latency targets, whose attainment each finished request counts (and
         the autoscaling policy compares the measured p90s with); model_name: the name clients use
-        (the metrics' `model` tag: an app may serve several)."""
+        (the metrics' `model` tag: an app may serve several); phase: this replica's part of a
+        disaggregated model (cluster/disagg_replica.py), None: the whole of every request."""
         self.config = config
         self.slo = slo
         self.replica = replica = serve.get_replica_context().replica_tag
@@ -185,12 +193,13 @@ class LLMReplica:
         self._ttft_window = LatencyWindow(LATENCY_WINDOW_S)
         self._itl_window = LatencyWindow(LATENCY_WINDOW_S)
         self.engine = build_engine(config)
+        self.phase = phase_engine(self.engine, phase)
         self._streams: dict[str, _Stream] = {}
         self._draining = False
         self._stats: SchedulerStats = self.engine.stats()
         self.metrics.record_stats(self._stats)
         self._loop_thread = EngineLoop(
-            self.engine, asyncio.get_running_loop(), self._on_step, self._on_error
+            self.phase or self.engine, asyncio.get_running_loop(), self._on_step, self._on_error
         )
         self._callers = CallerWatch(SERVE_NAMESPACE)
         self._stall_failed_over = False
@@ -200,8 +209,12 @@ class LLMReplica:
         logger.info("replica %s ready: %s", replica, self.model_info_sync())
 
     # ---- the request path ----------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request."""
+    async def generate(
+        self, request: EngineRequest, handoff: TransferHandle | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request.
+        handoff: a decode replica's request resumed after its prefill, whose prompt blocks
+        arrive through this transfer."""
         state = self._state()
         if state in (ReplicaState.FAILED, ReplicaState.STALLED):
             raise self._unavailable(state)
@@ -215,6 +228,8 @@ class LLMReplica:
         self.metrics.record_admitted(len(request.prompt_token_ids))
         if request.lora_name is not None:
             self.lora_metrics.record_request(request.lora_name)
+        if handoff is not None and self.phase is not None:
+            self.phase.handoffs[rid] = handoff
         self._loop_thread.add(request)  # end-of-turn ids: the engine fills in the model's
         finished = False
         try:
@@ -228,6 +243,13 @@ class LLMReplica:
             self._streams.pop(rid, None)
             if not finished:  # cancelled by the ingress (a stop string, a client gone)
                 self._loop_thread.abort([rid])
+
+    async def prefill(self, request: EngineRequest) -> PrefillReply:
+        """Compute the prompt and its first token, and send the prompt's blocks (a prefill
+        replica of a disaggregated model)."""
+        if self.phase is None or self.phase.prefill is None:
+            raise ValueError("prefill: this replica is not a prefill replica")
+        return await prefill_on(self.phase, request, self.generate(request))
 
     def _on_step(self, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
         now = time.perf_counter()
@@ -340,6 +362,7 @@ class LLMReplica:
             "num_streams": len(self._streams),
             "orphans_aborted": self._orphans_aborted,
             "model_pids": self.engine.executor.pids,
+            **phase_stats(self.phase),
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from cluster.disagg_replica import DisaggPhase
 from cluster.placement import spread_warning, wait_until_placeable
 from cluster.replica import LLMReplica
 from deploy.config import AppConfig
@@ -90,6 +91,13 @@ def application(config: AppConfig | FleetConfig) -> Application:
     replicas = [
         replica_deployment(model, fleet.deployment_name(i)) for i, model in enumerate(fleet.models)
     ]
+    prefills = {
+        model.model_name: replica_deployment(
+            model, f"{fleet.deployment_name(i)}-prefill", "prefill"
+        )
+        for i, model in enumerate(fleet.models)
+        if model.disaggregation is not None
+    }
     ingress = fleet.ingress
     logger.info("raylm app: %s", [model.summary() for model in fleet.models])
     return OpenAIIngress.options(  # type: ignore[attr-defined]
@@ -99,15 +107,17 @@ def application(config: AppConfig | FleetConfig) -> Application:
         graceful_shutdown_timeout_s=max(m.request_timeout_s for m in fleet.models),
         # The ingress only forwards and streams: it must never be the bottleneck on concurrency.
         max_ongoing_requests=max(1024, sum(m.max_ongoing_requests * 4 for m in fleet.models)),
-    ).bind(fleet, replicas)
+    ).bind(fleet, replicas, prefills)
 
 
 def _fleet(config: AppConfig | FleetConfig) -> FleetConfig:
     return config if isinstance(config, FleetConfig) else FleetConfig(config, [config])
 
 
-def replica_deployment(config: AppConfig, name: str) -> Any:
-    """One model's LLMReplica deployment, bound to its engine settings."""
+def replica_deployment(config: AppConfig, name: str, role: str = "decode") -> Any:
+    """One model's LLMReplica deployment, bound to its engine settings; a disaggregated model has
+    two, its decode replicas (named as a colocated model's) and its prefill replicas."""
+    disagg = config.disaggregation
     replica_options: dict[str, Any] = {
         **config.scaling_options(),
         "ray_actor_options": config.replica_actor_options(),
@@ -129,6 +139,14 @@ def replica_deployment(config: AppConfig, name: str) -> Any:
     # mypy keeps a decorated class's own type (python/mypy#3135); @serve.deployment made these
     # Deployments, which have options().
     slo = config.autoscaling.slo if config.autoscaling is not None else None
+    if disagg is None:
+        return LLMReplica.options(name=name, **replica_options).bind(  # type: ignore[attr-defined]
+            config.engine, slo, config.model_name
+        )
+    replica_options["num_replicas"] = (
+        disagg.prefill_replicas if role == "prefill" else disagg.decode_replicas
+    )
+    phase = DisaggPhase(role, disagg.transfer_timeout_s)
     return LLMReplica.options(name=name, **replica_options).bind(  # type: ignore[attr-defined]
-        config.engine, slo, config.model_name
+        config.phase_engine(role), slo, config.model_name, phase
     )

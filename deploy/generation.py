@@ -17,6 +17,7 @@ from ray.serve.context import _set_request_context
 from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.metrics import RequestMetrics
 from cluster.outcomes import report_outcome
+from deploy.disagg_route import DisaggResponse
 from deploy.errors import (
     RepeatedReplicaFailureError,
     ReplicaUnavailableError,
@@ -162,6 +163,9 @@ class Choice:
     emitted: list[int] = field(default_factory=list)
     # The prompt's log-probabilities came (a choice resumed elsewhere gets them once).
     has_prompt_logprobs: bool = False
+    # A disaggregated model's prefill deployment (deploy/disagg_route.py): a choice with nothing
+    # emitted yet starts there; None: the replica computes the whole request.
+    prefill: Any = None
 
     async def stream(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
         """The choice's deltas, its finish reason on the last. One that raises counts as "error",
@@ -219,7 +223,10 @@ class Choice:
         self, replica: Any, request: EngineRequest, text_stream: TextStream
     ) -> AsyncIterator[ChoiceDelta]:
         internal_request_id = _route_as_own_request()
-        response = replica.options(stream=True).generate.remote(request)
+        if self.prefill is not None and not request.output_token_ids:
+            response: Any = DisaggResponse(self.prefill, replica, request)
+        else:
+            response = replica.options(stream=True).generate.remote(request)
         done = False
         try:
             async for out in response:

@@ -165,13 +165,22 @@ class OpenAIIngress:
     """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI
     JSON."""
 
-    def __init__(self, fleet: FleetConfig, replicas: list[DeploymentHandle]) -> None:
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        replicas: list[DeploymentHandle],
+        prefills: dict[str, DeploymentHandle] | None = None,
+    ) -> None:
+        """replicas: each model's replicas (a disaggregated model's decode replicas); prefills:
+        a disaggregated model's prefill replicas, by model name."""
         config = fleet.ingress
         if config.engine.process_niceness is not None:
             # The ingress streams every token the engine makes: it runs at the engine's priority.
             set_niceness(config.engine.process_niceness)
         self.config = config  # the ingress's own settings; each model's are its ServedModel's
         self.table = ModelTable([ServedModel.load(c, r) for c, r in zip(fleet.models, replicas)])
+        for m in self.table.models:
+            m.prefill = (prefills or {}).get(m.name)
         self._tenants = TenantLimiter(config.max_requests_per_tenant, config.overload_retry_after_s)
         self._created = int(time.time())
         self._actor_name = ray.get_runtime_context().get_actor_name()  # replicas abort our orphans
@@ -636,6 +645,7 @@ class OpenAIIngress:
                         m.frontend,
                         m.metrics,
                         m.config.max_migrations,
+                        prefill=m.prefill,
                     )
                 )
         check_budget(

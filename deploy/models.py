@@ -43,6 +43,8 @@ class ServedModel:
     lora_admin: LoraAdmin
     keys: dict[str, ApiKeyProfile] = field(default_factory=dict)  # empty: open to every caller
     reported_max_model_len: int | None = None  # as its replicas report it, once asked
+    # A disaggregated model's prefill replicas (`replica` is then its decode replicas).
+    prefill: DeploymentHandle | None = None
 
     @classmethod
     def load(cls, config: AppConfig, replica: DeploymentHandle) -> ServedModel:

@@ -151,3 +151,70 @@ class DecodeSide:
         except BaseException:
             self.connector.release(rid)
             raise
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReply:
+    """What a prefill replica answers: the tokens it sampled (the first), its last output, whether
+    a decode replica goes on from there, and the transfer of the prompt's blocks (None: nothing
+    was sent; the decode replica computes the prompt)."""
+
+    token_ids: list[int]
+    output: RequestOutput
+    continues: bool
+    handle: TransferHandle | None
+
+
+class PhaseEngine:
+    """An EngineCore as one phase of a disaggregated model, in the shape the replica's engine loop
+    drives (add_request, step; everything else is the engine's). Call on the engine thread.
+
+    Prefill: a request named in `prefills` first (by the replica) runs as its prefill, and right
+    after the step that finishes it its blocks are exported into `exports`. Decode: a request
+    whose handle is in `handoffs` is added expecting that transfer. Other requests run as on any
+    replica.
+    """
+
+    def __init__(
+        self, engine: EngineCore, prefill: PrefillSide | None, decode: DecodeSide | None
+    ) -> None:
+        self.engine = engine
+        self.prefill = prefill
+        self.decode = decode
+        self.prefills: dict[str, EngineRequest] = {}  # request id -> the request as asked
+        self.exports: dict[str, TransferHandle | None] = {}
+        self.handoffs: dict[str, TransferHandle] = {}
+
+    def add_request(self, request: EngineRequest) -> None:
+        rid = request.request_id
+        if rid in self.prefills:
+            self.engine.add_request(prefill_request(request))
+        elif self.decode is not None:
+            self.decode.add(request, self.handoffs.pop(rid, None))
+        else:
+            self.engine.add_request(request)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        if self.prefill is not None and self.prefills:
+            for out in outputs:
+                if out.finished and out.request_id in self.prefills:
+                    self._export(self.prefills.pop(out.request_id), out)
+        return outputs
+
+    def _export(self, request: EngineRequest, out: RequestOutput) -> None:
+        assert self.prefill is not None
+        if needs_decode(request, out, self.engine.max_model_len):
+            self.exports[request.request_id] = self.prefill.export(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        for rid in request_ids:
+            self.prefills.pop(rid, None)
+            self.handoffs.pop(rid, None)
+            handle = self.exports.pop(rid, None)
+            if handle is not None and self.prefill is not None:
+                self.prefill.transport.release(handle)
+        return self.engine.abort_requests(request_ids)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
