@@ -13,7 +13,7 @@ class SiluAndMul(nn.Module):
     """silu(gate) * up, where the input holds gate and up side by side in its last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops(x)
+        ops = fused_ops(x, "silu_and_mul")
         if ops is not None:
             return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)

@@ -2,11 +2,13 @@
 workers.layers.triton_ops, the MoE experts of workers.layers.backends.triton_moe and the LoRA
 updates of workers.layers.backends.triton_lora. CPU tensors always take the plain torch path.
 
-RAYLM_TRITON_OPS picks them where Triton is installed: unset, the MoE and LoRA kernels run and the
-elementwise ops take the torch path; `1` adds the elementwise ops; `0` turns every one off (for
-A/B timing). The elementwise ops are opt-in because an H200 run (2026-11-26) found bf16
-Llama-3-1B greedy tokens leaving HF's with them on (top-2 gaps of 0.375) and matching with them
-off; see docs/model-execution.md.
+RAYLM_TRITON_OPS picks them where Triton is installed: unset, the MoE and LoRA kernels and the
+fused RMSNorm (with its residual add) and SiLU-and-mul run, and rotary takes the torch path; `1`
+adds the rotary kernel; `0` turns every one off (for A/B timing). Rotary is opt-in because on an
+H200 (2026-11-26, bench/triton_rounding.py at Llama-3.2-1B's shapes) RMSNorm and SiLU-and-mul
+matched the torch path bit for bit while the rotary kernel differed in 14% of its bf16 outputs
+(up to 15,228 ulps), which is what moved bf16 greedy tokens off HF's; see
+docs/model-execution.md.
 """
 
 from __future__ import annotations
@@ -32,9 +34,17 @@ def _triton_mode() -> str:
     return _mode
 
 
-def fused_ops(x: torch.Tensor) -> ModuleType | None:
-    """workers.layers.triton_ops for a CUDA tensor when RAYLM_TRITON_OPS=1, else None."""
-    if not x.is_cuda or _triton_mode() != "all":
+# The elementwise ops on by default: each equals the torch path bit for bit on an H200.
+EXACT_OPS = frozenset({"rms_norm", "silu_and_mul"})
+
+
+def fused_ops(x: torch.Tensor, op: str) -> ModuleType | None:
+    """workers.layers.triton_ops when `op` runs fused for this tensor (CUDA; rotary only under
+    RAYLM_TRITON_OPS=1), else None."""
+    if not x.is_cuda:
+        return None
+    mode = _triton_mode()
+    if mode == "off" or (mode == "kernels" and op not in EXACT_OPS):
         return None
     from workers.layers import triton_ops
 

@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
-        ops = fused_ops(x)
+        ops = fused_ops(x, "rms_norm")
         if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

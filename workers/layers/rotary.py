@@ -140,7 +140,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns both rotated, in their dtype (in place on CUDA)."""
-        ops = fused_ops(q)
+        ops = fused_ops(q, "rotary")
         if ops is not None:
             return ops.rotary_(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
