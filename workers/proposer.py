@@ -1,7 +1,8 @@
 """Proposers of speculative tokens: one interface, chosen by `speculative.method`.
 
-The runner asks for proposals after each step's sampling, for every request that sampled (except
-those under a grammar: their mask would have to run ahead of the tokens, so they never speculate).
+The runner asks for proposals after each step's sampling, for every request that sampled; a
+request under a grammar has its proposals cut before the first token the grammar rejects
+(workers/grammar_spec.py).
 The scheduler decides how many of them the next step verifies (scheduler/spec_scheduler.py).
 """
 

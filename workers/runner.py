@@ -389,6 +389,8 @@ class ModelRunner:
         output = self._sample(batch, logits, masks)
         if self.draft is not None:
             output.spec_token_ids = self._propose_draft(self.draft, batch, output.sampled_token_ids)
+        if output.spec_token_ids is not None and self.structured is not None:
+            self._cut_to_grammar(self.structured, batch, output)
         output.failed.update(failed)
         output.kv_load_failed = load_failed
         output.pooled = batch.pooled
@@ -637,7 +639,9 @@ class ModelRunner:
             return None
         rids = [batch.req_ids[i] for i in batch.sample_rows]
         return self.structured.start_masks(
-            rids, [self.requests[r].sampling.output_token_ids for r in rids]
+            rids,
+            [self.requests[r].sampling.output_token_ids for r in rids],
+            [batch.drafts.get(r, []) for r in rids],
         )
 
     def _sample(
@@ -651,8 +655,6 @@ class ModelRunner:
         failed: dict[str, str] = {}
         unmasked = None
         if masks is not None:
-            if batch.drafts:  # a constrained row never verifies: it has one logits row
-                masks.rows = [rows.index(batch.sample_rows[p]) for p in masks.rows]
             from workers.structured import apply_masks
 
             unmasked = logits.float()
@@ -724,14 +726,9 @@ class ModelRunner:
                 del logprobs[row][kept:]
 
     def _propose(self, batch: _Batch, sampled: list[list[int]]) -> list[list[int]]:
-        """Proposals to follow each request's new tokens; none under a grammar (its mask cannot
-        run ahead of the tokens) nor for a row that sampled nothing."""
+        """Proposals to follow each request's new tokens; none for a row that sampled nothing."""
         requests = self.requests
-        rows = [
-            i
-            for i, tokens in enumerate(sampled)
-            if tokens and requests[batch.req_ids[i]].sampling.params.structured is None
-        ]
+        rows = [i for i, tokens in enumerate(sampled) if tokens]
         proposals: list[list[int]] = [[] for _ in sampled]
         if not rows or self.proposer is None:
             return proposals
@@ -740,11 +737,24 @@ class ModelRunner:
             proposals[i] = proposal
         return proposals
 
+    def _cut_to_grammar(
+        self, structured: StructuredDecoding, batch: _Batch, output: ModelRunnerOutput
+    ) -> None:
+        """Constrained requests' proposals, cut before the first token their grammar rejects
+        (workers/grammar_spec.py): such a token could never be accepted."""
+        proposals = output.spec_token_ids
+        assert proposals is not None
+        for i, (rid, new) in enumerate(zip(batch.req_ids, output.sampled_token_ids)):
+            if proposals[i] and rid in structured:
+                outputs = self.requests[rid].sampling.output_token_ids + new
+                proposals[i] = structured.allowed_proposal(rid, outputs, proposals[i])
+
     def _propose_draft(
         self, draft: DraftModel, batch: _Batch, sampled: list[list[int]]
     ) -> list[list[int]]:
         """The draft catches up with every row's new tokens and proposes for the rows that
-        sampled (none under a grammar; none at all when more rows sampled than may speculate)."""
+        sampled (none at all when more rows sampled than may speculate; a constrained row's are
+        cut to its grammar afterwards, _cut_to_grammar)."""
         bs, k, requests = self.config.block_size, draft.num_tokens, self.requests
         rows: list[DraftRow] = []
         for i, rid in enumerate(batch.req_ids):
@@ -752,7 +762,7 @@ class ModelRunner:
             own_end = batch.starts[i] + batch.query_lens[i] - len(batch.drafts.get(rid, ()))
             start = state.draft_computed
             end = len(state.token_ids) + len(new) if new else own_end
-            asks = bool(new) and state.sampling.params.structured is None
+            asks = bool(new)
             num = min(k, self.config.max_model_len - end) if asks else 0
             tail = state.token_ids[start:] + new
             rows.append(DraftRow(tail, start, end, state.block_ids, num))

@@ -8,6 +8,11 @@ a request preempted, swapped, resumed or migrated rebuilds its state from the to
 has. Each row's mask is filled on a mask thread (llguidance releases the GIL) while the forward
 runs; a row whose mask is not ready by the deadline fails alone and the others are sampled. No
 row constrained: nothing here runs.
+
+Under speculative decoding a constrained request speculates too (workers.grammar_spec): its
+proposals are cut before the first token its grammar rejects, and each position of its verify row
+is masked by the grammar's state after the proposed tokens before it, computed on a copy of its
+matcher; the matcher itself consumes only the tokens the request keeps.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from workers.grammar import (
     first_line,
     run_with_timeout,
 )
+from workers.grammar_spec import fill_verify_masks, grammar_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +130,15 @@ class _Row:
 
 @dataclass(slots=True)
 class PendingMasks:
-    """Bitmasks being filled for some batch rows (positions in the sampled logits)."""
+    """Bitmasks being filled for some rows of the sampled logits: one row per constrained request
+    that samples, or one per position of its verify row (rows of the bitmask: `spans`)."""
 
-    rows: list[int]
+    rows: list[int]  # per bitmask row: its row of the sampled logits
     req_ids: list[str]
     bitmask: torch.Tensor
-    futures: list[Future]  # one per row: None, or raises why its constraint failed
-    compiled: list[Future]  # each row's compile, waited on up to the compile timeout
+    futures: list[Future]  # one per request: None, or raises why its constraint failed
+    compiled: list[Future]  # each request's compile, waited on up to the compile timeout
+    spans: list[range]  # each request's rows of the bitmask
     deadline_s: float
     compile_timeout_s: float
     failed: dict[str, str] = field(default_factory=dict)  # req id -> why its constraint failed
@@ -158,17 +166,30 @@ class StructuredDecoding:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._rows
 
-    def start_masks(self, req_ids: list[str], outputs: list[list[int]]) -> PendingMasks | None:
+    def start_masks(
+        self,
+        req_ids: list[str],
+        outputs: list[list[int]],
+        drafts: list[list[int]] | None = None,
+    ) -> PendingMasks | None:
         """Start filling the masks of the constrained requests among those sampled (in order), each
-        caught up on its outputs first. None when none of them is constrained."""
-        positions, rids, rows, new_tokens = [], [], [], []
-        for pos, (rid, out) in enumerate(zip(req_ids, outputs)):
+        caught up on its outputs first. drafts: each request's proposed tokens, whose verify row
+        samples len(drafts) + 1 logits rows, each masked after the drafts before it. None when
+        none of them is constrained."""
+        drafts = drafts if drafts is not None else [[] for _ in req_ids]
+        positions: list[int] = []
+        rids, rows, new_tokens, proposed, spans = [], [], [], [], []
+        logit_row = 0
+        for rid, out, ahead in zip(req_ids, outputs, drafts):
             row = self._rows.get(rid)
+            first, logit_row = logit_row, logit_row + len(ahead) + 1
             if row is None or not row.catch_up(out):
                 continue
-            positions.append(pos)
+            spans.append(range(len(positions), len(positions) + len(ahead) + 1))
+            positions.extend(range(first, logit_row))
             rids.append(rid)
             rows.append(row)
+            proposed.append(ahead)
             new_tokens.append(
                 out[row.consumed :]
             )  # a copy: the runner appends while the mask fills
@@ -177,11 +198,13 @@ class StructuredDecoding:
             return None
         bitmask = llguidance.torch.allocate_token_bitmask(len(positions), self.compiler.vocab_size)
         futures = []
-        for i, (row, tokens) in enumerate(zip(rows, new_tokens)):
+        for row, tokens, ahead, span in zip(rows, new_tokens, proposed, spans):
             if row.busy is not None and not row.busy.done():
                 futures.append(_failed("its previous mask is still being computed"))
                 continue
-            row.busy = self._masks.submit(_fill_row, row.matcher, tokens, bitmask, i)
+            row.busy = self._masks.submit(
+                _fill_row, row.matcher, tokens, ahead, bitmask, span.start
+            )
             futures.append(row.busy)
         return PendingMasks(
             positions,
@@ -189,9 +212,33 @@ class StructuredDecoding:
             bitmask,
             futures,
             [row.matcher for row in rows],
+            spans,
             self.mask_deadline_s,
             self.compiler.timeout_s,
         )
+
+    def allowed_proposal(self, req_id: str, outputs: list[int], proposal: list[int]) -> list[int]:
+        """`proposal` cut before the first token the request's grammar rejects after `outputs`
+        (its outputs with the tokens just sampled); [] while its matcher is busy or failed.
+        Unconstrained requests keep their proposals. The matcher is not advanced."""
+        row = self._rows.get(req_id)
+        if row is None or not proposal:
+            return proposal
+        if row.after is not None:  # still free: its first step may not be a marker's
+            try:
+                found = outputs.index(row.after, row.searched)
+            except ValueError:
+                return proposal[: proposal.index(row.after)] if row.after in proposal else proposal
+            tokens = outputs[found + 1 :]
+        else:
+            tokens = outputs[row.consumed :]
+        busy = row.busy
+        if not row.matcher.done() or row.matcher.exception() is not None:
+            return []
+        if busy is not None and (not busy.done() or busy.exception() is not None):
+            return []
+        ahead = row.matcher.result().deep_copy()
+        return proposal[: grammar_prefix(ahead, tokens, proposal)]
 
 
 def _failed(why: str) -> Future:
@@ -200,14 +247,17 @@ def _failed(why: str) -> Future:
     return future
 
 
-def _fill_row(compiled: Future, tokens: list[int], bitmask: torch.Tensor, index: int) -> None:
-    """On a mask thread: wait for the row's compile, advance it, fill its mask."""
+def _fill_row(
+    compiled: Future, tokens: list[int], drafts: list[int], bitmask: torch.Tensor, first: int
+) -> None:
+    """On a mask thread: wait for the request's compile, advance it over its new outputs, fill
+    its mask (one per verify position when drafts are proposed)."""
     matcher = compiled.result()
     if tokens:
         matcher.consume_tokens(tokens)
     if matcher.is_error():
         raise ValueError(f"the output left its constraint: {first_line(matcher.get_error())}")
-    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, index)
+    fill_verify_masks(matcher, drafts, bitmask, first)
 
 
 def apply_masks(logits: torch.Tensor, pending: PendingMasks) -> torch.Tensor:
@@ -224,7 +274,8 @@ def apply_masks(logits: torch.Tensor, pending: PendingMasks) -> torch.Tensor:
         why = _why_failed(future, pending.deadline_s)
         if why is not None:
             pending.failed[rid] = f"structured output: {why}"
-            pending.bitmask[i].fill_(-1)
+            span = pending.spans[i]
+            pending.bitmask[span.start : span.stop].fill_(-1)
     vocab = logits.shape[-1]
     # A copy: a late row's thread may still write its (failed) row.
     bits = pending.bitmask.to(logits.device, copy=True)

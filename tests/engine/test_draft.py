@@ -13,6 +13,7 @@ import pytest
 
 from engine.llm import LLM
 from scheduler import SamplingParams
+from scheduler.structured_output import StructuredOutput
 from tests.engine.paired_engines import SMALL_POOL
 from tests.engine.test_speculative import assert_idle, generate, workload
 from tests.random_checkpoint import TINY_FAMILIES, TINY_TP_LLAMA, write_random_checkpoint
@@ -131,3 +132,19 @@ def test_a_draft_is_refused_with_the_lower_kv_tiers(model):
             kv_cpu_tier_gb=0.01,
             speculative={**SPEC, "draft_model": model},
         )
+
+
+def test_constrained_rows_draft_and_keep_their_tokens(llms):
+    """Constrained rows ask the draft too; its proposals (the model's unmasked argmax, which on
+    this random model the regex never allows) are cut to their grammar before verification, and
+    the rows keep their plain tokens, greedy and seeded."""
+    plain, spec = llms()
+    constraint = StructuredOutput("regex", "(ab|cd){2,8}-[0-9]{1,3}")
+    prompts, _ = workload(5, n=3)
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, structured=constraint),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=11, structured=constraint),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    ]
+    assert generate(spec, prompts, params) == generate(plain, prompts, params)
+    assert_idle(spec)

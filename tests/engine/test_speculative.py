@@ -2,8 +2,8 @@
 
 Engines with and without speculation run the same requests: greedy and seeded rows with penalties
 and logprobs mixed, chunked prefill, forced preemption by recompute and by swap, prefix hits, stop
-ids, and a constrained row (which never speculates). Every KV block is back in the pool once the
-engine is idle.
+ids, and constrained rows (JSON schema, regex, a choice after a marker). Every KV block is back
+in the pool once the engine is idle.
 
 A random model seldom repeats itself, so n-gram proposals are seldom right. To verify many right
 and wrong proposals, most tests plug in a proposer (through the runner's Proposer interface) that
@@ -13,7 +13,9 @@ itself runs in the last tests.
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -45,6 +47,7 @@ class OracleProposer:
     def __init__(self, num_tokens: int, wrong: float, seed: int = 0) -> None:
         self.num_tokens, self.wrong = num_tokens, wrong
         self.rng = random.Random(seed)
+        self.swap: dict[int, int] = {}  # a wrong token's replacement (default: the next id)
         self.expected: list[tuple[list[int], list[int]]] = []  # (prompt, outputs)
 
     def propose(
@@ -57,8 +60,11 @@ class OracleProposer:
             n = len(prompt)
             if ctx[:n] == prompt and outputs[: len(ctx) - n] == ctx[n:]:
                 nxt = outputs[len(ctx) - n : len(ctx) - n + self.num_tokens]
-                return [t if self.rng.random() >= self.wrong else t + 1 for t in nxt]
+                return [t if self.rng.random() >= self.wrong else self._spoil(t) for t in nxt]
         return []
+
+    def _spoil(self, token: int) -> int:
+        return self.swap.get(token, token + 1)
 
 
 def with_oracle(spec: LLM, wrong: float, prompts, outputs) -> OracleProposer:
@@ -164,13 +170,89 @@ def test_stop_ids_inside_an_accepted_run_end_the_request_there(llms):
     assert want[0][0][-1] == stop and want[0][1] == "stop"
 
 
-def test_a_constrained_request_does_not_speculate_and_stays_valid(llms):
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "tag"],
+    "additionalProperties": False,
+}
+REGEX = "(ab|cd){2,5}-[0-9]{1,3}"
+MARK = 1234  # a constraint that starts after this token (the end of a reasoning block)
+
+
+def constrained_workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    """JSON-schema and regex requests, greedy and seeded, and one constrained after a marker."""
+    prompts, _ = workload(4, n=4)
+    choice = StructuredOutput.choice(["yes", "no"])
+    kinds = [
+        StructuredOutput.json_schema(SCHEMA),
+        StructuredOutput("regex", REGEX),
+        StructuredOutput("regex", REGEX),
+        StructuredOutput(choice.kind, choice.spec, after=MARK),
+    ]
+    params = [
+        SamplingParams(
+            max_tokens=32,
+            temperature=0.0 if i % 2 == 0 else 0.9,
+            seed=None if i % 2 == 0 else 100 + i,
+            presence_penalty=0.5 if i == 2 else 0.0,
+            logit_bias={MARK: 100.0} if i == 3 else {},
+            logprobs=2 if i == 1 else None,
+            structured=kind,
+        )
+        for i, kind in enumerate(kinds)
+    ]
+    return prompts, params
+
+
+def assert_valid(llm: LLM, outs, params) -> None:
+    """Every output that ended (not cut by max_tokens) obeys its constraint."""
+    ended = [(o, p.structured) for o, p in zip(outs, params) if o.finish_reason == "stop"]
+    assert len(ended) >= 2
+    for out, constraint in ended:
+        if constraint.kind == "json_schema":
+            value = json.loads(out.text)
+            assert set(value) == {"ok", "tag"} and value["tag"] in ("red", "green", "blue")
+        elif constraint.kind == "regex":
+            assert re.fullmatch(REGEX, out.text), out.text
+        else:
+            assert out.token_ids[0] == MARK
+            assert llm.frontend.decode(out.token_ids[1:]) in ("yes", "no")
+
+
+def test_constrained_requests_verify_proposals_and_give_the_same_tokens(llms, smollm2_tokenizer):
+    """Each verify position is masked after the proposed tokens before it, and the matcher
+    consumes only what is kept. Spoiled proposals are either cut (the grammar rejects them) or
+    verified and rejected (`ab` for `cd`: the grammar allows both)."""
     plain, spec = llms()
-    constraint = StructuredOutput("regex", "(ab|cd){3,6}")
+    prompts, params = constrained_workload()
+    want = generate(plain, prompts, params)
+    before = spec.engine.stats()
+    oracle = with_oracle(spec, 0.25, prompts, want)
+    ab, cd = (smollm2_tokenizer.encode(t, add_special_tokens=False)[0] for t in ("ab", "cd"))
+    oracle.swap = {ab: cd, cd: ab}
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    got = [(o.token_ids, o.finish_reason, [lp[0][0] for lp in o.logprobs or []]) for o in outs]
+    assert got == want
+    stats = spec.engine.stats()
+    accepted = stats.num_spec_accepted_tokens - before.num_spec_accepted_tokens
+    proposed = stats.num_spec_proposed_tokens - before.num_spec_proposed_tokens
+    assert 0 < accepted < proposed
+    assert_valid(spec, outs, params)
+    assert_idle(spec)
+
+
+def test_constrained_requests_speculate_with_ngram_proposals(llms):
+    plain, spec = llms()
+    constraint = StructuredOutput("regex", "(ab|cd){3,12}")
     params = SamplingParams(max_tokens=20, temperature=0.0, structured=constraint)
     prompts = [[5, 6, 5, 6, 5, 6], [7, 8, 7, 8, 7, 8, 7, 8]]
     mixed = [params, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]
+    before = spec.engine.stats().num_spec_proposed_tokens
+    assert generate(spec, prompts[:1], [params]) == generate(plain, prompts[:1], [params])
+    assert spec.engine.stats().num_spec_proposed_tokens > before  # the constrained row verified
     assert generate(spec, prompts, mixed) == generate(plain, prompts, mixed)
+    assert_idle(spec)
 
 
 def test_async_scheduling_is_refused_with_speculation():
