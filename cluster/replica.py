@@ -368,22 +368,23 @@ class LLMReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request router: queues, KV usage, prefix-cache figures and the
         hashes of the most recently cached blocks (the router's prefix index syncs to them)."""
-        prefix = tiers = None
+        prefix = tiers = predicted = None
         state = self._state()
         if state is ReplicaState.OK:  # a failed or stopped engine answers no call
             try:
-                prefix, tiers = await asyncio.wait_for(
+                prefix, tiers, predicted = await asyncio.wait_for(
                     self._loop_thread.call(
                         lambda engine: (
                             engine.prefix_report(MAX_REPORTED_PREFIX_HASHES),
                             engine.tier_hashes(MAX_REPORTED_PREFIX_HASHES),
+                            engine.predicted_load(),
                         )
                     ),
                     timeout=5,
                 )
             except asyncio.TimeoutError:
                 logger.warning("engine busy for 5 s: routing stats without prefix hashes")
-        return RoutingStats(self._stats, state, prefix, tiers).to_dict()
+        return RoutingStats(self._stats, state, prefix, tiers, predicted).to_dict()
 
     async def list_loras(self) -> list[str]:
         """The adapters requests may name on this replica, in the order they were added."""

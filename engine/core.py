@@ -20,6 +20,7 @@ from frontend.frontend import ModelInfo
 from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
 from scheduler.async_scheduler import AsyncScheduler
 from scheduler.block_manager import PrefixReport
+from scheduler.predicted_load import PredictedLoad
 from scheduler.request import EngineRequest, Request
 from scheduler.spec_scheduler import SpecScheduler
 from workers.kv_cache import GiB, KVCacheSpec
@@ -268,6 +269,11 @@ class EngineCore:
         """Mixture-of-experts models: (token, expert) rows each tensor-parallel rank computed so
         far, summed over layers and steps; empty for dense models."""
         return list(self.scheduler.expert_tokens_per_rank)
+
+    def predicted_load(self) -> PredictedLoad:
+        """Predicted remaining output tokens of the queued and running requests (the router's
+        predicted_tokens load signal)."""
+        return self.scheduler.predicted_load()
 
     def prefix_report(self, limit: int) -> PrefixReport:
         """Hashes of up to `limit` most recently cached KV blocks (what the router's prefix index

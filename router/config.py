@@ -10,6 +10,7 @@ from scheduler.settings import build, check_settings, setting
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_affinity")
 IMBALANCE_REFERENCES = ("least", "mean")
+LOAD_SIGNALS = ("requests", "predicted_tokens")
 # Routed requests whose outcome the router can still attribute (a few minutes of heavy traffic).
 
 
@@ -72,6 +73,19 @@ class RoutingConfig:
         2048,
         "in-flight tokens (prompt + max new tokens) that weigh as much as one in-flight request",
         ge=1,
+    )
+    load_signal: str = setting(
+        "requests",
+        "what a replica's load counts: its requests, or the output tokens its length predictor "
+        "says its requests have left (predicted_tokens; requests while it has no estimate)",
+        choices=LOAD_SIGNALS,
+    )
+    predicted_tokens_per_request: int = setting(
+        128,
+        "load_signal predicted_tokens: predicted remaining tokens that weigh as one request, and "
+        "what a request without an estimate counts as",
+        ge=1,
+        le=1 << 20,
     )
     kv_usage_weight: float = setting(1.0, "weight of a replica's KV usage (0-1) in its load", ge=0)
     # The report may have been taken before the request that planted the entries arrived.

@@ -28,7 +28,11 @@ class FleetState:
     def __init__(self, config: RoutingConfig):
         self.config = config
         self.loads = LoadTracker(
-            config.tokens_per_request, config.kv_usage_weight, config.unconfirmed_ttl_s
+            config.tokens_per_request,
+            config.kv_usage_weight,
+            config.unconfirmed_ttl_s,
+            config.load_signal,
+            config.predicted_tokens_per_request,
         )
         self.index = PrefixIndex(
             config.index_blocks_per_replica or DEFAULT_REPLICA_BLOCKS, config.max_index_blocks

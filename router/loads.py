@@ -18,6 +18,12 @@ class ReplicaLoad:
     reported_requests: int = 0
     kv_cache_usage: float = 0.0
     healthy: bool = True  # the last report's state was OK
+    # The last report's predicted remaining output tokens and the requests they cover (None: it
+    # had none); this router's requests started since that report, which it cannot include.
+    predicted_tokens: int | None = None
+    predicted_requests: int = 0
+    since_report: int = 0
+    report_epoch: int = 0
 
 
 @dataclass(slots=True)
@@ -26,16 +32,26 @@ class _InFlight:
     num_tokens: int
     confirmed: bool
     started_at: float
+    epoch: int  # the replica's report_epoch when it started
 
 
 class LoadTracker:
     """Per-replica load: exact in-flight counts of this router combined with late replica
     reports."""
 
-    def __init__(self, tokens_per_request: int, kv_usage_weight: float, unconfirmed_ttl_s: float):
+    def __init__(
+        self,
+        tokens_per_request: int,
+        kv_usage_weight: float,
+        unconfirmed_ttl_s: float,
+        load_signal: str = "requests",
+        predicted_tokens_per_request: int = 128,
+    ):
         self.tokens_per_request = tokens_per_request
         self.kv_usage_weight = kv_usage_weight
         self.unconfirmed_ttl_s = unconfirmed_ttl_s
+        self.by_predicted_tokens = load_signal == "predicted_tokens"
+        self.predicted_tokens_per_request = predicted_tokens_per_request
         self._replicas: dict[str, ReplicaLoad] = {}
         self._requests: dict[str, _InFlight] = {}
         # Derived, kept current by every change above: each replica's load, the unconfirmed requests
@@ -48,7 +64,8 @@ class LoadTracker:
         return self._replicas.get(replica) or ReplicaLoad()
 
     def load(self, replica: str) -> float:
-        """Load in request units: the larger of own and reported requests, plus token and KV
+        """Load in request units: the larger of own and reported requests (load_signal requests)
+        or the predicted remaining tokens in requests (predicted_tokens), plus token and KV
         terms."""
         return self._load.get(replica, 0.0)
 
@@ -61,7 +78,13 @@ class LoadTracker:
         s = self._replicas[replica]
         # Reports are 1-2 s late but include other routers' traffic; own counts are exact but local.
         # The max never under-counts either source without double counting this router's requests.
-        requests = max(s.inflight_requests, s.reported_requests)
+        requests: float = max(s.inflight_requests, s.reported_requests)
+        if self.by_predicted_tokens and s.predicted_tokens is not None and s.predicted_requests:
+            # The work the replica has left, in requests of predicted_tokens_per_request tokens:
+            # its predicted tokens, one estimate for each of its requests the predictor could not
+            # size, and one for each request this router sent it since it reported.
+            unsized = max(0, s.reported_requests - s.predicted_requests) + s.since_report
+            requests = s.predicted_tokens / self.predicted_tokens_per_request + unsized
         self._load[replica] = (
             requests
             + s.inflight_tokens / self.tokens_per_request
@@ -73,11 +96,12 @@ class LoadTracker:
     ) -> None:
         """Count request_id against replica (moving it if it was counted elsewhere)."""
         self.finish(request_id)
-        self._requests[request_id] = _InFlight(replica, num_tokens, confirmed, now)
+        s = self._replicas.setdefault(replica, ReplicaLoad())
+        self._requests[request_id] = _InFlight(replica, num_tokens, confirmed, now, s.report_epoch)
         if not confirmed:
             self._unconfirmed[request_id] = None
-        s = self._replicas.setdefault(replica, ReplicaLoad())
         s.inflight_requests += 1
+        s.since_report += 1
         s.inflight_tokens += num_tokens
         self._refresh(replica)
 
@@ -90,6 +114,8 @@ class LoadTracker:
         if s is not None:
             s.inflight_requests -= 1
             s.inflight_tokens -= entry.num_tokens
+            if entry.epoch == s.report_epoch:
+                s.since_report -= 1
             self._refresh(entry.replica)
 
     def expire(self, now: float) -> None:
@@ -109,6 +135,11 @@ class LoadTracker:
         s.reported_requests = stats.scheduler.num_waiting + stats.scheduler.num_running
         s.healthy = stats.state is ReplicaState.OK
         s.kv_cache_usage = min(1.0, max(0.0, stats.scheduler.kv_cache_usage))
+        predicted = stats.predicted
+        s.predicted_tokens = None if predicted is None else predicted.tokens
+        s.predicted_requests = 0 if predicted is None else predicted.requests
+        s.report_epoch += 1  # the requests started before now are in this report
+        s.since_report = 0
         if s.healthy:
             self.unhealthy.discard(replica)
         else:

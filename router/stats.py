@@ -14,6 +14,7 @@ from typing import Any, get_type_hints
 
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
+from scheduler.predicted_load import PredictedLoad
 from scheduler.request import check_lora_name
 
 # How often Serve asks each replica for its report (request_routing_stats_period_s); the simulator
@@ -59,6 +60,9 @@ class RoutingStats:
     # Hashes the prefix cache's lower tiers hold (CPU, disk; docs/kv-tiers.md): a hit there saves
     # the prefill too, at the cost of a copy. None: tiers off, or not asked.
     tier_hashes: list[int] | None = None
+    # Predicted remaining output tokens of its queues (scheduler/predicted_load.py), for the
+    # router's load_signal predicted_tokens. None: not asked (the engine was busy or stopped).
+    predicted: PredictedLoad | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as Serve carries it: flat, plain values."""
@@ -71,6 +75,9 @@ class RoutingStats:
             out.update(zip(_PREFIX_KEYS, values))
         if self.tier_hashes is not None:
             out["tier_hashes"] = self.tier_hashes
+        if self.predicted is not None:
+            out["predicted_remaining_tokens"] = self.predicted.tokens
+            out["predicted_requests"] = self.predicted.requests
         return out
 
     @classmethod
@@ -96,7 +103,12 @@ class RoutingStats:
         tier = None
         if report.get("tier_hashes") is not None:
             tier = _block_hashes(report, "tier_hashes")
-        return cls(_scheduler_stats(report), ReplicaState(state), prefix, tier)
+        predicted = None
+        if report.get("predicted_remaining_tokens") is not None:
+            predicted = PredictedLoad(
+                _count(report, "predicted_remaining_tokens"), _count(report, "predicted_requests")
+            )
+        return cls(_scheduler_stats(report), ReplicaState(state), prefix, tier, predicted)
 
 
 _FIELD_TYPES = get_type_hints(SchedulerStats)

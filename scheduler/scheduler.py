@@ -16,6 +16,7 @@ from scheduler.admission import make_admission
 from scheduler.block_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnector, KVTransfers
+from scheduler.length_prediction import LengthPredictor, RemainingLength, safe_observe
 from scheduler.lora_slots import LoraSlots
 from scheduler.outputs import (
     CachedRequestData,
@@ -26,8 +27,9 @@ from scheduler.outputs import (
     SchedulerStats,
     TokenLogprobs,
 )
+from scheduler.predicted_load import PredictedLoad, predicted_load
 from scheduler.preemption import VictimPolicy
-from scheduler.queues import make_waiting_queue
+from scheduler.queues import FairQueue, SRPTQueue, make_waiting_queue
 from scheduler.request import Request, RequestStatus
 from scheduler.stop import check_stop
 
@@ -111,6 +113,11 @@ class Scheduler:
             self.max_model_len,
             config.foresight_estimate,
         )
+        # The length model the router's predicted-tokens load reads (predicted_load): the queue's or
+        # the admission's when they have one, else this one, which only learns.
+        self.own_length_model: RemainingLength | None = None
+        if self.length_model() is None:
+            self.own_length_model = LengthPredictor()
         self.num_preemptions = 0
         # (token, expert) rows per tensor-parallel rank, summed over steps (MoE models only; kept
         # out of SchedulerStats, which the router reads as scalars).
@@ -212,6 +219,23 @@ class Scheduler:
             ),
             **self._tier_stats(),
         )
+
+    def length_model(self) -> RemainingLength | None:
+        """The output-length predictor in use: the queue's (srpt, fair_srpt), the admission's
+        (foresight), else the scheduler's own. Looked up each time: a study may swap them."""
+        queue = self.waiting
+        if isinstance(queue, SRPTQueue):
+            return queue.predictor
+        if isinstance(queue, FairQueue) and queue._srpt is not None:
+            return queue._srpt.predictor
+        if self.admission is not None:
+            return self.admission.predictor
+        return self.own_length_model
+
+    def predicted_load(self) -> PredictedLoad:
+        """Predicted remaining output tokens of the waiting and running requests (what a replica
+        reports for the router's predicted_tokens load signal)."""
+        return predicted_load([*self.waiting, *self.running], self.length_model())
 
     def _tier_stats(self) -> dict[str, int]:
         connector = self.connector
@@ -606,6 +630,8 @@ class Scheduler:
         self.waiting.learn(req)  # the srpt policy's length predictor learns from it
         if self.admission is not None:
             self.admission.learn(req)
+        if self.own_length_model is not None:
+            safe_observe(self.own_length_model, req)
         rid = req.request_id
         self._finished_ids.add(rid)
         self._finished_order[rid] = None

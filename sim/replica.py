@@ -265,5 +265,7 @@ class SimReplica:
         """What a production replica reports to the router (cluster/replica.py): queue lengths, KV
         usage and the pool's prefix report."""
         return RoutingStats(
-            self.scheduler.stats(), prefix=self.scheduler.kv.pool.prefix_report(max_hashes)
+            self.scheduler.stats(),
+            prefix=self.scheduler.kv.pool.prefix_report(max_hashes),
+            predicted=self.scheduler.predicted_load(),
         )

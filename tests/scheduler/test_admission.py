@@ -9,6 +9,7 @@ import pytest
 from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.admission import ForesightAdmission, make_admission
 from scheduler.length_prediction import LengthEstimate, LengthPredictor
+from scheduler.predicted_load import PredictedLoad
 from scheduler.queues import FCFSQueue, SRPTQueue
 from tests.scheduler.contract_runner import ContractRunner
 
@@ -96,3 +97,21 @@ def test_foresight_cuts_preemptions_and_keeps_every_output():
     foresight, foresight_tokens = run("foresight")
     assert greedy > 0 and foresight == 0
     assert foresight_tokens == greedy_tokens
+
+
+def test_the_predicted_load_is_cold_at_first_then_the_learned_remainder_capped_by_max_tokens():
+    """What a replica reports for the router's predicted_tokens load (scheduler/predicted_load.py):
+    nothing sized before the predictor has seen a request finish, even under FCFS (the scheduler
+    then keeps a predictor of its own); after, each request's median remaining output, never more
+    than its max_tokens allows."""
+    cfg = SchedulerConfig(num_gpu_blocks=64, max_model_len=64, block_size=4, max_num_seqs=8)
+    s = Scheduler(cfg)
+    runner = ContractRunner(cfg.block_size, 64, 0)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 4, 16))
+    assert s.predicted_load() == PredictedLoad(0, 0)
+    while s.has_unfinished_requests():
+        s.update_from_output(out := s.schedule(), runner.execute(out))
+    s.add_request(req("long", 4, 40))
+    s.add_request(req("short", 4, 3))
+    assert s.predicted_load() == PredictedLoad(16 + 3, 2)
