@@ -135,7 +135,7 @@ def write_models(spec: ModelSpec, root: str, device: str) -> dict[str, str]:
     return {"bf16": float_dir, "fp8": float_dir, "int4": int4_dir}
 
 
-def make_llm(path: str, fmt: str, device: str, batch: int, context: int, steps: int):
+def make_llm(path: str, fmt: str, device: str, batch: int, context: int, steps: int, **extra):
     from engine.llm import LLM
 
     blocks = -(-(context + steps + _warm_steps(batch, context) + 8) // 16)
@@ -151,6 +151,7 @@ def make_llm(path: str, fmt: str, device: str, batch: int, context: int, steps: 
         max_model_len=16 * blocks,
         kv_cache_memory_gb=0.25,
         **pool,
+        **extra,
     )
 
 
@@ -163,9 +164,12 @@ def _budget(context: int) -> int:
     return max(2048, context)
 
 
-def decode_ms(llm, vocab: int, batch: int, context: int, steps: int, device: str) -> float:
+def decode_ms(
+    llm, vocab: int, batch: int, context: int, steps: int, device: str, after_warm=None
+) -> float:
     """Mean wall time of a pure decode step with `batch` requests of `context` tokens (every
-    request still running through the timed steps)."""
+    request still running through the timed steps). `after_warm(engine)`, if given, runs between
+    the warm-up and the timed steps (a profiler's steps)."""
     engine = llm.engine
     prompts = random_prompts(batch, vocab, context, context, seed=batch)
     warm = _warm_steps(batch, context)
@@ -174,6 +178,8 @@ def decode_ms(llm, vocab: int, batch: int, context: int, steps: int, device: str
         engine.add_request(EngineRequest(f"b{batch}-{i}", prompt, params))
     for _ in range(warm):
         engine.step()
+    if after_warm is not None:
+        after_warm(engine)
     _sync(device)
     t = time.perf_counter()
     for _ in range(steps):
