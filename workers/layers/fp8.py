@@ -10,11 +10,14 @@ code they shard float weights with (a column split keeps every row's scale).
 The product quantizes each row (token) of x to E4M3 with its own scale (max |x| / 448), then
 computes x_q W_q^T scaled by both. On CUDA (compute capability 8.9 or later) that is
 `torch._scaled_mm`; elsewhere a de-quantize reference computes the same values in float32
-(correct, not fast).
+(correct, not fast). Exception: up to 16 rows of bf16/float16 activations on CUDA (decode steps)
+are not quantized: a Triton kernel reads the codes and multiplies them weight-only (W8A16),
+one launch instead of five (workers/layers/backends/triton_fp8_gemv.py says why).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +84,10 @@ class FP8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T in x's dtype, x quantized per token (W8A8)."""
         x2 = x.reshape(-1, x.shape[-1])
+        gemv = _small_batch_kernel(x2)
+        if gemv is not None:
+            y = gemv(x2, self.codes, self.scales)
+            return y.view(*x.shape[:-1], y.shape[-1])
         xq, xs = quantize_rows(x2)
         if x.device.type == "cuda":
             y = _scaled_mm(xq, xs, self, x.dtype)
@@ -90,6 +97,22 @@ class FP8Weight:
 
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * 4
+
+
+def _small_batch_kernel(
+    x: torch.Tensor,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The weight-only Triton kernel for a few 16-bit rows on CUDA (x @ W^T without quantizing x),
+    or None: more rows, CPU, float32 activations, or Triton off or missing."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from workers.layers.fused import triton_kernels_on
+
+    if not triton_kernels_on():
+        return None
+    from workers.layers.backends.triton_fp8_gemv import MAX_ROWS, fp8_gemv
+
+    return fp8_gemv if x.shape[0] <= MAX_ROWS else None
 
 
 def quantize_rows(x: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

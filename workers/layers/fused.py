@@ -51,6 +51,12 @@ def fused_ops(x: torch.Tensor, op: str) -> ModuleType | None:
     return triton_ops
 
 
+def triton_kernels_on() -> bool:
+    """Whether the Triton GEMM kernels (MoE, LoRA, FP8 weight-only) may run: Triton is installed
+    and RAYLM_TRITON_OPS is not 0."""
+    return _triton_mode() != "off"
+
+
 def triton_moe(x: torch.Tensor) -> ModuleType | None:
     """workers.layers.backends.triton_moe for a CUDA tensor unless Triton is off, else None."""
     if not x.is_cuda or _triton_mode() == "off":
