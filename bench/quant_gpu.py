@@ -108,7 +108,8 @@ def check_kernels(device: str, dtype: torch.dtype) -> dict:
     fp8 = quantize_weight(w)
     xq, xs = quantize_rows(x)
     ref = (xq.float() * xs) @ fp8.dequantize().t()
-    out = {"fp8": _rel(fp8.matmul(x), ref)}
+    out = {"fp8": _rel(fp8.matmul(x.repeat(4, 1)), ref.repeat(4, 1))}  # 32 rows: W8A8
+    out["fp8_weight_only"] = _rel(fp8.matmul(x), x.float() @ fp8.dequantize().t())
     groups = k // 128
     int4 = Int4Weight(
         pack_nibbles(torch.randint(0, 16, (n, k), device=device, generator=gen)),
@@ -119,7 +120,7 @@ def check_kernels(device: str, dtype: torch.dtype) -> dict:
     ref = x.float() @ int4.dequantize().t()
     int4.prepare(dtype)
     out["int4"] = _rel(int4.matmul(x), ref)
-    out["int4_kernel"] = "int4pack" if int4.kernel is not None else "reference"
+    out["int4_kernel"] = type(int4.kernel).__name__ if int4.kernel is not None else "reference"
     return out
 
 
