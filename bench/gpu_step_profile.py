@@ -126,6 +126,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--modes", nargs="+", default=["graphs", "eager"], choices=["graphs", "eager"]
+    )
     parser.add_argument("--tmp", default=None)
     args = parser.parse_args()
     if args.smoke:
@@ -140,7 +143,7 @@ def main() -> None:
         paths = write_models(spec, root, args.device)
         for fmt in args.formats:
             config = AutoConfig.from_pretrained(paths[fmt])
-            for eager in (False, True):
+            for eager in (mode == "eager" for mode in args.modes):
                 llm = make_llm(
                     paths[fmt],
                     fmt,
