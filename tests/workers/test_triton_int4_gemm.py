@@ -37,7 +37,7 @@ def _weight(n: int, k: int, group: int, seed: int = 0, act_order: bool = False) 
 
 def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
     # each weight rounds once to the 16-bit dtype; float32 sums; one rounding of the output
-    bound = 2.0**-8 * ref.abs().max().item() + 1e-3
+    bound = 2 * torch.finfo(y.dtype).eps * ref.abs().max().item() + 1e-3
     assert (y.double() - ref).abs().max().item() <= bound
 
 

@@ -26,9 +26,20 @@ import triton.language as tl
 # and _scaled_mm's large tiles win.
 MAX_ROWS = 16
 
+# Rows of tiles (BLOCK_N) by depth (BLOCK_K): a decode linear has few outputs per program and must
+# keep enough bytes in flight per SM, hence deep K tiles and 8 warps among the candidates.
 _CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-    for n, k, w, s in ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 4), (64, 128, 4, 3))
+    for n, k, w, s in (
+        (16, 512, 4, 4),
+        (32, 256, 4, 4),
+        (16, 1024, 4, 3),
+        (16, 1024, 8, 4),
+        (16, 2048, 8, 2),
+        (32, 512, 8, 4),
+        (32, 1024, 8, 3),
+        (64, 256, 8, 4),
+    )
 ]
 if os.environ.get("TRITON_INTERPRET") == "1":
     _CONFIGS = _CONFIGS[:1]  # the interpreter cannot time configs; correctness is the same

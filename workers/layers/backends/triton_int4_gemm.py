@@ -4,8 +4,8 @@ inputs), de-quantizing each tile in registers.
 torch's int4pack kernel (tinygemm) was the CUDA path: on an H200 its INT4 decode step was 0.87x of
 bf16's at batch 1 (where 4-bit weights should read a quarter of the bytes) and 2.1x bf16's at
 batch 64 (bench/results/2026-11-26-h200-gpu-benches.md). Here one program per (row tile, output
-tile) walks K one group-sized tile at a time: it loads the tile's packed codes (two per byte, the
-even input in the low nibble, as workers/layers/int4.py keeps them, groups in order), the group's
+tile) walks K a few whole groups at a time: it loads the tile's packed codes (two per byte, the
+even input in the low nibble, as workers/layers/int4.py keeps them, groups in order), each group's
 scale and zero point per output, forms (code - zero) * scale in float32, rounds it to the
 activations' dtype and multiplies on the tensor cores with float32 sums. Tile sizes are tuned per
 (N, K, group size, row bucket) on the first call, before graph capture.
@@ -19,9 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
+# BLOCK_K spans GROUPS_PER_TILE groups: one group of 128 inputs is 1 KiB of codes for 16 outputs,
+# too little to keep a decode step's memory busy.
 _CONFIGS = [
-    triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-    for n, w, s in ((16, 4, 4), (32, 4, 4), (64, 4, 3), (128, 8, 3))
+    triton.Config({"BLOCK_N": n, "GROUPS_PER_TILE": g}, num_warps=w, num_stages=s)
+    for n, g, w, s in (
+        (16, 4, 4, 4),
+        (32, 2, 4, 4),
+        (16, 8, 8, 3),
+        (32, 4, 8, 3),
+        (64, 2, 8, 3),
+        (64, 1, 4, 3),
+        (128, 1, 8, 3),
+    )
 ]
 if os.environ.get("TRITON_INTERPRET") == "1":
     _CONFIGS = _CONFIGS[:1]  # the interpreter cannot time configs; correctness is the same
@@ -45,26 +55,37 @@ def _int4_gemm_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUPS_PER_TILE: tl.constexpr,
 ):
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    half = tl.arange(0, GROUP // 2)
+    BLOCK_K: tl.constexpr = GROUP * GROUPS_PER_TILE
+    half = tl.arange(0, BLOCK_K // 2)
+    tile_groups = tl.arange(0, GROUPS_PER_TILE)
     row_ok = offs_m[:, None] < M
     col_ok = offs_n < N
+    groups = K // GROUP
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, K // GROUP):
-        k = g * GROUP + tl.arange(0, GROUP)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=row_ok, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=row_ok & k_ok[None, :], other=0.0
+        )
         packed = tl.load(
-            codes_ptr + offs_n[:, None] * stride_cn + (g * (GROUP // 2) + half)[None, :],
-            mask=col_ok[:, None],
+            codes_ptr + offs_n[:, None] * stride_cn + (k0 // 2 + half)[None, :],
+            mask=col_ok[:, None] & ((k0 // 2 + half) < K // 2)[None, :],
             other=0,
         )
-        # [BLOCK_N, GROUP / 2] bytes -> [BLOCK_N, GROUP] codes, low nibble (even input) first
-        codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, GROUP))
-        scale = tl.load(scales_ptr + offs_n * stride_sn + g, mask=col_ok, other=0.0)
-        zero = tl.load(zeros_ptr + offs_n * stride_sn + g, mask=col_ok, other=0)
-        w = (codes.to(tl.float32) - zero.to(tl.float32)[:, None]) * scale[:, None]
+        # [BLOCK_N, BLOCK_K / 2] bytes -> [BLOCK_N, BLOCK_K] codes, low nibble (even input) first
+        codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))
+        g = k0 // GROUP + tile_groups
+        g_ok = col_ok[:, None] & (g < groups)[None, :]
+        sz = offs_n[:, None] * stride_sn + g[None, :]
+        scale = tl.load(scales_ptr + sz, mask=g_ok, other=0.0)
+        zero = tl.load(zeros_ptr + sz, mask=g_ok, other=0).to(tl.float32)
+        q = tl.reshape(codes.to(tl.float32), (BLOCK_N, GROUPS_PER_TILE, GROUP))
+        w = tl.reshape((q - zero[:, :, None]) * scale[:, :, None], (BLOCK_N, BLOCK_K))
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok & col_ok[None, :])
