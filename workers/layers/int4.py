@@ -13,8 +13,7 @@ Kernels, chosen once by `prepare` after loading:
 - CPU: torch's `_weight_int4pack_mm_for_cpu`, in float32 or bf16 (exact codes; each group's
   zero folded into a float offset, (8 - zero) * scale, as that kernel takes it); in float32 only
   up to KERNEL_MAX_ROWS rows, larger batches de-quantize (see there);
-- CUDA (compute capability 8.0+): our Triton GEMM (workers/layers/backends/triton_int4_gemm.py)
-  for bf16/float16 activations where Triton runs, else torch's `_weight_int4pack_mm` (tinygemm);
+- CUDA (compute capability 8.0+): torch's `_weight_int4pack_mm` (tinygemm) in bf16;
 - otherwise (an act-order weight whose shard does not hold whole groups, a shape the kernels
   refuse): the reference, which de-quantizes the weight each call and runs one GEMM.
 Act-order weights whose groups are whole are reordered once by group; the input's columns are
@@ -60,7 +59,7 @@ class Int4Weight:
     zeros: torch.Tensor  # uint8 [rows, groups]
     group_size: int
     g_idx: torch.Tensor | None = None  # int32 [cols]: act-order group of each input; None: k // gs
-    kernel: _Kernel | _TritonKernel | None = None
+    kernel: _Kernel | None = None
 
     def __post_init__(self) -> None:
         if self.group_size not in GROUP_SIZES:
@@ -216,29 +215,6 @@ class _Kernel:
         return [self.packed, self.scales_and_zeros, *extra]
 
 
-@dataclass(slots=True)
-class _TritonKernel:
-    """Our Triton INT4 GEMM (workers/layers/backends/triton_int4_gemm.py): the codes in group
-    order, packed as Int4Weight packs them."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    group_size: int
-    perm: torch.Tensor | None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from workers.layers.backends.triton_int4_gemm import int4_gemm
-
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
-        return int4_gemm(x, self.codes, self.scales, self.zeros, self.group_size)
-
-    def tensors(self) -> list[torch.Tensor]:
-        extra = [self.perm] if self.perm is not None else []
-        return [self.codes, self.scales, self.zeros, *extra]
-
-
 def _group_order(w: Int4Weight) -> tuple[torch.Tensor | None, bool]:
     """(permutation of the inputs into group order or None, whether groups are then whole and in
     order: every group exactly group_size inputs, as GPTQ's act-order writes them)."""
@@ -253,9 +229,8 @@ def _group_order(w: Int4Weight) -> tuple[torch.Tensor | None, bool]:
     return perm, whole
 
 
-def _int4pack(w: Int4Weight, dtype: torch.dtype) -> _Kernel | _TritonKernel | None:
-    """The kernel for w: on CUDA with 16-bit activations our Triton GEMM, else torch's int4pack
-    kernel, or None where neither applies (the reference runs)."""
+def _int4pack(w: Int4Weight, dtype: torch.dtype) -> _Kernel | None:
+    """torch's int4pack kernel for w, or None where it does not apply (the reference runs)."""
     rows, cols = w.shape
     perm, whole = _group_order(w)
     if not whole or rows == 0 or cols % w.group_size:
@@ -272,11 +247,6 @@ def _int4pack(w: Int4Weight, dtype: torch.dtype) -> _Kernel | _TritonKernel | No
                 f"{torch.cuda.get_device_name(device)} has "
                 f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
             )
-        from workers.layers.fused import triton_kernels_on
-
-        if dtype in (torch.bfloat16, torch.float16) and triton_kernels_on():
-            scales, zeros = w.scales.contiguous(), w.zeros.contiguous()
-            return _TritonKernel(pack_nibbles(q), scales, zeros, w.group_size, perm)
         if rows % 8:
             return None
         # tinygemm takes uint8 [rows, cols / 2] with the even column in the high nibble.
