@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.llm import LLM, GenerationOutput
 from scheduler import SamplingParams
@@ -71,9 +75,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.4,
+        help="CUDA: each of the two engines' share (both live in this process)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     prompts, params = workload(args.requests, args.max_tokens)
+    cuda = args.device == "cuda"
     engines = {
         on: LLM(
             args.model,
@@ -81,6 +92,7 @@ def main() -> None:
             load_progress=False,
             async_scheduling=on,
             max_num_seqs=args.max_num_seqs,
+            **({"gpu_memory_utilization": args.gpu_memory_utilization} if cuda else {}),
         )
         for on in (False, True)
     }
