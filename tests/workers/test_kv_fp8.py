@@ -163,7 +163,7 @@ def test_fp8_kv_is_refused_where_nothing_reads_it():
     with pytest.raises(ValueError, match="kv_cache_dtype.*flash_attn"):
         EngineConfig(kv_cache_dtype="fp8", device="cuda", attention_backend="flash_attn")
     # device: auto that resolves to a CPU fails when the workers' config is derived.
-    config = EngineConfig(kv_cache_dtype="fp8", device="cpu:0" if False else "auto")
+    config = EngineConfig(kv_cache_dtype="fp8", device="auto")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="kv_cache_dtype.*CUDA"):
             config.runner_config("/nonexistent", 128)
