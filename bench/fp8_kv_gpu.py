@@ -212,10 +212,15 @@ def bench_engines(path: str, args, bandwidth: float) -> list[dict]:
         t = time.perf_counter()
         llm = make_llm(path, kv, args)
         blocks = llm.engine.num_gpu_blocks
+        sized = (
+            f"gpu_memory_utilization {args.gpu_memory_utilization}"
+            if args.device == "cuda"
+            else "kv_cache_memory_gb 0.25"
+        )
         print(
             f"kv_cache_dtype {kv}: {blocks} blocks of {BLOCK} tokens "
-            f"({blocks * BLOCK / 1e6:.2f}M tokens) at gpu_memory_utilization "
-            f"{args.gpu_memory_utilization} (engine up in {time.perf_counter() - t:.0f}s)",
+            f"({blocks * BLOCK / 1e6:.2f}M tokens) at {sized} "
+            f"(engine up in {time.perf_counter() - t:.0f}s)",
             flush=True,
         )
         elem = 1 if kv == "fp8" else (2 if args.device == "cuda" else 4)
