@@ -18,6 +18,7 @@ from workers.options import (
     ATTENTION_BACKENDS,
     DEFAULT_CACHE_DIR,
     DTYPE_NAMES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     STEP_TRANSPORTS,
 )
@@ -102,6 +103,14 @@ class EngineConfig:
         "paged attention kernel: `auto` is the Triton decode kernel on CUDA (captured by CUDA "
         "graphs), torch elsewhere; `flash_attn` runs only when named (a source build)",
         choices=ATTENTION_BACKENDS,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "what the paged KV cache stores: `auto` is `dtype`; `fp8` stores K and V as float8 E4M3 "
+        "codes with a fixed scale per layer (1.0), half of bf16's bytes, so "
+        "gpu_memory_utilization gives twice the blocks. CUDA with compute capability 8.9+ and "
+        "the triton or torch attention backend only (docs/quantization.md#fp8-kv-cache)",
+        choices=KV_CACHE_DTYPES,
     )
     cpu_threads: int | None = setting(
         None,
@@ -225,6 +234,7 @@ class EngineConfig:
                 f"kv_disk_tier_dir: must be a path of 1 to {_MAX_PATH} characters without NUL, "
                 f"got {shown(self.kv_disk_tier_dir)}"
             )
+        self._check_kv_cache_dtype()
         draft = self.speculative is not None and self.speculative.method == "draft"
         if draft and (self.kv_cpu_tier_gb or sched.num_cpu_tier_blocks):
             # The tiers keep the model's KV blocks, not the draft's: a block loaded back would come
@@ -238,6 +248,22 @@ class EngineConfig:
             raise ValueError(
                 "speculative: cannot be combined with async_scheduling: true (leave "
                 "async_scheduling unset or false)"
+            )
+
+    def _check_kv_cache_dtype(self) -> None:
+        """An FP8 cache where nothing can read it fails here; `device: auto` resolving to a CPU
+        fails in RunnerConfig, and a GPU older than compute capability 8.9 in the worker."""
+        if self.kv_cache_dtype != "fp8":
+            return
+        if self.device == "cpu":
+            raise ValueError(
+                "kv_cache_dtype: 'fp8' needs a CUDA GPU, device is 'cpu' (the CPU paged-decode "
+                "kernel reads float caches only); use 'auto'"
+            )
+        if self.attention_backend == "flash_attn":
+            raise ValueError(
+                "kv_cache_dtype: 'fp8' is read by the triton and torch attention backends, not "
+                "flash_attn; use attention_backend auto, triton or torch"
             )
 
     def _check_loras(self) -> None:
@@ -350,6 +376,7 @@ class EngineConfig:
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.num_cpu_loras,
             kv_tiers=tiers,
+            kv_cache_dtype=self.kv_cache_dtype,
             draft_model_dir=draft_model_dir,
             draft_gguf_file=(
                 self.quantized_gguf(self.speculative.draft_model)

@@ -24,6 +24,7 @@ from scheduler.predicted_load import PredictedLoad
 from scheduler.request import EngineRequest, Request
 from scheduler.spec_scheduler import SpecScheduler
 from workers.kv_cache import GiB, KVCacheSpec
+from workers.kv_fp8 import cache_dtype
 from workers.kv_tiers import KVTierConfig, disk_tier_blocks
 from workers.runner import DTYPES
 
@@ -135,11 +136,12 @@ class EngineCore:
         return self._kv_spec().blocks_in(self.config.swap_space_gb * GiB)
 
     def _kv_spec(self) -> KVCacheSpec:
-        """One rank's KV block shape, before the workers report it (pools sized in GiB)."""
+        """One rank's KV block shape, before the workers report it (pools sized in GiB; an FP8
+        cache's blocks take half of bf16's bytes)."""
         return KVCacheSpec.from_hf_config(
             AutoConfig.from_pretrained(self.model_dir),
             self.config.block_size,
-            DTYPES[self.config.dtype],
+            cache_dtype(self.config.kv_cache_dtype, DTYPES[self.config.dtype]),
             self.config.tensor_parallel_size,
         )
 

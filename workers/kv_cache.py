@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from workers.kv_fp8 import DEFAULT_SCALE, FP8, storage_dtype
 from workers.layers.attention import Attention
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,12 @@ class KVCacheSpec:
     num_kv_heads: int  # per rank
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the elements: the model's, or float8_e4m3fn (workers/kv_fp8.py)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """What the pools are allocated as (FP8 codes are kept as uint8 bytes)."""
+        return storage_dtype(self.dtype)
 
     @property
     def block_bytes(self) -> int:
@@ -88,12 +94,18 @@ class KVCache:
             spec.head_dim,
         )
         # One allocation; zeros so padded block-table entries read finite values.
-        self.gpu = zeros(shape, spec.dtype, device)
+        self.gpu = zeros(shape, spec.storage_dtype, device)
         cpu_shape = (spec.num_layers, 2, num_cpu_blocks, *shape[3:])
         if device.type == "cuda":
-            self.cpu = torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=True)
+            self.cpu = torch.zeros(cpu_shape, dtype=spec.storage_dtype, pin_memory=True)
         else:
-            self.cpu = zeros(cpu_shape, spec.dtype, device)
+            self.cpu = zeros(cpu_shape, spec.storage_dtype, device)
+        # FP8 codes: each layer's K and V scales (fixed, see workers/kv_fp8.py); None: floats.
+        self.scales: torch.Tensor | None = None
+        if spec.dtype == FP8:
+            self.scales = torch.full(
+                (spec.num_layers, 2), DEFAULT_SCALE, dtype=torch.float32, device=device
+            )
         logger.info(
             "KV cache: %d device blocks (%.2f GiB), %d CPU blocks (%.2f GiB)",
             num_gpu_blocks,
@@ -114,6 +126,7 @@ class KVCache:
         """Point every attention layer at its K and V slices of the pool."""
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.gpu[i, 0], self.gpu[i, 1]
+            layer.kv_scale = None if self.scales is None else self.scales[i]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (gpu_block, cpu_block) pairs device -> CPU."""

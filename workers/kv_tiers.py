@@ -68,7 +68,7 @@ class KVTiers:
         self.block_shape = shape
         self.cpu = torch.zeros(
             (config.num_cpu_blocks, *shape),
-            dtype=spec.dtype,
+            dtype=spec.storage_dtype,  # FP8 KV: its uint8 codes, copied as bytes
             pin_memory=self.device.type == "cuda",
         )
         self.block_nbytes = self.cpu[0].numel() * self.cpu.element_size()

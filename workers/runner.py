@@ -22,6 +22,7 @@ from scheduler.speculative import SpeculativeConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.draft import DraftModel, DraftRow
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
+from workers.kv_fp8 import cache_dtype, check_device
 from workers.kv_tiers import KVTierConfig, KVTiers
 from workers.kv_transfer import KVReceiver
 from workers.layers.attention import AttentionMetadata, select_backend
@@ -94,10 +95,18 @@ class RunnerConfig:
     max_cpu_loras: int = 0
     # The prefix cache's lower tiers (workers/kv_tiers.py); None: off.
     kv_tiers: KVTierConfig | None = None
+    # `fp8`: K/V stored as E4M3 codes with per-layer scales (workers/kv_fp8.py); `auto`: dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        cache_dtype(self.kv_cache_dtype, DTYPES[self.dtype])  # raises on an unknown name
+        if self.kv_cache_dtype == "fp8" and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"kv_cache_dtype: 'fp8' needs a CUDA GPU, this engine runs on {self.device} "
+                "(the CPU paged-decode kernel reads float caches only); use 'auto'"
+            )
 
 
 @dataclass(slots=True)
@@ -247,7 +256,10 @@ class ModelRunner:
         )
         for layer in self.layers:
             layer.backend = self.backend
-        self.kv_spec = KVCacheSpec.of(self.layers, config.block_size, self.dtype)
+        if config.kv_cache_dtype == "fp8":
+            check_device(self.device, self.backend.name)
+        kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_spec = KVCacheSpec.of(self.layers, config.block_size, kv_dtype)
         self.kv_cache: KVCache | None = None
         self.tiers: KVTiers | None = None
         # KV arriving from a prefill engine (workers/kv_transfer.py); set by engine/disagg.py.

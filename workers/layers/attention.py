@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from workers.kv_fp8 import write_kv_fp8
 from workers.layers.backend_choice import KERNEL_LIBRARIES, BackendInputs, choose_backend
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class AttentionBackend(Protocol):
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (already written to the cache) -> [T, Hq, D].
 
@@ -140,7 +142,9 @@ class AttentionBackend(Protocol):
         window, as transformers defines it); None: to every position up to p.
         softcap: scores (after `scale`) become softcap * tanh(score / softcap) (Gemma 2).
         sinks: [Hq] float, one extra logit per head in the softmax's denominator that attends to
-        nothing (gpt-oss's attention sinks)."""
+        nothing (gpt-oss's attention sinks).
+        kv_scale: an FP8 cache (uint8 E4M3 codes, workers/kv_fp8.py): float32 [2], the scales
+        of K and V; None: the cache holds floats of q's dtype."""
 
 
 def select_backend(
@@ -205,6 +209,9 @@ class Attention(nn.Module):
         # [num_blocks, block_size, num_kv_heads, head_dim]; bound by workers.kv_cache.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # FP8 KV cache: float32 [2], this layer's K and V scales (bound with the cache); None:
+        # the cache holds floats.
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(
         self,
@@ -222,7 +229,13 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.kv_scale is None:
+            write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            # Passed only with an FP8 cache, so backends that read floats need not know of it.
+            extra: dict[str, torch.Tensor] = {}
+        else:
+            write_kv_fp8(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scale)
+            extra = {"kv_scale": self.kv_scale}
         out = self.backend.forward(
             q,
             k,
@@ -234,6 +247,7 @@ class Attention(nn.Module):
             self.sliding_window,
             softcap=self.logit_softcap,
             sinks=sinks,
+            **extra,
         )
         return out.view(t, -1)
 

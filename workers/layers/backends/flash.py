@@ -54,7 +54,10 @@ class FlashAttnBackend:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if kv_scale is not None:  # refused at start (workers/kv_fp8.py check_device)
+            raise ValueError("kv_cache_dtype: flash_attn cannot read an FP8 cache")
         if sinks is not None:
             raise ValueError(
                 "attention_backend: flash_attn has no attention sinks (gpt-oss); "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers.kv_fp8 import dequantize
 from workers.layers.attention import AttentionMetadata
 from workers.layers.backends import cpu_paged
 
@@ -120,6 +121,7 @@ class TorchBackend:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         state: _TorchState = meta.backend_state
         out = q.new_empty(
@@ -127,7 +129,7 @@ class TorchBackend:
         )  # contiguous, whatever q's strides (it may view a fused QKV output)
         nd = meta.num_decodes
         extras = Extras(softcap, sinks)
-        if nd and self._kernel_takes(q, k_cache):
+        if nd and kv_scale is None and self._kernel_takes(q, k_cache):
             self.kernel(
                 out[:nd],
                 q[:nd],
@@ -142,9 +144,9 @@ class TorchBackend:
             )
         elif nd:
             out[:nd] = self.decode(
-                q[:nd], k_cache, v_cache, meta, scale, window, softcap=softcap, sinks=sinks
+                q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks, kv_scale
             )
-        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, scale, window, extras)
+        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, scale, window, extras, kv_scale)
         return out
 
     def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -165,9 +167,11 @@ class TorchBackend:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query token per request: gather each context through the block table, masked SDPA
-        (eager attention with a soft-cap or sinks, which SDPA has no place for).
+        (eager attention with a soft-cap or sinks, which SDPA has no place for). kv_scale: an
+        FP8 cache's K and V scales (the gathered codes are de-quantized to q's dtype).
 
         The query heads of a GQA group act as that KV head's query rows, so K/V are never repeated.
         """
@@ -185,6 +189,8 @@ class TorchBackend:
             state.v_buf = torch.empty_like(state.k_buf)
         k = torch.index_select(k_cache, 0, state.decode_block_ids, out=state.k_buf)
         v = torch.index_select(v_cache, 0, state.decode_block_ids, out=state.v_buf)
+        if kv_scale is not None:
+            k, v = dequantize(k, kv_scale[0], q.dtype), dequantize(v, kv_scale[1], q.dtype)
         k = k.view(nd, -1, hk, d).transpose(1, 2)
         v = v.view(nd, -1, hk, d).transpose(1, 2)
         extras = Extras(softcap, sinks)
@@ -247,8 +253,13 @@ def _prefill(
     scale: float,
     window: int | None = None,
     extras: Extras | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Prefill chunks one request at a time (few per step, each a large matmul).
+
+    A chunk with cached context reads the whole context from the cache (de-quantized with
+    kv_scale when it holds FP8 codes); a chunk that is its whole context attends to its own fresh
+    K/V, unrounded, as the cache's first writer.
 
     SDPA gets 4-D [1, H, L, D] views: on CPU, 3-D inputs fall off the fused flash kernel onto the
     math path (a score matrix per head and many more passes over memory).
@@ -260,8 +271,12 @@ def _prefill(
             ki = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
             vi = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
         else:
-            ki = _gather(k_cache, p.block_ids)[: p.seq_len].transpose(0, 1).unsqueeze(0)
-            vi = _gather(v_cache, p.block_ids)[: p.seq_len].transpose(0, 1).unsqueeze(0)
+            kc = _gather(k_cache, p.block_ids)[: p.seq_len]
+            vc = _gather(v_cache, p.block_ids)[: p.seq_len]
+            if kv_scale is not None:
+                kc, vc = dequantize(kc, kv_scale[0], q.dtype), dequantize(vc, kv_scale[1], q.dtype)
+            ki = kc.transpose(0, 1).unsqueeze(0)
+            vi = vc.transpose(0, 1).unsqueeze(0)
         if extras is not None and extras.any:
             oi = extras.attend_prefill(qi, ki, vi, mask, scale)
         else:

@@ -2,7 +2,9 @@
 
 The kernel reads K/V straight from the paged cache through the block table (no gather copy):
 one program per (request, KV head) walks the context block by block with an online softmax,
-serving all query heads of the GQA group at once.
+serving all query heads of the GQA group at once. An FP8 cache (uint8 E4M3 codes,
+workers/kv_fp8.py) is converted to q's dtype as it is loaded; K's scale multiplies the scores and
+V's the output, so each costs one multiply per tile instead of one per element.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def _paged_decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     sinks_ptr,
+    kv_scale_ptr,
     scale,
     window,
     softcap,
@@ -48,6 +51,7 @@ def _paged_decode_kernel(
     PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,6 +69,9 @@ def _paged_decode_kernel(
         other=0.0,
     )
     seq_len = tl.load(seq_lens_ptr + req)
+    if FP8_KV:  # the layer's scales: K's folds into the score scale, V's into the output
+        scale = scale * tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
     # A sliding window (window > 0) starts the context at lo: tiles wholly before it are skipped,
     # positions before it in the first tile are masked. Split 0 always holds position lo.
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
@@ -98,6 +105,8 @@ def _paged_decode_kernel(
         )
         kv_mask = valid[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+        if FP8_KV:
+            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
@@ -109,9 +118,13 @@ def _paged_decode_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+        if FP8_KV:
+            v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+    if FP8_KV:  # partial sums merge linearly, so the splits' parts may carry it too
+        acc = acc * v_scale
     out_mask = mask_g[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
         tl.store(
@@ -203,8 +216,10 @@ def paged_decode(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [N, Hq, D], one token per request; caches [blocks, block_size, Hk, D] -> [N, Hq, D].
+    kv_scale: float32 [2] (K's, V's scale): the caches hold FP8 E4M3 codes as uint8.
     window > 0: each request attends to its last `window` tokens only. softcap > 0: scores become
     softcap * tanh(score / softcap). sinks: float32 [Hq] logits added to each head's softmax
     denominator (attention sinks).
@@ -223,6 +238,11 @@ def paged_decode(
     if seq_lens.stride(0) != 1 or block_tables.stride(1) != 1 or q.stride(2) != 1:
         raise ValueError("seq_lens, block_tables and q: need unit stride in their last dimension")
     group = hq // hk
+    if kv_scale is not None:
+        if k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8:
+            raise ValueError(f"kv_scale: an FP8 cache holds uint8 codes, got {k_cache.dtype}")
+        if kv_scale.dtype != torch.float32 or kv_scale.numel() != 2 or kv_scale.stride(0) != 1:
+            raise ValueError("kv_scale: needs a contiguous float32 tensor of 2 scales (K, V)")
     if sinks is not None:
         sinks = sinks.float().contiguous()
         if sinks.shape != (hq,):
@@ -242,8 +262,10 @@ def paged_decode(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SOFTCAP=bool(softcap),
         HAS_SINKS=sinks is not None,
+        FP8_KV=kv_scale is not None,
     )
     sinks_arg = sinks if sinks is not None else seq_lens  # never read without HAS_SINKS
+    scale_arg = kv_scale if kv_scale is not None else seq_lens  # never read without FP8_KV
     if splits == 1:
         _paged_decode_kernel[(n, hk, 1)](
             q,
@@ -255,6 +277,7 @@ def paged_decode(
             block_tables,
             seq_lens,
             sinks_arg,
+            scale_arg,
             scale,
             window,
             float(softcap or 0.0),
@@ -283,6 +306,7 @@ def paged_decode(
         block_tables,
         seq_lens,
         sinks_arg,
+        scale_arg,
         scale,
         window,
         float(softcap or 0.0),
@@ -330,6 +354,7 @@ class TritonDecodeBackend(TorchBackend):
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         nd = q.shape[0]
         return paged_decode(
@@ -342,4 +367,5 @@ class TritonDecodeBackend(TorchBackend):
             window=window or 0,
             softcap=softcap or 0.0,
             sinks=sinks,
+            kv_scale=kv_scale,
         )
