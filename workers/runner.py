@@ -35,6 +35,13 @@ from workers.prompt_logprobs import prompt_logprobs
 from workers.proposer import make_proposer
 from workers.sampler import Sampler, SamplerOutput, SamplingState
 from workers.spec_verify import accepted_run, position_states
+from workers.verify_rows import (
+    AttentionRows,
+    attention_rows,
+    graph_batch_size,
+    logits_positions,
+    token_offsets,
+)
 
 if TYPE_CHECKING:
     # Imported at the first constrained request: llguidance's torch module pulls in
@@ -272,6 +279,9 @@ class ModelRunner:
             and self.backend.supports_cuda_graphs
         )
         self.graphs: DecodeGraphs | None = None
+        # Verify rows attend as decode rows (workers/verify_rows.py); False: as prefill chunks,
+        # the layout before (kept for comparisons: tests and bench/spec_bench.py).
+        self.verify_as_decodes = True
 
     def _load_draft(self) -> DraftModel | None:
         cfg, spec = self.config, self.config.speculative
@@ -352,7 +362,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.backend,
-                cfg.max_num_seqs,
+                graph_batch_size(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.speculative),
                 -(-cfg.max_model_len // cfg.block_size),
                 cfg.block_size,
                 pad_block=num_gpu_blocks,
@@ -501,10 +511,10 @@ class ModelRunner:
 
     def _build_batch(self, out: SchedulerOutput) -> _Batch:
         batch = _Batch()
-        # Decodes first: the attention backends batch them as one block.
-        scheduled = out.num_scheduled_tokens
-        order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
-        spec = out.scheduled_spec_tokens
+        # Decodes and verify rows first: the attention backends batch decodes as one block, and
+        # a verify row attends as decodes (workers/verify_rows.py).
+        scheduled, spec = out.num_scheduled_tokens, out.scheduled_spec_tokens
+        order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1 and rid not in spec)
         for rid in order:
             state = self.requests.get(rid)
             if state is not None:  # absent: it failed to start this step and is being finished
@@ -536,44 +546,50 @@ class ModelRunner:
         """Run the model on a batch; logits of the sampling rows (rank 0), None elsewhere."""
         dev = self.device
         graphs = self.graphs
-        pure_decode = len(batch.input_ids) == len(batch.req_ids) and not batch.pooling_rows
+        # Verify rows attend as one decode row per token (workers/verify_rows.py).
+        verify = [i for i, r in enumerate(batch.req_ids) if r in batch.drafts]
+        rows = attention_rows(
+            batch.starts, batch.query_lens, verify if self.verify_as_decodes else ()
+        )
+        offsets = token_offsets(batch.query_lens)
         if self.loras is not None and self._set_lora_batch(batch, self.loras):
             graphs = None  # the captured graphs hold no LoRA path: adapter steps run eagerly
-        if graphs is not None and pure_decode and len(batch.req_ids) <= graphs.max_batch:
-            tables = [self.requests[rid].block_ids for rid in batch.req_ids]
-            hidden = graphs.run(batch.input_ids, batch.starts, tables)  # a pure-decode step
-            # A prompt's last chunk may be one token long, like a decode.
-            self._prompt_logprobs(batch, hidden, list(range(len(batch.req_ids) + 1)))
-            if not batch.sample_rows:
-                return None
-            if len(batch.sample_rows) < len(batch.req_ids):
-                hidden = hidden[torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)]
-            return self.model.compute_logits(hidden)
-        bs = self.config.block_size
-        rows = [self.block_tables.sync(rid, self.requests[rid]) for rid in batch.req_ids]
-        width = -(-max(s + n for s, n in zip(batch.starts, batch.query_lens)) // bs)
+        if (
+            graphs is not None
+            and rows.all_decodes
+            and not batch.pooling_rows
+            and rows.num_rows <= graphs.max_batch
+        ):
+            tables = [self.requests[batch.req_ids[i]].block_ids for i in rows.batch_rows]
+            hidden = graphs.run(batch.input_ids, rows.starts, tables)  # a pure-decode step
+        else:
+            hidden = self._eager_forward(batch, rows)
+            if batch.pooling_rows and self.is_driver:
+                self._pool(batch, hidden, offsets)
+        # A prompt's last chunk may be one token long, like a decode.
+        self._prompt_logprobs(batch, hidden, offsets)
+        if not batch.sample_rows:  # only partial prefills this step
+            return None
+        drafts = batch.drafts
+        last = logits_positions(
+            offsets, batch.sample_rows, [len(drafts.get(r, ())) for r in batch.req_ids]
+        )
+        if len(last) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(last, dtype=torch.long, device=dev)]
+        return self.model.compute_logits(hidden)
+
+    def _eager_forward(self, batch: _Batch, rows: AttentionRows) -> torch.Tensor:
+        """The model over the batch's tokens, attention rows as `rows` lays them out."""
+        bs, dev = self.config.block_size, self.device
+        table_rows = [self.block_tables.sync(rid, self.requests[rid]) for rid in batch.req_ids]
+        width = -(-max(s + n for s, n in zip(rows.starts, rows.query_lens)) // bs)
+        tables = self.block_tables.select([table_rows[i] for i in rows.batch_rows], width)
         meta, positions = AttentionMetadata.from_tables(
-            batch.starts, batch.query_lens, self.block_tables.select(rows, width), bs, dev
+            rows.starts, rows.query_lens, tables, bs, dev
         )
         self.backend.prepare(meta)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        hidden = self.model(input_ids, positions, meta)
-        if batch.pooling_rows and self.is_driver:
-            self._pool(batch, hidden, meta.query_start_loc_cpu)
-        self._prompt_logprobs(batch, hidden, meta.query_start_loc_cpu)
-        if not batch.sample_rows:  # only partial prefills this step
-            return None
-        ends = meta.query_start_loc_cpu
-        if batch.drafts:  # a verify row's logits at its last token and each proposed one
-            drafts, ids = batch.drafts, batch.req_ids
-            last = [
-                pos
-                for i in batch.sample_rows
-                for pos in range(ends[i + 1] - 1 - len(drafts.get(ids[i], ())), ends[i + 1])
-            ]
-        else:
-            last = [ends[i + 1] - 1 for i in batch.sample_rows]
-        return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
+        return self.model(input_ids, positions, meta)
 
     def _set_lora_batch(self, batch: _Batch, loras: LoraManager) -> bool:
         """Tell the LoRA layers each token's adapter slot; True when any row has an adapter."""
