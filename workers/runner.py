@@ -511,10 +511,10 @@ class ModelRunner:
 
     def _build_batch(self, out: SchedulerOutput) -> _Batch:
         batch = _Batch()
-        # Decodes and verify rows first: the attention backends batch decodes as one block, and
-        # a verify row attends as decodes (workers/verify_rows.py).
+        # Decodes, then verify rows, then prefill chunks: the attention backends batch decodes as
+        # one block, and a verify row attends as decodes (workers/verify_rows.py).
         scheduled, spec = out.num_scheduled_tokens, out.scheduled_spec_tokens
-        order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1 and rid not in spec)
+        order = sorted(scheduled, key=lambda r: 0 if scheduled[r] == 1 else 1 if r in spec else 2)
         for rid in order:
             state = self.requests.get(rid)
             if state is not None:  # absent: it failed to start this step and is being finished
