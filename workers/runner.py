@@ -21,6 +21,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.speculative import SpeculativeConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.draft import DraftModel, DraftRow
+from workers.draft_pacing import DraftPacing
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.kv_tiers import KVTierConfig, KVTiers
 from workers.kv_transfer import KVReceiver
@@ -263,6 +264,7 @@ class ModelRunner:
         self.proposer = make_proposer(config.speculative)
         self.is_driver = get_tp_rank() == 0
         self.draft = self._load_draft() if self.is_driver else None  # rank 0 only
+        self.draft_pacing = DraftPacing()  # which requests the draft proposes for
         self.requests: dict[str, RequestState] = {}
         self.block_tables = BlockTableRows(
             -(-config.max_model_len // config.block_size), config.max_num_seqs
@@ -377,6 +379,8 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("execute_model: init_kv_cache() must run first")
         failed = self._update_states(out)
+        if self.draft is not None:
+            self.draft_pacing.schedule(out)
         if out.lora_loads and self.loras is not None:
             self.loras.load(out.lora_loads)
         transfers, tiers = out.kv_transfers, self.tiers
@@ -401,6 +405,8 @@ class ModelRunner:
             output.spec_token_ids = self._propose_draft(self.draft, batch, output.sampled_token_ids)
         if output.spec_token_ids is not None and self.structured is not None:
             self._cut_to_grammar(self.structured, batch, output)
+        if self.draft is not None and output.spec_token_ids is not None:
+            self.draft_pacing.proposed(batch.req_ids, output.spec_token_ids)
         output.failed.update(failed)
         output.kv_load_failed = load_failed
         output.pooled = batch.pooled
@@ -448,9 +454,8 @@ class ModelRunner:
             self.pooler.drop(rid)
         for rid in out.preempted_req_ids:
             state = requests.get(rid)
-            if state is not None:
+            if state is not None:  # its draft_computed holds until it resumes (below)
                 state.block_ids, state.num_synced_blocks = [], 0
-                state.draft_computed = 0
         for rid, keep in out.truncated_block_tables.items():  # rejected proposals' blocks
             state = requests.get(rid)
             if state is not None:
@@ -503,7 +508,9 @@ class ModelRunner:
                 outputs.extend(state.token_ids[num_prompt + len(outputs) :])
             if resumed:
                 state.block_ids, state.num_synced_blocks = list(blocks), 0
-                state.draft_computed = computed
+                # A prefix hit's (full) blocks hold the draft's KV; swapped blocks hold it as far
+                # as it had caught up (a row that did not propose lags by a partial block).
+                state.draft_computed = min(state.draft_computed, computed)
             else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
@@ -768,9 +775,11 @@ class ModelRunner:
     def _propose_draft(
         self, draft: DraftModel, batch: _Batch, sampled: list[list[int]]
     ) -> list[list[int]]:
-        """The draft catches up with every row's new tokens and proposes for the rows that
-        sampled (none at all when more rows sampled than may speculate; a constrained row's are
-        cut to its grammar afterwards, _cut_to_grammar)."""
+        """The draft catches up with the rows' new tokens and proposes for the rows that sampled
+        and are not paused (workers/draft_pacing.py; none at all when more rows ask than may
+        speculate; a constrained row's are cut to its grammar afterwards, _cut_to_grammar). A row
+        that does not propose catches up through its full blocks only: the rest waits for a
+        later step, and every block the prefix cache can register holds the draft's KV."""
         bs, k, requests = self.config.block_size, draft.num_tokens, self.requests
         rows: list[DraftRow] = []
         for i, rid in enumerate(batch.req_ids):
@@ -778,16 +787,16 @@ class ModelRunner:
             own_end = batch.starts[i] + batch.query_lens[i] - len(batch.drafts.get(rid, ()))
             start = state.draft_computed
             end = len(state.token_ids) + len(new) if new else own_end
-            asks = bool(new)
+            asks = bool(new) and self.draft_pacing.asks(rid)
             num = min(k, self.config.max_model_len - end) if asks else 0
             tail = state.token_ids[start:] + new
             rows.append(DraftRow(tail, start, end, state.block_ids, num))
         if sum(r.num_proposed > 0 for r in rows) > draft.max_rows:
             for r in rows:
                 r.num_proposed = 0
-        for r in rows:  # a row that does not propose writes no scratch block
+        for r in rows:  # a row that does not propose catches up through full blocks only
             if not r.num_proposed:
-                r.end = min(r.end, len(r.block_ids) * bs)
+                r.end = min(r.end // bs * bs, len(r.block_ids) * bs)
         proposals = draft.propose(rows)
         for rid, r in zip(batch.req_ids, rows):
             state = requests[rid]

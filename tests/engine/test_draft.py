@@ -17,6 +17,7 @@ from scheduler.structured_output import StructuredOutput
 from tests.engine.paired_engines import SMALL_POOL
 from tests.engine.test_speculative import assert_idle, generate, workload
 from tests.random_checkpoint import TINY_FAMILIES, TINY_TP_LLAMA, write_random_checkpoint
+from workers.draft_pacing import DraftPacing
 
 SPEC = {"method": "draft", "num_tokens": 4, "min_acceptance_rate": 0.0}
 
@@ -107,6 +108,43 @@ def test_a_wrong_draft_changes_no_token(model, other_draft, mixed_case):
         stats = spec.engine.stats()
         assert stats.num_spec_proposed_tokens > stats.num_spec_accepted_tokens
         assert_idle(spec)
+    finally:
+        spec.shutdown()
+
+
+def test_a_request_that_stopped_speculating_costs_the_draft_little(model, other_draft, mixed_case):
+    """With a mostly wrong draft every request soon stops speculating (min_acceptance_rate 0.9):
+    paced (workers/draft_pacing.py), the draft proposes for far fewer rows than when it proposes
+    for every row each step (pacing every 1: the behaviour before), and the tokens are the plain
+    engine's either way."""
+    spec = engine(
+        model,
+        speculative={
+            **SPEC,
+            "num_tokens": 2,
+            "draft_model": other_draft,
+            "min_acceptance_rate": 0.9,
+        },
+    )
+    try:
+        runner = spec.engine.executor.runner  # type: ignore[attr-defined]
+        draft, asked = runner.draft, []
+        propose = draft.propose
+
+        def counted(rows):
+            asked.append(sum(r.num_proposed > 0 for r in rows))
+            return propose(rows)
+
+        draft.propose = counted
+        prompts, params, want = mixed_case
+        counts = []
+        for every in (1, DraftPacing().every):
+            runner.draft_pacing = DraftPacing(every)
+            asked.clear()
+            assert generate(spec, prompts, params) == want
+            counts.append(sum(asked))
+            assert_idle(spec)
+        assert counts[1] < counts[0] / 2
     finally:
         spec.shutdown()
 
