@@ -228,6 +228,8 @@ def embedded_main(args: argparse.Namespace) -> None:
     common = dict(model="default", device="cpu", load_progress=False, cpu_threads=args.cpu_threads)
     plain = LLM(**common)
     spec = LLM(**common, speculative=speculative_settings(args))
+    runner = spec.engine.executor.runner  # type: ignore[attr-defined]
+    runner.verify_as_decodes = args.verify_layout == "decode"
     counters = {"plain": count_steps(plain), "spec": count_steps(spec)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for llm in (plain, spec):  # warm-up: allocator, kernels
@@ -238,7 +240,8 @@ def embedded_main(args: argparse.Namespace) -> None:
     print(
         f"SmolLM2-135M float32, CPU, torch threads {torch.get_num_threads()}, max_tokens "
         f"{args.max_tokens}, greedy unless sampled; speculative: {how_spec}, num_tokens "
-        f"{args.num_tokens}, min_acceptance_rate 0.4, max_batch_size {args.max_batch_size}; best "
+        f"{args.num_tokens}, min_acceptance_rate 0.4, max_batch_size {args.max_batch_size}, "
+        f"verify rows as {args.verify_layout}; best "
         f"of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
     )
     print(TABLE_HEAD)
