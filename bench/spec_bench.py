@@ -230,6 +230,10 @@ def embedded_main(args: argparse.Namespace) -> None:
     spec = LLM(**common, speculative=speculative_settings(args))
     runner = spec.engine.executor.runner  # type: ignore[attr-defined]
     runner.verify_as_decodes = args.verify_layout == "decode"
+    if args.shadow_every is not None:  # 1: a draft proposes for every request each step (before)
+        from workers.draft_pacing import DraftPacing
+
+        runner.draft_pacing = DraftPacing(args.shadow_every)
     counters = {"plain": count_steps(plain), "spec": count_steps(spec)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for llm in (plain, spec):  # warm-up: allocator, kernels
@@ -241,7 +245,8 @@ def embedded_main(args: argparse.Namespace) -> None:
         f"SmolLM2-135M float32, CPU, torch threads {torch.get_num_threads()}, max_tokens "
         f"{args.max_tokens}, greedy unless sampled; speculative: {how_spec}, num_tokens "
         f"{args.num_tokens}, min_acceptance_rate 0.4, max_batch_size {args.max_batch_size}, "
-        f"verify rows as {args.verify_layout}; best "
+        f"verify rows as {args.verify_layout}, draft shadow proposals every "
+        f"{runner.draft_pacing.every} steps; best "
         f"of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
     )
     print(TABLE_HEAD)
