@@ -484,6 +484,18 @@ def main() -> None:
         "--batches", default="1,8", help="batch sizes (cuda mode: of the step cost)"
     )
     parser.add_argument("--workloads", default="rewrite,chat,chat-sampled")
+    parser.add_argument(
+        "--verify-layout",
+        default="decode",
+        choices=["decode", "mixed"],
+        help="embedded mode: verify rows as decode rows (as served) or as a mixed batch (before)",
+    )
+    parser.add_argument(
+        "--shadow-every",
+        type=int,
+        default=None,
+        help="method draft: a paused request proposes every N steps (default 8; 1: every step)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.smoke or args.device != "cpu":
