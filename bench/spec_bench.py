@@ -3,11 +3,15 @@
 Two modes. Without --device (or with --device cpu): the embedded SmolLM2-135M on CPU, below. With
 --device cuda (or --smoke, on CPU with a tiny model): a random-weight checkpoint of Llama 3.2 1B's
 shape written on the fly (random weights make a draft model meaningless for acceptance), for
-- n-gram on a repetitive workload (prompts of repeated motifs), batch 1 and 8;
-- the cost of a verify step (every request verifies k proposed tokens) against the plain step,
-  at k = 2, 4, 8 and batch 1, 8, 32: engine step wall time and forward time, the plain step with
-  CUDA graphs (as served) and eagerly (as a verify step runs).
-It needs no Ray, FastAPI, gguf or flash-attn.
+- n-gram on a repetitive workload (prompts of repeated motifs), batch 1 and 8: tokens/s with and
+  without speculation;
+- the cost of a verify step (every request verifies k proposed tokens) against the plain step
+  (CUDA graphs, as served; eager for reference), at k = 2, 4, 8 and `--batches` (1 and 8): engine
+  step wall time and forward time, the verify step laid out as decode rows (the paged-decode
+  kernels and the captured graphs, as served: workers/verify_rows.py) and as a prefill-style mixed
+  batch (the layout before, eager), with the graph replays per verify step (1.00: every one
+  replayed a graph).
+It needs no Ray, FastAPI, gguf or flash-attn; about a minute and a half on an H200.
 
     python bench/spec_bench.py --device cuda [--json out.json]
     python bench/spec_bench.py --smoke
@@ -224,6 +228,12 @@ def embedded_main(args: argparse.Namespace) -> None:
     common = dict(model="default", device="cpu", load_progress=False, cpu_threads=args.cpu_threads)
     plain = LLM(**common)
     spec = LLM(**common, speculative=speculative_settings(args))
+    runner = spec.engine.executor.runner  # type: ignore[attr-defined]
+    runner.verify_as_decodes = args.verify_layout == "decode"
+    if args.shadow_every is not None:  # 1: a draft proposes for every request each step (before)
+        from workers.draft_pacing import DraftPacing
+
+        runner.draft_pacing = DraftPacing(args.shadow_every)
     counters = {"plain": count_steps(plain), "spec": count_steps(spec)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for llm in (plain, spec):  # warm-up: allocator, kernels
@@ -234,7 +244,9 @@ def embedded_main(args: argparse.Namespace) -> None:
     print(
         f"SmolLM2-135M float32, CPU, torch threads {torch.get_num_threads()}, max_tokens "
         f"{args.max_tokens}, greedy unless sampled; speculative: {how_spec}, num_tokens "
-        f"{args.num_tokens}, min_acceptance_rate 0.4, max_batch_size {args.max_batch_size}; best "
+        f"{args.num_tokens}, min_acceptance_rate 0.4, max_batch_size {args.max_batch_size}, "
+        f"verify rows as {args.verify_layout}, draft shadow proposals every "
+        f"{runner.draft_pacing.every} steps; best "
         f"of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
     )
     print(TABLE_HEAD)
@@ -277,8 +289,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_steps(llm: LLM, steps: int, device: str) -> tuple[float, float]:
-    """(engine step, forward) milliseconds over `steps` engine steps."""
+def timed_steps(llm: LLM, steps: int, device: str) -> tuple[float, float, float]:
+    """(engine step ms, forward ms, graph replays per step) over `steps` engine steps."""
     engine = llm.engine
     runner = engine.executor.runner  # type: ignore[attr-defined]
     forward = runner._forward
@@ -292,6 +304,7 @@ def timed_steps(llm: LLM, steps: int, device: str) -> tuple[float, float]:
         times.append(time.perf_counter() - t)
         return out
 
+    replays = runner.graphs.replays if runner.graphs is not None else 0
     runner._forward = timed
     try:
         sync(device)
@@ -302,53 +315,107 @@ def timed_steps(llm: LLM, steps: int, device: str) -> tuple[float, float]:
         step_ms = (time.perf_counter() - t) / steps * 1e3
     finally:
         runner._forward = forward
-    return step_ms, sum(times) / max(len(times), 1) * 1e3
+    replayed = (runner.graphs.replays - replays) / steps if runner.graphs is not None else 0.0
+    return step_ms, sum(times) / max(len(times), 1) * 1e3, replayed
+
+
+def measure(llm: LLM, name: str, batch: int, vocab: int, context: int, steps: int, device):
+    """Start `batch` requests of `context` random tokens, prefill them and run a few steps, then
+    time `steps` engine steps; the requests are aborted afterwards."""
+    from scheduler.request import EngineRequest
+    from tests.random_checkpoint import random_prompts
+
+    ids = [f"{name}-{batch}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, random_prompts(batch, vocab, context, context, seed=batch)):
+        params = SamplingParams(max_tokens=(steps + 10) * 9, ignore_eos=True)
+        llm.engine.add_request(EngineRequest(rid, prompt, params))
+    budget = llm.engine.scheduler.config.max_num_batched_tokens
+    for _ in range(-(-batch * context // budget) + 4):  # the prefill, a few decodes
+        llm.engine.step()
+    result = timed_steps(llm, steps, device)
+    llm.engine.abort_requests(ids)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    return result
 
 
 def step_cost(
     make, vocab: int, batches: Sequence[int], ks: Sequence[int], context: int, steps: int, device
 ) -> list[dict]:
-    """Plain step (graphs and eager) and verify step at each k, per batch size."""
-    from scheduler.request import EngineRequest
-    from tests.random_checkpoint import random_prompts
-
-    rows: list[dict] = [dict(batch=b) for b in batches]
-    kinds = [("graphs", {}, None), ("eager", {"enforce_eager": True}, None)]
+    """Per batch size: the plain step (graphs, and eager for reference) and, at each k, the verify
+    step (every request verifies k proposed tokens) with its rows as decode rows (graphs when they
+    fit: as served now) and as a prefill-style mixed batch (eager: the layout before)."""
+    rows: list[dict] = []
+    plain = make()
     always = {"num_tokens": max(ks), "min_acceptance_rate": 0.0, "max_batch_size": max(batches)}
-    kinds += [(f"k{k}", {"speculative": always}, k) for k in ks]
-    for name, extra, k in kinds:
-        llm = make(**extra)
-        if k is not None:
-            llm.engine.executor.runner.proposer = FixedProposer(k)  # type: ignore[attr-defined]
-        for row in rows:
-            batch = row["batch"]
-            for i, prompt in enumerate(random_prompts(batch, vocab, context, context, seed=batch)):
-                params = SamplingParams(max_tokens=(steps + 10) * 9, ignore_eos=True)
-                llm.engine.add_request(EngineRequest(f"{name}-{batch}-{i}", prompt, params))
-            budget = llm.engine.scheduler.config.max_num_batched_tokens
-            for _ in range(-(-batch * context // budget) + 4):  # the prefill, a few decodes
-                llm.engine.step()
-            row[f"{name}_ms"], row[f"{name}_forward_ms"] = timed_steps(llm, steps, device)
-            llm.engine.abort_requests([f"{name}-{batch}-{i}" for i in range(batch)])
-            while llm.engine.has_unfinished_requests():
-                llm.engine.step()
+    spec = make(speculative=always)
+    plain_runner = plain.engine.executor.runner  # type: ignore[attr-defined]
+    spec_runner = spec.engine.executor.runner  # type: ignore[attr-defined]
+    proposer = FixedProposer(max(ks))
+    spec_runner.proposer = proposer
+    for batch in batches:
+        row: dict = dict(batch=batch)
+        graphs = plain_runner.graphs
+        row["graphs"] = measure(plain, "plain", batch, vocab, context, steps, device)
+        plain_runner.graphs = None
+        try:
+            row["eager"] = measure(plain, "eager", batch, vocab, context, steps, device)
+        finally:
+            plain_runner.graphs = graphs
+        for k in ks:
+            proposer.k = k
+            for layout in ("decode", "mixed"):
+                spec_runner.verify_as_decodes = layout == "decode"
+                key = f"k{k}_{layout}"
+                row[key] = measure(spec, key, batch, vocab, context, steps, device)
+            spec_runner.verify_as_decodes = True
+        rows.append(row)
+        print(f"step cost: batch {batch} done", flush=True)
+    for llm in (plain, spec):
         llm.shutdown()
-        del llm
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    del plain, spec
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return rows
+
+
+def print_step_cost(rows: list[dict], ks: Sequence[int], context: int) -> None:
+    print(
+        f"\nstep cost, context {context}: ms per engine step (forward ms), and the verify step "
+        "against the plain step with graphs\n"
+    )
+    print(
+        "| batch | k | plain, graphs | plain, eager | verify, decode rows | x plain | "
+        "verify, mixed (before) | x plain | graph replays / verify step |"
+    )
+    print("| --- " * 9 + "|")
+    for r in rows:
+        g, e = r["graphs"], r["eager"]
+        for k in ks:
+            dec, mix = r[f"k{k}_decode"], r[f"k{k}_mixed"]
+            print(
+                f"| {r['batch']} | {k} | {g[0]:.2f} ({g[1]:.2f}) | {e[0]:.2f} ({e[1]:.2f}) | "
+                f"{dec[0]:.2f} ({dec[1]:.2f}) | {dec[0] / g[0]:.2f}x | "
+                f"{mix[0]:.2f} ({mix[1]:.2f}) | {mix[0] / g[0]:.2f}x | {dec[2]:.2f} |"
+            )
+    print(
+        "(x plain: the verify step's time over the plain graph step's; graph replays: 1.00 when "
+        "every verify step replayed a captured graph, 0 without graphs (CPU))"
+    )
 
 
 def random_main(args: argparse.Namespace) -> None:
     from tests.random_checkpoint import SHAPES, TINY_FAMILIES, write_random_checkpoint
 
+    t_start = time.perf_counter()
     device = "cpu" if args.smoke else args.device
+    batches = [int(b) for b in args.batches.split(",")]
     if args.smoke:
         shape, dtype, context, steps = TINY_FAMILIES["llama"], "float32", 64, 6
-        batches, max_tokens = [1, 4], 24
+        max_tokens = 24
     else:
-        shape, dtype, context, steps = SHAPES["llama3-1b"], "bfloat16", 512, 40
-        batches, max_tokens = [1, 8, 32], args.max_tokens
+        shape, dtype, context, steps = SHAPES["llama3-1b"], "bfloat16", 512, 30
+        max_tokens = args.max_tokens
     ks = [2, 4, 8]
     with tempfile.TemporaryDirectory() as path:
         t = time.perf_counter()
@@ -373,7 +440,10 @@ def random_main(args: argparse.Namespace) -> None:
         plain, spec = make(), make(speculative=speculative_settings(args))
         counters = {"plain": count_steps(plain), "spec": count_steps(spec)}
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        print("\nn-gram, repetitive prompts, greedy\n")
+        print(
+            f"\nn-gram (num_tokens {args.num_tokens}, max_batch_size {args.max_batch_size}), "
+            "repetitive prompts, greedy\n"
+        )
         print(TABLE_HEAD)
         for batch in (1, 8):
             prompts = repetitive_prompts(batch, ckpt.vocab_size, context, seed=batch)
@@ -386,18 +456,8 @@ def random_main(args: argparse.Namespace) -> None:
         del plain, spec
         rows = step_cost(make, ckpt.vocab_size, batches, ks, context, steps, device)
         result["step_cost"] = rows
-    print(f"\nstep cost, context {context}, ms per engine step (forward ms in brackets)\n")
-    print(
-        "| batch | plain, graphs | plain, eager | " + " | ".join(f"verify k={k}" for k in ks) + " |"
-    )
-    print("| --- " * (3 + len(ks)) + "|")
-    for r in rows:
-        cells = [f"{r[f'{n}_ms']:.2f} ({r[f'{n}_forward_ms']:.2f})" for n in ("graphs", "eager")]
-        for k in ks:
-            ms, forward_ms = r[f"k{k}_ms"], r[f"k{k}_forward_ms"]
-            cells.append(f"{ms:.2f} ({forward_ms:.2f}), {ms / r['eager_ms']:.2f}x")
-        print(f"| {r['batch']} | " + " | ".join(cells) + " |")
-    print("(verify k=N: its step time against the eager plain step)")
+    print_step_cost(rows, ks, context)
+    print(f"\ntotal {time.perf_counter() - t_start:.0f}s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -420,8 +480,22 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens")
     parser.add_argument("--ngram-min", type=int, default=2, help="speculative.ngram_min")
     parser.add_argument("--max-batch-size", type=int, default=4, help="speculative.max_batch_size")
-    parser.add_argument("--batches", default="1,8")
+    parser.add_argument(
+        "--batches", default="1,8", help="batch sizes (cuda mode: of the step cost)"
+    )
     parser.add_argument("--workloads", default="rewrite,chat,chat-sampled")
+    parser.add_argument(
+        "--verify-layout",
+        default="decode",
+        choices=["decode", "mixed"],
+        help="embedded mode: verify rows as decode rows (as served) or as a mixed batch (before)",
+    )
+    parser.add_argument(
+        "--shadow-every",
+        type=int,
+        default=None,
+        help="method draft: a paused request proposes every N steps (default 8; 1: every step)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.smoke or args.device != "cpu":

@@ -21,6 +21,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.speculative import SpeculativeConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.draft import DraftModel, DraftRow
+from workers.draft_pacing import DraftPacing
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.kv_fp8 import cache_dtype, check_device
 from workers.kv_tiers import KVTierConfig, KVTiers
@@ -36,6 +37,13 @@ from workers.prompt_logprobs import prompt_logprobs
 from workers.proposer import make_proposer
 from workers.sampler import Sampler, SamplerOutput, SamplingState
 from workers.spec_verify import accepted_run, position_states
+from workers.verify_rows import (
+    AttentionRows,
+    attention_rows,
+    graph_batch_size,
+    logits_positions,
+    token_offsets,
+)
 
 if TYPE_CHECKING:
     # Imported at the first constrained request: llguidance's torch module pulls in
@@ -268,6 +276,7 @@ class ModelRunner:
         self.proposer = make_proposer(config.speculative)
         self.is_driver = get_tp_rank() == 0
         self.draft = self._load_draft() if self.is_driver else None  # rank 0 only
+        self.draft_pacing = DraftPacing()  # which requests the draft proposes for
         self.requests: dict[str, RequestState] = {}
         self.block_tables = BlockTableRows(
             -(-config.max_model_len // config.block_size), config.max_num_seqs
@@ -284,6 +293,9 @@ class ModelRunner:
             and self.backend.supports_cuda_graphs
         )
         self.graphs: DecodeGraphs | None = None
+        # Verify rows attend as decode rows (workers/verify_rows.py); False: as prefill chunks,
+        # the layout before (kept for comparisons: tests and bench/spec_bench.py).
+        self.verify_as_decodes = True
 
     def _load_draft(self) -> DraftModel | None:
         cfg, spec = self.config, self.config.speculative
@@ -364,7 +376,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.backend,
-                cfg.max_num_seqs,
+                graph_batch_size(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.speculative),
                 -(-cfg.max_model_len // cfg.block_size),
                 cfg.block_size,
                 pad_block=num_gpu_blocks,
@@ -379,6 +391,8 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("execute_model: init_kv_cache() must run first")
         failed = self._update_states(out)
+        if self.draft is not None:
+            self.draft_pacing.schedule(out)
         if out.lora_loads and self.loras is not None:
             self.loras.load(out.lora_loads)
         transfers, tiers = out.kv_transfers, self.tiers
@@ -403,6 +417,8 @@ class ModelRunner:
             output.spec_token_ids = self._propose_draft(self.draft, batch, output.sampled_token_ids)
         if output.spec_token_ids is not None and self.structured is not None:
             self._cut_to_grammar(self.structured, batch, output)
+        if self.draft is not None and output.spec_token_ids is not None:
+            self.draft_pacing.proposed(batch.req_ids, output.spec_token_ids)
         output.failed.update(failed)
         output.kv_load_failed = load_failed
         output.pooled = batch.pooled
@@ -450,9 +466,8 @@ class ModelRunner:
             self.pooler.drop(rid)
         for rid in out.preempted_req_ids:
             state = requests.get(rid)
-            if state is not None:
+            if state is not None:  # its draft_computed holds until it resumes (below)
                 state.block_ids, state.num_synced_blocks = [], 0
-                state.draft_computed = 0
         for rid, keep in out.truncated_block_tables.items():  # rejected proposals' blocks
             state = requests.get(rid)
             if state is not None:
@@ -505,7 +520,9 @@ class ModelRunner:
                 outputs.extend(state.token_ids[num_prompt + len(outputs) :])
             if resumed:
                 state.block_ids, state.num_synced_blocks = list(blocks), 0
-                state.draft_computed = computed
+                # A prefix hit's (full) blocks hold the draft's KV; swapped blocks hold it as far
+                # as it had caught up (a row that did not propose lags by a partial block).
+                state.draft_computed = min(state.draft_computed, computed)
             else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
@@ -513,10 +530,10 @@ class ModelRunner:
 
     def _build_batch(self, out: SchedulerOutput) -> _Batch:
         batch = _Batch()
-        # Decodes first: the attention backends batch them as one block.
-        scheduled = out.num_scheduled_tokens
-        order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
-        spec = out.scheduled_spec_tokens
+        # Decodes, then verify rows, then prefill chunks: the attention backends batch decodes as
+        # one block, and a verify row attends as decodes (workers/verify_rows.py).
+        scheduled, spec = out.num_scheduled_tokens, out.scheduled_spec_tokens
+        order = sorted(scheduled, key=lambda r: 0 if scheduled[r] == 1 else 1 if r in spec else 2)
         for rid in order:
             state = self.requests.get(rid)
             if state is not None:  # absent: it failed to start this step and is being finished
@@ -548,44 +565,50 @@ class ModelRunner:
         """Run the model on a batch; logits of the sampling rows (rank 0), None elsewhere."""
         dev = self.device
         graphs = self.graphs
-        pure_decode = len(batch.input_ids) == len(batch.req_ids) and not batch.pooling_rows
+        # Verify rows attend as one decode row per token (workers/verify_rows.py).
+        verify = [i for i, r in enumerate(batch.req_ids) if r in batch.drafts]
+        rows = attention_rows(
+            batch.starts, batch.query_lens, verify if self.verify_as_decodes else ()
+        )
+        offsets = token_offsets(batch.query_lens)
         if self.loras is not None and self._set_lora_batch(batch, self.loras):
             graphs = None  # the captured graphs hold no LoRA path: adapter steps run eagerly
-        if graphs is not None and pure_decode and len(batch.req_ids) <= graphs.max_batch:
-            tables = [self.requests[rid].block_ids for rid in batch.req_ids]
-            hidden = graphs.run(batch.input_ids, batch.starts, tables)  # a pure-decode step
-            # A prompt's last chunk may be one token long, like a decode.
-            self._prompt_logprobs(batch, hidden, list(range(len(batch.req_ids) + 1)))
-            if not batch.sample_rows:
-                return None
-            if len(batch.sample_rows) < len(batch.req_ids):
-                hidden = hidden[torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)]
-            return self.model.compute_logits(hidden)
-        bs = self.config.block_size
-        rows = [self.block_tables.sync(rid, self.requests[rid]) for rid in batch.req_ids]
-        width = -(-max(s + n for s, n in zip(batch.starts, batch.query_lens)) // bs)
+        if (
+            graphs is not None
+            and rows.all_decodes
+            and not batch.pooling_rows
+            and rows.num_rows <= graphs.max_batch
+        ):
+            tables = [self.requests[batch.req_ids[i]].block_ids for i in rows.batch_rows]
+            hidden = graphs.run(batch.input_ids, rows.starts, tables)  # a pure-decode step
+        else:
+            hidden = self._eager_forward(batch, rows)
+            if batch.pooling_rows and self.is_driver:
+                self._pool(batch, hidden, offsets)
+        # A prompt's last chunk may be one token long, like a decode.
+        self._prompt_logprobs(batch, hidden, offsets)
+        if not batch.sample_rows:  # only partial prefills this step
+            return None
+        drafts = batch.drafts
+        last = logits_positions(
+            offsets, batch.sample_rows, [len(drafts.get(r, ())) for r in batch.req_ids]
+        )
+        if len(last) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(last, dtype=torch.long, device=dev)]
+        return self.model.compute_logits(hidden)
+
+    def _eager_forward(self, batch: _Batch, rows: AttentionRows) -> torch.Tensor:
+        """The model over the batch's tokens, attention rows as `rows` lays them out."""
+        bs, dev = self.config.block_size, self.device
+        table_rows = [self.block_tables.sync(rid, self.requests[rid]) for rid in batch.req_ids]
+        width = -(-max(s + n for s, n in zip(rows.starts, rows.query_lens)) // bs)
+        tables = self.block_tables.select([table_rows[i] for i in rows.batch_rows], width)
         meta, positions = AttentionMetadata.from_tables(
-            batch.starts, batch.query_lens, self.block_tables.select(rows, width), bs, dev
+            rows.starts, rows.query_lens, tables, bs, dev
         )
         self.backend.prepare(meta)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        hidden = self.model(input_ids, positions, meta)
-        if batch.pooling_rows and self.is_driver:
-            self._pool(batch, hidden, meta.query_start_loc_cpu)
-        self._prompt_logprobs(batch, hidden, meta.query_start_loc_cpu)
-        if not batch.sample_rows:  # only partial prefills this step
-            return None
-        ends = meta.query_start_loc_cpu
-        if batch.drafts:  # a verify row's logits at its last token and each proposed one
-            drafts, ids = batch.drafts, batch.req_ids
-            last = [
-                pos
-                for i in batch.sample_rows
-                for pos in range(ends[i + 1] - 1 - len(drafts.get(ids[i], ())), ends[i + 1])
-            ]
-        else:
-            last = [ends[i + 1] - 1 for i in batch.sample_rows]
-        return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long, device=dev)])
+        return self.model(input_ids, positions, meta)
 
     def _set_lora_batch(self, batch: _Batch, loras: LoraManager) -> bool:
         """Tell the LoRA layers each token's adapter slot; True when any row has an adapter."""
@@ -764,9 +787,11 @@ class ModelRunner:
     def _propose_draft(
         self, draft: DraftModel, batch: _Batch, sampled: list[list[int]]
     ) -> list[list[int]]:
-        """The draft catches up with every row's new tokens and proposes for the rows that
-        sampled (none at all when more rows sampled than may speculate; a constrained row's are
-        cut to its grammar afterwards, _cut_to_grammar)."""
+        """The draft catches up with the rows' new tokens and proposes for the rows that sampled
+        and are not paused (workers/draft_pacing.py; none at all when more rows ask than may
+        speculate; a constrained row's are cut to its grammar afterwards, _cut_to_grammar). A row
+        that does not propose catches up through its full blocks only: the rest waits for a
+        later step, and every block the prefix cache can register holds the draft's KV."""
         bs, k, requests = self.config.block_size, draft.num_tokens, self.requests
         rows: list[DraftRow] = []
         for i, rid in enumerate(batch.req_ids):
@@ -774,16 +799,16 @@ class ModelRunner:
             own_end = batch.starts[i] + batch.query_lens[i] - len(batch.drafts.get(rid, ()))
             start = state.draft_computed
             end = len(state.token_ids) + len(new) if new else own_end
-            asks = bool(new)
+            asks = bool(new) and self.draft_pacing.asks(rid)
             num = min(k, self.config.max_model_len - end) if asks else 0
             tail = state.token_ids[start:] + new
             rows.append(DraftRow(tail, start, end, state.block_ids, num))
         if sum(r.num_proposed > 0 for r in rows) > draft.max_rows:
             for r in rows:
                 r.num_proposed = 0
-        for r in rows:  # a row that does not propose writes no scratch block
+        for r in rows:  # a row that does not propose catches up through full blocks only
             if not r.num_proposed:
-                r.end = min(r.end, len(r.block_ids) * bs)
+                r.end = min(r.end // bs * bs, len(r.block_ids) * bs)
         proposals = draft.propose(rows)
         for rid, r in zip(batch.req_ids, rows):
             state = requests[rid]

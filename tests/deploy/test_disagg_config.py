@@ -78,3 +78,22 @@ def test_what_makes_a_kv_block_must_match_between_the_phases(overrides, message)
 def test_disaggregation_replaces_the_model_s_replica_count_and_needs_the_fleet_router(extra):
     with pytest.raises(ValueError, match=r"(num_replicas|autoscaling|disaggregation): "):
         AppConfig.from_args({"model": "default", "disaggregation": {}, **extra})
+
+
+@pytest.mark.parametrize(
+    ("model_level", "overrides", "phase"),
+    [
+        ({"speculative": {"method": "draft", "draft_model": "default"}}, {}, "decode"),
+        ({}, {"decode": {"speculative": {"method": "draft", "draft_model": "default"}}}, "decode"),
+        ({}, {"prefill": {"speculative": {"method": "draft", "draft_model": "x"}}}, "prefill"),
+    ],
+)
+def test_a_draft_model_is_refused_with_disaggregation(model_level, overrides, phase):
+    """Transferred blocks carry the model's KV, not the draft's (n-gram speculation is fine)."""
+    with pytest.raises(
+        ValueError, match=rf"disaggregation\.{phase}\.speculative\.draft_model: .*disaggregation"
+    ):
+        AppConfig.from_args({"model": "default", **model_level, "disaggregation": overrides})
+    ngram = {"speculative": {"method": "ngram"}}
+    config = AppConfig.from_args({"model": "default", **ngram, "disaggregation": {}})
+    assert config.phase_engine("decode").speculative is not None

@@ -17,6 +17,7 @@ from scheduler.structured_output import StructuredOutput
 from tests.engine.paired_engines import SMALL_POOL
 from tests.engine.test_speculative import assert_idle, generate, workload
 from tests.random_checkpoint import TINY_FAMILIES, TINY_TP_LLAMA, write_random_checkpoint
+from workers.draft_pacing import DraftPacing
 
 SPEC = {"method": "draft", "num_tokens": 4, "min_acceptance_rate": 0.0}
 
@@ -106,6 +107,45 @@ def test_a_wrong_draft_changes_no_token(model, other_draft, mixed_case):
         assert generate(spec, prompts, params) == want
         stats = spec.engine.stats()
         assert stats.num_spec_proposed_tokens > stats.num_spec_accepted_tokens
+        assert_idle(spec)
+    finally:
+        spec.shutdown()
+
+
+class CountingPacing(DraftPacing):
+    """DraftPacing counting the rows that sampled (each of which asked the draft for a proposal
+    every step before pacing) and those it lets propose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampled = self.asked = 0
+
+    def asks(self, rid: str) -> bool:
+        asks = super().asks(rid)
+        self.sampled, self.asked = self.sampled + 1, self.asked + asks
+        return asks
+
+
+def test_a_request_that_stopped_speculating_costs_the_draft_little(model, other_draft, mixed_case):
+    """With a mostly wrong draft every request soon stops speculating (min_acceptance_rate 0.9):
+    paced (workers/draft_pacing.py), the draft proposes for fewer than half of the rows that
+    sampled (all of which it proposed for before), and the tokens are the plain engine's."""
+    spec = engine(
+        model,
+        speculative={
+            **SPEC,
+            "num_tokens": 2,
+            "draft_model": other_draft,
+            "min_acceptance_rate": 0.9,
+        },
+    )
+    try:
+        runner = spec.engine.executor.runner  # type: ignore[attr-defined]
+        runner.draft_pacing = pacing = CountingPacing()
+        prompts, params, want = mixed_case
+        assert generate(spec, prompts, params) == want
+        assert 0 < pacing.asked < pacing.sampled / 2
+        assert spec.engine.stats().num_spec_verify_rows > 0
         assert_idle(spec)
     finally:
         spec.shutdown()

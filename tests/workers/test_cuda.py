@@ -200,6 +200,66 @@ def test_decode_graphs_give_the_tokens_of_eager_decode(dtype, checkpoints):
     assert tokens[False] == tokens[True]
 
 
+class _OracleProposer:
+    """Proposes what the plain engine produced next, its last proposed token spoiled at every
+    other context length: verify steps accept whole runs and reject some."""
+
+    uses_hidden_states = False
+
+    def __init__(self, expected: list[tuple[list[int], list[int]]], k: int) -> None:
+        self.expected, self.k = expected, k
+
+    def propose(self, contexts, hidden_states=None) -> list[list[int]]:
+        proposals = []
+        for ctx in map(list, contexts):
+            proposal: list[int] = []
+            for prompt, outputs in self.expected:
+                n = len(prompt)
+                if ctx[:n] == prompt and outputs[: len(ctx) - n] == ctx[n:]:
+                    proposal = outputs[len(ctx) - n : len(ctx) - n + self.k]
+                    break
+            if proposal and len(ctx) % 2:
+                proposal[-1] += 1
+            proposals.append(proposal)
+        return proposals
+
+
+def test_verify_steps_replay_decode_graphs_and_keep_the_tokens(checkpoints):
+    """Speculation (workers/verify_rows.py): verify rows run as decode rows of the captured graphs
+    and the greedy tokens are those of plain decoding (float32)."""
+    path = checkpoints["llama3-1b"]
+    prompts = random_prompts(6, 128000, 5, 40, seed=6)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    plain = make_llm(path, "float32")
+    try:
+        expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    finally:
+        shutdown(plain)
+    spec = {"num_tokens": 4, "min_acceptance_rate": 0.0, "max_batch_size": 8}
+    llm = make_llm(path, "float32", speculative=spec)
+    try:
+        runner = llm.engine.executor.runner
+        graphs = runner.graphs
+        assert graphs is not None and graphs.max_batch >= 6 * 5
+        runner.proposer = _OracleProposer(list(zip(prompts, expected)), 4)
+        rows: list[int] = []
+        run = graphs.run
+
+        def counted(input_ids, positions, tables):
+            rows.append(len(input_ids))
+            return run(input_ids, positions, tables)
+
+        graphs.run = counted
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.stats()
+        assert stats.num_spec_accepted_tokens > 0
+        assert stats.num_spec_accepted_tokens < stats.num_spec_proposed_tokens
+        assert max(rows) > len(prompts)  # a replay held verify rows
+        assert [o.token_ids for o in outs] == expected
+    finally:
+        shutdown(llm)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_auto_backend_is_the_triton_kernel_with_decode_graphs(dtype, checkpoints):
     """What a user gets without naming a backend: the verified kernel, its decode steps replayed
