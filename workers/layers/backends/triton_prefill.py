@@ -38,12 +38,12 @@ def _attend_tile(
     start,
     kv_head,
     q_pos,
+    q_lo,
     hi,
     m_i,
     l_i,
     acc,
     qk_scale,
-    window,
     softcap,
     stride_kb,
     stride_ks,
@@ -79,8 +79,8 @@ def _attend_tile(
     else:
         s = s * qk_scale
     if MASKED:
-        allowed = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
-        allowed = allowed & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
+        allowed = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_lo[:, None])
+        allowed = allowed & valid[None, :]
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row with nothing allowed yet (a padded row, or one whose window starts later) keeps
@@ -155,6 +155,7 @@ def _paged_prefill_kernel(
     first_pos = seq_len - q_len + tile * TOKENS  # context position of the tile's first token
     q_pos = first_pos + offs_m // GROUP_PAD
     hi = tl.minimum(first_pos + TOKENS, seq_len)  # keys past the tile's last query are masked
+    q_lo = tl.where(window > 0, q_pos - window + 1, 0)  # each row's first position in its window
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if HAS_SINKS:
@@ -172,14 +173,14 @@ def _paged_prefill_kernel(
     full_end = tl.where(window > 0, lo, (first_pos // TILE_N) * TILE_N)
     for start in range(lo, full_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, hi,
-            m_i, l_i, acc, qk_scale, window, softcap, stride_kb, stride_ks, stride_kh,
+            q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, q_lo, hi,
+            m_i, l_i, acc, qk_scale, softcap, stride_kb, stride_ks, stride_kh,
             offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, False,
         )  # fmt: skip
     for start in range(full_end, hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, hi,
-            m_i, l_i, acc, qk_scale, window, softcap, stride_kb, stride_ks, stride_kh,
+            q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, q_lo, hi,
+            m_i, l_i, acc, qk_scale, softcap, stride_kb, stride_ks, stride_kh,
             offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, True,
         )  # fmt: skip
     tl.store(
