@@ -15,6 +15,14 @@ Needs torch, triton and transformers (no Ray, flash-attn, gguf or FastAPI).
     python bench/prefill_gpu.py                 # CUDA, about a minute on an H200
     python bench/prefill_gpu.py --smoke         # CPU, Triton's interpreter, tiny shapes
     python bench/prefill_gpu.py --json out.json
+
+The GPU check in one line (kernel parity tests compiled, the backend in the engine against HF
+greedy tokens with the torch backend as control, then this benchmark; about 4 minutes on an H200):
+
+    python -m pytest -q -p no:cacheprovider tests/workers/test_triton_prefill.py
+    tests/workers/test_attention.py tests/workers/test_backend_choice.py 2>&1 | tail -15;
+    python -m pytest -q -p no:cacheprovider tests/workers/test_cuda.py -k greedy_matches_hf 2>&1 |
+    tail -15; python bench/prefill_gpu.py --json "${OUT:-/tmp}/prefill_gpu.json"
 """
 
 from __future__ import annotations
