@@ -171,9 +171,9 @@ def select_backend(
 
         backend: AttentionBackend = FlashAttnBackend()
     elif choice.name == "triton":
-        from workers.layers.backends.triton_decode import TritonDecodeBackend
+        from workers.layers.backends.triton_prefill import TritonBackend
 
-        backend = TritonDecodeBackend()
+        backend = TritonBackend()
     else:
         from workers.layers.backends.torch_ref import TorchBackend
 

@@ -1,0 +1,386 @@
+"""Prefill over the paged KV cache in one Triton launch: the varlen path of the Triton backend.
+
+The queries of every prefill chunk in the step are packed one after another (`query_start_loc`,
+cu_seqlens style). Each chunk's tokens are the tail of its request's context: the query at
+context position p attends causally to positions up to p, wherever they came from (a prefix-cache
+hit, an earlier chunk of a chunked prefill, or this chunk, whose K/V the layer has already
+written to the cache). The kernel reads all of them through the block table, so no context is
+gathered and no mask is built on the host.
+
+One program owns a tile of one chunk's query tokens for one KV head. Its rows are
+(token, query head) pairs of that head's GQA group, so every K/V tile it loads serves the whole
+group. Key tiles wholly before the tile's first query need no causal mask and run first; the
+diagonal tiles (and every tile under a sliding window) are masked per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.layers.attention import AttentionMetadata
+from workers.layers.backends.torch_ref import _TorchState
+from workers.layers.backends.triton_decode import TritonDecodeBackend
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    req_table,
+    start,
+    kv_head,
+    q_pos,
+    q_lo,
+    hi,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    softcap,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    offs_n,
+    offs_d,
+    mask_d,
+    BLOCK_SIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One key tile [start, start + TILE_N) into the running softmax of every row (log2 units)."""
+    pos = start + offs_n
+    if MASKED:
+        valid = pos < hi
+        blocks = tl.load(block_tables_ptr + req_table + pos // BLOCK_SIZE, mask=valid, other=0)
+        kv_mask = valid[:, None] & mask_d[None, :]
+    else:  # every position of the tile is before the tile's first query (so in the context)
+        blocks = tl.load(block_tables_ptr + req_table + pos // BLOCK_SIZE)
+        kv_mask = mask_d[None, :]
+    offsets = (
+        blocks.to(tl.int64)[:, None] * stride_kb
+        + (pos % BLOCK_SIZE)[:, None] * stride_ks
+        + kv_head * stride_kh
+        + offs_d[None, :]
+    )
+    k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if SOFTCAP:  # softcap * tanh(s / softcap) on the scaled score, tanh(x) = 2 sigmoid(2x) - 1
+        s = s * (qk_scale / 1.4426950408889634)
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if MASKED:
+        allowed = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_lo[:, None])
+        allowed = allowed & valid[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with nothing allowed yet (a padded row, or one whose window starts later) keeps
+    # m = -inf: exponents are taken against 0 there so that -inf - -inf never appears.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    sinks_ptr,
+    qk_scale,
+    window,
+    softcap,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TOKENS: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    req = tl.program_id(1)
+    # The last query tiles of a chunk see the most keys: launched first, they do not finish last.
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    if tile * TOKENS >= q_len:  # the grid is sized for the longest chunk of the step
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    tok = tile * TOKENS + offs_m // GROUP_PAD  # token of each row within the chunk
+    g = offs_m % GROUP_PAD
+    heads = kv_head * GROUP + g
+    rows = (tok < q_len) & (g < GROUP)
+    q = tl.load(
+        q_ptr
+        + (q_start + tok)[:, None].to(tl.int64) * stride_qt
+        + heads[:, None] * stride_qh
+        + offs_d[None, :],
+        mask=rows[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    first_pos = seq_len - q_len + tile * TOKENS  # context position of the tile's first token
+    q_pos = first_pos + offs_m // GROUP_PAD
+    hi = tl.minimum(first_pos + TOKENS, seq_len)  # keys past the tile's last query are masked
+    q_lo = tl.where(window > 0, q_pos - window + 1, 0)  # each row's first position in its window
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # A sink is one more logit whose value vector is zero: the running max starts there with
+        # exp(sink - max) = 1 already in the denominator.
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=float("-inf")).to(tl.float32)
+        m_i = sink * 1.4426950408889634
+        l_i = tl.where(g < GROUP, 1.0, 0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    req_table = req.to(tl.int64) * stride_bt
+    # Under a sliding window every tile is masked from the first one the window reaches;
+    # otherwise tiles that end before the first query position need no mask.
+    lo = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
+    lo = (lo // TILE_N) * TILE_N
+    full_end = tl.where(window > 0, lo, (first_pos // TILE_N) * TILE_N)
+    for start in range(lo, full_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, q_lo, hi,
+            m_i, l_i, acc, qk_scale, softcap, stride_kb, stride_ks, stride_kh,
+            offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, False,
+        )  # fmt: skip
+    for start in range(full_end, hi, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, q_lo, hi,
+            m_i, l_i, acc, qk_scale, softcap, stride_kb, stride_ks, stride_kh,
+            offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, True,
+        )  # fmt: skip
+    tl.store(
+        out_ptr
+        + (q_start + tok)[:, None].to(tl.int64) * stride_ot
+        + heads[:, None] * stride_oh
+        + offs_d[None, :],
+        # Padded rows (l = 0) are not stored; dividing by 1 there keeps NaN out of them.
+        (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(out_ptr.dtype.element_ty),
+        mask=rows[:, None] & mask_d[None, :],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTiles:
+    """Launch shape: block_m rows ((token, query head) pairs) per program, tile_n keys per step."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "tile_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: must be a power of two of at least 16, got {value}")
+
+
+def default_tiles(head_dim: int, device: torch.device) -> PrefillTiles:
+    """128 rows by 64 keys on a GPU (64 by 32 past head size 128, to stay within shared
+    memory); small tiles under Triton's CPU interpreter (its cost is per program and per tile)."""
+    if device.type != "cuda":
+        return PrefillTiles(32, 16, 1, 1)
+    if head_dim <= 64:
+        return PrefillTiles(128, 64, 4, 3)
+    if head_dim <= 128:
+        return PrefillTiles(128, 64, 8, 2)
+    return PrefillTiles(64, 32, 4, 2)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tiles: PrefillTiles | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed prefill chunks over their whole paged contexts.
+
+    q: [T, Hq, D]; chunk i is q[query_start_loc[i] : query_start_loc[i + 1]], the last tokens of
+    a context of seq_lens[i] positions whose blocks are block_tables[i] (caches [blocks,
+    block_size, Hk, D], this step's K/V already written). max_query_len: the longest chunk (it
+    sizes the grid). window > 0: each query attends to its last `window` positions only.
+    softcap > 0: scores become softcap * tanh(score / softcap). sinks: [Hq] logits added to each
+    head's softmax denominator. Writes the chunks' rows of `out` (a new tensor shaped like q
+    when None) and returns it; rows outside every chunk are left as they were.
+    """
+    _, hq, d = q.shape
+    _, block_size, hk, _ = k_cache.shape
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("v_cache: must share k_cache's layout")
+    if block_size & (block_size - 1):
+        raise ValueError(
+            f"block_size: the Triton prefill kernel needs a power of two, got {block_size}"
+        )
+    if hq % hk:
+        raise ValueError(f"q: {hq} query heads do not split into {hk} KV heads")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("q, k_cache and block_tables: need unit stride in their last dimension")
+    if query_start_loc.stride(0) != 1 or seq_lens.stride(0) != 1:
+        raise ValueError("query_start_loc and seq_lens: need unit stride")
+    out = torch.empty_like(q) if out is None else out
+    if out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out: expected shape {tuple(q.shape)} with unit stride in the last dim")
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+        if sinks.shape != (hq,):
+            raise ValueError(f"sinks: expected shape ({hq},), got {tuple(sinks.shape)}")
+    num_reqs = seq_lens.shape[0]
+    if num_reqs == 0 or max_query_len == 0:
+        return out
+    group = hq // hk
+    group_pad = triton.next_power_of_2(group)
+    tiles = tiles or default_tiles(d, q.device)
+    block_m = max(tiles.block_m, group_pad)  # at least one token per program
+    tokens = block_m // group_pad
+    grid = (hk, num_reqs, triton.cdiv(max_query_len, tokens))
+    _paged_prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        sinks if sinks is not None else seq_lens,  # never read without HAS_SINKS
+        scale * _LOG2E,
+        window,
+        float(softcap or 0.0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=d,
+        BLOCK_D=max(triton.next_power_of_2(d), 16),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        TOKENS=tokens,  # BLOCK_M // GROUP_PAD query tokens per program
+        TILE_N=tiles.tile_n,
+        # float32 stays exact (no TF32) so that the fp32 path matches Hugging Face.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
+@dataclass(slots=True)
+class _PrefillState(_TorchState):
+    """The torch backend's state (its per-request prefill list empty on the varlen path) and the
+    longest prefill chunk of the step, which sizes the kernel's grid."""
+
+    max_prefill_len: int = 0
+
+
+class TritonBackend(TritonDecodeBackend):
+    """The Triton backend: decodes through the paged decode kernel, every prefill chunk of the
+    step through one varlen paged-prefill launch.
+
+    varlen_prefill=False keeps the previous path, one SDPA call per prefill chunk (the context
+    gathered and masked on the host when part of it was cached); the prefill benchmark flips it
+    on a live engine to time both.
+    """
+
+    def __init__(self, varlen_prefill: bool = True, tiles: PrefillTiles | None = None) -> None:
+        super().__init__()
+        self.varlen_prefill = varlen_prefill
+        self.tiles = tiles
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if not self.varlen_prefill:
+            super().prepare(meta)
+            return
+        qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
+        longest = max((qsl[i + 1] - qsl[i] for i in range(nd, meta.num_reqs)), default=0)
+        meta.backend_state = _PrefillState([], max_prefill_len=longest)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        state = meta.backend_state
+        if not isinstance(state, _PrefillState):  # prepared while the switch was off
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self.decode(
+                q[:nd], k_cache, v_cache, meta, scale, window, softcap=softcap, sinks=sinks
+            )
+        if state.max_prefill_len:
+            paged_prefill(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                meta.query_start_loc[nd:],
+                meta.seq_lens[nd:],
+                state.max_prefill_len,
+                scale,
+                window=window or 0,
+                softcap=softcap or 0.0,
+                sinks=sinks,
+                out=out,
+                tiles=self.tiles,
+            )
+        return out
