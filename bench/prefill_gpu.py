@@ -157,7 +157,9 @@ def bench_attention(heads: Heads, workloads: dict, device: str, reps: int, sweep
         row = dict(workload=name, tokens=tokens, max_abs_diff=diff, sdpa_ms=t_old, tiles={})
         for tiles in (None, *sweep):
             kernel.tiles = tiles
-            label = str(dataclasses.astuple(tiles or default_tiles(heads.d, step.q.device)))
+            label = str(
+                dataclasses.astuple(tiles or default_tiles(heads.d, heads.dtype, step.q.device))
+            )
             try:
                 row["tiles"][label] = ms(run_backend(kernel, step), reps)
             except Exception as e:  # a swept shape may not fit (shared memory): say so, go on
