@@ -260,6 +260,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     result: dict = {"torch": torch.__version__}
+    started = time.perf_counter()
     if args.smoke:
         device, reps, sweep = "cpu", 1, (PrefillTiles(16, 16, 1, 1),)
         heads = Heads(4, 2, 16, 16, torch.float16)
@@ -289,6 +290,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    print(f"\nprefill_gpu: done in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
