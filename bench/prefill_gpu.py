@@ -157,7 +157,9 @@ def bench_attention(heads: Heads, workloads: dict, device: str, reps: int, sweep
         row = dict(workload=name, tokens=tokens, max_abs_diff=diff, sdpa_ms=t_old, tiles={})
         for tiles in (None, *sweep):
             kernel.tiles = tiles
-            label = str(dataclasses.astuple(tiles or default_tiles(heads.d, step.q.device)))
+            label = str(
+                dataclasses.astuple(tiles or default_tiles(heads.d, heads.dtype, step.q.device))
+            )
             try:
                 row["tiles"][label] = ms(run_backend(kernel, step), reps)
             except Exception as e:  # a swept shape may not fit (shared memory): say so, go on
@@ -258,6 +260,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     result: dict = {"torch": torch.__version__}
+    started = time.perf_counter()
     if args.smoke:
         device, reps, sweep = "cpu", 1, (PrefillTiles(16, 16, 1, 1),)
         heads = Heads(4, 2, 16, 16, torch.float16)
@@ -287,6 +290,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    print(f"\nprefill_gpu: done in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
