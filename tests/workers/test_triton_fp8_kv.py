@@ -16,6 +16,7 @@ from tests.workers.test_kv_fp8 import fp8_mixed_batch
 from tests.workers.test_triton_interpreted import DecodeCase, decode_inputs, torch_decode
 from workers.kv_fp8 import dequantize, quantize
 from workers.layers.backends.triton_decode import TritonDecodeBackend, paged_decode
+from workers.layers.backends.triton_prefill import TritonBackend
 
 if DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("Triton converts FP8 on compute capability 8.9+ only", allow_module_level=True)
@@ -73,10 +74,12 @@ def test_fp8_decode_16_bit_queries():
     check_fp8_decode(DecodeCase(dtype=HALF), 4, (0.02, 0.02))
 
 
-def test_fp8_triton_backend_on_a_mixed_batch_equals_the_float_cache():
+@pytest.mark.parametrize("backend", [TritonDecodeBackend, TritonBackend])
+def test_fp8_triton_backend_on_a_mixed_batch_equals_the_float_cache(backend):
     """Prefix-cached prefill chunks, a whole-prompt prefill and decodes, through the layer: the
-    FP8 cache (written by the layer) gives what a float cache of the same values gives."""
-    out, ref = fp8_mixed_batch(TritonDecodeBackend(), DEVICE)
+    FP8 cache (written by the layer) gives what a float cache of the same values gives, with
+    prefill chunks through the per-request path and through the varlen prefill kernel."""
+    out, ref = fp8_mixed_batch(backend(), DEVICE)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -55,6 +55,7 @@ def _attend_tile(
     PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     """One key tile [start, start + TILE_N) into the running softmax of every row (log2 units)."""
     pos = start + offs_n
@@ -71,7 +72,9 @@ def _attend_tile(
         + kv_head * stride_kh
         + offs_d[None, :]
     )
-    k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
+    k = tl.load(k_ptr + offsets, mask=kv_mask, other=0)
+    if FP8_KV:  # E4M3 codes in uint8; K's scale is folded into qk_scale
+        k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if SOFTCAP:  # softcap * tanh(s / softcap) on the scaled score, tanh(x) = 2 sigmoid(2x) - 1
         s = s * (qk_scale / 1.4426950408889634)
@@ -88,7 +91,9 @@ def _attend_tile(
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + offsets, mask=kv_mask, other=0)
+    if FP8_KV:  # V's scale multiplies the output once, at the end
+        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
@@ -104,6 +109,7 @@ def _paged_prefill_kernel(
     query_start_ptr,
     seq_lens_ptr,
     sinks_ptr,
+    kv_scale_ptr,
     qk_scale,
     window,
     softcap,
@@ -126,6 +132,7 @@ def _paged_prefill_kernel(
     PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
@@ -136,6 +143,10 @@ def _paged_prefill_kernel(
     if tile * TOKENS >= q_len:  # the grid is sized for the longest chunk of the step
         return
     seq_len = tl.load(seq_lens_ptr + req)
+    v_scale = 1.0
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -175,13 +186,13 @@ def _paged_prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, q_lo, hi,
             m_i, l_i, acc, qk_scale, softcap, stride_kb, stride_ks, stride_kh,
-            offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, False,
+            offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, False, FP8_KV,
         )  # fmt: skip
     for start in range(full_end, hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, q_lo, hi,
             m_i, l_i, acc, qk_scale, softcap, stride_kb, stride_ks, stride_kh,
-            offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, True,
+            offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, True, FP8_KV,
         )  # fmt: skip
     tl.store(
         out_ptr
@@ -189,7 +200,7 @@ def _paged_prefill_kernel(
         + heads[:, None] * stride_oh
         + offs_d[None, :],
         # Padded rows (l = 0) are not stored; dividing by 1 there keeps NaN out of them.
-        (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(out_ptr.dtype.element_ty),
+        (acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]).to(out_ptr.dtype.element_ty),
         mask=rows[:, None] & mask_d[None, :],
     )
 
@@ -244,6 +255,7 @@ def paged_prefill(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     tiles: PrefillTiles | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed prefill chunks over their whole paged contexts.
 
@@ -252,8 +264,9 @@ def paged_prefill(
     block_size, Hk, D], this step's K/V already written). max_query_len: the longest chunk (it
     sizes the grid). window > 0: each query attends to its last `window` positions only.
     softcap > 0: scores become softcap * tanh(score / softcap). sinks: [Hq] logits added to each
-    head's softmax denominator. Writes the chunks' rows of `out` (a new tensor shaped like q
-    when None) and returns it; rows outside every chunk are left as they were.
+    head's softmax denominator. kv_scale: float32 [2] (K's, V's scale) when the caches hold FP8
+    E4M3 codes as uint8 (workers/kv_fp8.py). Writes the chunks' rows of `out` (a new tensor
+    shaped like q when None) and returns it; rows outside every chunk are left as they were.
     """
     _, hq, d = q.shape
     _, block_size, hk, _ = k_cache.shape
@@ -272,6 +285,11 @@ def paged_prefill(
     out = torch.empty_like(q) if out is None else out
     if out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out: expected shape {tuple(q.shape)} with unit stride in the last dim")
+    if kv_scale is not None:
+        if k_cache.dtype != torch.uint8:
+            raise ValueError(f"kv_scale: an FP8 cache holds uint8 codes, got {k_cache.dtype}")
+        if kv_scale.dtype != torch.float32 or kv_scale.numel() != 2 or kv_scale.stride(0) != 1:
+            raise ValueError("kv_scale: needs a contiguous float32 tensor of 2 scales (K, V)")
     if sinks is not None:
         sinks = sinks.float().contiguous()
         if sinks.shape != (hq,):
@@ -294,6 +312,7 @@ def paged_prefill(
         query_start_loc,
         seq_lens,
         sinks if sinks is not None else seq_lens,  # never read without HAS_SINKS
+        kv_scale if kv_scale is not None else seq_lens,  # never read without FP8_KV
         scale * _LOG2E,
         window,
         float(softcap or 0.0),
@@ -317,6 +336,7 @@ def paged_prefill(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SOFTCAP=bool(softcap),
         HAS_SINKS=sinks is not None,
+        FP8_KV=kv_scale is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -365,15 +385,26 @@ class TritonBackend(TritonDecodeBackend):
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         state = meta.backend_state
         if not isinstance(state, _PrefillState):  # prepared while the switch was off
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+            return super().forward(
+                q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, kv_scale
+            )
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         nd = meta.num_decodes
         if nd:
             out[:nd] = self.decode(
-                q[:nd], k_cache, v_cache, meta, scale, window, softcap=softcap, sinks=sinks
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta,
+                scale,
+                window,
+                softcap=softcap,
+                sinks=sinks,
+                kv_scale=kv_scale,
             )
         if state.max_prefill_len:
             paged_prefill(
@@ -390,5 +421,6 @@ class TritonBackend(TritonDecodeBackend):
                 sinks=sinks,
                 out=out,
                 tiles=self.tiles,
+                kv_scale=kv_scale,
             )
         return out
