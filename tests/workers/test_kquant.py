@@ -54,7 +54,7 @@ def test_quantize_k_round_trips_within_its_steps(qtype):
 
 
 @pytest.mark.parametrize("qtype", K_QTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 8, 9, KERNEL_MAX_ROWS + 1])
 @pytest.mark.parametrize("n, k", [(96, 512), (40, 1536), (7, 256)])
 def test_k_quant_matmul_matches_the_float_reference(qtype, rows, n, k):
     w = k_weight(qtype, n, k, seed=rows)
