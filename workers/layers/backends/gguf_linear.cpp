@@ -12,7 +12,8 @@
 // Element value: Q4_0 d * (q - 8), Q4_1 d * q + m, Q8_0 d * q; Q4_K and Q5_K (d * sc) * q -
 // dmin * mn; Q6_K (d * sc) * (q - 32). Each operation is rounded once in float32 (built with
 // -ffp-contract=off), in gguf-py's order, so `dequantize` gives the bits gguf-py's
-// de-quantisation gives. `linear` computes the same weights in registers, 32 at a time, and
+// de-quantisation gives. `linear` computes the same weights in registers, 32 at a time (a K-quant
+// super-block's scales decoded once), and
 // accumulates x * w with fused multiply-adds in 16 lanes per row, reduced by a fixed tree: the
 // same numbers as x @ dequantize(W)^T up to summation order.
 #include <ATen/core/Tensor.h>
@@ -24,7 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -51,78 +52,96 @@ inline int64_t block_bytes(int64_t qtype) {
 }
 
 inline float half_at(const uint8_t* p) {
-  return c10::detail::fp16_ieee_to_fp32_value(static_cast<uint16_t>(p[0] | (p[1] << 8)));
+  const uint16_t bits = static_cast<uint16_t>(p[0] | (p[1] << 8));
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // exact, as the portable conversion below
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
-// A 32-element chunk of a K-quant super-block, as bytes and bit positions:
-//   Q4_K (d, dmin, 12 bytes of scales, 128 of quants): chunk c is sub-block c; element j is the
-//     nibble (c % 2) of byte 32 * (c / 2) + j of the quants; 6-bit scale and min per sub-block.
-//   Q5_K (d, dmin, scales, 32 bytes of fifth bits, 128 of low nibbles): as Q4_K, plus bit c of
-//     byte j of the fifth bits as 16.
-//   Q6_K (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d): chunk c in half
-//     h = c / 4, quarter t = c % 4: low nibble (t / 2) of byte 64 h + 32 (t % 2) + j, bits
-//     2 t and 2 t + 1 of byte 32 h + j as 16 and 32, minus 32; scale 2 c for j < 16, 2 c + 1 after.
-struct KChunk {
-  float scale_lo, scale_hi, min;  // min is subtracted (0 for Q6_K)
+// A K-quant super-block's per-chunk float scales, decoded once per super-block: chunk c
+// (elements 32 c .. 32 c + 31) is lo[c] * q - min[c] for its first 16 elements and hi[c] * q -
+// min[c] for the rest (Q6_K: min 0, not subtracted).
+struct KScales {
+  float lo[8], hi[8], min[8];
+};
+
+inline void kscales(int64_t qtype, const uint8_t* sb, KScales& k) {
+  if (qtype == Q6_K) {  // 16 int8 scales, one per 16 elements, then fp16 d
+    const float d = half_at(sb + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
+    for (int c = 0; c < 8; ++c) {
+      k.lo[c] = d * static_cast<float>(sc[2 * c]);
+      k.hi[c] = d * static_cast<float>(sc[2 * c + 1]);
+      k.min[c] = 0.0f;
+    }
+    return;
+  }
+  // Q4_K, Q5_K: fp16 d, fp16 dmin, then 12 bytes of eight 6-bit scales and mins. Bytes 0-3 and
+  // 4-7 hold scales and mins 0-3 in their low six bits; bytes 8-11 the low four bits of scales
+  // 4-7 (low nibble) and mins 4-7 (high nibble), whose top two bits are the top two bits of
+  // bytes 0-3 (scales) and 4-7 (mins).
+  const float d = half_at(sb), dmin = half_at(sb + 2);
+  const uint8_t* s = sb + 4;
+  for (int c = 0; c < 8; ++c) {
+    int sc, mn;
+    if (c < 4) {
+      sc = s[c] & 63;
+      mn = s[c + 4] & 63;
+    } else {
+      sc = (s[c + 4] & 0xF) | ((s[c - 4] >> 6) << 4);
+      mn = (s[c + 4] >> 4) | ((s[c] >> 6) << 4);
+    }
+    k.lo[c] = k.hi[c] = d * static_cast<float>(sc);
+    k.min[c] = dmin * static_cast<float>(mn);
+  }
+}
+
+// Where the quants of chunk c of a K-quant super-block live:
+//   Q4_K (d, dmin, scales, 128 bytes of nibbles): element j is nibble (c % 2) of byte
+//     16 + 32 (c / 2) + j.
+//   Q5_K (d, dmin, scales, 32 bytes of fifth bits, 128 of nibbles): as Q4_K from byte 48, plus
+//     bit c of byte 16 + j as 16.
+//   Q6_K (128 bytes of low nibbles, 64 of high bit pairs, scales, d): in half h = c / 4, quarter
+//     t = c % 4, nibble (t / 2) of byte 64 h + 32 (t % 2) + j, plus bits 2 t and 2 t + 1 of byte
+//     128 + 32 h + j as 16 and 32; then minus 32.
+struct KBits {
   const uint8_t* low;  // 32 bytes holding the low four bits
   int low_shift;
-  const uint8_t* high;  // Q5_K: 32 bytes with one bit each, Q6_K: 32 bytes with a bit pair each
+  const uint8_t* high;  // Q5_K: 32 bytes with one bit each, Q6_K: with a bit pair each
   int high_shift;
 };
 
-inline KChunk kchunk(int64_t qtype, const uint8_t* sb, int c) {
-  KChunk k{};
+inline KBits kbits(int64_t qtype, const uint8_t* sb, int c) {
   if (qtype == Q6_K) {
     const int h = c / 4, t = c % 4;
-    const float d = half_at(sb + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
-    k.scale_lo = d * static_cast<float>(sc[2 * c]);
-    k.scale_hi = d * static_cast<float>(sc[2 * c + 1]);
-    k.min = 0.0f;
-    k.low = sb + 64 * h + 32 * (t % 2);
-    k.low_shift = 4 * (t / 2);
-    k.high = sb + 128 + 32 * h;
-    k.high_shift = 2 * t;
-    return k;
+    return {sb + 64 * h + 32 * (t % 2), 4 * (t / 2), sb + 128 + 32 * h, 2 * t};
   }
-  const uint8_t* s = sb + 4;
-  int sc, mn;
-  if (c < 4) {
-    sc = s[c] & 63;
-    mn = s[c + 4] & 63;
-  } else {
-    sc = (s[c + 4] & 0xF) | ((s[c - 4] >> 6) << 4);
-    mn = (s[c + 4] >> 4) | ((s[c] >> 6) << 4);
-  }
-  k.scale_lo = k.scale_hi = half_at(sb) * static_cast<float>(sc);
-  k.min = half_at(sb + 2) * static_cast<float>(mn);
-  k.low = sb + (qtype == Q4_K ? 16 : 48) + 32 * (c / 2);
-  k.low_shift = 4 * (c % 2);
-  k.high = qtype == Q5_K ? sb + 16 : nullptr;
-  k.high_shift = c;
-  return k;
+  return {sb + (qtype == Q4_K ? 16 : 48) + 32 * (c / 2), 4 * (c % 2),
+          qtype == Q5_K ? sb + 16 : nullptr, c};
 }
 
-inline int kquant(int64_t qtype, const KChunk& k, int j) {
+inline int kquant(int64_t qtype, const KBits& k, int j) {
   const int low = (k.low[j] >> k.low_shift) & 0xF;
   if (qtype == Q4_K) return low;
   if (qtype == Q5_K) return low | (((k.high[j] >> k.high_shift) & 1) << 4);
   return (low | (((k.high[j] >> k.high_shift) & 3) << 4)) - 32;
 }
 
-// The 32 weights of chunk c (elements 32 c .. 32 c + 31) of one row, exactly as dequantize writes
-// them.
+// The 32 weights of chunk c of a K-quant super-block, as dequantize writes them.
+inline void kchunk_weights(int64_t qtype, const uint8_t* sb, const KScales& ks, int c, float* w) {
+  const KBits k = kbits(qtype, sb, c);
+  for (int j = 0; j < kBlock; ++j) {
+    const float v = (j < 16 ? ks.lo[c] : ks.hi[c]) * static_cast<float>(kquant(qtype, k, j));
+    w[j] = qtype == Q6_K ? v : v - ks.min[c];
+  }
+}
+
+// The 32 weights of block c (elements 32 c .. 32 c + 31) of one row of a legacy type, exactly as
+// dequantize writes them.
 inline void chunk_weights(int64_t qtype, const uint8_t* codes, const float* d, const float* mins,
                           int64_t c, float* w) {
-  if (is_k(qtype)) {
-    const KChunk k = kchunk(qtype, codes + (c / 8) * block_bytes(qtype), static_cast<int>(c % 8));
-    for (int j = 0; j < kBlock; ++j) {
-      const float s = j < 16 ? k.scale_lo : k.scale_hi;
-      const float v = s * static_cast<float>(kquant(qtype, k, j));
-      w[j] = qtype == Q6_K ? v : v - k.min;
-    }
-    return;
-  }
   const float scale = d[c];
   if (qtype == Q8_0) {
     const int8_t* q = reinterpret_cast<const int8_t*>(codes) + c * kBlock;
@@ -193,12 +212,27 @@ void row_tile(const Weights& w, int64_t n, const float* x, int64_t r0, float* y)
   const uint8_t* codes = w.codes + n * w.row_bytes;
   const float* d = w.d ? w.d + n * w.chunks : nullptr;
   const float* m = w.mins ? w.mins + n * w.chunks : nullptr;
-  for (int64_t b = 0; b < w.chunks; ++b) {
-    chunk_weights(w.qtype, codes, d, m, b, wb);
+  auto add = [&](int64_t b) {
     for (int r = 0; r < R; ++r) {
       const float* xb = x + (r0 + r) * w.k + b * kBlock;
       for (int j = 0; j < kLanes; ++j) acc[r][j] = std::fma(wb[j], xb[j], acc[r][j]);
       for (int j = 0; j < kLanes; ++j) acc[r][j] = std::fma(wb[j + 16], xb[j + 16], acc[r][j]);
+    }
+  };
+  if (is_k(w.qtype)) {
+    KScales ks;
+    for (int64_t sbi = 0; sbi < w.chunks / 8; ++sbi) {
+      const uint8_t* sb = codes + sbi * block_bytes(w.qtype);
+      kscales(w.qtype, sb, ks);
+      for (int c = 0; c < 8; ++c) {
+        kchunk_weights(w.qtype, sb, ks, c, wb);
+        add(sbi * 8 + c);
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < w.chunks; ++b) {
+      chunk_weights(w.qtype, codes, d, m, b, wb);
+      add(b);
     }
   }
   for (int r = 0; r < R; ++r) y[(r0 + r) * w.n + n] = reduce(acc[r]);
@@ -210,7 +244,7 @@ inline __m512i bytes16(const uint8_t* p) {
 }
 
 // 16 quants (elements j0 .. j0 + 15 of a K-quant chunk) as integers.
-inline __m512i kquants16(int64_t qtype, const KChunk& k, int j0) {
+inline __m512i kquants16(int64_t qtype, const KBits& k, int j0) {
   const __m512i low = _mm512_and_si512(
       _mm512_srli_epi32(bytes16(k.low + j0), k.low_shift), _mm512_set1_epi32(0xF));
   if (qtype == Q4_K) return low;
@@ -220,21 +254,24 @@ inline __m512i kquants16(int64_t qtype, const KChunk& k, int j0) {
   return qtype == Q5_K ? q : _mm512_sub_epi32(q, _mm512_set1_epi32(32));
 }
 
-// The 32 weights of chunk c as two vectors (elements 0-15 and 16-31), the same values
+// Chunk c of a K-quant super-block as two vectors (elements 0-15 and 16-31), the same values
+// kchunk_weights writes: one rounding per multiply and per subtraction.
+inline void kchunk_vectors(int64_t qtype, const uint8_t* sb, const KScales& ks, int c, __m512& lo,
+                           __m512& hi) {
+  const KBits k = kbits(qtype, sb, c);
+  lo = _mm512_mul_ps(_mm512_set1_ps(ks.lo[c]), _mm512_cvtepi32_ps(kquants16(qtype, k, 0)));
+  hi = _mm512_mul_ps(_mm512_set1_ps(ks.hi[c]), _mm512_cvtepi32_ps(kquants16(qtype, k, 16)));
+  if (qtype != Q6_K) {
+    const __m512 mv = _mm512_set1_ps(ks.min[c]);
+    lo = _mm512_sub_ps(lo, mv);
+    hi = _mm512_sub_ps(hi, mv);
+  }
+}
+
+// Block c of a legacy type as two vectors (elements 0-15 and 16-31), the same values
 // chunk_weights writes: one rounding per multiply and per add.
 inline void chunk_vectors(const Weights& w, const uint8_t* codes, const float* d, const float* m,
                           int64_t c, __m512& lo, __m512& hi) {
-  if (is_k(w.qtype)) {
-    const KChunk k = kchunk(w.qtype, codes + (c / 8) * block_bytes(w.qtype), static_cast<int>(c % 8));
-    lo = _mm512_mul_ps(_mm512_set1_ps(k.scale_lo), _mm512_cvtepi32_ps(kquants16(w.qtype, k, 0)));
-    hi = _mm512_mul_ps(_mm512_set1_ps(k.scale_hi), _mm512_cvtepi32_ps(kquants16(w.qtype, k, 16)));
-    if (w.qtype != Q6_K) {
-      const __m512 mv = _mm512_set1_ps(k.min);
-      lo = _mm512_sub_ps(lo, mv);
-      hi = _mm512_sub_ps(hi, mv);
-    }
-    return;
-  }
   const __m512 scale = _mm512_set1_ps(d[c]);
   if (w.qtype == Q8_0) {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * kBlock));
@@ -266,13 +303,28 @@ void row_tile_avx512(const Weights& w, int64_t n, const float* x, int64_t r0, fl
   const uint8_t* codes = w.codes + n * w.row_bytes;
   const float* d = w.d ? w.d + n * w.chunks : nullptr;
   const float* m = w.mins ? w.mins + n * w.chunks : nullptr;
-  for (int64_t b = 0; b < w.chunks; ++b) {
-    __m512 lo, hi;
-    chunk_vectors(w, codes, d, m, b, lo, hi);
+  __m512 lo, hi;
+  auto add = [&](int64_t b) {
     for (int r = 0; r < R; ++r) {
       const float* xb = x + (r0 + r) * w.k + b * kBlock;
       acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[r]);
       acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[r]);
+    }
+  };
+  if (is_k(w.qtype)) {  // each super-block's scales decoded once, then its eight chunks
+    KScales ks;
+    for (int64_t sbi = 0; sbi < w.chunks / 8; ++sbi) {
+      const uint8_t* sb = codes + sbi * block_bytes(w.qtype);
+      kscales(w.qtype, sb, ks);
+      for (int c = 0; c < 8; ++c) {
+        kchunk_vectors(w.qtype, sb, ks, c, lo, hi);
+        add(sbi * 8 + c);
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < w.chunks; ++b) {
+      chunk_vectors(w, codes, d, m, b, lo, hi);
+      add(b);
     }
   }
   for (int r = 0; r < R; ++r) y[(r0 + r) * w.n + n] = _mm512_reduce_add_ps(acc[r]);
@@ -318,8 +370,17 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Te
       const uint8_t* c = w.codes + n * w.row_bytes;
       const float* dn = w.d ? w.d + n * w.chunks : nullptr;
       const float* mn = w.mins ? w.mins + n * w.chunks : nullptr;
-      for (int64_t b = 0; b < w.chunks; ++b)
-        chunk_weights(w.qtype, c, dn, mn, b, o + n * w.k + b * kBlock);
+      float* on = o + n * w.k;
+      if (is_k(w.qtype)) {
+        KScales ks;
+        for (int64_t sbi = 0; sbi < w.chunks / 8; ++sbi) {
+          const uint8_t* sb = c + sbi * block_bytes(w.qtype);
+          kscales(w.qtype, sb, ks);
+          for (int j = 0; j < 8; ++j) kchunk_weights(w.qtype, sb, ks, j, on + (sbi * 8 + j) * kBlock);
+        }
+      } else {
+        for (int64_t b = 0; b < w.chunks; ++b) chunk_weights(w.qtype, c, dn, mn, b, on + b * kBlock);
+      }
     }
   });
   return out;
