@@ -80,13 +80,9 @@ class GGUFWeight:
         blocks = cols // elements
         codes = torch.zeros(rows, blocks * nbytes, dtype=torch.uint8)
         if qtype in K_QTYPES:
-            return cls(qtype, codes, None, None)
-        return cls(
-            qtype,
-            codes,
-            torch.zeros(rows, blocks),
-            torch.zeros(rows, blocks) if qtype == "Q4_1" else None,
-        )
+            return cls(qtype, codes, None, None, name)
+        mins = torch.zeros(rows, blocks) if qtype == "Q4_1" else None
+        return cls(qtype, codes, torch.zeros(rows, blocks), mins, name)
 
     @property
     def shape(self) -> torch.Size:
@@ -111,8 +107,7 @@ class GGUFWeight:
             raise ValueError(
                 f"tensor parallelism: {self.name or 'a weight'}'s columns [{start}, "
                 f"{start + length}) cut a {self.qtype} {_block_word(self.qtype)} of {elements}; "
-                "each rank's share "
-                f"of the input dimension must be a multiple of {elements}"
+                f"each rank's share of the input dimension must be a multiple of {elements}"
             )
         if dim == 0:
             return self._apply(lambda t, width: t.narrow(0, start, length))
