@@ -88,7 +88,8 @@ class EngineConfig:
     )
     quantization: str = setting(
         "none",
-        "GGUF weights: `gguf` keeps Q4_0, Q4_1 and Q8_0 blocks as stored and multiplies them "
+        "GGUF weights: `gguf` keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks as stored and "
+        "multiplies them "
         "with raylm's CPU kernels (one copy, a quarter to an eighth of the bytes; CPU only); "
         "`none` de-quantises to `dtype` once; `auto` is `gguf` for a .gguf model on CPU, else "
         "`none`. `fp8` quantizes a float checkpoint's linears to FP8 E4M3 at load (a scale per "

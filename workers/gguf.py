@@ -1,8 +1,10 @@
 """Read a GGUF file's tensors under Hugging Face names, quantized blocks kept as stored.
 
 Q4_0, Q4_1 and Q8_0 tensors become GGUFWeights (codes copied bit for bit, fp16 scales widened
-exactly to float32); F32, F16 and BF16 tensors become float32 tensors. Other block types are
-refused at load, naming the type and the tensor (`quantization: none` de-quantises them instead).
+exactly to float32); Q4_K, Q5_K and Q6_K tensors become GGUFWeights holding the file's
+super-blocks unchanged; F32, F16 and BF16 tensors become float32 tensors. Other block types are
+refused at load, naming the type and the tensor (`quantization: none` de-quantises them instead),
+and so are non-finite fp16 scales (d, Q4_1's m, the K-quants' d and dmin).
 llama.cpp stores Llama-architecture q and k rows interleaved for its rotary layout; they are put
 back in Hugging Face order by permuting whole rows, which moves blocks without touching them.
 """
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from workers.layers.backends.gguf_cpu import K_BYTES
 from workers.layers.quantized import BLOCK, GGUFWeight
 
 # GGUF name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
@@ -44,6 +47,8 @@ _PERMUTED_ARCHS = ("llama",)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 # type -> (bytes per block, offset of the codes, has a min)
 _BLOCKS = {"Q4_0": (18, 2, False), "Q4_1": (20, 4, True), "Q8_0": (34, 2, False)}
+# K-quant type -> byte offsets of its fp16 scales in a super-block (d, and dmin where it has one)
+_K_SCALES = {"Q4_K": {"d": 0, "dmin": 2}, "Q5_K": {"d": 0, "dmin": 2}, "Q6_K": {"d": 208}}
 
 
 def hf_name(name: str) -> str:
@@ -59,6 +64,8 @@ def hf_name(name: str) -> str:
 
 def blocks_to_weight(qtype: str, raw: np.ndarray, name: str) -> GGUFWeight:
     """GGUF blocks (uint8 [rows, bytes per row]) as a GGUFWeight; NaN or infinite scales raise."""
+    if qtype in _K_SCALES:
+        return _super_blocks_to_weight(qtype, raw, name)
     size, start, has_min = _BLOCKS[qtype]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, size)
@@ -72,15 +79,31 @@ def blocks_to_weight(qtype: str, raw: np.ndarray, name: str) -> GGUFWeight:
         if t is not None and not bool(torch.isfinite(t).all()):
             raise ValueError(f"model: GGUF tensor {name!r} has non-finite {qtype} {label}")
     codes = torch.from_numpy(np.ascontiguousarray(blocks[:, :, start:]).reshape(rows, -1))
-    return GGUFWeight(qtype, codes, scales, mins)
+    return GGUFWeight(qtype, codes, scales, mins, name)
+
+
+def _super_blocks_to_weight(qtype: str, raw: np.ndarray, name: str) -> GGUFWeight:
+    """K-quant super-blocks, kept as stored; their fp16 d (and dmin) must be finite."""
+    size = K_BYTES[qtype]
+    if raw.ndim != 2 or raw.shape[1] % size:
+        raise ValueError(
+            f"model: GGUF tensor {name!r} is not rows of whole {qtype} super-blocks of {size} bytes"
+        )
+    blocks = raw.reshape(raw.shape[0], -1, size)
+    for label, at in _K_SCALES[qtype].items():
+        scale = blocks[:, :, at : at + 2].copy().view(np.float16)
+        if not bool(np.isfinite(scale).all()):
+            raise ValueError(f"model: GGUF tensor {name!r} has non-finite {qtype} {label}")
+    codes = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # not the read-only map
+    return GGUFWeight(qtype, codes, None, None, name)
 
 
 def _tensor(t, name: str) -> torch.Tensor | GGUFWeight:
     qtype = t.tensor_type.name
-    if qtype in _BLOCKS:
+    if qtype in _BLOCKS or qtype in _K_SCALES:
         return blocks_to_weight(qtype, np.asarray(t.data), name)
     if qtype not in _FLOAT_TYPES:
-        supported = ", ".join((*_BLOCKS, *_FLOAT_TYPES))
+        supported = ", ".join((*_BLOCKS, *_K_SCALES, *_FLOAT_TYPES))
         raise ValueError(
             f"model: GGUF tensor {name!r} is {qtype}, which raylm does not keep quantized "
             f"(supported: {supported}); load it with quantization: none to de-quantise it"

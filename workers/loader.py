@@ -108,9 +108,9 @@ def load_model(
 ) -> torch.nn.Module:
     """Build the model for config on device in dtype and load this rank's weight shards.
 
-    With gguf_file (CPU only) the weights come from that GGUF file, its Q4_0/Q4_1/Q8_0 tensors
-    kept as blocks (workers.layers.quantized); the float storage those parameters were built
-    with, never written, is freed."""
+    With gguf_file (CPU only) the weights come from that GGUF file, its Q4_0/Q4_1/Q8_0 and
+    Q4_K/Q5_K/Q6_K tensors kept as blocks (workers.layers.quantized); the float storage those
+    parameters were built with, never written, is freed."""
     if gguf_file is not None and device.type != "cpu":
         raise ValueError(
             f"quantization: GGUF blocks are kept quantized on CPU only, not on {device.type}; "

@@ -91,8 +91,8 @@ class RunnerConfig:
     # method `draft`: the draft's HF directory (and GGUF file, when its blocks stay quantized).
     draft_model_dir: str | None = None
     draft_gguf_file: str | None = None
-    # A GGUF file whose Q4_0/Q4_1/Q8_0 weights are multiplied as stored (CPU); None: model_dir's
-    # float weights.
+    # A GGUF file whose Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights are multiplied as stored (CPU);
+    # None: model_dir's float weights.
     gguf_file: str | None = None
     # `fp8`: quantize the float checkpoint's linears to FP8 at load; other values: the
     # checkpoint's own format (workers/quant_config.py).

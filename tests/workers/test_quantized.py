@@ -18,9 +18,10 @@ from transformers import LlamaConfig
 from workers.gguf import blocks_to_weight, hf_name, iterate_gguf
 from workers.layers.backends import gguf_cpu
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
-from workers.layers.quantized import KERNEL_MAX_ROWS, QTYPES, GGUFWeight
+from workers.layers.quantized import KERNEL_MAX_ROWS, GGUFWeight
 
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+QTYPES = tuple(_BLOCK_BYTES)  # the 32-element types; the K-quants are tested in test_kquant.py
 
 
 def raw_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -138,18 +139,18 @@ def test_gguf_names_map_to_hugging_face_names():
 def test_unsupported_block_types_are_refused_at_load_naming_the_type(tmp_path):
     path = tmp_path / "k.gguf"
     writer = GGUFWriter(str(path), "llama")
-    # One Q4_K super-block row: 144 bytes for 256 weights.
+    # One Q5_0 block per row: 22 bytes for 32 weights.
     writer.add_tensor(
         "blk.0.ffn_up.weight",
-        np.zeros((2, 144), dtype=np.uint8),
-        raw_dtype=GGMLQuantizationType.Q4_K,
+        np.zeros((2, 22), dtype=np.uint8),
+        raw_dtype=GGMLQuantizationType.Q5_0,
     )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     config = LlamaConfig(num_attention_heads=4, num_key_value_heads=4)
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' is Q4_K.*quantization: none"):
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' is Q5_0.*quantization: none"):
         list(iterate_gguf(str(path), config))
 
 

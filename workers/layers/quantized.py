@@ -1,11 +1,15 @@
-"""Weights kept in GGUF blocks (Q4_0, Q4_1, Q8_0) and multiplied as stored, on CPU.
+"""Weights kept in GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), multiplied as stored on CPU.
 
-A `GGUFWeight` holds one logical [rows, cols] matrix as its codes and per-32-element block scales
-(and Q4_1's block minimums), exactly the bits of the file with fp16 scales widened to float32.
+A `GGUFWeight` holds one logical [rows, cols] matrix in the file's blocks, exactly its bits:
+- the legacy types as codes and per-32-element block scales (and Q4_1's block minimums), fp16
+  scales widened to float32;
+- the K-quants as the file's 256-element super-blocks unchanged (fp16 d and dmin, 6-bit or 8-bit
+  sub-block scales and mins, the quants), which the kernel reads directly.
 It narrows, copies and permutes rows like a tensor, so the tensor-parallel layers shard it with the
-code they shard float weights with; a split inside a 32-element block is refused. Its `matmul`
-is the C++ kernel for small batches (decode steps, the LM head) and a de-quantised float GEMM for
-large ones (prefill chunks), where the multiply, not the weight's bytes, is the cost.
+code they shard float weights with; a split inside a block (32) or super-block (256) is refused,
+naming the tensor. Its `matmul` is the C++ kernel for small batches (decode steps, the LM head)
+and a de-quantised float GEMM for large ones (prefill chunks), where the multiply, not the
+weight's bytes, is the cost.
 """
 
 from __future__ import annotations
@@ -19,15 +23,25 @@ from workers.layers.fp8 import FP8Weight
 from workers.layers.int4 import Int4Weight
 
 BLOCK = 32
-QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+SUPER_BLOCK = 256
+K_QTYPES = ("Q4_K", "Q5_K", "Q6_K")
+QTYPES = ("Q4_0", "Q4_1", "Q8_0", *K_QTYPES)
 # At most this many rows go through the block kernel; larger batches de-quantise the weight once
 # per call into a transient float matrix and run one GEMM. Measured on SmolLM2's shapes (one
 # thread): the two cross between 32 and 64 rows for the layers, near 128 for the LM head.
 KERNEL_MAX_ROWS = 48
 
 
-def _bytes_per_block(qtype: str) -> int:
-    return BLOCK if qtype == "Q8_0" else BLOCK // 2
+def block_layout(qtype: str) -> tuple[int, int]:
+    """(elements, bytes of codes) of one block: 32 elements for the legacy types (their scales
+    apart), a whole 256-element super-block for the K-quants."""
+    if qtype in K_QTYPES:
+        return SUPER_BLOCK, gguf_cpu.K_BYTES[qtype]
+    return BLOCK, BLOCK if qtype == "Q8_0" else BLOCK // 2
+
+
+def _block_word(qtype: str) -> str:
+    return "super-block" if qtype in K_QTYPES else "block"
 
 
 @dataclass(slots=True)
@@ -35,58 +49,73 @@ class GGUFWeight:
     """A [rows, cols] weight in GGUF blocks along cols."""
 
     qtype: str
-    codes: torch.Tensor  # uint8 [rows, cols / 2] (4-bit) or [rows, cols] (Q8_0, int8 bits)
-    scales: torch.Tensor  # float32 [rows, cols / 32]
+    # legacy: uint8 [rows, cols / 2] (4-bit) or [rows, cols] (Q8_0, int8 bits);
+    # K-quants: uint8 [rows, cols / 256 * bytes per super-block], the file's super-blocks
+    codes: torch.Tensor
+    scales: torch.Tensor | None  # float32 [rows, cols / 32]; None for K-quants (in the codes)
     mins: torch.Tensor | None  # float32 [rows, cols / 32], Q4_1 only
+    name: str = ""  # the checkpoint tensor's name, for errors
 
     def __post_init__(self) -> None:
         if self.qtype not in QTYPES:
             raise ValueError(f"qtype: must be one of {QTYPES}, got {self.qtype!r}")
+        if (self.scales is None) != (self.qtype in K_QTYPES):
+            need = "has no" if self.scales is None else "keeps no separate"
+            raise ValueError(f"scales: {self.qtype} {need} scales")
         if (self.mins is not None) != (self.qtype == "Q4_1"):
             need = "needs" if self.mins is None else "has no"
             raise ValueError(f"mins: {self.qtype} {need} mins")
 
     @classmethod
-    def zeros(cls, qtype: str, rows: int, cols: int) -> GGUFWeight:
-        """An all-zero weight to load shards into (zero codes and scales: every element 0)."""
-        if cols % BLOCK:
-            raise ValueError(f"cols: {qtype} needs a multiple of {BLOCK}, got {cols}")
-        groups = cols // BLOCK
-        return cls(
-            qtype,
-            torch.zeros(rows, groups * _bytes_per_block(qtype), dtype=torch.uint8),
-            torch.zeros(rows, groups),
-            torch.zeros(rows, groups) if qtype == "Q4_1" else None,
-        )
+    def zeros(cls, qtype: str, rows: int, cols: int, name: str = "") -> GGUFWeight:
+        """An all-zero weight to load shards of `name` into (zero codes and scales: every
+        element 0); `cols` (a rank's share of the inputs) must be whole blocks."""
+        elements, nbytes = block_layout(qtype)
+        if cols % elements:
+            raise ValueError(
+                f"tensor parallelism: {name or 'a weight'}'s share of {cols} input columns cuts "
+                f"a {qtype} {_block_word(qtype)} of {elements}; each rank's share of the input "
+                f"dimension must be a multiple of {elements}"
+            )
+        blocks = cols // elements
+        codes = torch.zeros(rows, blocks * nbytes, dtype=torch.uint8)
+        if qtype in K_QTYPES:
+            return cls(qtype, codes, None, None, name)
+        mins = torch.zeros(rows, blocks) if qtype == "Q4_1" else None
+        return cls(qtype, codes, torch.zeros(rows, blocks), mins, name)
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.scales.shape[0], self.scales.shape[1] * BLOCK))
+        elements, nbytes = block_layout(self.qtype)
+        return torch.Size((self.codes.shape[0], self.codes.shape[1] // nbytes * elements))
 
     def _parts(self) -> list[tuple[torch.Tensor, int]]:
-        """Each stored tensor with how many logical columns one of its columns spans."""
-        per_code = BLOCK // _bytes_per_block(self.qtype)
-        parts = [(self.codes, per_code), (self.scales, BLOCK)]
-        return parts + ([(self.mins, BLOCK)] if self.mins is not None else [])
+        """Each stored tensor with how many of its columns one block takes."""
+        parts = [(self.codes, block_layout(self.qtype)[1])]
+        return parts + [(t, 1) for t in (self.scales, self.mins) if t is not None]
 
     def _apply(self, fn) -> GGUFWeight:
-        codes, scales, *mins = (fn(t, span) for t, span in self._parts())
-        return GGUFWeight(self.qtype, codes, scales, mins[0] if mins else None)
+        codes, *rest = (fn(t, width) for t, width in self._parts())
+        scales = rest[0] if rest else None
+        mins = rest[1] if len(rest) > 1 else None
+        return GGUFWeight(self.qtype, codes, scales, mins, self.name)
 
     def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
         """Rows (dim 0) or whole blocks of columns (dim 1) as views; a cut inside a block raises."""
-        if dim == 1 and (start % BLOCK or length % BLOCK):
+        elements = block_layout(self.qtype)[0]
+        if dim == 1 and (start % elements or length % elements):
             raise ValueError(
-                f"tensor parallelism: columns [{start}, {start + length}) cut a {self.qtype} "
-                f"block of {BLOCK}; each rank's share of the input dimension must be a multiple "
-                f"of {BLOCK}"
+                f"tensor parallelism: {self.name or 'a weight'}'s columns [{start}, "
+                f"{start + length}) cut a {self.qtype} {_block_word(self.qtype)} of {elements}; "
+                f"each rank's share of the input dimension must be a multiple of {elements}"
             )
         if dim == 0:
-            return self._apply(lambda t, span: t.narrow(0, start, length))
-        return self._apply(lambda t, span: t.narrow(1, start // span, length // span))
+            return self._apply(lambda t, width: t.narrow(0, start, length))
+        first, count = start // elements, length // elements
+        return self._apply(lambda t, width: t.narrow(1, first * width, count * width))
 
     def index_rows(self, index: torch.Tensor) -> GGUFWeight:
-        return self._apply(lambda t, span: t.index_select(0, index))
+        return self._apply(lambda t, width: t.index_select(0, index))
 
     def copy_(self, other: GGUFWeight) -> None:
         if other.qtype != self.qtype:
@@ -102,11 +131,11 @@ class GGUFWeight:
         return ops.dequantize(*self._kernel_args())
 
     def _kernel_args(self) -> tuple:
-        mins = self.mins if self.mins is not None else self.scales.new_empty(0)
+        empty = torch.empty(0)
         return (
             self.codes.contiguous(),
-            self.scales.contiguous(),
-            mins.contiguous(),
+            (self.scales if self.scales is not None else empty).contiguous(),
+            (self.mins if self.mins is not None else empty).contiguous(),
             gguf_cpu.QTYPE_IDS[self.qtype],
         )
 
@@ -144,7 +173,7 @@ def load_target(param: torch.Tensor, loaded: object):
     current = getattr(param, "gguf", None)
     if isinstance(loaded, GGUFWeight) and param.device.type == "cpu":
         if current is None and not getattr(param, "gguf_float", False):
-            current = param.gguf = GGUFWeight.zeros(loaded.qtype, *param.shape)
+            current = param.gguf = GGUFWeight.zeros(loaded.qtype, *param.shape, loaded.name)
         if current is not None and current.qtype == loaded.qtype:
             return current
     if current is not None:

@@ -8,6 +8,7 @@ with `dequantize_reference` and multiply in float (correct, slower).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -19,7 +20,12 @@ from workers.layers.backends.cpu_paged import _ISA_FLAGS, _put_ninja_on_path
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gguf_linear.cpp")
-QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+
+
+def _source_digest() -> str:
+    with open(_SOURCE, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
 
 
 @functools.cache
@@ -34,7 +40,9 @@ def load():
         flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]
         t0 = time.perf_counter()
         build(
-            name=f"raylm_gguf_linear_{isa}",
+            # The source's hash in the name, as the paged-decode kernel's: worktrees with
+            # different kernels sharing one extensions directory never load each other's.
+            name=f"raylm_gguf_linear_{isa}_{_source_digest()}",
             sources=[_SOURCE],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
@@ -49,9 +57,12 @@ def load():
 
 
 def dequantize_reference(
-    qtype: str, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+    qtype: str, codes: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None
 ) -> torch.Tensor:
     """The float32 weight [N, K] of GGUF blocks, in torch ops (the kernels' reference)."""
+    if qtype in K_BYTES:
+        return _dequantize_k(qtype, codes)
+    assert scales is not None
     rows, blocks = scales.shape
     if qtype == "Q8_0":
         q = codes.view(torch.int8).reshape(rows, blocks, 32).float()
@@ -64,3 +75,52 @@ def dequantize_reference(
     if mins is not None:
         w = w + mins.unsqueeze(-1)
     return w.reshape(rows, blocks * 32)
+
+
+# Bytes of one 256-element K-quant super-block.
+K_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def _half(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 at byte `at` of each super-block, as float32 [rows, blocks, 1]."""
+    return b[..., at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., n, 32] as [..., 2n, 32] of 4-bit values: each 32 bytes' low nibbles, then
+    their high nibbles."""
+    return torch.stack([b & 0xF, b >> 4], dim=-2).flatten(-3, -2)
+
+
+def k_scales_and_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins of Q4_K / Q5_K super-blocks from their 12 bytes
+    [..., 12]: bytes 0-3 and 4-7 hold scales and mins 0-3 in their low six bits; bytes 8-11
+    hold the low four bits of scales 4-7 (low nibble) and mins 4-7 (high nibble), whose top two
+    bits are the top two bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    a, m, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([a & 63, (hi & 0xF) | ((a >> 6) << 4)], dim=-1)
+    mn = torch.cat([m & 63, (hi >> 4) | ((m >> 6) << 4)], dim=-1)
+    return sc, mn
+
+
+def _dequantize_k(qtype: str, codes: torch.Tensor) -> torch.Tensor:
+    rows = codes.shape[0]
+    b = codes.reshape(rows, -1, K_BYTES[qtype])
+    if qtype == "Q6_K":
+        low = _nibbles(b[..., 0:128].reshape(rows, -1, 2, 64)).reshape(rows, -1, 2, 128)
+        bits = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+        high = ((bits >> shifts) & 3).reshape(rows, -1, 2, 128)
+        q = ((low | (high << 4)).to(torch.int16) - 32).reshape(rows, -1, 16, 16).float()
+        sc = b[..., 192:208].contiguous().view(torch.int8).float()
+        scale = (_half(b, 208) * sc).unsqueeze(-1)  # [rows, blocks, 16, 1]
+        return (scale * q).reshape(rows, -1)
+    sc, mn = k_scales_and_mins(b[..., 4:16])
+    scale = (_half(b, 0) * sc.float()).unsqueeze(-1)  # [rows, blocks, 8, 1]
+    minimum = (_half(b, 2) * mn.float()).unsqueeze(-1)
+    start = 16 if qtype == "Q4_K" else 48
+    q = _nibbles(b[..., start : start + 128].reshape(rows, -1, 4, 32))  # [rows, blocks, 8, 32]
+    if qtype == "Q5_K":
+        shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+        q = q | (((b[..., 16:48].unsqueeze(-2) >> shifts) & 1) << 4)
+    return (scale * q.float() - minimum).reshape(rows, -1)

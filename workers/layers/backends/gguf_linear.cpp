@@ -1,46 +1,154 @@
 // Linears over GGUF blocks kept as stored (see gguf_cpu.py, which builds it).
 // Registered as torch.ops.raylm_gguf.{linear,dequantize}.
 //
-// Layout, per weight row of K inputs, one scale per 32-element block:
-//   Q4_0, Q4_1: codes uint8 [N, K/2], 16 bytes per block, byte j holding element j (low nibble)
-//               and element j + 16 (high nibble), as GGUF stores them.
+// Layout, per weight row of K inputs:
+//   Q4_0, Q4_1: codes uint8 [N, K/2], 16 bytes per 32-element block, byte j holding element j
+//               (low nibble) and element j + 16 (high nibble), as GGUF stores them.
 //   Q8_0:       codes int8 [N, K].
-//   scales float32 [N, K/32] (GGUF's fp16 d, widened exactly); Q4_1 also mins float32 [N, K/32].
-// Element value: Q4_0 d * (q - 8), Q4_1 d * q + m, Q8_0 d * q, each rounded once per operation in
-// float32 (built with -ffp-contract=off), so `dequantize` gives the bits gguf-py's de-quantisation
-// gives. `linear` computes the same weights in registers and accumulates x * w with fused
-// multiply-adds in 16 lanes per row, reduced by a fixed tree: the same numbers as x @ dequantize(W)^T
-// up to summation order.
+//               scales float32 [N, K/32] (GGUF's fp16 d, widened exactly); Q4_1 also mins.
+//   Q4_K, Q5_K, Q6_K: codes uint8 [N, K/256 * bytes], the file's 256-element super-blocks
+//               unchanged (fp16 scales, 6-bit or 8-bit sub-block scales and the quants); scales
+//               and mins are unused (empty). See `kchunk` for where each element lives.
+// Element value: Q4_0 d * (q - 8), Q4_1 d * q + m, Q8_0 d * q; Q4_K and Q5_K (d * sc) * q -
+// dmin * mn; Q6_K (d * sc) * (q - 32). Each operation is rounded once in float32 (built with
+// -ffp-contract=off), in gguf-py's order, so `dequantize` gives the bits gguf-py's
+// de-quantisation gives. `linear` computes the same weights in registers, 32 at a time (a K-quant
+// super-block's scales decoded once), and
+// accumulates x * w with fused multiply-adds in 16 lanes per row, reduced by a fixed tree: the
+// same numbers as x @ dequantize(W)^T up to summation order.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int kBlock = 32;
+constexpr int kBlock = 32;  // elements per chunk the kernels compute at once
+constexpr int kSuper = 256;  // elements per K-quant super-block
 constexpr int kLanes = 16;
 constexpr int kRowTile = 8;  // activation rows sharing one pass over a weight row
 
-enum QType : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum QType : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
-// The 32 weights of block b of one row, exactly as dequantize writes them.
-inline void block_weights(int64_t qtype, const uint8_t* codes, const float* d, const float* mins,
-                          int64_t b, float* w) {
-  const float scale = d[b];
+inline bool is_k(int64_t qtype) { return qtype >= Q4_K; }
+
+// Bytes of one stored block: 32 elements for the legacy types, 256 for the K-quants.
+inline int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case Q8_0: return kBlock;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return kBlock / 2;
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  const uint16_t bits = static_cast<uint16_t>(p[0] | (p[1] << 8));
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // exact, as the portable conversion below
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+// A K-quant super-block's per-chunk float scales, decoded once per super-block: chunk c
+// (elements 32 c .. 32 c + 31) is lo[c] * q - min[c] for its first 16 elements and hi[c] * q -
+// min[c] for the rest (Q6_K: min 0, not subtracted).
+struct KScales {
+  float lo[8], hi[8], min[8];
+};
+
+inline void kscales(int64_t qtype, const uint8_t* sb, KScales& k) {
+  if (qtype == Q6_K) {  // 16 int8 scales, one per 16 elements, then fp16 d
+    const float d = half_at(sb + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
+    for (int c = 0; c < 8; ++c) {
+      k.lo[c] = d * static_cast<float>(sc[2 * c]);
+      k.hi[c] = d * static_cast<float>(sc[2 * c + 1]);
+      k.min[c] = 0.0f;
+    }
+    return;
+  }
+  // Q4_K, Q5_K: fp16 d, fp16 dmin, then 12 bytes of eight 6-bit scales and mins. Bytes 0-3 and
+  // 4-7 hold scales and mins 0-3 in their low six bits; bytes 8-11 the low four bits of scales
+  // 4-7 (low nibble) and mins 4-7 (high nibble), whose top two bits are the top two bits of
+  // bytes 0-3 (scales) and 4-7 (mins).
+  const float d = half_at(sb), dmin = half_at(sb + 2);
+  const uint8_t* s = sb + 4;
+  for (int c = 0; c < 8; ++c) {
+    int sc, mn;
+    if (c < 4) {
+      sc = s[c] & 63;
+      mn = s[c + 4] & 63;
+    } else {
+      sc = (s[c + 4] & 0xF) | ((s[c - 4] >> 6) << 4);
+      mn = (s[c + 4] >> 4) | ((s[c] >> 6) << 4);
+    }
+    k.lo[c] = k.hi[c] = d * static_cast<float>(sc);
+    k.min[c] = dmin * static_cast<float>(mn);
+  }
+}
+
+// Where the quants of chunk c of a K-quant super-block live:
+//   Q4_K (d, dmin, scales, 128 bytes of nibbles): element j is nibble (c % 2) of byte
+//     16 + 32 (c / 2) + j.
+//   Q5_K (d, dmin, scales, 32 bytes of fifth bits, 128 of nibbles): as Q4_K from byte 48, plus
+//     bit c of byte 16 + j as 16.
+//   Q6_K (128 bytes of low nibbles, 64 of high bit pairs, scales, d): in half h = c / 4, quarter
+//     t = c % 4, nibble (t / 2) of byte 64 h + 32 (t % 2) + j, plus bits 2 t and 2 t + 1 of byte
+//     128 + 32 h + j as 16 and 32; then minus 32.
+struct KBits {
+  const uint8_t* low;  // 32 bytes holding the low four bits
+  int low_shift;
+  const uint8_t* high;  // Q5_K: 32 bytes with one bit each, Q6_K: with a bit pair each
+  int high_shift;
+};
+
+inline KBits kbits(int64_t qtype, const uint8_t* sb, int c) {
+  if (qtype == Q6_K) {
+    const int h = c / 4, t = c % 4;
+    return {sb + 64 * h + 32 * (t % 2), 4 * (t / 2), sb + 128 + 32 * h, 2 * t};
+  }
+  return {sb + (qtype == Q4_K ? 16 : 48) + 32 * (c / 2), 4 * (c % 2),
+          qtype == Q5_K ? sb + 16 : nullptr, c};
+}
+
+inline int kquant(int64_t qtype, const KBits& k, int j) {
+  const int low = (k.low[j] >> k.low_shift) & 0xF;
+  if (qtype == Q4_K) return low;
+  if (qtype == Q5_K) return low | (((k.high[j] >> k.high_shift) & 1) << 4);
+  return (low | (((k.high[j] >> k.high_shift) & 3) << 4)) - 32;
+}
+
+// The 32 weights of chunk c of a K-quant super-block, as dequantize writes them.
+inline void kchunk_weights(int64_t qtype, const uint8_t* sb, const KScales& ks, int c, float* w) {
+  const KBits k = kbits(qtype, sb, c);
+  for (int j = 0; j < kBlock; ++j) {
+    const float v = (j < 16 ? ks.lo[c] : ks.hi[c]) * static_cast<float>(kquant(qtype, k, j));
+    w[j] = qtype == Q6_K ? v : v - ks.min[c];
+  }
+}
+
+// The 32 weights of block c (elements 32 c .. 32 c + 31) of one row of a legacy type, exactly as
+// dequantize writes them.
+inline void chunk_weights(int64_t qtype, const uint8_t* codes, const float* d, const float* mins,
+                          int64_t c, float* w) {
+  const float scale = d[c];
   if (qtype == Q8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(codes) + b * kBlock;
+    const int8_t* q = reinterpret_cast<const int8_t*>(codes) + c * kBlock;
     for (int j = 0; j < kBlock; ++j) w[j] = scale * static_cast<float>(q[j]);
     return;
   }
-  const uint8_t* q = codes + b * (kBlock / 2);
+  const uint8_t* q = codes + c * (kBlock / 2);
   if (qtype == Q4_0) {
     for (int j = 0; j < kBlock / 2; ++j) {
       w[j] = scale * static_cast<float>(static_cast<int>(q[j] & 0xF) - 8);
@@ -48,7 +156,7 @@ inline void block_weights(int64_t qtype, const uint8_t* codes, const float* d, c
     }
     return;
   }
-  const float m = mins[b];
+  const float m = mins[c];
   for (int j = 0; j < kBlock / 2; ++j) {
     w[j] = scale * static_cast<float>(q[j] & 0xF) + m;
     w[j + 16] = scale * static_cast<float>(q[j] >> 4) + m;
@@ -62,7 +170,7 @@ inline float reduce(float* acc) {
 }
 
 struct Weights {
-  int64_t qtype, n, k, row_bytes, blocks;
+  int64_t qtype, n, k, row_bytes, chunks;
   const uint8_t* codes;
   const float* d;
   const float* mins;
@@ -70,12 +178,21 @@ struct Weights {
 
 Weights weights_of(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& mins,
                    int64_t qtype) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "qtype: unknown ", qtype);
-  TORCH_CHECK(codes.is_contiguous() && d.is_contiguous() && d.scalar_type() == at::kFloat,
-              "codes and scales must be contiguous, scales float32");
-  TORCH_CHECK(codes.dim() == 2 && d.dim() == 2 && d.size(0) == codes.size(0), "shape mismatch");
-  const int64_t blocks = d.size(1);
-  const int64_t row_bytes = qtype == Q8_0 ? blocks * kBlock : blocks * kBlock / 2;
+  TORCH_CHECK(qtype >= Q4_0 && qtype <= Q6_K, "qtype: unknown ", qtype);
+  TORCH_CHECK(codes.is_contiguous() && codes.dim() == 2 && codes.element_size() == 1,
+              "codes must be contiguous bytes [N, bytes per row]");
+  const int64_t n = codes.size(0);
+  if (is_k(qtype)) {
+    TORCH_CHECK(codes.size(1) % block_bytes(qtype) == 0, "codes: rows of whole super-blocks of ",
+                block_bytes(qtype), " bytes expected");
+    const int64_t k = codes.size(1) / block_bytes(qtype) * kSuper;
+    return {qtype, n, k, codes.size(1), k / kBlock, static_cast<const uint8_t*>(codes.data_ptr()),
+            nullptr, nullptr};
+  }
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kFloat, "scales must be contiguous float32");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == n, "shape mismatch");
+  const int64_t chunks = d.size(1);
+  const int64_t row_bytes = chunks * block_bytes(qtype);
   TORCH_CHECK(codes.size(1) == row_bytes, "codes: expected ", row_bytes, " bytes per row");
   const float* m = nullptr;
   if (qtype == Q4_1) {
@@ -83,7 +200,7 @@ Weights weights_of(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
                 "mins must match scales");
     m = mins.data_ptr<float>();
   }
-  return {qtype, codes.size(0), blocks * kBlock, row_bytes, blocks,
+  return {qtype, n, chunks * kBlock, row_bytes, chunks,
           static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(), m};
 }
 
@@ -93,34 +210,77 @@ void row_tile(const Weights& w, int64_t n, const float* x, int64_t r0, float* y)
   float acc[R][kLanes] = {};
   float wb[kBlock];
   const uint8_t* codes = w.codes + n * w.row_bytes;
-  const float* d = w.d + n * w.blocks;
-  const float* m = w.mins ? w.mins + n * w.blocks : nullptr;
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    block_weights(w.qtype, codes, d, m, b, wb);
+  const float* d = w.d ? w.d + n * w.chunks : nullptr;
+  const float* m = w.mins ? w.mins + n * w.chunks : nullptr;
+  auto add = [&](int64_t b) {
     for (int r = 0; r < R; ++r) {
       const float* xb = x + (r0 + r) * w.k + b * kBlock;
       for (int j = 0; j < kLanes; ++j) acc[r][j] = std::fma(wb[j], xb[j], acc[r][j]);
       for (int j = 0; j < kLanes; ++j) acc[r][j] = std::fma(wb[j + 16], xb[j + 16], acc[r][j]);
+    }
+  };
+  if (is_k(w.qtype)) {
+    KScales ks;
+    for (int64_t sbi = 0; sbi < w.chunks / 8; ++sbi) {
+      const uint8_t* sb = codes + sbi * block_bytes(w.qtype);
+      kscales(w.qtype, sb, ks);
+      for (int c = 0; c < 8; ++c) {
+        kchunk_weights(w.qtype, sb, ks, c, wb);
+        add(sbi * 8 + c);
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < w.chunks; ++b) {
+      chunk_weights(w.qtype, codes, d, m, b, wb);
+      add(b);
     }
   }
   for (int r = 0; r < R; ++r) y[(r0 + r) * w.n + n] = reduce(acc[r]);
 }
 
 #ifdef __AVX512F__
-// The 32 weights of block b as two vectors (elements 0-15 and 16-31), the same values
-// block_weights writes: one rounding per multiply and per add.
-inline void block_vectors(const Weights& w, const uint8_t* codes, const float* d, const float* m,
-                          int64_t b, __m512& lo, __m512& hi) {
-  const __m512 scale = _mm512_set1_ps(d[b]);
+inline __m512i bytes16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 16 quants (elements j0 .. j0 + 15 of a K-quant chunk) as integers.
+inline __m512i kquants16(int64_t qtype, const KBits& k, int j0) {
+  const __m512i low = _mm512_and_si512(
+      _mm512_srli_epi32(bytes16(k.low + j0), k.low_shift), _mm512_set1_epi32(0xF));
+  if (qtype == Q4_K) return low;
+  const __m512i mask = _mm512_set1_epi32(qtype == Q5_K ? 1 : 3);
+  const __m512i high = _mm512_and_si512(_mm512_srli_epi32(bytes16(k.high + j0), k.high_shift), mask);
+  const __m512i q = _mm512_or_si512(low, _mm512_slli_epi32(high, 4));
+  return qtype == Q5_K ? q : _mm512_sub_epi32(q, _mm512_set1_epi32(32));
+}
+
+// Chunk c of a K-quant super-block as two vectors (elements 0-15 and 16-31), the same values
+// kchunk_weights writes: one rounding per multiply and per subtraction.
+inline void kchunk_vectors(int64_t qtype, const uint8_t* sb, const KScales& ks, int c, __m512& lo,
+                           __m512& hi) {
+  const KBits k = kbits(qtype, sb, c);
+  lo = _mm512_mul_ps(_mm512_set1_ps(ks.lo[c]), _mm512_cvtepi32_ps(kquants16(qtype, k, 0)));
+  hi = _mm512_mul_ps(_mm512_set1_ps(ks.hi[c]), _mm512_cvtepi32_ps(kquants16(qtype, k, 16)));
+  if (qtype != Q6_K) {
+    const __m512 mv = _mm512_set1_ps(ks.min[c]);
+    lo = _mm512_sub_ps(lo, mv);
+    hi = _mm512_sub_ps(hi, mv);
+  }
+}
+
+// Block c of a legacy type as two vectors (elements 0-15 and 16-31), the same values
+// chunk_weights writes: one rounding per multiply and per add.
+inline void chunk_vectors(const Weights& w, const uint8_t* codes, const float* d, const float* m,
+                          int64_t c, __m512& lo, __m512& hi) {
+  const __m512 scale = _mm512_set1_ps(d[c]);
   if (w.qtype == Q8_0) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kBlock));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * kBlock));
     lo = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
     hi = _mm512_mul_ps(scale,
                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
     return;
   }
-  const __m512i q = _mm512_cvtepu8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * (kBlock / 2))));
+  const __m512i q = bytes16(codes + c * (kBlock / 2));
   __m512i ql = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
   __m512i qh = _mm512_srli_epi32(q, 4);
   if (w.qtype == Q4_0) {
@@ -130,7 +290,7 @@ inline void block_vectors(const Weights& w, const uint8_t* codes, const float* d
   lo = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(ql));
   hi = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(qh));
   if (w.qtype == Q4_1) {
-    const __m512 mv = _mm512_set1_ps(m[b]);
+    const __m512 mv = _mm512_set1_ps(m[c]);
     lo = _mm512_add_ps(lo, mv);
     hi = _mm512_add_ps(hi, mv);
   }
@@ -141,15 +301,30 @@ void row_tile_avx512(const Weights& w, int64_t n, const float* x, int64_t r0, fl
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* codes = w.codes + n * w.row_bytes;
-  const float* d = w.d + n * w.blocks;
-  const float* m = w.mins ? w.mins + n * w.blocks : nullptr;
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    __m512 lo, hi;
-    block_vectors(w, codes, d, m, b, lo, hi);
+  const float* d = w.d ? w.d + n * w.chunks : nullptr;
+  const float* m = w.mins ? w.mins + n * w.chunks : nullptr;
+  __m512 lo, hi;
+  auto add = [&](int64_t b) {
     for (int r = 0; r < R; ++r) {
       const float* xb = x + (r0 + r) * w.k + b * kBlock;
       acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[r]);
       acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[r]);
+    }
+  };
+  if (is_k(w.qtype)) {  // each super-block's scales decoded once, then its eight chunks
+    KScales ks;
+    for (int64_t sbi = 0; sbi < w.chunks / 8; ++sbi) {
+      const uint8_t* sb = codes + sbi * block_bytes(w.qtype);
+      kscales(w.qtype, sb, ks);
+      for (int c = 0; c < 8; ++c) {
+        kchunk_vectors(w.qtype, sb, ks, c, lo, hi);
+        add(sbi * 8 + c);
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < w.chunks; ++b) {
+      chunk_vectors(w, codes, d, m, b, lo, hi);
+      add(b);
     }
   }
   for (int r = 0; r < R; ++r) y[(r0 + r) * w.n + n] = _mm512_reduce_add_ps(acc[r]);
@@ -188,14 +363,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& mins,
                       int64_t qtype) {
   const Weights w = weights_of(codes, d, mins, qtype);
-  at::Tensor out = at::empty({w.n, w.k}, d.options());
+  at::Tensor out = at::empty({w.n, w.k}, codes.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* c = w.codes + n * w.row_bytes;
-      const float* dn = w.d + n * w.blocks;
-      const float* mn = w.mins ? w.mins + n * w.blocks : nullptr;
-      for (int64_t b = 0; b < w.blocks; ++b) block_weights(w.qtype, c, dn, mn, b, o + n * w.k + b * kBlock);
+      const float* dn = w.d ? w.d + n * w.chunks : nullptr;
+      const float* mn = w.mins ? w.mins + n * w.chunks : nullptr;
+      float* on = o + n * w.k;
+      if (is_k(w.qtype)) {
+        KScales ks;
+        for (int64_t sbi = 0; sbi < w.chunks / 8; ++sbi) {
+          const uint8_t* sb = c + sbi * block_bytes(w.qtype);
+          kscales(w.qtype, sb, ks);
+          for (int j = 0; j < 8; ++j) kchunk_weights(w.qtype, sb, ks, j, on + (sbi * 8 + j) * kBlock);
+        }
+      } else {
+        for (int64_t b = 0; b < w.chunks; ++b) chunk_weights(w.qtype, c, dn, mn, b, on + b * kBlock);
+      }
     }
   });
   return out;
