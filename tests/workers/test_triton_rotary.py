@@ -11,6 +11,11 @@ fused multiply-add until the launch turned that off).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -111,3 +116,48 @@ def test_rotary_kernel_is_bit_exact_on_separate_tensors_and_large_values():
     """Contiguous q and k (not views of one qkv row), values up to ~100: the products' rounding
     decides the last bits of every output."""
     check(128, 8, 8, HALF, LLAMA3, list(range(0, 8192, 819)), 8192, fused_qkv=False, scale=30.0)
+
+
+_COMPILE = """
+import inspect, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from workers.layers import triton_ops
+
+fusion_of_the_launch = inspect.signature(triton_ops.launch_rotary).parameters["fp_fusion"].default
+ints = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_c"]
+ints += ["num_q_heads", "num_k_heads"]
+out = {}
+for dt in ("bf16", "fp16"):
+    sig = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+           "pos_ptr": "*i64", **{name: "i32" for name in ints},
+           "HALF": "constexpr", "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr"}
+    for name, fusion in (("launch", fusion_of_the_launch), ("fusion_on", True)):
+        src = ASTSource(fn=triton_ops._rotary_kernel, signature=sig,
+                        constexprs={"HALF": 32, "BLOCK_H": 32, "BLOCK_HALF": 32})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"enable_fp_fusion": fusion}).asm["ptx"]
+        out[dt + " " + name] = {op: len(re.findall(op, ptx)) for op in ("fma.rn", "mul.rn")}
+print(json.dumps(out))
+"""
+
+
+def test_the_rotary_launch_compiles_to_separately_rounded_products_and_sums():
+    """Compiled for an H100/H200 (sm_90: PTX needs no GPU), as launch_rotary launches it: every
+    product and sum its own rounded instruction, no fused multiply-add. With Triton's default
+    contraction the same kernel compiles to fma.rn.bf16, the cause of the H200's mismatch."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    if run.returncode != 0 and "GPUTarget" in run.stderr and "ImportError" in run.stderr:
+        pytest.skip("this triton cannot compile for a named target")
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    for dt in ("bf16", "fp16"):
+        assert counts[f"{dt} launch"]["fma.rn"] == 0, counts
+        assert counts[f"{dt} launch"]["mul.rn"] > 0, counts
+        assert counts[f"{dt} fusion_on"]["fma.rn"] > 0, counts  # the check would see a regression
