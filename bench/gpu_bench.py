@@ -212,18 +212,16 @@ def bench_roofline(path: str, bandwidth: float, context: int = 512) -> list[dict
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    d = config.head_dim
-    weight_bytes = 2 * sum(_param_counts(config))
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * d * 2
     rows = []
     for batch in (1, 8, 64):
         mean_context = context + 5 + 30  # the timed steps sit 5..65 tokens past the prompt
-        read_bytes = weight_bytes + batch * mean_context * kv_per_token
-        floor_ms = read_bytes / bandwidth * 1e3  # a copy's rate counts the bytes read and written
+        weight_bytes, kv_bytes = step_read_bytes(config, batch, mean_context)
+        # a copy's rate counts the bytes read and written
+        floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
         row = dict(
             batch=batch,
             weights_gb=weight_bytes / 1e9,
-            kv_gb=batch * mean_context * kv_per_token / 1e9,
+            kv_gb=kv_bytes / 1e9,
             floor_ms=floor_ms,
         )
         for eager in (True, False):
@@ -239,6 +237,12 @@ def bench_roofline(path: str, bandwidth: float, context: int = 512) -> list[dict
             )
         rows.append(row)
     return rows
+
+
+def step_read_bytes(config, batch: int, mean_context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) a bf16 decode step of `batch` requests reads at least."""
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    return 2 * sum(_param_counts(config)), batch * mean_context * kv_per_token
 
 
 def _param_counts(config) -> list[int]:

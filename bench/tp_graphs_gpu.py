@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_bench import make_llm, release, time_decode_steps
+from bench.gpu_bench import copy_bandwidth, make_llm, release, step_read_bytes, time_decode_steps
 from scheduler import SamplingParams
 from tests.random_checkpoint import SHAPES, TINY_FAMILIES, random_prompts, write_random_checkpoint
 from workers.distributed import destroy_distributed, free_port, init_distributed
@@ -117,6 +117,8 @@ def main() -> None:
         Mode(f"{group_name} world 1, eager", group=True, eager=True),
     ]
     t0 = time.perf_counter()
+    bandwidth = None if smoke else copy_bandwidth()
+    floors: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if smoke:
             checkpoint = write_random_checkpoint(TINY_FAMILIES["llama"], tmp, seed=1)
@@ -130,6 +132,15 @@ def main() -> None:
             f"{time.perf_counter() - t0:.0f}s",
             flush=True,
         )
+        if bandwidth is not None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(checkpoint.path)
+            # the timed steps sit 5..5 + steps tokens past the prompt
+            mean_context = args.context + 5 + args.steps // 2
+            for batch in args.batches:
+                floors[batch] = sum(step_read_bytes(config, batch, mean_context)) / bandwidth * 1e3
+            print(f"copy bandwidth (read + written): {bandwidth / 1e12:.2f} TB/s")
         for mode in modes:
             try:
                 run_mode(mode, checkpoint.path, checkpoint.vocab_size, args, device)
@@ -144,9 +155,10 @@ def main() -> None:
     )
     print(
         "| batch | " + " | ".join(m.name for m in modes) + " | graphs speedup, TP=1 | graphs "
-        f"speedup, {group_name} world 1 |"
+        f"speedup, {group_name} world 1 | floor ms (weights + KV at copy bandwidth) | floor / "
+        f"step, TP=1 graphs | floor / step, {group_name} graphs |"
     )
-    print("| --- " * (len(modes) + 3) + "|")
+    print("| --- " * (len(modes) + 6) + "|")
     for batch in args.batches:
         cells = [
             f"{m.steps[batch][0]:.3f} ({m.steps[batch][1]:.3f})" if batch in m.steps else "failed"
@@ -158,7 +170,13 @@ def main() -> None:
             else "-"
             for i in (0, 2)
         ]
-        print(f"| {batch} | " + " | ".join(cells + speedups) + " |")
+        floor = floors.get(batch)
+        shares = [
+            f"{floor / m.steps[batch][0]:.0%}" if floor and batch in m.steps else "-"
+            for m in (modes[0], modes[2])
+        ]
+        floor_cell = f"{floor:.3f}" if floor else "-"
+        print(f"| {batch} | " + " | ".join(cells + speedups + [floor_cell] + shares) + " |")
     for m in modes:
         if m.error is not None:
             print(f"{m.name}: FAILED: {m.error}")
@@ -183,7 +201,8 @@ def main() -> None:
     print(f"RESULT: {'PASS' if ok else 'FAIL'} in {time.perf_counter() - t0:.0f}s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": gpu, "modes": [asdict(m) for m in modes]}, f, indent=1)
+            result = {"device": gpu, "floor_ms": floors, "modes": [asdict(m) for m in modes]}
+            json.dump(result, f, indent=1)
     if not ok:
         raise SystemExit(1)
 
