@@ -15,13 +15,14 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(0), torch.__v
 
 echo "== 1. fused ops against the torch path, bf16, 256 tokens then 1 (rotary: both launches)"
 timeout 150 python3 bench/triton_rounding.py 2>&1 | tee "$logs/triton_rounding.log" | grep -v "^    torch path"
+echo "-- at 1 token:"
 timeout 90 python3 bench/triton_rounding.py --tokens 1 2>&1 | tee "$logs/triton_rounding_1.log" \
-    | grep -E "^rotary|bit-exact"
+    | grep -E "bit-exact|Error"
 
 echo "== 2. CUDA tests: graphs with NCCL collectives captured; the rotary kernel bit for bit"
 timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short \
     tests/workers/test_tp_graphs.py tests/workers/test_triton_rotary.py 2>&1 \
-    | tee "$logs/pytest_tp_graphs.log" | tail -25
+    | tee "$logs/pytest_tp_graphs.log" | tail -15
 
 echo "== 3. decode step at batch 1/8/64: TP=1 and an NCCL group of one, graphs and eager"
 timeout 300 python3 bench/tp_graphs_gpu.py --json "$logs/tp_graphs.json" 2>&1 \
