@@ -9,6 +9,7 @@ tests run the decision and the size check over gloo.
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -77,7 +78,14 @@ def test_ranks_with_different_sizes_all_refuse_to_capture(tmp_path):
     sizes = [[1, 2, 4, 8, 16, 32, 64], [1, 2, 4, 8, 16, 32, 64, 96]]
     out = str(tmp_path / "result")
     args = (str(tmp_path / "init"), sizes, out)
-    mp.start_processes(_sizes_rank, args=args, nprocs=2, join=True, start_method="fork")
+    # fork: the ranks need only this module's function and start in milliseconds
+    ranks = mp.start_processes(_sizes_rank, args=args, nprocs=2, join=False, start_method="fork")
+    deadline = time.monotonic() + 120
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two gloo ranks did not finish in 120 s")
     for rank in (0, 1):
         with open(f"{out}.{rank}") as f:
             text = f.read()
