@@ -113,9 +113,12 @@ def bench_kernel(bandwidth: float) -> list[dict]:
 
 
 def make_llm(path: str, **kwargs):
+    """An offline LLM on CUDA in bf16 unless kwargs say otherwise."""
     from engine.llm import LLM
 
-    return LLM(model=path, dtype="bfloat16", device="cuda", load_progress=False, **kwargs)
+    return LLM(
+        model=path, **{"dtype": "bfloat16", "device": "cuda", "load_progress": False, **kwargs}
+    )
 
 
 def release(llm) -> None:
@@ -128,11 +131,7 @@ def release(llm) -> None:
 def decode_step_ms(
     path: str, vocab: int, batch: int, eager: bool, context: int, steps: int = 60
 ) -> tuple[float, float]:
-    """(engine step, forward) milliseconds with `batch` requests decoding.
-
-    The step is wall time of schedule + forward + sample; the forward is GPU time from the first
-    kernel of the model to the logits (CUDA events), launch gaps included.
-    """
+    """(engine step, forward) milliseconds with `batch` requests decoding, on an LLM of its own."""
     blocks_per_request = -(-(context + steps + 40) // 16)
     llm = make_llm(
         path,
@@ -142,20 +141,43 @@ def decode_step_ms(
         max_model_len=16 * blocks_per_request,
         num_gpu_blocks=batch * blocks_per_request + 16,
     )
+    try:
+        return time_decode_steps(llm, vocab, batch, context, steps)
+    finally:
+        release(llm)
+
+
+def time_decode_steps(
+    llm, vocab: int, batch: int, context: int, steps: int = 60
+) -> tuple[float, float]:
+    """(engine step, forward) milliseconds with `batch` requests of `context` prompt tokens
+    decoding on `llm` (which must hold batch x (context + steps + 40) tokens of KV); the
+    requests are aborted afterwards, so the LLM can time another batch.
+
+    The step is wall time of schedule + forward + sample; the forward is GPU time from the first
+    kernel of the model to the logits (CUDA events), launch gaps included (wall time on CPU).
+    """
     engine = llm.engine
     runner = engine.executor.runner
-    for i, prompt in enumerate(random_prompts(batch, vocab, context, context, seed=batch)):
+    cuda = runner.device.type == "cuda"
+    ids = [f"b{batch}-r{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, random_prompts(batch, vocab, context, context, seed=batch)):
         engine.add_request(
-            EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=steps + 30, ignore_eos=True))
+            EngineRequest(rid, prompt, SamplingParams(max_tokens=steps + 30, ignore_eos=True))
         )
     for _ in range(
         -(-batch * context // 16384) + 5
     ):  # the prefill, then a few decode steps to warm up
         engine.step()
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    forward_ms: list[float] = []
     forward = runner._forward
 
     def timed_forward(batch_inputs):
+        if not cuda:
+            t = time.perf_counter()
+            logits = forward(batch_inputs)
+            forward_ms.append((time.perf_counter() - t) * 1e3)
+            return logits
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         logits = forward(batch_inputs)
@@ -163,16 +185,26 @@ def decode_step_ms(
         events.append((start, end))
         return logits
 
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     runner._forward = timed_forward
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - t) / steps * 1e3
+    finally:
+        runner._forward = forward
+    forward_ms += [a.elapsed_time(b) for a, b in events]
+    engine.abort_requests(ids)
+    for _ in range(8):  # a step still in flight (async scheduling) ends here
+        if not engine.has_unfinished_requests():
+            break
         engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t) / steps * 1e3
-    forward_ms = sum(a.elapsed_time(b) for a, b in events) / len(events)
-    release(llm)
-    return step_ms, forward_ms
+    return step_ms, sum(forward_ms) / len(forward_ms)
 
 
 def bench_roofline(path: str, bandwidth: float, context: int = 512) -> list[dict]:
@@ -180,18 +212,16 @@ def bench_roofline(path: str, bandwidth: float, context: int = 512) -> list[dict
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    d = config.head_dim
-    weight_bytes = 2 * sum(_param_counts(config))
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * d * 2
     rows = []
     for batch in (1, 8, 64):
         mean_context = context + 5 + 30  # the timed steps sit 5..65 tokens past the prompt
-        read_bytes = weight_bytes + batch * mean_context * kv_per_token
-        floor_ms = read_bytes / bandwidth * 1e3  # a copy's rate counts the bytes read and written
+        weight_bytes, kv_bytes = step_read_bytes(config, batch, mean_context)
+        # a copy's rate counts the bytes read and written
+        floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
         row = dict(
             batch=batch,
             weights_gb=weight_bytes / 1e9,
-            kv_gb=batch * mean_context * kv_per_token / 1e9,
+            kv_gb=kv_bytes / 1e9,
             floor_ms=floor_ms,
         )
         for eager in (True, False):
@@ -207,6 +237,12 @@ def bench_roofline(path: str, bandwidth: float, context: int = 512) -> list[dict
             )
         rows.append(row)
     return rows
+
+
+def step_read_bytes(config, batch: int, mean_context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) a bf16 decode step of `batch` requests reads at least."""
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    return 2 * sum(_param_counts(config)), batch * mean_context * kv_per_token
 
 
 def _param_counts(config) -> list[int]:

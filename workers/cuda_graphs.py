@@ -4,6 +4,13 @@ A decode step of a small model on a fast GPU is bound by kernel launches rather 
 and a graph replays all of the forward's kernels with one launch. Prefill and mixed steps vary
 in shape and stay eager. Rows past the real batch write and read a reserved pad block, so they
 never touch a request's KV.
+
+Under tensor parallelism the graphs hold the TP collectives: NCCL's all-reduces are enqueued on
+the capturing stream and replay with the graph, so a rank replays a whole decode forward from the
+broadcast step with one launch and no host round trip per layer. That needs every rank to replay
+the same graph at each step: the ranks run the same scheduler output, so they pick the same padded
+size when they captured the same sizes, which capture() checks first. gloo's collectives run on
+the host and cannot be captured: a gloo group (CPU) never captures.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 from torch import nn
 
 from workers.layers.attention import AttentionBackend, AttentionMetadata
+from workers.parallel import all_gather, collectives_capturable, collectives_issued
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +36,35 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
         sizes.append(size)
         size = size * 2 if size < 32 else size + 32
     return sizes
+
+
+def decode_graphs_enabled(
+    device: torch.device, enforce_eager: bool, backend_capturable: bool
+) -> bool:
+    """Whether a runner captures decode graphs: on CUDA, unless enforce_eager, with an attention
+    backend that can be captured, and with TP collectives that can be (none, or NCCL's)."""
+    return (
+        device.type == "cuda"
+        and not enforce_eager
+        and backend_capturable
+        and collectives_capturable()
+    )
+
+
+def check_same_sizes(sizes: list[int], device: torch.device) -> None:
+    """Raise on every rank unless every TP rank is about to capture the same batch sizes: a rank
+    replaying another graph than its peers would wait forever in a collective they never issue.
+    One all-gather of a fingerprint; nothing without a group."""
+    key = torch.tensor(
+        [len(sizes), sizes[0], sizes[-1], sum(sizes)], dtype=torch.long, device=device
+    )
+    everyone = all_gather(key[None], dim=0)
+    if not bool((everyone == key).all()):
+        raise RuntimeError(
+            "cuda graphs: the tensor-parallel ranks would capture different batch sizes "
+            f"(count, first, last, sum per rank: {everyone.tolist()}); every rank needs the same "
+            "max_num_seqs"
+        )
 
 
 class DecodeGraphs:
@@ -64,6 +101,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # TP collectives each graph holds (0 without a group): what the log and tests check.
+        self.collectives: dict[int, int] = {}
         self.replays = 0
 
     @property
@@ -93,8 +132,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, into one memory pool (the inputs are the pad rows)."""
+        """Capture every size, largest first, into one memory pool (the inputs are the pad rows).
+
+        Every TP rank calls this at the same time: the warm-up forwards and the captures issue
+        the same collectives in the same order on every rank."""
         t0 = time.perf_counter()
+        check_same_sizes(self.sizes, self.longs.device)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             meta = self._meta(size)
@@ -108,15 +151,18 @@ class DecodeGraphs:
                     self.model(ids, positions, meta)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            issued = collectives_issued()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = self.model(ids, positions, meta)
             self.graphs[size] = graph
+            self.collectives[size] = collectives_issued() - issued
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode CUDA graphs (batch %d..%d) in %.1fs",
+            "captured %d decode CUDA graphs (batch %d..%d, %d TP collectives each) in %.1fs",
             len(self.sizes),
             self.sizes[0],
             self.sizes[-1],
+            self.collectives[self.sizes[0]],
             time.perf_counter() - t0,
         )
 

@@ -20,6 +20,9 @@ class ParallelState:
     # MoE layers hold whole experts per rank instead of a slice of every expert (EngineConfig's
     # expert_parallel); read by the layers when they are built, like the rank.
     expert_parallel: bool = False
+    # Collectives issued through `group` so far (all_reduce, all_gather, gather): lets the decode
+    # graphs log, and tests check, that a captured forward holds its collectives.
+    collectives: int = 0
 
 
 _state = ParallelState()
@@ -72,6 +75,19 @@ def get_tp_world_size() -> int:
     return _state.world_size
 
 
+def collectives_capturable() -> bool:
+    """Whether the TP collectives can run inside a CUDA graph: there are none (no group), or they
+    are NCCL's, which torch enqueues on the capturing stream (NCCL >= 2.9.6). gloo's run on the
+    host, so a graph captured over them would replay without them."""
+    group = _state.group
+    return group is None or dist.get_backend(group) == "nccl"
+
+
+def collectives_issued() -> int:
+    """How many collectives this process has issued through the TP group."""
+    return _state.collectives
+
+
 def divide(numerator: int, denominator: int, field: str) -> int:
     """Exact division, or a ValueError naming the dimension that does not split."""
     if numerator % denominator:
@@ -84,6 +100,7 @@ def divide(numerator: int, denominator: int, field: str) -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place (no-op without a process group)."""
     if _state.group is not None:
+        _state.collectives += 1
         dist.all_reduce(x, group=_state.group)
     return x
 
@@ -92,6 +109,7 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's x along dim."""
     if _state.group is None:
         return x
+    _state.collectives += 1
     parts = [torch.empty_like(x) for _ in range(_state.world_size)]
     dist.all_gather(parts, x.contiguous(), group=_state.group)
     return torch.cat(parts, dim=dim)
@@ -101,6 +119,7 @@ def gather(x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
     """Concatenate every rank's x along dim on rank dst; other ranks get None."""
     if _state.group is None:
         return x
+    _state.collectives += 1
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_state.world_size)] if _state.rank == dst else None
     dst_global = dist.get_global_rank(_state.group, dst) if _state.group is not None else dst

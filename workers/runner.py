@@ -19,7 +19,7 @@ from scheduler.kv_connector import KVTransfers
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 from scheduler.speculative import SpeculativeConfig
-from workers.cuda_graphs import DecodeGraphs
+from workers.cuda_graphs import DecodeGraphs, decode_graphs_enabled
 from workers.draft import DraftModel, DraftRow
 from workers.draft_pacing import DraftPacing
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
@@ -284,13 +284,9 @@ class ModelRunner:
         self.structured: StructuredDecoding | None = None  # built at the first constrained request
         self.pooler = Pooler()
         self._vocab_size = int(hf_config.vocab_size)
-        # Graphs capture collectives too, but TP > 1 over NCCL has not run on a multi-GPU machine
-        # yet.
-        self.use_graphs = (
-            self.device.type == "cuda"
-            and not config.enforce_eager
-            and get_tp_world_size() == 1
-            and self.backend.supports_cuda_graphs
+        # At any TP size: NCCL collectives are captured inside the graphs (workers/cuda_graphs.py).
+        self.use_graphs = decode_graphs_enabled(
+            self.device, config.enforce_eager, self.backend.supports_cuda_graphs
         )
         self.graphs: DecodeGraphs | None = None
         # Verify rows attend as decode rows (workers/verify_rows.py); False: as prefill chunks,

@@ -2,13 +2,15 @@
 workers.layers.triton_ops, the MoE experts of workers.layers.backends.triton_moe and the LoRA
 updates of workers.layers.backends.triton_lora. CPU tensors always take the plain torch path.
 
-RAYLM_TRITON_OPS picks them where Triton is installed: unset, the MoE and LoRA kernels and the
-fused RMSNorm (with its residual add) and SiLU-and-mul run, and rotary takes the torch path; `1`
-adds the rotary kernel; `0` turns every one off (for A/B timing). Rotary is opt-in because on an
-H200 (2026-11-26, bench/triton_rounding.py at Llama-3.2-1B's shapes) RMSNorm and SiLU-and-mul
-matched the torch path bit for bit while the rotary kernel differed in 14% of its bf16 outputs
-(up to 15,228 ulps), which is what moved bf16 greedy tokens off HF's; see
-docs/model-execution.md.
+RAYLM_TRITON_OPS picks them where Triton is installed: unset or `1`, every one runs (the MoE and
+LoRA kernels, the fused RMSNorm with its residual add, SiLU-and-mul and rotary); `0` turns every
+one off (for A/B timing). Each elementwise kernel must equal the torch path bit for bit to be on
+by default (EXACT_OPS). On an H200 (2026-11-26, bench/triton_rounding.py at Llama-3.2-1B's shapes)
+RMSNorm and SiLU-and-mul did; the rotary kernel differed in 14% of its bf16 outputs (up to 15,228
+ulps) because Triton contracted a product and the sum into one fused multiply-add, skipping a
+rounding torch does. Its launch now turns contraction off; it is bit-exact in Triton's
+interpreter (float16, tests/workers/test_triton_rotary.py), and a GPU run of
+bench/triton_rounding.py is what confirms bf16. See docs/model-execution.md.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ def _triton_mode() -> str:
     return _mode
 
 
-# The elementwise ops on by default: each equals the torch path bit for bit on an H200.
-EXACT_OPS = frozenset({"rms_norm", "silu_and_mul"})
+# The elementwise ops on by default: each equals the torch path bit for bit (rms_norm and
+# silu_and_mul measured on an H200; rotary since its launch stopped FMA contraction).
+EXACT_OPS = frozenset({"rms_norm", "silu_and_mul", "rotary"})
 
 
 def fused_ops(x: torch.Tensor, op: str) -> ModuleType | None:
-    """workers.layers.triton_ops when `op` runs fused for this tensor (CUDA; rotary only under
-    RAYLM_TRITON_OPS=1), else None."""
+    """workers.layers.triton_ops when `op` runs fused for this tensor (CUDA, an op of EXACT_OPS
+    or any op under RAYLM_TRITON_OPS=1), else None."""
     if not x.is_cuda:
         return None
     mode = _triton_mode()

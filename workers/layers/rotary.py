@@ -143,9 +143,17 @@ class RotaryEmbedding(nn.Module):
         ops = fused_ops(q, "rotary")
         if ops is not None:
             return ops.rotary_(q, k, positions, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return rotary_torch(q, k, positions, self.cos, self.sin)
+
+
+def rotary_torch(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path, and the rounding the fused kernel reproduces: the float32 table's rows cast
+    to q's dtype, then each product and the sum rounded to that dtype (one kernel per op)."""
+    cos = cos[positions].unsqueeze(1).to(q.dtype)
+    sin = sin[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
