@@ -173,4 +173,15 @@ def cuda_num_blocks(spec: KVCacheSpec, device: torch.device, gpu_memory_utilizat
         peak / GiB,
         budget / GiB,
     )
-    return spec.blocks_in(budget)
+    blocks = spec.blocks_in(max(budget, 0))
+    if blocks < 1:
+        # The peak counts every tensor this process holds: another engine alive in the same
+        # process (or one whose memory is still referenced) takes its share out of this budget.
+        raise ValueError(
+            f"gpu_memory_utilization: {gpu_memory_utilization} of {total / GiB:.1f} GiB leaves no "
+            f"room for one KV block: this process already peaks at {peak / GiB:.1f} GiB (weights, "
+            f"activations and any other engine it holds) and other processes use "
+            f"{max(used_by_others, 0) / GiB:.1f} GiB; raise gpu_memory_utilization or set "
+            "num_gpu_blocks"
+        )
+    return blocks
