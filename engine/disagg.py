@@ -190,7 +190,11 @@ class DecodeSide:
         the engine thread. ValueError (nothing kept) if the engine refuses it."""
         rid = request.request_id
         if handle is not None and handle.hashes and self._expect(handle):
-            self.connector.expect(rid, handle.key, handle.hashes)
+            try:
+                self.connector.expect(rid, handle.key, handle.hashes)
+            except BaseException:  # the id expects another transfer already: keep that one
+                self.forget(handle.key)
+                raise
         try:
             self.engine.add_request(request)
         except BaseException:
