@@ -7,6 +7,7 @@ both (no rank keeps KV the other lacks), with the same text; nothing is left hel
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -41,7 +42,10 @@ def sides(ray_cluster, tiny_checkpoint):
         max_model_len=128,
         tensor_parallel_size=2,
     )
-    engines = [EngineCore(config, ray_executor) for _ in range(2)]
+    # Built side by side: most of an engine's start is waiting for its workers to start and
+    # answer, which the two engines' workers can do at once.
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(lambda _: EngineCore(config, ray_executor), range(2)))
     transport = ObjectStoreTransport()
     yield PrefillSide(engines[0], transport), DecodeSide(engines[1], transport)
     for engine in engines:
