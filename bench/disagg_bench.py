@@ -403,13 +403,8 @@ def report_ranks(args: argparse.Namespace) -> None:
     print(f"load average before {os.getloadavg()}", flush=True)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     model = tp_model(tempfile.mkdtemp(prefix="disagg-tp-"))
-    print(
-        "| TP | prompt | blocks | KiB per block per rank | export us/block | load us/block | "
-        "transfer us/block |"
-    )
-    print("| --- " * 7 + "|", flush=True)
-    rng = random.Random(36)
-    for tp in args.ranks:
+    sides = {}
+    for tp in args.ranks:  # every size up at once: rounds alternate, so load drifts hit all alike
         config = EngineConfig.from_kwargs(
             model=model,
             device="cpu",
@@ -420,15 +415,24 @@ def report_ranks(args: argparse.Namespace) -> None:
         )
         engines = [EngineCore(config, ray_executor) for _ in range(2)]
         transport = ObjectStoreTransport()
-        prefill, decode = PrefillSide(engines[0], transport), DecodeSide(engines[1], transport)
-        for n in args.prompt_tokens:
-            rows = []
-            for r in range(args.repeats + 1):  # round 0 warms up
-                prompt = [rng.randrange(3, 1000) for _ in range(n)]
+        sides[tp] = (PrefillSide(engines[0], transport), DecodeSide(engines[1], transport))
+    print(
+        f"medians of {args.repeats} rounds, sizes alternating\n"
+        "| TP | prompt | blocks | KiB per block per rank | export us/block | load us/block | "
+        "transfer us/block |"
+    )
+    print("| --- " * 7 + "|", flush=True)
+    rng = random.Random(36)
+    for n in args.prompt_tokens:
+        rows: dict[int, list[dict[str, float]]] = {tp: [] for tp in args.ranks}
+        for r in range(args.repeats + 1):  # round 0 warms up
+            prompt = [rng.randrange(3, 1000) for _ in range(n)]
+            for tp, (prefill, decode) in sides.items():
                 row = tp_round(prefill, decode, prompt, f"tp{tp}-{n}-{r}")
                 if r:
-                    rows.append(row)
-            med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+                    rows[tp].append(row)
+        for tp in args.ranks:
+            med = {k: statistics.median(row[k] for row in rows[tp]) for k in rows[tp][0]}
             blocks = med["blocks"]
             kib = 30 * 2 * 16 * 192 * 4 / tp / 1024
             print(
@@ -437,8 +441,9 @@ def report_ranks(args: argparse.Namespace) -> None:
                 f"{(med['export'] + med['load']) / blocks * 1e6:.0f} |",
                 flush=True,
             )
-        for engine in engines:
-            engine.shutdown()
+    for prefill, decode in sides.values():
+        prefill.engine.shutdown()
+        decode.engine.shutdown()
     print(f"load average after {os.getloadavg()}")
     ray.shutdown()
 
