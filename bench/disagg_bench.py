@@ -13,6 +13,14 @@ embedded SmolLM2-135M (or --model) in this process run the same prompts in alter
     python bench/disagg_bench.py [--prompt-tokens 128 512 1024] [--repeats 5] [--no-ray]
     python bench/disagg_bench.py --object-store-only --prompt-tokens 8 32 64   (blocks, no model)
 
+`--ranks 1 2` (CPU, Ray): the transfer per KV block by tensor-parallel size, both phases over Ray
+workers and the object store (TP=1 too, on one worker, so only the rank count differs), on a
+random Llama with SmolLM2-135M's KV per token but 4 KV heads (SmolLM2's 3 do not split in two):
+the prefill's export (every rank reads and puts its shard) and the decode's load (every rank gets,
+checks and copies its own; the slowest rank's seconds), per block.
+
+    python bench/disagg_bench.py --ranks 1 2 [--prompt-tokens 256 1024] [--repeats 5]
+
 GPU (`--device cuda`, no Ray needed): block transfer bandwidth between two processes on one GPU,
 against the device copy bandwidth in one process: the parent holds --blocks blocks of --block-kib
 KiB on the device; a child process (torch.multiprocessing, spawn) receives them
@@ -339,6 +347,107 @@ def _payload_of(prefill, prompt: list[int]):
     return prefill.payload(request)
 
 
+# ---- by tensor-parallel size, over Ray (--ranks) ------------------------------------------------
+def tp_model(path: str) -> str:
+    """A random Llama whose KV per token is SmolLM2-135M's (30 layers x 192 floats of K and of V)
+    but in 4 heads of 48, so two ranks hold 2 each; small elsewhere (the transfer is the point)."""
+    from tests.random_checkpoint import TINY_TP_LLAMA, write_random_checkpoint
+
+    spec = TINY_TP_LLAMA.with_fields(
+        hidden_size=192,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=48,
+        num_hidden_layers=30,
+        intermediate_size=256,
+        vocab_size=1000,
+        max_position_embeddings=4096,
+    )
+    return write_random_checkpoint(spec, path).path
+
+
+def tp_round(prefill, decode, prompt: list[int], tag: str) -> dict[str, float]:
+    """One prompt prefilled, exported and loaded: seconds of the export and of the load."""
+    from engine.disagg import decode_request, prefill_request
+    from scheduler import EngineRequest, SamplingParams
+
+    request = EngineRequest(tag, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    prefill.engine.add_request(prefill_request(request))
+    first: list[int] = []
+    while prefill.engine.has_unfinished_requests():
+        for out in prefill.engine.step():
+            first += out.new_token_ids
+    start = time.perf_counter()
+    handle = prefill.export(request)
+    export_s = time.perf_counter() - start
+    assert handle is not None
+    _, load_before = decode.received()
+    decode.add(decode_request(request, first), handle)
+    while decode.engine.has_unfinished_requests():
+        decode.engine.step()
+    _, load_after = decode.received()
+    return {"blocks": len(handle.hashes), "export": export_s, "load": load_after - load_before}
+
+
+def report_ranks(args: argparse.Namespace) -> None:
+    import tempfile
+
+    import ray
+
+    from cluster.disagg_transport import ObjectStoreTransport
+    from cluster.ray_executor import ray_executor
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.disagg import DecodeSide, PrefillSide
+
+    print(f"load average before {os.getloadavg()}", flush=True)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    model = tp_model(tempfile.mkdtemp(prefix="disagg-tp-"))
+    sides = {}
+    for tp in args.ranks:  # every size up at once: rounds alternate, so load drifts hit all alike
+        config = EngineConfig.from_kwargs(
+            model=model,
+            device="cpu",
+            load_progress=False,
+            max_model_len=2048,
+            num_gpu_blocks=args.pool_blocks,
+            tensor_parallel_size=tp,
+        )
+        engines = [EngineCore(config, ray_executor) for _ in range(2)]
+        transport = ObjectStoreTransport()
+        sides[tp] = (PrefillSide(engines[0], transport), DecodeSide(engines[1], transport))
+    print(
+        f"medians of {args.repeats} rounds, sizes alternating\n"
+        "| TP | prompt | blocks | KiB per block per rank | export us/block | load us/block | "
+        "transfer us/block |"
+    )
+    print("| --- " * 7 + "|", flush=True)
+    rng = random.Random(36)
+    for n in args.prompt_tokens:
+        rows: dict[int, list[dict[str, float]]] = {tp: [] for tp in args.ranks}
+        for r in range(args.repeats + 1):  # round 0 warms up
+            prompt = [rng.randrange(3, 1000) for _ in range(n)]
+            for tp, (prefill, decode) in sides.items():
+                row = tp_round(prefill, decode, prompt, f"tp{tp}-{n}-{r}")
+                if r:
+                    rows[tp].append(row)
+        for tp in args.ranks:
+            med = {k: statistics.median(row[k] for row in rows[tp]) for k in rows[tp][0]}
+            blocks = med["blocks"]
+            kib = 30 * 2 * 16 * 192 * 4 / tp / 1024
+            print(
+                f"| {tp} | {n} | {blocks:.0f} | {kib:.0f} | {med['export'] / blocks * 1e6:.0f} | "
+                f"{med['load'] / blocks * 1e6:.0f} | "
+                f"{(med['export'] + med['load']) / blocks * 1e6:.0f} |",
+                flush=True,
+            )
+    for prefill, decode in sides.values():
+        prefill.engine.shutdown()
+        decode.engine.shutdown()
+    print(f"load average after {os.getloadavg()}")
+    ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cuda: the two-process GPU bench")
@@ -350,6 +459,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-ray", action="store_true")
     parser.add_argument(
+        "--ranks", type=int, nargs="+", help="tensor-parallel sizes: the transfer by rank count"
+    )
+    parser.add_argument(
         "--object-store-only",
         action="store_true",
         help="only the object store, on payloads of --prompt-tokens blocks each (no model)",
@@ -360,6 +472,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke or args.device.startswith("cuda"):
         report_ipc(args)
+    elif args.ranks:
+        report_ranks(args)
     elif args.object_store_only:
         print(f"load average before {os.getloadavg()}")
         # SmolLM2-135M's fp32 block: 30 layers x K/V x 16 tokens x 3 heads x 64 x 4 bytes

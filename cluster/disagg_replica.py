@@ -51,11 +51,11 @@ def phase_stats(phase: PhaseEngine | None) -> dict[str, int]:
         sent = phase.prefill
         return {"kv_blocks_sent": sent.num_blocks_sent, "kv_bytes_sent": sent.num_bytes_sent}
     assert phase.decode is not None
-    connector, receiver = phase.decode.connector, phase.decode.receiver
+    connector = phase.decode.connector
     return {
         "kv_blocks_received": connector.num_remote_loaded,
         "kv_blocks_recomputed": connector.num_remote_failed,
-        "kv_bytes_received": receiver.num_bytes,
+        "kv_bytes_received": phase.decode.received()[0],  # summed over the ranks
     }
 
 
@@ -77,7 +77,7 @@ async def prefill_on(
     continues = needs_decode(request, last, phase.engine.max_model_len)
     if handle is not None and not continues:
         assert phase.prefill is not None
-        phase.prefill.transport.release(handle)
+        phase.prefill.release(handle)
         handle = None
     tokens = [t for out in outs for t in out.new_token_ids]
     logprobs = None

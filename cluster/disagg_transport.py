@@ -5,7 +5,8 @@ inside a list, so that Ray passes it through the ingress to the decode replica b
 decode replica borrows it) instead of fetching it on the way. The decode replica `ray.get`s it
 with a timeout; if the prefill replica (the owner) died, the get may fail (the decode replica
 recomputes) or still find the node's copy (checked like any payload). The object is freed when
-the last handle is dropped.
+the last handle is dropped. Under tensor parallelism each rank of the prefill replica puts (and
+owns) its own shard, and each rank of the decode replica gets its own (workers/kv_ranks.py).
 """
 
 from __future__ import annotations
@@ -41,4 +42,6 @@ class ObjectStoreTransport:
         return payload if isinstance(payload, KVPayload) else None
 
     def release(self, handle: TransferHandle) -> None:
-        handle.ref.clear()  # our reference to the object goes; the owner frees it when none is left
+        # Our references to the objects go; each owner frees its own when none is left.
+        for part in [handle, *handle.shards]:
+            part.ref.clear()

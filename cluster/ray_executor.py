@@ -17,7 +17,8 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayTaskError
@@ -28,11 +29,13 @@ from cluster.placement import TP_STRATEGY, UnplaceableError, live_nodes, unplace
 from engine.config import EngineConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.options import STEP_TRANSPORTS
-from workers.runner import RunnerConfig
+from workers.runner import ModelRunner, RunnerConfig
 from workers.step_channel import RankFailedError, StepClient
 from workers.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _PROBE_TIMEOUT_S = 3.0  # how long a failure diagnosis waits to learn which actors are dead
 
@@ -200,6 +203,19 @@ class RayExecutor:
         except Exception as exc:
             self._fail(None, exc)
         return ModelRunnerOutput.decode(outputs[0])
+
+    def call_ranks(self, fn: Callable[[ModelRunner], T], timeout_s: float = 60.0) -> list[T]:
+        """fn(runner) on every rank's worker, by rank (a KV transfer's work, engine/disagg.py); call
+        between steps. Its errors are the caller's (the engine is not failed for them: a dead
+        worker fails the next step anyway). The compiled graph's actors answer nothing else."""
+        if self.step_transport == "compiled_graph":
+            raise ValueError(
+                "step_transport: compiled_graph workers run only the steps; work on each rank "
+                "(KV transfers) needs socket or actor_calls"
+            )
+        if self._dead is not None:
+            raise self._dead
+        return ray.get([w.call.remote(fn) for w in self.workers], timeout=timeout_s)
 
     @property
     def pids(self) -> list[int]:

@@ -11,8 +11,9 @@ args:
 ```
 
 Each phase's engine is the model's engine with that phase's keys over it (flat keys, as beside
-`model`). The KV moves between them as it is, block by block: the phases must agree on what makes
-a block (model, dtype, block size, tensor-parallel size); no resharding is done.
+`model`). The KV moves between them as it is, block by block, each tensor-parallel rank's KV heads
+from the prefill's rank to the decode's rank of the same number: the phases must agree on what
+makes a block (model, dtype, block size, tensor-parallel size); no resharding is done.
 """
 
 from __future__ import annotations
@@ -73,11 +74,11 @@ class DisaggregationArgs:
                     "(no resharding), so both must use the same"
                 )
         for phase, engine in zip(PHASES, (prefill, decode), strict=True):
-            if engine.tensor_parallel_size != 1:
+            if engine.tensor_parallel_size > 1 and engine.step_transport == "compiled_graph":
                 raise ValueError(
-                    f"disaggregation.{phase}.tensor_parallel_size: the KV transfer reads and "
-                    "writes blocks in the replica's own process, so each phase runs "
-                    f"tensor_parallel_size 1, got {engine.tensor_parallel_size}"
+                    f"disaggregation.{phase}.step_transport: each rank sends or receives its own "
+                    "KV shard between steps, which compiled_graph workers cannot do; use socket "
+                    "or actor_calls"
                 )
             if not engine.scheduler.enable_prefix_caching:
                 raise ValueError(

@@ -12,13 +12,20 @@ connector (scheduler/kv_remote.py) and goes on decoding.
   slots and holds it in LOADING_KV while the step copies the blocks in; a block that does not
   arrive intact is recomputed.
 
-Both sides need one in-process worker (tensor_parallel_size 1): the blocks are read and written
-where the engine thread runs.
+Under tensor parallelism (the same size on both sides) each rank sends and receives its own KV
+heads (workers/kv_ranks.py): the prefill's rank r puts its shard, the handle carries one per rank,
+the decode's rank r fetches its own; a block that fails on any rank is recomputed on all of them
+(the runner's `_load_kv`), so the ranks never hold different KV.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, TypeVar
 
 from engine.core import EngineCore
 from engine.executor import LocalExecutor
@@ -26,21 +33,36 @@ from scheduler.block_manager import hash_prompt_blocks
 from scheduler.kv_remote import RemoteKVConnector
 from scheduler.outputs import RequestOutput
 from scheduler.request import EngineRequest
-from workers.kv_cache import KVCache
+from workers import kv_ranks
 from workers.kv_transfer import KVPayload, KVReceiver, KVTransport, TransferHandle, read_blocks
+
+logger = logging.getLogger(__name__)
 
 # How long a decode step waits for a transfer before it recomputes instead.
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
+# How long the engine waits for its ranks' part of a transfer (a read and a put, a handle).
+RANK_CALL_TIMEOUT_S = 60.0
+
+T = TypeVar("T")
 
 
-def _local_cache(engine: EngineCore, field_name: str) -> tuple[LocalExecutor, KVCache]:
-    executor = engine.executor
-    runner = getattr(executor, "runner", None)
-    if not isinstance(executor, LocalExecutor) or runner is None or runner.kv_cache is None:
-        raise ValueError(
-            f"{field_name}: disaggregation needs tensor_parallel_size 1 (one in-process worker)"
-        )
-    return executor, runner.kv_cache
+class Ranks:
+    """The engine's tensor-parallel ranks, for the work each does on its own KV heads
+    (workers/kv_ranks.py): the in-process runner, or the Ray workers (through the executor's
+    `call_ranks`)."""
+
+    def __init__(self, engine: EngineCore, field_name: str) -> None:
+        call = getattr(engine.executor, "call_ranks", None)
+        if call is None:
+            raise ValueError(f"{field_name}: this executor cannot reach its ranks' KV caches")
+        if not engine.config.scheduler.enable_prefix_caching:
+            raise ValueError(f"{field_name}: disaggregation needs enable_prefix_caching")
+        self.call_ranks: Callable[..., list[Any]] = call
+        self.local = isinstance(engine.executor, LocalExecutor)
+
+    def __call__(self, fn: Callable[..., T], *args: Any) -> list[T]:
+        """fn(*args, runner) on every rank, by rank."""
+        return self.call_ranks(partial(fn, *args), RANK_CALL_TIMEOUT_S)
 
 
 def prefill_request(request: EngineRequest) -> EngineRequest:
@@ -78,20 +100,18 @@ class PrefillResult:
 
 
 class PrefillSide:
-    """A prefill engine's end: reads a finished prefill's blocks and sends them."""
+    """A prefill engine's end: reads a finished prefill's blocks on every rank and sends them."""
 
     def __init__(self, engine: EngineCore, transport: KVTransport) -> None:
-        _local_cache(engine, "disaggregation.prefill")
-        if not engine.config.scheduler.enable_prefix_caching:
-            raise ValueError("disaggregation: the prefill engine needs enable_prefix_caching")
+        self.ranks = Ranks(engine, "disaggregation.prefill")
         self.engine = engine
         self.transport = transport
         self.num_blocks_sent = 0
         self.num_bytes_sent = 0
 
-    def payload(self, request: EngineRequest) -> KVPayload | None:
-        """The request's prompt blocks still in the device prefix cache, leading ones in a row;
-        call on the engine thread between steps."""
+    def cached_blocks(self, request: EngineRequest) -> tuple[list[int], list[int]]:
+        """The hashes and device blocks of the request's prompt blocks still in the device prefix
+        cache, leading ones in a row."""
         engine = self.engine
         tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
         hashes = hash_prompt_blocks(tokens, engine.config.block_size, lora_name=request.lora_name)
@@ -102,22 +122,43 @@ class PrefillSide:
             if block is None:
                 break
             blocks.append(block)
-        if not blocks:
+        return hashes[: len(blocks)], blocks
+
+    def payload(self, request: EngineRequest) -> KVPayload | None:
+        """The cached blocks as one payload (one in-process rank: the benchmark's split of the
+        export into read and send)."""
+        executor = self.engine.executor
+        hashes, blocks = self.cached_blocks(request)
+        if not blocks or not isinstance(executor, LocalExecutor) or executor.runner is None:
             return None
-        _, cache = _local_cache(engine, "disaggregation.prefill")
-        return read_blocks(cache, hashes[: len(blocks)], blocks)
+        assert executor.runner.kv_cache is not None
+        return read_blocks(executor.runner.kv_cache, hashes, blocks)
 
     def export(self, request: EngineRequest) -> TransferHandle | None:
-        payload = self.payload(request)
-        if payload is None:
+        """Send the request's cached prompt blocks from every rank; call on the engine thread
+        between steps. None: nothing to send, or a rank failed to (the decode side recomputes)."""
+        hashes, blocks = self.cached_blocks(request)
+        if not blocks:
             return None
-        self.num_blocks_sent += len(payload.hashes)
-        self.num_bytes_sent += payload.nbytes
-        return self.transport.send(payload)
+        try:
+            sent = self.ranks(kv_ranks.export, self.transport, hashes, blocks)
+        except Exception as exc:  # the request goes on without its KV, never fails for it
+            logger.warning("KV export of %s failed: %r; not sent", request.request_id, exc)
+            return None
+        self.num_blocks_sent += len(hashes)
+        self.num_bytes_sent += sum(n for _, n in sent)
+        if len(sent) == 1:
+            return sent[0][0]
+        return TransferHandle(uuid.uuid4().hex, hashes, shards=[h for h, _ in sent])
+
+    def release(self, handle: TransferHandle) -> None:
+        """Drop a transfer nobody will fetch."""
+        for part in handle.shards or [handle]:
+            self.transport.release(part)
 
 
 class DecodeSide:
-    """A decode engine's end: the remote connector in its scheduler, the receiver in its runner."""
+    """A decode engine's end: the remote connector in its scheduler, a receiver on each rank."""
 
     def __init__(
         self,
@@ -125,32 +166,69 @@ class DecodeSide:
         transport: KVTransport,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     ) -> None:
-        executor, _ = _local_cache(engine, "disaggregation.decode")
+        self.ranks = Ranks(engine, "disaggregation.decode")
         sched = engine.scheduler
-        if not sched.config.enable_prefix_caching:
-            raise ValueError("disaggregation: the decode engine needs enable_prefix_caching")
         self.engine = engine
-        self.receiver = KVReceiver(transport, timeout_s)
-        assert executor.runner is not None
-        executor.runner.kv_receiver = self.receiver
+        self.ranks(kv_ranks.start_receiver, transport, timeout_s)
+        # The transfers the ranks hold for requests not yet landed (each rank forgets a transfer
+        # once it fetched it; the rest are forgotten when their request is released).
+        self.pending: set[str] = set()
         self.connector = RemoteKVConnector(
             sched.config.cpu_tier_blocks, sched.config.disk_tier_blocks
         )
-        self.connector.on_release = self.receiver.forget
+        self.connector.on_release = self.forget
         sched.use_connector(self.connector)
+
+    @property
+    def receiver(self) -> KVReceiver | None:
+        """The in-process rank's receiver (one rank), None under Ray."""
+        runner = getattr(self.engine.executor, "runner", None)
+        return runner.kv_receiver if self.ranks.local and runner is not None else None
 
     def add(self, request: EngineRequest, handle: TransferHandle | None) -> None:
         """Queue a request resumed after its prefill, whose blocks come through `handle`; call on
         the engine thread. ValueError (nothing kept) if the engine refuses it."""
         rid = request.request_id
-        if handle is not None and handle.hashes:
-            self.receiver.expect(handle)
-            self.connector.expect(rid, handle.key, handle.hashes)
+        if handle is not None and handle.hashes and self._expect(handle):
+            try:
+                self.connector.expect(rid, handle.key, handle.hashes)
+            except BaseException:  # the id expects another transfer already: keep that one
+                self.forget(handle.key)
+                raise
         try:
             self.engine.add_request(request)
         except BaseException:
             self.connector.release(rid)
             raise
+
+    def _expect(self, handle: TransferHandle) -> bool:
+        """Tell every rank which shard to fetch; False (the prompt is computed here) if a rank
+        has none or cannot be told."""
+        self.pending.add(handle.key)
+        try:
+            told = self.ranks(kv_ranks.expect, handle)
+        except Exception as exc:
+            logger.warning("KV transfer %s: ranks not told (%r); recomputing", handle.key, exc)
+            told = []
+        if told and all(told):
+            return True
+        self.forget(handle.key)
+        return False
+
+    def forget(self, key: str) -> None:
+        """The transfer's request is done with it: every rank lets it go."""
+        if key not in self.pending:
+            return
+        self.pending.discard(key)
+        try:
+            self.ranks(kv_ranks.forget, key)
+        except Exception as exc:  # a dead rank fails the next step; nothing else to free here
+            logger.warning("KV transfer %s: ranks not told to forget it (%r)", key, exc)
+
+    def received(self) -> tuple[int, float]:
+        """(bytes copied in, seconds the slowest rank spent loading), over the ranks."""
+        figures = self.ranks(kv_ranks.received)
+        return sum(b for b, _ in figures), max(s for _, s in figures)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +291,7 @@ class PhaseEngine:
             self.handoffs.pop(rid, None)
             handle = self.exports.pop(rid, None)
             if handle is not None and self.prefill is not None:
-                self.prefill.transport.release(handle)
+                self.prefill.release(handle)
         return self.engine.abort_requests(request_ids)
 
     def __getattr__(self, name: str) -> object:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.runner import ModelRunner, RunnerConfig
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Executor(Protocol):
@@ -60,6 +62,10 @@ class LocalExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._live().execute_model(scheduler_output)
+
+    def call_ranks(self, fn: Callable[[ModelRunner], T], timeout_s: float = 60.0) -> list[T]:
+        """fn(runner) on each rank, by rank (here the one): see RayExecutor.call_ranks."""
+        return [fn(self._live())]
 
     def _live(self) -> ModelRunner:
         if self.runner is None:

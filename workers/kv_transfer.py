@@ -12,11 +12,17 @@ request from there: never wrong KV.
 Transports are adapters behind `KVTransport`: `InProcessTransport` here (two engines in one
 process: the tests), the Ray object store in cluster/disagg_transport.py; a torch.distributed
 (NCCL) channel would be a third.
+
+Under tensor parallelism each rank holds its own KV heads of every block: rank r of the prefill
+engine sends its shard as a payload of its own, and rank r of the decode engine (same
+tensor-parallel size) receives that one (workers/kv_ranks.py); the transfer's handle carries one
+handle per rank.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
@@ -39,6 +45,7 @@ class KVPayload:
     dtype: str  # torch dtype name, e.g. "float32"
     block_shape: tuple[int, ...]  # [layers, 2, block_size, heads, head_dim]
     data: np.ndarray  # uint8 [blocks, block bytes]: Ray's object store reads it without a copy
+    rank: int = 0  # the tensor-parallel rank whose KV heads these are
 
     @property
     def nbytes(self) -> int:
@@ -54,6 +61,16 @@ class TransferHandle:
     key: str
     hashes: list[int]
     ref: list[object] = field(default_factory=list)
+    # Tensor parallelism: rank r's own handle at shards[r] (its KV heads; same hashes); empty at
+    # one rank, where this handle is the rank's.
+    shards: list[TransferHandle] = field(default_factory=list)
+
+    def shard(self, rank: int, world_size: int) -> TransferHandle | None:
+        """This rank's part of the transfer; None if it was sent by a different number of ranks
+        (then the rank recomputes)."""
+        if world_size == 1 and not self.shards:
+            return self
+        return self.shards[rank] if len(self.shards) == world_size else None
 
 
 class KVTransport(Protocol):
@@ -94,8 +111,8 @@ def block_crc(block: np.ndarray) -> int:
     return zlib.crc32(block.data)
 
 
-def read_blocks(cache: KVCache, hashes: list[int], blocks: list[int]) -> KVPayload:
-    """Copy device blocks to the host as a payload (prefill side)."""
+def read_blocks(cache: KVCache, hashes: list[int], blocks: list[int], rank: int = 0) -> KVPayload:
+    """Copy device blocks (this rank's KV heads) to the host as a payload (prefill side)."""
     gpu = cache.gpu
     index = torch.tensor(blocks, dtype=torch.long, device=gpu.device)
     # [layers, 2, n, ...] -> [n, layers, 2, ...], one gather and one copy to the host
@@ -107,6 +124,7 @@ def read_blocks(cache: KVCache, hashes: list[int], blocks: list[int]) -> KVPaylo
         str(gpu.dtype).removeprefix("torch."),
         tuple(host.shape[1:]),
         data,
+        rank,
     )
 
 
@@ -114,14 +132,17 @@ class KVReceiver:
     """The decode side's end of the transports: the handles of expected transfers, and the copies
     of a step's `load_remote` into the device pool."""
 
-    def __init__(self, transport: KVTransport, timeout_s: float) -> None:
+    def __init__(self, transport: KVTransport, timeout_s: float, rank: int = 0) -> None:
         self.transport = transport
         self.timeout_s = timeout_s
+        self.rank = rank  # this receiver's tensor-parallel rank: it takes that rank's payloads
         self.handles: dict[str, TransferHandle] = {}
         self.num_bytes = 0  # received and copied in, cumulative
+        self.load_s = 0.0  # seconds in load (fetches, checks and copies), cumulative
 
-    def expect(self, handle: TransferHandle) -> None:
-        self.handles[handle.key] = handle
+    def expect(self, handle: TransferHandle, key: str | None = None) -> None:
+        """Fetch `handle` for the loads of transfer `key` (default: the handle's own key)."""
+        self.handles[key or handle.key] = handle
 
     def forget(self, key: str) -> None:
         handle = self.handles.pop(key, None)
@@ -130,13 +151,20 @@ class KVReceiver:
 
     def load(self, cache: KVCache, loads: list[tuple[str, int, int]]) -> list[int]:
         """Copy each (key, hash, device block) in; the device blocks that failed."""
+        start = time.perf_counter()
+        try:
+            return self._load(cache, loads)
+        finally:
+            self.load_s += time.perf_counter() - start
+
+    def _load(self, cache: KVCache, loads: list[tuple[str, int, int]]) -> list[int]:
         failed: list[int] = []
         payloads: dict[str, KVPayload | None] = {}
         for key, block_hash, block in loads:
             if key not in payloads:
                 payloads[key] = self._fetch(key)
                 self.forget(key)  # one fetch a transfer: the payload is ours now
-            data = self._block(cache, payloads[key], block_hash)
+            data = self._block(cache, payloads[key], block_hash, self.rank)
             if data is None:
                 failed.append(block)
                 continue
@@ -159,7 +187,9 @@ class KVReceiver:
         return payload
 
     @staticmethod
-    def _block(cache: KVCache, payload: KVPayload | None, block_hash: int) -> torch.Tensor | None:
+    def _block(
+        cache: KVCache, payload: KVPayload | None, block_hash: int, rank: int = 0
+    ) -> torch.Tensor | None:
         """The payload's block for block_hash as a tensor of the pool's layout, None if it fails a
         check."""
         if payload is None:
@@ -173,6 +203,7 @@ class KVReceiver:
         row = payload.data[i] if i < len(payload.data) else None
         if (
             row is None
+            or payload.rank != rank
             or payload.dtype != str(gpu.dtype).removeprefix("torch.")
             or tuple(payload.block_shape) != shape
             or row.nbytes != gpu[:, :, 0].numel() * gpu.element_size()

@@ -429,10 +429,16 @@ class ModelRunner:
         if tiers is not None or transfers.has_tier_copies:
             failed = self._load_tiers(tiers, transfers)
         if transfers.load_remote:
-            if self.kv_receiver is None or get_tp_world_size() > 1:
+            if self.kv_receiver is None:
                 raise RuntimeError("kv_transfers: this runner receives no KV transfers")
             assert self.kv_cache is not None
-            failed += self.kv_receiver.load(self.kv_cache, transfers.load_remote)
+            remote = self.kv_receiver.load(self.kv_cache, transfers.load_remote)
+            if get_tp_world_size() > 1:  # a block that failed on any rank is recomputed on all
+                blocks = [b for _, _, b in transfers.load_remote]
+                flags = torch.tensor([b in remote for b in blocks], dtype=torch.int32)
+                flags = all_reduce(flags.to(self.device)).cpu().tolist()
+                remote = [b for b, flag in zip(blocks, flags) if flag]
+            failed += remote
         return failed
 
     def _load_tiers(self, tiers: KVTiers | None, transfers: KVTransfers) -> list[int]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -20,6 +22,8 @@ from workers.runner import ModelRunner, RunnerConfig
 from workers.step_channel import ChannelAddress, StepServer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Worker:
@@ -86,6 +90,11 @@ class Worker:
         ModelRunnerOutput.encode)."""
         output = self.execute_model(SchedulerOutput.decode(scheduler_output))
         return output.encode() if output is not None else None
+
+    def call(self, fn: Callable[[ModelRunner], T]) -> T:
+        """fn(this rank's runner): work outside the steps that every rank does on its own part
+        of the model (a KV transfer's, workers/kv_ranks.py); called between steps."""
+        return fn(self._ready())
 
     def pid(self) -> int:
         return os.getpid()

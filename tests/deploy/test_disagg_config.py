@@ -58,8 +58,11 @@ def test_a_bad_value_is_a_value_error_naming_the_field(field, value, message):
         ({"decode": {"block_size": 32}}, r"disaggregation\.decode\.block_size: 32 differs"),
         ({"prefill": {"dtype": "bfloat16"}}, r"disaggregation\.decode\.dtype: 'float32' differs"),
         (
-            {"prefill": {"tensor_parallel_size": 2}, "decode": {"tensor_parallel_size": 2}},
-            r"disaggregation\.prefill\.tensor_parallel_size: .* tensor_parallel_size 1, got 2",
+            {
+                "prefill": {"tensor_parallel_size": 2, "step_transport": "compiled_graph"},
+                "decode": {"tensor_parallel_size": 2},
+            },
+            r"disaggregation\.prefill\.step_transport: .* use socket or actor_calls",
         ),
         (
             {"decode": {"enable_prefix_caching": False}},
@@ -70,6 +73,12 @@ def test_a_bad_value_is_a_value_error_naming_the_field(field, value, message):
 def test_what_makes_a_kv_block_must_match_between_the_phases(overrides, message):
     with pytest.raises(ValueError, match=message):
         app(**overrides)
+
+
+def test_both_phases_may_run_the_same_tensor_parallel_size():
+    config = app(prefill={"tensor_parallel_size": 2}, decode={"tensor_parallel_size": 2})
+    assert config.phase_engine("prefill").tensor_parallel_size == 2
+    assert config.phase_engine("decode").tensor_parallel_size == 2
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,60 @@
+"""A KV transfer's work on one tensor-parallel rank: what the engine runs on each of its ranks
+(engine/disagg.py, through `Executor.call_ranks` or directly on an in-process runner).
+
+Each rank holds its own KV heads of every block, so each rank sends and receives its own shard:
+the prefill engine's rank r reads its blocks and sends them as one payload, the decode engine's
+rank r receives that payload (the handle's `shards[r]`) into its own pool. The functions are
+module-level so that they travel to Ray workers by reference (functools.partial of them pickles).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from workers.kv_transfer import KVReceiver, KVTransport, TransferHandle, read_blocks
+from workers.parallel import get_tp_rank, get_tp_world_size
+
+if TYPE_CHECKING:
+    from workers.runner import ModelRunner
+
+
+def export(
+    transport: KVTransport, hashes: list[int], blocks: list[int], runner: ModelRunner
+) -> tuple[TransferHandle, int]:
+    """Send this rank's shard of the device blocks (prefill side): its handle and bytes."""
+    if runner.kv_cache is None:
+        raise RuntimeError("kv export: the runner has no KV cache yet")
+    payload = read_blocks(runner.kv_cache, hashes, blocks, get_tp_rank())
+    return transport.send(payload), payload.nbytes
+
+
+def start_receiver(transport: KVTransport, timeout_s: float, runner: ModelRunner) -> None:
+    """Make this rank a decode rank: its step's `load_remote` copies come through `transport`."""
+    runner.kv_receiver = KVReceiver(transport, timeout_s, get_tp_rank())
+
+
+def expect(handle: TransferHandle, runner: ModelRunner) -> bool:
+    """Fetch this rank's shard of `handle` for its loads; False if there is none for this rank
+    (sent by a different number of ranks: the loads fail and the blocks are recomputed)."""
+    shard = handle.shard(get_tp_rank(), get_tp_world_size())
+    if shard is None:
+        return False
+    _receiver(runner).expect(shard, handle.key)
+    return True
+
+
+def forget(key: str, runner: ModelRunner) -> None:
+    """Release the transfer `key` if this rank still holds it (it never loaded)."""
+    _receiver(runner).forget(key)
+
+
+def received(runner: ModelRunner) -> tuple[int, float]:
+    """(bytes copied in, seconds spent loading) on this rank, cumulative."""
+    receiver = _receiver(runner)
+    return receiver.num_bytes, receiver.load_s
+
+
+def _receiver(runner: ModelRunner) -> KVReceiver:
+    if runner.kv_receiver is None:
+        raise RuntimeError("kv transfer: this rank receives no KV transfers (start_receiver)")
+    return runner.kv_receiver
