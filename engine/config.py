@@ -350,6 +350,7 @@ class EngineConfig:
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.num_cpu_loras,
             kv_tiers=tiers,
+            length_feature_dim=sched.length_feature_dim if sched.uses_length_probe else 0,
             draft_model_dir=draft_model_dir,
             draft_gguf_file=(
                 self.quantized_gguf(self.speculative.draft_model)

@@ -45,15 +45,25 @@ class ProbeConfig:
 class HiddenStateProbe:
     """Online ridge regression of log output length on a projected hidden state."""
 
-    def __init__(self, hidden_size: int, config: ProbeConfig | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, config: ProbeConfig | None = None, project: bool = True
+    ) -> None:
+        """project=False: the state arrives projected already (workers/length_features.py) and
+        is regressed on as it is; `rank` is then hidden_size."""
         if not 1 <= hidden_size <= 1 << 16:
             raise ValueError(f"hidden_size: must be in [1, 65536], got {hidden_size}")
         self.config = cfg = config or ProbeConfig()
         self.hidden_size = hidden_size
-        rng = random.Random(cfg.seed)
-        scale = 1.0 / math.sqrt(cfg.rank)
-        self._proj = [[rng.gauss(0.0, scale) for _ in range(hidden_size)] for _ in range(cfg.rank)]
-        k = cfg.rank + 1  # the projection plus a bias term
+        self._proj: list[list[float]] | None = None
+        rank = hidden_size
+        if project:
+            rng = random.Random(cfg.seed)
+            scale = 1.0 / math.sqrt(cfg.rank)
+            self._proj = [
+                [rng.gauss(0.0, scale) for _ in range(hidden_size)] for _ in range(cfg.rank)
+            ]
+            rank = cfg.rank
+        k = rank + 1  # the projection plus a bias term
         self._gram = [[cfg.ridge if i == j else 0.0 for j in range(k)] for i in range(k)]
         self._target = [0.0] * k
         self._weights: list[float] | None = None  # solved lazily after updates
@@ -63,7 +73,10 @@ class HiddenStateProbe:
     def _features(self, hidden: Sequence[float]) -> list[float] | None:
         if len(hidden) != self.hidden_size:
             return None
-        z = [sum(p * h for p, h in zip(row, hidden)) for row in self._proj]
+        if self._proj is None:
+            z = [float(h) for h in hidden]
+        else:
+            z = [sum(p * h for p, h in zip(row, hidden)) for row in self._proj]
         if not all(math.isfinite(v) for v in z):
             return None
         z.append(1.0)
@@ -114,6 +127,42 @@ class HiddenStateProbe:
         return LengthEstimate(
             min(median - generated, left), min(max(upper, median) - generated, left)
         )
+
+    def state(self) -> dict[str, object]:
+        """What it has learned, as plain lists (scheduler/length_state.py saves it)."""
+        return {
+            "gram": [row[:] for row in self._gram],
+            "target": self._target[:],
+            "residuals": list(self._residuals),
+            "num_observed": self.num_observed,
+        }
+
+    def load_state(self, state: dict[str, object]) -> None:
+        """Take over a state() of a probe of the same shape; ValueError (nothing changed) when it
+        does not fit."""
+        k = len(self._target)
+        gram, target = state.get("gram"), state.get("target")
+        residuals, num = state.get("residuals"), state.get("num_observed")
+        if not (isinstance(gram, list) and len(gram) == k and isinstance(target, list)):
+            raise ValueError(f"probe state: expected a {k}x{k} gram matrix")
+        if not (isinstance(residuals, list) and isinstance(num, int) and num >= 0):
+            raise ValueError("probe state: residuals or num_observed malformed")
+        rows = [_finite_floats(row, k) for row in gram]
+        vector = _finite_floats(target, k)
+        spread = _finite_floats(residuals, len(residuals))
+        self._gram, self._target, self._weights = rows, vector, None
+        self._residuals = deque(spread[-self.config.window :], maxlen=self.config.window)
+        self.num_observed = num
+
+
+def _finite_floats(values: object, n: int) -> list[float]:
+    """values as n finite floats, else ValueError."""
+    if not isinstance(values, list) or len(values) != n:
+        raise ValueError(f"probe state: expected a list of {n} numbers")
+    out = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    if len(out) != n or not all(math.isfinite(v) for v in out):
+        raise ValueError("probe state: expected finite numbers")
+    return out
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

@@ -25,6 +25,7 @@ from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_bloc
 from workers.kv_tiers import KVTierConfig, KVTiers
 from workers.kv_transfer import KVReceiver
 from workers.layers.attention import AttentionMetadata, select_backend
+from workers.length_features import LengthFeatures, ends_prompt
 from workers.loader import load_model
 from workers.lora.manager import LoraManager
 from workers.model_files import load_tokenizer
@@ -94,6 +95,9 @@ class RunnerConfig:
     max_cpu_loras: int = 0
     # The prefix cache's lower tiers (workers/kv_tiers.py); None: off.
     kv_tiers: KVTierConfig | None = None
+    # Floats of each prompt's last hidden state sent to the length probe (0: off;
+    # workers/length_features.py).
+    length_feature_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -131,6 +135,7 @@ class _Batch:
     sample_rows: list[int] = field(default_factory=list)  # batch rows that sample this step
     pooling_rows: list[int] = field(default_factory=list)  # rows of embedding requests
     pooled: dict[str, list[float]] = field(default_factory=dict)  # their vectors, when complete
+    length_features: dict[str, list[float]] = field(default_factory=dict)  # prompts that ended
     # Speculative decoding: the proposed tokens each verify row runs after its last token; such a
     # row samples len(drafts) + 1 positions.
     drafts: dict[str, list[int]] = field(default_factory=dict)
@@ -262,6 +267,11 @@ class ModelRunner:
         )
         self.structured: StructuredDecoding | None = None  # built at the first constrained request
         self.pooler = Pooler()
+        self.length_features = (
+            LengthFeatures(int(hf_config.hidden_size), config.length_feature_dim, self.device)
+            if config.length_feature_dim and self.is_driver
+            else None
+        )
         self._vocab_size = int(hf_config.vocab_size)
         # Graphs capture collectives too, but TP > 1 over NCCL has not run on a multi-GPU machine
         # yet.
@@ -394,6 +404,7 @@ class ModelRunner:
         output.failed.update(failed)
         output.kv_load_failed = load_failed
         output.pooled = batch.pooled
+        output.length_features = batch.length_features
         expert_load = getattr(self.model, "expert_rows_per_rank", None)
         if expert_load is not None and self.is_driver:
             output.expert_tokens_per_rank = expert_load()
@@ -544,6 +555,7 @@ class ModelRunner:
             hidden = graphs.run(batch.input_ids, batch.starts, tables)  # a pure-decode step
             # A prompt's last chunk may be one token long, like a decode.
             self._prompt_logprobs(batch, hidden, list(range(len(batch.req_ids) + 1)))
+            self._length_features(batch, hidden, list(range(len(batch.req_ids) + 1)))
             if not batch.sample_rows:
                 return None
             if len(batch.sample_rows) < len(batch.req_ids):
@@ -561,6 +573,7 @@ class ModelRunner:
         if batch.pooling_rows and self.is_driver:
             self._pool(batch, hidden, meta.query_start_loc_cpu)
         self._prompt_logprobs(batch, hidden, meta.query_start_loc_cpu)
+        self._length_features(batch, hidden, meta.query_start_loc_cpu)
         if not batch.sample_rows:  # only partial prefills this step
             return None
         ends = meta.query_start_loc_cpu
@@ -596,6 +609,25 @@ class ModelRunner:
             )
             if vector is not None:
                 batch.pooled[rid] = vector
+
+    def _length_features(self, batch: _Batch, hidden: torch.Tensor, starts: list[int]) -> None:
+        """The length probe's features of the prompts that ended this step (rank 0, when on)."""
+        extractor = self.length_features
+        if extractor is None or not batch.sample_rows:
+            return
+        ids, requests = batch.req_ids, self.requests
+        ended = [
+            i
+            for i in batch.sample_rows
+            if ends_prompt(
+                batch.starts[i],
+                len(requests[ids[i]].sampling.prompt_token_ids),
+                len(requests[ids[i]].token_ids),
+            )
+        ]
+        if ended:
+            vectors = extractor.extract(hidden, [int(starts[i + 1]) - 1 for i in ended])
+            batch.length_features = {ids[i]: v for i, v in zip(ended, vectors)}
 
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, starts: list[int]) -> None:
         """Entries for the prompt positions this step computed, of the requests that asked."""
