@@ -118,7 +118,11 @@ class SchedulerConfig:
         choices=LENGTH_PROBES,
     )
     length_feature_dim: int = setting(
-        32, "length probe: floats of each prompt's projected hidden state", ge=4, le=512
+        64,
+        "length probe: floats of each prompt's projected hidden state (the probe's inputs; "
+        "each finished request costs O(dim^2) to learn)",
+        ge=4,
+        le=512,
     )
     length_predictor_state_path: str | None = setting(
         None,

@@ -49,7 +49,7 @@ def test_features_reach_the_scheduler_and_the_probe_learns(model: str, tmp_path)
             assert llm.engine.executor.runner.length_features is not None  # type: ignore[attr-defined]
             run(llm)
         got = features(sync)
-        assert len(got) == N and all(f is not None and len(f) == 32 for f in got)
+        assert len(got) == N and all(f is not None and len(f) == 64 for f in got)
         assert all(math.isfinite(v) for f in got for v in f)  # type: ignore[union-attr]
         # The same prompts give the same features, overlapped or not (chunked prefill included).
         for a, b in zip(got, features(overlapped)):
@@ -64,7 +64,7 @@ def test_features_reach_the_scheduler_and_the_probe_learns(model: str, tmp_path)
     finally:
         sync.shutdown()
         overlapped.shutdown()
-    restored = LivePredictor(32)
+    restored = LivePredictor(64)
     source = sync.engine.length_state.source  # type: ignore[union-attr]
     assert LengthStateFile(path, source, restored).load()  # saved at shutdown
     assert restored.num_observed == N and restored.probe_warm
@@ -77,6 +77,6 @@ def test_no_length_aware_setting_no_features() -> None:
 
     assert dim() == 0
     assert dim(policy="srpt", length_probe="off") == 0
-    assert dim(policy="srpt") == 32
-    assert dim(admission="foresight", length_feature_dim=64) == 64
-    assert dim(length_probe="on") == 32
+    assert dim(policy="srpt") == 64
+    assert dim(admission="foresight", length_feature_dim=128) == 128
+    assert dim(length_probe="on") == 64

@@ -258,6 +258,8 @@ def _corrupt_files(model: LivePredictor) -> list[str | bytes]:
     nan_gram["probe"]["gram"][0][0] = math.nan
     short = json.loads(json.dumps(good))
     short["probe"]["target"] = [0.0]
+    no_inverse = json.loads(json.dumps(good))
+    del no_inverse["probe"]["inverse"]
     lengths = json.loads(json.dumps(good))
     lengths["groups"]["groups"][0][1] = [-3, "x"]
     return [
@@ -272,6 +274,7 @@ def _corrupt_files(model: LivePredictor) -> list[str | bytes]:
         json.dumps({**good, "num_observed": -1}),
         json.dumps(nan_gram),
         json.dumps(short),
+        json.dumps(no_inverse),
         json.dumps(lengths),
         "[" * 100_000 + "]" * 100_000,
     ]
