@@ -1,7 +1,7 @@
 """Accuracy of the live length predictor (the hidden-state probe as a replica runs it) against the
 feature groups alone, on the evaluation set's held-out prompts.
 
-    python -m bench.length_live_accuracy [--set sim/traces/length_eval.jsonl] [--dim 32]
+    python -m bench.length_live_accuracy [--set sim/traces/length_eval.jsonl] [--dim 64]
 
 Unlike bench/length_accuracy.py --probe (full hidden states from LLM.embed), the features here
 come out of the serving path itself: each chat-templated prompt runs through an offline engine
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", default="sim/traces/length_eval.jsonl")
     parser.add_argument("--test-share", type=float, default=1 / 3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dim", type=int, default=32, help="length_feature_dim")
+    parser.add_argument("--dim", type=int, default=64, help="length_feature_dim")
     parser.add_argument("--cpu-threads", type=int, default=1)
     parser.add_argument("--features-cache", default="/tmp/length_eval_live_features.{dim}.json")
     parser.add_argument("--states-cache", default="/tmp/length_eval_states.json")
