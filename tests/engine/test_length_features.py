@@ -41,7 +41,7 @@ def features(llm: LLM) -> list[list[float] | None]:
 @pytest.mark.slow
 def test_features_reach_the_scheduler_and_the_probe_learns(model: str, tmp_path) -> None:
     path = str(tmp_path / "length-state.json")
-    kwargs = dict(device="cpu", load_progress=False, policy="srpt", max_num_batched_tokens=16)
+    kwargs = dict(device="cpu", load_progress=False, policy="srpt", max_num_batched_tokens=32)
     sync = LLM(model, length_predictor_state_path=path, **kwargs)  # type: ignore[arg-type]
     overlapped = LLM(model, async_scheduling=True, **kwargs)  # type: ignore[arg-type]
     try:
