@@ -378,6 +378,7 @@ class EngineConfig:
             max_cpu_loras=self.num_cpu_loras,
             kv_tiers=tiers,
             kv_cache_dtype=self.kv_cache_dtype,
+            length_feature_dim=sched.length_feature_dim if sched.uses_length_probe else 0,
             draft_model_dir=draft_model_dir,
             draft_gguf_file=(
                 self.quantized_gguf(self.speculative.draft_model)

@@ -20,12 +20,14 @@ from frontend.frontend import ModelInfo
 from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
 from scheduler.async_scheduler import AsyncScheduler
 from scheduler.block_manager import PrefixReport
+from scheduler.length_state import open_length_state
 from scheduler.predicted_load import PredictedLoad
 from scheduler.request import EngineRequest, Request
 from scheduler.spec_scheduler import SpecScheduler
 from workers.kv_cache import GiB, KVCacheSpec
 from workers.kv_fp8 import cache_dtype
 from workers.kv_tiers import KVTierConfig, disk_tier_blocks
+from workers.length_features import PROJECTION_SEED
 from workers.runner import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,9 @@ class EngineCore:
         # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
         # being updated from (scheduler/async_scheduler.py).
         self.pipeline = StepPipeline(self.executor) if overlap else None
+        # What the length probe's features come from: a state file of other features is not read.
+        features = f"{config.model}|{config.quantization}|projection seed {PROJECTION_SEED}"
+        self.length_state = open_length_state(self.scheduler, features)
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.loras = EngineLoras(config, self.model_dir)
@@ -233,9 +238,7 @@ class EngineCore:
             # written: later steps would read garbage or stall, so the engine stays failed.
             self.failure = exc
             raise
-        return _with_pooled(
-            self.scheduler.update_from_output(scheduler_output, runner_output), runner_output
-        )
+        return self._update(scheduler_output, runner_output)
 
     def _step_overlapped(self, pipeline: StepPipeline) -> list[RequestOutput]:
         """Async scheduling: launch the next step, then wait for the one in flight and return its
@@ -250,9 +253,15 @@ class EngineCore:
         except BaseException as exc:
             self.failure = exc  # as in a synchronous step; the pipeline runs no later step
             raise
-        return _with_pooled(
-            self.scheduler.update_from_output(scheduler_output, runner_output), runner_output
-        )
+        return self._update(scheduler_output, runner_output)
+
+    def _update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.length_state is not None:
+            self.length_state.maybe_save()
+        return _with_pooled(outputs, runner_output)
 
     @staticmethod
     def _launch(
@@ -289,6 +298,8 @@ class EngineCore:
         return None if connector is None else connector.hashes(limit)
 
     def shutdown(self) -> None:
+        if self.length_state is not None:
+            self.length_state.save()
         if self.pipeline is not None:
             self.pipeline.shutdown()
         self.executor.shutdown()

@@ -98,8 +98,10 @@ def make_admission(
     block_size: int,
     max_model_len: int,
     estimate: str = "median",
+    predictor: RemainingLength | None = None,
 ) -> ForesightAdmission | None:
-    """The admission rule of a SchedulerConfig.admission value (None: greedy)."""
+    """The admission rule of a SchedulerConfig.admission value (None: greedy); without a queue
+    predictor to share it learns with `predictor` (a new LengthPredictor when None)."""
     if admission == "greedy":
         return None
     if admission != "foresight":
@@ -110,5 +112,7 @@ def make_admission(
     elif isinstance(queue, FairQueue) and queue._srpt is not None:
         shared = queue._srpt.predictor
     own = shared is None
-    predictor = LengthPredictor() if shared is None else shared
-    return ForesightAdmission(predictor, num_blocks, block_size, max_model_len, own, estimate)
+    model = shared if shared is not None else predictor
+    if model is None:
+        model = LengthPredictor()
+    return ForesightAdmission(model, num_blocks, block_size, max_model_len, own, estimate)

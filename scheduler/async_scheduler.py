@@ -138,4 +138,6 @@ def _without(output: ModelRunnerOutput, rows: set[int], stale: set[str]) -> Mode
         sampled_token_ids=[output.sampled_token_ids[i] for i in keep],
         logprobs=None if logprobs is None else [logprobs[i] for i in keep],
         failed={rid: why for rid, why in output.failed.items() if rid not in stale},
+        # A stale id's feature is its old request's prompt, not the new one's.
+        length_features={rid: f for rid, f in output.length_features.items() if rid not in stale},
     )

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.settings import check_settings, setting
+from scheduler.settings import check_settings, setting, shown
 
 POLICIES = ("fcfs", "priority", "fair", "srpt", "fair_srpt")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 PREEMPTION_VICTIMS = ("lifo", "least_progress", "most_remaining")
 ADMISSIONS = ("greedy", "foresight")
+LENGTH_PROBES = ("auto", "on", "off")
+_MAX_PATH = 4096
 FORESIGHT_ESTIMATES = ("median", "upper")
 
 
@@ -106,6 +108,28 @@ class SchedulerConfig:
         ge=1,
         le=1_000_000,
     )
+    length_probe: str = setting(
+        "auto",
+        "the hidden-state length probe: the runner hands the scheduler each prompt's final hidden "
+        "state at its last token (projected to length_feature_dim floats) and the length "
+        "predictor learns from it online, falling back to its feature groups while cold "
+        "(scheduler/length_live.py). auto: on when policy srpt/fair_srpt or admission foresight "
+        "is; on: always (e.g. for the router's predicted_tokens load); off: never",
+        choices=LENGTH_PROBES,
+    )
+    length_feature_dim: int = setting(
+        64,
+        "length probe: floats of each prompt's projected hidden state (the probe's inputs; "
+        "each finished request costs O(dim^2) to learn)",
+        ge=4,
+        le=512,
+    )
+    length_predictor_state_path: str | None = setting(
+        None,
+        "a file where the length predictor's state is saved (atomically, every 256 finished "
+        "requests and at shutdown) and loaded at start; a corrupt or mismatched file is ignored "
+        "with a warning. None: not persisted",
+    )
     fair_input_weight: float = setting(
         1.0, "policy fair: weight of a prefill token in the tenant counters", ge=0
     )
@@ -115,6 +139,12 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        path = self.length_predictor_state_path
+        if path is not None and (not 0 < len(path) <= _MAX_PATH or "\0" in path):
+            raise ValueError(
+                f"length_predictor_state_path: must be a path of 1 to {_MAX_PATH} characters "
+                f"without NUL, got {shown(path)}"
+            )
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("num_cpu_blocks: preemption_mode='swap' needs a CPU pool (> 0)")
         if self.num_disk_tier_blocks and not self.num_cpu_tier_blocks:
@@ -144,6 +174,14 @@ class SchedulerConfig:
                 f"{name}: must be set for a Scheduler (an engine sizes it from memory)"
             )
         return num_gpu_blocks, max_model_len
+
+    @property
+    def uses_length_probe(self) -> bool:
+        """Whether the runner extracts the length probe's features (only when asked: it costs a
+        projection per prompt and a few hundred bytes per step)."""
+        if self.length_probe == "auto":
+            return self.policy in ("srpt", "fair_srpt") or self.admission == "foresight"
+        return self.length_probe == "on"
 
     @property
     def num_watermark_blocks(self) -> int:

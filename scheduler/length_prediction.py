@@ -11,8 +11,9 @@ and a queue policy treats None as "no information" (FCFS order).
 Pure Python and deterministic: the same observations in the same order give the same answers (no
 randomness, so no seed is needed). Memory is bounded by max_groups x window lengths.
 
-A learned probe on the model's hidden state at the prompt's last token (issue 35) is not here yet:
-it needs the runner to hand that state out, and would back these groups up as one more feature.
+A learned probe on the model's hidden state at the prompt's last token (issue 35) is in
+scheduler/length_probe.py; scheduler/length_live.py puts it in front of these groups for a served
+replica.
 """
 
 from __future__ import annotations
@@ -152,6 +153,30 @@ class LengthPredictor:
         """Learn from a finished request; an aborted or failed one (cut short) teaches nothing."""
         if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             self.observe(LengthFeatures.of(request), request.num_output_tokens)
+
+    def state(self) -> dict[str, object]:
+        """What it has learned, as plain lists (scheduler/length_state.py saves it)."""
+        groups = [[list(key), list(lengths)] for key, lengths in self._groups.items()]
+        return {"groups": groups, "num_observed": self.num_observed}
+
+    def load_state(self, state: dict[str, object]) -> None:
+        """Take over a state(), trimmed to this config's window and max_groups; ValueError
+        (nothing changed) when it is malformed."""
+        items, num = state.get("groups"), state.get("num_observed")
+        if not (isinstance(items, list) and isinstance(num, int) and num >= 0):
+            raise ValueError("length predictor state: groups or num_observed malformed")
+        cfg = self.config
+        groups: OrderedDict[tuple[object, ...], deque[int]] = OrderedDict()
+        for item in items[-cfg.max_groups :]:
+            key, lengths = item if isinstance(item, list) and len(item) == 2 else (None, None)
+            if not (isinstance(key, list) and len(key) <= 5 and isinstance(lengths, list)):
+                raise ValueError("length predictor state: a group is malformed")
+            if not all(isinstance(k, str | int) for k in key):
+                raise ValueError("length predictor state: a group key is malformed")
+            if not all(type(n) is int and n >= 1 for n in lengths):
+                raise ValueError("length predictor state: lengths must be integers >= 1")
+            groups[tuple(key)] = deque(lengths[-cfg.window :], maxlen=cfg.window)
+        self._groups, self.num_observed = groups, num
 
     def num_lengths(self) -> int:
         """Lengths held in all: at most max_groups x window."""

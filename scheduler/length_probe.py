@@ -4,9 +4,13 @@ Issue 35's learned probe: ridge regression of log(output length) on the hidden s
 online from finished requests. The state (hundreds to thousands of floats) is first projected to
 `rank` dimensions by a fixed random matrix drawn from the seed, so an update costs O(rank^2) and
 the whole model O(rank x hidden + rank^2) floats however many requests it has seen: bounded memory
-and pure Python (no numpy in the scheduler). The spread comes from the probe's own errors: each
-observation's residual is taken *before* it is learned (an honest out-of-sample error) and the
-last `window` of them give the median and upper quantile around the fitted log length.
+and pure Python (no numpy in the scheduler). The fit is kept current by recursive least squares
+(a rank-one update of the inverse of the regularised Gram matrix per observation, so a prediction
+is one dot product and no observation costs a solve); the inverse is recomputed exactly from the
+Gram matrix every REFRESH observations, so rounding cannot drift. The spread comes from the
+probe's own errors: each observation's residual is taken *before* it is learned (an honest
+out-of-sample error) and the last `window` of them give the median and upper quantile around the
+fitted log length.
 
 Deterministic under the seed: the same observations in the same order give the same answers.
 It answers None until it has seen `min_samples` requests, and for a state of the wrong size, so a
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 
 from scheduler.length_prediction import LengthEstimate, _quantile
 from scheduler.settings import check_settings, setting
+
+REFRESH = 1024  # observations between exact recomputations of the inverse
 
 
 @dataclass(slots=True)
@@ -45,37 +51,53 @@ class ProbeConfig:
 class HiddenStateProbe:
     """Online ridge regression of log output length on a projected hidden state."""
 
-    def __init__(self, hidden_size: int, config: ProbeConfig | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, config: ProbeConfig | None = None, project: bool = True
+    ) -> None:
+        """project=False: the state arrives projected already (workers/length_features.py) and
+        is regressed on as it is; `rank` is then hidden_size."""
         if not 1 <= hidden_size <= 1 << 16:
             raise ValueError(f"hidden_size: must be in [1, 65536], got {hidden_size}")
         self.config = cfg = config or ProbeConfig()
         self.hidden_size = hidden_size
-        rng = random.Random(cfg.seed)
-        scale = 1.0 / math.sqrt(cfg.rank)
-        self._proj = [[rng.gauss(0.0, scale) for _ in range(hidden_size)] for _ in range(cfg.rank)]
-        k = cfg.rank + 1  # the projection plus a bias term
+        self._proj: list[list[float]] | None = None
+        rank = hidden_size
+        if project:
+            rng = random.Random(cfg.seed)
+            scale = 1.0 / math.sqrt(cfg.rank)
+            self._proj = [
+                [rng.gauss(0.0, scale) for _ in range(hidden_size)] for _ in range(cfg.rank)
+            ]
+            rank = cfg.rank
+        k = rank + 1  # the projection plus a bias term
         self._gram = [[cfg.ridge if i == j else 0.0 for j in range(k)] for i in range(k)]
         self._target = [0.0] * k
-        self._weights: list[float] | None = None  # solved lazily after updates
+        # The ridge solution and the inverse of the Gram matrix, kept current by rank-one updates.
+        self._weights = [0.0] * k
+        self._inverse = [[1.0 / cfg.ridge if i == j else 0.0 for j in range(k)] for i in range(k)]
         self._residuals: deque[float] = deque(maxlen=cfg.window)
+        self._spread: tuple[float, float] | None = None
         self.num_observed = 0
 
     def _features(self, hidden: Sequence[float]) -> list[float] | None:
         if len(hidden) != self.hidden_size:
             return None
-        z = [sum(p * h for p, h in zip(row, hidden)) for row in self._proj]
+        if self._proj is None:
+            z = [float(h) for h in hidden]
+        else:
+            z = [sum(p * h for p, h in zip(row, hidden)) for row in self._proj]
         if not all(math.isfinite(v) for v in z):
             return None
         z.append(1.0)
         return z
 
-    def _fit(self) -> list[float]:
-        if self._weights is None:
-            self._weights = _solve(self._gram, self._target)
-        return self._weights
-
     def _log_length(self, z: list[float]) -> float:
-        return sum(w * v for w, v in zip(self._fit(), z))
+        return sum(w * v for w, v in zip(self._weights, z))
+
+    def _refit(self) -> None:
+        """The inverse and the weights exactly from the Gram matrix and the targets."""
+        self._inverse = _invert(self._gram)
+        self._weights = _matvec(self._inverse, self._target)
 
     def observe(self, hidden: Sequence[float], output_len: int) -> None:
         """A request whose prompt ended in this hidden state finished after output_len tokens."""
@@ -85,13 +107,25 @@ class HiddenStateProbe:
         y = math.log(output_len)
         if self.num_observed:
             self._residuals.append(y - self._log_length(z))
+            self._spread = None
         for i, zi in enumerate(z):
             row = self._gram[i]
             for j, zj in enumerate(z):
                 row[j] += zi * zj
             self._target[i] += zi * y
-        self._weights = None
         self.num_observed += 1
+        if self.num_observed % REFRESH == 0:
+            self._refit()
+            return
+        # Sherman-Morrison: (G + z z^T)^-1 = P - (P z)(P z)^T / (1 + z^T P z), P symmetric.
+        pz = _matvec(self._inverse, z)
+        scale = 1.0 / (1.0 + sum(a * b for a, b in zip(z, pz)))
+        error = (y - self._log_length(z)) * scale
+        self._weights = [w + p * error for w, p in zip(self._weights, pz)]
+        for row, pi in zip(self._inverse, pz):
+            f = pi * scale
+            for j, pj in enumerate(pz):
+                row[j] -= f * pj
 
     def predict(
         self, hidden: Sequence[float], max_tokens: int, generated: int = 0
@@ -104,9 +138,12 @@ class HiddenStateProbe:
         if z is None:
             return None
         mean = self._log_length(z)
-        spread = sorted(self._residuals)
-        median = math.exp(min(mean + _quantile(spread, 0.5), 50.0))
-        upper = math.exp(min(mean + _quantile(spread, self.config.quantile), 50.0))
+        if self._spread is None:  # the residuals' quantiles, until the next observation
+            ordered = sorted(self._residuals)
+            self._spread = (_quantile(ordered, 0.5), _quantile(ordered, self.config.quantile))
+        mid, high = self._spread
+        median = math.exp(min(mean + mid, 50.0))
+        upper = math.exp(min(mean + high, 50.0))
         left = max(1, max_tokens - generated)
         if median <= generated:  # past the fitted length: as many again as it has made
             guess = float(max(generated, 1))
@@ -115,23 +152,74 @@ class HiddenStateProbe:
             min(median - generated, left), min(max(upper, median) - generated, left)
         )
 
+    def state(self) -> dict[str, object]:
+        """What it has learned, as plain lists (scheduler/length_state.py saves it)."""
+        return {
+            "gram": [row[:] for row in self._gram],
+            "target": self._target[:],
+            "inverse": [row[:] for row in self._inverse],
+            "weights": self._weights[:],
+            "residuals": list(self._residuals),
+            "num_observed": self.num_observed,
+        }
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b, by Gaussian elimination with partial pivoting (a is symmetric positive
-    definite here: the ridge term keeps it so)."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    def load_state(self, state: dict[str, object]) -> None:
+        """Take over a state() of a probe of the same shape; ValueError (nothing changed) when it
+        does not fit."""
+        k = len(self._target)
+        gram, target = state.get("gram"), state.get("target")
+        residuals, num = state.get("residuals"), state.get("num_observed")
+        if not (isinstance(gram, list) and len(gram) == k and isinstance(target, list)):
+            raise ValueError(f"probe state: expected a {k}x{k} gram matrix")
+        if not (isinstance(residuals, list) and isinstance(num, int) and num >= 0):
+            raise ValueError("probe state: residuals or num_observed malformed")
+        rows = [_finite_floats(row, k) for row in gram]
+        vector = _finite_floats(target, k)
+        spread = _finite_floats(residuals, len(residuals))
+        # The running inverse and weights as they were (so a restart answers exactly as before).
+        inverse = state.get("inverse")
+        if not isinstance(inverse, list) or len(inverse) != k:
+            raise ValueError(f"probe state: expected a {k}x{k} inverse")
+        inv = [_finite_floats(row, k) for row in inverse]
+        weights = _finite_floats(state.get("weights"), k)
+        self._gram, self._target, self._inverse, self._weights = rows, vector, inv, weights
+        self._residuals = deque(spread[-self.config.window :], maxlen=self.config.window)
+        self._spread = None
+        self.num_observed = num
+
+
+def _finite_floats(values: object, n: int) -> list[float]:
+    """values as n finite floats, else ValueError."""
+    if not isinstance(values, list) or len(values) != n:
+        raise ValueError(f"probe state: expected a list of {n} numbers")
+    out = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    if len(out) != n or not all(math.isfinite(v) for v in out):
+        raise ValueError("probe state: expected finite numbers")
+    return out
+
+
+def _matvec(m: list[list[float]], v: list[float]) -> list[float]:
+    return [sum(a * b for a, b in zip(row, v)) for row in m]
+
+
+def _invert(a: list[list[float]]) -> list[list[float]]:
+    """The inverse of a, by Gauss-Jordan elimination with partial pivoting; ValueError when a is
+    singular or the result is not finite."""
+    n = len(a)
+    m = [row[:] + [1.0 if i == j else 0.0 for j in range(n)] for i, row in enumerate(a)]
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if not abs(m[pivot][col]) > 1e-300:
+            raise ValueError("probe state: the Gram matrix is singular")
         m[col], m[pivot] = m[pivot], m[col]
-        p = m[col][col]
-        for r in range(col + 1, n):
-            f = m[r][col] / p
-            if f:
-                mr, mc = m[r], m[col]
-                for c in range(col, n + 1):
-                    mr[c] -= f * mc[c]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x
+        inv = 1.0 / m[col][col]
+        mc = m[col] = [v * inv for v in m[col]]
+        for r in range(n):
+            f = m[r][col]
+            if r != col and f:
+                mr = m[r]
+                m[r] = [x - f * y for x, y in zip(mr, mc)]
+    out = [row[n:] for row in m]
+    if not all(math.isfinite(v) for row in out for v in row):
+        raise ValueError("probe state: the Gram matrix is not invertible in floats")
+    return out

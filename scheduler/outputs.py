@@ -123,6 +123,10 @@ class ModelRunnerOutput:
     # Device blocks whose load from a lower tier failed its check this step (every rank agrees):
     # the scheduler recomputes from the first of a request's failed blocks.
     kv_load_failed: list[int] = field(default_factory=list)
+    # The length probe's input (only when a length-aware setting is on): request id -> its
+    # prompt's final hidden state at the last token, projected to a few floats
+    # (workers/length_features.py), sent once, in the step that ends the prompt.
+    length_features: dict[str, list[float]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""

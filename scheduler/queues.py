@@ -376,12 +376,15 @@ _Line = deque[Request] | _SRPTLine
 WaitingQueue = FCFSQueue | PriorityQueue | FairQueue | SRPTQueue
 
 
-def make_waiting_queue(policy: str, srpt_aging_factor: float = 2.0) -> WaitingQueue:
-    """The waiting queue for a SchedulerConfig.policy value."""
-    if policy == "srpt":
-        return SRPTQueue(LengthPredictor(), srpt_aging_factor)
-    if policy == "fair_srpt":
-        return FairQueue(SRPTQueue(LengthPredictor(), srpt_aging_factor))
+def make_waiting_queue(
+    policy: str, srpt_aging_factor: float = 2.0, predictor: RemainingLength | None = None
+) -> WaitingQueue:
+    """The waiting queue for a SchedulerConfig.policy value; srpt and fair_srpt order by
+    `predictor` (a new LengthPredictor when None)."""
+    if policy in ("srpt", "fair_srpt"):
+        model = predictor if predictor is not None else LengthPredictor()
+        srpt = SRPTQueue(model, srpt_aging_factor)
+        return srpt if policy == "srpt" else FairQueue(srpt)
     queues: dict[str, type[FCFSQueue | PriorityQueue | FairQueue]] = {
         "fcfs": FCFSQueue,
         "priority": PriorityQueue,

@@ -135,6 +135,9 @@ class Request:
     known_to_runner: bool = field(default=False, init=False)
     # Tokens being sampled by steps in flight, not yet appended (async scheduling; 0 otherwise).
     num_output_placeholders: int = field(default=0, init=False)
+    # The length probe's input: its prompt's last hidden state, projected (None: not extracted,
+    # or not valid; scheduler/length_live.py).
+    length_feature: list[float] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         spec = self.spec

@@ -16,6 +16,7 @@ from scheduler.admission import make_admission
 from scheduler.block_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnector, KVTransfers
+from scheduler.length_live import LivePredictor, make_live_predictor
 from scheduler.length_prediction import LengthPredictor, RemainingLength, safe_observe
 from scheduler.lora_slots import LoraSlots
 from scheduler.outputs import (
@@ -97,7 +98,9 @@ class Scheduler:
         _, self.max_model_len = config.require_sizes()
         self.config = config
         self.kv = self.kv_manager_class(config)
-        self.waiting = make_waiting_queue(config.policy, config.srpt_aging_factor)
+        # A served replica's predictor (the hidden-state probe, persistence) when asked for one.
+        live = make_live_predictor(config)
+        self.waiting = make_waiting_queue(config.policy, config.srpt_aging_factor, live)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.victims = VictimPolicy(
@@ -112,12 +115,13 @@ class Scheduler:
             config.block_size,
             self.max_model_len,
             config.foresight_estimate,
+            live,
         )
         # The length model the router's predicted-tokens load reads (predicted_load): the queue's or
         # the admission's when they have one, else this one, which only learns.
         self.own_length_model: RemainingLength | None = None
         if self.length_model() is None:
-            self.own_length_model = LengthPredictor()
+            self.own_length_model = live if live is not None else LengthPredictor()
         self.num_preemptions = 0
         # (token, expert) rows per tensor-parallel rank, summed over steps (MoE models only; kept
         # out of SchedulerStats, which the router reads as scalars).
@@ -562,6 +566,8 @@ class Scheduler:
             self._land_loads(scheduler_output.kv_transfers, runner_output.kv_load_failed)
         if runner_output.expert_tokens_per_rank:
             self._count_expert_tokens(runner_output.expert_tokens_per_rank)
+        if runner_output.length_features:
+            self._take_length_features(runner_output.length_features)
         any_finished = False
         ahead = self._tokens_in_flight()
         for i, (rid, sampled) in enumerate(
@@ -592,6 +598,17 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    def _take_length_features(self, features: dict[str, list[float]]) -> None:
+        """Prompts' hidden-state features, kept on their requests for the length probe (before
+        their tokens are appended: a request that finishes at once learns from its feature)."""
+        model = self.length_model()
+        if not isinstance(model, LivePredictor):  # a study swapped in another model
+            return
+        for rid, vector in features.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                model.take_feature(req, vector)
 
     # ---- helpers for subclasses (the simulator's multi-step decode, sim/jump.py) ----------------
     def _num_spec_tokens(self, req: Request) -> int:

@@ -27,6 +27,7 @@ from workers.kv_fp8 import cache_dtype, check_device
 from workers.kv_tiers import KVTierConfig, KVTiers
 from workers.kv_transfer import KVReceiver
 from workers.layers.attention import AttentionMetadata, select_backend
+from workers.length_features import LengthFeatures, ends_prompt
 from workers.loader import load_model
 from workers.lora.manager import LoraManager
 from workers.model_files import load_tokenizer
@@ -105,6 +106,9 @@ class RunnerConfig:
     kv_tiers: KVTierConfig | None = None
     # `fp8`: K/V stored as E4M3 codes with per-layer scales (workers/kv_fp8.py); `auto`: dtype.
     kv_cache_dtype: str = "auto"
+    # Floats of each prompt's last hidden state sent to the length probe (0: off;
+    # workers/length_features.py).
+    length_feature_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -148,6 +152,7 @@ class _Batch:
     sample_rows: list[int] = field(default_factory=list)  # batch rows that sample this step
     pooling_rows: list[int] = field(default_factory=list)  # rows of embedding requests
     pooled: dict[str, list[float]] = field(default_factory=dict)  # their vectors, when complete
+    length_features: dict[str, list[float]] = field(default_factory=dict)  # prompts that ended
     # Speculative decoding: the proposed tokens each verify row runs after its last token; such a
     # row samples len(drafts) + 1 positions.
     drafts: dict[str, list[int]] = field(default_factory=dict)
@@ -283,6 +288,11 @@ class ModelRunner:
         )
         self.structured: StructuredDecoding | None = None  # built at the first constrained request
         self.pooler = Pooler()
+        self.length_features = (
+            LengthFeatures(int(hf_config.hidden_size), config.length_feature_dim, self.device)
+            if config.length_feature_dim and self.is_driver
+            else None
+        )
         self._vocab_size = int(hf_config.vocab_size)
         # At any TP size: NCCL collectives are captured inside the graphs (workers/cuda_graphs.py).
         self.use_graphs = decode_graphs_enabled(
@@ -418,6 +428,7 @@ class ModelRunner:
         output.failed.update(failed)
         output.kv_load_failed = load_failed
         output.pooled = batch.pooled
+        output.length_features = batch.length_features
         expert_load = getattr(self.model, "expert_rows_per_rank", None)
         if expert_load is not None and self.is_driver:
             output.expert_tokens_per_rank = expert_load()
@@ -589,6 +600,7 @@ class ModelRunner:
                 self._pool(batch, hidden, offsets)
         # A prompt's last chunk may be one token long, like a decode.
         self._prompt_logprobs(batch, hidden, offsets)
+        self._length_features(batch, hidden, offsets)
         if not batch.sample_rows:  # only partial prefills this step
             return None
         drafts = batch.drafts
@@ -633,6 +645,25 @@ class ModelRunner:
             )
             if vector is not None:
                 batch.pooled[rid] = vector
+
+    def _length_features(self, batch: _Batch, hidden: torch.Tensor, starts: list[int]) -> None:
+        """The length probe's features of the prompts that ended this step (rank 0, when on)."""
+        extractor = self.length_features
+        if extractor is None or not batch.sample_rows:
+            return
+        ids, requests = batch.req_ids, self.requests
+        ended = [
+            i
+            for i in batch.sample_rows
+            if ends_prompt(
+                batch.starts[i],
+                len(requests[ids[i]].sampling.prompt_token_ids),
+                len(requests[ids[i]].token_ids),
+            )
+        ]
+        if ended:
+            vectors = extractor.extract(hidden, [int(starts[i + 1]) - 1 for i in ended])
+            batch.length_features = {ids[i]: v for i, v in zip(ended, vectors)}
 
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor, starts: list[int]) -> None:
         """Entries for the prompt positions this step computed, of the requests that asked."""

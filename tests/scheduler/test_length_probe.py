@@ -71,3 +71,15 @@ def test_bad_settings_name_the_field(field: str, value: float) -> None:
         ProbeConfig(**{field: value})
     with pytest.raises(ValueError, match="hidden_size"):
         HiddenStateProbe(0)
+
+
+def test_recursive_updates_keep_the_exact_ridge_solution() -> None:
+    from scheduler import length_probe
+
+    probe = HiddenStateProbe(16, ProbeConfig(rank=8, min_samples=1), project=False)
+    for h, n in data(200, seed=4):
+        probe.observe(h, n)
+    exact = length_probe._matvec(length_probe._invert(probe._gram), probe._target)
+    assert max(abs(a - b) for a, b in zip(probe._weights, exact)) < 1e-9
+    with pytest.raises(ValueError, match="singular"):
+        length_probe._invert([[0.0, 0.0], [0.0, 0.0]])

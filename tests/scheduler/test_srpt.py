@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.length_prediction import LengthEstimate, LengthPredictor
+from scheduler.length_live import LivePredictor
+from scheduler.length_prediction import LengthEstimate
 from scheduler.preemption import VictimPolicy
 from scheduler.queues import FairQueue, SRPTQueue
 from tests.scheduler.contract_runner import ContractRunner
@@ -117,7 +118,8 @@ def test_the_scheduler_learns_lengths_and_orders_by_them():
     cfg = SchedulerConfig(num_gpu_blocks=64, max_model_len=64, block_size=4, policy="srpt")
     s = Scheduler(cfg)
     queue = s.waiting
-    assert isinstance(queue, SRPTQueue) and isinstance(queue.predictor, LengthPredictor)
+    # srpt turns the hidden-state probe on (length_probe auto); with no features it is the groups.
+    assert isinstance(queue, SRPTQueue) and isinstance(queue.predictor, LivePredictor)
     runner = ContractRunner(cfg.block_size, 64, 0)
     for rid, n in [("a", 3), ("b", 9)]:
         s.add_request(Request(EngineRequest(rid, [1, 2], SamplingParams(max_tokens=n))))
