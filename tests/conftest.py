@@ -4,7 +4,7 @@
   default cache directory (~/.cache/raylm), so later sessions skip the de-quantisation.
 - hf_smollm2: Hugging Face's own model read from the same GGUF file (the reference).
 - llm_factory: LLM instances cached by their arguments for the whole session.
-- ray_cluster: one loopback Ray instance for the whole session (Serve shut down with it); every
+- ray_cluster: one loopback Ray instance for the whole session (Serve stopped with it); every
   test that needs Ray or Serve uses it, so Ray starts once.
 - tiny_model_dir / long_tiny_model_dir: a random two-layer Llama with SmolLM2's tokenizer and no
   chat template, with 256 or 4,096 positions.
@@ -77,7 +77,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def ray_cluster() -> str:
     """One loopback Ray instance for the session; yields its GCS address."""
     import ray
-    from ray import serve
 
     started = not ray.is_initialized()
     if started:
@@ -92,7 +91,8 @@ def ray_cluster() -> str:
         )
     yield ray.get_runtime_context().gcs_address
     if started:
-        serve.shutdown()
+        # No serve.shutdown(): it stops every app gracefully (~5 s); ray.shutdown() stops the
+        # cluster this session started, Serve's controller, proxies and replicas with it.
         ray.shutdown()
 
 

@@ -46,8 +46,9 @@ def smol_url(ray_cluster, http_port):
         capture_output=True,
     )
     _wait_running("raylm")
-    yield f"http://127.0.0.1:{http_port}/v1"
-    serve.delete("raylm")
+    # No serve.delete: a session app lives until ray_cluster's serve.shutdown(), which stops every
+    # app at once (three deletes in turn cost ~3 s each at the end of the suite).
+    return f"http://127.0.0.1:{http_port}/v1"
 
 
 def _wait_running(app: str, timeout: float = 300) -> None:
@@ -79,8 +80,7 @@ def tiny_url(ray_cluster, http_port, tiny_model_dir):
         "ingress_num_cpus": 0.25,
     }
     serve.run(build_app(args), name="tiny", route_prefix="/tiny")
-    yield f"http://127.0.0.1:{http_port}/tiny/v1"
-    serve.delete("tiny")
+    return f"http://127.0.0.1:{http_port}/tiny/v1"  # stopped with the others (smol_url)
 
 
 # A reasoning template: the assistant's turn opens a think block, as Qwen3's thinking templates
@@ -120,8 +120,7 @@ def think_url(ray_cluster, http_port, tmp_path_factory, smollm2_dir):
         "ingress_num_cpus": 0.25,
     }
     serve.run(build_app(args), name="think", route_prefix="/think")
-    yield f"http://127.0.0.1:{http_port}/think/v1"
-    serve.delete("think")
+    return f"http://127.0.0.1:{http_port}/think/v1"  # stopped with the others (smol_url)
 
 
 def replica_stats(app: str) -> dict:

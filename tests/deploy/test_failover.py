@@ -190,8 +190,19 @@ async def _run_cases(
         return await asyncio.gather(*tasks)
 
 
+# Undisturbed texts by app configuration: greedy and seeded texts do not depend on the batch or
+# the replica (the disturbed runs prove it), so tests on the same configuration share one run.
+UNDISTURBED: dict[str, list[tuple[str, int]]] = {}
+
+
+def _undisturbed(url: str, config: str, cases: list[tuple[str, dict]] = CASES) -> list:
+    if config not in UNDISTURBED:
+        UNDISTURBED[config] = asyncio.run(_run_cases(url, None, cases))
+    return UNDISTURBED[config]
+
+
 def test_killing_a_replica_mid_generation_loses_no_request(failover_url):
-    undisturbed = asyncio.run(_run_cases(failover_url, None))
+    undisturbed = _undisturbed(failover_url, "tp1")
     disturbed = asyncio.run(_run_cases(failover_url, _kill_replica_fault))
     for (prompt, _), calm, hit in zip(CASES, undisturbed, disturbed):
         assert hit == calm, prompt  # same text, and usage counts every token exactly once
@@ -240,7 +251,7 @@ def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_
     a 503, the others complete."""
     from deploy.app import build_app
 
-    undisturbed = asyncio.run(_run_cases(failover_url, None))
+    undisturbed = _undisturbed(failover_url, "tp1")
 
     async def under_update() -> list[tuple[str, int]]:
         async with httpx.AsyncClient(base_url=failover_url, timeout=300) as client:
@@ -394,7 +405,7 @@ def test_a_scale_down_mid_stream_keeps_every_character(failover_url, long_tiny_m
     from deploy.app import build_app
 
     _deploy_long(long_tiny_model_dir)
-    undisturbed = asyncio.run(_run_cases(failover_url, None, LONG_CASES))
+    undisturbed = _undisturbed(failover_url, "long", LONG_CASES)
 
     async def scale_down() -> None:
         app = build_app(_long_app_args(long_tiny_model_dir, num_replicas=1))
@@ -415,7 +426,7 @@ def test_a_replica_shut_down_mid_stream_hands_back_every_character(
     string holds back, and resumes on the other replica (the drained one refuses requests until
     the routers learn it is draining). Every text is that of an undisturbed run."""
     _deploy_long(long_tiny_model_dir)
-    undisturbed = asyncio.run(_run_cases(failover_url, None, LONG_CASES))
+    undisturbed = _undisturbed(failover_url, "long", LONG_CASES)
 
     async def shut_down_one() -> None:
         handle = serve.get_deployment_handle("LLMReplica", app_name=APP)

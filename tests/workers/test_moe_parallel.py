@@ -5,19 +5,18 @@ expert parallel at 2 and 4 ranks (each rank whole experts; attention stays tenso
 The model is TINY_TP_MOE (Qwen2-MoE shape: 8 experts, top-2, a gated shared expert, 12 heads);
 gpt-oss (TINY_GPT_OSS) at 2 ranks checks its sinks split by head and its expert biases (the down
 bias added by one rank only).
-Each case spawns its ranks as processes: run under `flock /tmp/raylm-ray.lock`.
+The ranks are spawned processes (gloo_ranks, shared by the parallel tests): run under
+`flock /tmp/raylm-ray.lock`.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.random_checkpoint import TINY_GPT_OSS, TINY_TP_MOE, write_random_checkpoint
-from tests.workers.test_tensor_parallel import forward_logits
-from workers.parallel import init_tensor_parallel, reset_tensor_parallel, set_expert_parallel
+from tests.workers.test_tensor_parallel import forward_logits, tp_logits
+from workers.parallel import reset_tensor_parallel
 
 pytestmark = pytest.mark.slow
 
@@ -43,36 +42,15 @@ def gpt_oss_dir(tmp_path_factory) -> str:
     return write_random_checkpoint(spec, path, seed=31).path
 
 
-def _rank_main(
-    rank: int, world: int, init_file: str, model_dirs: list[str], ep: bool, outs: list[str]
-) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        init_tensor_parallel(rank, world, dist.group.WORLD)
-        set_expert_parallel(ep)
-        for model_dir, out in zip(model_dirs, outs):
-            logits = forward_logits(model_dir)
-            if rank == 0:
-                torch.save(logits, out)
-    finally:
-        dist.destroy_process_group()
-
-
+# The 2-rank cases last: their group stays up for the other parallel tests (workers/conftest.py).
 @pytest.mark.parametrize(
-    "world,ep", [(2, False), (3, False), (2, True), (4, True)], ids=["tp2", "tp3", "ep2", "ep4"]
+    "world,ep", [(3, False), (4, True), (2, False), (2, True)], ids=["tp3", "ep4", "tp2", "ep2"]
 )
-def test_split_experts_match_one_rank(world, ep, moe_dir, single_rank, gpt_oss_dir, tmp_path):
+def test_split_experts_match_one_rank(world, ep, moe_dir, single_rank, gpt_oss_dir, gloo_ranks):
     dirs, refs = [moe_dir], [single_rank]
-    if (world, ep) == (2, False):  # the same ranks then run gpt-oss (spawning costs most)
+    if (world, ep) == (2, False):  # the same ranks then run gpt-oss
         reset_tensor_parallel()
         dirs.append(gpt_oss_dir)
         refs.append(forward_logits(gpt_oss_dir))
-    outs = [str(tmp_path / f"logits{i}.pt") for i in range(len(dirs))]
-    mp.spawn(
-        _rank_main,
-        args=(world, str(tmp_path / "init"), dirs, ep, outs),
-        nprocs=world,
-        join=True,
-    )
-    for out, ref in zip(outs, refs):
-        torch.testing.assert_close(torch.load(out), ref, atol=1e-4, rtol=1e-4)
+    for got, ref in zip(gloo_ranks(world).run(tp_logits, dirs, ep), refs, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

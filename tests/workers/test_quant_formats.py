@@ -347,31 +347,13 @@ def test_a_tiny_llama_from_each_layout_decodes_like_its_de_quantized_floats(
         assert_greedy_match(tokens, hf_greedy(hf, p, 8), str(layout))
 
 
-def _tp_rank_main(rank: int, world: int, init_file: str, model_dirs: list[str], out: str) -> None:
-    import torch.distributed as dist
-
-    from tests.workers.test_tensor_parallel import forward_logits
-    from workers.parallel import init_tensor_parallel
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        init_tensor_parallel(rank, world, dist.group.WORLD)
-        logits = [forward_logits(d) for d in model_dirs]
-        if rank == 0:
-            torch.save(logits, out)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
-def test_two_ranks_of_quantized_llamas_match_one(tiny_float_llama, tmp_path):
+def test_two_ranks_of_quantized_llamas_match_one(tiny_float_llama, tmp_path, gloo_ranks):
     """GPTQ act-order (q/k/v and gate/up split by output rows, o and down by whole groups of 32
     inputs, every group's scales kept) and compressed-tensors FP8 over two gloo ranks give the
     single-rank logits (FP8: each rank scales its own activations, so within FP8's own error)."""
-    import torch.multiprocessing as mp
-
     from tests.random_quantized import write_quantized_checkpoint
-    from tests.workers.test_tensor_parallel import forward_logits
+    from tests.workers.test_tensor_parallel import forward_logits, tp_logits
     from workers.parallel import reset_tensor_parallel
 
     dirs = []
@@ -382,9 +364,7 @@ def test_two_ranks_of_quantized_llamas_match_one(tiny_float_llama, tmp_path):
         )
     reset_tensor_parallel()
     expected = [forward_logits(d) for d in dirs]
-    out = tmp_path / "logits.pt"
-    mp.spawn(_tp_rank_main, args=(2, str(tmp_path / "init"), dirs, str(out)), nprocs=2, join=True)
-    gptq, fp8 = torch.load(out)
+    gptq, fp8 = gloo_ranks(2).run(tp_logits, dirs)
     torch.testing.assert_close(gptq, expected[0], atol=1e-4, rtol=1e-4)
     # Row-parallel ranks round their halves of each token separately: a second FP8 rounding of
     # the same product, no further from the one-rank logits than FP8 is from the float weights.

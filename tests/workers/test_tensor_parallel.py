@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoConfig
 
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.layers.linear import QKVParallelLinear
 from workers.loader import load_model
-from workers.parallel import init_tensor_parallel, reset_tensor_parallel
+from workers.parallel import init_tensor_parallel, reset_tensor_parallel, set_expert_parallel
 
 pytestmark = pytest.mark.slow
 
@@ -44,27 +43,34 @@ def forward_logits(model_dir: str) -> torch.Tensor | None:
     return None if logits[0] is None else torch.cat(logits)
 
 
-def _rank_main(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        init_tensor_parallel(rank, world, dist.group.WORLD)
-        logits = forward_logits(model_dir)
-        if rank == 0:
-            torch.save(logits, out)
-        else:
-            assert logits is None  # only rank 0 receives logits
-    finally:
-        dist.destroy_process_group()
+def tp_logits(rank: int, world: int, model_dirs: list[str], ep: bool = False) -> list | None:
+    """A gloo_ranks job: each model's forward_logits on this rank (experts split whole when ep);
+    rank 0 returns them, the others get none (only rank 0 receives logits)."""
+    init_tensor_parallel(rank, world, dist.group.WORLD)
+    set_expert_parallel(ep)
+    logits = [forward_logits(d) for d in model_dirs]
+    if rank != 0:
+        assert logits == [None] * len(model_dirs)
+        return None
+    return logits
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_mqa"])
-def test_two_ranks_match_one(family, tiny_checkpoint, tmp_path):
+FAMILIES = ["llama", "llama_mqa"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_logits(tiny_checkpoint, gloo_ranks) -> dict[str, torch.Tensor]:
+    """Every family's logits from one job on two ranks (spawning ranks costs more than models)."""
+    dirs = [tiny_checkpoint(family)[0] for family in FAMILIES]
+    return dict(zip(FAMILIES, gloo_ranks(2).run(tp_logits, dirs)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_match_one(family, tiny_checkpoint, two_rank_logits):
     model_dir, _ = tiny_checkpoint(family)
     reset_tensor_parallel()
     expected = forward_logits(model_dir)
-    out = tmp_path / "logits.pt"
-    mp.spawn(_rank_main, args=(2, str(tmp_path / "init"), model_dir, str(out)), nprocs=2, join=True)
-    torch.testing.assert_close(torch.load(out), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(two_rank_logits[family], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_qkv_shards_replicate_kv_heads_when_ranks_outnumber_them(monkeypatch):
