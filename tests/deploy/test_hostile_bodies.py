@@ -541,7 +541,7 @@ def before_fuzz(tiny):
 
 
 FUZZ = settings(
-    max_examples=80,
+    max_examples=48,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
