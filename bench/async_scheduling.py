@@ -76,10 +76,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.4,
-        help="CUDA: each of the two engines' share (both live in this process)",
+        "--num-gpu-blocks",
+        type=int,
+        default=4096,
+        help="CUDA: each engine's KV blocks (both engines live in this process, and "
+        "gpu_memory_utilization counts everything the process holds)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -92,7 +93,7 @@ def main() -> None:
             load_progress=False,
             async_scheduling=on,
             max_num_seqs=args.max_num_seqs,
-            **({"gpu_memory_utilization": args.gpu_memory_utilization} if cuda else {}),
+            **({"num_gpu_blocks": args.num_gpu_blocks} if cuda else {}),
         )
         for on in (False, True)
     }

@@ -226,9 +226,10 @@ def bench_engines(path: str, args, bandwidth: float) -> list[dict]:
         elem = 1 if kv == "fp8" else (2 if args.device == "cuda" else 4)
         for batch in args.batches:
             ms = decode_ms(llm, config.vocab_size, batch, args.context, args.steps, args.device)
-            model = llm.engine.executor.runner.model
             context = args.context + args.steps  # about the mean context of the timed steps
-            weights, _ = step_bytes(model, batch, context, config)
+            # Not kept in a local: the model's attention layers hold views of the KV pool, which
+            # would outlive the engine's shutdown and leave the next engine no memory.
+            weights, _ = step_bytes(llm.engine.executor.runner.model, batch, context, config)
             kv_b = kv_bytes(config, batch, context, elem)
             floor = (weights + kv_b) / bandwidth * 1e3
             rows.append(

@@ -223,9 +223,11 @@ def bench_shape(name, spec, args, bandwidth) -> list[dict]:
             config = AutoConfig.from_pretrained(paths[fmt])
             for batch in args.batches:
                 ms = decode_ms(llm, config.vocab_size, batch, args.context, args.steps, args.device)
-                model = llm.engine.executor.runner.model
                 mean_context = args.context + _warm_steps(batch, args.context) + args.steps // 2
+                # No local for the model: its layers hold the KV pool past the engine's shutdown.
+                model = llm.engine.executor.runner.model
                 weights, kv = step_bytes(model, batch, mean_context, config)
+                del model
                 floor = (weights + kv) / bandwidth * 1e3
                 row = dict(shape=name, format=fmt, batch=batch, step_ms=ms, floor_ms=floor)
                 row |= dict(weights_gb=weights / 1e9, kv_gb=kv / 1e9, floor_share=floor / ms)
