@@ -541,7 +541,7 @@ def before_fuzz(tiny):
 
 
 FUZZ = settings(
-    max_examples=48,
+    max_examples=32,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
