@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from workers.layers.linear import pack_cpu_weights
+from workers.layers.linear import drop_packed_float_copies, pack_cpu_weights
 from workers.layers.quantized import drop_float_copies
 from workers.models import model_class
 from workers.quant_config import quant_config_of
@@ -140,4 +140,24 @@ def load_model(
         logger.info("%d weights kept as GGUF blocks", drop_float_copies(model))
     if device.type == "cpu":
         pack_cpu_weights(model)  # once, on this rank's shards, now that they hold their values
+        freed = drop_packed_float_copies(model)
+        logger.info("%d float weights freed beside their packed copies", freed)
+        if freed:
+            _return_freed_heap()
     return model.requires_grad_(False).eval()
+
+
+def _return_freed_heap() -> None:
+    """Hand the freed weights' pages back to the OS. The weights (1-4 MB each) were allocated
+    from glibc's heap, which keeps freed chunks for reuse: without a trim the replica's RSS stays
+    where it was (measured: 1,398 MiB before, 993 MiB after, on the de-quantized SmolLM2)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
+        return
+    trim(0)

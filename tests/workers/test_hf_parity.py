@@ -52,11 +52,18 @@ def test_smollm2_weights_equal_transformers_dequantisation(smollm2_llm, hf_smoll
     ours = smollm2_llm.engine.executor.runner.model
     theirs = hf_smollm2.state_dict()
     layer = ours.model.layers[3]
-    q, k, v = layer.self_attn.qkv_proj.weight.split([576, 192, 192])
+
+    def held(linear: torch.nn.Module, width: int) -> torch.Tensor:
+        """The weight a CPU linear multiplies by (its packed copy, the only one kept), read back
+        exactly: identity rows times W^T."""
+        with torch.no_grad():
+            return linear(torch.eye(width)).t()
+
+    q, k, v = held(layer.self_attn.qkv_proj, 576).split([576, 192, 192])
     assert torch.equal(q, theirs["model.layers.3.self_attn.q_proj.weight"])
     assert torch.equal(k, theirs["model.layers.3.self_attn.k_proj.weight"])
     assert torch.equal(v, theirs["model.layers.3.self_attn.v_proj.weight"])
-    gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+    gate, up = held(layer.mlp.gate_up_proj, 576).chunk(2)
     assert torch.equal(gate, theirs["model.layers.3.mlp.gate_proj.weight"])
     assert torch.equal(up, theirs["model.layers.3.mlp.up_proj.weight"])
     assert torch.equal(ours.model.embed_tokens.weight, theirs["model.embed_tokens.weight"])

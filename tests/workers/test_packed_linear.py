@@ -138,7 +138,7 @@ def test_each_tp_rank_packs_its_own_shard(rank, monkeypatch):
 def test_load_model_packs_every_linear_and_the_lm_head(tiny_checkpoint):
     from transformers import AutoConfig
 
-    path, _ = tiny_checkpoint("llama")
+    path, hf = tiny_checkpoint("llama")
     model = load_model(
         path, AutoConfig.from_pretrained(path), torch.float32, torch.device("cpu"), progress=False
     )
@@ -146,8 +146,29 @@ def test_load_model_packs_every_linear_and_the_lm_head(tiny_checkpoint):
     assert model.lm_head in layers and len(layers) == 1 + 4 * model.args.num_layers
     assert all(m.packed is not None for m in layers)
     hidden = torch.randn(3, model.args.hidden_size)
-    expected = F.linear(hidden, model.lm_head.weight)[:, : model.args.vocab_size]
+    expected = F.linear(hidden, hf.lm_head.weight)[:, : model.args.vocab_size]
     torch.testing.assert_close(model.compute_logits(hidden), expected, **TOLERANCE[torch.float32])
-    assert pack_cpu_weights(model) == len(
-        layers
-    )  # packing again (after a weight change) repacks all
+    assert pack_cpu_weights(model) == len(layers)  # packing again keeps every packed copy
+    torch.testing.assert_close(model.compute_logits(hidden), expected, **TOLERANCE[torch.float32])
+
+
+def test_load_model_keeps_each_linear_weight_once(tiny_checkpoint):
+    """The float weight beside a packed copy is freed (its shape kept), except one a tied
+    embedding reads."""
+    from transformers import AutoConfig
+
+    for family, tied in (("llama", False), ("qwen2", True)):
+        path, hf = tiny_checkpoint(family)
+        config = AutoConfig.from_pretrained(path)
+        assert bool(config.tie_word_embeddings) is tied
+        model = load_model(path, config, torch.float32, torch.device("cpu"), progress=False)
+        for m in model.modules():
+            if isinstance(m, linear_mod.CpuPackedWeight) and m is not model.lm_head:
+                assert m.weight.packed_only and m.weight.stride() == (0, 0), m
+                assert m.weight.untyped_storage().nbytes() <= 4
+        head = model.lm_head.weight
+        assert getattr(head, "packed_only", False) is not tied
+        ids = torch.tensor([1, 5, 9])
+        torch.testing.assert_close(
+            model.model.embed_tokens(ids), hf.model.embed_tokens(ids), rtol=0, atol=0
+        )

@@ -106,9 +106,9 @@ class CpuPackedWeight(nn.Module):
     """A layer whose `weight` may be packed for CPU linears once it is loaded (see
     pack_cpu_weights).
 
-    The packed copy sits beside the weight, which stays for loading, tests and the tied embedding,
-    so a float CPU model holds its linear weights twice. A weight loaded from GGUF blocks
-    (`weight.gguf`) is used as stored instead: one copy, no packing."""
+    Once a model is loaded, drop_packed_float_copies frees the float weight beside a packed copy
+    (a tied embedding keeps it), so a float CPU model holds each linear weight once. A weight
+    loaded from GGUF blocks (`weight.gguf`) is used as stored instead: one copy, no packing."""
 
     packed: torch.Tensor | GGUFWeight | FP8Weight | Int4Weight | None = None
     # LoRA adapters' slot weights (workers/lora), attached when the engine serves adapters.
@@ -117,6 +117,8 @@ class CpuPackedWeight(nn.Module):
     def pack_weight(self) -> bool:
         """Pack this rank's (loaded) weight shard; True if it was packed (or is GGUF blocks, FP8 or
         INT4)."""
+        if getattr(self.weight, "packed_only", False):
+            return True  # its float values were dropped; the packed copy is the weight
         kept = getattr(self.weight, "gguf", None) or getattr(self.weight, "quant", None)
         self.packed = kept if kept is not None else cpu_pack(self.weight)
         return self.packed is not None
@@ -128,6 +130,34 @@ def pack_cpu_weights(model: nn.Module) -> int:
 
     Call again after changing weights: a packed copy does not follow its weight."""
     return sum(m.pack_weight() for m in model.modules() if isinstance(m, CpuPackedWeight))
+
+
+def drop_packed_float_copies(model: nn.Module) -> int:
+    """Free the float values of every weight that a oneDNN-packed copy serves, unless a module
+    that reads weights directly (a tied embedding) shares the parameter; returns how many.
+
+    A dropped weight keeps its shape, dtype and device as a zero-stride view of one zero, so
+    shape-only readers (LoRA slots) still work, and it is marked `packed_only` so that packing
+    again keeps the packed copy instead of packing zeros. Its values are gone: call this only on a
+    model whose CPU linears all run through `linear` with their packed copy."""
+    packed = [m for m in model.modules() if isinstance(m, CpuPackedWeight)]
+    shared = {
+        id(p)
+        for m in model.modules()
+        if not isinstance(m, CpuPackedWeight)
+        for p in m.parameters(recurse=False)
+    }
+    count = 0
+    for m in packed:
+        w = getattr(m, "weight", None)  # FusedMoE packs per expert and keeps its floats
+        if not isinstance(m.packed, torch.Tensor) or not isinstance(w, torch.Tensor):
+            continue
+        if id(w) in shared or w.numel() == 0:
+            continue
+        w.data = w.data.new_zeros(()).expand(w.shape)
+        w.packed_only = True
+        count += 1
+    return count
 
 
 def _shard(loaded: torch.Tensor, dim: int, size: int, index: int) -> torch.Tensor:
