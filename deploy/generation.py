@@ -62,27 +62,28 @@ class ChoiceDelta:
 
 @dataclass(slots=True)
 class UsageTally:
-    """Token counts of a response: each prompt counted once, however many choices it has."""
+    """Token counts of a response so far: each prompt counted once, however many choices it has,
+    and each choice's tokens as its latest delta counts them (deltas carry running totals, so a
+    tally mid-stream is the usage up to that delta and the finished tally the response's)."""
 
     prompt: dict[int, int] = field(default_factory=dict)
     cached: dict[int, int] = field(default_factory=dict)
-    completion: int = 0
+    outputs: dict[int, int] = field(default_factory=dict)  # choice index -> tokens generated
 
     def add(self, delta: ChoiceDelta) -> None:
-        if delta.finish_reason is None:
-            return
         self.prompt[delta.prompt_index] = delta.num_prompt_tokens
         self.cached[delta.prompt_index] = max(
             self.cached.get(delta.prompt_index, 0), delta.num_cached_tokens
         )
-        self.completion += delta.num_output_tokens
+        self.outputs[delta.index] = delta.num_output_tokens
 
     def as_dict(self) -> dict:
         prompt = sum(self.prompt.values())
+        completion = sum(self.outputs.values())
         return {
             "prompt_tokens": prompt,
-            "completion_tokens": self.completion,
-            "total_tokens": prompt + self.completion,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
         }
 

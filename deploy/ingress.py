@@ -690,7 +690,9 @@ class OpenAIIngress:
                 first = await anext(deltas, None)
             except Exception as exc:
                 return error_response(exc)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous_usage = bool(options and options.continuous_usage_stats)
             return StreamingResponse(
                 self._sse_stream(
                     m,
@@ -702,6 +704,7 @@ class OpenAIIngress:
                     opened,
                     side.prefixes,
                     model,
+                    continuous_usage,
                 ),
                 media_type="text/event-stream",
             )
@@ -834,7 +837,10 @@ class OpenAIIngress:
         opened: bool | None,
         prefixes: list[str] | None = None,
         model: str | None = None,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[bytes]:
+        """continuous_usage: every chunk carries the usage so far (vLLM's
+        stream_options.continuous_usage_stats)."""
         created = int(time.time())
         head = {
             "id": rid,
@@ -847,6 +853,8 @@ class OpenAIIngress:
         tally = UsageTally()
         try:
             async for d in deltas:
+                tally.add(d)
+                usage = {"usage": tally.as_dict()} if continuous_usage else {}
                 lp = None
                 if d.logprobs:
                     lp = (chat_logprobs if chat else completion_logprobs)(d.logprobs, m.texts)
@@ -862,7 +870,7 @@ class OpenAIIngress:
                             "logprobs": lp,
                             "finish_reason": d.finish_reason,
                         }
-                        yield _sse({**head, "choices": [choice]})
+                        yield _sse({**head, "choices": [choice], **usage})
                 else:
                     first = d.index not in splits
                     split = splits.setdefault(d.index, _ChatSplit(tools, self._splitter(m, opened)))
@@ -876,8 +884,7 @@ class OpenAIIngress:
                             "logprobs": lp,
                             "finish_reason": split.finish_reason(d.finish_reason),
                         }
-                        yield _sse({**head, "choices": [choice]})
-                tally.add(d)
+                        yield _sse({**head, "choices": [choice], **usage})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": tally.as_dict()})
         except Exception as exc:

@@ -133,12 +133,11 @@ class ToolCallMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "include_obfuscation": (None, False),
-        "continuous_usage_stats": (None, False),
-    }
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {"include_obfuscation": (None, False)}
 
     include_usage: bool = False
+    # vLLM's extension (GuideLLM sends it): every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):

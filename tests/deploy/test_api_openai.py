@@ -62,6 +62,31 @@ def test_streamed_completion_equals_the_non_streamed_one(client):
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 1  # really streamed
 
 
+def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (GuideLLM sends it): each chunk's usage
+    counts the tokens streamed so far, and the last chunk's equals the final usage."""
+    stream = client.completions.create(
+        model=SMOL,
+        prompt="Count: one, two, three,",
+        max_tokens=9,
+        temperature=0,
+        logprobs=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == 9
+    streamed = 0
+    for c in chunks[:-1]:
+        streamed += len(c.choices[0].logprobs.tokens) if c.choices[0].logprobs else 0
+        assert c.usage.completion_tokens == streamed, (c.usage, streamed)
+        assert c.usage.prompt_tokens == final.usage.prompt_tokens > 0
+        assert c.usage.total_tokens == c.usage.prompt_tokens + streamed
+    assert streamed == 9 and len(chunks) > 2
+
+
 def test_chat_completion_uses_the_chat_template(client):
     r = client.chat.completions.create(
         model=SMOL,
