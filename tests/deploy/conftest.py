@@ -123,6 +123,13 @@ def think_url(ray_cluster, http_port, tmp_path_factory, smollm2_dir):
     return f"http://127.0.0.1:{http_port}/think/v1"  # stopped with the others (smol_url)
 
 
+def delete_app(name: str) -> None:
+    """Delete a module's app without waiting for it to stop: Serve stops its replicas and ingress
+    in the background (each waits out its graceful-shutdown loop, ~3-5 s), and no later test
+    uses the app's name, its route or its actors."""
+    serve.delete(name, _blocking=False)
+
+
 def replica_stats(app: str) -> dict:
     """The scheduler figures of the app's (single) LLMReplica."""
     return (

@@ -9,6 +9,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from tests.deploy.conftest import delete_app
 from tests.random_lora import write_random_lora
 
 pytestmark = pytest.mark.slow
@@ -48,7 +49,7 @@ def lora_app(ray_cluster, http_port, tiny_model_dir, tmp_path_factory):
     }
     serve.run(build_app(args), name="lora", route_prefix="/lora")
     yield f"http://127.0.0.1:{http_port}/lora", root
-    serve.delete("lora")
+    delete_app("lora")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.deploy.conftest import wait_for
+from tests.deploy.conftest import delete_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -169,4 +169,4 @@ def test_a_burst_scales_one_model_to_two_replicas_and_back_leaving_the_other_alo
         assert watch.seen == {1}, watch.seen  # ... with its one replica all along
         assert _replicas(STEADY) == 1
     finally:
-        serve.delete(APP)
+        delete_app(APP)

@@ -18,7 +18,7 @@ from ray import serve
 
 from engine.disagg import decode_request
 from scheduler import EngineRequest, SamplingParams
-from tests.deploy.conftest import wait_for
+from tests.deploy.conftest import delete_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def disagg_url(ray_cluster, http_port, smol_url):
 
     serve.run(build_app(disagg_args()), name=APP, route_prefix=f"/{APP}")
     yield f"http://127.0.0.1:{http_port}/{APP}/v1"
-    serve.delete(APP)
+    delete_app(APP)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from ray import serve
 
 from deploy.config import AppConfig
-from tests.deploy.conftest import TINY, TINY_KEY, replica_stats, wait_for
+from tests.deploy.conftest import TINY, TINY_KEY, delete_app, replica_stats, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def gated_url(ray_cluster, http_port, tiny_model_dir):
     }
     serve.run(build_app(args), name="gated", route_prefix="/gated")
     yield f"http://127.0.0.1:{http_port}/gated/v1"
-    serve.delete("gated")
+    delete_app("gated")
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import jsonschema
@@ -63,6 +64,10 @@ TOPICS = [
 ]
 
 
+# The preemption test's requests: enough to overflow its 40-block pool.
+FILLER, CONSTRAINED = 3, 3
+
+
 def chat(topic: str) -> list[dict]:
     return [{"role": "user", "content": f"Describe {topic} as a JSON user record."}]
 
@@ -116,7 +121,7 @@ def test_unconstrained_rows_unchanged_by_constrained_neighbours(smollm2_llm):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_constrained_request_survives_preemption(mode, llm_factory):
+def test_constrained_request_survives_preemption(mode, llm_factory, caplog):
     # Same engine shape as the preemption invariance test: 40 blocks hold a fraction of the load.
     kwargs = dict(num_gpu_blocks=40, max_model_len=40 * 16, preemption_mode=mode)
     if mode == "swap":
@@ -124,15 +129,20 @@ def test_constrained_request_survives_preemption(mode, llm_factory):
     llm = llm_factory(model="default", dtype="float32", **kwargs)
     before = llm.engine.stats().num_preemptions
     constraint = StructuredOutput.json_schema(PERSON_SCHEMA)
+    # The filler first: the scheduler preempts the latest-admitted requests, the constrained ones.
+    filler = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)] * FILLER
     params = [
         SamplingParams(max_tokens=160, temperature=0.8, seed=i, structured=constraint)
-        for i in range(5)
+        for i in range(CONSTRAINED)
     ]
-    filler = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)] * 4
-    prompts = [chat(t) for t in TOPICS[:5]] + [chat("an old story " * 20)] * 4
-    outputs = llm.chat(prompts, params + filler, use_tqdm=False)
+    prompts = [chat("an old story " * 20)] * FILLER + [chat(t) for t in TOPICS[:CONSTRAINED]]
+    with caplog.at_level(logging.DEBUG, logger="scheduler.scheduler"):
+        outputs = llm.chat(prompts, filler + params, use_tqdm=False)
     assert llm.engine.stats().num_preemptions > before
-    for out in outputs[:5]:
+    preempted = {r.getMessage().split()[1] for r in caplog.records if "preempted" in r.msg}
+    constrained = outputs[FILLER:]
+    assert preempted & {out.request_id for out in constrained}, preempted
+    for out in constrained:
         jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
 
 
