@@ -1,8 +1,11 @@
 """GGUF blocks kept quantized: the kernels, the layout conversion, sharding, and the embedded model.
 
-Tolerances: the block kernel and the de-quantise + GEMM path both multiply the exact de-quantised
-weights, so they differ from a float64 product of those weights only by float32 summation:
+Tolerances: every path multiplies the exact de-quantised weights W. The float kernel and the
+de-quantise + GEMM path differ from a float64 x @ W^T only by float32 summation:
 |y - y64| <= 1e-5 * (|x| @ |W|^T) + 1e-6, a bound on reordered float32 sums of K <= 2048 terms.
+The int8 kernel (VNNI builds) first rounds each 32-element block of x to its int8 grid (step
+d_x = max|x_b| / 127), as llama.cpp does, and is otherwise exact (integer dot products): it adds
+at most sum over blocks of (d_x / 2) * sum |w_b| to that bound.
 De-quantisation itself is exact: the same bits as gguf-py's (and transformers' conversion).
 """
 
@@ -18,7 +21,7 @@ from transformers import LlamaConfig
 from workers.gguf import blocks_to_weight, hf_name, iterate_gguf
 from workers.layers.backends import gguf_cpu
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
-from workers.layers.quantized import KERNEL_MAX_ROWS, GGUFWeight
+from workers.layers.quantized import K_QTYPES, KERNEL_MAX_ROWS, GGUFWeight
 
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 QTYPES = tuple(_BLOCK_BYTES)  # the 32-element types; the K-quants are tested in test_kquant.py
@@ -40,10 +43,22 @@ def weight(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
     return blocks_to_weight(qtype, raw_blocks(qtype, rows, cols, seed), "w")
 
 
+def activation_half_steps(x: torch.Tensor) -> torch.Tensor:
+    """Half the int8 grid step of each element's 32-element block of x [M, K]: the most the int8
+    kernel's rounding moves it."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    return (step / 2).expand_as(blocks).reshape(x.shape)
+
+
 def assert_product_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    exact = (x.double() @ w.double().t()).float()
-    bound = 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
-    assert bool(((y - exact).abs() <= bound).all()), float((y - exact).abs().max())
+    """y is x @ w^T within the bound of the kernel that computed it (the module docstring)."""
+    exact = x.double() @ w.double().t()
+    bound = 1e-5 * (x.abs() @ w.abs().t()).double() + 1e-6
+    if gguf_cpu.int8_kernel():
+        bound += activation_half_steps(x).double() @ w.abs().double().t()
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -87,6 +102,46 @@ def test_shards_along_whole_blocks_multiply_like_the_whole(qtype):
     torch.testing.assert_close(rows, full, atol=0, rtol=0)
     cols = w.narrow(1, 0, 64).matmul(x[:, :64]) + w.narrow(1, 64, 64).matmul(x[:, 64:])
     torch.testing.assert_close(cols, full, atol=1e-5, rtol=1e-5)
+
+
+def on_int8_grid(rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Activations the int8 kernel represents exactly: each 32-element block is a power-of-two
+    step times integers in [-127, 127], 127 included (so the block's step is that power)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, k // 32, 32), generator=g).float()
+    q[:, :, 0] = 127
+    step = 2.0 ** torch.randint(-12, -4, (rows, k // 32, 1), generator=g).float()
+    return (q * step).reshape(rows, k)
+
+
+ALL_QTYPES = (*QTYPES, "Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
+def test_on_the_int8_grid_the_kernel_is_exact_up_to_float_rounding(qtype):
+    """Activations already on their int8 grid lose nothing to quantization: the integer dot
+    products are exact, and y differs from x @ W^T by float32 rounding alone."""
+    from tests.workers.test_kquant import k_weight
+
+    w = k_weight(qtype, 40, 256, seed=2) if qtype in K_QTYPES else weight(qtype, 40, 256, seed=2)
+    x = on_int8_grid(9, 256)
+    exact = x.double() @ w.dequantize().double().t()
+    bound = 1e-5 * (x.abs() @ w.dequantize().abs().t()).double() + 1e-6
+    assert bool(((w.matmul(x).double() - exact).abs() <= bound).all())
+
+
+def test_changed_blocks_drop_the_packed_tiles():
+    w, other = weight("Q4_1", 20, 64), weight("Q4_1", 20, 64, seed=9)
+    x = torch.randn(3, 64)
+    w.matmul(x)  # packs, where the int8 kernel is built
+    w.copy_(other)
+    assert torch.equal(w.matmul(x), other.matmul(x))
+
+
+def test_the_kernel_build_names_its_instruction_set():
+    """A VNNI build exactly where this CPU has VNNI (the variant is in the library's name)."""
+    assert (gguf_cpu.load().isa() == "avx512_vnni") == (gguf_cpu.variant() == "avx512_vnni")
+    assert gguf_cpu.int8_kernel() == (gguf_cpu.variant() == "avx512_vnni")
 
 
 @pytest.mark.parametrize("start, length", [(16, 32), (0, 48), (32, 40)])
