@@ -268,11 +268,18 @@ void rows_upto(const Packed& w, int64_t t, const Acts& a, int64_t r0, int64_t ro
   tile_rows<Q, R>(w, t, a, r0, y);
 }
 
+// Work a thread should have before the weight rows are split: about 20 us of tile blocks times
+// activation rows. Below it a fork and join costs more than it saves, and on a busy machine
+// waiting for a second, descheduled thread costs far more; at batch 1 only the large layers and
+// the LM head are split.
+constexpr int64_t kMinWork = 2048;
+
 template <int Q>
 void tiles(const Packed& w, const Acts& a, float* y) {
+  const int64_t grain = std::max<int64_t>(1, kMinWork / std::max<int64_t>(1, w.blocks * a.rows));
   // A tile's blocks (at most 512 bytes each per 32 inputs) stay in L1 while every group of
   // activation rows passes over them.
-  at::parallel_for(0, w.tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, w.tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t r0 = 0; r0 < a.rows; r0 += kRowTile)
         rows_upto<Q, kRowTile>(w, t, a, r0, std::min<int64_t>(kRowTile, a.rows - r0), y);
@@ -303,7 +310,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& codes, const at:
   float* dp = dx.data_ptr<float>();
   float* sp = sx.data_ptr<float>();
   int32_t* hp = hs.data_ptr<int32_t>();
-  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * blocks, kMinWork, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       quantize_block(xp + i * kBlock, qp + i * kBlock, dp + i, sp + i, hp + 2 * i);
   });

@@ -1,5 +1,7 @@
 // Linears over GGUF blocks kept as stored (see gguf_cpu.py, which builds it).
-// Registered as torch.ops.raylm_gguf.{linear,dequantize}.
+// Registered as torch.ops.raylm_gguf.{linear,dequantize}. `linear` here keeps the activations in
+// float32; it is the fallback for builds without AVX512-VNNI, where GGUFWeight.matmul uses the
+// int8 kernel of gguf_int8.cpp instead. `dequantize` serves every build.
 //
 // Layout, per weight row of K inputs:
 //   Q4_0, Q4_1: codes uint8 [N, K/2], 16 bytes per 32-element block, byte j holding element j
@@ -8,7 +10,8 @@
 //               scales float32 [N, K/32] (GGUF's fp16 d, widened exactly); Q4_1 also mins.
 //   Q4_K, Q5_K, Q6_K: codes uint8 [N, K/256 * bytes], the file's 256-element super-blocks
 //               unchanged (fp16 scales, 6-bit or 8-bit sub-block scales and the quants); scales
-//               and mins are unused (empty). See `kchunk` for where each element lives.
+//               and mins are unused (empty). See `kbits` (gguf_blocks.h) for where each
+//               element lives.
 // Element value: Q4_0 d * (q - 8), Q4_1 d * q + m, Q8_0 d * q; Q4_K and Q5_K (d * sc) * q -
 // dmin * mn; Q6_K (d * sc) * (q - 32). Each operation is rounded once in float32 (built with
 // -ffp-contract=off), in gguf-py's order, so `dequantize` gives the bits gguf-py's
