@@ -43,6 +43,25 @@ def weight(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
     return blocks_to_weight(qtype, raw_blocks(qtype, rows, cols, seed), "w")
 
 
+# The int8 kernel rounds activations as llama.cpp does, so its greedy tokens may part from the
+# fp32 path's at wider near-ties, and its logprobs move more than float rounding moves them.
+# Measured on the embedded model (bench/quantized_cpu.py --quality 32, 2026-11-26): first
+# differences at top-2 gaps up to 0.35 nats, sampled logprobs up to 0.24 apart while the tokens
+# agree; on the tiny K-quant Llama up to 0.1 apart.
+INT8_NEAR_TIE = 0.5
+INT8_LOGPROB_DIFF = 0.3
+
+
+def greedy_tolerances() -> tuple[float, float, float]:
+    """(near-tie, logprob difference, least share of identical tokens) that the GGUF path's
+    greedy tokens keep against the fp32 path's, for the kernel this build runs."""
+    from tests.workers.greedy import NEAR_TIE
+
+    if gguf_cpu.int8_kernel():
+        return INT8_NEAR_TIE, INT8_LOGPROB_DIFF, 0.6
+    return NEAR_TIE, 1e-3, 0.9
+
+
 def activation_half_steps(x: torch.Tensor) -> torch.Tensor:
     """Half the int8 grid step of each element's 32-element block of x [M, K]: the most the int8
     kernel's rounding moves it."""
@@ -255,14 +274,14 @@ def _fused_order(name: str) -> int:
 @pytest.mark.slow
 def test_quantized_greedy_tokens_equal_the_float_path_except_at_near_ties(llm_factory):
     """32 chat prompts, 8 greedy tokens each (bench/quantized_cpu.py --quality runs 32 tokens):
-    the first difference of each prompt (if any) must
-    sit on a near-tie of the float path (top-2 logprobs within 1e-3), and the sampled token's
-    logprob agrees within 1e-3 up to there."""
+    the first difference of each prompt (if any) must sit on a near-tie of the float path (top-2
+    logprobs within 1e-3; with the int8 kernel INT8_NEAR_TIE), and the sampled token's logprob
+    agrees within 1e-3 (INT8_LOGPROB_DIFF) up to there."""
 
     from scheduler import SamplingParams
     from tests.prompts import random_chats
-    from tests.workers.greedy import NEAR_TIE
 
+    near_tie, logprob_diff, share = greedy_tolerances()
     chats = random_chats(32, seed=31, max_words=20)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     ref = llm_factory(quantization="none", kv_cache_memory_gb=0.25).chat(chats, sp, use_tqdm=False)
@@ -271,11 +290,11 @@ def test_quantized_greedy_tokens_equal_the_float_path_except_at_near_ties(llm_fa
     for r, g in zip(ref, got, strict=True):
         for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids, strict=True)):
             if a != b:
-                assert r.logprobs[i][1][1] - r.logprobs[i][2][1] <= NEAR_TIE, (r.request_id, i)
+                assert r.logprobs[i][1][1] - r.logprobs[i][2][1] <= near_tie, (r.request_id, i)
                 break
             same += 1
-            assert abs(r.logprobs[i][0][1] - g.logprobs[i][0][1]) <= 1e-3
-    assert same >= 0.9 * 32 * 8
+            assert abs(r.logprobs[i][0][1] - g.logprobs[i][0][1]) <= logprob_diff
+    assert same >= share * 32 * 8, same
 
 
 def test_quantization_setting_picks_the_gguf_file_on_cpu_only(tmp_path):
