@@ -149,6 +149,20 @@ def test_on_the_int8_grid_the_kernel_is_exact_up_to_float_rounding(qtype):
     assert bool(((w.matmul(x).double() - exact).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
+def test_the_float_kernel_keeps_float_activations(qtype):
+    """The float block kernel (CPUs without VNNI; here called directly, since this build may
+    route matmul to the int8 kernel) differs from x @ W^T by float32 summation alone."""
+    from tests.workers.test_kquant import k_weight
+
+    w = k_weight(qtype, 40, 512, seed=4) if qtype in K_QTYPES else weight(qtype, 40, 512, seed=4)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
+    y = gguf_cpu.load().linear(x, *w._kernel_args())
+    exact = x.double() @ w.dequantize().double().t()
+    bound = 1e-5 * (x.abs() @ w.dequantize().abs().t()).double() + 1e-6
+    assert bool(((y.double() - exact).abs() <= bound).all())
+
+
 def test_changed_blocks_drop_the_packed_tiles():
     w, other = weight("Q4_1", 20, 64), weight("Q4_1", 20, 64, seed=9)
     x = torch.randn(3, 64)
