@@ -138,8 +138,8 @@ def test_rows_that_are_not_whole_super_blocks_are_refused():
 def test_a_tiny_k_quant_llama_decodes_like_its_de_quantised_floats(tmp_path):
     """The file's K-quant linears, embedding and head are kept as super-blocks, each bit-equal
     (de-quantised) to transformers' conversion of the same file; greedy tokens of 8 prompts
-    (prefills above the kernel's row limit, decode steps below it) equal the fp32 path's, except
-    after a near-tie."""
+    (prefills above the float kernel's row limit, decode steps below it) equal the fp32 path's,
+    except after a near-tie (test_quantized.greedy_tolerances: wider with int8 activations)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -147,8 +147,7 @@ def test_a_tiny_k_quant_llama_decodes_like_its_de_quantised_floats(tmp_path):
     from scheduler import SamplingParams
     from tests.random_checkpoint import random_prompts
     from tests.random_kquant import write_tiny_kquant_gguf
-    from tests.workers.greedy import NEAR_TIE
-    from tests.workers.test_quantized import _fused_order
+    from tests.workers.test_quantized import _fused_order, greedy_tolerances
     from workers.loader import load_model
     from workers.model_files import resolve_model
 
@@ -198,12 +197,13 @@ def test_a_tiny_k_quant_llama_decodes_like_its_de_quantised_floats(tmp_path):
             outs[quantization] = llm.generate(prompts, sp, use_tqdm=False)
         finally:
             llm.shutdown()
+    near_tie, logprob_diff, _ = greedy_tolerances()
     for ref, got in zip(outs["none"], outs["gguf"], strict=True):
         for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=True)):
             if a != b:
-                assert ref.logprobs[i][1][1] - ref.logprobs[i][2][1] <= NEAR_TIE
+                assert ref.logprobs[i][1][1] - ref.logprobs[i][2][1] <= near_tie
                 break
-            assert abs(ref.logprobs[i][0][1] - got.logprobs[i][0][1]) <= 1e-3
+            assert abs(ref.logprobs[i][0][1] - got.logprobs[i][0][1]) <= logprob_diff
 
 
 def _layer_types() -> list[list[str]]:

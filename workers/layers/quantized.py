@@ -7,14 +7,18 @@ A `GGUFWeight` holds one logical [rows, cols] matrix in the file's blocks, exact
   sub-block scales and mins, the quants), which the kernel reads directly.
 It narrows, copies and permutes rows like a tensor, so the tensor-parallel layers shard it with the
 code they shard float weights with; a split inside a block (32) or super-block (256) is refused,
-naming the tensor. Its `matmul` is the C++ kernel for small batches (decode steps, the LM head)
-and a de-quantised float GEMM for large ones (prefill chunks), where the multiply, not the
-weight's bytes, is the cost.
+naming the tensor.
+
+Its `matmul`, where the kernel was built with AVX512-VNNI, quantizes the activations to int8 per
+32-element block and multiplies integer codes (gguf_int8.cpp) at every row count, over a copy of
+the blocks packed once, on first use, into 16-row tiles (the stored blocks stay for
+de-quantisation, sharding and the tied embedding). Elsewhere it is the float kernel for small
+batches (decode steps, the LM head) and a de-quantised float GEMM for large ones.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,9 +30,10 @@ BLOCK = 32
 SUPER_BLOCK = 256
 K_QTYPES = ("Q4_K", "Q5_K", "Q6_K")
 QTYPES = ("Q4_0", "Q4_1", "Q8_0", *K_QTYPES)
-# At most this many rows go through the block kernel; larger batches de-quantise the weight once
-# per call into a transient float matrix and run one GEMM. Measured on SmolLM2's shapes (one
-# thread): the two cross between 32 and 64 rows for the layers, near 128 for the LM head.
+# Without the int8 kernel, at most this many rows go through the float block kernel; larger
+# batches de-quantise the weight once per call into a transient float matrix and run one GEMM.
+# Measured on SmolLM2's shapes (one thread): the two cross between 32 and 64 rows for the layers,
+# near 128 for the LM head. (The int8 kernel beats both at every row count: no limit.)
 KERNEL_MAX_ROWS = 48
 
 
@@ -55,6 +60,9 @@ class GGUFWeight:
     scales: torch.Tensor | None  # float32 [rows, cols / 32]; None for K-quants (in the codes)
     mins: torch.Tensor | None  # float32 [rows, cols / 32], Q4_1 only
     name: str = ""  # the checkpoint tensor's name, for errors
+    # The int8 kernel's 16-row tiles of these blocks (gguf_cpu `pack`), made on first use; any
+    # change to the blocks (copy_) drops them.
+    packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in QTYPES:
@@ -122,6 +130,7 @@ class GGUFWeight:
             raise ValueError(f"qtype: cannot copy {other.qtype} blocks into {self.qtype} blocks")
         for (dst, _), (src, _) in zip(self._parts(), other._parts(), strict=True):
             dst.copy_(src)
+        self.packed = None
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [rows, cols] matrix these blocks encode."""
@@ -147,7 +156,12 @@ class GGUFWeight:
         """x @ W^T in x's dtype (computed in float32)."""
         x2 = x.reshape(-1, x.shape[-1]).float()
         ops = gguf_cpu.load()
-        if ops is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
+        if gguf_cpu.int8_kernel():
+            if self.packed is None:
+                self.packed = tuple(ops.pack(*self._kernel_args()))
+            rows, qtype = self.codes.shape[0], gguf_cpu.QTYPE_IDS[self.qtype]
+            y = ops.linear_packed(x2.contiguous(), *self.packed, rows, qtype)
+        elif ops is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
             y = ops.linear(x2.contiguous(), *self._kernel_args())
         else:
             y = torch.mm(x2, self.dequantize().t())

@@ -1,8 +1,13 @@
-"""The C++ kernels over GGUF blocks kept quantized (gguf_linear.cpp beside this file).
+"""The C++ kernels over GGUF blocks kept quantized (gguf_linear.cpp, gguf_int8.cpp and
+gguf_blocks.h beside this file).
 
-Built once per machine and CPU capability into torch's extensions cache, as the paged-decode
-kernel is (cpu_paged.py). `load()` returns None where the build fails; callers then de-quantise
-with `dequantize_reference` and multiply in float (correct, slower).
+Built once per machine and instruction-set variant into torch's extensions cache, as the
+paged-decode kernel is (cpu_paged.py). On a CPU with AVX512-VNNI the build adds `-mavx512vnni`
+and the int8 kernel (`pack`, `linear_packed`: activations quantized to int8 per 32-element block,
+integer dot products); elsewhere only the float kernel (`linear`). The variant is part of the
+library's name, so a machine without VNNI never loads a VNNI build from a shared cache. `load()`
+returns None where the build fails; callers then de-quantise with `dequantize_reference` and
+multiply in float (correct, slower).
 """
 
 from __future__ import annotations
@@ -19,31 +24,65 @@ from workers.layers.backends.cpu_paged import _ISA_FLAGS, _put_ninja_on_path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gguf_linear.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = [os.path.join(_HERE, f) for f in ("gguf_linear.cpp", "gguf_int8.cpp")]
+_HEADER = os.path.join(_HERE, "gguf_blocks.h")
 QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 
 
 def _source_digest() -> str:
-    with open(_SOURCE, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for path in (*_SOURCES, _HEADER):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
+def _has_vnni() -> bool:
+    """Whether this CPU runs AVX512-VNNI (torch's own check where it has one, else the kernel's
+    flags in /proc/cpuinfo)."""
+    check = getattr(torch._C._cpu, "_is_avx512_vnni_supported", None)
+    if check is not None:
+        return bool(check())
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
+    except OSError:
+        return False
+
+
+def variant() -> str:
+    """The instruction-set variant this machine builds: avx512_vnni, avx512, avx2 or default."""
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    return "avx512_vnni" if isa == "avx512" and _has_vnni() else isa
+
+
+@functools.cache
+def int8_kernel() -> bool:
+    """Whether the loaded kernel multiplies with int8 activations (a VNNI build)."""
+    ops = load()
+    return ops is not None and ops.isa() == "avx512_vnni"
 
 
 @functools.cache
 def load():
-    """torch.ops.raylm_gguf (its `linear` and `dequantize`), or None when it cannot be built."""
+    """torch.ops.raylm_gguf (`linear`, `dequantize`, `isa`; in VNNI builds `pack` and
+    `linear_packed`), or None when it cannot be built."""
     try:
         from torch.utils.cpp_extension import load as build
 
         _put_ninja_on_path()
-        isa = torch.backends.cpu.get_cpu_capability().lower()
+        isa = variant()
+        vector = _ISA_FLAGS.get(isa.removesuffix("_vnni"), [])
+        vnni = ["-mavx512vnni"] if isa == "avx512_vnni" else []
         # contract=off: the de-quantised weight is d * q + m rounded twice, as gguf-py computes it.
-        flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]
+        flags = ["-O3", "-fopenmp", "-ffp-contract=off", *vector, *vnni]
         t0 = time.perf_counter()
         build(
             # The source's hash in the name, as the paged-decode kernel's: worktrees with
             # different kernels sharing one extensions directory never load each other's.
             name=f"raylm_gguf_linear_{isa}_{_source_digest()}",
-            sources=[_SOURCE],
+            sources=_SOURCES,
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -52,7 +91,7 @@ def load():
     except Exception as exc:
         logger.warning("GGUF CPU kernel unavailable, quantized linears de-quantise: %r", exc)
         return None
-    logger.info("GGUF CPU kernel ready (%s, %.1fs)", isa, time.perf_counter() - t0)
+    logger.info("GGUF CPU kernel ready (%s build, %.1fs)", ops.isa(), time.perf_counter() - t0)
     return ops
 
 
