@@ -141,7 +141,7 @@ def load_model(
     if device.type == "cpu":
         pack_cpu_weights(model)  # once, on this rank's shards, now that they hold their values
         freed = drop_packed_float_copies(model)
-        logger.info("%d float weights freed beside their packed copies", freed)
+        logger.info("%d weights freed beside their packed copies", freed)
         if freed:
             _return_freed_heap()
     return model.requires_grad_(False).eval()

@@ -135,7 +135,7 @@ def test_rows_that_are_not_whole_super_blocks_are_refused():
 
 
 @pytest.mark.slow
-def test_a_tiny_k_quant_llama_decodes_like_its_de_quantised_floats(tmp_path):
+def test_a_tiny_k_quant_llama_decodes_like_its_de_quantised_floats(tmp_path, monkeypatch):
     """The file's K-quant linears, embedding and head are kept as super-blocks, each bit-equal
     (de-quantised) to transformers' conversion of the same file; greedy tokens of 8 prompts
     (prefills above the float kernel's row limit, decode steps below it) equal the fp32 path's,
@@ -148,9 +148,13 @@ def test_a_tiny_k_quant_llama_decodes_like_its_de_quantised_floats(tmp_path):
     from tests.random_checkpoint import random_prompts
     from tests.random_kquant import write_tiny_kquant_gguf
     from tests.workers.test_quantized import _fused_order, greedy_tolerances
+    from workers import loader
     from workers.loader import load_model
     from workers.model_files import resolve_model
 
+    # The blocks as loaded, before the last step leaves the linears' packed tiles as their only
+    # copy (tests/workers/test_quantized.py checks that step).
+    monkeypatch.setattr(loader, "drop_packed_float_copies", lambda model: 0)
     path = str(tmp_path / "tiny-k.gguf")
     vocab = write_tiny_kquant_gguf(path)
     cache = str(tmp_path / "cache")

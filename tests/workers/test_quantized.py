@@ -243,13 +243,21 @@ def test_unsupported_block_types_are_refused_at_load_naming_the_type(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_embedded_model_loads_as_blocks_bit_equal_to_the_float_conversion(smollm2_dir):
+def test_the_embedded_model_loads_as_blocks_bit_equal_to_the_float_conversion(
+    smollm2_dir, monkeypatch
+):
+    """The blocks as loaded (before the loader's last step frees what packed copies serve) equal
+    the float conversion; then that step leaves each linear's packed tiles as its only copy and
+    the tied embedding its blocks."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from workers import loader
+    from workers.layers.linear import drop_packed_float_copies
     from workers.loader import load_model
     from workers.model_files import default_model_path
 
+    monkeypatch.setattr(loader, "drop_packed_float_copies", lambda model: 0)
     config = AutoConfig.from_pretrained(smollm2_dir)
     model = load_model(
         smollm2_dir,
@@ -278,6 +286,18 @@ def test_the_embedded_model_loads_as_blocks_bit_equal_to_the_float_conversion(sm
         if gguf is not None:
             assert p.numel() == 0  # no float copy beside the blocks
     assert blocks == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the tied embedding
+    if not gguf_cpu.int8_kernel():
+        return
+    down = model.model.layers[7].mlp.down_proj.weight.gguf
+    x = torch.randn(3, down.shape[1])
+    before, tiles = down.matmul(x), down.packed
+    assert drop_packed_float_copies(model) == 30 * 4
+    assert down.codes.numel() == 0 and down.shape == (576, 1536) and down.packed is tiles
+    assert torch.equal(down.matmul(x), before)
+    with pytest.raises(RuntimeError, match="blocks were freed"):
+        down.dequantize()
+    embedding = model.model.embed_tokens.weight.gguf
+    assert embedding.freed_shape is None and embedding.codes.numel() > 0
 
 
 def _fused_order(name: str) -> int:

@@ -133,8 +133,9 @@ def pack_cpu_weights(model: nn.Module) -> int:
 
 
 def drop_packed_float_copies(model: nn.Module) -> int:
-    """Free the float values of every weight that a oneDNN-packed copy serves, unless a module
-    that reads weights directly (a tied embedding) shares the parameter; returns how many.
+    """Free the float values of every weight that a oneDNN-packed copy serves, and the stored
+    blocks of every GGUF weight the int8 kernel has packed, unless a module that reads weights
+    directly (a tied embedding) shares the parameter; returns how many.
 
     A dropped weight keeps its shape, dtype and device as a zero-stride view of one zero, so
     shape-only readers (LoRA slots) still work, and it is marked `packed_only` so that packing
@@ -150,9 +151,12 @@ def drop_packed_float_copies(model: nn.Module) -> int:
     count = 0
     for m in packed:
         w = getattr(m, "weight", None)  # FusedMoE packs per expert and keeps its floats
-        if not isinstance(m.packed, torch.Tensor) or not isinstance(w, torch.Tensor):
+        if not isinstance(w, torch.Tensor) or id(w) in shared:
             continue
-        if id(w) in shared or w.numel() == 0:
+        if isinstance(m.packed, GGUFWeight):
+            count += m.packed.keep_packed_only()
+            continue
+        if not isinstance(m.packed, torch.Tensor) or w.numel() == 0:
             continue
         w.data = w.data.new_zeros(()).expand(w.shape)
         w.packed_only = True

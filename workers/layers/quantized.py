@@ -10,9 +10,9 @@ code they shard float weights with; a split inside a block (32) or super-block (
 naming the tensor.
 
 Its `matmul`, where the kernel was built with AVX512-VNNI, quantizes the activations to int8 per
-32-element block and multiplies integer codes (gguf_int8.cpp) at every row count, over a copy of
-the blocks packed once, on first use, into 16-row tiles (the stored blocks stay for
-de-quantisation, sharding and the tied embedding). Elsewhere it is the float kernel for small
+32-element block and multiplies integer codes (gguf_int8.cpp) at every row count, over the blocks
+packed once into 16-row tiles: once the model is loaded, a linear's tiles are its only copy
+(`keep_packed_only`); a tied embedding keeps its stored blocks to look rows up in. Elsewhere it is the float kernel for small
 batches (decode steps, the LM head) and a de-quantised float GEMM for large ones.
 """
 
@@ -63,6 +63,8 @@ class GGUFWeight:
     # The int8 kernel's 16-row tiles of these blocks (gguf_cpu `pack`), made on first use; any
     # change to the blocks (copy_) drops them.
     packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
+    # Set once keep_packed_only freed the stored blocks: the shape they had.
+    freed_shape: torch.Size | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in QTYPES:
@@ -94,11 +96,14 @@ class GGUFWeight:
 
     @property
     def shape(self) -> torch.Size:
+        if self.freed_shape is not None:
+            return self.freed_shape
         elements, nbytes = block_layout(self.qtype)
         return torch.Size((self.codes.shape[0], self.codes.shape[1] // nbytes * elements))
 
     def _parts(self) -> list[tuple[torch.Tensor, int]]:
         """Each stored tensor with how many of its columns one block takes."""
+        self._check_blocks()
         parts = [(self.codes, block_layout(self.qtype)[1])]
         return parts + [(t, 1) for t in (self.scales, self.mins) if t is not None]
 
@@ -139,7 +144,15 @@ class GGUFWeight:
             return gguf_cpu.dequantize_reference(self.qtype, self.codes, self.scales, self.mins)
         return ops.dequantize(*self._kernel_args())
 
+    def _check_blocks(self) -> None:
+        if self.freed_shape is not None:
+            raise RuntimeError(
+                f"{self.name or 'a GGUF weight'}: its blocks were freed once packed for the int8 "
+                "kernel; only matmul can use it"
+            )
+
     def _kernel_args(self) -> tuple:
+        self._check_blocks()
         empty = torch.empty(0)
         return (
             self.codes.contiguous(),
@@ -159,7 +172,7 @@ class GGUFWeight:
         if gguf_cpu.int8_kernel():
             if self.packed is None:
                 self.packed = tuple(ops.pack(*self._kernel_args()))
-            rows, qtype = self.codes.shape[0], gguf_cpu.QTYPE_IDS[self.qtype]
+            rows, qtype = self.shape[0], gguf_cpu.QTYPE_IDS[self.qtype]
             y = ops.linear_packed(x2.contiguous(), *self.packed, rows, qtype)
         elif ops is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
             y = ops.linear(x2.contiguous(), *self._kernel_args())
@@ -167,7 +180,24 @@ class GGUFWeight:
             y = torch.mm(x2, self.dequantize().t())
         return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
 
+    def keep_packed_only(self) -> bool:
+        """Pack the blocks for the int8 kernel now and free the stored ones, so the tiles are the
+        weight's only copy (de-quantising, sharding and copying into it then raise); False, with
+        nothing freed, where the kernel is not the int8 one."""
+        ops = gguf_cpu.load()
+        if ops is None or not gguf_cpu.int8_kernel():
+            return False
+        if self.packed is None:
+            self.packed = tuple(ops.pack(*self._kernel_args()))
+        self.freed_shape = self.shape
+        self.codes = self.codes.new_empty(0, 0)
+        self.scales = None if self.scales is None else self.scales.new_empty(0, 0)
+        self.mins = None if self.mins is None else self.mins.new_empty(0, 0)
+        return True
+
     def nbytes(self) -> int:
+        if self.freed_shape is not None:
+            return sum(t.numel() * t.element_size() for t in self.packed or ())
         return sum(t.numel() * t.element_size() for t, _ in self._parts())
 
 
