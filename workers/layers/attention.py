@@ -17,6 +17,7 @@ from torch import nn
 
 from workers.kv_fp8 import write_kv_fp8
 from workers.layers.backend_choice import KERNEL_LIBRARIES, BackendInputs, choose_backend
+from workers.layers.fused import fused_ops
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +260,11 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter the step's keys and values into their cache slots."""
+    """Scatter the step's keys and values into their cache slots (one C++ call on CPU)."""
+    ops = fused_ops(k, "write_kv")
+    if ops is not None:
+        ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
     hk, d = k.shape[1], k.shape[2]
     k_cache.view(-1, hk, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, hk, d).index_copy_(0, slot_mapping, v)
