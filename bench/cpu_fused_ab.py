@@ -32,12 +32,15 @@ from workers.layers.fused import cpu_fused_off
 PATHS = ("fused", "torch")
 
 
-def op_counts(forward, steps: int) -> Counter:
-    """Profiler events per step by name (top-level and nested ops alike, as the table counts)."""
+def op_counts(forward, steps: int) -> tuple[Counter, float]:
+    """Profiler events per step by name (top-level and nested ops alike, as the profiler's table
+    counts them), and the top-level ops per step (those called from Python, each paying the
+    dispatch from Python once)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             forward()
-    return Counter({e.key: e.count / steps for e in prof.key_averages()})
+    top = sum(1 for e in prof.events() if e.cpu_parent is None)
+    return Counter({e.key: e.count / steps for e in prof.key_averages()}), top / steps
 
 
 def run_path(path: str, fn):
@@ -51,11 +54,12 @@ def measure(quantization: str, batch: int, args) -> None:
     runner, step = build_runner("float32", batch, (150, 200), quantization=quantization)
     forward = lambda: runner._forward(step)  # noqa: E731
     counts: dict[str, Counter] = {}
+    top_level: dict[str, float] = {}
     times: dict[str, list[float]] = {p: [] for p in PATHS}
     with torch.inference_mode():
         for path in PATHS:
             run_path(path, forward)  # warm: builds, caches
-            counts[path] = run_path(path, lambda: op_counts(forward, 4))
+            counts[path], top_level[path] = run_path(path, lambda: op_counts(forward, 4))
 
         def timed() -> list[float]:
             out = []
@@ -78,11 +82,12 @@ def measure(quantization: str, batch: int, args) -> None:
     for p in PATHS:
         print(
             f"  {p:5s}: step median {med[p] * 1e3:7.2f} ms (min {min(times[p]) * 1e3:6.2f}), "
-            f"{total[p]:6.0f} ops/step"
+            f"{total[p]:6.0f} ops/step ({top_level[p]:.0f} called from Python)"
         )
     print(
         f"  torch / fused: {med['torch'] / med['fused']:.2f}x median step, "
-        f"{total['torch'] / total['fused']:.2f}x ops"
+        f"{total['torch'] / total['fused']:.2f}x ops, "
+        f"{top_level['torch'] / top_level['fused']:.2f}x ops called from Python"
     )
     for p in PATHS:
         top = ", ".join(f"{k} {v:.0f}" for k, v in counts[p].most_common(args.top))
