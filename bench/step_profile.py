@@ -39,10 +39,17 @@ from workers.runner import DTYPES, ModelRunner, RequestState, _Batch
 
 
 def build_runner(
-    dtype: str, batch: int, ctx: tuple[int, int], seed: int = 7
+    dtype: str, batch: int, ctx: tuple[int, int], seed: int = 7, quantization: str = "none"
 ) -> tuple[ModelRunner, _Batch]:
-    """A runner whose requests sit one token before their end: the next step is a pure decode."""
-    engine = EngineConfig(dtype=dtype, device="cpu", kv_cache_memory_gb=0.5, load_progress=False)
+    """A runner whose requests sit one token before their end: the next step is a pure decode.
+    quantization `gguf` keeps the embedded model's GGUF blocks (the C++ block kernel)."""
+    engine = EngineConfig(
+        dtype=dtype,
+        device="cpu",
+        kv_cache_memory_gb=0.5,
+        load_progress=False,
+        quantization=quantization,
+    )
     runner = ModelRunner(engine.runner_config(resolve_model("default"), max_model_len=4096))
     bs = runner.config.block_size
     rng = random.Random(seed)

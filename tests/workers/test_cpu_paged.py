@@ -199,9 +199,12 @@ def test_bad_tables_raise_value_error_naming_the_field(field, change):
 
 
 def test_without_a_compiler_the_backend_gathers(tmp_path):
-    """A fresh build directory and no C++ compiler: load() gives None and decode still matches."""
+    """A fresh build directory and no C++ compiler: load() gives None and decode still matches;
+    the fused layer ops, built by the same builder, leave CPU tensors to the torch path."""
     code = (
         "import torch; from workers.layers.backends import cpu_paged;"
+        "from workers.layers.fused import fused_ops;"
+        "assert fused_ops(torch.zeros(1), 'write_kv') is None;"
         "from workers.layers.backends.torch_ref import TorchBackend;"
         "from tests.workers.test_attention import run_batch;"
         "assert cpu_paged.load() is None; backend = TorchBackend(paged_kernel=True);"

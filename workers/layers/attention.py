@@ -17,6 +17,7 @@ from torch import nn
 
 from workers.kv_fp8 import write_kv_fp8
 from workers.layers.backend_choice import KERNEL_LIBRARIES, BackendInputs, choose_backend
+from workers.layers.fused import fused_ops
 
 logger = logging.getLogger(__name__)
 
@@ -221,14 +222,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]; sinks: [Hq] per-head sink logits (this
-        rank's heads) or None."""
+        """q: [T, Hq*D] or [T, Hq, D], k/v: [T, Hk*D] or [T, Hk, D] -> [T, Hq*D]; sinks: [Hq]
+        per-head sink logits (this rank's heads) or None."""
         if self.backend is None or self.k_cache.numel() == 0:
             raise RuntimeError("Attention: KV cache and backend must be bound before the forward")
         t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = _heads(q, self.num_heads, self.head_dim)
+        k = _heads(k, self.num_kv_heads, self.head_dim)
+        v = _heads(v, self.num_kv_heads, self.head_dim)
         if self.kv_scale is None:
             write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             # Passed only with an FP8 cache, so backends that read floats need not know of it.
@@ -252,6 +253,14 @@ class Attention(nn.Module):
         return out.view(t, -1)
 
 
+def _heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """x as [T, heads, head_dim]; one given so already costs no view op (a decode step's few
+    rows make every op's dispatch count)."""
+    if x.dim() == 3 and x.shape[1] == heads and x.shape[2] == head_dim:
+        return x
+    return x.view(x.shape[0], heads, head_dim)
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -259,7 +268,11 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter the step's keys and values into their cache slots."""
+    """Scatter the step's keys and values into their cache slots (one C++ call on CPU)."""
+    ops = fused_ops(k, "write_kv")
+    if ops is not None:
+        ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
     hk, d = k.shape[1], k.shape[2]
     k_cache.view(-1, hk, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, hk, d).index_copy_(0, slot_mapping, v)

@@ -1,6 +1,12 @@
-"""Whether a tensor's layer ops run as Triton kernels on CUDA: the fused elementwise ops of
+"""Whether a tensor's layer ops run fused: as Triton kernels on CUDA (the elementwise ops of
 workers.layers.triton_ops, the MoE experts of workers.layers.backends.triton_moe and the LoRA
-updates of workers.layers.backends.triton_lora. CPU tensors always take the plain torch path.
+updates of workers.layers.backends.triton_lora), as C++ ops on CPU (the elementwise ops and the
+KV-cache write of workers.layers.backends.cpu_fused).
+
+RAYLM_CPU_FUSED picks the CPU ops: unset or `1`, they run wherever their library builds (a
+warning and the torch path where it does not); `0` turns them off (for A/B timing). In float32
+rotary and the cache write equal the torch path bit for bit, RMSNorm and SiLU-and-mul are within a
+few ulps of it (their sum order and exp differ; tests/workers/test_cpu_fused.py).
 
 RAYLM_TRITON_OPS picks them where Triton is installed: unset or `1`, every one runs (the MoE and
 LoRA kernels, the fused RMSNorm with its residual add, SiLU-and-mul and rotary); `0` turns every
@@ -17,6 +23,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -39,12 +47,46 @@ def _triton_mode() -> str:
 # The elementwise ops on by default: each equals the torch path bit for bit (rms_norm and
 # silu_and_mul measured on an H200; rotary since its launch stopped FMA contraction).
 EXACT_OPS = frozenset({"rms_norm", "silu_and_mul", "rotary"})
+TRITON_OPS = EXACT_OPS  # what workers.layers.triton_ops provides
+CPU_OPS = frozenset({"rms_norm", "silu_and_mul", "rotary", "write_kv"})
+
+_cpu_module: ModuleType | None = None
+_cpu_checked = False
+
+
+def _cpu_ops() -> ModuleType | None:
+    """workers.layers.backends.cpu_fused unless RAYLM_CPU_FUSED=0 or its library cannot be
+    built (decided once per process)."""
+    global _cpu_module, _cpu_checked
+    if not _cpu_checked:
+        _cpu_checked, _cpu_module = True, None
+        if os.environ.get("RAYLM_CPU_FUSED", "") != "0":
+            from workers.layers.backends import cpu_fused
+
+            _cpu_module = cpu_fused if cpu_fused.load() is not None else None
+    return _cpu_module
+
+
+@contextmanager
+def cpu_fused_off() -> Iterator[None]:
+    """CPU tensors take the torch path inside the block (same-process A/B timing and tests)."""
+    global _cpu_module, _cpu_checked
+    saved = _cpu_ops()
+    _cpu_module = None
+    try:
+        yield
+    finally:
+        _cpu_module, _cpu_checked = saved, True
 
 
 def fused_ops(x: torch.Tensor, op: str) -> ModuleType | None:
-    """workers.layers.triton_ops when `op` runs fused for this tensor (CUDA, an op of EXACT_OPS
-    or any op under RAYLM_TRITON_OPS=1), else None."""
-    if not x.is_cuda:
+    """The module whose function runs `op` fused for this tensor, else None: for a CPU tensor
+    workers.layers.backends.cpu_fused (an op of CPU_OPS, unless RAYLM_CPU_FUSED=0); for a CUDA
+    tensor workers.layers.triton_ops (an op of EXACT_OPS, or of TRITON_OPS under
+    RAYLM_TRITON_OPS=1)."""
+    if x.is_cpu:
+        return _cpu_ops() if op in CPU_OPS else None
+    if not x.is_cuda or op not in TRITON_OPS:
         return None
     mode = _triton_mode()
     if mode == "off" or (mode == "kernels" and op not in EXACT_OPS):

@@ -150,7 +150,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta, sinks=self.sinks))
+        return self.o_proj(self.attn(q, k, v, meta, sinks=self.sinks))
 
 
 class LlamaMLP(nn.Module):

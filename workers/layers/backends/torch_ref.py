@@ -88,9 +88,13 @@ class Extras:
         return o.reshape(1, hq, lq, d)
 
 
-def _no_sinks(q: torch.Tensor) -> torch.Tensor:
-    """The C++ kernel's "no sinks": an empty float32 tensor."""
-    return torch.empty(0, dtype=torch.float32, device=q.device)
+# The C++ kernel's "no sinks" (it runs on CPU only): one empty float32 tensor, not one per call.
+_NO_SINKS = torch.empty(0, dtype=torch.float32)
+
+
+def _first(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:n] without a slice op where that is all of x (a pure-decode step)."""
+    return x if x.shape[0] == n else x[:n]
 
 
 class TorchBackend:
@@ -131,16 +135,16 @@ class TorchBackend:
         extras = Extras(softcap, sinks)
         if nd and kv_scale is None and self._kernel_takes(q, k_cache):
             self.kernel(
-                out[:nd],
-                q[:nd],
+                _first(out, nd),
+                _first(q, nd),
                 k_cache,
                 v_cache,
-                meta.block_tables[:nd],
-                meta.seq_lens[:nd],
+                _first(meta.block_tables, nd),
+                _first(meta.seq_lens, nd),
                 scale,
                 window or 0,
                 softcap or 0.0,
-                _no_sinks(q) if sinks is None else sinks.float().contiguous(),
+                _NO_SINKS if sinks is None else sinks.float().contiguous(),
             )
         elif nd:
             out[:nd] = self.decode(

@@ -1,0 +1,99 @@
+"""Builds our C++ CPU kernels (paged decode, fused layer ops) with torch.utils.cpp_extension.
+
+Each library is built once per machine and CPU capability, cached in torch's extensions
+directory (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says otherwise); later processes
+only load it. Two things go into its name: the instruction-set variant, so a cache directory
+shared between machines never hands one machine code built for another's, and a hash of its
+sources, so checkouts with different kernels (another branch's worktree, an older install) never
+load each other's library or rebuild over each other. It needs a C++ compiler and ninja (the
+`ninja` package is a dependency); without them, or if the build fails, `build_ops` logs a warning
+and returns None, and the caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Vector flags per torch's own view of the CPU.
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def put_ninja_on_path() -> None:
+    """torch builds with `ninja` from PATH. The pip package (a dependency) installs it in the
+    environment's scripts folder, which is on PATH only in an activated venv; CI and `make test`
+    run .venv/bin/python directly."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def cpu_isa() -> str:
+    """torch's name for this CPU's vector capability: avx512, avx2 or default."""
+    return torch.backends.cpu.get_cpu_capability().lower()
+
+
+def source_digest(paths: Sequence[str]) -> str:
+    """The first 12 hex digits of a SHA-256 over the files (sources and the headers they
+    include)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
+def build_ops(
+    stem: str,
+    sources: Sequence[str],
+    namespace: str,
+    *,
+    probe: str,
+    what: str,
+    fallback: str,
+    headers: Sequence[str] = (),
+    flags: Sequence[str] = (),
+    variant: str | None = None,
+) -> Any | None:
+    """torch.ops.<namespace> once `sources` (which register its op `probe`, looked up to check)
+    are built and loaded, or None after a warning "<what> unavailable, <fallback>: <error>".
+
+    The library is named raylm_<stem>_<variant>_<digest of sources and headers>, variant
+    defaulting to the CPU's ISA (a caller that builds extra instructions, such as VNNI, names its
+    own); `flags` add to -O3, OpenMP and the ISA's vector flags."""
+    isa = cpu_isa()
+    try:
+        from torch.utils.cpp_extension import load
+
+        put_ninja_on_path()
+        t0 = time.perf_counter()
+        load(
+            name=f"raylm_{stem}_{variant or isa}_{source_digest([*sources, *headers])}",
+            sources=list(sources),
+            extra_cflags=["-O3", "-fopenmp", *flags, *ISA_FLAGS.get(isa, [])],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+        ops = getattr(torch.ops, namespace)
+        getattr(ops, probe)
+    except Exception as exc:
+        logger.warning("%s unavailable, %s: %r", what, fallback, exc)
+        return None
+    logger.info("%s ready (%s, %.1fs)", what, variant or isa, time.perf_counter() - t0)
+    return ops
