@@ -12,8 +12,9 @@ naming the tensor.
 Its `matmul`, where the kernel was built with AVX512-VNNI, quantizes the activations to int8 per
 32-element block and multiplies integer codes (gguf_int8.cpp) at every row count, over the blocks
 packed once into 16-row tiles: once the model is loaded, a linear's tiles are its only copy
-(`keep_packed_only`); a tied embedding keeps its stored blocks to look rows up in. Elsewhere it is the float kernel for small
-batches (decode steps, the LM head) and a de-quantised float GEMM for large ones.
+(`keep_packed_only`); a tied embedding keeps its stored blocks to look rows up in. Elsewhere it
+is the float kernel for small batches (decode steps, the LM head) and a de-quantised float GEMM
+for large ones.
 """
 
 from __future__ import annotations
@@ -167,18 +168,24 @@ class GGUFWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T in x's dtype (computed in float32)."""
-        x2 = x.reshape(-1, x.shape[-1]).float()
+        # Called ~120 times a decode step: no-op casts and views are skipped in Python, where
+        # they cost less than a dispatch each.
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
         ops = gguf_cpu.load()
         if gguf_cpu.int8_kernel():
             if self.packed is None:
                 self.packed = tuple(ops.pack(*self._kernel_args()))
             rows, qtype = self.shape[0], gguf_cpu.QTYPE_IDS[self.qtype]
-            y = ops.linear_packed(x2.contiguous(), *self.packed, rows, qtype)
+            y = ops.linear_packed(x2, *self.packed, rows, qtype)
         elif ops is not None and x2.shape[0] <= KERNEL_MAX_ROWS:
-            y = ops.linear(x2.contiguous(), *self._kernel_args())
+            y = ops.linear(x2, *self._kernel_args())
         else:
             y = torch.mm(x2, self.dequantize().t())
-        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def keep_packed_only(self) -> bool:
         """Pack the blocks for the int8 kernel now and free the stored ones, so the tiles are the

@@ -19,10 +19,7 @@ import os
 
 import torch
 
-# gguf_cpu.py imports these two from here; the builder owns them.
-from workers.layers.backends.cpu_build import ISA_FLAGS as _ISA_FLAGS  # noqa: F401
 from workers.layers.backends.cpu_build import build_ops
-from workers.layers.backends.cpu_build import put_ninja_on_path as _put_ninja_on_path  # noqa: F401
 
 HEAD_SIZES = (32, 64, 96, 128, 256)  # compiled in; others keep the gather + SDPA path
 DTYPES = (torch.float32, torch.bfloat16)

@@ -13,29 +13,16 @@ multiply in float (correct, slower).
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
 import os
-import time
 
 import torch
 
-from workers.layers.backends.cpu_paged import _ISA_FLAGS, _put_ninja_on_path
-
-logger = logging.getLogger(__name__)
+from workers.layers.backends.cpu_build import build_ops
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, f) for f in ("gguf_linear.cpp", "gguf_int8.cpp")]
 _HEADER = os.path.join(_HERE, "gguf_blocks.h")
 QTYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
-
-
-def _source_digest() -> str:
-    digest = hashlib.sha256()
-    for path in (*_SOURCES, _HEADER):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return digest.hexdigest()[:12]
 
 
 def _has_vnni() -> bool:
@@ -58,6 +45,7 @@ def variant() -> str:
 
 
 @functools.cache
+@functools.cache
 def int8_kernel() -> bool:
     """Whether the loaded kernel multiplies with int8 activations (a VNNI build)."""
     ops = load()
@@ -68,31 +56,20 @@ def int8_kernel() -> bool:
 def load():
     """torch.ops.raylm_gguf (`linear`, `dequantize`, `isa`; in VNNI builds `pack` and
     `linear_packed`), or None when it cannot be built."""
-    try:
-        from torch.utils.cpp_extension import load as build
-
-        _put_ninja_on_path()
-        isa = variant()
-        vector = _ISA_FLAGS.get(isa.removesuffix("_vnni"), [])
-        vnni = ["-mavx512vnni"] if isa == "avx512_vnni" else []
-        # contract=off: the de-quantised weight is d * q + m rounded twice, as gguf-py computes it.
-        flags = ["-O3", "-fopenmp", "-ffp-contract=off", *vector, *vnni]
-        t0 = time.perf_counter()
-        build(
-            # The source's hash in the name, as the paged-decode kernel's: worktrees with
-            # different kernels sharing one extensions directory never load each other's.
-            name=f"raylm_gguf_linear_{isa}_{_source_digest()}",
-            sources=_SOURCES,
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-        ops = torch.ops.raylm_gguf
-    except Exception as exc:
-        logger.warning("GGUF CPU kernel unavailable, quantized linears de-quantise: %r", exc)
-        return None
-    logger.info("GGUF CPU kernel ready (%s build, %.1fs)", ops.isa(), time.perf_counter() - t0)
-    return ops
+    isa = variant()
+    vnni = ["-mavx512vnni"] if isa == "avx512_vnni" else []
+    return build_ops(
+        "gguf_linear",
+        _SOURCES,
+        "raylm_gguf",
+        probe="linear",
+        what="GGUF CPU kernel",
+        fallback="quantized linears de-quantise",
+        headers=[_HEADER],
+        # contract=off: the de-quantised weight is d * q + m rounded twice, as gguf-py does.
+        flags=["-ffp-contract=off", *vnni],
+        variant=isa,
+    )
 
 
 def dequantize_reference(
