@@ -88,7 +88,8 @@ class SystemRun:
     system: str
     results: list[Result] = field(default_factory=list)
     rss_mib: dict[str, float] = field(default_factory=dict)  # process title -> RSS after the runs
-    error: str | None = None
+    error: str | None = None  # the server failed (start-up, warm-up)
+    failed_runs: list[str] = field(default_factory=list)  # GuideLLM runs that failed or timed out
 
 
 def parse_result(system: str, concurrency: int, bench: dict) -> Result:
@@ -134,8 +135,8 @@ def render(runs: list[SystemRun], concurrencies: list[int]) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
-        if run.error is not None:
-            lines.append(f"| {run.system} | | failed: {run.error} | | | | | | | |")
+        for failure in ([run.error] if run.error else []) + run.failed_runs:
+            lines.append(f"| {run.system} | | failed: {failure} | | | | | | | |")
         for r in run.results:
             lines.append(
                 f"| {r.system} | {r.concurrency} | {r.prompt_tokens_mean:.0f} / "
@@ -263,10 +264,15 @@ def measure(
             for conc in args.concurrency:
                 ns = argparse.Namespace(**vars(args))
                 ns.concurrency = conc
-                bench = guidellm_benchmark(
-                    args.guidellm, url, tokenizer, ns, tmp / "guidellm.json", MODEL,
-                    args.run_timeout_s, BACKEND_OPTIONS,
-                )  # fmt: skip
+                try:
+                    bench = guidellm_benchmark(
+                        args.guidellm, url, tokenizer, ns, tmp / "guidellm.json", MODEL,
+                        args.run_timeout_s, BACKEND_OPTIONS,
+                    )  # fmt: skip
+                except subprocess.SubprocessError as exc:  # past its timeout, or it failed
+                    run.failed_runs.append(f"concurrency {conc}: {type(exc).__name__}")
+                    print(f"# {system}, concurrency {conc}: {exc!r}", file=sys.stderr, flush=True)
+                    continue
                 result = parse_result(system, conc, bench)
                 result.load_1m = os.getloadavg()[0]
                 run.results.append(result)
