@@ -85,10 +85,13 @@ def guidellm_benchmark(
     model: str = MODEL,
     timeout_s: float | None = None,
     backend_options: tuple[str, ...] = (),
+    max_seconds: float | None = None,
 ) -> dict:
     """GuideLLM's one benchmark (metrics, request totals, timings) at a.concurrency streams of
     a.requests synthetic requests against url serving `model`; backend_options are more
-    `key=value` settings of its openai_http backend (request_format, validate_backend, ...)."""
+    `key=value` settings of its openai_http backend (request_format, validate_backend, ...).
+    With max_seconds GuideLLM itself stops sending after that long and reports the requests it
+    finished (the ones in flight count as incomplete), so a slow run still gives figures."""
     cmd = [
         exe,
         "run",
@@ -106,11 +109,13 @@ def guidellm_benchmark(
         f"kind=json,path={out}",
         "--disable-progress",
     ]
+    if max_seconds is not None:
+        cmd += ["--constraint", f"kind=max_duration,seconds={max_seconds:g}"]
     # Its own session, so a run past timeout_s is stopped with the worker processes it forked.
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
     try:
         code = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    except BaseException:  # past timeout_s, or this process interrupted
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise

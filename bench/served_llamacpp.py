@@ -8,7 +8,8 @@ GuideLLM's; llama-cpp-python with its `server` extra):
     python bench/served_llamacpp.py --guidellm /work/venvs/guidellm/bin/guidellm \\
         --llama-python /work/venvs/llamacpp/bin/python \\
         [--variant quantization=gguf --variant quantization=none] [--concurrency 1 8] \\
-        [--requests 32] [--prompt-tokens 128] [--output-tokens 64] [--threads 2]
+        [--requests 32] [--prompt-tokens 128] [--output-tokens 64] [--threads 2] \\
+        [--max-seconds 240]   # GuideLLM ends a slow run there and reports what finished
 
 Each system is started once, bound to 127.0.0.1 on a free port, warmed with one short request,
 then GuideLLM runs at each concurrency in turn (completions, streamed, synthetic prompts). Each
@@ -267,7 +268,7 @@ def measure(
                 try:
                     bench = guidellm_benchmark(
                         args.guidellm, url, tokenizer, ns, tmp / "guidellm.json", MODEL,
-                        args.run_timeout_s, BACKEND_OPTIONS,
+                        args.run_timeout_s, BACKEND_OPTIONS, args.max_seconds,
                     )  # fmt: skip
                 except subprocess.SubprocessError as exc:  # past its timeout, or it failed
                     run.failed_runs.append(f"concurrency {conc}: {type(exc).__name__}")
@@ -283,6 +284,10 @@ def measure(
         print(f"# {system} failed: {exc!r}\n{tail}", file=sys.stderr, flush=True)
         run.error = type(exc).__name__
     return run
+
+
+def _raise_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main() -> None:
@@ -306,8 +311,18 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     parser.add_argument("--start-timeout-s", type=float, default=300)
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="GuideLLM stops each run after this long and reports the requests it finished",
+    )
     parser.add_argument("--run-timeout-s", type=float, default=600, help="per GuideLLM run")
     args = parser.parse_args()
+    if args.max_seconds is not None:
+        args.run_timeout_s = max(args.run_timeout_s, args.max_seconds + 120)
+    # `timeout` and kill send SIGTERM: raise, so every server's cleanup runs.
+    signal.signal(signal.SIGTERM, _raise_exit)
     variants = ["quantization=gguf", "quantization=none"] if args.variant is None else args.variant
     from workers.model_files import default_model_path, resolve_model
 
