@@ -11,10 +11,11 @@ GuideLLM's; llama-cpp-python with its `server` extra):
         [--requests 32] [--prompt-tokens 128] [--output-tokens 64] [--threads 2] \\
         [--max-seconds 240]   # GuideLLM ends a slow run there and reports what finished
 
-Each system is started once, bound to 127.0.0.1 on a free port, warmed with one short request,
-then GuideLLM runs at each concurrency in turn (completions, streamed, synthetic prompts). Each
-raylm variant is deploy.yaml with the variant's app args replaced (`key=value[,key=value]`) and
-its port moved; after its runs the resident memory of the app's Ray actor processes is read.
+llama.cpp runs first, then each raylm variant. Each system is started once, bound to 127.0.0.1
+on a free port, warmed with one short request, then GuideLLM runs at each concurrency in turn
+(completions, streamed, synthetic prompts). Each raylm variant is deploy.yaml with the variant's
+app args replaced (`key=value[,key=value]`) and its port moved; after its runs the resident
+memory of the app's Ray actor processes is read.
 llama.cpp's server (`python -m llama_cpp.server`) loads the same GGUF file that deploy.yaml's
 `model: default` names, with --threads threads for prompts and decode, serves it under raylm's
 model name, and queues concurrent requests (`--interrupt_requests False`: by default a waiting
@@ -255,8 +256,12 @@ def measure(
     tokenizer: str,
     tmp: Path,
     rss_of: object,
-) -> SystemRun:
+    runs: list[SystemRun],
+) -> None:
+    """Start the server, run GuideLLM at each concurrency, read RSS, stop it; the run is in
+    `runs` from the start, so an interrupted one keeps what it measured."""
     run = SystemRun(system)
+    runs.append(run)
     url = f"http://127.0.0.1:{port}"
     log = tmp / f"{system.replace('/', '_').replace('=', '_').replace(',', '_')}.log"
     try:
@@ -283,7 +288,38 @@ def measure(
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
         print(f"# {system} failed: {exc!r}\n{tail}", file=sys.stderr, flush=True)
         run.error = type(exc).__name__
-    return run
+
+
+def run_raylm(
+    args: argparse.Namespace, variant: str, tokenizer: str, tmp: Path, runs: list[SystemRun]
+) -> None:
+    """`serve run` on deploy.yaml with the variant's app args, on a free port."""
+    port = free_port()
+    overrides = [*GUIDELLM_OVERRIDES, *(item for item in variant.split(",") if item)]
+    path = deploy_file(overrides, tmp, port)
+    serve_bin = str(Path(sys.executable).parent / "serve")
+    system = f"raylm {variant or 'deploy.yaml'}"
+    cmd = [serve_bin, "run", str(path)]
+    measure(system, cmd, port, args, tokenizer, tmp, ray_actor_rss_mib, runs)
+
+
+def run_llama_cpp(
+    args: argparse.Namespace, gguf: Path, tokenizer: str, tmp: Path, runs: list[SystemRun]
+) -> None:
+    """llama.cpp's OpenAI server on the same GGUF file, under raylm's model name."""
+    port = free_port()
+    cmd = [
+        args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf),
+        "--model_alias", MODEL, "--n_threads", str(args.threads),
+        "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--interrupt_requests", "False", "--verbose", "False",
+    ]  # fmt: skip
+
+    def own_rss(proc: subprocess.Popen) -> dict[str, float]:
+        return {"llama_cpp.server": psutil.Process(proc.pid).memory_info().rss / 2**20}
+
+    measure(LLAMA_CPP, cmd, port, args, tokenizer, tmp, own_rss, runs)
 
 
 def _raise_exit(signum: int, _frame: object) -> None:
@@ -328,46 +364,21 @@ def main() -> None:
 
     gguf = default_model_path()  # deploy.yaml's `model: default`
     tokenizer = resolve_model("default")
-    serve_bin = str(Path(sys.executable).parent / "serve")
     runs: list[SystemRun] = []
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        for variant in [] if args.skip_raylm else variants:
-            port = free_port()
-            overrides = [*GUIDELLM_OVERRIDES, *(item for item in variant.split(",") if item)]
-            path = deploy_file(overrides, tmp, port)
-            system = f"raylm {variant or 'deploy.yaml'}"
-            runs.append(
-                measure(
-                    system,
-                    [serve_bin, "run", str(path)],
-                    port,
-                    args,
-                    tokenizer,
-                    tmp,
-                    ray_actor_rss_mib,
-                )
-            )
-        if args.llama_python:
-            port = free_port()
-            cmd = [
-                args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf),
-                "--model_alias", MODEL, "--n_threads", str(args.threads),
-                "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
-                "--host", "127.0.0.1", "--port", str(port),
-                "--interrupt_requests", "False", "--verbose", "False",
-            ]  # fmt: skip
-
-            def own_rss(proc: subprocess.Popen) -> dict[str, float]:
-                return {"llama_cpp.server": psutil.Process(proc.pid).memory_info().rss / 2**20}
-
-            runs.append(measure(LLAMA_CPP, cmd, port, args, tokenizer, tmp, own_rss))
-    print(
-        f"GuideLLM: completions, streamed, {args.requests} requests per concurrency, synthetic "
-        f"prompts of {args.prompt_tokens} tokens, {args.output_tokens} output tokens; "
-        f"llama.cpp: {gguf.name}, {args.threads} threads"
-    )
-    print(render(runs, args.concurrency))
+    try:
+        with tempfile.TemporaryDirectory() as tmp_name:
+            tmp = Path(tmp_name)
+            if args.llama_python:  # first: the reference every raylm variant is read against
+                run_llama_cpp(args, gguf, tokenizer, tmp, runs)
+            for variant in [] if args.skip_raylm else variants:
+                run_raylm(args, variant, tokenizer, tmp, runs)
+    finally:  # interrupted (SIGTERM from a timeout) too: print what was measured
+        print(
+            f"GuideLLM: completions, streamed, {args.requests} requests per concurrency, "
+            f"synthetic prompts of {args.prompt_tokens} tokens, {args.output_tokens} output "
+            f"tokens; llama.cpp: {gguf.name}, {args.threads} threads"
+        )
+        print(render(runs, args.concurrency), flush=True)
 
 
 if __name__ == "__main__":
