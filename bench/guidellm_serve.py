@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,11 +38,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 MODEL = "SmolLM2-135M-Instruct"
+# GuideLLM 0.8.1 streams with stream_options.continuous_usage_stats (a vLLM extension raylm does
+# not implement), which deploy.yaml's `unknown_fields: reject` answers with a 400 for every
+# request: the benchmarks drop it instead (it asks for usage in every chunk; GuideLLM reads the
+# last chunk's usage either way).
+GUIDELLM_OVERRIDES = ("unknown_fields=ignore",)
 
 
-def wait_ready(url: str, timeout_s: float = 300) -> None:
+def wait_ready(url: str, timeout_s: float = 300, proc: subprocess.Popen | None = None) -> None:
+    """Wait for url's /v1/models to answer; stop early when the server `proc` has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(
+                f"the server for {url} exited with {proc.returncode} before it answered"
+            )
         try:
             with urlopen(f"{url}/v1/models", timeout=5) as r:
                 if r.status == 200:
@@ -52,12 +63,40 @@ def wait_ready(url: str, timeout_s: float = 300) -> None:
     raise TimeoutError(f"{url} did not answer /v1/models within {timeout_s:.0f} s")
 
 
-def run_guidellm(exe: str, url: str, tokenizer: str, a: argparse.Namespace, out: Path) -> dict:
+def run_guidellm(
+    exe: str,
+    url: str,
+    tokenizer: str,
+    a: argparse.Namespace,
+    out: Path,
+    model: str = MODEL,
+    timeout_s: float | None = None,
+) -> dict:
+    """GuideLLM's metrics for one benchmark at a.concurrency streams."""
+    return guidellm_benchmark(exe, url, tokenizer, a, out, model, timeout_s)["metrics"]
+
+
+def guidellm_benchmark(
+    exe: str,
+    url: str,
+    tokenizer: str,
+    a: argparse.Namespace,
+    out: Path,
+    model: str = MODEL,
+    timeout_s: float | None = None,
+    backend_options: tuple[str, ...] = (),
+    max_seconds: float | None = None,
+) -> dict:
+    """GuideLLM's one benchmark (metrics, request totals, timings) at a.concurrency streams of
+    a.requests synthetic requests against url serving `model`; backend_options are more
+    `key=value` settings of its openai_http backend (request_format, validate_backend, ...).
+    With max_seconds GuideLLM itself stops sending after that long and reports the requests it
+    finished (the ones in flight count as incomplete), so a slow run still gives figures."""
     cmd = [
         exe,
         "run",
         "--backend",
-        f"kind=openai_http,target={url},model={MODEL}",
+        ",".join([f"kind=openai_http,target={url},model={model}", *backend_options]),
         "--profile",
         f"kind=concurrent,streams={a.concurrency}",
         "--constraint",
@@ -70,8 +109,19 @@ def run_guidellm(exe: str, url: str, tokenizer: str, a: argparse.Namespace, out:
         f"kind=json,path={out}",
         "--disable-progress",
     ]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    if max_seconds is not None:
+        cmd += ["--constraint", f"kind=max_duration,seconds={max_seconds:g}"]
+    # Its own session, so a run past timeout_s is stopped with the worker processes it forked.
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except BaseException:  # past timeout_s, or this process interrupted
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if code != 0:
+        raise subprocess.CalledProcessError(code, cmd)
+    return json.loads(out.read_text())["benchmarks"][0]
 
 
 def offline_step_ms(batch: int, context: tuple[int, int], repeats: int = 10) -> float:
@@ -91,11 +141,14 @@ def offline_step_ms(batch: int, context: tuple[int, int], repeats: int = 10) -> 
     return statistics.median(times) * 1e3
 
 
-def deploy_file(overrides: list[str], tmp: Path) -> Path:
-    """deploy.yaml itself, or a copy with `key=value` app args replaced (values parsed as YAML)."""
-    if not overrides:
+def deploy_file(overrides: list[str], tmp: Path, port: int | None = None) -> Path:
+    """deploy.yaml itself, or a copy with `key=value` app args replaced (values parsed as YAML)
+    and, with `port`, its HTTP port."""
+    if not overrides and port is None:
         return ROOT / "deploy.yaml"
     config = yaml.safe_load((ROOT / "deploy.yaml").read_text())
+    if port is not None:
+        config["http_options"]["port"] = port
     args = config["applications"][0]["args"]
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -134,7 +187,7 @@ def main() -> None:
     serve_bin = str(Path(sys.executable).parent / "serve")
     tmp = tempfile.TemporaryDirectory()
     server = subprocess.Popen(
-        [serve_bin, "run", str(deploy_file(args.set, Path(tmp.name)))],
+        [serve_bin, "run", str(deploy_file([*GUIDELLM_OVERRIDES, *args.set], Path(tmp.name)))],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
