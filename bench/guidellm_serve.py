@@ -38,11 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 MODEL = "SmolLM2-135M-Instruct"
-# GuideLLM 0.8.1 streams with stream_options.continuous_usage_stats (a vLLM extension raylm does
-# not implement), which deploy.yaml's `unknown_fields: reject` answers with a 400 for every
-# request: the benchmarks drop it instead (it asks for usage in every chunk; GuideLLM reads the
-# last chunk's usage either way).
-GUIDELLM_OVERRIDES = ("unknown_fields=ignore",)
+# App args every GuideLLM run sets beside --set: none. (GuideLLM 0.8.1 streams with vLLM's
+# stream_options.continuous_usage_stats, which raylm implements.)
+GUIDELLM_OVERRIDES: tuple[str, ...] = ()
 
 
 def wait_ready(url: str, timeout_s: float = 300, proc: subprocess.Popen | None = None) -> None:
