@@ -268,11 +268,13 @@ void rows_upto(const Packed& w, int64_t t, const Acts& a, int64_t r0, int64_t ro
   tile_rows<Q, R>(w, t, a, r0, y);
 }
 
-// Work a thread should have before the weight rows are split: about 20 us of tile blocks times
-// activation rows. Below it a fork and join costs more than it saves, and on a busy machine
-// waiting for a second, descheduled thread costs far more; at batch 1 only the large layers and
-// the LM head are split.
-constexpr int64_t kMinWork = 2048;
+// Work a thread should have before the weight rows are split, in tile blocks times activation
+// rows. Below it a fork and join costs more than it saves (and on a busy machine waiting for a
+// descheduled thread far more). In a decode step the weights come cold from memory, so a second
+// thread pays off sooner than on a warm microbenchmark: on the quiet 2-core VM, SmolLM2 Q4_1 at
+// batch 1 decoded 75.6 tok/s with 2048 (only gate_up and the LM head split), 89-96 with 512
+// (every layer but o), 73 with 256 (bench/quantized_cpu.py --threads 2).
+constexpr int64_t kMinWork = 512;
 
 template <int Q>
 void tiles(const Packed& w, const Acts& a, float* y) {
