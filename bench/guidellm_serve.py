@@ -61,19 +61,6 @@ def wait_ready(url: str, timeout_s: float = 300, proc: subprocess.Popen | None =
     raise TimeoutError(f"{url} did not answer /v1/models within {timeout_s:.0f} s")
 
 
-def run_guidellm(
-    exe: str,
-    url: str,
-    tokenizer: str,
-    a: argparse.Namespace,
-    out: Path,
-    model: str = MODEL,
-    timeout_s: float | None = None,
-) -> dict:
-    """GuideLLM's metrics for one benchmark at a.concurrency streams."""
-    return guidellm_benchmark(exe, url, tokenizer, a, out, model, timeout_s)["metrics"]
-
-
 def guidellm_benchmark(
     exe: str,
     url: str,
@@ -193,9 +180,9 @@ def main() -> None:
     )
     try:
         wait_ready(url)
-        metrics = run_guidellm(
+        metrics = guidellm_benchmark(
             args.guidellm, url, tokenizer, args, Path(tmp.name) / "guidellm.json"
-        )
+        )["metrics"]
     finally:
         tmp.cleanup()
         server.terminate()

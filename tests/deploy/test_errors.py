@@ -25,6 +25,16 @@ def test_validation_error_names_the_nested_field():
     assert status == 400 and err["param"] == "stream_options.include_usage"
 
 
+@pytest.mark.parametrize("bad", [2**64, -1, float("nan"), "x" * 10_000_000, [True] * 100_000])
+def test_bad_continuous_usage_stats_is_a_400_naming_it(bad):
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(
+            {"model": "m", "prompt": "x", "stream_options": {"continuous_usage_stats": bad}}
+        )
+    status, err, _ = _mapped(info.value)
+    assert status == 400 and err["param"] == "stream_options.continuous_usage_stats"
+
+
 def test_value_error_of_our_dataclasses_keeps_its_field():
     with pytest.raises(ValueError) as info:
         SamplingParams(top_k=-5)
