@@ -45,6 +45,17 @@ _LOADING = RequestStatus.LOADING_KV
 _NO_CAP = 1 << 62
 
 
+def _to_prompt_end(req: Request, computed: int) -> int:
+    """How far a chunk starting at `computed` may go: to the prompt's end when it starts inside the
+    prompt and tokens already chosen follow (a disaggregated decode, a migrated or recomputed
+    request), else no limit. The prompt is then computed as the fresh prefill that chose those
+    tokens computed it, and a single chosen token after it runs as the decode row it ran as there.
+    Kernels that round activations to int8 turn the small rounding differences between those
+    layouts into different seeded text."""
+    prompt = req.num_prompt_tokens
+    return prompt - computed if computed < prompt < req.num_tokens else _NO_CAP
+
+
 @dataclass(slots=True)
 class _Step:
     """What one `schedule()` call has decided so far."""
@@ -280,7 +291,7 @@ class Scheduler:
             gap = len(req.all_token_ids) + pending - computed
             if gap == 1 and self.speculates:  # a decode: it may verify proposed tokens too
                 gap += self._num_spec_tokens(req)
-            n = min(gap, cap, step.budget)
+            n = min(gap, cap, step.budget, _to_prompt_end(req, computed))
             if n <= 0 or (pending and self._finishes_on_pending(req)):
                 continue
             new_blocks = kv.allocate_slots(req, n)
@@ -343,7 +354,9 @@ class Scheduler:
             if num_load:
                 return self._start_loading(req, cached, num_load, reserve)
         num_hit = len(cached) * kv.block_size
-        n = min(req.num_tokens - num_hit, self._prefill_cap, step.budget)
+        n = min(
+            req.num_tokens - num_hit, self._prefill_cap, step.budget, _to_prompt_end(req, num_hit)
+        )
         # Anti-thrash: admit only when the whole sequence so far fits, not just this chunk.
         if not kv.can_admit(req, cached, reserve):
             return False
@@ -418,7 +431,10 @@ class Scheduler:
 
     def _resume_swapped(self, req: Request, step: _Step, reserve: int) -> bool:
         """Bring a SWAPPED request back from the CPU pool with its progress intact."""
-        n = min(req.num_tokens - req.num_computed_tokens, self._prefill_cap, step.budget)
+        computed = req.num_computed_tokens
+        n = min(
+            req.num_tokens - computed, self._prefill_cap, step.budget, _to_prompt_end(req, computed)
+        )
         if not self.kv.can_swap_in(req, n, reserve):
             return False
         self.waiting.pop()

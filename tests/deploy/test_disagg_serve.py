@@ -1,6 +1,9 @@
 """Disaggregation on real Ray and Serve: one prefill and one decode replica of the embedded SmolLM2
 give the text of a colocated replica (deploy.yaml's app, same engine settings), greedy and seeded,
-streamed and not, with the prompt's blocks moved through the object store; a prefill replica killed
+streamed and not, with the prompt's blocks moved through the object store. The colocated text is
+that of a replica holding the prompt's full blocks, as the decode replica does (they are what
+arrives): with int8-rounded activations, a prompt's last partial block computed after a cache hit
+need not round like the same positions computed in one prefill. A prefill replica killed
 after it sent a prompt's blocks, before the decode replica fetched them, loses nothing: the tokens
 are the colocated ones (whether the fetch fails and the prompt is recomputed, or the node still
 holds the object)."""
@@ -54,14 +57,18 @@ def disagg_url(ray_cluster, http_port, smol_url):
     from deploy.app import build_app
 
     serve.run(build_app(disagg_args()), name=APP, route_prefix=f"/{APP}")
-    yield f"http://127.0.0.1:{http_port}/{APP}/v1"
+    url = f"http://127.0.0.1:{http_port}/{APP}/v1"
+    with httpx.Client(base_url=url, timeout=120) as client:
+        complete(client, MODEL, {"temperature": 0.0, "max_tokens": 1})  # the prompt's blocks cached
+    yield url
     delete_app(APP)
 
 
 @pytest.fixture(scope="module")
 def reference(smol_url) -> dict[str, str]:
-    """The colocated replica's text for each sampling."""
+    """The colocated replica's text for each sampling, its prompt's full blocks cached."""
     with httpx.Client(base_url=smol_url, timeout=120) as client:
+        complete(client, "SmolLM2-135M-Instruct", {"temperature": 0.0, "max_tokens": 1})
         return {
             name: complete(client, "SmolLM2-135M-Instruct", sampling)
             for name, sampling in SAMPLINGS.items()

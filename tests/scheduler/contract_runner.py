@@ -74,7 +74,8 @@ class ContractRunner:
             self.gpu[gpu] = list(self.cpu[cpu])
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
-            self.states[new.req_id] = _State(list(new.prompt_token_ids), list(new.block_ids))
+            tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
+            self.states[new.req_id] = _State(tokens, list(new.block_ids))
             self.states[new.req_id].computed = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):

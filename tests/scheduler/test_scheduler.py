@@ -329,6 +329,41 @@ def test_full_hit_still_computes_the_last_token():
     assert out.num_scheduled_tokens["b"] == 16
 
 
+@pytest.mark.parametrize("num_outputs", [1, 5])
+def test_a_resumed_request_computes_its_prompt_then_its_chosen_tokens_in_separate_steps(
+    num_outputs,
+):
+    """A request resumed with tokens already chosen (a disaggregated decode, a migration) never
+    runs its prompt's rest and those tokens in one chunk: the prompt ends a step, as in the fresh
+    prefill that chose them, and a single chosen token then runs as a decode row."""
+    s, r = make()
+    s.add_request(req("a", 40, max_tokens=1))
+    run_to_end(s, r)
+    fresh = req("b", 40, max_tokens=8)
+    chosen = list(range(7, 7 + num_outputs))
+    s.add_request(
+        Request(
+            EngineRequest(
+                "b", fresh.prompt_token_ids, fresh.sampling_params, output_token_ids=chosen
+            )
+        )
+    )
+    out, _ = step(s, r)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 32  # two full blocks hit
+    assert out.num_scheduled_tokens["b"] == 8  # the prompt's rest, nothing sampled
+    out, outs = step(s, r)
+    assert out.num_scheduled_tokens["b"] == num_outputs
+    (sampled,) = [o.new_token_ids for o in outs if o.request_id == "b"]
+    assert len(sampled) == 1
+
+
+def test_a_fresh_long_prompt_is_not_split_by_the_prompt_boundary_rule():
+    s, r = make()
+    s.add_request(req("a", 40, max_tokens=2))
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens["a"] == 40
+
+
 def test_blocks_are_shared_by_reference_while_both_run():
     s, r = make()
     s.add_request(req("a", 64, max_tokens=20))
