@@ -87,7 +87,7 @@ class EngineConfig:
         "subdirectory of its own and removes it at shutdown",
     )
     quantization: str = setting(
-        "none",
+        "auto",
         "GGUF weights: `gguf` keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks as stored and "
         "multiplies them "
         "with raylm's CPU kernels (one copy, a quarter to an eighth of the bytes; CPU only); "

@@ -171,7 +171,18 @@ def _served_tiny_llama(path, smollm2_dir: str, max_positions: int) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_llm(llm_factory):
-    return llm_factory(model="default", dtype="float32")
+    """The embedded SmolLM2 de-quantised to fp32: the path whose numerics transformers shares."""
+    return llm_factory(model="default", dtype="float32", quantization="none")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_llm(llm_factory):
+    """The embedded SmolLM2 as served by default: its Q4_1 blocks kept, the int8 CPU kernel.
+    Prefix caching is off, so what one test ran never changes how another's prompts are laid
+    out (the int8 rounding of activations would show it in their logprobs)."""
+    return llm_factory(
+        model="default", quantization="auto", kv_cache_memory_gb=0.25, enable_prefix_caching=False
+    )
 
 
 @pytest.fixture(scope="session")

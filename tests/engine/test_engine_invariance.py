@@ -3,6 +3,10 @@
 The same 32 mixed requests run alone, batched, with a 32-token budget (chunked prefill), under
 forced preemption (recompute and swap) and again over a warm prefix cache. Results may differ
 only where the reference run had a true near-tie (tests/workers/greedy.py).
+
+The model runs de-quantised to fp32: there a near-tie is 1e-3 and a layout the engine gets wrong
+shows. The default int8 kernel rounds activations, so layouts agree only within its own rounding
+(tests/workers/test_quantized.py holds that path to INT8_NEAR_TIE).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from tests.workers.greedy import assert_greedy_match, from_logprobs
 
 pytestmark = pytest.mark.slow
 
+FP32 = {"model": "default", "dtype": "float32", "quantization": "none"}
 NUM_REQUESTS = 32
 ALONE = (0, 7, 13, 30)  # requests also run one at a time
 WORDS = [
@@ -68,7 +73,7 @@ def run(llm, prompts, params):
 
 @pytest.fixture(scope="module")
 def batched_llm(llm_factory):
-    return llm_factory(model="default", dtype="float32", max_num_batched_tokens=4096)
+    return llm_factory(**FP32, max_num_batched_tokens=4096)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,7 @@ def assert_all_match(outs, refs, what):
 
 def test_batch_of_32_equals_each_request_alone(llm_factory, workload, batched):
     prompts, params = workload
-    alone_llm = llm_factory(model="default", dtype="float32", enable_prefix_caching=False)
+    alone_llm = llm_factory(**FP32, enable_prefix_caching=False)
     for i in ALONE:
         alone = run(alone_llm, [prompts[i]], [params[i]])[0]
         assert_greedy_match(
@@ -97,7 +102,7 @@ def test_batch_of_32_equals_each_request_alone(llm_factory, workload, batched):
 
 
 def test_chunked_prefill_budget_32_equals_budget_4096(llm_factory, workload, batched):
-    llm = llm_factory(model="default", dtype="float32", max_num_batched_tokens=32)
+    llm = llm_factory(**FP32, max_num_batched_tokens=32)
     assert_all_match(run(llm, *workload), batched, "budget 32")
 
 
@@ -107,7 +112,7 @@ def test_forced_preemption_keeps_tokens(mode, llm_factory, workload, batched):
     kwargs = dict(num_gpu_blocks=40, max_model_len=40 * 16, preemption_mode=mode)
     if mode == "swap":
         kwargs["num_cpu_blocks"] = 400
-    llm = llm_factory(model="default", dtype="float32", **kwargs)
+    llm = llm_factory(**FP32, **kwargs)
     before = llm.engine.stats().num_preemptions
     assert_all_match(run(llm, *workload), batched, f"preemption by {mode}")
     assert llm.engine.stats().num_preemptions > before

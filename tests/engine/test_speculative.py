@@ -268,8 +268,10 @@ PASSAGE = (
 
 
 @pytest.mark.slow
-def test_ngram_on_smollm2_gives_its_plain_tokens(smollm2_llm):
-    """The embedded model copying a passage (where prompt lookup is right), greedy and seeded."""
+def test_ngram_on_smollm2_gives_its_plain_tokens(smollm2_gguf_llm):
+    """The embedded model as served by default (int8 kernel) copying a passage (where prompt
+    lookup is right), greedy and seeded: every verified position is computed as the decode row
+    it would have been, so even int8-rounded activations give the plain tokens."""
     spec = LLM(
         "default", device="cpu", load_progress=False, kv_cache_memory_gb=0.25, speculative={}
     )
@@ -282,7 +284,7 @@ def test_ngram_on_smollm2_gives_its_plain_tokens(smollm2_llm):
             SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
             SamplingParams(max_tokens=48, temperature=0.8, seed=7, ignore_eos=True),
         ]
-        want = [o.token_ids for o in smollm2_llm.chat(convs, params, use_tqdm=False)]
+        want = [o.token_ids for o in smollm2_gguf_llm.chat(convs, params, use_tqdm=False)]
         assert [o.token_ids for o in spec.chat(convs, params, use_tqdm=False)] == want
         assert spec.engine.stats().num_spec_accepted_tokens > 0
     finally:

@@ -306,7 +306,9 @@ def _fused_order(name: str) -> int:
 
 
 @pytest.mark.slow
-def test_quantized_greedy_tokens_equal_the_float_path_except_at_near_ties(smollm2_llm, llm_factory):
+def test_quantized_greedy_tokens_equal_the_float_path_except_at_near_ties(
+    smollm2_llm, smollm2_gguf_llm
+):
     """32 chat prompts, 8 greedy tokens each (bench/quantized_cpu.py --quality runs 32 tokens):
     the first difference of each prompt (if any) must sit on a near-tie of the float path (top-2
     logprobs within 1e-3; with the int8 kernel INT8_NEAR_TIE), and the sampled token's logprob
@@ -318,11 +320,11 @@ def test_quantized_greedy_tokens_equal_the_float_path_except_at_near_ties(smollm
     near_tie, logprob_diff, share = greedy_tolerances()
     chats = random_chats(32, seed=31, max_words=20)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-    # The float path is the session's SmolLM2 engine (quantization "none" is the default): no
-    # second float load.
+    # Both are the session's SmolLM2 engines: no second load of either.
     assert smollm2_llm.engine.config.quantized_gguf() is None
     ref = smollm2_llm.chat(chats, sp, use_tqdm=False)
-    got = llm_factory(quantization="gguf", kv_cache_memory_gb=0.25).chat(chats, sp, use_tqdm=False)
+    assert smollm2_gguf_llm.engine.config.quantized_gguf() is not None
+    got = smollm2_gguf_llm.chat(chats, sp, use_tqdm=False)
     same = 0
     for r, g in zip(ref, got, strict=True):
         for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids, strict=True)):
