@@ -91,6 +91,7 @@ def main() -> None:
             args.model,
             device=args.device,
             load_progress=False,
+            quantization="none",  # the recorded figures are the fp32 path's
             async_scheduling=on,
             max_num_seqs=args.max_num_seqs,
             **({"num_gpu_blocks": args.num_gpu_blocks} if cuda else {}),

@@ -133,9 +133,9 @@ def in_process_noop(step: SchedulerOutput) -> ModelRunnerOutput:
 def smollm2_decode_step(num_steps: int, threads: int) -> list[float]:
     """A real SmolLM2-135M step at batch 32 (decode), in-process, float32 on CPU."""
     torch.set_num_threads(threads)
-    config = EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.5).runner_config(
-        resolve_model("default"), MAX_MODEL_LEN
-    )
+    config = EngineConfig(
+        device="cpu", load_progress=False, kv_cache_memory_gb=0.5, quantization="none"
+    ).runner_config(resolve_model("default"), MAX_MODEL_LEN)
     executor = LocalExecutor(config)
     executor.init_kv_cache(BATCH * (MAX_MODEL_LEN // 16), 0)
     try:
@@ -172,7 +172,7 @@ def main() -> None:
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
     )
-    config = EngineConfig(device="cpu", load_progress=False).runner_config(
+    config = EngineConfig(device="cpu", load_progress=False, quantization="none").runner_config(
         resolve_model("default"), 4096
     )
     results = {"in-process (scheduler only)": summary(time_steps(in_process_noop, args.steps))}

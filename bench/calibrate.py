@@ -316,6 +316,7 @@ def _build_engine(cfg: CalibrationConfig):
             cpu_threads=cfg.threads,
             seed=cfg.seed,
             load_progress=False,
+            quantization="none",  # the simulator's shipped profiles are the fp32 path's
             scheduler=sched,
         )
     )

@@ -168,6 +168,7 @@ def engines(args: argparse.Namespace):
                 model=args.model,
                 device="cpu",
                 load_progress=False,
+                quantization="none",  # the recorded figures are the fp32 path's
                 max_model_len=2048,
                 num_gpu_blocks=args.pool_blocks,
                 cpu_threads=args.threads,

@@ -169,7 +169,7 @@ def hidden_states(rows: list[Row], cache: Path, cpu_threads: int) -> dict[int, l
     if missing:
         from engine.llm import LLM
 
-        llm = LLM(cpu_threads=cpu_threads)
+        llm = LLM(cpu_threads=cpu_threads, quantization="none")  # recorded figures: fp32
         ids = [llm.frontend.encode_chat(r.messages) for r in missing]
         states.update(zip((r.id for r in missing), llm.embed(ids, pooling="last")))
         llm.shutdown()

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     # loaded machine's cores without OpenMP barriers; --merge joins their files in id order.
     k, n = (int(x) for x in a.shard.split("/"))
     todo = [(i, p) for i, p in enumerate(prompts) if i not in done and (i // a.chunk) % n == k]
-    llm = LLM(cpu_threads=a.cpu_threads)
+    llm = LLM(cpu_threads=a.cpu_threads, quantization="none")  # recorded figures: fp32
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     # Chunks written as they complete (whole chunks only, so a stopped run biases no lengths); a
     # rerun with the same arguments resumes after the last complete chunk.

@@ -43,7 +43,12 @@ def live_features(rows: list[Row], dim: int, cpu_threads: int) -> dict[int, list
     """Each prompt's feature as the serving path makes it (one prefill each, max_tokens 1)."""
     from engine.llm import LLM
 
-    llm = LLM(cpu_threads=cpu_threads, length_probe="on", length_feature_dim=dim)
+    llm = LLM(
+        cpu_threads=cpu_threads,
+        length_probe="on",
+        length_feature_dim=dim,
+        quantization="none",  # recorded figures: fp32
+    )
     engine = llm.engine
     try:
         for r in rows:

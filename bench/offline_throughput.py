@@ -104,7 +104,15 @@ def gemm_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
 
 
 def run_raylm(dtype: str, prompts, max_tokens, **knobs) -> tuple[float, list[list[int]]]:
-    llm = LLM(model="default", dtype=dtype, device="cpu", load_progress=False, **knobs)
+    # fp32 (de-quantised): the path whose tokens equal transformers'.
+    llm = LLM(
+        model="default",
+        dtype=dtype,
+        device="cpu",
+        load_progress=False,
+        quantization="none",
+        **knobs,
+    )
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up (allocator, kernels)
     t = time.perf_counter()

@@ -84,6 +84,7 @@ def measure_offline(threads: int | None, dtype: str = "float32") -> dict:
             device="cpu",
             cpu_threads=threads,
             load_progress=False,
+            quantization="none",  # the simulator's shipped profiles are the fp32 path's
             scheduler=sched,
         )
     )

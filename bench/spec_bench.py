@@ -225,7 +225,13 @@ def speculative_settings(args: argparse.Namespace) -> dict:
 
 
 def embedded_main(args: argparse.Namespace) -> None:
-    common = dict(model="default", device="cpu", load_progress=False, cpu_threads=args.cpu_threads)
+    common = dict(
+        model="default",
+        device="cpu",
+        load_progress=False,
+        cpu_threads=args.cpu_threads,
+        quantization="none",  # the recorded figures are the fp32 path's
+    )
     plain = LLM(**common)
     spec = LLM(**common, speculative=speculative_settings(args))
     runner = spec.engine.executor.runner  # type: ignore[attr-defined]

@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args()
-    llm = LLM("default", device="cpu", load_progress=False)
+    llm = LLM("default", device="cpu", load_progress=False, quantization="none")  # recorded: fp32
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, structured=StructuredOutput.json_schema(SCHEMA)
