@@ -121,10 +121,15 @@ def _byte_level_vocab() -> list[str]:
     return [*chars, "Ġt", "<s>", "</s>"]
 
 
-def write_tiny_kquant_gguf(path: str, seed: int = 0) -> int:
+def write_tiny_kquant_gguf(
+    path: str, seed: int = 0, layers: tuple[dict[str, str], ...] = TINY_K_LAYERS
+) -> int:
     """A tiny random Llama as a GGUF file of K-quant linears (F32 norms, a Q4_K token embedding,
-    a Q6_K output head) with a byte-level tokenizer; returns its vocabulary size."""
+    a Q6_K output head) with a byte-level tokenizer; returns its vocabulary size. `layers` gives
+    each layer's types (TINY_K_LAYERS' keys, and "v" where attn_v differs from q and k); types
+    other than K-quants are quantized by gguf-py."""
     from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
 
     s = TINY_K_SHAPE
     vocab = _byte_level_vocab()
@@ -133,7 +138,7 @@ def write_tiny_kquant_gguf(path: str, seed: int = 0) -> int:
     writer = GGUFWriter(path, "llama")
     writer.add_context_length(s["context"])
     writer.add_embedding_length(hidden)
-    writer.add_block_count(len(TINY_K_LAYERS))
+    writer.add_block_count(len(layers))
     writer.add_feed_forward_length(inter)
     writer.add_head_count(s["heads"])
     writer.add_head_count_kv(s["kv_heads"])
@@ -152,18 +157,20 @@ def write_tiny_kquant_gguf(path: str, seed: int = 0) -> int:
         if qtype is None:
             writer.add_tensor(name, w)
         else:
-            raw = quantize_k(qtype, w)
-            writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[qtype])
+            kind = GGMLQuantizationType[qtype]
+            raw = quantize_k(qtype, w) if qtype in K_BYTES else quantize(w, kind)
+            writer.add_tensor(name, raw, raw_dtype=kind)
 
     def norm(name: str, size: int) -> None:
         writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
 
     put("token_embd.weight", "Q4_K", (len(vocab), hidden), 1.0)
-    for i, types in enumerate(TINY_K_LAYERS):
+    for i, types in enumerate(layers):
         norm(f"blk.{i}.attn_norm.weight", hidden)
         for part, rows in (("q", hidden), ("k", s["kv_heads"] * head_dim)):
             put(f"blk.{i}.attn_{part}.weight", types["qkv"], (rows, hidden), 0.08)
-        put(f"blk.{i}.attn_v.weight", types["qkv"], (s["kv_heads"] * head_dim, hidden), 0.08)
+        v_type = types.get("v", types["qkv"])
+        put(f"blk.{i}.attn_v.weight", v_type, (s["kv_heads"] * head_dim, hidden), 0.08)
         put(f"blk.{i}.attn_output.weight", types["attn_output"], (hidden, hidden), 0.08)
         norm(f"blk.{i}.ffn_norm.weight", hidden)
         put(f"blk.{i}.ffn_gate.weight", types["gate_up"], (inter, hidden), 0.08)

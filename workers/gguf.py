@@ -2,16 +2,21 @@
 
 Q4_0, Q4_1 and Q8_0 tensors become GGUFWeights (codes copied bit for bit, fp16 scales widened
 exactly to float32); Q4_K, Q5_K and Q6_K tensors become GGUFWeights holding the file's
-super-blocks unchanged; F32, F16 and BF16 tensors become float32 tensors. Other block types are
-refused at load, naming the type and the tensor (`quantization: none` de-quantises them instead),
-and so are non-finite fp16 scales (d, Q4_1's m, the K-quants' d and dmin).
+super-blocks unchanged; F32, F16 and BF16 tensors become float32 tensors. Other block types
+(Q5_0 and Q5_1, which llama.cpp's K-quant "M" files mix in, Q2_K, Q3_K, ...) are de-quantised to
+float32 by gguf-py, the values transformers gives them, and their layers run in float: the file
+loads as `quantization: none` would load those tensors, and a warning names the types. A type
+gguf-py cannot read is refused, naming it and the tensor, and so are non-finite fp16 scales (d,
+Q4_1's m, the K-quants' d and dmin) and non-finite de-quantised values.
 llama.cpp stores Llama-architecture q and k rows interleaved for its rotary layout; they are put
 back in Hugging Face order by permuting whole rows, which moves blocks without touching them.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,6 +25,8 @@ from transformers import PretrainedConfig
 
 from workers.layers.backends.gguf_cpu import K_BYTES
 from workers.layers.quantized import BLOCK, GGUFWeight
+
+logger = logging.getLogger(__name__)
 
 # GGUF name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -102,20 +109,30 @@ def _tensor(t, name: str) -> torch.Tensor | GGUFWeight:
     qtype = t.tensor_type.name
     if qtype in _BLOCKS or qtype in _K_SCALES:
         return blocks_to_weight(qtype, np.asarray(t.data), name)
-    if qtype not in _FLOAT_TYPES:
-        supported = ", ".join((*_BLOCKS, *_K_SCALES, *_FLOAT_TYPES))
-        raise ValueError(
-            f"model: GGUF tensor {name!r} is {qtype}, which raylm does not keep quantized "
-            f"(supported: {supported}); load it with quantization: none to de-quantise it"
-        )
     data = np.asarray(t.data)
     if qtype == "BF16":  # numpy has no bfloat16: gguf-py hands over the raw 16-bit words
         out = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float()
-    else:
+    elif qtype in _FLOAT_TYPES:
         out = torch.from_numpy(data.astype(np.float32))
+    else:
+        out = torch.from_numpy(_dequantized(data, t.tensor_type, name))
     if not bool(torch.isfinite(out).all()):
         raise ValueError(f"model: GGUF tensor {name!r} has non-finite values")
     return out.reshape(tuple(int(d) for d in reversed(t.shape)))
+
+
+def _dequantized(data: np.ndarray, tensor_type, name: str) -> np.ndarray:
+    """A block type raylm's kernels do not read, as float32 through gguf-py (transformers' own
+    de-quantisation of GGUF files)."""
+    from gguf.quants import dequantize
+
+    try:
+        return np.ascontiguousarray(dequantize(data, tensor_type), dtype=np.float32)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"model: GGUF tensor {name!r} is {tensor_type.name}, which neither raylm's kernels "
+            "nor gguf-py can read"
+        ) from exc
 
 
 def _unpermute_rows(w: torch.Tensor | GGUFWeight, heads: int) -> torch.Tensor | GGUFWeight:
@@ -136,12 +153,24 @@ def iterate_gguf(
     arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else ""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    as_float: Counter[str] = Counter()
     for t in reader.tensors:
         name = hf_name(t.name)
         w = _tensor(t, t.name)
+        qtype = t.tensor_type.name
+        if qtype not in _BLOCKS and qtype not in _K_SCALES and qtype not in _FLOAT_TYPES:
+            as_float[qtype] += 1
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute_rows(w, heads if ".q_proj." in name else kv_heads)
         yield name, w
+    if as_float:
+        kept = ", ".join((*_BLOCKS, *_K_SCALES))
+        logger.warning(
+            "%s: tensors de-quantised to float32, their layers run in float (raylm keeps %s): %s",
+            path,
+            kept,
+            ", ".join(f"{n} {qtype}" for qtype, n in sorted(as_float.items())),
+        )
 
 
 __all__ = ["BLOCK", "blocks_to_weight", "hf_name", "iterate_gguf"]

@@ -140,50 +140,21 @@ def test_a_tiny_k_quant_llama_decodes_like_its_de_quantised_floats(tmp_path, mon
     (de-quantised) to transformers' conversion of the same file; greedy tokens of 8 prompts
     (prefills above the float kernel's row limit, decode steps below it) equal the fp32 path's,
     except after a near-tie (test_quantized.greedy_tolerances: wider with int8 activations)."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
     from engine.llm import LLM
     from scheduler import SamplingParams
     from tests.random_checkpoint import random_prompts
     from tests.random_kquant import write_tiny_kquant_gguf
-    from tests.workers.test_quantized import _fused_order, greedy_tolerances
+    from tests.workers.test_quantized import greedy_tolerances
     from workers import loader
-    from workers.loader import load_model
-    from workers.model_files import resolve_model
 
-    # The blocks as loaded, before the last step leaves the linears' packed tiles as their only
-    # copy (tests/workers/test_quantized.py checks that step).
     monkeypatch.setattr(loader, "drop_packed_float_copies", lambda model: 0)
     path = str(tmp_path / "tiny-k.gguf")
     vocab = write_tiny_kquant_gguf(path)
     cache = str(tmp_path / "cache")
-    model_dir = resolve_model(path, cache)  # transformers de-quantises every tensor
-    model = load_model(
-        model_dir,
-        AutoConfig.from_pretrained(model_dir),
-        torch.float32,
-        torch.device("cpu"),
-        progress=False,
-        gguf_file=path,
+    kept = load_and_compare_with_transformers(path, cache)
+    assert sorted(kept.values()) == sorted(
+        ["Q4_K", "Q6_K"] + [t for layer in _layer_types() for t in layer]
     )
-    floats = load_file(f"{model_dir}/model.safetensors")
-    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
-    fused |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-    kept = []
-    for name, p in model.named_parameters():
-        gguf = getattr(p, "gguf", None)
-        if gguf is None:
-            continue
-        kept.append(gguf.qtype)
-        parts = [
-            n
-            for n in floats
-            if any(v in name and n == name.replace(v, k) for k, v in fused.items())
-        ]
-        expected = torch.cat([floats[n] for n in sorted(parts, key=_fused_order)] or [floats[name]])
-        assert torch.equal(gguf.dequantize(), expected), name
-    assert sorted(kept) == sorted(["Q4_K", "Q6_K"] + [t for layer in _layer_types() for t in layer])
 
     prompts = random_prompts(8, vocab - 2, 4, 40, seed=3)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -208,6 +179,73 @@ def test_a_tiny_k_quant_llama_decodes_like_its_de_quantised_floats(tmp_path, mon
                 assert ref.logprobs[i][1][1] - ref.logprobs[i][2][1] <= near_tie
                 break
             assert abs(ref.logprobs[i][0][1] - got.logprobs[i][0][1]) <= logprob_diff
+
+
+@pytest.mark.slow
+def test_block_types_without_a_kernel_load_as_transformers_floats(tmp_path, monkeypatch, caplog):
+    """A file mixing kept types with Q5_0 and Q5_1 (as llama.cpp's K-quant "M" files do) loads
+    under quantization: gguf: those tensors, and the fused matrix a Q5_0 v shares with Q4_K q and
+    k, are transformers' float32 de-quantisation bit for bit, the rest stay blocks, and a warning
+    names the types."""
+    from tests.random_kquant import write_tiny_kquant_gguf
+    from workers import loader
+
+    monkeypatch.setattr(loader, "drop_packed_float_copies", lambda model: 0)
+    path = str(tmp_path / "mixed.gguf")
+    layers = (
+        {"qkv": "Q4_K", "v": "Q5_0", "attn_output": "Q5_1", "gate_up": "Q4_K", "ffn_down": "Q6_K"},
+    )
+    write_tiny_kquant_gguf(path, layers=layers)
+    with caplog.at_level("WARNING", logger="workers.gguf"):
+        kept = load_and_compare_with_transformers(path, str(tmp_path / "cache"))
+    assert kept == {
+        "model.embed_tokens.weight": "Q4_K",
+        "model.layers.0.mlp.gate_up_proj.weight": "Q4_K",
+        "model.layers.0.mlp.down_proj.weight": "Q6_K",
+        "lm_head.weight": "Q6_K",
+    }
+    assert "1 Q5_0, 1 Q5_1" in caplog.text
+
+
+def load_and_compare_with_transformers(path: str, cache: str) -> dict[str, str]:
+    """Load the GGUF file under quantization: gguf and check every weight (blocks de-quantised,
+    floats as they are) bit-equal to transformers' conversion of it; {name: type} of those kept
+    as blocks. Call with the loader's last step (dropping float copies) patched out."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from tests.workers.test_quantized import _fused_order
+    from workers.loader import load_model
+    from workers.model_files import resolve_model
+
+    model_dir = resolve_model(path, cache)  # transformers de-quantises every tensor
+    model = load_model(
+        model_dir,
+        AutoConfig.from_pretrained(model_dir),
+        torch.float32,
+        torch.device("cpu"),
+        progress=False,
+        gguf_file=path,
+    )
+    floats = load_file(f"{model_dir}/model.safetensors")
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+    fused |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    kept = {}
+    for name, p in model.named_parameters():
+        if name not in floats and not any(v in name for v in fused.values()):
+            continue  # a buffer of ours (rotary tables and the like) or the tied head
+        gguf = getattr(p, "gguf", None)
+        if gguf is not None:
+            kept[name] = gguf.qtype
+        parts = [
+            n
+            for n in floats
+            if any(v in name and n == name.replace(v, k) for k, v in fused.items())
+        ]
+        expected = torch.cat([floats[n] for n in sorted(parts, key=_fused_order)] or [floats[name]])
+        got = p.data if gguf is None else gguf.dequantize()
+        assert torch.equal(got, expected), name
+    return kept
 
 
 def _layer_types() -> list[list[str]]:

@@ -224,22 +224,28 @@ def test_gguf_names_map_to_hugging_face_names():
         hf_name("blk.0.ssm_conv1d.weight")
 
 
-def test_unsupported_block_types_are_refused_at_load_naming_the_type(tmp_path):
-    path = tmp_path / "k.gguf"
+def _one_tensor_gguf(path, qtype: str, raw: np.ndarray) -> str:
     writer = GGUFWriter(str(path), "llama")
-    # One Q5_0 block per row: 22 bytes for 32 weights.
-    writer.add_tensor(
-        "blk.0.ffn_up.weight",
-        np.zeros((2, 22), dtype=np.uint8),
-        raw_dtype=GGMLQuantizationType.Q5_0,
-    )
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=GGMLQuantizationType[qtype])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return str(path)
+
+
+def test_block_types_nobody_reads_and_non_finite_fallback_values_are_refused_at_load(tmp_path):
+    """Types without a raylm kernel load as gguf-py's floats (test_kquant.py); one gguf-py cannot
+    read either is refused naming it, and so is a de-quantised tensor that is not finite."""
     config = LlamaConfig(num_attention_heads=4, num_key_value_heads=4)
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' is Q5_0.*quantization: none"):
-        list(iterate_gguf(str(path), config))
+    unread = _one_tensor_gguf(tmp_path / "q81.gguf", "Q8_1", np.zeros((2, 40), dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' is Q8_1, which neither"):
+        list(iterate_gguf(unread, config))
+    q50 = np.zeros((2, 22), dtype=np.uint8)  # one Q5_0 block per row: fp16 d, 4 + 16 code bytes
+    q50[0, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    nan = _one_tensor_gguf(tmp_path / "nan.gguf", "Q5_0", q50)
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has non-finite values"):
+        list(iterate_gguf(nan, config))
 
 
 @pytest.mark.slow

@@ -217,8 +217,9 @@ def load_target(param: torch.Tensor, loaded: object):
     a GGUFWeight (allocated on the first shard, kept as `param.gguf`), its FP8 or INT4 weight when
     `loaded` is one (likewise, as `param.quant`), its float data otherwise.
 
-    A parameter whose shards arrive in different block types (a fused q/k/v from a mixed file)
-    falls back to float: what has arrived is de-quantised into its data."""
+    A parameter whose shards arrive in different block types, or as blocks and floats (a fused
+    q/k/v from a mixed file), falls back to float: what has arrived is de-quantised into its data,
+    and so is every later shard."""
     if isinstance(loaded, QUANTIZED):
         return _quant_target(param, loaded)
     current = getattr(param, "gguf", None)
@@ -230,7 +231,8 @@ def load_target(param: torch.Tensor, loaded: object):
     if current is not None:
         param.data.copy_(current.dequantize())
         del param.gguf
-        param.gguf_float = True
+    # Float from here on, whichever shard came first: a later block shard is de-quantised into it.
+    param.gguf_float = True
     return param.data
 
 
