@@ -21,8 +21,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from transformers import PretrainedConfig
 
+from workers.gguf_file import GGUFTensor, read_gguf
 from workers.layers.backends.gguf_cpu import K_BYTES
 from workers.layers.quantized import BLOCK, GGUFWeight
 
@@ -105,7 +107,7 @@ def _super_blocks_to_weight(qtype: str, raw: np.ndarray, name: str) -> GGUFWeigh
     return GGUFWeight(qtype, codes, None, None, name)
 
 
-def _tensor(t, name: str) -> torch.Tensor | GGUFWeight:
+def _tensor(t: GGUFTensor, name: str) -> torch.Tensor | GGUFWeight:
     qtype = t.tensor_type.name
     if qtype in _BLOCKS or qtype in _K_SCALES:
         return blocks_to_weight(qtype, np.asarray(t.data), name)
@@ -121,7 +123,7 @@ def _tensor(t, name: str) -> torch.Tensor | GGUFWeight:
     return out.reshape(tuple(int(d) for d in reversed(t.shape)))
 
 
-def _dequantized(data: np.ndarray, tensor_type, name: str) -> np.ndarray:
+def _dequantized(data: np.ndarray, tensor_type: GGMLQuantizationType, name: str) -> np.ndarray:
     """A block type raylm's kernels do not read, as float32 through gguf-py (transformers' own
     de-quantisation of GGUF files)."""
     from gguf.quants import dequantize
@@ -146,15 +148,12 @@ def iterate_gguf(
     path: str, config: PretrainedConfig
 ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     """(Hugging Face name, tensor or GGUF blocks) of every tensor in the file."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else ""
+    file = read_gguf(path)
+    arch = file.architecture
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     as_float: Counter[str] = Counter()
-    for t in reader.tensors:
+    for t in file.tensors:
         name = hf_name(t.name)
         w = _tensor(t, t.name)
         qtype = t.tensor_type.name
