@@ -345,8 +345,9 @@ class EngineConfig:
         tiers: KVTierConfig | None = None,
         draft_model_dir: str | None = None,
     ) -> RunnerConfig:
-        """What every worker rank needs to build its model and cache (draft_model_dir: the draft
-        model's directory, checked by workers.draft.check_draft_model)."""
+        """What every worker rank needs to build its model and cache. model_dir is the directory
+        `model` resolves to: a GGUF `model` also names the file whose blocks the ranks keep.
+        draft_model_dir: the draft model's directory, checked by workers.draft.check_draft_model."""
         from workers.runner import RunnerConfig
 
         sched = self.scheduler

@@ -25,9 +25,10 @@ PROMPTS = [[1 + (7 * i + j) % 240 for j in range(9 + 6 * i)] for i in range(3)]
 
 
 def runner_config(model_dir: str) -> RunnerConfig:
-    return EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.01).runner_config(
-        model_dir, 256
+    config = EngineConfig(
+        model=model_dir, device="cpu", load_progress=False, kv_cache_memory_gb=0.01
     )
+    return config.runner_config(model_dir, 256)
 
 
 def scheduler_config() -> SchedulerConfig:

@@ -27,9 +27,10 @@ SMOL_TEXTS = [
 
 
 def runner_config(model_dir: str) -> RunnerConfig:
-    return EngineConfig(device="cpu", load_progress=False, kv_cache_memory_gb=0.05).runner_config(
-        model_dir, MAX_LEN
+    config = EngineConfig(
+        model=model_dir, device="cpu", load_progress=False, kv_cache_memory_gb=0.05
     )
+    return config.runner_config(model_dir, MAX_LEN)
 
 
 def roomy() -> SchedulerConfig:

@@ -16,7 +16,9 @@ PROMPT = list(range(200, 230))  # 30 tokens: two blocks of 16
 def runner(tiny_checkpoint):
     path, _ = tiny_checkpoint("llama")
     r = ModelRunner(
-        EngineConfig(device="cpu", load_progress=False).runner_config(path, max_model_len=512)
+        EngineConfig(model=path, device="cpu", load_progress=False).runner_config(
+            path, max_model_len=512
+        )
     )
     r.init_kv_cache(64, 8)
     return r

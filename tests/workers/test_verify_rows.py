@@ -84,7 +84,9 @@ class RecordingBackend(TorchBackend):
 def runner(request, tiny_checkpoint):
     path, _ = tiny_checkpoint(request.param)
     r = ModelRunner(
-        EngineConfig(device="cpu", load_progress=False).runner_config(path, max_model_len=512)
+        EngineConfig(model=path, device="cpu", load_progress=False).runner_config(
+            path, max_model_len=512
+        )
     )
     r.init_kv_cache(64, 8)
     r.backend = RecordingBackend()
