@@ -150,6 +150,22 @@ def test_on_the_int8_grid_the_kernel_is_exact_up_to_float_rounding(qtype):
 
 
 @pytest.mark.parametrize("qtype", ALL_QTYPES)
+def test_a_non_finite_activation_makes_its_row_nan_and_leaves_the_others(qtype):
+    """As in a float product: a NaN in a row of x makes every output of that row NaN, and an
+    infinity makes every one non-finite (the int8 kernel would otherwise round both to finite
+    codes); the other rows are unchanged."""
+    from tests.workers.test_kquant import k_weight
+
+    w = k_weight(qtype, 40, 256, seed=5) if qtype in K_QTYPES else weight(qtype, 40, 256, seed=5)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(6))
+    clean = w.matmul(x)
+    x[1, 3], x[3, 200] = float("nan"), float("inf")
+    y = w.matmul(x)
+    assert bool(y[1].isnan().all()) and not bool(y[3].isfinite().any())
+    assert torch.equal(y[[0, 2, 4]], clean[[0, 2, 4]])
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
 def test_the_float_kernel_keeps_float_activations(qtype):
     """The float block kernel (CPUs without VNNI; here called directly, since this build may
     route matmul to the int8 kernel) differs from x @ W^T by float32 summation alone."""

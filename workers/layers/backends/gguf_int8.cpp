@@ -179,7 +179,12 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_
   const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
   half_sum[0] = codes16(lo, inv, q);
   half_sum[1] = codes16(hi, inv, q + 16);
-  *d = amax / 127.0f;
+  // x - x is 0 for a finite element and NaN for NaN or infinity: a block holding one gets a NaN
+  // d_x, so every output of its row is NaN, as the float product's would be (the max above and
+  // the int8 conversion would otherwise turn it into a finite code).
+  const float poison =
+      _mm512_reduce_add_ps(_mm512_add_ps(_mm512_sub_ps(lo, lo), _mm512_sub_ps(hi, hi)));
+  *d = amax / 127.0f + poison;
   *s = *d * static_cast<float>(half_sum[0] + half_sum[1]);
 }
 
