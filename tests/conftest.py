@@ -112,17 +112,12 @@ def smollm2_tokenizer(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_dir):
-    """transformers' model read straight from the GGUF file (its own de-quantisation)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """transformers' model of the embedded GGUF file, its own de-quantisation: smollm2_dir is
+    transformers' from_pretrained(gguf_file=...) state dict saved as safetensors
+    (workers/model_files.py), read back here in a second instead of de-quantised again."""
+    from transformers import AutoModelForCausalLM
 
-    from workers.model_files import default_model_path
-
-    path = default_model_path()
-    config = AutoConfig.from_pretrained(smollm2_dir)  # parsing GGUF metadata again costs seconds
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32
-    )
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

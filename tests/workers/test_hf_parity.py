@@ -1,6 +1,7 @@
 """Greedy output equals Hugging Face transformers' greedy generate on the same weights.
 
-SmolLM2 is read from the embedded GGUF file by both sides (transformers de-quantises it itself);
+SmolLM2 is the embedded GGUF file as transformers de-quantises it (both sides read the same
+conversion; raylm's kept-block path is held to this fp32 path in test_quantized.py);
 the tiny checkpoints are written by Hugging Face and read back through our HF-directory loader.
 A token may differ only at a true near-tie (see tests/workers/greedy.py).
 """
