@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 APP = "autoscale"
 MODEL = "tiny-autoscale"
 STEADY = "tiny-steady"  # the other model: one fixed replica, a light steady load
+STEADY_PAUSE_S = 0.5
 MAX_TOKENS = 48
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,14 @@ async def _request(client: httpx.AsyncClient, model: str, i: int) -> int | str:
 
 
 async def _load(
-    url: str, model: str, concurrency: int, stop: threading.Event, done: list[int | str]
+    url: str,
+    model: str,
+    concurrency: int,
+    stop: threading.Event,
+    done: list[int | str],
+    pause_s: float,
 ) -> None:
-    """`concurrency` clients, each sending requests back to back until stop is set."""
+    """`concurrency` clients, each sending requests `pause_s` apart until stop is set."""
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
 
         async def worker(k: int) -> None:
@@ -107,16 +113,17 @@ async def _load(
             while not stop.is_set():
                 done.append(await _request(client, model, k * 10_000 + i))
                 i += 1
+                await asyncio.sleep(pause_s)
 
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
 
 
 def _in_background(
-    url: str, model: str, concurrency: int, done: list[int | str]
+    url: str, model: str, concurrency: int, done: list[int | str], pause_s: float = 0.0
 ) -> tuple[threading.Event, threading.Thread]:
     stop = threading.Event()
     thread = threading.Thread(
-        target=lambda: asyncio.run(_load(url, model, concurrency, stop, done))
+        target=lambda: asyncio.run(_load(url, model, concurrency, stop, done, pause_s))
     )
     thread.start()
     return stop, thread
@@ -147,8 +154,11 @@ def test_a_burst_scales_one_model_to_two_replicas_and_back_leaving_the_other_alo
         assert wait_for(lambda: _replicas(MODEL) == _replicas(STEADY) == 1, 120, 0.25)
         logger.info("deployed with 1 + 1 replicas after %.1f s", time.monotonic() - t0)
         watch = Watch()
-        steady: list[int | str] = []  # one client on the other model through both phases
-        stop_steady, steady_thread = _in_background(url, STEADY, 1, steady)
+        # One client on the other model through both phases. A pause between its requests keeps
+        # the load light: back to back, its replica's engine never rested and took CPU from the
+        # new replica's start on a 2-core machine.
+        steady: list[int | str] = []
+        stop_steady, steady_thread = _in_background(url, STEADY, 1, steady, pause_s=STEADY_PAUSE_S)
         try:
             # 12 clients against max_num_seqs 4: (running + waiting) / 4 / 0.75 asks for 4
             # replicas, capped at 2.

@@ -18,7 +18,7 @@ from tests.deploy.conftest import delete_app, wait_for
 
 pytestmark = pytest.mark.slow
 
-APP = "failover"
+APP = "failover"  # the module's first app; each fresh deploy names a new one (_deploy)
 MODEL = "tiny-failover"
 MAX_TOKENS = 200
 # (prompt, sampling): greedy ones and seeded temperature sampling, which must resume exactly too.
@@ -43,9 +43,19 @@ def app_args(model_dir: str, **changes) -> dict:
     }
 
 
-# The args of the app's last serve.run: serve.run sets no deployment version, so Serve restarts
-# every replica even for the same args, and a test that finds its args deployed skips it.
-DEPLOYED: dict[str, dict] = {}
+# The app's name, and the args of its last serve.run: serve.run sets no deployment version, so
+# Serve restarts every replica even for the same args, and a test that finds its args deployed
+# skips it.
+DEPLOYED: dict = {"app": APP, "args": None, "fresh": 0}
+
+
+def _app() -> str:
+    """The name of the app the tests run on now."""
+    return DEPLOYED["app"]
+
+
+def _url() -> str:
+    return f"http://127.0.0.1:{DEPLOYED['port']}/{_app()}/v1"
 
 
 def _run_app(args: dict) -> None:
@@ -53,14 +63,15 @@ def _run_app(args: dict) -> None:
     from deploy.app import build_app
 
     DEPLOYED["args"] = args
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    serve.run(build_app(args), name=_app(), route_prefix=f"/{_app()}")
 
 
 @pytest.fixture(scope="module")
 def failover_url(ray_cluster, http_port, tiny_model_dir):
+    DEPLOYED["port"] = http_port
     _run_app(app_args(tiny_model_dir))
-    yield f"http://127.0.0.1:{http_port}/{APP}/v1"
-    delete_app(APP)
+    yield _url()
+    delete_app(_app())
 
 
 def _body(prompt: str, sampling: dict, stream: bool) -> dict:
@@ -114,7 +125,7 @@ async def _kill_replica_fault() -> None:
 
 async def _busy_replica() -> dict:
     """The stats of a replica that has requests in flight."""
-    stats = await serve.get_deployment_handle("LLMReplica", app_name=APP).stats.remote()
+    stats = await serve.get_deployment_handle("LLMReplica", app_name=_app()).stats.remote()
     assert stats["num_streams"] > 0, stats
     return stats
 
@@ -122,7 +133,7 @@ async def _busy_replica() -> dict:
 async def _kill_a_generating_replica(timeout: float = 30) -> str:
     """Kill a replica as soon as one reports requests running (a fixed sleep can miss them: 200
     tokens of the tiny model take well under a second)."""
-    handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
+    handle = serve.get_deployment_handle("LLMReplica", app_name=_app())
     deadline = time.monotonic() + timeout
     while True:
         stats = await handle.stats.remote()
@@ -135,9 +146,14 @@ async def _kill_a_generating_replica(timeout: float = 30) -> str:
     return victim
 
 
+KILLED: list[str] = []  # replicas whose worker was killed
+
+
 async def _kill_worker_fault() -> None:
     """SIGKILL rank 1 of a TP=2 replica: the engine fails at its next collective."""
-    os.kill((await _busy_replica())["model_pids"][1], signal.SIGKILL)
+    stats = await _busy_replica()
+    KILLED.append(stats["replica"])
+    os.kill(stats["model_pids"][1], signal.SIGKILL)
 
 
 STALLED: list[tuple[str, int]] = []  # (replica, pid of the stopped worker)
@@ -155,7 +171,7 @@ def _replica_names(excluding: str = "") -> list[str]:
     return [
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if f"{APP}#LLMReplica" in a["name"] and a["name"] != excluding
+        if f"{_app()}#LLMReplica" in a["name"] and a["name"] != excluding
     ]
 
 
@@ -219,7 +235,7 @@ def _wait_running(timeout: float = 180) -> None:
     last: dict[str, str] = {}
 
     def running() -> bool:
-        last["status"] = serve.status().applications[APP].status
+        last["status"] = serve.status().applications[_app()].status
         return last["status"] == "RUNNING"
 
     assert wait_for(running, timeout, 0.5), last["status"]
@@ -230,26 +246,30 @@ def _wait_replicas_running(n: int, timeout: float = 180) -> None:
     replaced)."""
 
     def states() -> dict:
-        app = serve.status().applications.get(APP)
+        app = serve.status().applications.get(_app())
         return {} if app is None else dict(app.deployments["LLMReplica"].replica_states)
 
     wait_for(lambda: states() == {"RUNNING": n}, timeout, 0.5)
     assert states() == {"RUNNING": n}, states()
 
 
-def _deploy(args: dict, fresh: bool = False) -> None:
-    """Deploy args as the app (unless they are deployed) and wait for its replicas. Serve
-    replaces a deployment's replicas one at a time (rolling_update_percentage); fresh: delete
-    the app first, so that a new model or engine starts every replica at once."""
-    if DEPLOYED.get("args") != args:
+def _deploy(args: dict, fresh: bool = False) -> str:
+    """Deploy args as the app (unless they are deployed), wait for its replicas, and return its
+    URL. Serve replaces a deployment's replicas one at a time (rolling_update_percentage); fresh:
+    a new app (its own name and route) instead, so that a new model or engine starts every replica
+    at once, while the old app stops in the background (a blocking delete waited ~3 s for it)."""
+    if DEPLOYED["args"] != args:
         if fresh:
-            serve.delete(APP)
+            delete_app(_app())
+            DEPLOYED["fresh"] += 1
+            DEPLOYED["app"] = f"{APP}-{DEPLOYED['fresh']}"
         _run_app(args)
     _wait_replicas_running(args["num_replicas"])
+    return _url()
 
 
-def _redeploy(model_dir: str, **changes) -> None:
-    _deploy(app_args(model_dir, **changes), fresh=True)
+def _redeploy(model_dir: str, **changes) -> str:
+    return _deploy(app_args(model_dir, **changes), fresh=True)
 
 
 def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_a_clean_503(
@@ -299,35 +319,6 @@ async def _run_one(url: str) -> tuple[str, int]:
         return await _complete(client, "After the storm:", {"temperature": 0.0})
 
 
-def test_a_tp2_replica_whose_worker_dies_or_stalls_hands_its_requests_to_the_other(
-    failover_url, tiny_model_dir
-):
-    """TP=2 replicas: a killed worker fails the engine at once; a stopped one hangs its step, the
-    watchdog notices (engine_stall_timeout_s) and Serve replaces the replica. Either way every
-    request finishes elsewhere with the text of an undisturbed run."""
-    _redeploy(
-        tiny_model_dir,
-        tensor_parallel_size=2,
-        worker_num_cpus=0.5,
-        engine_stall_timeout_s=3,
-        health_check_period_s=1,
-    )
-    undisturbed = asyncio.run(_run_cases(failover_url, None))
-    disturbed = asyncio.run(_run_cases(failover_url, _kill_worker_fault))
-    assert disturbed == undisturbed
-    _wait_replicas_running(2)  # Serve replaced the failed replica
-    try:
-        disturbed = asyncio.run(_run_cases(failover_url, _stall_worker_fault))
-        assert disturbed == undisturbed
-        _wait_replica_gone(STALLED[0][0])  # its health check failed: Serve is replacing it
-    finally:
-        for _, pid in STALLED:  # never leave a stopped process behind
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 # Held back at every moment (no text contains it): a hand-back or a migration must carry it on.
 HOLD = "<never in this text: it holds back 40 chars>"
 LONG_TOKENS = 300
@@ -349,8 +340,8 @@ def _long_app_args(model_dir: str, num_replicas: int = 2) -> dict:
     )
 
 
-def _deploy_long(model_dir: str, num_replicas: int = 2, fresh: bool = False) -> None:
-    _deploy(_long_app_args(model_dir, num_replicas), fresh)
+def _deploy_long(model_dir: str, num_replicas: int = 2, fresh: bool = False) -> str:
+    return _deploy(_long_app_args(model_dir, num_replicas), fresh)
 
 
 def test_a_scale_down_mid_stream_keeps_every_character(failover_url, long_tiny_model_dir):
@@ -360,14 +351,14 @@ def test_a_scale_down_mid_stream_keeps_every_character(failover_url, long_tiny_m
     the tokens it received. With stream_interval 3 (tokens held back at the replica) and a stop
     string that holds text back at the ingress, every text is that of an undisturbed run."""
 
-    _deploy_long(long_tiny_model_dir, fresh=True)  # another model than the earlier tests'
-    undisturbed = _undisturbed(failover_url, "long", LONG_CASES)
+    url = _deploy_long(long_tiny_model_dir, fresh=True)  # another model than the earlier tests'
+    undisturbed = _undisturbed(url, "long", LONG_CASES)
 
     async def scale_down() -> None:
         args = _long_app_args(long_tiny_model_dir, num_replicas=1)
         await asyncio.to_thread(_run_app, args)
 
-    disturbed = asyncio.run(_run_cases(failover_url, scale_down, LONG_CASES))
+    disturbed = asyncio.run(_run_cases(url, scale_down, LONG_CASES))
     for (prompt, _), calm, hit in zip(LONG_CASES, undisturbed, disturbed):
         assert hit == calm, prompt  # every character, and usage counts every token once
     _wait_replicas_running(1)
@@ -378,15 +369,15 @@ def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, long_tin
     generations (freeing their blocks) instead of running them to max_tokens."""
     # 2,000 tokens take the tiny model several seconds: the watchdog (1 s rounds) must win the race.
     # The scale-down test's final configuration: after it, no redeploy.
-    _deploy_long(long_tiny_model_dir, num_replicas=1)
-    handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
+    url = _deploy_long(long_tiny_model_dir, num_replicas=1)
+    handle = serve.get_deployment_handle("LLMReplica", app_name=_app())
     orphans_before: list[int] = []
     body = _body("A very long tale:", {"temperature": 0.0}, stream=True) | {"max_tokens": 2000}
 
     async def orphan() -> dict:
         # The replica may have served the scale-down test: its own count of orphans so far.
         orphans_before.append((await handle.stats.remote())["orphans_aborted"])
-        async with httpx.AsyncClient(base_url=failover_url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             tasks = [asyncio.create_task(client.post("/completions", json=body)) for _ in range(4)]
             for _ in range(600):
                 stats = await handle.stats.remote()
@@ -397,7 +388,7 @@ def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, long_tin
             ingress = [
                 a["name"]
                 for a in ray.util.list_named_actors(all_namespaces=True)
-                if f"{APP}#OpenAIIngress" in a["name"]
+                if f"{_app()}#OpenAIIngress" in a["name"]
             ]
             ray.kill(ray.get_actor(ingress[0], namespace="serve"), no_restart=True)
             # The streams end as soon as the watchdog finds the orphans; the engine thread applies
@@ -416,7 +407,7 @@ def test_an_ingress_that_dies_leaves_no_orphan_generation(failover_url, long_tin
     assert stats["orphans_aborted"] - orphans_before[0] == 4, (stats, orphans_before)
     assert stats["kv_cache_usage"] == 0.0, stats
     _wait_running()
-    assert asyncio.run(_run_one(failover_url))[1] == MAX_TOKENS
+    assert asyncio.run(_run_one(url))[1] == MAX_TOKENS
 
 
 def test_a_replica_shut_down_mid_stream_hands_back_every_character(
@@ -427,15 +418,53 @@ def test_a_replica_shut_down_mid_stream_hands_back_every_character(
     (stream_interval 3), the ingress sends the text those tokens complete, keeps what the stop
     string holds back, and resumes on the other replica (the drained one refuses requests until
     the routers learn it is draining). Every text is that of an undisturbed run."""
-    _deploy_long(long_tiny_model_dir)
-    undisturbed = _undisturbed(failover_url, "long", LONG_CASES)
+    # A new app, both replicas started at once (a rolling update from the 1-replica config started
+    # them one at a time).
+    url = _deploy_long(long_tiny_model_dir, fresh=True)
+    undisturbed = _undisturbed(url, "long", LONG_CASES)
 
     async def shut_down_one() -> None:
-        handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
+        handle = serve.get_deployment_handle("LLMReplica", app_name=_app())
         # DeploymentHandle.shutdown is the handle's own; the router picks the less loaded replica.
         victim = await handle.options(method_name="shutdown").remote()
         assert victim["handed_back"] > 0, victim
 
-    disturbed = asyncio.run(_run_cases(failover_url, shut_down_one, LONG_CASES))
+    disturbed = asyncio.run(_run_cases(url, shut_down_one, LONG_CASES))
     for (prompt, _), calm, hit in zip(LONG_CASES, undisturbed, disturbed):
         assert hit == calm, prompt
+
+
+def test_a_tp2_replica_whose_worker_dies_or_stalls_hands_its_requests_to_the_other(
+    failover_url, tiny_model_dir
+):
+    """TP=2 replicas: a stopped worker hangs its step, the watchdog notices
+    (engine_stall_timeout_s) and Serve replaces the replica; a killed worker fails the engine at
+    once. Either way every request finishes elsewhere with the text of an undisturbed run."""
+    # Last in the module: the replica Serve starts in place of the failed one competes with no
+    # later test for the CPUs.
+    url = _redeploy(
+        tiny_model_dir,
+        tensor_parallel_size=2,
+        worker_num_cpus=0.5,
+        engine_stall_timeout_s=3,
+        health_check_period_s=1,
+    )
+    # Both replicas take their first step here (8 requests between them). The watchdog does not
+    # time a replica's first step (it warms the kernels), so the stall comes first, before Serve
+    # starts a replica that has not stepped: a worker stopped in such a replica's first step (the
+    # stall after the kill, in the former order) hung its requests until step_timeout_s (300 s).
+    undisturbed = asyncio.run(_run_cases(url, None))
+    try:
+        disturbed = asyncio.run(_run_cases(url, _stall_worker_fault))
+        assert disturbed == undisturbed
+        _wait_replica_gone(STALLED[0][0])  # its health check failed ...
+    finally:
+        for _, pid in STALLED:  # never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    _wait_replicas_running(2)  # ... and Serve replaced it
+    disturbed = asyncio.run(_run_cases(url, _kill_worker_fault))
+    assert disturbed == undisturbed
+    _wait_replica_gone(KILLED[0])  # its engine failed: Serve is replacing it
