@@ -98,6 +98,11 @@ class FleetRouter(RequestRouter):
             self._observe_stats(key, replica.routing_stats, now)
         if pending_request is None:
             return [candidate_replicas]
+        # Every candidate is in the ranking below (none of them: all reported themselves failed,
+        # stalled or draining), so Serve should back off before asking again. Without it Serve
+        # retries at once, without awaiting: the loop spins and never applies the replica update
+        # that would bring a healthy replica.
+        pending_request.routing_context.should_backoff = True
         target = _target_of(pending_request)
         if target is not None and target in by_key:  # a command for one replica (lora_admin.py)
             return [[by_key[target]]]

@@ -26,7 +26,7 @@ from cluster.replica import LLMReplica
 from cluster.serve_router import ROUTER_CLASS_PATH, FleetRouter
 from deploy.config import AppConfig
 from deploy.generation import _route_as_own_request
-from router.stats import RoutingStats
+from router.stats import ReplicaState, RoutingStats
 from scheduler import SamplingParams, hash_prompt_blocks
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
@@ -38,6 +38,8 @@ pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16
 APP = "router_test"
 CIRCUIT_COOLDOWN_S = 3.0
+# While this file exists every StreamingReplica reports itself draining (the test's switch).
+DRAINING_FLAG = "/tmp/raylm-router-test-draining"  # a constant: replicas import this module
 
 
 @serve.deployment(
@@ -79,8 +81,9 @@ class StreamingReplica:
     def record_routing_stats(self) -> dict:
         self.reports += 1
         prefix = PrefixReport(list(self.resident)[-256:], self.reports)
+        state = ReplicaState.DRAINING if os.path.exists(DRAINING_FLAG) else ReplicaState.OK
         return RoutingStats(
-            SchedulerStats(0, self.running, 0, 0.0, 0.0, 0), prefix=prefix
+            SchedulerStats(0, self.running, 0, 0.0, 0.0, 0), state=state, prefix=prefix
         ).to_dict()
 
 
@@ -207,6 +210,28 @@ def test_replica_failures_reported_by_the_caller_open_its_circuit_until_the_cool
     assert closed.count(victim) >= 2, (
         closed
     )  # the probe, then (its success closed the circuit) more
+
+
+def test_a_request_waits_while_every_replica_drains_and_goes_to_the_first_back(handle):
+    """With every replica reporting itself draining the router ranks none; Serve must back off
+    and poll again (not retry in a loop that never yields, which starved the loop that brings
+    the replicas' new reports: the request hung for good), so the request is served once one
+    reports itself healthy."""
+
+    async def go():
+        await settle()
+        with open(DRAINING_FLAG, "w"):
+            pass
+        try:
+            await asyncio.sleep(1.5)  # both replicas' reports say draining
+            pending = asyncio.ensure_future(stream(handle, request(prompt_for(80, 0), 2)))
+            await asyncio.sleep(1.0)
+            assert not pending.done()  # nowhere to go yet
+        finally:
+            os.remove(DRAINING_FLAG)
+        return await asyncio.wait_for(pending, timeout=30)
+
+    assert run(go()) in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
 def test_killed_replica_is_routed_around(handle):
