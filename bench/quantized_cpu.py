@@ -28,8 +28,10 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.prompts, run as a script
 
 # A first difference is accepted at a top-2 gap up to this. 1e-3 held while the GGUF path kept
 # float32 activations (1,024 of 1,024 tokens identical); its int8 activations, rounded per
