@@ -10,6 +10,7 @@ reversed dimension order).
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -110,7 +111,12 @@ def read_gguf(path: str) -> GGUFFile:
     for _ in range(num_tensors):
         name = cur.string()
         dims = tuple(int(cur.take("Q")) for _ in range(int(cur.take("I"))))
-        infos.append((name, GGMLQuantizationType(int(cur.take("I"))), dims, int(cur.take("Q"))))
+        kind = int(cur.take("I"))
+        try:
+            qtype = GGMLQuantizationType(kind)
+        except ValueError:
+            raise ValueError(f"model: GGUF tensor {name!r} has unknown type {kind}") from None
+        infos.append((name, qtype, dims, int(cur.take("Q"))))
     alignment = int(wanted.get("general.alignment", _DEFAULT_ALIGNMENT))  # type: ignore[call-overload]
     start = -(-cur.at // alignment) * alignment
     tensors = [
@@ -131,14 +137,14 @@ def _view(
     shape = tuple(reversed(dims))
     if kind.name in _FLOAT_DTYPES:
         dtype = np.dtype(_FLOAT_DTYPES[kind.name])
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: a forged size cannot wrap
     else:
         block, size = GGML_QUANT_SIZES[kind]
-        if dims[0] % block:
+        if not dims or dims[0] % block:
             raise ValueError(f"model: GGUF tensor {name!r} rows are not whole {kind.name} blocks")
         shape = (*shape[:-1], dims[0] // block * size)
         dtype = np.dtype(np.uint8)
-        nbytes = int(np.prod(shape, dtype=np.int64))
+        nbytes = math.prod(shape)
     if at + nbytes > mapped.shape[0]:
         raise ValueError(f"model: GGUF tensor {name!r} runs past the end of {path!r}")
     return mapped[at : at + nbytes].view(dtype).reshape(shape)

@@ -59,6 +59,39 @@ def test_a_file_that_is_not_gguf_is_refused_naming_it(tmp_path):
         read_gguf(str(path))
 
 
+def _forged(path, field: str, value: int) -> str:
+    """A one-tensor file with its tensor's first dimension or its type id replaced."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray(Path(path).read_bytes())
+    at = data.find(b"blk.0.ffn_up.weight") + len(b"blk.0.ffn_up.weight") + 4  # past n_dims
+    if field == "dim":
+        data[at : at + 8] = value.to_bytes(8, "little")
+    else:  # the type id follows the two dimensions
+        data[at + 16 : at + 20] = value.to_bytes(4, "little")
+    Path(path).write_bytes(bytes(data))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("dim", 2**62, "runs past the end"),
+        ("dim", 2**64 - 1, "runs past the end"),
+        ("type", 999, "has unknown type 999"),
+    ],
+)
+def test_a_forged_tensor_size_or_type_is_a_value_error(tmp_path, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        read_gguf(_forged(tmp_path / "forged.gguf", field, value))
+
+
 @settings(max_examples=25, deadline=None)
 @given(cut=st.floats(0.0, 0.999))
 def test_a_truncated_file_is_a_value_error_naming_it(mixed_file, tmp_path_factory, cut):
