@@ -85,11 +85,15 @@ def test_strict_spread_needs_a_node_per_bundle():
 def test_best_effort_strategies_need_the_sum_somewhere_in_the_cluster():
     bundles = [{"CPU": 6.0}, {"CPU": 6.0}]
     assert unplaceable(bundles, "SPREAD", [HEAD, HEAD]) is None
-    assert unplaceable(bundles, "SPREAD", [HEAD]) is not None
+    problem = unplaceable(bundles, "SPREAD", [HEAD])
+    assert problem is not None
+    assert "bundles [{CPU: 6}, {CPU: 6}] under SPREAD" in problem
+    assert "the largest node has {CPU: 8}" in problem
 
 
 def test_an_empty_cluster_holds_nothing():
-    assert unplaceable([{"CPU": 1.0}], "PACK", []) is not None
+    problem = unplaceable([{"CPU": 1.0}], "PACK", [])
+    assert problem is not None and "bundles [{CPU: 1}] under PACK" in problem
 
 
 # ---- on a Ray cluster (8 logical CPUs, no GPU) --------------------------------------------------

@@ -297,19 +297,64 @@ def test_corrupt_or_mismatched_files_are_ignored(tmp_path, caplog) -> None:
         assert model.predict_request(request("q", [0.2] * DIM)) == before
 
 
-@given(
-    st.recursive(
-        st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
-        lambda c: st.lists(c) | st.dictionaries(st.text(), c),
-        max_leaves=30,
-    )
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+    max_leaves=30,
 )
-def test_any_json_is_loaded_or_ignored_never_raised(tmp_path_factory, value: object) -> None:
+
+
+def _leaves(value: object, path: tuple = ()) -> list[tuple]:
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _leaves(v, (*path, k))] or [path]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _leaves(v, (*path, i))] or [path]
+    return [path]
+
+
+def _replaced(value: object, path: tuple, new: object) -> object:
+    if not path:
+        return new
+    copy = dict(value) if isinstance(value, dict) else list(value)  # type: ignore[call-overload]
+    copy[path[0]] = _replaced(copy[path[0]], path[1:], new)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def saved_state(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("state") / "s.json"
+    assert LengthStateFile(str(path), "m", trained(workload(20, seed=5))).save()
+    return json.loads(path.read_text())
+
+
+@given(pick=st.integers(min_value=0), value=JSON)
+def test_a_corrupted_state_is_loaded_whole_or_not_at_all(
+    tmp_path_factory, saved_state: dict, pick: int, value: object
+) -> None:
+    """One leaf of a real state file replaced by any JSON value: the load either takes the file
+    whole (the model then knows the file's request count) or leaves the model as it was."""
+    leaves = _leaves(saved_state)
+    corrupted = _replaced(saved_state, leaves[pick % len(leaves)], value)
+    path = tmp_path_factory.mktemp("state") / "s.json"
+    path.write_text(json.dumps(corrupted))
+    model = trained(workload(3, seed=1))
+    before = model.predict_request(request("q", [0.2] * DIM))
+    if LengthStateFile(str(path), "m", model).load():
+        assert model.num_observed == corrupted["num_observed"]  # type: ignore[index]
+    else:
+        assert model.num_observed == 3
+        assert model.predict_request(request("q", [0.2] * DIM)) == before
+
+
+@given(JSON)
+def test_any_json_is_ignored_and_changes_nothing(tmp_path_factory, value: object) -> None:
     path = tmp_path_factory.mktemp("state") / "s.json"
     path.write_text(json.dumps(value))
-    model = LivePredictor(DIM)
-    LengthStateFile(str(path), "m", model).load()
-    assert model.predict_request(request("q", [0.2] * DIM)) is None or model.num_observed >= 0
+    model = trained(workload(3, seed=1))
+    before = model.predict_request(request("q", [0.2] * DIM))
+    assert not LengthStateFile(str(path), "m", model).load()
+    assert model.num_observed == 3
+    assert model.predict_request(request("q", [0.2] * DIM)) == before
 
 
 def test_a_failed_save_is_logged_not_raised(tmp_path, caplog) -> None:

@@ -119,12 +119,25 @@ def test_a_value_is_taken_only_within_its_documented_range(field, value):
     assert not isinstance(kept, bool) and low <= kept <= high
 
 
-def test_the_openai_ranges_are_accepted_at_their_ends():
-    for temperature in (0.0, MAX_TEMPERATURE):
-        SamplingParams(temperature=temperature)
-    for penalty in (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY):
-        SamplingParams(repetition_penalty=penalty)
-    SamplingParams(presence_penalty=-2, frequency_penalty=2, top_p=1, min_p=1, top_k=-1)
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 0.0),
+        ("temperature", MAX_TEMPERATURE),
+        ("repetition_penalty", MIN_REPETITION_PENALTY),
+        ("repetition_penalty", MAX_REPETITION_PENALTY),
+        ("presence_penalty", -2.0),
+        ("presence_penalty", 2.0),
+        ("frequency_penalty", -2.0),
+        ("frequency_penalty", 2.0),
+        ("top_p", 1.0),
+        ("min_p", 1.0),
+        ("top_k", -1),
+    ],
+)
+def test_the_openai_ranges_are_accepted_at_their_ends(field, value):
+    kept = 0 if (field, value) == ("top_k", -1) else value  # -1 is OpenAI's spelling of "off"
+    assert getattr(SamplingParams(**{field: value}), field) == kept
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1e-46, 5e-324, MIN_TEMPERATURE / 2])
