@@ -114,7 +114,9 @@ class PrefillSide:
         cache, leading ones in a row."""
         engine = self.engine
         tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
-        hashes = hash_prompt_blocks(tokens, engine.config.block_size, lora_name=request.lora_name)
+        hashes = hash_prompt_blocks(
+            tokens, engine.config.block_size, lora_name=request.lora_name, salt=request.cache_salt
+        )
         cached = engine.scheduler.kv.pool.cached
         blocks = []
         for h in hashes:

@@ -195,8 +195,12 @@ class Frontend:
 
     @staticmethod
     def block_hashes(
-        token_ids: Sequence[int], block_size: int, lora_name: str | None = None
+        token_ids: Sequence[int],
+        block_size: int,
+        lora_name: str | None = None,
+        salt: str | None = None,
     ) -> list[int]:
         """The prompt's chained block hashes, as the scheduler and the router compute them; a
-        request under a LoRA adapter passes its name (its blocks are never the base model's)."""
-        return hash_prompt_blocks(token_ids, block_size, lora_name=lora_name)
+        request under a LoRA adapter passes its name (its blocks are never the base model's), a
+        salted one its cache salt (its blocks are never another salt's)."""
+        return hash_prompt_blocks(token_ids, block_size, lora_name=lora_name, salt=salt)

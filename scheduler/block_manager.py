@@ -29,12 +29,27 @@ def _root(lora_name: str | None) -> bytes:
     return _block_digest(_ROOT, b"lora:" + lora_name.encode())
 
 
+def _salted(root: bytes, salt: str | None) -> bytes:
+    """A chain's seed mixed with the request's cache salt (vLLM's `cache_salt`; the ingress's
+    tenant scope): chains of different salts share no block, so no request can hit, or time,
+    another salt's KV. None leaves the seed as it is."""
+    return root if salt is None else _block_digest(root, b"salt:" + salt.encode())
+
+
 def hash_block_tokens(
-    parent_hash: int | None, block_token_ids: Sequence[int], lora_name: str | None = None
+    parent_hash: int | None,
+    block_token_ids: Sequence[int],
+    lora_name: str | None = None,
+    salt: str | None = None,
 ) -> int:
     """Stable 128-bit key of a full block: the same in every process (the router uses it too).
-    lora_name keys the first block of a chain (parent_hash None) by the request's adapter."""
-    parent = _root(lora_name) if parent_hash is None else parent_hash.to_bytes(16, "little")
+    lora_name and salt key the first block of a chain (parent_hash None) by the request's adapter
+    and cache salt."""
+    parent = (
+        _salted(_root(lora_name), salt)
+        if parent_hash is None
+        else parent_hash.to_bytes(16, "little")
+    )
     return int.from_bytes(_block_digest(parent, array("q", block_token_ids).tobytes()), "little")
 
 
@@ -48,6 +63,7 @@ def extend_block_hashes(
     block_size: int,
     num_blocks: int,
     lora_name: str | None = None,
+    salt: str | None = None,
 ) -> list[int]:
     """Extend the chain `hashes` (of token_ids' leading blocks) to at most num_blocks, in place;
     returns it.
@@ -55,12 +71,12 @@ def extend_block_hashes(
     The same keys as hash_block_tokens block by block, of full blocks only (token_ids holding fewer
     leave the chain shorter), with the tokens turned into bytes once for the whole run: a prompt's
     blocks cost one conversion, not one each. lora_name: the request's adapter (None: the base
-    model), which seeds the chain.
+    model) and salt: its cache salt (None: none), which seed the chain.
     """
     done = len(hashes)
     if num_blocks <= done:
         return hashes
-    parent = _root(lora_name) if not hashes else hashes[-1].to_bytes(16, "little")
+    parent = _salted(_root(lora_name), salt) if not hashes else hashes[-1].to_bytes(16, "little")
     data = array("q", token_ids[done * block_size : num_blocks * block_size]).tobytes()
     step = 8 * block_size
     for offset in range(0, len(data) - step + 1, step):  # full blocks only
@@ -74,13 +90,14 @@ def hash_prompt_blocks(
     block_size: int,
     max_blocks: int | None = None,
     lora_name: str | None = None,
+    salt: str | None = None,
 ) -> list[int]:
     """Chained hashes of the leading full blocks of token_ids, under the LoRA adapter lora_name
-    (None: the base model)."""
+    (None: the base model) and the cache salt `salt` (None: unsalted)."""
     n = len(token_ids) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
-    return extend_block_hashes([], token_ids, block_size, n, lora_name)
+    return extend_block_hashes([], token_ids, block_size, n, lora_name, salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +291,7 @@ class KVCacheManager:
             self.block_size,
             num_blocks,
             request.spec.lora_name,
+            request.spec.cache_salt,
         )
 
     def reuses_prefix(self, request: Request) -> bool:

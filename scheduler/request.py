@@ -13,6 +13,9 @@ from scheduler.settings import clipped
 # Priorities order a heap; a bounded range keeps comparisons cheap and the values meaningful.
 MAX_PRIORITY = 2**31 - 1
 MAX_TENANT_CHARS = 256
+# A cache salt (vLLM's `cache_salt`, or the ingress's digest of a tenant's scope): a string the
+# first block's hash is keyed by; bounded so that it stays a small input to every chain's seed.
+MAX_CACHE_SALT_CHARS = 1024
 # An adapter name: what a URL path, a metric label and a log line can carry unescaped.
 MAX_LORA_NAME_CHARS = 64
 _LORA_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_LORA_NAME_CHARS}}}")
@@ -26,6 +29,17 @@ def check_lora_name(name: object, field_name: str = "lora_name") -> str:
             f"got {clipped(repr(name))}"
         )
     return name
+
+
+def check_cache_salt(salt: object, field_name: str = "cache_salt") -> str:
+    """salt if it is a non-empty string of at most MAX_CACHE_SALT_CHARS characters, else
+    ValueError naming field_name."""
+    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        size = f"{len(salt)} characters" if isinstance(salt, str) else clipped(repr(salt))
+        raise ValueError(
+            f"{field_name}: must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, got {size}"
+        )
+    return salt
 
 
 class RequestStatus(enum.IntEnum):
@@ -87,12 +101,17 @@ class EngineRequest:
     # The LoRA adapter the request runs under (EngineCore.add_lora names them); None: the base
     # model. Its block hashes are keyed by it (hash_prompt_blocks(..., lora_name=...)).
     lora_name: str | None = None
+    # Keys the first block's hash (hash_prompt_blocks(..., salt=...)): requests of other salts
+    # never share prefix-cache blocks, in any KV tier. None: unsalted (shared with all unsalted).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id: must be a non-empty string")
         if self.lora_name is not None:
             check_lora_name(self.lora_name)
+        if self.cache_salt is not None:
+            check_cache_salt(self.cache_salt)
         if not (
             isinstance(self.priority, int)
             and not isinstance(self.priority, bool)
