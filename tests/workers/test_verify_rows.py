@@ -70,10 +70,9 @@ class RecordingBackend(TorchBackend):
 
             self.kernel = recording
 
-    def decode(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None, sinks=None,
-               kv_scale=None):  # fmt: skip
+    def decode(self, q, k_cache, v_cache, meta, p):
         self.decode_calls.append(meta.seq_lens_cpu[: q.shape[0]])
-        return super().decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks, kv_scale)
+        return super().decode(q, k_cache, v_cache, meta, p)
 
     def prepare(self, meta) -> None:
         self.steps.append((meta.num_decodes, list(meta.seq_lens_cpu)))

@@ -112,6 +112,31 @@ class AttentionMetadata:
         return max(self.seq_lens_cpu, default=0)
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """What a layer's attention computes beyond q, k and v, passed whole to every backend.
+
+    window: the query at position p attends to positions (p - window, p] only (a sliding
+    window, as transformers defines it); None: to every position up to p.
+    softcap: scores (after `scale`) become softcap * tanh(score / softcap) (Gemma 2).
+    sinks: [Hq] float, one extra logit per head in the softmax's denominator that attends to
+    nothing (gpt-oss's attention sinks).
+    kv_scale: an FP8 cache (uint8 E4M3 codes, workers/kv_fp8.py): float32 [2], the scales
+    of K and V; None: the cache holds floats of q's dtype.
+    """
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    kv_scale: torch.Tensor | None = None
+
+    @property
+    def eager(self) -> bool:
+        """A soft-cap or sinks: what SDPA has no place for."""
+        return bool(self.softcap) or self.sinks is not None
+
+
 class AttentionBackend(Protocol):
     """Computes attention for a whole batch once K/V of the step are in the cache."""
 
@@ -131,21 +156,9 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-        kv_scale: torch.Tensor | None = None,
+        p: AttentionParams,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] (already written to the cache) -> [T, Hq, D].
-
-        window: the query at position p attends to positions (p - window, p] only (a sliding
-        window, as transformers defines it); None: to every position up to p.
-        softcap: scores (after `scale`) become softcap * tanh(score / softcap) (Gemma 2).
-        sinks: [Hq] float, one extra logit per head in the softmax's denominator that attends to
-        nothing (gpt-oss's attention sinks).
-        kv_scale: an FP8 cache (uint8 E4M3 codes, workers/kv_fp8.py): float32 [2], the scales
-        of K and V; None: the cache holds floats of q's dtype."""
+        """q: [T, Hq, D], k/v: [T, Hk, D] (already written to the cache) -> [T, Hq, D]."""
 
 
 def select_backend(
@@ -232,24 +245,12 @@ class Attention(nn.Module):
         v = _heads(v, self.num_kv_heads, self.head_dim)
         if self.kv_scale is None:
             write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            # Passed only with an FP8 cache, so backends that read floats need not know of it.
-            extra: dict[str, torch.Tensor] = {}
         else:
             write_kv_fp8(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scale)
-            extra = {"kv_scale": self.kv_scale}
-        out = self.backend.forward(
-            q,
-            k,
-            v,
-            self.k_cache,
-            self.v_cache,
-            meta,
-            self.scale,
-            self.sliding_window,
-            softcap=self.logit_softcap,
-            sinks=sinks,
-            **extra,
+        params = AttentionParams(
+            self.scale, self.sliding_window, self.logit_softcap, sinks, self.kv_scale
         )
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, params)
         return out.view(t, -1)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from flash_attn import flash_attn_varlen_func
 
-from workers.layers.attention import AttentionMetadata
+from workers.layers.attention import AttentionMetadata, AttentionParams
 
 _PAGED_MIN_BLOCK = 256
 
@@ -50,15 +50,12 @@ class FlashAttnBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-        kv_scale: torch.Tensor | None = None,
+        p: AttentionParams,
     ) -> torch.Tensor:
-        if kv_scale is not None:  # refused at start (workers/kv_fp8.py check_device)
+        window = p.window
+        if p.kv_scale is not None:  # refused at start (workers/kv_fp8.py check_device)
             raise ValueError("kv_cache_dtype: flash_attn cannot read an FP8 cache")
-        if sinks is not None:
+        if p.sinks is not None:
             raise ValueError(
                 "attention_backend: flash_attn has no attention sinks (gpt-oss); "
                 "use triton or torch"
@@ -69,11 +66,11 @@ class FlashAttnBackend:
             cu_seqlens_k=st.cu_seqlens_k,
             max_seqlen_q=st.max_seqlen_q,
             max_seqlen_k=st.max_seqlen_k,
-            softmax_scale=scale,
+            softmax_scale=p.scale,
             causal=True,
             # flash-attn's left window counts the keys before the query's own position.
             window_size=(window - 1 if window else -1, 0 if window else -1),
-            softcap=softcap or 0.0,  # flash-attn's tanh cap, the same formula (0: none)
+            softcap=p.softcap or 0.0,  # flash-attn's tanh cap, the same formula (0: none)
         )
         if st.context_slots is None:
             return flash_attn_varlen_func(

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.kv_fp8 import dequantize
-from workers.layers.attention import AttentionMetadata
+from workers.layers.attention import AttentionMetadata, AttentionParams
 from workers.layers.backends import cpu_paged
 
 
@@ -47,45 +47,37 @@ class _TorchState:
     v_buf: torch.Tensor | None = None
 
 
-@dataclass(slots=True)
-class Extras:
-    """What SDPA cannot express: a tanh soft-cap on the scores and per-head sink logits. With
-    either, attention runs eagerly: scores, cap, mask, softmax (float32) with the sink as one
-    more column that is then dropped, as transformers' eager attention does."""
+def attend_eager(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, p: AttentionParams
+) -> torch.Tensor:
+    """What SDPA cannot express: a tanh soft-cap on the scores and per-head sink logits. Scores,
+    cap, mask, softmax (float32) with the sink as one more column that is then dropped, as
+    transformers' eager attention does.
 
-    softcap: float | None
-    sinks: torch.Tensor | None  # [Hq]
+    q: [..., Hk, G, Lq, D]; k, v: [..., Hk, 1, Lk, D]; mask: bool (True: attend) or additive,
+    broadcastable to the scores [..., Hk, G, Lq, Lk]; None: causal from the end."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * p.scale
+    if p.softcap:
+        s = torch.tanh(s / p.softcap) * p.softcap
+    if mask is None:
+        lq, lk = s.shape[-2], s.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    if p.sinks is None:
+        return torch.matmul(s.softmax(-1).to(v.dtype), v)
+    sink = p.sinks.float().view(*s.shape[-4:-2], 1, 1).expand(*s.shape[:-1], 1)
+    probs = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
-    @property
-    def any(self) -> bool:
-        return bool(self.softcap) or self.sinks is not None
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
-    ) -> torch.Tensor:
-        """q: [..., Hk, G, Lq, D]; k, v: [..., Hk, 1, Lk, D]; mask: bool (True: attend) or
-        additive, broadcastable to the scores [..., Hk, G, Lq, Lk]; None: causal from the end."""
-        s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-        if self.softcap:
-            s = torch.tanh(s / self.softcap) * self.softcap
-        if mask is None:
-            lq, lk = s.shape[-2], s.shape[-1]
-            mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-        if self.sinks is None:
-            return torch.matmul(s.softmax(-1).to(v.dtype), v)
-        sink = self.sinks.float().view(*s.shape[-4:-2], 1, 1).expand(*s.shape[:-1], 1)
-        p = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
-        return torch.matmul(p.to(v.dtype), v)
-
-    def attend_prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
-    ) -> torch.Tensor:
-        """SDPA's layout: q [1, Hq, Lq, D], k/v [1, Hk, Lk, D] -> [1, Hq, Lq, D]."""
-        _, hq, lq, d = q.shape
-        hk = k.shape[1]
-        o = self.attend(q.view(1, hk, hq // hk, lq, d), k.unsqueeze(2), v.unsqueeze(2), mask, scale)
-        return o.reshape(1, hq, lq, d)
+def attend_prefill_eager(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, p: AttentionParams
+) -> torch.Tensor:
+    """SDPA's layout: q [1, Hq, Lq, D], k/v [1, Hk, Lk, D] -> [1, Hq, Lq, D]."""
+    _, hq, lq, d = q.shape
+    hk = k.shape[1]
+    o = attend_eager(q.view(1, hk, hq // hk, lq, d), k.unsqueeze(2), v.unsqueeze(2), mask, p)
+    return o.reshape(1, hq, lq, d)
 
 
 # The C++ kernel's "no sinks" (it runs on CPU only): one empty float32 tensor, not one per call.
@@ -121,19 +113,14 @@ class TorchBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-        kv_scale: torch.Tensor | None = None,
+        p: AttentionParams,
     ) -> torch.Tensor:
         state: _TorchState = meta.backend_state
         out = q.new_empty(
             q.shape
         )  # contiguous, whatever q's strides (it may view a fused QKV output)
         nd = meta.num_decodes
-        extras = Extras(softcap, sinks)
-        if nd and kv_scale is None and self._kernel_takes(q, k_cache):
+        if nd and p.kv_scale is None and self._kernel_takes(q, k_cache):
             self.kernel(
                 _first(out, nd),
                 _first(q, nd),
@@ -141,16 +128,14 @@ class TorchBackend:
                 v_cache,
                 _first(meta.block_tables, nd),
                 _first(meta.seq_lens, nd),
-                scale,
-                window or 0,
-                softcap or 0.0,
-                _NO_SINKS if sinks is None else sinks.float().contiguous(),
+                p.scale,
+                p.window or 0,
+                p.softcap or 0.0,
+                _NO_SINKS if p.sinks is None else p.sinks.float().contiguous(),
             )
         elif nd:
-            out[:nd] = self.decode(
-                q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks, kv_scale
-            )
-        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, scale, window, extras, kv_scale)
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, p)
+        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, p)
         return out
 
     def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -167,11 +152,7 @@ class TorchBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-        kv_scale: torch.Tensor | None = None,
+        p: AttentionParams,
     ) -> torch.Tensor:
         """One query token per request: gather each context through the block table, masked SDPA
         (eager attention with a soft-cap or sinks, which SDPA has no place for). kv_scale: an
@@ -182,6 +163,7 @@ class TorchBackend:
         state: _TorchState = meta.backend_state
         if state.decode_block_ids is None:
             state.decode_block_ids = _prepare_gather(meta)
+        window, kv_scale = p.window, p.kv_scale
         if window not in state.decode_masks:  # once per step and window, not once per layer
             state.decode_masks[window] = _decode_mask(meta, window).to(q.dtype)
         mask = state.decode_masks[window]
@@ -197,13 +179,12 @@ class TorchBackend:
             k, v = dequantize(k, kv_scale[0], q.dtype), dequantize(v, kv_scale[1], q.dtype)
         k = k.view(nd, -1, hk, d).transpose(1, 2)
         v = v.view(nd, -1, hk, d).transpose(1, 2)
-        extras = Extras(softcap, sinks)
-        if extras.any:  # [nd, hk, G, 1, D] queries against [nd, hk, 1, L, D] keys
+        if p.eager:  # [nd, hk, G, 1, D] queries against [nd, hk, 1, L, D] keys
             qg = q.view(nd, hk, hq // hk, 1, d)
-            o = extras.attend(qg, k.unsqueeze(2), v.unsqueeze(2), mask.unsqueeze(2), scale)
+            o = attend_eager(qg, k.unsqueeze(2), v.unsqueeze(2), mask.unsqueeze(2), p)
         else:
             o = F.scaled_dot_product_attention(
-                q.view(nd, hk, hq // hk, d), k, v, attn_mask=mask, scale=scale
+                q.view(nd, hk, hq // hk, d), k, v, attn_mask=mask, scale=p.scale
             )
         return o.reshape(nd, hq, d)
 
@@ -254,10 +235,7 @@ def _prefill(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     prefills: list[_Prefill],
-    scale: float,
-    window: int | None = None,
-    extras: Extras | None = None,
-    kv_scale: torch.Tensor | None = None,
+    p: AttentionParams,
 ) -> None:
     """Prefill chunks one request at a time (few per step, each a large matmul).
 
@@ -268,26 +246,27 @@ def _prefill(
     SDPA gets 4-D [1, H, L, D] views: on CPU, 3-D inputs fall off the fused flash kernel onto the
     math path (a score matrix per head and many more passes over memory).
     """
-    for p in prefills:
-        qi = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
-        mask = p.mask_for(window, q.device)
-        if p.block_ids is None:  # no cached context: the chunk's own K/V are the whole context
-            ki = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            vi = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+    kv_scale = p.kv_scale
+    for c in prefills:
+        qi = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
+        mask = c.mask_for(p.window, q.device)
+        if c.block_ids is None:  # no cached context: the chunk's own K/V are the whole context
+            ki = k[c.start : c.end].transpose(0, 1).unsqueeze(0)
+            vi = v[c.start : c.end].transpose(0, 1).unsqueeze(0)
         else:
-            kc = _gather(k_cache, p.block_ids)[: p.seq_len]
-            vc = _gather(v_cache, p.block_ids)[: p.seq_len]
+            kc = _gather(k_cache, c.block_ids)[: c.seq_len]
+            vc = _gather(v_cache, c.block_ids)[: c.seq_len]
             if kv_scale is not None:
                 kc, vc = dequantize(kc, kv_scale[0], q.dtype), dequantize(vc, kv_scale[1], q.dtype)
             ki = kc.transpose(0, 1).unsqueeze(0)
             vi = vc.transpose(0, 1).unsqueeze(0)
-        if extras is not None and extras.any:
-            oi = extras.attend_prefill(qi, ki, vi, mask, scale)
+        if p.eager:
+            oi = attend_prefill_eager(qi, ki, vi, mask, p)
         else:
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=p.scale, enable_gqa=True
             )
-        out[p.start : p.end] = oi[0].transpose(0, 1)
+        out[c.start : c.end] = oi[0].transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.layers.attention import AttentionMetadata
+from workers.layers.attention import AttentionMetadata, AttentionParams
 from workers.layers.backends.torch_ref import TorchBackend
 
 
@@ -350,11 +350,7 @@ class TritonDecodeBackend(TorchBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-        kv_scale: torch.Tensor | None = None,
+        p: AttentionParams,
     ) -> torch.Tensor:
         nd = q.shape[0]
         return paged_decode(
@@ -363,9 +359,9 @@ class TritonDecodeBackend(TorchBackend):
             v_cache,
             meta.block_tables[:nd],
             meta.seq_lens[:nd],
-            scale,
-            window=window or 0,
-            softcap=softcap or 0.0,
-            sinks=sinks,
-            kv_scale=kv_scale,
+            p.scale,
+            window=p.window or 0,
+            softcap=p.softcap or 0.0,
+            sinks=p.sinks,
+            kv_scale=p.kv_scale,
         )

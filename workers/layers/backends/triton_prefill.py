@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.layers.attention import AttentionMetadata
+from workers.layers.attention import AttentionMetadata, AttentionParams
 from workers.layers.backends.torch_ref import _TorchState
 from workers.layers.backends.triton_decode import TritonDecodeBackend
 
@@ -381,31 +381,15 @@ class TritonBackend(TritonDecodeBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-        kv_scale: torch.Tensor | None = None,
+        p: AttentionParams,
     ) -> torch.Tensor:
         state = meta.backend_state
         if not isinstance(state, _PrefillState):  # prepared while the switch was off
-            return super().forward(
-                q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, kv_scale
-            )
+            return super().forward(q, k, v, k_cache, v_cache, meta, p)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self.decode(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta,
-                scale,
-                window,
-                softcap=softcap,
-                sinks=sinks,
-                kv_scale=kv_scale,
-            )
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, p)
         if state.max_prefill_len:
             paged_prefill(
                 q,
@@ -415,12 +399,12 @@ class TritonBackend(TritonDecodeBackend):
                 meta.query_start_loc[nd:],
                 meta.seq_lens[nd:],
                 state.max_prefill_len,
-                scale,
-                window=window or 0,
-                softcap=softcap or 0.0,
-                sinks=sinks,
+                p.scale,
+                window=p.window or 0,
+                softcap=p.softcap or 0.0,
+                sinks=p.sinks,
                 out=out,
                 tiles=self.tiles,
-                kv_scale=kv_scale,
+                kv_scale=p.kv_scale,
             )
         return out
