@@ -6,15 +6,27 @@ import logging
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.exceptions import RayServeException
 
 from cluster.disagg_replica import DisaggPhase
-from cluster.placement import spread_warning, wait_until_placeable
+from cluster.placement import UnplaceableError, spread_warning, wait_until_placeable
 from cluster.replica import LLMReplica
+from deploy.check import wait_for_capacity
 from deploy.config import AppConfig
 from deploy.fleet_config import FleetConfig
+from deploy.hub import pinned
 from deploy.ingress import OpenAIIngress
 
 logger = logging.getLogger(__name__)
+
+
+class AppConfigError(RayServeException, ValueError):
+    """A bad app config. As a RayServeException, Serve's build task reports its message as it is:
+    one line, no traceback, no retry of the build."""
+
+
+class UnplaceableAppError(UnplaceableError, RayServeException):
+    """An app the cluster cannot hold, reported by Serve as one line."""
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -75,13 +87,35 @@ def check_placement(config: AppConfig) -> None:
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """The Serve application for deploy.yaml's `args`; a bad arg raises ValueError naming the
-    field, a replica no node can hold raises UnplaceableError (a ValueError) naming its bundles."""
-    fleet = FleetConfig.from_args(args)
-    check_exposure(_serve_http_host(), fleet)
-    for model in fleet.models:
-        check_placement(model)
+    """The Serve application for deploy.yaml's `args`; a bad arg raises AppConfigError (a
+    ValueError) naming the field, an app the cluster cannot hold UnplaceableAppError (an
+    UnplaceableError) naming what it needs and what the cluster has. A hub model is pinned to its
+    commit (deploy/hub.py), so a missing one fails here."""
+    try:
+        fleet = pinned_fleet(FleetConfig.from_args(args))
+        check_exposure(_serve_http_host(), fleet)
+        for model in fleet.models:
+            check_placement(model)
+        _check_capacity(fleet)
+    except UnplaceableError as exc:
+        raise UnplaceableAppError(str(exc)) from None
+    except ValueError as exc:
+        raise AppConfigError(str(exc)) from None
     return application(fleet)
+
+
+def pinned_fleet(fleet: FleetConfig) -> FleetConfig:
+    """Each hub model pinned to the snapshot directory of its commit (deploy/hub.py)."""
+    models = [pinned(model) for model in fleet.models]
+    ingress = models[0] if fleet.single else fleet.ingress
+    return FleetConfig(ingress, models, fleet.single)
+
+
+def _check_capacity(fleet: FleetConfig) -> None:
+    import ray
+
+    if ray.is_initialized():  # else only the app is built here (serve build), for elsewhere
+        wait_for_capacity(fleet)
 
 
 def application(config: AppConfig | FleetConfig) -> Application:

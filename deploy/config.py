@@ -22,6 +22,8 @@ from cluster.placement import STRATEGIES, default_strategy
 from deploy.disagg_config import DisaggregationArgs
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
+from deploy.hub import check_hub_settings
+from deploy.lora import check_scope_setting
 from frontend.reasoning import PARSERS
 from router.autoscaling import MAX_DELAY_S, MAX_REPLICAS, SignalTargets, SloTargets
 from router.config import RoutingConfig
@@ -163,6 +165,17 @@ class AppConfig:
         None,
         "instead of `num_replicas`: "
         "`{min_replicas, max_replicas, initial_replicas, policy, target_ongoing_requests, "
+    # A hub model (`model: org/name`): deploy/hub.py pins it at build time.
+    revision: str | None = setting(
+        None,
+        "hub models: the branch, tag or commit of `model` (unset: the default branch); the app is "
+        "pinned to its commit when built, so every replica serves the same files",
+    )
+    download_dir: str | None = setting(
+        None,
+        "hub models: the Hugging Face cache to download into and read from, on every node "
+        "(unset: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)",
+    )
         "upscale_delay_s, downscale_delay_s, look_back_period_s, metrics_interval_s, "
         "slo: {ttft_p90_s, itl_p90_s}, targets: {...}}` (docs/operations.md#autoscaling)",
     )
@@ -366,6 +379,7 @@ class AppConfig:
             )
 
     def _check_disaggregation(self, disagg: DisaggregationArgs) -> None:
+        check_hub_settings(self.engine.model, self.revision, self.download_dir)
         for name in ("num_replicas", "autoscaling"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: set {name} or disaggregation, not both")

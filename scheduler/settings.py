@@ -13,6 +13,7 @@ The same metadata renders the configuration table, so docs cannot drift from cod
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import types
@@ -201,7 +202,7 @@ def build(cls: type[C], data: Mapping[str, Any] | C | None, path: str = "") -> C
     for key in data:
         if key not in params:
             name = clipped(key) if isinstance(key, str) else shown(key)
-            raise ValueError(f"{path}{name}: unknown setting; known: {sorted(params)}")
+            raise ValueError(f"{path}{name}: unknown setting; {_known(cls, key)}")
     for name, f in params.items():
         if name not in data and f.default is MISSING and f.default_factory is MISSING:
             raise ValueError(f"{path}{name}: required")
@@ -209,6 +210,24 @@ def build(cls: type[C], data: Mapping[str, Any] | C | None, path: str = "") -> C
         return cls(**data)
     except ValueError as exc:
         raise ValueError(f"{path}{exc}") from None
+
+
+def _known(cls: type, key: Any) -> str:
+    """The settings nearest an unknown key, from every section of cls's tree (flat names, and
+    `section.name` inside an optional section); all of this level's where none is near."""
+    near = difflib.get_close_matches(str(key)[:_SHOWN_CHARS], _tree_names(cls), n=4, cutoff=0.6)
+    if near:
+        return f"known: {near} are the nearest (every setting: docs/configuration.md)"
+    return f"known: {sorted(f.name for f in fields(cls) if f.init)}"
+
+
+@functools.cache
+def _tree_names(cls: type) -> list[str]:
+    names = [f.name for f in fields(cls) if f.init] + list(_names_below(cls))
+    for f, kind in _checked_fields(cls):
+        if is_config(kind.base) and kind.optional:
+            names += [f"{f.name}.{name}" for name in _tree_names(kind.base)]
+    return names
 
 
 def nest(cls: type, flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
+from workers.hub import ensure_weights
 from workers.layers.linear import drop_packed_float_copies, pack_cpu_weights
 from workers.layers.quantized import drop_float_copies
 from workers.models import model_class
@@ -23,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 def safetensors_files(model_dir: str) -> list[Path]:
-    """The checkpoint shards of an HF directory (from the index when there is one)."""
+    """The checkpoint shards of an HF directory (from the index when there is one); a hub snapshot
+    fetches its weights first, once per node."""
+    ensure_weights(model_dir)
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():

@@ -1,5 +1,7 @@
-"""Model files without torch: find a model ("default", an HF directory or a GGUF file), convert GGUF
-once into an HF directory under cache_dir (keyed by the file's hash), read its config and tokenizer.
+"""Model files without torch: find a model ("default", an HF directory, a GGUF file or a hub id),
+convert GGUF once into an HF directory under cache_dir (keyed by the file's hash), read its config
+and tokenizer. A hub id or a hub snapshot directory fetches the tokenizer side here
+(workers/hub.py); the weights are fetched by the loader of each rank that reads them.
 
 This module imports neither torch nor the model classes itself (a GGUF conversion loads them on
 demand), so the ingress can find a model's tokenizer without building the model.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PretrainedConfig
 
+from workers.hub import TOKENIZER_FILES, HubModel, fetch, is_hub_id, snapshot_of
 from workers.options import DEFAULT_CACHE_DIR
 
 logger = logging.getLogger(__name__)
@@ -49,13 +52,16 @@ def gguf_path(model: str) -> Path | None:
 
 
 def resolve_model(model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:
-    """The HF directory holding `model` ("default", an HF directory or a .gguf file), converting
-    GGUF once."""
+    """The HF directory holding `model` ("default", an HF directory, a .gguf file, a hub id or a
+    hub snapshot directory), converting GGUF once and fetching a hub model's tokenizer side."""
     path = default_model_path() if model == DEFAULT_MODEL else Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model: directory {str(path)!r} has no config.json")
+    if path.is_dir() and (path / "config.json").is_file():
         return str(path)
+    hub = snapshot_of(path) or (HubModel(model) if is_hub_id(model) else None)
+    if hub is not None and not path.is_file():
+        return str(fetch(hub, TOKENIZER_FILES))
+    if path.is_dir():
+        raise ValueError(f"model: directory {str(path)!r} has no config.json")
     if path.is_file() and path.suffix == ".gguf":
         return str(_converted_gguf(path.resolve(), Path(cache_dir).expanduser()))
     if path.is_file():
@@ -63,7 +69,8 @@ def resolve_model(model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:
             f"model: {str(path)!r} is neither a .gguf file nor a Hugging Face directory"
         )
     raise ValueError(
-        f"model: {model!r} does not exist (expected 'default', an HF directory or a .gguf file)"
+        f"model: {model!r} does not exist (expected 'default', an HF directory, a .gguf file or "
+        "a Hugging Face hub id `org/name`)"
     )
 
 
