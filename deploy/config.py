@@ -20,10 +20,9 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 from cluster.autoscaling_policy import POLICY_PATH
 from cluster.placement import STRATEGIES, default_strategy
 from deploy.disagg_config import DisaggregationArgs
+from deploy.hub import check_hub_settings
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
-from deploy.hub import check_hub_settings
-from deploy.lora import check_scope_setting
 from frontend.reasoning import PARSERS
 from router.autoscaling import MAX_DELAY_S, MAX_REPLICAS, SignalTargets, SloTargets
 from router.config import RoutingConfig
@@ -157,14 +156,6 @@ class AppConfig:
     served_model_name: str | None = setting(
         None, "the name clients pass as `model` and `/v1/models` lists (unset: `model`)"
     )
-    # Data parallelism: a fixed count or autoscaling, not both.
-    num_replicas: int | None = setting(
-        None, "data-parallel replicas, one engine each (unset: 1)", ge=1
-    )
-    autoscaling: AutoscalingArgs | None = setting(
-        None,
-        "instead of `num_replicas`: "
-        "`{min_replicas, max_replicas, initial_replicas, policy, target_ongoing_requests, "
     # A hub model (`model: org/name`): deploy/hub.py pins it at build time.
     revision: str | None = setting(
         None,
@@ -176,6 +167,14 @@ class AppConfig:
         "hub models: the Hugging Face cache to download into and read from, on every node "
         "(unset: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)",
     )
+    # Data parallelism: a fixed count or autoscaling, not both.
+    num_replicas: int | None = setting(
+        None, "data-parallel replicas, one engine each (unset: 1)", ge=1
+    )
+    autoscaling: AutoscalingArgs | None = setting(
+        None,
+        "instead of `num_replicas`: "
+        "`{min_replicas, max_replicas, initial_replicas, policy, target_ongoing_requests, "
         "upscale_delay_s, downscale_delay_s, look_back_period_s, metrics_interval_s, "
         "slo: {ttft_p90_s, itl_p90_s}, targets: {...}}` (docs/operations.md#autoscaling)",
     )
@@ -352,6 +351,7 @@ class AppConfig:
             raise ValueError("num_replicas: set num_replicas or autoscaling, not both")
         if self.api_key == "":
             raise ValueError("api_key: must be non-empty when set")
+        check_hub_settings(self.engine.model, self.revision, self.download_dir)
         if self.api_keys_env is not None:
             self.api_keys = {**(self.api_keys or {}), **_keys_from_env(self.api_keys_env)}
         if self.api_keys is not None and any(not key for key in self.api_keys):
@@ -379,7 +379,6 @@ class AppConfig:
             )
 
     def _check_disaggregation(self, disagg: DisaggregationArgs) -> None:
-        check_hub_settings(self.engine.model, self.revision, self.download_dir)
         for name in ("num_replicas", "autoscaling"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: set {name} or disaggregation, not both")
