@@ -26,10 +26,23 @@ from scheduler.length_prediction import (
 from scheduler.request import Request
 
 
-class FCFSQueue:
-    """First come, first served; preempted requests return to the front."""
+class _Unlearned:
+    """A queue whose order needs neither token charges nor a length predictor."""
 
     charges_tokens = False
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        pass
+
+    def learn(self, request: Request) -> None:
+        pass
+
+    def predicted_remaining(self, request: Request) -> float | None:
+        return None
+
+
+class FCFSQueue(_Unlearned):
+    """First come, first served; preempted requests return to the front."""
 
     def __init__(self) -> None:
         self._q: deque[Request] = deque()
@@ -49,15 +62,6 @@ class FCFSQueue:
     def remove(self, request: Request) -> None:
         self._q.remove(request)
 
-    def charge(self, tenant: str, tokens: float) -> None:
-        pass
-
-    def learn(self, request: Request) -> None:
-        pass
-
-    def predicted_remaining(self, request: Request) -> float | None:
-        return None
-
     def __len__(self) -> int:
         return len(self._q)
 
@@ -65,10 +69,8 @@ class FCFSQueue:
         return iter(self._q)
 
 
-class PriorityQueue:
+class PriorityQueue(_Unlearned):
     """Lowest priority number first, then earliest arrival (a preempted request keeps its place)."""
-
-    charges_tokens = False
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, Request]] = []
@@ -90,15 +92,6 @@ class PriorityQueue:
     def remove(self, request: Request) -> None:
         self._heap = [e for e in self._heap if e[3] is not request]
         heapq.heapify(self._heap)
-
-    def charge(self, tenant: str, tokens: float) -> None:
-        pass
-
-    def learn(self, request: Request) -> None:
-        pass
-
-    def predicted_remaining(self, request: Request) -> float | None:
-        return None
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -214,6 +207,11 @@ class FairQueue:
     def learn(self, request: Request) -> None:
         if self._srpt is not None:
             self._srpt.learn(request)
+
+    @property
+    def predictor(self) -> RemainingLength | None:
+        """The length predictor that orders each tenant's line (fair_srpt), None under fair."""
+        return self._srpt.predictor if self._srpt is not None else None
 
     def predicted_remaining(self, request: Request) -> float | None:
         return self._srpt.predicted_remaining(request) if self._srpt is not None else None
