@@ -6,6 +6,7 @@ the input dimension and all-reduce the partial sums. At world size 1 they are pl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,6 +115,19 @@ class CpuPackedWeight(nn.Module):
     # LoRA adapters' slot weights (workers/lora), attached when the engine serves adapters.
     lora: LoraLayer | None = None
 
+    def _make_params(
+        self, rows: int, cols: int, bias: bool, bias_loader: Callable[..., None]
+    ) -> None:
+        """An unloaded [rows, cols] weight and, with `bias`, a [rows] bias, each with the loader
+        that copies this rank's shard of a checkpoint tensor into it."""
+        self.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(rows), requires_grad=False)
+            self.bias.weight_loader = bias_loader
+        else:
+            self.register_parameter("bias", None)
+
     def pack_weight(self) -> bool:
         """Pack this rank's (loaded) weight shard; True if it was packed (or is GGUF blocks, FP8 or
         INT4)."""
@@ -190,15 +204,7 @@ class ColumnParallelLinear(CpuPackedWeight):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.input_size = input_size
         self.output_size_per_rank = divide(output_size, self.tp_size, "output_size")
-        self.weight = nn.Parameter(
-            torch.empty(self.output_size_per_rank, input_size), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        self._make_params(self.output_size_per_rank, input_size, bias, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
@@ -287,15 +293,7 @@ class RowParallelLinear(CpuPackedWeight):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.input_size_per_rank = divide(input_size, self.tp_size, "input_size")
-        self.weight = nn.Parameter(
-            torch.empty(output_size, self.input_size_per_rank), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.bias_loader
-        else:
-            self.register_parameter("bias", None)
+        self._make_params(output_size, self.input_size_per_rank, bias, self.bias_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
