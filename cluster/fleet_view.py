@@ -30,10 +30,13 @@ def register(source: FleetSource) -> None:
     _SOURCES.add(source)
 
 
-def replica_reports() -> dict[str, RoutingStats]:
-    """Each replica's latest report known in this process (empty under Serve's own router)."""
+def replica_reports(deployment: str | None = None) -> dict[str, RoutingStats]:
+    """Each replica's latest report known in this process (empty under Serve's own router); of
+    one deployment's replicas only when `deployment` names it."""
     reports: dict[str, RoutingStats] = {}
     for source in list(_SOURCES):
+        if deployment is not None and source.deployment_name() != deployment:
+            continue
         try:
             reports.update(source.replica_reports())
         except RuntimeError:  # changed while copied on the router's thread: next scrape has it

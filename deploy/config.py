@@ -19,6 +19,8 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
 from cluster.autoscaling_policy import POLICY_PATH
 from cluster.placement import STRATEGIES, default_strategy
+from deploy.browser_guard import MAX_ALLOWED, check_hosts, check_origins
+from deploy.cache_scope import SCOPES
 from deploy.disagg_config import DisaggregationArgs
 from deploy.hub import check_hub_settings
 from deploy.schemas import MAX_MESSAGES
@@ -344,6 +346,25 @@ class AppConfig:
         "name of an environment variable holding `api_keys` as JSON (keeps the "
         "keys out of deploy.yaml and the Ray dashboard)",
     )
+    prefix_cache_scope: str | None = setting(
+        None,
+        "whose cached prompt blocks a request may reuse: `tenant` (its key's tenant's only: no "
+        "tenant hits, times or counts in `cached_tokens` another's) or `shared` (every caller's); "
+        "a request's `cache_salt` and `prompt_cache_key` narrow it further",
+        choices=SCOPES,
+        derived="tenant when api_key, api_keys or api_keys_env is set, else shared",
+    )
+    # Browser safety (deploy/browser_guard.py).
+    allowed_hosts: list[str] | None = setting(
+        None,
+        f"host names (no port) a keyless server answers besides loopback's; at most "
+        f"{MAX_ALLOWED} (unset: loopback only, against DNS rebinding)",
+    )
+    allowed_origins: list[str] | None = setting(
+        None,
+        f"browser origins (`https://app.example`) allowed to call the server, with CORS; at most "
+        f"{MAX_ALLOWED} (unset: requests carrying an Origin get 403)",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -356,6 +377,10 @@ class AppConfig:
             self.api_keys = {**(self.api_keys or {}), **_keys_from_env(self.api_keys_env)}
         if self.api_keys is not None and any(not key for key in self.api_keys):
             raise ValueError("api_keys: keys must be non-empty")
+        if self.allowed_hosts is not None:
+            self.allowed_hosts = check_hosts(self.allowed_hosts)
+        if self.allowed_origins is not None:
+            self.allowed_origins = check_origins(self.allowed_origins)
         if self.engine.cpu_threads is None and self.engine.tensor_parallel_size == 1:
             # A CPU replica's torch threads default to the cores its bundle reserves, not to
             # whatever Ray's OMP_NUM_THREADS says (a fraction rounds down, at least one).
@@ -411,6 +436,13 @@ class AppConfig:
     def model_name(self) -> str:
         """The name clients pass as `model` and /v1/models lists."""
         return self.served_model_name or self.engine.model
+
+    @property
+    def cache_scope(self) -> str:
+        """prefix_cache_scope, or its default: `tenant` once keys are configured."""
+        if self.prefix_cache_scope is not None:
+            return self.prefix_cache_scope
+        return "tenant" if self.key_profiles() else "shared"
 
     def key_profiles(self) -> dict[str, ApiKeyProfile]:
         """Every accepted key and whom it belongs to (empty: no authentication)."""

@@ -36,6 +36,9 @@ INGRESS_ONLY = (
     # The body is parsed before it names its model.
     "max_messages",
     "unknown_fields",
+    # The browser guard runs before a request names its model.
+    "allowed_hosts",
+    "allowed_origins",
 )
 # Serve deployment names: what a model name may keep (the rest becomes `_`).
 _DEPLOYMENT_CHARS = re.compile(r"[^A-Za-z0-9_.-]")

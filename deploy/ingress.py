@@ -24,6 +24,8 @@ from ray.serve.handle import DeploymentHandle
 from cluster.fleet_view import replica_reports
 from deploy import metrics_page
 from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
+from deploy.browser_guard import BrowserGuard, BrowserPolicy
+from deploy.cache_scope import request_salt
 from deploy.embeddings import EmbeddingRequest, check_fits, embed_one, embedding_response
 from deploy.errors import (
     BadRequestError,
@@ -72,6 +74,18 @@ logger = logging.getLogger(__name__)
 
 # The schema is served by a route of its own, behind the same keys as every other route.
 app = FastAPI(title="raylm", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+def _browser_policy() -> BrowserPolicy:
+    """The serving ingress's browser policy (Serve runs a copy of `app`, frozen at decoration, so
+    the middleware finds the ingress through the replica's context)."""
+    ingress = serve.get_replica_context().servable_object
+    return ingress.browser_policy  # type: ignore[attr-defined]
+
+
+# Before @serve.ingress freezes the app: every route, /health included, runs behind it.
+app.add_middleware(BrowserGuard, policy_of=_browser_policy)
+
 
 # A response with more log-probabilities than this is built and encoded on a thread.
 LOGPROBS_OFF_LOOP = 4096
@@ -182,6 +196,9 @@ class OpenAIIngress:
         for m in self.table.models:
             m.prefill = (prefills or {}).get(m.name)
         self._tenants = TenantLimiter(config.max_requests_per_tenant, config.overload_retry_after_s)
+        self.browser_policy = BrowserPolicy.of(
+            self.table.open, config.allowed_hosts, config.allowed_origins
+        )
         self._created = int(time.time())
         self._actor_name = ray.get_runtime_context().get_actor_name()  # replicas abort our orphans
 
@@ -229,13 +246,20 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> Response:
+        """The caller's view: an admin key (or a server without keys) sees every model, any other
+        key the models it may use and its own tenant's requests in flight."""
         try:
-            self._authorize(request)
+            caller = self._authorize(request)
         except Exception as exc:
             return error_response(exc)
-        in_flight = sum(self._tenants.in_flight.values())
-        metrics = [m.metrics for m in self.table.models]
-        page = metrics_page.render(metrics, replica_reports(), in_flight)
+        full = not self.table.keys or (caller.profile is not None and caller.profile.admin)
+        models = self.table.models if full else self.table.visible(caller)
+        in_flight = self._tenants.in_flight
+        page = metrics_page.render(
+            [m.metrics for m in models],
+            {k: v for m in models for d in m.deployments for k, v in replica_reports(d).items()},
+            sum(in_flight.values()) if full else in_flight.get(caller.tenant, 0),
+        )
         return Response(page, media_type=metrics_page.CONTENT_TYPE)
 
     @app.post("/tokenize")
@@ -364,6 +388,7 @@ class OpenAIIngress:
         base_id = f"embd-{uuid.uuid4().hex}"
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=m.config.embedding_pooling)
         requests = []
+        salt = request_salt(m.config.cache_scope, tenant)
         inputs = body.inputs()
         limit = m.config.max_sequences_per_request  # one engine request per input
         if len(inputs) > limit:
@@ -389,8 +414,11 @@ class OpenAIIngress:
                     sampling_params=params,
                     priority=body.priority,
                     tenant=tenant,
-                    block_hashes=m.frontend.block_hashes(ids, m.config.engine.block_size),
+                    block_hashes=m.frontend.block_hashes(
+                        ids, m.config.engine.block_size, salt=salt
+                    ),
                     caller=self._actor_name,
+                    cache_salt=salt,
                 )
             )
         timeout = m.config.request_timeout_s
@@ -602,6 +630,7 @@ class OpenAIIngress:
         choices = []
         asked_logprobs = 0
         bad_words = m.frontend.bad_words_token_ids(body.bad_words or [])
+        salt = request_salt(m.config.cache_scope, tenant, body.cache_salt, body.prompt_cache_key)
         for p, prompt in enumerate(prompts):
             try:
                 m.frontend.check_token_ids(prompt)
@@ -616,7 +645,7 @@ class OpenAIIngress:
                 asked_logprobs += body.n * max_tokens * (logprobs + 1)
             if body.asked_prompt_logprobs is not None:
                 asked_logprobs += body.n * len(prompt) * (body.asked_prompt_logprobs + 1)
-            hashes = m.frontend.block_hashes(prompt, m.config.engine.block_size, lora)
+            hashes = m.frontend.block_hashes(prompt, m.config.engine.block_size, lora, salt)
             too_long = [s for s in body.stop if len(s) > m.config.max_stop_string_chars]
             if too_long:
                 raise BadRequestError(
@@ -636,6 +665,7 @@ class OpenAIIngress:
                     block_hashes=hashes,
                     caller=self._actor_name,
                     lora_name=lora,
+                    cache_salt=salt,
                 )
                 choices.append(
                     Choice(

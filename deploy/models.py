@@ -71,6 +71,12 @@ class ServedModel:
         return self.config.model_name
 
     @property
+    def deployments(self) -> list[str]:
+        """The Serve deployments of its replicas (a disaggregated model's prefill ones too)."""
+        handles = [self.replica] if self.prefill is None else [self.replica, self.prefill]
+        return [h.deployment_name for h in handles]
+
+    @property
     def base_names(self) -> tuple[str, str]:
         """What `model` may name for the base model (an adapter is `<base>:<adapter>` or its own
         name)."""

@@ -314,6 +314,7 @@ class ResponsesRequest(_Strict):
             "parallel_tool_calls",
             "priority",
             "request_timeout_s",
+            "prompt_cache_key",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from frontend.chat import ChatOptions
-from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
+from scheduler.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MAX_TENANT_CHARS
 from scheduler.sampling_params import MAX_SEED, MAX_TOKENS, SamplingParams
 from scheduler.structured_output import StructuredOutput
 
@@ -35,6 +35,8 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prompt_cache_retention": (None,),
 }
 MAX_TOOLS = 128
+# The longest cache_salt or prompt_cache_key (OpenAI's bound on prompt_cache_key is lower).
+MAX_CACHE_KEY_CHARS = MAX_CACHE_SALT_CHARS
 # The messages of one conversation, as OpenAI (and Azure OpenAI) bound them; the app's
 # `max_messages` setting defaults to this and is passed in the validation context.
 MAX_MESSAGES = 2048
@@ -169,7 +171,10 @@ class _SamplingFields(BaseModel):
     # OpenAI's bookkeeping: accepted within OpenAI's bounds, not used.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     safety_identifier: str | None = Field(default=None, max_length=MAX_TENANT_CHARS)
-    prompt_cache_key: str | None = Field(default=None, max_length=1024)  # caching is automatic
+    # Prefix-cache partitions (deploy/cache_scope.py): vLLM's cache_salt, and OpenAI's key, which
+    # is always the tenant's own.
+    prompt_cache_key: str | None = Field(default=None, max_length=MAX_CACHE_KEY_CHARS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_KEY_CHARS)
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     request_timeout_s: float | None = Field(default=None, gt=0, le=86400)  # raylm extension
     response_format: ResponseFormat | None = None

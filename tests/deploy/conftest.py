@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SMOL = "SmolLM2-135M-Instruct"
 TINY = "tiny-llama"
 TINY_KEY = "test-key"
+# A second tenant's key on `tiny` (TINY_KEY is the app's api_key: tenant "default", admin).
+TINY_TENANT_KEY = "test-key-second-tenant"
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +76,7 @@ def tiny_url(ray_cluster, http_port, tiny_model_dir):
         "num_gpu_blocks": 64,
         "kv_cache_memory_gb": 0.1,
         "api_key": TINY_KEY,
+        "api_keys": {TINY_TENANT_KEY: {"tenant": "second"}},
         "max_ongoing_requests": 2,
         "max_queued_requests": 2,
         "replica_num_cpus": 0.5,
