@@ -18,12 +18,14 @@ from engine.loras import EngineLoras
 from engine.step_pipeline import StepPipeline
 from frontend.frontend import ModelInfo
 from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
-from scheduler.async_scheduler import AsyncScheduler
 from scheduler.block_manager import PrefixReport
+from scheduler.features import StepFeature
+from scheduler.features_async import AsyncOverlap
+from scheduler.features_spec import SpecDecoding
 from scheduler.length_state import open_length_state
 from scheduler.predicted_load import PredictedLoad
 from scheduler.request import EngineRequest, Request
-from scheduler.spec_scheduler import SpecScheduler
+from scheduler.speculative import SpeculativeConfig
 from workers.kv_cache import GiB, KVCacheSpec
 from workers.kv_fp8 import cache_dtype
 from workers.kv_tiers import KVTierConfig, disk_tier_blocks
@@ -87,20 +89,17 @@ class EngineCore:
         sized = config.sized_scheduler(
             num_gpu_blocks, num_cpu_blocks, self.max_model_len, self.tiers
         )
-        self.scheduler: Scheduler
-        if config.speculative is not None:
-            self.scheduler = SpecScheduler(sized, config.speculative)
-        else:
-            self.scheduler = (AsyncScheduler if overlap else Scheduler)(sized)
+        self.scheduler = Scheduler(sized, step_features(config.speculative, overlap))
         # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
-        # being updated from (scheduler/async_scheduler.py).
+        # being updated from (scheduler/features_async.py).
         self.pipeline = StepPipeline(self.executor) if overlap else None
         # What the length probe's features come from: a state file of other features is not read.
         features = f"{config.model}|{config.quantization}|projection seed {PROJECTION_SEED}"
         self.length_state = open_length_state(self.scheduler, features)
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
-        self.loras = EngineLoras(config, self.model_dir)
+        ranks = getattr(self.executor, "call_ranks", None)  # hands checked adapters to each rank
+        self.loras = EngineLoras(config, self.model_dir, ranks, DTYPES[runner_config.dtype])
         self.scheduler.loras = self.loras.slots  # one registry: checked here, placed there
         self.loras.add_configured()
         logger.info(
@@ -189,7 +188,7 @@ class EngineCore:
                 f"got {min(ids)}..{max(ids)}"
             )
         request.sampling_params.check_vocab(self.vocab_size)
-        self.loras.slots.check(request.lora_name)  # UnknownLoraError for a name not loaded
+        request = self.loras.keyed(request)  # UnknownLoraError for a name not loaded
         if not request.eos_token_ids:
             request = replace(request, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(Request(request))
@@ -210,7 +209,7 @@ class EngineCore:
             for r in self.scheduler.requests.values()
             if not r.is_finished and r.spec.lora_name == name
         )
-        self.loras.slots.unregister(name, users)
+        self.loras.remove(name, users)
 
     def list_loras(self) -> list[str]:
         """The adapters requests may name, in the order they were added."""
@@ -305,6 +304,17 @@ class EngineCore:
         self.executor.shutdown()
         if self.tiers is not None and self.tiers.disk_dir is not None:
             shutil.rmtree(self.tiers.disk_dir, ignore_errors=True)  # this engine's files alone
+
+
+def step_features(spec: SpeculativeConfig | None, overlap: bool) -> list[StepFeature]:
+    """The scheduler's features for these settings, in the order their hooks run: speculation
+    settles a step's draft slots before async overlap drops the rows it no longer speaks for."""
+    features: list[StepFeature] = []
+    if spec is not None:
+        features.append(SpecDecoding(spec, overlap))
+    if overlap:
+        features.append(AsyncOverlap())
+    return features
 
 
 def _with_pooled(

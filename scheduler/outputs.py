@@ -6,6 +6,7 @@ import pickle
 from dataclasses import dataclass, field, fields
 
 from scheduler.kv_connector import KVTransfers
+from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 
 # Per sampled token: (token_id, logprob) pairs, the sampled token first, then the top-N by rank.
@@ -194,3 +195,23 @@ class SchedulerStats:
 _STEP_REST = tuple(f.name for f in fields(SchedulerOutput))[2:]
 _CACHED_FIELDS = tuple(f.name for f in fields(CachedRequestData))
 _RUNNER_OUTPUT_FIELDS = tuple(f.name for f in fields(ModelRunnerOutput))
+
+
+def request_output(
+    req: Request,
+    new_token_ids: list[int],
+    new_logprobs: list[TokenLogprobs] | None = None,
+    error: str | None = None,
+) -> RequestOutput:
+    """The one place a RequestOutput is built: what req produced this step and where it stands."""
+    return RequestOutput(
+        req.request_id,
+        new_token_ids,
+        req.is_finished,
+        req.status.finish_reason,
+        req.num_prompt_tokens,
+        len(req.output_token_ids),
+        req.num_cached_tokens or 0,  # None: never admitted (aborted or failed while waiting)
+        new_logprobs,
+        error,
+    )

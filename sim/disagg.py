@@ -12,7 +12,7 @@ What is modelled, and what is not:
 - The transfer is pushed to a receive buffer on the decode side; the decode replica holds no
   blocks for a request until it lands (admission reserves them for the whole sequence, as for a
   tier load), and the landing copy runs at `land` (default: the device's own bandwidth).
-- The production connector lands whole blocks only; `LandingScheduler` lands the prompt's partial
+- The production connector lands whole blocks only; `LandWholePrompt` lands the prompt's partial
   last block too, as a disaggregating transport sends it: the decode replica's first step is a
   one-token decode, not a recompute of up to a block of prompt. (A prompt whose every full block
   the decode replica already caches loads nothing, so the tail is recomputed there.)
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 from router.policies import RouteRequest
 from scheduler import RequestOutput, SchedulerConfig
-from scheduler.kv_connector import KVConnector, KVTransfers, LoadPlan
-from scheduler.request import RequestStatus
+from scheduler.features import StepFeature
+from scheduler.kv_connector import KVConnector, LoadPlan
+from scheduler.request import Request
 from sim.cost import CostModel
 from sim.fleet import FleetSim, SimConfig
-from sim.jump import JumpScheduler
 from sim.kv_copy import KVCopyReplica, LinkConfig
 from sim.metrics import RequestRecord
 from sim.replica import TOKEN, SimReplica
@@ -109,26 +109,19 @@ class ReceiveBuffer(KVConnector):
         return plan
 
 
-class LandingScheduler(JumpScheduler):
-    """The simulator's scheduler, landing a handed-on request's whole prompt (its partial last
-    block included), so that its next step decodes its first token's successor."""
+class LandWholePrompt(StepFeature):
+    """The simulator's landing of a handed-on request: its whole prompt (the partial last block
+    included), so that its next step decodes its first token's successor."""
 
-    def _land_loads(self, transfers: KVTransfers, failed_blocks: list[int]) -> None:
-        super()._land_loads(transfers, failed_blocks)
-        bs = self.kv.block_size
-        for rid in transfers.loading_req_ids:
-            req = self.requests.get(rid)
-            if req is None or req.status is not RequestStatus.RUNNING or rid not in self._landed:
-                continue
-            last = req.num_tokens - 1  # the first token, sampled by the prefill replica
-            if req.num_output_tokens and req.num_computed_tokens >= last // bs * bs:
-                req.num_computed_tokens = last
+    def on_landed(self, req: Request) -> None:
+        bs = self.sched.kv.block_size
+        last = req.num_tokens - 1  # the first token, sampled by the prefill replica
+        if req.num_output_tokens and req.num_computed_tokens >= last // bs * bs:
+            req.num_computed_tokens = last
 
 
 class DecodeSimReplica(KVCopyReplica):
     """A decode replica: a receive buffer in front of its production scheduler's admission."""
-
-    scheduler_class = LandingScheduler
 
     def __init__(
         self, name: str, config: SchedulerConfig, cost: CostModel, max_tokens: int, land: LinkConfig
@@ -136,6 +129,9 @@ class DecodeSimReplica(KVCopyReplica):
         super().__init__(name, config, cost, max_tokens, land)
         self.buffer = ReceiveBuffer(2 * (config.num_gpu_blocks or 1))
         self.scheduler.connector = self.buffer  # no tier: nothing wires the pool's evictions to it
+
+    def step_features(self) -> list[StepFeature]:
+        return [LandWholePrompt()]
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:

@@ -2,10 +2,11 @@
 
 While nothing waits and every running request has only its last sampled token to compute, the
 next steps are one-token decodes of the same batch, and nothing outside the replica can tell k of
-them from one call that applies all k. `JumpScheduler` is the production `Scheduler` plus that call;
-it changes no step, so every step the simulator does not jump runs the production code.
-`JumpKVCacheManager` replays the k steps' block allocations and prefix-hash registrations in the
-order the single steps make them.
+them from one call that applies all k. `DecodeJump` is a step feature (scheduler/features.py) of
+the production `Scheduler` that adds that call; it hooks no step, so every step the simulator does
+not jump runs the production code. `JumpKVCacheManager` replays the k steps' block allocations and
+prefix-hash registrations in the order the single steps make them; `sim_scheduler` builds the
+production Scheduler over it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduler.block_manager import KVCacheManager
-from scheduler.outputs import RequestOutput
+from scheduler.config import SchedulerConfig
+from scheduler.features import StepFeature
+from scheduler.outputs import RequestOutput, request_output
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
 from scheduler.stop import check_stop, is_stop_token
@@ -79,12 +82,28 @@ class JumpKVCacheManager(KVCacheManager):
         return [first, *range(later, num_steps + 1, bs)]
 
 
-class JumpScheduler(Scheduler):
-    """The production Scheduler plus `advance_decode`, k pure-decode steps in one call."""
+def sim_scheduler(config: SchedulerConfig, features: Sequence[StepFeature] = ()) -> Scheduler:
+    """The production Scheduler as a simulated replica runs it: its pool a JumpKVCacheManager,
+    few finished requests retained, and `features` (a DecodeJump among them to jump)."""
+    return Scheduler(
+        config,
+        features,
+        kv_manager_class=JumpKVCacheManager,
+        finished_retention=FINISHED_RETENTION,
+    )
 
-    kv_manager_class = JumpKVCacheManager
+
+class DecodeJump(StepFeature):
+    """`advance_decode`: k pure-decode steps of the scheduler it is bound to, in one call. It
+    needs the scheduler's pool to be a JumpKVCacheManager (sim_scheduler)."""
+
     kv: JumpKVCacheManager
-    finished_retention = FINISHED_RETENTION
+
+    def bind(self, sched: Scheduler) -> None:
+        if not isinstance(sched.kv, JumpKVCacheManager):
+            raise TypeError("DecodeJump: the scheduler's pool must be a JumpKVCacheManager")
+        super().bind(sched)
+        self.kv = sched.kv
 
     def max_decode_jump(self, limit: int) -> int:
         """How many of the next steps (at most limit) are certain to be the same pure-decode step.
@@ -95,8 +114,9 @@ class JumpScheduler(Scheduler):
         crosses (so nothing is preempted). A stop token before the last step is the caller's to
         rule out.
         """
-        running = self.running
-        if not running or len(self.waiting) or len(running) > self.config.max_num_batched_tokens:
+        sched = self.sched
+        running = sched.running
+        if not running or len(sched.waiting) or len(running) > sched.config.max_num_batched_tokens:
             return 0
         k = limit
         for req in running:
@@ -105,7 +125,7 @@ class JumpScheduler(Scheduler):
                 return 0
             # The step that reaches a cap finishes the request: it may be the last one.
             outputs_left = req.sampling_params.max_tokens - len(req.output_token_ids)
-            k = min(k, outputs_left, self.max_model_len - n)
+            k = min(k, outputs_left, sched.max_model_len - n)
         if k <= 0:
             return 0
         free = self.kv.num_free_blocks
@@ -131,7 +151,8 @@ class JumpScheduler(Scheduler):
         requests whose ids the first step would have carried to it are taken as told.
         """
         k = self._check_jump(sampled_token_ids)
-        running = self.running
+        sched = self.sched
+        running = sched.running
         finishing: list[tuple[Request, RequestStatus]] = []
         for req in running:
             tokens = sampled_token_ids[req.request_id]
@@ -139,27 +160,27 @@ class JumpScheduler(Scheduler):
             req.all_token_ids.extend(tokens)
             req.num_synced_tokens = len(req.all_token_ids) - 1  # the last step's token is not sent
             # _check_jump ruled out any stop before the last step: only its token may finish one.
-            status = check_stop(req, self.max_model_len)
+            status = check_stop(req, sched.max_model_len)
             if status is not None:
                 finishing.append((req, status))
-        self._take_finished_ids()
+        sched.finished.take_ids()
         self.kv.advance_decode(running, k)
         self.kv.end_step()
-        if self.waiting.charges_tokens:
+        if sched.waiting.charges_tokens:
             self._charge_decode(running, k)
         # Freeing commutes with the last step's registrations (neither touches what the other
         # reads), so the finishes come after them, in batch order as update_from_output makes them.
         for req, status in finishing:
-            self._finish(req, status)
-        outputs = [self._output(req, sampled_token_ids[req.request_id]) for req in running]
+            sched.finish(req, status)
+        outputs = [request_output(req, sampled_token_ids[req.request_id]) for req in running]
         if finishing:
-            self.running = [r for r in running if r.status is RequestStatus.RUNNING]
+            sched.running = [r for r in running if r.status is RequestStatus.RUNNING]
         return outputs
 
     def _check_jump(self, sampled_token_ids: dict[str, list[int]]) -> int:
         """The jump's step count; raises ValueError for tokens that k single steps would not
         take."""
-        running = self.running
+        running = self.sched.running
         k = len(next(iter(sampled_token_ids.values()), ()))
         if sampled_token_ids.keys() != {r.request_id for r in running}:
             raise ValueError("sampled_token_ids: needs exactly the running requests' ids")
@@ -188,7 +209,7 @@ class JumpScheduler(Scheduler):
     def _charge_decode(self, running: list[Request], num_steps: int) -> None:
         # One charge per token in step order, as update_from_output makes them: the float sums
         # match.
-        charge, weight = self.waiting.charge, self.config.fair_output_weight
+        charge, weight = self.sched.waiting.charge, self.sched.config.fair_output_weight
         for _ in range(num_steps):
             for req in running:
                 charge(req.tenant, weight)

@@ -34,7 +34,7 @@ class LoraSimReplica(SimReplica):
     def arrive(self, lora_name: str | None) -> None:
         if lora_name is not None:
             slots = self.scheduler.loras
-            if lora_name not in slots.paths:
+            if lora_name not in slots.names():
                 slots.register(lora_name, lora_name)  # a simulated adapter has no files
             self.lora_requests += 1
             self.lora_hits += lora_name in slots.slot_of

@@ -1,5 +1,5 @@
-"""One simulated replica: the production Scheduler (with the multi-step decode of sim/jump.py) and
-a stand-in runner timed by the cost model."""
+"""One simulated replica: the production Scheduler (with the multi-step decode of sim/jump.py as
+one of its step features) and a stand-in runner timed by the cost model."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.features import StepFeature
 from sim.cost import CostModel
-from sim.jump import JumpScheduler
+from sim.jump import DecodeJump, sim_scheduler
 
 EOS = 0
 TOKEN = 1
@@ -90,18 +91,22 @@ class SimReplica:
     """A real Scheduler whose steps take the cost model's time and sample EOS at the output
     length."""
 
-    # The scheduler a replica runs: the production one with the multi-step decode (sim/jump.py).
-    scheduler_class: type[JumpScheduler] = JumpScheduler
-
     def __init__(self, name: str, config: SchedulerConfig, cost: CostModel, max_tokens: int = 0):
         self.name = name
         self.max_tokens = max_tokens  # 0: each request's output length
-        self.scheduler = self.scheduler_class(config)
+        # The production scheduler with the multi-step decode (sim/jump.py) among its features.
+        self.decode_jump = DecodeJump()
+        self.scheduler = sim_scheduler(config, [*self.step_features(), self.decode_jump])
         self.cost = cost
         self.output_len: dict[str, int] = {}
         self.in_flight: StepPlan | Cruise | AppliedStep | None = None
         self.num_steps = 0
         self.busy_s = 0.0
+
+    def step_features(self) -> list[StepFeature]:
+        """The scheduler's features besides the jump (a subclass's capability: speculation, the
+        landing of a handed-on prompt); called once, first thing in __init__."""
+        return []
 
     def arrive(self, lora_name: str | None) -> None:
         """Called first by add, before the request is queued: nothing here (LoraSimReplica counts
@@ -153,7 +158,7 @@ class SimReplica:
             return None
         # The step sampling a request's last token finishes it: the cruise ends with the first such.
         limit = min(self.output_len[r.request_id] - len(r.output_token_ids) for r in running)
-        limit = sched.max_decode_jump(limit) if limit >= min_steps else 0
+        limit = self.decode_jump.max_decode_jump(limit) if limit >= min_steps else 0
         if limit < min_steps:
             return None
         n = len(running)
@@ -190,7 +195,7 @@ class SimReplica:
         tokens = [TOKEN] * num_steps  # one list for all that run on: advance_decode only reads it
         last = [*tokens[1:], EOS]  # and one for those whose output length the last step reaches
         output_len = self.output_len
-        outputs = self.scheduler.advance_decode(
+        outputs = self.decode_jump.advance_decode(
             {
                 r.request_id: last
                 if output_len[r.request_id] - len(r.output_token_ids) == num_steps

@@ -1,6 +1,6 @@
-"""Speculative decoding in the simulator: the production SpecScheduler (its token budget, KV
-accounting and SpecPolicy rules) with a stand-in proposer and verifier, and the step cost of k + 1
-query tokens per verifying request.
+"""Speculative decoding in the simulator: the production Scheduler with its SpecDecoding feature
+(the token budget, KV accounting and SpecPolicy rules) with a stand-in proposer and verifier, and
+the step cost of k + 1 query tokens per verifying request.
 
 The stand-in proposes `num_tokens` tokens after every token a request samples. How many of them
 the target would accept is drawn when the proposal is made, from `AcceptanceConfig.probs` (the
@@ -27,10 +27,10 @@ import random
 from dataclasses import dataclass, field
 
 from scheduler import ModelRunnerOutput, RequestOutput, SchedulerConfig, SchedulerOutput
-from scheduler.spec_scheduler import SpecScheduler
+from scheduler.features import StepFeature
+from scheduler.features_spec import SpecDecoding
 from scheduler.speculative import SpeculativeConfig
 from sim.cost import CostModel
-from sim.jump import JumpScheduler
 from sim.replica import EOS, TOKEN, Cruise, SimReplica, StepPlan, step_shape
 
 MISS = 2  # a proposed token the stand-in target never samples: the end of an accepted run
@@ -88,11 +88,6 @@ class SpecSimConfig:
     verify_graphs: bool = False
 
 
-class SpecSimScheduler(SpecScheduler, JumpScheduler):
-    """The production SpecScheduler over the simulator's scheduler base (its k-step jump goes
-    unused: a speculating replica steps singly)."""
-
-
 class SpecSimReplica(SimReplica):
     """A replica whose scheduler speculates, with the stand-in proposer and verifier above."""
 
@@ -104,12 +99,14 @@ class SpecSimReplica(SimReplica):
         max_tokens: int,
         spec: SpecSimConfig,
     ):
+        self.spec = spec  # read by step_features, which __init__ calls
         super().__init__(name, config, cost, max_tokens)
-        self.scheduler: SpecSimScheduler = SpecSimScheduler(config, spec.speculative)
-        self.spec = spec
         self._k = spec.speculative.num_tokens
         self._cum = spec.acceptance._cum(self._k)
         self._rng = random.Random(f"{spec.acceptance.seed}:{name}")
+
+    def step_features(self) -> list[StepFeature]:
+        return [SpecDecoding(self.spec.speculative)]
 
     def plan_cruise(self, now: float, horizon_s: float, min_steps: int = 2) -> Cruise | None:
         return None  # a jump decodes one token a step; speculation is stepped singly

@@ -12,8 +12,8 @@ import ray
 from cluster.ray_executor import EngineDeadError, RayExecutor
 from engine.config import EngineConfig
 from engine.executor import LocalExecutor
-from scheduler import CachedRequestData, SchedulerConfig, SchedulerOutput
-from scheduler.spec_scheduler import SpecScheduler
+from scheduler import CachedRequestData, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.features_spec import SpecDecoding
 from scheduler.speculative import SpeculativeConfig
 from tests.cluster.engine_driver import greedy_tokens
 from workers.runner import RunnerConfig
@@ -114,7 +114,7 @@ def test_tp2_with_speculation_gives_the_greedy_tokens_of_tp1(ray_cluster, tiny_l
     config = replace(runner_config(tiny_llama), speculative=spec, draft_model_dir=tiny_llama)
     executor = started(RayExecutor(config, 2))
     try:
-        scheduler = SpecScheduler(scheduler_config(), spec)
+        scheduler = Scheduler(scheduler_config(), [SpecDecoding(spec)])
         tokens, _ = greedy_tokens(executor, scheduler_config(), PROMPTS, 16, scheduler=scheduler)
     finally:
         executor.shutdown()

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.llm import LLM
 from scheduler import EngineRequest, SamplingParams
-from scheduler.async_scheduler import AsyncScheduler
+from scheduler.features_async import AsyncOverlap
 from scheduler.structured_output import StructuredOutput
 from tests.engine.paired_engines import SMALL_POOL, paired_engines
 
@@ -97,7 +97,8 @@ def test_async_scheduling_is_a_setting_off_until_asked_for_and_off_under_tp():
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_mixed_batches_under_preemption_give_the_same_tokens(llms, mode):
     off, on = llms(mode)
-    assert isinstance(on.engine.scheduler, AsyncScheduler)
+    assert [type(f) for f in on.engine.scheduler.features] == [AsyncOverlap]
+    assert off.engine.scheduler.features == []
     assert on.engine.pipeline is not None and off.engine.pipeline is None
     prompts, params = workload(seed=len(mode))
     # Every third request stops at a token it would sample midway (greedy or seeded: the same).

@@ -1,5 +1,6 @@
-"""Async scheduling (AsyncScheduler): step N+1 is scheduled before step N's tokens are appended,
-and every request still produces exactly what the synchronous Scheduler gives it (hypothesis).
+"""Async scheduling (the AsyncOverlap step feature): step N+1 is scheduled before step N's tokens
+are appended, and every request still produces exactly what the synchronous Scheduler gives it
+(hypothesis).
 
 The contract runner appends its own sampled tokens, as workers.runner does under async scheduling,
 and checks every KV slot a step reads: a block freed while a step still wrote it, or a token fed
@@ -20,7 +21,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from scheduler.async_scheduler import AsyncScheduler
+from scheduler.features_async import AsyncOverlap
 from tests.scheduler.contract_runner import ContractRunner
 from tests.scheduler.test_scheduler_properties import (
     VOCAB,
@@ -37,7 +38,7 @@ Step = tuple[SchedulerOutput, ModelRunnerOutput]
 
 def run(cfg: SchedulerConfig, specs: list[Spec], overlap: bool) -> Scheduler:
     """Drive the workload to the end, one step in flight when overlap (as engine.core does)."""
-    s: Scheduler = AsyncScheduler(cfg) if overlap else Scheduler(cfg)
+    s = Scheduler(cfg, [AsyncOverlap()] if overlap else [])
     runner = ContractRunner(
         cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, VOCAB, appends_sampled=overlap
     )
@@ -93,7 +94,7 @@ def test_a_request_stopped_by_its_in_flight_token_is_not_scheduled_past_its_cap(
     cfg = SchedulerConfig(
         max_num_batched_tokens=64, block_size=4, num_gpu_blocks=16, max_model_len=64
     )
-    s = AsyncScheduler(cfg)
+    s = Scheduler(cfg, [AsyncOverlap()])
     s.add_request(Request(EngineRequest("capped", [1, 2, 3], SamplingParams(max_tokens=1))))
     first = s.schedule()
     assert first.num_scheduled_tokens == {"capped": 3}
@@ -108,7 +109,7 @@ def test_a_token_in_flight_for_a_reused_id_does_not_reach_the_new_request():
     cfg = SchedulerConfig(
         max_num_batched_tokens=64, block_size=4, num_gpu_blocks=16, max_model_len=64
     )
-    s = AsyncScheduler(cfg)
+    s = Scheduler(cfg, [AsyncOverlap()])
     params = SamplingParams(max_tokens=5)
     s.add_request(Request(EngineRequest("r", [1, 2, 3], params)))
     first = s.schedule()

@@ -145,7 +145,7 @@ def test_random_traffic_through_the_tiers_keeps_tokens_and_bounds(data):
         if sp.rid not in aborted:
             assert (req.output_token_ids, req.status.finish_reason) == expected_for(sp, cfg)
     assert all(c == 0 for c in s.kv.pool.ref_cnt), "a block is still held"
-    assert not s.loading and not s._landed and not s.connector.plans
+    assert not s.loading and not s.landed and not s.connector.plans
 
 
 def test_an_evicted_prefix_is_loaded_back_and_only_the_rest_computed():

@@ -16,6 +16,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.scheduler import FINISHED_RETENTION
 from scheduler.stop import check_stop, is_stop_token
 from tests.scheduler.contract_runner import ContractRunner, expected_output
 
@@ -227,11 +228,9 @@ def test_every_output_reports_the_prefix_hit_of_the_first_admission_and_never_le
 
 
 def test_finished_requests_stay_readable_for_the_last_finished_retention_finishes():
-    class Forgetful(Scheduler):
-        finished_retention = 2
-
-    for cls, kept in ((Scheduler, {"a", "b", "c"}), (Forgetful, {"b", "c"})):
-        s = cls(SchedulerConfig(num_gpu_blocks=64, max_model_len=256))
+    for retention, kept in ((FINISHED_RETENTION, {"a", "b", "c"}), (2, {"b", "c"})):
+        cfg = SchedulerConfig(num_gpu_blocks=64, max_model_len=256)
+        s = Scheduler(cfg, finished_retention=retention)
         for rid in "abc":
             s.add_request(req(rid, 5, max_tokens=1))
         run_to_end(s, ContractRunner(16, 64, 0))

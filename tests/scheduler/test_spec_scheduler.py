@@ -15,9 +15,9 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from scheduler import EngineRequest, Request, SamplingParams, SchedulerConfig
+from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.block_manager import hash_prompt_blocks
-from scheduler.spec_scheduler import SpecScheduler
+from scheduler.features_spec import SpecDecoding
 from scheduler.speculative import SpecPolicy, SpeculativeConfig
 from tests.scheduler.contract_runner import ContractRunner, expected_output, token_at
 from tests.scheduler.test_scheduler_properties import (
@@ -43,7 +43,7 @@ def proposer(seed: int, right: float, k: int):
     return propose
 
 
-def check_hashes_cover_accepted_tokens(s: SpecScheduler, runner: ContractRunner) -> None:
+def check_hashes_cover_accepted_tokens(s: Scheduler, runner: ContractRunner) -> None:
     """Every registered block of a running request is a block of its accepted tokens: its hash is
     the chain over all_token_ids and its KV slots hold exactly those tokens."""
     bs = s.kv.block_size
@@ -67,7 +67,7 @@ def test_random_accept_reject_patterns_leak_nothing_and_keep_the_outputs(data):
         min_acceptance_rate=data.draw(st.sampled_from([0.0, 0.4])),
     )
     right = data.draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))
-    s = SpecScheduler(cfg, spec)
+    s = Scheduler(cfg, [SpecDecoding(spec)])
     runner = ContractRunner(
         cfg.block_size,
         cfg.num_gpu_blocks,
@@ -122,7 +122,7 @@ def _cfg(**kw) -> SchedulerConfig:
 
 
 def test_proposed_tokens_count_in_the_budget_and_get_slots():
-    s = SpecScheduler(_cfg(), SpeculativeConfig(num_tokens=4))
+    s = Scheduler(_cfg(), [SpecDecoding(SpeculativeConfig(num_tokens=4))])
     runner = ContractRunner(4, 64, 0, VOCAB, proposer=proposer(0, 1.0, 4))
     s.add_request(Request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=40))))
     s.update_from_output(out := s.schedule(), runner.execute(out))  # prefill, then proposals
@@ -135,9 +135,8 @@ def test_proposed_tokens_count_in_the_budget_and_get_slots():
 
 
 def test_rejected_tokens_give_their_blocks_back_and_the_runner_is_told():
-    s = SpecScheduler(
-        _cfg(block_size=2, max_model_len=64), SpeculativeConfig(num_tokens=6, min_acceptance_rate=0)
-    )
+    spec = SpeculativeConfig(num_tokens=6, min_acceptance_rate=0)
+    s = Scheduler(_cfg(block_size=2, max_model_len=64), [SpecDecoding(spec)])
     runner = ContractRunner(2, 64, 0, VOCAB, proposer=proposer(1, 0.0, 6))  # always wrong
     s.add_request(Request(EngineRequest("a", [1, 2], SamplingParams(max_tokens=30))))
     s.update_from_output(out := s.schedule(), runner.execute(out))
@@ -155,7 +154,7 @@ def test_rejected_tokens_give_their_blocks_back_and_the_runner_is_told():
 
 def test_speculation_never_preempts_and_large_batches_skip_it():
     cfg = _cfg(num_gpu_blocks=8, max_model_len=32, block_size=4)
-    s = SpecScheduler(cfg, SpeculativeConfig(num_tokens=16, max_batch_size=1))
+    s = Scheduler(cfg, [SpecDecoding(SpeculativeConfig(num_tokens=16, max_batch_size=1))])
     runner = ContractRunner(4, 8, 0, VOCAB, proposer=proposer(2, 1.0, 16))
     s.add_request(Request(EngineRequest("a", [1] * 5, SamplingParams(max_tokens=20))))
     s.update_from_output(out := s.schedule(), runner.execute(out))

@@ -1,4 +1,4 @@
-"""JumpScheduler.advance_decode: k pure-decode steps at once leave the state k single steps of the
+"""DecodeJump.advance_decode: k pure-decode steps at once leave the state k single steps of the
 production Scheduler would."""
 
 from __future__ import annotations
@@ -18,21 +18,36 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from sim.jump import JumpKVCacheManager, JumpScheduler
+from scheduler.features import HOOKS, StepFeature
+from sim.jump import DecodeJump, JumpKVCacheManager, sim_scheduler
 from tests.scheduler.contract_runner import ContractRunner
 from tests.scheduler.test_scheduler_properties import EOS, VOCAB, configs, workloads
 
 
-def test_the_jump_subclasses_add_to_the_production_classes_and_replace_nothing():
+def test_the_jump_is_a_feature_that_hooks_no_step_and_its_pool_replaces_nothing():
     """Every step the simulator does not jump runs the production Scheduler's and pool's code."""
 
     def replaced(sub: type, base: type) -> set[str]:
         return {n for n in set(vars(sub)) & set(vars(base)) if not n.startswith("__")}
 
-    assert replaced(JumpScheduler, Scheduler) == {"kv_manager_class", "finished_retention"}
+    assert replaced(DecodeJump, StepFeature) == {"bind"}
+    assert not set(HOOKS) & set(vars(DecodeJump))
     assert replaced(JumpKVCacheManager, KVCacheManager) == set()
-    s = JumpScheduler(SchedulerConfig(num_gpu_blocks=8, max_model_len=64))
-    assert type(s.kv) is JumpKVCacheManager
+    s = jumping(SchedulerConfig(num_gpu_blocks=8, max_model_len=64))
+    assert type(s) is Scheduler and type(s.kv) is JumpKVCacheManager
+    with pytest.raises(TypeError, match="JumpKVCacheManager"):
+        Scheduler(SchedulerConfig(num_gpu_blocks=8, max_model_len=64), [DecodeJump()])
+
+
+def jumping(cfg: SchedulerConfig) -> Scheduler:
+    """The production Scheduler as a simulated replica builds it, with the jump as its feature."""
+    return sim_scheduler(cfg, [DecodeJump()])
+
+
+def jump_of(s: Scheduler) -> DecodeJump:
+    (jump,) = s.features
+    assert isinstance(jump, DecodeJump)
+    return jump
 
 
 def snapshot(s: Scheduler) -> dict:
@@ -62,7 +77,7 @@ def snapshot(s: Scheduler) -> dict:
         "block_hash": list(pool.block_hash),
         "version": pool.version,
         "stats": s.stats(),
-        "finished": set(s._finished_ids),
+        "finished": set(s.finished.ids),
         "counters": dict(getattr(s.waiting, "counters", {})),
         "cpu_free": list(kv.cpu_free),
     }
@@ -83,7 +98,7 @@ def step_k(s: Scheduler, sample, k: int) -> tuple[dict[str, list[int]], list]:
 def check_jump_equals_steps(s: Scheduler, sample, k: int) -> None:
     stepped, jumped = copy.deepcopy(s), copy.deepcopy(s)
     tokens, last = step_k(stepped, sample, k)
-    outs = jumped.advance_decode(tokens)
+    outs = jump_of(jumped).advance_decode(tokens)
     assert snapshot(jumped) == snapshot(stepped)
     assert {o.request_id: o.new_token_ids for o in outs} == tokens
     assert [(o.request_id, o.num_output_tokens, o.num_cached_tokens, o.finished) for o in outs] == [
@@ -105,7 +120,7 @@ def counting_sample(s: Scheduler, out) -> ModelRunnerOutput:
 
 def decoding(
     policy: str = "fcfs", blocks: int = 64, prefix: bool = True, n: int = 3, max_tokens: int = 40
-) -> JumpScheduler:
+) -> Scheduler:
     cfg = SchedulerConfig(
         block_size=4,
         num_gpu_blocks=blocks,
@@ -114,7 +129,7 @@ def decoding(
         enable_prefix_caching=prefix,
         max_num_batched_tokens=64,
     )
-    s = JumpScheduler(cfg)
+    s = jumping(cfg)
     for i in range(n):  # shared 8-token head, so blocks are shared and registered
         s.add_request(
             Request(
@@ -134,7 +149,7 @@ def decoding(
 @pytest.mark.parametrize("policy,prefix", [("fcfs", True), ("fair", True), ("priority", False)])
 def test_jump_across_block_boundaries_equals_single_steps(policy, prefix):
     s = decoding(policy, prefix=prefix)
-    assert s.max_decode_jump(20) == 20
+    assert jump_of(s).max_decode_jump(20) == 20
     check_jump_equals_steps(s, counting_sample, 13)  # crosses three 4-token blocks per request
 
 
@@ -145,7 +160,7 @@ def test_jump_evicts_cached_blocks_in_lru_order():
     )
     step_k(s, counting_sample, 2)  # "gone" finishes: its cached block sits on the free list
     step_k(s, counting_sample, 1)  # the step that reports the finish
-    k = s.max_decode_jump(100)
+    k = jump_of(s).max_decode_jump(100)
     assert 0 < k < 100  # the pool bounds the jump
     check_jump_equals_steps(s, counting_sample, k)
 
@@ -153,24 +168,24 @@ def test_jump_evicts_cached_blocks_in_lru_order():
 def test_no_jump_while_something_waits_or_prefills():
     s = decoding()
     s.add_request(Request(EngineRequest("brief", [1, 2, 3], SamplingParams(max_tokens=1))))
-    assert s.max_decode_jump(10) == 0  # a waiting request would be admitted
+    assert jump_of(s).max_decode_jump(10) == 0  # a waiting request would be admitted
     cfg = SchedulerConfig(
         block_size=4, num_gpu_blocks=64, max_model_len=128, long_prefill_token_threshold=2
     )
-    s = JumpScheduler(cfg)
+    s = jumping(cfg)
     s.add_request(
         Request(EngineRequest("chunked", list(range(1, 9)), SamplingParams(max_tokens=9)))
     )
     step_k(s, counting_sample, 1)  # 2 of 8 prompt tokens computed
-    assert s.max_decode_jump(10) == 0
+    assert jump_of(s).max_decode_jump(10) == 0
 
 
 def test_a_jump_right_after_a_finish_leaves_what_the_steps_reporting_it_would():
     s = decoding()
     s.add_request(Request(EngineRequest("brief", [1, 2, 3], SamplingParams(max_tokens=1))))
     step_k(s, counting_sample, 1)  # "brief" runs and finishes; the next schedule() would report it
-    assert s._finished_ids == {"brief"}
-    assert s.max_decode_jump(10) == 10
+    assert s.finished.ids == {"brief"}
+    assert jump_of(s).max_decode_jump(10) == 10
     check_jump_equals_steps(s, counting_sample, 6)
     assert s.schedule().finished_req_ids == {
         "brief"
@@ -179,9 +194,9 @@ def test_a_jump_right_after_a_finish_leaves_what_the_steps_reporting_it_would():
 
 def test_a_jump_may_end_with_the_step_that_reaches_a_length_cap():
     s = decoding(max_tokens=10)  # two tokens out after the setup steps
-    assert s.max_decode_jump(100) == 10 - 2
+    assert jump_of(s).max_decode_jump(100) == 10 - 2
     check_jump_equals_steps(s, counting_sample, 8)
-    outs = s.advance_decode({r.request_id: [1] * 8 for r in s.running})
+    outs = jump_of(s).advance_decode({r.request_id: [1] * 8 for r in s.running})
     assert [(o.finished, o.finish_reason, o.num_output_tokens) for o in outs] == [
         (True, "length", 10)
     ] * 3
@@ -191,10 +206,10 @@ def test_a_jump_may_end_with_the_step_that_reaches_a_length_cap():
         and s.schedule().finished_req_ids == {"r0", "r1", "r2"}
     )
     cfg = SchedulerConfig(block_size=4, num_gpu_blocks=64, max_model_len=20)
-    s = JumpScheduler(cfg)
+    s = jumping(cfg)
     s.add_request(Request(EngineRequest("a", list(range(1, 13)), SamplingParams(max_tokens=100))))
     step_k(s, counting_sample, 1)  # 13 tokens of 20
-    assert s.max_decode_jump(100) == 20 - 13
+    assert jump_of(s).max_decode_jump(100) == 20 - 13
     check_jump_equals_steps(s, counting_sample, 7)
 
 
@@ -218,7 +233,7 @@ def eos_at(step_of: dict[str, int]):
 def test_a_jump_may_end_with_the_step_that_samples_a_stop_token():
     s = decoding()
     check_jump_equals_steps(s, eos_at({"r1": 5}), 5)  # r1 stops at the last step; the others run on
-    outs = s.advance_decode({"r0": [1] * 5, "r1": [1] * 4 + [0], "r2": [1] * 5})
+    outs = jump_of(s).advance_decode({"r0": [1] * 5, "r1": [1] * 4 + [0], "r2": [1] * 5})
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [
         ("r0", False, None),
         ("r1", True, "stop"),
@@ -229,13 +244,13 @@ def test_a_jump_may_end_with_the_step_that_samples_a_stop_token():
 
 def test_advance_decode_rejects_what_single_steps_would_not_do():
     s = decoding()
-    k = s.max_decode_jump(5)
+    k = jump_of(s).max_decode_jump(5)
     with pytest.raises(ValueError, match="running requests"):
-        s.advance_decode({"r0": [1] * k})
+        jump_of(s).advance_decode({"r0": [1] * k})
     with pytest.raises(ValueError, match="stop token before its last step"):
-        s.advance_decode({"r0": [1] * k, "r1": [1, 0] + [1] * (k - 2), "r2": [1] * k})
+        jump_of(s).advance_decode({"r0": [1] * k, "r1": [1, 0] + [1] * (k - 2), "r2": [1] * k})
     with pytest.raises(ValueError, match="pure-decode"):
-        s.advance_decode({f"r{i}": [1] * 1000 for i in range(3)})
+        jump_of(s).advance_decode({f"r{i}": [1] * 1000 for i in range(3)})
     assert [len(r.output_token_ids) for r in s.running] == [2, 2, 2]  # nothing changed
 
 
@@ -249,7 +264,7 @@ def test_jump_equals_single_steps_on_random_workloads(data):
     runner."""
     cfg = data.draw(configs())
     specs = data.draw(workloads(cfg))
-    s = JumpScheduler(cfg)
+    s = jumping(cfg)
     runner = ContractRunner(cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, VOCAB)
     pending = sorted(specs, key=lambda sp: sp.arrival_step)
     jumps = 0
@@ -269,7 +284,7 @@ def test_jump_equals_single_steps_on_random_workloads(data):
             )
         if not pending and not s.has_unfinished_requests():
             break
-        k = s.max_decode_jump(data.draw(st.integers(1, 30), label="limit"))
+        k = jump_of(s).max_decode_jump(data.draw(st.integers(1, 30), label="limit"))
         if k:
             # The runner's tokens may hold a stop: jump at most through the step of the first one.
             probe_s, probe_r = copy.deepcopy((s, runner))
@@ -283,7 +298,7 @@ def test_jump_equals_single_steps_on_random_workloads(data):
     event(f"jumps={'yes' if jumps else 'no'}")
 
 
-def _steps_through_the_first_finish(s: JumpScheduler, runner: ContractRunner, k: int) -> int:
+def _steps_through_the_first_finish(s: Scheduler, runner: ContractRunner, k: int) -> int:
     for j in range(k):
         out = s.schedule()
         if any(o.finished for o in s.update_from_output(out, runner.execute(out))):
@@ -307,7 +322,7 @@ def test_jump_equals_single_steps_when_requests_refill_evicted_blocks(
     """Same prompt, tokens by position only: decodes fill blocks whose hashes sit evictable on the
     free
     list, so the order of evictions and registrations within a step is observable."""
-    s = JumpScheduler(
+    s = jumping(
         SchedulerConfig(
             block_size=block_size,
             num_gpu_blocks=-(-max_len // block_size) + spare,
@@ -327,7 +342,7 @@ def test_jump_equals_single_steps_when_requests_refill_evicted_blocks(
                         )
                     )
                 )
-        k = s.max_decode_jump(limit)
+        k = jump_of(s).max_decode_jump(limit)
         if k:
             check_jump_equals_steps(s, counting_sample, k)
         if step_no > 12 and not s.has_unfinished_requests():

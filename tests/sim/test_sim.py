@@ -177,13 +177,14 @@ def test_k_step_jumps_equal_step_by_step(profile, rate, output_len, blocks, fair
 
 
 def test_sim_uses_the_production_classes():
-    """The replicas' scheduler is the production one plus the multi-step decode (sim/jump.py)."""
-    assert sim_replica.JumpScheduler.__bases__ == (scheduler.Scheduler,)
+    """The replicas' scheduler is the production one, the multi-step decode (sim/jump.py) among
+    its features."""
     assert sim_replica.Request is scheduler.Request
     assert sim_fleet.FleetState is router.fleet.FleetState
     assert sim_fleet.RouteRequest is router.policies.RouteRequest
     _, result = _run(n=5)
-    assert all(type(r.scheduler) is sim_replica.JumpScheduler for r in result.replicas)
+    assert all(type(r.scheduler) is scheduler.Scheduler for r in result.replicas)
+    assert all(r.scheduler.features == [r.decode_jump] for r in result.replicas)
 
 
 def test_sim_imports_neither_torch_nor_ray():

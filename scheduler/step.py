@@ -1,0 +1,124 @@
+"""One step as the scheduler decides it (`Step`), and the SchedulerOutput it becomes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduler.request import Request
+
+NO_CAP = 1 << 62
+
+
+def to_prompt_end(req: Request, computed: int) -> int:
+    """How far a chunk starting at `computed` may go: to the prompt's end when it starts inside the
+    prompt and tokens already chosen follow (a disaggregated decode, a migrated or recomputed
+    request), else no limit. The prompt is then computed as the fresh prefill that chose those
+    tokens computed it, and a single chosen token after it runs as the decode row it ran as there.
+    Kernels that round activations to int8 turn the small rounding differences between those
+    layouts into different seeded text."""
+    prompt = req.num_prompt_tokens
+    return prompt - computed if computed < prompt < req.num_tokens else NO_CAP
+
+
+@dataclass(slots=True)
+class Step:
+    """What one `schedule()` call has decided so far."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    start: dict[str, int] = field(default_factory=dict)  # num_computed_tokens before the step
+    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[Request] = field(default_factory=list)
+    resumed: set[str] = field(default_factory=set)
+    admitted: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    running_pass_preempted: bool = False
+
+    def take(self, req: Request, n: int, new_blocks: list[int]) -> int:
+        """Schedule the next n tokens of req; returns where the chunk starts."""
+        rid = req.request_id
+        start = req.num_computed_tokens
+        self.num_scheduled[rid] = n
+        self.start[rid] = start
+        self.new_blocks[rid] = new_blocks
+        self.budget -= n
+        req.num_computed_tokens = start + n
+        return start
+
+    def give_back(self, req: Request) -> None:
+        """Take req back out of the step (it is being preempted), if it was scheduled."""
+        rid = req.request_id
+        n = self.num_scheduled.pop(rid, None)
+        if n is not None:
+            req.num_computed_tokens = self.start.pop(rid)
+            self.new_blocks.pop(rid)
+            self.budget += n
+
+    def send(self, req: Request, resumed: bool) -> None:
+        """req runs this step: in full when the runner has never seen it, else as a diff."""
+        if req.known_to_runner:
+            self.cached_reqs.append(req)
+            if resumed:
+                self.resumed.add(req.request_id)
+        else:
+            self.new_reqs.append(req)
+
+    def new_request_data(self) -> list[NewRequestData]:
+        """The requests the runner has not seen, in full; they count as synced from now on."""
+        out = []
+        for req in self.new_reqs:
+            rid = req.request_id
+            if rid not in self.num_scheduled:  # preempted later in the step
+                continue
+            out.append(
+                NewRequestData(
+                    rid,
+                    req.prompt_token_ids,
+                    req.sampling_params,
+                    self.new_blocks[rid],
+                    self.start[rid],
+                    list(req.output_token_ids),
+                    req.eos_token_ids,
+                    req.spec.lora_name,
+                )
+            )
+            req.known_to_runner = True
+            req.num_synced_tokens = req.num_tokens
+        return out
+
+    def cached_request_data(self) -> CachedRequestData:
+        """The diffs of the requests the runner holds: tokens it has not seen, new blocks."""
+        cached = CachedRequestData()
+        ids, resumed, new_tokens = cached.req_ids, cached.resumed, cached.new_token_ids
+        new_blocks, computed = cached.new_block_ids, cached.num_computed_tokens
+        num_scheduled, step_resumed = self.num_scheduled, self.resumed
+        step_blocks, step_start = self.new_blocks, self.start
+        for req in self.cached_reqs:
+            rid = req.request_id
+            if rid not in num_scheduled:
+                continue
+            ids.append(rid)
+            resumed.append(rid in step_resumed)
+            tokens = req.all_token_ids
+            new_tokens.append(tokens[req.num_synced_tokens :])
+            req.num_synced_tokens = len(tokens)
+            new_blocks.append(step_blocks[rid])
+            computed.append(step_start[rid])
+        return cached
+
+    def output(self, max_num_batched_tokens: int, finished: set[str]) -> SchedulerOutput:
+        """The step as the runner gets it (the caller adds LoRA loads and KV transfers)."""
+        return SchedulerOutput(
+            scheduled_new_reqs=self.new_request_data(),
+            scheduled_cached_reqs=self.cached_request_data(),
+            num_scheduled_tokens=self.num_scheduled,
+            total_num_scheduled_tokens=max_num_batched_tokens - self.budget,
+            preempted_req_ids=self.preempted,
+            finished_req_ids=finished,
+            blocks_to_swap_out=self.swap_out,
+            blocks_to_swap_in=self.swap_in,
+        )
