@@ -131,11 +131,12 @@ def unavailable(model: HubModel, exc: BaseException) -> str:
     )
 
     name, at = model.repo_id, f" at revision {model.revision!r}" if model.revision else ""
+    options = (f" --revision {model.revision}" if model.revision else "") + (
+        f" --cache-dir {model.cache_dir}" if model.cache_dir else ""
+    )
     hint = (
-        f"download it into the cache first (`hf download {name}`"
-        f"{' --revision ' + model.revision if model.revision else ''}"
-        f"{' --cache-dir ' + model.cache_dir if model.cache_dir else ''}), or set HF_TOKEN where "
-        "the app is built and served if the model is gated or private"
+        f"download it into the cache first (`hf download {name}{options}`), or set HF_TOKEN "
+        "where the app is built and served if the model is gated or private"
     )
     if isinstance(exc, RevisionNotFoundError):
         return f"revision: {model.revision!r} is not a branch, tag or commit of {name!r}"

@@ -1,0 +1,175 @@
+"""Hub models (`model: org/name`): resolved from a Hugging Face cache layout without any network,
+pinned to their commit when the app is built, served under their id; a missing one fails at build
+time (build_app, `python -m deploy check`) saying to download it or set HF_TOKEN.
+
+Nothing here reaches the hub: the subprocess runs with HF_HUB_OFFLINE=1, and in this process a
+lookup either names a commit that is cached (no question to ask the hub) or passes offline=True.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from ray.serve.exceptions import RayServeException
+
+from deploy.app import AppConfigError, build_app
+from deploy.config import AppConfig
+from tests.deploy.conftest import ROOT, delete_app
+from workers.hub import TOKENIZER_FILES, WEIGHT_FILES, HubModel, ensure_weights, fetch, snapshot_of
+from workers.model_files import resolve_model
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+REPO = "acme/tiny-llama"
+
+
+def write_hub_cache(cache: Path, model_dir: str, repo: str = REPO, commit: str = COMMIT) -> Path:
+    """`model_dir`'s files as the hub cache holds a download: snapshots/<commit>, refs/main."""
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hub_home(tmp_path_factory, tiny_model_dir) -> Path:
+    """An HF_HOME whose hub cache holds the served tiny Llama as acme/tiny-llama."""
+    home = tmp_path_factory.mktemp("hf-home")
+    write_hub_cache(home / "hub", tiny_model_dir)
+    return home
+
+
+def test_a_hub_id_resolves_from_the_cache_by_branch_offline(hub_home):
+    cache = str(hub_home / "hub")
+    snapshot = fetch(HubModel(REPO, "main", cache), TOKENIZER_FILES, offline=True)
+    assert snapshot == hub_home / "hub" / "models--acme--tiny-llama" / "snapshots" / COMMIT
+    assert snapshot_of(snapshot) == HubModel(REPO, COMMIT, cache)
+    # A pinned snapshot directory reads as a model directory, its weights already there.
+    assert resolve_model(str(snapshot)) == str(snapshot)
+    ensure_weights(str(snapshot))
+    assert fetch(HubModel(REPO, COMMIT, cache), WEIGHT_FILES) == snapshot  # cached commit: no hub
+
+
+def test_a_model_the_cache_lacks_says_how_to_get_it(tmp_path):
+    with pytest.raises(ValueError) as raised:
+        fetch(HubModel("acme/missing", "main", str(tmp_path)), TOKENIZER_FILES, offline=True)
+    message = str(raised.value)
+    assert message.startswith("model: 'acme/missing' at revision 'main' is neither a local path")
+    assert f"(`hf download acme/missing --revision main --cache-dir {tmp_path}`)" in message
+    assert "set HF_TOKEN" in message
+
+
+def test_build_app_pins_a_hub_model_to_its_commit_and_keeps_its_id_as_the_name(hub_home):
+    cache = str(hub_home / "hub")
+    app = build_app({"model": REPO, "revision": COMMIT, "download_dir": cache, "device": "cpu"})
+    fleet = app._bound_deployment.init_args[0]  # what the ingress is built with
+    [model] = fleet.models
+    assert model.model_name == REPO
+    assert model.engine.model == str(
+        Path(cache) / "models--acme--tiny-llama" / "snapshots" / COMMIT
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("revision", 2**64, "revision: must be a string"),
+        ("revision", -1, "revision: must be a string"),
+        ("revision", float("nan"), "revision: must be a string"),
+        ("revision", "x" * 10_000_000, "revision: must have 1 to 256 characters"),
+        ("revision", "../../etc", "revision: '../../etc' is not a branch, tag or commit name"),
+        ("download_dir", 2**64, "download_dir: must be a string"),
+        ("download_dir", -1, "download_dir: must be a string"),
+        ("download_dir", float("nan"), "download_dir: must be a string"),
+        ("download_dir", "d" * 10_000_000, "download_dir: must be a path of 1 to 4096 characters"),
+    ],
+)
+def test_hub_settings_are_bounded(field, value, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        AppConfig.from_args({"model": REPO, field: value})
+    assert len(str(raised.value)) < 300
+
+
+def test_hub_settings_refuse_a_model_that_is_not_on_the_hub():
+    with pytest.raises(ValueError, match="revision: only for a Hugging Face hub model"):
+        AppConfig.from_args({"model": "default", "revision": "main"})
+
+
+def test_a_bad_config_fails_build_app_as_one_line_serve_reports_as_it_is():
+    with pytest.raises(AppConfigError) as raised:
+        build_app({"max_num_seq": 8})
+    # Serve's build task returns a RayServeException's text without a traceback or a retry.
+    assert isinstance(raised.value, RayServeException) and isinstance(raised.value, ValueError)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "max_num_seq: unknown setting; known: ['max_num_seqs']" in message
+
+
+def test_the_check_command_resolves_a_hub_id_offline_and_fails_a_missing_one(hub_home, tmp_path):
+    config = tmp_path / "deploy.yaml"
+    config.write_text(
+        "http_options: {host: 127.0.0.1}\n"
+        "applications:\n"
+        "  - {name: cached, route_prefix: /a, import_path: deploy.app:build_app,\n"
+        f"     args: {{model: {REPO}, device: cpu, ingress_num_cpus: 0}}}}\n"
+        "  - {name: missing, route_prefix: /b, import_path: deploy.app:build_app,\n"
+        "     args: {model: acme/not-downloaded, device: cpu, ingress_num_cpus: 0}}\n"
+    )
+    env = {**os.environ, "HF_HOME": str(hub_home), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "deploy", "check", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1, run.stderr
+    assert f"{config}: app 'cached': ok; it needs {{CPU: 1}}" in run.stdout
+    [problem] = [line for line in run.stderr.splitlines() if line.startswith(str(config))]
+    assert problem.startswith(
+        f"{config}: app 'missing': model: 'acme/not-downloaded' is neither a local path nor in "
+        "the Hugging Face cache, and the hub cannot be reached (HF_HUB_OFFLINE, or no network)"
+    )
+    assert "hf download acme/not-downloaded" in problem and "HF_TOKEN" in problem
+
+
+@pytest.mark.slow
+def test_a_hub_model_is_served_under_its_id(ray_cluster, http_port, hub_home, tmp_path):
+    """Pinned to a cached commit: the replica reads the snapshot, the ingress its tokenizer, and
+    clients name the model by its id."""
+    from ray import serve
+
+    args = {
+        "model": REPO,
+        "revision": COMMIT,
+        "download_dir": str(hub_home / "hub"),
+        "max_model_len": 256,
+        "num_gpu_blocks": 64,
+        "kv_cache_memory_gb": 0.1,
+        "replica_num_cpus": 0.5,
+        "ingress_num_cpus": 0.25,
+    }
+    serve.run(build_app(args), name="hub", route_prefix="/hub")
+    try:
+        reply = httpx.post(
+            f"http://127.0.0.1:{http_port}/hub/v1/completions",
+            json={"model": REPO, "prompt": "hello there", "max_tokens": 4, "temperature": 0},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["model"] == REPO
+        assert body["usage"]["completion_tokens"] == 4
+        models = httpx.get(f"http://127.0.0.1:{http_port}/hub/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == [REPO]
+    finally:
+        delete_app("hub")
