@@ -399,7 +399,11 @@ class LLMReplica:
         if command.replica != self.replica:
             raise WrongReplicaError(f"command for replica {command.replica} reached {self.replica}")
         if command.op == "add":
-            await self._loop_thread.call(lambda e: e.add_lora(command.name, command.path))
+            # Read and checked off the engine's thread (a slow or stalled file stalls no step),
+            # then handed to the ranks between steps.
+            loras = self.engine.loras
+            adapter = await asyncio.to_thread(loras.prepare, command.name, command.path)
+            await self._loop_thread.call(lambda e: e.loras.register(adapter))
         else:
             await self._loop_thread.call(lambda e: e.remove_lora(command.name))
         logger.info("LoRA adapter %s: %s", command.name, command.op)

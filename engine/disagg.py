@@ -113,9 +113,10 @@ class PrefillSide:
         """The hashes and device blocks of the request's prompt blocks still in the device prefix
         cache, leading ones in a row."""
         engine = self.engine
+        request = engine.loras.keyed(request)  # its chain is keyed by its adapter's identity
         tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
         hashes = hash_prompt_blocks(
-            tokens, engine.config.block_size, lora_name=request.lora_name, salt=request.cache_salt
+            tokens, engine.config.block_size, lora_name=request.lora_key, salt=request.cache_salt
         )
         cached = engine.scheduler.kv.pool.cached
         blocks = []

@@ -290,7 +290,7 @@ class KVCacheManager:
             request.all_token_ids,
             self.block_size,
             num_blocks,
-            request.spec.lora_name,
+            request.spec.lora_key,
             request.spec.cache_salt,
         )
 

@@ -6,8 +6,10 @@ while unused, so the next request for it is warm; when a new adapter needs a slo
 the least recently used slot whose adapter no running request uses is taken. When every slot's
 adapter is in use the request waits (acquire returns None); it is never failed.
 
-Loads travel to the workers in the step's SchedulerOutput (`lora_loads`: slot -> (name, path)), so
-every tensor-parallel rank fills the same slot in the same step, before that step's forward.
+Loads travel to the workers in the step's SchedulerOutput (`lora_loads`: slot -> (name, identity)),
+so every tensor-parallel rank fills the same slot in the same step, before that step's forward. An
+identity is `name@digest` of the adapter's bytes (engine/loras.py): the workers fill a slot from the
+checked tensors they keep under it.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ class LoraInUseError(ValueError):
 
 @dataclass(slots=True)
 class LoraSlots:
-    """The registered adapters (name -> path) and the device slots they occupy."""
+    """The registered adapters (name -> identity) and the device slots they occupy."""
 
     max_loras: int
-    paths: dict[str, str] = field(default_factory=dict)
+    identities: dict[str, str] = field(default_factory=dict)
     slot_of: dict[str, int] = field(default_factory=dict)
     # Slots in least-recently-used order (oldest first): slot -> adapter name.
     lru: OrderedDict[int, str] = field(default_factory=OrderedDict)
@@ -54,24 +56,24 @@ class LoraSlots:
         return self.max_loras > 0
 
     # ---- the registry --------------------------------------------------------------------------
-    def register(self, name: str, path: str) -> None:
+    def register(self, name: str, identity: str) -> None:
         check_lora_name(name)
         if not self.enabled:
             raise ValueError("lora_name: LoRA is off on this engine (max_loras is 0)")
-        if name in self.paths:
+        if name in self.identities:
             raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
-        self.paths[name] = path
+        self.identities[name] = identity
 
     def unregister(self, name: str, num_requests: int) -> None:
         """Forget an adapter; num_requests: the live requests under it (refused unless 0)."""
-        if name not in self.paths:
+        if name not in self.identities:
             raise UnknownLoraError(name)
         if num_requests:
             raise LoraInUseError(
                 f"lora_name: adapter {name!r} is used by {num_requests} unfinished requests; "
                 "unload it once they finish"
             )
-        del self.paths[name]
+        del self.identities[name]
         slot = self.slot_of.pop(name, None)
         if slot is not None:
             del self.lru[slot]
@@ -79,11 +81,11 @@ class LoraSlots:
 
     def check(self, name: str | None) -> None:
         """UnknownLoraError unless name is None (the base model) or a registered adapter."""
-        if name is not None and name not in self.paths:
+        if name is not None and name not in self.identities:
             raise UnknownLoraError(name)
 
     def names(self) -> list[str]:
-        return list(self.paths)
+        return list(self.identities)
 
     def loaded(self) -> tuple[str, ...]:
         """The adapters in device slots, least recently used first."""
@@ -101,7 +103,7 @@ class LoraSlots:
             if slot is None:
                 return False
             self.slot_of[name] = slot
-            self.pending[slot] = (name, self.paths[name])
+            self.pending[slot] = (name, self.identities[name])
             self.num_loads += 1
         self.lru[slot] = name
         self.lru.move_to_end(slot)
@@ -134,6 +136,6 @@ class LoraSlots:
         return None
 
     def take_loads(self) -> dict[int, tuple[str, str]]:
-        """The loads to send with this step (slot -> (name, path)); forgotten once taken."""
+        """The loads to send with this step (slot -> (name, identity)); forgotten once taken."""
         loads, self.pending = self.pending, {}
         return loads

@@ -101,6 +101,10 @@ class EngineRequest:
     # The LoRA adapter the request runs under (EngineCore.add_lora names them); None: the base
     # model. Its block hashes are keyed by it (hash_prompt_blocks(..., lora_name=...)).
     lora_name: str | None = None
+    # Set by the engine (engine/loras.py), whatever the sender put: `name@digest` of the adapter's
+    # bytes. The prefix-cache chain is keyed by it (lora_key), so weights reloaded under the same
+    # name never meet the old weights' KV.
+    lora_identity: str | None = None
     # Keys the first block's hash (hash_prompt_blocks(..., salt=...)): requests of other salts
     # never share prefix-cache blocks, in any KV tier. None: unsalted (shared with all unsalted).
     cache_salt: str | None = None
@@ -110,6 +114,13 @@ class EngineRequest:
             raise ValueError("request_id: must be a non-empty string")
         if self.lora_name is not None:
             check_lora_name(self.lora_name)
+        if self.lora_identity is not None and not (
+            self.lora_name is not None
+            and isinstance(self.lora_identity, str)
+            and len(self.lora_identity) <= 2 * MAX_LORA_NAME_CHARS
+            and self.lora_identity.startswith(f"{self.lora_name}@")
+        ):
+            raise ValueError("lora_identity: must be `<lora_name>@<digest>`, set by the engine")
         if self.cache_salt is not None:
             check_cache_salt(self.cache_salt)
         if not (
@@ -130,6 +141,12 @@ class EngineRequest:
                 f"output_token_ids: a resumed request must have fewer than max_tokens="
                 f"{self.sampling_params.max_tokens} outputs, got {len(self.output_token_ids)}"
             )
+
+    @property
+    def lora_key(self) -> str | None:
+        """What the prefix-cache chain is keyed by: the adapter's identity, or its name before the
+        engine set one (None: the base model)."""
+        return self.lora_identity or self.lora_name
 
 
 @dataclass(slots=True, eq=False)

@@ -4,6 +4,7 @@ bad adapters are refused by name and the engine keeps serving."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -67,7 +68,9 @@ def make_llm(model: str, adapters_dir: str, **kwargs) -> LLM:
 @pytest.fixture(scope="module")
 def llm(base, lora_root):
     """Two slots for four adapters: every mixed batch is under slot pressure."""
-    with make_llm(base[0], lora_root, num_gpu_blocks=256, max_loras=2, lora_root=lora_root) as llm:
+    with make_llm(
+        base[0], lora_root, num_gpu_blocks=256, max_loras=2, max_cpu_loras=8, lora_root=lora_root
+    ) as llm:
         yield llm
 
 
@@ -165,11 +168,16 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(
     with pytest.raises(ValueError, match="target module 'qkv_proj'"):
         llm.add_lora("no-module", bad("no-module"))
 
-    for junk_name, junk in (("garbage", b"not safetensors"), ("junk", os.urandom(10 << 20))):
+    # Junk is refused by its format, or unread by its size: no adapter of this model at rank
+    # max_lora_rank needs 10 MB.
+    for junk_name, junk, why in (
+        ("garbage", b"not safetensors", "cannot read"),
+        ("junk", os.urandom(10 << 20), "adapter_model.safetensors is larger than"),
+    ):
         shutil.copytree(bad("a0"), bad(junk_name))
         with open(os.path.join(bad(junk_name), "adapter_model.safetensors"), "wb") as f:
             f.write(junk)
-        with pytest.raises(ValueError, match="cannot read"):
+        with pytest.raises(ValueError, match=why):
             llm.add_lora(junk_name, bad(junk_name))
     with pytest.raises(ValueError, match="lora_name"):
         llm.add_lora("a/b", bad("a0"))
@@ -199,3 +207,90 @@ def test_an_adapter_in_use_is_not_unloaded_and_can_be_loaded_again(
     engine.add_lora("a2", os.path.join(lora_root, "a2"))
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora="a2")
     assert [o.token_ids for o in outs] == [references[("a2", i)] for i in range(len(prompts))]
+
+
+def _generate(llm: LLM, prompt: list[int], lora: str):
+    return llm.generate([prompt], GREEDY, use_tqdm=False, lora=lora)[0]
+
+
+def test_an_adapter_whose_files_vanish_serves_from_what_was_read_at_load(
+    llm, lora_root, prompts, references
+):
+    path = os.path.join(lora_root, "gone")
+    shutil.copytree(os.path.join(lora_root, "a1"), path)
+    llm.add_lora("gone", path)
+    shutil.rmtree(path)  # nothing is read again: not for a slot, not after an eviction
+    for _ in range(2):  # a0..a3 in between evict it from both slots
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora="gone")
+        assert [o.token_ids for o in outs] == [references[("a1", i)] for i in range(len(prompts))]
+        llm.generate(prompts, GREEDY, use_tqdm=False, lora=["a0", "a2"])
+    llm.remove_lora("gone")
+
+
+def test_a_name_reloaded_with_other_weights_serves_them_and_reuses_none_of_the_old_kv(
+    llm, lora_root
+):
+    prompt = random_prompts(1, 256, 33, 33, seed=77)[0]  # two full blocks, new to the cache
+    path = os.path.join(lora_root, "re")
+
+    def load(source: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(os.path.join(lora_root, source), path)
+        llm.add_lora("re", path)
+
+    load("a0")
+    first = _generate(llm, prompt, "re")
+    assert first.token_ids == _generate(llm, prompt, "a0").token_ids
+    assert first.num_cached_tokens == 0 and _generate(llm, prompt, "re").num_cached_tokens == 32
+    llm.remove_lora("re")
+    load("a2")  # same name, same directory, other bytes
+    after = _generate(llm, prompt, "re")
+    assert after.token_ids == _generate(llm, prompt, "a2").token_ids
+    assert after.num_cached_tokens == 0  # a0's KV is not a2's
+    llm.remove_lora("re")
+    load("a0")  # a0's bytes again: its identity, and its KV, are the first load's
+    assert _generate(llm, prompt, "re").num_cached_tokens == 32
+    llm.remove_lora("re")
+
+
+def test_an_adapter_that_cannot_be_placed_fails_its_requests_alone(
+    llm, lora_root, prompts, references
+):
+    engine = llm.engine
+    path = os.path.join(lora_root, "lost")
+    shutil.copytree(os.path.join(lora_root, "a3"), path)
+    engine.add_lora("lost", path)
+    identity = engine.loras.slots.identities["lost"]
+    # The ranks lose it (as a rank that failed to copy it to the device would): the scheduler
+    # still places it, the workers cannot.
+    engine.executor.call_ranks(lambda runner: runner.loras.drop(identity))
+    engine.add_request(EngineRequest("lost-0", prompts[0], GREEDY, lora_name="lost"))
+    engine.add_request(EngineRequest("a1-0", prompts[0], GREEDY, lora_name="a1"))
+    engine.add_request(EngineRequest("base-1", prompts[1], GREEDY))
+    tokens: dict[str, list[int]] = {"a1-0": [], "base-1": [], "lost-0": []}
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                finished[out.request_id] = out
+    assert finished["lost-0"].finish_reason == "error" and tokens["lost-0"] == []
+    assert "lora adapter 'lost' could not be placed" in finished["lost-0"].error
+    assert tokens["a1-0"] == references[("a1", 0)] and tokens["base-1"] == references[(None, 1)]
+    engine.remove_lora("lost")
+    engine.add_lora("lost", path)  # handed to the ranks again
+    assert _generate(llm, prompts[0], "lost").token_ids == references[("a3", 0)]
+    engine.remove_lora("lost")
+
+
+def test_an_alpha_that_overflows_is_refused_naming_lora_alpha(llm, lora_root):
+    path = os.path.join(lora_root, "huge-alpha")
+    shutil.copytree(os.path.join(lora_root, "a0"), path)
+    config_path = os.path.join(path, "adapter_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({**config, "lora_alpha": 1e308}, f)
+    with pytest.raises(ValueError, match="lora_alpha=1e\\+308"):
+        llm.add_lora("huge-alpha", path)
+    assert "huge-alpha" not in llm.list_loras()

@@ -5,7 +5,8 @@ and `adapter_model.safetensors`, whose tensors are named like
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
 ([out, r]). The update of a projection is `x @ A^T @ B^T * scaling`, with scaling `alpha / r`
 (`alpha / sqrt(r)` under rsLoRA). Every problem raises a ValueError that names it: the engine
-checks an adapter this way before any request can use it.
+checks an adapter this way, from the bytes read once at load (workers/lora/files.py), before any
+request can use it.
 """
 
 from __future__ import annotations
@@ -15,19 +16,21 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from workers.lora.files import CONFIG_FILE, WEIGHTS_FILE, AdapterFiles, read_adapter_files
+
 # The projections an adapter may target: attention (fused as qkv in our models) and the dense MLP
 # (fused as gate_up).
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
-# adapter_config.json is a few hundred bytes; a bigger one is not an adapter config.
-MAX_CONFIG_BYTES = 1 << 20
+# Trained adapters use an alpha of a few times their rank; one of millions only scales the update
+# past what the model's activations can hold (its answers turn to NaN).
+MAX_LORA_ALPHA = 1e6
+# Room in a weights file beyond its tensors' bytes: the safetensors header (names, shapes, JSON).
+HEADER_BYTES = 1 << 20
 _TENSOR_NAME = re.compile(
     r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
 )
@@ -61,14 +64,28 @@ class ModelShapes:
             }
         return cls(config.num_hidden_layers, shapes)
 
+    def max_adapter_bytes(self, max_rank: int) -> int:
+        """The largest weights file an adapter of at most max_rank can need: A and B of every
+        target of every layer in float64, plus a header. A bigger file is refused unread."""
+        per_layer = sum(max_rank * (out + inp) for out, inp in self.shapes.values())
+        return self.num_layers * per_layer * 8 + HEADER_BYTES
+
 
 @dataclass(frozen=True, slots=True)
 class LoraAdapter:
-    """One adapter's weights on the CPU: (layer, target) -> (A [r, in], B [out, r] * scaling)."""
+    """One adapter's weights on the CPU: (layer, target) -> (A [r, in], B [out, r] * scaling),
+    and the digest of the bytes they were read from."""
 
     name: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    digest: str = ""
+
+    @property
+    def identity(self) -> str:
+        """name@digest: what the workers' adapters and the prefix cache's chains are keyed by, so
+        other weights under the same name never meet the old ones' KV or slot."""
+        return f"{self.name}@{self.digest[:32]}"
 
     @property
     def nbytes(self) -> int:
@@ -84,23 +101,59 @@ def resolve_lora_path(path: str, root: str | None, allowed: set[str]) -> str:
     if root is None:
         if real not in {os.path.realpath(p) for p in allowed}:
             raise ValueError(
-                f"lora_path: {path!r} is not a configured lora_modules path (set lora_root to "
-                "load adapters from a directory at run time)"
+                "lora_path: not a configured lora_modules path (set lora_root to load adapters "
+                "from a directory at run time)"
             )
         return real
     top = os.path.realpath(root)
     if os.path.commonpath([real, top]) != top:
-        raise ValueError(f"lora_path: {path!r} is outside lora_root {root!r}")
+        raise ValueError("lora_path: is outside lora_root")
     return real
 
 
 def read_adapter(
     name: str, path: str, model: ModelShapes, max_rank: int, dtype: torch.dtype = torch.float32
 ) -> LoraAdapter:
-    """Read and check a PEFT LoRA adapter directory; ValueError naming what is wrong."""
-    directory = Path(path)
-    rank, scaling = _read_config(directory / CONFIG_FILE, max_rank)
-    tensors = _read_tensors(directory / WEIGHTS_FILE)
+    """Read (workers/lora/files.py) and check the PEFT LoRA adapter directory `path`."""
+    files = read_adapter_files(path, model.max_adapter_bytes(max_rank))
+    return parse_adapter(name, files, model, max_rank, dtype)
+
+
+def parse_adapter(
+    name: str, files: AdapterFiles, model: ModelShapes, max_rank: int, dtype: torch.dtype
+) -> LoraAdapter:
+    """The adapter in `files`, checked against the model; ValueError naming what is wrong."""
+    rank, alpha, scaling = _parse_config(files.config, max_rank)
+    pairs = _pairs(name, _parse_tensors(files.weights), model)
+    weights = {}
+    for (layer, target), ab in pairs.items():
+        where = f"lora adapter {name!r}: layers.{layer}.{target}"
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: needs both lora_A and lora_B")
+        a, b = ab["A"], ab["B"]
+        out_features, in_features = model.shapes[target]
+        if a.shape != (rank, in_features) or b.shape != (out_features, rank):
+            raise ValueError(
+                f"{where}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not fit the model "
+                f"(rank {rank}: expected {(rank, in_features)} and {(out_features, rank)})"
+            )
+        # Checked as the forward will use them: B scaled, both in the model's dtype.
+        a, b = a.to(dtype), (b.double() * scaling).to(dtype)
+        if not torch.isfinite(a).all():
+            raise ValueError(f"{where}: lora_A weights must be finite")
+        if not torch.isfinite(b).all():
+            raise ValueError(
+                f"{where}: lora_B weights times the scaling of lora_alpha={alpha!r} are not "
+                f"finite in {dtype}"
+            )
+        weights[(layer, target)] = (a, b)
+    return LoraAdapter(name, rank, weights, files.digest)
+
+
+def _pairs(
+    name: str, tensors: dict[str, torch.Tensor], model: ModelShapes
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """The tensors grouped as (layer, target) -> {"A": ..., "B": ...}, every name checked."""
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _TENSOR_NAME.fullmatch(key)
@@ -121,34 +174,18 @@ def read_adapter(
         pairs.setdefault((layer, target), {})[which] = tensor
     if not pairs:
         raise ValueError(f"lora adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
-    weights = {}
-    for (layer, target), ab in pairs.items():
-        where = f"lora adapter {name!r}: layers.{layer}.{target}"
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"{where}: needs both lora_A and lora_B")
-        a, b = ab["A"], ab["B"]
-        out_features, in_features = model.shapes[target]
-        if a.shape != (rank, in_features) or b.shape != (out_features, rank):
-            raise ValueError(
-                f"{where}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not fit the model "
-                f"(rank {rank}: expected {(rank, in_features)} and {(out_features, rank)})"
-            )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise ValueError(f"{where}: weights must be finite")
-        weights[(layer, target)] = (a.to(dtype), (b.double() * scaling).to(dtype))
-    return LoraAdapter(name, rank, weights)
+    return pairs
 
 
-def _read_config(path: Path, max_rank: int) -> tuple[int, float]:
-    """(rank, scaling) from adapter_config.json, refusing what this engine cannot run."""
+def _parse_config(data: bytes, max_rank: int) -> tuple[int, float, float]:
+    """(rank, lora_alpha, scaling) from adapter_config.json's bytes, refusing what this engine
+    cannot run."""
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ValueError(f"lora adapter config: {path} is larger than {MAX_CONFIG_BYTES} bytes")
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"lora adapter config: cannot read {path}: {exc}") from None
+        config = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"lora adapter config: {CONFIG_FILE} is not JSON: {exc}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"lora adapter config: {path} is not a JSON object")
+        raise ValueError(f"lora adapter config: {CONFIG_FILE} is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"lora adapter config: peft_type {config.get('peft_type')!r} is not LORA")
     for key in ("use_dora", "fan_in_fan_out"):
@@ -162,17 +199,20 @@ def _read_config(path: Path, max_rank: int) -> tuple[int, float]:
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if type(rank) is not int or not 1 <= rank <= max_rank:
         raise ValueError(f"lora adapter config: rank r={rank!r} must be in [1, {max_rank}]")
-    if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"lora adapter config: lora_alpha={alpha!r} must be a positive number")
+    if type(alpha) not in (int, float) or not 0 < alpha <= MAX_LORA_ALPHA:  # NaN fails too
+        raise ValueError(
+            f"lora adapter config: lora_alpha={alpha!r} must be a positive number of at most "
+            f"{MAX_LORA_ALPHA:g}"
+        )
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return rank, scaling
+    return rank, alpha, scaling
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _parse_tensors(data: bytes) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     try:
-        return load_file(str(path))
-    except (OSError, SafetensorError, RuntimeError, ValueError) as exc:
-        raise ValueError(f"lora adapter weights: cannot read {path}: {exc}") from None
+        return load(data)
+    except (SafetensorError, RuntimeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"lora adapter weights: cannot read {WEIGHTS_FILE}: {exc}") from None

@@ -1,16 +1,16 @@
-"""The worker side of LoRA: slot tensors attached to a model's linears, a CPU cache of adapters
-read from disk, and the per-step batch of adapter rows.
+"""The worker side of LoRA: slot tensors attached to a model's linears, the checked adapters the
+engine handed every rank at load, and the per-step batch of adapter rows.
 
-The scheduler decides which adapter holds which slot (scheduler/lora_slots.py) and sends the loads
-with the step; every tensor-parallel rank loads them before the step's forward, slicing each
-adapter for its own shard.
+The engine reads and checks an adapter once, off its thread, and hands its tensors to every rank
+(`keep`): a worker never reads an adapter's files, so they may vanish. The scheduler decides which
+adapter holds which slot (scheduler/lora_slots.py) and sends the loads with the step; every
+tensor-parallel rank loads them before the step's forward, slicing each adapter for its own shard.
+An adapter that cannot be placed fails the requests that name it, never the step.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -21,14 +21,15 @@ from workers.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from workers.lora.adapter import LoraAdapter, ModelShapes, read_adapter
+from workers.lora.adapter import LoraAdapter, ModelShapes
 from workers.lora.layers import LoraBatch, LoraLayer, Segment
 
 logger = logging.getLogger(__name__)
 
 
 class LoraManager:
-    """Adapters of one rank's model: `max_loras` device slots over an LRU of `max_cpu_loras`."""
+    """Adapters of one rank's model: `max_loras` device slots over at most `max_cpu_loras` kept
+    adapters."""
 
     def __init__(
         self,
@@ -61,8 +62,10 @@ class LoraManager:
                 found.append(lora)
             self.layers.append(found)
         self.slot_of: dict[str, int] = {}
-        self.cache: OrderedDict[tuple[str, str], LoraAdapter] = OrderedDict()
-        self.num_disk_reads = 0
+        # identity (name@digest) -> the checked adapter the engine handed over at load
+        self.kept: dict[str, LoraAdapter] = {}
+        # This step's requests whose adapter holds no slot: request id -> why (batch_slots)
+        self.unplaced: dict[str, str] = {}
 
     def _make_layer(
         self, linear: nn.Module, target: str, max_loras: int, max_rank: int
@@ -80,44 +83,55 @@ class LoraManager:
             self.device,
         )
 
+    # ---- adapters --------------------------------------------------------------------------
+    def keep(self, adapter: LoraAdapter) -> None:
+        """Hold a checked adapter until `drop`: what slots are filled from."""
+        if adapter.identity not in self.kept and len(self.kept) >= self.max_cpu_loras:
+            raise ValueError(f"max_cpu_loras: a rank keeps at most {self.max_cpu_loras} adapters")
+        self.kept[adapter.identity] = adapter
+
+    def drop(self, identity: str) -> None:
+        """Forget an unloaded adapter (its slot, if it has one, is refilled before any use)."""
+        self.kept.pop(identity, None)
+
     # ---- slots ---------------------------------------------------------------------------------
     def load(self, loads: dict[int, tuple[str, str]]) -> None:
-        """Fill slots as the scheduler assigned them (slot -> (name, path))."""
-        for slot, (name, path) in loads.items():
-            adapter = self._adapter(name, path)
+        """Fill slots as the scheduler assigned them (slot -> (name, identity)). An adapter that
+        cannot be placed leaves its slot empty: its requests fail (unplaced), the step goes on."""
+        for slot, (name, identity) in loads.items():
             for stale in [n for n, s in self.slot_of.items() if s == slot]:
                 del self.slot_of[stale]
-            by_layer: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-            for (layer, target), pair in adapter.weights.items():
-                by_layer.setdefault(layer, {})[target] = pair
-            for index, loras in enumerate(self.layers):
-                weights = by_layer.get(index, {})
-                for lora in loras:
-                    lora.load(slot, weights)
+            self.slot_of.pop(name, None)  # other weights under this name held another slot
+            try:
+                self._fill(slot, self.kept[identity])
+            except Exception as exc:  # KeyError: never handed over; or the copy to the device
+                logger.error("LoRA %s could not be placed in slot %d: %r", name, slot, exc)
+                continue
             self.slot_of[name] = slot
 
-    def _adapter(self, name: str, path: str) -> LoraAdapter:
-        key = (name, path)
-        adapter = self.cache.get(key)
-        if adapter is None:
-            t0 = time.perf_counter()
-            adapter = read_adapter(name, path, self.shapes, self.max_rank, self.dtype)
-            self.num_disk_reads += 1
-            logger.info("LoRA %s read from %s in %.3fs", name, path, time.perf_counter() - t0)
-            self.cache[key] = adapter
-            while len(self.cache) > self.max_cpu_loras:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(key)
-        return adapter
+    def _fill(self, slot: int, adapter: LoraAdapter) -> None:
+        by_layer: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (layer, target), pair in adapter.weights.items():
+            by_layer.setdefault(layer, {})[target] = pair
+        for index, loras in enumerate(self.layers):
+            weights = by_layer.get(index, {})
+            for lora in loras:
+                lora.load(slot, weights)
 
-    def slot(self, name: str | None) -> int:
-        """The device slot of a running request's adapter; -1 for the base model."""
-        if name is None:
-            return -1
-        slot = self.slot_of.get(name)
-        if slot is None:  # the scheduler loads an adapter before any step that runs it
-            raise RuntimeError(f"lora: adapter {name!r} has no slot")
-        return slot
+    def batch_slots(self, req_ids: list[str], names: list[str | None]) -> list[int]:
+        """Each batch row's device slot (-1: the base model). A row whose adapter holds no slot
+        (it could not be placed) adds nothing to the base model's output and is listed in
+        `unplaced`, which the runner reports as failed: its request fails, the step goes on."""
+        self.unplaced = {}
+        slots = []
+        for rid, name in zip(req_ids, names):
+            slot = -1 if name is None else self.slot_of.get(name, -1)
+            if name is not None and slot < 0:
+                self.unplaced[rid] = (
+                    f"lora adapter {name!r} could not be placed on the device; unload and reload it"
+                )
+            slots.append(slot)
+        return slots
 
     # ---- one step ------------------------------------------------------------------------------
     def set_batch(self, slots: list[int], query_lens: list[int]) -> bool:
