@@ -1,0 +1,95 @@
+"""Fail fast: an app is measured in all (every replica's placement group and the ingress) against
+what the cluster has, by build_app and by `python -m deploy check`; the shipped configs fit the
+machines their comments name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.exceptions import RayServeException
+
+from cluster.placement import UnplaceableError
+from deploy.app import UnplaceableAppError, build_app
+from deploy.check import app_demand, placement_problems, starting_replicas
+from deploy.config import AppConfig
+from deploy.fleet_config import FleetConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TWO_CORES = [{"CPU": 2.0}]
+# ray_config.yaml: an m5.2xlarge head (8 CPUs, no GPU), g5.12xlarge workers (48 CPUs, 4 GPUs).
+RAY_UP_CLUSTER = [{"CPU": 8.0}, {"CPU": 48.0, "GPU": 4.0}, {"CPU": 48.0, "GPU": 4.0}]
+
+
+def fleets(name: str) -> list[FleetConfig]:
+    spec = yaml.safe_load((ROOT / name).read_text())
+    return [FleetConfig.from_args(app["args"]) for app in spec["applications"]]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "deploy.yaml",
+        "deploy/examples/cpu_two_replicas.yaml",
+        "deploy/examples/cpu_two_models.yaml",
+    ],
+)
+def test_the_cpu_configs_fit_a_two_core_machine(name, monkeypatch):
+    monkeypatch.setenv("RAYLM_API_KEYS", '{"k": {"tenant": "t"}}')
+    for fleet in fleets(name):
+        assert placement_problems(fleet, TWO_CORES, "this machine") == []
+
+
+@pytest.mark.parametrize(
+    "name, nodes",
+    [("gpu_tp2.yaml", RAY_UP_CLUSTER[:2]), ("gpu_dp_tp2.yaml", RAY_UP_CLUSTER)],
+)
+def test_the_gpu_examples_fit_the_ray_up_cluster_their_comments_name(name, nodes, monkeypatch):
+    monkeypatch.setenv("RAYLM_API_KEYS", '{"k": {"tenant": "t"}}')
+    [fleet] = fleets(f"deploy/examples/{name}")
+    assert placement_problems(fleet, nodes, "the cluster") == []
+    if name == "gpu_dp_tp2.yaml":  # 8 GPUs: one 4-GPU worker is not enough
+        [problem] = placement_problems(fleet, RAY_UP_CLUSTER[:2], "the cluster")
+        assert problem == (
+            "the app needs {CPU: 14, GPU: 8} in all (4 x {CPU: 3, GPU: 2} "
+            "(meta-llama/Llama-3.1-8B-Instruct) + 2 x {CPU: 1} (ingress)); the cluster has "
+            "{CPU: 56, GPU: 4}"
+        )
+
+
+def test_two_replicas_and_the_ingress_on_two_cores_name_what_they_need_and_what_there_is():
+    fleet = FleetConfig.from_args(
+        {"num_replicas": 2, "replica_num_cpus": 1, "ingress_num_cpus": 0.5}
+    )
+    assert placement_problems(fleet, TWO_CORES, "this machine") == [
+        "the app needs {CPU: 2.5} in all (2 x {CPU: 1} (default) + 1 x {CPU: 0.5} (ingress)); "
+        "this machine has {CPU: 2}"
+    ]
+
+
+def test_replicas_counted_at_start():
+    def count(**args) -> int:
+        return starting_replicas(AppConfig.from_args(args))
+
+    assert count() == 1
+    assert count(num_replicas=3) == 3
+    assert count(autoscaling={"min_replicas": 0, "max_replicas": 4}) == 1  # scale to zero: one
+    assert count(autoscaling={"min_replicas": 2, "max_replicas": 4, "initial_replicas": 3}) == 3
+    fleet = FleetConfig.from_args(
+        {"models": [{"name": "a", "num_replicas": 2}, {"name": "b"}], "ingress_replicas": 2}
+    )
+    assert app_demand(fleet).total == {"CPU": 3 * 1.0 + 2 * 0.5}
+
+
+@pytest.mark.slow
+def test_build_app_fails_at_once_for_an_app_the_cluster_cannot_hold(ray_cluster):
+    """Each replica fits a node of the session's 8-CPU cluster; nine of them do not."""
+    with pytest.raises(UnplaceableAppError) as raised:
+        build_app({"num_replicas": 9, "placement_timeout_s": 0, "ingress_num_cpus": 0})
+    assert isinstance(raised.value, UnplaceableError)
+    assert isinstance(raised.value, RayServeException)  # Serve reports it as one line
+    assert str(raised.value) == (
+        "the app needs {CPU: 9} in all (9 x {CPU: 1} (default) + 1 x {CPU: 0} (ingress)); "
+        "the cluster has {CPU: 8} (placement_timeout_s: 0)"
+    )
