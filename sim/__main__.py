@@ -12,8 +12,8 @@ from typing import Any
 from router.config import POLICIES, RoutingConfig
 from scheduler import SchedulerConfig
 from scheduler.config import POLICIES as QUEUE_POLICIES
-from sim.autoscale_plan import add_arguments as add_day_arguments
-from sim.autoscale_plan import cmd_plan_day
+from sim.autoscale_protocol import add_arguments as add_day_arguments
+from sim.autoscale_protocol import cmd_plan_day
 from sim.cost import load_profile
 from sim.disagg import DisaggConfig, DisaggSim
 from sim.fleet import SIM_MAX_MODEL_LEN, SIM_NUM_GPU_BLOCKS, FleetSim, SimConfig

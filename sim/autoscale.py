@@ -42,13 +42,16 @@ from sim.replica import SimReplica
 from sim.workload import SimRequest
 
 MAX_DAY_S = 7 * 86400.0
+MAX_BURST = 100.0  # a burst of more than 100x the hour's rate is a typo
 
 
 @dataclass(slots=True)
 class DayWorkloadConfig:
     """A day of traffic: the rate follows a cosine from `trough` at the day's start and end to the
     peak at its middle; chat requests by day, long documents (batch jobs) taking a larger share by
-    night. `day_s` compresses the day (86,400 is real time)."""
+    night. `day_s` compresses the day (86,400 is real time). A burst multiplies the rate by
+    `burst_factor` from `burst_at` for `burst_len` (both fractions of the day): a day shaped unlike
+    the one a policy was tuned on."""
 
     day_s: float = 86400.0
     peak_rate: float = 10.0  # requests per second at the peak
@@ -61,6 +64,9 @@ class DayWorkloadConfig:
     chat_output_len: tuple[int, int] = (64, 512)
     long_prompt_len: tuple[int, int] = (1024, 3072)
     long_output_len: tuple[int, int] = (256, 1024)
+    burst_at: float = 0.0
+    burst_len: float = 0.0
+    burst_factor: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -70,7 +76,11 @@ class DayWorkloadConfig:
                 raise ValueError(f"{name}: must be in (0, {high:g}], got {value!r}")
         if self.peak_to_trough < 1:
             raise ValueError(f"peak_to_trough: must be >= 1, got {self.peak_to_trough}")
-        for name in ("long_share_peak", "long_share_trough"):
+        if not (math.isfinite(self.burst_factor) and 1 <= self.burst_factor <= MAX_BURST):
+            raise ValueError(
+                f"burst_factor: must be in [1, {MAX_BURST:g}], got {self.burst_factor!r}"
+            )
+        for name in ("long_share_peak", "long_share_trough", "burst_at", "burst_len"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)!r}")
         for name in ("chat_question_len", "chat_output_len", "long_prompt_len", "long_output_len"):
@@ -84,19 +94,29 @@ class DayWorkloadConfig:
 
     def rate(self, t: float) -> float:
         trough = self.peak_rate / self.peak_to_trough
-        return trough + (self.peak_rate - trough) * self.level(t)
+        base = trough + (self.peak_rate - trough) * self.level(t)
+        return base * self.burst_factor if self.in_burst(t) else base
+
+    def in_burst(self, t: float) -> bool:
+        start = self.burst_at * self.day_s
+        return start <= t < start + self.burst_len * self.day_s
+
+    def top_rate(self) -> float:
+        """The most the rate reaches (the envelope that arrivals are thinned from)."""
+        return self.peak_rate * (self.burst_factor if self.burst_len > 0 else 1.0)
 
 
 def day_workload(cfg: DayWorkloadConfig) -> list[SimRequest]:
-    """Poisson arrivals at cfg.rate(t) (thinned from the peak rate) over one day."""
+    """Poisson arrivals at cfg.rate(t) (thinned from the top rate) over one day."""
     rng = random.Random(cfg.seed)
     out: list[SimRequest] = []
     t = 0.0
+    top = cfg.top_rate()
     while True:
-        t += rng.expovariate(cfg.peak_rate)
+        t += rng.expovariate(top)
         if t >= cfg.day_s:
             return out
-        if rng.random() * cfg.peak_rate > cfg.rate(t):
+        if rng.random() * top > cfg.rate(t):
             continue
         level = cfg.level(t)
         long_share = cfg.long_share_trough + (cfg.long_share_peak - cfg.long_share_trough) * level

@@ -52,6 +52,7 @@ class DayPlanConfig:
     scheduler: SchedulerConfig
     loop: AutoscaleConfig
     profile: str = "h100"
+    shape: str = "day"  # names the day's shape in the tables ("day", or "shaped" for the other)
     router: str = "prefix_affinity"
     slo: SloTargets = field(default_factory=SloTargets)
     target: float = 0.99  # SLO attainment a tuned setting must reach
@@ -107,6 +108,16 @@ class DayRow:
     changes: int
     reasons: dict[str, int]
     wall_s: float
+    shape: str = "day"
+
+    @property
+    def knobs(self) -> tuple[str, float, float]:
+        """The policy setting, as `sweep` takes it."""
+        return (self.policy, self.knob, self.headroom)
+
+    @property
+    def day(self) -> str:
+        return str(self.seed) if self.shape == "day" else f"{self.shape} {self.seed}"
 
     @property
     def setting(self) -> str:
@@ -160,6 +171,7 @@ def replay_day(cfg: DayPlanConfig, kind: str, knob: float, headroom: float) -> D
         changes=sum(out.decisions.values()),
         reasons=dict(out.decisions.most_common()),
         wall_s=time.perf_counter() - t0,
+        shape=cfg.shape,
     )
 
 
@@ -188,6 +200,16 @@ def sweep(
     """Every (seed, setting) replayed, `jobs` at a time; on_row sees each row as it is done (a
     long sweep shows its progress, and a cut one what it finished); the rows in a stable order."""
     days = [replace(cfg, day=replace(cfg.day, seed=seed)) for seed in seeds]
+    return sweep_days(days, settings, jobs, on_row)
+
+
+def sweep_days(
+    days: Sequence[DayPlanConfig],
+    settings: Sequence[tuple[str, float, float]],
+    jobs: int,
+    on_row: Callable[[DayRow], None] | None = None,
+) -> list[DayRow]:
+    """Every (day, setting) replayed, as `sweep` does, over days of any shape."""
     tasks = [(day, *setting) for day in days for setting in settings]
     rows: list[DayRow] = []
     if jobs == 1:
@@ -197,7 +219,7 @@ def sweep(
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             futures = [pool.submit(replay_day, *task) for task in tasks]
             rows = [_seen(f.result(), on_row) for f in as_completed(futures)]
-    rows.sort(key=lambda r: (r.seed, r.policy != "ongoing", r.knob, r.headroom))
+    rows.sort(key=lambda r: (r.shape, r.seed, r.policy != "ongoing", r.knob, r.headroom))
     return rows
 
 
@@ -297,18 +319,7 @@ def cmd_plan_day(a: argparse.Namespace) -> None:
     settings = settings_of(a)
     for kind, knob, headroom in settings:  # refused here, before any worker starts
         cfg.policy(kind, knob, headroom)
-    print(
-        f"# a day with autoscaling: profile {cfg.profile}, day compressed to {cfg.day.day_s:g} s "
-        f"({REAL_DAY_S / cfg.day.day_s:g}x), peak {cfg.day.peak_rate:g} req/s, peak:trough "
-        f"{cfg.day.peak_to_trough:g}, long share {cfg.day.long_share_peak:g} at peak / "
-        f"{cfg.day.long_share_trough:g} at trough; {a.blocks} KV blocks and max_num_seqs "
-        f"{a.max_num_seqs} per replica; SLO TTFT p90 {cfg.slo.ttft_p90_s:g} s and ITL p90 "
-        f"{cfg.slo.itl_p90_s * 1000:g} ms per request, target {cfg.target:.0%}; start delay "
-        f"{cfg.loop.start_delay_s:g} s, decisions every {cfg.loop.decision_period_s:g} s over "
-        f"{cfg.loop.look_back_s:g} s, upscale/downscale delay {cfg.upscale_delay_s:g}/"
-        f"{cfg.downscale_delay_s:g} s, replicas {cfg.min_replicas}-{cfg.max_replicas}",
-        flush=True,
-    )
+    print(describe(cfg, a), flush=True)
     rows = sweep(cfg, seeds, settings, a.jobs, lambda r: print("done:", r.cells(), flush=True))
     print()
     print(HEADER)
@@ -319,6 +330,21 @@ def cmd_plan_day(a: argparse.Namespace) -> None:
         print(f"seed {r.seed} {r.policy} {r.setting}: changes by reason {r.reasons}")
     print()
     print(summary_table(rows, seeds, cfg.target))
+
+
+def describe(cfg: DayPlanConfig, a: argparse.Namespace) -> str:
+    """The day, the fleet, the SLO and the control loop, in one line."""
+    return (
+        f"# a day with autoscaling: profile {cfg.profile}, day compressed to {cfg.day.day_s:g} s "
+        f"({REAL_DAY_S / cfg.day.day_s:g}x), peak {cfg.day.peak_rate:g} req/s, peak:trough "
+        f"{cfg.day.peak_to_trough:g}, long share {cfg.day.long_share_peak:g} at peak / "
+        f"{cfg.day.long_share_trough:g} at trough; {a.blocks} KV blocks and max_num_seqs "
+        f"{a.max_num_seqs} per replica; SLO TTFT p90 {cfg.slo.ttft_p90_s:g} s and ITL p90 "
+        f"{cfg.slo.itl_p90_s * 1000:g} ms per request, target {cfg.target:.0%}; start delay "
+        f"{cfg.loop.start_delay_s:g} s, decisions every {cfg.loop.decision_period_s:g} s over "
+        f"{cfg.loop.look_back_s:g} s, upscale/downscale delay {cfg.upscale_delay_s:g}/"
+        f"{cfg.downscale_delay_s:g} s, replicas {cfg.min_replicas}-{cfg.max_replicas}"
+    )
 
 
 def summary_table(rows: Sequence[DayRow], seeds: Sequence[int], target: float) -> str:
