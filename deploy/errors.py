@@ -7,6 +7,7 @@ import math
 import re
 import uuid
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
@@ -60,9 +61,25 @@ class ModelNotFoundError(APIError):
 
 
 class ContextLengthError(BadRequestError):
-    """Prompt plus requested completion exceed the model's context."""
+    """Prompt plus requested completion exceed the model's context; a prompt that leaves no room
+    for one token is named by itself (`prompt_param`: `messages` or `prompt`), as OpenAI does."""
 
-    def __init__(self, max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> None:
+    def __init__(
+        self,
+        max_model_len: int,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        prompt_param: str = "prompt",
+    ) -> None:
+        if num_prompt_tokens >= max_model_len:
+            super().__init__(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"{prompt_param} resulted in {num_prompt_tokens} tokens. Please reduce the length "
+                f"of the {prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+            return
         super().__init__(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             "requested "
@@ -217,6 +234,24 @@ def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None
     incident = uuid.uuid4().hex[:16]
     logger.error("internal error %s", incident, exc_info=exc)
     return 500, "internal_error", f"Internal server error (incident {incident}).", None, None
+
+
+def http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (an unknown path: 404, a method the path does not take: 405) as
+    OpenAI error JSON instead of FastAPI's {"detail": ...}."""
+    status = getattr(exc, "status_code", 500)
+    where = f"{request.method} {request.url.path}"
+    if status == 404:
+        message, code = f"Invalid URL ({where})", "unknown_url"
+    elif status == 405:
+        message, code = f"Method not allowed ({where})", "method_not_allowed"
+    else:
+        message, code = str(getattr(exc, "detail", "") or "HTTP error"), None
+    return JSONResponse(
+        error_body("invalid_request_error", _clean(message), None, code),
+        status_code=status,
+        headers=getattr(exc, "headers", None),
+    )
 
 
 def error_response(exc: BaseException) -> JSONResponse:

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.fleet_view import replica_reports
 from deploy import metrics_page
@@ -33,6 +34,7 @@ from deploy.errors import (
     RequestTimeoutError,
     error_event,
     error_response,
+    http_error,
 )
 from deploy.fields import Ignored
 from deploy.fleet_config import FleetConfig
@@ -74,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 # The schema is served by a route of its own, behind the same keys as every other route.
 app = FastAPI(title="raylm", docs_url=None, redoc_url=None, openapi_url=None)
+# An unknown path or method answers OpenAI error JSON, like every other error.
+app.add_exception_handler(StarletteHTTPException, http_error)
 
 
 def _browser_policy() -> BrowserPolicy:
@@ -639,7 +643,10 @@ class OpenAIIngress:
             max_tokens = body.max_tokens if body.max_tokens is not None else max_len - len(prompt)
             if max_tokens < 1 or len(prompt) + max_tokens > max_len:
                 raise ContextLengthError(
-                    max_len, len(prompt), max(max_tokens, body.max_tokens or 0)
+                    max_len,
+                    len(prompt),
+                    max(max_tokens, body.max_tokens or 0),
+                    "messages" if kind == "chatcmpl" else "prompt",
                 )
             if logprobs is not None:
                 asked_logprobs += body.n * max_tokens * (logprobs + 1)
