@@ -287,6 +287,13 @@ class AppConfig:
         "the mean over the prompt; either is normalised to unit length",
         choices=POOLINGS,
     )
+    max_embedding_tokens: int = setting(
+        300_000,
+        "tokens of one `/v1/embeddings` request summed over its `input` items (OpenAI's bound); "
+        "past it: 400 naming `input` before any input is computed",
+        ge=1,
+        le=1 << 40,
+    )
     # Resources and placement (one bundle for the replica, one per TP worker when TP > 1).
     replica_num_cpus: float = setting(1.0, "CPUs of the replica's bundle", ge=0, le=MAX_BUNDLE_CPUS)
     worker_num_cpus: float = setting(

@@ -122,3 +122,13 @@ def check_fits(num_tokens: int, max_model_len: int, index: int) -> None:
             param="input",
             code="context_length_exceeded",
         )
+
+
+def check_total(num_tokens: int, limit: int) -> None:
+    """The inputs so far must stay within the tokens one embeddings request may take."""
+    if num_tokens > limit:
+        raise BadRequestError(
+            f"input: the inputs have more than {limit} tokens together, this server's bound for "
+            f"one embeddings request (max_embedding_tokens); send fewer or shorter inputs",
+            param="input",
+        )

@@ -27,7 +27,13 @@ from deploy import metrics_page
 from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
 from deploy.browser_guard import BrowserGuard, BrowserPolicy
 from deploy.cache_scope import request_salt
-from deploy.embeddings import EmbeddingRequest, check_fits, embed_one, embedding_response
+from deploy.embeddings import (
+    EmbeddingRequest,
+    check_fits,
+    check_total,
+    embed_one,
+    embedding_response,
+)
 from deploy.errors import (
     BadRequestError,
     ContextLengthError,
@@ -400,6 +406,7 @@ class OpenAIIngress:
                 f"input: {len(inputs)} inputs, more than this server takes at once ({limit})",
                 param="input",
             )
+        total = 0  # tokens over the inputs so far (max_embedding_tokens)
         for i, item in enumerate(inputs):
             ids = (
                 await self._tokenize(m, m.frontend.encode_prompt, item, len(item), "input")
@@ -411,6 +418,8 @@ class OpenAIIngress:
             except ValueError as exc:
                 raise BadRequestError(str(exc), param="input") from None
             check_fits(len(ids), max_len, i)
+            total += len(ids)
+            check_total(total, m.config.max_embedding_tokens)
             requests.append(
                 EngineRequest(
                     request_id=f"{base_id}-{i}",

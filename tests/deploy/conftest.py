@@ -79,6 +79,7 @@ def tiny_url(ray_cluster, http_port, tiny_model_dir):
         "api_keys": {TINY_TENANT_KEY: {"tenant": "second"}},
         "max_ongoing_requests": 2,
         "max_queued_requests": 2,
+        "max_embedding_tokens": 1024,  # test_api_embedding_budget.py
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
     }
