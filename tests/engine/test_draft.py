@@ -18,6 +18,7 @@ from tests.engine.paired_engines import SMALL_POOL
 from tests.engine.test_speculative import assert_idle, generate, workload
 from tests.random_checkpoint import TINY_FAMILIES, TINY_TP_LLAMA, write_random_checkpoint
 from workers.draft_pacing import DraftPacing
+from workers.features.draft import DraftFeature
 
 SPEC = {"method": "draft", "num_tokens": 4, "min_acceptance_rate": 0.0}
 
@@ -140,8 +141,8 @@ def test_a_request_that_stopped_speculating_costs_the_draft_little(model, other_
         },
     )
     try:
-        runner = spec.engine.executor.runner  # type: ignore[attr-defined]
-        runner.draft_pacing = pacing = CountingPacing()
+        draft = spec.engine.executor.runner.feature(DraftFeature)  # type: ignore[attr-defined]
+        draft.pacing = pacing = CountingPacing()
         prompts, params, want = mixed_case
         assert generate(spec, prompts, params) == want
         assert 0 < pacing.asked < pacing.sampled / 2
