@@ -85,27 +85,7 @@ class DisaggregationArgs:
                     f"disaggregation.{phase}.enable_prefix_caching: the transfer finds blocks by "
                     "their prefix hash; it must be on"
                 )
-        _check_no_draft(prefill, decode)
         return prefill, decode
-
-
-def _check_no_draft(prefill: EngineConfig, decode: EngineConfig) -> None:
-    """A draft model keeps its own KV beside the model's in the same block ids
-    (docs/speculative.md); a prompt's blocks arrive from a prefill replica with the model's KV
-    only, so the decode replica's draft would propose from garbage (and a prefill replica, which
-    samples one token per request, never speculates). n-gram speculation needs no KV: allowed."""
-    reasons = {
-        "decode": "the prompt's KV arrives from the prefill replicas without the draft's KV",
-        "prefill": "the prefill replicas sample one token per request and never speculate",
-    }
-    for phase, engine in (("decode", decode), ("prefill", prefill)):
-        spec = engine.speculative
-        if spec is not None and spec.method == "draft":
-            raise ValueError(
-                f"disaggregation.{phase}.speculative.draft_model: a draft model cannot be "
-                f"combined with disaggregation ({reasons[phase]}); use speculative.method: ngram "
-                "or leave speculative unset"
-            )
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

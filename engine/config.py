@@ -236,14 +236,6 @@ class EngineConfig:
                 f"got {shown(self.kv_disk_tier_dir)}"
             )
         self._check_kv_cache_dtype()
-        draft = self.speculative is not None and self.speculative.method == "draft"
-        if draft and (self.kv_cpu_tier_gb or sched.num_cpu_tier_blocks):
-            # The tiers keep the model's KV blocks, not the draft's: a block loaded back would come
-            # without the draft's KV (docs/speculative.md).
-            raise ValueError(
-                "speculative.draft_model: a draft model cannot be combined with the prefix cache's "
-                "lower tiers (kv_cpu_tier_gb, num_cpu_tier_blocks)"
-            )
         if self.speculative is not None and self.async_scheduling:
             # The next step would be scheduled before the proposals it verifies are known.
             raise ValueError(

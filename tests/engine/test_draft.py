@@ -164,17 +164,6 @@ def test_a_draft_with_another_vocabulary_is_refused(model, tmp_path, kind):
         LLM(model, device="cpu", load_progress=False, speculative={**SPEC, "draft_model": path})
 
 
-def test_a_draft_is_refused_with_the_lower_kv_tiers(model):
-    with pytest.raises(ValueError, match=r"speculative\.draft_model"):
-        LLM(
-            model,
-            device="cpu",
-            load_progress=False,
-            kv_cpu_tier_gb=0.01,
-            speculative={**SPEC, "draft_model": model},
-        )
-
-
 def test_constrained_rows_draft_and_keep_their_tokens(llms):
     """Constrained rows ask the draft too; its proposals (the model's unmasked argmax, which on
     this random model the regex never allows) are cut to their grammar before verification, and
