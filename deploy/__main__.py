@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from deploy.app import check_exposure, pinned_fleet
+from deploy.app import check_exposure
 from deploy.check import (
     add_resources,
     app_demand,
@@ -28,7 +29,9 @@ from deploy.check import (
     placement_problems,
     resources_text,
 )
+from deploy.config import AppConfig
 from deploy.fleet_config import FleetConfig
+from deploy.hub import pinned
 from scheduler.settings import clipped
 from workers.model_files import default_model_path, resolve_model
 
@@ -60,38 +63,55 @@ def check_file(path: Path) -> tuple[list[str], list[str]]:
         where = ".".join(str(p) for p in first["loc"])
         return [f"not a Serve config: {where}: {first['msg']}"], []
     nodes, where = cluster_or_machine()
-    problems, report = [], []
+    problems: list[str] = []
+    report: list[str] = []
     for app in schema.applications:
         if app.import_path not in BUILDERS:
             report.append(f"app {app.name!r}: {app.import_path} is not raylm's; left to Serve")
             continue
-        try:
-            fleet = check_app(app.args or {}, schema.http_options.host)
-        except ValueError as exc:
-            problems.append(f"app {app.name!r}: {exc}")
-            continue
-        found = placement_problems(fleet, nodes, where)
+        found, fleet = check_app(app.args or {}, schema.http_options.host)
+        if fleet is not None:
+            found += placement_problems(fleet, nodes, where)
         problems.extend(f"app {app.name!r}: {p}" for p in found)
-        if not found:
-            report.append(
-                f"app {app.name!r}: ok; it needs {_needs(fleet)}, {where} has "
-                f"{resources_text(add_resources(nodes))}"
-            )
+        if fleet is not None and not found:
+            report.append(f"app {app.name!r}: ok; {_fit(fleet, nodes, where)}")
     return problems, report
 
 
-def check_app(args: dict[str, Any], host: str | None) -> FleetConfig:
-    """The app's settings, its models and its keys, as build_app checks them (ValueError)."""
-    fleet = pinned_fleet(FleetConfig.from_args(args))
+def check_app(args: dict[str, Any], host: str | None) -> tuple[list[str], FleetConfig | None]:
+    """Problems of the app's settings (then nothing else is checked), its keys and its models, as
+    build_app finds them; the app's config where its settings are valid."""
+    try:
+        fleet = FleetConfig.from_args(args)
+    except ValueError as exc:
+        return [str(exc)], None
+    problems = _problems(lambda: check_exposure(host, fleet))
     for model in fleet.models:
-        check_model(model.engine.model)
-    check_exposure(host, fleet)
-    return fleet
+        problems += _problems(lambda: check_model(model))  # noqa: B023 (called at once)
+    return problems, fleet
 
 
-def check_model(model: str) -> None:
-    """A local model exists and is one raylm reads (a hub model was fetched by pinning): without
-    converting a GGUF file or loading any weight."""
+def _problems(check: Callable[[], None]) -> list[str]:
+    try:
+        check()
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
+def _fit(fleet: FleetConfig, nodes: list[dict[str, float]], where: str) -> str:
+    need = app_demand(fleet).total
+    have = add_resources(nodes)
+    return (
+        f"it needs {resources_text(need)}, {where} has "
+        f"{resources_text({k: have.get(k, 0.0) for k in need})}"
+    )
+
+
+def check_model(config: AppConfig) -> None:
+    """The model exists and is one raylm reads, without converting a GGUF file or loading any
+    weight: a hub model is pinned (its tokenizer side fetched), as build_app does."""
+    model = pinned(config).engine.model
     if model == "default":
         default_model_path()
         return
@@ -99,10 +119,6 @@ def check_model(model: str) -> None:
     if path.is_file() and path.suffix == ".gguf":
         return
     resolve_model(model)  # a directory with its config, or a ValueError saying what is wrong
-
-
-def _needs(fleet: FleetConfig) -> str:
-    return resources_text(app_demand(fleet).total)
 
 
 if __name__ == "__main__":

@@ -140,9 +140,8 @@ def machine_resources() -> dict[str, float]:
 
 
 def resources_text(resources: Resources) -> str:
-    """{CPU: 2.5, GPU: 1}: the keys that count, in Ray's own names."""
-    shown = [f"{k}: {_num(v)}" for k, v in sorted(resources.items()) if v > 0 or k == "CPU"]
-    return "{" + ", ".join(shown) + "}"
+    """{CPU: 2.5, GPU: 1}, in Ray's own names."""
+    return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in sorted(resources.items())) + "}"
 
 
 def _num(value: float) -> str:

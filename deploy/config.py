@@ -527,7 +527,13 @@ def _keys_from_env(name: str) -> dict[str, ApiKeyProfile]:
     except ValueError:  # a name no environment can hold (a NUL character)
         raw = None
     if not raw:
-        raise ValueError(f"api_keys_env: environment variable {clipped(name)} is not set")
+        # On a cluster the app is built by a Ray task on some node: it has the environment that
+        # node's `ray start` had, never the shell of `serve run` or `serve deploy`.
+        raise ValueError(
+            f"api_keys_env: environment variable {clipped(name)} is not set where the app is "
+            "built (on a running cluster: in the environment of `ray start` on every node, not "
+            "of `serve run`; docs/operations.md#where-api_keys_env-is-read)"
+        )
     try:
         data = json.loads(raw)
         return {str(k): build(ApiKeyProfile, v) for k, v in dict(data).items()}
