@@ -3,10 +3,10 @@ them (scheduler/kv_connector.py decides every copy; this file only carries them 
 
 - CPU tier: one host tensor of whole blocks, block-major ([slots, layers, K/V, block_size, heads,
   head_dim]) so one slot is one contiguous run of bytes; pinned on CUDA.
-- Disk tier: one file per block under this engine's own directory, rank by rank. A file is a
-  header (magic, the block's 128-bit hash, the payload's length and CRC-32) and the block's bytes;
-  one that does not match what is asked for (missing, short, another hash or layout, a bad
-  checksum) fails its load, and the scheduler recomputes the block instead.
+- Disk tier: one file per block under this engine's own directory, rank by rank, private to the
+  rank and authenticated by a key it holds in memory (workers/kv_disk.py); a file that does not
+  match what is asked for (missing, short, another hash or layout, a bad or forged MAC) fails its
+  load, and the scheduler recomputes the block instead.
 
 Within a step: demote (CPU -> disk) and save (device -> CPU) run first, before the swap copies and
 the forward can overwrite what they read; loads (CPU or disk -> device) run after. On CUDA the
@@ -18,9 +18,6 @@ CPU every copy is a synchronous memcpy inside the step.
 from __future__ import annotations
 
 import logging
-import os
-import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,13 +25,11 @@ import torch
 
 from scheduler.kv_connector import KVTransfers
 from workers.kv_cache import GiB, KVCache, KVCacheSpec
+from workers.kv_disk import HEADER, OVERHEAD_BYTES, DiskTier
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"RLKVBLK1"
-_HEADER = struct.Struct("<8s16sQI")  # magic, hash (little-endian 128 bits), payload bytes, crc32
-HEADER_BYTES = _HEADER.size
-_SUFFIX = ".kvblock"
+HEADER_BYTES = OVERHEAD_BYTES  # per block file, besides the block's bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +68,12 @@ class KVTiers:
         )
         self.block_nbytes = self.cpu[0].numel() * self.cpu.element_size()
         self.slot_hash: list[int | None] = [None] * config.num_cpu_blocks
+        self.disk: DiskTier | None = None
         self.dir: Path | None = None
         if config.num_disk_blocks:
             assert config.disk_dir is not None
-            self.dir = Path(config.disk_dir) / f"rank{rank}"
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.disk = DiskTier(config.disk_dir, rank, self.block_nbytes)
+            self.dir = self.disk.dir
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._loads_done: torch.cuda.Event | None = None
         logger.info(
@@ -134,8 +130,9 @@ class KVTiers:
             else:
                 good.append((data, block))
         self._copy_in(good)
-        for block_hash in t.drop_disk:
-            self._path(block_hash).unlink(missing_ok=True)
+        if self.disk is not None:
+            for block_hash in t.drop_disk:
+                self.disk.drop(block_hash)
         return failed
 
     def _copy_in(self, blocks: list[tuple[torch.Tensor, int]]) -> None:
@@ -160,53 +157,17 @@ class KVTiers:
         # the copy that reads it is done.
 
     # ---- disk ----------------------------------------------------------------------------------
-    def _path(self, block_hash: int) -> Path:
-        assert self.dir is not None
-        return self.dir / f"{block_hash:032x}{_SUFFIX}"
-
     def _write_file(self, block: torch.Tensor, block_hash: int) -> None:
         """Write one block ([layers, 2, block_size, heads, head_dim], on the host) to its file."""
-        if self.dir is None:
-            return
-        payload = block.contiguous().view(-1).view(torch.uint8).numpy()
-        header = _HEADER.pack(
-            _MAGIC, block_hash.to_bytes(16, "little"), payload.nbytes, zlib.crc32(payload)
-        )
-        path = self._path(block_hash)
-        tmp = path.with_suffix(".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(payload.data)
-            os.replace(tmp, path)  # a reader sees the whole file or none
-        except OSError as exc:  # a full disk loses the block: a later hit recomputes it
-            logger.warning("KV tier: cannot write %s: %r", path, exc)
-            tmp.unlink(missing_ok=True)
+        if self.disk is not None:
+            payload = block.contiguous().view(-1).view(torch.uint8).numpy()
+            self.disk.write(memoryview(payload), block_hash)
 
     def _read_file(self, block_hash: int) -> torch.Tensor | None:
         """The block stored for block_hash, or None when its file is missing or fails a check."""
-        path = self._path(block_hash)
-        buf = bytearray(HEADER_BYTES + self.block_nbytes)
-        try:
-            with open(path, "rb") as f:
-                n = f.readinto(buf)
-                extra = f.read(1)
-        except OSError as exc:
-            logger.warning("KV tier: cannot read %s: %r", path, exc)
+        buf = self.disk.read(block_hash) if self.disk is not None else None
+        if buf is None:
             return None
-        if n != len(buf) or extra:
-            logger.warning("KV tier: %s has the wrong length; recomputing", path)
-            return None
-        magic, stored_hash, nbytes, crc = _HEADER.unpack_from(buf)
-        payload = memoryview(buf)[HEADER_BYTES:]
-        if (
-            magic != _MAGIC
-            or int.from_bytes(stored_hash, "little") != block_hash
-            or nbytes != self.block_nbytes
-            or zlib.crc32(payload) != crc
-        ):
-            logger.warning("KV tier: %s fails its check; recomputing", path)
-            return None
-        data = torch.frombuffer(buf, dtype=torch.uint8, offset=HEADER_BYTES)
+        data = torch.frombuffer(buf, dtype=torch.uint8, offset=HEADER.size, count=self.block_nbytes)
         block = data.view(self.cpu.dtype).view(self.block_shape)
         return block.pin_memory() if self._stream is not None else block
