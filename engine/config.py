@@ -43,7 +43,10 @@ class EngineConfig:
     """Model, device, parallelism and cache sizing of one engine (one data-parallel replica)."""
 
     model: str = setting(
-        "default", "`default` (the embedded SmolLM2 GGUF), an HF directory, or a `.gguf` file"
+        "default",
+        "`default` (the embedded SmolLM2 GGUF), an HF directory, a `.gguf` file, or a Hugging "
+        "Face hub id `org/name` (served: `revision`, `download_dir`; docs/operations.md#models-"
+        "from-the-hugging-face-hub)",
     )
     dtype: str = setting("float32", "weights and activations", choices=DTYPE_NAMES)
     device: str = setting(
