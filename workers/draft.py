@@ -7,7 +7,9 @@ prefix hit, swap to the CPU pool and back) it does to both. This holds because t
 every token the target computes, prefill chunks included: after each step the draft's KV is valid
 for at least as many positions as the target's (`RequestState.draft_computed`), so a block the
 prefix cache registers holds the draft's KV of the same tokens too, and a block swapped back holds
-it as well (the runner swaps the draft's blocks with the target's).
+it as well (the runner swaps the draft's blocks with the target's). A block that comes in by a load
+(a lower tier's, or one sent by a prefill engine) holds the target's KV only; the draft recomputes
+its own over it (workers/features/draft.py).
 
 Each step, after the target has sampled, `propose` runs k forwards of the draft:
 1. a catch-up over each request's tokens the draft has not seen (what the target computed this

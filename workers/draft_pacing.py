@@ -12,7 +12,7 @@ gets a proposal only every `every`-th step: the shadow still moves the policy's 
 fraction of the cost, and the first probe the policy schedules again un-pauses it.
 
 A request that does not propose in a step also defers the draft's catch-up over its new tokens
-until a KV block fills (runner.ModelRunner._propose_draft): every full block, the only kind the
+until a KV block fills (workers/features/draft.py): every full block, the only kind the
 prefix cache registers, still holds the draft's KV, and a proposing request catches up whole
 first, so proposals are computed from exactly the context they were before.
 """
