@@ -23,6 +23,7 @@ from deploy.browser_guard import MAX_ALLOWED, check_hosts, check_origins
 from deploy.cache_scope import SCOPES
 from deploy.disagg_config import DisaggregationArgs
 from deploy.hub import check_hub_settings
+from deploy.lora import check_scope_setting
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
 from frontend.reasoning import PARSERS
@@ -137,9 +138,15 @@ class ApiKeyProfile:
     admin: bool = setting(
         False, "the key may load and unload LoRA adapters at run time (allow_runtime_lora)"
     )
+    loras: list[str] | None = setting(
+        None,
+        "the LoRA adapters the key may name and see in /v1/models (others are a 404, as if they "
+        "did not exist); unset: every adapter",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
+        self.loras = check_scope_setting(self.loras)
         if not 1 <= len(self.tenant) <= MAX_TENANT_CHARS:
             raise ValueError(
                 f"tenant: must have 1 to {MAX_TENANT_CHARS} characters, got {len(self.tenant)}"

@@ -53,7 +53,13 @@ from deploy.logprobs import (
     prompt_logprobs_json,
     response_json,
 )
-from deploy.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, check_admin
+from deploy.lora import (
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    check_adapter_scope,
+    check_admin,
+    scoped_cards,
+)
 from deploy.models import Caller, ModelTable, ServedModel
 from deploy.reply import ReplySplit
 from deploy.responses import ResponseBuilder, ResponsesRequest, renamed, sse_event
@@ -230,6 +236,7 @@ class OpenAIIngress:
         try:
             caller = self._authorize(request)
             cards = [c for m in self.table.visible(caller) for c in await m.cards(self._created)]
+            cards = scoped_cards(cards, None if caller.profile is None else caller.profile.loras)
         except Exception as exc:
             return error_response(exc)
         return JSONResponse({"object": "list", "data": cards})
@@ -548,7 +555,8 @@ class OpenAIIngress:
         # /tokenize and /detokenize may leave `model` out: the first model answers.
         model, caller = self.table.resolve(body.model, caller)
         # An adapter's name is checked here, its existence by the replica (404 either way).
-        model.adapter(body.model)
+        scope = None if caller.profile is None else caller.profile.loras
+        check_adapter_scope(model.adapter(body.model), scope, body.model or "")
         # The tenant and the priority ceiling are the key's; the request's `user` does not choose
         # them.
         if caller.profile is not None and hasattr(body, "priority"):  # /tokenize has none

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 # with the first request through the handle).
 REPLICA_LIST_WAIT_S = 10.0
 MAX_MODEL_NAME_CHARS = 1024
+# A key's adapter scope names at most as many adapters as an engine may hold.
+MAX_SCOPED_LORAS = 4096
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -72,6 +74,37 @@ def _not_found(model: str, base_names: Collection[str]) -> ModelNotFoundError:
         param="model",
         code="model_not_found",
     )
+
+
+def check_adapter_scope(adapter: str | None, allowed: Collection[str] | None, model: str) -> None:
+    """A 404, as for an adapter that does not exist, when a key scoped to the adapters `allowed`
+    names another (allowed None: the key may use every adapter; the base model is always
+    allowed): a key learns nothing of adapters outside its scope."""
+    if adapter is not None and allowed is not None and adapter not in allowed:
+        shown = model if len(model) <= 80 else model[:77] + "..."
+        raise ModelNotFoundError(
+            f"The model `{shown}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+def scoped_cards(
+    cards: list[dict[str, Any]], allowed: Collection[str] | None
+) -> list[dict[str, Any]]:
+    """/v1/models entries a key scoped to the adapters `allowed` sees: the base models, and of the
+    adapters (the cards naming a parent) those in its scope."""
+    if allowed is None:
+        return cards
+    return [c for c in cards if "parent" not in c or c["id"] in allowed]
+
+
+def check_scope_setting(names: object) -> list[str] | None:
+    """An api_keys profile's `loras`: None, or a list of at most MAX_SCOPED_LORAS adapter names;
+    ValueError naming the field otherwise."""
+    if names is None:
+        return None
+    if not isinstance(names, list) or len(names) > MAX_SCOPED_LORAS:
+        raise ValueError(f"loras: must be a list of at most {MAX_SCOPED_LORAS} adapter names")
+    return [check_lora_name(n, "loras") for n in names]
 
 
 def adapter_cards(adapters: list[str], parent: str, created: int) -> list[dict[str, Any]]:

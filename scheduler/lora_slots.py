@@ -27,6 +27,10 @@ class UnknownLoraError(LookupError):
         super().__init__(f"lora_name: no LoRA adapter named {name!r} is loaded")
         self.name = name
 
+    def __reduce__(self) -> tuple[type[UnknownLoraError], tuple[str]]:
+        # Rebuilt from its name, not its message (crossing Ray would name the message).
+        return (UnknownLoraError, (self.name,))
+
 
 class LoraInUseError(ValueError):
     """remove_lora of an adapter that waiting or running requests still use: refused, never

@@ -2,7 +2,9 @@
 `model` selects an adapter, /v1/models lists them, run-time loads and unloads reach both replicas,
 and bad or unknown adapters get OpenAI errors while the replicas keep serving."""
 
+import json
 import os
+import shutil
 
 import httpx
 import openai
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.slow
 NAME = "tiny-lora"
 ADMIN = "admin-key"
 USER = "user-key"
+SCOPED = "scoped-key"  # may name and see adapter a1 only
 PROMPT = "Once upon a time"
 
 
@@ -45,7 +48,11 @@ def lora_app(ray_cluster, http_port, tiny_model_dir, tmp_path_factory):
         "lora_root": str(root),
         "max_lora_rank": 8,
         "allow_runtime_lora": True,
-        "api_keys": {ADMIN: {"tenant": "ops", "admin": True}, USER: {"tenant": "users"}},
+        "api_keys": {
+            ADMIN: {"tenant": "ops", "admin": True},
+            USER: {"tenant": "users"},
+            SCOPED: {"tenant": "scoped", "loras": ["a1"]},
+        },
     }
     serve.run(build_app(args), name="lora", route_prefix="/lora")
     yield f"http://127.0.0.1:{http_port}/lora", root
@@ -157,3 +164,143 @@ def test_unloading_an_adapter_in_use_is_refused_and_its_stream_ends_whole(lora_a
     else:
         assert refused.status_code == 400 and "unfinished requests" in refused.text
     assert _text(client, "a1")
+
+
+def _load(url: str, name: str, path) -> httpx.Response:
+    return _admin(url, "load", {"lora_name": name, "lora_path": str(path)})
+
+
+def _copy(root, source: str, name: str):
+    path = root / name
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(root / source, path)
+    return path
+
+
+def _stream(client: OpenAI, model: str, max_tokens: int):
+    stream = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    return iter(stream)
+
+
+def _rest(chunks, first) -> tuple[str, str | None]:
+    """The stream's whole text and its finish reason, once it ends."""
+    rest = [first, *chunks]
+    text = "".join(c.choices[0].text for c in rest if c.choices)
+    reasons = [c.choices[0].finish_reason for c in rest if c.choices]
+    return text, reasons[-1]
+
+
+def _reference(url: str, root, source: str, prompt: str = PROMPT) -> str:
+    """The greedy text of the adapter in directory `source`, loaded for the purpose."""
+    client = OpenAI(base_url=f"{url}/v1", api_key=USER, max_retries=0, timeout=120)
+    assert _load(url, "ref", root / source).status_code == 200
+    try:
+        r = client.completions.create(model="ref", prompt=prompt, max_tokens=8, temperature=0)
+        return r.choices[0].text
+    finally:
+        assert _admin(url, "unload", {"lora_name": "ref"}).status_code == 200
+
+
+def test_an_adapter_whose_directory_is_deleted_keeps_answering_on_every_replica(lora_app, client):
+    url, root = lora_app
+    path = _copy(root, "a2", "gone")
+    assert _load(url, "gone", path).status_code == 200
+    shutil.rmtree(path)  # the replicas kept what they read at load
+    texts = {_text(client, "gone") for _ in range(4)}  # both replicas
+    assert texts == {_reference(url, root, "a2")}
+    assert _admin(url, "unload", {"lora_name": "gone"}).status_code == 200
+
+
+def test_a_fifo_config_is_refused_at_load_while_a_neighbours_stream_goes_on(lora_app, client):
+    url, root = lora_app
+    path = root / "fifo"
+    path.mkdir()
+    shutil.copy(root / "a1" / "adapter_model.safetensors", path)
+    os.mkfifo(path / "adapter_config.json")  # no writer: a blocking open never returns
+    chunks = _stream(client, "a1", 64)
+    first = next(chunks)
+    refused = _load(url, "fifo", path)
+    assert refused.status_code == 400, refused.text
+    assert "adapter_config.json is not a regular file" in refused.json()["error"]["message"]
+    text, reason = _rest(chunks, first)
+    assert reason == "length" and text
+    assert [m.id for m in client.models.list().data] == [NAME, "a1"]
+    assert _text(client, "a1")
+
+
+def test_a_name_reloaded_from_rewritten_files_serves_the_new_weights_and_no_old_kv(
+    lora_app, client
+):
+    url, root = lora_app
+    prompt = PROMPT * 12  # several full blocks
+
+    def complete(model: str):
+        return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+
+    path = _copy(root, "a1", "re")
+    assert _load(url, "re", path).status_code == 200
+    old = {complete("re").choices[0].text for _ in range(4)}  # cached on the replicas it reached
+    assert old == {complete("a1").choices[0].text}
+    assert _admin(url, "unload", {"lora_name": "re"}).status_code == 200
+    _copy(root, "a2", "re")
+    assert _load(url, "re", path).status_code == 200
+    first = complete("re")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # none of a1's KV
+    new = {first.choices[0].text} | {complete("re").choices[0].text for _ in range(3)}
+    assert new == {_reference(url, root, "a2", prompt)} and new != old
+    assert _admin(url, "unload", {"lora_name": "re"}).status_code == 200
+
+
+def test_an_alpha_that_overflows_is_a_400_naming_lora_alpha(lora_app, client):
+    url, root = lora_app
+    path = _copy(root, "a1", "huge-alpha")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e308}))
+    r = _load(url, "huge-alpha", path)
+    assert r.status_code == 400 and "lora_alpha=1e+308" in r.json()["error"]["message"], r.text
+    assert [m.id for m in client.models.list().data] == [NAME, "a1"]
+
+
+@pytest.mark.parametrize("where", ["outside", "missing", "bad", "not-json"])
+def test_admin_errors_name_no_absolute_path(lora_app, where):
+    url, root = lora_app
+    if where == "not-json":
+        _copy(root, "a1", "not-json")
+        (root / "not-json" / "adapter_config.json").write_text("{")
+    path = {"outside": "/etc", "missing": str(root / "missing")}.get(where, str(root / where))
+    r = _load(url, "x", path)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith(("lora_path", "lora adapter")), r.text
+    assert str(root) not in message and "/etc" not in message and "/tmp" not in message
+
+
+def test_a_scoped_key_sees_and_names_only_its_adapters(lora_app, client):
+    url, root = lora_app
+    scoped = OpenAI(base_url=f"{url}/v1", api_key=SCOPED, max_retries=0, timeout=120)
+    assert _load(url, "a2", root / "a2").status_code == 200
+    try:
+        assert [m.id for m in client.models.list().data] == [NAME, "a1", "a2"]
+        assert [m.id for m in scoped.models.list().data] == [NAME, "a1"]
+        for model in ("a2", f"{NAME}:a2", "nope"):
+            with pytest.raises(openai.NotFoundError) as info:
+                _text(scoped, model)
+            assert info.value.body["code"] == "model_not_found"
+        assert _text(scoped, "a1") == _text(client, "a1") and _text(scoped, NAME)
+    finally:
+        assert _admin(url, "unload", {"lora_name": "a2"}).status_code == 200
+
+
+def test_an_unknown_adapter_is_named_once(lora_app, client):
+    with pytest.raises(openai.NotFoundError) as info:
+        _text(client, "nope")
+    assert info.value.body["message"] == "lora_name: no LoRA adapter named 'nope' is loaded"
+    r = _admin(lora_app[0], "unload", {"lora_name": "nope"})
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == "lora_name: no LoRA adapter named 'nope' is loaded"

@@ -19,7 +19,9 @@ from deploy.lora import (
     UnloadLoraAdapterRequest,
     adapter_cards,
     adapter_of,
+    check_adapter_scope,
     check_admin,
+    scoped_cards,
 )
 from scheduler.lora_slots import LoraInUseError, UnknownLoraError
 
@@ -190,3 +192,28 @@ def test_the_metrics_page_lists_each_replicas_loaded_adapters():
     assert 'raylm_lora_adapters_loaded{replica="r1"} 2' in page
     assert 'raylm_lora_adapters_loaded{replica="r2"} 0' in page
     assert 'raylm_lora_adapter_loaded{replica="r1",lora="b"} 1' in page
+
+
+@pytest.mark.parametrize(
+    "loras", [2**64, -1, float("nan"), "a1", ["a"] * 4097, ["a/b"], [2**64], [None], {"a1": 1}]
+)
+def test_a_key_scope_that_is_not_a_list_of_names_is_refused_naming_loras(loras):
+    with pytest.raises(ValueError, match="loras:"):
+        ApiKeyProfile(tenant="t", loras=loras)
+    with pytest.raises(ValueError, match="loras"):
+        AppConfig.from_args({"api_keys": {"k": {"tenant": "t", "loras": loras}}})
+
+
+def test_a_scoped_key_names_and_sees_only_its_adapters():
+    assert ApiKeyProfile(tenant="t", loras=["a1"]).loras == ["a1"]
+    assert ApiKeyProfile(tenant="t").loras is None
+    check_adapter_scope("a1", ["a1"], "a1")
+    check_adapter_scope(None, [], "tiny")  # the base model is every key's
+    check_adapter_scope("a2", None, "a2")  # unscoped
+    status, err = _mapped(_raised(lambda: check_adapter_scope("a2", ["a1"], "tiny:a2")))
+    assert status == 404 and err["code"] == "model_not_found" and err["param"] == "model"
+    assert err["message"] == "The model `tiny:a2` does not exist."
+    cards = [{"id": "tiny"}, *adapter_cards(["a1", "a2"], "tiny", 0)]
+    assert [c["id"] for c in scoped_cards(cards, ["a1"])] == ["tiny", "a1"]
+    assert [c["id"] for c in scoped_cards(cards, [])] == ["tiny"]
+    assert scoped_cards(cards, None) == cards

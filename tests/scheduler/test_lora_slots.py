@@ -149,3 +149,37 @@ def test_slots_never_evict_an_adapter_in_use_and_stay_in_bounds(max_loras, ops):
         assert sorted(slots.slot_of.values()) == sorted(slots.lru)
         assert all(0 <= s < max_loras for s in slots.slot_of.values())
         assert sum(slots.users.values()) == len(held)
+
+
+def test_an_unknown_adapter_error_keeps_its_message_across_a_pickle():
+    """Ray pickles a replica's error to the ingress: the name is said once."""
+    import pickle
+
+    error = pickle.loads(pickle.dumps(UnknownLoraError("nope")))
+    assert str(error) == "lora_name: no LoRA adapter named 'nope' is loaded"
+    assert error.name == "nope"
+
+
+@pytest.mark.parametrize(
+    "identity", [2**64, -1, float("nan"), "a@" + "0" * 10_000, "b@00", "", "@00"]
+)
+def test_a_lora_identity_that_is_not_its_names_is_refused_naming_it(identity):
+    with pytest.raises(ValueError, match="lora_identity"):
+        EngineRequest(
+            "r", [1, 2], SamplingParams(max_tokens=4), lora_name="a", lora_identity=identity
+        )
+    with pytest.raises(ValueError, match="lora_identity"):  # the base model has no identity
+        EngineRequest("r", [1, 2], SamplingParams(max_tokens=4), lora_identity="a@00")
+
+
+def test_the_prefix_chain_is_keyed_by_the_identity_once_set():
+    params = SamplingParams(max_tokens=4)
+    named = EngineRequest("r", list(range(8)), params, lora_name="a")
+    old = EngineRequest("r", list(range(8)), params, lora_name="a", lora_identity="a@00")
+    new = EngineRequest("r", list(range(8)), params, lora_name="a", lora_identity="a@01")
+    assert named.lora_key == "a" and old.lora_key == "a@00"
+    chains = {
+        tuple(hash_prompt_blocks(r.prompt_token_ids, 4, lora_name=r.lora_key))
+        for r in (named, old, new)
+    }
+    assert len(chains) == 3
