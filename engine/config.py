@@ -239,12 +239,6 @@ class EngineConfig:
                 f"got {shown(self.kv_disk_tier_dir)}"
             )
         self._check_kv_cache_dtype()
-        if self.speculative is not None and self.async_scheduling:
-            # The next step would be scheduled before the proposals it verifies are known.
-            raise ValueError(
-                "speculative: cannot be combined with async_scheduling: true (leave "
-                "async_scheduling unset or false)"
-            )
 
     def _check_kv_cache_dtype(self) -> None:
         """An FP8 cache where nothing can read it fails here; `device: auto` resolving to a CPU

@@ -58,12 +58,15 @@ class SpecDecoding(StepFeature):
     def num_spec_tokens(self, req: Request) -> int:
         rid = req.request_id
         proposal = self._proposals.get(rid)
-        if not proposal:
+        # Under overlap a request's first decodes are scheduled before any proposal of it is
+        # known: they get the full k, so that the runner proposes and verifies from the start.
+        if not proposal and not (self.overlap and proposal is None):
             return 0
         sched = self.sched
         k = self.policy.num_tokens(rid, len(sched.running))
         if k == 0:
-            self.policy.shadow(rid, proposal, req.num_tokens)
+            if proposal:
+                self.policy.shadow(rid, proposal, req.num_tokens)
             return 0
         kv, bs = sched.kv, sched.kv.block_size
         # Speculation never preempts: keep a block free for each running request's own decode.
@@ -73,7 +76,8 @@ class SpecDecoding(StepFeature):
         # Past max_tokens no proposal can be kept; past max_model_len it has no position.
         outputs_left = req.sampling_params.max_tokens - req.num_output_tokens - pending - 1
         positions_left = sched.max_model_len - req.num_tokens - pending
-        return max(0, min(k, len(proposal), fits, outputs_left, positions_left))
+        known = k if proposal is None else len(proposal)
+        return max(0, min(k, known, fits, outputs_left, positions_left))
 
     def after_schedule(self, step: Step, out: SchedulerOutput) -> None:
         requests, start = self.sched.requests, step.start
@@ -145,7 +149,7 @@ class SpecDecoding(StepFeature):
             if req is None or req.status is not _RUNNING:
                 continue
             policy.check_shadow(rid, req.all_token_ids)
-            if proposal:
+            if proposal or self.overlap:  # overlap: an empty one is known to be empty
                 self._proposals[rid] = proposal
             else:
                 self._proposals.pop(rid, None)

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.llm import LLM
 from scheduler import SamplingParams
 from scheduler.speculative import SpeculativeConfig
@@ -253,11 +252,6 @@ def test_constrained_requests_speculate_with_ngram_proposals(llms):
     assert spec.engine.stats().num_spec_proposed_tokens > before  # the constrained row verified
     assert generate(spec, prompts, mixed) == generate(plain, prompts, mixed)
     assert_idle(spec)
-
-
-def test_async_scheduling_is_refused_with_speculation():
-    with pytest.raises(ValueError, match="speculative"):
-        EngineConfig.from_kwargs(speculative=SPEC, async_scheduling=True)
 
 
 PASSAGE = (

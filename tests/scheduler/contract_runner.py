@@ -51,6 +51,11 @@ class ContractRunner:
         # Speculative decoding: (request id, its tokens) -> proposed next tokens, verified against
         # token_at like a model's samples.
         self.proposer = proposer
+        # Both (workers/spec_async.py): a row starts where this runner's last step for it ended,
+        # and its draft slots carry the proposal this runner made then.
+        self.async_spec = appends_sampled and proposer is not None
+        self.own_computed: dict[str, int] = {}
+        self.own_proposals: dict[str, list[int]] = {}
 
     def _slot(self, state: _State, pos: int) -> tuple[int, int]:
         block = pos // self.block_size
@@ -62,7 +67,9 @@ class ContractRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_req_ids:
             self.states.pop(rid, None)
+            self._forget(rid)
         for rid in out.preempted_req_ids:
+            self._forget(rid)
             if rid in self.states:
                 self.states[rid].block_ids = []
         for rid, keep in out.truncated_block_tables.items():
@@ -77,6 +84,7 @@ class ContractRunner:
             tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
             self.states[new.req_id] = _State(tokens, list(new.block_ids))
             self.states[new.req_id].computed = new.num_computed_tokens
+            self._forget(new.req_id)
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.states[rid]
@@ -88,6 +96,10 @@ class ContractRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids[i])
             state.computed = cached.num_computed_tokens[i]
+            own = self.own_computed.pop(rid, None) if self.async_spec else None
+            if own is not None and not cached.resumed[i]:
+                assert own <= state.computed, f"{rid}: the scheduler is behind this runner"
+                state.computed = own
         scheduled = [n.req_id for n in out.scheduled_new_reqs] + list(cached.req_ids)
         assert sorted(scheduled) == sorted(out.num_scheduled_tokens), "scheduled ids disagree"
         assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
@@ -106,6 +118,10 @@ class ContractRunner:
             n = out.num_scheduled_tokens[rid]
             assert n >= 1
             drafts = out.scheduled_spec_tokens.get(rid, [])
+            if self.async_spec and drafts:
+                assert set(drafts) == {-1}, f"{rid}: overlap sends placeholder drafts"
+                slots, drafts = len(drafts), self.own_proposals.get(rid, [])[: len(drafts)]
+                n -= slots - len(drafts)
             tokens = state.token_ids + drafts
             end = state.computed + n
             assert end <= len(tokens), f"{rid}: scheduled past its known tokens"
@@ -115,15 +131,23 @@ class ContractRunner:
                 self.gpu[b][off] = tokens[pos]
             state.computed = end
             sampled.append(self._sample(rid, len(state.token_ids), drafts, end == len(tokens)))
-            if self.appends_sampled:
-                state.token_ids.extend(sampled[-1])
+            kept = len(sampled[-1]) - 1 if drafts else 0
+            self.own_computed[rid] = end - len(drafts) + kept
         proposals = None
         if self.proposer is not None:
             proposals = [
                 self.proposer(rid, self.states[rid].token_ids + new) if new else []
                 for rid, new in zip(scheduled, sampled)
             ]
+            self.own_proposals.update(zip(scheduled, proposals))
+        if self.appends_sampled:  # after proposing, as workers.runner appends last in a step
+            for rid, new in zip(scheduled, sampled):
+                self.states[rid].token_ids.extend(new)
         return ModelRunnerOutput(scheduled, sampled, spec_token_ids=proposals)
+
+    def _forget(self, rid: str) -> None:
+        self.own_computed.pop(rid, None)
+        self.own_proposals.pop(rid, None)
 
     def _sample(self, rid: str, length: int, drafts: list[int], samples: bool) -> list[int]:
         """The fake model's tokens: one at the end of the sequence, or a verify row's run (each

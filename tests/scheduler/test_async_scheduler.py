@@ -9,6 +9,8 @@ from the wrong place, shows up as a wrong read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +23,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.features import StepFeature
 from scheduler.features_async import AsyncOverlap
 from tests.scheduler.contract_runner import ContractRunner
 from tests.scheduler.test_scheduler_properties import (
@@ -36,11 +39,25 @@ from tests.scheduler.test_scheduler_properties import (
 Step = tuple[SchedulerOutput, ModelRunnerOutput]
 
 
-def run(cfg: SchedulerConfig, specs: list[Spec], overlap: bool) -> Scheduler:
-    """Drive the workload to the end, one step in flight when overlap (as engine.core does)."""
-    s = Scheduler(cfg, [AsyncOverlap()] if overlap else [])
+def run(
+    cfg: SchedulerConfig,
+    specs: list[Spec],
+    overlap: bool,
+    features: list[StepFeature] | None = None,
+    proposer: Callable[[str, list[int]], list[int]] | None = None,
+) -> Scheduler:
+    """Drive the workload to the end, one step in flight when overlap (as engine.core does);
+    features: the scheduler's (default: AsyncOverlap when overlap)."""
+    if features is None:
+        features = [AsyncOverlap()] if overlap else []
+    s = Scheduler(cfg, features)
     runner = ContractRunner(
-        cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, VOCAB, appends_sampled=overlap
+        cfg.block_size,
+        cfg.num_gpu_blocks,
+        cfg.num_cpu_blocks,
+        VOCAB,
+        appends_sampled=overlap,
+        proposer=proposer,
     )
 
     def launch() -> Step:
