@@ -27,7 +27,7 @@ from deploy.lora import check_scope_setting
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
 from frontend.reasoning import PARSERS
-from router.autoscaling import MAX_DELAY_S, MAX_REPLICAS, SignalTargets, SloTargets
+from router.autoscaling import MAX_REPLICAS, AutoscalingPolicyConfig
 from router.config import RoutingConfig
 from router.stats import ROUTING_STATS_PERIOD_S
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
@@ -46,13 +46,12 @@ AUTOSCALING_POLICIES = ("ongoing_requests", "llm")
 
 
 @dataclass(slots=True)
-class AutoscalingArgs:
+class AutoscalingArgs(AutoscalingPolicyConfig):
     """Replica autoscaling (Serve's autoscaling_config): on ongoing requests per replica (Serve's
     default policy), or on LLM signals (router/autoscaling.py: KV usage, queues, batch and the
-    measured latency against `slo`)."""
+    measured latency against `slo`). The bounds, delays, SLO and targets are the policy's own
+    declaration (`AutoscalingPolicyConfig`, both policies share its delays); these are the rest."""
 
-    min_replicas: int = setting(1, "fewest replicas", ge=0, le=MAX_REPLICAS)
-    max_replicas: int = setting(1, "most replicas", ge=1, le=MAX_REPLICAS)
     initial_replicas: int | None = setting(
         None, "replicas at start (unset: min_replicas)", ge=0, le=MAX_REPLICAS
     )
@@ -66,28 +65,12 @@ class AutoscalingArgs:
     target_ongoing_requests: float = setting(
         16.0, "ongoing requests per replica that the `ongoing_requests` policy aims at", gt=0
     )
-    upscale_delay_s: float = setting(
-        30.0, "load above target this long adds replicas", ge=0, le=MAX_DELAY_S
-    )
-    downscale_delay_s: float = setting(
-        600.0, "load below target this long removes replicas", ge=0, le=MAX_DELAY_S
-    )
     look_back_period_s: float = setting(
         30.0, "Serve averages the replicas' figures over this window", gt=0, le=3600
     )
     metrics_interval_s: float = setting(
         10.0, "how often each replica pushes its figures to Serve's controller", gt=0, le=3600
     )
-    slo: SloTargets = field(default_factory=SloTargets)
-    targets: SignalTargets = field(default_factory=SignalTargets)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas: must be <= max_replicas ({self.max_replicas}), "
-                f"got {self.min_replicas}"
-            )
 
     def serve_config(self, model: str) -> dict[str, Any] | AutoscalingConfig:
         """Serve's autoscaling_config: the `llm` policy's hysteresis is its own (Serve's delays
@@ -109,10 +92,7 @@ class AutoscalingArgs:
             }
         kwargs = {
             "model": model,
-            "min_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-            "upscale_delay_s": self.upscale_delay_s,
-            "downscale_delay_s": self.downscale_delay_s,
+            **{f.name: getattr(self, f.name) for f in fields(AutoscalingPolicyConfig)},
             "slo": asdict(self.slo),
             "targets": asdict(self.targets),
         }

@@ -42,6 +42,7 @@ from sim.replica import SimReplica
 from sim.workload import SimRequest
 
 MAX_DAY_S = 7 * 86400.0
+_PRODUCTION = AutoscalingPolicyConfig()
 MAX_BURST = 100.0  # a burst of more than 100x the hour's rate is a typo
 
 
@@ -153,11 +154,11 @@ class OngoingRequestsPolicy:
     the count changes once the desire has held for upscale_delay_s / downscale_delay_s (as
     ray.serve.autoscaling_policy applies them), within the bounds."""
 
-    target_ongoing_requests: float = 16.0
-    min_replicas: int = 1
+    target_ongoing_requests: float  # the knob a plan sweeps: no default to drift from deploy's
+    min_replicas: int = _PRODUCTION.min_replicas
     max_replicas: int = 64
-    upscale_delay_s: float = 0.0
-    downscale_delay_s: float = 120.0
+    upscale_delay_s: float = _PRODUCTION.upscale_delay_s  # deploy.yaml's defaults
+    downscale_delay_s: float = _PRODUCTION.downscale_delay_s
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.target_ongoing_requests) and self.target_ongoing_requests > 0):

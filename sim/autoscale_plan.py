@@ -41,6 +41,8 @@ POLICIES = ("llm", "ongoing")
 MAX_SEEDS = 1000
 MAX_JOBS = 256
 REAL_DAY_S = 86400.0
+# What deploy.yaml gets when it leaves a setting out: both policies replay with it.
+PRODUCTION = AutoscalingPolicyConfig()
 
 
 @dataclass(slots=True)
@@ -56,10 +58,10 @@ class DayPlanConfig:
     router: str = "prefix_affinity"
     slo: SloTargets = field(default_factory=SloTargets)
     target: float = 0.99  # SLO attainment a tuned setting must reach
-    min_replicas: int = 1
+    min_replicas: int = PRODUCTION.min_replicas
     max_replicas: int = 64
-    upscale_delay_s: float = 0.0
-    downscale_delay_s: float = 60.0
+    upscale_delay_s: float = PRODUCTION.upscale_delay_s
+    downscale_delay_s: float = PRODUCTION.downscale_delay_s
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.target) and 0 < self.target <= 1):
@@ -249,16 +251,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-share-trough", type=float, default=day.long_share_trough)
     g.add_argument("--seeds", type=int, nargs="+", help="one day per seed (default: --seed)")
     g.add_argument("--ongoing-targets", type=float, nargs="+", default=[2.5, 2.75, 3, 3.5, 4])
-    g.add_argument("--kv-targets", type=float, nargs="+", default=[0.7, 0.8, 0.9])
     g.add_argument(
-        "--headrooms", type=float, nargs="+", default=[SignalTargets().downscale_headroom]
+        "--kv-targets", type=float, nargs="+", default=[PRODUCTION.targets.kv_cache_usage]
+    )
+    g.add_argument(
+        "--headrooms", type=float, nargs="+", default=[PRODUCTION.targets.downscale_headroom]
     )
     g.add_argument("--target", type=float, default=0.99, help="SLO attainment to tune for")
     g.add_argument("--start-delay", type=float, default=loop.start_delay_s)
     g.add_argument("--decision-period", type=float, default=loop.decision_period_s)
     g.add_argument("--look-back", type=float, default=loop.look_back_s)
-    g.add_argument("--upscale-delay", type=float, default=0.0)
-    g.add_argument("--downscale-delay", type=float, default=60.0)
+    g.add_argument("--upscale-delay", type=float, default=PRODUCTION.upscale_delay_s)
+    g.add_argument("--downscale-delay", type=float, default=PRODUCTION.downscale_delay_s)
     g.add_argument("--initial-replicas", type=int, default=2)
     g.add_argument("--jobs", type=int, default=1, help="days replayed in parallel")
 

@@ -3,11 +3,15 @@ in, the pure policy's decision out, its state kept in Serve's policy_state besid
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
 from cluster.autoscaling_policy import LLMAutoscalingPolicy, signals_from_context
-from router.autoscaling import ReplicaSignals
+from deploy.config import AutoscalingArgs
+from router.autoscaling import AutoscalingPolicyConfig, ReplicaSignals, SignalTargets
+from scheduler.settings import build
 
 DEPLOYMENT = DeploymentID(name="LLMReplica", app_name="app")
 REPLICAS = [ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT) for i in range(3)]
@@ -58,3 +62,27 @@ def test_the_policy_scales_on_the_context_and_keeps_serves_state_keys():
     idle = ReplicaSignals(0.0, 0, 0, 0, 8, None, None, 4096)
     replicas, state = policy(context(dict.fromkeys(REPLICAS, idle), 4, state))
     assert replicas == 4 and state["down_since_s"] == 1000.0  # waiting out the downscale delay
+
+
+def test_the_apps_autoscaling_args_are_the_policys_config_declared_once():
+    """deploy.yaml's `autoscaling:` is the policy's own declaration plus Serve's settings: the same
+    defaults (the delays of both policies included), and Serve builds the policy from all of it."""
+    args = AutoscalingArgs()
+    shared = [f.name for f in fields(AutoscalingPolicyConfig)]
+    assert isinstance(args, AutoscalingPolicyConfig)
+    assert {n: getattr(args, n) for n in shared} == {
+        n: getattr(AutoscalingPolicyConfig(), n) for n in shared
+    }
+    ongoing = args.serve_config("m")
+    assert isinstance(ongoing, dict)
+    assert (ongoing["upscale_delay_s"], ongoing["downscale_delay_s"]) == (
+        args.upscale_delay_s,
+        args.downscale_delay_s,
+    )
+    llm = build(
+        AutoscalingArgs, {"policy": "llm", "max_replicas": 4, "targets": {"kv_cache_usage": 0.5}}
+    )
+    policy = LLMAutoscalingPolicy(**llm.serve_config("m").policy.policy_kwargs)
+    assert policy.config == AutoscalingPolicyConfig(
+        max_replicas=4, targets=SignalTargets(kv_cache_usage=0.5)
+    )

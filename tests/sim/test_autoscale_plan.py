@@ -3,10 +3,14 @@ SLO, the replica-hours and SLO attainment reported per seed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from router.autoscaling import AutoscalingPolicyConfig
 from sim.__main__ import command_line, main
-from sim.autoscale_plan import DayRow, saving, tuned
+from sim.autoscale import LLMSignalsPolicy, OngoingRequestsPolicy
+from sim.autoscale_plan import DayRow, config_of, saving, tuned
 
 # A short, quick day: the control loop's constants shrunk with it, so both policies scale.
 DAY = [
@@ -69,3 +73,27 @@ def test_bad_day_settings_are_refused_naming_the_field(capsys, flag, value, fiel
 
 def test_without_autoscale_plan_sizes_a_fixed_fleet_as_before():
     assert command_line().parse_args(["plan"]).autoscale is None
+
+
+def test_the_day_replays_with_the_production_defaults_of_both_policies():
+    """The simulator declares no autoscaling default of its own: what deploy.yaml gets when it
+    leaves a setting out is what the plan replays, for the llm policy and for Serve's."""
+    production = AutoscalingPolicyConfig()
+    a = command_line().parse_args(["plan", "--autoscale", "llm", "ongoing"])
+    assert (a.upscale_delay, a.downscale_delay) == (
+        production.upscale_delay_s,
+        production.downscale_delay_s,
+    )
+    assert a.kv_targets == [production.targets.kv_cache_usage]
+    assert a.headrooms == [production.targets.downscale_headroom]
+    cfg = config_of(a)
+    llm = cfg.policy("llm", a.kv_targets[0], a.headrooms[0])
+    assert isinstance(llm, LLMSignalsPolicy)
+    assert replace(llm.config, max_replicas=production.max_replicas) == replace(
+        production, slo=cfg.slo
+    )
+    ongoing = OngoingRequestsPolicy(target_ongoing_requests=3)
+    assert (ongoing.upscale_delay_s, ongoing.downscale_delay_s) == (
+        production.upscale_delay_s,
+        production.downscale_delay_s,
+    )
