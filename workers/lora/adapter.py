@@ -197,9 +197,13 @@ def _parse_config(data: bytes, max_rank: int) -> tuple[int, float, float]:
     if config.get("bias", "none") != "none":
         raise ValueError("lora adapter config: bias must be 'none'")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if type(rank) is not int or not 1 <= rank <= max_rank:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= max_rank:
         raise ValueError(f"lora adapter config: rank r={rank!r} must be in [1, {max_rank}]")
-    if type(alpha) not in (int, float) or not 0 < alpha <= MAX_LORA_ALPHA:  # NaN fails too
+    if (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, (int, float))
+        or not 0 < alpha <= MAX_LORA_ALPHA  # NaN fails too
+    ):
         raise ValueError(
             f"lora adapter config: lora_alpha={alpha!r} must be a positive number of at most "
             f"{MAX_LORA_ALPHA:g}"
