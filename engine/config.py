@@ -201,8 +201,8 @@ class EngineConfig:
     )
     max_cpu_loras: int | None = setting(
         None,
-        "LoRA adapters each worker keeps read in CPU memory (LRU), so a slot is refilled without "
-        "reading the disk. Unset: 2 x max_loras",
+        "LoRA adapters loaded at once: every rank keeps each one's checked tensors in CPU memory "
+        "(a slot is refilled without reading the disk; the files may vanish). Unset: 2 x max_loras",
         ge=1,
         le=MAX_CPU_LORAS,
     )
