@@ -318,9 +318,10 @@ class AppConfig:
     api_key: str | None = setting(None, "required as `Authorization: Bearer <key>` when set")
     api_keys: dict[str, ApiKeyProfile] | None = setting(
         None,
-        "key -> `{tenant, max_priority, admin}`: the `fair` policy's tenant and the most "
+        "key -> `{tenant, max_priority, admin, loras}`: the `fair` policy's tenant and the most "
         "urgent `priority` that key may ask for come from the key, never from the request; "
-        "`admin: true` lets it load and unload LoRA adapters (allow_runtime_lora)",
+        "`admin: true` lets it load and unload LoRA adapters (allow_runtime_lora); `loras` "
+        "limits the adapters it may name and see",
     )
     allow_unauthenticated: bool = setting(
         False,
