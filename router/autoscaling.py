@@ -7,9 +7,11 @@ with ten long essays. What limits an LLM replica is its KV cache, its running ba
 SLO; `decide` reads those. Each load signal is turned into a demand in replicas (the fleet's total
 over a per-replica target), and the fleet needs the largest of them:
 
-- up: the largest demand rounds up above the current count, or the measured TTFT or ITL p90 is
-  over its SLO (then the count grows by the ratio, at most doubling; after a scale-up the latency
-  signals are ignored for `slo_cooldown_s`, while the new replica starts and the window refills);
+- up: the largest demand, plus its rising trend over `lead_s` (a new replica takes about that long
+  to start, so the count is set for where the load will be then), rounds up above the current
+  count, or the measured TTFT or ITL p90 is over its SLO (then the count grows by the ratio, at
+  most doubling; after a scale-up the latency signals are ignored for `slo_cooldown_s`, while the
+  new replica starts and the window refills);
 - down: the largest demand over `downscale_headroom` (a dead band under the targets) still fits in
   fewer replicas, and both latencies are under `downscale_headroom` of their SLO, for
   `downscale_delay_s` without a break; the count falls to the most that the wait asked for.
@@ -87,6 +89,14 @@ class SignalTargets:
         30.0,
         "after a scale-up, latency over the SLO adds no replica for this long (the new replica "
         "starts and the measurement window refills)",
+        ge=0,
+        le=MAX_DELAY_S,
+    )
+    lead_s: float = setting(
+        30.0,
+        "scale up for the load expected this far ahead (about a new replica's start-up time): "
+        "the demand plus how far it has risen above its own average over the last lead_s; "
+        "0 reacts to the demand as it is",
         ge=0,
         le=MAX_DELAY_S,
     )
@@ -182,6 +192,11 @@ class AutoscalingState:
     down_since_s: float | None = None  # load first fitted in fewer (downscale_delay_s)
     down_to: int = 0  # the most replicas the load asked for during the downscale wait
     last_scale_up_s: float | None = None
+    # The demand's average over the last lead_s (an exponential one) and when it was updated: the
+    # trend that scales up ahead of a rising load.
+    mean_load: float | None = None
+    mean_load_s: float | None = None
+    trend: float = 0.0  # replicas per second
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,6 +268,27 @@ def _ceil(x: float) -> int:
     return math.ceil(x - 1e-9)
 
 
+def _anticipate(
+    load: float, lead_s: float, state: AutoscalingState, now: float
+) -> tuple[AutoscalingState, float]:
+    """The state with the load's trend updated, and the load expected lead_s ahead.
+
+    A new replica takes its start-up time to serve, so a policy that waits for the load to exceed
+    the fleet scales after the queue has formed. The trend is the rate of rise of the load's
+    exponential mean (time constant lead_s), itself averaged the same way: smoothed twice, a load
+    that only sways around its mean has next to no trend, while a rising one has its slope. A
+    falling load adds nothing (scaling down is the dead band's and the delay's business)."""
+    if lead_s <= 0 or state.mean_load is None or state.mean_load_s is None:
+        return replace(state, mean_load=load, mean_load_s=now, trend=0.0), load
+    dt = max(0.0, now - state.mean_load_s)
+    weight = 1 - math.exp(-dt / lead_s)
+    mean = state.mean_load + weight * (load - state.mean_load)
+    slope = (mean - state.mean_load) / dt if dt > 0 else 0.0
+    trend = state.trend + weight * (slope - state.trend)
+    new = replace(state, mean_load=mean, mean_load_s=now, trend=trend)
+    return new, load + max(0.0, trend) * lead_s
+
+
 def decide(
     signals: Sequence[ReplicaSignals],
     current: int,
@@ -272,7 +308,8 @@ def decide(
     if not signals:
         return ScaleDecision(current, "no_signals", state)
     load, reason = demand(signals, config.targets).largest()
-    up = _ceil(load)
+    state, ahead = _anticipate(load, config.targets.lead_s, state, now)
+    up = _ceil(ahead)
     ratio, slo_reason = _latency_ratio(signals, config.slo)
     cooling = (
         state.last_scale_up_s is not None
@@ -288,6 +325,16 @@ def decide(
         return _scale_down(down, current, config, state, now)
     return ScaleDecision(
         current, "steady", replace(state, up_since_s=None, down_since_s=None, down_to=0)
+    )
+
+
+def _settled(state: AutoscalingState, last_scale_up_s: float | None) -> AutoscalingState:
+    """After a change of the count: no wait under way; the load's mean goes on."""
+    return AutoscalingState(
+        last_scale_up_s=last_scale_up_s,
+        mean_load=state.mean_load,
+        mean_load_s=state.mean_load_s,
+        trend=state.trend,
     )
 
 
@@ -308,7 +355,7 @@ def _scale_up(
         return ScaleDecision(
             current, "upscale_delay", replace(state, up_since_s=since, down_since_s=None, down_to=0)
         )
-    return ScaleDecision(target, reason, AutoscalingState(last_scale_up_s=now))
+    return ScaleDecision(target, reason, _settled(state, last_scale_up_s=now))
 
 
 def _scale_down(
@@ -329,7 +376,7 @@ def _scale_down(
             replace(state, up_since_s=None, down_since_s=since, down_to=down_to),
         )
     return ScaleDecision(
-        down_to, "low_load", AutoscalingState(last_scale_up_s=state.last_scale_up_s)
+        down_to, "low_load", _settled(state, last_scale_up_s=state.last_scale_up_s)
     )
 
 

@@ -22,6 +22,7 @@ from router.autoscaling import (
 )
 
 SEQS = 64
+POOL = 8192  # a replica's KV-cache tokens
 
 
 def config(**kw) -> AutoscalingPolicyConfig:
@@ -48,6 +49,10 @@ def busy(kv: float, running: int = 0, waiting: int = 0, tokens: int = 0, **kw) -
         (SignalTargets, "queued_prompt_tokens", 2**64),
         (SignalTargets, "downscale_headroom", 1.0),
         (SignalTargets, "slo_cooldown_s", float("inf")),
+        (SignalTargets, "lead_s", 2**64),
+        (SignalTargets, "lead_s", -1),
+        (SignalTargets, "lead_s", float("nan")),
+        (SignalTargets, "lead_s", 1e300),
         (ReplicaSignals, "kv_cache_usage", float("nan")),
         (ReplicaSignals, "num_waiting", -1),
         (ReplicaSignals, "num_waiting_prompt_tokens", 2**64),
@@ -96,7 +101,7 @@ def test_latency_over_the_slo_waits_out_the_cooldown_after_a_scale_up():
 
 
 def test_scale_down_waits_out_the_delay_and_keeps_the_most_the_wait_asked_for():
-    cfg = config(downscale_delay_s=60)
+    cfg = config(downscale_delay_s=60, targets=SignalTargets(lead_s=0))  # the delay alone
     state = AutoscalingState()
     d = decide([busy(0.05)] * 8, 8, cfg, state, now=0.0)
     assert (d.replicas, d.reason) == (8, "downscale_delay")
@@ -110,6 +115,32 @@ def test_scale_down_waits_out_the_delay_and_keeps_the_most_the_wait_asked_for():
     assert d.reason == "steady"
     d = decide([busy(0.05)] * 5, 5, cfg, d.state, now=170.0)
     assert (d.replicas, d.reason) == (5, "downscale_delay")
+
+
+def _ramp(lead_s: float) -> list[tuple[float, float, int]]:
+    """A load rising by one replica's worth a minute from 2 to 6, a decision every 5 s: (time,
+    the load in replicas, the count the policy keeps)."""
+    cfg = config(targets=SignalTargets(lead_s=lead_s))
+    n, state, out = 3, AutoscalingState(), []
+    for tick in range(49):
+        now = tick * 5.0
+        load = 2 + now / 60
+        usage = load * cfg.targets.kv_cache_usage / n
+        d = decide([busy(min(1.0, usage))] * n, n, cfg, state, now)
+        n, state = d.replicas, d.state
+        out.append((now, load, n))
+    return out
+
+
+def test_a_rising_load_is_met_lead_s_ahead_and_without_a_lead_only_once_it_arrives():
+    """With lead_s 30 the count reaches each level about 30 s before the load does (a new replica
+    takes that long to start); with lead_s 0 only when the load is there."""
+    ahead, late = _ramp(30.0), _ramp(0.0)
+    # Once the trend is known (after a minute), the count covers the load 30 s later.
+    assert all(n >= ahead[i + 6][1] for i, (t, _, n) in enumerate(ahead[:-6]) if t >= 60)
+    assert any(n < late[i + 6][1] for i, (t, _, n) in enumerate(late[:-6]) if t >= 60)
+    # Never more than one replica beyond that.
+    assert all(n <= ahead[i + 6][1] + 1 for i, (t, _, n) in enumerate(ahead[:-6]))
 
 
 def test_upscale_delay_and_bounds():
@@ -184,7 +215,10 @@ def test_noisy_constant_load_never_flaps(mean_replicas, noise, start, seed):
     n, state, moves = start, AutoscalingState(), []
     for tick in range(300):
         total = mean_replicas * cfg.targets.kv_cache_usage * (1 + rng.uniform(-noise, noise))
-        signals = [busy(min(1.0, total / n))] * n  # the fleet's KV spread over its replicas
+        # The fleet's KV spread over its replicas; what does not fit waits as queued prompt tokens.
+        used = min(1.0, total / n)
+        queued = round((total / n - used) * POOL)
+        signals = [busy(used, waiting=1 if queued else 0, tokens=queued, kv_cache_tokens=POOL)] * n
         d = decide(signals, n, cfg, state, now=tick * 5.0)
         if d.replicas != n:
             moves.append(d.replicas > n)
