@@ -3,8 +3,12 @@
 of a small app, an answer over HTTP, the fixed metrics port scraped, and `ray down`.
 
 The cluster takes from ray_config.yaml what a cloud node would: its head start command (every
-fixed port swapped for a free one) and its rsync excludes. Its setup commands put this checkout's
-.venv on the node's PATH instead of installing torch again.
+fixed port swapped for a free one), its rsync excludes (over a copy of this checkout, which
+other processes may be writing to, plus a development machine's local state that must stay
+behind) and its secrets file (~/.raylm/cluster.env,
+here holding the app's API keys, which must reach the app's build through `ray start`'s
+environment). Its setup commands put this checkout's .venv on the node's PATH instead of
+installing torch again.
 
 `make test-cluster-launch` runs it (RAYLM_CLUSTER_LAUNCH=1), and there anything missing fails it;
 everywhere else it is skipped with that reason. Why it is not part of `make test`:
@@ -36,6 +40,18 @@ SHIPPED_HEAD = SHIPPED["head_start_ray_commands"][-1]
 PORT_FLAG = re.compile(r"(--[a-z-]*port)=\d+")
 VENV_BIN = Path(sys.executable).parent
 MODEL = "tiny-llama"
+KEY = "k-launch"
+CLUSTER_ENV = """RAYLM_API_KEYS='{"k-launch": {"tenant": "launch", "max_priority": 0}}'\n"""
+AUTH = {"authorization": f"Bearer {KEY}"}
+# What a development machine has beside the checkout and no node may receive.
+LOCAL_STATE = (
+    ".venv/pyvenv.cfg",
+    ".git/HEAD",
+    "deploy/__pycache__/app.cpython-311.pyc",
+    "raylm.egg-info/PKG-INFO",
+    ".hypothesis/examples/0",
+    ".pytest_cache/README.md",
+)
 # Ray's ports beyond those ray_config.yaml fixes: each defaults to one fixed number that another
 # Ray on this machine may hold.
 MORE_PORTS = (
@@ -87,8 +103,9 @@ def test_ray_up_serves_an_answer_and_ray_down_stops_it(node, tiny_model_dir):
     # The excludes held: nothing of the development machine's own state reached the node.
     synced = node.home / "raylm"
     assert (synced / "deploy" / "app.py").is_file()
-    assert not (synced / ".venv").exists() and not (synced / ".git").exists()
+    assert [name for name in LOCAL_STATE if (synced / name).exists()] == []
 
+    assert (node.home / ".raylm" / "cluster.env").read_text() == CLUSTER_ENV
     dashboard = f"http://127.0.0.1:{ports['--dashboard-port']}"
     _ray(node, "exec", str(config), f"serve deploy ~/serve/tiny.yaml -a {dashboard}")
     _wait_running(dashboard)
@@ -122,6 +139,9 @@ def _write_cluster(node: loopback_node.LoopbackNode, ports: dict[str, int], mode
     env.write_text(NODE_ENV.format(venv_bin=VENV_BIN, root=node.root))
     serve_dir = node.root / "serve"
     serve_dir.mkdir()
+    secrets = node.root / "secrets"
+    secrets.mkdir(mode=0o700)
+    (secrets / "cluster.env").write_text(CLUSTER_ENV)
     (serve_dir / "tiny.yaml").write_text(yaml.safe_dump(_serve_config(ports["http"], model)))
     # The node imports raylm from the synced copy, not from this checkout: a setup command says so.
     check_import = (
@@ -136,7 +156,11 @@ def _write_cluster(node: loopback_node.LoopbackNode, ports: dict[str, int], mode
             "ssh_private_key": str(node.key),
             "ssh_proxy_command": node.proxy_command,
         },
-        "file_mounts": {"~/raylm": str(ROOT), "~/serve": str(serve_dir)},
+        "file_mounts": {
+            "~/raylm": str(_checkout_copy(node.root / "checkout")),
+            "~/serve": str(serve_dir),
+            "~/.raylm": str(secrets),
+        },
         "rsync_exclude": SHIPPED["rsync_exclude"],
         "rsync_filter": SHIPPED["rsync_filter"],
         "setup_commands": [f"echo 'source {env}' >> ~/.bashrc", check_import],
@@ -146,6 +170,28 @@ def _write_cluster(node: loopback_node.LoopbackNode, ports: dict[str, int], mode
     path = node.root / "cluster.yaml"
     path.write_text(yaml.safe_dump(cluster))
     return path
+
+
+def _checkout_copy(dest: Path) -> Path:
+    """This checkout as a user has it (tracked and untracked files, not the ignored ones), and
+    LOCAL_STATE. A copy: the launcher hashes every file under a mount before it syncs, and the
+    shared working tree's caches change under it."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    for name in filter(None, listed.split(b"\0")):
+        source = ROOT / os.fsdecode(name)
+        if source.is_file():  # a file another process deleted since the listing is skipped
+            (dest / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / os.fsdecode(name))
+    for name in LOCAL_STATE:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_text("local state\n")
+    return dest
 
 
 def _serve_config(http_port: int, model: str) -> dict:
@@ -158,6 +204,7 @@ def _serve_config(http_port: int, model: str) -> dict:
         "kv_cache_memory_gb": 0.1,
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
+        "api_keys_env": "RAYLM_API_KEYS",  # read where Serve builds the app, on the node
     }
     app = {"name": "raylm", "route_prefix": "/", "import_path": "deploy.app:build_app"}
     app["args"] = args
@@ -176,7 +223,7 @@ def _ray(node: loopback_node.LoopbackNode, *args: str) -> str:
         [str(VENV_BIN / "ray"), *args], env=env, capture_output=True, text=True, timeout=900
     )
     output = done.stdout + done.stderr
-    assert done.returncode == 0, f"ray {args[0]} exited {done.returncode}:\n{output[-6000:]}"
+    assert done.returncode == 0, f"ray {args[0]} exited {done.returncode}:\n{output[-20000:]}"
     return output
 
 
@@ -195,11 +242,11 @@ def _wait_running(dashboard: str, timeout: float = 600) -> None:
 
 
 def _assert_answers(http_port: int) -> None:
-    reply = httpx.post(
-        f"http://127.0.0.1:{http_port}/v1/completions",
-        json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "seed": 0},
-        timeout=120,
-    )
+    """An answer for the key from the node's secrets file; none without a key."""
+    url = f"http://127.0.0.1:{http_port}/v1/completions"
+    request = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "seed": 0}
+    assert httpx.post(url, json=request, timeout=120).status_code == 401
+    reply = httpx.post(url, json=request, headers=AUTH, timeout=120)
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["model"] == MODEL and body["object"] == "text_completion"
@@ -216,7 +263,7 @@ def _assert_metrics_scraped(metrics_port: int, http_port: int, timeout: float = 
         time.sleep(1)  # a bounded poll: the replica's metrics reach the port on Ray's report cycle
         page = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
     assert "ray_raylm_num_requests_waiting" in page
-    ingress = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=30)
+    ingress = httpx.get(f"http://127.0.0.1:{http_port}/metrics", headers=AUTH, timeout=30)
     assert ingress.status_code == 200 and "raylm_" in ingress.text
 
 

@@ -122,6 +122,18 @@ def test_cluster_sync_leaves_the_local_state_behind(path):
 
 
 @pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
+def test_every_node_starts_ray_with_the_secrets_file(path):
+    """HF_TOKEN and the API keys reach every Ray task (the app's build among them) through the
+    environment of `ray start`, from a file synced from outside the checkout."""
+    config = _cluster(path)
+    assert config["file_mounts"]["~/.raylm"] == "~/.raylm"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        start = config[key][-1]
+        assert "set -a && . ~/.raylm/cluster.env && set +a &&" in start
+        assert start.index("cluster.env") < start.index("ray start")
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
 def test_cluster_setup_installs_what_serving_needs_from_wheels(path):
     """The project with its gpu extra alone (never test, bench or lint), wheels only, and on the
     head the cloud SDK its autoscaler launches workers with."""
