@@ -35,7 +35,7 @@ from deploy.schemas import (
     ChatCompletionRequest,
     count_parts,
 )
-from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
+from scheduler.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MAX_TENANT_CHARS
 
 MAX_ID_CHARS = 256
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
@@ -196,6 +196,8 @@ class ResponsesRequest(_Strict):
     stream_options: StreamOptions | None = None
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     request_timeout_s: float | None = Field(default=None, gt=0, le=86400)
+    # vLLM's prefix-cache partition, as in chat completions (deploy/cache_scope.py).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Bookkeeping: accepted and echoed or unused.
     metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA_KEYS)
     user: str | None = Field(default=None, max_length=MAX_TENANT_CHARS)
@@ -315,6 +317,7 @@ class ResponsesRequest(_Strict):
             "priority",
             "request_timeout_s",
             "prompt_cache_key",
+            "cache_salt",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from deploy.cache_scope import request_salt
 from deploy.config import AppConfig
 from deploy.errors import error_response
-from deploy.schemas import ChatCompletionRequest, CompletionRequest
+from deploy.responses import ResponsesRequest
+from deploy.schemas import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest
 
 BAD = [2**64, -1, float("nan"), "x" * 1025, "x" * 10_000_000, ["a"], {"a": 1}]
 
@@ -79,7 +80,11 @@ def test_an_empty_cache_salt_is_refused_as_vllm_refuses_it():
 
 
 def _refused(schema: type, name: str, bad: object) -> None:
-    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}], name: bad}
+    body = {"model": "m", name: bad}
+    if schema is ResponsesRequest:
+        body["input"] = "x"
+    else:
+        body.update(prompt="x", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(ValidationError) as info:
         schema.model_validate(body)
     response = error_response(info.value)
@@ -93,3 +98,16 @@ def test_the_longest_cache_fields_are_taken():
         {"model": "m", "prompt": "x", "cache_salt": "s" * 1024, "prompt_cache_key": "k" * 1024}
     )
     assert body.cache_salt == "s" * 1024 and body.prompt_cache_key == "k" * 1024
+
+
+def test_the_responses_api_passes_both_fields_to_its_chat_request():
+    body = ResponsesRequest.model_validate(
+        {"model": "m", "input": "x", "cache_salt": "s", "prompt_cache_key": "k"}
+    )
+    chat = body.as_chat(MAX_MESSAGES)
+    assert (chat.cache_salt, chat.prompt_cache_key) == ("s", "k")
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_a_bad_cache_salt_of_the_responses_api_is_a_400_naming_it(bad):
+    _refused(ResponsesRequest, "cache_salt", bad)
