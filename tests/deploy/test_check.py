@@ -93,3 +93,19 @@ def test_build_app_fails_at_once_for_an_app_the_cluster_cannot_hold(ray_cluster)
         "the app needs {CPU: 9} in all (9 x {CPU: 1} (default) + 1 x {CPU: 0} (ingress)); "
         "the cluster has {CPU: 8} (placement_timeout_s: 0)"
     )
+
+
+@pytest.mark.parametrize(
+    "key, nearest",
+    [
+        ("max_num_seq", "['max_num_seqs']"),  # a scheduler setting, written flat
+        ("modle", "['model']"),  # an engine setting
+        ("min_replica", "'autoscaling.min_replicas'"),  # inside an optional section
+    ],
+)
+def test_an_unknown_setting_names_the_nearest_of_every_section(key, nearest):
+    with pytest.raises(ValueError) as raised:
+        AppConfig.from_args({key: 1})
+    message = str(raised.value)
+    assert message.startswith(f"invalid raylm app args: {key}: unknown setting; known: [")
+    assert nearest in message and "docs/configuration.md" in message
