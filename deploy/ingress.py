@@ -264,7 +264,7 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> Response:
         """The caller's view: an admin key (or a server without keys) sees every model, any other
-        key the models it may use and its own tenant's requests in flight."""
+        key the models and adapters it may use and its own tenant's requests in flight."""
         try:
             caller = self._authorize(request)
         except Exception as exc:
@@ -276,6 +276,7 @@ class OpenAIIngress:
             [m.metrics for m in models],
             {k: v for m in models for d in m.deployments for k, v in replica_reports(d).items()},
             sum(in_flight.values()) if full else in_flight.get(caller.tenant, 0),
+            None if full or caller.profile is None else caller.profile.loras,
         )
         return Response(page, media_type=metrics_page.CONTENT_TYPE)
 

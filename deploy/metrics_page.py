@@ -8,7 +8,7 @@ these carry no `ray_` prefix. With several ingress replicas, each page is one in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from cluster.metrics import RequestMetrics
 from router.stats import ReplicaState, RoutingStats
@@ -25,13 +25,24 @@ _REPLICA_GAUGES = (
 )
 
 
-def render(metrics: list[RequestMetrics], reports: dict[str, RoutingStats], in_flight: int) -> str:
-    """The whole page: each model's request figures, labelled by model, then the replicas'."""
-    return "".join(f"{line}\n" for line in _lines(metrics, reports, in_flight))
+def render(
+    metrics: list[RequestMetrics],
+    reports: dict[str, RoutingStats],
+    in_flight: int,
+    loras: Collection[str] | None = None,
+) -> str:
+    """The whole page: each model's request figures, labelled by model, then the replicas'.
+
+    The caller chooses what the page shows (its models' metrics and replicas' reports); loras: the
+    adapters it may see (None: every one), as a key scoped to some adapters sees /v1/models."""
+    return "".join(f"{line}\n" for line in _lines(metrics, reports, in_flight, loras))
 
 
 def _lines(
-    metrics: list[RequestMetrics], reports: dict[str, RoutingStats], in_flight: int
+    metrics: list[RequestMetrics],
+    reports: dict[str, RoutingStats],
+    in_flight: int,
+    loras: Collection[str] | None,
 ) -> Iterator[str]:
     yield from _head("raylm_requests_total", "counter", "Finished choices by finish reason.")
     for m in metrics:
@@ -61,13 +72,18 @@ def _lines(
             yield f'{name}{{replica="{_label(replica)}"}} {float(value)!r}'
     yield from _head("raylm_lora_adapters_loaded", "gauge", "LoRA adapters in device slots.")
     for replica, report in sorted(reports.items()):
-        count = len(report.scheduler.loaded_loras)
+        count = len(_visible(report.scheduler.loaded_loras, loras))
         yield f'raylm_lora_adapters_loaded{{replica="{_label(replica)}"}} {count}'
     yield from _head("raylm_lora_adapter_loaded", "gauge", "1 for each adapter in a device slot.")
     for replica, report in sorted(reports.items()):
         labels = f'replica="{_label(replica)}"'
-        for lora in report.scheduler.loaded_loras:
+        for lora in _visible(report.scheduler.loaded_loras, loras):
             yield f'raylm_lora_adapter_loaded{{{labels},lora="{_label(lora)}"}} 1'
+
+
+def _visible(loaded: Collection[str], allowed: Collection[str] | None) -> list[str]:
+    """The loaded adapters a caller scoped to `allowed` may see (None: every one)."""
+    return [a for a in loaded if allowed is None or a in allowed]
 
 
 def _head(name: str, kind: str, doc: str) -> Iterator[str]:
