@@ -23,9 +23,11 @@ from ray.serve.schema import ServeDeploySchema
 
 from deploy.app import check_exposure
 from deploy.check import (
+    Target,
     add_resources,
     app_demand,
     cluster_or_machine,
+    nodes_lacking,
     placement_problems,
     resources_text,
 )
@@ -62,20 +64,43 @@ def check_file(path: Path) -> tuple[list[str], list[str]]:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         return [f"not a Serve config: {where}: {first['msg']}"], []
-    nodes, where = cluster_or_machine()
     problems: list[str] = []
     report: list[str] = []
-    for app in schema.applications:
-        if app.import_path not in BUILDERS:
-            report.append(f"app {app.name!r}: {app.import_path} is not raylm's; left to Serve")
-            continue
-        found, fleet = check_app(app.args or {}, schema.http_options.host)
-        if fleet is not None:
-            found += placement_problems(fleet, nodes, where)
-        problems.extend(f"app {app.name!r}: {p}" for p in found)
-        if fleet is not None and not found:
-            report.append(f"app {app.name!r}: ok; {_fit(fleet, nodes, where)}")
+    with cluster_or_machine() as target:
+        for app in schema.applications:
+            if app.import_path not in BUILDERS:
+                report.append(f"app {app.name!r}: {app.import_path} is not raylm's; left to Serve")
+                continue
+            found, fleet = check_app(app.args or {}, schema.http_options.host)
+            if fleet is not None:
+                found += placement_problems(fleet, target.nodes, target.where)
+                if target.connected:
+                    found += cluster_env_problems(fleet, app.runtime_env or {})
+            problems.extend(f"app {app.name!r}: {p}" for p in found)
+            if fleet is not None and not found:
+                report.append(f"app {app.name!r}: ok; {_fit(fleet, target)}")
     return problems, report
+
+
+def cluster_env_problems(fleet: FleetConfig, runtime_env: dict[str, Any]) -> list[str]:
+    """api_keys_env variables that this shell has but some node of the cluster lacks: Serve
+    builds the app in a Ray task on any node, with that node's `ray start` environment (and the
+    app's runtime_env), never this shell's."""
+    given = set((runtime_env.get("env_vars") or {}).keys())
+    names = sorted({m.api_keys_env for m in fleet.models if m.api_keys_env} - given)
+    if not names:
+        return []
+    lacking = nodes_lacking(names)
+    problems = []
+    for name in names:
+        nodes = sorted(address for address, unset in lacking.items() if name in unset)
+        if nodes:
+            problems.append(
+                f"api_keys_env: {name} is not set on node(s) {', '.join(nodes)} of the Ray "
+                "cluster, where Serve may build the app (its tasks have the environment of `ray "
+                "start` there, not this shell's; docs/operations.md#where-api_keys_env-is-read)"
+            )
+    return problems
 
 
 def check_app(args: dict[str, Any], host: str | None) -> tuple[list[str], FleetConfig | None]:
@@ -99,11 +124,11 @@ def _problems(check: Callable[[], None]) -> list[str]:
     return []
 
 
-def _fit(fleet: FleetConfig, nodes: list[dict[str, float]], where: str) -> str:
+def _fit(fleet: FleetConfig, target: Target) -> str:
     need = app_demand(fleet).total
-    have = add_resources(nodes)
+    have = add_resources(target.nodes)
     return (
-        f"it needs {resources_text(need)}, {where} has "
+        f"it needs {resources_text(need)}, {target.where} has "
         f"{resources_text({k: have.get(k, 0.0) for k in need})}"
     )
 

@@ -8,10 +8,11 @@ leave the rest "taking more than 30s to be scheduled" for ever, with raylm sayin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 Resources = Mapping[str, float]
 # How often a build that waits for nodes looks at the cluster again.
 POLL_S = 5.0
+# How long a check waits for its probe of each node's environment.
+PROBE_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,19 +121,55 @@ def placement_problems(fleet: FleetConfig, nodes: list[dict[str, float]], where:
     return problems
 
 
-def cluster_or_machine() -> tuple[list[dict[str, float]], str]:
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a check measures against: a Ray cluster (connected while the check runs) or this
+    machine."""
+
+    nodes: list[dict[str, float]]
+    where: str
+    connected: bool
+
+
+@contextlib.contextmanager
+def cluster_or_machine() -> Iterator[Target]:
     """The live nodes of the Ray cluster this shell reaches (RAY_ADDRESS, or one started on this
-    machine), else this machine alone."""
+    machine), connected until the block ends; else this machine alone."""
     import ray
 
     try:
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.ERROR)
     except (ConnectionError, RuntimeError, ValueError):
-        return [machine_resources()], "this machine (no Ray cluster is running)"
+        yield Target([machine_resources()], "this machine (no Ray cluster is running)", False)
+        return
     try:
-        return live_nodes(), "the Ray cluster"
+        yield Target(live_nodes(), "the Ray cluster", True)
     finally:
         ray.shutdown()
+
+
+def nodes_lacking(names: list[str], timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, list[str]]:
+    """node address -> the variables of `names` unset (or empty) in the environment Ray gives
+    tasks on that node (that of its `ray start`): where Serve could build an app that reads
+    them. Needs a connected cluster."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0)(unset_variables)
+    refs = {
+        node["NodeManagerAddress"]: probe.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        ).remote(names)
+        for node in ray.nodes()
+        if node["Alive"]
+    }
+    found = ray.get(list(refs.values()), timeout=timeout_s)
+    return {address: unset for address, unset in zip(refs, found, strict=True) if unset}
+
+
+def unset_variables(names: list[str]) -> list[str]:
+    """The variables of `names` this process's environment lacks or holds empty."""
+    return [name for name in names if not os.environ.get(name)]
 
 
 def machine_resources() -> dict[str, float]:

@@ -109,3 +109,25 @@ def test_an_unknown_setting_names_the_nearest_of_every_section(key, nearest):
     message = str(raised.value)
     assert message.startswith(f"invalid raylm app args: {key}: unknown setting; known: [")
     assert nearest in message and "docs/configuration.md" in message
+
+
+@pytest.mark.slow
+def test_the_check_names_nodes_whose_ray_start_lacks_the_keys_variable(ray_cluster, monkeypatch):
+    """The shell has the variable, the cluster (started before it was set) does not: Serve would
+    build the app there and fail, so the check says so, unless the app's runtime_env gives it."""
+    import ray
+
+    from deploy.__main__ import cluster_env_problems
+    from deploy.check import nodes_lacking
+
+    [node] = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+    monkeypatch.setenv("RAYLM_CHECK_TEST_KEYS", '{"k": {"tenant": "t"}}')
+    fleet = FleetConfig.from_args({"api_keys_env": "RAYLM_CHECK_TEST_KEYS"})
+    assert nodes_lacking(["PATH", "RAYLM_CHECK_TEST_KEYS"]) == {node: ["RAYLM_CHECK_TEST_KEYS"]}
+    assert cluster_env_problems(fleet, {}) == [
+        f"api_keys_env: RAYLM_CHECK_TEST_KEYS is not set on node(s) {node} of the Ray cluster, "
+        "where Serve may build the app (its tasks have the environment of `ray start` there, not "
+        "this shell's; docs/operations.md#where-api_keys_env-is-read)"
+    ]
+    given = {"env_vars": {"RAYLM_CHECK_TEST_KEYS": "{}"}}
+    assert cluster_env_problems(fleet, given) == []
