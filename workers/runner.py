@@ -70,19 +70,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         tune_process(config, self.device)
-        t0 = time.perf_counter()
-        set_expert_parallel(config.expert_parallel)  # read by the MoE layers as they are built
-        self.model: CausalLM = load_model(  # type: ignore[assignment]
-            config.model_dir,
-            hf_config,
-            self.dtype,
-            self.device,
-            config.max_model_len,
-            progress=config.load_progress,
-            gguf_file=config.gguf_file,
-            quantization=config.quantization,
-        )
-        logger.info("model loaded in %.1fs", time.perf_counter() - t0)
+        self.model = self._load_model(hf_config)
         self.is_driver = get_tp_rank() == 0
         self.requests: dict[str, RequestState] = {}
         ctx = RunnerContext(
@@ -104,6 +92,22 @@ class ModelRunner:
         # Verify rows attend as decode rows (workers/verify_rows.py); False: as prefill chunks,
         # the layout before (kept for comparisons: tests and bench/spec_bench.py).
         self.verify_as_decodes = True
+
+    def _load_model(self, hf_config: object) -> CausalLM:
+        cfg, t0 = self.config, time.perf_counter()
+        set_expert_parallel(cfg.expert_parallel)  # read by the MoE layers as they are built
+        model = load_model(
+            cfg.model_dir,
+            hf_config,  # type: ignore[arg-type]
+            self.dtype,
+            self.device,
+            cfg.max_model_len,
+            progress=cfg.load_progress,
+            gguf_file=cfg.gguf_file,
+            quantization=cfg.quantization,
+        )
+        logger.info("model loaded in %.1fs", time.perf_counter() - t0)
+        return model  # type: ignore[return-value]
 
     def _init_attention(self) -> None:
         cfg = self.config
