@@ -67,6 +67,11 @@ class GrammarCompiler:
         self._pool = big_stack_pool(2, "grammar-compile")
         self._waiting = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-wait")
 
+    def warm(self) -> None:
+        """Build the tokenizer and compile a small grammar now, so that a request's first compile
+        pays for neither (workers/grammar_warm.py calls it off the engine thread at start)."""
+        self.matcher(StructuredOutput(kind="json_object", field_name="grammar warm-up"))
+
     def submit(self, constraint: StructuredOutput) -> Future:
         """matcher(constraint), started now: a Future of the matcher or of its ValueError."""
         return self._waiting.submit(self.matcher, constraint)

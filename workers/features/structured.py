@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.outputs import ModelRunnerOutput, NewRequestData
 from workers.features.base import RunnerContext, RunnerFeature, SampleStep
+from workers.grammar_warm import WarmDecoding
 from workers.model_files import load_tokenizer
 from workers.step_state import Batch, RequestState
 
@@ -21,7 +22,17 @@ if TYPE_CHECKING:
 class StructuredFeature(RunnerFeature):
     def __init__(self, ctx: RunnerContext) -> None:
         self.ctx = ctx
-        self.decoding: StructuredDecoding | None = None  # built at the first constrained request
+        cfg = ctx.config
+        vocab_size = int(ctx.hf_config.vocab_size)  # type: ignore[attr-defined]
+        # Built and warmed off the engine thread from now on (workers/grammar_warm.py).
+        self.warm = WarmDecoding(
+            cfg.model_dir,
+            lambda: load_tokenizer(cfg.model_dir),
+            vocab_size,
+            cfg.grammar_timeout_s,
+            cfg.grammar_mask_deadline_s,
+        )
+        self.decoding: StructuredDecoding | None = None  # taken at the first constrained request
         self.masks: PendingMasks | None = None  # the step's, filling while the forward runs
 
     def start(self, new: NewRequestData, state: RequestState) -> None:
@@ -32,14 +43,7 @@ class StructuredFeature(RunnerFeature):
 
     def _decoding(self) -> StructuredDecoding:
         if self.decoding is None:
-            from workers.structured import GrammarCompiler, StructuredDecoding
-
-            cfg = self.ctx.config
-            vocab_size = int(self.ctx.hf_config.vocab_size)  # type: ignore[attr-defined]
-            compiler = GrammarCompiler(
-                lambda: load_tokenizer(cfg.model_dir), vocab_size, cfg.grammar_timeout_s
-            )
-            self.decoding = StructuredDecoding(compiler, cfg.grammar_mask_deadline_s)
+            self.decoding = self.warm.get()
         return self.decoding
 
     def finish(self, req_id: str) -> None:
