@@ -15,6 +15,7 @@ for it and then find the files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -93,7 +94,7 @@ def fetch(model: HubModel, patterns: tuple[str, ...], offline: bool = False) -> 
     if cached is not None:  # a commit never changes: no need to ask the hub, nor to wait
         return cached
     try:
-        with FileLock(str(_lock_path(model))):
+        with _node_lock(model):
             done = _cached(model, patterns)  # another process of this node fetched it
             path = done or snapshot_download(
                 model.repo_id,
@@ -164,10 +165,17 @@ def _repo_dir(model: HubModel) -> Path:
     return _hub_cache(model) / ("models--" + model.repo_id.replace("/", "--"))
 
 
-def _lock_path(model: HubModel) -> Path:
+def _node_lock(model: HubModel) -> contextlib.AbstractContextManager[object]:
+    """The lock one process of a node downloads under while the others wait; none where the cache
+    is read-only (shared storage filled ahead): nothing will be written there by us either."""
     locks = _hub_cache(model) / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    return locks / f"raylm-{_repo_dir(model).name}.lock"
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+        path = locks / f"raylm-{_repo_dir(model).name}.lock"
+        path.touch(exist_ok=True)
+    except OSError:
+        return contextlib.nullcontext()
+    return FileLock(str(path))
 
 
 def _cached(model: HubModel, patterns: tuple[str, ...]) -> Path | None:
