@@ -17,17 +17,21 @@ BUDGET = 512
 SHARE = bulk_share(BUDGET)
 
 
-def make() -> tuple[Scheduler, ContractRunner]:
+def make(policy: str = "fcfs") -> tuple[Scheduler, ContractRunner]:
     cfg = SchedulerConfig(
-        max_num_batched_tokens=BUDGET, block_size=16, num_gpu_blocks=1024, max_model_len=4096
+        max_num_batched_tokens=BUDGET,
+        block_size=16,
+        num_gpu_blocks=1024,
+        max_model_len=4096,
+        policy=policy,
     )
     return Scheduler(cfg), ContractRunner(cfg.block_size, cfg.num_gpu_blocks, cfg.cpu_blocks)
 
 
-def req(rid: str, n: int, max_tokens: int = 1, **params: object) -> Request:
+def req(rid: str, n: int, max_tokens: int = 1, tenant: str = "t", **params: object) -> Request:
     prompt = [100 + (i % 1000) for i in range(n)]
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)  # type: ignore[arg-type]
-    return Request(EngineRequest(rid, prompt, sp))
+    return Request(EngineRequest(rid, prompt, sp, tenant=tenant))
 
 
 def run_step(sched: Scheduler, runner: ContractRunner) -> dict[str, int]:
@@ -110,3 +114,15 @@ def test_budget_left_never_goes_below_zero_as_a_cap() -> None:
     embedding = req("e", 100, pooling="mean")
     budget.charge(embedding, 0, 5)
     assert budget.cap(embedding, 5) == 0
+
+
+def test_embedding_tokens_count_in_their_tenants_fair_share() -> None:
+    sched, runner = make(policy="fair")
+    start_neighbour(sched, runner)
+    sched.add_request(req("e", 200, tenant="bulk", pooling="mean"))
+    charged = sched.waiting.counters  # type: ignore[attr-defined]
+    before = charged.get("bulk", 0.0)
+    for _ in range(3):
+        run_step(sched, runner)
+    # Three chunks of the share, each charged as input (fair_input_weight 1) to its tenant.
+    assert charged["bulk"] - before == 3 * SHARE
