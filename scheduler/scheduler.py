@@ -15,13 +15,14 @@ import logging
 from collections.abc import Callable, Sequence
 
 from scheduler.admission import make_admission
+from scheduler.admit import admit_waiting, resume_swapped, send_landed
 from scheduler.block_manager import KVCacheManager
 from scheduler.bulk_budget import BulkBudget
 from scheduler.config import SchedulerConfig
 from scheduler.features import StepFeature, hooked
 from scheduler.finished import FinishedLog
 from scheduler.kv_connector import KVConnector
-from scheduler.kv_loading import land_loads, start_loading
+from scheduler.kv_loading import land_loads
 from scheduler.length_live import make_live_predictor
 from scheduler.length_prediction import LengthPredictor, RemainingLength, safe_observe
 from scheduler.lora_slots import LoraSlots
@@ -43,7 +44,7 @@ from scheduler.scheduler_stats import (
     find_length_model,
     take_length_features,
 )
-from scheduler.step import NO_CAP, Step, to_prompt_end
+from scheduler.step import NO_CAP, Step, finishes_on_pending, to_prompt_end
 from scheduler.stop import check_stop
 
 logger = logging.getLogger(__name__)
@@ -95,18 +96,16 @@ class Scheduler:
             config.foresight_estimate,
             live,
         )
-        # The length model the router's predicted-tokens load reads (predicted_load): the queue's or
-        # the admission's when they have one, else this one, which only learns.
+        # The length model predicted_load reads: the queue's or the admission's, else this one.
         self.own_length_model: RemainingLength | None = None
         if self.length_model() is None:
             self.own_length_model = live if live is not None else LengthPredictor()
         self.num_preemptions = 0
-        self._bulk = BulkBudget()  # the step's bulk tokens, reset by schedule()
-        # (token, expert) rows per tensor-parallel rank, summed over steps (MoE models only; kept
-        # out of SchedulerStats, which the router reads as scalars).
+        self.bulk = BulkBudget()  # the step's bulk tokens, reset by schedule()
+        # (token, expert) rows per tensor-parallel rank over all steps (MoE models; not a stat).
         self.expert_tokens_per_rank: list[int] = []
         self.finished = FinishedLog(self.requests, finished_retention)
-        self._prefill_cap = config.long_prefill_token_threshold or NO_CAP
+        self.prefill_cap = config.long_prefill_token_threshold or NO_CAP
         # LoRA adapters' device slots (scheduler/lora_slots.py); the engine sets max_loras.
         self.loras = LoraSlots(0)
         # The prefix cache's lower tiers (None: off): requests whose KV is on its way in, and
@@ -212,7 +211,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones, within the budget."""
         step = Step(budget=self.config.max_num_batched_tokens)
-        self._bulk = BulkBudget.for_step(self.running, step.budget)  # scheduler/bulk_budget.py
+        self.bulk = BulkBudget.for_step(self.running, step.budget)  # scheduler/bulk_budget.py
         self._schedule_running(step)
         # Anti-thrash: a step that had to preempt admits nothing new (as vLLM does).
         if not step.running_pass_preempted:
@@ -227,7 +226,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, step: Step) -> None:
-        kv, cap, spec_hooks = self.kv, self._prefill_cap, self._spec_hooks
+        kv, cap, spec_hooks = self.kv, self.prefill_cap, self._spec_hooks
         charges = self.waiting.charges_tokens
         for req in list(self.running):
             if step.budget <= 0:
@@ -240,8 +239,8 @@ class Scheduler:
             if gap == 1 and spec_hooks:  # a decode: it may verify proposed tokens too
                 gap += sum(hook(req) for hook in spec_hooks)
             n = min(gap, cap, step.budget, to_prompt_end(req, computed))
-            n = min(n, self._bulk.cap(req, computed))
-            if n <= 0 or (pending and self._finishes_on_pending(req)):
+            n = min(n, self.bulk.cap(req, computed))
+            if n <= 0 or (pending and finishes_on_pending(req, self.max_model_len)):
                 continue
             new_blocks = kv.allocate_slots(req, n)
             while new_blocks is None:
@@ -254,13 +253,13 @@ class Scheduler:
             if new_blocks is None:
                 continue
             if self.landed and req.request_id in self.landed:
-                new_blocks = self._send_landed(req, step)
+                new_blocks = send_landed(self, req, step)
             else:
                 step.cached_reqs.append(req)
             step.take(req, n, new_blocks)
-            self._bulk.charge(req, computed, n)
+            self.bulk.charge(req, computed, n)
             if charges:
-                self._charge_input(req, computed, n)
+                self.charge_input(req, computed, n)
 
     def _schedule_waiting(self, step: Step) -> None:
         cfg = self.config
@@ -272,93 +271,22 @@ class Scheduler:
             req = self.waiting.peek()
             if req.request_id in step.preempted:  # never re-admit a victim in the step that took it
                 break
-            if self._bulk.cap(req, req.num_computed_tokens) <= 0:  # the step's bulk share is spent
+            if self.bulk.cap(req, req.num_computed_tokens) <= 0:  # the step's bulk share is spent
                 break
             lora = req.spec.lora_name
             if lora is not None and not self.loras.acquire(lora):
                 break  # every slot's adapter is in use: it waits until one is released
             # With nothing running the watermark could only starve the head request.
             reserve = cfg.num_watermark_blocks if self.running else 0
-            admit = self._resume_swapped if req.status == _SWAPPED else self._admit
-            if admit(req, step, reserve):
+            admit = resume_swapped if req.status == _SWAPPED else admit_waiting
+            if admit(self, req, step, reserve):
                 continue
             self.loras.release(lora)
             if cfg.policy == "priority" and displace_for(self, req, step, reserve):
                 continue
             break
 
-    def _finishes_on_pending(self, req: Request) -> bool:
-        """Whether the tokens being sampled for req (at most) take it to max_tokens or
-        max_model_len: no step is scheduled for it until they are known."""
-        pending = req.num_output_placeholders
-        return (
-            len(req.output_token_ids) + pending >= req.sampling_params.max_tokens
-            or len(req.all_token_ids) + pending >= self.max_model_len
-        )
-
-    def _admit(self, req: Request, step: Step, reserve: int) -> bool:
-        """Admit a WAITING or PREEMPTED request, reusing its longest cached prefix."""
-        kv = self.kv
-        cached = kv.find_cached_blocks(req)
-        if self.connector is not None and kv.reuses_prefix(req):
-            end = (req.num_tokens - 1) // kv.block_size  # find_cached_blocks hashed this far
-            num_load = self.connector.lookup(req.block_hashes[len(cached) : end])
-            if num_load:
-                return start_loading(self, req, cached, num_load, reserve)
-        num_hit = len(cached) * kv.block_size
-        n = min(
-            req.num_tokens - num_hit, self._prefill_cap, step.budget, to_prompt_end(req, num_hit)
-        )
-        n = min(n, self._bulk.cap(req, num_hit))
-        # Anti-thrash: admit only when the whole sequence so far fits, not just this chunk.
-        if not kv.can_admit(req, cached, reserve):
-            return False
-        if self.admission is not None and not self.admission.fits(req, self.running, reserve):
-            return False
-        new_blocks = kv.allocate_slots(req, n, cached)
-        if new_blocks is None:
-            return False
-        self.waiting.pop()
-        if req.num_cached_tokens is None:  # first admission: count its prefix-cache lookup
-            req.num_cached_tokens = num_hit
-            kv.record_lookup(req.num_tokens, num_hit)
-        req.num_computed_tokens = num_hit
-        step.send(req, resumed=True)
-        self._start_running(req, step, n, new_blocks)
-        return True
-
-    def _send_landed(self, req: Request, step: Step) -> list[int]:
-        """A landed request's first step: sent in full (or resumed), with its whole table."""
-        self.landed.discard(req.request_id)
-        step.send(req, resumed=True)
-        return list(self.kv.blocks_of(req.request_id))
-
-    def _resume_swapped(self, req: Request, step: Step, reserve: int) -> bool:
-        """Bring a SWAPPED request back from the CPU pool with its progress intact."""
-        computed = req.num_computed_tokens
-        n = min(
-            req.num_tokens - computed, self._prefill_cap, step.budget, to_prompt_end(req, computed)
-        )
-        n = min(n, self._bulk.cap(req, computed))
-        if not self.kv.can_swap_in(req, n, reserve):
-            return False
-        self.waiting.pop()
-        blocks, copies = self.kv.swap_in(req, n)
-        step.swap_in.extend(copies)
-        step.send(req, resumed=True)
-        self._start_running(req, step, n, blocks)
-        return True
-
-    def _start_running(self, req: Request, step: Step, n: int, new_blocks: list[int]) -> None:
-        req.status = _RUNNING
-        self.running.append(req)
-        step.admitted.add(req.request_id)
-        start = step.take(req, n, new_blocks)
-        self._bulk.charge(req, start, n)
-        if self.waiting.charges_tokens:
-            self._charge_input(req, start, n)
-
-    def _charge_input(self, req: Request, start: int, n: int) -> None:
+    def charge_input(self, req: Request, start: int, n: int) -> None:
         # A decode (and the proposals it verifies) is charged as output when its tokens are kept;
         # a chunk that starts before the last known token is input.
         if start < req.num_tokens - 1:
@@ -368,13 +296,8 @@ class Scheduler:
     def tokens_in_flight(self) -> dict[str, int]:
         """Tokens per request scheduled in steps later than the one being updated, whose KV is not
         written yet (async overlap schedules one step ahead)."""
-        hooks = self._in_flight_hooks
-        if not hooks:
-            return {}
-        if len(hooks) == 1:
-            return hooks[0]()
         ahead: dict[str, int] = {}
-        for hook in hooks:
+        for hook in self._in_flight_hooks:
             for rid, n in hook().items():
                 ahead[rid] = ahead.get(rid, 0) + n
         return ahead

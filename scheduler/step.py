@@ -21,6 +21,16 @@ def to_prompt_end(req: Request, computed: int) -> int:
     return prompt - computed if computed < prompt < req.num_tokens else NO_CAP
 
 
+def finishes_on_pending(req: Request, max_model_len: int) -> bool:
+    """Whether the tokens being sampled for req (at most its placeholders) take it to max_tokens
+    or max_model_len: no step is scheduled for it until they are known (async overlap)."""
+    pending = req.num_output_placeholders
+    return (
+        len(req.output_token_ids) + pending >= req.sampling_params.max_tokens
+        or len(req.all_token_ids) + pending >= max_model_len
+    )
+
+
 @dataclass(slots=True)
 class Step:
     """What one `schedule()` call has decided so far."""
