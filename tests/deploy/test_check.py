@@ -131,3 +131,23 @@ def test_the_check_names_nodes_whose_ray_start_lacks_the_keys_variable(ray_clust
     ]
     given = {"env_vars": {"RAYLM_CHECK_TEST_KEYS": "{}"}}
     assert cluster_env_problems(fleet, given) == []
+
+
+@pytest.mark.slow
+def test_serve_s_build_task_reports_a_bad_config_as_one_line_without_retrying(ray_cluster):
+    """The task Serve's controller builds a config file's app in (serve run / serve deploy):
+    build_app's error comes back as its result, the one line Serve shows after "Deploying app
+    'x' failed with exception:", instead of a traceback raised and retried 3 times."""
+    import ray
+    from ray.serve._private.application_state import build_serve_application
+    from ray.serve.schema import LoggingConfig
+
+    ref = build_serve_application.remote(
+        "deploy.app:build_app", "v1", "bad", {"max_num_seq": 8}, LoggingConfig(), None, {}, {}, {}
+    )
+    policy, deploy_args, error = ray.get(ref, timeout=120)
+    assert policy is None and deploy_args is None
+    assert error == (
+        "invalid raylm app args: max_num_seq: unknown setting; known: ['max_num_seqs'] are the "
+        "nearest (every setting: docs/configuration.md)"
+    )
