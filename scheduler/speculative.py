@@ -2,7 +2,7 @@
 
 The runner proposes (workers/proposer.py) and verifies (workers/spec_verify.py); the scheduler
 decides how many of a request's proposed tokens run in a step, counts them in the token budget,
-allocates their KV slots and gives back the slots of rejected ones (scheduler/spec_scheduler.py).
+allocates their KV slots and gives back the slots of rejected ones (scheduler/features_spec.py).
 `SpecPolicy` here is the adaptive part: a pure object, so the simulator can run it unchanged.
 """
 
