@@ -112,6 +112,7 @@ def test_a_bad_config_fails_build_app_as_one_line_serve_reports_as_it_is():
     assert "max_num_seq: unknown setting; known: ['max_num_seqs']" in message
 
 
+@pytest.mark.slow  # a Python that imports Ray, Serve and transformers
 def test_the_check_command_resolves_a_hub_id_offline_and_fails_a_missing_one(hub_home, tmp_path):
     config = tmp_path / "deploy.yaml"
     config.write_text(
