@@ -92,8 +92,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     UnplaceableError) naming what it needs and what the cluster has. A hub model is pinned to its
     commit (deploy/hub.py), so a missing one fails here."""
     try:
-        fleet = pinned_fleet(FleetConfig.from_args(args))
+        fleet = FleetConfig.from_args(args)
         check_exposure(_serve_http_host(), fleet)
+        fleet = pinned_fleet(fleet)  # may ask the hub: after the checks that ask nobody
         for model in fleet.models:
             check_placement(model)
         _check_capacity(fleet)
