@@ -113,7 +113,9 @@ def test_a_bad_config_fails_build_app_as_one_line_serve_reports_as_it_is():
 
 
 @pytest.mark.slow  # a Python that imports Ray, Serve and transformers
-def test_the_check_command_resolves_a_hub_id_offline_and_fails_a_missing_one(hub_home, tmp_path):
+def test_offline_the_check_command_and_build_app_resolve_a_cached_id_and_fail_a_missing_one(
+    hub_home, tmp_path
+):
     config = tmp_path / "deploy.yaml"
     config.write_text(
         "http_options: {host: 127.0.0.1}\n"
@@ -125,8 +127,21 @@ def test_the_check_command_resolves_a_hub_id_offline_and_fails_a_missing_one(hub
     )
     env = {**os.environ, "HF_HOME": str(hub_home), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
+    # One Python (HF_HUB_OFFLINE is read when huggingface_hub loads): the check command, then
+    # build_app of the missing model, which fails before any replica exists.
+    script = (
+        "import sys\n"
+        "from deploy.__main__ import main\n"
+        "from deploy.app import AppConfigError, build_app\n"
+        "code = main(['check', sys.argv[1]])\n"
+        "try:\n"
+        "    build_app({'model': 'acme/not-downloaded', 'device': 'cpu'})\n"
+        "except AppConfigError as exc:\n"
+        "    print('build_app:', exc)\n"
+        "sys.exit(code)\n"
+    )
     run = subprocess.run(
-        [sys.executable, "-m", "deploy", "check", str(config)],
+        [sys.executable, "-c", script, str(config)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -141,6 +156,8 @@ def test_the_check_command_resolves_a_hub_id_offline_and_fails_a_missing_one(hub
         "the Hugging Face cache, and the hub cannot be reached (HF_HUB_OFFLINE, or no network)"
     )
     assert "hf download acme/not-downloaded" in problem and "HF_TOKEN" in problem
+    [built] = [line for line in run.stdout.splitlines() if line.startswith("build_app:")]
+    assert built == "build_app: " + problem.removeprefix(f"{config}: app 'missing': ")
 
 
 @pytest.mark.slow
