@@ -105,12 +105,12 @@ def fetch(model: HubModel, patterns: tuple[str, ...], offline: bool = False) -> 
             )
     except Exception as exc:
         raise ValueError(unavailable(model, exc)) from None
-    if not (Path(path) / "config.json").is_file():  # an empty or partial snapshot of the cache
-        raise ValueError(unavailable(model, FileNotFoundError(path)))
+    if not _has(Path(path), patterns):
+        raise ValueError(_incomplete(model, Path(path), offline))
     return Path(path)
 
 
-def ensure_weights(model_dir: str) -> None:
+def ensure_weights(model_dir: str, offline: bool = False) -> None:
     """Download the weights of a hub snapshot directory that lacks them (one process of a node
     downloads, the others wait on the lock); any other directory is left as it is."""
     model = snapshot_of(model_dir)
@@ -119,7 +119,7 @@ def ensure_weights(model_dir: str) -> None:
     logger.info(
         "fetching the weights of %s at %s into %s", model.repo_id, model.revision, model_dir
     )
-    fetch(model, WEIGHT_FILES)
+    fetch(model, WEIGHT_FILES, offline)
 
 
 def unavailable(model: HubModel, exc: BaseException) -> str:
@@ -150,6 +150,19 @@ def unavailable(model: HubModel, exc: BaseException) -> str:
         )
     return (
         f"model: cannot fetch {name!r}{at} from the Hugging Face hub ({type(exc).__name__}): {hint}"
+    )
+
+
+def _incomplete(model: HubModel, path: Path, offline: bool) -> str:
+    """Why a snapshot fetched without error still lacks what raylm reads."""
+    from huggingface_hub import constants
+
+    if offline or constants.HF_HUB_OFFLINE:  # a partial snapshot, read from the cache alone
+        return unavailable(model, FileNotFoundError(path))
+    what = "config.json" if not (path / "config.json").is_file() else "safetensors weights"
+    return (
+        f"model: {model.repo_id!r} at {model.revision or 'its default branch'} has no {what} on "
+        "the Hugging Face hub (raylm reads safetensors checkpoints with their config.json)"
     )
 
 
