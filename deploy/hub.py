@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scheduler.settings import shown
-from workers.hub import TOKENIZER_FILES, HubModel, check_revision, fetch, is_hub_id, snapshot_of
+from workers.hub import (
+    TOKENIZER_FILES,
+    HubModel,
+    check_revision,
+    fetch,
+    is_hub_id,
+    snapshot_of,
+    weightless_listing,
+)
 
 if TYPE_CHECKING:
     from deploy.config import AppConfig
@@ -57,6 +65,12 @@ def pinned(config: AppConfig) -> AppConfig:
         return config
     hub = HubModel(model, config.revision, config.download_dir)
     snapshot = fetch(hub, TOKENIZER_FILES)
+    commit = snapshot_of(snapshot)
+    if commit is not None and weightless_listing(commit):  # else every replica fails its load
+        raise ValueError(
+            f"model: {model!r} at {snapshot.name} has no safetensors weights on the Hugging Face "
+            "hub (raylm reads safetensors checkpoints)"
+        )
     return replace(
         config,
         served_model_name=config.model_name,  # clients keep asking for `org/name`

@@ -110,6 +110,21 @@ def fetch(model: HubModel, patterns: tuple[str, ...], offline: bool = False) -> 
     return Path(path)
 
 
+def weightless_listing(model: HubModel) -> bool:
+    """Whether the hub's file listing of `model`'s commit, kept in the cache by a download, has
+    no safetensors file (a repo of .bin files only); False where no listing is cached."""
+    from huggingface_hub import get_cached_repo_tree
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+
+    try:
+        files = get_cached_repo_tree(
+            model.repo_id, revision=model.revision, cache_dir=model.cache_dir
+        )
+    except (CachedRepoTreeNotFoundError, OSError, ValueError):
+        return False
+    return not any(f.path.endswith(".safetensors") for f in files)
+
+
 def ensure_weights(model_dir: str, offline: bool = False) -> None:
     """Download the weights of a hub snapshot directory that lacks them (one process of a node
     downloads, the others wait on the lock); any other directory is left as it is."""

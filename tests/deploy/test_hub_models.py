@@ -77,6 +77,35 @@ def test_build_app_pins_a_hub_model_to_its_commit_and_keeps_its_id_as_the_name(h
     )
 
 
+def write_listing(cache: Path, repo: str, commit: str, names: list[str]) -> None:
+    """The hub's file listing of a commit, as huggingface_hub keeps it in the cache after a
+    download (written with its own writer, in its own format)."""
+    from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    entries = {name: TreeCacheEntry(size=1, blob_id=f"{i:040x}") for i, name in enumerate(names)}
+    write_tree_cache(str(folder), commit, entries)
+
+
+def test_a_hub_model_without_safetensors_fails_the_build(tmp_path, tiny_model_dir):
+    """Listed by the hub with .bin weights only: every replica would fail its load, so the build
+    fails, naming it; the same listing with safetensors builds."""
+    cache = tmp_path / "hub"
+    commit = "f" * 40
+    snapshot = write_hub_cache(cache, tiny_model_dir, "acme/bin-only", commit)
+    names = sorted(p.name for p in snapshot.iterdir() if p.suffix != ".safetensors")
+    write_listing(cache, "acme/bin-only", commit, [*names, "pytorch_model.bin"])
+    args = {"model": "acme/bin-only", "revision": commit, "download_dir": str(cache)}
+    with pytest.raises(AppConfigError) as raised:
+        build_app(args)
+    assert str(raised.value) == (
+        f"model: 'acme/bin-only' at {commit} has no safetensors weights on the Hugging Face hub "
+        "(raylm reads safetensors checkpoints)"
+    )
+    write_listing(cache, "acme/bin-only", commit, [*names, "model.safetensors"])
+    build_app(args)
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [
