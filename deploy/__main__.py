@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from deploy.app import check_exposure
 from deploy.check import (
@@ -68,18 +68,25 @@ def check_file(path: Path) -> tuple[list[str], list[str]]:
     report: list[str] = []
     with cluster_or_machine() as target:
         for app in schema.applications:
-            if app.import_path not in BUILDERS:
-                report.append(f"app {app.name!r}: {app.import_path} is not raylm's; left to Serve")
-                continue
-            found, fleet = check_app(app.args or {}, schema.http_options.host)
-            if fleet is not None:
-                found += placement_problems(fleet, target.nodes, target.where)
-                if target.connected:
-                    found += cluster_env_problems(fleet, app.runtime_env or {})
+            found, ok = check_application(app, schema.http_options.host, target)
             problems.extend(f"app {app.name!r}: {p}" for p in found)
-            if fleet is not None and not found:
-                report.append(f"app {app.name!r}: ok; {_fit(fleet, target)}")
+            report.extend(f"app {app.name!r}: {line}" for line in ok)
     return problems, report
+
+
+def check_application(
+    app: ServeApplicationSchema, host: str | None, target: Target
+) -> tuple[list[str], list[str]]:
+    """(problems, report lines) of one application of the file."""
+    if app.import_path not in BUILDERS:
+        return [], [f"{app.import_path} is not raylm's; left to Serve"]
+    found, fleet = check_app(app.args or {}, host)
+    if fleet is None:
+        return found, []
+    found += placement_problems(fleet, target.nodes, target.where)
+    if target.connected:
+        found += cluster_env_problems(fleet, app.runtime_env or {})
+    return found, [] if found else [f"ok; {_fit(fleet, target)}"]
 
 
 def cluster_env_problems(fleet: FleetConfig, runtime_env: dict[str, Any]) -> list[str]:

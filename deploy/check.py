@@ -94,16 +94,37 @@ def wait_for_capacity(fleet: FleetConfig) -> None:
     logger.warning(
         "%s: waiting up to %.0fs (placement_timeout_s) for nodes to join", problem, timeout_s
     )
+    if not _wait_for(demand, app_bundles(fleet), timeout_s):
+        problem = demand.shortfall(ray.cluster_resources()) or problem
+        raise UnplaceableError(f"{problem} (waited {timeout_s:.0f}s: placement_timeout_s)")
+
+
+def app_bundles(fleet: FleetConfig) -> list[dict[str, float]]:
+    """Every bundle of every replica the app starts with."""
+    return [
+        dict(bundle)
+        for model in fleet.models
+        for _ in range(starting_replicas(model))
+        for bundle in model.placement_group_bundles()
+    ]
+
+
+def _wait_for(demand: Demand, bundles: list[dict[str, float]], timeout_s: float) -> bool:
+    """Whether the cluster grows to hold `demand` within timeout_s, an autoscaler asked for the
+    bundles meanwhile (the request is withdrawn after: the replicas' own groups then hold it)."""
+    import ray
     from ray.autoscaler.sdk import request_resources
 
-    request_resources(bundles=[b for m in fleet.models for b in m.placement_group_bundles()])
+    request_resources(bundles=bundles)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
-        problem = demand.shortfall(ray.cluster_resources())
-        if problem is None:
-            return
-    raise UnplaceableError(f"{problem} (waited {timeout_s:.0f}s: placement_timeout_s)")
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+            if demand.shortfall(ray.cluster_resources()) is None:
+                return True
+        return False
+    finally:
+        request_resources(bundles=[])
 
 
 def placement_problems(fleet: FleetConfig, nodes: list[dict[str, float]], where: str) -> list[str]:

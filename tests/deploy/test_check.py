@@ -151,3 +151,15 @@ def test_serve_s_build_task_reports_a_bad_config_as_one_line_without_retrying(ra
         "invalid raylm app args: max_num_seq: unknown setting; known: ['max_num_seqs'] are the "
         "nearest (every setting: docs/configuration.md)"
     )
+
+
+@pytest.mark.slow
+def test_build_app_waits_placement_timeout_s_for_nodes_then_fails_naming_the_wait(ray_cluster):
+    """With a timeout the build asks an autoscaler for the app's bundles and waits; none joins
+    this cluster, so it fails saying how long it waited."""
+    with pytest.raises(UnplaceableAppError) as raised:
+        build_app({"num_replicas": 9, "placement_timeout_s": 1, "ingress_num_cpus": 0})
+    assert str(raised.value) == (
+        "the app needs {CPU: 9} in all (9 x {CPU: 1} (default) + 1 x {CPU: 0} (ingress)); "
+        "the cluster has {CPU: 8} (waited 1s: placement_timeout_s)"
+    )
