@@ -99,15 +99,14 @@ class EngineLoras:
             self._drop(identity)
 
     def keyed(self, request: EngineRequest) -> EngineRequest:
-        """The request with its adapter's identity set, and the hashes the ingress sent (which
+        """The request with its adapter's identity set, and the hashes its sender computed (which
         know only the name) left for the scheduler to compute under it; UnknownLoraError for a
         name not loaded."""
         name = request.lora_name
         self.slots.check(name)
-        identity = None if name is None else self.slots.identities[name]
-        if request.lora_identity == identity:
+        if name is None:
             return request
-        return replace(request, lora_identity=identity, block_hashes=[])
+        return replace(request, lora_identity=self.slots.identities[name], block_hashes=[])
 
     def _check_new(self, name: str) -> None:
         check_lora_name(name)
