@@ -244,17 +244,22 @@ def test_a_name_reloaded_from_rewritten_files_serves_the_new_weights_and_no_old_
     def complete(model: str):
         return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
 
+    # Texts are compared between cold prompts only: a prefix hit computes the prompt's last rows
+    # in other shapes, whose rounding may flip a near tie of the tiny random model.
     path = _copy(root, "a1", "re")
     assert _load(url, "re", path).status_code == 200
-    old = {complete("re").choices[0].text for _ in range(4)}  # cached on the replicas it reached
-    assert old == {complete("a1").choices[0].text}
+    old = complete("re")
+    assert old.usage.prompt_tokens_details.cached_tokens == 0
+    assert old.choices[0].text == complete("a1").choices[0].text
+    for _ in range(3):  # cached on the replicas it reaches
+        complete("re")
     assert _admin(url, "unload", {"lora_name": "re"}).status_code == 200
     _copy(root, "a2", "re")
     assert _load(url, "re", path).status_code == 200
     first = complete("re")
     assert first.usage.prompt_tokens_details.cached_tokens == 0  # none of a1's KV
-    new = {first.choices[0].text} | {complete("re").choices[0].text for _ in range(3)}
-    assert new == {_reference(url, root, "a2", prompt)} and new != old
+    assert first.choices[0].text == _reference(url, root, "a2", prompt)
+    assert first.choices[0].text != old.choices[0].text
     assert _admin(url, "unload", {"lora_name": "re"}).status_code == 200
 
 
