@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from scheduler.features import StepFeature
+from scheduler.finished import append_tokens
 from scheduler.outputs import (
     ModelRunnerOutput,
     RequestOutput,
@@ -129,7 +130,7 @@ class AsyncOverlap(StepFeature):
         """The tokens of a request preempted while they were being sampled: kept, under the stop
         rules."""
         sched = self.sched
-        kept, status = sched.append_tokens(req, sampled)
+        kept, status = append_tokens(req, sampled, sched.max_model_len)
         if sched.waiting.charges_tokens:
             sched.waiting.charge(req.tenant, sched.config.fair_output_weight * kept)
         if status is not None:

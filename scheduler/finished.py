@@ -1,11 +1,13 @@
-"""Finished requests as the Scheduler keeps them: the ids the next step tells the runner to free,
+"""How requests finish: sampled tokens appended under the stop rules (`append_tokens`), and the
+finished requests as the Scheduler keeps them: the ids the next step tells the runner to free,
 and the most recent finishes, which stay readable in `Scheduler.requests` for a while."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from scheduler.request import Request
+from scheduler.request import Request, RequestStatus
+from scheduler.stop import check_stop
 
 
 class FinishedLog:
@@ -35,3 +37,26 @@ class FinishedLog:
         """The requests finished since the last call (the next step tells the runner)."""
         ids, self.ids = self.ids, set()
         return ids
+
+
+def append_tokens(
+    req: Request, sampled: list[int], max_model_len: int
+) -> tuple[int, RequestStatus | None]:
+    """Append sampled tokens up to the first that stops the request (check_stop).
+
+    Returns how many were kept and the request's final status, None while it goes on; the
+    caller finishes it.
+    """
+    out, all_ids = req.output_token_ids, req.all_token_ids
+    if len(sampled) == 1:  # a plain decode's token: the common case, without the loop
+        out.append(sampled[0])
+        all_ids.append(sampled[0])
+        status = check_stop(req, max_model_len)
+        return (1, status)
+    for i, token in enumerate(sampled, 1):
+        out.append(token)
+        all_ids.append(token)
+        status = check_stop(req, max_model_len)
+        if status is not None:
+            return i, status
+    return len(sampled), None

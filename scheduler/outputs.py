@@ -204,11 +204,13 @@ def request_output(
     error: str | None = None,
 ) -> RequestOutput:
     """The one place a RequestOutput is built: what req produced this step and where it stands."""
+    status = req.status
+    finished = status.is_finished
     return RequestOutput(
         req.request_id,
         new_token_ids,
-        req.is_finished,
-        req.status.finish_reason,
+        finished,
+        status.finish_reason if finished else None,
         req.num_prompt_tokens,
         len(req.output_token_ids),
         req.num_cached_tokens or 0,  # None: never admitted (aborted or failed while waiting)

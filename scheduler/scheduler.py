@@ -20,7 +20,7 @@ from scheduler.block_manager import KVCacheManager
 from scheduler.bulk_budget import BulkBudget
 from scheduler.config import SchedulerConfig
 from scheduler.features import StepFeature, hooked
-from scheduler.finished import FinishedLog
+from scheduler.finished import FinishedLog, append_tokens
 from scheduler.kv_connector import KVConnector
 from scheduler.kv_loading import land_loads
 from scheduler.length_live import make_live_predictor
@@ -45,7 +45,6 @@ from scheduler.scheduler_stats import (
     take_length_features,
 )
 from scheduler.step import NO_CAP, Step, finishes_on_pending, to_prompt_end
-from scheduler.stop import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -236,9 +235,12 @@ class Scheduler:
             computed = req.num_computed_tokens
             pending = req.num_output_placeholders  # tokens still being sampled (async overlap)
             gap = len(req.all_token_ids) + pending - computed
-            if gap == 1 and spec_hooks:  # a decode: it may verify proposed tokens too
-                gap += sum(hook(req) for hook in spec_hooks)
-            n = min(gap, cap, step.budget, to_prompt_end(req, computed))
+            if gap == 1:  # a decode (never cut at the prompt's end): it may verify proposals too
+                if spec_hooks:
+                    gap += sum(hook(req) for hook in spec_hooks)
+                n = min(gap, cap, step.budget)
+            else:
+                n = min(gap, cap, step.budget, to_prompt_end(req, computed))
             n = min(n, self.bulk.cap(req, computed))
             if n <= 0 or (pending and finishes_on_pending(req, self.max_model_len)):
                 continue
@@ -349,7 +351,7 @@ class Scheduler:
                 kv.register_computed_blocks(req, written)
             if not sampled:
                 continue
-            kept, status = self.append_tokens(req, sampled)
+            kept, status = append_tokens(req, sampled, self.max_model_len)
             if charge is not None:
                 charge(req.tenant, self.config.fair_output_weight * kept)
             if status is not None:
@@ -364,21 +366,6 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
 
     # ---- helpers features call -----------------------------------------------------------------
-    def append_tokens(self, req: Request, sampled: list[int]) -> tuple[int, RequestStatus | None]:
-        """Append sampled tokens up to the first that stops the request (check_stop).
-
-        Returns how many were kept and the request's final status, None while it goes on; the
-        caller finishes it.
-        """
-        out, all_ids = req.output_token_ids, req.all_token_ids
-        for i, token in enumerate(sampled, 1):
-            out.append(token)
-            all_ids.append(token)
-            status = check_stop(req, self.max_model_len)
-            if status is not None:
-                return i, status
-        return len(sampled), None
-
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Give the request its final status and its blocks back; the next step tells the runner."""
         for hook in self._finish_hooks:
