@@ -86,8 +86,15 @@ def needs_decode(request: EngineRequest, output: RequestOutput, max_model_len: i
 
 
 def decode_request(request: EngineRequest, first: list[int]) -> EngineRequest:
-    """The request as the decode engine runs it: resumed after the prefill's tokens."""
-    return replace(request, output_token_ids=list(request.output_token_ids) + list(first))
+    """The request as the decode engine runs it: resumed after the prefill's tokens. Its prompt
+    logprobs came with the prefill's reply; asking again would make the decode engine compute the
+    prompt instead of loading its blocks (a prompt_logprobs request never starts from cached KV)."""
+    params = replace(request.sampling_params, prompt_logprobs=None)
+    return replace(
+        request,
+        sampling_params=params,
+        output_token_ids=list(request.output_token_ids) + list(first),
+    )
 
 
 @dataclass(frozen=True, slots=True)
