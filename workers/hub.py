@@ -113,9 +113,11 @@ def fetch(model: HubModel, patterns: tuple[str, ...], offline: bool = False) -> 
 def weightless_listing(model: HubModel) -> bool:
     """Whether the hub's file listing of `model`'s commit, kept in the cache by a download, has
     no safetensors file (a repo of .bin files only); False where no listing is cached."""
-    from huggingface_hub import get_cached_repo_tree
-    from huggingface_hub.errors import CachedRepoTreeNotFoundError
-
+    try:  # huggingface_hub keeps listings since 1.x; an older one keeps none
+        from huggingface_hub import get_cached_repo_tree
+        from huggingface_hub.errors import CachedRepoTreeNotFoundError
+    except ImportError:
+        return False
     try:
         files = get_cached_repo_tree(
             model.repo_id, revision=model.revision, cache_dir=model.cache_dir
