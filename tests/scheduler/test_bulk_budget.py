@@ -46,7 +46,8 @@ def start_neighbour(sched: Scheduler, runner: ContractRunner) -> None:
 
 
 def test_share_is_a_fraction_of_the_budget_with_a_floor() -> None:
-    assert bulk_share(2048) == 64
+    assert bulk_share(8192) == 64
+    assert bulk_share(2048) == 16
     assert bulk_share(512) == 16
     assert bulk_share(1) == 16  # bulk work always moves
 
