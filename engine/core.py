@@ -66,38 +66,12 @@ class EngineCore:
         clock = self._phase("model_config", clock)
         self.executor: Executor = executor_factory(config, runner_config)
         clock = self._phase("weights", clock)
-        num_gpu_blocks = sched.num_gpu_blocks or self.executor.determine_num_blocks()
-        num_cpu_blocks = self._num_cpu_blocks()
-        if sched.max_model_len is None and num_gpu_blocks * sched.block_size < self.max_model_len:
-            # The default length is a convenience; shrink it to what the pool can hold.
-            self.max_model_len = num_gpu_blocks * sched.block_size
-            logger.warning(
-                "max_model_len lowered to %d: the KV pool holds %d blocks",
-                self.max_model_len,
-                num_gpu_blocks,
-            )
+        num_gpu_blocks, num_cpu_blocks = self._size_pools()
         clock = self._phase("kv_profile", clock)
         self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self._phase("kv_allocation", clock)  # CUDA graphs are captured here too
-        overlap = runner_config.async_scheduling
-        if config.async_scheduling and not overlap:
-            logger.warning(
-                "async_scheduling: tensor_parallel_size %d runs synchronously (only rank 0 "
-                "samples; the other ranks learn each token from the next step)",
-                config.tensor_parallel_size,
-            )
-        sized = config.sized_scheduler(
-            num_gpu_blocks, num_cpu_blocks, self.max_model_len, self.tiers
-        )
-        self.scheduler = Scheduler(sized, step_features(config.speculative, overlap))
-        # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
-        # being updated from (scheduler/features_async.py).
-        self.pipeline = StepPipeline(self.executor) if overlap else None
-        # What the length probe's features come from: a state file of other features is not read.
-        features = f"{config.model}|{config.quantization}|projection seed {PROJECTION_SEED}"
-        self.length_state = open_length_state(self.scheduler, features)
-        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        self._start_scheduler(runner_config.async_scheduling)
         ranks = getattr(self.executor, "call_ranks", None)  # hands checked adapters to each rank
         self.loras = EngineLoras(config, self.model_dir, ranks, DTYPES[runner_config.dtype])
         self.scheduler.loras = self.loras.slots  # one registry: checked here, placed there
@@ -110,6 +84,42 @@ class EngineCore:
             sched.block_size,
             self.max_model_len,
         )
+
+    def _size_pools(self) -> tuple[int, int]:
+        """The device and CPU pools' blocks; an unset max_model_len shrinks to the device pool."""
+        sched = self.config.scheduler
+        num_gpu_blocks = sched.num_gpu_blocks or self.executor.determine_num_blocks()
+        if sched.max_model_len is None and num_gpu_blocks * sched.block_size < self.max_model_len:
+            # The default length is a convenience; shrink it to what the pool can hold.
+            self.max_model_len = num_gpu_blocks * sched.block_size
+            logger.warning(
+                "max_model_len lowered to %d: the KV pool holds %d blocks",
+                self.max_model_len,
+                num_gpu_blocks,
+            )
+        return num_gpu_blocks, self._num_cpu_blocks()
+
+    def _start_scheduler(self, overlap: bool) -> None:
+        """The Scheduler with its step features, listed once from the settings, and with
+        async overlap (`overlap`: async_scheduling resolved), the thread steps run on."""
+        config = self.config
+        if config.async_scheduling and not overlap:
+            logger.warning(
+                "async_scheduling: tensor_parallel_size %d runs synchronously (only rank 0 "
+                "samples; the other ranks learn each token from the next step)",
+                config.tensor_parallel_size,
+            )
+        sized = config.sized_scheduler(
+            self.num_gpu_blocks, self.num_cpu_blocks, self.max_model_len, self.tiers
+        )
+        self.scheduler = Scheduler(sized, step_features(config.speculative, overlap))
+        # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
+        # being updated from (scheduler/features_async.py).
+        self.pipeline = StepPipeline(self.executor) if overlap else None
+        # What the length probe's features come from: a state file of other features is not read.
+        features = f"{config.model}|{config.quantization}|projection seed {PROJECTION_SEED}"
+        self.length_state = open_length_state(self.scheduler, features)
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
 
     def _draft_model_dir(self) -> str | None:
         """The draft model's directory, once checked against the model (speculative.method

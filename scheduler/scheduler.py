@@ -76,29 +76,9 @@ class Scheduler:
         _, self.max_model_len = config.require_sizes()
         self.config = config
         self.kv = kv_manager_class(config)
-        # A served replica's predictor (the hidden-state probe, persistence) when asked for one.
-        live = make_live_predictor(config)
-        self.waiting = make_waiting_queue(config.policy, config.srpt_aging_factor, live)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.victims = VictimPolicy(
-            config.preemption_victim,
-            by_priority=config.policy == "priority",
-            remaining=self.waiting.predicted_remaining,
-        )
-        self.admission = make_admission(
-            config.admission,
-            self.waiting,
-            self.kv.pool.num_blocks,
-            config.block_size,
-            self.max_model_len,
-            config.foresight_estimate,
-            live,
-        )
-        # The length model predicted_load reads: the queue's or the admission's, else this one.
-        self.own_length_model: RemainingLength | None = None
-        if self.length_model() is None:
-            self.own_length_model = live if live is not None else LengthPredictor()
+        self._init_policies(config)
         self.num_preemptions = 0
         self.bulk = BulkBudget()  # the step's bulk tokens, reset by schedule()
         # (token, expert) rows per tensor-parallel rank over all steps (MoE models; not a stat).
@@ -118,6 +98,31 @@ class Scheduler:
             self.kv.pool.on_evict = self.connector.on_evict
         self.features = list(features)
         self._bind(self.features)
+
+    def _init_policies(self, config: SchedulerConfig) -> None:
+        """The waiting queue, the preemption victim rule, the admission rule and the length model
+        they share."""
+        # A served replica's predictor (the hidden-state probe, persistence) when asked for one.
+        live = make_live_predictor(config)
+        self.waiting = make_waiting_queue(config.policy, config.srpt_aging_factor, live)
+        self.victims = VictimPolicy(
+            config.preemption_victim,
+            by_priority=config.policy == "priority",
+            remaining=self.waiting.predicted_remaining,
+        )
+        self.admission = make_admission(
+            config.admission,
+            self.waiting,
+            self.kv.pool.num_blocks,
+            config.block_size,
+            self.max_model_len,
+            config.foresight_estimate,
+            live,
+        )
+        # The length model predicted_load reads: the queue's or the admission's, else this one.
+        self.own_length_model: RemainingLength | None = None
+        if self.length_model() is None:
+            self.own_length_model = live if live is not None else LengthPredictor()
 
     def _bind(self, features: list[StepFeature]) -> None:
         """Each hook's callers, found once: a hook no feature overrides costs a step nothing."""
