@@ -1,7 +1,7 @@
-"""Speculative decoding in the simulator: the production SpecScheduler and SpecPolicy run with a
-stand-in proposer whose acceptance is drawn from an input distribution; every request gets its
-tokens, no block leaks, the policy's rules decide who verifies, and a verify row costs k + 1 query
-tokens."""
+"""Speculative decoding in the simulator: the production Scheduler's SpecDecoding feature and
+SpecPolicy run with a stand-in proposer whose acceptance is drawn from an input distribution;
+every request gets its tokens, no block leaks, the policy's rules decide who verifies, and a
+verify row costs k + 1 query tokens."""
 
 from __future__ import annotations
 
