@@ -22,12 +22,15 @@ from dataclasses import dataclass
 from scheduler.request import Request
 
 # Bulk tokens a step takes beside a neighbour: max_num_batched_tokens / BULK_SHARE_DIVISOR, at least
-# MIN_BULK_TOKENS so bulk work always moves (16 at the default budget of 2048; 32 and 64 at the
-# 4096 and 8192 that GPU deployments use, where a step's cost hardly grows with a few more rows).
-# Measured on a CPU (the default model, one thread): a decode step 35 ms alone, 42-46 ms beside 16
-# bulk tokens, 130-220 ms beside 64 (bench/neighbour_latency.py prints the figures).
-BULK_SHARE_DIVISOR = 128
-MIN_BULK_TOKENS = 16
+# MIN_BULK_TOKENS so bulk work always moves (8 at the default budget of 2048; 16 and 32 at the
+# 4096 and 8192 GPU deployments use, where a step's cost hardly grows with a few more rows). A
+# prompt-logprobs row counts PROMPT_LOGPROB_ROW_COST tokens: a forward token and a full-vocabulary
+# logits row with its log-softmax and top-k. Measured on a CPU (the default model, one thread,
+# bench/neighbour_latency.py): a neighbour's decode step is 12.4 ms alone, 24.2 ms beside 8
+# embedding tokens, 29.1 ms beside 8 prompt-logprobs rows, 37-49 ms beside 16 tokens or rows.
+BULK_SHARE_DIVISOR = 256
+MIN_BULK_TOKENS = 8
+PROMPT_LOGPROB_ROW_COST = 2
 _NO_CAP = 1 << 62
 
 
@@ -42,6 +45,14 @@ def is_bulk(req: Request, computed: int) -> bool:
         and not req.output_token_ids
         and computed < req.num_prompt_tokens - 1
     )
+
+
+def bulk_cost(req: Request, computed: int) -> int:
+    """What each token of req's chunk from `computed` counts against the share: 0 when it is
+    not bulk."""
+    if not is_bulk(req, computed):
+        return 0
+    return 1 if req.sampling_params.pooling is not None else PROMPT_LOGPROB_ROW_COST
 
 
 def bulk_share(max_num_batched_tokens: int) -> int:
@@ -65,9 +76,9 @@ class BulkBudget:
 
     def cap(self, req: Request, computed: int) -> int:
         """The most tokens req's chunk from `computed` may take this step (no cap if not bulk)."""
-        return max(self.left, 0) if is_bulk(req, computed) else _NO_CAP
+        cost = bulk_cost(req, computed)
+        return max(self.left, 0) // cost if cost else _NO_CAP
 
     def charge(self, req: Request, computed: int, n: int) -> None:
         """req's chunk of n tokens from `computed` is scheduled."""
-        if is_bulk(req, computed):
-            self.left -= n
+        self.left -= n * bulk_cost(req, computed)

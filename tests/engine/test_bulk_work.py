@@ -9,7 +9,7 @@ import math
 import pytest
 
 from engine.llm import LLM
-from scheduler.bulk_budget import bulk_share
+from scheduler.bulk_budget import PROMPT_LOGPROB_ROW_COST, bulk_share
 from scheduler.outputs import RequestOutput
 from scheduler.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow  # loads a model
 
 BUDGET = 512
 SHARE = bulk_share(BUDGET)
-PROMPT = [100 + (i * 7) % 140 for i in range(200)]  # one step alone, 13 beside a neighbour
+ROWS = SHARE // PROMPT_LOGPROB_ROW_COST  # prompt-logprob rows a step beside a neighbour
+PROMPT = [100 + (i * 7) % 140 for i in range(200)]  # one step alone, 50 beside a neighbour
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_prompt_logprobs_in_chunks_equal_those_of_one_step(llm):
     alone, alone_steps = run(llm, [scored("alone")], neighbour=False)
     beside, beside_steps = run(llm, [scored("beside")], neighbour=True)
     assert alone_steps == 1
-    assert beside_steps == -(-len(PROMPT) // SHARE)  # the share each step
+    assert beside_steps == -(-len(PROMPT) // ROWS)  # the share each step
     want, got = alone["alone"].prompt_logprobs, beside["beside"].prompt_logprobs
     assert want is not None and got is not None and len(got) == len(want) == len(PROMPT) - 1
     for w, g in zip(want, got):

@@ -10,11 +10,12 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from scheduler.bulk_budget import BulkBudget, bulk_share, is_bulk
+from scheduler.bulk_budget import PROMPT_LOGPROB_ROW_COST, BulkBudget, bulk_share, is_bulk
 from tests.scheduler.contract_runner import ContractRunner
 
 BUDGET = 512
 SHARE = bulk_share(BUDGET)
+ROWS = SHARE // PROMPT_LOGPROB_ROW_COST  # prompt-logprob rows a step beside a neighbour
 
 
 def make(policy: str = "fcfs") -> tuple[Scheduler, ContractRunner]:
@@ -46,10 +47,10 @@ def start_neighbour(sched: Scheduler, runner: ContractRunner) -> None:
 
 
 def test_share_is_a_fraction_of_the_budget_with_a_floor() -> None:
-    assert bulk_share(8192) == 64
-    assert bulk_share(2048) == 16
-    assert bulk_share(512) == 16
-    assert bulk_share(1) == 16  # bulk work always moves
+    assert bulk_share(8192) == 32
+    assert bulk_share(2048) == 8
+    assert bulk_share(512) == 8
+    assert bulk_share(1) == 8  # bulk work always moves
 
 
 def test_which_chunks_are_bulk() -> None:
@@ -71,8 +72,9 @@ def test_prompt_logprobs_beside_a_decode_take_the_share_each_step() -> None:
         step = run_step(sched, runner)
         assert step["neighbour"] == 1  # the neighbour decodes in every step
         chunks.append(step.get("p", 0))
-    # The 300-token prompt in chunks of the share, the last one ending at the sampler's row.
-    assert chunks == [SHARE] * (300 // SHARE) + [300 % SHARE]
+    # The 300-token prompt in chunks of the share (a scored row counts double), the last one
+    # ending at the sampler's row.
+    assert chunks == [min(ROWS, 300 - start) for start in range(0, 300, ROWS)]
 
 
 def test_prompt_logprobs_alone_take_the_whole_budget() -> None:
@@ -127,3 +129,12 @@ def test_embedding_tokens_count_in_their_tenants_fair_share() -> None:
         run_step(sched, runner)
     # Three chunks of the share, each charged as input (fair_input_weight 1) to its tenant.
     assert charged["bulk"] - before == 3 * SHARE
+
+
+def test_a_scored_row_counts_double_an_embedding_token() -> None:
+    budget = BulkBudget(left=8)
+    scored, embedding = req("p", 100, prompt_logprobs=1), req("e", 100, pooling="last")
+    assert budget.cap(scored, 0) == 4 and budget.cap(embedding, 0) == 8
+    budget.charge(scored, 0, 3)
+    assert budget.cap(embedding, 0) == 2 and budget.cap(scored, 3) == 1
+    assert budget.cap(req("x", 100), 0) > 1 << 40  # not bulk: no cap
