@@ -48,7 +48,7 @@ class SpecDecoding(StepFeature):
         self.policy = SpecPolicy(spec)
         self._proposals: dict[str, list[int]] = {}  # request id -> tokens to follow its last
         self._trims: dict[str, int] = {}  # block tables cut since the last step was emitted
-        # Per step not yet updated: its output, its verify rows' requests and draft slots.
+        # Per step with verify rows, not yet updated: its output, their requests and draft slots.
         self._in_flight: deque[tuple[SchedulerOutput, dict[str, tuple[Request, int]]]] = deque()
         self.num_spec_proposed = 0
         self.num_spec_accepted = 0
@@ -91,19 +91,18 @@ class SpecDecoding(StepFeature):
                 rows[rid] = (req, extra)
         out.scheduled_spec_tokens = spec
         out.truncated_block_tables, self._trims = self._trims, {}
-        self._in_flight.append((out, rows))
+        if rows:  # a step without verify rows has nothing to settle
+            self._in_flight.append((out, rows))
 
     # ---- results -------------------------------------------------------------------------------
     def before_update(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> tuple[ModelRunnerOutput, list[RequestOutput]]:
         in_flight = self._in_flight
-        while in_flight and in_flight[0][0] is not sched_out:  # a step never updated: dropped
-            in_flight.popleft()
-        if in_flight:
-            rows = in_flight.popleft()[1]
-            if rows:
-                self._settle(rows, runner_out)
+        if any(out is sched_out for out, _ in in_flight):
+            while in_flight[0][0] is not sched_out:  # scheduled, never updated: dropped
+                in_flight.popleft()
+            self._settle(in_flight.popleft()[1], runner_out)
         return runner_out, []
 
     def _settle(self, rows: dict[str, tuple[Request, int]], runner_out: ModelRunnerOutput) -> None:
