@@ -9,9 +9,10 @@ over a per-replica target), and the fleet needs the largest of them:
 
 - up: the largest demand, plus its rising trend over `lead_s` (a new replica takes about that long
   to start, so the count is set for where the load will be then), rounds up above the current
-  count, or the measured TTFT or ITL p90 is over its SLO (then the count grows by the ratio, at
-  most doubling; after a scale-up the latency signals are ignored for `slo_cooldown_s`, while the
-  new replica starts and the window refills);
+  count (at most to twice the replicas that report: a backlog that grows while new replicas start
+  is not counted again at every decision), or the measured TTFT or ITL p90 is over its SLO (then
+  the count grows by the ratio, at most doubling; after a scale-up the latency signals are ignored
+  for `slo_cooldown_s`, while the new replica starts and the window refills);
 - down: the largest demand over `downscale_headroom` (a dead band under the targets) still fits in
   fewer replicas, and both latencies are under `downscale_headroom` of their SLO, for
   `downscale_delay_s` without a break; the count falls to the most that the wait asked for.
@@ -309,7 +310,9 @@ def decide(
         return ScaleDecision(current, "no_signals", state)
     load, reason = demand(signals, config.targets).largest()
     state, ahead = _anticipate(load, config.targets.lead_s, state, now)
-    up = _ceil(ahead)
+    # At most twice the replicas that report: a backlog grows while the replicas asked for start,
+    # and counting it again every decision would scale to the cap for a burst that a few drain.
+    up = min(_ceil(ahead), max(current, 2 * len(signals)))
     ratio, slo_reason = _latency_ratio(signals, config.slo)
     cooling = (
         state.last_scale_up_s is not None

@@ -143,6 +143,19 @@ def test_a_rising_load_is_met_lead_s_ahead_and_without_a_lead_only_once_it_arriv
     assert all(n <= ahead[i + 6][1] + 1 for i, (t, _, n) in enumerate(ahead[:-6]))
 
 
+def test_a_backlog_adds_at_most_twice_the_reporting_replicas_while_others_start():
+    """Five replicas report a backlog worth 45 replicas of KV while two more are starting: the count
+    goes to 10, not 45, and holds there until the ones asked for report."""
+    cfg = config(max_replicas=64, targets=SignalTargets(lead_s=0))
+    backlog = [busy(1.0, waiting=50, tokens=8 * POOL, kv_cache_tokens=POOL)] * 5
+    d = decide(backlog, 7, cfg, AutoscalingState(), now=0.0)
+    assert (d.replicas, d.reason) == (10, "kv_cache")
+    d = decide(backlog, 10, cfg, d.state, now=5.0)
+    assert (d.replicas, d.reason) == (10, "steady")
+    d = decide(backlog * 2, 10, cfg, d.state, now=35.0)  # the new ones report: it may go on
+    assert d.replicas == 20
+
+
 def test_upscale_delay_and_bounds():
     cfg = config(upscale_delay_s=10, max_replicas=4)
     hot = [busy(1.0)] * 2
