@@ -6,7 +6,7 @@ while it decodes `--neighbour-tokens` tokens:
 - beside a 1,900-token prompt with prompt_logprobs=20 (issue 45, finding 3);
 - beside an embeddings request of 128 inputs x 2,000 tokens (finding 4); it is aborted once the
   neighbour is done (only the neighbour's latency is measured).
-With --no-bulk-share the bulk share is lifted (scheduler/bulk_budget.py: the whole budget), which
+With --no-bulk-share the bulk share is lifted (bulk_tokens_per_step past any budget), which
 is how the scheduler behaved before it. Prints medians, p90s and the longest gap, and each as a
 ratio to solo, in wall time and in this process's CPU time (all its threads): on a shared
 machine the CPU figures are the ones other processes' load does not distort. Figures, never
@@ -88,17 +88,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.no_bulk_share:
-        bulk_budget.BULK_SHARE_DIVISOR = 1  # the share is the whole budget
+    # --no-bulk-share: a share as large as any budget, so bulk work is never held back.
+    lifted = {"bulk_tokens_per_step": 1 << 40} if args.no_bulk_share else {}
     rng = random.Random(45)
-    with LLM(args.model, load_progress=False) as llm:
+    with LLM(args.model, load_progress=False, **lifted) as llm:
         vocab = llm.engine.model_info.vocab_size
 
         def prompt(n: int) -> list[int]:
             return [rng.randrange(100, vocab - 1) for _ in range(n)]
 
-        budget = llm.engine.config.scheduler.max_num_batched_tokens
-        share = bulk_budget.bulk_share(budget)
+        sched = llm.engine.config.scheduler
+        budget = sched.max_num_batched_tokens
+        share = bulk_budget.bulk_share(budget, sched.bulk_tokens_per_step)
         print(f"model {args.model}, max_num_batched_tokens {budget}, bulk share {share}")
         for thread in threading.enumerate():  # the grammar warm-up would count as CPU time
             if thread.name == "grammar-warm":

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from scheduler.request import Request
 
-# Bulk tokens a step takes beside a neighbour: max_num_batched_tokens / BULK_SHARE_DIVISOR, at least
-# MIN_BULK_TOKENS so bulk work always moves (8 at the default budget of 2048; 16 and 32 at the
-# 4096 and 8192 GPU deployments use, where a step's cost hardly grows with a few more rows). A
+# Bulk tokens a step takes beside a neighbour (unless SchedulerConfig.bulk_tokens_per_step says):
+# max_num_batched_tokens / BULK_SHARE_DIVISOR, at least MIN_BULK_TOKENS so bulk work always moves
+# (8 at the default budget of 2048; 16 and 32 at the 4096 and 8192 GPU deployments use). On a GPU,
+# where a step's cost hardly grows with a few hundred more rows, set it higher. A
 # prompt-logprobs row counts PROMPT_LOGPROB_ROW_COST tokens: a forward token and a full-vocabulary
 # logits row with its log-softmax and top-k. Measured on a CPU (the default model, one thread,
 # bench/neighbour_latency.py): a neighbour's decode step is 12.4 ms alone, 24.2 ms beside 8
@@ -55,8 +56,10 @@ def bulk_cost(req: Request, computed: int) -> int:
     return 1 if req.sampling_params.pooling is not None else PROMPT_LOGPROB_ROW_COST
 
 
-def bulk_share(max_num_batched_tokens: int) -> int:
-    """Bulk tokens one step takes while a neighbour streams."""
+def bulk_share(max_num_batched_tokens: int, configured: int | None = None) -> int:
+    """Bulk tokens one step takes while a neighbour streams (`configured`: the setting)."""
+    if configured is not None:
+        return configured
     return max(MIN_BULK_TOKENS, max_num_batched_tokens // BULK_SHARE_DIVISOR)
 
 
@@ -68,11 +71,13 @@ class BulkBudget:
     left: int = _NO_CAP
 
     @classmethod
-    def for_step(cls, running: Iterable[Request], max_num_batched_tokens: int) -> BulkBudget:
+    def for_step(
+        cls, running: Iterable[Request], max_num_batched_tokens: int, share: int | None = None
+    ) -> BulkBudget:
         """The allowance of a step whose running batch is `running` (before the step): the whole
         budget unless one of them is not bulk."""
         neighbour = any(not is_bulk(r, r.num_computed_tokens) for r in running)
-        return cls(bulk_share(max_num_batched_tokens) if neighbour else _NO_CAP)
+        return cls(bulk_share(max_num_batched_tokens, share) if neighbour else _NO_CAP)
 
     def cap(self, req: Request, computed: int) -> int:
         """The most tokens req's chunk from `computed` may take this step (no cap if not bulk)."""

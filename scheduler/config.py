@@ -65,6 +65,13 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = setting(
         0, "cap on one request's prefill tokens per step (0: none)", ge=0
     )
+    bulk_tokens_per_step: int | None = setting(
+        None,
+        "embedding prompt tokens and prompt_logprobs rows (each row counts 2) a step takes while "
+        "a streaming request runs; with none running, the whole budget (scheduler/bulk_budget.py)",
+        ge=1,
+        derived="max_num_batched_tokens / 256, at least 8",
+    )
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
     policy: str = setting(
         "fcfs",

@@ -215,7 +215,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones, within the budget."""
         step = Step(budget=self.config.max_num_batched_tokens)
-        self.bulk = BulkBudget.for_step(self.running, step.budget)  # scheduler/bulk_budget.py
+        self.bulk = BulkBudget.for_step(
+            self.running, step.budget, self.config.bulk_tokens_per_step
+        )  # scheduler/bulk_budget.py
         self._schedule_running(step)
         # Anti-thrash: a step that had to preempt admits nothing new (as vLLM does).
         if not step.running_pass_preempted:
@@ -240,13 +242,14 @@ class Scheduler:
             computed = req.num_computed_tokens
             pending = req.num_output_placeholders  # tokens still being sampled (async overlap)
             gap = len(req.all_token_ids) + pending - computed
-            if gap == 1:  # a decode (never cut at the prompt's end): it may verify proposals too
+            chunk = gap != 1  # a decode is never bulk work (scheduler/bulk_budget.py)
+            if not chunk:  # a decode (never cut at the prompt's end): it may verify proposals too
                 if spec_hooks:
                     gap += sum(hook(req) for hook in spec_hooks)
                 n = min(gap, cap, step.budget)
             else:
-                n = min(gap, cap, step.budget, to_prompt_end(req, computed))
-            n = min(n, self.bulk.cap(req, computed))
+                bulk = self.bulk.cap(req, computed)
+                n = min(gap, cap, step.budget, to_prompt_end(req, computed), bulk)
             if n <= 0 or (pending and finishes_on_pending(req, self.max_model_len)):
                 continue
             new_blocks = kv.allocate_slots(req, n)
@@ -264,7 +267,8 @@ class Scheduler:
             else:
                 step.cached_reqs.append(req)
             step.take(req, n, new_blocks)
-            self.bulk.charge(req, computed, n)
+            if chunk:
+                self.bulk.charge(req, computed, n)
             if charges:
                 self.charge_input(req, computed, n)
 

@@ -51,6 +51,21 @@ def test_share_is_a_fraction_of_the_budget_with_a_floor() -> None:
     assert bulk_share(2048) == 8
     assert bulk_share(512) == 8
     assert bulk_share(1) == 8  # bulk work always moves
+    assert bulk_share(2048, configured=300) == 300  # SchedulerConfig.bulk_tokens_per_step
+
+
+def test_the_configured_share_caps_an_embedding_beside_a_neighbour() -> None:
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=BUDGET,
+        block_size=16,
+        num_gpu_blocks=1024,
+        max_model_len=4096,
+        bulk_tokens_per_step=40,
+    )
+    sched, runner = Scheduler(cfg), ContractRunner(16, 1024, cfg.cpu_blocks)
+    start_neighbour(sched, runner)
+    sched.add_request(req("e", 1000, pooling="mean"))
+    assert run_step(sched, runner) == {"neighbour": 1, "e": 40}
 
 
 def test_which_chunks_are_bulk() -> None:
