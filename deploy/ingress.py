@@ -670,7 +670,9 @@ class OpenAIIngress:
                 asked_logprobs += body.n * max_tokens * (logprobs + 1)
             if body.asked_prompt_logprobs is not None:
                 asked_logprobs += body.n * len(prompt) * (body.asked_prompt_logprobs + 1)
-            hashes = m.frontend.block_hashes(prompt, m.config.engine.block_size, lora, salt)
+            hashes = m.frontend.block_hashes(
+                prompt, m.config.engine.block_size, m.routing_lora_key(lora), salt
+            )
             too_long = [s for s in body.stop if len(s) > m.config.max_stop_string_chars]
             if too_long:
                 raise BadRequestError(

@@ -15,7 +15,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from cluster.fleet_view import replica_ids
+from cluster.fleet_view import replica_ids, replica_reports
 from cluster.metrics import RequestMetrics
 from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import AuthenticationError, ModelNotFoundError, RequestTimeoutError
@@ -24,6 +24,7 @@ from deploy.lora import LoraAdmin, adapter_cards, adapter_of
 from deploy.tools import detect_format, template_renders_tools
 from frontend.frontend import Frontend
 from frontend.reasoning import Reasoning
+from router.adapter_affinity import routing_lora_key
 from workers.grammar_sandbox import GrammarSandbox, TokenizerSpec
 
 
@@ -75,6 +76,14 @@ class ServedModel:
         """The Serve deployments of its replicas (a disaggregated model's prefill ones too)."""
         handles = [self.replica] if self.prefill is None else [self.replica, self.prefill]
         return [h.deployment_name for h in handles]
+
+    def routing_lora_key(self, lora: str | None) -> str | None:
+        """What an adapter request's prompt is hashed under for prefix-affinity routing: the
+        identity its replicas report (their caches key the adapter's blocks by it)."""
+        if lora is None:
+            return None
+        reports = [r for d in self.deployments for r in replica_reports(d).values()]
+        return routing_lora_key(lora, (i for r in reports for i in r.scheduler.lora_identities))
 
     @property
     def base_names(self) -> tuple[str, str]:

@@ -65,3 +65,13 @@ class AdapterIndex:
 def holders_within(eligible: Sequence[Keyed], adapter: str, index: AdapterIndex) -> list[Keyed]:
     """The rows of eligible whose replica holds adapter (empty: the adapter is cold there)."""
     return [k for k in eligible if index.holds(k[2], adapter)]
+
+
+def routing_lora_key(lora: str | None, identities: Iterable[str]) -> str | None:
+    """What an adapter request's prompt is hashed under for prefix affinity: the identity
+    (`name@digest`) a replica reports for the adapter, as the replicas' caches key its blocks;
+    the name until one does (then only the router's own planted hashes can match)."""
+    if lora is None:
+        return None
+    prefix = f"{lora}@"
+    return next((i for i in identities if i.startswith(prefix)), lora)

@@ -7,7 +7,7 @@ it from `RunningReplica.routing_stats`): `to_dict` and `from_dict` are that edge
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 from typing import Any, get_type_hints
@@ -15,7 +15,7 @@ from typing import Any, get_type_hints
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
 from scheduler.predicted_load import PredictedLoad
-from scheduler.request import check_lora_name
+from scheduler.request import check_lora_identity, check_lora_name
 
 # How often Serve asks each replica for its report (request_routing_stats_period_s); the simulator
 # reports at the same period.
@@ -68,6 +68,7 @@ class RoutingStats:
         """The report as Serve carries it: flat, plain values."""
         out = {f.name: getattr(self.scheduler, f.name) for f in fields(SchedulerStats)}
         out["loaded_loras"] = list(self.scheduler.loaded_loras)
+        out["lora_identities"] = list(self.scheduler.lora_identities)
         out["state"] = self.state.value
         if self.prefix is not None:
             p = self.prefix
@@ -123,7 +124,8 @@ def _scheduler_stats(report: Mapping[str, Any]) -> SchedulerStats:
         if _FIELD_TYPES[f.name] is int:
             values[f.name] = _count(report, f.name)
         elif _FIELD_TYPES[f.name] == tuple[str, ...]:
-            values[f.name] = _names(report, f.name)
+            check = check_lora_identity if f.name == "lora_identities" else check_lora_name
+            values[f.name] = _names(report, f.name, check)
         else:
             values[f.name] = _figure(report, f.name)
     return SchedulerStats(**values)
@@ -153,7 +155,7 @@ def _figure(report: Mapping[str, Any], key: str) -> float:
     return float(value)
 
 
-def _names(report: Mapping[str, Any], key: str) -> tuple[str, ...]:
+def _names(report: Mapping[str, Any], key: str, check: Callable[[object], str]) -> tuple[str, ...]:
     value = _field(report, key)
     if type(value) not in (list, tuple) or len(value) > MAX_REPORTED_LORAS:
         raise ValueError(
@@ -162,7 +164,7 @@ def _names(report: Mapping[str, Any], key: str) -> tuple[str, ...]:
         )
     for name in value:
         try:
-            check_lora_name(name)
+            check(name)
         except ValueError as e:
             raise ValueError(f"routing stats field {key!r}: {e}") from None
     return tuple(value)

@@ -178,6 +178,9 @@ class SchedulerStats:
     num_spec_verify_rows: int = 0
     # The LoRA adapters in device slots (least recently used first), for adapter-affinity routing.
     loaded_loras: tuple[str, ...] = ()
+    # Every registered adapter's identity (name@digest), which keys its prefix-cache chain: the
+    # ingress hashes an adapter request's prompt under it for prefix-affinity routing.
+    lora_identities: tuple[str, ...] = ()
     # Tokens the waiting requests still have to compute before they run (prompts, and a preempted
     # request's recompute): the backlog the autoscaling policy weighs (router/autoscaling.py).
     num_waiting_prompt_tokens: int = 0

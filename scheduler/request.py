@@ -31,6 +31,18 @@ def check_lora_name(name: object, field_name: str = "lora_name") -> str:
     return name
 
 
+def check_lora_identity(
+    identity: object, name: str | None = None, field_name: str = "lora_identity"
+) -> str:
+    """identity if it is `<adapter name>@<digest>` (of adapter `name` when given), else
+    ValueError naming field_name."""
+    if isinstance(identity, str) and len(identity) <= 2 * MAX_LORA_NAME_CHARS:
+        base, at, digest = identity.partition("@")
+        if at and digest and _LORA_NAME.fullmatch(base) and (name is None or base == name):
+            return identity
+    raise ValueError(f"{field_name}: must be `<lora_name>@<digest>`, got {clipped(repr(identity))}")
+
+
 def check_cache_salt(salt: object, field_name: str = "cache_salt") -> str:
     """salt if it is a non-empty string of at most MAX_CACHE_SALT_CHARS characters, else
     ValueError naming field_name."""
@@ -114,13 +126,10 @@ class EngineRequest:
             raise ValueError("request_id: must be a non-empty string")
         if self.lora_name is not None:
             check_lora_name(self.lora_name)
-        if self.lora_identity is not None and not (
-            self.lora_name is not None
-            and isinstance(self.lora_identity, str)
-            and len(self.lora_identity) <= 2 * MAX_LORA_NAME_CHARS
-            and self.lora_identity.startswith(f"{self.lora_name}@")
-        ):
-            raise ValueError("lora_identity: must be `<lora_name>@<digest>`, set by the engine")
+        if self.lora_identity is not None:
+            if self.lora_name is None:
+                raise ValueError("lora_identity: set by the engine for a request with a lora_name")
+            check_lora_identity(self.lora_identity, self.lora_name)
         if self.cache_salt is not None:
             check_cache_salt(self.cache_salt)
         if not (

@@ -29,6 +29,7 @@ def collect_stats(sched: Scheduler, extra: dict[str, int]) -> SchedulerStats:
         num_prompt_tokens_hit=kv.num_hit_tokens,
         num_gpu_blocks=kv.pool.num_blocks,
         loaded_loras=sched.loras.loaded(),
+        lora_identities=tuple(sched.loras.identities.values()),
         num_waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
         **tier_stats(sched.connector),
         **extra,

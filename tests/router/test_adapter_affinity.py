@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.adapter_affinity import AdapterIndex
+from router.adapter_affinity import AdapterIndex, routing_lora_key
 from router.policies import RouteRequest
 from router.stats import RoutingStats
+from scheduler.block_manager import hash_prompt_blocks
 from scheduler.outputs import SchedulerStats
 from tests.router.scaffold import busy, fleet, report
 
@@ -201,3 +202,49 @@ def test_the_index_is_copied_with_the_fleet():
 
 def test_scheduler_stats_default_to_no_adapters():
     assert SchedulerStats(0, 0, 0, 0.0, 0.0, 0).loaded_loras == ()
+
+
+# ---------------------------------------------------------------- adapter identities and prefixes
+
+
+def test_lora_identities_travel_through_the_report_dict():
+    stats = holding("x")
+    stats = dataclasses.replace(
+        stats, scheduler=dataclasses.replace(stats.scheduler, lora_identities=("x@ab12", "y@cd"))
+    )
+    sent = stats.to_dict()
+    assert sent["lora_identities"] == ["x@ab12", "y@cd"]
+    assert RoutingStats.from_dict(sent) == stats
+    del sent["lora_identities"]  # a replica of an older release
+    assert RoutingStats.from_dict(sent).scheduler.lora_identities == ()
+
+
+@pytest.mark.parametrize(
+    "value", [2**64, -1, float("nan"), ["x"], ["x@"], ["@ab"], ["x@" + "a" * 10_000_000], [7]]
+)
+def test_a_malformed_lora_identity_is_refused_by_name(value):
+    sent = {**holding().to_dict(), "lora_identities": value}
+    with pytest.raises(ValueError, match="routing stats field 'lora_identities'"):
+        RoutingStats.from_dict(sent)
+
+
+def test_an_adapter_request_is_hashed_under_the_identity_a_replica_reports():
+    assert routing_lora_key("x", ["y@11", "x@22"]) == "x@22"
+    assert routing_lora_key("x", ["xy@33"]) == "x"  # another adapter's name only begins alike
+    assert routing_lora_key("x", []) == "x"  # no replica reported it yet: the name
+    assert routing_lora_key(None, ["x@22"]) is None
+
+
+def test_the_router_matches_an_adapter_prefix_that_a_replica_cached_under_its_identity():
+    """The replica's cache keys an adapter's blocks by identity (engine/loras.py); the ingress,
+    hashing under the identity the replica reports, finds that replica; hashed by name it would
+    not."""
+    prompt = list(range(100, 164))
+    cached = hash_prompt_blocks(prompt, 16, lora_name="x@22")
+    state = fleet()
+    state.on_stats(A, holding("x"), now=0)
+    state.index.insert(A, cached, now=0)
+    key = routing_lora_key("x", ["x@22"])
+    assert state.index.match(hash_prompt_blocks(prompt, 16, lora_name=key), [A, B]) == {A: 4, B: 0}
+    by_name = hash_prompt_blocks(prompt, 16, lora_name="x")
+    assert state.index.match(by_name, [A, B]) == {A: 0, B: 0}
