@@ -74,6 +74,18 @@ class DraftFeature(RunnerFeature):
             if resumed:  # swapped blocks hold its KV as far as it had caught up
                 state = requests[rid]
                 state.draft_computed = min(state.draft_computed, computed)
+        if self.stale:
+            self._forget_fresh(out)
+
+    def _forget_fresh(self, out: SchedulerOutput) -> None:
+        """Blocks allocated afresh are computed by the model and the draft alike: no longer
+        stale (so the set empties even when a loaded block's request never caught up)."""
+        bs, cached = self.draft.block_size, out.scheduled_cached_reqs
+        for new in out.scheduled_new_reqs:  # past its hits
+            self.stale.difference_update(new.block_ids[-(-new.num_computed_tokens // bs) :])
+        for resumed, blocks in zip(cached.resumed, cached.new_block_ids):
+            if not resumed:  # appended blocks (a resumed table holds hits)
+                self.stale.difference_update(blocks)
 
     def after_copies(self, out: SchedulerOutput) -> list[int]:
         self.draft.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
