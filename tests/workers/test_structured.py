@@ -136,7 +136,7 @@ def test_constrained_request_survives_preemption(mode, llm_factory, caplog):
         for i in range(CONSTRAINED)
     ]
     prompts = [chat("an old story " * 20)] * FILLER + [chat(t) for t in TOPICS[:CONSTRAINED]]
-    with caplog.at_level(logging.DEBUG, logger="scheduler.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="scheduler.preempt"):
         outputs = llm.chat(prompts, filler + params, use_tqdm=False)
     assert llm.engine.stats().num_preemptions > before
     preempted = {r.getMessage().split()[1] for r in caplog.records if "preempted" in r.msg}
