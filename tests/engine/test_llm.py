@@ -63,7 +63,8 @@ def test_stop_string_truncates_the_text(tiny_llm):
     [full] = tiny_llm.generate([[30, 31, 32]], params, use_tqdm=False)
     # A stop string taken from the output itself, starting at its second half's first visible
     # character: it always occurs, so the test always runs.
-    start = next(i for i in range(len(full.text) // 2, len(full.text)) if not full.text[i].isspace())
+    half = range(len(full.text) // 2, len(full.text))
+    start = next(i for i in half if not full.text[i].isspace())
     stop = full.text[start : start + 3]
     [cut] = tiny_llm.generate(
         [[30, 31, 32]],
