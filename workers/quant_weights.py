@@ -25,6 +25,8 @@ from torch import nn
 
 from workers.layers.fp8 import FP8, FP8Weight, check_device, quantize_weight
 from workers.layers.int4 import Int4Weight, pack_nibbles
+from workers.layers.param_attrs import set_param_attr
+from workers.layers.quantized import AnyWeight
 from workers.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 def quantized_tensors(
     weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig | None
-) -> Iterator[tuple[str, object]]:
+) -> Iterator[tuple[str, AnyWeight]]:
     """The stream with each quantized linear's parts assembled into one weight (see module)."""
     if qc is None or qc.method == "fp8":
         yield from weights
@@ -54,7 +56,9 @@ def quantized_tensors(
         yield f"{prefix}.weight", _assemble(prefix, parts, qc)
 
 
-def _assemble(prefix: str, parts: dict[str, torch.Tensor], qc: QuantConfig) -> object:
+def _assemble(
+    prefix: str, parts: dict[str, torch.Tensor], qc: QuantConfig
+) -> FP8Weight | Int4Weight:
     need = ("qweight", "qzeros", "scales") if qc.is_int4 else ("weight", "weight_scale")
     missing = [p for p in need if p not in parts]
     if missing:
@@ -181,7 +185,7 @@ def quantize_model_fp8(model: nn.Module, per_tensor: bool = False) -> int:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             param = module.weight
             if getattr(param, "quant", None) is None and getattr(param, "gguf", None) is None:
-                param.quant = quantize_weight(param.data, per_tensor)
+                set_param_attr(param, "quant", quantize_weight(param.data, per_tensor))
                 count += 1
     return count
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.layers.linear import CpuPackedWeight, linear
+from workers.layers.param_attrs import set_param_attr
 from workers.layers.quantized import GGUFWeight, load_target
 from workers.parallel import all_reduce, divide, gather, get_tp_rank, get_tp_world_size
 
@@ -25,10 +26,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False
         )
-        self.weight.weight_loader = self.weight_loader
+        set_param_attr(self.weight, "weight_loader", self.weight_loader)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor | GGUFWeight,
+        shard_id: int | str | None = None,
     ) -> None:
         if loaded.shape[0] != self.vocab_size:
             raise ValueError(
@@ -38,8 +42,11 @@ class VocabParallelEmbedding(nn.Module):
         rows = loaded.narrow(0, self.vocab_start, num_rows)
         target = load_target(param, loaded)
         if isinstance(target, GGUFWeight):  # allocated as zeros: padding rows stay zero
+            assert isinstance(rows, GGUFWeight)  # load_target returns blocks only for blocks
             target.narrow(0, 0, num_rows).copy_(rows)
             return
+        if not isinstance(target, torch.Tensor):
+            raise ValueError(f"embedding: {type(target).__name__} weights are not supported")
         target.zero_()  # the padding rows of the last rank stay zero
         target[:num_rows].copy_(rows.dequantize() if isinstance(rows, GGUFWeight) else rows)
 

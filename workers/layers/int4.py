@@ -122,8 +122,10 @@ class Int4Weight:
         return Int4Weight(codes, scales, zeros, gs)
 
     def index_rows(self, index: torch.Tensor) -> Int4Weight:
-        pick = (t.index_select(0, index) for t in (self.codes, self.scales, self.zeros))
-        return Int4Weight(*pick, self.group_size, self.g_idx)
+        codes, scales, zeros = (
+            t.index_select(0, index) for t in (self.codes, self.scales, self.zeros)
+        )
+        return Int4Weight(codes, scales, zeros, self.group_size, self.g_idx)
 
     def copy_(self, other: object) -> None:
         if not isinstance(other, Int4Weight) or other.group_size != self.group_size:

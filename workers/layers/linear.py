@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers.quantized import QUANTIZED, GGUFWeight, as_float, load_target
+from workers.layers.param_attrs import set_param_attr
+from workers.layers.quantized import QUANTIZED, AnyWeight, GGUFWeight, as_float, load_target
 from workers.parallel import all_reduce, divide, get_tp_rank, get_tp_world_size
 
 if TYPE_CHECKING:
@@ -111,6 +112,8 @@ class CpuPackedWeight(nn.Module):
     (a tied embedding keeps it), so a float CPU model holds each linear weight once. A weight
     loaded from GGUF blocks (`weight.gguf`) is used as stored instead: one copy, no packing."""
 
+    weight: nn.Parameter
+    bias: nn.Parameter | None  # registered as None without a bias
     packed: torch.Tensor | GGUFWeight | FP8Weight | Int4Weight | None = None
     # LoRA adapters' slot weights (workers/lora), attached when the engine serves adapters.
     lora: LoraLayer | None = None
@@ -121,10 +124,10 @@ class CpuPackedWeight(nn.Module):
         """An unloaded [rows, cols] weight and, with `bias`, a [rows] bias, each with the loader
         that copies this rank's shard of a checkpoint tensor into it."""
         self.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_param_attr(self.weight, "weight_loader", self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(rows), requires_grad=False)
-            self.bias.weight_loader = bias_loader
+            set_param_attr(self.bias, "weight_loader", bias_loader)
         else:
             self.register_parameter("bias", None)
 
@@ -173,7 +176,7 @@ def drop_packed_float_copies(model: nn.Module) -> int:
         if not isinstance(m.packed, torch.Tensor) or w.numel() == 0:
             continue
         w.data = w.data.new_zeros(()).expand(w.shape)
-        w.packed_only = True
+        set_param_attr(w, "packed_only", True)
         count += 1
     return count
 
@@ -182,7 +185,7 @@ def _shard(loaded: torch.Tensor, dim: int, size: int, index: int) -> torch.Tenso
     return loaded.narrow(dim, index * size, size)
 
 
-def _copy(param: torch.Tensor | GGUFWeight | FP8Weight | Int4Weight, loaded, name: str) -> None:
+def _copy(param: AnyWeight, loaded: AnyWeight, name: str) -> None:
     """Copy a checkpoint shard (a tensor, GGUF blocks, FP8 or INT4) into param (the same, or a
     float tensor)."""
     if param.shape != loaded.shape:

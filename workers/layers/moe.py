@@ -166,7 +166,7 @@ class FusedMoE(CpuPackedWeight):
         self.packed2 = [cpu_pack(w) for w in self.w2]
         return all(p is not None for p in self.packed13 + self.packed2)
 
-    def load_expert(self, expert: int, part: str, tensor) -> bool:
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> bool:
         """Copy one checkpoint matrix of one expert ("gate" or "up" [I, H], "down" [H, I]) into
         this rank's share; False if this rank does not hold the expert."""
         local = expert - self.first
@@ -193,7 +193,7 @@ class FusedMoE(CpuPackedWeight):
             )
         return True
 
-    def load_fused(self, name: str, tensor) -> None:
+    def load_fused(self, name: str, tensor: torch.Tensor) -> None:
         """Every expert at once from a 3-D checkpoint tensor: gate_up_proj [E, 2I, H] (gate rows,
         then up rows) or down_proj [E, H, I]."""
         if tensor.shape[0] != self.cfg.num_experts:

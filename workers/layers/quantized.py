@@ -19,6 +19,7 @@ for large ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ import torch
 from workers.layers.backends import gguf_cpu
 from workers.layers.fp8 import FP8Weight
 from workers.layers.int4 import Int4Weight
+from workers.layers.param_attrs import set_param_attr
 
 BLOCK = 32
 SUPER_BLOCK = 256
@@ -108,7 +110,7 @@ class GGUFWeight:
         parts = [(self.codes, block_layout(self.qtype)[1])]
         return parts + [(t, 1) for t in (self.scales, self.mins) if t is not None]
 
-    def _apply(self, fn) -> GGUFWeight:
+    def _apply(self, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> GGUFWeight:
         codes, *rest = (fn(t, width) for t, width in self._parts())
         scales = rest[0] if rest else None
         mins = rest[1] if len(rest) > 1 else None
@@ -131,7 +133,11 @@ class GGUFWeight:
     def index_rows(self, index: torch.Tensor) -> GGUFWeight:
         return self._apply(lambda t, width: t.index_select(0, index))
 
-    def copy_(self, other: GGUFWeight) -> None:
+    def copy_(self, other: object) -> None:
+        if not isinstance(other, GGUFWeight):
+            raise ValueError(
+                f"{self.name or 'a weight'}: cannot copy {type(other).__name__} into GGUF blocks"
+            )
         if other.qtype != self.qtype:
             raise ValueError(f"qtype: cannot copy {other.qtype} blocks into {self.qtype} blocks")
         for (dst, _), (src, _) in zip(self._parts(), other._parts(), strict=True):
@@ -174,7 +180,7 @@ class GGUFWeight:
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         ops = gguf_cpu.load()
-        if gguf_cpu.int8_kernel():
+        if ops is not None and gguf_cpu.int8_kernel():  # int8_kernel implies a loaded library
             if self.packed is None:
                 self.packed = tuple(ops.pack(*self._kernel_args()))
             rows, qtype = self.shape[0], gguf_cpu.QTYPE_IDS[self.qtype]
@@ -210,9 +216,11 @@ class GGUFWeight:
 
 # Weights kept in a checkpoint's quantized format on any device (workers/quant_weights.py).
 QUANTIZED = (FP8Weight, Int4Weight)
+# What a checkpoint tensor may arrive as, and what a parameter's weight may be held as.
+AnyWeight = torch.Tensor | GGUFWeight | FP8Weight | Int4Weight
 
 
-def load_target(param: torch.Tensor, loaded: object):
+def load_target(param: torch.Tensor, loaded: object) -> AnyWeight:
     """Where a layer's weight_loader writes `loaded`: the parameter's GGUF blocks when `loaded` is
     a GGUFWeight (allocated on the first shard, kept as `param.gguf`), its FP8 or INT4 weight when
     `loaded` is one (likewise, as `param.quant`), its float data otherwise.
@@ -225,21 +233,25 @@ def load_target(param: torch.Tensor, loaded: object):
     current = getattr(param, "gguf", None)
     if isinstance(loaded, GGUFWeight) and param.device.type == "cpu":
         if current is None and not getattr(param, "gguf_float", False):
-            current = param.gguf = GGUFWeight.zeros(loaded.qtype, *param.shape, loaded.name)
+            rows, cols = param.shape
+            current = GGUFWeight.zeros(loaded.qtype, rows, cols, loaded.name)
+            set_param_attr(param, "gguf", current)
         if current is not None and current.qtype == loaded.qtype:
             return current
     if current is not None:
         param.data.copy_(current.dequantize())
-        del param.gguf
+        delattr(param, "gguf")
     # Float from here on, whichever shard came first: a later block shard is de-quantised into it.
-    param.gguf_float = True
+    set_param_attr(param, "gguf_float", True)
     return param.data
 
 
 def _quant_target(param: torch.Tensor, loaded: FP8Weight | Int4Weight) -> FP8Weight | Int4Weight:
     current = getattr(param, "quant", None)
     if current is None:
-        current = param.quant = loaded.empty(*param.shape, device=param.device)
+        rows, cols = param.shape
+        current = loaded.empty(rows, cols, device=param.device)
+        set_param_attr(param, "quant", current)
     if type(current) is not type(loaded):
         raise ValueError(
             f"weights: one fused weight mixes {type(current).__name__} and "
@@ -248,7 +260,15 @@ def _quant_target(param: torch.Tensor, loaded: FP8Weight | Int4Weight) -> FP8Wei
     return current
 
 
-def as_float(loaded: object) -> object:
+def float_only(loaded: AnyWeight, name: str) -> torch.Tensor:
+    """`loaded` where only a float tensor can go (plain parameters, experts); a GGUF, FP8 or INT4
+    weight raises, naming the tensor."""
+    if not isinstance(loaded, torch.Tensor):
+        raise ValueError(f"{name}: {type(loaded).__name__} weights are not supported here")
+    return loaded
+
+
+def as_float(loaded: AnyWeight) -> torch.Tensor:
     """A GGUF, FP8 or INT4 weight de-quantised (for float destinations); anything else
     unchanged."""
     return loaded.dequantize() if isinstance(loaded, (GGUFWeight, *QUANTIZED)) else loaded

@@ -117,6 +117,10 @@ class RotaryEmbedding(nn.Module):
     Under longrope the table holds the short factors' rows, then (from row `long_offset`) the long
     factors' rows: the model picks a token's rows by adding long_offset to its position."""
 
+    # [rows, head_dim] tables, registered as (non-persistent) buffers
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope_parameters)

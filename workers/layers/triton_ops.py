@@ -149,7 +149,7 @@ def launch_rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
     fp_fusion: bool = False,
-):
+) -> object:
     """rotary_'s launch; returns what Triton returns (on a GPU the compiled kernel, whose
     .asm["ptx"] bench/triton_rounding.py reads).
 

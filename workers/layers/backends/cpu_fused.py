@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_fused.cp
 
 
 @functools.cache
-def load():
+def load() -> Any | None:
     """torch.ops.raylm_fused (rms_norm, add_rms_norm, silu_and_mul, rotary_, write_kv), or None
     when it cannot be built here."""
     return build_ops(
@@ -42,7 +43,7 @@ def load():
     )
 
 
-def _ops():
+def _ops() -> Any:
     ops = load()
     if ops is None:
         raise RuntimeError("CPU fused ops: the C++ library could not be built (see the warning)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +29,7 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode
 
 
 @functools.cache
-def load():
+def load() -> Callable[..., None] | None:
     """The compiled op (torch.ops.raylm.paged_decode), or None when it cannot be built here."""
     ops = build_ops(
         "paged_decode",
@@ -63,4 +64,9 @@ def paged_decode(
     head to the softmax's denominator. Requires `load()` to have returned the op."""
     if sinks is None:
         sinks = torch.empty(0, dtype=torch.float32)
-    load()(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks)
+    op = load()
+    if op is None:
+        raise RuntimeError(
+            "CPU paged-decode kernel: the C++ library could not be built (see the warning)"
+        )
+    op(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks)

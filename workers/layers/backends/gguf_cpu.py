@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ def int8_kernel() -> bool:
 
 
 @functools.cache
-def load():
+def load() -> Any | None:
     """torch.ops.raylm_gguf (`linear`, `dequantize`, `isa`; in VNNI builds `pack` and
     `linear_packed`), or None when it cannot be built."""
     isa = variant()

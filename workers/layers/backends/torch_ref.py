@@ -48,7 +48,7 @@ class _TorchState:
 
 
 def attend_eager(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, p: AttentionParams
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: AttentionParams
 ) -> torch.Tensor:
     """What SDPA cannot express: a tanh soft-cap on the scores and per-head sink logits. Scores,
     cap, mask, softmax (float32) with the sink as one more column that is then dropped, as
@@ -71,7 +71,7 @@ def attend_eager(
 
 
 def attend_prefill_eager(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, p: AttentionParams
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: AttentionParams
 ) -> torch.Tensor:
     """SDPA's layout: q [1, Hq, Lq, D], k/v [1, Hk, Lk, D] -> [1, Hq, Lq, D]."""
     _, hq, lq, d = q.shape
@@ -120,8 +120,9 @@ class TorchBackend:
             q.shape
         )  # contiguous, whatever q's strides (it may view a fused QKV output)
         nd = meta.num_decodes
-        if nd and p.kv_scale is None and self._kernel_takes(q, k_cache):
-            self.kernel(
+        kernel = self.kernel
+        if nd and p.kv_scale is None and kernel is not None and self._kernel_takes(q, k_cache):
+            kernel(
                 _first(out, nd),
                 _first(q, nd),
                 k_cache,
@@ -140,8 +141,7 @@ class TorchBackend:
 
     def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (
-            self.kernel is not None
-            and q.device.type == "cpu"
+            q.device.type == "cpu"
             and k_cache.is_contiguous()
             and cpu_paged.supports(q.dtype, q.shape[-1])
         )
