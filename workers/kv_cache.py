@@ -9,12 +9,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from workers.kv_fp8 import DEFAULT_SCALE, FP8, storage_dtype
 from workers.layers.attention import Attention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class KVCacheSpec:
 
     @classmethod
     def from_hf_config(
-        cls, config, block_size: int, dtype: torch.dtype, tp_size: int = 1
+        cls, config: PretrainedConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
     ) -> KVCacheSpec:
         """One rank's spec, from the model config (KV heads are replicated when tp_size > their
         count)."""

@@ -17,6 +17,7 @@ from workers.hub import ensure_weights
 from workers.layers.linear import drop_packed_float_copies, pack_cpu_weights
 from workers.layers.quantized import drop_float_copies
 from workers.models import model_class
+from workers.models.llama import LlamaForCausalLM
 from workers.quant_config import quant_config_of
 from workers.quant_weights import attach_quantized, quantize_model_fp8, quantized_tensors
 
@@ -69,6 +70,7 @@ def mapped_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         header = json.loads(f.read(header_len))
     size = path.stat().st_size
     data = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    assert isinstance(data, torch.UntypedStorage)  # typed as any storage; it is this one
     raw = torch.empty(0, dtype=torch.uint8).set_(data)
     base = 8 + header_len
     fallback = None
@@ -108,7 +110,7 @@ def load_model(
     progress: bool = True,
     gguf_file: str | None = None,
     quantization: str = "none",
-) -> torch.nn.Module:
+) -> LlamaForCausalLM:
     """Build the model for config on device in dtype and load this rank's weight shards.
 
     With gguf_file (CPU only) the weights come from that GGUF file, its Q4_0/Q4_1/Q8_0 and

@@ -19,7 +19,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from transformers import AutoTokenizer, PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from workers.hub import TOKENIZER_FILES, HubModel, fetch, is_hub_id, snapshot_of
 from workers.options import DEFAULT_CACHE_DIR
@@ -74,7 +74,7 @@ def resolve_model(model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> str:
     )
 
 
-def load_tokenizer(model: str, cache_dir: str = DEFAULT_CACHE_DIR):
+def load_tokenizer(model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> PreTrainedTokenizerBase:
     """The tokenizer (with its chat template) of a model."""
     return AutoTokenizer.from_pretrained(resolve_model(model, cache_dir))
 

@@ -15,7 +15,7 @@ import time
 from typing import TypeVar
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from scheduler.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from workers.cuda_graphs import DecodeGraphs, decode_graphs_enabled
@@ -93,12 +93,12 @@ class ModelRunner:
         # the layout before (kept for comparisons: tests and bench/spec_bench.py).
         self.verify_as_decodes = True
 
-    def _load_model(self, hf_config: object) -> CausalLM:
+    def _load_model(self, hf_config: PretrainedConfig) -> CausalLM:
         cfg, t0 = self.config, time.perf_counter()
         set_expert_parallel(cfg.expert_parallel)  # read by the MoE layers as they are built
         model = load_model(
             cfg.model_dir,
-            hf_config,  # type: ignore[arg-type]
+            hf_config,
             self.dtype,
             self.device,
             cfg.max_model_len,
@@ -107,7 +107,7 @@ class ModelRunner:
             quantization=cfg.quantization,
         )
         logger.info("model loaded in %.1fs", time.perf_counter() - t0)
-        return model  # type: ignore[return-value]
+        return model
 
     def _init_attention(self) -> None:
         cfg = self.config

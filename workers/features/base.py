@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from transformers import PretrainedConfig
 
 from scheduler.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from workers.kv_cache import KVCache, KVCacheSpec
@@ -47,7 +48,7 @@ class RunnerContext:
 
     config: RunnerConfig
     model: CausalLM
-    hf_config: object  # the model's transformers config
+    hf_config: PretrainedConfig  # the model's transformers config
     device: torch.device
     dtype: torch.dtype
     is_driver: bool  # rank 0: the rank that samples

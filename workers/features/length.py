@@ -14,7 +14,7 @@ from workers.step_state import Batch
 class LengthFeature(RunnerFeature):
     def __init__(self, ctx: RunnerContext) -> None:
         self.ctx = ctx
-        hidden_size = int(ctx.hf_config.hidden_size)  # type: ignore[attr-defined]
+        hidden_size = int(ctx.hf_config.hidden_size)
         self.extractor = LengthFeatures(hidden_size, ctx.config.length_feature_dim, ctx.device)
 
     def after_forward(self, batch: Batch, hidden: torch.Tensor, offsets: list[int]) -> None:

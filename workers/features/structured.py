@@ -23,7 +23,7 @@ class StructuredFeature(RunnerFeature):
     def __init__(self, ctx: RunnerContext) -> None:
         self.ctx = ctx
         cfg = ctx.config
-        vocab_size = int(ctx.hf_config.vocab_size)  # type: ignore[attr-defined]
+        vocab_size = int(ctx.hf_config.vocab_size)
         # Built and warmed off the engine thread from now on (workers/grammar_warm.py).
         self.warm = WarmDecoding(
             cfg.model_dir,

@@ -16,10 +16,14 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.lora.files import CONFIG_FILE, WEIGHTS_FILE, AdapterFiles, read_adapter_files
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # The projections an adapter may target: attention (fused as qkv in our models) and the dense MLP
 # (fused as gate_up).
@@ -44,7 +48,7 @@ class ModelShapes:
     shapes: dict[str, tuple[int, int]]  # target -> (out_features, in_features), before TP
 
     @classmethod
-    def from_hf_config(cls, config) -> ModelShapes:
+    def from_hf_config(cls, config: PretrainedConfig) -> ModelShapes:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

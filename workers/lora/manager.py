@@ -14,15 +14,18 @@ import logging
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from workers.layers.linear import (
     ColumnParallelLinear,
+    CpuPackedWeight,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from workers.lora.adapter import LoraAdapter, ModelShapes
 from workers.lora.layers import LoraBatch, LoraLayer, Segment
+from workers.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +36,8 @@ class LoraManager:
 
     def __init__(
         self,
-        model: nn.Module,
-        hf_config,
+        model: LlamaForCausalLM,
+        hf_config: PretrainedConfig,
         max_loras: int,
         max_rank: int,
         max_cpu_loras: int,
@@ -47,14 +50,15 @@ class LoraManager:
         self.batch = LoraBatch()
         # layer index -> the LoRA layers of its linears
         self.layers: list[list[LoraLayer]] = []
-        for layer in model.model.layers:
+        for attn, layer in zip(model.attention_blocks(), model.model.layers, strict=True):
             found = []
-            for linear, target in (
-                (layer.self_attn.qkv_proj, ""),
-                (layer.self_attn.o_proj, "o_proj"),
+            linears: list[tuple[CpuPackedWeight | None, str]] = [
+                (attn.qkv_proj, ""),
+                (attn.o_proj, "o_proj"),
                 (getattr(layer.mlp, "gate_up_proj", None), ""),
                 (getattr(layer.mlp, "down_proj", None), "down_proj"),
-            ):
+            ]
+            for linear, target in linears:
                 if linear is None:  # a mixture-of-experts layer has no dense MLP
                     continue
                 lora = self._make_layer(linear, target, max_loras, max_rank)
@@ -68,7 +72,7 @@ class LoraManager:
         self.unplaced: dict[str, str] = {}
 
     def _make_layer(
-        self, linear: nn.Module, target: str, max_loras: int, max_rank: int
+        self, linear: CpuPackedWeight, target: str, max_loras: int, max_rank: int
     ) -> LoraLayer:
         segments, in_offset = _segments(linear, target)
         in_features = _weight_shape(linear)[1]
@@ -168,7 +172,7 @@ class LoraManager:
         return True
 
 
-def _weight_shape(linear: nn.Module) -> tuple[int, int]:
+def _weight_shape(linear: CpuPackedWeight) -> tuple[int, int]:
     """This rank's [out, in] of a linear's weight, also when it is kept as GGUF blocks, FP8 or
     INT4 (whose float storage was freed)."""
     kept = getattr(linear.weight, "gguf", None) or getattr(linear.weight, "quant", None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch import nn
+from transformers import PretrainedConfig
 
 from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workers.models.gpt_oss import GptOssForCausalLM
@@ -15,7 +15,7 @@ from workers.models.llama import (
 from workers.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from workers.models.phi3 import Phi3ForCausalLM
 
-MODELS: dict[str, type[nn.Module]] = {
+MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -45,7 +45,7 @@ _BY_MODEL_TYPE = {
 }
 
 
-def model_class(config) -> type[nn.Module]:
+def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
     """The model class for a config, or a ValueError listing what is supported."""
     archs = list(getattr(config, "architectures", None) or [])
     if not archs and getattr(config, "model_type", None) in _BY_MODEL_TYPE:

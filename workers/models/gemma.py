@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from workers.layers.activation import GeluAndMul
 from workers.layers.attention import AttentionMetadata
@@ -43,13 +44,19 @@ class GemmaArgs:
     layer_ropes: tuple[tuple[tuple[str, object], ...], ...]
 
     @classmethod
-    def from_hf_config(cls, config, num_layers: int, *, gemma3: bool) -> GemmaArgs:
+    def from_hf_config(
+        cls, config: PretrainedConfig, num_layers: int, *, gemma3: bool
+    ) -> GemmaArgs:
         scalar = getattr(config, "query_pre_attn_scalar", None) or config.head_dim
         if not isinstance(scalar, int | float) or isinstance(scalar, bool) or not scalar > 0:
             raise ValueError(f"query_pre_attn_scalar: must be a positive number, got {scalar!r}")
+        activation = getattr(config, "hidden_activation", None) or getattr(
+            config, "hidden_act", "gelu_pytorch_tanh"
+        )
+        if not isinstance(activation, str):
+            raise ValueError(f"hidden_activation: must be a string, got {activation!r}")
         return cls(
-            activation=getattr(config, "hidden_activation", None)
-            or getattr(config, "hidden_act", "gelu_pytorch_tanh"),
+            activation=activation,
             query_pre_attn_scalar=float(scalar),
             attn_softcap=None if gemma3 else _cap(config, "attn_logit_softcapping"),
             final_softcap=_cap(config, "final_logit_softcapping"),
@@ -60,7 +67,7 @@ class GemmaArgs:
         )
 
 
-def _cap(config, name: str) -> float | None:
+def _cap(config: PretrainedConfig, name: str) -> float | None:
     value = getattr(config, name, None)
     if value is None:
         return None
@@ -69,7 +76,7 @@ def _cap(config, name: str) -> float | None:
     return float(value)
 
 
-def _rope_of(config, layer: int) -> dict:
+def _rope_of(config: PretrainedConfig, layer: int) -> dict:
     """Layer `layer`'s rope parameters: per layer type where the config keys them so (Gemma 3),
     else the one set."""
     rope = getattr(config, "rope_parameters", None) or {
@@ -96,7 +103,9 @@ class GemmaRMSNorm(nn.Module):
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
         residual = x + residual
@@ -188,7 +197,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     gemma3 = False
 
-    def __init__(self, config, max_model_len: int | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         nn.Module.__init__(self)
         self.args = LlamaArgs.from_hf_config(config)
         if max_model_len is not None:

@@ -22,8 +22,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from workers.layers.moe import FusedMoE, MoEConfig, ReplicatedLinear
+from workers.layers.param_attrs import set_param_attr
+from workers.layers.quantized import AnyWeight, float_only
 from workers.models.llama import LlamaForCausalLM
 from workers.models.moe import MoEForCausalLM
 from workers.parallel import get_tp_rank
@@ -32,7 +35,7 @@ from workers.parallel import get_tp_rank
 _EXPERTS = re.compile(r"^(.*\.)mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
-def moe_config_of(config) -> MoEConfig:
+def moe_config_of(config: PretrainedConfig) -> MoEConfig:
     if getattr(config, "quantization_config", None):
         raise ValueError(
             "quantization_config: quantized gpt-oss checkpoints (MXFP4) are not supported yet; "
@@ -65,22 +68,21 @@ class GptOssMoeBlock(nn.Module):
 class GptOssForCausalLM(MoEForCausalLM):
     """gpt-oss-20b / -120b shapes; every layer sparse."""
 
-    def __init__(self, config, max_model_len: int | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         self.experts_cfg = moe_config_of(config)
         LlamaForCausalLM.__init__(self, config, max_model_len)  # MoEForCausalLM reads MoEArgs
-        for layer in self.model.layers:
-            attn = layer.self_attn
+        for attn in self.attention_blocks():
             attn.sinks = nn.Parameter(torch.empty(attn.qkv_proj.num_heads), requires_grad=False)
-            attn.sinks.weight_loader = _load_sinks
+            set_param_attr(attn.sinks, "weight_loader", _load_sinks)
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         return GptOssMoeBlock(self.experts_cfg)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, AnyWeight]]) -> set[str]:
         loaded: set[str] = set()
         modules = dict(self.named_modules())
 
-        def others(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        def others(items: Iterable[tuple[str, AnyWeight]]) -> Iterator[tuple[str, AnyWeight]]:
             for name, tensor in items:
                 if name.endswith(("_blocks", "_scales")):
                     raise ValueError(
@@ -92,14 +94,14 @@ class GptOssForCausalLM(MoEForCausalLM):
                     continue
                 prefix, proj, bias = hit.group(1), hit.group(2), hit.group(3) or ""
                 experts = self._experts_of(modules, prefix, name)
-                _load_experts(experts, proj, bool(bias), tensor)
+                _load_experts(experts, proj, bool(bias), float_only(tensor, name))
                 ours = ("w13" if proj == "gate_up_proj" else "w2") + bias
                 loaded.add(f"{prefix}mlp.experts.{ours}")
 
         return loaded | super().load_weights(others(weights))
 
 
-def _load_experts(experts: FusedMoE, proj: str, bias: bool, tensor) -> None:
+def _load_experts(experts: FusedMoE, proj: str, bias: bool, tensor: torch.Tensor) -> None:
     """One checkpoint tensor of every expert into this rank's share (see the module docstring
     for the layout)."""
     n = experts.cfg.num_experts
@@ -118,7 +120,9 @@ def _load_experts(experts: FusedMoE, proj: str, bias: bool, tensor) -> None:
             experts.load_expert(e, "up", w[:, 1::2].t())
 
 
-def _load_sinks(param: nn.Parameter, loaded, shard_id=None) -> None:
+def _load_sinks(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+) -> None:
     """This rank's heads' sinks: query heads split evenly, in order."""
     n = param.shape[0]
     start = get_tp_rank() * n

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
+from workers.layers.quantized import AnyWeight, float_only
 from workers.layers.rotary import RotaryEmbedding
 
 
@@ -51,7 +53,9 @@ class LlamaArgs:
             )
 
     @classmethod
-    def from_hf_config(cls, config, *, qkv_bias: bool = False, qk_norm: bool = False) -> LlamaArgs:
+    def from_hf_config(
+        cls, config: PretrainedConfig, *, qkv_bias: bool = False, qk_norm: bool = False
+    ) -> LlamaArgs:
         attention_bias = bool(getattr(config, "attention_bias", False))
         rope = dict(
             getattr(config, "rope_parameters", None)
@@ -87,7 +91,7 @@ class LlamaArgs:
         )
 
 
-def sliding_windows_of(config) -> list[int | None]:
+def sliding_windows_of(config: PretrainedConfig) -> list[int | None]:
     """Each layer's attention window from an HF config: `sliding_window` on every layer (Mistral,
     Mixtral) or on the layers `layer_types` marks "sliding_attention" (Qwen2); None: full."""
     n = config.num_hidden_layers
@@ -147,7 +151,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, -1, self.head_dim)
         k = k.view(t, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # built together
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta, sinks=self.sinks))
@@ -246,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config, max_model_len: int | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         super().__init__()
         self.args = LlamaArgs.from_hf_config(config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
         if max_model_len is not None:  # the rotary table needs no rows past the longest sequence
@@ -269,10 +273,24 @@ class LlamaForCausalLM(nn.Module):
         """Logits over the vocabulary on rank 0 (None on other ranks)."""
         return self.lm_head.compute_logits(hidden)
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    def attention_blocks(self) -> list[LlamaAttention]:
+        """Each decoder layer's self-attention block (every family's layers keep one as
+        `self_attn`)."""
+        blocks = []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            if not isinstance(attn, LlamaAttention):
+                raise TypeError(
+                    f"{type(layer).__name__}.self_attn: expected LlamaAttention, "
+                    f"got {type(attn).__name__}"
+                )
+            blocks.append(attn)
+        return blocks
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def attention_layers(self) -> list[Attention]:
+        return [block.attn for block in self.attention_blocks()]
+
+    def load_weights(self, weights: Iterable[tuple[str, AnyWeight]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names) into this rank's shards; returns names
         loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -294,7 +312,8 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
-                _copy_plain(param, tensor.narrow(0, 0, tensor.shape[0]), name)  # all of it
+                whole = float_only(tensor, name)
+                _copy_plain(param, whole.narrow(0, 0, whole.shape[0]), name)  # all of it
             else:
                 loader(
                     param, tensor, shard_id

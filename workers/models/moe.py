@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from workers.layers.moe import FusedMoE, MoEConfig, ReplicatedLinear
+from workers.layers.quantized import AnyWeight, float_only
 from workers.models.llama import LlamaArgs, LlamaForCausalLM, LlamaMLP
 
 
@@ -29,7 +31,7 @@ class MoEArgs:
     sparse_layers: frozenset[int]
 
     @classmethod
-    def from_hf_config(cls, config, *, family: str) -> MoEArgs:
+    def from_hf_config(cls, config: PretrainedConfig, *, family: str) -> MoEArgs:
         n = config.num_hidden_layers
         if family == "mixtral":
             experts = MoEConfig(
@@ -98,7 +100,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     family = ""
 
-    def __init__(self, config, max_model_len: int | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         # Read before the base class builds the layers, which asks make_mlp for each one.
         self.moe = MoEArgs.from_hf_config(config, family=self.family)
         super().__init__(config, max_model_len)
@@ -117,19 +119,23 @@ class MoEForCausalLM(LlamaForCausalLM):
             sum(b.rows_per_rank[r] for b in blocks) for r in range(len(blocks[0].rows_per_rank))
         ]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, AnyWeight]]) -> set[str]:
         loaded: set[str] = set()
         modules = dict(self.named_modules())
 
-        def dense(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        def dense(items: Iterable[tuple[str, AnyWeight]]) -> Iterator[tuple[str, AnyWeight]]:
             for name, tensor in items:
                 name = name.replace(".block_sparse_moe.", ".mlp.")
                 if (hit := _EXPERT.match(name)) and hit.group(3) in _PARTS:
                     prefix, expert, part = hit.group(1), int(hit.group(2)), _PARTS[hit.group(3)]
-                    self._experts_of(modules, prefix, name).load_expert(expert, part, tensor)
+                    self._experts_of(modules, prefix, name).load_expert(
+                        expert, part, float_only(tensor, name)
+                    )
                     loaded.update({f"{prefix}mlp.experts.w13", f"{prefix}mlp.experts.w2"})
                 elif hit := _FUSED.match(name):
-                    self._experts_of(modules, hit.group(1), name).load_fused(hit.group(2), tensor)
+                    self._experts_of(modules, hit.group(1), name).load_fused(
+                        hit.group(2), float_only(tensor, name)
+                    )
                     loaded.add(f"{hit.group(1)}mlp.experts." + ("w2" if "down" in name else "w13"))
                 else:
                     yield name, tensor

@@ -19,15 +19,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from transformers import PretrainedConfig
 
 from workers.layers.attention import AttentionMetadata
+from workers.layers.quantized import AnyWeight
 from workers.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 (mini, small, medium; 4k-context variants)."""
 
-    def __init__(self, config, max_model_len: int | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         rope = getattr(config, "rope_parameters", None) or {}
         factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         if factor not in (None, 1, 1.0):
@@ -35,7 +37,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 f"rope_parameters.partial_rotary_factor: {factor!r} is not supported (only 1.0)"
             )
         super().__init__(config, max_model_len)
-        self.long_offset = self.model.layers[0].self_attn.rotary.long_offset
+        self.long_offset = self.attention_blocks()[0].rotary.long_offset
         self.short_len = int(self.args.rope_parameters.get("original_max_position_embeddings", 0))
 
     def forward(
@@ -47,12 +49,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             positions = positions + (seq_lens > self.short_len).long() * self.long_offset
         return super().forward(input_ids, positions, meta)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, AnyWeight]]) -> set[str]:
         return super().load_weights(self._unfused(weights))
 
-    def _unfused(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _unfused(self, weights: Iterable[tuple[str, AnyWeight]]) -> Iterator[tuple[str, AnyWeight]]:
         a = self.args
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         for name, tensor in weights:
