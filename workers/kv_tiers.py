@@ -161,7 +161,7 @@ class KVTiers:
         """Write one block ([layers, 2, block_size, heads, head_dim], on the host) to its file."""
         if self.disk is not None:
             payload = block.contiguous().view(-1).view(torch.uint8).numpy()
-            self.disk.write(memoryview(payload), block_hash)
+            self.disk.write(payload.data, block_hash)  # the array's buffer, as a memoryview
 
     def _read_file(self, block_hash: int) -> torch.Tensor | None:
         """The block stored for block_hash, or None when its file is missing or fails a check."""

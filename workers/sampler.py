@@ -269,15 +269,17 @@ def _exponential_noise(probs: torch.Tensor, states: list[SamplingState]) -> torc
     keyed by (seed, output position), so a seeded row's token depends only on its seed, its
     logits and how many tokens it has produced."""
     noise = torch.empty_like(probs)
-    seeded = [(i, s) for i, s in enumerate(states) if s.generator is not None]
+    seeded = [(i, s, s.generator) for i, s in enumerate(states) if s.generator is not None]
     if len(seeded) < len(states):
         # -log(1 - U) is Exp(1) exactly, and on CPU several times cheaper than exponential_, which
         # over a full vocabulary is a sizeable share of a decode step. Seeded rows keep
         # exponential_, so their per-position streams stay what they were.
         noise.uniform_().neg_().log1p_().neg_()
-    for i, state in seeded:
-        state.generator.manual_seed(position_seed(state.params.seed, len(state.output_token_ids)))
-        noise[i].exponential_(generator=state.generator)
+    for i, state, generator in seeded:
+        seed = state.params.seed
+        assert seed is not None  # a generator is set iff the request is seeded
+        generator.manual_seed(position_seed(seed, len(state.output_token_ids)))
+        noise[i].exponential_(generator=generator)
     return noise.clamp_min_(_MIN_NOISE)
 
 

@@ -74,7 +74,7 @@ class StepServer:
     def __init__(
         self,
         host: str,
-        execute: Callable[[bytes], bytes | None],
+        execute: Callable[[bytes | bytearray], bytes | None],
         on_start: Callable[[], None] | None = None,
     ) -> None:
         self._execute = execute

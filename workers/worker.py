@@ -81,7 +81,7 @@ class Worker:
             output = self._ready().execute_model(scheduler_output)
         except Exception as exc:
             # Travels back pickled with the exception: the executor names the rank from it.
-            exc.tp_rank = self.rank
+            exc.tp_rank = self.rank  # type: ignore[attr-defined]  # any exception may carry it
             raise
         return output if self.rank == 0 else None
 
