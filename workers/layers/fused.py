@@ -49,6 +49,8 @@ def _triton_mode() -> str:
 EXACT_OPS = frozenset({"rms_norm", "silu_and_mul", "rotary"})
 TRITON_OPS = EXACT_OPS  # what workers.layers.triton_ops provides
 CPU_OPS = frozenset({"rms_norm", "silu_and_mul", "rotary", "write_kv"})
+# What the C++ ops take (cpu_fused.cpp); a float16 CPU tensor takes the torch path.
+CPU_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 _cpu_module: ModuleType | None = None
 _cpu_checked = False
@@ -81,11 +83,12 @@ def cpu_fused_off() -> Iterator[None]:
 
 def fused_ops(x: torch.Tensor, op: str) -> ModuleType | None:
     """The module whose function runs `op` fused for this tensor, else None: for a CPU tensor
-    workers.layers.backends.cpu_fused (an op of CPU_OPS, unless RAYLM_CPU_FUSED=0); for a CUDA
+    workers.layers.backends.cpu_fused (an op of CPU_OPS on a CPU_DTYPES tensor, unless
+    RAYLM_CPU_FUSED=0); for a CUDA
     tensor workers.layers.triton_ops (an op of EXACT_OPS, or of TRITON_OPS under
     RAYLM_TRITON_OPS=1)."""
     if x.is_cpu:
-        return _cpu_ops() if op in CPU_OPS else None
+        return _cpu_ops() if op in CPU_OPS and x.dtype in CPU_DTYPES else None
     if not x.is_cuda or op not in TRITON_OPS:
         return None
     mode = _triton_mode()
