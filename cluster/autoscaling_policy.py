@@ -26,7 +26,7 @@ from router.autoscaling import (
     ReplicaSignals,
     decide,
 )
-from scheduler.settings import build
+from settings import build
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext

@@ -34,7 +34,7 @@ from deploy.check import (
 from deploy.config import AppConfig
 from deploy.fleet_config import FleetConfig
 from deploy.hub import pinned
-from scheduler.settings import clipped
+from settings import clipped
 from workers.model_files import default_model_path, resolve_model
 
 BUILDERS = ("deploy.app:build_app", "deploy.app.build_app")

@@ -2,7 +2,7 @@
 tree.
 
 The tree is AppConfig > EngineConfig > SchedulerConfig, each setting declared once with `setting`
-(scheduler/settings.py), like every config of raylm. deploy.yaml may name any setting flat
+(settings/__init__.py), like every config of raylm. deploy.yaml may name any setting flat
 (`max_num_seqs: 32`) or in optional `engine:` / `scheduler:` sections; `nest` places the flat keys
 in the tree by the dataclasses' fields.
 """
@@ -32,7 +32,7 @@ from router.config import RoutingConfig
 from router.stats import ROUTING_STATS_PERIOD_S
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
 from scheduler.sampling_params import POOLINGS
-from scheduler.settings import build, check_settings, clipped, nest, setting, shown
+from settings import build, check_settings, clipped, nest, setting, shown
 
 ROUTERS = {
     "fleet": "cluster.serve_router.FleetRouter",  # load + prefix affinity (router/)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.config import EngineConfig
-from scheduler.settings import build, check_settings, nest, setting, shown
+from settings import build, check_settings, nest, setting, shown
 
 PHASES = ("prefill", "decode")
 # Engine settings that make a KV block what it is: equal in both phases.

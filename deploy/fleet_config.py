@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deploy.config import ApiKeyProfile, AppConfig
-from scheduler.settings import shown
+from settings import shown
 
 # One ingress routes to every model; a Serve app of more deployments than this is no longer one
 # app anyone can read.

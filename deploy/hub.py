@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scheduler.settings import shown
+from settings import shown
 from workers.hub import (
     TOKENIZER_FILES,
     HubModel,

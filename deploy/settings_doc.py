@@ -18,8 +18,8 @@ from deploy.disagg_config import DisaggregationArgs
 from engine.config import EngineConfig
 from router.config import RoutingConfig
 from scheduler.config import SchedulerConfig
-from scheduler.settings import declared_settings, range_text
 from scheduler.speculative import SpeculativeConfig
+from settings import declared_settings, range_text
 
 BEGIN = (
     "<!-- settings-table:begin "

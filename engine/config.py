@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from scheduler.config import SchedulerConfig
-from scheduler.settings import build, check_settings, nest, setting, shown
 from scheduler.speculative import SpeculativeConfig
+from settings import build, check_settings, nest, setting, shown
 from workers.options import (
     ATTENTION_BACKENDS,
     DEFAULT_CACHE_DIR,

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from scheduler.settings import check_settings, setting
+from settings import check_settings, setting
 
 # A fleet this large is a typo, not a setting.
 MAX_REPLICAS = 1 << 20

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.settings import build, check_settings, setting
+from settings import build, check_settings, setting
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_affinity")
 IMBALANCE_REFERENCES = ("least", "mean")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.settings import check_settings, setting, shown
+from settings import check_settings, setting, shown
 
 POLICIES = ("fcfs", "priority", "fair", "srpt", "fair_srpt")
 PREEMPTION_MODES = ("recompute", "swap", "auto")

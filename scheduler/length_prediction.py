@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler.request import Request, RequestStatus
-from scheduler.settings import check_settings, setting
+from settings import check_settings, setting
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler.length_prediction import LengthEstimate, _quantile
-from scheduler.settings import check_settings, setting
+from settings import check_settings, setting
 
 REFRESH = 1024  # observations between exact recomputations of the inverse
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.sampling_params import SamplingParams
-from scheduler.settings import clipped
+from settings import clipped
 
 # Priorities order a heap; a bounded range keeps comparisons cheap and the values meaningful.
 MAX_PRIORITY = 2**31 - 1

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scheduler.settings import shown as _shown
 from scheduler.structured_output import StructuredOutput
+from settings import shown as _shown
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.settings import check_settings, setting, shown
+from settings import check_settings, setting, shown
 
 SPEC_METHODS = ("ngram", "draft")
 MAX_SPEC_TOKENS = 16  # verifying more per step costs more than even a perfect run gains on CPU

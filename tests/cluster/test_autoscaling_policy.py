@@ -11,7 +11,7 @@ from ray.serve.config import AutoscalingContext
 from cluster.autoscaling_policy import LLMAutoscalingPolicy, signals_from_context
 from deploy.config import AutoscalingArgs
 from router.autoscaling import AutoscalingPolicyConfig, ReplicaSignals, SignalTargets
-from scheduler.settings import build
+from settings import build
 
 DEPLOYMENT = DeploymentID(name="LLMReplica", app_name="app")
 REPLICAS = [ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT) for i in range(3)]

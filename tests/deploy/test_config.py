@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from deploy.app import build_app
 from deploy.config import ApiKeyProfile, AppConfig, AutoscalingArgs
-from scheduler.settings import declared_settings
+from settings import declared_settings
 
 
 def test_defaults_are_the_embedded_model_on_a_cpu_bundle():

@@ -214,7 +214,7 @@ def test_a_shadow_waits_for_enough_decoded_tokens():
     ],
 )
 def test_bad_settings_name_their_field(bad):
-    from scheduler.settings import build
+    from settings import build
 
     with pytest.raises(ValueError) as err:
         build(SpeculativeConfig, bad)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from router.config import RoutingConfig
 from scheduler.config import SchedulerConfig
-from scheduler.settings import build, check_settings, declared_settings, nest, setting
+from settings import build, check_settings, declared_settings, nest, setting
 
 
 @dataclass(slots=True)
