@@ -337,6 +337,10 @@ def _long_app_args(model_dir: str, num_replicas: int = 2) -> dict:
         graceful_shutdown_timeout_s=0.5,
         max_migrations=16,
         num_replicas=num_replicas,
+        # Both replicas must stream when a fault strikes. The long cases share their template's
+        # first block, so prefix affinity may keep all of them on one replica (within its load
+        # ceiling), and the shut-down test's least-loaded pick would then find an idle replica.
+        router_kwargs={"router_policy": "least_loaded"},
     )
 
 
