@@ -35,7 +35,7 @@ from tests.scheduler.test_scheduler_properties import (
     expected_for,
     workloads,
 )
-from tests.scheduler.test_spec_scheduler import proposer
+from tests.scheduler.test_spec_scheduler import proposer, spec_configs
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -43,11 +43,7 @@ from tests.scheduler.test_spec_scheduler import proposer
 def test_speculation_under_overlap_gives_every_request_its_tokens_and_leaks_nothing(data):
     cfg = data.draw(configs())
     specs = data.draw(workloads(cfg))
-    spec = SpeculativeConfig(
-        num_tokens=data.draw(st.integers(1, 6)),
-        max_batch_size=data.draw(st.sampled_from([1, 4, 16])),
-        min_acceptance_rate=data.draw(st.sampled_from([0.0, 0.4])),
-    )
+    spec = data.draw(spec_configs())
     right = data.draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))
     propose = proposer(data.draw(st.integers(0, 2**16)), right, spec.num_tokens)
     feature = SpecDecoding(spec, overlap=True)

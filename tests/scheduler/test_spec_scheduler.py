@@ -57,15 +57,21 @@ def check_hashes_cover_accepted_tokens(s: Scheduler, runner: ContractRunner) -> 
         assert s.kv.pool.block_hash[block] == block_hash
 
 
+def spec_configs() -> st.SearchStrategy[SpeculativeConfig]:
+    """Speculation settings the property tests draw: k, the batch cap, the acceptance floor."""
+    return st.builds(
+        SpeculativeConfig,
+        num_tokens=st.integers(1, 6),
+        max_batch_size=st.sampled_from([1, 4, 16]),
+        min_acceptance_rate=st.sampled_from([0.0, 0.4]),
+    )
+
+
 @given(data=st.data())
 def test_random_accept_reject_patterns_leak_nothing_and_keep_the_outputs(data):
     cfg = data.draw(configs())
     specs = data.draw(workloads(cfg))
-    spec = SpeculativeConfig(
-        num_tokens=data.draw(st.integers(1, 6)),
-        max_batch_size=data.draw(st.sampled_from([1, 4, 16])),
-        min_acceptance_rate=data.draw(st.sampled_from([0.0, 0.4])),
-    )
+    spec = data.draw(spec_configs())
     right = data.draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))
     s = Scheduler(cfg, [SpecDecoding(spec)])
     runner = ContractRunner(
