@@ -16,16 +16,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.fleet_view import replica_reports
 from deploy import metrics_page
-from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
-from deploy.browser_guard import BrowserGuard, BrowserPolicy
+from deploy.body import MAX_CHARS_PER_TOKEN
+from deploy.browser_guard import BrowserPolicy
 from deploy.cache_scope import request_salt
 from deploy.embeddings import (
     EmbeddingRequest,
@@ -40,11 +39,10 @@ from deploy.errors import (
     RequestTimeoutError,
     error_event,
     error_response,
-    http_error,
 )
-from deploy.fields import Ignored
 from deploy.fleet_config import FleetConfig
 from deploy.generation import Choice, ChoiceDelta, UsageTally, merge_streams, with_deadline
+from deploy.http_app import app
 from deploy.logprobs import (
     chat_logprobs,
     check_budget,
@@ -54,24 +52,16 @@ from deploy.logprobs import (
     response_json,
 )
 from deploy.lora import (
-    LoadLoraAdapterRequest,
-    UnloadLoraAdapterRequest,
-    check_adapter_scope,
-    check_admin,
     scoped_cards,
 )
-from deploy.models import Caller, ModelTable, ServedModel
+from deploy.lora_routes import LoraRoutes
+from deploy.models import ModelTable, ServedModel
 from deploy.reply import ReplySplit
+from deploy.request_path import RequestPath
 from deploy.responses import ResponseBuilder, ResponsesRequest, renamed, sse_event
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
 from deploy.tenants import TenantLimiter
-from deploy.tokenize import (
-    DetokenizeRequest,
-    TokenizeRequest,
-    detokenize,
-    tokenize,
-    tokenize_response,
-)
+from deploy.tokenize_routes import TokenizeRoutes
 from deploy.tools import (
     DeclaredTools,
     ToolSpec,
@@ -85,23 +75,6 @@ from scheduler.structured_output import StructuredOutput
 from workers.process import set_niceness
 
 logger = logging.getLogger(__name__)
-
-# The schema is served by a route of its own, behind the same keys as every other route.
-app = FastAPI(title="raylm", docs_url=None, redoc_url=None, openapi_url=None)
-# An unknown path or method answers OpenAI error JSON, like every other error.
-app.add_exception_handler(StarletteHTTPException, http_error)
-
-
-def _browser_policy() -> BrowserPolicy:
-    """The serving ingress's browser policy (Serve runs a copy of `app`, frozen at decoration, so
-    the middleware finds the ingress through the replica's context)."""
-    ingress = serve.get_replica_context().servable_object
-    return ingress.browser_policy  # type: ignore[attr-defined]
-
-
-# Before @serve.ingress freezes the app: every route, /health included, runs behind it.
-app.add_middleware(BrowserGuard, policy_of=_browser_policy)
-
 
 # A response with more log-probabilities than this is built and encoded on a thread.
 LOGPROBS_OFF_LOOP = 4096
@@ -191,7 +164,7 @@ class _ChatSplit:
 
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
-class OpenAIIngress:
+class OpenAIIngress(TokenizeRoutes, LoraRoutes, RequestPath):
     """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI
     JSON."""
 
@@ -241,26 +214,6 @@ class OpenAIIngress:
             return error_response(exc)
         return JSONResponse({"object": "list", "data": cards})
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(self, request: Request) -> JSONResponse:
-        """Load a LoRA adapter on every replica of a model (allow_runtime_lora; an admin key)."""
-        try:
-            m, body = await self._admin_body(request, LoadLoraAdapterRequest)
-            loaded = await m.lora_admin.load(body.lora_name, body.lora_path)
-        except Exception as exc:
-            return error_response(exc)
-        return JSONResponse({"lora_name": body.lora_name, "status": "loaded", "replicas": loaded})
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
-        """Unload a LoRA adapter from every replica of a model; refused while requests use it."""
-        try:
-            m, body = await self._admin_body(request, UnloadLoraAdapterRequest)
-            loaded = await m.lora_admin.unload(body.lora_name)
-        except Exception as exc:
-            return error_response(exc)
-        return JSONResponse({"lora_name": body.lora_name, "status": "unloaded", "replicas": loaded})
-
     @app.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> Response:
         """The caller's view: an admin key (or a server without keys) sees every model, any other
@@ -280,14 +233,6 @@ class OpenAIIngress:
         )
         return Response(page, media_type=metrics_page.CONTENT_TYPE)
 
-    @app.post("/tokenize")
-    async def tokenize_route(self, request: Request) -> Response:
-        return await self._serve(request, TokenizeRequest, self._tokenize_body)
-
-    @app.post("/detokenize")
-    async def detokenize_route(self, request: Request) -> Response:
-        return await self._serve(request, DetokenizeRequest, self._detokenize_body)
-
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, self._complete)
@@ -303,26 +248,6 @@ class OpenAIIngress:
     @app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:
         return await self._serve(request, EmbeddingRequest, self._embed)
-
-    async def _serve(self, request: Request, schema: type, answer: Any) -> Response:
-        """Authorize, admit the tenant, read and check the body, answer. The request holds its
-        tenant's place until the answer is ready, or its stream ends."""
-        try:
-            caller = self._authorize(request)
-            lease = self._tenants.admit(caller.tenant)
-        except Exception as exc:
-            return error_response(exc)
-        ignored = Ignored()
-        try:
-            model, body = await self._parse(request, schema, caller, ignored)
-            response = await answer(model, body, lease.tenant)
-        except Exception as exc:
-            response = error_response(exc)
-        except BaseException:  # cancelled: the client is gone
-            lease.release()
-            raise
-        response.headers.update(ignored.header())
-        return lease.hold(response)
 
     async def _complete(self, m: ServedModel, body: CompletionRequest, tenant: str) -> Response:
         raw_prompts = body.prompts()
@@ -523,64 +448,6 @@ class OpenAIIngress:
         declared = DeclaredTools.of(tools, m.tool_format) if tools else None
         return choices, declared, opened
 
-    async def _tokenize_body(self, m: ServedModel, body: TokenizeRequest, tenant: str) -> Response:
-        messages = [self._message(msg) for msg in body.messages or []]
-        encode = functools.partial(tokenize, m.frontend, body)
-        ids = await self._tokenize(m, encode, messages, body.num_chars)
-        max_model_len = await m.max_model_len()
-        return JSONResponse(tokenize_response(m.frontend, body, ids, max_model_len))
-
-    async def _detokenize_body(
-        self, m: ServedModel, body: DetokenizeRequest, tenant: str
-    ) -> Response:
-        max_model_len = await m.max_model_len()
-        if len(body.tokens) > max_model_len:
-            raise BadRequestError(
-                f"tokens: at most max_model_len={max_model_len} ids, got {len(body.tokens)}",
-                param="tokens",
-            )
-        return JSONResponse(await asyncio.to_thread(detokenize, m.frontend, body))
-
-    # ---- request -> EngineRequests
-    # --------------------------------------------------------------
-    async def _parse(
-        self, request: Request, schema: type, caller: Caller, ignored: Ignored
-    ) -> tuple[ServedModel, Any]:
-        """The model the body names and the validated body, its priority capped by the caller's
-        key for that model; the fields it dropped (unknown_fields: ignore) go in `ignored`."""
-        # Before the body names its model: the largest any model takes (none is woken for it).
-        limit = max(body_limit(m.config, m.context_bound()) for m in self.table.models)
-        raw = await read_body(request, limit, self.config.request_body_timeout_s)
-        mode: Any = self.config.unknown_fields
-        body: Any = await parse_body(raw, schema, self.config.max_messages, mode, ignored)
-        # /tokenize and /detokenize may leave `model` out: the first model answers.
-        model, caller = self.table.resolve(body.model, caller)
-        # An adapter's name is checked here, its existence by the replica (404 either way).
-        scope = None if caller.profile is None else caller.profile.loras
-        check_adapter_scope(model.adapter(body.model), scope, body.model or "")
-        # The tenant and the priority ceiling are the key's; the request's `user` does not choose
-        # them.
-        if caller.profile is not None and hasattr(body, "priority"):  # /tokenize has none
-            body.priority = max(body.priority, caller.profile.max_priority)
-        return model, body
-
-    async def _admin_body(self, request: Request, schema: type) -> tuple[ServedModel, Any]:
-        """A run-time adapter change's model and body, once that model allows them and the
-        caller's key may make them (`model` in the body: the first model when left out)."""
-        caller = self._authorize(request)
-        raw = await read_body(request, 64 * 1024, self.config.request_body_timeout_s)
-        body: Any = await parse_body(raw, schema, self.config.max_messages)
-        m, caller = self.table.resolve(body.model, caller)
-        check_admin(
-            m.config.allow_runtime_lora, None if caller.profile is None else caller.profile.admin
-        )
-        await m.max_model_len()  # the handle's first call: its router learns the replicas
-        return m, body
-
-    def _authorize(self, request: Request) -> Caller:
-        """The caller by its key (a 401 when no model takes it)."""
-        return self.table.authenticate(request.headers.get("authorization", ""))
-
     def _check_fanout(self, m: ServedModel, num_prompts: int, n: int) -> None:
         limit = m.config.max_sequences_per_request
         if num_prompts * n > limit:
@@ -589,27 +456,6 @@ class OpenAIIngress:
                 param="n",
             )
 
-    async def _tokenize(
-        self,
-        m: ServedModel,
-        encode: Any,
-        prompt: Any,
-        num_chars: int,
-        param: str = "prompt",
-        counted: str = "characters",
-    ) -> list[int]:
-        """Encode off the event loop (a 10 MB prompt must not stall other streams), after a size
-        check."""
-        limit = await m.max_model_len() * MAX_CHARS_PER_TOKEN
-        if num_chars > limit:
-            raise BadRequestError(
-                f"{param}: {num_chars} {counted} cannot fit this model's context "
-                f"(at most {limit} characters)",
-                param=param,
-                code="context_length_exceeded",
-            )
-        return await asyncio.to_thread(encode, prompt)
-
     async def _check(
         self, m: ServedModel, constraint: StructuredOutput | None
     ) -> StructuredOutput | None:
@@ -617,18 +463,6 @@ class OpenAIIngress:
         if constraint is None:
             return None
         return await asyncio.to_thread(m.grammars.check, constraint)
-
-    @staticmethod
-    def _message(message: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "role": message.role if message.role != "developer" else "system",
-            "content": message.text(),
-        }
-        if message.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
-        if message.tool_call_id is not None:
-            out["tool_call_id"] = message.tool_call_id
-        return out
 
     def _splitter(self, m: ServedModel, opened: bool | None) -> ReasoningSplitter | None:
         """A reply's reasoning splitter; None without a reasoning parser."""

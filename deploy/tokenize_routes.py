@@ -1,0 +1,49 @@
+"""POST /tokenize and /detokenize (vLLM's), as a route mixin of the ingress."""
+
+import asyncio
+import functools
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from deploy.errors import BadRequestError
+from deploy.http_app import app
+from deploy.models import ServedModel
+from deploy.request_path import RequestPath
+from deploy.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+    tokenize_response,
+)
+
+
+class TokenizeRoutes(RequestPath):
+    """A prompt or a chat to token ids, and ids back to text, with the model's own frontend."""
+
+    @app.post("/tokenize")
+    async def tokenize_route(self, request: Request) -> Response:
+        return await self._serve(request, TokenizeRequest, self._tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(self, request: Request) -> Response:
+        return await self._serve(request, DetokenizeRequest, self._detokenize_body)
+
+    async def _tokenize_body(self, m: ServedModel, body: TokenizeRequest, tenant: str) -> Response:
+        messages = [self._message(msg) for msg in body.messages or []]
+        encode = functools.partial(tokenize, m.frontend, body)
+        ids = await self._tokenize(m, encode, messages, body.num_chars)
+        max_model_len = await m.max_model_len()
+        return JSONResponse(tokenize_response(m.frontend, body, ids, max_model_len))
+
+    async def _detokenize_body(
+        self, m: ServedModel, body: DetokenizeRequest, tenant: str
+    ) -> Response:
+        max_model_len = await m.max_model_len()
+        if len(body.tokens) > max_model_len:
+            raise BadRequestError(
+                f"tokens: at most max_model_len={max_model_len} ids, got {len(body.tokens)}",
+                param="tokens",
+            )
+        return JSONResponse(await asyncio.to_thread(detokenize, m.frontend, body))
