@@ -35,6 +35,8 @@ class ModelSpec:
     head_std: float | None = None  # then the LM head ~ N(0, std)
     # then every 1-D weight (norms, biases, sinks) ~ N(0, std); None: transformers' own values
     vector_std: float | None = None
+    # then every floating buffer saved with the weights (DeepSeek-V3's e_score_correction_bias)
+    buffer_std: float | None = None
     dtype: torch.dtype = torch.float32
     max_shard_size: str = "5GB"  # smaller than the weights: shards and an index
 
@@ -229,6 +231,60 @@ TINY_TP_MOE = _tiny(
     tie_word_embeddings=False,
 )
 
+# DeepSeek MLA: 4 heads of qk 16 + 16 (nope + rope) and v 24, a 48-wide latent (cache rows of
+# 48 + 16 = 64, a size the CPU decode kernel compiles), a dense layer 0 then MoE layers of 8
+# experts in 4 groups (top-2 from the 2 best groups), shared experts, YaRN with DeepSeek's mscale.
+# V2 is V2-Lite-shaped (no query compression, softmax group-limited routing, interleaved rope);
+# V3 compresses queries (q_lora_rank), routes by sigmoid + a random correction bias (noaux_tc,
+# renormalised, scaled by 2.5) and keeps rope_interleave.
+_MLA = dict(
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=48,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    tie_word_embeddings=False,
+)
+_DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+TINY_DEEPSEEK: dict[str, ModelSpec] = {
+    "deepseek_v2": _tiny(
+        "DeepseekV2Config",
+        **_MLA,
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+        n_shared_experts=2,
+        routed_scaling_factor=1.5,
+        rope_parameters={**_DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+    ),
+    "deepseek_v3": dataclasses.replace(
+        _tiny(
+            "DeepseekV3Config",
+            **_MLA,
+            q_lora_rank=32,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_parameters={**_DEEPSEEK_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+        ),
+        buffer_std=0.5,
+    ),
+}
+
 # The model the serving tests put behind HTTP: a tied Llama left at transformers' initialisation.
 TINY_SERVED_LLAMA = ModelSpec("LlamaConfig", {**_TINY, "tie_word_embeddings": True})
 
@@ -333,6 +389,11 @@ def write_random_checkpoint(
             for p in model.parameters():
                 if p.dim() == 1:
                     p.normal_(0.0, spec.vector_std)
+        if spec.buffer_std is not None:
+            saved = model.state_dict()
+            for name, b in model.named_buffers():
+                if name in saved and b.is_floating_point():
+                    b.normal_(0.0, spec.buffer_std)
     model.save_pretrained(path, max_shard_size=spec.max_shard_size)
     if tokenizer is None:
         write_word_tokenizer(path, config.vocab_size)

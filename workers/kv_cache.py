@@ -1,7 +1,9 @@
 """The paged KV cache: per-layer K and V tensors, their sizing, and swap copies to a CPU pool.
 
-Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V. A CPU pool of
-the same layout holds swapped-out blocks (pinned on CUDA so copies can overlap).
+Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V; a latent
+attention layer (workers/layers/mla.py) keeps one such tensor, its rows serving as both
+(`kv_parts` 1). A CPU pool of the same layout holds swapped-out blocks (pinned on CUDA so copies
+can overlap).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from workers.kv_fp8 import DEFAULT_SCALE, FP8, storage_dtype
 from workers.layers.attention import Attention
+from workers.layers.mla import MLADims, is_mla_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -34,6 +37,13 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype  # of the elements: the model's, or float8_e4m3fn (workers/kv_fp8.py)
+    kv_parts: int = 2  # tensors per layer: K and V, or 1 for MLA's latent rows (both in one)
+
+    def __post_init__(self) -> None:
+        if self.kv_parts not in (1, 2):
+            raise ValueError(f"kv_parts: must be 1 (latent) or 2 (K and V), got {self.kv_parts}")
+        if self.kv_parts == 1 and self.dtype == FP8:
+            raise ValueError("kv_cache_dtype: fp8 is not supported for latent attention (MLA)")
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -42,23 +52,30 @@ class KVCacheSpec:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block takes across all layers, K and V."""
+        """Bytes one block takes across all layers, K and V (or MLA's latent rows)."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        per_token = self.kv_parts * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * self.block_size * per_token
 
     def blocks_in(self, num_bytes: float) -> int:
         return max(int(num_bytes // self.block_bytes), 0)
 
     @classmethod
     def of(cls, layers: list[Attention], block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(len(layers), layers[0].num_kv_heads, layers[0].head_dim, block_size, dtype)
+        first = layers[0]
+        return cls(
+            len(layers), first.num_kv_heads, first.head_dim, block_size, dtype, first.kv_parts
+        )
 
     @classmethod
     def from_hf_config(
         cls, config: PretrainedConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
     ) -> KVCacheSpec:
         """One rank's spec, from the model config (KV heads are replicated when tp_size > their
-        count)."""
+        count). An MLA model caches one latent row per token and layer, on every rank."""
+        if is_mla_config(config):
+            width = MLADims.from_hf_config(config).cache_width
+            return cls(config.num_hidden_layers, 1, width, block_size, dtype, kv_parts=1)
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -91,7 +108,7 @@ class KVCache:
         self.spec = spec
         shape = (
             spec.num_layers,
-            2,
+            spec.kv_parts,
             num_gpu_blocks,
             spec.block_size,
             spec.num_kv_heads,
@@ -99,7 +116,7 @@ class KVCache:
         )
         # One allocation; zeros so padded block-table entries read finite values.
         self.gpu = zeros(shape, spec.storage_dtype, device)
-        cpu_shape = (spec.num_layers, 2, num_cpu_blocks, *shape[3:])
+        cpu_shape = (spec.num_layers, spec.kv_parts, num_cpu_blocks, *shape[3:])
         if device.type == "cuda":
             self.cpu = torch.zeros(cpu_shape, dtype=spec.storage_dtype, pin_memory=True)
         else:
@@ -127,9 +144,10 @@ class KVCache:
         return self.cpu.shape[2]
 
     def bind(self, layers: list[Attention]) -> None:
-        """Point every attention layer at its K and V slices of the pool."""
+        """Point every attention layer at its K and V slices of the pool (one slice serves as
+        both for a latent layer)."""
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.gpu[i, 0], self.gpu[i, 1]
+            layer.k_cache, layer.v_cache = self.gpu[i, 0], self.gpu[i, self.spec.kv_parts - 1]
             layer.kv_scale = None if self.scales is None else self.scales[i]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:

@@ -199,6 +199,8 @@ def select_backend(
 class Attention(nn.Module):
     """Writes the step's K/V into this layer's cache slots, then attends over the paged context."""
 
+    kv_parts = 2  # cache tensors per layer (K and V); MLA's LatentAttention keeps 1
+
     def __init__(
         self,
         num_heads: int,

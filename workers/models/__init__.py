@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from workers.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workers.models.gpt_oss import GptOssForCausalLM
 from workers.models.llama import (
@@ -27,6 +28,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 # Configs converted from GGUF carry a model_type but sometimes no architectures list.
@@ -42,6 +45,9 @@ _BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2: DeepSeek-V3's architecture
 }
 
 
