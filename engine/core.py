@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor, ExecutorFactory, local_executor
 from engine.loras import EngineLoras
 from engine.step_pipeline import StepPipeline
+from engine.weights import EngineWeights
 from frontend.frontend import ModelInfo
 from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
 from scheduler.block_manager import PrefixReport
@@ -31,6 +32,7 @@ from workers.kv_fp8 import cache_dtype
 from workers.kv_tiers import KVTierConfig, disk_tier_blocks
 from workers.length_features import PROJECTION_SEED
 from workers.runner import DTYPES
+from workers.weight_transfer import WeightGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class EngineCore:
         self.loras = EngineLoras(config, self.model_dir, ranks, DTYPES[runner_config.dtype])
         self.scheduler.loras = self.loras.slots  # one registry: checked here, placed there
         self.loras.add_configured()
+        self.weights = EngineWeights(self)  # updates and sleep, between steps (engine/weights.py)
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             config.model,
@@ -201,7 +204,8 @@ class EngineCore:
         request = self.loras.keyed(request)  # UnknownLoraError for a name not loaded
         if not request.eos_token_ids:
             request = replace(request, eos_token_ids=self.eos_token_ids)
-        self.scheduler.add_request(Request(request))
+        if self.weights.admit(request):  # held while a weight update waits for the engine to drain
+            self.scheduler.add_request(Request(request))
 
     # ---- LoRA adapters (engine/loras.py) --------------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:
@@ -229,7 +233,11 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or self.weights.busy()
+        )
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and return what each request produced."""
@@ -237,6 +245,7 @@ class EngineCore:
             raise RuntimeError(
                 f"engine failed in an earlier step: {self.failure!r}"
             ) from self.failure
+        self.weights.before_step()  # a pending weight update, once the engine reached its point
         if self.pipeline is not None:
             return self._step_overlapped(self.pipeline)
         scheduler_output = self.scheduler.schedule()
@@ -254,7 +263,7 @@ class EngineCore:
         outputs; the next step runs while the caller handles them."""
         current = self._in_flight or self._launch(pipeline, self.scheduler.schedule())
         self._in_flight = None
-        if self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests() and not self.weights.holds_launch():
             self._in_flight = self._launch(pipeline, self.scheduler.schedule())
         scheduler_output, future = current
         try:
@@ -281,6 +290,45 @@ class EngineCore:
             done.set_result(ModelRunnerOutput([], []))
             return out, done
         return out, pipeline.submit(out)
+
+    # ---- weight updates and sleep (engine/weights.py, docs/rl.md) ------------------------------
+    def update_weights(
+        self, path: str | None = None, from_group: bool = False, in_flight: str = "finish"
+    ) -> Future[int]:
+        """New weights from a checkpoint (`path`: a safetensors directory or file) or from the
+        trainer of the weight group (`from_group`), read and checked on every rank before any is
+        replaced (ValueError naming a missing tensor, a wrong shape or dtype, a NaN or inf, a
+        quantized layer: the old weights keep serving). Requests in flight finish on the old
+        weights first (`in_flight="finish"`: new ones wait) or are recomputed on the new ones
+        (`"recompute"`). The future resolves to the number of tensors once applied: at once when
+        nothing is in flight, else at a later step."""
+        if from_group == (path is not None):
+            raise ValueError("update_weights: give either a path or from_group=True")
+        return self.weights.update(path, in_flight)
+
+    def init_weight_group(self, spec: WeightGroupSpec) -> None:
+        """Join a trainer's weight group (workers/weight_transfer.py); blocks until every member
+        has joined."""
+        self.weights.join_group(spec)
+
+    def destroy_weight_group(self) -> None:
+        self.weights.leave_group()
+
+    def sleep(self, level: int = 1, discard_weights: bool = False) -> None:
+        """Free the KV cache and the KV tiers' memory (level 1); level 2 also moves the weights
+        to host memory (CUDA), or drops them (`discard_weights`: an update_weights must follow).
+        Refused while requests are in flight; requests are refused (EngineAsleepError) until
+        wake_up."""
+        self.weights.sleep(level, discard_weights)
+
+    def wake_up(self) -> None:
+        """Reallocate the KV cache (and bring offloaded weights back)."""
+        self.weights.wake_up()
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level of the sleep."""
+        return self.weights.asleep
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -23,6 +23,7 @@ from scheduler.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from workers.grammar_sandbox import GrammarSandbox, TokenizerSpec
 from workers.runner import RunnerConfig
+from workers.weight_transfer import WeightGroupSpec
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -163,6 +164,37 @@ class LLM:
 
     def list_loras(self) -> list[str]:
         return self.engine.list_loras()
+
+    def update_weights(
+        self, path: str | None = None, *, from_group: bool = False, in_flight: str = "finish"
+    ) -> int:
+        """Replace the model's weights from a safetensors checkpoint (`path`) or from the trainer
+        of the weight group (`from_group`, after init_weight_group); the number of tensors
+        replaced. Every tensor is checked first (ValueError naming a missing tensor, a wrong shape
+        or dtype, a NaN or inf: the old weights stay). The prefix cache is emptied; LoRA adapters
+        stay loaded (EngineCore.update_weights, docs/rl.md)."""
+        done = self.engine.update_weights(path, from_group, in_flight)
+        while not done.done():  # only a caller stepping the engine elsewhere leaves work in flight
+            self.engine.step()
+        return done.result()
+
+    def init_weight_group(
+        self, init_method: str, world_size: int, rank: int, timeout_s: float = 600.0
+    ) -> None:
+        """Join a trainer's weight group (tcp://host:port, the trainer rank 0); this engine's
+        tensor-parallel rank r joins as rank + r. Blocks until every member has joined."""
+        self.engine.init_weight_group(WeightGroupSpec(init_method, world_size, rank, timeout_s))
+
+    def destroy_weight_group(self) -> None:
+        self.engine.destroy_weight_group()
+
+    def sleep(self, level: int = 1, discard_weights: bool = False) -> None:
+        """Free the KV cache (level 1), and move the weights to host memory or drop them (level 2,
+        `discard_weights`); generate raises EngineAsleepError until wake_up."""
+        self.engine.sleep(level, discard_weights)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last") -> list[list[float]]:
         """One normalised embedding per prompt (text or token ids): the final hidden states of

@@ -231,6 +231,19 @@ class BlockPool:
         self._listed_since, self._unlisted_since = {}, set()
         return report
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash: the KV those blocks hold was computed with weights that have
+        changed, or was freed by sleep (engine/weights.py). Later lookups find none of them; returns
+        how many were forgotten."""
+        forgotten = list(self.cached.items())
+        for block_hash, block_id in forgotten:
+            self.block_hash[block_id] = None
+            if self._listed_since is not None:
+                self._untrack(block_hash)
+        self.cached.clear()
+        self.version += 1
+        return len(forgotten)
+
     def num_evictable(self, block_ids: Sequence[int]) -> int:
         """How many of these (cached) blocks sit on the free list, so touching them uses up free
         blocks."""

@@ -225,6 +225,14 @@ class KVConnector:
         """The request finished: nothing is kept for it here (a subclass that brings KV from
         elsewhere drops what it expected for it: scheduler/kv_remote.py)."""
 
+    def reset(self) -> int:
+        """Forget every block the tiers hold (their KV belongs to weights that have changed; the
+        disk tier's files are dropped with the next step); returns how many."""
+        hashes = list(self.cpu.slots) + (list(self.disk.slots) if self.disk is not None else [])
+        for block_hash in hashes:
+            self._forget(block_hash)
+        return len(hashes)
+
     def _forget(self, block_hash: int) -> None:
         if block_hash in self.cpu:
             self.cpu.remove(block_hash)

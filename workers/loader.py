@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
@@ -144,15 +145,21 @@ def load_model(
     if gguf_file is not None:
         logger.info("%d weights kept as GGUF blocks", drop_float_copies(model))
     if device.type == "cpu":
-        pack_cpu_weights(model)  # once, on this rank's shards, now that they hold their values
-        freed = drop_packed_float_copies(model)
-        logger.info("%d weights freed beside their packed copies", freed)
-        if freed:
-            _return_freed_heap()
+        finish_cpu_weights(model)
     return model.requires_grad_(False).eval()
 
 
-def _return_freed_heap() -> None:
+def finish_cpu_weights(model: nn.Module) -> None:
+    """Pack a CPU model's linears, now that they hold their values, and free the float copies the
+    packed ones replace (at load, and after a weight update: workers/weight_update.py)."""
+    pack_cpu_weights(model)
+    freed = drop_packed_float_copies(model)
+    logger.info("%d weights freed beside their packed copies", freed)
+    if freed:
+        return_freed_heap()
+
+
+def return_freed_heap() -> None:
     """Hand the freed weights' pages back to the OS. The weights (1-4 MB each) were allocated
     from glibc's heap, which keeps freed chunks for reuse: without a trim the replica's RSS stays
     where it was (measured: 1,398 MiB before, 993 MiB after, on the de-quantized SmolLM2)."""

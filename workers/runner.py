@@ -46,6 +46,7 @@ from workers.verify_rows import (
     logits_positions,
     token_offsets,
 )
+from workers.weight_update import RankWeights
 
 # Names older callers import from here.
 __all__ = ["DTYPES", "BlockTableRows", "ModelRunner", "RequestState", "RunnerConfig", "_Batch"]
@@ -92,6 +93,8 @@ class ModelRunner:
         # Verify rows attend as decode rows (workers/verify_rows.py); False: as prefill chunks,
         # the layout before (kept for comparisons: tests and bench/spec_bench.py).
         self.verify_as_decodes = True
+        # Weight updates and sleep, applied between steps (workers/weight_update.py).
+        self.weights = RankWeights()
 
     def _load_model(self, hf_config: PretrainedConfig) -> CausalLM:
         cfg, t0 = self.config, time.perf_counter()
