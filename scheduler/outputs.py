@@ -6,7 +6,7 @@ import pickle
 from dataclasses import dataclass, field, fields
 
 from scheduler.kv_connector import KVTransfers
-from scheduler.request import Request
+from scheduler.request import FINISH_REASONS, Request
 from scheduler.sampling_params import SamplingParams
 
 # Per sampled token: (token_id, logprob) pairs, the sampled token first, then the top-N by rank.
@@ -207,13 +207,12 @@ def request_output(
     error: str | None = None,
 ) -> RequestOutput:
     """The one place a RequestOutput is built: what req produced this step and where it stands."""
-    status = req.status
-    finished = status.is_finished
+    reason = FINISH_REASONS.get(req.status)  # one dict read: this runs per request per step
     return RequestOutput(
         req.request_id,
         new_token_ids,
-        finished,
-        status.finish_reason if finished else None,
+        reason is not None,
+        reason,
         req.num_prompt_tokens,
         len(req.output_token_ids),
         req.num_cached_tokens or 0,  # None: never admitted (aborted or failed while waiting)

@@ -75,10 +75,11 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+        return FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS = {
+# The final statuses and the finish reason each reports (a request is finished iff it has one).
+FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -183,29 +184,32 @@ class Request:
     # The length probe's input: its prompt's last hidden state, projected (None: not extracted,
     # or not valid; scheduler/length_live.py).
     length_feature: list[float] | None = field(default=None, init=False)
+    # The spec's fields the step reads for every request, copied once (the spec is frozen): an
+    # attribute read instead of a property call per request per step (bench/scheduler_overhead.py).
+    request_id: str = field(init=False)
+    sampling_params: SamplingParams = field(init=False)
+    eos_token_ids: tuple[int, ...] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    # The token ids that end it when sampled: its stop_token_ids, and the EOS ids unless
+    # ignore_eos (scheduler/stop.py reads it).
+    stop_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         spec = self.spec
+        params = self.sampling_params = spec.sampling_params
+        self.request_id = spec.request_id
+        self.eos_token_ids = spec.eos_token_ids
+        eos = () if params.ignore_eos else spec.eos_token_ids
+        self.stop_ids = frozenset((*params.stop_token_ids, *eos))
+        self.num_prompt_tokens = len(spec.prompt_token_ids)
         self.output_token_ids = list(spec.output_token_ids)
         self.all_token_ids = list(spec.prompt_token_ids) + self.output_token_ids
         self.block_hashes = list(spec.block_hashes)
         self.num_synced_tokens = len(self.all_token_ids)
 
     @property
-    def request_id(self) -> str:
-        return self.spec.request_id
-
-    @property
     def prompt_token_ids(self) -> list[int]:
         return self.spec.prompt_token_ids
-
-    @property
-    def sampling_params(self) -> SamplingParams:
-        return self.spec.sampling_params
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.spec.eos_token_ids
 
     @property
     def priority(self) -> int:
@@ -218,10 +222,6 @@ class Request:
     @property
     def lora_name(self) -> str | None:
         return self.spec.lora_name
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.spec.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

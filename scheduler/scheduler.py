@@ -234,6 +234,7 @@ class Scheduler:
     def _schedule_running(self, step: Step) -> None:
         kv, cap, spec_hooks = self.kv, self.prefill_cap, self._spec_hooks
         charges = self.waiting.charges_tokens
+        allocate, take, send_cached = kv.allocate_slots, step.take, step.cached_reqs.append
         for req in list(self.running):
             if step.budget <= 0:
                 break
@@ -252,7 +253,7 @@ class Scheduler:
                 n = min(gap, cap, step.budget, to_prompt_end(req, computed), bulk)
             if n <= 0 or (pending and finishes_on_pending(req, self.max_model_len)):
                 continue
-            new_blocks = kv.allocate_slots(req, n)
+            new_blocks = allocate(req, n)
             while new_blocks is None:
                 victim = self.victims.choose(self.running)
                 preempt(self, victim, step)
@@ -265,8 +266,8 @@ class Scheduler:
             if self.landed and req.request_id in self.landed:
                 new_blocks = send_landed(self, req, step)
             else:
-                step.cached_reqs.append(req)
-            step.take(req, n, new_blocks)
+                send_cached(req)
+            take(req, n, new_blocks)
             if chunk:
                 self.bulk.charge(req, computed, n)
             if charges:
@@ -346,6 +347,7 @@ class Scheduler:
         logprobs, prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         any_finished = False
         ahead = self.tokens_in_flight()
+        max_model_len, add_output = self.max_model_len, outputs.append
         for i, (rid, sampled) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids)
         ):
@@ -360,7 +362,7 @@ class Scheduler:
                 kv.register_computed_blocks(req, written)
             if not sampled:
                 continue
-            kept, status = append_tokens(req, sampled, self.max_model_len)
+            kept, status = append_tokens(req, sampled, max_model_len)
             if charge is not None:
                 charge(req.tenant, self.config.fair_output_weight * kept)
             if status is not None:
@@ -370,7 +372,7 @@ class Scheduler:
             out = request_output(req, sampled[:kept], lp[:kept] if lp is not None else None)
             if prompt_logprobs:
                 out.prompt_logprobs = prompt_logprobs.get(rid)
-            outputs.append(out)
+            add_output(out)
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
 

@@ -12,10 +12,7 @@ from scheduler.request import Request, RequestStatus
 def is_stop_token(request: Request, token_id: int) -> bool:
     """Whether sampling token_id ends the request: one of its stop_token_ids, or an EOS id unless
     ignore_eos."""
-    params = request.sampling_params
-    if params.stop_token_ids and token_id in params.stop_token_ids:
-        return True
-    return not params.ignore_eos and token_id in request.eos_token_ids
+    return token_id in request.stop_ids
 
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
@@ -25,11 +22,12 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     reason "stop"). Otherwise the request is capped once it holds max_tokens outputs or
     max_model_len tokens in all.
     """
-    if is_stop_token(request, request.all_token_ids[-1]):
+    all_ids = request.all_token_ids
+    if all_ids[-1] in request.stop_ids:  # is_stop_token, without a call per request per step
         return RequestStatus.FINISHED_STOPPED
     if (
         len(request.output_token_ids) >= request.sampling_params.max_tokens
-        or len(request.all_token_ids) >= max_model_len
+        or len(all_ids) >= max_model_len
     ):
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
