@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from deploy.errors import APIError, BadRequestError, error_event
 from deploy.schemas import MAX_MESSAGE_PARTS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
-from scheduler.request import MAX_TENANT_CHARS
+from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
 
 MAX_ID_CHARS = 256
 # Anthropic's tool names.
@@ -35,7 +35,7 @@ _UNSUPPORTED_BLOCKS = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class CacheControl(_Strict):
@@ -118,25 +118,11 @@ class Tool(_Strict):
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
 
-    @model_validator(mode="after")
-    def _object_schema(self) -> Tool:
-        if self.input_schema.get("type") != "object":
-            raise ValueError("input_schema.type: must be object")
-        return self
-
 
 class ToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = Field(default=None, pattern=TOOL_NAME)
     disable_parallel_tool_use: bool | None = None
-
-    @model_validator(mode="after")
-    def _name_with_tool(self) -> ToolChoice:
-        if (self.type == "tool") != (self.name is not None):
-            raise ValueError("name: give it exactly when type is tool")
-        if self.type == "none" and self.disable_parallel_tool_use is not None:
-            raise ValueError("disable_parallel_tool_use: not taken when type is none")
-        return self
 
 
 class Metadata(_Strict):
@@ -151,12 +137,6 @@ class Thinking(_Strict):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1024)
     display: Literal["summarized", "omitted"] | None = None
-
-    @model_validator(mode="after")
-    def _budget_when_enabled(self) -> Thinking:
-        if (self.type == "enabled") != (self.budget_tokens is not None):
-            raise ValueError("budget_tokens: give it exactly when type is enabled")
-        return self
 
 
 @dataclass(slots=True)
@@ -188,7 +168,13 @@ class CountTokensRequest(_Strict):
     def _bounded(cls, data: Any, info: ValidationInfo) -> Any:
         """The conversation counted and its blocks validated on the raw JSON, so that an error
         names the block's path (`messages.0.content.1.text`)."""
-        if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        if not isinstance(data, dict):
+            return data
+        if isinstance(data.get("system"), list):
+            data = {**data, "system": _text_blocks(data["system"], "system")}
+        elif "system" in data and not isinstance(data["system"], (str, type(None))):
+            raise ValueError("system: must be a string or a list of text blocks")
+        if not isinstance(data.get("messages"), list):
             return data
         raw = data["messages"]
         limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
@@ -202,11 +188,28 @@ class CountTokensRequest(_Strict):
         return {**data, "messages": [_message(m, f"messages.{i}") for i, m in enumerate(raw)]}
 
     @model_validator(mode="after")
+    def _consistent(self) -> CountTokensRequest:
+        """Checks across fields, named by their full path (a nested model's own validator would
+        be named by its parent only)."""
+        for i, tool in enumerate(self.tools or []):
+            if tool.input_schema.get("type") != "object":
+                raise ValueError(f"tools.{i}.input_schema.type: must be object")
+        thinking = self.thinking
+        if thinking is not None and (thinking.type == "enabled") != (
+            thinking.budget_tokens is not None
+        ):
+            raise ValueError("thinking.budget_tokens: give it exactly when type is enabled")
+        return self._tool_choice_names_a_tool()
+
     def _tool_choice_names_a_tool(self) -> CountTokensRequest:
         names = [t.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: tool names must be unique")
         choice = self.tool_choice
+        if choice is not None and (choice.type == "tool") != (choice.name is not None):
+            raise ValueError("tool_choice.name: give it exactly when type is tool")
+        if choice is not None and choice.type == "none" and choice.disable_parallel_tool_use:
+            raise ValueError("tool_choice.disable_parallel_tool_use: not taken when type is none")
         if choice is not None and choice.type in ("any", "tool") and not names:
             raise ValueError(f"tool_choice.type: {choice.type} needs at least one tool")
         if choice is not None and choice.name is not None and choice.name not in names:
@@ -277,10 +280,21 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     stream: bool = False
     service_tier: Literal["auto", "standard_only"] | None = None
+    # raylm's extension, as in chat completions: the queue's order (a key's ceiling applies).
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+
+    @model_validator(mode="after")
+    def _budget_under_max_tokens(self) -> MessagesRequest:
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        if budget is not None and budget >= self.max_tokens:
+            raise ValueError(
+                f"thinking.budget_tokens: must be less than max_tokens ({self.max_tokens})"
+            )
+        return self
 
     def as_chat(self, max_messages: int) -> tuple[ChatCompletionRequest, Names]:
         """The chat completion request, its errors named by this request's fields."""
-        more: dict[str, Any] = {"max_tokens": self.max_tokens}
+        more: dict[str, Any] = {"max_tokens": self.max_tokens, "priority": self.priority}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 more[name] = getattr(self, name)
@@ -320,6 +334,16 @@ def _message(raw: Any, path: str) -> Any:
         raise ValueError(f"{path}.content: must hold at least one block")
     shell = _validated(Message, {**raw, "content": "-"}, path)  # role and keys checked
     return shell.model_copy(update={"content": blocks})
+
+
+def _text_blocks(raw: list[Any], path: str) -> list[TextBlock]:
+    if len(raw) > MAX_MESSAGE_PARTS:
+        raise ValueError(f"{path}: at most {MAX_MESSAGE_PARTS} blocks, got {len(raw)}")
+    blocks = [_block(b, f"{path}.{j}", None) for j, b in enumerate(raw)]
+    for j, block in enumerate(blocks):
+        if not isinstance(block, TextBlock):
+            raise ValueError(f"{path}.{j}.type: must be text")
+    return blocks  # type: ignore[return-value]
 
 
 def _block(raw: Any, path: str, role: Any) -> BaseModel:
