@@ -32,6 +32,7 @@ from cluster.outcomes import subscribe
 from router.config import RoutingConfig
 from router.fleet import FleetState
 from router.policies import RouteRequest
+from router.sessions import check_session_id
 from router.stats import RoutingStats
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,22 @@ def route_request(pending_request: PendingRequest) -> RouteRequest:
         len(prompt) + int(max_tokens),
         list(block_hashes),
         lora_name if isinstance(lora_name, str) else None,
+        _session_of(pending_request),
     )
+
+
+def _session_of(pending_request: PendingRequest) -> str | None:
+    """The session the caller named (`handle.options(session_id=...)`, which the ingress sets from
+    the request's session: deploy/ingress.py); None when it named none, or one the router cannot
+    key (the ingress refuses those with a 400 first)."""
+    session = getattr(pending_request.metadata, "session_id", "")
+    if not session:
+        return None
+    try:
+        return check_session_id(session)
+    except ValueError as e:
+        logger.warning("FleetRouter: routing without the session: %s", e)
+        return None
 
 
 def _target_of(pending_request: PendingRequest) -> str | None:

@@ -13,9 +13,11 @@ from collections.abc import Iterable
 from router.adapter_affinity import AdapterIndex
 from router.circuit_breaker import CircuitBreaker
 from router.config import RoutingConfig
+from router.kv_events import KVIndex
 from router.loads import LoadTracker
 from router.policies import RouteRequest, make_policy
 from router.prefix_index import DEFAULT_REPLICA_BLOCKS, PrefixIndex
+from router.sessions import SessionTable
 from router.stats import RoutingStats
 
 MAX_RECENT_ROUTES = 65_536
@@ -50,6 +52,11 @@ class FleetState:
         self._stats_seen: dict[str, RoutingStats] = {}
         # The hashes each replica's lower KV tiers held at its last report (absent: tiers off).
         self.tier_hashes: dict[str, frozenset[int]] = {}
+        # Exact holdings by tier from the replicas' KV events (router/kv_events.py), and when each
+        # replica's were last applied (routing's plants since then still count).
+        self.kv = KVIndex()
+        self.kv_seen_at: dict[str, float] = {}
+        self.sessions = SessionTable()
         # The replica set as last given, and sorted: it rarely changes between requests.
         self._given: tuple[str, ...] = ()
         self._sorted: list[str] = []
@@ -138,6 +145,9 @@ class FleetState:
         self.adapters.sync_replica(replica, loaded, now, self.config.stats_grace_s)
         if stats.tier_hashes is not None:
             self.tier_hashes[replica] = frozenset(stats.tier_hashes)
+        if stats.kv_events is not None:
+            self.kv.apply(replica, stats.kv_events)
+            self.kv_seen_at[replica] = now
 
     def reports(self) -> dict[str, RoutingStats]:
         """Each live replica's latest report, as this router last applied it."""
@@ -152,8 +162,12 @@ class FleetState:
             or replica in self.index.replicas()
             or replica in self._stats_seen
             or replica in self.adapters.replicas()
+            or replica in self.kv.replicas()
         )
         self.loads.remove_replica(replica)
+        self.kv.remove_replica(replica)
+        self.kv_seen_at.pop(replica, None)
+        self.sessions.remove_replica(replica)
         self.index.remove_replica(replica)
         self.adapters.remove_replica(replica)
         self.breaker.forget(replica)
@@ -170,6 +184,7 @@ class FleetState:
             | set(self._stats_seen)
             | self.breaker.replicas()
             | self.adapters.replicas()
+            | self.kv.replicas()
         )
         for replica in known - alive:
             self.remove_replica(replica)
@@ -180,3 +195,5 @@ class FleetState:
             self.index.insert(replica, request.block_hashes, now)
         if request.lora_name is not None:
             self.adapters.plant(replica, request.lora_name, now)
+        if request.session is not None:
+            self.sessions.record(request.session, replica)

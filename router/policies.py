@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -9,8 +10,10 @@ from typing import Protocol
 
 from router.adapter_affinity import AdapterIndex, holders_within
 from router.config import RoutingConfig
+from router.kv_events import KVIndex, TierRun
 from router.loads import LoadTracker
 from router.prefix_index import PrefixIndex
+from router.sessions import SessionTable, check_session_id
 
 
 @dataclass(slots=True)
@@ -22,6 +25,13 @@ class RouteRequest:
     num_tokens: int = 0
     block_hashes: Sequence[int] = ()
     lora_name: str | None = None
+    # An agent's conversation (the request's session id): its turns stay on the replica that
+    # served the last one, within the load ceiling (router/sessions.py). None: no session.
+    session: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.session is not None:
+            check_session_id(self.session)
 
 
 class FleetView(Protocol):
@@ -29,6 +39,9 @@ class FleetView(Protocol):
     index: PrefixIndex
     adapters: AdapterIndex
     tier_hashes: dict[str, frozenset[int]]  # per replica: what its lower KV tiers hold
+    kv: KVIndex  # exact holdings by tier, from the replicas' KV events
+    kv_seen_at: dict[str, float]  # when each replica's KV events were last applied
+    sessions: SessionTable
 
 
 class _Turns:
@@ -121,22 +134,25 @@ class PrefixAffinity:
         keyed = _keyed_by_load(replicas, fleet.loads, self._turns.next(len(replicas)))
         least = min(keyed)
         adapter = request.lora_name if self.adapter_affinity else None
-        if not request.block_hashes and adapter is None:
+        session = fleet.sessions.replica_of(request.session) if request.session else None
+        if not request.block_hashes and adapter is None and session is None:
             return least[2]
         base = least[0] if self.reference == "least" else sum(k[0] for k in keyed) / len(keyed)
         ceiling = max(base + self.imbalance_threshold, base * self.imbalance_ratio)
         # An overloaded holder of the longest run drops out; a shorter run on an acceptable replica
         # still beats none.
         eligible = [k for k in keyed if k[0] <= ceiling]
+        # A session's replica holds its context (the longest run its next turn can have): it keeps
+        # the turn unless the ceiling drops it, the spill rule of prefix affinity.
+        if session is not None and any(k[2] == session for k in eligible):
+            return session
         if adapter is not None:
             eligible = holders_within(eligible, adapter, fleet.adapters)
             if not eligible:  # cold within the ceiling: by load
                 return least[2]
             if not request.block_hashes:
                 return min(eligible)[2]
-        runs: dict[str, float] = dict(fleet.index.match(request.block_hashes, replicas))
-        if fleet.tier_hashes:
-            self._add_tier_runs(runs, request.block_hashes, fleet.tier_hashes)
+        runs = self._runs(request.block_hashes, replicas, fleet)
         longest = max(runs[r] for *_, r in eligible)
         if longest >= self.min_match_blocks:
             return min(k for k in eligible if runs[k[2]] == longest)[2]
@@ -144,6 +160,29 @@ class PrefixAffinity:
         # the fleet's caches instead of following momentary load.
         footprint = fleet.index.footprint
         return min((footprint(k[2]), k) for k in eligible)[1][2]
+
+    def _runs(
+        self, hashes: Sequence[int], replicas: Sequence[str], fleet: FleetView
+    ) -> dict[str, float]:
+        """Each replica's prefix score: from its KV events where they are in sync (exact, by
+        tier, or what routing planted there since they were last applied, if longer), else from
+        the approximate index and its lower tiers' report."""
+        runs: dict[str, float] = dict(fleet.index.match(hashes, replicas))
+        if fleet.tier_hashes:
+            self._add_tier_runs(runs, hashes, fleet.tier_hashes)
+        synced = [r for r in replicas if fleet.kv.in_sync(r)]
+        if synced:
+            for r, run in fleet.kv.match(hashes, synced).items():
+                planted = fleet.index.planted_run(hashes, r, fleet.kv_seen_at.get(r, math.inf))
+                runs[r] = max(self.score(run), float(planted))
+        return runs
+
+    def score(self, run: TierRun) -> float:
+        """A run's worth in device blocks: a device block 1, a CPU-tier block tier_hit_discount
+        (a copy to the device instead of a prefill), a disk-tier block its square (a file read
+        and a copy)."""
+        d = self.tier_hit_discount
+        return run.device + d * run.cpu + d * d * run.disk
 
     def _add_tier_runs(
         self, runs: dict[str, float], hashes: Sequence[int], tiers: dict[str, frozenset[int]]

@@ -161,6 +161,17 @@ class PrefixIndex:
                 runs[r] = i + 1
         return runs
 
+    def planted_run(self, block_hashes: Sequence[int], replica: str, since: float) -> int:
+        """Length of the leading run of block_hashes that routing planted on replica after since:
+        requests sent there whose blocks the replica's KV events cannot show yet."""
+        n = 0
+        for h in block_hashes:
+            owners = self._owners.get(h)
+            if owners is None or owners.get(replica, -math.inf) <= since:
+                break
+            n += 1
+        return n
+
     def remove_replica(self, replica: str) -> None:
         self._reported.pop(replica, None)
         self._unreported.pop(replica, None)

@@ -13,6 +13,15 @@ from enum import Enum
 from typing import Any, get_type_hints
 
 from scheduler.block_manager import PrefixReport
+from scheduler.kv_events import (
+    ALL_TIERS,
+    MAX_EVENTS_PER_BATCH,
+    MAX_WINDOW_EVENTS,
+    TIERS,
+    KVEventBatch,
+    KVEventReport,
+    KVSnapshot,
+)
 from scheduler.outputs import SchedulerStats
 from scheduler.predicted_load import PredictedLoad
 from scheduler.request import check_lora_identity, check_lora_name
@@ -63,6 +72,9 @@ class RoutingStats:
     # Predicted remaining output tokens of its queues (scheduler/predicted_load.py), for the
     # router's load_signal predicted_tokens. None: not asked (the engine was busy or stopped).
     predicted: PredictedLoad | None = None
+    # KV events since the replica's log began, as far as its window reaches, and maybe a snapshot
+    # (scheduler/kv_events.py; the router's exact index, router/kv_events.py). None: not sent.
+    kv_events: KVEventReport | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as Serve carries it: flat, plain values."""
@@ -79,6 +91,8 @@ class RoutingStats:
         if self.predicted is not None:
             out["predicted_remaining_tokens"] = self.predicted.tokens
             out["predicted_requests"] = self.predicted.requests
+        if self.kv_events is not None:
+            out.update(kv_events_to_dict(self.kv_events))
         return out
 
     @classmethod
@@ -109,7 +123,8 @@ class RoutingStats:
             predicted = PredictedLoad(
                 _count(report, "predicted_remaining_tokens"), _count(report, "predicted_requests")
             )
-        return cls(_scheduler_stats(report), ReplicaState(state), prefix, tier, predicted)
+        kv = kv_events_from_dict(report) if report.get("kv_batches") is not None else None
+        return cls(_scheduler_stats(report), ReplicaState(state), prefix, tier, predicted, kv)
 
 
 _FIELD_TYPES = get_type_hints(SchedulerStats)
@@ -186,3 +201,84 @@ def _block_hashes(report: Mapping[str, Any], key: str) -> list[int]:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+# Batches per report: a window of MAX_WINDOW_EVENTS events holds at most as many non-empty batches
+# (an overflowed one is empty: counted here too).
+MAX_REPORTED_BATCHES = MAX_WINDOW_EVENTS + 1
+# Hashes per snapshot tier: the router's per-replica entry bound (router/kv_events.py).
+MAX_SNAPSHOT_HASHES = 1 << 22
+# An event's code on the wire: kind * 8 + tier bit (plain ints, checked in one C-level pass).
+_EVENT_CODES = frozenset(kind * 8 + tier for kind in (0, 1) for tier in TIERS)
+
+
+def kv_events_to_dict(report: KVEventReport) -> dict[str, Any]:
+    """A KV event report as flat lists: each batch [seq, overflowed, codes, hashes]."""
+    batches = [
+        [b.seq, b.overflowed, [k * 8 + t for k, t, _ in b.events], [h for *_, h in b.events]]
+        for b in report.batches
+    ]
+    out: dict[str, Any] = {"kv_batches": batches}
+    snap = report.snapshot
+    if snap is not None:
+        out["kv_snapshot"] = [snap.seq, snap.device, snap.cpu, snap.disk]
+    return out
+
+
+def kv_events_from_dict(report: Mapping[str, Any]) -> KVEventReport:
+    """The KV event report a replica sent; ValueError naming the field that is wrong."""
+    raw = _field(report, "kv_batches")
+    if type(raw) is not list or len(raw) > MAX_REPORTED_BATCHES:
+        raise ValueError(
+            f"routing stats field 'kv_batches': expected a list of at most {MAX_REPORTED_BATCHES} "
+            f"batches, got {_short(raw)}"
+        )
+    batches = [_kv_batch(b) for b in raw]
+    snapshot = None
+    if report.get("kv_snapshot") is not None:
+        snapshot = _kv_snapshot(report["kv_snapshot"])
+    return KVEventReport(batches, snapshot)
+
+
+def _kv_batch(raw: Any) -> KVEventBatch:
+    key = "kv_batches"
+    if type(raw) is not list or len(raw) != 4:
+        raise ValueError(
+            f"routing stats field {key!r}: a batch is [seq, overflowed, codes, hashes]"
+        )
+    seq, overflowed, codes, hashes = raw
+    if type(seq) is not int or not 1 <= seq < 1 << 63 or type(overflowed) is not bool:
+        raise ValueError(f"routing stats field {key!r}: bad batch header {_short(raw[:2])}")
+    if (
+        type(codes) is not list
+        or len(codes) > MAX_EVENTS_PER_BATCH
+        or not _EVENT_CODES.issuperset(codes)
+        or set(map(type, codes)) - {int}
+    ):
+        raise ValueError(f"routing stats field {key!r}: bad event codes {_short(codes)}")
+    hashes = _block_hashes({key: hashes}, key)
+    if len(hashes) != len(codes):
+        raise ValueError(f"routing stats field {key!r}: {len(codes)} codes, {len(hashes)} hashes")
+    events = [(c >> 3, c & ALL_TIERS, h) for c, h in zip(codes, hashes)]
+    return KVEventBatch(seq, events, overflowed)
+
+
+def _kv_snapshot(raw: Any) -> KVSnapshot:
+    key = "kv_snapshot"
+    if (
+        type(raw) is not list
+        or len(raw) != 4
+        or type(raw[0]) is not int
+        or not 0 <= raw[0] < 1 << 63
+    ):
+        raise ValueError(
+            f"routing stats field {key!r}: expected [seq, device, cpu, disk], got {_short(raw)}"
+        )
+    tiers = []
+    for hashes in raw[1:]:
+        if type(hashes) is list and len(hashes) > MAX_SNAPSHOT_HASHES:
+            raise ValueError(
+                f"routing stats field {key!r}: more than {MAX_SNAPSHOT_HASHES} hashes in a tier"
+            )
+        tiers.append(_block_hashes({key: hashes}, key))
+    return KVSnapshot(raw[0], *tiers)

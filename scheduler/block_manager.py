@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig
+from scheduler.kv_events import DEVICE, REMOVED, STORED, KVEventLog
 from scheduler.request import Request
 
 _ROOT = b"raylm-prefix-v1"
@@ -137,6 +138,9 @@ class BlockPool:
         # Called with (block id, hash) before a cached block is reused: the KV connector's save
         # to a lower tier (scheduler/kv_connector.py). None: evicted blocks are dropped.
         self.on_evict: Callable[[int, int], None] | None = None
+        # Told each hash that becomes findable or stops being findable here (the router's exact
+        # index, scheduler/kv_events.py). None: nobody listens.
+        self.events: KVEventLog | None = None
 
     @property
     def num_free(self) -> int:
@@ -155,6 +159,8 @@ class BlockPool:
                     self.version += 1
                     if self._listed_since is not None:
                         self._untrack(h)
+                    if self.events is not None:
+                        self.events.record(REMOVED, DEVICE, h)
                     if self.on_evict is not None:
                         self.on_evict(block_id, h)
                 block_hash[block_id] = None
@@ -184,6 +190,8 @@ class BlockPool:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
             self.version += 1
+            if self.events is not None:
+                self.events.record(STORED, DEVICE, block_hash)
             if self._listed_since is not None:
                 if block_hash in self._unlisted_since:  # evicted and back: listed as before
                     self._unlisted_since.discard(block_hash)
@@ -240,6 +248,8 @@ class BlockPool:
             self.block_hash[block_id] = None
             if self._listed_since is not None:
                 self._untrack(block_hash)
+            if self.events is not None:
+                self.events.record(REMOVED, DEVICE, block_hash)
         self.cached.clear()
         self.version += 1
         return len(forgotten)
@@ -453,7 +463,10 @@ class KVCacheManager:
         return list(gpu), list(zip(gpu, cpu))
 
     def end_step(self) -> None:
-        """Return CPU blocks released by this step's swap-ins to the free pool."""
+        """Return CPU blocks released by this step's swap-ins to the free pool; close the step's
+        KV event batch."""
+        if self.pool.events is not None:
+            self.pool.events.end_step()
         if self._cpu_pending_free:
             self.cpu_free.extend(self._cpu_pending_free)
             self._cpu_pending_free.clear()

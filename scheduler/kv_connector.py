@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from scheduler.kv_events import CPU, DISK, REMOVED, STORED, KVEventLog
+
 
 @dataclass(slots=True)
 class KVTransfers:
@@ -66,8 +68,10 @@ class TierIndex:
     """hash -> slot of one tier: bounded, least recently used first, with slots pinned for the
     step being scheduled (a slot read this step is not reused this step)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, tier: int = CPU) -> None:
         self.capacity = capacity
+        self.tier = tier  # its bit in KV events (scheduler/kv_events.py)
+        self.events: KVEventLog | None = None  # None: nobody listens
         self.slots: OrderedDict[int, int] = OrderedDict()  # head: least recently used
         self.free = list(range(capacity - 1, -1, -1))
         self.pinned: set[int] = set()
@@ -93,10 +97,16 @@ class TierIndex:
             self.free.append(self.slots.pop(victim))
         slot = self.free.pop()
         self.slots[block_hash] = slot
+        if self.events is not None:
+            if victim is not None:
+                self.events.record(REMOVED, self.tier, victim)
+            self.events.record(STORED, self.tier, block_hash)
         return slot, victim
 
     def remove(self, block_hash: int) -> None:
         self.free.append(self.slots.pop(block_hash))
+        if self.events is not None:
+            self.events.record(REMOVED, self.tier, block_hash)
 
 
 @dataclass(slots=True)
@@ -126,7 +136,7 @@ class KVConnector:
         if num_cpu_blocks < 1:
             raise ValueError(f"num_cpu_tier_blocks: must be >= 1, got {num_cpu_blocks}")
         self.cpu = TierIndex(num_cpu_blocks)
-        self.disk = TierIndex(num_disk_blocks) if num_disk_blocks > 0 else None
+        self.disk = TierIndex(num_disk_blocks, DISK) if num_disk_blocks > 0 else None
         self.plans: dict[str, LoadPlan] = {}
         self.stats = TierStats()
         self._step = KVTransfers()

@@ -1,0 +1,141 @@
+"""KV events: what a replica's prefix cache stores and loses, tier by tier, for the fleet router.
+
+The block pool (scheduler/block_manager.py) and the lower tiers' indexes (scheduler/kv_connector.py
+`TierIndex`) call `KVEventLog.record` when a block hash becomes findable in a tier or stops being
+findable there; nothing is recorded while no log is attached. Events are closed into numbered
+batches at the end of each scheduled step (`end_step`), and the replica publishes the batches the
+log still holds with its routing stats (cluster/kv_event_pub.py). The router (router/kv_events.py)
+applies each batch once, in sequence order; a gap (a batch it never saw, or one cut short by the
+per-batch cap) makes it wait for a snapshot, which the log attaches to a report every
+`snapshot_every` reports (and to the first).
+
+A move between tiers is a removal from one and a store in the other, in the same batch: a block
+saved from the device pool to the CPU tier is (REMOVED, DEVICE) then (STORED, CPU); a CPU block
+demoted to disk is (REMOVED, CPU) then (STORED, DISK). Events travel as plain ints.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Tiers, as bits: a hash may be findable in several at once (a block loaded back from the CPU
+# tier stays there too).
+DEVICE = 1
+CPU = 2
+DISK = 4
+TIERS = (DEVICE, CPU, DISK)
+ALL_TIERS = DEVICE | CPU | DISK
+
+STORED = 0
+REMOVED = 1
+
+# Events per batch: a step evicts and registers at most its batch's blocks; past this the batch is
+# sent empty and marked overflowed, and routers repair from the next snapshot.
+MAX_EVENTS_PER_BATCH = 8192
+# Events the log keeps for reports (oldest batches dropped first): about one report period's worth
+# at thousands of blocks a second.
+MAX_WINDOW_EVENTS = 32768
+# Reports between two snapshots: the longest a router that lost a batch waits for its repair.
+SNAPSHOT_EVERY = 10
+
+Event = tuple[int, int, int]  # (STORED or REMOVED, tier bit, block hash)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventBatch:
+    """The events of one step, numbered from 1 by the replica's log, in the order they happened."""
+
+    seq: int
+    events: list[Event] = field(default_factory=list)
+    overflowed: bool = False  # more than the cap happened: events dropped, a snapshot repairs it
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """Every hash each tier holds after batch seq (the state a router resets to)."""
+
+    seq: int
+    device: list[int]
+    cpu: list[int] = field(default_factory=list)
+    disk: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventReport:
+    """What one routing-stats report carries: the batches the log holds, oldest first, and maybe a
+    snapshot (a router applies the snapshot first when it needs one, then the later batches)."""
+
+    batches: list[KVEventBatch]
+    snapshot: KVSnapshot | None = None
+
+
+class KVEventLog:
+    """A replica's event recorder: bounded batches, bounded window, periodic snapshots.
+
+    `snapshot_of` reads the tiers' current holdings (the engine side wires it: the pool's cached
+    hashes, the connector's tier slots). Called on the engine's thread only.
+    """
+
+    def __init__(
+        self,
+        snapshot_of: Callable[[], tuple[list[int], list[int], list[int]]],
+        max_events_per_batch: int = MAX_EVENTS_PER_BATCH,
+        max_window_events: int = MAX_WINDOW_EVENTS,
+        snapshot_every: int = SNAPSHOT_EVERY,
+    ) -> None:
+        for name, value in (
+            ("max_events_per_batch", max_events_per_batch),
+            ("max_window_events", max_window_events),
+            ("snapshot_every", snapshot_every),
+        ):
+            if type(value) is not int or not 1 <= value <= 1 << 32:
+                raise ValueError(f"{name}: must be an integer in [1, 2**32], got {value!r}")
+        self.snapshot_of = snapshot_of
+        self.max_events_per_batch = max_events_per_batch
+        self.max_window_events = max_window_events
+        self.snapshot_every = snapshot_every
+        self.seq = 0  # the last batch closed
+        self._open: list[Event] = []
+        self._overflowed = False
+        self._snapshot_due = True  # the first report carries one
+        self._window: deque[KVEventBatch] = deque()
+        self._window_events = 0
+        self._reports = 0
+
+    def record(self, kind: int, tier: int, block_hash: int) -> None:
+        if len(self._open) >= self.max_events_per_batch:
+            self._overflowed = True
+            return
+        self._open.append((kind, tier, block_hash))
+
+    def end_step(self) -> None:
+        """Close the step's batch (none when nothing happened)."""
+        if not self._open and not self._overflowed:
+            return
+        self.seq += 1
+        events = [] if self._overflowed else self._open
+        batch = KVEventBatch(self.seq, events, self._overflowed)
+        self._snapshot_due |= self._overflowed  # every router needs it: do not wait the period
+        self._open, self._overflowed = [], False
+        self._window.append(batch)
+        self._window_events += len(events)
+        while self._window_events > self.max_window_events and len(self._window) > 1:
+            self._window_events -= len(self._window.popleft().events)
+
+    def request_snapshot(self) -> None:
+        """Attach a snapshot to the next report (a router that cannot wait the period)."""
+        self._snapshot_due = True
+
+    def report(self) -> KVEventReport:
+        """The batches held (the open one closed first), with a snapshot on the first report,
+        after an overflowed batch, and every snapshot_every-th report."""
+        self.end_step()
+        snapshot = None
+        self._reports += 1
+        if self._snapshot_due or self._reports % self.snapshot_every == 0:
+            device, cpu, disk = self.snapshot_of()
+            snapshot = KVSnapshot(self.seq, device, cpu, disk)
+            self._snapshot_due = False
+        return KVEventReport(list(self._window), snapshot)
