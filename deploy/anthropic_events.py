@@ -46,20 +46,27 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
 def anthropic_shaped(response: Response) -> Response:
     """An OpenAI error response (deploy/errors.py, the one mapping of exceptions to statuses) in
     Anthropic's shape, its status and headers kept; any other response as it is."""
-    if response.status_code < 400 or not isinstance(response, JSONResponse):
-        return response
-    try:
-        message = json.loads(bytes(response.body))["error"]["message"]
-    except (ValueError, KeyError, TypeError):
+    body = _anthropic_body(response)
+    if body is None:
         return response
     headers = {
         k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")
     }
-    return JSONResponse(
-        anthropic_error(response.status_code, message),
-        status_code=response.status_code,
-        headers=headers,
-    )
+    return JSONResponse(body, status_code=response.status_code, headers=headers)
+
+
+def _anthropic_body(response: Response) -> dict[str, Any] | None:
+    """The Anthropic error body of an OpenAI error response (None: not one)."""
+    if response.status_code < 400 or not isinstance(response, JSONResponse):
+        return None
+    try:
+        error = json.loads(bytes(response.body))["error"]
+        message, param = error["message"], error.get("param")
+    except (ValueError, KeyError, TypeError):
+        return None
+    if param and not message.startswith(param):  # Anthropic's errors have no param: named here
+        message = f"{param}: {message}"
+    return anthropic_error(response.status_code, message)
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -217,8 +224,9 @@ class MessageBuilder:
     def error(self, exc: BaseException) -> dict[str, Any]:
         """The event of an error after the stream started (the status is already sent)."""
         response = error_response(exc)  # the one exception-to-status mapping
-        message = json.loads(bytes(response.body))["error"]["message"]
-        return anthropic_error(response.status_code, message)
+        body = _anthropic_body(response)
+        assert body is not None  # an error response always has an error body
+        return body
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:

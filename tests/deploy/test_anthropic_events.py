@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 from deploy.anthropic_events import MessageBuilder, anthropic_shaped, sse
 from deploy.errors import (
     BadRequestError,
+    ContextLengthError,
     ModelNotFoundError,
     RequestTimeoutError,
     TooManyRequestsError,
@@ -186,6 +187,7 @@ def test_a_reply_stopped_by_the_model_names_no_stop_sequence():
             "invalid_request_error",
         ),
         (ModelNotFoundError("The model `x` does not exist"), 404, "not_found_error"),
+        (ContextLengthError(256, 10, 1000), 400, "invalid_request_error"),
         (RequestTimeoutError("too slow"), 408, "timeout_error"),
         (TooManyRequestsError("too many", 2.5), 429, "rate_limit_error"),
         (RuntimeError("secret detail"), 500, "api_error"),
@@ -197,6 +199,9 @@ def test_errors_answer_in_anthropics_shape_with_their_status(exc, status, kind):
     body = json.loads(bytes(response.body))
     assert body["type"] == "error" and body["error"]["type"] == kind
     assert set(body["error"]) == {"type", "message"}
+    param = json.loads(bytes(error_response(exc).body))["error"]["param"]
+    if param is not None:  # Anthropic's errors have no param: the message names it
+        assert body["error"]["message"].startswith(param + ":")
     if status == 429:
         assert response.headers["retry-after"] == "3"
     if status == 500:  # an internal error's text stays inside
