@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from engine.pipeline_config import check_pipeline
 from scheduler.config import SchedulerConfig
 from scheduler.speculative import SpeculativeConfig
 from settings import build, check_settings, nest, setting, shown
@@ -22,6 +23,7 @@ from workers.options import (
     QUANTIZATIONS,
     STEP_TRANSPORTS,
 )
+from workers.pipeline_split import MAX_PIPELINE_STAGES
 from workers.process import MAX_NICE, MIN_NICE
 
 if TYPE_CHECKING:
@@ -35,6 +37,8 @@ MAX_LORAS = 256
 MAX_LORA_RANK = 256
 MAX_CPU_LORAS = 4096
 DEFAULT_MAX_LORAS = 4
+# Ranks of one engine at most (tensor x pipeline): a bound, not a promise that so many start.
+MAX_WORLD_SIZE = 1024
 _MAX_PATH = 4096  # PATH_MAX on Linux
 
 
@@ -54,6 +58,19 @@ class EngineConfig:
     )
     tensor_parallel_size: int = setting(
         1, "tensor-parallel ranks (GPUs, or CPU worker actors) per replica", ge=1
+    )
+    pipeline_parallel_size: int = setting(
+        1,
+        "pipeline stages per replica: the decoder layers split into this many stages, each "
+        "a tensor-parallel group (world size tensor_parallel_size x pipeline_parallel_size). "
+        "Each stage's KV pool holds only its layers (docs/pipeline.md)",
+        ge=1,
+        le=MAX_PIPELINE_STAGES,
+    )
+    pipeline_layer_split: list[int] | None = setting(
+        None,
+        "decoder layers of each pipeline stage, in order (pipeline_parallel_size counts summing "
+        "to the model's num_hidden_layers). Unset: balanced by layer count",
     )
     expert_parallel: bool = setting(
         False,
@@ -140,8 +157,8 @@ class EngineConfig:
         None,
         "schedule each step while the previous one runs, before its tokens are back (the tokens "
         "are the same either way). Unset: off until it is measured on a GPU (on CPU it is not "
-        "reliably faster, bench/async_scheduling.py). tensor_parallel_size > 1 always runs "
-        "synchronously",
+        "reliably faster, bench/async_scheduling.py). tensor_parallel_size > 1 or "
+        "pipeline_parallel_size > 1 always runs synchronously",
     )
     step_transport: str = setting(
         "socket",
@@ -239,6 +256,7 @@ class EngineConfig:
                 f"got {shown(self.kv_disk_tier_dir)}"
             )
         self._check_kv_cache_dtype()
+        check_pipeline(self)
 
     def _check_kv_cache_dtype(self) -> None:
         """An FP8 cache where nothing can read it fails here; `device: auto` resolving to a CPU
@@ -299,12 +317,19 @@ class EngineConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine, rank = stage * tensor_parallel_size + tp_rank: the one place that
+        counts them (executors size their groups from it)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def uses_async_scheduling(self) -> bool:
         """Whether steps overlap: async_scheduling resolved against the device and the TP size.
 
-        Under tensor parallelism only rank 0 samples, and the other ranks learn each token from
-        the next step, so a step cannot be sent before the previous one's tokens are back."""
-        if self.tensor_parallel_size > 1:
+        Under tensor (or pipeline) parallelism one rank samples, and the other ranks learn each
+        token from the next step, so a step cannot be sent before the previous one's tokens are
+        back."""
+        if self.world_size > 1:
             return False
         # Unset stays off: the overlapped path has been proven exact on CPU but has not yet run
         # on a GPU, and the default path must be the measured one.
@@ -369,6 +394,8 @@ class EngineConfig:
             kv_tiers=tiers,
             kv_cache_dtype=self.kv_cache_dtype,
             length_feature_dim=sched.length_feature_dim if sched.uses_length_probe else 0,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            pipeline_layer_split=self.pipeline_layer_split,
             draft_model_dir=draft_model_dir,
             draft_gguf_file=(
                 self.quantized_gguf(self.speculative.draft_model)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from workers.parallel import init_tensor_parallel, reset_tensor_parallel
+from workers.pipeline import init_pipeline, reset_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +34,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def init_distributed(
-    rank: int, world_size: int, address: str, device: str, timeout_s: float = 300.0
+    rank: int,
+    world_size: int,
+    address: str,
+    device: str,
+    timeout_s: float = 300.0,
+    pipeline_parallel_size: int = 1,
 ) -> None:
     """Join the process group of world_size ranks rendezvousing at address ("host:port").
 
     Every rank must call this at about the same time. At world size 1 a real group is created too,
     so the collectives of the TP layers run (as identities) through the backend being set up.
     timeout_s bounds the rendezvous and every collective, so a lost peer cannot hang a rank forever.
+    With pipeline stages, world_size is tensor_parallel_size x pipeline_parallel_size and rank
+    stage x tensor_parallel_size + tp_rank (workers/pipeline.py); each stage is a TP group.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
+    if pipeline_parallel_size < 1 or world_size % pipeline_parallel_size:
+        raise ValueError(
+            f"pipeline_parallel_size: {pipeline_parallel_size} does not divide the world size "
+            f"{world_size}"
+        )
     if dist.is_initialized():
         raise RuntimeError("init_distributed: this process already belongs to a process group")
     backend = backend_for(device)
@@ -61,8 +74,22 @@ def init_distributed(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    init_tensor_parallel(rank, world_size, dist.group.WORLD)
+    _init_groups(rank, world_size, pipeline_parallel_size)
     logger.info("rank %d/%d joined the %s group at %s", rank, world_size, backend, address)
+
+
+def _init_groups(rank: int, world_size: int, pipeline_parallel_size: int) -> None:
+    """This rank's TP group (the world without stages) and its pipeline stage."""
+    tp = world_size // pipeline_parallel_size
+    if pipeline_parallel_size == 1:
+        init_tensor_parallel(rank, world_size, dist.group.WORLD)
+    else:
+        # Every rank creates every stage's group, in stage order, as new_group requires.
+        groups = [
+            dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(world_size // tp)
+        ]
+        init_tensor_parallel(rank % tp, tp, groups[rank // tp])
+    init_pipeline(rank, tp, pipeline_parallel_size)
 
 
 def _loopback_interface() -> str:
@@ -75,3 +102,4 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     reset_tensor_parallel()
+    reset_pipeline()

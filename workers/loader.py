@@ -19,6 +19,7 @@ from workers.layers.linear import drop_packed_float_copies, pack_cpu_weights
 from workers.layers.quantized import drop_float_copies
 from workers.models import model_class
 from workers.models.llama import LlamaForCausalLM
+from workers.pipeline import check_stage_built, current_stage, stage_weights
 from workers.quant_config import quant_config_of
 from workers.quant_weights import attach_quantized, quantize_model_fp8, quantized_tensors
 
@@ -131,12 +132,16 @@ def load_model(
             model = cls(config, max_model_len=max_model_len)
     finally:
         torch.set_default_dtype(previous)
+    # A pipeline stage reads only the tensors of the layers it holds.
+    stage, tied = current_stage(), model.args.tie_word_embeddings
+    check_stage_built(model, stage)
     if gguf_file is not None:
         from workers.gguf import iterate_gguf
 
-        loaded = model.load_weights(iterate_gguf(gguf_file, config))
+        loaded = model.load_weights(stage_weights(iterate_gguf(gguf_file, config), stage, tied))
     else:
-        loaded = model.load_weights(quantized_tensors(iterate_weights(model_dir, progress), qc))
+        weights = stage_weights(iterate_weights(model_dir, progress), stage, tied)
+        loaded = model.load_weights(quantized_tensors(weights, qc))
     model.check_loaded(loaded)
     if qc is not None and qc.method == "fp8":
         quantize_model_fp8(model, qc.per_tensor)

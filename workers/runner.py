@@ -33,6 +33,7 @@ from workers.length_features import LengthFeatures
 from workers.loader import load_model
 from workers.lora.manager import LoraManager
 from workers.parallel import get_tp_rank, set_expert_parallel
+from workers.pipeline import current_stage, hand_output_to_rank0, set_stage_layers
 from workers.proposer import Proposer
 from workers.runner_config import DTYPES, RunnerConfig
 from workers.runner_process import tune_process
@@ -71,8 +72,12 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         tune_process(config, self.device)
+        set_stage_layers(  # before the model is built: a pipeline stage builds its layers only
+            hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pipeline_layer_split
+        )
         self.model = self._load_model(hf_config)
-        self.is_driver = get_tp_rank() == 0
+        # The sampling rank: TP rank 0 of the last pipeline stage (rank 0 without stages).
+        self.is_driver = get_tp_rank() == 0 and current_stage().is_last
         self.requests: dict[str, RequestState] = {}
         ctx = RunnerContext(
             config, self.model, hf_config, self.device, self.dtype, self.is_driver, self.requests
@@ -86,7 +91,8 @@ class ModelRunner:
             -(-config.max_model_len // config.block_size), config.max_num_seqs
         )
         # At any TP size: NCCL collectives are captured inside the graphs (workers/cuda_graphs.py).
-        self.use_graphs = decode_graphs_enabled(
+        # Not per pipeline stage yet: a captured forward would have to hold its p2p hand-offs.
+        self.use_graphs = config.pipeline_parallel_size == 1 and decode_graphs_enabled(
             self.device, config.enforce_eager, self.backend.supports_cuda_graphs
         )
         self.graphs: DecodeGraphs | None = None
@@ -247,7 +253,7 @@ class ModelRunner:
         expert_load = getattr(self.model, "expert_rows_per_rank", None)
         if expert_load is not None and self.is_driver:
             output.expert_tokens_per_rank = expert_load()
-        return output
+        return hand_output_to_rank0(output, self.is_driver)
 
     def _copy_blocks(self, out: SchedulerOutput, cache: KVCache) -> list[int]:
         """The step's copies: the features' saves, the swaps, then the loads; the blocks whose

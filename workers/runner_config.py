@@ -67,6 +67,10 @@ class RunnerConfig:
     # Floats of each prompt's last hidden state sent to the length probe (0: off;
     # workers/length_features.py).
     length_feature_dim: int = 0
+    # Pipeline stages (workers/pipeline.py): how many, and the decoder layers of each (None:
+    # balanced by count). The worker's rank says which stage it is.
+    pipeline_parallel_size: int = 1
+    pipeline_layer_split: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

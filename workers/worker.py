@@ -54,7 +54,14 @@ class Worker:
     def init_device(self, address: str, timeout_s: float = 300.0) -> None:
         """Pin the CPU thread count and join the process group."""
         self._pin_threads()
-        init_distributed(self.rank, self.world_size, address, self.config.device, timeout_s)
+        init_distributed(
+            self.rank,
+            self.world_size,
+            address,
+            self.config.device,
+            timeout_s,
+            self.config.pipeline_parallel_size,
+        )
 
     def open_step_channel(self) -> ChannelAddress:
         """Serve steps over a socket on this rank's node (the executor's fast path, see

@@ -25,10 +25,17 @@ from transformers import PretrainedConfig
 
 from workers.layers.activation import GeluAndMul
 from workers.layers.attention import AttentionMetadata
-from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.embedding import VocabParallelEmbedding
 from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workers.layers.rotary import RotaryEmbedding
-from workers.models.llama import LlamaArgs, LlamaAttention, LlamaForCausalLM, first_norm
+from workers.models.llama import (
+    LlamaArgs,
+    LlamaAttention,
+    LlamaForCausalLM,
+    first_norm,
+    lm_head_of,
+)
+from workers.pipeline import MissingLayer, current_stage, run_stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,28 +175,34 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, a: LlamaArgs, g: GemmaArgs) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size)
+        stage = current_stage()  # a pipeline stage builds its own layers only (LlamaModel)
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(a.vocab_size, a.hidden_size)
+            if stage.is_first
+            else MissingLayer()
+        )
         self.normalizer = float(a.hidden_size) ** 0.5
         tables: dict[tuple, RotaryEmbedding] = {}  # one cos/sin table per distinct rope
         for rope in g.layer_ropes:
             if rope not in tables:
                 tables[rope] = RotaryEmbedding(a.head_dim, a.max_position, dict(rope))
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(a, g, tables[g.layer_ropes[i]], i) for i in range(a.num_layers)
+            GemmaDecoderLayer(a, g, tables[g.layer_ropes[i]], i)
+            if stage.holds(i)
+            else MissingLayer()
+            for i in range(a.num_layers)
         )
-        self.norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps) if stage.is_last else MissingLayer()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # The scale is rounded to the model's dtype before the multiply, as transformers does.
+        return x * torch.tensor(self.normalizer, dtype=x.dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        # The scale is rounded to the model's dtype before the multiply, as transformers does.
-        x = x * torch.tensor(self.normalizer, dtype=x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return run_stage(self.layers, self.embed, self.norm, input_ids, positions, meta)
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
@@ -204,12 +217,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             self.args.max_position = min(self.args.max_position, max_model_len)
         self.gemma = GemmaArgs.from_hf_config(config, self.args.num_layers, gemma3=self.gemma3)
         self.model = GemmaModel(self.args, self.gemma)  # type: ignore[assignment]
-        self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = lm_head_of(self.args, self.model.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.lm_head.compute_logits(hidden)
+        logits = super().compute_logits(hidden)
         cap = self.gemma.final_softcap
         if logits is None or cap is None:
             return logits

@@ -20,6 +20,7 @@ from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from workers.layers.norm import RMSNorm
 from workers.layers.quantized import AnyWeight, float_only
 from workers.layers.rotary import RotaryEmbedding
+from workers.pipeline import MissingLayer, current_stage, run_stage
 
 
 @dataclass(slots=True)
@@ -216,22 +217,27 @@ class LlamaModel(nn.Module):
         self, a: LlamaArgs, make_mlp: Callable[[int], nn.Module | None] | None = None
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size)
+        # A pipeline stage builds its own layers only (workers/pipeline.py); the others are
+        # placeholders without weights, so layer indices and checkpoint names stay global.
+        stage = current_stage()
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(a.vocab_size, a.hidden_size)
+            if stage.is_first
+            else MissingLayer()
+        )
         rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope_parameters)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(a, rotary, i, make_mlp(i) if make_mlp else None)
+            if stage.holds(i)
+            else MissingLayer()
             for i in range(a.num_layers)
         )
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps) if stage.is_last else MissingLayer()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return run_stage(self.layers, self.embed_tokens, self.norm, input_ids, positions, meta)
 
 
 # checkpoint name fragment -> (our fused parameter fragment, shard id)
@@ -256,9 +262,7 @@ class LlamaForCausalLM(nn.Module):
         if max_model_len is not None:  # the rotary table needs no rows past the longest sequence
             self.args.max_position = min(self.args.max_position, max_model_len)
         self.model = LlamaModel(self.args, self.make_mlp)
-        self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = lm_head_of(self.args, self.model.embed_tokens)
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         """The feed-forward block of a layer; None: the dense Llama MLP (families override)."""
@@ -270,14 +274,27 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits over the vocabulary on rank 0 (None on other ranks)."""
+        """Logits over the vocabulary on rank 0 of the last stage (None on other ranks)."""
+        if not isinstance(self.lm_head, ParallelLMHead):  # a pipeline stage before the last
+            return None
         return self.lm_head.compute_logits(hidden)
+
+    @property
+    def head_tied(self) -> bool:
+        """The LM head is the embedding itself (tied, and both on this stage)."""
+        return (
+            self.args.tie_word_embeddings
+            and isinstance(self.lm_head, ParallelLMHead)
+            and (self.lm_head.weight is getattr(self.model.embed_tokens, "weight", None))
+        )
 
     def attention_blocks(self) -> list[LlamaAttention]:
         """Each decoder layer's self-attention block (every family's layers keep one as
         `self_attn`)."""
         blocks = []
         for layer in self.model.layers:
+            if isinstance(layer, MissingLayer):  # on another pipeline stage
+                continue
             attn = layer.self_attn
             if not isinstance(attn, LlamaAttention):
                 raise TypeError(
@@ -296,9 +313,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (
-                name == "lm_head.weight" and self.args.tie_word_embeddings
-            ):
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.head_tied):
                 continue
             shard_id = None
             for ckpt, ours, sid in _STACKED:
@@ -324,13 +339,24 @@ class LlamaForCausalLM(nn.Module):
     def check_loaded(self, loaded: set[str]) -> None:
         """Raise if a parameter received no checkpoint tensor."""
         names = {n for n, _ in self.named_parameters()}
-        if self.args.tie_word_embeddings:
+        if self.head_tied:
             names.discard("lm_head.weight")
         missing = sorted(names - loaded)
         if missing:
             raise ValueError(
                 f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
             )
+
+
+def lm_head_of(a: LlamaArgs, embed_tokens: nn.Module) -> nn.Module:
+    """The LM head on the last pipeline stage (a placeholder elsewhere); tied embeddings share the
+    embedding's weight when the stage holds both, else the head loads a copy of its own."""
+    if not current_stage().is_last:
+        return MissingLayer()
+    head = ParallelLMHead(a.vocab_size, a.hidden_size)
+    if a.tie_word_embeddings and isinstance(embed_tokens, VocabParallelEmbedding):
+        head.weight = embed_tokens.weight
+    return head
 
 
 def _copy_plain(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
