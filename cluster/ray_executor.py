@@ -26,9 +26,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.placement import TP_STRATEGY, UnplaceableError, live_nodes, unplaceable
+from engine.backends import register_ray_backend
 from engine.config import EngineConfig
+from engine.executor import EngineDeadError
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.options import STEP_TRANSPORTS
+from workers.rank_process import threads_per_rank
 from workers.runner import ModelRunner, RunnerConfig
 from workers.step_channel import RankFailedError, StepClient
 from workers.worker import Worker
@@ -38,16 +41,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _PROBE_TIMEOUT_S = 3.0  # how long a failure diagnosis waits to learn which actors are dead
-
-
-class EngineDeadError(RuntimeError):
-    """A tensor-parallel worker died, raised or stalled; the engine cannot take more steps."""
-
-    def __init__(self, rank: int | None, cause: str) -> None:
-        where = f"tensor-parallel rank {rank}" if rank is not None else "a tensor-parallel worker"
-        super().__init__(f"engine dead: {where} failed: {cause}")
-        self.rank = rank
-        self.cause = cause
 
 
 class RayWorker(Worker):
@@ -149,8 +142,7 @@ class RayExecutor:
         if not on_cpu:
             # Ray shows each worker only its own GPU, as device 0 (whatever index the driver named).
             config = dataclasses.replace(config, device="cuda")
-        # Ranks share the node's cores: without a cap each would start one thread per core.
-        threads = max(1, (os.cpu_count() or 1) // self.tp) if on_cpu else None
+        threads = threads_per_rank(config.device, self.tp)
         actor_cls: Any = ray.remote(worker_cls)
         workers = []
         for rank in range(self.tp):
@@ -335,14 +327,24 @@ def ray_executor(
     """An engine.executor.ExecutorFactory: one worker actor per rank, in placement_group when given
     (a Serve replica's group holds the replica's own bundle first, then one per worker), else in a
     group of its own."""
+    if placement_group is not None and config.distributed_executor_backend == "mp":
+        raise ValueError(
+            "distributed_executor_backend: 'mp' starts rank processes outside the replica's "
+            "placement group, where Ray reserved nothing for them; a served replica's ranks are "
+            "Ray actors (leave it unset or 'ray')"
+        )
     return RayExecutor(
         runner_config,
-        config.tensor_parallel_size,
+        config.world_size,
         placement_group=placement_group,
         bundle_offset=1 if placement_group is not None else 0,
         step_transport=config.step_transport,
         step_timeout_s=config.step_timeout_s,
     )
+
+
+# `ray` for engine.backends.default_executor (engine/ cannot import this Ray adapter itself).
+register_ray_backend(ray_executor)
 
 
 def _start_local_ray(tensor_parallel_size: int) -> None:

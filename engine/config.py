@@ -39,6 +39,7 @@ MAX_CPU_LORAS = 4096
 DEFAULT_MAX_LORAS = 4
 # Ranks of one engine at most (tensor x pipeline): a bound, not a promise that so many start.
 MAX_WORLD_SIZE = 1024
+EXECUTOR_BACKENDS = ("mp", "ray")
 _MAX_PATH = 4096  # PATH_MAX on Linux
 
 
@@ -57,7 +58,19 @@ class EngineConfig:
         "auto", "`auto` (cuda when the process sees a GPU, else cpu), `cpu`, `cuda` or `cuda:N`"
     )
     tensor_parallel_size: int = setting(
-        1, "tensor-parallel ranks (GPUs, or CPU worker actors) per replica", ge=1
+        1,
+        "tensor-parallel ranks (GPUs, or CPU worker processes) per replica",
+        ge=1,
+        le=MAX_WORLD_SIZE,
+    )
+    distributed_executor_backend: str | None = setting(
+        None,
+        "what runs the ranks when there are several: `mp`, one spawned process per rank on this "
+        "machine (torch.distributed, no Ray); `ray`, one Ray actor per rank, on any node of the "
+        "cluster. Unset: `mp` when every rank fits this machine (its GPUs; on CPU always), else "
+        "`ray`. A served replica's ranks are always Ray actors in its placement group "
+        "(`mp` is refused there). docs/executors.md",
+        choices=EXECUTOR_BACKENDS,
     )
     pipeline_parallel_size: int = setting(
         1,

@@ -12,8 +12,9 @@ from dataclasses import replace
 
 from transformers import AutoConfig
 
+from engine.backends import default_executor
 from engine.config import EngineConfig
-from engine.executor import Executor, ExecutorFactory, local_executor
+from engine.executor import Executor, ExecutorFactory
 from engine.loras import EngineLoras
 from engine.step_pipeline import StepPipeline
 from engine.weights import EngineWeights
@@ -41,7 +42,7 @@ class EngineCore:
     """Owns a Scheduler and an executor; each step() runs one batch and returns its outputs."""
 
     def __init__(
-        self, config: EngineConfig, executor_factory: ExecutorFactory = local_executor
+        self, config: EngineConfig, executor_factory: ExecutorFactory = default_executor
     ) -> None:
         self.config = config
         # Seconds of each startup phase (cluster/cold_start.py exports them per replica).

@@ -1,8 +1,9 @@
 """Executors run each SchedulerOutput on the model workers and return rank 0's ModelRunnerOutput.
 
-LocalExecutor runs one ModelRunner in this process (TP=1); cluster.ray_executor.RayExecutor drives
-one worker actor per tensor-parallel rank. Both satisfy the Executor protocol; an EngineCore gets
-its executor from an ExecutorFactory, so this Ray-free package never names the Ray one.
+LocalExecutor runs one ModelRunner in this process (one rank); engine.mp_executor.MPExecutor one
+spawned process per rank on this machine; cluster.ray_executor.RayExecutor one Ray actor per rank.
+All satisfy the Executor protocol; an EngineCore gets its executor from an ExecutorFactory
+(engine/backends.py picks one from the settings), so this Ray-free package never names the Ray one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class EngineDeadError(RuntimeError):
+    """A rank died, raised or stalled; the engine cannot take more steps."""
+
+    def __init__(self, rank: int | None, cause: str) -> None:
+        where = f"tensor-parallel rank {rank}" if rank is not None else "a tensor-parallel worker"
+        super().__init__(f"engine dead: {where} failed: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
 class Executor(Protocol):
     """What an EngineCore needs from the workers of one replica."""
 
@@ -33,6 +44,12 @@ class Executor(Protocol):
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def call_ranks(self, fn: Callable[[ModelRunner], T], timeout_s: float = 60.0) -> list[T]:
+        """fn(runner) on every rank, by rank, between steps (LoRA adapters, KV transfers); fn
+        crosses a process boundary where the ranks are processes: a module-level function or a
+        functools.partial of one."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -48,9 +65,9 @@ class LocalExecutor:
     def __init__(self, runner_config: RunnerConfig, tensor_parallel_size: int = 1) -> None:
         if tensor_parallel_size != 1:
             raise ValueError(
-                f"tensor_parallel_size: {tensor_parallel_size} ranks need a worker each; this "
-                "process "
-                "runs one. Pass executor_factory=cluster.ray_executor.ray_executor (Ray actors)"
+                f"tensor_parallel_size: {tensor_parallel_size} ranks need a process each; this "
+                "executor runs one in this process (engine/backends.py picks MPExecutor or the "
+                "Ray executor for more)"
             )
         self.runner: ModelRunner | None = ModelRunner(runner_config)
 
@@ -87,4 +104,4 @@ ExecutorFactory = Callable[["EngineConfig", RunnerConfig], Executor]
 
 def local_executor(config: EngineConfig, runner_config: RunnerConfig) -> Executor:
     """The default factory: the one rank in this process."""
-    return LocalExecutor(runner_config, config.tensor_parallel_size)
+    return LocalExecutor(runner_config, config.world_size)

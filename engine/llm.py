@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from engine.backends import default_executor
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.executor import Executor, ExecutorFactory, local_executor
+from engine.executor import Executor, ExecutorFactory
 from frontend.chat import ChatOptions
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
@@ -75,12 +76,12 @@ class LLM:
         dtype: str = "float32",
         device: str = "auto",
         tensor_parallel_size: int = 1,
-        executor_factory: ExecutorFactory = local_executor,
+        executor_factory: ExecutorFactory = default_executor,
         **kwargs: Any,
     ) -> None:
-        """Engine and scheduler settings by name (EngineConfig, SchedulerConfig); more than one
-        tensor-parallel rank needs an executor_factory that starts a worker per rank
-        (cluster.ray_executor.ray_executor)."""
+        """Engine and scheduler settings by name (EngineConfig, SchedulerConfig). Several ranks
+        run as `distributed_executor_backend` says (engine/backends.py: a process per rank on
+        this machine unless they do not fit, or Ray is asked for); executor_factory overrides."""
         config = EngineConfig.from_kwargs(
             model=model,
             dtype=dtype,
