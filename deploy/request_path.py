@@ -1,24 +1,38 @@
 """The ingress's shared request path: what every route family (a mixin of `OpenAIIngress`)
-reaches through `self`.
+reaches through `self`. Chat completions, completions, the Responses API (and any other
+chat-shaped API) go validate -> tokenize -> EngineRequests -> stream or collect from the replicas
+(deadline, migration, aborts) through these methods; only the output format differs.
 
-A route mixin subclasses `RequestPath` and declares its routes on `deploy.http_app.app`:
+A route mixin subclasses `RequestPath`, declares its routes on `deploy.http_app.app`, and is
+added to `OpenAIIngress`'s bases:
 
     class AnthropicRoutes(RequestPath):
         @app.post("/v1/messages")
         async def messages(self, request: Request) -> Response:
             return await self._serve(request, MessagesRequest, self._messages)
 
-Entry points (methods of the ingress, all on this class):
-- `_serve(request, schema, answer)`: authorize the key, admit the tenant, read and validate the
-  body against `schema`, resolve its model, then `await answer(model, body, tenant)`. An
-  exception from `answer` becomes OpenAI error JSON; the tenant's place is held until the
-  response (or its stream) ends.
-- `_authorize(request)`: the caller by its key, for routes that read no body.
+        async def _messages(self, m: ServedModel, body: MessagesRequest, tenant: str) -> Response:
+            chat = body.as_chat()  # the ChatCompletionRequest the body means
+            return await self._answer_chat(m, chat, tenant, MessagesFormat.of(body), body.stream)
+
+Entry points (methods of the ingress):
+- `_serve(request, schema, answer) -> Response`: authorize the key, admit the tenant (its place is
+  held until the response, or its stream, ends), read and validate the body against `schema`,
+  resolve its model and cap its priority by the key, then `await answer(model, body, tenant)`. An
+  exception from `answer` becomes the OpenAI error JSON of its status (deploy/errors.py).
+- `_answer_chat(m, chat, tenant, reply_format, stream) -> Response`: the whole path of a
+  `ChatCompletionRequest` (tools, constraint, template, tokenize, choices, deadline), answered by
+  `reply_format(generation)`, a `deploy.reply_format.ReplyFormat` (one per output format;
+  `TypedEvents` adapts a builder of typed events such as `ResponseBuilder`). Errors before the
+  reply starts raise (a caller may rename their fields); after, the format reports them.
+- `_chat_generation(m, chat, tenant) -> Generation` and `_generate(m, body, prompts, tenant) ->
+  Generation`: the choices alone, for a caller that answers through `reply_format.answer`.
+- `_authorize(request) -> Caller`: the caller by its key, for routes that read no body.
 - `_tokenize(m, encode, prompt, num_chars, ...)`: encode off the event loop after the size check.
-- `_message(message)`: a validated chat message as the frontend's dict.
 """
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,12 +41,24 @@ from fastapi.responses import Response
 
 from deploy.body import MAX_CHARS_PER_TOKEN, body_limit, parse_body, read_body
 from deploy.browser_guard import BrowserPolicy
+from deploy.chat_prompt import (
+    CHAT_CHARS,
+    after_reasoning,
+    chat_constraint,
+    chat_messages,
+    declared_tools,
+)
 from deploy.config import AppConfig
+from deploy.engine_requests import ChoiceBuilder, Generation, Prompts
 from deploy.errors import BadRequestError, error_response
 from deploy.fields import Ignored
 from deploy.lora import check_adapter_scope
 from deploy.models import Caller, ModelTable, ServedModel
+from deploy.reply_format import ReplyFormat, answer
+from deploy.schemas import ChatCompletionRequest
 from deploy.tenants import TenantLimiter
+from deploy.tools import DeclaredTools
+from scheduler.structured_output import StructuredOutput
 
 # A route's answer: the body's model, the validated body, the tenant it runs for.
 Answer = Callable[[ServedModel, Any, str], Awaitable[Response]]
@@ -115,14 +141,64 @@ class RequestPath:
             )
         return await asyncio.to_thread(encode, prompt)
 
-    @staticmethod
-    def _message(message: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "role": message.role if message.role != "developer" else "system",
-            "content": message.text(),
-        }
-        if message.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
-        if message.tool_call_id is not None:
-            out["tool_call_id"] = message.tool_call_id
-        return out
+    async def _check(
+        self, m: ServedModel, constraint: StructuredOutput | None
+    ) -> StructuredOutput | None:
+        """A valid constraint (checked in the grammar sandbox, off the event loop) or a 400."""
+        if constraint is None:
+            return None
+        return await asyncio.to_thread(m.grammars.check, constraint)
+
+    def _check_fanout(self, m: ServedModel, num_prompts: int, n: int) -> None:
+        limit = m.config.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise BadRequestError(
+                f"n: {num_prompts} prompt(s) x n={n} asks for more than {limit} sequences",
+                param="n",
+            )
+
+    # ---- prompts -> choices on the replicas ----------------------------------------------------
+    async def _generate(
+        self, m: ServedModel, body: Any, prompts: Prompts, tenant: str
+    ) -> Generation:
+        """The choices of a sampling request's prompts (n each), checked and ready to stream."""
+        max_len = await m.max_model_len()
+        builder = ChoiceBuilder(m, body, prompts, tenant, self._actor_name)
+        return Generation(m, body, builder.build(max_len))
+
+    async def _chat_generation(
+        self, m: ServedModel, chat: ChatCompletionRequest, tenant: str
+    ) -> Generation:
+        """A chat's choices: its tools and constraint checked, its messages rendered and
+        tokenized off the event loop; the Generation knows the tools and the reasoning state."""
+        if chat.max_completion_tokens is not None:
+            chat.max_tokens = chat.max_completion_tokens
+        self._check_fanout(m, 1, chat.n)
+        tools = declared_tools(chat)
+        constraint = await self._check(m, chat_constraint(m, chat, tools))
+        messages, tool_args, num_chars = chat_messages(m, chat, tools)
+        encode = functools.partial(
+            m.frontend.encode_chat, tools=tool_args, options=chat.chat_options()
+        )
+        prompt = await self._tokenize(m, encode, messages, num_chars, "messages", CHAT_CHARS)
+        if chat.truncate_prompt_tokens is not None:
+            prompt = prompt[-chat.truncate_prompt_tokens :]
+        opened = m.reasoning.opened_by(prompt) if m.reasoning is not None else None
+        constraint = after_reasoning(m, constraint, opened)
+        asked = Prompts([prompt], "messages", "chatcmpl", chat.num_logprobs, constraint)
+        gen = await self._generate(m, chat, asked, tenant)
+        gen.tools = DeclaredTools.of(tools, m.tool_format) if tools else None
+        gen.opened = opened
+        return gen
+
+    async def _answer_chat(
+        self,
+        m: ServedModel,
+        chat: ChatCompletionRequest,
+        tenant: str,
+        reply_format: Callable[[Generation], ReplyFormat],
+        stream: bool,
+    ) -> Response:
+        """A chat-shaped request answered in `reply_format`'s output format, streamed or whole."""
+        gen = await self._chat_generation(m, chat, tenant)
+        return await answer(reply_format(gen), gen.deltas(), stream)
