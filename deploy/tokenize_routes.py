@@ -6,6 +6,7 @@ import functools
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from deploy.chat_prompt import frontend_message
 from deploy.errors import BadRequestError
 from deploy.http_app import app
 from deploy.models import ServedModel
@@ -31,7 +32,7 @@ class TokenizeRoutes(RequestPath):
         return await self._serve(request, DetokenizeRequest, self._detokenize_body)
 
     async def _tokenize_body(self, m: ServedModel, body: TokenizeRequest, tenant: str) -> Response:
-        messages = [self._message(msg) for msg in body.messages or []]
+        messages = [frontend_message(msg) for msg in body.messages or []]
         encode = functools.partial(tokenize, m.frontend, body)
         ids = await self._tokenize(m, encode, messages, body.num_chars)
         max_model_len = await m.max_model_len()

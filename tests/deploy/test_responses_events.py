@@ -12,7 +12,8 @@ from pydantic import TypeAdapter
 
 from deploy.generation import ChoiceDelta
 from deploy.reply import ReplySplit
-from deploy.responses import ResponseBuilder, ResponsesRequest
+from deploy.responses import ResponsesRequest
+from deploy.responses_events import ResponseBuilder
 from deploy.tools import SMOLLM2, DeclaredTools
 from frontend.reasoning import PARSERS, ReasoningSplitter
 
