@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from frontend.chat import ChatOptions
+from router.sessions import MAX_SESSION_ID_CHARS
 from scheduler.request import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MAX_TENANT_CHARS
 from scheduler.sampling_params import MAX_SEED, MAX_TOKENS, SamplingParams
 from scheduler.structured_output import StructuredOutput
@@ -177,6 +178,10 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_KEY_CHARS)
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     request_timeout_s: float | None = Field(default=None, gt=0, le=86400)  # raylm extension
+    # raylm extension: the agent conversation this request is a turn of; the fleet router keeps a
+    # session's turns on the replica holding its context while that replica is within the load
+    # ceiling (docs/router.md#sessions).
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID_CHARS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None  # vLLM extension
     guided_json: dict[str, Any] | bool | str | None = (

@@ -47,6 +47,7 @@ FIELDS = [
     "suffix",
     "metadata",
     "request_timeout_s",
+    "session_id",
     "no_such_field",
     # vLLM's extensions and the fields refused by name
     "min_tokens",
