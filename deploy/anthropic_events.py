@@ -69,12 +69,6 @@ def _anthropic_body(response: Response) -> dict[str, Any] | None:
     return anthropic_error(response.status_code, message)
 
 
-def sse(event: dict[str, Any]) -> bytes:
-    """One event as Anthropic sends it (`event:` then `data:`)."""
-    data = json.dumps(event, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
-
-
 class MessageBuilder:
     """One reply's content blocks, built from its choice's deltas; each step returns the events it
     makes (a non-streamed reply ignores them and takes `message()`)."""

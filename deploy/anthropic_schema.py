@@ -449,7 +449,7 @@ class Names:
         """`messages[3].content` / `messages.3.content` -> the Messages path of chat message 3."""
         rest = name[len("messages") :]
         head, _, tail = rest.lstrip(".[").partition("]" if rest.startswith("[") else ".")
-        if not head.isdigit() or int(head) >= len(self.origins):
+        if not (head.isascii() and head.isdecimal()) or int(head) >= len(self.origins):
             return name
         tail = tail.lstrip(".")
         return self.origins[int(head)] + (f".{tail}" if tail else "")

@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.fleet_view import replica_reports
 from deploy import metrics_page
+from deploy.anthropic_routes import AnthropicRoutes
 from deploy.browser_guard import BrowserPolicy
 from deploy.chat_format import ChatFormat
 from deploy.completion_format import CompletionFormat, PromptSide
@@ -50,7 +51,7 @@ def _responses_format(body: ResponsesRequest, gen: Generation) -> TypedEvents:
 
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
-class OpenAIIngress(TokenizeRoutes, LoraRoutes, EmbeddingRoutes, RequestPath):
+class OpenAIIngress(TokenizeRoutes, LoraRoutes, EmbeddingRoutes, AnthropicRoutes, RequestPath):
     """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI
     JSON."""
 

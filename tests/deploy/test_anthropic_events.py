@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
-from deploy.anthropic_events import MessageBuilder, anthropic_shaped, sse
+from deploy.anthropic_events import MessageBuilder, anthropic_shaped
 from deploy.errors import (
     BadRequestError,
     ContextLengthError,
@@ -24,6 +24,7 @@ from deploy.errors import (
 )
 from deploy.generation import ChoiceDelta
 from deploy.reply import ReplySplit
+from deploy.reply_format import typed_sse
 from deploy.tools import SMOLLM2, DeclaredTools
 from frontend.detokenizer import StopMatcher
 from frontend.reasoning import PARSERS, ReasoningSplitter
@@ -220,4 +221,4 @@ def test_a_successful_response_is_not_reshaped():
 
 
 def test_events_are_sent_with_their_type_as_the_event_name():
-    assert sse({"type": "ping"}) == b'event: ping\ndata: {"type":"ping"}\n\n'
+    assert typed_sse({"type": "ping"}) == b'event: ping\ndata: {"type":"ping"}\n\n'
