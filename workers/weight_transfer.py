@@ -25,10 +25,21 @@ import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+
+
+class WeightGroup(Protocol):
+    """A member's end of a weight group: gloo's or NCCL's backend object, apart from
+    torch.distributed's default group (the engine's tensor-parallel one)."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work: ...
+
 
 # Bounds of the protocol's fields: a manifest (JSON) and the members of one group.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -93,18 +104,20 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
         raise ValueError(f"{name}: must be an integer in [{lo}, {hi}], got {value!r}")
 
 
-def open_group(spec: WeightGroupSpec, device: torch.device) -> dist.ProcessGroup:
+def open_group(spec: WeightGroupSpec, device: torch.device) -> WeightGroup:
     """Join the group (blocks until all world_size members have): NCCL for a CUDA device, else
     gloo, on the init method's host (rank 0 hosts the rendezvous store there)."""
     host, port = spec.address
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(host, port, spec.world_size, spec.rank == 0, timeout=timeout)
     if device.type == "cuda":
-        return dist.ProcessGroupNCCL(store, spec.rank, spec.world_size)
-    options = dist.ProcessGroupGloo._Options()
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = timeout
+        return cast(WeightGroup, dist.ProcessGroupNCCL(store, spec.rank, spec.world_size, nccl))
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address(host))]
-    return dist.ProcessGroupGloo(store, spec.rank, spec.world_size, options)
+    return cast(WeightGroup, dist.ProcessGroupGloo(store, spec.rank, spec.world_size, options))
 
 
 def _local_address(host: str) -> str:
@@ -193,11 +206,13 @@ def plan_buckets(
 
 
 # ---- the collectives ----------------------------------------------------------------------------
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    group.broadcast([tensor], 0).wait()
+def _broadcast(group: WeightGroup, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
 
 
-def _verdict(group: dist.ProcessGroup, ok: bool, device: torch.device) -> bool:
+def _verdict(group: WeightGroup, ok: bool, device: torch.device) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     group.allreduce([flag], _min_options()).wait()
     return bool(flag.item())
@@ -205,7 +220,7 @@ def _verdict(group: dist.ProcessGroup, ok: bool, device: torch.device) -> bool:
 
 def _min_options() -> dist.AllreduceOptions:
     options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MIN
+    options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # RedOpType, as torch's own
     return options
 
 
@@ -214,7 +229,7 @@ class WeightsRefusedError(ValueError):
 
 
 def send_weights(
-    group: dist.ProcessGroup,
+    group: WeightGroup,
     tensors: Iterable[tuple[str, torch.Tensor]],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> None:
@@ -240,7 +255,7 @@ def send_weights(
 
 
 def receive_weights(
-    group: dist.ProcessGroup,
+    group: WeightGroup,
     device: torch.device,
     check_manifest: Callable[[Manifest], None],
     check_values: Callable[[list[tuple[str, torch.Tensor]]], None],
@@ -277,7 +292,7 @@ def receive_weights(
 
 
 def _receive_buckets(
-    group: dist.ProcessGroup, manifest: Manifest, device: torch.device
+    group: WeightGroup, manifest: Manifest, device: torch.device
 ) -> list[tuple[str, torch.Tensor]]:
     out = []
     for index, size in enumerate(manifest.bucket_bytes):

@@ -18,7 +18,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -29,14 +29,14 @@ from workers.loader import finish_cpu_weights, mapped_tensors, safetensors_files
 from workers.weight_transfer import (
     DTYPE_NAMES,
     Manifest,
+    WeightGroup,
     WeightGroupSpec,
     open_group,
     receive_weights,
 )
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
+    from workers.models.llama import LlamaForCausalLM
     from workers.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class RankWeights:
     """One rank's update and sleep state (ModelRunner.weights)."""
 
     expected: dict[str, tuple[str, tuple[int, ...]]] | None = None  # name -> (dtype, shape)
-    group: dist.ProcessGroup | None = None
+    group: WeightGroup | None = None
     staged: list[tuple[str, torch.Tensor]] | Path | None = None
     offloaded: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
     discarded: bool = False
@@ -76,6 +76,12 @@ def _header(path: Path) -> dict:
         if not 0 < n <= 100 << 20:
             raise ValueError(f"{path.name}: not a safetensors file (header of {n} bytes)")
         return json.loads(f.read(n))
+
+
+def _module(runner: ModelRunner) -> nn.Module:
+    model = runner.model
+    assert isinstance(model, nn.Module)  # every family is one; the runner sees it as CausalLM
+    return model
 
 
 def _expected(runner: ModelRunner) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -153,7 +159,7 @@ def _path_tensors(files: list[Path]) -> list[tuple[str, torch.Tensor]]:
 def stage_path(runner: ModelRunner, path: str) -> int:
     """Check every tensor of the checkpoint at path (memory-mapped, nothing kept); returns how
     many the model reads."""
-    refuse_quantized(runner.model)
+    refuse_quantized(_module(runner))
     files = weight_files(path)
     tensors = _path_tensors(files)
     for name, t in tensors:
@@ -189,7 +195,7 @@ def stage_group(runner: ModelRunner) -> int:
     state = runner.weights
     if state.group is None:
         raise ValueError("weight group: join one first (init_weight_group)")
-    refuse_quantized(runner.model)
+    refuse_quantized(_module(runner))
     used: list[str] = []
 
     def names(manifest: Manifest) -> None:
@@ -209,13 +215,13 @@ def drop_staged(runner: ModelRunner) -> None:
 @torch.inference_mode()
 def commit(runner: ModelRunner) -> int:
     """Copy the staged tensors into the model (each rank its shard); returns how many."""
-    state, model = runner.weights, runner.model
+    state, model = runner.weights, _module(runner)
     staged, state.staged = state.staged, None
     if staged is None:
         raise ValueError("update_weights: nothing staged on this rank")
     tensors = staged if isinstance(staged, list) else _path_tensors(weight_files(str(staged)))
     _writable(model, runner.device)
-    loaded = model.load_weights(iter(tensors))  # type: ignore[attr-defined]
+    loaded = cast("LlamaForCausalLM", model).load_weights(iter(tensors))  # every family's
     if runner.device.type == "cpu":
         finish_cpu_weights(model)
     state.discarded = False
@@ -239,7 +245,7 @@ def sleep(runner: ModelRunner, level: int, discard: bool) -> None:
     if state.kv_blocks is not None:
         raise ValueError("sleep: this engine is already asleep")
     if level == 2:
-        refuse_quantized(runner.model)
+        refuse_quantized(_module(runner))
     cache = runner.kv_cache
     if cache is None:
         raise RuntimeError("sleep: the KV cache was never allocated")
@@ -248,10 +254,10 @@ def sleep(runner: ModelRunner, level: int, discard: bool) -> None:
     _free_kv(runner)
     if level == 2:
         if discard:
-            _discard(runner.model)
+            _discard(_module(runner))
             state.discarded = True
         elif runner.device.type == "cuda":
-            state.offloaded = _offload(runner.model)
+            state.offloaded = _offload(_module(runner))
     _release_memory(runner.device)
 
 
