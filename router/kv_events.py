@@ -87,6 +87,10 @@ class KVIndex:
         """hash -> tier bits of what replica holds (a copy)."""
         return dict(self._held.get(replica, {}))
 
+    def __len__(self) -> int:
+        """Distinct hashes held by any replica."""
+        return len(self._owners)
+
     @property
     def num_entries(self) -> int:
         return sum(len(h) for h in self._held.values())
