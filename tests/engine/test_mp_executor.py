@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from functools import partial
 
 import psutil
 import pytest
+import torch
 
 from engine import backends
 from engine.backends import backend_for, default_executor
 from engine.config import EngineConfig
 from engine.executor import EngineDeadError, LocalExecutor
 from engine.mp_executor import MPExecutor
-from scheduler import CachedRequestData, SchedulerConfig, SchedulerOutput
+from scheduler import (
+    CachedRequestData,
+    EngineRequest,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from tests.cluster.engine_driver import greedy_tokens
 from tests.random_checkpoint import TINY_TP_LLAMA, write_random_checkpoint
 from workers.runner import ModelRunner, RunnerConfig
@@ -86,6 +94,17 @@ def test_call_ranks_runs_on_every_rank_in_rank_order(mp_tp2):
     assert answers == [("hello", 0, mp_tp2.pids[0]), ("hello", 1, mp_tp2.pids[1])]
 
 
+def tensor_total(runner: ModelRunner, tensor: torch.Tensor) -> float:
+    return float(tensor.sum())
+
+
+@pytest.mark.slow
+def test_call_ranks_hands_tensors_to_every_rank(mp_tp2):
+    """What LoRA does: an adapter's checked tensors go to every rank through call_ranks."""
+    weights = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert mp_tp2.call_ranks(partial(tensor_total, tensor=weights)) == [66.0, 66.0]
+
+
 @pytest.mark.slow
 def test_an_error_in_call_ranks_is_the_callers_and_the_engine_lives_on(mp_tp2, reference):
     with pytest.raises(TypeError, match="tag"):
@@ -108,22 +127,32 @@ def test_a_rank_exception_in_a_step_names_rank_and_cause(mp_tp2):
 
 @pytest.mark.slow
 def test_a_killed_rank_fails_the_engine_naming_it_and_shutdown_leaves_no_process(tiny_llama):
+    # The step timeout is far away: the death must be seen, not waited out.
     executor = MPExecutor(runner_config(tiny_llama), 2, step_timeout_s=600)
-    executor.init_kv_cache(NUM_BLOCKS, 0)
-    killer = threading.Timer(0.5, os.kill, (executor.pids[1], signal.SIGKILL))
-    killer.start()
     try:
+        executor.init_kv_cache(NUM_BLOCKS, 0)
         with pytest.raises(EngineDeadError) as info:
-            greedy_tokens(executor, scheduler_config(), PROMPTS, max_tokens=5000, prefix="doomed")
+            _generate_killing_rank_1_at_step(executor, 5)
     finally:
-        killer.join()
         executor.shutdown()
-    # Seen as a death, not waited out: the step timeout (600 s) was never reached.
     assert info.value.rank == 1 and "died" in str(info.value)
     assert "-9" in str(info.value)  # its exit code: killed by SIGKILL
     with pytest.raises(EngineDeadError):  # dead stays dead
         executor.determine_num_blocks()
     assert not _alive(executor.pids)
+
+
+def _generate_killing_rank_1_at_step(executor: MPExecutor, kill_at: int) -> None:
+    scheduler = Scheduler(scheduler_config())
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        scheduler.add_request(Request(EngineRequest(f"doomed-{i}", prompt, params)))
+    for step_number in range(1000):
+        if step_number == kill_at:
+            os.kill(executor.pids[1], signal.SIGKILL)
+        step = scheduler.schedule()
+        scheduler.update_from_output(step, executor.execute_model(step))
+    raise AssertionError("the engine outlived its rank")
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -179,7 +208,6 @@ def test_llm_refuses_a_bad_tensor_parallel_size_before_starting_anything(value):
 @pytest.mark.slow
 def test_llm_with_two_ranks_and_no_executor_named_gives_the_tokens_of_one(tiny_llama, reference):
     from engine.llm import LLM
-    from scheduler import SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with LLM(model=tiny_llama, tensor_parallel_size=2, device="cpu", load_progress=False) as llm:
