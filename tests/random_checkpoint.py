@@ -233,7 +233,7 @@ TINY_TP_MOE = _tiny(
 
 # DeepSeek MLA: 4 heads of qk 16 + 16 (nope + rope) and v 24, a 48-wide latent (cache rows of
 # 48 + 16 = 64, a size the CPU decode kernel compiles), a dense layer 0 then MoE layers of 8
-# experts in 4 groups (top-2 from the 2 best groups), shared experts, YaRN with DeepSeek's mscale.
+# experts in 4 groups (top-k from the 2 best groups), shared experts, YaRN with DeepSeek's mscale.
 # V2 is V2-Lite-shaped (no query compression, softmax group-limited routing, interleaved rope);
 # V3 compresses queries (q_lora_rank), routes by sigmoid + a random correction bias (noaux_tc,
 # renormalised, scaled by 2.5) and keeps rope_interleave.
@@ -264,7 +264,8 @@ _DEEPSEEK_YARN = {
 TINY_DEEPSEEK: dict[str, ModelSpec] = {
     "deepseek_v2": _tiny(
         "DeepseekV2Config",
-        **_MLA,
+        # top-3 of the 2 best groups: the limit can turn the third best expert away
+        **{**_MLA, "num_experts_per_tok": 3},
         q_lora_rank=None,
         topk_method="group_limited_greedy",
         n_shared_experts=2,
