@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from deploy.errors import APIError, BadRequestError, error_event
 from deploy.schemas import MAX_MESSAGE_PARTS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
+from scheduler.sampling_params import MAX_TOKENS
 
 MAX_ID_CHARS = 256
 # Anthropic's tool names.
@@ -135,7 +136,7 @@ class Thinking(_Strict):
     thinking itself (no budget is enforced)."""
 
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(default=None, ge=1024)
+    budget_tokens: int | None = Field(default=None, ge=1024, le=MAX_TOKENS)
     display: Literal["summarized", "omitted"] | None = None
 
 

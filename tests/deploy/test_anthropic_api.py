@@ -6,6 +6,7 @@ token counts), and count_tokens is the prompt the request sends."""
 from __future__ import annotations
 
 import anthropic
+import httpx
 import pytest
 from anthropic.types import (
     RawContentBlockDeltaEvent,
@@ -238,12 +239,17 @@ def test_thinking_is_the_reasoning_parsers_split(think_url):
 def test_x_api_key_is_accepted_beside_a_bearer_key(tiny_url):
     body = dict(model=TINY, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert _client(tiny_url, TINY_KEY).messages.create(**body).usage.output_tokens == 2
-    for key in ("wrong", ""):
-        with pytest.raises(anthropic.AuthenticationError) as info:
-            _client(tiny_url, key).messages.create(**body)
-        assert info.value.status_code == 401
-        assert info.value.body["type"] == "error"
-        assert info.value.body["error"]["type"] == "authentication_error"
+    bearer = anthropic.Anthropic(
+        base_url=tiny_url.removesuffix("/v1"), auth_token=TINY_KEY, max_retries=0, timeout=300
+    )
+    assert bearer.messages.create(**body).usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        _client(tiny_url, "wrong").messages.create(**body)
+    assert info.value.status_code == 401
+    assert info.value.body["type"] == "error"
+    assert info.value.body["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{tiny_url}/messages", json=body, timeout=300)  # no key at all
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
 def test_an_unknown_model_is_anthropics_not_found_error(client):

@@ -94,10 +94,16 @@ def test_raw_hostile_bodies_get_4xx_in_anthropics_shape(tiny, replica_before, pa
         ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content.0"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0"),
         ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "x": 1}]}, "tools.0.x"),
-        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}] * 100_000}, "tools"),
-        ({"messages": [{"role": "user", "content": "x"}] * 100_000}, "messages"),
-        ({"system": [{"type": "text", "text": "x"}] * 100_000}, "system"),
-        ({"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}] * 129}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}] * 2049}, "messages"),
+        ({"system": [{"type": "text", "text": "x"}] * 4097}, "system"),
+        (
+            {
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                "tool_choice": {"type": "tool", "name": "nope"},
+            },
+            "tool_choice.name",
+        ),
         ({"thinking": {"type": "enabled", "budget_tokens": 2**64}}, "thinking.budget_tokens"),
     ],
 )
@@ -111,6 +117,28 @@ def test_bad_fields_are_a_400_naming_their_path(tiny, replica_before, path, fiel
     assert r.json()["error"]["message"].startswith(param), r.text
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tools": [{"name": "f", "input_schema": {"type": "object"}}] * 100_000},
+        {"messages": [{"role": "user", "content": "x"}] * 100_000},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 100_000}]},
+        {"system": [{"type": "text", "text": "x"}] * 100_000},
+        {"stop_sequences": ["x"] * 100_000},
+    ],
+)
+def test_100000_items_are_refused_by_the_body_cap_or_named(tiny, replica_before, path, fields):
+    body = _body(**fields)
+    if path.endswith("count_tokens"):
+        del body["max_tokens"]
+    r = _post(tiny, path, body)
+    _check(r)
+    assert r.status_code in (400, 413)
+    if r.status_code == 400:  # under a larger body cap: the count is refused naming the field
+        assert r.json()["error"]["message"].startswith(next(iter(fields))), r.text
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [
@@ -120,7 +148,7 @@ def test_bad_fields_are_a_400_naming_their_path(tiny, replica_before, path, fiel
         ({"temperature": float("nan")}, "temperature"),
         ({"top_k": 2**64}, "top_k"),
         ({"top_p": -1}, "top_p"),
-        ({"stop_sequences": ["x"] * 100_000}, "stop_sequences"),
+        ({"stop_sequences": ["x"] * 5}, "stop_sequences"),
         ({"stop_sequences": ["x" * 100_000]}, "stop_sequences"),
         ({"metadata": {"user_id": "u" * 100_000}}, "metadata.user_id"),
         ({"messages": [{"role": "user", "content": "a " * 200_000}]}, "messages"),
