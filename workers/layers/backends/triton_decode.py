@@ -15,44 +15,24 @@ import triton.language as tl
 
 from workers.layers.attention import AttentionMetadata, AttentionParams
 from workers.layers.backends.torch_ref import TorchBackend
+from workers.layers.backends.triton_paged import (
+    PagedInputs,
+    launch_args,
+    load_kv_tile,
+    softmax_fold,
+)
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    m_ptr,
-    l_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    sinks_ptr,
-    kv_scale_ptr,
-    scale,
-    window,
-    softcap,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    stride_os,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    FP8_KV: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, block_tables_ptr, seq_lens_ptr,
+    sinks_ptr, kv_scale_ptr, scale, window, softcap,  # from here on: triton_paged.common_args
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ot, stride_oh, stride_os,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,32 +77,16 @@ def _paged_decode_kernel(
         blocks = tl.load(
             block_tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0
         ).to(tl.int64)
-        offsets = (
-            blocks[:, None] * stride_kb
-            + (pos % BLOCK_SIZE)[:, None] * stride_ks
-            + kv_head * stride_kh
-            + offs_d[None, :]
-        )
         kv_mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + offsets, mask=kv_mask, other=0.0)
-        if FP8_KV:
-            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        k, v = load_kv_tile(
+            k_ptr, v_ptr, blocks, pos, kv_mask, kv_head, stride_kb, stride_ks, stride_kh, offs_d,
+            q, BLOCK_SIZE, FP8_KV,
+        )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(
-            m_new == float("-inf"), 0.0, m_new
-        )  # an empty tile must not give -inf - -inf
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
-        if FP8_KV:
-            v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc = softmax_fold(s, v, m_i, l_i, acc, PRECISION, False)
     if FP8_KV:  # partial sums merge linearly, so the splits' parts may carry it too
         acc = acc * v_scale
     out_mask = mask_g[:, None] & mask_d[None, :]
@@ -228,113 +192,41 @@ def paged_decode(
     softmaxes.
     """
     n, hq, d = q.shape
-    _, block_size, hk, _ = k_cache.shape
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("v_cache: must share k_cache's layout")
-    if block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size: the Triton decode kernel needs a power of two, got {block_size}"
-        )
+    hk = k_cache.shape[2]
+    paged = PagedInputs(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks, kv_scale
+    )
+    args, meta = launch_args(paged, "decode")
     if seq_lens.stride(0) != 1 or block_tables.stride(1) != 1 or q.stride(2) != 1:
         raise ValueError("seq_lens, block_tables and q: need unit stride in their last dimension")
     group = hq // hk
-    if kv_scale is not None:
-        if k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8:
-            raise ValueError(f"kv_scale: an FP8 cache holds uint8 codes, got {k_cache.dtype}")
-        if kv_scale.dtype != torch.float32 or kv_scale.numel() != 2 or kv_scale.stride(0) != 1:
-            raise ValueError("kv_scale: needs a contiguous float32 tensor of 2 scales (K, V)")
-    if sinks is not None:
-        sinks = sinks.float().contiguous()
-        if sinks.shape != (hq,):
-            raise ValueError(f"sinks: expected shape ({hq},), got {tuple(sinks.shape)}")
     splits = splits or num_splits(n, hk, q.device)
     out = torch.empty_like(q)
-    # Tiles of 64+ tokens keep enough bytes in flight; tl.dot needs 16 rows and a 16-wide inner dim.
-    # float32 stays exact (no TF32) so that the fp32 path matches Hugging Face.
-    meta = dict(
-        GROUP=group,
-        HEAD_DIM=d,
-        BLOCK_G=max(triton.next_power_of_2(group), 16),
-        BLOCK_D=max(triton.next_power_of_2(d), 16),
-        BLOCK_SIZE=block_size,
-        TILE=max(64, block_size),
-        NUM_SPLITS=splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SOFTCAP=bool(softcap),
-        HAS_SINKS=sinks is not None,
-        FP8_KV=kv_scale is not None,
-    )
-    sinks_arg = sinks if sinks is not None else seq_lens  # never read without HAS_SINKS
-    scale_arg = kv_scale if kv_scale is not None else seq_lens  # never read without FP8_KV
+    # With one split the kernel writes the output itself; with more, unnormalised partials and
+    # their softmax statistics that _combine_splits_kernel merges.
     if splits == 1:
-        _paged_decode_kernel[(n, hk, 1)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            out,
-            out,
-            block_tables,
-            seq_lens,
-            sinks_arg,
-            scale_arg,
-            scale,
-            window,
-            float(softcap or 0.0),
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
-            0,
-            **meta,
-        )
-        return out
-    part = torch.empty((n, hq, splits, d), dtype=torch.float32, device=q.device)
-    m = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
-    l_split = torch.empty_like(m)
+        part, m, l_split = out, out, out
+    else:
+        part = torch.empty((n, hq, splits, d), dtype=torch.float32, device=q.device)
+        m = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
+        l_split = torch.empty_like(m)
     _paged_decode_kernel[(n, hk, splits)](
-        q,
-        k_cache,
-        v_cache,
-        part,
-        m,
-        l_split,
-        block_tables,
-        seq_lens,
-        sinks_arg,
-        scale_arg,
-        scale,
-        window,
-        float(softcap or 0.0),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        part.stride(0),
-        part.stride(1),
-        part.stride(2),
+        q, k_cache, v_cache, part, m, l_split, block_tables, seq_lens,
+        *args, part.stride(0), part.stride(1), part.stride(2) if splits > 1 else 0,
         **meta,
-    )
-    _combine_splits_kernel[(n, hq)](
-        part,
-        m,
-        l_split,
-        out,
-        part.stride(0),
-        part.stride(1),
-        part.stride(2),
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=d,
-        BLOCK_D=triton.next_power_of_2(d),
+        GROUP=group,
+        BLOCK_G=max(triton.next_power_of_2(group), 16),  # tl.dot needs 16 rows
+        TILE=max(64, k_cache.shape[1]),  # 64+ tokens a tile keep enough bytes in flight
         NUM_SPLITS=splits,
-    )
+    )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(n, hq)](
+            part, m, l_split, out,
+            part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
+            HEAD_DIM=d,
+            BLOCK_D=triton.next_power_of_2(d),
+            NUM_SPLITS=splits,
+        )  # fmt: skip
     return out
 
 

@@ -24,6 +24,12 @@ import triton.language as tl
 from workers.layers.attention import AttentionMetadata, AttentionParams
 from workers.layers.backends.torch_ref import _TorchState
 from workers.layers.backends.triton_decode import TritonDecodeBackend
+from workers.layers.backends.triton_paged import (
+    PagedInputs,
+    launch_args,
+    load_kv_tile,
+    softmax_fold,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -33,8 +39,7 @@ def _attend_tile(
     q,
     k_ptr,
     v_ptr,
-    block_tables_ptr,
-    req_table,
+    table_ptr,
     start,
     kv_head,
     q_pos,
@@ -61,20 +66,16 @@ def _attend_tile(
     pos = start + offs_n
     if MASKED:
         valid = pos < hi
-        blocks = tl.load(block_tables_ptr + req_table + pos // BLOCK_SIZE, mask=valid, other=0)
+        blocks = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
         kv_mask = valid[:, None] & mask_d[None, :]
     else:  # every position of the tile is before the tile's first query (so in the context)
-        blocks = tl.load(block_tables_ptr + req_table + pos // BLOCK_SIZE)
+        blocks = tl.load(table_ptr + pos // BLOCK_SIZE)
         kv_mask = mask_d[None, :]
-    offsets = (
-        blocks.to(tl.int64)[:, None] * stride_kb
-        + (pos % BLOCK_SIZE)[:, None] * stride_ks
-        + kv_head * stride_kh
-        + offs_d[None, :]
-    )
-    k = tl.load(k_ptr + offsets, mask=kv_mask, other=0)
-    if FP8_KV:  # E4M3 codes in uint8; K's scale is folded into qk_scale
-        k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+    # K's scale is folded into qk_scale, V's multiplies the output once, at the end.
+    k, v = load_kv_tile(
+        k_ptr, v_ptr, blocks.to(tl.int64), pos, kv_mask, kv_head, stride_kb, stride_ks, stride_kh,
+        offs_d, q, BLOCK_SIZE, FP8_KV,
+    )  # fmt: skip
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if SOFTCAP:  # softcap * tanh(s / softcap) on the scaled score, tanh(x) = 2 sigmoid(2x) - 1
         s = s * (qk_scale / 1.4426950408889634)
@@ -85,55 +86,20 @@ def _attend_tile(
         allowed = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_lo[:, None])
         allowed = allowed & valid[None, :]
         s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # A row with nothing allowed yet (a padded row, or one whose window starts later) keeps
-    # m = -inf: exponents are taken against 0 there so that -inf - -inf never appears.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    v = tl.load(v_ptr + offsets, mask=kv_mask, other=0)
-    if FP8_KV:  # V's scale multiplies the output once, at the end
-        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    return m_new, l_i, acc
+    return softmax_fold(s, v, m_i, l_i, acc, PRECISION, True)
 
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    block_tables_ptr,
-    query_start_ptr,
-    seq_lens_ptr,
-    sinks_ptr,
-    kv_scale_ptr,
-    qk_scale,
-    window,
-    softcap,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    TOKENS: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    sinks_ptr, kv_scale_ptr, qk_scale, window, softcap,  # from here on: triton_paged.common_args
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr,
     TILE_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    FP8_KV: tl.constexpr,
-):
+):  # fmt: skip
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
     # The last query tiles of a chunk see the most keys: launched first, they do not finish last.
@@ -176,7 +142,7 @@ def _paged_prefill_kernel(
         m_i = sink * 1.4426950408889634
         l_i = tl.where(g < GROUP, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    req_table = req.to(tl.int64) * stride_bt
+    table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt  # this request's block table
     # Under a sliding window every tile is masked from the first one the window reaches;
     # otherwise tiles that end before the first query position need no mask.
     lo = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
@@ -184,15 +150,15 @@ def _paged_prefill_kernel(
     full_end = tl.where(window > 0, lo, (first_pos // TILE_N) * TILE_N)
     for start in range(lo, full_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, q_lo, hi,
-            m_i, l_i, acc, qk_scale, softcap, stride_kb, stride_ks, stride_kh,
-            offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, False, FP8_KV,
+            q, k_ptr, v_ptr, table_ptr, start, kv_head, q_pos, q_lo, hi, m_i, l_i, acc,
+            qk_scale, softcap, stride_kb, stride_ks, stride_kh, offs_n, offs_d, mask_d,
+            BLOCK_SIZE, PRECISION, SOFTCAP, False, FP8_KV,
         )  # fmt: skip
     for start in range(full_end, hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, k_ptr, v_ptr, block_tables_ptr, req_table, start, kv_head, q_pos, q_lo, hi,
-            m_i, l_i, acc, qk_scale, softcap, stride_kb, stride_ks, stride_kh,
-            offs_n, offs_d, mask_d, BLOCK_SIZE, PRECISION, SOFTCAP, True, FP8_KV,
+            q, k_ptr, v_ptr, table_ptr, start, kv_head, q_pos, q_lo, hi, m_i, l_i, acc,
+            qk_scale, softcap, stride_kb, stride_ks, stride_kh, offs_n, offs_d, mask_d,
+            BLOCK_SIZE, PRECISION, SOFTCAP, True, FP8_KV,
         )  # fmt: skip
     tl.store(
         out_ptr
@@ -268,14 +234,20 @@ def paged_prefill(
     E4M3 codes as uint8 (workers/kv_fp8.py). Writes the chunks' rows of `out` (a new tensor
     shaped like q when None) and returns it; rows outside every chunk are left as they were.
     """
-    _, hq, d = q.shape
-    _, block_size, hk, _ = k_cache.shape
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("v_cache: must share k_cache's layout")
-    if block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size: the Triton prefill kernel needs a power of two, got {block_size}"
-        )
+    hq, hk = q.shape[1], k_cache.shape[2]
+    paged = PagedInputs(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale * _LOG2E,
+        window,
+        softcap,
+        sinks,
+        kv_scale,
+    )
+    args, meta = launch_args(paged, "prefill")
     if hq % hk:
         raise ValueError(f"q: {hq} query heads do not split into {hk} KV heads")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or block_tables.stride(1) != 1:
@@ -285,61 +257,27 @@ def paged_prefill(
     out = torch.empty_like(q) if out is None else out
     if out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out: expected shape {tuple(q.shape)} with unit stride in the last dim")
-    if kv_scale is not None:
-        if k_cache.dtype != torch.uint8:
-            raise ValueError(f"kv_scale: an FP8 cache holds uint8 codes, got {k_cache.dtype}")
-        if kv_scale.dtype != torch.float32 or kv_scale.numel() != 2 or kv_scale.stride(0) != 1:
-            raise ValueError("kv_scale: needs a contiguous float32 tensor of 2 scales (K, V)")
-    if sinks is not None:
-        sinks = sinks.float().contiguous()
-        if sinks.shape != (hq,):
-            raise ValueError(f"sinks: expected shape ({hq},), got {tuple(sinks.shape)}")
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or max_query_len == 0:
         return out
     group = hq // hk
     group_pad = triton.next_power_of_2(group)
-    tiles = tiles or default_tiles(d, q.dtype, q.device)
+    tiles = tiles or default_tiles(q.shape[2], q.dtype, q.device)
     block_m = max(tiles.block_m, group_pad)  # at least one token per program
     tokens = block_m // group_pad
     grid = (hk, num_reqs, triton.cdiv(max_query_len, tokens))
     _paged_prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        sinks if sinks is not None else seq_lens,  # never read without HAS_SINKS
-        kv_scale if kv_scale is not None else seq_lens,  # never read without FP8_KV
-        scale * _LOG2E,
-        window,
-        float(softcap or 0.0),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        *args, out.stride(0), out.stride(1),
+        **meta,
         GROUP=group,
         GROUP_PAD=group_pad,
-        HEAD_DIM=d,
-        BLOCK_D=max(triton.next_power_of_2(d), 16),
-        BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         TOKENS=tokens,  # BLOCK_M // GROUP_PAD query tokens per program
         TILE_N=tiles.tile_n,
-        # float32 stays exact (no TF32) so that the fp32 path matches Hugging Face.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SOFTCAP=bool(softcap),
-        HAS_SINKS=sinks is not None,
-        FP8_KV=kv_scale is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-    )
+    )  # fmt: skip
     return out
 
 
