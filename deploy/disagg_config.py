@@ -80,6 +80,11 @@ class DisaggregationArgs:
                     "KV shard between steps, which compiled_graph workers cannot do; use socket "
                     "or actor_calls"
                 )
+            if engine.pipeline_parallel_size > 1:
+                raise ValueError(
+                    f"disaggregation.{phase}.pipeline_parallel_size: KV moves rank to rank by "
+                    "tensor-parallel shard; a pipeline stage's layers are not placed yet; use 1"
+                )
             if not engine.scheduler.enable_prefix_caching:
                 raise ValueError(
                     f"disaggregation.{phase}.enable_prefix_caching: the transfer finds blocks by "

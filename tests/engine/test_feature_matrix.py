@@ -338,3 +338,33 @@ def test_tensor_parallel_with_features_gives_the_single_process_results(
         assert engine.stats().num_free_blocks == POOL["num_gpu_blocks"]
     finally:
         engine.shutdown()
+
+
+# Pipeline stages (two gloo stages on Ray, CPU): one engine per row, each request-level feature run
+# through it; refused features are checked where they are refused (tests/workers/
+# test_pipeline_split.py).
+PP_ROWS = {"async-length": {"async", "length"}}
+
+
+@pytest.mark.parametrize("row", PP_ROWS)
+def test_pipeline_stages_with_features_give_the_single_process_results(
+    ray_cluster, base, references, row
+):
+    """The last stage samples, masks, pools and computes prompt logprobs and length features;
+    its output reaches rank 0. Async scheduling runs without overlap."""
+    from cluster.ray_executor import ray_executor
+
+    features = PP_ROWS[row]
+    kwargs: dict = dict(POOL, device="cpu", load_progress=False, pipeline_parallel_size=2)
+    for f in features:
+        kwargs.update(ENGINE_FEATURES[f])
+    engine = EngineCore(EngineConfig.from_kwargs(model=base, **kwargs), ray_executor)
+    try:
+        for asked in ({"structured"}, {"prompt_logprobs", "pooling"}):
+            before = engine.stats()
+            got = colocated(engine, asked)
+            assert_same(got, references(asked))
+            assert_on(engine, features | asked, got, before, base)
+        assert engine.stats().num_free_blocks == POOL["num_gpu_blocks"]
+    finally:
+        engine.shutdown()

@@ -129,6 +129,19 @@ def test_features_not_built_for_stages_are_refused_naming_the_setting(kwargs, fi
         EngineConfig.from_kwargs(pipeline_parallel_size=2, **kwargs)
 
 
+def test_disaggregation_with_stages_is_refused_naming_the_phase():
+    from deploy.config import AppConfig
+
+    with pytest.raises(ValueError, match=r"disaggregation\.prefill\.pipeline_parallel_size: KV"):
+        AppConfig.from_args(
+            {
+                "model": "default",
+                "pipeline_parallel_size": 2,
+                "disaggregation": {},
+            }
+        )
+
+
 def test_a_stage_reads_only_the_tensors_of_what_it_holds():
     names = [
         "model.embed_tokens.weight",
