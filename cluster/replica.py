@@ -32,6 +32,8 @@ from cluster.lora_admin import LoraCommand, WrongReplicaError
 from cluster.lora_metrics import LoraMetrics
 from cluster.metrics import ReplicaMetrics
 from cluster.ray_executor import ray_executor
+from cluster.weights_admin import WeightsCommand
+from cluster.weights_admin import run_command as run_weights_command
 from engine.config import EngineConfig
 from router.autoscaling import LatencyWindow, ReplicaSignals, SloTargets
 from router.stats import MAX_REPORTED_PREFIX_HASHES, ReplicaState, RoutingStats
@@ -411,6 +413,16 @@ class LLMReplica:
             await self._loop_thread.call(lambda e: e.remove_lora(command.name))
         logger.info("LoRA adapter %s: %s", command.name, command.op)
         return await self.list_loras()
+
+    async def weights_command(self, command: WeightsCommand) -> dict[str, Any]:
+        """Update the weights from a path, sleep or wake up, on the engine's thread between steps
+        (cluster/weights_admin.py); the replica's sleep state after it. A bad checkpoint raises
+        ValueError naming the tensor (the old weights keep serving)."""
+        if command.replica != self.replica:
+            raise WrongReplicaError(f"command for replica {command.replica} reached {self.replica}")
+        state = await run_weights_command(self._loop_thread, self.engine, command)
+        logger.info("weights %s: %s", command.op, state)
+        return state
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve pushes this to the controller for the autoscaling policy

@@ -29,6 +29,7 @@ from ray.serve.request_router import (
 from cluster.fleet_view import register
 from cluster.lora_admin import LoraCommand
 from cluster.outcomes import subscribe
+from cluster.weights_admin import WeightsCommand
 from router.config import RoutingConfig
 from router.fleet import FleetState
 from router.policies import RouteRequest
@@ -181,6 +182,7 @@ def _session_of(pending_request: PendingRequest) -> str | None:
 
 
 def _target_of(pending_request: PendingRequest) -> str | None:
-    """The replica a LoraCommand names (None: an ordinary request, ranked by the policy)."""
+    """The replica a LoraCommand or WeightsCommand names (None: an ordinary request, ranked by
+    the policy)."""
     arg = pending_request.args[0] if pending_request.args else None
-    return arg.replica if isinstance(arg, LoraCommand) else None
+    return arg.replica if isinstance(arg, (LoraCommand, WeightsCommand)) else None

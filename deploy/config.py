@@ -336,6 +336,13 @@ class AppConfig:
         "may call them); needs `router: fleet` and LoRA on (`lora_root`, `lora_modules` or "
         "`max_loras`)",
     )
+    # Off by default: an update reads files on every replica's host, and sleep stops serving.
+    allow_weight_updates: bool = setting(
+        False,
+        "`POST /v1/update_weights`, `/v1/sleep` and `/v1/wake_up` change every replica's weights "
+        "or free its memory at run time (docs/rl.md; with keys configured, only a key with "
+        "`admin: true`, or `api_key`, may call them); needs `router: fleet`",
+    )
     api_keys_env: str | None = setting(
         None,
         "name of an environment variable holding `api_keys` as JSON (keeps the "

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
+from engine.weights import EngineAsleepError
 from scheduler.lora_slots import UnknownLoraError
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,8 @@ def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None
         param = _param_of(tuple(first.get("loc", ()))) or _field_of(msg)
         message = msg if param is None or msg.startswith(f"{param}:") else f"{param}: {msg}"
         return 400, "invalid_request_error", _clean(message), param, None
+    if isinstance(exc, EngineAsleepError):  # a ValueError to the engine, not the client's fault
+        return 503, "overloaded_error", _clean(str(exc)), None, "model_asleep"
     if isinstance(exc, ValueError) and not isinstance(exc, RayError):
         # Our dataclasses (SamplingParams, Request, ...) raise "field: message".
         message = _clean(str(exc))
@@ -259,7 +262,7 @@ def error_response(exc: BaseException) -> JSONResponse:
     status, type_, message, param, code = _classify(exc)
     retry_after = (
         getattr(exc, "retry_after_s", None)
-        if isinstance(exc, (BackPressureError, TooManyRequestsError))
+        if isinstance(exc, (BackPressureError, TooManyRequestsError, EngineAsleepError))
         else None
     )
     headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after else None

@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.fleet_view import replica_reports
 from deploy import metrics_page
+from deploy.admin_routes import AdminRoutes
 from deploy.anthropic_routes import AnthropicRoutes
 from deploy.browser_guard import BrowserPolicy
 from deploy.chat_format import ChatFormat
@@ -51,7 +52,9 @@ def _responses_format(body: ResponsesRequest, gen: Generation) -> TypedEvents:
 
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
-class OpenAIIngress(TokenizeRoutes, LoraRoutes, EmbeddingRoutes, AnthropicRoutes, RequestPath):
+class OpenAIIngress(
+    AdminRoutes, TokenizeRoutes, LoraRoutes, EmbeddingRoutes, AnthropicRoutes, RequestPath
+):
     """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI
     JSON."""
 
@@ -81,7 +84,7 @@ class OpenAIIngress(TokenizeRoutes, LoraRoutes, EmbeddingRoutes, AnthropicRoutes
     # ---- the server ----------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse(self.health_report())  # `asleep` while a model sleeps
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request) -> JSONResponse:

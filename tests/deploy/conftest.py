@@ -80,6 +80,7 @@ def tiny_url(ray_cluster, http_port, tiny_model_dir):
         "max_ongoing_requests": 2,
         "max_queued_requests": 2,
         "max_embedding_tokens": 1024,  # test_api_embedding_budget.py
+        "allow_weight_updates": True,  # test_api_weights.py
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
     }
