@@ -2,9 +2,11 @@
 
 A replica reserves one placement group: its own bundle, then one per tensor-parallel rank. Ranks
 all-reduce twice per layer, so they belong on one node (STRICT_PACK): over NVLink or PCIe rather
-than the network. Ray waits without end for a group no node can hold; `unplaceable` says so up
-front from the nodes' total resources (pure, tested without Ray), and `wait_until_placeable` gives
-an autoscaler a bounded time to add a node that can.
+than the network. SPREAD_STRATEGY puts each rank (or pipeline stage) on a node of its own, for
+what must cross nodes (stages, a model larger than a node, the multi-node tests). Ray waits
+without end for a group no node can hold; `unplaceable` says so up front from the nodes' total
+resources (pure, tested without Ray), and `wait_until_placeable` gives an autoscaler a bounded
+time to add a node that can.
 """
 
 from __future__ import annotations
@@ -20,12 +22,20 @@ logger = logging.getLogger(__name__)
 
 STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 TP_STRATEGY = "STRICT_PACK"
+SPREAD_STRATEGY = "STRICT_SPREAD"
 
 Resources = Mapping[str, float]
 
 
 class UnplaceableError(ValueError):
     """No node of the cluster can hold a replica's bundles (by its total resources)."""
+
+
+def check_strategy(strategy: str) -> str:
+    """strategy, when Ray knows it; else a ValueError naming placement_strategy."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"placement_strategy: must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
 
 
 def default_strategy(tensor_parallel_size: int) -> str:
@@ -51,8 +61,7 @@ def unplaceable(
     """Why no arrangement of `bundles` fits the nodes' total resources under `strategy`, or None
     where one may. Never a false alarm: for the best-effort strategies the check is necessary,
     not sufficient (whether the bundles pack is left to Ray)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"placement_strategy: must be one of {STRATEGIES}, got {strategy!r}")
+    check_strategy(strategy)
     if strategy == "STRICT_PACK":
         if any(_fits(_sum(bundles), node) for node in nodes):
             return None

@@ -25,7 +25,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayT
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.placement import TP_STRATEGY, UnplaceableError, live_nodes, unplaceable
+from cluster.placement import (
+    TP_STRATEGY,
+    UnplaceableError,
+    check_strategy,
+    live_nodes,
+    unplaceable,
+)
 from engine.backends import register_ray_backend
 from engine.config import EngineConfig
 from engine.executor import EngineDeadError
@@ -50,6 +56,10 @@ class RayWorker(Worker):
         node_id = ray.get_runtime_context().get_node_id()
         return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (where a placement put it)."""
+        return ray.get_runtime_context().get_node_id()
+
 
 class RayExecutor:
     """Drives tensor_parallel_size Worker actors in lock-step, one SchedulerOutput per step."""
@@ -64,6 +74,7 @@ class RayExecutor:
         step_timeout_s: float = 300.0,
         init_timeout_s: float = 600.0,
         worker_cls: type[Worker] | None = None,
+        placement_strategy: str = TP_STRATEGY,
     ) -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {tensor_parallel_size}")
@@ -83,6 +94,7 @@ class RayExecutor:
         self._channel: StepClient | None = None
         self._dead: EngineDeadError | None = None
         self._owns_pg = placement_group is None
+        self.placement_strategy = check_strategy(placement_strategy)
         pg = placement_group
         if pg is None:
             pg = self._create_pg(runner_config.device)
@@ -121,19 +133,21 @@ class RayExecutor:
         kind = "GPU" if device.startswith("cuda") else "CPU"
         bundle = {kind: 1.0}
         bundles = [dict(bundle) for _ in range(self.tp)]
-        # Every rank on one node: say now when no node can hold them rather than wait out the
-        # timeout (an offline engine has no autoscaler to wait for).
-        problem = unplaceable(bundles, TP_STRATEGY, live_nodes())
+        # Say now when no node can hold them rather than wait out the timeout (an offline engine
+        # has no autoscaler to wait for).
+        strategy = self.placement_strategy
+        problem = unplaceable(bundles, strategy, live_nodes())
         if problem is not None:
             raise UnplaceableError(f"tensor_parallel_size: {self.tp} ranks: {problem}")
-        pg = placement_group(bundles, strategy=TP_STRATEGY)
+        pg = placement_group(bundles, strategy=strategy)
         try:
             ray.get(pg.ready(), timeout=self.init_timeout_s)
         except GetTimeoutError:
             remove_placement_group(pg)
             raise RuntimeError(
-                f"placement_group: {self.tp} bundles of {bundle} could not be placed on one "
-                f"node within {self.init_timeout_s:.0f}s (cluster: {ray.cluster_resources()})"
+                f"placement_group: {self.tp} bundles of {bundle} could not be placed "
+                f"({strategy}) within {self.init_timeout_s:.0f}s (cluster: "
+                f"{ray.cluster_resources()})"
             ) from None
         return pg
 
