@@ -29,6 +29,7 @@ from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_bloc
 from workers.kv_fp8 import cache_dtype, check_device
 from workers.kv_transfer import KVReceiver
 from workers.layers.attention import AttentionMetadata, select_backend
+from workers.layers.mla import latent_backend
 from workers.length_features import LengthFeatures
 from workers.loader import load_model
 from workers.lora.manager import LoraManager
@@ -121,9 +122,12 @@ class ModelRunner:
     def _init_attention(self) -> None:
         cfg = self.config
         self.layers = self.model.attention_layers()
+        backend_name = cfg.attention_backend
+        if self.layers[0].kv_parts == 1:  # MLA's latent rows: workers/layers/mla.py
+            backend_name = latent_backend(backend_name)
         self.backend = select_backend(
             self.device,
-            cfg.attention_backend,
+            backend_name,
             self.dtype,
             head_dim=self.layers[0].head_dim,
             block_size=cfg.block_size,

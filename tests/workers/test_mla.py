@@ -12,9 +12,16 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.kv_fp8 import FP8
-from workers.layers.attention import AttentionMetadata, select_backend
+from workers.layers.attention import AttentionMetadata
+from workers.layers.backends.torch_ref import TorchBackend
 from workers.layers.grouped_topk import GroupedTopK, grouped_topk
-from workers.layers.mla import KVUpProjection, LatentAttention, MLADims, mla_softmax_scale
+from workers.layers.mla import (
+    KVUpProjection,
+    LatentAttention,
+    MLADims,
+    latent_backend,
+    mla_softmax_scale,
+)
 from workers.models import model_class
 from workers.models.deepseek import DeepseekArgs
 
@@ -100,40 +107,60 @@ def test_an_fp8_cache_is_refused_for_latent_attention():
         KVCacheSpec(3, 1, 64, 16, FP8, kv_parts=1)
 
 
-def test_absorbed_attention_equals_attention_over_expanded_heads():
+def _expanded(up, latent, k_pe, q_nope, q_pe, scale):
+    """softmax(q . k) v per head over expanded k = [W_UK c, k_pe], v = W_UV c (causal)."""
+    n, h = latent.shape[0], up.num_heads
+    w = up.weight.view(h, up.nope + up.v, -1)
+    k_nope = torch.einsum("hdl,tl->thd", w[:, : up.nope], latent)
+    k = torch.cat([k_nope, k_pe[:, None].expand(n, h, -1)], -1)
+    v = torch.einsum("hdl,tl->thd", w[:, up.nope :], latent)
+    scores = torch.einsum("qhd,khd->hqk", torch.cat([q_nope, q_pe], -1), k) * scale
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("paged_kernel", [True, False], ids=["cpu-kernel", "gather-sdpa"])
+def test_absorbed_attention_equals_attention_over_expanded_heads(paged_kernel):
     """Attention of [W_UK^T q_nope, q_pe] over cached [c, k_pe] rows, through W_UV, equals
-    softmax(q . k) v over each head's expanded k = [W_UK c, k_pe] and v = W_UV c."""
+    softmax(q . k) v over each head's expanded k = [W_UK c, k_pe] and v = W_UV c: for a prefill
+    chunk (7 tokens) and then a decode row reading them from the cache, through the CPU decode
+    kernel and through the gather + SDPA path CUDA takes."""
     torch.manual_seed(0)
     dims = MLADims(
         num_heads=3,
         qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
+        qk_rope_head_dim=32,
         v_head_dim=6,
-        kv_lora_rank=12,
+        kv_lora_rank=32,  # rows of 64: a size the CPU kernel compiles
         q_lora_rank=None,
     )
-    n, h = 7, dims.num_heads
+    n, h = 8, dims.num_heads
     up = KVUpProjection(dims)
-    up.weight.data.normal_()
-    attn = LatentAttention(h, dims, scale=0.3)
-    attn.backend = select_backend(torch.device("cpu"), "torch")
-    latent, k_pe = torch.randn(n, 12), torch.randn(n, 4)
-    q_nope, q_pe = torch.randn(n, h, 8), torch.randn(n, h, 4)
-    attn.k_cache = attn.v_cache = torch.zeros(2, 4, 1, 16)
-    meta, _ = AttentionMetadata.build([0], [n], [[0, 1]], 4, torch.device("cpu"))
-    attn.backend.prepare(meta)
+    up.weight.data.normal_(0, 0.3)
+    attn = LatentAttention(h, dims, scale=0.2)
+    attn.backend = TorchBackend(paged_kernel=paged_kernel)
+    if paged_kernel:
+        assert attn.backend.kernel is not None  # the kernel built here: this case tests it
+    attn.k_cache = attn.v_cache = torch.zeros(3, 4, 1, 64)
+    latent, k_pe = torch.randn(n, 32), torch.randn(n, 32)
+    q_nope, q_pe = torch.randn(n, h, 8), torch.randn(n, h, 32)
+    rows = torch.cat([latent, k_pe], -1)
     q = torch.cat([up.absorb_query(q_nope), q_pe], -1)
-    got = up.expand_output(attn(q, torch.cat([latent, k_pe], -1), meta)).view(n, h, 6)
+    got = []
+    for start, length in ((0, n - 1), (n - 1, 1)):  # a prefill chunk, then one decode row
+        meta, _ = AttentionMetadata.build([start], [length], [[2, 0]], 4, torch.device("cpu"))
+        attn.backend.prepare(meta)
+        part = slice(start, start + length)
+        got.append(up.expand_output(attn(q[part], rows[part], meta)))
+    want = _expanded(up, latent, k_pe, q_nope, q_pe, 0.2).reshape(n, -1)
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
 
-    w = up.weight.view(h, 14, 12)
-    k = torch.cat(
-        [torch.einsum("hdl,tl->thd", w[:, :8], latent), k_pe[:, None].expand(n, h, 4)], -1
-    )
-    v = torch.einsum("hdl,tl->thd", w[:, 8:], latent)
-    scores = torch.einsum("qhd,khd->hqk", torch.cat([q_nope, q_pe], -1), k) * 0.3
-    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+def test_latent_layers_run_the_torch_backend_and_refuse_unvalidated_kernels():
+    assert latent_backend("auto") == latent_backend("torch") == "torch"
+    for name in ("triton", "flash_attn"):
+        with pytest.raises(ValueError, match=f"attention_backend: '{name}'.*MLA"):
+            latent_backend(name)
 
 
 def test_yarn_mscale_scales_the_scores_as_deepseek_does():

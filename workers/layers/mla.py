@@ -8,10 +8,11 @@ of every head's K and V (DeepSeek-V3: 576 numbers instead of 128 x (192 + 128) =
 The up-projections are absorbed: q_nope . k_nope = (W_UK^T q_nope) . c, so each head's query
 becomes [W_UK^T q_nope, q_pe] (L + R wide) and attends over the cached [c, k_pe] rows as one
 multi-query attention whose values are those same rows; the first L numbers of a head's output,
-times W_UV, are its value output. That is ordinary paged attention with one KV head, so every
-attention backend runs it unchanged (the CPU decode kernel where L + R is a size it compiles,
-Triton on CUDA). Prefill chunks are absorbed too (one path; they cost L + R per head and token
-rather than the expanded qk_head_dim).
+times W_UV, are its value output. That is ordinary paged attention with one KV head, run by
+the torch backend (`latent_backend`: the CPU decode kernel where L + R is a size it compiles,
+gather + SDPA elsewhere, CUDA included; Triton is refused until it is validated on these shapes).
+Prefill chunks are absorbed too (one path; they cost L + R per head and token rather than the
+expanded qk_head_dim).
 """
 
 from __future__ import annotations
@@ -95,6 +96,19 @@ def mla_softmax_scale(dims: MLADims, rope_parameters: dict) -> float:
         m = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
         scale *= m * m
     return scale
+
+
+def latent_backend(name: str) -> str:
+    """The attention backend latent layers run for `attention_backend: name`: torch (the paged C++
+    decode kernel on CPU where L + R is a compiled size, else gather + SDPA, on CUDA too). The
+    Triton and flash-attn kernels are not yet validated on one KV head of L + R (576 for
+    DeepSeek-V3) serving a whole rank's query heads, so they are refused by name rather than run
+    untested."""
+    if name in ("auto", "torch"):
+        return "torch"
+    raise ValueError(
+        f"attention_backend: {name!r} does not run latent attention (MLA) yet; use auto or torch"
+    )
 
 
 class KVUpProjection(nn.Module):
