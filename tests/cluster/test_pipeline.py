@@ -104,17 +104,24 @@ def test_stages_give_hf_greedy_tokens_under_chunking_preemption_and_prefix_hits(
         executor.shutdown()
 
 
-def test_llm_with_pipeline_stages_generates_hf_greedy_tokens(ray_cluster, tiny, hf_tokens):
+@pytest.mark.parametrize("backend, stages", [("ray", 2), ("mp", 3)])
+def test_llm_with_pipeline_stages_generates_hf_greedy_tokens(
+    ray_cluster, tiny, hf_tokens, backend, stages
+):
+    """Offline: Ray actors (executor_factory named), or a spawned process per rank (the default
+    on one machine: engine/backends.py)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    factory = {"executor_factory": ray_executor} if backend == "ray" else {}
     with LLM(
         model=tiny,
         device="cpu",
         load_progress=False,
         kv_cache_memory_gb=0.05,
         max_model_len=MAX_LEN,
-        pipeline_parallel_size=2,
-        executor_factory=ray_executor,
+        pipeline_parallel_size=stages,
+        **factory,
     ) as llm:
+        assert llm.engine.executor.pids and len(llm.engine.executor.pids) == stages
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         assert_greedy_match(out.token_ids, hf_tokens[tuple(prompt)], str(prompt[:4]))
