@@ -40,7 +40,8 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from router.config import RoutingConfig
 from router.fleet import FleetState
-from router.policies import RouteRequest
+from router.kv_events import TierRun
+from router.policies import RouteRequest, expected_runs
 from router.stats import MAX_REPORTED_PREFIX_HASHES, RoutingStats
 from scheduler import EngineRequest, SamplingParams, hash_prompt_blocks
 from scheduler.kv_events import KVEventLog
@@ -116,7 +117,7 @@ def report(engine: EngineCore, log: KVEventLog | None) -> RoutingStats:
 def predicted_blocks(fleet: FleetState, replica: str, hashes: list[int], events: bool) -> int:
     """The hit the router believes replica gives these (capped) prompt blocks."""
     if events:
-        return fleet.kv.match(hashes, [replica])[replica].blocks
+        return expected_runs(fleet, hashes, [replica]).get(replica, TierRun()).blocks
     run = fleet.index.match(hashes, [replica])[replica]
     held = fleet.tier_hashes.get(replica, frozenset())
     while run < len(hashes) and hashes[run] in held:

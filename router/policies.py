@@ -170,11 +170,8 @@ class PrefixAffinity:
         runs: dict[str, float] = dict(fleet.index.match(hashes, replicas))
         if fleet.tier_hashes:
             self._add_tier_runs(runs, hashes, fleet.tier_hashes)
-        synced = [r for r in replicas if fleet.kv.in_sync(r)]
-        if synced:
-            for r, run in fleet.kv.match(hashes, synced).items():
-                planted = fleet.index.planted_run(hashes, r, fleet.kv_seen_at.get(r, math.inf))
-                runs[r] = max(self.score(run), float(planted))
+        for r, run in expected_runs(fleet, hashes, replicas).items():
+            runs[r] = self.score(run)
         return runs
 
     def score(self, run: TierRun) -> float:
@@ -202,6 +199,22 @@ class PrefixAffinity:
 
 
 Policy = RoundRobin | LeastLoaded | PowerOfTwo | PrefixAffinity
+
+
+def expected_runs(
+    fleet: FleetView, hashes: Sequence[int], replicas: Sequence[str]
+) -> dict[str, TierRun]:
+    """The run of these leading blocks each replica whose KV events are in sync is expected to
+    give: its events' run, or, when longer, the run routing planted there since they were last
+    applied (requests sent there whose blocks its events cannot show yet: computed on the
+    device)."""
+    synced = [r for r in replicas if fleet.kv.in_sync(r)]
+    runs = fleet.kv.match(hashes, synced) if synced else {}
+    for r, run in runs.items():
+        planted = fleet.index.planted_run(hashes, r, fleet.kv_seen_at.get(r, math.inf))
+        if planted > run.blocks:
+            runs[r] = TierRun(planted)
+    return runs
 
 
 def make_policy(config: RoutingConfig) -> Policy:
