@@ -216,3 +216,18 @@ def test_llm_with_two_ranks_and_no_executor_named_gives_the_tokens_of_one(tiny_l
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [out.token_ids for out in outputs] == [reference[f"req-{i}"] for i in range(3)]
     assert not _alive(pids)  # the with block ended the rank processes
+
+
+@pytest.mark.parametrize("value", ["foo", 2**64, -1, float("nan"), "x" * 100_000])
+def test_served_config_refuses_a_bad_backend_naming_the_field(value):
+    from deploy.config import AppConfig
+
+    with pytest.raises(ValueError, match="engine.distributed_executor_backend"):
+        AppConfig.from_args({"distributed_executor_backend": value})
+
+
+def test_served_config_takes_the_backend_into_the_engine_settings():
+    from deploy.config import AppConfig
+
+    config = AppConfig.from_args({"distributed_executor_backend": "ray"})
+    assert config.engine.distributed_executor_backend == "ray"
