@@ -11,7 +11,15 @@ For the MoE step it also reports the expert GEMMs alone (each layer's grouped GE
 rows that layer saw, through the same packed weights) and so the share of the step spent outside
 them: attention, routing, sorting and combining, norms, the LM head.
 
-    python bench/moe_step.py [--batch 32] [--layers 8] [--rounds 10] [--threads N]
+`--family deepseek` times a DeepSeek-V3-shaped model at the same width instead: multi-head latent
+attention (9 heads of qk 64 + 32 and v 64 over a 224-wide latent, so cache rows of 256) and
+fine-grained experts (16 of intermediate 768 in 4 groups, top-4 from the 2 best, sigmoid routing
+with a correction bias, one shared expert); the dense model's intermediate is chosen so that both
+run the same weights per token (the latent projections included). It also prints the KV bytes per
+token of both.
+
+    python bench/moe_step.py [--family mixtral|deepseek] [--batch 32] [--layers 8] [--rounds 10]
+        [--threads N]
 """
 
 from __future__ import annotations
@@ -22,13 +30,14 @@ import statistics
 import time
 
 import torch
-from transformers import LlamaConfig, MixtralConfig
+from transformers import DeepseekV3Config, LlamaConfig, MixtralConfig
 
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.layers.linear import linear, pack_cpu_weights
 from workers.layers.moe import FusedMoE, route
 from workers.models import model_class
+from workers.models.deepseek import DeepseekMoE
 
 WIDTH = dict(
     vocab_size=49152,
@@ -42,6 +51,22 @@ WIDTH = dict(
 )
 EXPERT_WIDTH, NUM_EXPERTS, TOP_K = 1536, 8, 2
 BLOCK = 16
+# DeepSeek at SmolLM2's width: MLA (cache rows of 224 + 32 = 256) and 16 fine-grained experts.
+MLA = dict(
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    kv_lora_rank=224,
+    q_lora_rank=None,
+    n_routed_experts=16,
+    moe_intermediate_size=768,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=0,
+    routed_scaling_factor=2.5,
+)
 
 
 def build(config) -> torch.nn.Module:
@@ -97,21 +122,37 @@ class DecodeStep:
 def capture_moe_inputs(
     step: DecodeStep,
 ) -> tuple[list[tuple[FusedMoE, torch.Tensor, torch.Tensor]], float]:
-    """Each MoE layer with the rows and router logits it saw in one step, and the ms spent in
-    the layers' forward (routing, sorting, GEMMs, combining)."""
+    """Each MoE layer's experts with the rows and expert ids they saw in one step, and the ms
+    spent in the MoE blocks' forward (routing, sorting, GEMMs, combining; DeepSeek's shared
+    expert too)."""
     seen: list[tuple[FusedMoE, torch.Tensor, torch.Tensor]] = []
     spent = [0.0, 0.0]  # start of the current layer, total
 
     def before(mod, args) -> None:
-        seen.append((mod, args[0], args[1]))
         spent[0] = time.perf_counter()
 
     def after(mod, args, out) -> None:
         spent[1] += time.perf_counter() - spent[0]
 
-    layers = [m for m in step.model.modules() if isinstance(m, FusedMoE)]
-    hooks = [m.register_forward_pre_hook(before) for m in layers]
-    hooks += [m.register_forward_hook(after) for m in layers]
+    gates = {}  # DeepSeek's gate -> its block's experts
+
+    def saw(mod, args, out) -> None:  # a FusedMoE's (x, logits), or DeepSeek's gate's ids
+        if isinstance(mod, FusedMoE):
+            seen.append((mod, args[0], route(args[1], mod.cfg)[1]))
+        else:
+            seen.append((gates[mod], args[0], out[1]))
+
+    blocks = [m for m in step.model.modules() if isinstance(m, DeepseekMoE)]
+    if not blocks:  # the router logits go into FusedMoE.forward
+        blocks = [m for m in step.model.modules() if isinstance(m, FusedMoE)]
+    hooks = [m.register_forward_pre_hook(before) for m in blocks]
+    hooks += [m.register_forward_hook(after) for m in blocks]
+    for block in blocks:
+        if isinstance(block, DeepseekMoE):
+            gates[block.gate] = block.experts
+            hooks.append(block.gate.register_forward_hook(saw))
+        else:
+            hooks.append(block.register_forward_hook(saw))
     step.run()
     for h in hooks:
         h.remove()
@@ -122,8 +163,7 @@ def capture_moe_inputs(
 def expert_gemms_ms(seen: list[tuple[FusedMoE, torch.Tensor, torch.Tensor]]) -> float:
     """The grouped expert GEMMs (and the activation between them) of every layer, alone."""
     work = []
-    for layer, x, logits in seen:
-        _, ids = route(logits, layer.cfg)
+    for layer, x, ids in seen:
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=layer.cfg.num_experts).tolist()
@@ -140,8 +180,44 @@ def expert_gemms_ms(seen: list[tuple[FusedMoE, torch.Tensor, torch.Tensor]]) -> 
     return (time.perf_counter() - t0) * 1e3
 
 
+def configs(family: str, layers: int) -> tuple[object, LlamaConfig, str]:
+    """(MoE config, dense config of the same active weights per token, what the MoE is)."""
+    if family == "mixtral":
+        moe = MixtralConfig(
+            **WIDTH,
+            num_hidden_layers=layers,
+            intermediate_size=EXPERT_WIDTH,
+            num_local_experts=NUM_EXPERTS,
+            num_experts_per_tok=TOP_K,
+            sliding_window=None,
+        )
+        dense = LlamaConfig(
+            **WIDTH, num_hidden_layers=layers, intermediate_size=TOP_K * EXPERT_WIDTH
+        )
+        return moe, dense, f"{NUM_EXPERTS} experts x {EXPERT_WIDTH}, top-{TOP_K}"
+    h, heads = WIDTH["hidden_size"], WIDTH["num_attention_heads"]
+    mla_attention = h * heads * (MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"])  # q_proj
+    mla_attention += h * (MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"])  # kv_a_proj_with_mqa
+    mla_attention += MLA["kv_lora_rank"] * heads * (MLA["qk_nope_head_dim"] + MLA["v_head_dim"])
+    mla_attention += heads * MLA["v_head_dim"] * h  # o_proj
+    d = WIDTH["head_dim"]
+    dense_attention = 2 * h * heads * d + 2 * h * WIDTH["num_key_value_heads"] * d
+    active = (MLA["num_experts_per_tok"] + MLA["n_shared_experts"]) * MLA["moe_intermediate_size"]
+    inter = active + round((mla_attention - dense_attention) / (3 * h))
+    moe = DeepseekV3Config(
+        **{**WIDTH, "num_key_value_heads": heads}, **MLA, num_hidden_layers=layers
+    )
+    dense = LlamaConfig(**WIDTH, num_hidden_layers=layers, intermediate_size=inter)
+    what = (
+        f"MLA + {MLA['n_routed_experts']} experts x {MLA['moe_intermediate_size']}, "
+        f"top-{MLA['num_experts_per_tok']} + {MLA['n_shared_experts']} shared"
+    )
+    return moe, dense, what
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=("mixtral", "deepseek"), default="mixtral")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=10)
@@ -149,17 +225,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    moe_config = MixtralConfig(
-        **WIDTH,
-        num_hidden_layers=args.layers,
-        intermediate_size=EXPERT_WIDTH,
-        num_local_experts=NUM_EXPERTS,
-        num_experts_per_tok=TOP_K,
-        sliding_window=None,
-    )
-    dense_config = LlamaConfig(
-        **WIDTH, num_hidden_layers=args.layers, intermediate_size=TOP_K * EXPERT_WIDTH
-    )
+    moe_config, dense_config, what = configs(args.family, args.layers)
     moe = DecodeStep(build(moe_config), args.batch)
     dense = DecodeStep(build(dense_config), args.batch)
     for _ in range(3):  # warm-up: oneDNN primitives, the paged kernel, allocator
@@ -172,26 +238,25 @@ def main() -> None:
         block_ms.append(spent)
         gemm_ms.append(expert_gemms_ms(seen))
     m, d, g, b = (statistics.median(x) for x in (moe_ms, dense_ms, gemm_ms, block_ms))
-    layer, _, logits = capture_moe_inputs(moe)[0][0]
-    experts_hit = int((torch.bincount(route(logits, layer.cfg)[1].reshape(-1)) > 0).sum())
+    layer, _, ids = capture_moe_inputs(moe)[0][0]
+    experts_hit = int((torch.bincount(ids.reshape(-1)) > 0).sum())
     print(
         f"batch {args.batch}, {args.layers} layers, {torch.get_num_threads()} threads, "
         f"{args.rounds} rounds (median)"
     )
-    print(f"dense step (intermediate {TOP_K * EXPERT_WIDTH}): {d:8.2f} ms")
+    print(f"dense step (intermediate {dense_config.intermediate_size}): {d:8.2f} ms")
+    print(f"MoE step ({what}): {m:8.2f} ms   ratio MoE / dense: {m / d:.2f}x")
     print(
-        f"MoE step ({NUM_EXPERTS} experts x {EXPERT_WIDTH}, top-{TOP_K}): {m:8.2f} ms   "
-        f"ratio MoE / dense: {m / d:.2f}x"
-    )
-    print(
-        f"MoE expert GEMMs alone:           {g:8.2f} ms   ({experts_hit} of {NUM_EXPERTS} "
-        "experts hit in layer 0)"
+        f"MoE expert GEMMs alone:           {g:8.2f} ms   ({experts_hit} of "
+        f"{layer.cfg.num_experts} experts hit in layer 0)"
     )
     print(
         f"MoE layers (route, sort, GEMMs, combine): {b:8.2f} ms   of which around the GEMMs "
         f"{b - g:.2f} ms"
     )
     print(f"MoE step outside the expert GEMMs: {m - g:8.2f} ms   share {(m - g) / m:.0%}")
+    moe_kv, dense_kv = (s.cache.spec.block_bytes // BLOCK for s in (moe, dense))
+    print(f"KV bytes per token (float32): MoE {moe_kv}, dense {dense_kv}")
 
 
 if __name__ == "__main__":
