@@ -34,6 +34,19 @@ class ExtraNode:
         without grace); its workers exit with their raylet."""
         self.node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
 
+    def stop(self, timeout_s: float = 120.0) -> None:
+        """Leave the cluster cleanly (a raylet that is told to stop says so to the GCS), and wait
+        until the cluster no longer counts this node or its resources: the next module's
+        placements must not be promised its CPU."""
+        import ray
+
+        self.node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
+        deadline = time.monotonic() + timeout_s
+        while any(n["Alive"] and n["NodeID"] == self.node_id for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {self.node_id} still alive {timeout_s:.0f}s after stop")
+            time.sleep(0.5)
+
 
 def _start_node(gcs_address: str, resource: str) -> ExtraNode:
     """A node joined to the session's cluster the way ray.cluster_utils.Cluster.add_node joins
@@ -78,8 +91,8 @@ def _wait_for_node(resource: str, timeout_s: float = 180.0) -> str:
 def extra_nodes(ray_cluster) -> Iterator[list[ExtraNode]]:
     """Two more Ray nodes on this machine, joined to the session's cluster: one CPU each and a
     resource of its own (`raylm_test_node_<i>_<pid>`), so that placements across nodes,
-    cross-node collectives and a node's death can be tested on one machine. Killed when the
-    module ends."""
+    cross-node collectives and a node's death can be tested on one machine. Stopped, and gone
+    from the cluster, when the module ends."""
     nodes: list[ExtraNode] = []
     try:
         for i in range(2):
@@ -87,4 +100,4 @@ def extra_nodes(ray_cluster) -> Iterator[list[ExtraNode]]:
         yield nodes
     finally:
         for node in nodes:
-            node.kill()
+            node.stop()
