@@ -286,6 +286,30 @@ TINY_DEEPSEEK: dict[str, ModelSpec] = {
     ),
 }
 
+# GLM-4-MoE: rotary on half of each 16-wide head, q/k/v bias and q/k norms, and DeepSeek-V3's
+# MoE block (8 experts in 4 groups, top-2 from the 2 best, sigmoid + a random correction bias,
+# renormalised, scaled by 2.5, a shared expert) after a dense first layer.
+TINY_GLM4_MOE = dataclasses.replace(
+    _tiny(
+        "Glm4MoeConfig",
+        num_hidden_layers=3,
+        head_dim=16,
+        attention_bias=True,
+        use_qk_norm=True,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+    buffer_std=0.5,
+)
+
 # The model the serving tests put behind HTTP: a tied Llama left at transformers' initialisation.
 TINY_SERVED_LLAMA = ModelSpec("LlamaConfig", {**_TINY, "tie_word_embeddings": True})
 

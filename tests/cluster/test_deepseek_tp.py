@@ -1,6 +1,7 @@
-"""DeepSeek-V2 and V3 over two Ray workers with expert parallelism: each rank holds half of the
-attention heads (the latent projections and the cached latent rows whole) and half of the routed
-experts, and the pair generates Hugging Face's greedy tokens, with chunked prefill."""
+"""DeepSeek-V2, V3 and GLM-4-MoE over two Ray workers with expert parallelism: each rank holds half
+of the attention heads (for MLA the latent projections and the cached latent rows whole) and half
+of the routed experts, and the pair generates Hugging Face's greedy tokens, with chunked
+prefill."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
 def test_tp2_expert_parallel_generates_hf_tokens(
     family, ray_cluster, tmp_path_factory, smollm2_tokenizer
 ):
@@ -19,13 +20,12 @@ def test_tp2_expert_parallel_generates_hf_tokens(
     from cluster.ray_executor import ray_executor
     from engine.llm import LLM
     from scheduler import SamplingParams
-    from tests.random_checkpoint import TINY_DEEPSEEK, write_random_checkpoint
+    from tests.random_checkpoint import TINY_DEEPSEEK, TINY_GLM4_MOE, write_random_checkpoint
     from tests.workers.greedy import assert_greedy_match, hf_greedy
 
     path = str(tmp_path_factory.mktemp(f"tp-{family}"))
-    write_random_checkpoint(
-        TINY_DEEPSEEK[family], path, seed=sum(map(ord, family)), tokenizer=smollm2_tokenizer
-    )
+    spec = {**TINY_DEEPSEEK, "glm4_moe": TINY_GLM4_MOE}[family]
+    write_random_checkpoint(spec, path, seed=sum(map(ord, family)), tokenizer=smollm2_tokenizer)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [list(range(300, 345)), [(7 * i) % 40000 + 100 for i in range(30)]]
     refs = [hf_greedy(hf_model, p, 12) for p in prompts]

@@ -1,12 +1,14 @@
-"""DeepSeek-V2 and DeepSeek-V3 (multi-head latent attention, grouped expert routing): greedy output
-equals Hugging Face transformers' greedy generate on the same random checkpoint (fp32), batched,
-under chunked prefill, after a prefix-cache hit, and under preemption (recompute and swap).
+"""DeepSeek-V2 and DeepSeek-V3 (multi-head latent attention, grouped expert routing) and GLM-4-MoE
+(DeepSeek-V3's MoE block under partial-rotary Llama attention): greedy output equals Hugging Face
+transformers' greedy generate on the same random checkpoint (fp32), batched, under chunked
+prefill, after a prefix-cache hit, and under preemption (recompute and swap).
 
 The checkpoints are tests/random_checkpoint.py's TINY_DEEPSEEK: V2-Lite-shaped (no query
 compression, softmax group-limited routing, two shared experts) and V3-shaped (q_lora_rank,
 sigmoid routing with a random correction bias, renormalised and scaled top-k), both with a dense
 first layer, YaRN with DeepSeek's mscale and interleaved rotary pairs. A token may differ only at
-a true near-tie (tests/workers/greedy.py).
+a true near-tie (tests/workers/greedy.py). GLM-4-MoE's is TINY_GLM4_MOE: rotary on half of each
+head, q/k/v bias, q/k norms.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from scheduler import SamplingParams
-from tests.random_checkpoint import TINY_DEEPSEEK, write_random_checkpoint
+from tests.random_checkpoint import TINY_DEEPSEEK, TINY_GLM4_MOE, write_random_checkpoint
 from tests.workers.greedy import Greedy, assert_greedy_match, hf_greedy
 from tests.workers.test_hf_parity import TEXTS
 
@@ -23,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-FAMILIES = ("deepseek_v2", "deepseek_v3")
+FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+SPECS = {**TINY_DEEPSEEK, "glm4_moe": TINY_GLM4_MOE}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def checkpoint(tmp_path_factory, smollm2_tokenizer):
         if family not in made:
             path = str(tmp_path_factory.mktemp(f"tiny-{family}"))
             seed = sum(map(ord, family))
-            spec = TINY_DEEPSEEK[family]
+            spec = SPECS[family]
             write_random_checkpoint(spec, path, seed=seed, tokenizer=smollm2_tokenizer)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             made[family] = (path, model)
@@ -90,7 +93,10 @@ def test_batched_chunked_greedy_matches_hf_generate(
     assert llm.engine.expert_load()[0] > 0  # the MoE layers routed every token
 
 
-@pytest.mark.parametrize("family,mode", [("deepseek_v2", "recompute"), ("deepseek_v3", "swap")])
+@pytest.mark.parametrize(
+    "family,mode",
+    [("deepseek_v2", "recompute"), ("deepseek_v3", "swap"), ("glm4_moe", "recompute")],
+)
 def test_chunked_prefill_and_preemption_keep_hf_tokens(
     family, mode, checkpoint, llm_factory, prompts, references
 ):
@@ -113,8 +119,8 @@ def test_a_prefix_hit_reads_cached_latents_and_keeps_hf_tokens(
     family, checkpoint, llm_factory, prompts, references
 ):
     """The 70-token prompt, then the same prompt with 9 more tokens beside a prompt of its own, in
-    16-token chunks: the longer one starts from 4 cached blocks of latents (64 tokens) and still
-    gives HF's tokens."""
+    16-token chunks: the longer one starts from 4 cached blocks (64 tokens; latent rows for MLA) and
+    still gives HF's tokens."""
     path, hf_model = checkpoint(family)
     llm = chunked_llm(llm_factory, path)
     llm.generate([prompts[2]], PARAMS, use_tqdm=False)

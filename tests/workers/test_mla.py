@@ -193,7 +193,7 @@ def test_grouped_routing_picks_what_transformers_picks(version):
     hf.weight.data.normal_(0, 0.3)
     x = torch.randn(50, 64)
     _, want_w, want_ids = hf(x)
-    routing = DeepseekArgs.from_hf_config(config, family=f"deepseek_{version}").routing
+    routing = DeepseekArgs.from_hf_config(config, family=f"deepseek_{version}").moe.routing
     got_w, got_ids = grouped_topk(x @ hf.weight.t(), routing, bias)
     order_got, order_want = got_ids.sort(-1), want_ids.sort(-1)
     assert torch.equal(order_got.values, order_want.values)

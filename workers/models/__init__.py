@@ -6,6 +6,7 @@ from transformers import PretrainedConfig
 
 from workers.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from workers.models.glm4_moe import Glm4MoeForCausalLM
 from workers.models.gpt_oss import GptOssForCausalLM
 from workers.models.llama import (
     LlamaForCausalLM,
@@ -30,6 +31,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 # Configs converted from GGUF carry a model_type but sometimes no architectures list.
@@ -48,6 +50,7 @@ _BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2: DeepSeek-V3's architecture
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 

@@ -47,31 +47,30 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True, slots=True)
-class DeepseekArgs:
-    """The DeepSeek fields of an HF config, checked, beside the shared Llama ones."""
+class GroupedMoEArgs:
+    """The MoE fields DeepSeek's configs share with GLM-4-MoE's, checked: grouped routing, the
+    routed experts, shared experts, dense first layers."""
 
-    mla: MLADims
     routing: GroupedTopK
     experts: MoEConfig
     shared_intermediate_size: int  # n_shared_experts * moe_intermediate_size; 0: none
     first_k_dense_replace: int
-    rope_interleave: bool
-    attention_bias: bool
 
     @classmethod
-    def from_hf_config(cls, config: PretrainedConfig, *, family: str) -> DeepseekArgs:
-        v3 = family == "deepseek_v3"
+    def from_hf_config(cls, config: PretrainedConfig, *, sigmoid: bool) -> GroupedMoEArgs:
+        """sigmoid: the family's default when the config names no method (noaux_tc + sigmoid,
+        as DeepSeek-V3 and GLM-4-MoE; else greedy softmax, as DeepSeek-V2)."""
         n = config.num_hidden_layers
-        first_dense = _int_in("first_k_dense_replace", config, 0, n, default=0)
-        shared = _int_in("n_shared_experts", config, 0, 1 << 10, default=0)
         num_experts = _int_in("n_routed_experts", config, 1, 1 << 16, default=None)
         routing = GroupedTopK(
             num_experts=num_experts,
             top_k=_int_in("num_experts_per_tok", config, 1, num_experts, default=None),
             n_group=getattr(config, "n_group", None) or 1,
             topk_group=getattr(config, "topk_group", None) or 1,
-            topk_method=getattr(config, "topk_method", None) or ("noaux_tc" if v3 else "greedy"),
-            scoring_func=getattr(config, "scoring_func", None) or ("sigmoid" if v3 else "softmax"),
+            topk_method=getattr(config, "topk_method", None)
+            or ("noaux_tc" if sigmoid else "greedy"),
+            scoring_func=getattr(config, "scoring_func", None)
+            or ("sigmoid" if sigmoid else "softmax"),
             renormalize=bool(getattr(config, "norm_topk_prob", False)),
             routed_scaling_factor=getattr(config, "routed_scaling_factor", 1.0),
         )
@@ -84,12 +83,26 @@ class DeepseekArgs:
             renormalize=routing.renormalize,  # unused: grouped_topk routes
             activation=getattr(config, "hidden_act", "silu"),
         )
+        shared = _int_in("n_shared_experts", config, 0, 1 << 10, default=0)
+        first_dense = _int_in("first_k_dense_replace", config, 0, n, default=0)
+        return cls(routing, experts, shared * inter, first_dense)
+
+
+@dataclass(frozen=True, slots=True)
+class DeepseekArgs:
+    """The DeepSeek fields of an HF config, checked, beside the shared Llama ones."""
+
+    mla: MLADims
+    moe: GroupedMoEArgs
+    rope_interleave: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, config: PretrainedConfig, *, family: str) -> DeepseekArgs:
+        v3 = family == "deepseek_v3"
         return cls(
             mla=MLADims.from_hf_config(config),
-            routing=routing,
-            experts=experts,
-            shared_intermediate_size=shared * inter,
-            first_k_dense_replace=first_dense,
+            moe=GroupedMoEArgs.from_hf_config(config, sigmoid=v3),
             rope_interleave=bool(getattr(config, "rope_interleave", True)) if v3 else True,
             attention_bias=bool(getattr(config, "attention_bias", False)),
         )
@@ -187,12 +200,12 @@ class DeepseekGate(nn.Module):
 class DeepseekMoE(nn.Module):
     """Grouped router, routed experts, shared experts (a dense MLP every token runs)."""
 
-    def __init__(self, a: LlamaArgs, d: DeepseekArgs) -> None:
+    def __init__(self, a: LlamaArgs, m: GroupedMoEArgs) -> None:
         super().__init__()
-        self.gate = DeepseekGate(a.hidden_size, d.routing)
-        self.experts = FusedMoE(d.experts)
+        self.gate = DeepseekGate(a.hidden_size, m.routing)
+        self.experts = FusedMoE(m.experts)
         self.shared_experts = (
-            LlamaMLP(a, d.shared_intermediate_size) if d.shared_intermediate_size else None
+            LlamaMLP(a, m.shared_intermediate_size) if m.shared_intermediate_size else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +218,8 @@ class DeepseekDecoderLayer(nn.Module):
     def __init__(self, a: LlamaArgs, d: DeepseekArgs, attn: DeepseekAttention, index: int) -> None:
         super().__init__()
         self.self_attn = attn
-        self.mlp: nn.Module = LlamaMLP(a) if index < d.first_k_dense_replace else DeepseekMoE(a, d)
+        dense = index < d.moe.first_k_dense_replace
+        self.mlp: nn.Module = LlamaMLP(a) if dense else DeepseekMoE(a, d.moe)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -277,24 +291,33 @@ class DeepseekForCausalLM(MoEForCausalLM):
         layers (indices past num_hidden_layers) are skipped: they are not part of this model."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        skipped = 0
 
         def rest() -> Iterator[tuple[str, AnyWeight]]:
-            nonlocal skipped
-            for name, tensor in weights:
-                hit = _LAYER.match(name)
-                if hit and int(hit.group(1)) >= self.args.num_layers:
-                    skipped += 1
-                elif ".self_attn." in name or name.endswith(".e_score_correction_bias"):
+            for name, tensor in without_mtp_layers(weights, self.args.num_layers):
+                if ".self_attn." in name:
                     _load_direct(params, name, tensor, type(self).__name__)
                     loaded.add(name)
                 else:
                     yield name, tensor
 
         loaded |= super().load_weights(rest())
-        if skipped:
-            logger.info("%d tensors of layers past num_hidden_layers (MTP) skipped", skipped)
         return loaded
+
+
+def without_mtp_layers(
+    weights: Iterable[tuple[str, AnyWeight]], num_layers: int
+) -> Iterator[tuple[str, AnyWeight]]:
+    """The checkpoint's tensors but those of layers past num_hidden_layers: multi-token
+    prediction layers (DeepSeek-V3, GLM-4.5), not part of the model that generates."""
+    skipped = 0
+    for name, tensor in weights:
+        hit = _LAYER.match(name)
+        if hit and int(hit.group(1)) >= num_layers:
+            skipped += 1
+        else:
+            yield name, tensor
+    if skipped:
+        logger.info("%d tensors of layers past num_hidden_layers (MTP) skipped", skipped)
 
 
 def _load_direct(params: dict[str, nn.Parameter], name: str, tensor: AnyWeight, cls: str) -> None:
