@@ -260,6 +260,36 @@ class AppConfig:
         "`x-raylm-ignored-fields` response header",
         choices=("reject", "ignore"),
     )
+    # The Batch API (deploy/batch_routes.py, docs/batch.md).
+    batch_dir: str | None = setting(
+        None,
+        "where `/v1/files` and `/v1/batches` keep uploads, outputs and batch state (one folder "
+        "per key, files 0600); share it between ingress replicas (unset: raylm-batch under the "
+        "ingress host's temp dir)",
+        path=True,
+    )
+    batch_max_file_bytes: int = setting(
+        100 << 20, "largest file `/v1/files` accepts; past it: 413", ge=1024, le=1 << 40
+    )
+    batch_max_lines: int = setting(50_000, "lines of one batch input file", ge=1, le=1 << 24)
+    batch_max_line_bytes: int = setting(
+        2 << 20, "largest line (one request body) of a batch input file", ge=1024, le=1 << 32
+    )
+    batch_quota_bytes: int = setting(
+        10 << 30,
+        "bytes of files (uploads and batch outputs) one key may keep; past it: 400 "
+        "`storage_quota_exceeded`",
+        ge=1024,
+        le=1 << 50,
+    )
+    batch_max_files: int = setting(1000, "files one key may keep", ge=1, le=1 << 20)
+    batch_lines_in_flight: int = setting(
+        4,
+        "lines of one batch in flight at once; they run at the least urgent priority, so "
+        "interactive requests go first",
+        ge=1,
+        le=1024,
+    )
     # Reasoning models and embeddings.
     reasoning_parser: str | None = setting(
         None,

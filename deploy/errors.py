@@ -61,6 +61,13 @@ class ModelNotFoundError(APIError):
     type = "invalid_request_error"
 
 
+class NotFoundError(APIError):
+    """A file or batch that does not exist, or is another key's (the same 404 either way)."""
+
+    status = 404
+    type = "invalid_request_error"
+
+
 class ContextLengthError(BadRequestError):
     """Prompt plus requested completion exceed the model's context; a prompt that leaves no room
     for one token is named by itself (`prompt_param`: `messages` or `prompt`), as OpenAI does."""

@@ -23,6 +23,7 @@ from cluster.fleet_view import replica_reports
 from deploy import metrics_page
 from deploy.admin_routes import AdminRoutes
 from deploy.anthropic_routes import AnthropicRoutes
+from deploy.batch_routes import BatchRoutes
 from deploy.browser_guard import BrowserPolicy
 from deploy.chat_format import ChatFormat
 from deploy.completion_format import CompletionFormat, PromptSide
@@ -53,7 +54,13 @@ def _responses_format(body: ResponsesRequest, gen: Generation) -> TypedEvents:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
 class OpenAIIngress(
-    AdminRoutes, TokenizeRoutes, LoraRoutes, EmbeddingRoutes, AnthropicRoutes, RequestPath
+    AdminRoutes,
+    TokenizeRoutes,
+    LoraRoutes,
+    EmbeddingRoutes,
+    AnthropicRoutes,
+    BatchRoutes,
+    RequestPath,
 ):
     """Validates, tokenizes and hashes prompts, streams detokenized text, maps errors to OpenAI
     JSON."""
