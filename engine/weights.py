@@ -106,6 +106,9 @@ class EngineWeights:
         """Schedule an update (see EngineCore.update_weights)."""
         if in_flight not in IN_FLIGHT:
             raise ValueError(f"in_flight: must be one of {', '.join(IN_FLIGHT)}, got {in_flight!r}")
+        stages = getattr(self.core.config, "pipeline_parallel_size", 1)
+        if stages != 1:  # a stage's loader holds only its layers: it would fail mid-update
+            raise ValueError(f"pipeline_parallel_size: updates take one stage, not {stages}")
         if path is not None:
             rank.weight_files(path)  # a path that is no checkpoint fails now, not at a step
         elif self.group_timeout_s is None:

@@ -190,6 +190,23 @@ def test_recompute_goes_on_with_the_new_weights_from_the_tokens_already_sampled(
     assert outputs["r"] == before + continued
 
 
+def test_recompute_under_async_scheduling_waits_for_the_step_in_flight(ckpts, expected, fresh_b):
+    with LLM(ckpts[0], async_scheduling=True, **KW) as llm:
+        engine, outputs = llm.engine, {}
+        engine.add_request(EngineRequest("r", PROMPTS[0], GREEDY))
+        _run(engine, outputs, steps=3)
+        assert engine._in_flight is not None  # a step is always scheduled ahead
+        done = engine.update_weights(ckpts[1], in_flight="recompute")
+        assert not done.done()  # not while a step of the old weights runs
+        _run(engine, outputs)
+        assert done.result() == 15
+    before = expected["a"][0][: len(outputs["r"])]
+    k = next(i for i, (x, y) in enumerate(zip(outputs["r"], before + [-1])) if x != y)
+    assert 0 < k < 8  # a's tokens, then b's from the step after the update
+    rest = SamplingParams(max_tokens=8 - k, temperature=0.0)
+    assert outputs["r"][k:] == tokens(fresh_b, [PROMPTS[0] + outputs["r"][:k]], rest)[0]
+
+
 def test_finish_lets_requests_in_flight_end_on_the_old_weights_and_holds_new_ones(
     on_a, ckpts, expected
 ):
