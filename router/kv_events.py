@@ -143,7 +143,7 @@ class KVIndex:
         if (
             last is not None
             and replica not in self._out_of_sync
-            and self._apply_batches(replica, report.batches, last)
+            and self._apply_batches(replica, report, last)
         ):
             return
         snapshot = report.snapshot
@@ -152,18 +152,19 @@ class KVIndex:
                 self._out_of_sync.add(replica)
             return
         reset = self._reset(replica, snapshot)
-        if reset and not self._apply_batches(replica, report.batches, snapshot.seq):
+        if reset and not self._apply_batches(replica, report, snapshot.seq):
             self._out_of_sync.add(replica)
 
-    def _apply_batches(self, replica: str, batches: list[KVEventBatch], last: int) -> bool:
-        """The batches after `last`, in order; False at the first that does not follow."""
-        for batch in batches:
+    def _apply_batches(self, replica: str, report: KVEventReport, last: int) -> bool:
+        """The report's batches after `last`, in order; False at the first that does not follow,
+        or when they stop short of the report's own number (the window no longer holds them)."""
+        for batch in report.batches:
             if batch.seq <= last:
                 continue
             if batch.seq != last + 1 or batch.overflowed or not self._apply_batch(replica, batch):
                 return False
             last = self._seq[replica] = batch.seq
-        return True
+        return last >= report.seq
 
     def remove_replica(self, replica: str) -> None:
         for h in self._held.pop(replica, {}):

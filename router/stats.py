@@ -218,7 +218,7 @@ def kv_events_to_dict(report: KVEventReport) -> dict[str, Any]:
         [b.seq, b.overflowed, [k * 8 + t for k, t, _ in b.events], [h for *_, h in b.events]]
         for b in report.batches
     ]
-    out: dict[str, Any] = {"kv_batches": batches}
+    out: dict[str, Any] = {"kv_batches": batches, "kv_seq": report.seq}
     snap = report.snapshot
     if snap is not None:
         out["kv_snapshot"] = [snap.seq, snap.device, snap.cpu, snap.disk]
@@ -237,7 +237,12 @@ def kv_events_from_dict(report: Mapping[str, Any]) -> KVEventReport:
     snapshot = None
     if report.get("kv_snapshot") is not None:
         snapshot = _kv_snapshot(report["kv_snapshot"])
-    return KVEventReport(batches, snapshot)
+    seq = _count(report, "kv_seq")
+    if seq >= 1 << 63:
+        raise ValueError(
+            f"routing stats field 'kv_seq': expected an integer below 2**63, got {seq}"
+        )
+    return KVEventReport(batches, snapshot, seq)
 
 
 def _kv_batch(raw: Any) -> KVEventBatch:

@@ -37,6 +37,10 @@ MAX_EVENTS_PER_BATCH = 8192
 # Events the log keeps for reports (oldest batches dropped first): about one report period's worth
 # at thousands of blocks a second.
 MAX_WINDOW_EVENTS = 32768
+# Reports whose batches a report repeats: a router that misses fewer reports in a row than this
+# loses nothing (Serve hands each router the latest report it has when it routes), and an idle
+# replica's reports shrink to nothing instead of repeating a full window every second.
+WINDOW_REPORTS = 3
 # Reports between two snapshots: the longest a router that lost a batch waits for its repair.
 SNAPSHOT_EVERY = 10
 
@@ -69,10 +73,12 @@ class KVEventReport:
 
     batches: list[KVEventBatch]
     snapshot: KVSnapshot | None = None
+    seq: int = 0  # the log's last batch when the report was taken: a router behind it has a gap
 
 
 class KVEventLog:
-    """A replica's event recorder: bounded batches, bounded window, periodic snapshots.
+    """A replica's event recorder: bounded batches, a window bounded in events and in reports,
+    periodic snapshots.
 
     `snapshot_of` reads the tiers' current holdings (the engine side wires it: the pool's cached
     hashes, the connector's tier slots). Called on the engine's thread only.
@@ -84,11 +90,13 @@ class KVEventLog:
         max_events_per_batch: int = MAX_EVENTS_PER_BATCH,
         max_window_events: int = MAX_WINDOW_EVENTS,
         snapshot_every: int = SNAPSHOT_EVERY,
+        window_reports: int = WINDOW_REPORTS,
     ) -> None:
         for name, value in (
             ("max_events_per_batch", max_events_per_batch),
             ("max_window_events", max_window_events),
             ("snapshot_every", snapshot_every),
+            ("window_reports", window_reports),
         ):
             if type(value) is not int or not 1 <= value <= 1 << 32:
                 raise ValueError(f"{name}: must be an integer in [1, 2**32], got {value!r}")
@@ -102,6 +110,8 @@ class KVEventLog:
         self._snapshot_due = True  # the first report carries one
         self._window: deque[KVEventBatch] = deque()
         self._window_events = 0
+        # The last batch of each of the latest window_reports reports, oldest first.
+        self._report_ends: deque[int] = deque(maxlen=window_reports)
         self._reports = 0
 
     def record(self, kind: int, tier: int, block_hash: int) -> None:
@@ -132,10 +142,15 @@ class KVEventLog:
         """The batches held (the open one closed first), with a snapshot on the first report,
         after an overflowed batch, and every snapshot_every-th report."""
         self.end_step()
+        if len(self._report_ends) == self._report_ends.maxlen:  # older batches leave the window
+            oldest = self._report_ends[0]
+            while self._window and self._window[0].seq <= oldest:
+                self._window_events -= len(self._window.popleft().events)
+        self._report_ends.append(self.seq)
         snapshot = None
         self._reports += 1
         if self._snapshot_due or self._reports % self.snapshot_every == 0:
             device, cpu, disk = self.snapshot_of()
             snapshot = KVSnapshot(self.seq, device, cpu, disk)
             self._snapshot_due = False
-        return KVEventReport(list(self._window), snapshot)
+        return KVEventReport(list(self._window), snapshot, self.seq)

@@ -150,6 +150,22 @@ def test_the_entries_of_a_replica_are_bounded():
     assert not index.in_sync("b") and index.num_entries == 3
 
 
+def test_a_report_repeats_the_batches_of_the_reports_before_it_within_the_window():
+    replica = Replica(window_reports=2, snapshot_every=100)
+    seqs = []
+    for h in range(4):
+        replica.change(STORED, DEVICE, h)
+        seqs.append([b.seq for b in replica.report().batches])
+    assert seqs == [[1], [1, 2], [2, 3], [3, 4]]
+    index = KVIndex()
+    index.apply("a", KVEventReport([], KVSnapshot(1, [0])))
+    index.apply("a", replica.report())  # missed reports 3 and 4: batch 2 is gone, out of sync
+    assert not index.in_sync("a")
+    index.apply("b", KVEventReport([], KVSnapshot(2, [0, 1])))  # saw report 2: catches up
+    index.apply("b", KVEventReport([KVEventBatch(3, [(STORED, DEVICE, 2)])]))
+    assert index.in_sync("b") and index.holdings("b") == dict.fromkeys([0, 1, 2], DEVICE)
+
+
 def test_removing_a_replica_forgets_its_entries():
     index = KVIndex()
     index.apply("a", KVEventReport([], KVSnapshot(0, [1, 2])))
@@ -180,16 +196,20 @@ ops = st.lists(
     st.integers(1, 4),
     st.integers(1, 6),
     st.integers(2, 40),
+    st.integers(1, 4),
 )
 def test_under_loss_and_reordering_the_index_is_never_wrong_and_a_snapshot_repairs_it(
-    script, fates, snapshot_every, per_batch, window
+    script, fates, snapshot_every, per_batch, window, window_reports
 ):
     """Whatever reports are lost, held back or delivered out of order: while the index says a
     replica is in sync, its entries are exactly the replica's holdings as of the batch it applied
     last; and one report carrying a snapshot, delivered after all of them, brings it back to
     the replica's present."""
     replica = Replica(
-        snapshot_every=snapshot_every, max_events_per_batch=per_batch, max_window_events=window
+        snapshot_every=snapshot_every,
+        max_events_per_batch=per_batch,
+        max_window_events=window,
+        window_reports=window_reports,
     )
     index, held_back = KVIndex(), []
     for op, fate in zip(script, fates):
@@ -222,7 +242,7 @@ def check_never_wrong(index: KVIndex, replica: Replica) -> None:
 
 @pytest.mark.parametrize("bad", [2**64, -1, math.nan, 10**30, "8", True])
 def test_the_logs_and_the_indexs_bounds_refuse_bad_values(bad):
-    for name in ("max_events_per_batch", "max_window_events", "snapshot_every"):
+    for name in ("max_events_per_batch", "max_window_events", "snapshot_every", "window_reports"):
         with pytest.raises(ValueError, match=f"^{name}"):
             KVEventLog(lambda: ([], [], []), **{name: bad})
     with pytest.raises(ValueError, match="^max_entries_per_replica"):
@@ -230,7 +250,7 @@ def test_the_logs_and_the_indexs_bounds_refuse_bad_values(bad):
 
 
 def sent(**fields) -> dict:
-    return {**RoutingStats(report().scheduler).to_dict(), **fields}
+    return {**RoutingStats(report().scheduler).to_dict(), "kv_seq": 0, **fields}
 
 
 @pytest.mark.parametrize(
@@ -255,6 +275,11 @@ def sent(**fields) -> dict:
         {"kv_batches": [], "kv_snapshot": [0, [math.nan], [], []]},
         {"kv_batches": [], "kv_snapshot": [0, [], []]},
         {"kv_batches": [], "kv_snapshot": [0, list(range((1 << 22) + 1)), [], []]},
+        {"kv_batches": [], "kv_seq": 2**64},
+        {"kv_batches": [], "kv_seq": 2**63},
+        {"kv_batches": [], "kv_seq": -1},
+        {"kv_batches": [], "kv_seq": math.nan},
+        {"kv_batches": [], "kv_seq": None},
     ],
 )
 def test_a_malformed_kv_event_report_is_refused_naming_its_field(fields):
