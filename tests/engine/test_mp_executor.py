@@ -231,3 +231,27 @@ def test_served_config_takes_the_backend_into_the_engine_settings():
 
     config = AppConfig.from_args({"distributed_executor_backend": "ray"})
     assert config.engine.distributed_executor_backend == "ray"
+
+
+@pytest.mark.slow
+def test_lora_adapters_reach_every_rank_process(tiny_checkpoint, tmp_path):
+    """Adapters are checked once in the engine and handed to each rank through call_ranks
+    (engine/loras.py): over rank processes, TP=2 gives the tokens of one process, per adapter."""
+    from engine.llm import LLM
+    from tests.random_checkpoint import random_prompts
+    from tests.random_lora import write_random_lora
+
+    model_dir, _ = tiny_checkpoint("llama_mqa")
+    modules = {"all": write_random_lora(model_dir, str(tmp_path / "all"), seed=31, rank=8)}
+    prompts = random_prompts(2, 256, 10, 20, seed=5)
+    batch, loras = [p for p in prompts for _ in (0, 1)], [None, "all"] * len(prompts)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for tp in (1, 2):
+        kwargs = {"device": "cpu", "load_progress": False, "max_model_len": 128}
+        with LLM(model_dir, tensor_parallel_size=tp, lora_modules=modules, **kwargs) as llm:
+            assert isinstance(llm.engine.executor, MPExecutor) == (tp == 2)
+            outputs = llm.generate(batch, params, use_tqdm=False, lora=loras)
+        tokens[tp] = [out.token_ids for out in outputs]
+    assert tokens[2] == tokens[1]
+    assert tokens[1][0] != tokens[1][1]  # the adapter changed the tokens
