@@ -17,6 +17,7 @@ from deploy.embeddings import (
     embed_one,
     embedding_response,
 )
+from deploy.engine_requests import request_timeout
 from deploy.errors import BadRequestError, RequestTimeoutError
 from deploy.http_app import app
 from deploy.models import ServedModel
@@ -108,9 +109,7 @@ class EmbeddingRoutes(RequestPath):
         self, m: ServedModel, body: EmbeddingRequest, requests: list[EngineRequest]
     ) -> list[list[float]]:
         """Every input's vector, all in flight at once, within the request's deadline."""
-        timeout = m.config.request_timeout_s
-        if body.request_timeout_s is not None:
-            timeout = min(timeout, body.request_timeout_s)
+        timeout = request_timeout(m, body.request_timeout_s)
         try:
             return await asyncio.wait_for(
                 asyncio.gather(*(embed_one(m.replica, r) for r in requests)), timeout

@@ -24,6 +24,12 @@ from scheduler.request import EngineRequest
 from scheduler.structured_output import StructuredOutput
 
 
+def request_timeout(m: ServedModel, asked: float | None) -> float:
+    """A request's time limit in seconds: the model's, or the request's own when shorter."""
+    limit = m.config.request_timeout_s
+    return limit if asked is None else min(limit, asked)
+
+
 @dataclass(frozen=True, slots=True)
 class Prompts:
     """A request's prompts as token ids, and how their choices are named and sampled."""
@@ -63,9 +69,7 @@ class Generation:
 
     def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """The choices' deltas as they arrive, until the request's deadline."""
-        timeout = self.model.config.request_timeout_s
-        if self.body.request_timeout_s is not None:
-            timeout = min(timeout, self.body.request_timeout_s)
+        timeout = request_timeout(self.model, self.body.request_timeout_s)
         replica = self.model.replica
         session = getattr(self.body, "session_id", None)
         if session is not None:  # the fleet router reads it (cluster/serve_router.py)
