@@ -82,8 +82,10 @@ def set_stage_layers(num_layers: int, expected_size: int, split: list[int] | Non
     if stage.size != expected_size:
         raise ValueError(
             f"pipeline_parallel_size: {expected_size} stages need a worker process each; this "
-            f"process runs {stage.size}. Pass executor_factory=cluster.ray_executor.ray_executor"
+            f"process runs {stage.size} (distributed_executor_backend: mp or ray starts them)"
         )
+    if stage.size == 1:  # every layer, of this model and of any other built here (a draft)
+        return
     layers = split_layers(num_layers, stage.size, split)[stage.index]
     _state.stage = PipelineStage(stage.index, stage.size, layers.start, layers.stop)
 
