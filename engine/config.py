@@ -40,7 +40,6 @@ DEFAULT_MAX_LORAS = 4
 # Ranks of one engine at most (tensor x pipeline): a bound, not a promise that so many start.
 MAX_WORLD_SIZE = 1024
 EXECUTOR_BACKENDS = ("mp", "ray")
-_MAX_PATH = 4096  # PATH_MAX on Linux
 
 
 @dataclass(slots=True)
@@ -118,6 +117,7 @@ class EngineConfig:
         DEFAULT_CACHE_DIR + "/kv-tier",
         "where the disk tier writes its block files: a local directory; each engine writes in a "
         "subdirectory of its own and removes it at shutdown",
+        path=True,
     )
     quantization: str = setting(
         "auto",
@@ -262,11 +262,6 @@ class EngineConfig:
             raise ValueError(
                 "scheduler.preemption_mode: 'swap' needs a CPU pool: set swap_space_gb or "
                 "num_cpu_blocks"
-            )
-        if not 0 < len(self.kv_disk_tier_dir) <= _MAX_PATH or "\0" in self.kv_disk_tier_dir:
-            raise ValueError(
-                f"kv_disk_tier_dir: must be a path of 1 to {_MAX_PATH} characters without NUL, "
-                f"got {shown(self.kv_disk_tier_dir)}"
             )
         self._check_kv_cache_dtype()
         check_pipeline(self)

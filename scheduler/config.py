@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from settings import check_settings, setting, shown
+from settings import check_settings, setting
 
 POLICIES = ("fcfs", "priority", "fair", "srpt", "fair_srpt")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 PREEMPTION_VICTIMS = ("lifo", "least_progress", "most_remaining")
 ADMISSIONS = ("greedy", "foresight")
 LENGTH_PROBES = ("auto", "on", "off")
-_MAX_PATH = 4096
 FORESIGHT_ESTIMATES = ("median", "upper")
 
 
@@ -136,6 +135,7 @@ class SchedulerConfig:
         "a file where the length predictor's state is saved (atomically, every 256 finished "
         "requests and at shutdown) and loaded at start; a corrupt or mismatched file is ignored "
         "with a warning. None: not persisted",
+        path=True,
     )
     fair_input_weight: float = setting(
         1.0, "policy fair: weight of a prefill token in the tenant counters", ge=0
@@ -146,12 +146,6 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        path = self.length_predictor_state_path
-        if path is not None and (not 0 < len(path) <= _MAX_PATH or "\0" in path):
-            raise ValueError(
-                f"length_predictor_state_path: must be a path of 1 to {_MAX_PATH} characters "
-                f"without NUL, got {shown(path)}"
-            )
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("num_cpu_blocks: preemption_mode='swap' needs a CPU pool (> 0)")
         if self.num_disk_tier_blocks and not self.num_cpu_tier_blocks:

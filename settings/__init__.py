@@ -37,6 +37,7 @@ C = TypeVar("C", bound="DataclassInstance")  # a setting() dataclass
 
 # Every integer setting reaches Ray, Serve or torch, which hold it in 64 bits.
 INT_LIMIT = 2**63
+PATH_MAX = 4096  # Linux's: the longest path a `path` setting may name
 # Error messages quote at most this much of a bad value (a 10 MB string is not echoed back).
 _SHOWN_CHARS = 80
 
@@ -51,8 +52,10 @@ def setting(
     lt: float | None = None,
     choices: tuple[Any, ...] | None = None,
     derived: str | None = None,
+    path: bool = False,
 ) -> Any:
-    """A config field with its range and doc; `derived` says what fills it in when left unset.
+    """A config field with its range and doc; `derived` says what fills it in when left unset;
+    `path`: a string setting that names a file or directory (1 to PATH_MAX characters, no NUL).
     A `default` of dataclasses.MISSING makes the setting required."""
     meta = {
         "doc": doc,
@@ -62,6 +65,7 @@ def setting(
         "lt": lt,
         "choices": choices,
         "derived": derived,
+        "path": path,
     }
     return field(default=default, metadata=meta)
 
@@ -139,6 +143,8 @@ def _type_error(value: Any, base: type | None) -> str | None:
 def _range_error(value: Any, meta: Mapping[str, Any]) -> str | None:
     if meta.get("choices") is not None and value not in meta["choices"]:
         return f"must be one of {list(meta['choices'])}"
+    if meta.get("path") and not (0 < len(value) <= PATH_MAX and "\0" not in value):
+        return f"must be a path of 1 to {PATH_MAX} characters without NUL"
     for key, ok, word in (
         ("ge", lambda b: value >= b, ">="),
         ("gt", lambda b: value > b, ">"),
@@ -183,8 +189,8 @@ def check_settings(obj: Any) -> None:
         if value is None and kind.optional:
             continue
         checked = _checked(f, kind, value)
-        if checked is not value:
-            setattr(obj, f.name, checked)
+        if checked is not value:  # a frozen config is still being built: it may set its own
+            object.__setattr__(obj, f.name, checked)
 
 
 def build(cls: type[C], data: Mapping[str, Any] | C | None, path: str = "") -> C:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import random
 from dataclasses import dataclass
 
+from settings import check_settings, setting
 from sim.workload import SimRequest
 
 MAX_ADAPTERS = 1 << 20
@@ -27,14 +27,13 @@ MAX_LOAD_S = 3600.0
 class AdapterSlotsConfig:
     """Each replica's adapter slots and what loading one costs."""
 
-    slots: int = 4  # the engine's max_loras
-    load_s: float = 0.05  # seconds each load adds to the step that loads it
+    slots: int = setting(4, "adapters a replica holds (the engine's max_loras)", ge=1)
+    load_s: float = setting(
+        0.05, "seconds each load adds to the step that loads it", ge=0, le=MAX_LOAD_S
+    )
 
     def __post_init__(self) -> None:
-        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
-            raise ValueError(f"slots: must be an integer >= 1, got {self.slots!r}")
-        if not 0 <= self.load_s <= MAX_LOAD_S:
-            raise ValueError(f"load_s: must be in [0, {MAX_LOAD_S:.0f}] seconds, got {self.load_s}")
+        check_settings(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,18 +41,13 @@ class AdapterMix:
     """Which adapter each request of a workload names: Zipf(s) over `adapters` adapters, a
     base_share of requests naming none."""
 
-    adapters: int = 32
-    zipf_s: float = 1.0
-    base_share: float = 0.0
-    seed: int = 0
+    adapters: int = setting(32, "adapters named by the workload", ge=1, le=MAX_ADAPTERS)
+    zipf_s: float = setting(1.0, "Zipf exponent of their popularity", ge=0, le=10)
+    base_share: float = setting(0.0, "share of requests that name no adapter", ge=0, le=1)
+    seed: int = setting(0, "seed of the draw")
 
     def __post_init__(self) -> None:
-        if not 1 <= self.adapters <= MAX_ADAPTERS:
-            raise ValueError(f"adapters: must be in [1, {MAX_ADAPTERS}], got {self.adapters}")
-        if not (math.isfinite(self.zipf_s) and 0 <= self.zipf_s <= 10):
-            raise ValueError(f"zipf_s: must be in [0, 10], got {self.zipf_s}")
-        if not 0 <= self.base_share <= 1:
-            raise ValueError(f"base_share: must be in [0, 1], got {self.base_share}")
+        check_settings(self)
 
 
 def adapter_name(rank: int) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, deque
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field
 from typing import Protocol
 
 from router.autoscaling import (
@@ -35,6 +35,7 @@ from router.autoscaling import (
     decide,
 )
 from scheduler import RequestOutput
+from settings import check_settings, setting
 from sim.cost import CostModel
 from sim.fleet import FleetSim, SimConfig
 from sim.metrics import RequestRecord, SimResult
@@ -54,36 +55,26 @@ class DayWorkloadConfig:
     `burst_factor` from `burst_at` for `burst_len` (both fractions of the day): a day shaped unlike
     the one a policy was tuned on."""
 
-    day_s: float = 86400.0
-    peak_rate: float = 10.0  # requests per second at the peak
-    peak_to_trough: float = 10.0
-    long_share_peak: float = 0.1  # of requests at the peak that are long documents
-    long_share_trough: float = 0.5  # ...and at the trough
-    tenants: int = 64
-    system_prompt_len: int = 256
+    day_s: float = setting(86400.0, "seconds the day lasts", gt=0, le=MAX_DAY_S)
+    peak_rate: float = setting(10.0, "requests per second at the peak", gt=0, le=1e6)
+    peak_to_trough: float = setting(10.0, "peak rate / trough rate", ge=1, le=1e6)
+    long_share_peak: float = setting(
+        0.1, "share of requests at the peak that are long documents", ge=0, le=1
+    )
+    long_share_trough: float = setting(0.5, "...and at the trough", ge=0, le=1)
+    tenants: int = setting(64, "tenants, each with its system prompt", ge=1, le=1 << 20)
+    system_prompt_len: int = setting(256, "tokens of each system prompt", ge=0, le=1 << 20)
     chat_question_len: tuple[int, int] = (32, 512)
     chat_output_len: tuple[int, int] = (64, 512)
     long_prompt_len: tuple[int, int] = (1024, 3072)
     long_output_len: tuple[int, int] = (256, 1024)
-    burst_at: float = 0.0
-    burst_len: float = 0.0
-    burst_factor: float = 1.0
-    seed: int = 0
+    burst_at: float = setting(0.0, "where the burst starts, as a fraction of the day", ge=0, le=1)
+    burst_len: float = setting(0.0, "how long it lasts, as a fraction of the day", ge=0, le=1)
+    burst_factor: float = setting(1.0, "the burst's rate multiplier", ge=1, le=MAX_BURST)
+    seed: int = setting(0, "seed of the day's draws")
 
     def __post_init__(self) -> None:
-        for name, high in (("day_s", MAX_DAY_S), ("peak_rate", 1e6), ("peak_to_trough", 1e6)):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and 0 < value <= high):
-                raise ValueError(f"{name}: must be in (0, {high:g}], got {value!r}")
-        if self.peak_to_trough < 1:
-            raise ValueError(f"peak_to_trough: must be >= 1, got {self.peak_to_trough}")
-        if not (math.isfinite(self.burst_factor) and 1 <= self.burst_factor <= MAX_BURST):
-            raise ValueError(
-                f"burst_factor: must be in [1, {MAX_BURST:g}], got {self.burst_factor!r}"
-            )
-        for name in ("long_share_peak", "long_share_trough", "burst_at", "burst_len"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)!r}")
+        check_settings(self)
         for name in ("chat_question_len", "chat_output_len", "long_prompt_len", "long_output_len"):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi <= 1 << 20:
@@ -154,19 +145,16 @@ class OngoingRequestsPolicy:
     the count changes once the desire has held for upscale_delay_s / downscale_delay_s (as
     ray.serve.autoscaling_policy applies them), within the bounds."""
 
-    target_ongoing_requests: float  # the knob a plan sweeps: no default to drift from deploy's
-    min_replicas: int = _PRODUCTION.min_replicas
-    max_replicas: int = 64
-    upscale_delay_s: float = _PRODUCTION.upscale_delay_s  # deploy.yaml's defaults
-    downscale_delay_s: float = _PRODUCTION.downscale_delay_s
+    # The knob a plan sweeps: no default to drift from deploy's. The others are deploy.yaml's.
+    target_ongoing_requests: float = setting(MISSING, "ongoing requests per replica", gt=0)
+    min_replicas: int = setting(_PRODUCTION.min_replicas, "fewest replicas", ge=0)
+    max_replicas: int = setting(64, "most replicas", ge=1)
+    upscale_delay_s: float = setting(_PRODUCTION.upscale_delay_s, "upscale delay", ge=0)
+    downscale_delay_s: float = setting(_PRODUCTION.downscale_delay_s, "downscale delay", ge=0)
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.target_ongoing_requests) and self.target_ongoing_requests > 0):
-            raise ValueError(
-                f"target_ongoing_requests: must be a finite number > 0, "
-                f"got {self.target_ongoing_requests!r}"
-            )
-        if not 0 <= self.min_replicas <= self.max_replicas:
+        check_settings(self)
+        if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas: must be in [0, max_replicas], got {self.min_replicas}")
 
     def decide(
@@ -213,21 +201,22 @@ class AutoscaleConfig:
     """The control loop around the policy: how often it decides, over what window, and how long a
     new replica takes to start."""
 
-    decision_period_s: float = 5.0
-    look_back_s: float = 10.0  # signals averaged over this window (Serve's look_back_period_s)
-    latency_window_s: float = 30.0  # each replica's TTFT and ITL p90 over this window
-    start_delay_s: float = 30.0  # scale-up decision -> the replica takes requests
-    initial_replicas: int = 1
+    decision_period_s: float = setting(
+        5.0, "seconds between the policy's decisions", gt=0, le=MAX_DAY_S
+    )
+    look_back_s: float = setting(
+        10.0, "signals averaged over this window (Serve's look_back_period_s)", gt=0, le=MAX_DAY_S
+    )
+    latency_window_s: float = setting(
+        30.0, "each replica's TTFT and ITL p90 over this window", gt=0, le=MAX_DAY_S
+    )
+    start_delay_s: float = setting(
+        30.0, "scale-up decision -> the replica takes requests", ge=0, le=MAX_DAY_S
+    )
+    initial_replicas: int = setting(1, "replicas at the start", ge=1, le=1 << 20)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not (math.isfinite(value) and 0 <= value <= MAX_DAY_S):
-                raise ValueError(f"{f.name}: must be in [0, {MAX_DAY_S:g}], got {value!r}")
-        if self.decision_period_s <= 0 or self.look_back_s <= 0 or self.latency_window_s <= 0:
-            raise ValueError("decision_period_s, look_back_s, latency_window_s: must be > 0")
-        if self.initial_replicas < 1:
-            raise ValueError(f"initial_replicas: must be >= 1, got {self.initial_replicas}")
+        check_settings(self)
 
 
 @dataclass(slots=True)

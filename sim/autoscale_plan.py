@@ -16,7 +16,6 @@ Several seeds replay several days of the same shape, so that a saving is not one
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from router.autoscaling import AutoscalingPolicyConfig, SignalTargets, SloTargets
 from router.config import RoutingConfig
 from scheduler import SchedulerConfig
+from settings import check_settings, setting
 from sim.autoscale import (
     AutoscaleConfig,
     AutoscaleSim,
@@ -57,15 +57,14 @@ class DayPlanConfig:
     shape: str = "day"  # names the day's shape in the tables ("day", or "shaped" for the other)
     router: str = "prefix_affinity"
     slo: SloTargets = field(default_factory=SloTargets)
-    target: float = 0.99  # SLO attainment a tuned setting must reach
+    target: float = setting(0.99, "SLO attainment a tuned setting must reach", gt=0, le=1)
     min_replicas: int = PRODUCTION.min_replicas
     max_replicas: int = 64
     upscale_delay_s: float = PRODUCTION.upscale_delay_s
     downscale_delay_s: float = PRODUCTION.downscale_delay_s
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.target) and 0 < self.target <= 1):
-            raise ValueError(f"target: must be in (0, 1], got {self.target!r}")
+        check_settings(self)
 
     def policy(self, kind: str, knob: float, headroom: float) -> Policy:
         if kind == "ongoing":

@@ -34,6 +34,7 @@ from scheduler import RequestOutput, SchedulerConfig
 from scheduler.features import StepFeature
 from scheduler.kv_connector import KVConnector, LoadPlan
 from scheduler.request import Request
+from settings import check_settings, setting
 from sim.cost import CostModel
 from sim.fleet import FleetSim, SimConfig
 from sim.kv_copy import KVCopyReplica, LinkConfig
@@ -49,26 +50,21 @@ MAX_PROMPT_TOKENS = 1 << 24
 class DisaggConfig:
     """The two pools and the link between them."""
 
-    prefill_replicas: int = 1
-    decode_replicas: int = 1
+    prefill_replicas: int = setting(1, "replicas of the prefill pool", ge=1, le=MAX_POOL_REPLICAS)
+    decode_replicas: int = setting(1, "replicas of the decode pool", ge=1, le=MAX_POOL_REPLICAS)
     link: LinkConfig = field(default_factory=LinkConfig)  # prefill replica -> decode replica
     # Receive buffer -> the decode replica's device pool (None: the profile's memory bandwidth).
     land: LinkConfig | None = None
-    local_prefill_tokens: int = 0  # prompts shorter than this skip the prefill pool (0: none do)
+    local_prefill_tokens: int = setting(
+        0,
+        "prompts shorter than this skip the prefill pool (0: none do)",
+        ge=0,
+        le=MAX_PROMPT_TOKENS,
+    )
     prefill_scheduler: SchedulerConfig | None = None  # the prefill replicas' (None: SimConfig's)
 
     def __post_init__(self) -> None:
-        for name in ("prefill_replicas", "decode_replicas"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}: must be an integer, got {value!r}")
-            if not 1 <= value <= MAX_POOL_REPLICAS:
-                raise ValueError(f"{name}: must be in [1, {MAX_POOL_REPLICAS}], got {value}")
-        n = self.local_prefill_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_PROMPT_TOKENS:
-            raise ValueError(
-                f"local_prefill_tokens: must be an integer in [0, {MAX_PROMPT_TOKENS}], got {n!r}"
-            )
+        check_settings(self)
 
     @property
     def num_replicas(self) -> int:

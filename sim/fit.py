@@ -15,10 +15,10 @@ to the regime whose term is larger, from several starting assignments, keeping t
 
 from __future__ import annotations
 
-import math
 import statistics
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
+from settings import check_settings, setting
 from sim.cost import CostModel
 
 
@@ -26,25 +26,15 @@ from sim.cost import CostModel
 class StepSample:
     """One engine step's shape (as the simulator counts it) and its measured time."""
 
-    prefill_tokens: int
-    decode_tokens: int
-    kv_read_tokens: int
-    num_seqs: int
-    seconds: float
-    prefill_pairs: int = 0  # prefill attention (query token, key) pairs
+    prefill_tokens: int = setting(MISSING, "prompt tokens computed", ge=0)
+    decode_tokens: int = setting(MISSING, "decode tokens computed", ge=0)
+    kv_read_tokens: int = setting(MISSING, "context tokens whose KV the step read", ge=0)
+    num_seqs: int = setting(MISSING, "sequences scheduled", ge=0)
+    seconds: float = setting(MISSING, "the measured step time", gt=0)
+    prefill_pairs: int = setting(0, "prefill attention (query token, key) pairs", ge=0)
 
     def __post_init__(self) -> None:
-        for name in (
-            "prefill_tokens",
-            "decode_tokens",
-            "kv_read_tokens",
-            "num_seqs",
-            "prefill_pairs",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not (self.seconds > 0 and math.isfinite(self.seconds)):
-            raise ValueError(f"seconds: must be a finite number > 0, got {self.seconds}")
+        check_settings(self)
         if self.prefill_tokens + self.decode_tokens == 0:
             raise ValueError("prefill_tokens/decode_tokens: a step computes at least one token")
         if self.decode_tokens > self.num_seqs:

@@ -19,6 +19,7 @@ from router.fleet import FleetState
 from router.policies import RouteRequest
 from router.stats import ROUTING_STATS_PERIOD_S, RoutingStats
 from scheduler import RequestOutput, SchedulerConfig, extend_block_hashes, hash_prompt_blocks
+from settings import check_settings, setting
 from sim.adapters import AdapterSlotsConfig
 from sim.cost import CostModel
 from sim.kv_copy import LinkConfig
@@ -106,28 +107,14 @@ class HostConfig:
     cores == 0: no sharing (every replica has its profile's cores to itself).
     """
 
-    replicas_per_host: int = 1
-    cores: float = 0.0
-    cores_per_replica: float = 1.0
-    background_cores: float = 0.0
+    replicas_per_host: int = setting(1, "replicas sharing one host's cores", ge=1)
+    cores: float = setting(0.0, "the host's cores (0: no sharing)", ge=0)
+    cores_per_replica: float = setting(1.0, "cores one replica's engine uses at most", gt=0)
+    background_cores: float = setting(0.0, "cores taken by what runs beside the engines", ge=0)
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.replicas_per_host, bool)
-            or not isinstance(self.replicas_per_host, int)
-            or self.replicas_per_host < 1
-        ):
-            raise ValueError(
-                f"replicas_per_host: must be an integer >= 1, got {self.replicas_per_host!r}"
-            )
-        for name in ("cores", "cores_per_replica", "background_cores"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name}: must be finite, got {getattr(self, name)}")
-        if not self.cores >= 0:
-            raise ValueError(f"cores: must be >= 0, got {self.cores}")
-        if not self.cores_per_replica > 0:
-            raise ValueError(f"cores_per_replica: must be > 0, got {self.cores_per_replica}")
-        if self.cores and not 0 <= self.background_cores < self.cores:
+        check_settings(self)
+        if self.cores and not self.background_cores < self.cores:
             raise ValueError(
                 f"background_cores: must be in [0, cores), got {self.background_cores}"
             )
@@ -153,14 +140,18 @@ SIM_MAX_MODEL_LEN = 4096
 class SimConfig:
     """The simulated fleet: replica count, each replica's scheduler, router and its stats delay."""
 
-    num_replicas: int = 2
+    num_replicas: int = setting(2, "replicas of the fleet", ge=1)
     # Pool sizes and context length an engine would measure; left None they take these values.
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
-    stats_period_s: float = ROUTING_STATS_PERIOD_S  # how often replicas report to the router
+    stats_period_s: float = setting(
+        ROUTING_STATS_PERIOD_S, "how often replicas report to the router", gt=0
+    )
     # How late a report reaches the router: Serve polls each replica once a period, so the router
     # reads a report half a period old on average.
-    stats_delay_s: float = ROUTING_STATS_PERIOD_S / 2
+    stats_delay_s: float = setting(
+        ROUTING_STATS_PERIOD_S / 2, "how late a report reaches the router", ge=0
+    )
     # Run a replica's steps back to back while no other event intervenes, and jump over its
     # pure-decode stretches (False: every step through the event queue, the reference).
     coalesce: bool = True
@@ -171,7 +162,9 @@ class SimConfig:
     # What a request spends in the serving stack outside the engine (HTTP proxy, ingress, the
     # handle's routing call, the token's way back), charged before it reaches the router: its
     # TTFT and end-to-end time grow by this much. bench/serve_bench.py measures it.
-    serving_overhead_s: float = 0.0
+    serving_overhead_s: float = setting(
+        0.0, "seconds spent outside the engine", ge=0, le=MAX_SERVING_OVERHEAD_S
+    )
     # Every request's max_tokens, when above its output length (0: its output length, so that it
     # ends by length). Set it and requests end by EOS, unknown in advance as a served request's are:
     # what a length predictor is measured on.
@@ -193,21 +186,11 @@ class SimConfig:
             num_cpu_blocks=s.num_cpu_blocks if s.num_cpu_blocks is not None else 0,
             max_model_len=s.max_model_len if s.max_model_len is not None else SIM_MAX_MODEL_LEN,
         )
-        if self.num_replicas < 1:
-            raise ValueError(f"num_replicas: must be >= 1, got {self.num_replicas}")
-        if not self.stats_period_s > 0:
-            raise ValueError(f"stats_period_s: must be > 0, got {self.stats_period_s}")
-        if not self.stats_delay_s >= 0:
-            raise ValueError(f"stats_delay_s: must be >= 0, got {self.stats_delay_s}")
+        check_settings(self)
         if self.scheduler.cpu_tier_blocks and self.adapters is not None:
             raise ValueError("num_cpu_tier_blocks: not with adapters in this simulator")
         if self.spec is not None and (self.adapters is not None or self.scheduler.cpu_tier_blocks):
             raise ValueError("spec: not with adapters or a CPU tier in this simulator")
-        if not 0 <= self.serving_overhead_s <= MAX_SERVING_OVERHEAD_S:
-            raise ValueError(
-                f"serving_overhead_s: must be in [0, {MAX_SERVING_OVERHEAD_S:.0f}] seconds, "
-                f"got {self.serving_overhead_s}"
-            )
 
 
 class FleetSim:

@@ -8,10 +8,10 @@ link's latency. The production scheduler decides the copies (its `KVConnector` l
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from scheduler import SchedulerConfig, SchedulerOutput
+from settings import check_settings, setting
 from sim.cost import CostModel
 from sim.replica import Cruise, SimReplica
 
@@ -25,24 +25,18 @@ class LinkConfig:
     """One link KV blocks cross: bandwidth, a fixed latency per transfer, and the KV bytes per
     token (0: the profile's `kv_bytes_per_token`)."""
 
-    bandwidth_bytes_per_s: float = 25e9  # ~200 Gb/s, one RDMA NIC; PCIe 4 x16 host copies: ~25 GB/s
-    latency_s: float = 0.0
-    kv_bytes_per_token: float = 0.0
+    bandwidth_bytes_per_s: float = setting(
+        25e9,
+        "the link's bandwidth (~200 Gb/s, one RDMA NIC; PCIe 4 x16 host copies: ~25 GB/s)",
+        ge=MIN_BANDWIDTH,
+    )
+    latency_s: float = setting(0.0, "fixed latency of each transfer", ge=0, le=MAX_LATENCY_S)
+    kv_bytes_per_token: float = setting(
+        0.0, "KV bytes per token (0: the profile's kv_bytes_per_token)", ge=0
+    )
 
     def __post_init__(self) -> None:
-        if not (MIN_BANDWIDTH <= self.bandwidth_bytes_per_s < math.inf):
-            raise ValueError(
-                f"bandwidth_bytes_per_s: must be a finite number >= {MIN_BANDWIDTH}, got "
-                f"{self.bandwidth_bytes_per_s!r}"
-            )
-        if not 0 <= self.latency_s <= MAX_LATENCY_S:
-            raise ValueError(
-                f"latency_s: must be in [0, {MAX_LATENCY_S:.0f}] seconds, got {self.latency_s!r}"
-            )
-        if not 0 <= self.kv_bytes_per_token < math.inf:
-            raise ValueError(
-                f"kv_bytes_per_token: must be a finite number >= 0, got {self.kv_bytes_per_token!r}"
-            )
+        check_settings(self)
 
     def token_bytes(self, cost: CostModel) -> float:
         return self.kv_bytes_per_token or cost.kv_bytes_per_token

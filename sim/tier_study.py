@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from scheduler import SchedulerConfig
+from settings import check_settings, setting
 from sim.cost import load_profile
 from sim.fleet import FleetSim, SimConfig
 from sim.kv_copy import LinkConfig
@@ -28,19 +29,16 @@ from sim.workload import SimRequest
 class ConversationConfig:
     """Users, their turns, and the lengths and pauses of each turn."""
 
-    users: int = 64
-    turns: int = 3
+    users: int = setting(64, "users, each holding one conversation", ge=1, le=1 << 20)
+    turns: int = setting(3, "turns of each conversation", ge=1, le=1 << 20)
     question_len: tuple[int, int] = (200, 400)
     answer_len: tuple[int, int] = (50, 150)
     think_s: tuple[float, float] = (20.0, 40.0)  # from one turn's arrival to the next
-    start_spread_s: float = 30.0  # users start uniformly over this window
-    seed: int = 0
+    start_spread_s: float = setting(30.0, "users start uniformly over this window", ge=0, le=1e6)
+    seed: int = setting(0, "seed of the draws")
 
     def __post_init__(self) -> None:
-        for name in ("users", "turns"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
-                raise ValueError(f"{name}: must be an integer in [1, 2^20], got {value!r}")
+        check_settings(self)
         for name in ("question_len", "answer_len"):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi <= 1 << 20:
@@ -48,8 +46,6 @@ class ConversationConfig:
         lo_s, hi_s = self.think_s
         if not 0 <= lo_s <= hi_s <= 1e6:
             raise ValueError(f"think_s: need 0 <= low <= high <= 1e6, got {self.think_s}")
-        if not 0 <= self.start_spread_s <= 1e6:
-            raise ValueError(f"start_spread_s: must be in [0, 1e6], got {self.start_spread_s}")
 
     def working_set_tokens(self, workload: list[SimRequest]) -> int:
         """The users' last prompts: what the caches would hold to miss nothing."""

@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from settings import check_settings, setting
+
 # Token ids of a prefix group's shared system prompt start here; unique suffixes live below it.
 _PREFIX_BASE = 1 << 40
 
@@ -60,32 +62,23 @@ def hash_group(name: str) -> int:
 class WorkloadConfig:
     """A synthetic workload: rate, arrival burstiness, lengths, tenants and their shares."""
 
-    num_requests: int = 1000
-    rate: float = 1.0  # requests per second
-    burstiness: float = 1.0  # gamma shape: 1 is Poisson, < 1 burstier
-    tenants: int = 12
-    system_prompt_len: int = 256
+    num_requests: int = setting(1000, "requests in the workload", ge=0)
+    rate: float = setting(1.0, "requests per second", gt=0)
+    burstiness: float = setting(1.0, "gamma shape of the gaps: 1 is Poisson, < 1 burstier", gt=0)
+    tenants: int = setting(12, "tenants, each with its system prompt", ge=1)
+    system_prompt_len: int = setting(256, "tokens of each system prompt", ge=0)
     question_len: tuple[int, int] = (16, 16)  # uniform inclusive range
     output_len: tuple[int, int] = (16, 16)
     tenant_weights: list[float] = field(default_factory=list)  # empty: equal shares
     tenant_priorities: list[int] = field(default_factory=list)
-    seed: int = 0
+    seed: int = setting(0, "seed of the draws")
 
     def __post_init__(self) -> None:
-        if self.num_requests < 0:
-            raise ValueError(f"num_requests: must be >= 0, got {self.num_requests}")
-        if not (self.rate > 0 and math.isfinite(self.rate)):
-            raise ValueError(f"rate: must be a finite number > 0, got {self.rate}")
-        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
-            raise ValueError(f"burstiness: must be > 0, got {self.burstiness}")
-        if self.tenants < 1:
-            raise ValueError(f"tenants: must be >= 1, got {self.tenants}")
+        check_settings(self)
         for name in ("question_len", "output_len"):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name}: need 1 <= low <= high, got {(lo, hi)}")
-        if self.system_prompt_len < 0:
-            raise ValueError(f"system_prompt_len: must be >= 0, got {self.system_prompt_len}")
         if self.tenant_weights and (
             len(self.tenant_weights) != self.tenants
             or any(not w >= 0 for w in self.tenant_weights)

@@ -155,3 +155,34 @@ def test_any_value_of_any_setting_is_taken_or_refused_by_name(case):
     kept = getattr(config, name)
     assert type(kept) in (int, float, bool, str, type(None))
     assert kept == (float(value) if isinstance(kept, float) else value)  # an int given for a float
+
+
+@dataclass(frozen=True, slots=True)
+class Frozen:
+    rate: float = setting(1.0, "a rate", gt=0)
+    where: str | None = setting(None, "a file", path=True)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+def test_a_frozen_config_takes_an_int_for_a_float_as_a_float():
+    made = Frozen(rate=2)
+    assert made.rate == 2.0 and type(made.rate) is float
+
+
+@pytest.mark.parametrize(
+    "where", ["", "a\0b", "x" * 4097, "x" * 10_000_000], ids=["empty", "nul", "long", "huge"]
+)
+def test_a_path_setting_refuses_what_names_no_file(where):
+    with pytest.raises(
+        ValueError, match=r"^where: must be a path of 1 to 4096 characters without NUL, got"
+    ) as raised:
+        Frozen(where=where)
+    assert len(str(raised.value)) < 200
+
+
+def test_a_path_setting_takes_a_path():
+    assert Frozen(where="/tmp/x" + "y" * 4000).where == "/tmp/x" + "y" * 4000
+    with pytest.raises(ValueError, match="^where: must be a string"):
+        Frozen(where=2**64)  # type: ignore[arg-type]

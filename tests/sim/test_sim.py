@@ -592,8 +592,9 @@ def test_hostile_host_config_values_name_the_field(field, value):
 def test_host_config_takes_huge_counts_and_refuses_non_integers():
     from sim import HostConfig
 
-    assert HostConfig(replicas_per_host=2**64, cores=2.0**64).stretch(3) == 1.0
-    for bad in (-1, 0, 2.5, True, float("nan")):
+    # Huge, up to the 64 bits every integer setting fits in (settings.INT_LIMIT).
+    assert HostConfig(replicas_per_host=2**63 - 1, cores=2.0**64).stretch(3) == 1.0
+    for bad in (-1, 0, 2.5, True, float("nan"), 2**64):
         with pytest.raises(ValueError, match="replicas_per_host"):
             HostConfig(replicas_per_host=bad)
 
