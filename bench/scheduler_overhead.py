@@ -55,17 +55,18 @@ def build(num_running: int, prefix_caching: bool) -> Scheduler:
 
 
 def time_steps(sched: Scheduler, steps: int) -> float:
-    """Mean microseconds per schedule() + update_from_output() over `steps` decode steps."""
+    """Mean microseconds of CPU time per schedule() + update_from_output() over `steps` decode
+    steps (process time: on a shared machine, other processes' load does not count)."""
     ids = [r.request_id for r in sched.running]
     runner_out = ModelRunnerOutput(ids, [[1]] * len(ids))
     gc.collect()
     gc.disable()
     try:
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(steps):
             out = sched.schedule()
             sched.update_from_output(out, runner_out)
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
     finally:
         gc.enable()
     assert out.total_num_scheduled_tokens == len(ids), "not every request was in decode"
