@@ -116,6 +116,13 @@ def sleep_figures(llm, device: str, build) -> None:
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     prompt = ["The capital of France is"]
     want = llm.generate(prompt, greedy, use_tqdm=False)[0].token_ids
+    # Fill part of the pool: the CPU pool's pages count in RSS once written, not at allocation.
+    fill = [[100 + (i * 7 + j) % 40000 for j in range(256)] for i in range(32)]
+    llm.generate(fill, SamplingParams(max_tokens=1), use_tqdm=False)
+    engine = llm.engine
+    spec = engine.executor.call_ranks(lambda runner: runner.kv_spec)[0]
+    pool = engine.num_gpu_blocks * spec.block_bytes / 2**20
+    print(f"KV pool: {engine.num_gpu_blocks} blocks, {pool:.0f} MiB; 32 x 256 prompt tokens in")
     gc.collect()
     print(f"awake                              {memory(device)}")
     for level, discard in ((1, False), (2, False), (2, True)):
