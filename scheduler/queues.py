@@ -41,8 +41,25 @@ class _Unlearned:
         return None
 
 
-class FCFSQueue(_Unlearned):
+class _Wrapped:
+    """A queue kept in `_q`: its length, its order and a removal are `_q`'s."""
+
+    _q: deque[Request] | SRPTQueue
+
+    def remove(self, request: Request) -> None:
+        self._q.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class FCFSQueue(_Wrapped, _Unlearned):
     """First come, first served; preempted requests return to the front."""
+
+    _q: deque[Request]
 
     def __init__(self) -> None:
         self._q: deque[Request] = deque()
@@ -58,15 +75,6 @@ class FCFSQueue(_Unlearned):
 
     def pop(self) -> Request:
         return self._q.popleft()
-
-    def remove(self, request: Request) -> None:
-        self._q.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
 
 
 class PriorityQueue(_Unlearned):
@@ -339,8 +347,10 @@ class SRPTQueue:
         return itertools.chain(self._front, (e.request for e in self._entries))
 
 
-class _SRPTLine:
+class _SRPTLine(_Wrapped):
     """One tenant's line under fair_srpt: an SRPTQueue behind the deque methods FairQueue uses."""
+
+    _q: SRPTQueue
 
     def __init__(self, queue: SRPTQueue) -> None:
         self._q = queue
@@ -358,15 +368,6 @@ class _SRPTLine:
         if i != 0:
             raise IndexError("a tenant's SRPT line shows only its next request")
         return self._q.peek()
-
-    def remove(self, request: Request) -> None:
-        self._q.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
 
 
 _Line = deque[Request] | _SRPTLine

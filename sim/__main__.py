@@ -156,9 +156,9 @@ def cmd_run(a: argparse.Namespace) -> None:
         _plot(a.plot, rows, "replicas", ("hit_rate", "ttft_p90_s", "goodput_rps"), "sim run")
 
 
-def _smallest(ok: Callable[[int], bool], hi: int) -> int:
-    """The smallest n in [1, hi] with ok(n), given ok(hi) (bisection: ok is monotone)."""
-    lo = 0  # known to fail (or 0)
+def _smallest(ok: Callable[[int], bool], hi: int, lo: int = 0) -> int:
+    """The smallest n in (lo, hi] with ok(n), given ok(hi) and not ok(lo) unless lo is 0
+    (bisection: ok is monotone)."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if ok(mid):
@@ -219,13 +219,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
             print(f"no fleet of <= {a.max_replicas} replicas meets the SLOs")
             return
         hi = min(hi * 2, a.max_replicas)
-    lo = hi // 2  # known to fail (or 0)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
+    hi = _smallest(ok, hi, hi // 2)  # hi // 2 is known to fail (or 0)
     rows.sort(key=lambda r: r["replicas"])
     _print_table(rows)
     print(
