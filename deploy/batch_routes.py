@@ -13,6 +13,7 @@ No `from __future__ import annotations`: FastAPI reads the route signatures at r
 """
 
 import asyncio
+import contextvars
 import json
 import logging
 import re
@@ -211,7 +212,9 @@ class BatchRoutes(RequestPath):
             service.store, owner, batch_id, send, self.config.batch_lines_in_flight
         )
         service.runners[batch_id] = runner
-        task = asyncio.get_running_loop().create_task(runner.run())
+        # A context of its own: the lines are not part of the request that created the batch
+        # (Serve's request context would tie every line's replica call to that finished request).
+        task = asyncio.get_running_loop().create_task(runner.run(), context=contextvars.Context())
         service.tasks.add(task)
         task.add_done_callback(service.tasks.discard)
         task.add_done_callback(lambda t: _log_failure(t, batch_id))

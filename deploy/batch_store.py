@@ -61,6 +61,7 @@ class FileRecord:
     created_at: int
     filename: str
     purpose: str  # batch, batch_output
+    created_ns: int = 0  # the listing's order (created_at is whole seconds)
 
     def as_openai(self) -> dict[str, Any]:
         return {
@@ -93,6 +94,7 @@ class BatchState:
     metadata: dict[str, str] | None = None
     errors: list[dict[str, Any]] = field(default_factory=list)  # batch-level (missing input)
     times: dict[str, int] = field(default_factory=dict)  # in_progress_at, completed_at, ...
+    created_ns: int = 0  # the listing's order (created_at is whole seconds)
 
     @property
     def final(self) -> bool:
@@ -195,7 +197,8 @@ class BatchStore:
             raise TooLarge(f"file: {len(data)} bytes, at most {self.limits.max_file_bytes}")
         count_lines(data, self.limits)
         self.reserve(owner, len(data))
-        record = FileRecord(new_id(FILE_PREFIX), len(data), int(time.time()), filename, purpose)
+        now = time.time_ns()
+        record = FileRecord(new_id(FILE_PREFIX), len(data), now // 10**9, filename, purpose, now)
         _write_atomic(self.content_path(owner, record.id), data)
         self._save_file(owner, record)
         return record
@@ -235,7 +238,7 @@ class BatchStore:
             FileRecord(**json.loads(p.read_bytes()))
             for p in self._dir(owner, "files").glob("file-*.json")
         ]
-        return sorted(records, key=lambda r: (r.created_at, r.id))
+        return sorted(records, key=lambda r: (r.created_ns, r.id))
 
     def delete_file(self, owner: str, file_id: str) -> None:
         self.get_file(owner, file_id)
@@ -245,13 +248,15 @@ class BatchStore:
     def publish(self, owner: str, file_id: str, filename: str) -> FileRecord:
         """Make a batch's output (or error) file visible, counted in the owner's quota."""
         size = self.content_path(owner, file_id).stat().st_size
-        record = FileRecord(file_id, size, int(time.time()), filename, "batch_output")
+        now = time.time_ns()
+        record = FileRecord(file_id, size, now // 10**9, filename, "batch_output", now)
         self._save_file(owner, record)
         return record
 
     # ---- batches -------------------------------------------------------------------------------
     def new_batch(self, owner: str, endpoint: str, input_file_id: str, metadata: Any) -> BatchState:
-        now = int(time.time())
+        now_ns = time.time_ns()
+        now = now_ns // 10**9
         state = BatchState(
             id=new_id(BATCH_PREFIX),
             endpoint=endpoint,
@@ -261,6 +266,7 @@ class BatchStore:
             created_at=now,
             expires_at=now + WINDOW_S,
             metadata=metadata,
+            created_ns=now_ns,
         )
         for file_id in (state.output_file_id, state.error_file_id):
             fd = os.open(self.content_path(owner, file_id), os.O_CREAT | os.O_WRONLY, 0o600)
@@ -285,7 +291,7 @@ class BatchStore:
             _batch_of(json.loads(p.read_bytes()))
             for p in self._dir(owner, "batches").glob("batch_*.json")
         ]
-        return sorted(states, key=lambda s: (s.created_at, s.id), reverse=True)
+        return sorted(states, key=lambda s: (s.created_ns, s.id), reverse=True)
 
     def unfinished(self) -> list[tuple[str, BatchState]]:
         """Every owner's batches that have not ended: what a restarted ingress resumes."""

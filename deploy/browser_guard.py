@@ -12,7 +12,9 @@ before any route:
   is one of `allowed_origins`; those get CORS headers, their preflights a 204. Nothing else gets
   CORS headers.
 - Content type: a POST must say `application/json`: the content types a page may send without a
-  preflight (text/plain, forms, none at all) get 415.
+  preflight (text/plain, forms, none at all) get 415. The one exception, a file upload
+  (`multipart/form-data` to `/v1/files`), must carry an Authorization header, which no page can
+  add without a preflight.
 
 Refusals are OpenAI error JSON, like every other error of the server.
 """
@@ -34,6 +36,7 @@ MAX_ALLOWED = 64
 MAX_HOST_CHARS = 253  # a DNS name's longest spelling
 MAX_ORIGIN_CHARS = 2048
 JSON_TYPE = "application/json"
+UPLOAD_PATH = "/v1/files"
 PREFLIGHT_MAX_AGE_S = 600
 _BODY_METHODS = ("POST", "PUT", "PATCH")
 # What a browser may read of an allowed origin's answers besides the CORS-safelisted headers.
@@ -116,7 +119,7 @@ class BrowserPolicy:
             frozenset(check_origins(list(origins or []))),
         )
 
-    def refusal(self, method: str, headers: Headers) -> APIError | None:
+    def refusal(self, method: str, headers: Headers, path: str = "") -> APIError | None:
         """Why this request may not reach a route (None: it may)."""
         host = headers.get("host")
         # Every HTTP/1.1 request, and every browser's, names its host; one without is no page's.
@@ -133,7 +136,11 @@ class BrowserPolicy:
                 "opens the server to an origin).",
                 code="origin_not_allowed",
             )
-        if method in _BODY_METHODS and _media_type(headers) != JSON_TYPE:
+        if (
+            method in _BODY_METHODS
+            and _media_type(headers) != JSON_TYPE
+            and not _upload(path, headers)
+        ):
             return UnsupportedMediaTypeError(
                 f"Content-Type: request bodies must be {JSON_TYPE}.",
                 code="unsupported_media_type",
@@ -146,6 +153,15 @@ class BrowserPolicy:
 
 def _media_type(headers: Headers) -> str:
     return headers.get("content-type", "").partition(";")[0].strip().lower()
+
+
+def _upload(path: str, headers: Headers) -> bool:
+    """A file upload of the Batch API by a client that is no web page (it sends a key header)."""
+    return (
+        path.endswith(UPLOAD_PATH)
+        and _media_type(headers) == "multipart/form-data"
+        and "authorization" in headers
+    )
 
 
 class BrowserGuard:
@@ -164,7 +180,7 @@ class BrowserGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        refusal = self.policy_of().refusal(scope["method"], headers)
+        refusal = self.policy_of().refusal(scope["method"], headers, scope["path"])
         if refusal is not None:
             await error_response(refusal)(scope, receive, send)
             return

@@ -25,6 +25,11 @@ TINY = "tiny-llama"
 TINY_KEY = "test-key"
 # A second tenant's key on `tiny` (TINY_KEY is the app's api_key: tenant "default", admin).
 TINY_TENANT_KEY = "test-key-second-tenant"
+# The tiny app's Batch API caps (test_batch_api.py).
+BATCH_MAX_FILE_BYTES = 1 << 20
+BATCH_MAX_LINES = 1000
+BATCH_MAX_LINE_BYTES = 64 << 10
+BATCH_QUOTA_BYTES = 3 << 20
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +71,7 @@ def _wait_running(app: str, timeout: float = 300) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_url(ray_cluster, http_port, tiny_model_dir):
+def tiny_url(ray_cluster, http_port, tiny_model_dir, tmp_path_factory):
     from deploy.app import build_app
 
     args = {
@@ -81,6 +86,13 @@ def tiny_url(ray_cluster, http_port, tiny_model_dir):
         "max_queued_requests": 2,
         "max_embedding_tokens": 1024,  # test_api_embedding_budget.py
         "allow_weight_updates": True,  # test_api_weights.py
+        # test_batch_api.py: this session's own folder, and caps small enough to reach.
+        "batch_dir": str(tmp_path_factory.mktemp("batch")),
+        "batch_max_file_bytes": BATCH_MAX_FILE_BYTES,
+        "batch_max_lines": BATCH_MAX_LINES,
+        "batch_max_line_bytes": BATCH_MAX_LINE_BYTES,
+        "batch_quota_bytes": BATCH_QUOTA_BYTES,
+        "batch_lines_in_flight": 2,
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
     }

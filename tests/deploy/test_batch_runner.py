@@ -246,3 +246,11 @@ def test_done_lines_cuts_a_torn_tail(tmp_path):
     path.write_bytes(b'{"id": "batch_req_ab_3"}\n{"id": "batch_req_ab_4"}\n{"id": "ba')
     assert done_lines(path) == {3, 4}
     assert path.read_bytes().endswith(b"}\n")
+
+
+def test_listings_keep_creation_order_within_a_second(store):
+    record = store.add_file("k1", "in.jsonl", "batch", jsonl([line(0)]))
+    made = [store.new_batch("k1", ENDPOINT, record.id, None).id for _ in range(6)]
+    assert [s.id for s in store.list_batches("k1")] == made[::-1]  # newest first, as OpenAI
+    files = [store.add_file("k1", "f", "batch", jsonl([line(0)])).id for _ in range(3)]
+    assert [f.id for f in store.list_files("k1")][-3:] == files
