@@ -306,24 +306,20 @@ def range_text(meta: Mapping[str, Any]) -> str:
     """A short human-readable range, e.g. ">= 1", "(0, 1]", "fcfs | priority | fair"."""
     if meta.get("choices"):
         return " \\| ".join(str(c) for c in meta["choices"])
-    low = (
-        f"[{meta['ge']}"
-        if meta.get("ge") is not None
-        else f"({meta['gt']}"
-        if meta.get("gt") is not None
-        else None
-    )
-    high = (
-        f"{meta['le']}]"
-        if meta.get("le") is not None
-        else f"{meta['lt']})"
-        if meta.get("lt") is not None
-        else None
-    )
+    low, high = _bound(meta, ("ge", "gt")), _bound(meta, ("le", "lt"))
     if low and high:
-        return f"{low}, {high}"
-    if low:
-        return (">= " if low[0] == "[" else "> ") + low[1:]
-    if high:
-        return ("<= " if high[-1] == "]" else "< ") + high[:-1]
-    return ""
+        return f"{_BRACKETS[low[0]]}{low[1]}, {high[1]}{_BRACKETS[high[0]]}"
+    bound = low or high
+    return f"{_WORDS[bound[0]]}{bound[1]}" if bound else ""
+
+
+_BRACKETS = {"ge": "[", "gt": "(", "le": "]", "lt": ")"}
+_WORDS = {"ge": ">= ", "gt": "> ", "le": "<= ", "lt": "< "}
+
+
+def _bound(meta: Mapping[str, Any], keys: tuple[str, str]) -> tuple[str, Any] | None:
+    """The first of keys that meta bounds, with its bound."""
+    for key in keys:
+        if meta.get(key) is not None:
+            return key, meta[key]
+    return None
