@@ -214,7 +214,8 @@ class BatchRoutes(RequestPath):
         service.runners[batch_id] = runner
         # A context of its own: the lines are not part of the request that created the batch
         # (Serve's request context would tie every line's replica call to that finished request).
-        task = asyncio.get_running_loop().create_task(runner.run(), context=contextvars.Context())
+        loop = asyncio.get_running_loop()
+        task = contextvars.Context().run(loop.create_task, runner.run())
         service.tasks.add(task)
         task.add_done_callback(service.tasks.discard)
         task.add_done_callback(lambda t: _log_failure(t, batch_id))
