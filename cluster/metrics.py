@@ -62,6 +62,11 @@ class ReplicaMetrics:
         self.hit_rate = gauge(
             "raylm_prefix_cache_hit_rate", "Prefix-cache hit rate of prompt tokens (0-1)."
         )
+        self.kv_bytes_per_token = gauge(
+            "raylm_kv_cache_bytes_per_token",
+            "KV cache bytes one token takes on each tensor-parallel rank, all layers (MLA: its "
+            "latent row; other attention: K and V of the rank's heads).",
+        )
         self.prompt_tokens = counter("raylm_prompt_tokens_total", "Prompt tokens admitted.")
         self.generation_tokens = counter("raylm_generation_tokens_total", "Tokens generated.")
         self.preemptions = counter("raylm_preemptions_total", "Requests preempted.")
@@ -103,6 +108,7 @@ class ReplicaMetrics:
             self.swapped,
             self.kv_usage,
             self.hit_rate,
+            self.kv_bytes_per_token,
             self.prompt_tokens,
             self.generation_tokens,
             self.preemptions,
@@ -135,6 +141,10 @@ class ReplicaMetrics:
             self.spec_rows,
         ):
             counter._record(0.0)
+
+    def record_kv_layout(self, bytes_per_token: int) -> None:
+        """The engine's KV layout, fixed at start (EngineCore.kv_bytes_per_token)."""
+        self.kv_bytes_per_token.set(bytes_per_token)
 
     def record_stats(self, stats: SchedulerStats) -> None:
         self.waiting.set(stats.num_waiting)

@@ -196,6 +196,7 @@ class LLMReplica:
         self._ttft_window = LatencyWindow(LATENCY_WINDOW_S)
         self._itl_window = LatencyWindow(LATENCY_WINDOW_S)
         self.engine = build_engine(config)
+        self.metrics.record_kv_layout(self.engine.kv_bytes_per_token)
         self.phase = phase_engine(self.engine, phase)
         self._kv_events = attach_kv_events(self.engine)  # before the first step: none missed
         self._streams: dict[str, _Stream] = {}

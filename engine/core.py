@@ -32,6 +32,7 @@ from workers.kv_cache import GiB, KVCacheSpec
 from workers.kv_fp8 import cache_dtype
 from workers.kv_tiers import KVTierConfig, disk_tier_blocks
 from workers.length_features import PROJECTION_SEED
+from workers.lora.adapter import check_lora_model
 from workers.runner import DTYPES
 from workers.weight_transfer import WeightGroupSpec
 
@@ -58,6 +59,8 @@ class EngineCore:
                 f"max_model_len: {sched.max_model_len} exceeds the model's context of {limit} "
                 f"tokens (max_position_embeddings in its config.json)"
             )
+        if config.num_lora_slots:  # refused here, before any worker builds its LoRA layers
+            check_lora_model(AutoConfig.from_pretrained(self.model_dir))
         self.max_model_len = sched.max_model_len or self.model_info.max_model_len
         self.vocab_size = self.model_info.vocab_size
         self.eos_token_ids = self.model_info.eos_token_ids
@@ -74,6 +77,9 @@ class EngineCore:
         self.executor.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self._phase("kv_allocation", clock)  # CUDA graphs are captured here too
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        # What one token's KV takes on each rank, all layers (MLA: its latent row; else K and V of
+        # the rank's heads): the layout the blocks above were counted in (/metrics, the log).
+        self.kv_bytes_per_token = self._kv_spec().block_bytes // sched.block_size
         self._start_scheduler(runner_config.async_scheduling)
         ranks = getattr(self.executor, "call_ranks", None)  # hands checked adapters to each rank
         self.loras = EngineLoras(config, self.model_dir, ranks, DTYPES[runner_config.dtype])
@@ -81,11 +87,13 @@ class EngineCore:
         self.loras.add_configured()
         self.weights = EngineWeights(self)  # updates and sleep, between steps (engine/weights.py)
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s, %d KV blocks of %d tokens (%d KV bytes a token per rank), "
+            "max_model_len %d",
             config.model,
             runner_config.device,
             num_gpu_blocks,
             sched.block_size,
+            self.kv_bytes_per_token,
             self.max_model_len,
         )
 

@@ -38,7 +38,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from workers.kv_cache import KVCache, KVCacheSpec
-from workers.layers.attention import AttentionMetadata, select_backend
+from workers.layers.attention import AttentionMetadata
+from workers.layers.mla import bind_backend
 from workers.loader import load_model
 from workers.model_files import context_limit_of, resolve_model
 from workers.parallel import single_rank
@@ -121,15 +122,8 @@ class DraftModel:
                 model_dir, hf_config, dtype, device, max_model_len, False, gguf_file
             )
         self.layers = self.model.attention_layers()
-        self.backend = select_backend(
-            device,
-            attention_backend,
-            dtype,
-            head_dim=self.layers[0].head_dim,
-            block_size=block_size,
-        )
-        for layer in self.layers:
-            layer.backend = self.backend
+        # The target's rule, MLA's included (workers/layers/mla.py): one function for both.
+        self.backend = bind_backend(self.layers, device, attention_backend, dtype, block_size)
         self.kv_spec = KVCacheSpec.of(self.layers, block_size, dtype)
         self.kv_cache: KVCache | None = None
         self.num_blocks = 0  # the scheduler's pool; scratch blocks follow it

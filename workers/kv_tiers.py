@@ -1,8 +1,9 @@
 """The KV connector, worker side: the lower tiers of the prefix cache and the copies to and from
 them (scheduler/kv_connector.py decides every copy; this file only carries them out).
 
-- CPU tier: one host tensor of whole blocks, block-major ([slots, layers, K/V, block_size, heads,
-  head_dim]) so one slot is one contiguous run of bytes; pinned on CUDA.
+- CPU tier: one host tensor of whole blocks, block-major ([slots, layers, parts, block_size, heads,
+  head_dim]; parts is K and V, or MLA's one latent row: KVCacheSpec.kv_parts) so one slot is one
+  contiguous run of bytes; pinned on CUDA.
 - Disk tier: one file per block under this engine's own directory, rank by rank, private to the
   rank and authenticated by a key it holds in memory (workers/kv_disk.py); a file that does not
   match what is asked for (missing, short, another hash or layout, a bad or forged MAC) fails its
@@ -59,7 +60,8 @@ class KVTiers:
         spec = cache.spec
         self.cache = cache
         self.device = cache.gpu.device
-        shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # The device pool's layout, block-major: K and V, or one latent row (kv_parts 1) a layer.
+        shape = (spec.num_layers, spec.kv_parts, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.block_shape = shape
         self.cpu = torch.zeros(
             (config.num_cpu_blocks, *shape),
@@ -108,7 +110,7 @@ class KVTiers:
         elif t.save:  # one gather on the device, one copy to the host
             blocks = torch.tensor([b for b, _, _ in t.save], dtype=torch.long, device=self.device)
             slots = torch.tensor([s for _, s, _ in t.save], dtype=torch.long)
-            # [layers, 2, n, ...] -> [n, layers, 2, ...]
+            # [layers, parts, n, ...] -> [n, layers, parts, ...]
             self.cpu[slots] = self.cache.gpu[:, :, blocks].movedim(2, 0).to("cpu")
         for _, slot, block_hash in t.save:
             self.slot_hash[slot] = block_hash
@@ -158,7 +160,7 @@ class KVTiers:
 
     # ---- disk ----------------------------------------------------------------------------------
     def _write_file(self, block: torch.Tensor, block_hash: int) -> None:
-        """Write one block ([layers, 2, block_size, heads, head_dim], on the host) to its file."""
+        """Write one block ([layers, parts, block_size, heads, head_dim], on the host) to a file."""
         if self.disk is not None:
             payload = block.contiguous().view(-1).view(torch.uint8).numpy()
             self.disk.write(payload.data, block_hash)  # the array's buffer, as a memoryview

@@ -19,6 +19,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from scheduler.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from workers.cuda_graphs import DecodeGraphs, decode_graphs_enabled
+from workers.layers import invariant
 from workers.features.base import CausalLM, RunnerContext, RunnerFeature, SampleStep
 from workers.features.build import build_features
 from workers.features.kv_loads import KVLoadsFeature
@@ -28,8 +29,8 @@ from workers.features.ngram import ProposerFeature
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.kv_fp8 import cache_dtype, check_device
 from workers.kv_transfer import KVReceiver
-from workers.layers.attention import AttentionMetadata, select_backend
-from workers.layers.mla import latent_backend
+from workers.layers.attention import AttentionMetadata
+from workers.layers.mla import bind_backend
 from workers.length_features import LengthFeatures
 from workers.loader import load_model
 from workers.lora.manager import LoraManager
@@ -122,18 +123,9 @@ class ModelRunner:
     def _init_attention(self) -> None:
         cfg = self.config
         self.layers = self.model.attention_layers()
-        backend_name = cfg.attention_backend
-        if self.layers[0].kv_parts == 1:  # MLA's latent rows: workers/layers/mla.py
-            backend_name = latent_backend(backend_name)
-        self.backend = select_backend(
-            self.device,
-            backend_name,
-            self.dtype,
-            head_dim=self.layers[0].head_dim,
-            block_size=cfg.block_size,
+        self.backend = bind_backend(  # MLA's latent rows get latent_backend's rule
+            self.layers, self.device, cfg.attention_backend, self.dtype, cfg.block_size
         )
-        for layer in self.layers:
-            layer.backend = self.backend
         if cfg.kv_cache_dtype == "fp8":
             check_device(self.device, self.backend.name)
         kv_dtype = cache_dtype(cfg.kv_cache_dtype, self.dtype)
@@ -246,7 +238,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [], failed=failed, kv_load_failed=load_failed)
         for feature in self.features:
             feature.before_forward(batch)  # grammar masks fill while the forward runs
-        output = self._sample(batch, self._forward(batch))
+        with invariant.batch_invariant(self.config.batch_invariant):
+            output = self._sample(batch, self._forward(batch))
         for feature in self.features:
             feature.propose(batch, output)
         for feature in self.features:

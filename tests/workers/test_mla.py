@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
 
+from scheduler.kv_connector import KVTransfers
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.kv_fp8 import FP8
+from workers.kv_tiers import KVTierConfig, KVTiers
 from workers.layers.attention import AttentionMetadata
 from workers.layers.backends.torch_ref import TorchBackend
 from workers.layers.grouped_topk import GroupedTopK, grouped_topk
@@ -100,6 +102,21 @@ def test_a_latent_pool_binds_one_tensor_as_keys_and_values_and_swaps_it():
     cache.gpu[:, :, 2] = 0
     cache.swap_in([(2, 1)])
     assert torch.equal(cache.gpu[:, :, 2], before)
+
+
+def test_the_kv_tiers_keep_latent_blocks_whole_on_the_cpu_and_on_disk(tmp_path):
+    """A latent block (one part a layer) saved to a CPU slot, demoted to disk, and loaded back
+    into other device blocks from each tier is the same block, at the latent layout's bytes."""
+    spec = KVCacheSpec(3, 1, 64, 4, torch.float32, kv_parts=1)
+    cache = KVCache(spec, 6, 0, torch.device("cpu"))
+    cache.gpu.normal_()
+    before = cache.gpu[:, :, 2].clone()
+    tiers = KVTiers(cache, KVTierConfig(2, 4, str(tmp_path / "engine")))
+    assert tiers.block_nbytes == spec.block_bytes
+    tiers.save(KVTransfers(save=[(2, 1, 77)]))
+    tiers.save(KVTransfers(demote=[(1, 77)]))
+    assert tiers.load(KVTransfers(load_cpu=[(1, 4, 77)], load_disk=[(77, 5)])) == []
+    assert torch.equal(cache.gpu[:, :, 4], before) and torch.equal(cache.gpu[:, :, 5], before)
 
 
 def test_an_fp8_cache_is_refused_for_latent_attention():

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.layers.attention import Attention, AttentionMetadata, AttentionParams
+from workers.layers.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionParams,
+    select_backend,
+)
 from workers.layers.param_attrs import set_param_attr
 from workers.layers.quantized import as_float
 from workers.parallel import divide, get_tp_rank, get_tp_world_size
@@ -109,6 +115,22 @@ def latent_backend(name: str) -> str:
     raise ValueError(
         f"attention_backend: {name!r} does not run latent attention (MLA) yet; use auto or torch"
     )
+
+
+def bind_backend(
+    layers: list[Attention], device: torch.device, name: str, dtype: torch.dtype, block_size: int
+) -> AttentionBackend:
+    """Choose the backend for a model's attention layers (latent ones: `latent_backend`) and bind
+    it to each. The one place the rule is applied: the target's runner and a draft model both call
+    it, so a latent draft cannot run on a backend its target would refuse."""
+    if layers[0].kv_parts == 1:
+        name = latent_backend(name)
+    backend = select_backend(
+        device, name, dtype, head_dim=layers[0].head_dim, block_size=block_size
+    )
+    for layer in layers:
+        layer.backend = backend
+    return backend
 
 
 class KVUpProjection(nn.Module):

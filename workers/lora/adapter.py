@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.layers.mla import is_mla_config
 from workers.lora.files import CONFIG_FILE, WEIGHTS_FILE, AdapterFiles, read_adapter_files
 
 if TYPE_CHECKING:
@@ -40,6 +41,18 @@ _TENSOR_NAME = re.compile(
 )
 
 
+def check_lora_model(config: PretrainedConfig) -> None:
+    """LoRA adapts Llama-style q/k/v/o projections; a latent-attention (MLA) model has none (its
+    queries and keys come from low-rank projections and a latent cache), so LoRA is refused by
+    name at engine start rather than failing deep in the manager."""
+    if is_mla_config(config):
+        arch = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
+        raise ValueError(
+            f"max_loras: LoRA is not supported for {arch} (multi-head latent attention has no "
+            "q/k/v projections to adapt); leave max_loras, lora_modules and lora_root unset"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShapes:
     """What an adapter must fit: each target's full [out, in] and the number of layers."""
@@ -49,6 +62,7 @@ class ModelShapes:
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> ModelShapes:
+        check_lora_model(config)
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
