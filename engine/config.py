@@ -166,6 +166,11 @@ class EngineConfig:
     enforce_eager: bool = setting(
         False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs"
     )
+    batch_invariant: bool = setting(
+        False,
+        "a request's tokens and logprobs are bit-identical alone or in any batch, chunked or "
+        "not, after a prefix hit or a preemption (CPU only; docs/batch_invariance.md)",
+    )
     async_scheduling: bool | None = setting(
         None,
         "schedule each step while the previous one runs, before its tokens are back (the tokens "
@@ -389,6 +394,7 @@ class EngineConfig:
             cpu_threads=self.cpu_threads,
             process_niceness=self.process_niceness,
             enforce_eager=self.enforce_eager,
+            batch_invariant=self.batch_invariant,
             grammar_timeout_s=self.grammar_timeout_s,
             grammar_mask_deadline_s=self.grammar_mask_deadline_s,
             async_scheduling=self.uses_async_scheduling(),

@@ -38,6 +38,8 @@ class RunnerConfig:
     cpu_threads: int | None = None
     process_niceness: int | None = None
     enforce_eager: bool = False
+    # Every CPU kernel on the path in a fixed reduction order (workers/layers/invariant.py).
+    batch_invariant: bool = False
     grammar_timeout_s: float = 10.0
     grammar_mask_deadline_s: float = 1.0
     # The engine schedules a step before the previous one's tokens are back (TP = 1 only): the
@@ -75,6 +77,11 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.batch_invariant and not self.device.startswith("cpu"):
+            raise ValueError(
+                f"batch_invariant: runs on CPU only, this engine runs on {self.device} (the "
+                "Triton kernels and cuBLAS split their reductions by batch shape)"
+            )
         cache_dtype(self.kv_cache_dtype, DTYPES[self.dtype])  # raises on an unknown name
         if self.kv_cache_dtype == "fp8" and not self.device.startswith("cuda"):
             raise ValueError(

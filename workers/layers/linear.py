@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers import invariant
 from workers.layers.param_attrs import set_param_attr
 from workers.layers.quantized import QUANTIZED, AnyWeight, GGUFWeight, as_float, load_target
 from workers.parallel import all_reduce, divide, get_tp_rank, get_tp_world_size
@@ -73,12 +74,25 @@ def linear(
     if isinstance(packed, (GGUFWeight, *QUANTIZED)):
         y = packed.matmul(x)
         return y if bias is None else y + bias
+    if x.device.type == "cpu" and invariant.active():  # one row count: one summation order
+        return invariant.in_row_tiles(x, lambda t: _cpu_linear(t, weight, bias, packed))
     if x.device.type == "cpu":
-        if packed is not None:
-            return _packed_linear(x, packed, bias)
-        if x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH:
-            y = torch.mm(weight, x.t()).t().contiguous()
-            return y if bias is None else y + bias
+        return _cpu_linear(x, weight, bias, packed)
+    return F.linear(x, weight, bias)
+
+
+def _cpu_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+) -> torch.Tensor:
+    """`linear` on CPU: oneDNN's packed weight, else (weight @ x^T)^T for a few rows."""
+    if packed is not None:
+        return _packed_linear(x, packed, bias)
+    if x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH:
+        y = torch.mm(weight, x.t()).t().contiguous()
+        return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.kv_fp8 import dequantize
+from workers.layers import invariant
 from workers.layers.attention import AttentionMetadata, AttentionParams
 from workers.layers.backends import cpu_paged
 
@@ -45,6 +46,9 @@ class _TorchState:
     # Gather buffers reused by every layer of the step (fresh large allocations page-fault on CPU).
     k_buf: torch.Tensor | None = None
     v_buf: torch.Tensor | None = None
+    # Batch-invariant mode (workers/layers/invariant.py): one paged-kernel row per query token,
+    # its request's block table and its own position + 1 as the context length.
+    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def attend_eager(
@@ -104,6 +108,8 @@ class TorchBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_state = _TorchState(_prepare_prefills(meta))
+        if self.kernel is not None and invariant.active():
+            meta.backend_state.token_rows = _token_rows(meta)
 
     def forward(
         self,
@@ -121,23 +127,55 @@ class TorchBackend:
         )  # contiguous, whatever q's strides (it may view a fused QKV output)
         nd = meta.num_decodes
         kernel = self.kernel
-        if nd and p.kv_scale is None and kernel is not None and self._kernel_takes(q, k_cache):
-            kernel(
+        takes = p.kv_scale is None and kernel is not None and self._kernel_takes(q, k_cache)
+        if state.token_rows is not None:  # every token a decode row (invariant.py)
+            if not takes:
+                raise ValueError(
+                    f"batch_invariant: needs the CPU paged kernel, which takes float caches of "
+                    f"head sizes {cpu_paged.HEAD_SIZES} ({q.dtype}, head size {q.shape[-1]})"
+                )
+            self._paged(out, q, k_cache, v_cache, *state.token_rows, p)
+            return out
+        if nd and takes:
+            self._paged(
                 _first(out, nd),
                 _first(q, nd),
                 k_cache,
                 v_cache,
                 _first(meta.block_tables, nd),
                 _first(meta.seq_lens, nd),
-                p.scale,
-                p.window or 0,
-                p.softcap or 0.0,
-                _NO_SINKS if p.sinks is None else p.sinks.float().contiguous(),
+                p,
             )
         elif nd:
             out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, p)
         _prefill(out, q, k, v, k_cache, v_cache, state.prefills, p)
         return out
+
+    def _paged(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        p: AttentionParams,
+    ) -> None:
+        """The paged C++ kernel: row i of q over the first seq_lens[i] positions of tables[i]."""
+        assert self.kernel is not None
+        sinks = _NO_SINKS if p.sinks is None else p.sinks.float().contiguous()
+        self.kernel(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            seq_lens,
+            p.scale,
+            p.window or 0,
+            p.softcap or 0.0,
+            sinks,
+        )
 
     def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (
@@ -208,6 +246,22 @@ def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
         outside |= pos < seq_lens - window
     outside = outside.view(nd, 1, 1, -1)
     return torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))
+
+
+def _token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block table, context length) of every query token: a prompt token at position t of its
+    request attends over positions 0..t as a decode token there would."""
+    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    query_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
+    ends = [
+        length
+        for i, n in enumerate(query_lens)
+        for length in range(seq_lens[i] - n + 1, seq_lens[i] + 1)
+    ]
+    repeats = torch.tensor(query_lens, device=meta.block_tables.device)
+    tables = meta.block_tables[: meta.num_reqs].repeat_interleave(repeats, dim=0)
+    lens = torch.tensor(ends, dtype=meta.seq_lens.dtype, device=meta.seq_lens.device)
+    return tables.contiguous(), lens
 
 
 def _prepare_prefills(meta: AttentionMetadata) -> list[_Prefill]:
