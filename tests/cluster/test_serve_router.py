@@ -164,6 +164,24 @@ def test_shared_prefix_sticks_to_one_replica_while_load_stays_balanced(handle):
     assert served.count(first) == 4
 
 
+def test_a_sessions_turns_stay_on_one_replica_though_each_turn_is_a_new_prefix(handle):
+    """The session travels as Serve's session_id (what the ingress sets from a body's session_id);
+    without it each new prefix would go to the replica holding fewer blocks, in turn."""
+
+    async def go():
+        await settle()
+        agent = handle.options(session_id="agent-7")
+        return [
+            await stream(agent, request(prompt_for(200 + turn, turn), max_tokens=2))
+            for turn in range(4)
+        ]
+
+    served = run(go())
+    assert len(set(served)) == 1, served
+    # The router names replicas by Serve's unique id, the end of the actor's name.
+    assert served[0].endswith("#" + fleet_router(handle).fleet.sessions.replica_of("agent-7"))
+
+
 def test_replica_failures_reported_by_the_caller_open_its_circuit_until_the_cool_down(handle):
     """What the ingress does when a replica fails a choice: report_outcome(ok=False) on the
     request's
