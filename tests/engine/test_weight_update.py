@@ -284,6 +284,21 @@ def test_a_quantized_layer_is_refused_by_name(ckpts):
         assert tokens(engine) == before
 
 
+@pytest.mark.slow  # converts a GGUF file through transformers
+def test_gguf_blocks_kept_quantized_are_refused_by_layer_name(tmp_path):
+    """The default path's kind of model: GGUF blocks multiplied as stored (int8 CPU kernels)."""
+    from tests.random_kquant import write_tiny_kquant_gguf
+
+    path = str(tmp_path / "tiny-k.gguf")
+    write_tiny_kquant_gguf(path)
+    kw = dict(KW, quantization="gguf", cache_dir=str(tmp_path / "cache"))
+    with LLM(path, **kw) as engine:
+        before = tokens(engine, [[5, 6, 7, 8]])
+        with pytest.raises(ValueError, match=r"model\.embed_tokens: .*kept quantized"):
+            engine.update_weights(engine.engine.model_dir)  # its own (converted) checkpoint
+        assert tokens(engine, [[5, 6, 7, 8]]) == before
+
+
 # ---- the weight group ---------------------------------------------------------------------------
 def _checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
