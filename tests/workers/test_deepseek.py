@@ -84,25 +84,31 @@ def chunked_llm(llm_factory, path: str):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_chunked_greedy_matches_hf_generate(
+def test_batched_chunked_greedy_matches_hf_generate_and_again_from_the_prefix_cache(
     family, checkpoint, llm_factory, prompts, references
 ):
+    """The prompts batched in 16-token chunks, then the 70- and 45-token ones again: they start
+    from their cached full blocks (64 and 32 tokens; latent rows for MLA), compute the rest, and
+    still give HF's tokens (one engine and one set of references for both halves)."""
     path, _ = checkpoint(family)
     llm = chunked_llm(llm_factory, path)
     assert_matches(llm.generate(prompts, PARAMS, use_tqdm=False), references(family), family)
     assert llm.engine.expert_load()[0] > 0  # the MoE layers routed every token
+    again = llm.generate([prompts[2], prompts[1]], PARAMS, use_tqdm=False)
+    assert [out.num_cached_tokens for out in again] == [64, 32]
+    refs = references(family)
+    assert_matches(again, [refs[2], refs[1]], f"{family} prefix hit")
 
 
-@pytest.mark.parametrize(
-    "family,mode",
-    [("deepseek_v2", "recompute"), ("deepseek_v3", "swap"), ("glm4_moe", "recompute")],
-)
+@pytest.mark.parametrize("family,mode", [("deepseek_v2", "recompute"), ("deepseek_v3", "swap")])
 def test_chunked_prefill_and_preemption_keep_hf_tokens(
     family, mode, checkpoint, llm_factory, prompts, references
 ):
     """A 16-token budget splits every long prompt across steps, and 8 blocks of 16 tokens cannot
     hold the 70- and 45-token requests as both grow (longest first, they are admitted together),
-    so one is evicted and resumed: its latent rows swapped out and back in, or recomputed."""
+    so one is evicted and resumed: its latent rows swapped out and back in, or recomputed.
+    (GLM-4-MoE caches plain K and V, whose preemption the Llama families prove; its routing is
+    V3's, proven above.)"""
     path, _ = checkpoint(family)
     kwargs: dict = dict(num_gpu_blocks=8, max_model_len=8 * 16, preemption_mode=mode)
     if mode == "swap":
@@ -112,24 +118,6 @@ def test_chunked_prefill_and_preemption_keep_hf_tokens(
     outs = llm.generate(prompts[::-1], PARAMS, use_tqdm=False)
     assert_matches(outs, references(family)[::-1], f"{family} {mode}")
     assert llm.engine.stats().num_preemptions > before
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_prefix_hit_reads_cached_latents_and_keeps_hf_tokens(
-    family, checkpoint, llm_factory, prompts, references
-):
-    """The 70-token prompt, then the same prompt with 9 more tokens beside a prompt of its own, in
-    16-token chunks: the longer one starts from 4 cached blocks (64 tokens; latent rows for MLA) and
-    still gives HF's tokens."""
-    path, hf_model = checkpoint(family)
-    llm = chunked_llm(llm_factory, path)
-    llm.generate([prompts[2]], PARAMS, use_tqdm=False)
-    longer = prompts[2] + list(range(500, 509))
-    fresh = [(11 * i) % 30000 + 200 for i in range(33)]
-    outs = llm.generate([longer, fresh], PARAMS, use_tqdm=False)
-    assert [out.num_cached_tokens for out in outs] == [64, 0]
-    refs = [hf_greedy(hf_model, p, MAX_TOKENS) for p in (longer, fresh)]
-    assert_matches(outs, refs, f"{family} prefix hit")
 
 
 def test_the_correction_bias_changes_what_v3_generates(checkpoint, prompts, references):

@@ -155,7 +155,7 @@ def test_kv_bytes_per_token_are_the_latent_rows_the_pool_holds(plain):
     """What the engine reports (the log, /metrics' raylm_kv_cache_bytes_per_token) is what its
     allocated pool spends a token: the latent row, several times less than expanded K/V heads."""
     llm = plain
-    pool = llm.engine.executor.runner.kv_cache.gpu  # type: ignore[attr-defined]
+    pool = llm.engine.executor.runner.kv_cache.gpu
     per_block = pool[:, :, 0].numel() * pool.element_size()
     assert llm.engine.kv_bytes_per_token == per_block // llm.engine.config.block_size
     assert llm.engine.kv_bytes_per_token == LATENT_BYTES < EXPANDED_BYTES / 3
