@@ -321,7 +321,7 @@ class AppConfig:
         "placement of a replica's bundles; anything but STRICT_PACK at TP > 1 lets ranks land on "
         "different nodes, with NCCL over the network (a warning says so)",
         choices=STRATEGIES,
-        derived="STRICT_PACK when tensor_parallel_size > 1, else PACK",
+        derived="STRICT_PACK with more than one rank (tensor x pipeline), else PACK",
     )
     placement_timeout_s: float = setting(
         900.0,
@@ -413,7 +413,12 @@ class AppConfig:
             self.allowed_hosts = check_hosts(self.allowed_hosts)
         if self.allowed_origins is not None:
             self.allowed_origins = check_origins(self.allowed_origins)
-        if self.engine.cpu_threads is None and self.engine.tensor_parallel_size == 1:
+        if self.engine.distributed_executor_backend == "mp":
+            raise ValueError(
+                "distributed_executor_backend: 'mp' is for the offline engine; a served replica "
+                "runs its ranks as Ray actors in its placement group (leave it unset or 'ray')"
+            )
+        if self.engine.cpu_threads is None and self.engine.world_size == 1:
             # A CPU replica's torch threads default to the cores its bundle reserves, not to
             # whatever Ray's OMP_NUM_THREADS says (a fraction rounds down, at least one).
             self.engine = replace(self.engine, cpu_threads=max(1, int(self.replica_num_cpus)))
@@ -488,20 +493,20 @@ class AppConfig:
         return self.engine.device.startswith("cuda")
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
-        """The replica's bundle first (Serve places the replica actor there), then one per TP
-        worker."""
+        """The replica's bundle first (Serve places the replica actor there), then one per rank
+        (tensor x pipeline)."""
         gpu = {"GPU": 1.0} if self.use_gpu else {}
-        if self.engine.tensor_parallel_size == 1:
+        if self.engine.world_size == 1:
             # The single worker runs inside the replica process.
             return [{"CPU": self.replica_num_cpus, **gpu}]
         worker = {"CPU": self.worker_num_cpus, **gpu}
         return [{"CPU": self.replica_num_cpus}] + [
-            dict(worker) for _ in range(self.engine.tensor_parallel_size)
+            dict(worker) for _ in range(self.engine.world_size)
         ]
 
     def placement_group_strategy(self) -> str:
-        """placement_strategy, or its default for the tensor-parallel size."""
-        return self.placement_strategy or default_strategy(self.engine.tensor_parallel_size)
+        """placement_strategy, or its default for the number of ranks."""
+        return self.placement_strategy or default_strategy(self.engine.world_size)
 
     def replica_actor_options(self) -> dict[str, Any]:
         first = self.placement_group_bundles()[0]

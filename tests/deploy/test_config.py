@@ -23,6 +23,20 @@ def test_defaults_are_the_embedded_model_on_a_cpu_bundle():
     assert cfg.placement_group_bundles() == [{"CPU": 1.0}]
 
 
+def test_a_replica_reserves_a_bundle_per_rank_of_tensor_times_pipeline():
+    cfg = AppConfig.from_args({"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    bundles = cfg.placement_group_bundles()
+    assert bundles[0] == {"CPU": cfg.replica_num_cpus} and len(bundles) == 1 + 4
+    assert cfg.placement_group_strategy() == "STRICT_PACK"
+    assert len(AppConfig.from_args({"pipeline_parallel_size": 3}).placement_group_bundles()) == 4
+
+
+def test_a_served_replica_refuses_the_multiprocessing_executor():
+    with pytest.raises(ValueError, match="distributed_executor_backend: 'mp'"):
+        AppConfig.from_args({"distributed_executor_backend": "mp"})
+    assert AppConfig.from_args({"distributed_executor_backend": "ray"}).engine.world_size == 1
+
+
 def test_flat_keys_land_in_the_tree_where_they_are_declared():
     cfg = AppConfig.from_args(
         {
