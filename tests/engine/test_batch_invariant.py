@@ -130,3 +130,11 @@ def test_batch_invariant_is_refused_off_cpu():
             load_progress=False,
             batch_invariant=True,
         )
+
+
+@pytest.mark.parametrize("value", [2**64, -1, float("nan"), "x" * 100_000, "yes"])
+def test_batch_invariant_takes_only_a_bool(value):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="batch_invariant: must be true or false"):
+        EngineConfig(batch_invariant=value)
