@@ -1,14 +1,33 @@
 """DeepSeek-V2, V3 and GLM-4-MoE over two Ray workers with expert parallelism: each rank holds half
 of the attention heads (for MLA the latent projections and the cached latent rows whole) and half
 of the routed experts, and the pair generates Hugging Face's greedy tokens, with chunked
-prefill."""
+prefill. The KV bytes a token takes on each rank (the latent row for MLA, half the KV heads for
+GLM) reach Ray's metrics export as raylm_kv_cache_bytes_per_token, tagged by model."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
+
 import pytest
+import ray
 import torch
 
+from tests.deploy.conftest import wait_for
+
 pytestmark = pytest.mark.slow
+
+# Per rank, all 3 layers, fp32: MLA's latent row (48 + 16) is whole on each rank; GLM's two KV
+# heads of 16 are split, K and V of one head each.
+BYTES_PER_TOKEN = {"deepseek_v2": 3 * 64 * 4, "deepseek_v3": 3 * 64 * 4, "glm4_moe": 3 * 2 * 16 * 4}
+
+
+def exported_bytes_per_token(model: str) -> float | None:
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    pattern = rf'^ray_raylm_kv_cache_bytes_per_token{{[^}}]*model="{model}"[^}}]*}} (\S+)$'
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else None
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
@@ -17,6 +36,7 @@ def test_tp2_expert_parallel_generates_hf_tokens(
 ):
     from transformers import AutoModelForCausalLM
 
+    from cluster.metrics import ReplicaMetrics
     from cluster.ray_executor import ray_executor
     from engine.llm import LLM
     from scheduler import SamplingParams
@@ -45,8 +65,12 @@ def test_tp2_expert_parallel_generates_hf_tokens(
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
         load = llm.engine.expert_load()
+        bytes_per_token = llm.engine.kv_bytes_per_token
     finally:
         llm.shutdown()
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
         assert_greedy_match(out.token_ids, ref, f"{family} TP=2 EP, prompt {i}")
     assert len(load) == 2 and min(load) > 0  # each rank ran its own experts' rows
+    assert bytes_per_token == BYTES_PER_TOKEN[family]
+    ReplicaMetrics(f"tp-{family}", f"tiny-{family}").record_kv_layout(bytes_per_token)
+    assert wait_for(lambda: exported_bytes_per_token(f"tiny-{family}"), 60) == bytes_per_token
