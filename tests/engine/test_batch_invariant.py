@@ -24,7 +24,8 @@ from tests.random_checkpoint import TINY_SERVED_LLAMA, write_random_checkpoint
 pytestmark = pytest.mark.slow
 
 NUM_BATCHES = 20
-BUDGETS = (16, 64, 200, 512)  # max_num_batched_tokens: the chunk sizes of the target's prompt
+BUDGETS = (16, 128, 512)  # max_num_batched_tokens: the chunk sizes of the target's prompt
+PREEMPT_BUDGET = 64  # the small-pool engine's
 TARGET_LEN = 100
 MAX_MODEL_LEN = 128
 SMALL_POOL = 10  # blocks of 16: the target alone needs 7, a batch of several preempts
@@ -42,8 +43,14 @@ class Case:
 
 
 def draw_cases(rng: random.Random) -> list[Case]:
-    """20 batches; a preempting one every fourth, so each engine sees a cold and a warm cache."""
-    return [Case(rng.randint(1, 32), rng.choice(BUDGETS), i % 4 == 3) for i in range(NUM_BATCHES)]
+    """20 batches on four engines (one per budget, one small pool): every fourth preempts, and
+    each engine sees a cold and then a warm cache."""
+    return [
+        Case(rng.randint(1, 32), PREEMPT_BUDGET, True)
+        if i % 4 == 3
+        else Case(rng.randint(1, 32), rng.choice(BUDGETS), False)
+        for i in range(NUM_BATCHES)
+    ]
 
 
 def engine_kwargs(case: Case) -> dict:
@@ -89,7 +96,7 @@ def batch_around(
     params = list(TARGETS[:size])
     while len(prompts) < size:
         head = target[: rng.choice((0, 16, 48))]
-        prompts.append(head + [rng.randrange(3, vocab) for _ in range(rng.randint(4, 40))])
+        prompts.append(head + [rng.randrange(3, vocab) for _ in range(rng.randint(4, 24))])
         params.append(
             SamplingParams(max_tokens=rng.randint(1, 6), ignore_eos=True, seed=len(prompts))
         )
