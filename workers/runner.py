@@ -19,7 +19,6 @@ from transformers import AutoConfig, PretrainedConfig
 
 from scheduler.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from workers.cuda_graphs import DecodeGraphs, decode_graphs_enabled
-from workers.layers import invariant
 from workers.features.base import CausalLM, RunnerContext, RunnerFeature, SampleStep
 from workers.features.build import build_features
 from workers.features.kv_loads import KVLoadsFeature
@@ -29,6 +28,7 @@ from workers.features.ngram import ProposerFeature
 from workers.kv_cache import KVCache, KVCacheSpec, cpu_num_blocks, cuda_num_blocks
 from workers.kv_fp8 import cache_dtype, check_device
 from workers.kv_transfer import KVReceiver
+from workers.layers import invariant
 from workers.layers.attention import AttentionMetadata
 from workers.layers.mla import bind_backend
 from workers.length_features import LengthFeatures

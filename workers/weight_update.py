@@ -122,9 +122,7 @@ def check_finite(tensors: list[tuple[str, torch.Tensor]]) -> None:
     finite (a NaN or an inf makes any sum NaN or inf) at a third of an element-wise check's cost;
     only a sum that overflowed is checked element by element."""
     for name, t in tensors:
-        if not bool(torch.isfinite(t.sum())) and not bool(
-            torch.isfinite(t).all()
-        ):
+        if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name}: holds NaN or inf values")
 
 
