@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from engine.weights import EngineAsleepError
+from engine.asleep import EngineAsleepError
 from scheduler.lora_slots import UnknownLoraError
 
 logger = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from engine.asleep import EngineAsleepError
 from scheduler.preempt import preempt
 from scheduler.request import EngineRequest, RequestStatus
 from scheduler.step import Step
@@ -32,14 +33,6 @@ logger = logging.getLogger(__name__)
 IN_FLIGHT = ("finish", "recompute")
 SLEEP_LEVELS = (1, 2)
 STAGE_TIMEOUT_S = 3600.0  # reading and checking a large checkpoint on every rank
-
-
-class EngineAsleepError(ValueError):
-    """The engine is asleep (or its weights were discarded): no request can run until wake_up
-    (and update_weights). A ValueError, as any request the engine refuses at add_request (the
-    served engine loop fails that request alone); the HTTP layer answers it 503 + Retry-After."""
-
-    retry_after_s = 10.0
 
 
 @dataclass(slots=True)

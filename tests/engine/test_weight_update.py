@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.asleep import EngineAsleepError
 from engine.llm import LLM
-from engine.weights import EngineAsleepError
 from scheduler.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from tests.random_checkpoint import TINY_FAMILIES, write_random_checkpoint
