@@ -6,6 +6,8 @@ output_token_ids), end with the same tokens as an undisturbed run."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -105,6 +107,9 @@ def _generate_until_the_node_dies(executor, node) -> tuple[dict[str, list[int]],
     for step_number in range(10 * MAX_TOKENS):
         if step_number == KILL_AT_STEP:
             node.kill()
+            # Its workers exit when they notice their raylet is gone, a moment later; a tiny model
+            # could finish every request first, so generation waits for the rank to be gone.
+            _wait_until_unreachable(executor.workers[1])
         step = scheduler.schedule()
         try:
             output = executor.execute_model(step)
@@ -113,6 +118,17 @@ def _generate_until_the_node_dies(executor, node) -> tuple[dict[str, list[int]],
         for out in scheduler.update_from_output(step, output):
             emitted[out.request_id].extend(out.new_token_ids)
     raise AssertionError("the engine outlived its node")
+
+
+def _wait_until_unreachable(worker, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.node_id.remote(), timeout=5)
+        except ray.exceptions.RayError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the killed node's rank still answers after {timeout_s:.0f}s")
 
 
 def _resume(executor, emitted: dict[str, list[int]]) -> dict[str, list[int]]:
