@@ -35,7 +35,7 @@ from workers.layers.moe import FusedMoE, MoEConfig, ReplicatedLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.quantized import AnyWeight, float_only
 from workers.layers.rotary import RotaryEmbedding
-from workers.models.llama import LlamaArgs, LlamaMLP, first_norm
+from workers.models.llama import LlamaArgs, LlamaMLP, PreNormBlock
 from workers.models.moe import MoEForCausalLM
 from workers.parallel import all_reduce, divide, get_tp_world_size
 
@@ -214,7 +214,7 @@ class DeepseekMoE(nn.Module):
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormBlock):
     def __init__(self, a: LlamaArgs, d: DeepseekArgs, attn: DeepseekAttention, index: int) -> None:
         super().__init__()
         self.self_attn = attn
@@ -222,18 +222,6 @@ class DeepseekDecoderLayer(nn.Module):
         self.mlp: nn.Module = LlamaMLP(a) if dense else DeepseekMoE(a, d.moe)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = first_norm(self.input_layernorm, x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class DeepseekModel(nn.Module):

@@ -182,7 +182,29 @@ def first_norm(
     return norm(x, residual)
 
 
-class LlamaDecoderLayer(nn.Module):
+class PreNormBlock(nn.Module):
+    """A decoder layer's step: pre-norm attention, then pre-norm MLP, the residual add fused into
+    the next norm. Subclasses build `self_attn`, `mlp` and the two norms."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = first_norm(self.input_layernorm, x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaDecoderLayer(PreNormBlock):
     """Pre-norm block; the residual add is fused into the next norm. `mlp` replaces the dense MLP
     (a mixture of experts)."""
 
@@ -198,18 +220,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else LlamaMLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = first_norm(self.input_layernorm, x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
