@@ -25,6 +25,7 @@ def preempt(sched: Scheduler, victim: Request, step: Step) -> None:
         hook(victim)
     sched.running.remove(victim)
     sched.loras.release(victim.spec.lora_name)
+    sched.state_slots.release(rid)  # its recurrent state is dropped: it recomputes
     sched.landed.discard(rid)
     kv = sched.kv
     if swaps(sched.config, victim) and kv.can_swap_out(victim):

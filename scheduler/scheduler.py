@@ -19,13 +19,14 @@ from scheduler.admit import admit_waiting, resume_swapped, send_landed
 from scheduler.block_manager import KVCacheManager
 from scheduler.bulk_budget import BulkBudget
 from scheduler.config import SchedulerConfig
-from scheduler.features import StepFeature, hooked
+from scheduler.features import NO_LIMITS, StepFeature, hooked, step_limits
 from scheduler.finished import FinishedLog, append_tokens
 from scheduler.kv_connector import KVConnector
 from scheduler.kv_loading import land_loads
 from scheduler.length_live import make_live_predictor
 from scheduler.length_prediction import LengthPredictor, RemainingLength, safe_observe
 from scheduler.lora_slots import LoraSlots
+from scheduler.multimodal import check_spans_fit, fit_images
 from scheduler.outputs import (
     ModelRunnerOutput,
     RequestOutput,
@@ -44,6 +45,7 @@ from scheduler.scheduler_stats import (
     find_length_model,
     take_length_features,
 )
+from scheduler.state_slots import StateSlots
 from scheduler.step import NO_CAP, Step, finishes_on_pending, to_prompt_end
 
 logger = logging.getLogger(__name__)
@@ -81,12 +83,17 @@ class Scheduler:
         self._init_policies(config)
         self.num_preemptions = 0
         self.bulk = BulkBudget()  # the step's bulk tokens, reset by schedule()
+        self.limits = NO_LIMITS  # what the features keep out of the step, set by schedule()
         # (token, expert) rows per tensor-parallel rank over all steps (MoE models; not a stat).
         self.expert_tokens_per_rank: list[int] = []
         self.finished = FinishedLog(self.requests, finished_retention)
         self.prefill_cap = config.long_prefill_token_threshold or NO_CAP
+        # Image tokens one step may encode (scheduler/multimodal.py).
+        self.encoder_budget = config.max_num_encoder_tokens or config.max_num_batched_tokens
         # LoRA adapters' device slots (scheduler/lora_slots.py); the engine sets max_loras.
         self.loras = LoraSlots(0)
+        # Recurrent-state slots of a hybrid model (scheduler/state_slots.py); the engine sizes them.
+        self.state_slots = StateSlots(0)
         # The prefix cache's lower tiers (None: off): requests whose KV is on its way in, and
         # those whose load landed, running with their blocks reserved but not yet sent to the
         # runner (their first step sends the whole block table).
@@ -128,6 +135,7 @@ class Scheduler:
         """Each hook's callers, found once: a hook no feature overrides costs a step nothing."""
         for feature in features:
             feature.bind(self)
+        self._limit_hooks = hooked(features, "step_limits")
         self._spec_hooks: list[Callable[[Request], int]] = hooked(features, "num_spec_tokens")
         self._scheduled_hooks = hooked(features, "after_schedule")
         self._before_hooks = hooked(features, "before_update")
@@ -157,6 +165,13 @@ class Scheduler:
                 f"prompt_token_ids: {request.num_tokens} prompt (and resumed output) tokens "
                 f"exceed max_model_len={self.max_model_len}"
             )
+        if request.image_spans:  # an image is scheduled whole: one that no step holds never runs
+            limit, why = min(
+                (self.encoder_budget, "max_num_encoder_tokens"),
+                (self.config.max_num_batched_tokens, "max_num_batched_tokens"),
+                (self.prefill_cap, "long_prefill_token_threshold"),
+            )
+            check_spans_fit(request.image_spans, limit, why)
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request_id: {rid!r} was already scheduled once; build a new Request")
         self.finished.forget(rid)
@@ -214,7 +229,8 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones, within the budget."""
-        step = Step(budget=self.config.max_num_batched_tokens)
+        step = Step(budget=self.config.max_num_batched_tokens, encoder_budget=self.encoder_budget)
+        self.limits = step_limits(self._limit_hooks)  # micro-batches: scheduler/features_pipeline
         self.bulk = BulkBudget.for_step(
             self.running, step.budget, self.config.bulk_tokens_per_step
         )  # scheduler/bulk_budget.py
@@ -235,10 +251,12 @@ class Scheduler:
         kv, cap, spec_hooks = self.kv, self.prefill_cap, self._spec_hooks
         charges = self.waiting.charges_tokens
         allocate, take, send_cached = kv.allocate_slots, step.take, step.cached_reqs.append
+        held, max_reqs = self.limits.held, self.limits.max_reqs
         for req in list(self.running):
-            if step.budget <= 0:
+            if step.budget <= 0 or len(step.num_scheduled) >= max_reqs:
                 break
-            if req.status is not _RUNNING:  # preempted earlier in this pass
+            # Preempted earlier in this pass, or still in a step in flight.
+            if req.status is not _RUNNING or req.request_id in held:
                 continue
             computed = req.num_computed_tokens
             pending = req.num_output_placeholders  # tokens still being sampled (async overlap)
@@ -251,6 +269,8 @@ class Scheduler:
             else:
                 bulk = self.bulk.cap(req, computed)
                 n = min(gap, cap, step.budget, to_prompt_end(req, computed), bulk)
+                if req.image_spans:  # never cut inside an image (scheduler/multimodal.py)
+                    n = fit_images(req.image_spans, computed, n, step.encoder_budget)
             if n <= 0 or (pending and finishes_on_pending(req, self.max_model_len)):
                 continue
             new_blocks = allocate(req, n)
@@ -279,21 +299,28 @@ class Scheduler:
             len(self.waiting)
             and step.budget > 0
             and len(self.running) + len(self.loading) < cfg.max_num_seqs
+            and len(step.num_scheduled) < self.limits.max_reqs
         ):
             req = self.waiting.peek()
-            if req.request_id in step.preempted:  # never re-admit a victim in the step that took it
+            rid = req.request_id
+            # Never re-admit a victim in the step that took it, nor while a step in flight holds it.
+            if rid in step.preempted or rid in self.limits.held:
                 break
             if self.bulk.cap(req, req.num_computed_tokens) <= 0:  # the step's bulk share is spent
                 break
             lora = req.spec.lora_name
             if lora is not None and not self.loras.acquire(lora):
                 break  # every slot's adapter is in use: it waits until one is released
+            if not self.state_slots.acquire(req.request_id):
+                self.loras.release(lora)
+                break  # every state slot is held: it waits as for blocks
             # With nothing running the watermark could only starve the head request.
             reserve = cfg.num_watermark_blocks if self.running else 0
             admit = resume_swapped if req.status == _SWAPPED else admit_waiting
             if admit(self, req, step, reserve):
                 continue
             self.loras.release(lora)
+            self.state_slots.release(req.request_id)
             if cfg.policy == "priority" and displace_for(self, req, step, reserve):
                 continue
             break
@@ -383,6 +410,7 @@ class Scheduler:
             hook(req)
         if req.status is _RUNNING:
             self.loras.release(req.spec.lora_name)
+        self.state_slots.release(req.request_id)
         req.status = status
         self.kv.free(req)
         if self.connector is not None:
