@@ -1,0 +1,239 @@
+"""An image content part's URL to a bounded RGB image: what a vision request sends the model.
+
+Every image a client sends is untrusted: its bounds are checked from what is cheap before what is
+dear. The base64 text's length before it is decoded, the bytes after; the pixel count from the
+header before a pixel is decoded (a 100,000 x 100,000 PNG of a few hundred bytes is refused
+without allocating, whatever PIL's own bomb check would do); PNG metadata chunks are counted
+before PIL inflates them; only an animation's first frame is decoded. Each refusal is an
+`ImageRefusal`, a ValueError naming the field (`messages[0].content[1].image_url.url`) that the
+served side answers as a 400, with a short reason the metrics count by.
+
+`http(s)` URLs are fetched (frontend/image_fetch.py) only from the hosts the caller allows.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import struct
+import zlib
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+from settings import check_settings, setting
+
+# What a request may send; the content decides the format, never the URL's media type.
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+# Metadata (ICC profiles, text chunks, EXIF) one image may carry, and PNG metadata chunks: PIL
+# inflates each compressed chunk to up to 1 MiB, so their number bounds what they can cost.
+MAX_METADATA_BYTES = 1 << 20
+MAX_PNG_METADATA_CHUNKS = 16
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_METADATA = {b"tEXt", b"zTXt", b"iTXt", b"iCCP", b"eXIf"}
+# Exceptions PIL's decoders raise on a broken file (struct and zlib errors escape some plugins).
+_BROKEN = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, IndexError)
+# (width, height) -> the tokens the served model spends on an image of that size (its engine's
+# hook; None where the count is not known, and only the other bounds apply).
+ImageTokens = Callable[[int, int], int]
+
+
+class ImageRefusal(ValueError):
+    """An image refused: the message names the field; `reason` is the metrics' label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class ImageLimits:
+    """The bounds on the images of one request (deploy.yaml: flat keys, or an `images:` section)."""
+
+    max_image_bytes: int = setting(
+        20 << 20,
+        "bytes of one image, decoded (its base64 text may be 4/3 of it); past it: 400 before the "
+        "base64 is decoded",
+        ge=1,
+        le=1 << 30,
+    )
+    max_image_pixels: int = setting(
+        4096 * 4096,
+        "width x height of one image, read from its header before a pixel is decoded (against "
+        "decompression bombs); past it: 400",
+        ge=1,
+        le=1 << 26,  # below PIL's own bomb check (89M), so this bound is always the one that holds
+    )
+    max_images_per_request: int = setting(
+        16, "images over all the messages of one request; past it: 400", ge=1, le=1024
+    )
+    max_image_tokens_per_request: int = setting(
+        32768,
+        "tokens the model spends on the images of one request, as its engine counts them from "
+        "each image's size; past it: 400 before the image over the bound is decoded",
+        ge=1,
+        le=1 << 24,
+    )
+    media_fetch_timeout_s: float = setting(
+        10.0,
+        "`http(s)` image URLs (`allowed_media_domains`): the connect, each read, and the whole "
+        "fetch of one image must end within this",
+        gt=0,
+        le=300,
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """An image part of a request: its URL and the field an error names."""
+
+    url: str
+    field: str
+
+
+def load_images(
+    parts: Sequence[ImageInput],
+    limits: ImageLimits,
+    allowed_domains: Collection[str] = (),
+    tokens: ImageTokens | None = None,
+) -> list[Image.Image]:
+    """Every image of a request, in order, as RGB; the count, each image's bounds and the tokens
+    they cost together are checked before the image that would break them is decoded."""
+    if len(parts) > limits.max_images_per_request:
+        extra = parts[limits.max_images_per_request]
+        raise ImageRefusal(
+            "count",
+            f"{extra.field}: at most {limits.max_images_per_request} images per request, got "
+            f"{len(parts)}",
+        )
+    images: list[Image.Image] = []
+    spent = 0
+    for part in parts:
+        raw = image_bytes(part.url, part.field, limits, allowed_domains)
+        with open_image(raw, part.field, limits) as im:
+            spent += tokens(*im.size) if tokens is not None else 0
+            if spent > limits.max_image_tokens_per_request:
+                raise ImageRefusal(
+                    "tokens",
+                    f"{part.field}: the images up to this one take {spent} image tokens, more "
+                    f"than max_image_tokens_per_request={limits.max_image_tokens_per_request}",
+                )
+            images.append(first_frame_rgb(im, part.field))
+    return images
+
+
+def load_image(
+    url: str, field: str, limits: ImageLimits, allowed_domains: Collection[str] = ()
+) -> Image.Image:
+    """One image part's URL as an RGB image (an ImageRefusal naming `field` if it cannot be)."""
+    with open_image(image_bytes(url, field, limits, allowed_domains), field, limits) as im:
+        return first_frame_rgb(im, field)
+
+
+def image_bytes(
+    url: str, field: str, limits: ImageLimits, allowed_domains: Collection[str] = ()
+) -> bytes:
+    """The file a URL holds: a base64 data URL's, or an allowed host's over http(s)."""
+    if url[:5].lower() == "data:":
+        return data_url_bytes(url, field, limits.max_image_bytes)
+    from frontend.image_fetch import fetch  # the http client only where it is asked for
+
+    return fetch(url, field, limits, allowed_domains)
+
+
+def data_url_bytes(url: str, field: str, max_bytes: int) -> bytes:
+    """The bytes of `data:image/<type>;base64,<data>`: the text's length is checked before the
+    base64 is decoded, the bytes after."""
+    head, comma, payload = url.partition(",")
+    media = head[5:].lower().split(";")
+    if not comma or not media[0].startswith("image/") or "base64" not in media[1:]:
+        raise ImageRefusal(
+            "url", f"{field}: a data URL must be data:image/<type>;base64,<data> (or http(s))"
+        )
+    if len(payload) > 4 * -(-max_bytes // 3):
+        raise ImageRefusal("bytes", _too_large(field, f"~{len(payload) * 3 // 4}", max_bytes))
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageRefusal("base64", f"{field}: the data URL's base64 is invalid") from None
+    if not raw:
+        raise ImageRefusal("format", f"{field}: the image is empty")
+    if len(raw) > max_bytes:
+        raise ImageRefusal("bytes", _too_large(field, str(len(raw)), max_bytes))
+    return raw
+
+
+def _too_large(field: str, size: str, max_bytes: int) -> str:
+    return f"{field}: the image has {size} bytes, more than max_image_bytes={max_bytes}"
+
+
+def open_image(raw: bytes, field: str, limits: ImageLimits) -> Image.Image:
+    """The image, its header read and its pixel count and metadata checked; no pixel decoded."""
+    _check_png_metadata(raw, field)
+    try:
+        im = Image.open(io.BytesIO(raw), formats=FORMATS)
+    except UnidentifiedImageError:
+        raise ImageRefusal("format", f"{field}: not a PNG, JPEG, WebP or GIF image") from None
+    except Image.DecompressionBombError:  # PIL's check, far past ours: the same refusal
+        raise ImageRefusal("pixels", f"{field}: {_pixels_text(limits)}") from None
+    except _BROKEN as exc:
+        raise _broken(field, exc) from None
+    width, height = im.size
+    if width * height > limits.max_image_pixels or not width or not height:
+        im.close()
+        raise ImageRefusal(
+            "pixels", f"{field}: the image is {width} x {height}; {_pixels_text(limits)}"
+        )
+    if _metadata_bytes(im) > MAX_METADATA_BYTES:
+        im.close()
+        raise ImageRefusal(
+            "metadata", f"{field}: the image carries more than {MAX_METADATA_BYTES} metadata bytes"
+        )
+    return im
+
+
+def _pixels_text(limits: ImageLimits) -> str:
+    return f"at most max_image_pixels={limits.max_image_pixels} pixels (width x height)"
+
+
+def first_frame_rgb(im: Image.Image, field: str) -> Image.Image:
+    """The first frame (an animation's others are never decoded) as RGB."""
+    try:
+        im.seek(0)
+        return im.convert("RGB")
+    except _BROKEN as exc:
+        raise _broken(field, exc) from None
+
+
+def _broken(field: str, exc: BaseException) -> ImageRefusal:
+    # PIL's words ("image file is truncated") say what is wrong; the type says nothing to a client.
+    detail = str(exc).split("\n", 1)[0][:120]
+    return ImageRefusal("corrupt", f"{field}: the image is truncated or corrupt ({detail})")
+
+
+def _metadata_bytes(im: Image.Image) -> int:
+    """Bytes of what PIL read besides pixels: ICC profile, text, EXIF, JPEG app segments."""
+    values = list(im.info.values()) + [data for _, data in getattr(im, "applist", [])]
+    return sum(len(v) for v in values if isinstance(v, (bytes, str)))
+
+
+def _check_png_metadata(raw: bytes, field: str) -> None:
+    """A PNG's metadata chunks (before the pixels and after: PIL reads both) counted from their
+    headers, before PIL inflates any of them."""
+    if not raw.startswith(_PNG_SIGNATURE):
+        return
+    count, offset = 0, len(_PNG_SIGNATURE)
+    while offset + 8 <= len(raw):
+        length, kind = struct.unpack_from(">I4s", raw, offset)
+        count += kind in _PNG_METADATA
+        if count > MAX_PNG_METADATA_CHUNKS:
+            raise ImageRefusal(
+                "metadata",
+                f"{field}: the PNG has more than {MAX_PNG_METADATA_CHUNKS} metadata chunks",
+            )
+        offset += 12 + length
