@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor, ExecutorFactory
 from engine.loras import EngineLoras
 from engine.step_pipeline import StepPipeline
+from engine.tracing import StepTracer
 from engine.weights import EngineWeights
 from frontend.frontend import ModelInfo
 from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
@@ -132,6 +133,8 @@ class EngineCore:
         features = f"{config.model}|{config.quantization}|projection seed {PROJECTION_SEED}"
         self.length_state = open_length_state(self.scheduler, features)
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        # The traced requests' phases (engine/tracing.py); empty unless a replica traces one.
+        self.tracer = StepTracer()
 
     def _draft_model_dir(self) -> str | None:
         """The draft model's directory, once checked against the model (speculative.method
@@ -257,7 +260,7 @@ class EngineCore:
         self.weights.before_step()  # a pending weight update, once the engine reached its point
         if self.pipeline is not None:
             return self._step_overlapped(self.pipeline)
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except BaseException as exc:
@@ -270,10 +273,10 @@ class EngineCore:
     def _step_overlapped(self, pipeline: StepPipeline) -> list[RequestOutput]:
         """Async scheduling: launch the next step, then wait for the one in flight and return its
         outputs; the next step runs while the caller handles them."""
-        current = self._in_flight or self._launch(pipeline, self.scheduler.schedule())
+        current = self._in_flight or self._launch(pipeline, self._schedule())
         self._in_flight = None
         if self.scheduler.has_unfinished_requests() and not self.weights.holds_launch():
-            self._in_flight = self._launch(pipeline, self.scheduler.schedule())
+            self._in_flight = self._launch(pipeline, self._schedule())
         scheduler_output, future = current
         try:
             runner_output = future.result()
@@ -282,10 +285,18 @@ class EngineCore:
             raise
         return self._update(scheduler_output, runner_output)
 
+    def _schedule(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        if self.tracer.requests:  # tracing off: this test alone
+            self.tracer.scheduled(out, self.scheduler.requests)
+        return out
+
     def _update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.tracer.requests or self.tracer.pending:
+            self.tracer.updated(scheduler_output, outputs)
         if self.length_state is not None:
             self.length_state.maybe_save()
         return _with_pooled(outputs, runner_output)
