@@ -155,8 +155,16 @@ def rotary_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch path, and the rounding the fused kernel reproduces: the float32 table's rows cast
     to q's dtype, then each product and the sum rounded to that dtype (one kernel per op)."""
-    cos = cos[positions].unsqueeze(1).to(q.dtype)
-    sin = sin[positions].unsqueeze(1).to(q.dtype)
+    return apply_rotary(q, k, cos[positions], sin[positions])
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hk, D] rotated by each token's own cos/sin row ([T, D]; M-RoPE and
+    the vision towers pick rows per axis), the rows cast to q's dtype as rotary_torch rounds."""
+    cos = cos.unsqueeze(1).to(q.dtype)
+    sin = sin.unsqueeze(1).to(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

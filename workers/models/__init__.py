@@ -14,8 +14,11 @@ from workers.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from workers.models.llava import LlavaForConditionalGeneration
 from workers.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from workers.models.phi3 import Phi3ForCausalLM
+from workers.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration
+from workers.models.qwen3_next import Qwen3NextForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -32,6 +35,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 # Configs converted from GGUF carry a model_type but sometimes no architectures list.
@@ -51,6 +57,9 @@ _BY_MODEL_TYPE = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2: DeepSeek-V3's architecture
     "glm4_moe": "Glm4MoeForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 
 
