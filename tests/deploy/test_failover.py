@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import httpx
+import openai
 import pytest
 import ray
 from ray import serve
@@ -39,6 +40,8 @@ def app_args(model_dir: str, **changes) -> dict:
         "max_ongoing_requests": 16,
         # Held tokens die with a killed replica: resumption must regenerate them exactly.
         "stream_interval": 3,
+        # The batch test's state outlives the ingress it kills (the module's own folder).
+        "batch_dir": DEPLOYED["batch_dir"],
         **changes,
     }
 
@@ -46,7 +49,7 @@ def app_args(model_dir: str, **changes) -> dict:
 # The app's name, and the args of its last serve.run: serve.run sets no deployment version, so
 # Serve restarts every replica even for the same args, and a test that finds its args deployed
 # skips it.
-DEPLOYED: dict = {"app": APP, "args": None, "fresh": 0}
+DEPLOYED: dict = {"app": APP, "args": None, "fresh": 0, "batch_dir": None}
 
 
 def _app() -> str:
@@ -67,8 +70,9 @@ def _run_app(args: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def failover_url(ray_cluster, http_port, tiny_model_dir):
+def failover_url(ray_cluster, http_port, tiny_model_dir, tmp_path_factory):
     DEPLOYED["port"] = http_port
+    DEPLOYED["batch_dir"] = str(tmp_path_factory.mktemp("failover-batch"))
     _run_app(app_args(tiny_model_dir))
     yield _url()
     delete_app(_app())
@@ -227,6 +231,76 @@ def test_killing_a_replica_mid_generation_loses_no_request(failover_url):
     # Serve replaces the dead replica; the app keeps serving.
     _wait_replicas_running(2)
     assert asyncio.run(_run_one(failover_url))[1] == MAX_TOKENS
+
+
+BATCH_LINES = 24
+
+
+def _batch_file() -> bytes:
+    rows = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": _body(f"Batch line {i}:", {"temperature": 0.0}, False) | {"max_tokens": 48},
+        }
+        for i in range(BATCH_LINES)
+    ]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def _batch_client(url: str) -> openai.OpenAI:
+    # The app has no keys; the client's Authorization header is what lets a browser-less
+    # multipart upload past the browser guard.
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+
+
+def _batch_status(client: openai.OpenAI, batch_id: str):
+    """The batch as the ingress reports it, or None while no ingress answers (restarting)."""
+    try:
+        return client.batches.retrieve(batch_id)
+    except openai.APIError:
+        return None
+
+
+def _kill_ingress() -> None:
+    ingress = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if f"{_app()}#OpenAIIngress" in a["name"]
+    ]
+    assert len(ingress) == 1, ingress
+    ray.kill(ray.get_actor(ingress[0], namespace="serve"), no_restart=True)
+
+
+def test_a_batch_survives_a_replica_kill_and_an_ingress_restart(failover_url):
+    """The batch's state is on disk: lines in flight on a killed replica migrate, lines in flight
+    in a killed ingress are run again by its successor, and each line is answered exactly once."""
+    client = _batch_client(failover_url)
+    upload = client.files.create(file=("in.jsonl", _batch_file()), purpose="batch")
+    batch_id = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    ).id
+    asyncio.run(asyncio.wait_for(_kill_a_generating_replica(), 120))
+    # Some lines answered after the replica's death, and some still to run: kill the ingress.
+    assert wait_for(
+        lambda: (b := _batch_status(client, batch_id)) and b.request_counts.completed >= 2,
+        120,
+        0.1,
+    )
+    _kill_ingress()
+    batch = wait_for(
+        lambda: (b := _batch_status(client, batch_id)) and b.status == "completed" and b, 240, 0.5
+    )
+    assert batch, _batch_status(client, batch_id)
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (BATCH_LINES, BATCH_LINES, 0)
+    assert batch.error_file_id is None
+    rows = [json.loads(r) for r in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == sorted(f"line-{i}" for i in range(BATCH_LINES))
+    assert all(r["response"]["status_code"] == 200 for r in rows), rows
+    _wait_replicas_running(2)
+    _wait_running()
 
 
 def _wait_running(timeout: float = 180) -> None:
