@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from router.adapter_affinity import AdapterIndex
 from router.circuit_breaker import CircuitBreaker
 from router.config import RoutingConfig
-from router.kv_events import KVIndex
+from router.kv_events import InFlightPrompts, KVIndex
 from router.loads import LoadTracker
 from router.policies import RouteRequest, make_policy
 from router.prefix_index import DEFAULT_REPLICA_BLOCKS, PrefixIndex
@@ -56,6 +56,7 @@ class FleetState:
         # replica's were last applied (routing's plants since then still count).
         self.kv = KVIndex()
         self.kv_seen_at: dict[str, float] = {}
+        self.in_flight = InFlightPrompts()
         self.sessions = SessionTable()
         # The replica set as last given, and sorted: it rarely changes between requests.
         self._given: tuple[str, ...] = ()
@@ -123,8 +124,12 @@ class FleetState:
             self.breaker.record_failure(replica, now)
         return replica
 
-    def on_completed(self, request_id: str) -> None:
+    def on_completed(self, request_id: str, now: float | None = None) -> None:
         self.loads.finish(request_id)
+        done = self.in_flight.finish(request_id)
+        if done is not None and now is not None:
+            # Planted anew: its blocks, no longer pinned, stand until events newer than this.
+            self.index.insert(*done, now)
 
     def on_stats(self, replica: str, stats: RoutingStats, now: float) -> None:
         """Apply a replica's report once per distinct report."""
@@ -167,6 +172,7 @@ class FleetState:
         self.loads.remove_replica(replica)
         self.kv.remove_replica(replica)
         self.kv_seen_at.pop(replica, None)
+        self.in_flight.remove_replica(replica)
         self.sessions.remove_replica(replica)
         self.index.remove_replica(replica)
         self.adapters.remove_replica(replica)
@@ -191,6 +197,8 @@ class FleetState:
 
     def _charge(self, request: RouteRequest, replica: str, now: float, confirmed: bool) -> None:
         self.loads.start(request.request_id, replica, request.num_tokens, now, confirmed)
+        if confirmed:  # Serve completes each request it sent, and only those
+            self.in_flight.start(request.request_id, replica, request.block_hashes)
         if request.block_hashes:
             self.index.insert(replica, request.block_hashes, now)
         if request.lora_name is not None:

@@ -16,6 +16,7 @@ hold (its reported pool sizes), and by `max_entries_per_replica` whatever a repl
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -216,3 +217,63 @@ class KVIndex:
             owners.pop(replica, None)
             if not owners:
                 del self._owners[block_hash]
+
+
+class InFlightPrompts:
+    """The prompt blocks of the requests this router sent that have not completed, per replica.
+
+    A running request's blocks are referenced in its replica's pool, so nothing evicts them:
+    while it is in flight its prompt is (or, once its prefill runs, will be) on that device,
+    whatever older events say. Events taken before the replica computed the prompt may reach the
+    router after it routed the request; without this, the prompt's next request saw no holder.
+    Only requests Serve confirmed sending are pinned (it reports each one's completion); as the
+    load tracker's confirmed requests, bounded by the replicas' max_ongoing_requests.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[str, tuple[str, tuple[int, ...]]] = {}  # id -> (replica, hashes)
+        self._pinned: dict[str, Counter[int]] = {}  # replica -> hash -> requests holding it
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def start(self, request_id: str, replica: str, block_hashes: Sequence[int]) -> None:
+        """request_id's prompt is in flight on replica (moved there if it was elsewhere)."""
+        self.finish(request_id)
+        if not block_hashes:
+            return
+        hashes = tuple(block_hashes)
+        self._requests[request_id] = (replica, hashes)
+        self._pinned.setdefault(replica, Counter()).update(hashes)
+
+    def finish(self, request_id: str) -> tuple[str, tuple[int, ...]] | None:
+        """Unpin request_id's prompt; its (replica, hashes), None if it was not in flight."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return None
+        replica, hashes = entry
+        pinned = self._pinned[replica]
+        pinned.subtract(hashes)
+        for h in hashes:
+            if pinned[h] <= 0:
+                del pinned[h]
+        if not pinned:
+            del self._pinned[replica]
+        return entry
+
+    def run(self, block_hashes: Sequence[int], replica: str) -> int:
+        """Leading blocks of block_hashes that requests in flight on replica hold."""
+        pinned = self._pinned.get(replica)
+        if not pinned:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in pinned:
+                break
+            n += 1
+        return n
+
+    def remove_replica(self, replica: str) -> None:
+        for rid in [rid for rid, (r, _) in self._requests.items() if r == replica]:
+            del self._requests[rid]
+        self._pinned.pop(replica, None)

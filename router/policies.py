@@ -10,7 +10,7 @@ from typing import Protocol
 
 from router.adapter_affinity import AdapterIndex, holders_within
 from router.config import RoutingConfig
-from router.kv_events import KVIndex, TierRun
+from router.kv_events import InFlightPrompts, KVIndex, TierRun
 from router.loads import LoadTracker
 from router.prefix_index import PrefixIndex
 from router.sessions import SessionTable, check_session_id
@@ -41,6 +41,7 @@ class FleetView(Protocol):
     tier_hashes: dict[str, frozenset[int]]  # per replica: what its lower KV tiers hold
     kv: KVIndex  # exact holdings by tier, from the replicas' KV events
     kv_seen_at: dict[str, float]  # when each replica's KV events were last applied
+    in_flight: InFlightPrompts  # prompts of requests not completed, pinned on their replicas
     sessions: SessionTable
 
 
@@ -205,13 +206,16 @@ def expected_runs(
     fleet: FleetView, hashes: Sequence[int], replicas: Sequence[str]
 ) -> dict[str, TierRun]:
     """The run of these leading blocks each replica whose KV events are in sync is expected to
-    give: its events' run, or, when longer, the run routing planted there since they were last
-    applied (requests sent there whose blocks its events cannot show yet: computed on the
-    device)."""
+    give: its events' run, or, when longer, the device run of what its events cannot show yet:
+    the prompts of requests in flight there (pinned in its pool, whenever the events were taken)
+    and what routing planted there since the events were last applied."""
     synced = [r for r in replicas if fleet.kv.in_sync(r)]
     runs = fleet.kv.match(hashes, synced) if synced else {}
     for r, run in runs.items():
-        planted = fleet.index.planted_run(hashes, r, fleet.kv_seen_at.get(r, math.inf))
+        planted = max(
+            fleet.in_flight.run(hashes, r),
+            fleet.index.planted_run(hashes, r, fleet.kv_seen_at.get(r, math.inf)),
+        )
         if planted > run.blocks:
             runs[r] = TierRun(planted)
     return runs
