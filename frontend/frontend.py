@@ -49,7 +49,8 @@ class ModelInfo:
         cls, model: str, cache_dir: str = DEFAULT_CACHE_DIR, tokenizer: Any = None
     ) -> ModelInfo:
         model_dir = resolve_model(model, cache_dir)
-        config = AutoConfig.from_pretrained(model_dir)
+        # A vision-language model's facts are its language model's (LlavaConfig.text_config).
+        config = AutoConfig.from_pretrained(model_dir).get_text_config()
         sources: list[Any] = [config]
         try:
             sources.append(GenerationConfig.from_pretrained(model_dir))

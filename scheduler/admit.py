@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from scheduler.kv_loading import start_loading
+from scheduler.multimodal import fit_images
 from scheduler.request import Request, RequestStatus
 from scheduler.step import Step, to_prompt_end
 
@@ -27,6 +28,10 @@ def admit_waiting(sched: Scheduler, req: Request, step: Step, reserve: int) -> b
     num_hit = len(cached) * kv.block_size
     n = min(req.num_tokens - num_hit, sched.prefill_cap, step.budget, to_prompt_end(req, num_hit))
     n = min(n, sched.bulk.cap(req, num_hit))
+    if req.image_spans:  # never cut inside an image; n may be 0: it waits for a later step
+        n = fit_images(req.image_spans, num_hit, n, step.encoder_budget)
+        if n <= 0:
+            return False
     # Anti-thrash: admit only when the whole sequence so far fits, not just this chunk.
     if not kv.can_admit(req, cached, reserve):
         return False
@@ -57,6 +62,10 @@ def resume_swapped(sched: Scheduler, req: Request, step: Step, reserve: int) -> 
     computed = req.num_computed_tokens
     n = min(req.num_tokens - computed, sched.prefill_cap, step.budget, to_prompt_end(req, computed))
     n = min(n, sched.bulk.cap(req, computed))
+    if req.image_spans:
+        n = fit_images(req.image_spans, computed, n, step.encoder_budget)
+        if n <= 0:
+            return False
     if not sched.kv.can_swap_in(req, n, reserve):
         return False
     sched.waiting.pop()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_events import DEVICE, REMOVED, STORED, KVEventLog
+from scheduler.multimodal import ImageSpan, image_key
 from scheduler.request import Request
 
 _ROOT = b"raylm-prefix-v1"
@@ -82,6 +83,27 @@ def extend_block_hashes(
     step = 8 * block_size
     for offset in range(0, len(data) - step + 1, step):  # full blocks only
         parent = _block_digest(parent, data[offset : offset + step])  # a digest is its hash's bytes
+        hashes.append(int.from_bytes(parent, "little"))
+    return hashes
+
+
+def extend_image_block_hashes(
+    hashes: list[int],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    spans: Sequence[ImageSpan],
+    lora_name: str | None = None,
+    salt: str | None = None,
+) -> list[int]:
+    """extend_block_hashes for a prompt with images: a block's bytes are followed by the digests
+    of the images it covers (scheduler/multimodal.image_key), so the same placeholder ids over
+    other pixels never hit; blocks of text alone hash as extend_block_hashes hashes them."""
+    parent = _salted(_root(lora_name), salt) if not hashes else hashes[-1].to_bytes(16, "little")
+    for i in range(len(hashes), min(num_blocks, len(token_ids) // block_size)):
+        start = i * block_size
+        block = array("q", token_ids[start : start + block_size]).tobytes()
+        parent = _block_digest(parent, block + image_key(spans, start, start + block_size))
         hashes.append(int.from_bytes(parent, "little"))
     return hashes
 
@@ -308,6 +330,16 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _ensure_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        if request.image_spans:
+            return extend_image_block_hashes(
+                request.block_hashes,
+                request.all_token_ids,
+                self.block_size,
+                num_blocks,
+                request.image_spans,
+                request.spec.lora_key,
+                request.spec.cache_salt,
+            )
         return extend_block_hashes(
             request.block_hashes,
             request.all_token_ids,

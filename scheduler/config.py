@@ -71,6 +71,15 @@ class SchedulerConfig:
         ge=1,
         derived="max_num_batched_tokens / 256, at least 8",
     )
+    max_num_encoder_tokens: int | None = setting(
+        None,
+        "image tokens the vision tower encodes in one step, beside the token budget: a prompt "
+        "with many images is spread over steps instead of stalling the decodes "
+        "(scheduler/multimodal.py)",
+        ge=1,
+        le=1 << 20,
+        derived="max_num_batched_tokens",
+    )
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
     policy: str = setting(
         "fcfs",

@@ -6,6 +6,7 @@ import pickle
 from dataclasses import dataclass, field, fields
 
 from scheduler.kv_connector import KVTransfers
+from scheduler.multimodal import MultiModalInputs
 from scheduler.request import FINISH_REASONS, Request
 from scheduler.sampling_params import SamplingParams
 
@@ -27,6 +28,8 @@ class NewRequestData:
     # Its LoRA adapter (None: the base model); the runner finds the adapter's slot by name each
     # step, so a request resumed after its adapter moved slots reads the right one.
     lora_name: str | None = None
+    # Its images' spans and pixel arrays (scheduler/multimodal.py), sent with it once; None: text.
+    mm_inputs: MultiModalInputs | None = None
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from scheduler.multimodal import MAX_IMAGES_PER_REQUEST, ImageLike, ImageSpan, MultiModalInputs
 from scheduler.sampling_params import SamplingParams
 from settings import clipped
 
@@ -121,10 +122,17 @@ class EngineRequest:
     # Keys the first block's hash (hash_prompt_blocks(..., salt=...)): requests of other salts
     # never share prefix-cache blocks, in any KV tier. None: unsalted (shared with all unsalted).
     cache_salt: str | None = None
+    # Images as the sender passes them (PIL images), one placeholder token each in
+    # prompt_token_ids; the engine expands them (engine/multimodal.py) into `mm_inputs`.
+    images: tuple[ImageLike, ...] = ()
+    # Set by the engine, whatever the sender put: the expanded prompt's image spans and pixel
+    # arrays (scheduler/multimodal.py).
+    mm_inputs: MultiModalInputs | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id: must be a non-empty string")
+        self._check_images()
         if self.lora_name is not None:
             check_lora_name(self.lora_name)
         if self.lora_identity is not None:
@@ -151,6 +159,16 @@ class EngineRequest:
                 f"output_token_ids: a resumed request must have fewer than max_tokens="
                 f"{self.sampling_params.max_tokens} outputs, got {len(self.output_token_ids)}"
             )
+
+    def _check_images(self) -> None:
+        if not isinstance(self.images, tuple) or len(self.images) > MAX_IMAGES_PER_REQUEST:
+            raise ValueError(f"images: must be a tuple of at most {MAX_IMAGES_PER_REQUEST} images")
+        if self.mm_inputs is not None:
+            if self.images:
+                raise ValueError("images: a request carries raw images or mm_inputs, not both")
+            if not isinstance(self.mm_inputs, MultiModalInputs):
+                raise ValueError("mm_inputs: must be MultiModalInputs")
+            self.mm_inputs.check(len(self.prompt_token_ids))
 
     @property
     def lora_key(self) -> str | None:
@@ -193,6 +211,8 @@ class Request:
     # The token ids that end it when sampled: its stop_token_ids, and the EOS ids unless
     # ignore_eos (scheduler/stop.py reads it).
     stop_ids: frozenset[int] = field(init=False)
+    # Its images' token spans (scheduler/multimodal.py); () for text alone.
+    image_spans: tuple[ImageSpan, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         spec = self.spec
@@ -204,7 +224,10 @@ class Request:
         self.num_prompt_tokens = len(spec.prompt_token_ids)
         self.output_token_ids = list(spec.output_token_ids)
         self.all_token_ids = list(spec.prompt_token_ids) + self.output_token_ids
-        self.block_hashes = list(spec.block_hashes)
+        mm = spec.mm_inputs
+        self.image_spans = mm.spans if mm is not None else ()
+        # The sender's hashes know no image digests: a prompt with images is hashed here.
+        self.block_hashes = [] if self.image_spans else list(spec.block_hashes)
         self.num_synced_tokens = len(self.all_token_ids)
 
     @property

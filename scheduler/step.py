@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.multimodal import encoder_tokens
 from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.request import Request
 
@@ -47,6 +48,8 @@ class Step:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     running_pass_preempted: bool = False
+    # Image tokens the vision tower may still encode this step (scheduler/multimodal.py).
+    encoder_budget: int = NO_CAP
 
     def take(self, req: Request, n: int, new_blocks: list[int]) -> int:
         """Schedule the next n tokens of req; returns where the chunk starts."""
@@ -56,6 +59,8 @@ class Step:
         self.start[rid] = start
         self.new_blocks[rid] = new_blocks
         self.budget -= n
+        if req.image_spans:
+            self.encoder_budget -= encoder_tokens(req.image_spans, start, n)
         req.num_computed_tokens = start + n
         return start
 
@@ -64,9 +69,11 @@ class Step:
         rid = req.request_id
         n = self.num_scheduled.pop(rid, None)
         if n is not None:
-            req.num_computed_tokens = self.start.pop(rid)
+            req.num_computed_tokens = start = self.start.pop(rid)
             self.new_blocks.pop(rid)
             self.budget += n
+            if req.image_spans:
+                self.encoder_budget += encoder_tokens(req.image_spans, start, n)
 
     def send(self, req: Request, resumed: bool) -> None:
         """req runs this step: in full when the runner has never seen it, else as a diff."""
@@ -94,6 +101,7 @@ class Step:
                     list(req.output_token_ids),
                     req.eos_token_ids,
                     req.spec.lora_name,
+                    req.spec.mm_inputs,
                 )
             )
             req.known_to_runner = True

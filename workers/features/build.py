@@ -19,6 +19,7 @@ from workers.features.pooling import PoolingFeature
 from workers.features.prompt_logprobs import PromptLogprobsFeature
 from workers.features.structured import StructuredFeature
 from workers.features.verify import VerifyFeature
+from workers.features.vision import VisionFeature, is_vision_model
 from workers.proposer import make_proposer
 from workers.spec_async import AsyncDraftsFeature
 
@@ -30,6 +31,8 @@ def build_features(ctx: RunnerContext) -> list[RunnerFeature]:
     if cfg.max_loras:
         features.append(LoraFeature(ctx))
     features.append(KVLoadsFeature(ctx))  # copies this runner cannot make fail loudly
+    if is_vision_model(ctx.model):  # images spliced at their placeholders (every rank)
+        features.append(VisionFeature(ctx))
     if driver and spec is not None and spec.method == "draft":  # rank 0 alone drafts
         features.append(DraftFeature(ctx))
     features += [PoolingFeature(ctx)]

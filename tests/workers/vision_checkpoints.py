@@ -1,0 +1,121 @@
+"""Tiny random vision-language checkpoints with their real processors (LLaVA here; other
+families may add theirs). Written once per session by the tests that need them.
+
+The LLaVA checkpoint: SmolLM2's tokenizer with an `<image>` token added, a two-layer Llama of
+width 64, a two-layer CLIP tower of width 32 over 28 px images in 14 px patches (4 image tokens
+per image), a real `CLIPImageProcessor` and `LlavaProcessor`, and a chat template that renders
+`{"type": "image"}` parts as `<image>` (as llava-hf's does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+IMAGE_TOKEN = "<image>"
+LLAVA_IMAGE_SIZE = 28
+LLAVA_PATCH = 14
+# What llava-hf's template does, over ChatML-free turns: images first, then the text.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ part['text'] + ' ' }}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class VisionCheckpoint:
+    path: str
+    image_token_id: int
+    tokens_per_image: int
+
+
+def write_tiny_llava(path: str, tokenizer: Any, seed: int = 0) -> VisionCheckpoint:
+    """A tiny random LLaVA with sharp logits (greedy choices decided by clear margins) saved with
+    its processor into path."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=LLAVA_IMAGE_SIZE,
+        patch_size=LLAVA_PATCH,
+        projection_dim=32,
+    )
+    tokens = (LLAVA_IMAGE_SIZE // LLAVA_PATCH) ** 2
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=image_id,
+        image_seq_length=tokens,
+        vision_feature_layer=-2,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    _sharpen(model, seed)
+    model.save_pretrained(path)
+    size = {"shortest_edge": LLAVA_IMAGE_SIZE}
+    crop = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size=size, crop_size=crop),
+        tokenizer=tokenizer,
+        patch_size=LLAVA_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    return VisionCheckpoint(path, image_id, tokens)
+
+
+def _sharpen(model: torch.nn.Module, seed: int) -> None:
+    """Redraw the weights as tests/random_checkpoint.py does for the text families: matrices
+    N(0, 0.15), the LM head N(0, 0.6), so greedy tokens are far from ties."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                std = 0.6 if name.endswith("lm_head.weight") else 0.15
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def random_image(seed: int, size: tuple[int, int] = (40, 32)) -> Any:
+    """A PIL RGB image of random pixels (width, height), the same for the same seed."""
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)

@@ -1,0 +1,140 @@
+"""Images as a runner feature: the vision tower runs for the images in this step's chunks, its
+outputs are kept by image digest, and the rows are spliced over the placeholder tokens.
+
+A request's images arrive once, with its NewRequestData (scheduler/multimodal.py); they are held
+until it finishes, so a preempted request that recomputes can encode them again. The encoder
+cache is an LRU bounded in bytes, keyed by the image's content digest: a conversation's second
+turn with the same image (or another request with it) reads the cached rows instead of encoding
+(`hits`). The scheduler never cuts a chunk inside an image, so a chunk holds whole images, or the
+tail of one after a prefix-cache hit: the rows of the positions in the chunk are spliced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Protocol
+
+import torch
+
+from scheduler.multimodal import ImageInput, PackedArray
+from scheduler.outputs import NewRequestData
+from workers.features.base import RunnerContext, RunnerFeature
+from workers.models.image_splice import ImageSplice
+from workers.step_state import Batch, RequestState
+
+logger = logging.getLogger(__name__)
+
+# Bytes of encoder outputs kept (a 576-token LLaVA-1.5 image at 4096 wide in bf16 is 4.5 MiB).
+ENCODER_CACHE_BYTES = 512 << 20
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+
+
+class VisionLM(Protocol):
+    """What a vision-language model offers the feature (workers/models/llava.py)."""
+
+    image_splice: ImageSplice
+
+    def encode_image(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+
+def is_vision_model(model: object) -> bool:
+    return hasattr(model, "encode_image") and hasattr(model, "image_splice")
+
+
+class EncoderCache:
+    """Encoder outputs by image digest, least recently used dropped first past max_bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, digest: str) -> torch.Tensor | None:
+        rows = self.entries.get(digest)
+        if rows is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(digest)
+        return rows
+
+    def put(self, digest: str, rows: torch.Tensor) -> None:
+        size = rows.numel() * rows.element_size()
+        if size > self.max_bytes:
+            return  # larger than the whole cache: used for this step only
+        self.entries[digest] = rows
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+
+
+class VisionFeature(RunnerFeature):
+    def __init__(self, ctx: RunnerContext, cache_bytes: int = ENCODER_CACHE_BYTES) -> None:
+        self.model: VisionLM = ctx.model  # type: ignore[assignment]  # is_vision_model checked
+        self.device = ctx.device
+        self.images: dict[str, tuple[ImageInput, ...]] = {}
+        self.cache = EncoderCache(cache_bytes)
+        self.images_encoded = 0
+        self.encoder_seconds = 0.0
+
+    def start(self, new: NewRequestData, state: RequestState) -> None:
+        if new.mm_inputs is not None:
+            self.images[new.req_id] = new.mm_inputs.images
+
+    def finish(self, req_id: str) -> None:
+        self.images.pop(req_id, None)
+
+    def prepare(self, batch: Batch) -> bool:
+        """The step's image rows set on the model's splice; True (run eagerly) when there are
+        any."""
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        offset = 0
+        for rid, start, n in zip(batch.req_ids, batch.starts, batch.query_lens):
+            for image in self.images.get(rid, ()):
+                lo, hi = max(start, image.span.offset), min(start + n, image.span.end)
+                if lo < hi:
+                    embeds = self._embeddings(image)
+                    parts.append(embeds[lo - image.span.offset : hi - image.span.offset])
+                    rows.extend(range(offset + lo - start, offset + hi - start))
+            offset += n
+        if not parts:
+            return False
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.model.image_splice.set(index, torch.cat(parts))
+        return True
+
+    def _embeddings(self, image: ImageInput) -> torch.Tensor:
+        """The image's rows: cached by digest, else encoded now."""
+        span = image.span
+        rows = self.cache.get(span.digest)
+        if rows is None:
+            t0 = time.perf_counter()
+            arrays = {name: unpack(a, self.device) for name, a in image.arrays}
+            rows = self.model.encode_image(arrays)
+            self.encoder_seconds += time.perf_counter() - t0
+            self.images_encoded += 1
+            self.cache.put(span.digest, rows)
+        if rows.shape[0] != span.length:
+            raise ValueError(
+                f"images: the tower gave {rows.shape[0]} rows for an image of {span.length} tokens"
+            )
+        return rows
+
+
+def unpack(array: PackedArray, device: torch.device) -> torch.Tensor:
+    """A PackedArray as a tensor on device (one copy from the bytes)."""
+    flat = torch.frombuffer(bytearray(array.data), dtype=_TORCH_DTYPES[array.dtype])
+    return flat.view(array.shape).to(device)

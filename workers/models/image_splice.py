@@ -1,0 +1,41 @@
+"""Image embeddings spliced into a language model's input embeddings at placeholder positions.
+
+A vision model attaches an `ImageSplice` to its token embedding (a forward hook): the runner's
+vision feature (workers/features/vision.py) sets the step's rows and embeddings before the
+forward, the hook writes them over the placeholder tokens' embeddings and clears itself. The
+model's forward signature stays the text model's, so the runner loop and the decode graphs see
+no difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class ImageSplice:
+    """The embeddings to write over some rows of the next forward's input embeddings."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
+        self.embeds: torch.Tensor | None = None
+
+    def set(self, rows: torch.Tensor, embeds: torch.Tensor) -> None:
+        """rows: flat batch positions [n]; embeds: [n, hidden], for the next forward only."""
+        if rows.shape[0] != embeds.shape[0]:
+            raise ValueError(f"{rows.shape[0]} rows for {embeds.shape[0]} image embeddings")
+        self.rows, self.embeds = rows, embeds
+
+    def attach(self, embedding: nn.Module) -> None:
+        embedding.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        rows, embeds = self.rows, self.embeds
+        if rows is None or embeds is None:
+            return output
+        self.rows = self.embeds = None
+        output = output.clone()
+        output[rows.to(output.device)] = embeds.to(output.dtype)
+        return output

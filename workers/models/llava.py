@@ -1,0 +1,137 @@
+"""LLaVA (`LlavaForConditionalGeneration`): a CLIP vision tower, a two-layer projector and the
+Llama language model raylm already runs.
+
+An image becomes one embedding row per patch (the CLS row dropped under the "default" feature
+strategy); the runner's vision feature (workers/features/vision.py) encodes it with
+`encode_image` and splices the rows over the prompt's image tokens through `image_splice`. The
+language model is `LlamaForCausalLM` itself, sharded as ever; the tower and the projector are
+small and run replicated on every tensor-parallel rank (each rank splices the same full-width
+rows into its full-width input embeddings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from workers.layers.quantized import AnyWeight, float_only
+from workers.models.image_splice import ImageSplice
+from workers.models.llama import LlamaForCausalLM, _copy_plain
+from workers.models.vision_tower import ClipVisionTower
+from workers.pipeline import current_stage
+
+# Checkpoint prefixes, old (llava-hf) and new (transformers 5) layouts, to ours.
+_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+_STRATEGIES = ("default", "full")
+
+
+class LlavaProjector(nn.Module):
+    """Vision features to the language model's width: linear, activation, linear."""
+
+    def __init__(self, config: PretrainedConfig, vision_width: int) -> None:
+        super().__init__()
+        text_width = config.get_text_config().hidden_size
+        bias = bool(getattr(config, "multimodal_projector_bias", True))
+        self.linear_1 = nn.Linear(vision_width, text_width, bias=bias)
+        self.act = ACT2FN[config.projector_hidden_act]
+        self.linear_2 = nn.Linear(text_width, text_width, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(LlamaForCausalLM):
+    """The Llama language model with a CLIP tower and a projector beside it."""
+
+    def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
+        super().__init__(config.get_text_config(), max_model_len)
+        if current_stage().size > 1:
+            raise ValueError(
+                "pipeline_parallel_size: LLaVA splices image embeddings on the first stage; "
+                "pipeline stages are not supported for it yet"
+            )
+        self.strategy = config.vision_feature_select_strategy
+        if self.strategy not in _STRATEGIES:
+            raise ValueError(
+                f"vision_feature_select_strategy: must be one of {_STRATEGIES}, "
+                f"got {self.strategy!r}"
+            )
+        layers = config.vision_feature_layer
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        vision = config.vision_config
+        self.vision_tower = ClipVisionTower(vision, layers)
+        self.multi_modal_projector = LlavaProjector(config, vision.hidden_size * len(layers))
+        self.image_splice = ImageSplice()
+        self.image_splice.attach(self.model.embed_tokens)
+
+    # ---- what the engine asks of a vision family (engine/multimodal.VisionFamily) -------------
+    @classmethod
+    def image_token_id(cls, hf_config: PretrainedConfig) -> int:
+        token = getattr(hf_config, "image_token_id", None)
+        return int(token if token is not None else hf_config.image_token_index)
+
+    @classmethod
+    def num_image_tokens(cls, hf_config: PretrainedConfig, arrays: dict[str, np.ndarray]) -> int:
+        pixels = arrays.get("pixel_values")
+        if pixels is None or pixels.ndim != 4 or pixels.shape[0] != 1:
+            shape = None if pixels is None else pixels.shape
+            raise ValueError(
+                f"images: expected pixel_values of one image [1, C, H, W], got {shape}"
+            )
+        patch = hf_config.vision_config.patch_size
+        patches = (pixels.shape[2] // patch) * (pixels.shape[3] // patch)
+        return patches + (1 if hf_config.vision_feature_select_strategy == "full" else 0)
+
+    # ---- the runner's vision feature -----------------------------------------------------------
+    def encode_image(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's [num_image_tokens, hidden] embeddings from its preprocessed arrays."""
+        features = self.vision_tower(arrays["pixel_values"])
+        if self.strategy == "default":
+            features = features[:, 1:]  # the CLS row carries no patch
+        return self.multi_modal_projector(features)[0]
+
+    # ---- weights -------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, AnyWeight]]) -> set[str]:
+        """The language model's tensors through Llama's loader (fused, sharded); the tower's and
+        the projector's copied whole (replicated, and their q/k/v stay apart)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def text_weights() -> Iterator[tuple[str, AnyWeight]]:
+            for name, tensor in self._ours(weights):
+                if not name.startswith(("vision_tower.", "multi_modal_projector.")):
+                    yield name, tensor
+                elif name not in params:
+                    raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter")
+                else:
+                    _copy_plain(params[name], float_only(tensor, name), name)
+                    loaded.add(name)
+
+        return super().load_weights(text_weights()) | loaded
+
+    def _ours(self, weights: Iterable[tuple[str, AnyWeight]]) -> Iterator[tuple[str, AnyWeight]]:
+        """Checkpoint names in our layout; the tower's unused layers and final norm skipped."""
+        kept = self.vision_tower.num_layers
+        for name, tensor in weights:
+            for old, new in _RENAMES:
+                if name.startswith(old):
+                    name = new + name[len(old) :]
+                    break
+            if name.startswith("vision_tower.post_layernorm."):
+                continue
+            layer = name.startswith("vision_tower.encoder.layers.")
+            if layer and int(name.split(".")[3]) >= kept:
+                continue
+            yield name, tensor
