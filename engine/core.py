@@ -29,10 +29,12 @@ from scheduler.length_state import open_length_state
 from scheduler.predicted_load import PredictedLoad
 from scheduler.request import EngineRequest, Request
 from scheduler.speculative import SpeculativeConfig
+from scheduler.state_slots import StateSlots
 from workers.kv_cache import GiB, KVCacheSpec
 from workers.kv_fp8 import cache_dtype
 from workers.kv_tiers import KVTierConfig, disk_tier_blocks
 from workers.length_features import PROJECTION_SEED
+from workers.linear_state import check_hybrid_engine, is_hybrid_config
 from workers.lora.adapter import check_lora_model
 from workers.runner import DTYPES
 from workers.weight_transfer import WeightGroupSpec
@@ -52,6 +54,7 @@ class EngineCore:
         clock = time.perf_counter()
         self.model_info = ModelInfo.load(config.model, config.cache_dir)
         self.model_dir = self.model_info.model_dir
+        config = self.config = self._hybrid(config)
         sched = config.scheduler
         limit = self.model_info.context_limit
         if sched.max_model_len is not None and limit is not None and sched.max_model_len > limit:
@@ -126,6 +129,7 @@ class EngineCore:
             self.num_gpu_blocks, self.num_cpu_blocks, self.max_model_len, self.tiers
         )
         self.scheduler = Scheduler(sized, step_features(config.speculative, overlap))
+        self.scheduler.state_slots = StateSlots(self.num_state_slots)
         # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
         # being updated from (scheduler/features_async.py).
         self.pipeline = StepPipeline(self.executor) if overlap else None
@@ -135,6 +139,24 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         # The traced requests' phases (engine/tracing.py); empty unless a replica traces one.
         self.tracer = StepTracer()
+
+    def _hybrid(self, config: EngineConfig) -> EngineConfig:
+        """A hybrid model's config (workers/linear_state.py): what it cannot run refused, prefix
+        caching off, one recurrent-state slot per running request; any other model's unchanged."""
+        self.num_state_slots = 0
+        if not is_hybrid_config(AutoConfig.from_pretrained(self.model_dir)):
+            return config
+        sched = config.scheduler
+        check_hybrid_engine(
+            preemption_mode=sched.preemption_mode,
+            speculative=config.speculative is not None,
+            kv_tiers=bool(config.kv_cpu_tier_gb or sched.num_cpu_tier_blocks),
+            pipeline_parallel_size=config.pipeline_parallel_size,
+        )
+        if sched.enable_prefix_caching:
+            logger.info("enable_prefix_caching: off for a hybrid model (no state snapshots)")
+        self.num_state_slots = sched.max_num_seqs
+        return replace(config, scheduler=replace(sched, enable_prefix_caching=False))
 
     def _draft_model_dir(self) -> str | None:
         """The draft model's directory, once checked against the model (speculative.method

@@ -32,6 +32,7 @@ from workers.layers import invariant
 from workers.layers.attention import AttentionMetadata
 from workers.layers.mla import bind_backend
 from workers.length_features import LengthFeatures
+from workers.linear_state import state_features
 from workers.loader import load_model
 from workers.lora.manager import LoraManager
 from workers.parallel import get_tp_rank, set_expert_parallel
@@ -86,6 +87,7 @@ class ModelRunner:
         )
         # Before the backend is chosen: LoRA wraps the model's linears.
         self.features: list[RunnerFeature] = build_features(ctx)
+        self.features += state_features(ctx)  # hybrid models' recurrent state slots
         self._init_attention()
         self.kv_cache: KVCache | None = None
         self.sampler = Sampler()

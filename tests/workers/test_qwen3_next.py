@@ -1,0 +1,153 @@
+"""Qwen3-Next (gated DeltaNet layers beside gated full attention, MoE with a shared expert): greedy
+output equals transformers' greedy generate on the same random checkpoint (fp32), batched under
+16-token chunked prefill (cuts inside the prompts, so each linear layer's state crosses steps),
+with two state slots reused by three requests and an 8-block pool that preempts (recompute: the
+victim's state is dropped and rebuilt). Also what a hybrid model refuses, and that its paged KV
+covers its full-attention layers only.
+
+The checkpoint: four layers (DeltaNet, full, DeltaNet, full), a dense first MLP, eight experts
+top-2 with a shared expert after it, rotary on a quarter of each 16-wide head, random norms (the
+(1 + w) ones are then not the identity) and decay parameters. A token may differ only at a true
+near-tie (tests/workers/greedy.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler import SamplingParams
+from tests.random_checkpoint import ModelSpec, write_random_checkpoint
+from tests.workers.greedy import Greedy, assert_greedy_match, hf_greedy
+from tests.workers.test_hf_parity import TEXTS
+
+MAX_TOKENS = 12
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+TINY_QWEN3_NEXT = ModelSpec(
+    "Qwen3NextConfig",
+    dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=TYPES,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[0],
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    matrix_std=0.15,
+    head_std=0.6,
+    vector_std=0.3,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, smollm2_tokenizer) -> tuple[str, torch.nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-next"))
+    write_random_checkpoint(TINY_QWEN3_NEXT, path, seed=48, tokenizer=smollm2_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer) -> list[list[int]]:
+    """A short text and prompts of 45 and 70 tokens (several 16-token chunks)."""
+    return [
+        smollm2_tokenizer.encode(TEXTS[1]),
+        list(range(300, 345)),
+        [(7 * i) % 40000 + 100 for i in range(70)],
+    ]
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint, prompts) -> list[Greedy]:
+    _, hf_model = checkpoint
+    return [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+
+
+def assert_matches(outs, refs, what: str) -> None:
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_greedy_match(out.token_ids, ref, f"{what}, prompt {i}")
+
+
+def test_batched_chunked_greedy_matches_hf_and_only_full_attention_has_kv(
+    checkpoint, llm_factory, prompts, references
+):
+    path, _ = checkpoint
+    llm = llm_factory(model=path, dtype="float32", max_num_batched_tokens=16, max_model_len=256)
+    assert_matches(llm.generate(prompts, PARAMS, use_tqdm=False), references, "chunked")
+    engine = llm.engine
+    # K and V of 2 KV heads of 16 floats, on the 2 full-attention layers of 4.
+    assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert engine.scheduler.state_slots.num_slots == engine.scheduler.config.max_num_seqs
+    assert not engine.scheduler.config.enable_prefix_caching  # refused: no state snapshots
+    again = llm.generate([prompts[2]], PARAMS, use_tqdm=False)
+    assert again[0].num_cached_tokens == 0
+    assert_matches(again, references[2:], "the same prompt again, computed whole")
+    assert engine.expert_load()[0] > 0  # the MoE layers routed every token
+
+
+def test_few_slots_and_a_tiny_pool_preempt_and_recompute_to_hf_tokens(
+    checkpoint, llm_factory, prompts, references
+):
+    """Two slots for three requests (the third takes a slot the first left, zeroed), and 8 blocks
+    of 16 tokens cannot hold the 70- and 45-token requests as they grow: one is preempted, its
+    state dropped, and recomputed from its first token."""
+    path, _ = checkpoint
+    llm = llm_factory(
+        model=path,
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_num_seqs=2,
+        num_gpu_blocks=8,
+        max_model_len=8 * 16,
+    )
+    before = llm.engine.stats().num_preemptions
+    outs = llm.generate(prompts[::-1], PARAMS, use_tqdm=False)
+    assert_matches(outs, references[::-1], "two slots, 8 blocks")
+    assert llm.engine.stats().num_preemptions > before
+    assert llm.engine.scheduler.state_slots.num_free == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(preemption_mode="swap", num_cpu_blocks=8), "preemption_mode"),
+        (dict(speculative={"method": "ngram", "num_speculative_tokens": 2}), "speculative"),
+        (dict(kv_cpu_tier_gb=0.01), "kv_cpu_tier_gb"),
+    ],
+)
+def test_what_a_hybrid_model_cannot_run_is_refused_by_name(checkpoint, kwargs, field):
+    from engine.llm import LLM
+
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match=field):
+        LLM(model=path, dtype="float32", device="cpu", load_progress=False, **kwargs)
+
+
+def test_layer_types_are_checked_at_load(checkpoint):
+    from transformers import AutoConfig
+
+    from workers.models.qwen3_next import Qwen3NextForCausalLM
+
+    path, _ = checkpoint
+    config = AutoConfig.from_pretrained(path)
+    for bad in (TYPES[:3], [*TYPES[:3], "mamba"], None):
+        config.layer_types = bad
+        with pytest.raises(ValueError, match="layer_types"):
+            Qwen3NextForCausalLM(config)
