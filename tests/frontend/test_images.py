@@ -3,10 +3,7 @@ ValueError naming the field; frontend/image_fetch.py against a real HTTP server 
 
 from __future__ import annotations
 
-import base64
-import io
 import math
-import struct
 import subprocess
 import sys
 import threading
@@ -25,56 +22,17 @@ from frontend.images import (
     load_image,
     load_images,
 )
+from tests.frontend.hostile_images import (
+    chunk,
+    data_url,
+    encoded,
+    gif_bomb,
+    gif_first_frame_bomb,
+    png_header_only,
+)
 
 FIELD = "messages[0].content[1].image_url.url"
 LIMITS = ImageLimits()
-
-
-def encoded(im: Image.Image, fmt: str, **save: object) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, fmt, **save)
-    return buf.getvalue()
-
-
-def data_url(raw: bytes, media: str = "image/png") -> str:
-    return f"data:{media};base64,{base64.b64encode(raw).decode()}"
-
-
-def chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def png_header_only(width: int, height: int, extra: bytes = b"") -> bytes:
-    """A valid PNG signature and IHDR claiming width x height, one tiny IDAT: a few hundred
-    bytes."""
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    idat = zlib.compress(b"\0" * 16)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + extra
-        + chunk(b"IDAT", idat)
-        + chunk(b"IEND", b"")
-    )
-
-
-def gif_bomb(frames: int) -> bytes:
-    """A real 2-frame GIF (red, then blue) followed by `frames` more frames that each claim
-    60,000 x 60,000 pixels and hold no valid data: decoding any of them would fail or explode."""
-    first = Image.new("RGB", (8, 8), (255, 0, 0))
-    gif = encoded(
-        first, "GIF", save_all=True, append_images=[Image.new("RGB", (8, 8), (0, 0, 255))]
-    )
-    bomb_frame = b"\x2c" + struct.pack("<HHHH", 0, 0, 60000, 60000) + b"\x00" + b"\x02\x01\x00\x00"
-    assert gif.endswith(b"\x3b")
-    return gif[:-1] + bomb_frame * frames + b"\x3b"
-
-
-def gif_first_frame_bomb() -> bytes:
-    """A GIF whose logical screen is 8 x 8 and whose first frame claims 60,000 x 60,000."""
-    gif = gif_bomb(0)
-    at = gif.index(b"\x2c")  # the first image descriptor
-    return gif[: at + 5] + struct.pack("<HH", 60000, 60000) + gif[at + 9 :]
 
 
 def refused(url: str, reason: str, limits: ImageLimits = LIMITS, **kw: object) -> str:
@@ -235,7 +193,7 @@ def test_the_hostile_set_does_not_grow_the_process_by_100_mb():
     script = f"""
 import resource, sys
 sys.path[:0] = {sys.path!r}
-from tests.frontend.test_images import data_url, gif_bomb, hostile_urls
+from tests.frontend.hostile_images import data_url, gif_bomb, hostile_urls
 from frontend.images import ImageLimits, ImageRefusal, load_image
 urls = list(hostile_urls())
 animated = data_url(gif_bomb(10_000), "image/gif")
@@ -254,24 +212,6 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, len(urls))
     grown_kb, count = map(int, out.stdout.split())
     assert count == 9
     assert grown_kb < 100 * 1024, f"peak RSS grew by {grown_kb} KiB"
-
-
-def hostile_urls() -> Iterator[str]:
-    """The hostile set, as data URLs (also sent over HTTP by tests/deploy and bench/)."""
-    yield data_url(png_header_only(100_000, 100_000))
-    yield data_url(png_header_only(5000, 5000))  # past this server's bound, short of PIL's
-    yield data_url(gif_first_frame_bomb(), "image/gif")
-    yield "data:image/png;base64,%%%%"
-    yield data_url(b"not an image at all, just text named .png")
-    png = encoded(Image.effect_noise((256, 256), 40).convert("RGB"), "PNG")
-    yield data_url(png[: len(png) // 2])
-    yield data_url(
-        png_header_only(4, 4, chunk(b"zTXt", b"k\0\0" + zlib.compress(b"a" * (1000 << 10))) * 17)
-    )
-    yield data_url(
-        encoded(Image.new("RGB", (4, 4)), "JPEG", icc_profile=b"\1" * (3 << 19)), "image/jpeg"
-    )
-    yield "data:image/png;base64," + "A" * (28 << 20)
 
 
 # ---- http(s) URLs -------------------------------------------------------------------------
