@@ -156,7 +156,9 @@ class EngineCore:
         if sched.enable_prefix_caching:
             logger.info("enable_prefix_caching: off for a hybrid model (no state snapshots)")
         self.num_state_slots = sched.max_num_seqs
-        return replace(config, scheduler=replace(sched, enable_prefix_caching=False))
+        # Eager: the decode graphs would capture no state slots.
+        sched = replace(sched, enable_prefix_caching=False)
+        return replace(config, enforce_eager=True, scheduler=sched)
 
     def _draft_model_dir(self) -> str | None:
         """The draft model's directory, once checked against the model (speculative.method
