@@ -41,7 +41,6 @@ def install(runner: Any) -> int:
     """In a rank's process: time its steps and its waits for other stages (a bench's patch of
     the rank's own modules; nothing in the library keeps timestamps)."""
     import workers.pipeline as pipeline
-    import workers.runner as runner_module
 
     def waiting(fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -54,7 +53,6 @@ def install(runner: Any) -> int:
         return timed
 
     pipeline.recv_hidden = waiting(pipeline.recv_hidden)
-    runner_module.hand_output_to_rank0 = waiting(runner_module.hand_output_to_rank0)
     step = runner.execute_model
 
     def timed_step(out: Any) -> Any:

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -37,6 +38,7 @@ from engine.config import EngineConfig
 from engine.executor import EngineDeadError
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.options import STEP_TRANSPORTS
+from workers.pipeline import sampling_rank
 from workers.rank_process import threads_per_rank
 from workers.runner import ModelRunner, RunnerConfig
 from workers.step_channel import RankFailedError, StepClient
@@ -92,6 +94,8 @@ class RayExecutor:
         self.step_timeout_s, self.init_timeout_s = step_timeout_s, init_timeout_s
         self._dag = None
         self._channel: StepClient | None = None
+        self._posted: deque[bytes] = deque()  # steps posted, not yet run (transports but socket)
+        self.answer_rank = sampling_rank(tensor_parallel_size, runner_config.pipeline_parallel_size)
         self._dead: EngineDeadError | None = None
         self._owns_pg = placement_group is None
         self.placement_strategy = check_strategy(placement_strategy)
@@ -187,20 +191,43 @@ class RayExecutor:
         self._all("init_kv_cache", num_gpu_blocks, num_cpu_blocks, timeout_s=self.init_timeout_s)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Send the step to every rank and return rank 0's output."""
+        """Send the step to every rank and return the sampling rank's output."""
+        self.post_step(scheduler_output)
+        return self.collect_step()
+
+    def post_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Send the step without waiting for it (pipeline micro-batches) over the socket
+        transport; the other transports run it when it is collected, one step at a time."""
         if self._dead is not None:
             raise self._dead
         # Encoded once here with the C pickler: Ray's own serializer calls back into Python for
         # every object, and a step holds hundreds of small lists, ints and strings.
         payload = scheduler_output.encode()
+        if self._channel is None:
+            self._posted.append(payload)
+            return
+        try:
+            self._channel.post(payload, self.step_timeout_s)
+        except RankFailedError as exc:
+            self._fail(exc.rank, exc.cause)
+
+    def collect_step(self) -> ModelRunnerOutput:
+        """The oldest posted step's output, from the rank that sampled it."""
+        if self._dead is not None:
+            raise self._dead
         if self._channel is not None:
             try:
-                return ModelRunnerOutput.decode(self._channel.step(payload, self.step_timeout_s))
+                answer = self._channel.collect(self.step_timeout_s, self.answer_rank)
             except RankFailedError as exc:
                 self._fail(exc.rank, exc.cause)
+            return ModelRunnerOutput.decode(answer)
+        return self._run_posted(self._posted.popleft())
+
+    def _run_posted(self, payload: bytes) -> ModelRunnerOutput:
         if self.step_transport == "actor_calls":
             refs = [w.execute_model_encoded.remote(payload) for w in self.workers]
-            return ModelRunnerOutput.decode(self._gather(refs, self.step_timeout_s)[0])
+            answers = self._gather(refs, self.step_timeout_s)
+            return ModelRunnerOutput.decode(answers[self.answer_rank])
         try:
             # Compiling is part of the first step: a worker lost while it compiles ends the engine
             # too.
@@ -208,7 +235,7 @@ class RayExecutor:
             outputs = ray.get(dag.execute(payload), timeout=self.step_timeout_s)
         except Exception as exc:
             self._fail(None, exc)
-        return ModelRunnerOutput.decode(outputs[0])
+        return ModelRunnerOutput.decode(outputs[self.answer_rank])
 
     def call_ranks(self, fn: Callable[[ModelRunner], T], timeout_s: float = 60.0) -> list[T]:
         """fn(runner) on every rank's worker, by rank (a KV transfer's work, engine/disagg.py); call

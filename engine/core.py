@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 import uuid
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from engine.backends import default_executor
 from engine.config import EngineConfig
 from engine.executor import Executor, ExecutorFactory
 from engine.loras import EngineLoras
+from engine.pipeline_config import micro_batches
 from engine.step_pipeline import StepPipeline
 from engine.tracing import StepTracer
 from engine.weights import EngineWeights
@@ -24,6 +26,7 @@ from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutp
 from scheduler.block_manager import PrefixReport
 from scheduler.features import StepFeature
 from scheduler.features_async import AsyncOverlap
+from scheduler.features_pipeline import MicroBatches
 from scheduler.features_spec import SpecDecoding
 from scheduler.length_state import open_length_state
 from scheduler.predicted_load import PredictedLoad
@@ -128,15 +131,17 @@ class EngineCore:
         sized = config.sized_scheduler(
             self.num_gpu_blocks, self.num_cpu_blocks, self.max_model_len, self.tiers
         )
-        self.scheduler = Scheduler(sized, step_features(config.speculative, overlap))
+        depth = micro_batches(config)  # pipeline stages: a step in flight per stage
+        self.scheduler = Scheduler(sized, step_features(config.speculative, overlap, depth))
         self.scheduler.state_slots = StateSlots(self.num_state_slots)
         # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
-        # being updated from (scheduler/features_async.py).
-        self.pipeline = StepPipeline(self.executor) if overlap else None
+        # being updated from (scheduler/features_async.py); pipeline stages: `depth` in flight.
+        self.pipeline = StepPipeline(self.executor) if overlap or depth > 1 else None
+        self._depth = max(depth, 2)
         # What the length probe's features come from: a state file of other features is not read.
         features = f"{config.model}|{config.quantization}|projection seed {PROJECTION_SEED}"
         self.length_state = open_length_state(self.scheduler, features)
-        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         # The traced requests' phases (engine/tracing.py); empty unless a replica traces one.
         self.tracer = StepTracer()
 
@@ -270,9 +275,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (
-            self.scheduler.has_unfinished_requests()
-            or self._in_flight is not None
-            or self.weights.busy()
+            self.scheduler.has_unfinished_requests() or bool(self._in_flight) or self.weights.busy()
         )
 
     def step(self) -> list[RequestOutput]:
@@ -295,13 +298,19 @@ class EngineCore:
         return self._update(scheduler_output, runner_output)
 
     def _step_overlapped(self, pipeline: StepPipeline) -> list[RequestOutput]:
-        """Async scheduling: launch the next step, then wait for the one in flight and return its
-        outputs; the next step runs while the caller handles them."""
-        current = self._in_flight or self._launch(pipeline, self._schedule())
-        self._in_flight = None
-        if self.scheduler.has_unfinished_requests() and not self.weights.holds_launch():
-            self._in_flight = self._launch(pipeline, self._schedule())
-        scheduler_output, future = current
+        """Async scheduling or pipeline stages: launch steps until `_depth` are in flight, then
+        wait for the oldest and return its outputs; the later ones run while the caller handles
+        them."""
+        queue = self._in_flight
+        if not queue:
+            queue.append(self._launch(pipeline, self._schedule()))
+        while len(queue) < self._depth and self.scheduler.has_unfinished_requests():
+            if self.weights.holds_launch():
+                break
+            queue.append(self._launch(pipeline, self._schedule()))
+            if queue[-1][0].is_empty:  # every request that can run is in a step in flight
+                break
+        scheduler_output, future = queue.popleft()
         try:
             runner_output = future.result()
         except BaseException as exc:
@@ -408,13 +417,18 @@ class EngineCore:
             shutil.rmtree(self.tiers.disk_dir, ignore_errors=True)  # this engine's files alone
 
 
-def step_features(spec: SpeculativeConfig | None, overlap: bool) -> list[StepFeature]:
+def step_features(
+    spec: SpeculativeConfig | None, overlap: bool, micro_batches: int = 1
+) -> list[StepFeature]:
     """The scheduler's features for these settings, in the order their hooks run: speculation
-    settles a step's draft slots before async overlap drops the rows it no longer speaks for."""
+    settles a step's draft slots before async overlap drops the rows it no longer speaks for.
+    Pipeline micro-batches keep steps in flight as async overlap does, without placeholders."""
     features: list[StepFeature] = []
     if spec is not None:
         features.append(SpecDecoding(spec, overlap))
-    if overlap:
+    if micro_batches > 1:
+        features.append(MicroBatches(micro_batches))
+    elif overlap:
         features.append(AsyncOverlap())
     return features
 

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from engine.executor import EngineDeadError
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.pipeline import sampling_rank
 from workers.rank_process import ERROR, serve_rank, threads_per_rank
 from workers.runner import ModelRunner, RunnerConfig
 from workers.step_channel import RankFailedError, StepClient
@@ -52,6 +53,7 @@ class MPExecutor:
         if world_size < 1:
             raise ValueError(f"world_size: must be >= 1, got {world_size}")
         self.world_size = world_size
+        self.answer_rank = sampling_rank(world_size, runner_config.pipeline_parallel_size)
         self.step_timeout_s, self.init_timeout_s = step_timeout_s, init_timeout_s
         self._dead: EngineDeadError | None = None
         self._lost: tuple[int, int | None] | None = None  # (rank, exit code) of the first to die
@@ -105,15 +107,31 @@ class MPExecutor:
         self._all("init_kv_cache", num_gpu_blocks, num_cpu_blocks, timeout_s=self.init_timeout_s)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Send the step to every rank and return rank 0's output."""
-        channel = self._channel
-        if self._dead is not None or channel is None:
-            raise self._dead or EngineDeadError(None, "the executor is shut down")
+        """Send the step to every rank and return the sampling rank's output."""
+        self.post_step(scheduler_output)
+        return self.collect_step()
+
+    def post_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Send the step to every rank without waiting (pipeline micro-batches: stage 0 starts
+        it while later stages still run earlier ones); collect_step answers in order."""
         try:
-            answer = channel.step(scheduler_output.encode(), self.step_timeout_s)
+            self._live_channel().post(scheduler_output.encode(), self.step_timeout_s)
+        except RankFailedError as exc:
+            self._fail(exc.rank, exc.cause)
+
+    def collect_step(self) -> ModelRunnerOutput:
+        """The oldest posted step's output, from the rank that sampled it."""
+        try:
+            answer = self._live_channel().collect(self.step_timeout_s, self.answer_rank)
         except RankFailedError as exc:
             self._fail(exc.rank, exc.cause)
         return ModelRunnerOutput.decode(answer)
+
+    def _live_channel(self) -> StepClient:
+        channel = self._channel
+        if self._dead is not None or channel is None:
+            raise self._dead or EngineDeadError(None, "the executor is shut down")
+        return channel
 
     def call_ranks(self, fn: Callable[[ModelRunner], T], timeout_s: float = 60.0) -> list[T]:
         """fn(runner) on every rank, by rank, between steps. fn is pickled to the rank processes

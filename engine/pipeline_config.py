@@ -2,7 +2,9 @@
 
 What runs with pipeline stages (docs/pipeline.md): prefix caching, chunked prefill, preemption
 (recompute and swap), structured output, pooling, prompt logprobs, length features, expert
-parallelism; async scheduling is accepted and runs synchronously, as under tensor parallelism.
+parallelism. The stages keep one step in flight each (micro_batches below,
+scheduler/features_pipeline.py); async scheduling is accepted and adds nothing to that (a
+request's next token is scheduled once its previous one is back, as under tensor parallelism).
 What is refused below has a reason written next to it. Importing this module loads no torch.
 """
 
@@ -36,6 +38,12 @@ def check_pipeline(config: EngineConfig) -> None:
             f"{reason[0]}: not supported with pipeline_parallel_size="
             f"{config.pipeline_parallel_size} yet: {reason[1]}"
         )
+
+
+def micro_batches(config: EngineConfig) -> int:
+    """Steps the engine keeps in flight for its pipeline: one per stage (1: no stages), so every
+    stage has a micro-batch to run (scheduler/features_pipeline.py)."""
+    return config.pipeline_parallel_size
 
 
 def _refusal(config: EngineConfig) -> tuple[str, str] | None:

@@ -1,4 +1,5 @@
-"""StepPipeline: an executor's steps run in order on a thread of their own (async scheduling).
+"""StepPipeline: an executor's steps run in order on a thread of their own (async scheduling,
+pipeline micro-batches).
 
 The engine thread hands a step over and goes on to schedule the next one, and to turn the previous
 one's tokens into outputs, while this step runs; torch releases the GIL in its kernels, and on CUDA
@@ -10,33 +11,60 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from engine.executor import Executor
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
+T = TypeVar("T")
+
+
+@runtime_checkable
+class PostsSteps(Protocol):
+    """An executor that can send a step before the previous one is back (its ranks run them in
+    order): what lets pipeline stages work on several micro-batches at once."""
+
+    def post_step(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def collect_step(self) -> ModelRunnerOutput:
+        """The oldest posted step's output."""
+        ...
+
 
 class StepPipeline:
-    """Runs executor.execute_model on one thread, one step at a time, in submission order."""
+    """Runs executor.execute_model on one thread, one step at a time, in submission order. An
+    executor that PostsSteps gets each step at once, on the caller's thread, and the thread
+    collects the outputs in order: several steps are then in the ranks' hands together."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
+        self._posts = executor if isinstance(executor, PostsSteps) else None
         self._failure: BaseException | None = None
         self._thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="raylm-step", initializer=_same_torch_settings()
         )
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Start the step once the steps before it are done; its future holds rank 0's output."""
-        return self._thread.submit(self._run, scheduler_output)
+        """Start the step once the steps before it are done (or, on an executor that posts steps,
+        now); its future holds the sampling rank's output."""
+        if self._posts is None:
+            return self._thread.submit(self._run, self.executor.execute_model, scheduler_output)
+        posted: Future[ModelRunnerOutput] = Future()
+        try:
+            self._run(self._posts.post_step, scheduler_output)
+        except BaseException as exc:
+            posted.set_exception(exc)
+            return posted
+        return self._thread.submit(self._run, self._posts.collect_step)
 
-    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _run(self, call: Callable[..., T], *args: SchedulerOutput) -> T:
         if self._failure is not None:
             # A step after a failed one would read KV that was never written.
             raise RuntimeError(f"an earlier step failed: {self._failure!r}") from self._failure
         try:
-            return self.executor.execute_model(scheduler_output)
+            return call(*args)
         except BaseException as exc:
             self._failure = exc
             raise

@@ -79,7 +79,7 @@ class EngineWeights:
     def before_step(self) -> None:
         """Apply the pending update if the engine has reached the point it waits for."""
         pending, sched = self.pending, self.core.scheduler
-        if pending is None or self.core._in_flight is not None or sched.loading:
+        if pending is None or self.core._in_flight or sched.loading:
             return
         if pending.in_flight == "finish" and sched.has_unfinished_requests():
             return

@@ -13,10 +13,13 @@ speaks for, so `engine_features` lists speculation first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scheduler.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.request import Request
+from scheduler.step import NO_CAP
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
 
 # The hooks the scheduler dispatches; a feature is called for those it overrides.
 HOOKS = (
+    "step_limits",
     "num_spec_tokens",
     "after_schedule",
     "before_update",
@@ -36,6 +40,27 @@ HOOKS = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """What the next step may not run: requests held out of it (still in a step in flight) and
+    the most requests it runs."""
+
+    held: frozenset[str] = frozenset()
+    max_reqs: int = NO_CAP
+
+
+NO_LIMITS = StepLimits()
+
+
+def step_limits(hooks: list[Callable[[], StepLimits]]) -> StepLimits:
+    """The features' limits together: every request any holds, the smallest cap."""
+    if not hooks:
+        return NO_LIMITS
+    limits = [hook() for hook in hooks]
+    held = frozenset().union(*(lim.held for lim in limits))
+    return StepLimits(held, min(lim.max_reqs for lim in limits))
+
+
 class StepFeature:
     """The hooks of a feature, each a no-op. `bind` hands it the scheduler it serves (once)."""
 
@@ -43,6 +68,10 @@ class StepFeature:
 
     def bind(self, sched: Scheduler) -> None:
         self.sched = sched
+
+    def step_limits(self) -> StepLimits:
+        """Before a step is scheduled: the requests it must leave out and its request cap."""
+        return NO_LIMITS
 
     def num_spec_tokens(self, req: Request) -> int:
         """Tokens beyond its next one that req's decode runs this step (proposals it verifies)."""

@@ -61,6 +61,12 @@ class AsyncOverlap(StepFeature):
     the one being updated. With no step ahead the Scheduler behaves as without this feature.
     """
 
+    # The runner appends what it samples and decodes on from it, so a request's next decode is
+    # scheduled on placeholders before its token is known. False (pipeline micro-batches,
+    # scheduler/features_pipeline.py): the sampling rank is not the one that embeds, so a
+    # request waits for its token, which the next step sends to every rank.
+    samples_ahead = True
+
     def __init__(self) -> None:
         self._in_flight: deque[_InFlight] = deque()
 
@@ -72,7 +78,7 @@ class AsyncOverlap(StepFeature):
             # The chunk reaches the request's last token: the step samples one more (and, when it
             # verifies drafts past that token, one for each draft it may keep).
             ahead = req.num_computed_tokens - req.num_tokens - req.num_output_placeholders
-            if ahead >= 0:
+            if ahead >= 0 and self.samples_ahead:
                 added[rid] = ahead + 1
                 req.num_output_placeholders += ahead + 1
         self._in_flight.append(_InFlight(scheduled, out.num_scheduled_tokens, added))
@@ -89,7 +95,7 @@ class AsyncOverlap(StepFeature):
             req = step.requests.get(rid)
             if req is None:
                 continue
-            if sampled:
+            if sampled and self.samples_ahead:
                 req.num_output_placeholders -= step.placeholders.get(rid, 0)
                 # The runner appended them itself: the next step need not send them.
                 req.num_synced_tokens += len(sampled)

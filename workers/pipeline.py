@@ -6,9 +6,10 @@ pipeline_parallel_size, global rank = stage x tensor_parallel_size + tp_rank; ea
 tensor-parallel group. Stage 0 holds the embedding, the last stage the final norm and the LM head
 (with tied embeddings, a copy of the embedding of its own). Between stages, each TP rank sends its
 (replicated) hidden states and residual to the same TP rank of the next stage; only the last
-stage's TP rank 0 samples, and it sends the step's ModelRunnerOutput to global rank 0, which
-returns it to the executor. Like the TP rank, the stage is process state that the model code
-reads as it builds its layers (workers/parallel.py).
+stage's TP rank 0 samples, and the executor takes the step's ModelRunnerOutput from that rank's
+answer (sampling_rank), so a stage is done with a step once it has handed it on (and free for the
+next micro-batch). Like the TP rank, the stage is process state that the model code reads as it
+builds its layers (workers/parallel.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scheduler.outputs import ModelRunnerOutput
 from workers.pipeline_split import split_layers
 
 W = TypeVar("W")
@@ -199,18 +199,9 @@ def run_stage(
     return x
 
 
-def hand_output_to_rank0(output: ModelRunnerOutput, is_driver: bool) -> ModelRunnerOutput:
-    """The sampling rank (last stage, TP rank 0) sends the step's output to global rank 0, which
-    returns it in place of its own (which sampled nothing). Other ranks keep theirs."""
-    if _state.stage.size == 1:
-        return output
-    last_driver = (_state.stage.size - 1) * _state.tp_size
-    if is_driver:
-        dist.send_object_list([output], dst=0)
-        return output
-    if _state.rank == 0:
-        box: list[object] = [None]
-        dist.recv_object_list(box, src=last_driver)
-        assert isinstance(box[0], ModelRunnerOutput)
-        return box[0]
-    return output
+def sampling_rank(world_size: int, pipeline_parallel_size: int) -> int:
+    """The global rank whose step answer holds the sampled tokens: TP rank 0 of the last stage
+    (rank 0 without stages). Executors return its answer, so no stage waits for another's output
+    and the first stage is free for the next micro-batch as soon as it has sent its hidden
+    states on."""
+    return world_size - world_size // pipeline_parallel_size

@@ -36,7 +36,7 @@ from workers.linear_state import state_features
 from workers.loader import load_model
 from workers.lora.manager import LoraManager
 from workers.parallel import get_tp_rank, set_expert_parallel
-from workers.pipeline import current_stage, hand_output_to_rank0, set_stage_layers
+from workers.pipeline import current_stage, set_stage_layers
 from workers.proposer import Proposer
 from workers.runner_config import DTYPES, RunnerConfig
 from workers.runner_process import tune_process
@@ -252,7 +252,7 @@ class ModelRunner:
         expert_load = getattr(self.model, "expert_rows_per_rank", None)
         if expert_load is not None and self.is_driver:
             output.expert_tokens_per_rank = expert_load()
-        return hand_output_to_rank0(output, self.is_driver)
+        return output  # the executor reads the sampling rank's (workers.pipeline.sampling_rank)
 
     def _copy_blocks(self, out: SchedulerOutput, cache: KVCache) -> list[int]:
         """The step's copies: the features' saves, the swaps, then the loads; the blocks whose

@@ -15,6 +15,7 @@ import hmac
 import logging
 import pickle
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -152,23 +153,36 @@ class StepClient:
             self.close()
             raise
 
-    def step(self, payload: bytes, timeout_s: float) -> bytearray:
+    def step(self, payload: bytes, timeout_s: float, answer_rank: int = 0) -> bytearray:
         """Broadcast one step; raises RankFailedError naming the first rank that failed to
-        answer."""
-        deadline = time.monotonic() + timeout_s
+        answer. Returns answer_rank's answer (the rank that samples: rank 0, or the last
+        pipeline stage's first rank)."""
+        self.post(payload, timeout_s)
+        return self.collect(timeout_s, answer_rank)
+
+    def post(self, payload: bytes, timeout_s: float) -> None:
+        """Send one step to every rank without waiting for its answers: several steps may be
+        posted before the first is collected (pipeline micro-batches); each rank runs them in
+        order and answers in order."""
         for rank, sock in enumerate(self._socks):
             try:
-                sock.settimeout(timeout_s)
+                sock.settimeout(timeout_s)  # bounds every later read and write on the socket
                 send_frame(sock, STEP, payload)
             except OSError as exc:
                 raise RankFailedError(rank, exc) from exc
+
+    def collect(self, timeout_s: float, answer_rank: int = 0) -> bytearray:
+        """Every rank's answer to the oldest posted step not yet collected; answer_rank's."""
+        deadline = time.monotonic() + timeout_s
         answers = [self._answer(rank, sock, deadline) for rank, sock in enumerate(self._socks)]
-        return answers[0]
+        return answers[answer_rank]
 
     @staticmethod
     def _answer(rank: int, sock: socket.socket, deadline: float) -> bytearray:
         try:
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            # Waited for here, not with settimeout: a post on another thread shares the socket.
+            if not select.select([sock], [], [], max(deadline - time.monotonic(), 0))[0]:
+                raise TimeoutError
             kind, payload = recv_frame(sock)
         except TimeoutError:
             raise RankFailedError(rank, TimeoutError("no answer within the step timeout")) from None

@@ -83,14 +83,16 @@ class Worker:
         self._ready().init_kv_cache(num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step; rank 0 returns the sampled tokens, the other ranks None."""
+        """Run one step; the sampling rank (workers.pipeline.sampling_rank) returns the sampled
+        tokens, the other ranks None."""
+        runner = self._ready()
         try:
-            output = self._ready().execute_model(scheduler_output)
+            output = runner.execute_model(scheduler_output)
         except Exception as exc:
             # Travels back pickled with the exception: the executor names the rank from it.
             exc.tp_rank = self.rank  # type: ignore[attr-defined]  # any exception may carry it
             raise
-        return output if self.rank == 0 else None
+        return output if runner.is_driver else None
 
     def execute_model_encoded(self, scheduler_output: bytes | bytearray) -> bytes | None:
         """execute_model over the executor's wire format (SchedulerOutput.encode,
