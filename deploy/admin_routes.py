@@ -18,19 +18,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from cluster.weights_admin import MAX_WEIGHTS_PATH_CHARS, WeightsCommand
-from deploy.body import parse_body, read_body
+from deploy.admin_gate import WEIGHTS_GATE, AdminBodies
 from deploy.errors import (
-    BadRequestError,
     NoReplicasError,
-    PermissionDeniedError,
     error_response,
 )
 from deploy.http_app import app
 from deploy.lora import MAX_MODEL_NAME_CHARS
-from deploy.models import ServedModel
-from deploy.request_path import RequestPath
-
-MAX_ADMIN_BODY_BYTES = 64 * 1024
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -52,24 +46,7 @@ class WakeUpRequest(BaseModel):
     model: str | None = Field(default=None, max_length=MAX_MODEL_NAME_CHARS)
 
 
-def check_weights_admin(allowed: bool, profile_admin: bool | None) -> None:
-    """Refuse unless the app allows run-time weight changes and the caller's key may make them
-    (profile_admin None: the app has no keys)."""
-    if not allowed:
-        raise BadRequestError(
-            "Updating weights and sleeping at run time is off on this server "
-            "(allow_weight_updates: false).",
-            code="weight_updates_disabled",
-        )
-    if profile_admin is False:
-        raise PermissionDeniedError(
-            "This API key may not update weights or put the model to sleep (its profile needs "
-            "admin: true).",
-            code="permission_denied",
-        )
-
-
-class AdminRoutes(RequestPath):
+class AdminRoutes(AdminBodies):
     """POST /v1/update_weights, /v1/sleep and /v1/wake_up (allow_weight_updates; an admin key)."""
 
     # Made on first use (the ingress's __init__ is not this mixin's): each model's sleep level as
@@ -102,7 +79,7 @@ class AdminRoutes(RequestPath):
 
     async def _weights(self, request: Request, schema: type, op: str) -> JSONResponse:
         try:
-            m, body = await self._weights_body(request, schema)
+            m, body = await self._admin_body(request, schema, WEIGHTS_GATE)
             fields = body.model_dump(exclude={"model"})
             replicas = sorted(m.lora_admin.replica_ids())
             if not replicas:
@@ -124,14 +101,3 @@ class AdminRoutes(RequestPath):
         if lock is None:
             lock = self._weights_lock_ = asyncio.Lock()
         return lock
-
-    async def _weights_body(self, request: Request, schema: type) -> tuple[ServedModel, Any]:
-        caller = self._authorize(request)
-        raw = await read_body(request, MAX_ADMIN_BODY_BYTES, self.config.request_body_timeout_s)
-        body: Any = await parse_body(raw, schema, self.config.max_messages)
-        m, caller = self.table.resolve(body.model, caller)
-        check_weights_admin(
-            m.config.allow_weight_updates, None if caller.profile is None else caller.profile.admin
-        )
-        await m.max_model_len()  # the handle's first call: its router learns the replicas
-        return m, body

@@ -14,10 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.lora_admin import MAX_LORA_PATH_CHARS, LoraCommand, WrongReplicaError
 from deploy.errors import (
-    BadRequestError,
     ModelNotFoundError,
     NoReplicasError,
-    PermissionDeniedError,
     cause_of,
 )
 from scheduler.request import MAX_LORA_NAME_CHARS, check_lora_name
@@ -176,19 +174,3 @@ class LoraAdmin:
                 )
             await asyncio.sleep(0.1)  # the router learns the replica set from Serve
         return sorted(ids)
-
-
-def check_admin(allowed: bool, profile_admin: bool | None) -> None:
-    """Refuse a run-time adapter change unless the app allows them and the caller may make them
-    (profile_admin None: the app has no keys)."""
-    if not allowed:
-        raise BadRequestError(
-            "Loading and unloading LoRA adapters at run time is off on this server "
-            "(allow_runtime_lora: false).",
-            code="runtime_lora_disabled",
-        )
-    if profile_admin is False:
-        raise PermissionDeniedError(
-            "This API key may not load or unload LoRA adapters (its profile needs admin: true).",
-            code="permission_denied",
-        )

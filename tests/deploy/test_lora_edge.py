@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from cluster.fleet_view import register, replica_ids
 from cluster.lora_admin import LoraCommand
+from deploy.admin_gate import LORA_GATE
 from deploy.body import parse_body
 from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import APIError, ModelNotFoundError, PermissionDeniedError, error_response
@@ -20,7 +21,6 @@ from deploy.lora import (
     adapter_cards,
     adapter_of,
     check_adapter_scope,
-    check_admin,
     scoped_cards,
 )
 from scheduler.lora_slots import LoraInUseError, UnknownLoraError
@@ -107,13 +107,13 @@ def test_an_unload_body_names_the_adapter():
 
 
 def test_admin_calls_need_the_setting_and_an_admin_key():
-    status, err = _mapped(_raised(lambda: check_admin(False, None)))
+    status, err = _mapped(_raised(lambda: LORA_GATE.check(False, None)))
     assert status == 400 and err["code"] == "runtime_lora_disabled"
-    status, err = _mapped(_raised(lambda: check_admin(True, False)))
+    status, err = _mapped(_raised(lambda: LORA_GATE.check(True, False)))
     assert status == 403 and err["code"] == "permission_denied"
-    check_admin(True, True)
-    check_admin(True, None)  # no keys configured: the app is open to its callers
-    assert isinstance(_raised(lambda: check_admin(True, False)), PermissionDeniedError)
+    LORA_GATE.check(True, True)
+    LORA_GATE.check(True, None)  # no keys configured: the app is open to its callers
+    assert isinstance(_raised(lambda: LORA_GATE.check(True, False)), PermissionDeniedError)
 
 
 def _raised(fn) -> BaseException:
