@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from deploy.errors import error_response
 from deploy.generation import ChoiceDelta, UsageTally
-from deploy.reply import ReplyPiece, ReplySplit
+from deploy.reply import PieceEvents, ReplySplit
 
 # Anthropic's error type of each HTTP status raylm answers with (anything else: api_error).
 _ERROR_TYPES = {
@@ -69,9 +69,12 @@ def _anthropic_body(response: Response) -> dict[str, Any] | None:
     return anthropic_error(response.status_code, message)
 
 
-class MessageBuilder:
+class MessageBuilder(PieceEvents):
     """One reply's content blocks, built from its choice's deltas; each step returns the events it
     makes (a non-streamed reply ignores them and takes `message()`)."""
+
+    reasoning_kind = "thinking"
+    answer_kind = "text"
 
     def __init__(
         self,
@@ -141,17 +144,6 @@ class MessageBuilder:
                 return text[: len(text) - len(stop)]
         return text
 
-    def _piece(self, piece: ReplyPiece) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        if piece.reasoning:
-            events += self._text("thinking", piece.reasoning)
-        if piece.content:
-            events += self._text("text", piece.content)
-        for call in piece.calls:
-            events += self._close()
-            events += self._tool_use(call)
-        return events
-
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         """Text for the open text or thinking block (opened first when another is open)."""
         events: list[dict[str, Any]] = []
@@ -181,7 +173,7 @@ class MessageBuilder:
         self._open = None
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def _tool_use(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         arguments = call["function"]["arguments"]
         block = {
             "type": "tool_use",

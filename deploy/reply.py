@@ -7,6 +7,7 @@ Responses API alike, whole or as the text streams.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,3 +66,35 @@ class ReplySplit:
             return ReplyPiece(reasoning, answer)
         content, calls = self.parser.feed(answer)
         return ReplyPiece(reasoning, content, calls)
+
+
+class PieceEvents(ABC):
+    """A streamed reply's events in the order every API sends them: reasoning, then the answer,
+    each appended to its open block (another block closed first), and each tool call after the
+    open block closes. Subclasses name the two kinds of text block and write the events."""
+
+    reasoning_kind: str
+    answer_kind: str
+
+    def _piece(self, piece: ReplyPiece) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if piece.reasoning:
+            events += self._text(self.reasoning_kind, piece.reasoning)
+        if piece.content:
+            events += self._text(self.answer_kind, piece.content)
+        for call in piece.calls:
+            events += self._close()
+            events += self._call(call)
+        return events
+
+    @abstractmethod
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """Text for the open block of this kind (opened first when another is open)."""
+
+    @abstractmethod
+    def _close(self) -> list[dict[str, Any]]:
+        """Close the open block, if any."""
+
+    @abstractmethod
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """One complete tool call's events."""

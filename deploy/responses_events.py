@@ -12,7 +12,7 @@ from typing import Any
 
 from deploy.errors import error_event
 from deploy.generation import ChoiceDelta, UsageTally
-from deploy.reply import ReplyPiece, ReplySplit
+from deploy.reply import PieceEvents, ReplySplit
 from deploy.responses import NamedFunction, ResponsesRequest
 
 
@@ -30,13 +30,16 @@ def _usage(tally: UsageTally, reasoning_tokens: int) -> dict[str, Any]:
     }
 
 
-class ResponseBuilder:
+class ResponseBuilder(PieceEvents):
     """One response's output items, built from its choice's deltas; each step returns the
     streamed events it makes (a non-streamed response ignores them and takes `response()`).
 
     Items go out in the order the reply writes them: reasoning, then the message, then function
     calls (each call is sent whole once the parser has read it complete: one arguments delta).
     """
+
+    reasoning_kind = "reasoning"
+    answer_kind = "message"
 
     def __init__(
         self,
@@ -123,17 +126,6 @@ class ResponseBuilder:
         events = self._piece(piece)
         if delta.finish_reason is not None:
             events += self._finish(delta.finish_reason)
-        return events
-
-    def _piece(self, piece: ReplyPiece) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        if piece.reasoning:
-            events += self._text("reasoning", piece.reasoning)
-        if piece.content:
-            events += self._text("message", piece.content)
-        for call in piece.calls:
-            events += self._close()
-            events += self._call(call)
         return events
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
