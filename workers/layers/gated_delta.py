@@ -88,10 +88,9 @@ def chunked(
     pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(future, float("-inf")).exp()
     # The UT transform: the chunk's delta updates as one unit-lower-triangular solve.
     system = (k_beta @ k.transpose(-1, -2)) * pairwise
-    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_decayed = torch.linalg.solve_triangular(
-        system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True
-    )
+    rhs = torch.cat([v_beta, k_beta * decay.exp()[..., None]], dim=-1)  # one solve for both
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    values, k_decayed = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
     inner = (q @ k.transpose(-1, -2)) * pairwise
     q = q * decay.exp()[..., None]
     k = k * (decay[..., -1:] - decay).exp()[..., None]

@@ -1,0 +1,135 @@
+"""CPU step time of a hybrid linear-attention model (Qwen3-Next's layers) against a dense Llama of
+about the same size.
+
+Both are SmolLM2-135M wide (hidden 576, vocabulary 49,152, dense SwiGLU MLPs of 1,536 on every
+layer) with random weights. The Llama has 8 attention layers of 9 query heads over 3 KV heads of
+64. The hybrid repeats (DeltaNet, DeltaNet, DeltaNet, gated full attention) twice: its DeltaNet
+layers have 3 key heads and 6 value heads of 64 (about the Llama attention's weights), a 4-tap
+conv, and a float32 state per request of 6 x 64 x 64 numbers per layer; its two full-attention
+layers carry the only paged KV. The two models alternate round by round in one process, so machine
+load hits both alike; figures are medians.
+
+Steps timed (forward plus logits): decode at batch 1 and `--batch` (contexts 150-200 tokens, the
+hybrid's state slots already filled), and one `--prefill`-token prompt from position 0.
+
+    python -m bench.hybrid_step [--batch 32] [--prefill 512] [--rounds 10] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, Qwen3NextConfig
+
+from bench.moe_step import BLOCK, WIDTH, build
+from workers.kv_cache import KVCache, KVCacheSpec
+from workers.layers.attention import AttentionMetadata, select_backend
+from workers.layers.gated_delta import GatedDeltaNet
+from workers.linear_state import LinearStateStore
+
+LAYERS = 8
+INTERMEDIATE = 1536
+HYBRID = dict(
+    layer_types=["linear_attention"] * 3
+    + ["full_attention"]
+    + ["linear_attention"] * 3
+    + ["full_attention"],
+    linear_num_key_heads=3,
+    linear_num_value_heads=6,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    mlp_only_layers=list(range(LAYERS)),  # dense MLPs: the token mixers are what differs
+)
+
+
+class Step:
+    """A model, its KV cache (and state slots), and one batch: request i computes query_lens[i]
+    tokens from position starts[i]."""
+
+    def __init__(self, model: torch.nn.Module, starts: list[int], query_lens: list[int]) -> None:
+        rng = random.Random(7)
+        tables, next_block = [], 0
+        for s, n in zip(starts, query_lens):
+            tables.append(list(range(next_block, next_block + -(-(s + n) // BLOCK))))
+            next_block += len(tables[-1])
+        layers = model.attention_layers()
+        cpu = torch.device("cpu")
+        self.cache = KVCache(KVCacheSpec.of(layers, BLOCK, torch.float32), next_block, 0, cpu)
+        self.cache.bind(layers)
+        self.backend = select_backend(cpu, "torch")
+        for layer in layers:
+            layer.backend = self.backend
+        self.meta, self.positions = AttentionMetadata.build(starts, query_lens, tables, BLOCK, cpu)
+        self.ids = torch.tensor([rng.randrange(3, 40000) for _ in range(sum(query_lens))])
+        self.req_ids, self.starts = [f"r{i}" for i in range(len(starts))], starts
+        delta = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        self.store = LinearStateStore(delta, len(starts), torch.float32, cpu) if delta else None
+        self.model = model
+
+    @torch.inference_mode()
+    def run(self) -> float:
+        """One step's wall time in ms (binding the state slots included)."""
+        self.backend.prepare(self.meta)
+        t0 = time.perf_counter()
+        if self.store is not None:
+            self.store.begin_step(self.req_ids, self.starts, self.req_ids)
+        hidden = self.model(self.ids, self.positions, self.meta)
+        self.model.compute_logits(hidden[-1:] if len(self.starts) == 1 else hidden)
+        return (time.perf_counter() - t0) * 1e3
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = {**WIDTH, "num_hidden_layers": LAYERS, "intermediate_size": INTERMEDIATE}
+    dense = build(LlamaConfig(**shape))
+    hybrid = build(Qwen3NextConfig(**shape, **HYBRID, partial_rotary_factor=0.25))
+    rng = random.Random(11)
+    cases = {
+        "decode b1": ([rng.randint(150, 200)], [1]),
+        f"decode b{args.batch}": (
+            [rng.randint(150, 200) for _ in range(args.batch)],
+            [1] * args.batch,
+        ),
+        f"prefill {args.prefill}": ([0], [args.prefill]),
+    }
+    print(
+        f"{LAYERS} layers, {torch.get_num_threads()} threads, {args.rounds} rounds (median); "
+        f"params dense {num_params(dense) / 1e6:.1f} M, hybrid {num_params(hybrid) / 1e6:.1f} M"
+    )
+    for name, (starts, lens) in cases.items():
+        steps = Step(dense, starts, lens), Step(hybrid, starts, lens)
+        for _ in range(2):  # warm-up: oneDNN primitives, the paged kernel, allocator
+            steps[0].run(), steps[1].run()
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(args.rounds):
+            for step, out in zip(steps, times):
+                out.append(step.run())
+        d, h = (statistics.median(t) for t in times)
+        print(
+            f"{name:>14}: dense {d:8.2f} ms   hybrid {h:8.2f} ms   "
+            f"ratio hybrid / dense {h / d:.2f}x"
+        )
+    kv = [s.cache.spec.block_bytes // BLOCK for s in steps]
+    state = steps[1].store.nbytes if steps[1].store is not None else 0
+    print(f"KV bytes per token (float32): dense {kv[0]}, hybrid {kv[1]}")
+    print(f"hybrid state bytes per request (all linear layers): {state // len(steps[1].starts)}")
+
+
+if __name__ == "__main__":
+    main()
