@@ -17,6 +17,7 @@ from engine.backends import default_executor
 from engine.config import EngineConfig
 from engine.executor import Executor, ExecutorFactory
 from engine.loras import EngineLoras
+from engine.multimodal import ImagePreprocessor
 from engine.pipeline_config import micro_batches
 from engine.step_pipeline import StepPipeline
 from engine.tracing import StepTracer
@@ -71,6 +72,8 @@ class EngineCore:
         self.max_model_len = sched.max_model_len or self.model_info.max_model_len
         self.vocab_size = self.model_info.vocab_size
         self.eos_token_ids = self.model_info.eos_token_ids
+        # A vision model's image processor (engine/multimodal.py); None: the model takes text.
+        self.images = ImagePreprocessor.load(self.model_dir)
         self.failure: BaseException | None = None
         self.tiers = self._kv_tiers()
         runner_config = config.runner_config(
@@ -197,7 +200,7 @@ class EngineCore:
         """One rank's KV block shape, before the workers report it (pools sized in GiB; an FP8
         cache's blocks take half of bf16's bytes)."""
         return KVCacheSpec.from_hf_config(
-            AutoConfig.from_pretrained(self.model_dir),
+            AutoConfig.from_pretrained(self.model_dir).get_text_config(),
             self.config.block_size,
             cache_dtype(self.config.kv_cache_dtype, DTYPES[self.config.dtype]),
             self.config.tensor_parallel_size,
@@ -233,6 +236,10 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (its end-of-turn ids default to the model's); ValueError if it cannot
         run."""
+        if self.images is not None:  # placeholders expanded, pixels preprocessed, on this thread
+            request = self.images.expand(request)
+        elif request.images or request.mm_inputs is not None:
+            raise ValueError(f"images: model {self.config.model!r} takes no images")
         ids = request.prompt_token_ids
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             # An id outside the embedding table would fail the whole batch's forward, not just this

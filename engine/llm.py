@@ -16,6 +16,7 @@ from engine.backends import default_executor
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.executor import Executor, ExecutorFactory
+from engine.multimodal import chat_images, prompt_with_images
 from frontend.chat import ChatOptions
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
@@ -31,13 +32,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+# Text, token ids, or {"prompt" | "prompt_token_ids", "multi_modal_data": {"image": ...}}.
+Prompt = str | list[int] | dict[str, Any]
 Conversation = list[dict]  # {"role", "content"} messages
 
 
 def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
-    """A single prompt (text, or token ids) rather than a batch of them."""
-    return isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+    """A single prompt (text, token ids, or a prompt with images) rather than a batch of them."""
+    return isinstance(prompts, (str, dict)) or bool(prompts and isinstance(prompts[0], int))
 
 
 def _is_one_conversation(
@@ -129,11 +131,13 @@ class LLM:
         lora: the LoRA adapter every prompt runs under, or one per prompt (None: the base
         model); adapters come from `lora_modules` or add_lora."""
         batch = [prompts] if _is_one_prompt(prompts) else prompts
-        texts = [p if isinstance(p, str) else None for p in batch]
+        split = [prompt_with_images(p) if isinstance(p, dict) else (p, ()) for p in batch]
+        texts = [p if isinstance(p, str) else None for p, _ in split]
         token_ids = [
-            self.frontend.encode_prompt(p) if isinstance(p, str) else list(p) for p in batch
+            self.frontend.encode_prompt(p) if isinstance(p, str) else list(p) for p, _ in split
         ]
-        return self._run(texts, token_ids, sampling_params, use_tqdm, lora)
+        images = [imgs for _, imgs in split]
+        return self._run(texts, token_ids, sampling_params, use_tqdm, lora, images)
 
     def chat(
         self,
@@ -152,9 +156,11 @@ class LLM:
         options = ChatOptions(
             add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {})
         )
-        texts = [self.frontend.render_chat(c, options=options) for c in batch]
-        token_ids = [self.frontend.encode_chat(c, options=options) for c in batch]
-        return self._run(texts, token_ids, sampling_params, use_tqdm, lora)
+        split = [chat_images(c) for c in batch]  # image parts: the template's placeholders
+        texts = [self.frontend.render_chat(c, options=options) for c, _ in split]
+        token_ids = [self.frontend.encode_chat(c, options=options) for c, _ in split]
+        images = [tuple(imgs) for _, imgs in split]
+        return self._run(texts, token_ids, sampling_params, use_tqdm, lora, images)
 
     def add_lora(self, name: str, path: str) -> None:
         """Make a PEFT adapter directory usable as `name` (EngineCore.add_lora)."""
@@ -205,6 +211,8 @@ class LLM:
         vectors: dict[str, list[float] | None] = {}
         try:
             for p in batch:
+                if isinstance(p, dict):
+                    raise ValueError("prompt: embed takes text or token ids, not images")
                 ids = self.frontend.encode_prompt(p) if isinstance(p, str) else list(p)
                 rid = f"llm-{next(self._ids)}"
                 self.engine.add_request(EngineRequest(rid, ids, params))
@@ -233,8 +241,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         lora: str | Sequence[str | None] | None = None,
+        images: Sequence[tuple[Any, ...]] | None = None,
     ) -> list[GenerationOutput]:
         loras = _loras_per_prompt(lora, len(token_ids))
+        per_prompt = images if images is not None else [()] * len(token_ids)
         params = [
             self.frontend.prepare(sp) for sp in _params_per_prompt(sampling_params, len(token_ids))
         ]
@@ -246,9 +256,12 @@ class LLM:
         live: set[str] = set()
         with tqdm(total=len(token_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             try:
-                for prompt, ids, sp, name in zip(prompts, token_ids, params, loras):
+                for prompt, ids, sp, name, imgs in zip(
+                    prompts, token_ids, params, loras, per_prompt
+                ):
                     rid = f"llm-{next(self._ids)}"
-                    self.engine.add_request(EngineRequest(rid, ids, sp, lora_name=name))
+                    request = EngineRequest(rid, ids, sp, lora_name=name, images=imgs)
+                    self.engine.add_request(request)
                     live.add(rid)
                     outputs[rid] = GenerationOutput(
                         rid, prompt, ids, logprobs=[] if sp.logprobs is not None else None

@@ -14,12 +14,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
+from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig
 
+from frontend.images import ImageLimits, load_image
 from scheduler.multimodal import (
     ImageInput,
     ImageLike,
@@ -157,3 +160,75 @@ def pack(array: np.ndarray) -> PackedArray:
     if array.dtype == np.float64:
         array = array.astype(np.float32)
     return PackedArray(tuple(int(d) for d in array.shape), str(array.dtype), array.tobytes())
+
+
+def chat_images(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """An offline chat's messages as the template reads them, and their images in order.
+
+    Image parts (`{"type": "image_url", "image_url": {"url": "data:..."}}`, or
+    `{"type": "image_pil", "image_pil": <PIL image>}`) become `{"type": "image"}`, which the
+    model's chat template writes as its placeholder; data URLs are decoded and bounded by
+    frontend/images.py, as the served side decodes them."""
+    out: list[dict[str, Any]] = []
+    images: list[Any] = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                image = _image_of(part, f"messages[{i}].content[{j}]")
+                if image is not None:
+                    images.append(image)
+                    part = {"type": "image"}
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out, images
+
+
+def _image_of(part: Any, field: str) -> Any:
+    """The image a content part carries (None for a text part); ValueError naming the field."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "image_pil":
+        image = part.get("image_pil")
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"{field}.image_pil: must be a PIL image")
+        return image.convert("RGB") if image.mode != "RGB" else image
+    if kind == "image_url":
+        url = (part.get("image_url") or {}).get("url")
+        if not isinstance(url, str):
+            raise ValueError(f"{field}.image_url.url: must be a string")
+        return load_image(url, f"{field}.image_url.url", ImageLimits())
+    if kind == "image":
+        raise ValueError(f"{field}: an image part needs its image (image_url or image_pil)")
+    return None
+
+
+# What LLM.generate takes beside text and token ids (vLLM's shape).
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
+
+
+def prompt_with_images(prompt: dict[str, Any]) -> tuple[str | list[int], tuple[Any, ...]]:
+    """`{"prompt": text | "prompt_token_ids": ids, "multi_modal_data": {"image": img | [img]}}`
+    as (text or ids, images); ValueError naming the key that is wrong."""
+    unknown = set(prompt) - PROMPT_KEYS
+    if unknown:
+        raise ValueError(f"prompt: unknown keys {sorted(map(str, unknown))}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt: give exactly one of `prompt` and `prompt_token_ids`")
+    body = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    if not (isinstance(body, str) or (isinstance(body, list) and _all_ints(body))):
+        raise ValueError("prompt: `prompt` must be text, `prompt_token_ids` a list of integers")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError("multi_modal_data: only {'image': image or [images]} is supported")
+    images = data.get("image", [])
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    for i, image in enumerate(images):
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"multi_modal_data.image[{i}]: must be a PIL image")
+    return body, tuple(image.convert("RGB") if image.mode != "RGB" else image for image in images)
+
+
+def _all_ints(values: list[Any]) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)

@@ -129,7 +129,7 @@ def encode_chat(
     always was; only content that carries control text takes the piecewise path.
     """
     _refuse_controls_outside_content(messages, tools, controls)
-    if not any(_holds_control(m.get("content"), controls) for m in messages):
+    if not any(_content_holds_control(m.get("content"), controls) for m in messages):
         return tokenizer.encode(render(messages, tools), add_special_tokens=False)
     return _encode_piecewise(tokenizer, render, messages, tools)
 
@@ -151,6 +151,8 @@ def _encode_piecewise(
             mark = f"\ue000{nonce}-{i}\ue001"
             contents[mark] = content
             message = {**message, "content": mark}
+        elif isinstance(content, list):  # content parts: each text part is content too
+            message = {**message, "content": _marked_parts(content, f"{nonce}-{i}", contents)}
         placed.append(message)
     rendered = render(placed, tools)
     ids: list[int] = []
@@ -161,6 +163,30 @@ def _encode_piecewise(
         elif piece:
             ids += tokenizer.encode(piece, add_special_tokens=False)
     return ids
+
+
+def _marked_parts(parts: list[Any], prefix: str, contents: dict[str, str]) -> list[Any]:
+    """Content parts with each text part's text replaced by a mark (recorded in contents); image
+    parts stay, for the template to write its image placeholder."""
+    out = []
+    for j, part in enumerate(parts):
+        if (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            mark = f"\ue000{prefix}-{j}\ue001"
+            contents[mark] = part["text"]
+            part = {**part, "text": mark}
+        out.append(part)
+    return out
+
+
+def _content_holds_control(content: Any, controls: Sequence[str]) -> bool:
+    """Whether a message's content (a string, or content parts) carries control text."""
+    if isinstance(content, list):
+        return any(isinstance(p, dict) and _holds_control(p.get("text"), controls) for p in content)
+    return _holds_control(content, controls)
 
 
 def _holds_control(value: Any, controls: Sequence[str]) -> bool:

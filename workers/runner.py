@@ -75,15 +75,16 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         tune_process(config, self.device)
+        text = hf_config.get_text_config()  # a vision model's language model (else hf_config)
         set_stage_layers(  # before the model is built: a pipeline stage builds its layers only
-            hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pipeline_layer_split
+            text.num_hidden_layers, config.pipeline_parallel_size, config.pipeline_layer_split
         )
         self.model = self._load_model(hf_config)
         # The sampling rank: TP rank 0 of the last pipeline stage (rank 0 without stages).
         self.is_driver = get_tp_rank() == 0 and current_stage().is_last
         self.requests: dict[str, RequestState] = {}
         ctx = RunnerContext(
-            config, self.model, hf_config, self.device, self.dtype, self.is_driver, self.requests
+            config, self.model, text, self.device, self.dtype, self.is_driver, self.requests
         )
         # Before the backend is chosen: LoRA wraps the model's linears.
         self.features: list[RunnerFeature] = build_features(ctx)

@@ -9,6 +9,7 @@ per image), a real `CLIPImageProcessor` and `LlavaProcessor`, and a chat templat
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ class VisionCheckpoint:
     path: str
     image_token_id: int
     tokens_per_image: int
+    tokenizer: Any  # with the image token
 
 
 def write_tiny_llava(path: str, tokenizer: Any, seed: int = 0) -> VisionCheckpoint:
@@ -49,6 +51,7 @@ def write_tiny_llava(path: str, tokenizer: Any, seed: int = 0) -> VisionCheckpoi
         LlavaProcessor,
     )
 
+    tokenizer = copy.deepcopy(tokenizer)  # the session's tokenizer stays as it was
     tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
     image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
@@ -99,7 +102,7 @@ def write_tiny_llava(path: str, tokenizer: Any, seed: int = 0) -> VisionCheckpoi
         chat_template=LLAVA_CHAT_TEMPLATE,
     )
     processor.save_pretrained(path)
-    return VisionCheckpoint(path, image_id, tokens)
+    return VisionCheckpoint(path, image_id, tokens, tokenizer)
 
 
 def _sharpen(model: torch.nn.Module, seed: int) -> None:
