@@ -31,6 +31,7 @@ from cluster.lora_admin import LoraCommand, WrongReplicaError
 from cluster.lora_metrics import LoraMetrics
 from cluster.metrics import ReplicaMetrics
 from cluster.ray_executor import ray_executor
+from cluster.tracing import ReplicaSide, TraceContext, record_replica
 from cluster.weights_admin import WeightsCommand
 from cluster.weights_admin import run_command as run_weights_command
 from engine.config import EngineConfig
@@ -215,11 +216,14 @@ class LLMReplica:
 
     # ---- the request path ----------------------------------------------------------------------
     async def generate(
-        self, request: EngineRequest, handoff: TransferHandle | None = None
+        self,
+        request: EngineRequest,
+        handoff: TransferHandle | None = None,
+        trace: TraceContext | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request.
         handoff: a decode replica's request resumed after its prefill, whose prompt blocks
-        arrive through this transfer."""
+        arrive through this transfer; trace: a sampled request's trace (cluster/tracing.py)."""
         state = self._state()
         if state in (ReplicaState.FAILED, ReplicaState.STALLED):
             raise self._unavailable(state)
@@ -235,8 +239,11 @@ class LLMReplica:
             self.lora_metrics.record_request(request.lora_name)
         if handoff is not None and self.phase is not None:
             self.phase.handoffs[rid] = handoff
+        if trace is not None:  # the engine records its phases (engine/tracing.py)
+            self.engine.tracer.watch(rid, time.time_ns())
         self._loop_thread.add(request)  # end-of-turn ids: the engine fills in the model's
         finished = False
+        output: RequestOutput | None = None
         try:
             while not finished:
                 output = await stream.next()
@@ -248,13 +255,44 @@ class LLMReplica:
             self._streams.pop(rid, None)
             if not finished:  # cancelled by the ingress (a stop string, a client gone)
                 self._loop_thread.abort([rid])
+            if trace is not None:
+                self._record_trace(trace, request, handoff is not None, output)
 
-    async def prefill(self, request: EngineRequest) -> PrefillReply:
+    async def prefill(
+        self, request: EngineRequest, trace: TraceContext | None = None
+    ) -> PrefillReply:
         """Compute the prompt and its first token, and send the prompt's blocks (a prefill
         replica of a disaggregated model)."""
         if self.phase is None or self.phase.prefill is None:
             raise ValueError("prefill: this replica is not a prefill replica")
-        return await prefill_on(self.phase, request, self.generate(request))
+        return await prefill_on(self.phase, request, self.generate(request, trace=trace))
+
+    def _record_trace(
+        self,
+        trace: TraceContext,
+        request: EngineRequest,
+        handed_off: bool,
+        last: RequestOutput | None,
+    ) -> None:
+        """The request's spans on this replica, from the engine's record; a tracing failure is
+        logged, never the request's."""
+        record = self.engine.tracer.pop(request.request_id)
+        if record is None:
+            return
+        role = "whole" if self.phase is None else "prefill" if self.phase.prefill else "decode"
+        made = 0 if last is None else last.num_output_tokens - len(request.output_token_ids)
+        side = ReplicaSide(
+            self.replica,
+            request.request_id,
+            len(request.prompt_token_ids),
+            max(made, 0),
+            role,
+            "remote" if handed_off else "tiers",
+        )
+        try:
+            record_replica(trace, side, record, time.time_ns())
+        except Exception:
+            logger.exception("request %s: its spans were not recorded", request.request_id)
 
     def _on_step(self, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
         now = time.perf_counter()

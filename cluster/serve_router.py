@@ -29,6 +29,7 @@ from ray.serve.request_router import (
 from cluster.fleet_view import register
 from cluster.lora_admin import LoraCommand
 from cluster.outcomes import subscribe
+from cluster.tracing import TraceContext, record_route
 from cluster.weights_admin import WeightsCommand
 from router.config import RoutingConfig
 from router.fleet import FleetState
@@ -108,8 +109,18 @@ class FleetRouter(RequestRouter):
         target = _target_of(pending_request)
         if target is not None and target in by_key:  # a command for one replica (lora_admin.py)
             return [[by_key[target]]]
+        trace = pending_request.kwargs.get("trace")  # a sampled request's (cluster/tracing.py)
+        started = time.time_ns() if trace is not None else 0
         ranking = self.fleet.route(route_request(pending_request), by_key, now)
+        if isinstance(trace, TraceContext):
+            self._record_route(trace, started, ranking)
         return [[by_key[key]] for key in ranking]
+
+    def _record_route(self, trace: TraceContext, started: int, ranking: list[str]) -> None:
+        try:
+            record_route(trace, started, time.time_ns(), self.fleet.config.router_policy, ranking)
+        except Exception:  # a tracing failure is logged, never the request's
+            logger.exception("FleetRouter: the routing span was not recorded")
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult

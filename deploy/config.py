@@ -19,6 +19,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
 from cluster.autoscaling_policy import POLICY_PATH
 from cluster.placement import STRATEGIES, default_strategy
+from cluster.tracing import TracingConfig
 from deploy.browser_guard import MAX_ALLOWED, check_hosts, check_origins
 from deploy.cache_scope import SCOPES
 from deploy.disagg_config import DisaggregationArgs
@@ -310,6 +311,13 @@ class AppConfig:
         "past it: 400 naming `input` before any input is computed",
         ge=1,
         le=1 << 40,
+    )
+    # OpenTelemetry (cluster/tracing.py, docs/tracing.md).
+    tracing: TracingConfig | None = setting(
+        None,
+        "OpenTelemetry spans of each request (ingress, router, replica, engine phases), sent over "
+        "OTLP/HTTP: `{otlp_endpoint, service_name, sample_ratio, export_delay_s}` "
+        "(docs/tracing.md; unset: off, at no cost)",
     )
     # Resources and placement (one bundle for the replica, one per TP worker when TP > 1).
     replica_num_cpus: float = setting(1.0, "CPUs of the replica's bundle", ge=0, le=MAX_BUNDLE_CPUS)

@@ -17,6 +17,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.errors import EngineFailedError, ReplicaDrainingError
+from cluster.tracing import TraceContext
 from engine.disagg import PrefillReply, decode_request
 from scheduler.outputs import RequestOutput
 from scheduler.request import EngineRequest
@@ -29,10 +30,14 @@ _PREFILL_LOST = (RayActorError, ActorUnavailableError, EngineFailedError, Replic
 class DisaggResponse:
     """Prefill, then decode; iterates like a streaming DeploymentResponse and cancels like one."""
 
-    def __init__(self, prefill: Any, decode: Any, request: EngineRequest) -> None:
+    def __init__(
+        self, prefill: Any, decode: Any, request: EngineRequest, trace: TraceContext | None = None
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.request = request
+        # A traced request's context: both replicas' spans go under its attempt.
+        self.trace = trace
         self._decoding: Any = None
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -50,13 +55,15 @@ class DisaggResponse:
                 return
             request = decode_request(request, reply.token_ids)
             handle = reply.handle
-        self._decoding = self.decode.options(stream=True).generate.remote(request, handle)
+        self._decoding = self.decode.options(stream=True).generate.remote(
+            request, handle, self.trace
+        )
         async for out in self._decoding:
             yield out
 
     async def _prefill(self) -> PrefillReply | None:
         try:
-            reply: PrefillReply = await self.prefill.prefill.remote(self.request)
+            reply: PrefillReply = await self.prefill.prefill.remote(self.request, self.trace)
         except _PREFILL_LOST as exc:
             logger.warning(
                 "request %s: its prefill replica failed (%s); the decode replica computes the "

@@ -19,6 +19,7 @@ from deploy.logprobs import check_budget
 from deploy.models import ServedModel
 from deploy.reply import ReplySplit
 from deploy.tools import DeclaredTools
+from deploy.tracing import current_span
 from frontend.reasoning import ReasoningSplitter
 from scheduler.request import EngineRequest
 from scheduler.structured_output import StructuredOutput
@@ -185,5 +186,12 @@ class ChoiceBuilder:
             cache_salt=self.salt,
         )
         return Choice(
-            index, p, request, m.frontend, m.metrics, m.config.max_migrations, prefill=m.prefill
+            index,
+            p,
+            request,
+            m.frontend,
+            m.metrics,
+            m.config.max_migrations,
+            prefill=m.prefill,
+            trace=current_span(),  # the request's span when sampled (deploy/tracing.py)
         )

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.context import _set_request_context
@@ -28,6 +28,10 @@ from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
 from scheduler.outputs import TokenLogprobs
 from scheduler.request import EngineRequest
+
+if TYPE_CHECKING:
+    from cluster.tracing import TraceContext
+    from deploy.tracing import RequestSpan
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +171,8 @@ class Choice:
     # A disaggregated model's prefill deployment (deploy/disagg_route.py): a choice with nothing
     # emitted yet starts there; None: the replica computes the whole request.
     prefill: Any = None
+    # The request's span when it is traced (deploy/tracing.py): one span per attempt under it.
+    trace: RequestSpan | None = None
 
     async def stream(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
         """The choice's deltas, its finish reason on the last. One that raises counts as "error",
@@ -182,6 +188,11 @@ class Choice:
             raise
         finally:
             self.metrics.record_finished(finish, time.perf_counter() - start)
+            if self.trace is not None:
+                num_prompt = len(self.request.prompt_token_ids)
+                self.trace.choice_done(
+                    self.index, self.prompt_index, num_prompt, len(self.emitted), finish
+                )
 
     async def _migrating(self, replica: Any) -> AsyncIterator[ChoiceDelta]:
         text_stream = self.frontend.text_stream(
@@ -189,13 +200,18 @@ class Choice:
         )
         budget = MigrationBudget(self.request.request_id, self.max_migrations)
         while True:
+            request = self._attempt(budget.migrations)
+            attempt = context = None
+            if self.trace is not None:
+                attempt = self.trace.attempt(self.index, budget.migrations, request.request_id)
+                context = attempt.context
             try:
-                async for delta in self._stream_once(
-                    replica, self._attempt(budget.migrations), text_stream
-                ):
+                async for delta in self._stream_once(replica, request, text_stream, context):
                     yield delta
                 return
             except Exception as exc:
+                if attempt is not None:
+                    attempt.fail(exc)
                 if not is_replica_failure(exc):
                     raise
                 budget.spend(exc)
@@ -210,6 +226,9 @@ class Choice:
                 )
                 # Give Serve a moment to take the dead replica out of the routing set.
                 await asyncio.sleep(0.2 * budget.migrations)
+            finally:
+                if attempt is not None:
+                    attempt.span.end()
 
     def _attempt(self, migrations: int) -> EngineRequest:
         if migrations == 0:
@@ -221,13 +240,19 @@ class Choice:
         )
 
     async def _stream_once(
-        self, replica: Any, request: EngineRequest, text_stream: TextStream
+        self,
+        replica: Any,
+        request: EngineRequest,
+        text_stream: TextStream,
+        trace: TraceContext | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
         internal_request_id = _route_as_own_request()
         if self.prefill is not None and not request.output_token_ids:
-            response: Any = DisaggResponse(self.prefill, replica, request)
-        else:
+            response: Any = DisaggResponse(self.prefill, replica, request, trace)
+        elif trace is None:
             response = replica.options(stream=True).generate.remote(request)
+        else:  # the router and the replica parent their spans under the attempt's
+            response = replica.options(stream=True).generate.remote(request, trace=trace)
         done = False
         try:
             async for out in response:

@@ -58,6 +58,7 @@ from deploy.reply_format import ReplyFormat, answer
 from deploy.schemas import ChatCompletionRequest
 from deploy.tenants import TenantLimiter
 from deploy.tools import DeclaredTools
+from deploy.tracing import current, ended_with, start_request
 from scheduler.structured_output import StructuredOutput
 
 # A route's answer: the body's model, the validated body, the tenant it runs for.
@@ -84,16 +85,20 @@ class RequestPath:
         except Exception as exc:
             return error_response(exc)
         ignored = Ignored()
+        span = start_request(self.config.tracing, request)  # None: off or not sampled
         try:
-            model, body = await self._parse(request, schema, caller, ignored)
-            response = await answer(model, body, lease.tenant)
+            with current(span):  # the choices it makes read it (deploy/tracing.py)
+                model, body = await self._parse(request, schema, caller, ignored)
+                if span is not None:
+                    span.describe(model.config.model_name, body)
+                response = await answer(model, body, lease.tenant)
         except Exception as exc:
             response = error_response(exc)
         except BaseException:  # cancelled: the client is gone
             lease.release()
             raise
         response.headers.update(ignored.header())
-        return lease.hold(response)
+        return lease.hold(ended_with(span, response))
 
     async def _parse(
         self, request: Request, schema: type, caller: Caller, ignored: Ignored
