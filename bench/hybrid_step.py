@@ -69,6 +69,8 @@ class Step:
         self.req_ids, self.starts = [f"r{i}" for i in range(len(starts))], starts
         delta = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.store = LinearStateStore(delta, len(starts), torch.float32, cpu) if delta else None
+        for rid in self.req_ids if self.store is not None else ():  # running: slots held
+            self.store.assign(rid, self.req_ids)
         self.model = model
 
     @torch.inference_mode()

@@ -109,6 +109,12 @@ class LinearStateStore:
     def begin_step(self, req_ids: list[str], starts: list[int], live: Container[str]) -> None:
         """Point every layer at the step's slots (batch order); a row starting at position 0 (a
         new or recomputed request) starts from a zeroed state."""
+        for rid, start in zip(req_ids, starts):
+            if start and rid not in self.slot_of:  # its state before `start` exists nowhere
+                raise RuntimeError(
+                    f"linear state: {rid!r} starts at position {start} without a state (prefix "
+                    "hits and loaded KV are off for hybrid models)"
+                )
         slots = [self.assign(rid, live) for rid in req_ids]
         fresh = [s for s, start in zip(slots, starts) if start == 0]
         if fresh:

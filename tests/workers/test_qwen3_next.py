@@ -1,7 +1,7 @@
 """Qwen3-Next (gated DeltaNet layers beside gated full attention, MoE with a shared expert): greedy
 output equals transformers' greedy generate on the same random checkpoint (fp32), batched under
-16-token chunked prefill (cuts inside the prompts, so each linear layer's state crosses steps),
-with two state slots reused by three requests and an 8-block pool that preempts (recompute: the
+16-token chunked prefill (cuts inside the prompts, so each linear layer's state crosses steps)
+with async scheduling, and with two state slots reused by three requests and an 8-block pool that preempts (recompute: the
 victim's state is dropped and rebuilt). Also what a hybrid model refuses, and that its paged KV
 covers its full-attention layers only.
 
@@ -85,11 +85,17 @@ def assert_matches(outs, refs, what: str) -> None:
         assert_greedy_match(out.token_ids, ref, f"{what}, prompt {i}")
 
 
-def test_batched_chunked_greedy_matches_hf_and_only_full_attention_has_kv(
+def test_batched_chunked_async_greedy_matches_hf_and_only_full_attention_has_kv(
     checkpoint, llm_factory, prompts, references
 ):
     path, _ = checkpoint
-    llm = llm_factory(model=path, dtype="float32", max_num_batched_tokens=16, max_model_len=256)
+    llm = llm_factory(
+        model=path,
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_model_len=256,
+        async_scheduling=True,  # the next step is scheduled while this one runs
+    )
     assert_matches(llm.generate(prompts, PARAMS, use_tqdm=False), references, "chunked")
     engine = llm.engine
     # K and V of 2 KV heads of 16 floats, on the 2 full-attention layers of 4.
@@ -151,3 +157,32 @@ def test_layer_types_are_checked_at_load(checkpoint):
         config.layer_types = bad
         with pytest.raises(ValueError, match="layer_types"):
             Qwen3NextForCausalLM(config)
+
+
+def test_state_slots_are_zeroed_at_position_0_and_never_invented_past_it():
+    """The store's rules: a slot per request, zeroed when its step starts at 0 (new or
+    recomputed), kept otherwise, reused once released; a request that would start past 0 with no
+    state fails loudly; slots of requests no longer live (a profiling run's) are reclaimed."""
+    from workers.layers.gated_delta import DeltaDims, GatedDeltaNet
+    from workers.linear_state import LinearStateStore
+
+    layer = GatedDeltaNet(DeltaDims(16, 1, 2, 4, 4, 3, 1e-6))
+    store = LinearStateStore([layer], 2, torch.float32, torch.device("cpu"))
+    view = layer.state
+    assert view is not None and view.recurrent.shape == (2, 2, 4, 4)
+    store.begin_step(["a", "b"], [0, 0], {"a", "b"})
+    view.recurrent.fill_(1.0)
+    view.conv.fill_(1.0)
+    store.begin_step(["b", "a"], [5, 0], {"a", "b"})  # b goes on, a is recomputed
+    assert view.slots == [1, 0]
+    assert view.recurrent[1].eq(1).all() and view.recurrent[0].eq(0).all()
+    assert view.conv[0].eq(0).all()
+    with pytest.raises(RuntimeError, match="without a state"):
+        store.begin_step(["c"], [3], {"a", "b", "c"})
+    store.release("a")
+    store.begin_step(["c"], [0], {"b", "c"})
+    assert view.slots == [0]
+    store.begin_step(["d"], [0], {"d"})  # b and c are gone: their slots come back
+    assert set(store.slot_of) == {"d"} and len(store.free) == 1
+    with pytest.raises(RuntimeError, match="no free slot"):
+        store.begin_step(["e", "f"], [0, 0], {"d", "e", "f"})
