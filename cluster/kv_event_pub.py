@@ -1,13 +1,12 @@
 """A replica's KV events on their way to the fleet routers.
 
 `attach_kv_events` gives the engine's device pool and lower tiers one KVEventLog
-(scheduler/kv_events.py); a replica's `record_routing_stats` is to take `log.report()` on the
-engine's thread, between steps, and send it inside its RoutingStats (router/stats.py), the channel
-Serve already carries to every router of the deployment. Not attached by LLMReplica yet (see
-docs/router.md, "Not live yet"); bench/kv_index_accuracy.py and the engine test use it. Serve may
-hand a router only the latest of several reports, so each report carries every batch the log still
-holds, and a snapshot now and then; the router applies what is new to it and repairs from a
-snapshot what it missed.
+(scheduler/kv_events.py); LLMReplica attaches it before the engine's first step, and its
+`record_routing_stats` takes `log.report()` on the engine's thread, between steps, and sends it
+inside its RoutingStats (router/stats.py), the channel Serve already carries to every router of
+the deployment. Serve may hand a router only the latest of several reports, so each report carries
+every batch the log still holds, and a snapshot now and then; the router applies what is new to it
+and repairs from a snapshot what it missed.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from cluster.cold_start import ColdStart
 from cluster.disagg_replica import DisaggPhase, phase_engine, phase_stats, prefill_on
 from cluster.engine_loop import EngineLoop
 from cluster.errors import EngineFailedError, ReplicaDrainingError
+from cluster.kv_event_pub import attach_kv_events
 from cluster.lora_admin import LoraCommand, WrongReplicaError
 from cluster.lora_metrics import LoraMetrics
 from cluster.metrics import ReplicaMetrics
@@ -200,6 +201,7 @@ class LLMReplica:
         self.engine = build_engine(config)
         self.metrics.record_kv_layout(self.engine.kv_bytes_per_token)
         self.phase = phase_engine(self.engine, phase)
+        self._kv_events = attach_kv_events(self.engine)  # before the first step: none missed
         self._streams: dict[str, _Stream] = {}
         self._draining = False
         self._stats: SchedulerStats = self.engine.stats()
@@ -411,23 +413,24 @@ class LLMReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request router: queues, KV usage, prefix-cache figures and the
         hashes of the most recently cached blocks (the router's prefix index syncs to them)."""
-        prefix = tiers = predicted = None
+        prefix = tiers = predicted = kv_events = None
         state = self._state()
         if state is ReplicaState.OK:  # a failed or stopped engine answers no call
             try:
-                prefix, tiers, predicted = await asyncio.wait_for(
+                prefix, tiers, predicted, kv_events = await asyncio.wait_for(
                     self._loop_thread.call(
                         lambda engine: (
                             engine.prefix_report(MAX_REPORTED_PREFIX_HASHES),
                             engine.tier_hashes(MAX_REPORTED_PREFIX_HASHES),
                             engine.predicted_load(),
+                            self._kv_events.report(),  # cluster/kv_event_pub.py
                         )
                     ),
                     timeout=5,
                 )
             except asyncio.TimeoutError:
                 logger.warning("engine busy for 5 s: routing stats without prefix hashes")
-        return RoutingStats(self._stats, state, prefix, tiers, predicted).to_dict()
+        return RoutingStats(self._stats, state, prefix, tiers, predicted, kv_events).to_dict()
 
     async def list_loras(self) -> list[str]:
         """The adapters requests may name on this replica, in the order they were added."""

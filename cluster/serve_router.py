@@ -128,7 +128,7 @@ class FleetRouter(RequestRouter):
         self.fleet.on_routed(route_request(pending_request), replica_id.unique_id, self.clock())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.fleet.on_completed(internal_request_id)
+        self.fleet.on_completed(internal_request_id, self.clock())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
