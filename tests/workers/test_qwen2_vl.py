@@ -19,6 +19,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from engine.multimodal import pack
+from scheduler import SamplingParams
+from scheduler.multimodal import ImageInput, ImageSpan, MultiModalInputs
+from scheduler.outputs import NewRequestData
 from tests.workers.qwen2_vl_checkpoint import (
     IMAGE_TOKEN,
     VISION_END,
@@ -28,6 +32,7 @@ from tests.workers.qwen2_vl_checkpoint import (
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.layers.mrope import (
+    MRopePositions,
     MRopeSpan,
     MRotaryEmbedding,
     check_mrope_section,
@@ -37,6 +42,7 @@ from workers.layers.mrope import (
 from workers.layers.rotary import RotaryEmbedding
 from workers.loader import load_model
 from workers.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, merged_grid
+from workers.step_state import Batch
 
 BLOCK = 4
 HUGE = [2**64, -1, float("nan"), 10**12]
@@ -98,6 +104,7 @@ def test_prompt_positions_are_get_rope_index(models, num_images):
     assert delta == expected_delta
     assert (num_images == 0) == (delta == 0)
     # a request's later tokens: the prompt's own positions, then index + delta on every axis
+    assert torch.equal(step_positions(ours, delta, 1, 3), ours[:, 1:4])  # a chunk of the prompt
     steps = step_positions(ours, delta, len(ids) - 2, 4)
     assert torch.equal(steps[:, :2], ours[:, -2:])
     assert torch.equal(steps[:, 2:], torch.tensor([len(ids), len(ids) + 1]).expand(3, -1) + delta)
@@ -196,13 +203,21 @@ def test_whole_forward_equals_transformers(models):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_num_image_tokens_and_span_from_processor_arrays(models):
+def inputs(offset: int, length: int, grid: list[int]) -> MultiModalInputs:
+    """One image's MultiModalInputs as the engine sends them (its grid array packed)."""
+    span = ImageSpan(offset, length, "ab" * 32)
+    return MultiModalInputs((ImageInput(span, (("image_grid_thw", pack(np.array([grid]))),)),))
+
+
+def test_image_tokens_and_spans_from_processor_arrays(models):
     _, ours = models
     config = AutoConfig.for_model("qwen2_5_vl")
     arrays = {"image_grid_thw": np.array([[1, 6, 8]])}
     assert Qwen2_5_VLForConditionalGeneration.num_image_tokens(config, arrays) == 12
     assert Qwen2_5_VLForConditionalGeneration.image_token_id(config) == config.image_token_id
-    assert ours.mrope_span(7, arrays) == MRopeSpan(7, 1, 3, 4)
+    assert ours.mrope_spans(inputs(7, 12, [1, 6, 8])) == [MRopeSpan(7, 1, 3, 4)]
+    with pytest.raises(ValueError, match="images: an image of 11 tokens has a 1x3x4 grid"):
+        ours.mrope_spans(inputs(7, 11, [1, 6, 8]))
 
 
 @pytest.mark.parametrize("bad", [*HUGE, 3, "4"])
@@ -228,3 +243,28 @@ def test_image_past_the_prompt_is_refused():
         prompt_positions(10, [MRopeSpan(8, 1, 2, 2)])
     with pytest.raises(ValueError, match="MRopeSpan"):
         prompt_positions(20, [MRopeSpan(2, 1, 2, 2), MRopeSpan(4, 1, 2, 2)])
+
+
+def test_step_positions_of_a_mixed_batch():
+    """A decode of a request with an image (index + delta), a text prefill chunk (plain) and a
+    chunk over the image: one [3, T] set by prepare and read once; text alone sets nothing."""
+    grid = [1, 4, 6]  # 6 tokens, 2 x 3: delta 3 - 6 = -3
+    positions = MRopePositions(lambda mm: [MRopeSpan(2, 1, 2, 3)])
+    ids = [5, 6] + [IMAGE_TOKEN] * 6 + [7]
+    params = SamplingParams(max_tokens=4)
+    for rid, mm in (("img", inputs(2, 6, grid)), ("text", None), ("img2", inputs(2, 6, grid))):
+        positions.start(NewRequestData(rid, ids, params, [], 0, mm_inputs=mm))
+    batch = Batch(req_ids=["img", "text", "img2"], starts=[10, 4, 1], query_lens=[1, 2, 4])
+    assert positions.prepare(batch)
+    got = positions.take(torch.arange(7))
+    # token 1 (text), then the grid's first row from position 2: (t, h, w) = (2, 2, 2..4)
+    img_rows = torch.tensor([[1, 2, 2, 2], [1, 2, 2, 2], [1, 2, 3, 4]])
+    decode, text = torch.full((3, 1), 10 - 3), torch.tensor([4, 5]).expand(3, 2)
+    expected = torch.cat([decode, text, img_rows], 1)
+    assert torch.equal(got, expected)
+    runner = torch.arange(2)
+    assert positions.take(runner) is runner  # read once
+    positions.finish("img")
+    positions.finish("img2")
+    assert not positions.prepare(Batch(req_ids=["text"], starts=[5], query_lens=[1]))
+    assert positions.take(runner) is runner

@@ -46,6 +46,16 @@ class VisionLM(Protocol):
     def encode_image(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
 
+class StepPositions(Protocol):
+    """A family's own positions for requests with images (M-RoPE: workers/layers/mrope.py)."""
+
+    def start(self, new: NewRequestData) -> None: ...
+
+    def finish(self, req_id: str) -> None: ...
+
+    def prepare(self, batch: Batch) -> bool: ...
+
+
 def is_vision_model(model: object) -> bool:
     return hasattr(model, "encode_image") and hasattr(model, "image_splice")
 
@@ -88,13 +98,19 @@ class VisionFeature(RunnerFeature):
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0
         self.encoder_seconds = 0.0
+        # Qwen2.5-VL lays image tokens on a 3-axis grid: it sets a step's positions itself.
+        self.positions: StepPositions | None = getattr(ctx.model, "step_positions", None)
 
     def start(self, new: NewRequestData, state: RequestState) -> None:
         if new.mm_inputs is not None:
             self.images[new.req_id] = new.mm_inputs.images
+        if self.positions is not None:
+            self.positions.start(new)
 
     def finish(self, req_id: str) -> None:
         self.images.pop(req_id, None)
+        if self.positions is not None:
+            self.positions.finish(req_id)
 
     def prepare(self, batch: Batch) -> bool:
         """The step's image rows set on the model's splice; True (run eagerly) when there are
@@ -110,8 +126,9 @@ class VisionFeature(RunnerFeature):
                     parts.append(embeds[lo - image.span.offset : hi - image.span.offset])
                     rows.extend(range(offset + lo - start, offset + hi - start))
             offset += n
+        eager = self.positions is not None and self.positions.prepare(batch)
         if not parts:
-            return False
+            return eager
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.model.image_splice.set(index, torch.cat(parts))
         return True

@@ -10,11 +10,15 @@ position than its length, by a per-request `delta` that every later token adds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from scheduler.multimodal import MultiModalInputs
+from scheduler.outputs import NewRequestData
 from workers.layers.rotary import RotaryEmbedding, apply_rotary
+from workers.step_state import Batch
 
 # An image grid's side in tokens, at most: 65,536 merged tokens is 1.8 million pixels of Qwen's
 # 28-pixel groups, far past any image a processor lets through; a bound before any allocation.
@@ -81,8 +85,59 @@ def step_positions(prompt: torch.Tensor, delta: int, start: int, num: int) -> to
     """[3, num] positions of tokens start..start+num of a request whose prompt positions are
     `prompt` ([3, P]): the prompt's own, then index + delta for the generated tokens."""
     in_prompt = prompt[:, start : start + num]
-    after = torch.arange(max(start, prompt.shape[1]), start + num) + delta
+    first_after = max(start, prompt.shape[1])
+    after = torch.arange(first_after, max(start + num, first_after)) + delta
     return torch.cat([in_prompt, after.expand(3, -1)], dim=1)
+
+
+class MRopePositions:
+    """The 3-axis positions of requests with images, beside the model (as ImageSplice is).
+
+    The runner's vision feature (workers/features/vision.py) calls `start` when a request
+    arrives (its prompt's positions are laid out once), `finish` when it leaves, and `prepare`
+    before each forward: when a request of the step has images, the step's [3, T] positions are
+    set, and the model's forward reads them once (`take`) in place of the runner's [T]. Text
+    requests alone leave the runner's positions, plain RoPE, as they are."""
+
+    def __init__(self, spans_of: Callable[[MultiModalInputs], list[MRopeSpan]]) -> None:
+        self.spans_of = spans_of  # a family's reading of its processor arrays
+        self.prompts: dict[str, tuple[torch.Tensor, int]] = {}  # [3, P] positions, delta
+        self.step: torch.Tensor | None = None
+
+    def start(self, new: NewRequestData) -> None:
+        """A request arrives (or is resent in full); raising fails it alone."""
+        self.prompts.pop(new.req_id, None)
+        if new.mm_inputs is not None:
+            spans = self.spans_of(new.mm_inputs)
+            self.prompts[new.req_id] = prompt_positions(len(new.prompt_token_ids), spans)
+
+    def finish(self, req_id: str) -> None:
+        self.prompts.pop(req_id, None)
+
+    def prepare(self, batch: Batch) -> bool:
+        """Set the step's positions if a request of it has images; whether they were set (the
+        step then runs eagerly: the decode graphs derive plain positions)."""
+        self.step = None
+        if not any(rid in self.prompts for rid in batch.req_ids):
+            return False
+        rows = []
+        for rid, start, n in zip(batch.req_ids, batch.starts, batch.query_lens):
+            prompt, delta = self.prompts.get(rid, (_NO_PROMPT, 0))
+            rows.append(step_positions(prompt, delta, start, n))
+        self.step = torch.cat(rows, dim=1)
+        return True
+
+    def take(self, positions: torch.Tensor) -> torch.Tensor:
+        """The step's positions: those `prepare` set (once), else the runner's."""
+        step, self.step = self.step, None
+        if step is None:
+            return positions
+        if step.shape[1] != positions.shape[0]:
+            raise RuntimeError(f"M-RoPE: {step.shape[1]} positions set for {positions.shape[0]}")
+        return step.to(positions.device)
+
+
+_NO_PROMPT = torch.empty(3, 0, dtype=torch.long)  # a text request: index + 0 on every axis
 
 
 class MRotaryEmbedding(RotaryEmbedding):

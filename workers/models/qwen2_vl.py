@@ -15,12 +15,14 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from scheduler.multimodal import MultiModalInputs, PackedArray
 from workers.layers.attention import AttentionMetadata
-from workers.layers.mrope import MAX_GRID_SIDE, MRopeSpan, MRotaryEmbedding
+from workers.layers.mrope import MAX_GRID_SIDE, MRopePositions, MRopeSpan, MRotaryEmbedding
 from workers.layers.quantized import AnyWeight
+from workers.models.image_splice import ImageSplice
 from workers.models.llama import Qwen2ForCausalLM
 from workers.models.qwen2_vl_vision import Qwen2_5_VisionTransformer
-from workers.pipeline import MissingLayer, current_stage, run_stage
+from workers.pipeline import current_stage, run_stage
 
 # Checkpoint prefixes: the hub's layout (what transformers saves) and transformers' in-memory one.
 _VISION_PREFIXES = ("visual.", "model.visual.")
@@ -28,24 +30,30 @@ _TEXT_PREFIX, _HUB_TEXT_PREFIX = "model.language_model.", "model."
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
-    """Qwen2.5-VL: Qwen2ForCausalLM over `text_config` with M-RoPE, plus the vision tower
-    (on the first pipeline stage, where the embeddings are)."""
+    """Qwen2.5-VL: Qwen2ForCausalLM over `text_config` with M-RoPE, plus the vision tower.
+
+    The runner's vision feature (workers/features/vision.py) encodes images with `encode_image`,
+    splices the rows through `image_splice` and sets a step's 3-axis positions through
+    `step_positions`, which `forward` reads."""
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
-        super().__init__(config.text_config, max_model_len)
+        super().__init__(config.get_text_config(), max_model_len)
+        if current_stage().size > 1:
+            raise ValueError(
+                "pipeline_parallel_size: Qwen2.5-VL splices image embeddings on the first stage; "
+                "pipeline stages are not supported for it yet"
+            )
         a = self.args
         section = a.rope_parameters.get("mrope_section")
         mrope = MRotaryEmbedding(a.head_dim, a.max_position, a.rope_parameters, section)
         # Qwen2's layers, built by LlamaModel with a plain rotary, share this one instead.
         for block in self.attention_blocks():
             block.rotary = mrope
-        self.visual = (
-            Qwen2_5_VisionTransformer(config.vision_config)
-            if current_stage().is_first
-            else MissingLayer()
-        )
-        self.image_token = self.image_token_id(config)
+        self.visual = Qwen2_5_VisionTransformer(config.vision_config)
         self.merge_size = config.vision_config.spatial_merge_size
+        self.image_splice = ImageSplice()
+        self.image_splice.attach(self.model.embed_tokens)
+        self.step_positions = MRopePositions(self.mrope_spans)
 
     # ---- what the engine asks of a vision family (engine/multimodal.py VisionFamily) ----------
     @classmethod
@@ -58,14 +66,30 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         t, h, w = merged_grid(arrays, hf_config.vision_config.spatial_merge_size)
         return t * h * w
 
-    # ---- the forward ----------------------------------------------------------------------------
+    # ---- the runner's vision feature -----------------------------------------------------------
+    def encode_image(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's [num_image_tokens, hidden] embeddings from its processor arrays."""
+        grid = arrays["image_grid_thw"].view(1, 3)
+        return self.encode_images(arrays["pixel_values"], grid)
+
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """The images' embeddings, one row per image token, the images one after another."""
+        """Images' embeddings, one row per image token, the images one after another."""
         return self.visual(pixel_values, grid_thw)
 
-    def mrope_span(self, offset: int, arrays: dict[str, np.ndarray]) -> MRopeSpan:
-        """Where an image's tokens sit in the position grid (offset: its first token's index)."""
-        return MRopeSpan(offset, *merged_grid(arrays, self.merge_size))
+    def mrope_spans(self, inputs: MultiModalInputs) -> list[MRopeSpan]:
+        """Where a request's images sit in the position grid (ValueError naming `images` when an
+        image's span does not hold its grid's tokens)."""
+        spans = []
+        for image in inputs.images:
+            arrays = {name: as_numpy(a) for name, a in image.arrays if name == "image_grid_thw"}
+            span = MRopeSpan(image.span.offset, *merged_grid(arrays, self.merge_size))
+            if span.length != image.span.length:
+                raise ValueError(
+                    f"images: an image of {image.span.length} tokens has a {span.t}x{span.h}x"
+                    f"{span.w} grid"
+                )
+            spans.append(span)
+        return spans
 
     def forward(
         self,
@@ -74,8 +98,9 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """positions: [T] (text: the three axes equal) or [3, T]; inputs_embeds: [T, hidden] in
-        place of the token embeddings (image rows spliced in), on the first pipeline stage."""
+        """positions: [T] (text: the three axes equal) or [3, T], unless a step's were set on
+        `step_positions`; inputs_embeds: [T, hidden] in place of the token embeddings."""
+        positions = self.step_positions.take(positions)
         if inputs_embeds is None:
             return self.model(input_ids, positions, meta)
         m = self.model
@@ -92,10 +117,13 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                 vision.append((name[len(prefix) :], tensor))
             else:
                 text.append((name.replace(_TEXT_PREFIX, _HUB_TEXT_PREFIX, 1), tensor))
-        loaded = super().load_weights(text)
-        if vision and isinstance(self.visual, Qwen2_5_VisionTransformer):
-            loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
-        return loaded
+        return super().load_weights(text) | {
+            "visual." + n for n in self.visual.load_weights(vision)
+        }
+
+
+def as_numpy(array: PackedArray) -> np.ndarray:
+    return np.frombuffer(array.data, dtype=array.dtype).reshape(array.shape)
 
 
 def merged_grid(arrays: dict[str, np.ndarray], merge: int) -> tuple[int, int, int]:
