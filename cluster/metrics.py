@@ -210,8 +210,16 @@ class RequestMetrics:
             boundaries=_E2E_BUCKETS,
             tag_keys=("model",),
         )
-        self.requests.set_default_tags({"model": model})
-        self.e2e.set_default_tags({"model": model})
+        self.images = Counter(
+            "raylm_images_total", "Images received in requests (image parts).", tag_keys=("model",)
+        )
+        self.images_refused = Counter(
+            "raylm_images_refused_total",
+            "Images refused before reaching a replica, by reason (deploy/image_parts.py).",
+            tag_keys=("model", "reason"),
+        )
+        for metric in (self.requests, self.e2e, self.images, self.images_refused):
+            metric.set_default_tags({"model": model})
         # Every reason's series exists from the start (see ReplicaMetrics._export_zeros).
         for reason in FINISH_REASONS:
             self.requests._record(0.0, tags={"finish_reason": reason})
@@ -222,6 +230,8 @@ class RequestMetrics:
         self.e2e_counts = [0] * len(_E2E_BUCKETS)  # per bucket, not cumulative
         self.e2e_sum = 0.0
         self.e2e_count = 0
+        self.images_received = 0
+        self.images_refused_by: dict[str, int] = {}
 
     def record_finished(self, finish_reason: str, e2e: float) -> None:
         self.requests.inc(1, tags={"finish_reason": finish_reason})
@@ -232,3 +242,13 @@ class RequestMetrics:
         bucket = bisect.bisect_left(self.e2e_buckets, e2e)
         if bucket < len(self.e2e_counts):
             self.e2e_counts[bucket] += 1
+
+    def record_images(self, count: int) -> None:
+        self.images.inc(count)
+        self.images_received += count
+
+    def record_image_refused(self, reason: str) -> None:
+        """An image refused: `reason` is one of frontend/images.py's (pixels, bytes, ...) or
+        `model` (the model takes no images)."""
+        self.images_refused.inc(1, tags={"reason": reason})
+        self.images_refused_by[reason] = self.images_refused_by.get(reason, 0) + 1

@@ -4,12 +4,14 @@ strictly and turned into the chat completion request it means.
 Every bound, the chat template, tool prompting and output constraints are the chat endpoint's
 own: a Messages body becomes a `ChatCompletionRequest`, and the errors that one raises are named
 back by the Messages field they came from. An unknown field, a content block raylm cannot show the
-model (an image, a document) or a server tool is a 400 naming its path.
+model (a document) or a server tool is a 400 naming its path; image blocks are a vision model's
+(chat image parts, decoded and bounded in deploy/image_parts.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -26,7 +28,6 @@ TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_DESCRIPTION_CHARS = 8192
 # Blocks Anthropic defines that raylm does not take (yet): refused naming their path.
 _UNSUPPORTED_BLOCKS = {
-    "image": "image blocks are not supported by this server (it serves no vision model)",
     "document": "document blocks are not supported by this server",
     "search_result": "search_result blocks are not supported by this server",
     "server_tool_use": "server tools are not supported by this server",
@@ -78,6 +79,36 @@ class ToolResultBlock(_Strict):
         return "\n".join(block.text for block in self.content)
 
 
+class ImageSource(_Strict):
+    """An image as Anthropic sends it: base64 data and its media type, or a URL (fetched only
+    from allowed_media_domains); decoded and bounded where every image is (frontend/images.py)."""
+
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> ImageSource:
+        if self.type == "base64" and (self.data is None or self.media_type is None):
+            raise ValueError("a base64 source holds media_type and data")
+        if self.type == "url" and self.url is None:
+            raise ValueError("a url source holds url")
+        return self
+
+    def chat_url(self) -> str:
+        """The source as a chat image part's URL (a data URL for base64)."""
+        if self.type == "url":
+            return str(self.url)
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(_Strict):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+
+
 class ThinkingBlock(_Strict):
     """Earlier thinking, sent back with the conversation: accepted, not shown to the model (chat
     templates drop earlier turns' thinking)."""
@@ -92,9 +123,12 @@ class RedactedThinkingBlock(_Strict):
     data: str = Field(max_length=65536)
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+Block = (
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+)
 _BLOCKS: dict[str, type[BaseModel]] = {
     "text": TextBlock,
+    "image": ImageBlock,
     "tool_use": ToolUseBlock,
     "tool_result": ToolResultBlock,
     "thinking": ThinkingBlock,
@@ -102,7 +136,7 @@ _BLOCKS: dict[str, type[BaseModel]] = {
 }
 # Which blocks each role may write.
 _ROLE_BLOCKS = {
-    "user": {"text", "tool_result"},
+    "user": {"text", "image", "tool_result"},
     "assistant": {"text", "tool_use", "thinking", "redacted_thinking"},
 }
 
@@ -147,8 +181,12 @@ class ChatMessages:
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     origins: list[str] = field(default_factory=list)
+    # A message given as content parts (a user turn with images): each part's block path.
+    parts: dict[int, list[str]] = field(default_factory=dict)
 
-    def add(self, message: dict[str, Any], origin: str) -> None:
+    def add(self, message: dict[str, Any], origin: str, parts: list[str] | None = None) -> None:
+        if parts is not None:
+            self.parts[len(self.messages)] = parts
         self.messages.append(message)
         self.origins.append(origin)
 
@@ -260,7 +298,7 @@ class CountTokensRequest(_Strict):
     def chat_request(self, max_messages: int, **more: Any) -> tuple[ChatCompletionRequest, Names]:
         """The chat completion request this one means, and the names that map its errors back."""
         chat = self.chat_messages()
-        names = Names(chat.origins)
+        names = Names(chat.origins, chat.parts)
         try:
             request = ChatCompletionRequest.model_validate(
                 {**self.chat_fields(chat), **more}, context={"max_messages": max_messages}
@@ -362,6 +400,8 @@ def _block(raw: Any, path: str, role: Any) -> BaseModel:
             inner_kind = inner.get("type") if isinstance(inner, dict) else None
             if inner_kind in _UNSUPPORTED_BLOCKS:
                 raise ValueError(f"{path}.content.{k}: {_UNSUPPORTED_BLOCKS[inner_kind]}")
+            if inner_kind == "image":  # a tool message carries text only
+                raise ValueError(f"{path}.content.{k}: images in tool results are not supported")
     return _validated(_BLOCKS[kind], raw, path)
 
 
@@ -390,7 +430,9 @@ def _add_message(out: ChatMessages, message: Message, path: str) -> None:
                     "content": block.text(),
                 }
                 out.add(result, f"{path}.content.{j}")
-        if texts:
+        if any(isinstance(b, ImageBlock) for b in message.content):
+            _add_parts(out, message, path)
+        elif texts:
             out.add({"role": "user", "content": "\n".join(texts)}, path)
         return
     calls = [
@@ -406,6 +448,22 @@ def _add_message(out: ChatMessages, message: Message, path: str) -> None:
     if calls:
         turn["tool_calls"] = calls
     out.add(turn, path)
+
+
+def _add_parts(out: ChatMessages, message: Message, path: str) -> None:
+    """A user turn with images as chat content parts, in block order (its tool results are
+    already added before it)."""
+    parts: list[dict[str, Any]] = []
+    paths: list[str] = []
+    for j, block in enumerate(message.content):
+        if isinstance(block, TextBlock):
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            parts.append({"type": "image_url", "image_url": {"url": block.source.chat_url()}})
+        else:
+            continue
+        paths.append(f"{path}.content.{j}")
+    out.add({"role": "user", "content": parts}, path, paths)
 
 
 def _chat_tool_choice(choice: ToolChoice) -> Any:
@@ -430,6 +488,7 @@ class Names:
     """Maps a chat completion error's field back to the Messages field it came from."""
 
     origins: list[str]  # each chat message's path in the Messages body
+    parts: dict[int, list[str]] = field(default_factory=dict)  # ChatMessages.parts
 
     def rename(self, name: str | None) -> str | None:
         if name is None:
@@ -453,6 +512,12 @@ class Names:
         if not (head.isascii() and head.isdecimal()) or int(head) >= len(self.origins):
             return name
         tail = tail.lstrip(".")
+        part = re.match(r"content(?:\[(\d+)\]|\.(\d+))", tail)
+        paths = self.parts.get(int(head))
+        if part is not None and paths is not None and int(part[1] or part[2]) < len(paths):
+            # An image part's chat field (`.image_url.url`) is the block's `source`.
+            rest = tail[part.end() :].replace(".image_url.url", ".source", 1)
+            return paths[int(part[1] or part[2])] + rest
         return self.origins[int(head)] + (f".{tail}" if tail else "")
 
     def renamed(self, exc: Exception) -> Exception:

@@ -22,13 +22,27 @@ def frontend_message(message: Any) -> dict[str, Any]:
     """A validated chat message as the chat template reads it (developer is system)."""
     out: dict[str, Any] = {
         "role": message.role if message.role != "developer" else "system",
-        "content": message.text(),
+        "content": message.text() if not message.num_images else _parts(message.content),
     }
     if message.tool_calls:
         out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _parts(content: list[Any]) -> list[dict[str, Any]]:
+    """A user turn with images as the template's parts: its text, and one `image` part per image
+    (the template writes the model's placeholder; the image itself travels beside the ids)."""
+    return [
+        {"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in content
+    ]
+
+
+def _num_chars(content: str | list[dict[str, Any]] | None) -> int:
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content)
+    return len(content or "")
 
 
 def declared_tools(body: ChatCompletionRequest) -> list[ToolSpec]:
@@ -68,7 +82,7 @@ def chat_messages(
     # Each message renders one token at least (its role's markers): counted as a token's worth
     # of characters, a flood of empty messages is refused before the template runs.
     num_chars = (
-        sum(len(msg["content"]) for msg in messages)
+        sum(_num_chars(msg["content"]) for msg in messages)
         + len(messages) * MAX_CHARS_PER_TOKEN
         + len(json.dumps(tool_args or []))
     )

@@ -27,6 +27,7 @@ from deploy.hub import check_hub_settings
 from deploy.lora import check_scope_setting
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
+from frontend.images import ImageLimits
 from frontend.reasoning import PARSERS
 from router.autoscaling import MAX_REPLICAS, AutoscalingPolicyConfig
 from router.config import RoutingConfig
@@ -143,6 +144,8 @@ class AppConfig:
 
     # Model, parallelism, cache and scheduler settings.
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # Bounds on the images of a vision model's requests (frontend/images.py).
+    images: ImageLimits = field(default_factory=ImageLimits)
     served_model_name: str | None = setting(
         None, "the name clients pass as `model` and `/v1/models` lists (unset: `model`)"
     )
@@ -405,9 +408,20 @@ class AppConfig:
         f"browser origins (`https://app.example`) allowed to call the server, with CORS; at most "
         f"{MAX_ALLOWED} (unset: requests carrying an Origin get 403)",
     )
+    allowed_media_domains: list[str] | None = setting(
+        None,
+        f"hosts (no port) whose `http(s)` image URLs a vision model's requests may name, at most "
+        f"{MAX_ALLOWED}; fetched with `media_fetch_timeout_s` and `max_image_bytes`, redirects "
+        "within the host only (unset: only `data:` URLs, as fetching is a server-side request "
+        "forgery risk)",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.allowed_media_domains is not None:
+            self.allowed_media_domains = check_hosts(
+                self.allowed_media_domains, "allowed_media_domains"
+            )
         if self.num_replicas is not None and self.autoscaling is not None:
             raise ValueError("num_replicas: set num_replicas or autoscaling, not both")
         if self.api_key == "":

@@ -40,6 +40,10 @@ class Prompts:
     kind: str  # the response id's prefix: "cmpl", "chatcmpl"
     logprobs: int | None  # alternatives per sampled token (None: no log-probabilities)
     constraint: StructuredOutput | None = None
+    # A chat's images (deploy/image_parts.py): one placeholder token each in its prompt, and the
+    # tokens the engine's expansion adds beyond them (counted against the context here).
+    images: tuple[Any, ...] = ()
+    image_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -136,10 +140,11 @@ class ChoiceBuilder:
         except ValueError as exc:
             raise BadRequestError(str(exc), param="prompt") from None
         asked = self.body.max_tokens
-        max_tokens = asked if asked is not None else max_len - len(prompt)
-        if max_tokens < 1 or len(prompt) + max_tokens > max_len:
+        length = len(prompt) + self.prompts.image_tokens
+        max_tokens = asked if asked is not None else max_len - length
+        if max_tokens < 1 or length + max_tokens > max_len:
             raise ContextLengthError(
-                max_len, len(prompt), max(max_tokens, asked or 0), self.prompts.param
+                max_len, length, max(max_tokens, asked or 0), self.prompts.param
             )
         return max_tokens
 
@@ -184,6 +189,7 @@ class ChoiceBuilder:
             caller=self.caller,
             lora_name=self.lora,
             cache_salt=self.salt,
+            images=self.prompts.images,
         )
         return Choice(
             index,

@@ -59,6 +59,7 @@ def _lines(
         yield f'raylm_e2e_seconds_bucket{{{model},le="+Inf"}} {m.e2e_count}'
         yield f"raylm_e2e_seconds_sum{{{model}}} {m.e2e_sum!r}"
         yield f"raylm_e2e_seconds_count{{{model}}} {m.e2e_count}"
+    yield from _image_lines(metrics)
     yield from _head("raylm_ingress_requests_in_flight", "gauge", "HTTP requests being served.")
     yield f"raylm_ingress_requests_in_flight {in_flight}"
     yield from _head("raylm_replicas", "gauge", "Replicas known to the router, by state.")
@@ -79,6 +80,19 @@ def _lines(
         labels = f'replica="{_label(replica)}"'
         for lora in _visible(report.scheduler.loaded_loras, loras):
             yield f'raylm_lora_adapter_loaded{{{labels},lora="{_label(lora)}"}} 1'
+
+
+def _image_lines(metrics: list[RequestMetrics]) -> Iterator[str]:
+    yield from _head("raylm_images_total", "counter", "Images received in requests.")
+    for m in metrics:
+        yield f'raylm_images_total{{model="{_label(m.model)}"}} {m.images_received}'
+    yield from _head(
+        "raylm_images_refused_total", "counter", "Images refused at the ingress, by reason."
+    )
+    for m in metrics:
+        model = f'model="{_label(m.model)}"'
+        for reason, count in sorted(m.images_refused_by.items()):
+            yield f'raylm_images_refused_total{{{model},reason="{_label(reason)}"}} {count}'
 
 
 def _visible(loaded: Collection[str], allowed: Collection[str] | None) -> list[str]:

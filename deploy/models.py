@@ -19,6 +19,7 @@ from cluster.fleet_view import replica_ids, replica_reports
 from cluster.metrics import RequestMetrics
 from deploy.config import ApiKeyProfile, AppConfig
 from deploy.errors import AuthenticationError, ModelNotFoundError, RequestTimeoutError
+from deploy.image_parts import ServedVision
 from deploy.logprobs import TokenTexts
 from deploy.lora import LoraAdmin, adapter_cards, adapter_of
 from deploy.tools import detect_format, template_renders_tools
@@ -46,6 +47,8 @@ class ServedModel:
     reported_max_model_len: int | None = None  # as its replicas report it, once asked
     # A disaggregated model's prefill replicas (`replica` is then its decode replicas).
     prefill: DeploymentHandle | None = None
+    # A vision model's image bounds and token counts (None: the model takes no images).
+    vision: ServedVision | None = None
 
     @classmethod
     def load(cls, config: AppConfig, replica: DeploymentHandle) -> ServedModel:
@@ -65,6 +68,9 @@ class ServedModel:
             else None,
             lora_admin=LoraAdmin(replica, functools.partial(replica_ids, replica.deployment_name)),
             keys=config.key_profiles(),
+            vision=ServedVision.load(
+                frontend.info.model_dir, config.images, config.allowed_media_domains
+            ),
         )
 
     @property

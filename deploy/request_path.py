@@ -52,6 +52,7 @@ from deploy.config import AppConfig
 from deploy.engine_requests import ChoiceBuilder, Generation, Prompts
 from deploy.errors import BadRequestError, error_response
 from deploy.fields import Ignored
+from deploy.image_parts import IMAGE_BODY_BYTES, load_chat_images
 from deploy.lora import check_adapter_scope
 from deploy.models import Caller, ModelTable, ServedModel
 from deploy.reply_format import ReplyFormat, answer
@@ -106,7 +107,7 @@ class RequestPath:
         """The model the body names and the validated body, its priority capped by the caller's
         key for that model; the fields it dropped (unknown_fields: ignore) go in `ignored`."""
         # Before the body names its model: the largest any model takes (none is woken for it).
-        limit = max(body_limit(m.config, m.context_bound()) for m in self.table.models)
+        limit = max(_body_limit(m) for m in self.table.models)
         raw = await read_body(request, limit, self.config.request_body_timeout_s)
         mode: Any = self.config.unknown_fields
         body: Any = await parse_body(raw, schema, self.config.max_messages, mode, ignored)
@@ -182,6 +183,7 @@ class RequestPath:
         tools = declared_tools(chat)
         constraint = await self._check(m, chat_constraint(m, chat, tools))
         messages, tool_args, num_chars = chat_messages(m, chat, tools)
+        images, image_tokens = await load_chat_images(m.name, m.vision, m.metrics, chat)
         encode = functools.partial(
             m.frontend.encode_chat, tools=tool_args, options=chat.chat_options()
         )
@@ -190,7 +192,9 @@ class RequestPath:
             prompt = prompt[-chat.truncate_prompt_tokens :]
         opened = m.reasoning.opened_by(prompt) if m.reasoning is not None else None
         constraint = after_reasoning(m, constraint, opened)
-        asked = Prompts([prompt], "messages", "chatcmpl", chat.num_logprobs, constraint)
+        asked = Prompts(
+            [prompt], "messages", "chatcmpl", chat.num_logprobs, constraint, images, image_tokens
+        )
         gen = await self._generate(m, chat, asked, tenant)
         gen.tools = DeclaredTools.of(tools, m.tool_format) if tools else None
         gen.opened = opened
@@ -207,3 +211,11 @@ class RequestPath:
         """A chat-shaped request answered in `reply_format`'s output format, streamed or whole."""
         gen = await self._chat_generation(m, chat, tenant)
         return await answer(reply_format(gen), gen.deltas(), stream)
+
+
+def _body_limit(m: ServedModel) -> int:
+    """The largest body `m` takes: a vision model's has room for images beside its text."""
+    limit = body_limit(m.config, m.context_bound())
+    if m.vision is not None and m.config.max_request_body_bytes is None:
+        limit += IMAGE_BODY_BYTES
+    return limit

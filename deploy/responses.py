@@ -71,17 +71,40 @@ class TextPart(_Strict):
     logprobs: list[dict[str, Any]] | None = Field(default=None, max_length=0)
 
 
+class ImagePart(_Strict):
+    """An input_image part: a data URL, or http(s) from allowed_media_domains (a vision model's;
+    it becomes a chat image_url part). raylm keeps no files: file_id is refused."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None
+    file_id: None = None
+
+
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
     id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as chat reads it: text, or parts when it holds images."""
+        if isinstance(self.content, str) or not any(
+            isinstance(part, ImagePart) for part in self.content
+        ):
+            return self.text()
+        return [
+            {"type": "text", "text": part.text}
+            if isinstance(part, TextPart)
+            else {"type": "image_url", "image_url": {"url": part.image_url, "detail": part.detail}}
+            for part in self.content
+        ]
 
 
 class FunctionCallItem(_Strict):
@@ -129,7 +152,16 @@ class ReasoningItem(_Strict):
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 # Union branches pydantic names in an error's path: the path a client sees leaves them out.
-_BRANCHES = {"message", "function_call", "function_call_output", "reasoning", "str"}
+_BRANCHES = {
+    "message",
+    "function_call",
+    "function_call_output",
+    "reasoning",
+    "str",
+    "input_text",
+    "output_text",
+    "input_image",
+}
 _ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(
     list[Annotated[InputItem, Field(discriminator="type")]]
 )
@@ -302,7 +334,7 @@ class ResponsesRequest(_Strict):
             return out + [{"role": "user", "content": self.input}]
         for item in self.input:
             if isinstance(item, MessageItem):
-                out.append({"role": item.role, "content": item.text()})
+                out.append({"role": item.role, "content": item.chat_content()})
             elif isinstance(item, FunctionCallItem):
                 call = {
                     "id": item.call_id,
@@ -392,7 +424,7 @@ def _rename(name: str | None) -> str | None:
     if name is None:
         return None
     for chat, ours in _NAMES:
-        if name == chat or name.startswith(chat + "."):
+        if name == chat or name.startswith((chat + ".", chat + "[")):  # `messages[0].content`
             return ours + name[len(chat) :]
     if name.startswith("tools.") and ".function." in name:
         return name.replace(".function.", ".", 1)

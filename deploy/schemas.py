@@ -392,9 +392,27 @@ def bounded_messages(data: Any, info: ValidationInfo) -> Any:
     return data
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ImageURL(BaseModel):
+    url: str  # a data: URL, or http(s) from allowed_media_domains; bounded where it is decoded
+    # Accepted as OpenAI defines it; the model's image processor decides the resolution.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ContentPart(BaseModel):
+    """A text part, or an image part (a vision model's: deploy/image_parts.py decodes it). One
+    model for both, as deploy/fields.py walks one nested model per field."""
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> ContentPart:
+        if self.type == "text" and (self.text is None or self.image_url is not None):
+            raise ValueError("text: a text part holds `text` (and no image_url)")
+        if self.type == "image_url" and (self.image_url is None or self.text is not None):
+            raise ValueError("image_url: an image_url part holds `image_url` (and no text)")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -409,15 +427,21 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(default=None, max_length=256)
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
+
+    @property
+    def num_images(self) -> int:
+        if not isinstance(self.content, list):
+            return 0
+        return sum(part.type == "image_url" for part in self.content)
 
 
 class ChatTemplateFields(BaseModel):

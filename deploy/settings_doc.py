@@ -16,6 +16,7 @@ from typing import Any
 from deploy.config import AppConfig
 from deploy.disagg_config import DisaggregationArgs
 from engine.config import EngineConfig
+from frontend.images import ImageLimits
 from router.config import RoutingConfig
 from scheduler.config import SchedulerConfig
 from scheduler.speculative import SpeculativeConfig
@@ -60,6 +61,7 @@ def settings_table() -> str:
         + _rows("scheduler", SchedulerConfig)
         + _rows("speculative", SpeculativeConfig)
         + _rows("disaggregation", DisaggregationArgs)
+        + _rows("images", ImageLimits)
     )
     return "\n".join(head + rows)
 

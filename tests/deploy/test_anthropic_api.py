@@ -260,7 +260,7 @@ def test_an_unknown_model_is_anthropics_not_found_error(client):
     assert info.value.body["error"]["type"] == "not_found_error"
 
 
-def test_an_image_block_is_refused_naming_its_path(client):
+def test_an_image_block_to_a_text_model_is_refused_naming_its_path(client):
     image = {
         "type": "image",
         "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
@@ -275,4 +275,5 @@ def test_an_image_block_is_refused_naming_its_path(client):
         )
     error = info.value.body["error"]
     assert error["type"] == "invalid_request_error"
-    assert error["message"].startswith("messages.0.content.1: image blocks are not supported")
+    assert error["message"].startswith("messages.0.content.1.source: the model")
+    assert "takes no images" in error["message"]

@@ -215,7 +215,7 @@ HUGE = [2**64, -1, "NaN", 1e300]
                     },
                 ]
             },
-            "messages.1.content.1",
+            "messages.1.content.1.source.type",  # an image block's source is checked here
         ),
         (
             {
