@@ -58,6 +58,21 @@ def test_the_gpu_examples_fit_the_ray_up_cluster_their_comments_name(name, nodes
         )
 
 
+def test_the_two_node_pipeline_example_puts_each_stage_on_a_gpu_node_of_its_own(monkeypatch):
+    """gpu_pp2_two_nodes.yaml: STRICT_SPREAD over the head and both GPU workers of ray_config.yaml;
+    with one GPU worker the check names the bundles and the largest node."""
+    monkeypatch.setenv("RAYLM_API_KEYS", '{"k": {"tenant": "t"}}')
+    [fleet] = fleets("deploy/examples/gpu_pp2_two_nodes.yaml")
+    [model] = fleet.models
+    assert model.engine.pipeline_parallel_size == 2 and model.engine.world_size == 2
+    assert model.placement_group_strategy() == "STRICT_SPREAD"
+    stage = {"CPU": 1.0, "GPU": 1.0}
+    assert model.placement_group_bundles() == [{"CPU": 1.0}, stage, stage]
+    assert placement_problems(fleet, RAY_UP_CLUSTER, "the cluster") == []
+    [problem] = placement_problems(fleet, RAY_UP_CLUSTER[:2], "the cluster")
+    assert "under STRICT_SPREAD, and each must sit on a node of its own (3 nodes)" in problem
+
+
 def test_two_replicas_and_the_ingress_on_two_cores_name_what_they_need_and_what_there_is():
     fleet = FleetConfig.from_args(
         {"num_replicas": 2, "replica_num_cpus": 1, "ingress_num_cpus": 0.5}
