@@ -125,10 +125,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """Checkpoint names in our layout; the tower's unused layers and final norm skipped."""
         kept = self.vision_tower.num_layers
         for name, tensor in weights:
-            for old, new in _RENAMES:
+            for old, new in _RENAMES:  # in order: a name may need two of them
                 if name.startswith(old):
                     name = new + name[len(old) :]
-                    break
             if name.startswith("vision_tower.post_layernorm."):
                 continue
             layer = name.startswith("vision_tower.encoder.layers.")

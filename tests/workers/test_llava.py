@@ -1,0 +1,164 @@
+"""LLaVA as raylm runs it: the CLIP tower and projector give transformers' image features, the
+spliced prompt gives its logits (on one rank, and on two tensor-parallel ranks with the tower
+replicated), and both checkpoint layouts load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoProcessor, LlavaConfig
+
+from engine.multimodal import ImagePreprocessor
+from tests.workers.vision_checkpoints import random_image, write_tiny_llava
+from workers.kv_cache import KVCache, KVCacheSpec
+from workers.layers.attention import AttentionMetadata, select_backend
+from workers.loader import iterate_weights, load_model
+from workers.models.image_splice import ImageSplice
+from workers.models.llava import LlavaForConditionalGeneration
+from workers.parallel import init_tensor_parallel, reset_tensor_parallel
+
+PROMPT = "USER: <image> and <image>, compare. ASSISTANT:"
+SEEDS = (11, 12)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, smollm2_tokenizer):
+    """(checkpoint dir, HF model, the prompt's HF inputs)."""
+    from transformers import LlavaForConditionalGeneration as HFLlava
+
+    path = str(tmp_path_factory.mktemp("tiny-llava-model"))
+    write_tiny_llava(path, smollm2_tokenizer)
+    hf = HFLlava.from_pretrained(path, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    inputs = processor(text=PROMPT, images=[random_image(s) for s in SEEDS], return_tensors="pt")
+    return path, hf, inputs
+
+
+def load(path: str) -> LlavaForConditionalGeneration:
+    model = load_model(path, AutoConfig.from_pretrained(path), torch.float32, torch.device("cpu"))
+    assert isinstance(model, LlavaForConditionalGeneration)
+    return model
+
+
+def spliced_logits(path: str, input_ids: list[int], pixels: torch.Tensor) -> torch.Tensor | None:
+    """One prefill of the prompt with both images encoded and spliced at their placeholders."""
+    model = load(path)
+    layers = model.attention_layers()
+    cache = KVCache(KVCacheSpec.of(layers, 4, torch.float32), 32, 0, torch.device("cpu"))
+    cache.bind(layers)
+    backend = select_backend(torch.device("cpu"), "torch")
+    for layer in layers:
+        layer.backend = backend
+    placeholder = LlavaForConditionalGeneration.image_token_id(AutoConfig.from_pretrained(path))
+    rows = [i for i, t in enumerate(input_ids) if t == placeholder]
+    with torch.inference_mode():
+        embeds = torch.cat([model.encode_image({"pixel_values": p[None]}) for p in pixels])
+        model.image_splice.set(torch.tensor(rows), embeds)
+        n = len(input_ids)
+        meta, positions = AttentionMetadata.build([0], [n], [list(range(-(-n // 4)))], 4, "cpu")
+        backend.prepare(meta)
+        hidden = model(torch.tensor(input_ids), positions, meta)
+        assert model.image_splice.rows is None  # spent by the forward
+        return model.compute_logits(hidden)
+
+
+def test_the_tower_and_projector_give_transformers_image_features(llava):
+    path, hf, inputs = llava
+    model = load(path)
+    with torch.no_grad():
+        expected = hf.model.get_image_features(
+            pixel_values=inputs["pixel_values"],
+            vision_feature_layer=hf.config.vision_feature_layer,
+            vision_feature_select_strategy=hf.config.vision_feature_select_strategy,
+        )
+        expected = expected.pooler_output if hasattr(expected, "pooler_output") else expected
+        ours = [model.encode_image({"pixel_values": p[None]}) for p in inputs["pixel_values"]]
+    for mine, theirs in zip(ours, expected):
+        assert mine.shape == (4, 64)
+        torch.testing.assert_close(mine, theirs.reshape(mine.shape), atol=1e-5, rtol=1e-5)
+
+
+def test_the_spliced_prompt_gives_transformers_logits(llava):
+    path, hf, inputs = llava
+    with torch.no_grad():
+        expected = hf(**inputs).logits[0]
+    ids = inputs["input_ids"][0].tolist()
+    got = spliced_logits(path, ids, inputs["pixel_values"])
+    assert got is not None
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def tp_spliced_logits(rank: int, world: int, path: str, ids: list[int], pixels) -> object:
+    """A gloo_ranks job: the spliced prefill on this rank (the tower runs whole on each)."""
+    init_tensor_parallel(rank, world, dist.group.WORLD)
+    logits = spliced_logits(path, ids, pixels)
+    return logits if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_with_a_replicated_tower_match_one(llava, gloo_ranks):
+    path, _, inputs = llava
+    ids, pixels = inputs["input_ids"][0].tolist(), inputs["pixel_values"]
+    two = gloo_ranks(2).run(tp_spliced_logits, path, ids, pixels)
+    reset_tensor_parallel()
+    torch.testing.assert_close(two, spliced_logits(path, ids, pixels), atol=1e-4, rtol=1e-4)
+
+
+def test_the_transformers_5_layout_loads_the_same_weights(llava):
+    """Checkpoints name tensors `language_model.model.*` (llava-hf) or `model.language_model.*`
+    (transformers 5 in memory); both load into the same parameters."""
+    path, hf, _ = llava
+    config = AutoConfig.from_pretrained(path)
+    from_disk, from_memory = (LlavaForConditionalGeneration(config) for _ in range(2))
+    from_disk.check_loaded(from_disk.load_weights(iterate_weights(path, progress=False)))
+    from_memory.check_loaded(from_memory.load_weights(hf.state_dict().items()))
+    disk, memory = from_disk.state_dict(), from_memory.state_dict()
+    assert disk.keys() == memory.keys()
+    for name, tensor in disk.items():
+        torch.testing.assert_close(tensor, memory[name], msg=name)
+
+
+def test_token_counts_follow_the_feature_strategy(llava):
+    path, _, _ = llava
+    config = AutoConfig.from_pretrained(path)
+    arrays = {"pixel_values": np.zeros((1, 3, 28, 28), np.float32)}
+    assert LlavaForConditionalGeneration.num_image_tokens(config, arrays) == 4
+    full = LlavaConfig.from_dict({**config.to_dict(), "vision_feature_select_strategy": "full"})
+    assert LlavaForConditionalGeneration.num_image_tokens(full, arrays) == 5
+    model = LlavaForConditionalGeneration(full)
+    assert model.encode_image({"pixel_values": torch.zeros(1, 3, 28, 28)}).shape == (5, 64)
+    with pytest.raises(ValueError, match="pixel_values"):
+        LlavaForConditionalGeneration.num_image_tokens(config, {"pixel_values": np.zeros((3, 28))})
+
+
+def test_bad_configs_and_splices_are_refused(llava):
+    path, _, _ = llava
+    config = AutoConfig.from_pretrained(path)
+    deep = LlavaConfig.from_dict({**config.to_dict(), "vision_feature_layer": -9})
+    with pytest.raises(ValueError, match="vision_feature_layer"):
+        LlavaForConditionalGeneration(deep)
+    with pytest.raises(ValueError, match="2 rows for 3 image embeddings"):
+        ImageSplice().set(torch.tensor([0, 1]), torch.zeros(3, 8))
+
+
+def test_the_preprocessor_expands_each_placeholder_to_the_image_tokens(llava):
+    from scheduler.request import EngineRequest
+
+    path, _, inputs = llava
+    pre = ImagePreprocessor.load(path)
+    assert pre is not None
+    ids = [5, pre.placeholder, 6, pre.placeholder]
+    images = (random_image(SEEDS[0]), random_image(SEEDS[1]))
+    out = pre.expand(EngineRequest("r", ids, images=images))
+    assert out.images == () and out.mm_inputs is not None
+    assert out.prompt_token_ids == [5, *[pre.placeholder] * 4, 6, *[pre.placeholder] * 4]
+    spans = out.mm_inputs.spans
+    assert [(s.offset, s.length) for s in spans] == [(1, 4), (6, 4)]
+    pixels = dict(out.mm_inputs.images[0].arrays)["pixel_values"]
+    assert pixels.shape == (1, 3, 28, 28)
+    got = np.frombuffer(pixels.data, np.float32).reshape(pixels.shape)
+    np.testing.assert_allclose(got[0], inputs["pixel_values"][0].numpy(), atol=1e-6)
+    again = pre.expand(EngineRequest("s", ids, images=images))
+    assert again.mm_inputs is not None and again.mm_inputs.spans == spans  # digest: pixels alone
