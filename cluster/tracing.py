@@ -210,15 +210,15 @@ def record_replica(
         )
     for chunk in record.prefill:
         _chunk_span(tracer_, "raylm.prefill", root, chunk, end)
-    if record.decode:
-        first, last = record.decode[0], record.decode[-1]
+    decode = record.decode
+    if decode is not None:
         span_between(
             tracer_,
             "raylm.decode",
             root,
-            first.start_ns,
-            last.end_ns or end,
-            **{"raylm.decode.steps": len(record.decode)},
+            decode.start_ns,
+            decode.end_ns or end,
+            **{"raylm.decode.steps": decode.steps, "raylm.decode.tokens": decode.tokens},
         )
     root.end(end_time=max(end, record.arrival_ns))
 

@@ -21,12 +21,15 @@ from scheduler.request import Request, RequestStatus
 
 @dataclass(slots=True)
 class Chunk:
-    """One step's share of a request: [start_ns, end_ns), `tokens` computed from `first`."""
+    """Steps of a request: [start_ns, end_ns), `tokens` computed from `first` in `steps` steps.
+    A prefill chunk is one step; the decode is one Chunk that grows by a step each step (a long
+    generation keeps one object, not one per token)."""
 
     start_ns: int
     tokens: int
     first: int
     end_ns: int = 0
+    steps: int = 1
 
 
 @dataclass(slots=True)
@@ -35,10 +38,9 @@ class RequestTrace:
 
     arrival_ns: int
     scheduled_ns: int | None = None  # its first step: the end of its queue wait
-    prefill: list[Chunk] = field(
-        default_factory=list
-    )  # prompt chunks, and recompute after preemption
-    decode: list[Chunk] = field(default_factory=list)
+    # The prompt's chunks (and those recomputing it after a preemption), then the decode steps.
+    prefill: list[Chunk] = field(default_factory=list)
+    decode: Chunk | None = None
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # LOADING_KV intervals
     loading_since: int | None = None
     num_cached_tokens: int = 0
@@ -66,14 +68,18 @@ class RequestTrace:
         """A step scheduled n tokens of req (already counted as computed by the scheduler)."""
         if self.scheduled_ns is None:
             self.scheduled_ns = now
-        chunk = Chunk(now, n, req.num_computed_tokens - n)
         if self.prefilling:
+            chunk = Chunk(now, n, req.num_computed_tokens - n)
             self.prefill.append(chunk)
             # The last chunk reaches every token the runner must hold before it samples.
             self.prefilling = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
+            return chunk
+        if self.decode is None:
+            self.decode = Chunk(now, n, req.num_computed_tokens - n)
         else:
-            self.decode.append(chunk)
-        return chunk
+            self.decode.tokens += n
+            self.decode.steps += 1
+        return self.decode
 
     def finish(self, output: RequestOutput, now: int) -> None:
         self.finish_ns = now

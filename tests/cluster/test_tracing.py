@@ -44,9 +44,7 @@ def _record() -> RequestTrace:
         Chunk(t0 + 3 * MS, 64, 32, t0 + 6 * MS),
         Chunk(t0 + 6 * MS, 8, 96, t0 + 8 * MS),
     ]
-    record.decode += [
-        Chunk(t0 + (8 + 3 * i) * MS, 1, 104 + i, t0 + (11 + 3 * i) * MS) for i in range(3)
-    ]
+    record.decode = Chunk(t0 + 8 * MS, 3, 104, t0 + 17 * MS, steps=3)
     record.finish_ns, record.finish_reason = t0 + 20 * MS, "length"
     return record
 
@@ -81,10 +79,8 @@ def test_a_replica_s_spans_form_one_tree_under_the_attempt(traced):
     ]
     assert chunks == [(32, 64), (96, 8)]
     (decode,) = spans["raylm.decode"]
-    assert (decode.start_time, decode.end_time) == (
-        record.decode[0].start_ns,
-        record.decode[-1].end_ns,
-    )
+    assert (decode.start_time, decode.end_time) == (record.decode.start_ns, record.decode.end_ns)
+    assert decode.attributes["raylm.decode.tokens"] == 3
     assert decode.attributes["raylm.decode.steps"] == 3
 
 
@@ -93,8 +89,8 @@ def test_an_unfinished_record_ends_where_the_replica_gave_up(traced):
     trace, exporter = traced
     record = _record()
     record.finish_ns = record.finish_reason = None
-    record.decode[-1].end_ns = 0  # the step in flight when it was cancelled
-    end = record.decode[-1].start_ns + 5 * MS
+    record.decode.end_ns = 0  # a step was in flight when it was cancelled
+    end = record.decode.start_ns + 20 * MS
     record_replica(trace, ReplicaSide("r", "x", 104, 2, "whole", "tiers"), record, end_ns=end)
     by_name = {s.name: s for s in exporter.get_finished_spans()}
     assert by_name["raylm.replica"].end_time == by_name["raylm.decode"].end_time == end

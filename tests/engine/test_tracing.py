@@ -61,10 +61,10 @@ def test_a_traced_request_records_its_queue_chunks_and_decode_steps(engine, prom
     assert trace is not None and engine.tracer.pop("a") is None  # popped once
     assert before <= trace.arrival_ns <= trace.scheduled_ns
     assert [(c.first, c.tokens) for c in trace.prefill] == [(0, 64), (64, 64), (128, 64), (192, 8)]
-    assert len(trace.decode) == GREEDY.max_tokens - 1  # the first token came with the last chunk
-    assert all(c.tokens == 1 for c in trace.decode)
-    assert [c.first for c in trace.decode] == list(range(200, 205))
-    chunks = trace.prefill + trace.decode
+    decode = trace.decode
+    assert decode.steps == decode.tokens == GREEDY.max_tokens - 1  # the 1st came with the prompt
+    assert decode.first == 200
+    chunks = [*trace.prefill, decode]
     assert all(c.start_ns < c.end_ns for c in chunks)
     assert all(a.end_ns <= b.start_ns for a, b in itertools.pairwise(chunks))  # in step order
     assert trace.finish_reason == "length" and trace.finish_ns >= chunks[-1].end_ns
