@@ -2,10 +2,14 @@
 
 The tiny random checkpoint (tests/workers/qwen2_vl_checkpoint.py) with the real image processor:
 a 56x56 image (4 tokens) and an 84x112 one (12 tokens, several attention windows). Prompts with
-0, 1 and 3 images run in one batch, beside a text-only request, on an engine that prefills whole
-prompts and on one whose 16-token budget cuts them into chunks (never inside an image) while the
-others decode: every request gives transformers' greedy tokens. Text after images runs at
-positions shifted by the request's M-RoPE delta; a text-only request keeps plain positions.
+0, 1 and 3 images run in one batch, beside a text-only request, on two engines:
+- whole prompts, prefix caching on; then a second turn of the 3-image conversation, whose prefix
+  (past all three images) comes from the cache: its first chunk starts after the images, at the
+  positions the request's M-RoPE delta gives, and nothing is encoded again;
+- 16-token steps with at most 12 image tokens encoded per step (chunks never end inside an image)
+  over a pool too small for the batch (preemption recomputes, and the positions are laid out
+  again).
+Every request gives transformers' greedy tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from tests.workers.qwen2_vl_checkpoint import (
     VISION_START,
     write_tiny_qwen2_vl,
 )
+from workers.features.vision import VisionFeature
 
 MAX_TOKENS = 8
 SIZES = [(56, 56), (112, 84), (56, 56)]  # (width, height): 4, 12 and 4 tokens
@@ -99,17 +104,44 @@ def generate(llm: LLM, prompts) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(batch, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("budget", [2048, 16], ids=["whole-prompts", "chunked"])
-def test_images_text_and_batch_give_transformers_tokens(checkpoint, references, budget):
-    path, _ = checkpoint
-    with LLM(
-        path,
-        device="cpu",
-        load_progress=False,
-        kv_cache_memory_gb=0.01,
-        max_num_batched_tokens=budget,
-        enable_prefix_caching=False,
-    ) as llm:
+WHOLE = dict(block_size=4, num_gpu_blocks=96, max_model_len=96)
+CHUNKED = dict(
+    block_size=4,
+    num_gpu_blocks=14,  # the 47-token request alone needs 12; the batch needs 24
+    max_model_len=56,
+    max_num_batched_tokens=16,
+    max_num_encoder_tokens=12,
+    enable_prefix_caching=False,
+)
+
+
+def engine(path: str, settings: dict) -> LLM:
+    return LLM(path, device="cpu", load_progress=False, **settings)
+
+
+def test_whole_prompts_then_a_second_turn_from_the_prefix_cache(checkpoint, references):
+    path, hf = checkpoint
+    with engine(path, WHOLE) as llm:
         outputs = generate(llm, PROMPTS)
+        for (_, images), tokens, ref in zip(PROMPTS, outputs, references):
+            assert_greedy_match(tokens, ref, f"{len(images)} images, whole prompts")
+        ids, images = PROMPTS[2]
+        turn = ids + outputs[2] + [11, 12, 13]
+        cache = llm.engine.executor.runner.feature(VisionFeature).cache  # type: ignore[attr-defined]
+        encoded = cache.misses
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        prompt = {"prompt_token_ids": turn, "multi_modal_data": {"image": images}}
+        second = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert second.num_cached_tokens >= len(ids) - 3 + 20  # all 20 image tokens came cached
+    assert cache.misses == encoded  # nothing encoded again
+    processor = AutoImageProcessor.from_pretrained(path)
+    assert_greedy_match(second.token_ids, hf_greedy(hf, processor, turn, images), "second turn")
+
+
+def test_chunks_encoder_budget_and_preemption(checkpoint, references):
+    path, _ = checkpoint
+    with engine(path, CHUNKED) as llm:
+        outputs = generate(llm, PROMPTS)
+        assert llm.engine.stats().num_preemptions > 0
     for (_, images), tokens, ref in zip(PROMPTS, outputs, references):
-        assert_greedy_match(tokens, ref, f"{len(images)} images, budget {budget}")
+        assert_greedy_match(tokens, ref, f"{len(images)} images, chunked")
