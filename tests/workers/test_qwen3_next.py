@@ -1,9 +1,10 @@
 """Qwen3-Next (gated DeltaNet layers beside gated full attention, MoE with a shared expert): greedy
 output equals transformers' greedy generate on the same random checkpoint (fp32), batched under
 16-token chunked prefill (cuts inside the prompts, so each linear layer's state crosses steps)
-with async scheduling, and with two state slots reused by three requests and an 8-block pool that preempts (recompute: the
-victim's state is dropped and rebuilt). Also what a hybrid model refuses, and that its paged KV
-covers its full-attention layers only.
+with async scheduling, and with two state slots reused by three requests and an 8-block pool that
+preempts (recompute: the victim's state is dropped and rebuilt). Two gloo ranks give one rank's
+logits. Also what a hybrid model refuses, the state store's rules, and that its paged KV covers
+its full-attention layers only.
 
 The checkpoint: four layers (DeltaNet, full, DeltaNet, full), a dense first MLP, eight experts
 top-2 with a shared expert after it, rotary on a quarter of each 16-wide head, random norms (the
@@ -85,6 +86,7 @@ def assert_matches(outs, refs, what: str) -> None:
         assert_greedy_match(out.token_ids, ref, f"{what}, prompt {i}")
 
 
+@pytest.mark.slow
 def test_batched_chunked_async_greedy_matches_hf_and_only_full_attention_has_kv(
     checkpoint, llm_factory, prompts, references
 ):
@@ -108,6 +110,7 @@ def test_batched_chunked_async_greedy_matches_hf_and_only_full_attention_has_kv(
     assert engine.expert_load()[0] > 0  # the MoE layers routed every token
 
 
+@pytest.mark.slow
 def test_few_slots_and_a_tiny_pool_preempt_and_recompute_to_hf_tokens(
     checkpoint, llm_factory, prompts, references
 ):
@@ -130,6 +133,7 @@ def test_few_slots_and_a_tiny_pool_preempt_and_recompute_to_hf_tokens(
     assert llm.engine.scheduler.state_slots.num_free == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs,field",
     [
@@ -146,6 +150,7 @@ def test_what_a_hybrid_model_cannot_run_is_refused_by_name(checkpoint, kwargs, f
         LLM(model=path, dtype="float32", device="cpu", load_progress=False, **kwargs)
 
 
+@pytest.mark.slow
 def test_layer_types_are_checked_at_load(checkpoint):
     from transformers import AutoConfig
 
@@ -186,3 +191,65 @@ def test_state_slots_are_zeroed_at_position_0_and_never_invented_past_it():
     assert set(store.slot_of) == {"d"} and len(store.free) == 1
     with pytest.raises(RuntimeError, match="no free slot"):
         store.begin_step(["e", "f"], [0, 0], {"d", "e", "f"})
+
+
+# Steps of the tensor-parallel check: a 10-token prompt in chunks of 6 and 4, then its decode
+# beside a new 5-token prompt (request ids, starts, query lengths, block tables, tokens).
+TP_STEPS = [
+    (["a"], [0], [6], [[3, 7, 1]], list(range(50, 56))),
+    (["a"], [6], [4], [[3, 7, 1]], list(range(56, 60))),
+    (["a", "b"], [10, 0], [1, 5], [[3, 7, 1], [2, 9]], [77, 5, 6, 7, 8, 9]),
+]
+
+
+def hybrid_logits(rank: int, world: int, model_dir: str) -> torch.Tensor | None:
+    """A gloo_ranks job (and the single-rank reference): TP_STEPS on this rank's shard of the
+    model, with its own state slots; rank 0's logits of every step."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from workers.kv_cache import KVCache, KVCacheSpec
+    from workers.layers.attention import AttentionMetadata, select_backend
+    from workers.layers.gated_delta import GatedDeltaNet
+    from workers.linear_state import LinearStateStore
+    from workers.loader import load_model
+    from workers.parallel import init_tensor_parallel
+
+    if world > 1:
+        init_tensor_parallel(rank, world, dist.group.WORLD)
+    cpu = torch.device("cpu")
+    model = load_model(
+        model_dir, AutoConfig.from_pretrained(model_dir), torch.float32, cpu, progress=False
+    )
+    layers = model.attention_layers()
+    KVCache(KVCacheSpec.of(layers, 4, torch.float32), 16, 0, cpu).bind(layers)
+    backend = select_backend(cpu, "torch")
+    for layer in layers:
+        layer.backend = backend
+    delta = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    store = LinearStateStore(delta, 2, torch.float32, cpu)
+    logits = []
+    with torch.inference_mode():
+        for req_ids, starts, lens, tables, ids in TP_STEPS:
+            meta, positions = AttentionMetadata.build(starts, lens, tables, 4, cpu)
+            backend.prepare(meta)
+            store.begin_step(req_ids, starts, req_ids)
+            logits.append(model.compute_logits(model(torch.tensor(ids), positions, meta)))
+    return None if logits[0] is None else torch.cat(logits)
+
+
+@pytest.mark.slow
+def test_two_ranks_split_both_mixers_by_head_and_match_one(tmp_path, gloo_ranks):
+    """At TP=2 each rank holds one of the two key heads (with its two value heads, its conv
+    channels and decay vectors) and two of the four attention heads: rank 0's logits over chunked
+    prefill and a mixed decode step equal one rank's."""
+    from workers.parallel import reset_tensor_parallel
+
+    path = write_random_checkpoint(
+        TINY_QWEN3_NEXT.with_fields(vocab_size=250), str(tmp_path), seed=49
+    ).path
+    reset_tensor_parallel()
+    expected = hybrid_logits(0, 1, path)
+    assert expected is not None and expected.shape[0] == 6 + 4 + 1 + 5
+    got = gloo_ranks(2).run(hybrid_logits, path)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

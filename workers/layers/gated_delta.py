@@ -19,7 +19,8 @@ tokens match (tests/workers/test_gated_delta.py compares them tensor by tensor).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,9 @@ from torch import nn
 
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from workers.parallel import get_tp_world_size
+from workers.layers.param_attrs import set_param_attr
+from workers.layers.quantized import as_float
+from workers.parallel import divide, get_tp_rank, get_tp_world_size
 
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' default)
 
@@ -182,13 +185,48 @@ class DeltaDims:
         """Value heads per key head."""
         return self.num_v_heads // self.num_k_heads
 
+    def per_rank(self, tp_size: int) -> DeltaDims:
+        """One tensor-parallel rank's share: whole key heads, with their value heads."""
+        heads = divide(self.num_k_heads, tp_size, "linear_num_key_heads")
+        return replace(self, num_k_heads=heads, num_v_heads=heads * self.group)
+
 
 class ConvWeight(nn.Module):
-    """The depthwise conv's taps [C, 1, K], named as the checkpoint's `conv1d.weight`."""
+    """The depthwise conv's taps [C, 1, K], named as the checkpoint's `conv1d.weight`: a rank
+    keeps its heads' channels of each of q, k and v, which the checkpoint lays side by side."""
 
-    def __init__(self, channels: int, kernel: int) -> None:
+    def __init__(self, d: DeltaDims, rank: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_kernel), requires_grad=False)
+        self.parts = [d.key_size, d.key_size, d.value_size]  # this rank's channels of each
+        self.rank = rank
+        set_param_attr(self.weight, "weight_loader", self.load)
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        full = as_float(loaded)
+        tp = full.shape[0] // param.shape[0]
+        pieces = full.split([n * tp for n in self.parts])
+        mine = [p.narrow(0, self.rank * n, n) for p, n in zip(pieces, self.parts)]
+        _copy_exact(param, torch.cat(mine), "conv1d.weight")
+
+
+def head_shard_loader(rank: int) -> Callable[..., None]:
+    """A loader for a per-value-head vector (A_log, dt_bias): this rank's heads."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        n = param.shape[0]
+        _copy_exact(param, as_float(loaded).narrow(0, rank * n, n), "A_log / dt_bias")
+
+    return load
+
+
+def _copy_exact(param: nn.Parameter, value: torch.Tensor, name: str) -> None:
+    if param.shape != value.shape:
+        raise ValueError(
+            f"{name}: checkpoint shard has shape {tuple(value.shape)}, "
+            f"expected {tuple(param.shape)}"
+        )
+    param.data.copy_(value)
 
 
 @dataclass(slots=True)
@@ -206,24 +244,25 @@ class GatedDeltaNet(nn.Module):
     """Qwen3-Next's linear-attention token mixer: projections, conv, gated delta rule, gated norm.
 
     `state` is bound by the runner's state feature (workers/linear_state.py) before each forward.
-    Tensor parallelism is refused: the conv's channels are q, k and v of all heads side by side,
-    which no row split of the checkpoint shards by head."""
+    Under tensor parallelism a rank holds whole key heads and their value heads: the projections'
+    rows are grouped by key head in the checkpoint, so a contiguous split is one; the conv's
+    channels (q, k, v of all heads side by side) and the per-head vectors are cut by ConvWeight
+    and head_shard_loader; out_proj sums the ranks' heads."""
 
-    def __init__(self, d: DeltaDims) -> None:
+    def __init__(self, full: DeltaDims) -> None:
         super().__init__()
-        if get_tp_world_size() > 1:
-            raise ValueError(
-                "tensor_parallel_size: gated DeltaNet layers (Qwen3-Next) run at 1 only"
-            )
-        self.d = d
+        tp, rank = get_tp_world_size(), get_tp_rank()
+        self.d = d = full.per_rank(tp)  # every size below is this rank's
         qkvz = 2 * d.key_size + 2 * d.value_size
-        self.in_proj_qkvz = ColumnParallelLinear(d.hidden_size, qkvz)
-        self.in_proj_ba = ColumnParallelLinear(d.hidden_size, 2 * d.num_v_heads)
-        self.conv1d = ConvWeight(d.conv_dim, d.conv_kernel)
+        self.in_proj_qkvz = ColumnParallelLinear(d.hidden_size, tp * qkvz)
+        self.in_proj_ba = ColumnParallelLinear(d.hidden_size, tp * 2 * d.num_v_heads)
+        self.conv1d = ConvWeight(d, rank)
         self.dt_bias = nn.Parameter(torch.ones(d.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(d.num_v_heads), requires_grad=False)
+        for vector in (self.dt_bias, self.A_log):
+            set_param_attr(vector, "weight_loader", head_shard_loader(rank))
         self.norm = GatedRMSNorm(d.v_dim, d.eps)
-        self.out_proj = RowParallelLinear(d.value_size, d.hidden_size)
+        self.out_proj = RowParallelLinear(tp * d.value_size, d.hidden_size)
         self.state: DeltaStateView | None = None
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

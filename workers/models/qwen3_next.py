@@ -9,9 +9,9 @@ ones) as the feed-forward.
   RMS-normed per head, rotary covers the first `partial_rotary_factor` of each head, and the
   attention output is multiplied by sigmoid(gate) before `o_proj`.
 - Every RMSNorm but the DeltaNet's gated one scales by (1 + weight), as Gemma's do.
-- Tensor parallelism and pipeline stages are refused (the DeltaNet's conv mixes every head's q, k
-  and v channels in one checkpoint tensor); the multi-token-prediction weights (`mtp.*`) are
-  skipped.
+- Tensor parallelism splits both mixers by head (a DeltaNet rank holds whole key heads and their
+  value heads; a gated-attention rank whole (query, gate) pairs) and the MoE as for Qwen2-MoE;
+  pipeline stages are refused. The multi-token-prediction weights (`mtp.*`) are skipped.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from workers.models.gemma import GemmaRMSNorm
 from workers.models.glm4_moe import PartialRotary, partial_rotary
 from workers.models.llama import LlamaArgs, LlamaMLP, first_norm, lm_head_of
 from workers.models.moe import MoEArgs, MoEForCausalLM
+from workers.parallel import divide, get_tp_world_size
 from workers.pipeline import current_stage, run_stage
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -66,6 +67,7 @@ class GatedAttention(nn.Module):
 
     def __init__(self, a: LlamaArgs, rotary: nn.Module) -> None:
         super().__init__()
+        divide(a.num_heads, get_tp_world_size(), "num_attention_heads")
         # The query projection is [q_h, gate_h] per head: 2 * num_heads "heads" of head_dim,
         # so a pair always lands on the same rank.
         self.qkv_proj = QKVParallelLinear(
