@@ -27,6 +27,7 @@ from scheduler import ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutp
 from scheduler.block_manager import PrefixReport
 from scheduler.features import StepFeature
 from scheduler.features_async import AsyncOverlap
+from scheduler.features_images import ImageCounters
 from scheduler.features_pipeline import MicroBatches
 from scheduler.features_spec import SpecDecoding
 from scheduler.length_state import open_length_state
@@ -135,7 +136,10 @@ class EngineCore:
             self.num_gpu_blocks, self.num_cpu_blocks, self.max_model_len, self.tiers
         )
         depth = micro_batches(config)  # pipeline stages: a step in flight per stage
-        self.scheduler = Scheduler(sized, step_features(config.speculative, overlap, depth))
+        hooks = step_features(config.speculative, overlap, depth)
+        if self.images is not None:  # the vision tower's counts, for the stats
+            hooks.append(ImageCounters())
+        self.scheduler = Scheduler(sized, hooks)
         self.scheduler.state_slots = StateSlots(self.num_state_slots)
         # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
         # being updated from (scheduler/features_async.py); pipeline stages: `depth` in flight.

@@ -189,3 +189,13 @@ def check_spans_fit(spans: Sequence[ImageSpan], limit: int, why: str) -> None:
                 f"images: an image of {span.length} tokens exceeds {why}={limit}, the most one "
                 "step encodes"
             )
+
+
+@dataclass(slots=True)
+class ImageStepStats:
+    """What the vision tower did in one step (ModelRunnerOutput.image_stats): images encoded,
+    images read from the encoder cache, and the tower's time in microseconds."""
+
+    encoded: int = 0
+    cache_hits: int = 0
+    encoder_us: int = 0

@@ -6,7 +6,7 @@ import pickle
 from dataclasses import dataclass, field, fields
 
 from scheduler.kv_connector import KVTransfers
-from scheduler.multimodal import MultiModalInputs
+from scheduler.multimodal import ImageStepStats, MultiModalInputs
 from scheduler.request import FINISH_REASONS, Request
 from scheduler.sampling_params import SamplingParams
 
@@ -131,6 +131,8 @@ class ModelRunnerOutput:
     # prompt's final hidden state at the last token, projected to a few floats
     # (workers/length_features.py), sent once, in the step that ends the prompt.
     length_features: dict[str, list[float]] = field(default_factory=dict)
+    # Vision models: what the tower did this step (scheduler/features_images.py sums it).
+    image_stats: ImageStepStats | None = None
 
     def encode(self) -> bytes:
         """Rank 0's answer as one pickled tuple (see SchedulerOutput.encode)."""
@@ -194,6 +196,11 @@ class SchedulerStats:
     num_tier_saved_blocks: int = 0
     num_tier_loaded_blocks: int = 0
     num_tier_failed_loads: int = 0
+    # Vision models, cumulative (scheduler/features_images.py): images the tower encoded, images
+    # read from its encoder cache instead, and the tower's time in microseconds.
+    num_images_encoded: int = 0
+    num_encoder_cache_hits: int = 0
+    encoder_time_us: int = 0
 
 
 # Field order of the encoded tuples (positional, so they follow the dataclasses as they change);

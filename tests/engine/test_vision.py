@@ -103,6 +103,9 @@ def test_second_turn_reads_the_encoder_cache_and_gives_identical_tokens(llava, l
     hits, misses = cache.hits, cache.misses
     second = llm.generate(with_images(ONE, [image.copy()]), GREEDY, use_tqdm=False)[0]
     assert (cache.hits, cache.misses) == (hits + 1, misses)  # read, not encoded again
+    stats = llm.engine.stats()  # what /metrics reads
+    assert stats.num_encoder_cache_hits == cache.hits and stats.num_images_encoded == misses
+    assert stats.encoder_time_us > 0
     assert second.token_ids == first.token_ids == llava.greedy(ONE, [image])
 
 

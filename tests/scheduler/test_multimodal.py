@@ -95,7 +95,7 @@ def test_every_step_keeps_images_whole_and_within_the_encoder_budget(
         max_num_batched_tokens=budget,
         max_num_encoder_tokens=encoder,
         block_size=4,
-        num_gpu_blocks=max(blocks, -(-(len(ids) + 4) // 4)),
+        num_gpu_blocks=max(blocks, -(-(len(ids) + 8) // 4)),
         max_model_len=len(ids) + 8,
     )
     sched = Scheduler(cfg)

@@ -18,8 +18,8 @@ from typing import Protocol
 
 import torch
 
-from scheduler.multimodal import ImageInput, PackedArray
-from scheduler.outputs import NewRequestData
+from scheduler.multimodal import ImageInput, ImageStepStats, PackedArray
+from scheduler.outputs import ModelRunnerOutput, NewRequestData
 from workers.features.base import RunnerContext, RunnerFeature
 from workers.models.image_splice import ImageSplice
 from workers.step_state import Batch, RequestState
@@ -96,8 +96,7 @@ class VisionFeature(RunnerFeature):
         self.device = ctx.device
         self.images: dict[str, tuple[ImageInput, ...]] = {}
         self.cache = EncoderCache(cache_bytes)
-        self.images_encoded = 0
-        self.encoder_seconds = 0.0
+        self.step = ImageStepStats()  # this step's counts, handed out with its output
         # Qwen2.5-VL lays image tokens on a 3-axis grid: it sets a step's positions itself.
         self.positions: StepPositions | None = getattr(ctx.model, "step_positions", None)
 
@@ -133,6 +132,11 @@ class VisionFeature(RunnerFeature):
         self.model.image_splice.set(index, torch.cat(parts))
         return True
 
+    def proposed(self, batch: Batch, output: ModelRunnerOutput) -> None:
+        """The step's counts go out with its output (the scheduler sums them for the stats)."""
+        if self.step.encoded or self.step.cache_hits:
+            output.image_stats, self.step = self.step, ImageStepStats()
+
     def _embeddings(self, image: ImageInput) -> torch.Tensor:
         """The image's rows: cached by digest, else encoded now."""
         span = image.span
@@ -141,9 +145,11 @@ class VisionFeature(RunnerFeature):
             t0 = time.perf_counter()
             arrays = {name: unpack(a, self.device) for name, a in image.arrays}
             rows = self.model.encode_image(arrays)
-            self.encoder_seconds += time.perf_counter() - t0
-            self.images_encoded += 1
+            self.step.encoder_us += int((time.perf_counter() - t0) * 1e6)
+            self.step.encoded += 1
             self.cache.put(span.digest, rows)
+        else:
+            self.step.cache_hits += 1
         if rows.shape[0] != span.length:
             raise ValueError(
                 f"images: the tower gave {rows.shape[0]} rows for an image of {span.length} tokens"
