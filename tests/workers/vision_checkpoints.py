@@ -39,9 +39,18 @@ class VisionCheckpoint:
     tokenizer: Any  # with the image token
 
 
-def write_tiny_llava(path: str, tokenizer: Any, seed: int = 0) -> VisionCheckpoint:
+def write_tiny_llava(
+    path: str,
+    tokenizer: Any,
+    seed: int = 0,
+    *,
+    image_size: int = LLAVA_IMAGE_SIZE,
+    vision_width: int = 32,
+    vision_layers: int = 2,
+) -> VisionCheckpoint:
     """A tiny random LLaVA with sharp logits (greedy choices decided by clear margins) saved with
-    its processor into path."""
+    its processor into path. The tower's image size, width and depth may grow (a benchmark's
+    encoder cost); patches stay 14 px."""
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -69,15 +78,15 @@ def write_tiny_llava(path: str, tokenizer: Any, seed: int = 0) -> VisionCheckpoi
         eos_token_id=tokenizer.eos_token_id,
     )
     vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=vision_width,
+        intermediate_size=2 * vision_width,
+        num_hidden_layers=vision_layers,
         num_attention_heads=2,
-        image_size=LLAVA_IMAGE_SIZE,
+        image_size=image_size,
         patch_size=LLAVA_PATCH,
         projection_dim=32,
     )
-    tokens = (LLAVA_IMAGE_SIZE // LLAVA_PATCH) ** 2
+    tokens = (image_size // LLAVA_PATCH) ** 2
     config = LlavaConfig(
         text_config=text,
         vision_config=vision,
@@ -91,8 +100,8 @@ def write_tiny_llava(path: str, tokenizer: Any, seed: int = 0) -> VisionCheckpoi
     model = LlavaForConditionalGeneration(config).eval()
     _sharpen(model, seed)
     model.save_pretrained(path)
-    size = {"shortest_edge": LLAVA_IMAGE_SIZE}
-    crop = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
+    size = {"shortest_edge": image_size}
+    crop = {"height": image_size, "width": image_size}
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(size=size, crop_size=crop),
         tokenizer=tokenizer,
