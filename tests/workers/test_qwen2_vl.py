@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig
 
 from engine.multimodal import pack
@@ -42,6 +43,7 @@ from workers.layers.mrope import (
 from workers.layers.rotary import RotaryEmbedding
 from workers.loader import load_model
 from workers.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, merged_grid
+from workers.parallel import init_tensor_parallel, reset_tensor_parallel
 from workers.step_state import Batch
 
 BLOCK = 4
@@ -50,12 +52,9 @@ HUGE = [2**64, -1, float("nan"), 10**12]
 GRIDS = [(1, 4, 4), (1, 6, 8), (1, 4, 6)]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(transformers' model, ours) over one tiny random checkpoint; ours bound to a paged cache
-    on the torch backend."""
-    path = str(tmp_path_factory.mktemp("qwen2-vl"))
-    hf = write_tiny_qwen2_vl(path)
+def load(path: str) -> Qwen2_5_VLForConditionalGeneration:
+    """Our model of the checkpoint (this rank's shards), bound to a paged cache on the torch
+    backend."""
     config = AutoConfig.from_pretrained(path)
     ours = load_model(path, config, torch.float32, torch.device("cpu"), progress=False)
     layers = ours.attention_layers()
@@ -63,7 +62,22 @@ def models(tmp_path_factory):
     backend = select_backend(torch.device("cpu"), "torch")
     for layer in layers:
         layer.backend = backend
-    return hf, ours
+    assert isinstance(ours, Qwen2_5_VLForConditionalGeneration)
+    return ours
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(its directory, transformers' model of it)."""
+    path = str(tmp_path_factory.mktemp("qwen2-vl"))
+    return path, write_tiny_qwen2_vl(path)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    """(transformers' model, ours) over one tiny random checkpoint."""
+    path, hf = checkpoint
+    return hf, load(path)
 
 
 def prompt_with_images(grids: list[tuple[int, int, int]], seed: int = 0) -> list[int]:
@@ -149,7 +163,7 @@ def test_vision_tower_equals_transformers(models):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-def run(ours, chunks, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def run(ours, chunks, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
     """Our logits of one request run in chunks [(start, n)] on blocks 0.., every row's."""
     out = []
     table = [list(range(-(-embeds.shape[0] // BLOCK)))]
@@ -160,7 +174,7 @@ def run(ours, chunks, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Te
         rows = slice(start, start + n)
         hidden = ours(ids, positions[:, rows], meta, inputs_embeds=embeds[rows])
         out.append(ours.compute_logits(hidden))
-    return torch.cat(out)
+    return None if out[0] is None else torch.cat(out)  # None: a rank that does not sample
 
 
 def test_language_model_logits_equal_transformers(models):
@@ -181,13 +195,28 @@ def test_language_model_logits_equal_transformers(models):
     torch.testing.assert_close(chunked, expected, rtol=1e-4, atol=1e-4)
 
 
+def spliced_logits(ours, ids: list[int], pixels: torch.Tensor, grid: torch.Tensor):
+    """Our logits of a prompt: the placeholders' embeddings replaced by the encoded images, at
+    the prompt's 3-axis positions, one prefill."""
+    input_ids = torch.tensor(ids)
+    with torch.inference_mode():
+        embeds = ours.model.embed_tokens(input_ids)
+        embeds[input_ids == IMAGE_TOKEN] = ours.encode_images(pixels, grid)
+        positions, _ = prompt_positions(len(ids), spans_of(ids, grid.tolist()))
+        return run(ours, [(0, len(ids))], embeds, positions)
+
+
+def whole_inputs() -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    ids = prompt_with_images(GRIDS)
+    grid = torch.tensor(GRIDS)
+    gen = torch.Generator().manual_seed(3)
+    return ids, torch.randn(int(grid.prod(-1).sum()), 1176, generator=gen), grid
+
+
 def test_whole_forward_equals_transformers(models):
     """Placeholders in the ids, the images through our tower, spliced: transformers' logits."""
     hf, ours = models
-    grids = GRIDS
-    ids = prompt_with_images(grids)
-    grid = torch.tensor(grids)
-    pixels = torch.randn(int(grid.prod(-1).sum()), 1176, generator=torch.Generator().manual_seed(3))
+    ids, pixels, grid = whole_inputs()
     input_ids = torch.tensor(ids)
     with torch.inference_mode():
         expected = hf(
@@ -196,11 +225,28 @@ def test_whole_forward_equals_transformers(models):
             image_grid_thw=grid,
             mm_token_type_ids=(input_ids == IMAGE_TOKEN).int()[None],
         ).logits[0]
-        embeds = ours.model.embed_tokens(input_ids)
-        embeds[input_ids == IMAGE_TOKEN] = ours.encode_images(pixels, grid)
-        positions, _ = prompt_positions(len(ids), spans_of(ids, grids))
-        got = run(ours, [(0, len(ids))], embeds, positions)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        spliced_logits(ours, ids, pixels, grid), expected, rtol=1e-4, atol=1e-4
+    )
+
+
+def tp_logits(rank: int, world: int, path: str) -> torch.Tensor | None:
+    """A gloo_ranks job: the whole forward on this rank's shards (tower and language model split
+    by heads); rank 0's logits."""
+    init_tensor_parallel(rank, world, dist.group.WORLD)
+    logits = spliced_logits(load(path), *whole_inputs())
+    return logits if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one(checkpoint, models, gloo_ranks):
+    """The vision tower's and the language model's linears split over two ranks: the same
+    logits as one rank."""
+    path, _ = checkpoint
+    _, ours = models
+    two = gloo_ranks(2).run(tp_logits, path)
+    reset_tensor_parallel()
+    torch.testing.assert_close(two, spliced_logits(ours, *whole_inputs()), rtol=1e-4, atol=1e-4)
 
 
 def inputs(offset: int, length: int, grid: list[int]) -> MultiModalInputs:
