@@ -162,3 +162,36 @@ def test_the_preprocessor_expands_each_placeholder_to_the_image_tokens(llava):
     np.testing.assert_allclose(got[0], inputs["pixel_values"][0].numpy(), atol=1e-6)
     again = pre.expand(EngineRequest("s", ids, images=images))
     assert again.mm_inputs is not None and again.mm_inputs.spans == spans  # digest: pixels alone
+
+
+def test_an_image_the_tower_cannot_take_fails_its_request_alone(llava):
+    """Pixels of the wrong size (56 px for a 28 px tower) fail that request in the step's
+    output; the other request's image is spliced as ever."""
+    from engine.multimodal import pack
+    from scheduler.multimodal import ImageInput, ImageSpan, MultiModalInputs
+    from scheduler.outputs import ModelRunnerOutput, NewRequestData
+    from scheduler.sampling_params import SamplingParams
+    from workers.features.base import RunnerContext
+    from workers.features.vision import VisionFeature
+    from workers.step_state import Batch
+
+    path, _, inputs = llava
+    model = load(path)
+    cpu = torch.device("cpu")
+    feature = VisionFeature(RunnerContext(None, model, None, cpu, torch.float32, True, {}))  # type: ignore[arg-type]
+    arrays = {
+        "good": pack(inputs["pixel_values"][:1].numpy()),
+        "bad": pack(np.zeros((1, 3, 56, 56), np.float32)),
+    }
+    for i, (rid, pixels) in enumerate(arrays.items()):
+        image = ImageInput(ImageSpan(1, 4, f"{i:064x}"), (("pixel_values", pixels),))
+        new = NewRequestData(rid, [5] * 6, SamplingParams(), [], 0)
+        new.mm_inputs = MultiModalInputs((image,))
+        feature.start(new, None)  # type: ignore[arg-type]
+    batch = Batch(req_ids=["good", "bad"], input_ids=[5] * 12, starts=[0, 0], query_lens=[6, 6])
+    assert feature.prepare(batch) is True
+    assert model.image_splice.rows is not None
+    assert model.image_splice.rows.tolist() == [1, 2, 3, 4]  # the good request's rows alone
+    output = ModelRunnerOutput(["good", "bad"], [[], []])
+    feature.proposed(batch, output)
+    assert list(output.failed) == ["bad"] and output.failed["bad"].startswith("images: ")

@@ -97,6 +97,7 @@ class VisionFeature(RunnerFeature):
         self.images: dict[str, tuple[ImageInput, ...]] = {}
         self.cache = EncoderCache(cache_bytes)
         self.step = ImageStepStats()  # this step's counts, handed out with its output
+        self.failed: dict[str, str] = {}  # request id -> why its images failed this step
         # Qwen2.5-VL lays image tokens on a 3-axis grid: it sets a step's positions itself.
         self.positions: StepPositions | None = getattr(ctx.model, "step_positions", None)
 
@@ -118,12 +119,13 @@ class VisionFeature(RunnerFeature):
         parts: list[torch.Tensor] = []
         offset = 0
         for rid, start, n in zip(batch.req_ids, batch.starts, batch.query_lens):
-            for image in self.images.get(rid, ()):
-                lo, hi = max(start, image.span.offset), min(start + n, image.span.end)
-                if lo < hi:
-                    embeds = self._embeddings(image)
-                    parts.append(embeds[lo - image.span.offset : hi - image.span.offset])
-                    rows.extend(range(offset + lo - start, offset + hi - start))
+            images = self.images.get(rid)
+            if images:
+                try:
+                    self._request_rows(images, start, n, offset, rows, parts)
+                except Exception as exc:  # this request's images fail it, not the step
+                    logger.warning("request %s: its images failed to encode: %r", rid, exc)
+                    self.failed[rid] = f"images: {exc}"
             offset += n
         eager = self.positions is not None and self.positions.prepare(batch)
         if not parts:
@@ -132,8 +134,35 @@ class VisionFeature(RunnerFeature):
         self.model.image_splice.set(index, torch.cat(parts))
         return True
 
+    def _request_rows(
+        self,
+        images: tuple[ImageInput, ...],
+        start: int,
+        n: int,
+        offset: int,
+        rows: list[int],
+        parts: list[torch.Tensor],
+    ) -> None:
+        """Add one request's image rows in its chunk [start, start + n), which sits at `offset`
+        in the step's tokens; nothing when one of its images fails."""
+        mine_rows: list[int] = []
+        mine: list[torch.Tensor] = []
+        for image in images:
+            lo, hi = max(start, image.span.offset), min(start + n, image.span.end)
+            if lo < hi:
+                embeds = self._embeddings(image)
+                mine.append(embeds[lo - image.span.offset : hi - image.span.offset])
+                mine_rows.extend(range(offset + lo - start, offset + hi - start))
+        rows += mine_rows
+        parts += mine
+
     def proposed(self, batch: Batch, output: ModelRunnerOutput) -> None:
-        """The step's counts go out with its output (the scheduler sums them for the stats)."""
+        """The step's counts go out with its output (the scheduler sums them for the stats);
+        requests whose images failed are failed alone (their rows ran with the placeholder's
+        embedding: the scheduler finishes them before any of their blocks is cached)."""
+        if self.failed:
+            output.failed.update(self.failed)
+            self.failed = {}
         if self.step.encoded or self.step.cache_hits:
             output.image_stats, self.step = self.step, ImageStepStats()
 
