@@ -1,17 +1,20 @@
-"""The pipeline bubble: each stage's idle fraction at steady decode, from per-stage timestamps.
+"""The pipeline bubble: each stage's idle fraction at steady decode, from per-stage timestamps,
+with pipeline micro-batches (one step in flight per stage) and without (one step at a time).
 
 An engine with pipeline_parallel_size stages (one spawned process per rank, CPU by default) runs a
-batch of requests through their prefill, then `--steps` decode steps. Every rank records, per
-step, when it entered and left the step and how long it sat blocked waiting for another stage
-(the previous stage's hidden states, or, on rank 0, the last stage's sampled tokens). A stage's
-busy time is a step's span less its waits; its idle fraction is 1 - busy / the window (first
-step's start to last step's end), so the engine's own time between steps counts as idle too.
-
-Micro-batching (several batches in flight so the stages overlap) is not built yet: this prints
-the figure it has to beat, one batch in flight.
+batch of requests through their prefill, then `--steps` decode tokens per request (engine steps
+x micro-batches). Every rank
+records, per step, when it entered and left the step and how long it sat blocked on another stage
+(receiving the previous stage's hidden states, or handing its own to the next). A stage's busy
+time is a step's span less those waits; its idle fraction is 1 - busy / the window (its first
+measured step's start to its last one's end), so time with no step to run counts as idle too.
+Micro-batching off is the engine with one step in flight (engine.core.micro_batches patched to
+1: a bench's switch, not a setting). Both runs share the machine's load; compare them within one
+invocation.
 
     python bench/pipeline_bubble.py [--model default] [--stages 2] [--requests 16]
         [--prompt-len 32] [--steps 48] [--threads 1] [--quantization auto] [--split 19,11]
+        [--micro-batches both|on|off]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class StageClock:
 
     spans: list[tuple[float, float, float]] = field(default_factory=list)  # (start, end, waited)
     waited: float = 0.0
+    since: float = 0.0  # spans that started before the last reset are not measured
 
 
 _CLOCK = StageClock()
@@ -53,6 +57,7 @@ def install(runner: Any) -> int:
         return timed
 
     pipeline.recv_hidden = waiting(pipeline.recv_hidden)
+    pipeline.send_hidden = waiting(pipeline.send_hidden)  # blocks until the next stage takes it
     step = runner.execute_model
 
     def timed_step(out: Any) -> Any:
@@ -66,11 +71,12 @@ def install(runner: Any) -> int:
 
 
 def reset(runner: Any) -> None:
-    _CLOCK.spans.clear()
+    """Called between engine steps, while steps may still be in flight on the ranks."""
+    _CLOCK.since = time.perf_counter()
 
 
 def read(runner: Any) -> list[tuple[float, float, float]]:
-    return list(_CLOCK.spans)
+    return [span for span in _CLOCK.spans if span[0] >= _CLOCK.since]
 
 
 def idle_fraction(spans: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -78,6 +84,54 @@ def idle_fraction(spans: list[tuple[float, float, float]]) -> tuple[float, float
     window = spans[-1][1] - spans[0][0]
     busy = sum(end - start - waited for start, end, waited in spans)
     return 1 - busy / window, window / len(spans)
+
+
+def measure(args: argparse.Namespace, micro_batched: bool) -> None:
+    """One engine, its warm-up, `--steps` measured steps; prints throughput and each rank's idle
+    fraction."""
+    import engine.core
+    from engine.llm import LLM
+    from engine.pipeline_config import micro_batches
+    from scheduler import EngineRequest, SamplingParams
+
+    engine.core.micro_batches = micro_batches if micro_batched else (lambda config: 1)
+    llm = LLM(
+        model=args.model,
+        device="cpu",
+        load_progress=False,
+        pipeline_parallel_size=args.stages,
+        cpu_threads=args.threads,
+        quantization=args.quantization,
+        pipeline_layer_split=[int(n) for n in args.split.split(",")] if args.split else None,
+        max_model_len=args.prompt_len + args.steps + 32,
+    )
+    core = llm.engine
+    try:
+        pids = core.executor.call_ranks(install)
+        params = SamplingParams(max_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
+        for i in range(args.requests):
+            prompt = [100 + (7 * i + 13 * j) % 20000 for j in range(args.prompt_len)]
+            core.add_request(EngineRequest(f"r{i}", prompt, params))
+        for _ in range(4 * args.stages):  # the prefills and the first decodes
+            core.step()
+        core.executor.call_ranks(reset)
+        depth = args.stages if micro_batched else 1
+        # An engine step runs one micro-batch (1/depth of the requests): depth x the steps makes
+        # the same number of tokens in both runs.
+        t0, tokens = time.perf_counter(), 0
+        for _ in range(args.steps * depth):
+            tokens += sum(len(out.new_token_ids) for out in core.step())
+        wall = time.perf_counter() - t0
+        spans = core.executor.call_ranks(read)
+    finally:
+        llm.shutdown()
+    steps = args.steps * depth
+    print(f"micro_batches={depth}: {steps} engine steps, {tokens} tokens in {wall:.3f}s")
+    print(f"  {tokens / wall:.1f} tokens/s, {wall / steps * 1e3:.1f} ms per engine step")
+    print("  rank stage pid    idle_fraction  mean_step_ms")
+    for rank, (pid, rank_spans) in enumerate(zip(pids, spans, strict=True)):
+        idle, step_s = idle_fraction(rank_spans)
+        print(f"  {rank:4d} {rank:5d} {pid:6d} {idle:14.3f} {step_s * 1e3:13.1f}")
 
 
 def main() -> None:
@@ -90,49 +144,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--quantization", default="auto", help="EngineConfig.quantization")
     parser.add_argument("--split", default=None, help="pipeline_layer_split, e.g. 19,11")
+    parser.add_argument("--micro-batches", choices=("both", "on", "off"), default="both")
     args = parser.parse_args()
-
-    from engine.llm import LLM
-    from scheduler import EngineRequest, SamplingParams
-
-    llm = LLM(
-        model=args.model,
-        device="cpu",
-        load_progress=False,
-        pipeline_parallel_size=args.stages,
-        cpu_threads=args.threads,
-        quantization=args.quantization,
-        pipeline_layer_split=[int(n) for n in args.split.split(",")] if args.split else None,
-        max_model_len=args.prompt_len + args.steps + 16,
-    )
-    engine = llm.engine
-    try:
-        pids = engine.executor.call_ranks(install)
-        params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
-        for i in range(args.requests):
-            prompt = [100 + (7 * i + 13 * j) % 20000 for j in range(args.prompt_len)]
-            engine.add_request(EngineRequest(f"r{i}", prompt, params))
-        for _ in range(4):  # the prefills and the first decodes
-            engine.step()
-        engine.executor.call_ranks(reset)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        wall = time.perf_counter() - t0
-        spans = engine.executor.call_ranks(read)
-    finally:
-        llm.shutdown()
     print(
         f"model={args.model} stages={args.stages} requests={args.requests} "
-        f"prompt_len={args.prompt_len} decode_steps={args.steps} threads/rank={args.threads} "
+        f"prompt_len={args.prompt_len} steps={args.steps} threads/rank={args.threads} "
         f"split={args.split or 'balanced'} quantization={args.quantization} "
-        f"cpus={os.cpu_count()} micro_batches=1 (micro-batching not built)"
+        f"cpus={os.cpu_count()}"
     )
-    print(f"engine wall {wall:.3f}s, {wall / args.steps * 1e3:.1f} ms/step")
-    print("rank stage pid    idle_fraction  mean_step_ms")
-    for rank, (pid, rank_spans) in enumerate(zip(pids, spans, strict=True)):
-        idle, step_s = idle_fraction(rank_spans)
-        print(f"{rank:4d} {rank:5d} {pid:6d} {idle:14.3f} {step_s * 1e3:13.1f}")
+    runs = {"both": (False, True), "on": (True,), "off": (False,)}[args.micro_batches]
+    for micro_batched in runs:
+        measure(args, micro_batched)
+    print(f"load average {os.getloadavg()}")
 
 
 if __name__ == "__main__":
