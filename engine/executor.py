@@ -1,4 +1,5 @@
-"""Executors run each SchedulerOutput on the model workers and return rank 0's ModelRunnerOutput.
+"""Executors run each SchedulerOutput on the model workers and return the sampling rank's
+ModelRunnerOutput (rank 0; with pipeline stages, the last stage's first rank).
 
 LocalExecutor runs one ModelRunner in this process (one rank); engine.mp_executor.MPExecutor one
 spawned process per rank on this machine; cluster.ray_executor.RayExecutor one Ray actor per rank.
