@@ -31,6 +31,8 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 # inflates each compressed chunk to up to 1 MiB, so their number bounds what they can cost.
 MAX_METADATA_BYTES = 1 << 20
 MAX_PNG_METADATA_CHUNKS = 16
+# The longest `data:<media type>;<parameters>,` head a data URL may have.
+MAX_DATA_URL_HEAD = 256
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_METADATA = {b"tEXt", b"zTXt", b"iTXt", b"iCCP", b"eXIf"}
 # Exceptions PIL's decoders raise on a broken file (struct and zlib errors escape some plugins).
@@ -149,16 +151,17 @@ def image_bytes(
 def data_url_bytes(url: str, field: str, max_bytes: int) -> bytes:
     """The bytes of `data:image/<type>;base64,<data>`: the text's length is checked before the
     base64 is decoded, the bytes after."""
-    head, comma, payload = url.partition(",")
-    media = head[5:].lower().split(";")
-    if not comma or not media[0].startswith("image/") or "base64" not in media[1:]:
+    comma = url.find(",", 0, MAX_DATA_URL_HEAD)  # no copy of the payload before its check
+    media = url[5 : max(comma, 5)].lower().split(";")
+    if comma < 0 or not media[0].startswith("image/") or "base64" not in media[1:]:
         raise ImageRefusal(
             "url", f"{field}: a data URL must be data:image/<type>;base64,<data> (or http(s))"
         )
-    if len(payload) > 4 * -(-max_bytes // 3):
-        raise ImageRefusal("bytes", _too_large(field, f"~{len(payload) * 3 // 4}", max_bytes))
+    size = len(url) - comma - 1
+    if size > 4 * -(-max_bytes // 3):
+        raise ImageRefusal("bytes", _too_large(field, f"~{size * 3 // 4}", max_bytes))
     try:
-        raw = base64.b64decode(payload, validate=True)
+        raw = base64.b64decode(url[comma + 1 :], validate=True)
     except (binascii.Error, ValueError):
         raise ImageRefusal("base64", f"{field}: the data URL's base64 is invalid") from None
     if not raw:

@@ -140,6 +140,43 @@ def think_url(ray_cluster, http_port, tmp_path_factory, smollm2_dir):
     return f"http://127.0.0.1:{http_port}/think/v1"  # stopped with the others (smol_url)
 
 
+# A tiny LLaVA (tests/workers/vision_checkpoints.py) with its real processor, served with a low
+# image count cap (tests/deploy/test_images_api.py reaches it).
+VISION = "tiny-llava"
+VISION_MAX_IMAGES = 4
+VISION_MAX_IMAGE_BYTES = 4 << 20
+
+
+@pytest.fixture(scope="session")
+def vision_model_dir(tmp_path_factory, smollm2_dir) -> str:
+    from transformers import AutoTokenizer
+
+    from tests.workers.vision_checkpoints import write_tiny_llava
+
+    path = str(tmp_path_factory.mktemp("tiny-llava"))
+    return write_tiny_llava(path, AutoTokenizer.from_pretrained(smollm2_dir)).path
+
+
+@pytest.fixture(scope="session")
+def vision_url(ray_cluster, http_port, vision_model_dir):
+    """A vision app: the tiny LLaVA, no key."""
+    from deploy.app import build_app
+
+    args = {
+        "model": vision_model_dir,
+        "served_model_name": VISION,
+        "max_model_len": 256,
+        "num_gpu_blocks": 64,
+        "kv_cache_memory_gb": 0.1,
+        "max_images_per_request": VISION_MAX_IMAGES,
+        "max_image_bytes": VISION_MAX_IMAGE_BYTES,
+        "replica_num_cpus": 0.5,
+        "ingress_num_cpus": 0.25,
+    }
+    serve.run(build_app(args), name="vision", route_prefix="/vision")
+    return f"http://127.0.0.1:{http_port}/vision/v1"  # stopped with the others (smol_url)
+
+
 def delete_app(name: str) -> None:
     """Delete a module's app without waiting for it to stop: Serve stops its replicas and ingress
     in the background (each waits out its graceful-shutdown loop, ~3-5 s), and no later test

@@ -308,3 +308,125 @@ def test_the_hostile_set_to_the_text_model_is_a_400_never_a_5xx(tiny_url):
         r'^raylm_images_refused_total\{model="tiny-llama",reason="model"\} (\d+)', page, re.M
     )
     assert refused is not None and int(refused[1]) >= 8, page[-2000:]
+
+
+# ---- served: a tiny LLaVA with its real processor -----------------------------------------------
+QUESTION = "What is in this picture?"
+
+
+@pytest.fixture(scope="module")
+def llava(vision_model_dir):
+    """transformers' LLaVA and processor of the served checkpoint: the reference."""
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    hf = LlavaForConditionalGeneration.from_pretrained(vision_model_dir, dtype=torch.float32)
+    return hf.eval(), AutoProcessor.from_pretrained(vision_model_dir)
+
+
+def hf_greedy_text(llava, images: list[Image.Image], max_tokens: int) -> str:
+    """transformers' greedy reply to one user turn of `images` then QUESTION, as text."""
+    import torch
+
+    hf, processor = llava
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": QUESTION}]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True
+    )
+    inputs = processor(
+        text=prompt, images=images or None, return_tensors="pt", add_special_tokens=False
+    )
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1] :]
+    return processor.tokenizer.decode(new, skip_special_tokens=True)
+
+
+def png_url(image: Image.Image) -> str:
+    return data_url(encoded(image, "PNG"))
+
+
+@pytest.fixture(scope="module")
+def vision_openai(vision_url):
+    return OpenAI(base_url=vision_url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.mark.slow
+def test_llava_served_gives_transformers_greedy_tokens_for_0_1_and_3_images(vision_openai, llava):
+    """Three image counts and a text-only request at once (one batch on the replica), each
+    image sent as a PNG data URL through the official client."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.deploy.conftest import VISION
+    from tests.workers.vision_checkpoints import random_image
+
+    cases = [[], [random_image(1)], [random_image(2), random_image(3, (20, 50)), random_image(4)]]
+
+    def ask(images: list[Image.Image]) -> str:
+        content = [image_part(png_url(im)) for im in images] + [text(QUESTION)]
+        reply = vision_openai.chat.completions.create(
+            model=VISION,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=8,
+            temperature=0,
+        )
+        return reply.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        served = list(pool.map(ask, cases))
+    expected = [hf_greedy_text(llava, images, 8) for images in cases]
+    assert served == expected
+    assert len({*expected}) == len(expected)  # the images change the reply: they reached the model
+
+
+@pytest.mark.slow
+def test_llava_served_answers_the_hostile_set_with_400s_and_keeps_serving(
+    vision_url, vision_openai
+):
+    from tests.deploy.conftest import VISION, VISION_MAX_IMAGE_BYTES, VISION_MAX_IMAGES
+    from tests.deploy.test_hostile_bodies import _ingress, _replica
+
+    processes = {"ingress": _ingress("vision").pid, "replica": _replica("vision").pid}
+    peaks = {name: _peak_rss_kb(pid) for name, pid in processes.items()}
+    hostile = hostile_urls(VISION_MAX_IMAGE_BYTES)
+    with httpx.Client(base_url=vision_url, timeout=120) as client:
+        for url, reason in zip(hostile, HOSTILE_REASONS, strict=True):
+            body = {"model": VISION, "max_tokens": 1, "messages": [chat_turn(url)]}
+            r = client.post("/chat/completions", json=body)
+            assert r.status_code == 400, (reason, r.status_code, r.text[:300])
+            error = r.json()["error"]
+            assert error["param"] == "messages[0].content[1].image_url.url", error
+            assert error["type"] == "invalid_request_error" and error["code"] == "invalid_image"
+        too_many = [image_part(PNG)] * (VISION_MAX_IMAGES + 1)
+        r = client.post(
+            "/chat/completions",
+            json={"model": VISION, "messages": [{"role": "user", "content": too_many}]},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == (
+            f"messages[0].content[{VISION_MAX_IMAGES}].image_url.url"
+        )
+        page = client.get(vision_url.removesuffix("/v1") + "/metrics").text
+    # Neither the ingress that decodes nor the replica the images never reach grows by 100 MB.
+    grown = {name: _peak_rss_kb(pid) - peaks[name] for name, pid in processes.items()}
+    assert max(grown.values()) < 100 * 1024, f"peak RSS growth in KiB: {grown}"
+    for reason in set(HOSTILE_REASONS):
+        count = HOSTILE_REASONS.count(reason)
+        line = f'raylm_images_refused_total{{model="{VISION}",reason="{reason}"}} {count}'
+        assert line in page, page[-1500:]
+    reply = vision_openai.chat.completions.create(
+        model=VISION, messages=[chat_turn(PNG)], max_tokens=2, temperature=0
+    )
+    assert reply.choices[0].finish_reason == "length"
+
+
+def chat_turn(url: str) -> dict:
+    return {"role": "user", "content": [text(QUESTION), image_part(url)]}
+
+
+def _peak_rss_kb(pid: int) -> int:
+    """VmHWM: the process's peak resident set, from /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM in /proc status")

@@ -59,8 +59,9 @@ def gif_first_frame_bomb() -> bytes:
     return gif[: at + 5] + struct.pack("<HH", 60000, 60000) + gif[at + 9 :]
 
 
-def hostile_urls() -> Iterator[str]:
-    """The hostile set, as data URLs (also sent over HTTP by tests/deploy and bench/)."""
+def hostile_urls(max_image_bytes: int = 20 << 20) -> Iterator[str]:
+    """The hostile set, as data URLs (also sent over HTTP by tests/deploy and bench/); the last is
+    base64 text just past what `max_image_bytes` allows."""
     yield data_url(png_header_only(100_000, 100_000))
     yield data_url(png_header_only(5000, 5000))  # past this server's bound, short of PIL's
     yield data_url(gif_first_frame_bomb(), "image/gif")
@@ -74,4 +75,4 @@ def hostile_urls() -> Iterator[str]:
     yield data_url(
         encoded(Image.new("RGB", (4, 4)), "JPEG", icc_profile=b"\1" * (3 << 19)), "image/jpeg"
     )
-    yield "data:image/png;base64," + "A" * (28 << 20)
+    yield "data:image/png;base64," + "A" * (4 * -(-max_image_bytes // 3) + 4)
