@@ -18,6 +18,13 @@ scheduler cuts a lookup) against the replica's own count (RequestOutput.num_cach
     python bench/kv_index_accuracy.py [--sessions 48] [--turns 4] [--report-every 1 4] \
         [--cpu-tier-share 0.25]
 
+`--served`: the same trace through Ray Serve, two LLMReplicas (KV events published in their
+routing stats, once a `--stats-period` s) behind this process's FleetRouter, one request at a
+time; `--pace` s between requests (0: back to back; a period or more: each replica's events of
+the previous request have reached the router). The router's prediction is read when it chooses
+(its own FleetState, just after it took in the replicas' latest reports), for both indexes on the
+same routing; the actual hit is the stream's num_cached_tokens.
+
 Prints, per index and report period: requests, exact predictions (share), mean |error| in blocks,
 and the share of prompt blocks that hit.
 """
@@ -29,6 +36,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,6 +185,120 @@ def serve(engine: EngineCore, request: EngineRequest) -> tuple[list[int], int]:
     return tokens, cached
 
 
+def served_pass(args: argparse.Namespace, model: str) -> tuple[Tally, Tally]:
+    """(approximate, events) tallies of the trace served by two replicas (see the docstring)."""
+    import asyncio
+
+    from ray import serve
+
+    handle = start_served(args, model)
+    predictions: dict[str, dict[str, tuple[int, int]]] = {}
+    tallies = (Tally(), Tally())
+    contexts, sessions, turns = workload(args, VOCAB)
+    params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, (_, s, message) in enumerate(turns):
+        session = sessions[s]
+        prompt = contexts[session.context] + session.history + message
+        request = EngineRequest(
+            f"r{i}", prompt, params, block_hashes=hash_prompt_blocks(prompt, BLOCK)
+        )
+        answer, cached, replica = asyncio.run(served_request(handle, request, predictions))
+        capped = (len(prompt) - 1) // BLOCK
+        for tally, predicted in zip(tallies, predictions.pop("last")[replica]):
+            tally.add(min(predicted, capped), cached // BLOCK, capped)
+        session.history = session.history + message + answer
+        time.sleep(args.pace)
+    serve.delete("kv_accuracy")
+    return tallies
+
+
+def start_served(args: argparse.Namespace, model: str):
+    """Two LLMReplicas of model behind the FleetRouter, on a local Ray; their handle."""
+    import asyncio
+
+    import ray
+    from ray import serve
+
+    from cluster.replica import LLMReplica
+    from deploy.config import AppConfig
+
+    ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    serve.start(proxy_location="Disabled")
+    pool = max(int(args.pool_share * working_set_blocks(args)), 64)
+    config = AppConfig.from_args(
+        {
+            "model": model,
+            "device": "cpu",
+            "num_replicas": 2,
+            "cpu_threads": 1,
+            "block_size": BLOCK,
+            "num_gpu_blocks": pool,
+            "max_model_len": 512,
+            "replica_num_cpus": 1,
+            "router": "fleet",
+            "router_kwargs": {"router_policy": "prefix_affinity"},
+        }
+    )
+    router = config.request_router_config()
+    router["request_routing_stats_period_s"] = args.stats_period
+    replica = LLMReplica.options(
+        num_replicas=2,
+        ray_actor_options=config.replica_actor_options(),
+        placement_group_bundles=config.placement_group_bundles(),
+        request_router_config=router,
+        health_check_timeout_s=120,
+    )
+    handle = serve.run(replica.bind(config.engine), name="kv_accuracy", route_prefix=None)
+    # A one-token request (no full block: no cache effect) makes this process's router.
+    warm = handle.options(stream=True).generate.remote(
+        EngineRequest("warm", [11], SamplingParams(max_tokens=1))
+    )
+    asyncio.run(drain(warm))
+    return handle
+
+
+async def drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+async def served_request(handle, request: EngineRequest, predictions: dict) -> tuple:
+    """(answer, cached prompt tokens, replica) of one request, with the router's predictions for
+    it recorded when it chooses."""
+    answer: list[int] = []
+    cached = 0
+    router = handle._router._asyncio_router.request_router  # Serve's router of this process
+    watch_choices(router.fleet, predictions)
+    before = dict(router.fleet.routed)
+    async for out in handle.options(stream=True).generate.remote(request):
+        answer.extend(out.new_token_ids)
+        cached = out.num_cached_tokens
+    (replica,) = [r for r, n in router.fleet.routed.items() if n != before.get(r, 0)]
+    return answer, cached, replica
+
+
+def watch_choices(fleet: FleetState, predictions: dict) -> None:
+    """Record, as the policy chooses, what each index predicts for each candidate."""
+    policy = fleet.policy
+    if getattr(policy, "watched", False):
+        return
+    choose = policy.choose
+
+    def recording(replicas, request, view):
+        capped = list(request.block_hashes)
+        # Serve's id for the request is not ours; requests go one at a time: the last choice.
+        predictions["last"] = {
+            r: (
+                predicted_blocks(fleet, r, capped, events=False),
+                predicted_blocks(fleet, r, capped, events=fleet.kv.in_sync(r)),
+            )
+            for r in replicas
+        }
+        return choose(replicas, request, view)
+
+    policy.choose, policy.watched = recording, True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int, default=6)
@@ -187,6 +309,9 @@ def main() -> None:
     p.add_argument("--cpu-tier-share", type=float, default=0.0)
     p.add_argument("--report-every", type=int, nargs="+", default=[1, 4])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--served", action="store_true", help="through Ray Serve (see above)")
+    p.add_argument("--pace", type=float, default=0.0, help="--served: seconds between requests")
+    p.add_argument("--stats-period", type=float, default=1.0, help="--served: report period, s")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(TINY_SERVED_LLAMA, tmp, seed=0)
@@ -195,6 +320,12 @@ def main() -> None:
             f"{max(int(args.pool_share * working_set_blocks(args)), 64)} blocks per replica, "
             f"CPU tier {int(args.cpu_tier_share * working_set_blocks(args))} blocks"
         )
+        if args.served:
+            approximate, router = served_pass(args, tmp)
+            label = f"served, pace {args.pace:g} s, reports every {args.stats_period:g} s"
+            print(approximate.line("approximate index") + f"  ({label})")
+            print(router.line("router (events in sync)") + f"  ({label})", flush=True)
+            return
         for every in args.report_every:
             for events in (False, True):
                 name = f"{'events' if events else 'approximate'} (report/{every} req)"
