@@ -43,6 +43,7 @@ from workers.layers.mrope import (
 from workers.layers.rotary import RotaryEmbedding
 from workers.loader import load_model
 from workers.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, merged_grid
+from workers.models.qwen2_vl_vision import VisionArgs
 from workers.parallel import init_tensor_parallel, reset_tensor_parallel
 from workers.step_state import Batch
 
@@ -314,3 +315,22 @@ def test_step_positions_of_a_mixed_batch():
     positions.finish("img2")
     assert not positions.prepare(Batch(req_ids=["text"], starts=[5], query_lens=[1]))
     assert positions.take(runner) is runner
+
+
+@pytest.mark.parametrize("bad", [*HUGE, 1.5, "8"])
+@pytest.mark.parametrize(
+    "field", ["window_size", "depth", "spatial_merge_size", "patch_size", "fullatt_block_indexes"]
+)
+def test_bad_vision_config_is_refused(field, bad):
+    """Every integer the tower reads from its config is bounded before anything is built
+    (whatever transformers' own config checks let through: a namespace stands in for it)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2_5_VLConfig
+
+    from tests.workers.qwen2_vl_checkpoint import TINY_QWEN2_VL
+
+    fields = Qwen2_5_VLConfig(**TINY_QWEN2_VL).vision_config.to_dict()
+    fields[field] = [1, bad] if field == "fullatt_block_indexes" else bad
+    with pytest.raises(ValueError, match=f"vision_config.{field}"):
+        VisionArgs.from_hf_config(SimpleNamespace(**fields))  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ linear is tensor-parallel like the language model's; every rank computes the who
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -53,6 +54,26 @@ class VisionArgs:
     rope_theta: float
 
     def __post_init__(self) -> None:
+        for name, (low, high) in _LIMITS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(
+                    f"vision_config.{name}: must be an integer in [{low}, {high}], got {value!r}"
+                )
+        blocks = self.fullatt_block_indexes
+        if not all(isinstance(i, int) and 0 <= i < self.depth for i in blocks):
+            raise ValueError(
+                f"vision_config.fullatt_block_indexes: block indexes below depth {self.depth}, "
+                f"got {blocks!r}"
+            )
+        if not math.isfinite(self.rope_theta) or self.rope_theta <= 1:
+            raise ValueError(
+                f"vision_config.rope_parameters.rope_theta: must be finite and > 1, "
+                f"got {self.rope_theta!r}"
+            )
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise ValueError(
                 f"vision_config.num_heads: hidden_size {self.hidden_size} must split into heads "
@@ -84,9 +105,38 @@ class VisionArgs:
             spatial_merge_size=config.spatial_merge_size,
             window_size=config.window_size,
             out_hidden_size=config.out_hidden_size,
-            fullatt_block_indexes=tuple(config.fullatt_block_indexes),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            fullatt_block_indexes=_indexes(config.fullatt_block_indexes),
+            rope_theta=_number(rope.get("rope_theta", 10000.0)),
         )
+
+
+# Each integer field's bounds: past them a checkpoint's config is refused before anything is
+# allocated (a window of 2^64 pixels would pad every image to that size).
+_SIDE, _WIDTH = 1 << 12, 1 << 16
+_LIMITS = {
+    "depth": (1, 256),
+    "hidden_size": (4, _WIDTH),
+    "intermediate_size": (1, 1 << 18),
+    "num_heads": (1, 1024),
+    "in_channels": (1, 16),
+    "patch_size": (1, 1024),
+    "temporal_patch_size": (1, 16),
+    "spatial_merge_size": (1, 16),
+    "window_size": (1, _SIDE * 16),
+    "out_hidden_size": (1, _WIDTH),
+}
+
+
+def _indexes(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"vision_config.fullatt_block_indexes: a list of blocks, got {value!r}")
+    return tuple(value)
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"vision_config.rope_parameters.rope_theta: a number, got {value!r}")
+    return float(value)
 
 
 class PatchEmbed(nn.Module):
