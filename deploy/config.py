@@ -264,6 +264,12 @@ class AppConfig:
         "`x-raylm-ignored-fields` response header",
         choices=("reject", "ignore"),
     )
+    session_from_user: bool = setting(
+        False,
+        "a chat or completion request's `user` names its session (router/sessions.py) when it "
+        "names none (`session_id`, `x-session-id`); off by default: one user may hold many "
+        "conversations, which one session would pile onto one replica",
+    )
     # The Batch API (deploy/batch_routes.py, docs/batch.md).
     batch_dir: str | None = setting(
         None,

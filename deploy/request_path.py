@@ -60,6 +60,7 @@ from deploy.schemas import ChatCompletionRequest
 from deploy.tenants import TenantLimiter
 from deploy.tools import DeclaredTools
 from deploy.tracing import current, ended_with, start_request
+from router.sessions import SESSION_HEADER, request_session
 from scheduler.structured_output import StructuredOutput
 
 # A route's answer: the body's model, the validated body, the tenant it runs for.
@@ -120,6 +121,10 @@ class RequestPath:
         # them.
         if caller.profile is not None and hasattr(body, "priority"):  # /tokenize has none
             body.priority = max(body.priority, caller.profile.max_priority)
+        if hasattr(body, "session_id"):  # the generating routes (router/sessions.py)
+            header = request.headers.get(SESSION_HEADER)
+            user, from_user = getattr(body, "user", None), self.config.session_from_user
+            body.session_id = request_session(body.session_id, header, user, from_user)
         return model, body
 
     def _authorize(self, request: Request) -> Caller:
