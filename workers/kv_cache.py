@@ -79,9 +79,10 @@ class KVCacheSpec:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        # A hybrid model (Qwen3-Next) has paged KV on its full-attention layers only.
+        # A hybrid model (Qwen3-Next, Granite-4 hybrid) has paged KV on its attention layers only.
         types = list(getattr(config, "layer_types", None) or ())
-        layers = types.count("full_attention") if "linear_attention" in types else None
+        linear = types.count("linear_attention")
+        layers = len(types) - linear if linear else None
         return cls(
             layers or config.num_hidden_layers,
             max(kv_heads // tp_size, 1),

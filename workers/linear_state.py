@@ -28,11 +28,15 @@ from scheduler.outputs import SchedulerOutput
 from workers.features.base import RunnerContext, RunnerFeature
 from workers.kv_cache import GiB, KVCacheSpec
 from workers.layers.gated_delta import DeltaStateView, GatedDeltaNet
+from workers.layers.mamba2 import Mamba2Mixer
 from workers.step_state import Batch
 
 logger = logging.getLogger(__name__)
 
 LINEAR_LAYER_TYPES = ("linear_attention",)
+# The layers that keep a per-request state (each has `state` and `state_shapes()`).
+STATEFUL = (GatedDeltaNet, Mamba2Mixer)
+StatefulMixer = GatedDeltaNet | Mamba2Mixer
 
 
 def is_hybrid_config(config: PretrainedConfig) -> bool:
@@ -67,15 +71,15 @@ class LinearStateStore:
     """The state tensors of every linear layer, the slots' owners, and each layer's step view."""
 
     def __init__(
-        self, layers: list[GatedDeltaNet], num_slots: int, dtype: torch.dtype, device: torch.device
+        self, layers: list[StatefulMixer], num_slots: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.views: list[DeltaStateView] = []
         for layer in layers:
-            d = layer.d
-            conv = torch.zeros(num_slots, d.conv_dim, d.conv_kernel - 1, dtype=dtype, device=device)
+            conv_shape, recurrent_shape = layer.state_shapes()
+            conv = torch.zeros((num_slots, *conv_shape), dtype=dtype, device=device)
             # float32 whatever the model's dtype, as transformers keeps it: a bf16 state would
             # round away each token's small update.
-            shape = (num_slots, d.num_v_heads, d.k_dim, d.v_dim)
+            shape = (num_slots, *recurrent_shape)
             recurrent = torch.zeros(shape, dtype=torch.float32, device=device)
             layer.state = view = DeltaStateView(conv, recurrent, [])
             self.views.append(view)
@@ -130,7 +134,7 @@ class LinearStateFeature(RunnerFeature):
     """The runner's side of the state slots: allocates the store, counts it in the memory budget,
     keeps the slots in step with the requests, and binds each step's slots before the forward."""
 
-    def __init__(self, ctx: RunnerContext, layers: list[GatedDeltaNet]) -> None:
+    def __init__(self, ctx: RunnerContext, layers: list[StatefulMixer]) -> None:
         cfg = ctx.config
         if cfg.speculative is not None:
             raise ValueError(
@@ -177,5 +181,5 @@ def state_features(ctx: RunnerContext) -> list[RunnerFeature]:
     model = ctx.model
     if not isinstance(model, nn.Module):
         return []
-    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    layers = [m for m in model.modules() if isinstance(m, STATEFUL)]
     return [LinearStateFeature(ctx, layers)] if layers else []

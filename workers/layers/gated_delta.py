@@ -107,23 +107,25 @@ def chunked(
 
 
 def conv_prefill(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The causal depthwise conv over one request's chunk: x [L, C], state [C, K - 1] (its last
-    inputs before the chunk), weight [C, K]. Returns (silu(conv) [L, C], the new state)."""
+    inputs before the chunk), weight [C, K], bias [C] or None. Returns (silu(conv) [L, C], the new
+    state)."""
     width = weight.shape[1] - 1
     window = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [C, K - 1 + L]
-    y = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]
+    y = F.conv1d(window[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
     return F.silu(y).t(), window[:, window.shape[1] - width :]
 
 
 def conv_decode(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row: x [B, C], state [B, C, K - 1], weight [C, K]. Returns (silu(conv)
-    [B, C], the new state)."""
+    """One token per row: x [B, C], state [B, C, K - 1], weight [C, K], bias [C] or None.
+    Returns (silu(conv) [B, C], the new state)."""
     window = torch.cat([state.to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
-    return F.silu((window * weight).sum(dim=-1)), window[..., 1:]
+    y = (window * weight).sum(dim=-1)
+    return F.silu(y if bias is None else y + bias), window[..., 1:]
 
 
 class GatedRMSNorm(nn.Module):
@@ -231,9 +233,10 @@ def _copy_exact(param: nn.Parameter, value: torch.Tensor, name: str) -> None:
 
 @dataclass(slots=True)
 class DeltaStateView:
-    """What a layer reads and writes of the state store in one step (workers/linear_state.py):
-    its conv [slots, C, K - 1] and recurrent [slots, H, Dk, Dv] tensors, and the step's slot per
-    batch row (a request's first step finds its slot zeroed)."""
+    """What a stateful layer (this DeltaNet, workers/layers/mamba2.py's mixer) reads and writes
+    of the state store in one step (workers/linear_state.py): its conv [slots, C, K - 1] and
+    recurrent [slots, ...] tensors, and the step's slot per batch row (a request's first step finds
+    its slot zeroed)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
@@ -264,6 +267,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(d.v_dim, d.eps)
         self.out_proj = RowParallelLinear(tp * d.value_size, d.hidden_size)
         self.state: DeltaStateView | None = None
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One request's (conv state, recurrent state) shapes on this rank."""
+        d = self.d
+        return (d.conv_dim, d.conv_kernel - 1), (d.num_v_heads, d.k_dim, d.v_dim)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(conv input [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) from the projections, whose

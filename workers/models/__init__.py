@@ -8,6 +8,7 @@ from workers.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from workers.models.glm4_moe import Glm4MoeForCausalLM
 from workers.models.gpt_oss import GptOssForCausalLM
+from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from workers.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -37,6 +38,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
@@ -59,6 +61,7 @@ _BY_MODEL_TYPE = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "llava": "LlavaForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 

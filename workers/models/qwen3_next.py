@@ -16,7 +16,7 @@ ones) as the feed-forward.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -125,12 +125,15 @@ class Qwen3NextDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class Qwen3NextModel(nn.Module):
-    def __init__(self, a: LlamaArgs, layers: list[Qwen3NextDecoderLayer], embed: nn.Module) -> None:
+class HybridModel(nn.Module):
+    """Embedding, decoder layers (positions, x, residual, meta) and final norm, run as one
+    pipeline stage: the hybrid families' decoder (Granite-4 hybrid's too)."""
+
+    def __init__(self, layers: Sequence[nn.Module], embed: nn.Module, norm: nn.Module) -> None:
         super().__init__()
         self.embed_tokens = embed
         self.layers = nn.ModuleList(layers)
-        self.norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.norm = norm
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -160,8 +163,9 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
             for i, kind in enumerate(types)
         ]
         embed = VocabParallelEmbedding(a.vocab_size, a.hidden_size)
+        norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
         # The base class's annotation is LlamaModel; this one has the same forward and layers.
-        self.model = Qwen3NextModel(a, layers, embed)  # type: ignore[assignment]
+        self.model = HybridModel(layers, embed, norm)  # type: ignore[assignment]
         self.lm_head = lm_head_of(a, self.model.embed_tokens)
 
     def _mlp(self, layer: int) -> nn.Module:

@@ -1,0 +1,242 @@
+"""Mamba-2 (the SSD layer of Granite-4 hybrid) over a flattened batch, with per-request state.
+
+Each head h keeps a state S [head_dim, state_size] per request. A token with input x [head_dim],
+step dt > 0 (softplus of its projection plus `dt_bias`), and B, C [state_size] (shared by the
+heads of a group) does
+
+    S <- exp(dt A_h) S + dt x B^T;   y = S C + D_h x
+
+Decode rows run that recurrence over a batch of state slots; a prefill chunk runs the chunked SSD
+form (`mamba_chunk_size` tokens at a time: the intra-chunk part as masked attention-like sums, the
+inter-chunk part as a scan over chunk states) from its request's state. Before it, x, B and C pass
+the causal depthwise conv (with bias) shared with the DeltaNet (workers/layers/gated_delta.py),
+whose last `kernel - 1` inputs are the other half of the state. The output is gated by silu(z) and
+RMS-normed per group, then projected out.
+
+The arithmetic follows transformers' torch fallbacks (`mamba2_chunk_scan`,
+`mamba2_selective_state_update`) in float32, so that greedy tokens match
+(tests/workers/test_granite_hybrid.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.layers.attention import AttentionMetadata
+from workers.layers.gated_delta import DeltaStateView, conv_decode, conv_prefill
+from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from workers.parallel import get_tp_world_size
+
+
+@dataclass(frozen=True, slots=True)
+class MambaDims:
+    """One Mamba-2 layer's sizes, from the HF config's `mamba_*` fields."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int
+    eps: float
+    conv_bias: bool
+    proj_bias: bool
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "num_groups", "state_size", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 16:
+                raise ValueError(f"mamba_{name}: must be an integer in [1, 65536], got {value!r}")
+        k = self.conv_kernel
+        if not isinstance(k, int) or isinstance(k, bool) or not 2 <= k <= 64:
+            raise ValueError(f"mamba_d_conv: must be an integer in [2, 64], got {k!r}")
+        if self.num_heads % self.num_groups:
+            raise ValueError(
+                f"mamba_n_groups: {self.num_groups} does not divide mamba_n_heads {self.num_heads}"
+            )
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: x, B and C side by side."""
+        return self.intermediate + 2 * self.num_groups * self.state_size
+
+
+def ssd_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: x [B, H, P], dt [B, H] (discretised), a, d [H], b, c [B, H, N], state
+    [B, H, P, N] float32. Returns (y [B, H, P] float32, the new state)."""
+    x, dt = x.float(), dt.float()
+    decay = torch.exp(dt * a.float())[..., None, None]
+    state = state * decay + (dt[..., None, None] * b.float()[:, :, None, :]) * x[..., None]
+    y = (state @ c.float()[..., None]).squeeze(-1)
+    return y + d.float()[:, None] * x, state
+
+
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """[..., T] -> [..., T, T]: entry (i, j) sums x over (j, i] for j <= i, -inf above the
+    diagonal (transformers' stable form: cumsum of a masked copy)."""
+    t = x.shape[-1]
+    x = x[..., None].expand(*x.shape, t)
+    below = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=-1)
+    sums = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
+    upto = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=0)
+    return sums.masked_fill(~upto, -torch.inf)
+
+
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence from `state`: x [L, H, P], dt [L, H] (discretised), a, d [H], b, c [L, H, N],
+    state [H, P, N] float32. Returns (y [L, H, P] float32, the state after the last token)."""
+    length = x.shape[0]
+    x, b, c = x.float(), b.float(), c.float()
+    skip = d.float()[:, None] * x
+    chunk = min(chunk, length)
+    pad = (chunk - length % chunk) % chunk
+    x = F.pad(x * dt.float()[..., None], (0, 0, 0, 0, 0, pad))
+    adt = F.pad(a.float() * dt.float(), (0, 0, 0, pad))
+    b, c = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (b, c))
+    x, b, c = (t.reshape(-1, chunk, *t.shape[1:]) for t in (x, b, c))  # [chunks, l, H, .]
+    adt = adt.reshape(-1, chunk, adt.shape[-1]).permute(2, 0, 1)  # [H, chunks, l]
+    cum = torch.cumsum(adt, dim=-1)
+    # Within each chunk: masked scores C_l . B_s, decayed from s to l.
+    scores = torch.einsum("clhn,cshn->clsh", c, b) * torch.exp(segment_sum(adt)).permute(1, 2, 3, 0)
+    y_diag = torch.einsum("clsh,cshp->clhp", scores, x)
+    # Each chunk's own contribution to the state at its end, then the scan over chunks.
+    b_decay = b * torch.exp(cum[..., -1:] - cum).permute(1, 2, 0)[..., None]
+    states = torch.cat([state[None], torch.einsum("clhn,clhp->chpn", b_decay, x)])
+    decay_chunk = torch.exp(segment_sum(F.pad(cum[..., -1], (1, 0))))  # [H, to, from]
+    states = torch.einsum("hij,jhpn->ihpn", decay_chunk, states)
+    starts, final = states[:-1], states[-1]
+    y_off = torch.einsum("clhn,chpn->clhp", c, starts) * torch.exp(cum).permute(1, 2, 0)[..., None]
+    y = (y_diag + y_off).reshape(-1, *y_diag.shape[2:])[:length]
+    return y + skip, final
+
+
+class GroupRMSNormGated(nn.Module):
+    """y * silu(gate), RMS-normed within each of `groups` equal slices, times the weight."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = x.float() * F.silu(gate.float())
+        g = y.view(*y.shape[:-1], self.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(y.shape).to(dtype)
+
+
+class ConvTaps(nn.Module):
+    """The depthwise conv's taps [C, 1, K] (and bias), named as the checkpoint's `conv1d`."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(channels), requires_grad=False) if bias else None
+
+
+class Mamba2Mixer(nn.Module):
+    """Granite-4 hybrid's Mamba-2 token mixer (the checkpoint's `mamba.*`). `state` is bound by the
+    runner's state feature (workers/linear_state.py) before each forward. Tensor parallelism is
+    refused: the in_proj rows are z, x, B, C and dt side by side, not grouped by head."""
+
+    def __init__(self, m: MambaDims) -> None:
+        super().__init__()
+        if get_tp_world_size() > 1:
+            raise ValueError("tensor_parallel_size: Mamba-2 layers (Granite-4 hybrid) run at 1")
+        self.m = m
+        size = m.intermediate + m.conv_dim + m.num_heads
+        self.in_proj = ColumnParallelLinear(m.hidden_size, size, m.proj_bias)
+        self.conv1d = ConvTaps(m.conv_dim, m.conv_kernel, m.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(m.num_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(m.num_heads), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(m.num_heads), requires_grad=False)
+        self.norm = GroupRMSNormGated(m.intermediate, m.num_groups, m.eps)
+        self.out_proj = RowParallelLinear(m.intermediate, m.hidden_size, m.proj_bias)
+        self.state: DeltaStateView | None = None
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One request's (conv state, SSM state) shapes."""
+        m = self.m
+        return (m.conv_dim, m.conv_kernel - 1), (m.num_heads, m.head_dim, m.state_size)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.state is None:
+            raise RuntimeError("Mamba2Mixer: no state bound (workers/linear_state.py)")
+        m = self.m
+        gate, xbc, dt = self.in_proj(x).split([m.intermediate, m.conv_dim, m.num_heads], dim=-1)
+        dt = F.softplus(dt + self.dt_bias)
+        y = torch.empty(x.shape[0], m.num_heads, m.head_dim, dtype=torch.float32, device=x.device)
+        nd = meta.num_decodes
+        if nd:
+            y[:nd] = self._decode(xbc[:nd], dt[:nd], self.state.slots[:nd])
+        starts = meta.query_start_loc_cpu
+        for row in range(nd, meta.num_reqs):
+            lo, hi = starts[row], starts[row + 1]
+            y[lo:hi] = self._prefill(xbc[lo:hi], dt[lo:hi], self.state.slots[row])
+        out = self.norm(y.reshape(x.shape[0], -1).to(x.dtype), gate)
+        return self.out_proj(out)
+
+    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output as x [T, H, P] and B, C repeated to the heads [T, H, N]."""
+        m, t = self.m, xbc.shape[0]
+        gn = m.num_groups * m.state_size
+        xs, b, c = xbc.split([m.intermediate, gn, gn], dim=-1)
+        r = m.num_heads // m.num_groups
+        b, c = (v.reshape(t, m.num_groups, m.state_size).repeat_interleave(r, 1) for v in (b, c))
+        return xs.reshape(t, m.num_heads, m.head_dim), b, c
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        state = self.state
+        assert state is not None
+        idx = torch.tensor(slots, dtype=torch.long, device=xbc.device)
+        taps = self.conv1d
+        xbc, state.conv[idx] = conv_decode(xbc, state.conv[idx], taps.weight[:, 0], taps.bias)
+        xs, b, c = self._split(xbc)
+        a = -torch.exp(self.A_log.float())
+        y, state.recurrent[idx] = ssd_step(xs, dt, a, b, c, self.D, state.recurrent[idx])
+        return y
+
+    def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, slot: int) -> torch.Tensor:
+        state = self.state
+        assert state is not None
+        taps = self.conv1d
+        xbc, state.conv[slot] = conv_prefill(xbc, state.conv[slot], taps.weight[:, 0], taps.bias)
+        xs, b, c = self._split(xbc)
+        lo, hi = self.m.dt_limit
+        dt = dt.clamp(min=lo, max=hi)  # the chunked path clamps, as transformers' does
+        a = -torch.exp(self.A_log.float())
+        y, state.recurrent[slot] = ssd_chunked(
+            xs, dt, a, b, c, self.D, state.recurrent[slot], self.m.chunk_size
+        )
+        return y
