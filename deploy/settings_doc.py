@@ -13,6 +13,7 @@ from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
+from cluster.tracing import TracingConfig
 from deploy.config import AppConfig
 from deploy.disagg_config import DisaggregationArgs
 from engine.config import EngineConfig
@@ -62,6 +63,7 @@ def settings_table() -> str:
         + _rows("speculative", SpeculativeConfig)
         + _rows("disaggregation", DisaggregationArgs)
         + _rows("images", ImageLimits)
+        + _rows("tracing", TracingConfig)
     )
     return "\n".join(head + rows)
 
