@@ -97,11 +97,13 @@ def hf_greedy(hf, processor, ids: list[int], images: list[Image.Image]) -> Greed
     return Greedy(tokens, top2)
 
 
-def generate(llm: LLM, prompts) -> list[list[int]]:
-    """Every prompt in one batch through the offline LLM; each one's tokens."""
+def generate(llm: LLM, prompts, keep: bool = False) -> list:
+    """Every prompt in one batch through the offline LLM; each one's tokens (its whole output
+    with keep)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     batch = [{"prompt_token_ids": ids, "multi_modal_data": {"image": im}} for ids, im in prompts]
-    return [out.token_ids for out in llm.generate(batch, params, use_tqdm=False)]
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    return outputs if keep else [out.token_ids for out in outputs]
 
 
 WHOLE = dict(block_size=4, num_gpu_blocks=96, max_model_len=96)
@@ -119,23 +121,45 @@ def engine(path: str, settings: dict) -> LLM:
     return LLM(path, device="cpu", load_progress=False, **settings)
 
 
-def test_whole_prompts_then_a_second_turn_from_the_prefix_cache(checkpoint, references):
+@pytest.fixture(scope="module")
+def whole(checkpoint):
+    """The engine that prefills whole prompts, with the prefix cache."""
+    with engine(checkpoint[0], WHOLE) as llm:
+        yield llm
+
+
+def test_whole_prompts_then_a_second_turn_from_the_prefix_cache(checkpoint, references, whole):
     path, hf = checkpoint
-    with engine(path, WHOLE) as llm:
-        outputs = generate(llm, PROMPTS)
-        for (_, images), tokens, ref in zip(PROMPTS, outputs, references):
-            assert_greedy_match(tokens, ref, f"{len(images)} images, whole prompts")
-        ids, images = PROMPTS[2]
-        turn = ids + outputs[2] + [11, 12, 13]
-        cache = llm.engine.executor.runner.feature(VisionFeature).cache  # type: ignore[attr-defined]
-        encoded = cache.misses
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        prompt = {"prompt_token_ids": turn, "multi_modal_data": {"image": images}}
-        second = llm.generate([prompt], params, use_tqdm=False)[0]
+    outputs = generate(whole, PROMPTS)
+    for (_, images), tokens, ref in zip(PROMPTS, outputs, references):
+        assert_greedy_match(tokens, ref, f"{len(images)} images, whole prompts")
+    ids, images = PROMPTS[2]
+    turn = ids + outputs[2] + [11, 12, 13]
+    cache = whole.engine.executor.runner.feature(VisionFeature).cache  # type: ignore[attr-defined]
+    encoded = cache.misses
+    second = generate(whole, [(turn, images)], keep=True)[0]
     assert second.num_cached_tokens >= len(ids) - 3 + 20  # all 20 image tokens came cached
     assert cache.misses == encoded  # nothing encoded again
     processor = AutoImageProcessor.from_pretrained(path)
     assert_greedy_match(second.token_ids, hf_greedy(hf, processor, turn, images), "second turn")
+
+
+def test_chat_with_an_image_part(checkpoint, whole):
+    """LLM.chat: the template writes Qwen's placeholder for the image part; transformers' tokens
+    for the ids it renders."""
+    path, hf = checkpoint
+    picture = image(5, (84, 56))
+    content = [{"type": "text", "text": "w5 w6 w7"}, {"type": "text", "text": "w8"}]
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": picture}, *content]}]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    got = whole.chat(chat, params, use_tqdm=False)[0]
+    rendered = [{"role": "user", "content": [{"type": "image"}, *content]}]
+    text = whole.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    ids = whole.tokenizer(text, add_special_tokens=False).input_ids
+    assert got.prompt_token_ids == ids
+    assert ids.count(IMAGE_TOKEN) == 1 and ids[ids.index(IMAGE_TOKEN) - 1] == VISION_START
+    processor = AutoImageProcessor.from_pretrained(path)
+    assert_greedy_match(got.token_ids, hf_greedy(hf, processor, ids, [picture]), "chat")
 
 
 def test_chunks_encoder_budget_and_preemption(checkpoint, references):
