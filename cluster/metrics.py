@@ -86,6 +86,12 @@ class ReplicaMetrics:
         self.spec_rows = counter(
             "raylm_spec_verify_rows_total", "Verify rows (a decode that verified proposals)."
         )
+        # Vision models (scheduler/features_images.py).
+        self.images_encoded = counter("raylm_images_encoded_total", "Images the tower encoded.")
+        self.encoder_cache_hits = counter(
+            "raylm_encoder_cache_hits_total", "Images read from the encoder cache, not encoded."
+        )
+        self.encoder_seconds = counter("raylm_encoder_seconds_total", "The vision tower's time.")
         self.ttft = histogram(
             "raylm_ttft_seconds", "Time to first token at the replica.", _LATENCY_BUCKETS
         )
@@ -116,13 +122,26 @@ class ReplicaMetrics:
             self.spec_proposed,
             self.spec_accepted,
             self.spec_rows,
+            self.images_encoded,
+            self.encoder_cache_hits,
+            self.encoder_seconds,
             self.ttft,
             self.itl,
         ):
             metric.set_default_tags({"replica": replica, "model": model})
         self._preemptions_seen = 0
         self._expert_tokens_seen: list[int] = []
-        self._spec_seen = (0, 0, 0)
+        # The scheduler's cumulative figures, and the scale of each counter's unit: the counters
+        # want increments.
+        self._cumulative = (
+            (self.spec_proposed, "num_spec_proposed_tokens", 1.0),
+            (self.spec_accepted, "num_spec_accepted_tokens", 1.0),
+            (self.spec_rows, "num_spec_verify_rows", 1.0),
+            (self.images_encoded, "num_images_encoded", 1.0),
+            (self.encoder_cache_hits, "num_encoder_cache_hits", 1.0),
+            (self.encoder_seconds, "encoder_time_us", 1e-6),
+        )
+        self._seen: dict[str, int] = {}
         self._export_zeros()
 
     def _export_zeros(self) -> None:
@@ -139,6 +158,9 @@ class ReplicaMetrics:
             self.spec_proposed,
             self.spec_accepted,
             self.spec_rows,
+            self.images_encoded,
+            self.encoder_cache_hits,
+            self.encoder_seconds,
         ):
             counter._record(0.0)
 
@@ -156,17 +178,11 @@ class ReplicaMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
-        spec = (
-            stats.num_spec_proposed_tokens,
-            stats.num_spec_accepted_tokens,
-            stats.num_spec_verify_rows,
-        )
-        for metric, now, seen in zip(
-            (self.spec_proposed, self.spec_accepted, self.spec_rows), spec, self._spec_seen
-        ):
+        for metric, name, scale in self._cumulative:
+            now, seen = getattr(stats, name), self._seen.get(name, 0)
             if now > seen:
-                metric.inc(now - seen)
-        self._spec_seen = spec
+                metric.inc((now - seen) * scale)
+            self._seen[name] = now
 
     def record_expert_load(self, totals: list[int]) -> None:
         """The engine's cumulative (token, expert) rows per rank (EngineCore.expert_load)."""

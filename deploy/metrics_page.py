@@ -23,6 +23,17 @@ _REPLICA_GAUGES = (
     ("raylm_prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prefix-cache hit rate (0-1)."),
     ("raylm_num_free_blocks", "num_free_blocks", "Free KV blocks."),
 )
+# A replica's cumulative figures: name, SchedulerStats field, its unit's scale, help.
+_REPLICA_COUNTERS = (
+    ("raylm_images_encoded_total", "num_images_encoded", 1, "Images the vision tower encoded."),
+    (
+        "raylm_encoder_cache_hits_total",
+        "num_encoder_cache_hits",
+        1,
+        "Images read from the encoder cache instead of encoded.",
+    ),
+    ("raylm_encoder_seconds_total", "encoder_time_us", 1e-6, "The vision tower's time."),
+)
 
 
 def render(
@@ -70,6 +81,11 @@ def _lines(
         yield from _head(name, "gauge", doc)
         for replica, report in sorted(reports.items()):
             value = getattr(report.scheduler, attr)
+            yield f'{name}{{replica="{_label(replica)}"}} {float(value)!r}'
+    for name, attr, scale, doc in _REPLICA_COUNTERS:
+        yield from _head(name, "counter", doc)
+        for replica, report in sorted(reports.items()):
+            value = getattr(report.scheduler, attr) * scale
             yield f'{name}{{replica="{_label(replica)}"}} {float(value)!r}'
     yield from _head("raylm_lora_adapters_loaded", "gauge", "LoRA adapters in device slots.")
     for replica, report in sorted(reports.items()):

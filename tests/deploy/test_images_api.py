@@ -31,7 +31,7 @@ from deploy.image_parts import ServedVision, image_inputs, load_chat_images
 from deploy.responses import ResponsesRequest
 from deploy.schemas import ChatCompletionRequest
 from frontend.images import ImageLimits
-from tests.deploy.conftest import TINY, TINY_KEY
+from tests.deploy.conftest import TINY, TINY_KEY, wait_for
 from tests.frontend.hostile_images import data_url, encoded, hostile_urls
 
 PNG = data_url(encoded(Image.new("RGB", (8, 6), (200, 10, 10)), "PNG"))
@@ -147,6 +147,19 @@ def test_images_per_request_and_image_tokens_are_bounded_per_request():
     assert (
         error.param == "messages[1].content[1].image_url.url" and "30 image tokens" in error.message
     )
+
+
+def test_the_replicas_encoder_figures_reach_the_metrics_page():
+    from router.stats import RoutingStats
+    from scheduler.outputs import SchedulerStats
+
+    stats = SchedulerStats(
+        0, 0, 0, 0.0, 0.0, 0, num_images_encoded=3, num_encoder_cache_hits=2, encoder_time_us=1500
+    )
+    page = metrics_page.render([RequestMetrics("m")], {"r1": RoutingStats(stats)}, 0)
+    assert 'raylm_images_encoded_total{replica="r1"} 3.0' in page
+    assert 'raylm_encoder_cache_hits_total{replica="r1"} 2.0' in page
+    assert 'raylm_encoder_seconds_total{replica="r1"} 0.0015' in page
 
 
 def test_http_urls_are_refused_unless_allowed():
@@ -324,12 +337,14 @@ def llava(vision_model_dir):
     return hf.eval(), AutoProcessor.from_pretrained(vision_model_dir)
 
 
-def hf_greedy_text(llava, images: list[Image.Image], max_tokens: int) -> str:
-    """transformers' greedy reply to one user turn of `images` then QUESTION, as text."""
+def hf_greedy_text(
+    llava, images: list[Image.Image], max_tokens: int, lead: list[dict] | None = None
+) -> str:
+    """transformers' greedy reply to one user turn of `lead` parts, `images` then QUESTION."""
     import torch
 
     hf, processor = llava
-    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": QUESTION}]
+    parts = [*(lead or []), *({"type": "image"} for _ in images), text(QUESTION)]
     prompt = processor.apply_chat_template(
         [{"role": "user", "content": parts}], add_generation_prompt=True
     )
@@ -380,6 +395,43 @@ def test_llava_served_gives_transformers_greedy_tokens_for_0_1_and_3_images(visi
 
 
 @pytest.mark.slow
+def test_llava_served_reads_a_repeated_image_from_the_encoder_cache(
+    vision_url, vision_openai, llava
+):
+    """The same image in a prompt whose first block differs (no prefix-cache hit covers the
+    image): the tower's output comes from the encoder cache, counted on /metrics, and the reply
+    is transformers' own."""
+    from tests.deploy.conftest import VISION
+    from tests.workers.vision_checkpoints import random_image
+
+    image = random_image(7)
+
+    def ask(lead: list[dict]) -> str:
+        content = [*lead, image_part(png_url(image)), text(QUESTION)]
+        reply = vision_openai.chat.completions.create(
+            model=VISION, messages=[user(content)], max_tokens=6, temperature=0
+        )
+        return reply.choices[0].message.content or ""
+
+    def hits() -> float:
+        page = httpx.get(vision_url.removesuffix("/v1") + "/metrics", timeout=60).text
+        found = re.findall(r'^raylm_encoder_cache_hits_total\{replica="[^"]*"\} (\S+)', page, re.M)
+        return sum(float(v) for v in found)
+
+    assert ask([]) == hf_greedy_text(llava, [image], 6)
+    before = hits()
+    lead = [text("Look again, closely:")]
+    assert ask(lead) == hf_greedy_text(llava, [image], 6, lead)
+
+    # The router learns each replica's figures as it routes (every second): a request per look.
+    def counted() -> bool:
+        ask([])
+        return hits() > before
+
+    assert wait_for(counted, timeout=60, interval=0.5)
+
+
+@pytest.mark.slow
 def test_llava_served_answers_the_hostile_set_with_400s_and_keeps_serving(
     vision_url, vision_openai
 ):
@@ -420,7 +472,11 @@ def test_llava_served_answers_the_hostile_set_with_400s_and_keeps_serving(
 
 
 def chat_turn(url: str) -> dict:
-    return {"role": "user", "content": [text(QUESTION), image_part(url)]}
+    return user([text(QUESTION), image_part(url)])
+
+
+def user(content: list[dict]) -> dict:
+    return {"role": "user", "content": content}
 
 
 def _peak_rss_kb(pid: int) -> int:
