@@ -4,6 +4,11 @@ while that replica is within the load ceiling (router/policies.py `PrefixAffinit
 Bounded: at most `max_sessions` tracked, the least recently routed forgotten first, and a session
 id of at most MAX_SESSION_ID_CHARS characters (the ingress refuses longer ones with a 400;
 `check_session_id` is the library's check).
+
+A request names its session by the body's `session_id` or the `x-session-id` header
+(`request_session`); its `user` only where the app sets `session_from_user`, since one end user may
+hold many conversations at once, and keying them all to one replica would pile a heavy user's
+unrelated contexts there.
 """
 
 from __future__ import annotations
@@ -15,14 +20,33 @@ MAX_SESSION_ID_CHARS = 256
 MAX_SESSIONS = 100_000
 
 
-def check_session_id(session: object) -> str:
+SESSION_HEADER = "x-session-id"
+
+
+def check_session_id(session: object, field: str = "session_id") -> str:
     """session, if it is a usable session id; ValueError naming the field otherwise."""
     if type(session) is not str or not 1 <= len(session) <= MAX_SESSION_ID_CHARS:
         shown = repr(session)[:40]
         raise ValueError(
-            f"session_id: must be a string of 1 to {MAX_SESSION_ID_CHARS} characters, got {shown}"
+            f"{field}: must be a string of 1 to {MAX_SESSION_ID_CHARS} characters, got {shown}"
         )
     return session
+
+
+def request_session(
+    body: str | None, header: str | None, user: str | None = None, from_user: bool = False
+) -> str | None:
+    """The session a request names: its body's session_id, else its x-session-id header (both
+    given: they must agree), else, with from_user, its non-empty `user`. ValueError naming the
+    field that is bad."""
+    if header is not None:
+        check_session_id(header, SESSION_HEADER)
+        if body is not None and body != header:
+            raise ValueError(f"{SESSION_HEADER}: differs from the body's session_id")
+    session = body if body is not None else header
+    if session is None and from_user and user:
+        session = check_session_id(user, "user")
+    return None if session is None else check_session_id(session)
 
 
 class SessionTable:
