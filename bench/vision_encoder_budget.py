@@ -83,7 +83,12 @@ def main() -> None:
     path = tempfile.mkdtemp(prefix="bench-llava-")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("default"))
     ckpt = write_tiny_llava(
-        path, tokenizer, image_size=IMAGE_SIZE, vision_width=256, vision_layers=4
+        path,
+        tokenizer,
+        image_size=IMAGE_SIZE,
+        vision_width=256,
+        vision_layers=4,
+        max_positions=8192,
     )
     budget = args.images * ckpt.tokens_per_image + 64  # the whole image prompt fits one step
     runs = {

@@ -7,21 +7,30 @@ from __future__ import annotations
 import base64
 import io
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
+from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.workers.vision_checkpoints import VisionCheckpoint, random_image, write_tiny_llava
 from workers.features.vision import VisionFeature
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-# Two engines serve every test (an engine start is the cost): A caches prefixes in blocks of 4;
-# B runs steps of 6 tokens and 4 image tokens over a pool too small for its batch, no prefix cache.
-ENGINE_A = dict(num_gpu_blocks=64, max_model_len=256, block_size=4)
+# Two engines serve every test (an engine start is the cost), each with a feature images compose
+# with: A caches prefixes in blocks of 4 and verifies n-gram proposals; B runs steps of 6 tokens
+# and 4 image tokens over a pool too small for its batch, no prefix cache, overlapped steps.
+ENGINE_A = dict(
+    num_gpu_blocks=64,
+    max_model_len=256,
+    block_size=4,
+    speculative={"method": "ngram", "num_tokens": 3},
+)
 ENGINE_B = dict(
+    async_scheduling=True,
     max_num_batched_tokens=6,
     max_num_encoder_tokens=4,
     num_gpu_blocks=12,
@@ -62,12 +71,24 @@ def llava(tmp_path_factory, smollm2_tokenizer) -> Llava:
     return Llava(ckpt, hf, AutoProcessor.from_pretrained(path))
 
 
+@pytest.fixture(scope="module")
+def engine_a(llava) -> Iterator[LLM]:
+    with LLM(model=llava.path, device="cpu", load_progress=False, **ENGINE_A) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def engine_b(llava) -> Iterator[LLM]:
+    with LLM(model=llava.path, device="cpu", load_progress=False, **ENGINE_B) as llm:
+        yield llm
+
+
 def with_images(text: str, images: list[Any]) -> dict[str, Any]:
     return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
-def test_greedy_tokens_match_hf_for_0_1_3_images_in_a_batch_with_text_requests(llava, llm_factory):
-    llm = llm_factory(model=llava.path, **ENGINE_A)
+def test_greedy_tokens_match_hf_for_0_1_3_images_in_a_batch_with_text_requests(llava, engine_a):
+    llm = engine_a
     one, three = [random_image(1)], [random_image(2), random_image(3, (64, 48)), random_image(4)]
     cases = [(TEXT, []), (ONE, one), (THREE, three), ("USER: hi ASSISTANT:", [])]
     outs = llm.generate([with_images(t, i) if i else t for t, i in cases], GREEDY, use_tqdm=False)
@@ -80,10 +101,10 @@ def test_greedy_tokens_match_hf_for_0_1_3_images_in_a_batch_with_text_requests(l
     assert again[0].token_ids == outs[2].token_ids
 
 
-def test_chunks_around_images_under_an_encoder_budget_with_preemption_match_hf(llava, llm_factory):
+def test_chunks_around_images_under_an_encoder_budget_with_preemption_match_hf(llava, engine_b):
     """Steps of 6 tokens and 4 image tokens (one image a step), a pool too small for the batch,
     no prefix cache: every image still runs whole, and each request gives HF's tokens."""
-    llm = llm_factory(model=llava.path, **ENGINE_B)
+    llm = engine_b
     cases = [
         (THREE, [random_image(10 + i), random_image(20 + i), random_image(30)]) for i in range(3)
     ]
@@ -95,8 +116,8 @@ def test_chunks_around_images_under_an_encoder_budget_with_preemption_match_hf(l
         assert out.token_ids == llava.greedy(text, images)
 
 
-def test_second_turn_reads_the_encoder_cache_and_gives_identical_tokens(llava, llm_factory):
-    llm = llm_factory(model=llava.path, **ENGINE_B)
+def test_second_turn_reads_the_encoder_cache_and_gives_identical_tokens(llava, engine_b):
+    llm = engine_b
     cache = llm.engine.executor.runner.feature(VisionFeature).cache  # type: ignore[attr-defined]
     image = random_image(77)
     first = llm.generate(with_images(ONE, [image]), GREEDY, use_tqdm=False)[0]
@@ -109,10 +130,10 @@ def test_second_turn_reads_the_encoder_cache_and_gives_identical_tokens(llava, l
     assert second.token_ids == first.token_ids == llava.greedy(ONE, [image])
 
 
-def test_prefix_cache_keys_image_blocks_by_the_image(llava, llm_factory):
+def test_prefix_cache_keys_image_blocks_by_the_image(llava, engine_a):
     """The same text with another image hits only the blocks before the image; with the same
     image it hits past it; the other image's tokens are its own (HF's)."""
-    llm = llm_factory(model=llava.path, **ENGINE_A)
+    llm = engine_a
     text = "USER: a long shared preamble about pictures of things <image> what is it? ASSISTANT:"
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
     before_image = ids.index(llava.ckpt.image_token_id) // 4 * 4
@@ -126,8 +147,8 @@ def test_prefix_cache_keys_image_blocks_by_the_image(llava, llm_factory):
     assert same.token_ids == llava.greedy(text, [x])
 
 
-def test_chat_with_image_parts_renders_the_placeholder_and_matches_hf(llava, llm_factory):
-    llm = llm_factory(model=llava.path, **ENGINE_A)
+def test_chat_with_image_parts_renders_the_placeholder_and_matches_hf(llava, engine_a):
+    llm = engine_a
     a, b = random_image(5), random_image(6)
     png = io.BytesIO()
     a.save(png, format="PNG")
@@ -143,10 +164,10 @@ def test_chat_with_image_parts_renders_the_placeholder_and_matches_hf(llava, llm
     assert out.token_ids == llava.greedy(rendered, [a, b])
 
 
-def test_control_text_in_a_text_part_stays_text(llava, llm_factory):
+def test_control_text_in_a_text_part_stays_text(llava, engine_a):
     """`<image>` typed in a text part is text, never a placeholder: the prompt holds exactly the
     placeholders of its image parts."""
-    llm = llm_factory(model=llava.path, **ENGINE_A)
+    llm = engine_a
     content = [
         {"type": "image_pil", "image_pil": random_image(7)},
         {"type": "text", "text": "ignore <image> this"},
@@ -165,8 +186,8 @@ def test_control_text_in_a_text_part_stays_text(llava, llm_factory):
         ({"prompt": ONE, "extra": 1}, "prompt"),
     ],
 )
-def test_bad_image_prompts_are_refused_naming_the_field(llava, llm_factory, prompt, field):
-    llm = llm_factory(model=llava.path, **ENGINE_A)
+def test_bad_image_prompts_are_refused_naming_the_field(llava, engine_a, prompt, field):
+    llm = engine_a
     with pytest.raises(ValueError, match=re.escape(field)):
         llm.generate(prompt, GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()

@@ -47,6 +47,7 @@ def write_tiny_llava(
     image_size: int = LLAVA_IMAGE_SIZE,
     vision_width: int = 32,
     vision_layers: int = 2,
+    max_positions: int = 512,
 ) -> VisionCheckpoint:
     """A tiny random LLaVA with sharp logits (greedy choices decided by clear margins) saved with
     its processor into path. The tower's image size, width and depth may grow (a benchmark's
@@ -71,7 +72,7 @@ def write_tiny_llava(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
