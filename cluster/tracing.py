@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,20 +88,29 @@ class TraceContext:
 
 # ---- each process's provider --------------------------------------------------------------------
 _providers: dict[TracingConfig, TracerProvider] = {}
+_tracers: dict[TracingConfig, Tracer] = {}
+# The ingress's event loop and Serve's router loop (a thread of its own) may both make the first.
+_providers_lock = threading.Lock()
 
 
 def tracer(config: TracingConfig) -> Tracer:
     """This process's tracer for the settings: built on first use, exporting in batches from a
     thread of its own (a request never waits for the collector)."""
-    provider = _providers.get(config)
-    if provider is None:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    found = _tracers.get(config)
+    if found is None:
+        with _providers_lock:
+            found = _tracers.get(config) or _otlp_provider(config).get_tracer("raylm")
+            _tracers[config] = found
+    return found
 
-        exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint)
-        delay_ms = config.export_delay_s * 1000
-        provider = _install(config, BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms))
-    return provider.get_tracer("raylm")
+
+def _otlp_provider(config: TracingConfig) -> TracerProvider:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint)
+    delay_ms = config.export_delay_s * 1000
+    return _install(config, BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms))
 
 
 def use_exporter(config: TracingConfig, exporter: SpanExporter) -> TracerProvider:
@@ -111,7 +121,9 @@ def use_exporter(config: TracingConfig, exporter: SpanExporter) -> TracerProvide
     old = _providers.pop(config, None)
     if old is not None:
         old.shutdown()
-    return _install(config, SimpleSpanProcessor(exporter))
+    provider = _install(config, SimpleSpanProcessor(exporter))
+    _tracers[config] = provider.get_tracer("raylm")
+    return provider
 
 
 def _install(config: TracingConfig, processor: Any) -> TracerProvider:
