@@ -16,6 +16,16 @@ over a per-replica target), and the fleet needs the largest of them:
 - down: the largest demand over `downscale_headroom` (a dead band under the targets) still fits in
   fewer replicas, and both latencies are under `downscale_headroom` of their SLO, for
   `downscale_delay_s` without a break; the count falls to the most that the wait asked for.
+  Replicas still starting serve nothing yet, so they go at once, without the wait, once the load
+  is under half the load that asked for them (`CANCEL_BELOW`): a burst shorter than a start-up is
+  over before its replicas are ready, and paying for them through the delay buys nothing.
+
+A queue is a backlog, not a standing need: requests wait on the replica they were routed to, so a
+new replica takes only new arrivals. Queued prompts therefore count as KV at most as much again as
+the replica holds (a full replica with a queue needs about another), and the TTFT p90 counts only
+while some request waits: the window remembers a drained backlog for its whole length, and read
+without a queue it would add replicas after the burst and hold them (on the 2026-11-28 shaped day
+it took the count from 20 to 40 after the burst was over).
 
 The dead band keeps a noisy load from flapping: a load that sways by less than the band around its
 mean scales once and then holds. The function is pure: the state (`AutoscalingState`) goes in and
@@ -36,6 +46,11 @@ from settings import check_settings, setting
 # A fleet this large is a typo, not a setting.
 MAX_REPLICAS = 1 << 20
 MAX_DELAY_S = 86400.0
+# Replicas still starting are cancelled, without the downscale delay, once the load is under this
+# share of the load that asked for them: halved, it is a burst that ended; the 10 s averages of a
+# steady load sway by up to 30% between decisions (a shaped development day, seed 17), and a
+# cancel at the downscale dead band (0.7) flapped on them.
+CANCEL_BELOW = 0.5
 # Why a decision went the way it did; the dashboards count decisions by these.
 REASONS = (
     "kv_cache",  # KV-cache usage over its target
@@ -198,6 +213,9 @@ class AutoscalingState:
     mean_load: float | None = None
     mean_load_s: float | None = None
     trend: float = 0.0  # replicas per second
+    # The load (replicas) that the last scale-up was asked for: replicas still starting are
+    # cancelled once the load is under CANCEL_BELOW of it.
+    asked_load: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -234,9 +252,11 @@ class Demand:
 
 def _kv_needed(s: ReplicaSignals) -> float:
     """The replica's KV in use plus what its waiting requests will take, as a share of its pool:
-    a full cache with a queue behind it needs more than one replica's KV."""
+    a full cache with a queue behind it needs more than one replica's KV. The queue counts at most
+    as much again as the replica holds: it stays where it was routed, and what a new replica
+    takes over is the arrivals, not the backlog (the module doc)."""
     queued = s.num_waiting_prompt_tokens / s.kv_cache_tokens if s.kv_cache_tokens else 0.0
-    return s.kv_cache_usage + queued
+    return s.kv_cache_usage + min(queued, s.kv_cache_usage)
 
 
 def demand(signals: Sequence[ReplicaSignals], targets: SignalTargets) -> Demand:
@@ -252,12 +272,16 @@ def demand(signals: Sequence[ReplicaSignals], targets: SignalTargets) -> Demand:
 
 def _latency_ratio(signals: Sequence[ReplicaSignals], slo: SloTargets) -> tuple[float, str]:
     """The worse of the fleet's TTFT and ITL p90 (mean over the replicas with samples) over its
-    SLO; 0 without samples."""
+    SLO; 0 without samples. TTFT only while some request waits: without a queue its window holds
+    the latencies of a backlog already drained, which more replicas cannot shorten."""
     out = (0.0, "ttft_slo")
+    queued = any(s.num_waiting for s in signals)
     for name, target, reason in (
         ("ttft_p90_s", slo.ttft_p90_s, "ttft_slo"),
         ("itl_p90_s", slo.itl_p90_s, "itl_slo"),
     ):
+        if reason == "ttft_slo" and not queued:
+            continue
         values = [v for s in signals if (v := getattr(s, name)) is not None]
         if values:
             out = max(out, (sum(values) / len(values) / target, reason))
@@ -321,11 +345,15 @@ def decide(
     if ratio > 1 and not cooling and _ceil(current * min(ratio, 2.0)) > up:
         up, reason = max(current + 1, _ceil(current * min(ratio, 2.0))), slo_reason
     if up > current:
-        return _scale_up(min(up, hi), reason, current, config, state, now)
+        return _scale_up(min(up, hi), reason, current, config, state, now, load)
     headroom = config.targets.downscale_headroom
     down = max(lo, _ceil(load / headroom), 1 if lo == 0 and load > 0 else 0)
     if down < current and ratio < headroom:
-        return _scale_down(down, current, config, state, now)
+        waited = _scale_down(down, current, config, state, now)
+        cancel = max(down, len(signals))
+        if load < CANCEL_BELOW * state.asked_load and cancel < waited.replicas:
+            return _cancel_starting(cancel, state)
+        return waited
     return ScaleDecision(
         current, "steady", replace(state, up_since_s=None, down_since_s=None, down_to=0)
     )
@@ -338,6 +366,7 @@ def _settled(state: AutoscalingState, last_scale_up_s: float | None) -> Autoscal
         mean_load=state.mean_load,
         mean_load_s=state.mean_load_s,
         trend=state.trend,
+        asked_load=state.asked_load,
     )
 
 
@@ -348,6 +377,7 @@ def _scale_up(
     config: AutoscalingPolicyConfig,
     state: AutoscalingState,
     now: float,
+    load: float,
 ) -> ScaleDecision:
     since = state.up_since_s if state.up_since_s is not None else now
     if target <= current:  # capped at max_replicas already
@@ -358,7 +388,14 @@ def _scale_up(
         return ScaleDecision(
             current, "upscale_delay", replace(state, up_since_s=since, down_since_s=None, down_to=0)
         )
-    return ScaleDecision(target, reason, _settled(state, last_scale_up_s=now))
+    return ScaleDecision(target, reason, replace(_settled(state, now), asked_load=load))
+
+
+def _cancel_starting(target: int, state: AutoscalingState) -> ScaleDecision:
+    """Replicas still starting serve nothing yet: once the load that asked for them has halved
+    they go at once, without the downscale delay (a burst shorter than a start-up is over before
+    its replicas are ready)."""
+    return ScaleDecision(target, "low_load", _settled(state, state.last_scale_up_s))
 
 
 def _scale_down(

@@ -74,24 +74,63 @@ def pick(rows: Sequence[DayRow], policy: str, target: float) -> Pick | None:
     return max(picks, key=lambda p: p.worst)
 
 
-def shaped_day(cfg: DayPlanConfig, a: argparse.Namespace, seed: int) -> DayPlanConfig:
-    """The other shape: the command line's `--shaped-*` flags over the tuning days' shape."""
+# The `--shaped-*` flags and the DayWorkloadConfig field each sets.
+SHAPE_FLAGS = {
+    "shaped_peak_to_trough": "peak_to_trough",
+    "shaped_long_share_peak": "long_share_peak",
+    "shaped_long_share_trough": "long_share_trough",
+    "shaped_burst_at": "burst_at",
+    "shaped_burst_len": "burst_len",
+    "shaped_burst_factor": "burst_factor",
+}
+
+
+def shape_of(a: argparse.Namespace, k: int) -> dict[str, float]:
+    """The k-th shaped seed's day fields: each `--shaped-*` flag gives one value for every shaped
+    seed, or one per seed (so several shapes are judged in one run)."""
+    n = len(a.shaped_seeds or ())
+    out = {}
+    for flag, name in SHAPE_FLAGS.items():
+        values = getattr(a, flag)
+        values = values if isinstance(values, list) else [values]
+        if len(values) not in (1, n):
+            raise ValueError(f"{name}: one value, or one per shaped seed ({n}), got {len(values)}")
+        out[name] = values[0] if len(values) == 1 else values[k]
+    return out
+
+
+def shaped_day(cfg: DayPlanConfig, a: argparse.Namespace, k: int) -> DayPlanConfig:
+    """The k-th shaped day: the command line's `--shaped-*` flags over the tuning days' shape."""
+    v = shape_of(a, k)
     day = replace(
         cfg.day,
-        seed=seed,
-        peak_to_trough=a.shaped_peak_to_trough,
-        long_share_peak=a.shaped_long_share_peak,
-        long_share_trough=a.shaped_long_share_trough,
-        burst_at=a.shaped_burst_at,
-        burst_len=a.shaped_burst_len,
-        burst_factor=a.shaped_burst_factor,
+        seed=a.shaped_seeds[k],
+        peak_to_trough=v["peak_to_trough"],
+        long_share_peak=v["long_share_peak"],
+        long_share_trough=v["long_share_trough"],
+        burst_at=v["burst_at"],
+        burst_len=v["burst_len"],
+        burst_factor=v["burst_factor"],
     )
     return replace(cfg, day=day, shape=SHAPED)
 
 
 def evaluation_days(cfg: DayPlanConfig, a: argparse.Namespace) -> list[DayPlanConfig]:
     days = [replace(cfg, day=replace(cfg.day, seed=s)) for s in a.eval_seeds or ()]
-    return days + [shaped_day(cfg, a, s) for s in a.shaped_seeds or ()]
+    return days + [shaped_day(cfg, a, k) for k in range(len(a.shaped_seeds or ()))]
+
+
+def describe_shapes(a: argparse.Namespace) -> str:
+    """Each shaped seed with its shape, for the run's header."""
+    parts = []
+    for k, seed in enumerate(a.shaped_seeds or ()):
+        v = shape_of(a, k)
+        parts.append(
+            f"{seed} (peak:trough {v['peak_to_trough']:g}, long share {v['long_share_peak']:g} / "
+            f"{v['long_share_trough']:g}, x{v['burst_factor']:g} burst at {v['burst_at']:g} of "
+            f"the day for {v['burst_len']:g})"
+        )
+    return "; ".join(parts) or "none"
 
 
 def check_seeds(a: argparse.Namespace) -> None:
@@ -248,15 +287,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--shaped-seeds", type=int, nargs="+", help="days of the other shape (--shaped-*) judged on"
     )
-    g.add_argument("--shaped-peak-to-trough", type=float, default=4.0)
-    g.add_argument("--shaped-long-share-peak", type=float, default=0.3)
-    g.add_argument("--shaped-long-share-trough", type=float, default=0.3)
+    # Each takes one value for every shaped seed, or one per shaped seed.
+    g.add_argument("--shaped-peak-to-trough", type=float, nargs="+", default=[4.0])
+    g.add_argument("--shaped-long-share-peak", type=float, nargs="+", default=[0.3])
+    g.add_argument("--shaped-long-share-trough", type=float, nargs="+", default=[0.3])
     g.add_argument(
-        "--shaped-burst-at", type=float, default=0.3, help="burst start, a fraction of the day"
+        "--shaped-burst-at",
+        type=float,
+        nargs="+",
+        default=[0.3],
+        help="burst start, a fraction of the day",
     )
-    g.add_argument("--shaped-burst-len", type=float, default=0.05, help="a fraction of the day")
     g.add_argument(
-        "--shaped-burst-factor", type=float, default=1.5, help="the rate times this in the burst"
+        "--shaped-burst-len", type=float, nargs="+", default=[0.05], help="a fraction of the day"
+    )
+    g.add_argument(
+        "--shaped-burst-factor",
+        type=float,
+        nargs="+",
+        default=[1.5],
+        help="the rate times this in the burst",
     )
 
 
@@ -274,10 +324,8 @@ def cmd_plan_day(a: argparse.Namespace) -> None:
     evaluation_days(cfg, a)  # a bad --shaped-* value is refused here too
     print(plan.describe(cfg, a), flush=True)
     print(
-        f"# tuning days {a.tune_seeds}; evaluation days {a.eval_seeds or []} and, shaped "
-        f"(peak:trough {a.shaped_peak_to_trough:g}, long share {a.shaped_long_share_peak:g} / "
-        f"{a.shaped_long_share_trough:g}, x{a.shaped_burst_factor:g} burst at "
-        f"{a.shaped_burst_at:g} of the day for {a.shaped_burst_len:g}), {a.shaped_seeds or []}",
+        f"# tuning days {a.tune_seeds}; evaluation days {a.eval_seeds or []}; shaped days "
+        f"{describe_shapes(a)}",
         flush=True,
     )
     tuning, picks, evaluation = run_protocol(cfg, a, settings)

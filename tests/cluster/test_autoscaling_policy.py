@@ -61,7 +61,9 @@ def test_the_policy_scales_on_the_context_and_keeps_serves_state_keys():
     assert replicas == 4 and state["serve_key"] == 1 and state["last_scale_up_s"] == 1000.0
     idle = ReplicaSignals(0.0, 0, 0, 0, 8, None, None, 4096)
     replicas, state = policy(context(dict.fromkeys(REPLICAS, idle), 4, state))
-    assert replicas == 4 and state["down_since_s"] == 1000.0  # waiting out the downscale delay
+    assert replicas == 3  # the fourth, still starting, goes at once: the load that asked is gone
+    replicas, state = policy(context(dict.fromkeys(REPLICAS, idle), 3, state))
+    assert replicas == 3 and state["down_since_s"] == 1000.0  # waiting out the downscale delay
 
 
 def test_the_apps_autoscaling_args_are_the_policys_config_declared_once():

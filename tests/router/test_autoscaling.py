@@ -82,7 +82,7 @@ def test_each_signal_scales_up_with_its_reason():
         ([busy(0.1, running=SEQS, waiting=40)] * 2, "batch"),
         ([busy(0.1, waiting=2, tokens=40_000)] * 2, "queued_tokens"),
         ([busy(0.7, waiting=2, tokens=2000, kv_cache_tokens=8192)] * 2, "kv_cache"),
-        ([busy(0.1, ttft_p90_s=3.0)] * 2, "ttft_slo"),
+        ([busy(0.1, waiting=1, ttft_p90_s=3.0)] * 2, "ttft_slo"),
         ([busy(0.1, itl_p90_s=0.5)] * 2, "itl_slo"),
     ]
     for signals, reason in cases:
@@ -93,7 +93,7 @@ def test_each_signal_scales_up_with_its_reason():
 
 def test_latency_over_the_slo_waits_out_the_cooldown_after_a_scale_up():
     cfg = config(targets={"slo_cooldown_s": 30})  # type: ignore[arg-type]
-    slow = [busy(0.1, ttft_p90_s=3.0)] * 2
+    slow = [busy(0.1, waiting=1, ttft_p90_s=3.0)] * 2
     first = decide(slow, 2, cfg, AutoscalingState(), now=100.0)
     assert first.replicas == 3
     assert decide(slow, 3, cfg, first.state, now=110.0).replicas == 3  # cooling down
@@ -144,16 +144,67 @@ def test_a_rising_load_is_met_lead_s_ahead_and_without_a_lead_only_once_it_arriv
 
 
 def test_a_backlog_adds_at_most_twice_the_reporting_replicas_while_others_start():
-    """Five replicas report a backlog worth 45 replicas of KV while two more are starting: the count
-    goes to 10, not 45, and holds there until the ones asked for report."""
+    """Five replicas report a backlog worth 20 replicas of queued prompt tokens while two more are
+    starting: the count goes to 10, not 20, and holds there until the ones asked for report."""
     cfg = config(max_replicas=64, targets=SignalTargets(lead_s=0))
     backlog = [busy(1.0, waiting=50, tokens=8 * POOL, kv_cache_tokens=POOL)] * 5
     d = decide(backlog, 7, cfg, AutoscalingState(), now=0.0)
-    assert (d.replicas, d.reason) == (10, "kv_cache")
+    assert (d.replicas, d.reason) == (10, "queued_tokens")
     d = decide(backlog, 10, cfg, d.state, now=5.0)
     assert (d.replicas, d.reason) == (10, "steady")
     d = decide(backlog * 2, 10, cfg, d.state, now=35.0)  # the new ones report: it may go on
     assert d.replicas == 20
+
+
+def test_a_queue_counts_at_most_as_much_kv_again_as_its_replica_holds():
+    """Queued prompts do not move to a new replica: five full replicas with 3 pools of prompts
+    queued each, beside five that just started, ask for (5 x (1 + 1) + 5 x 0.05) / 0.75 = 13.7
+    replicas of KV, not the 26.7 that counting every queued prompt as KV would ask for."""
+    cfg = config(max_replicas=64, targets=SignalTargets(lead_s=0))
+    full = busy(1.0, waiting=6, tokens=3 * POOL, kv_cache_tokens=POOL)
+    fresh = busy(0.05, kv_cache_tokens=POOL)
+    d = decide([full] * 5 + [fresh] * 5, 10, cfg, AutoscalingState(), now=0.0)
+    assert (d.replicas, d.reason) == (14, "kv_cache")
+
+
+def test_ttft_over_the_slo_counts_only_while_requests_wait():
+    """The TTFT window remembers a drained backlog: with nothing waiting it neither adds replicas
+    nor holds off the scale-down; with a queue it adds them."""
+    cfg = config(downscale_delay_s=0, targets=SignalTargets(lead_s=0, slo_cooldown_s=0))
+    stale = [busy(0.1, ttft_p90_s=9.0)] * 8
+    assert (d := decide(stale, 8, cfg, AutoscalingState(), now=0.0)).replicas < 8
+    assert d.reason == "low_load"
+    queued = [busy(0.1, waiting=1, ttft_p90_s=9.0)] * 8
+    assert (d := decide(queued, 8, cfg, AutoscalingState(), now=0.0)).replicas == 16
+    assert d.reason == "ttft_slo"
+    # ITL has no queue to wait for: over its SLO it scales up whatever waits.
+    assert decide([busy(0.1, itl_p90_s=0.5)] * 8, 8, cfg, AutoscalingState(), 0.0).replicas > 8
+
+
+def test_replicas_still_starting_go_at_once_when_the_load_that_asked_for_them_halves():
+    """A burst shorter than a start-up: 5 replicas report a load of 13.3 and the count goes to 10;
+    while the 5 new ones start the burst ends (load 2.7): they are cancelled at once, down to the 5
+    that report (not waiting out the 120 s delay), and those wait out the delay as usual. A load
+    over half the one that asked keeps the starting ones."""
+    cfg = config(max_replicas=64, downscale_delay_s=120, targets=SignalTargets(lead_s=0))
+    burst = [busy(1.0, waiting=4, tokens=POOL, kv_cache_tokens=POOL)] * 5  # 2 x 5 / 0.75 = 13.3
+    d = decide(burst, 5, cfg, AutoscalingState(), now=0.0)
+    assert (d.replicas, d.reason) == (10, "kv_cache")  # twice the 5 that report
+    after = [busy(0.4)] * 5  # 2.7 replicas of load, under 0.5 x 13.3
+    over = decide(after, 10, cfg, d.state, now=20.0)
+    assert (over.replicas, over.reason) == (5, "low_load")
+    # The 5 that report wait out the delay before going down to ceil(2.7 / 0.7) = 4.
+    d2 = decide(after, 5, cfg, over.state, now=25.0)
+    assert (d2.replicas, d2.reason) == (5, "downscale_delay")
+    assert decide(after, 5, cfg, d2.state, now=150.0).replicas == 4
+    # TTFT 1.5x its SLO asks 4 -> 6 at a load of 2.13 (4 x 0.4 / 0.75); the queue drains and the
+    # load is 1.87 (a dip a noisy steady load shows), over 0.5 x 2.13: the two starting ones stay;
+    # at 0.8 they go.
+    slow = decide([busy(0.4, waiting=1, ttft_p90_s=3.0)] * 4, 4, cfg, AutoscalingState(), 0.0)
+    assert (slow.replicas, slow.reason) == (6, "ttft_slo")
+    held = decide([busy(0.35)] * 4, 6, cfg, slow.state, now=5.0)
+    assert (held.replicas, held.reason) == (6, "downscale_delay")
+    assert decide([busy(0.15)] * 4, 6, cfg, slow.state, now=5.0).replicas == 4
 
 
 def test_upscale_delay_and_bounds():
@@ -193,7 +244,13 @@ signal = st.builds(
     st.floats(1, 3),
     st.integers(0, 2),
     st.integers(1, 40),
-    st.sampled_from([AutoscalingState(), AutoscalingState(down_since_s=0.0, down_to=2)]),
+    st.sampled_from(
+        [
+            AutoscalingState(),
+            AutoscalingState(down_since_s=0.0, down_to=2),
+            AutoscalingState(down_since_s=150.0, down_to=3, asked_load=12.0),
+        ]
+    ),
     st.floats(0, 200),
 )
 def test_more_load_never_asks_for_fewer_replicas(signals, factor, extra, current, state, now):

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from sim.__main__ import main
+from sim.__main__ import command_line, main
 from sim.autoscale import DayWorkloadConfig, day_workload
-from sim.autoscale_plan import DayRow
-from sim.autoscale_protocol import pick, verdict
+from sim.autoscale_plan import DayRow, config_of
+from sim.autoscale_protocol import evaluation_days, pick, verdict
 from tests.sim.test_autoscale_plan import DAY
 
 
@@ -115,3 +115,21 @@ def test_bad_protocol_settings_are_refused_before_any_day_is_replayed(capsys, fl
         main([*PROTOCOL, *flags])
     err = capsys.readouterr()
     assert exc.value.code == 2 and field in err.err and "done:" not in err.out
+
+
+def _shaped(*flags: str) -> list[DayWorkloadConfig]:
+    a = command_line().parse_args([*PROTOCOL, *flags])
+    return [d.day for d in evaluation_days(config_of(a), a)]
+
+
+def test_each_shaped_flag_gives_one_value_for_every_shaped_seed_or_one_per_seed():
+    """Two shapes judged in one run: a value per shaped seed, or one shared by all of them."""
+    one, two = _shaped(
+        "--shaped-seeds", "15", "16", "--shaped-burst-at", "0.3", "0.7",
+        "--shaped-long-share-peak", "0.5",
+    )  # fmt: skip
+    assert (one.seed, one.burst_at, one.long_share_peak) == (15, 0.3, 0.5)
+    assert (two.seed, two.burst_at, two.long_share_peak) == (16, 0.7, 0.5)
+    assert one.burst_len == two.burst_len == 0.05  # the default, for both
+    with pytest.raises(ValueError, match="burst_len: one value, or one per shaped seed"):
+        _shaped("--shaped-seeds", "15", "16", "--shaped-burst-len", "0.1", "0.2", "0.3")
