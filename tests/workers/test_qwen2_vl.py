@@ -250,10 +250,13 @@ def test_two_ranks_match_one(checkpoint, models, gloo_ranks):
     torch.testing.assert_close(two, spliced_logits(ours, *whole_inputs()), rtol=1e-4, atol=1e-4)
 
 
-def inputs(offset: int, length: int, grid: list[int]) -> MultiModalInputs:
-    """One image's MultiModalInputs as the engine sends them (its grid array packed)."""
+def inputs(offset: int, length: int, grid: list[int], rows: int | None = None) -> MultiModalInputs:
+    """One image's MultiModalInputs as the engine sends them (its arrays packed); `rows`
+    pixel rows (default: the grid's patches)."""
     span = ImageSpan(offset, length, "ab" * 32)
-    return MultiModalInputs((ImageInput(span, (("image_grid_thw", pack(np.array([grid]))),)),))
+    pixels = np.zeros((int(np.prod(grid)) if rows is None else rows, 1176), dtype=np.float32)
+    arrays = (("pixel_values", pack(pixels)), ("image_grid_thw", pack(np.array([grid]))))
+    return MultiModalInputs((ImageInput(span, arrays),))
 
 
 def test_image_tokens_and_spans_from_processor_arrays(models):
@@ -265,6 +268,8 @@ def test_image_tokens_and_spans_from_processor_arrays(models):
     assert ours.mrope_spans(inputs(7, 12, [1, 6, 8])) == [MRopeSpan(7, 1, 3, 4)]
     with pytest.raises(ValueError, match="images: an image of 11 tokens has a 1x3x4 grid"):
         ours.mrope_spans(inputs(7, 11, [1, 6, 8]))
+    with pytest.raises(ValueError, match=r"pixel_values of shape \(47, 1176\)"):
+        ours.mrope_spans(inputs(7, 12, [1, 6, 8], rows=47))
 
 
 @pytest.mark.parametrize("bad", [*HUGE, 3, "4"])

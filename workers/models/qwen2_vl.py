@@ -77,16 +77,21 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         return self.visual(pixel_values, grid_thw)
 
     def mrope_spans(self, inputs: MultiModalInputs) -> list[MRopeSpan]:
-        """Where a request's images sit in the position grid (ValueError naming `images` when an
-        image's span does not hold its grid's tokens)."""
+        """Where a request's images sit in the position grid. Read when the request starts, so
+        an image whose arrays disagree (its span's length, its pixel rows, and its grid) fails
+        that request alone (ValueError naming `images`), never a step's forward."""
         spans = []
         for image in inputs.images:
-            arrays = {name: as_numpy(a) for name, a in image.arrays if name == "image_grid_thw"}
-            span = MRopeSpan(image.span.offset, *merged_grid(arrays, self.merge_size))
-            if span.length != image.span.length:
+            arrays = dict(image.arrays)
+            grid = {k: as_numpy(a) for k, a in arrays.items() if k == "image_grid_thw"}
+            span = MRopeSpan(image.span.offset, *merged_grid(grid, self.merge_size))
+            pixels = arrays.get("pixel_values")
+            patches = (span.length * self.merge_size**2, self.visual.patch_width)
+            shape = None if pixels is None else pixels.shape
+            if span.length != image.span.length or shape != patches:
                 raise ValueError(
                     f"images: an image of {image.span.length} tokens has a {span.t}x{span.h}x"
-                    f"{span.w} grid"
+                    f"{span.w} grid and pixel_values of shape {shape} (expected {patches})"
                 )
             spans.append(span)
         return spans

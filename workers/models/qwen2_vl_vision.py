@@ -260,6 +260,12 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @property
+    def patch_width(self) -> int:
+        """A flattened patch's values: channels x frames x patch x patch."""
+        a = self.args
+        return a.in_channels * a.temporal_patch_size * a.patch_size**2
+
+    @property
     def merge_unit(self) -> int:
         return self.args.spatial_merge_size**2
 
