@@ -24,7 +24,7 @@ from tests.workers.greedy import assert_greedy_match, hf_greedy
 from tests.workers.test_hf_parity import TEXTS
 from workers.layers.mamba2 import MambaDims, ssd_chunked, ssd_step
 
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 TINY_GRANITE_HYBRID = ModelSpec(
     "GraniteMoeHybridConfig",

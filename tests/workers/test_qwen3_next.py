@@ -1,8 +1,8 @@
 """Qwen3-Next (gated DeltaNet layers beside gated full attention, MoE with a shared expert): greedy
 output equals transformers' greedy generate on the same random checkpoint (fp32), batched under
 16-token chunked prefill (cuts inside the prompts, so each linear layer's state crosses steps)
-with async scheduling, and with two state slots reused by three requests and an 8-block pool that
-preempts (recompute: the victim's state is dropped and rebuilt). Two gloo ranks give one rank's
+with async scheduling, two state slots reused by three requests and an 8-block pool that preempts
+(recompute: the victim's state is dropped and rebuilt). Two gloo ranks give one rank's
 logits. Also what a hybrid model refuses, the state store's rules, and that its paged KV covers
 its full-attention layers only.
 
@@ -22,7 +22,7 @@ from tests.random_checkpoint import ModelSpec, write_random_checkpoint
 from tests.workers.greedy import Greedy, assert_greedy_match, hf_greedy
 from tests.workers.test_hf_parity import TEXTS
 
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 TINY_QWEN3_NEXT = ModelSpec(
@@ -87,36 +87,13 @@ def assert_matches(outs, refs, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_batched_chunked_async_greedy_matches_hf_and_only_full_attention_has_kv(
+def test_chunked_async_few_slots_and_preemption_give_hf_tokens(
     checkpoint, llm_factory, prompts, references
 ):
-    path, _ = checkpoint
-    llm = llm_factory(
-        model=path,
-        dtype="float32",
-        max_num_batched_tokens=16,
-        max_model_len=256,
-        async_scheduling=True,  # the next step is scheduled while this one runs
-    )
-    assert_matches(llm.generate(prompts, PARAMS, use_tqdm=False), references, "chunked")
-    engine = llm.engine
-    # K and V of 2 KV heads of 16 floats, on the 2 full-attention layers of 4.
-    assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
-    assert engine.scheduler.state_slots.num_slots == engine.scheduler.config.max_num_seqs
-    assert not engine.scheduler.config.enable_prefix_caching  # refused: no state snapshots
-    again = llm.generate([prompts[2]], PARAMS, use_tqdm=False)
-    assert again[0].num_cached_tokens == 0
-    assert_matches(again, references[2:], "the same prompt again, computed whole")
-    assert engine.expert_load()[0] > 0  # the MoE layers routed every token
-
-
-@pytest.mark.slow
-def test_few_slots_and_a_tiny_pool_preempt_and_recompute_to_hf_tokens(
-    checkpoint, llm_factory, prompts, references
-):
-    """Two slots for three requests (the third takes a slot the first left, zeroed), and 8 blocks
-    of 16 tokens cannot hold the 70- and 45-token requests as they grow: one is preempted, its
-    state dropped, and recomputed from its first token."""
+    """One engine for every path a step can take: 16-token chunks cut the prompts, the next step
+    is scheduled while one runs (async), two slots serve three requests (the third takes a slot
+    the first left, zeroed), and 8 blocks of 16 tokens cannot hold the 70- and 45-token requests
+    as they grow, so one is preempted, its state dropped, and recomputed from its first token."""
     path, _ = checkpoint
     llm = llm_factory(
         model=path,
@@ -125,12 +102,22 @@ def test_few_slots_and_a_tiny_pool_preempt_and_recompute_to_hf_tokens(
         max_num_seqs=2,
         num_gpu_blocks=8,
         max_model_len=8 * 16,
+        async_scheduling=True,
     )
-    before = llm.engine.stats().num_preemptions
+    engine = llm.engine
+    before = engine.stats().num_preemptions
     outs = llm.generate(prompts[::-1], PARAMS, use_tqdm=False)
-    assert_matches(outs, references[::-1], "two slots, 8 blocks")
-    assert llm.engine.stats().num_preemptions > before
-    assert llm.engine.scheduler.state_slots.num_free == 2
+    assert_matches(outs, references[::-1], "chunked, async, two slots, 8 blocks")
+    assert engine.stats().num_preemptions > before
+    assert engine.scheduler.state_slots.num_slots == 2
+    assert engine.scheduler.state_slots.num_free == 2
+    # K and V of 2 KV heads of 16 floats, on the 2 full-attention layers of 4.
+    assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert not engine.scheduler.config.enable_prefix_caching  # refused: no state snapshots
+    again = llm.generate([prompts[1]], PARAMS, use_tqdm=False)
+    assert again[0].num_cached_tokens == 0
+    assert_matches(again, references[1:2], "the same prompt again, computed whole")
+    assert engine.expert_load()[0] > 0  # the MoE layers routed every token
 
 
 @pytest.mark.slow
