@@ -1,17 +1,19 @@
 """Streaming text requests' inter-token latency beside a request with many images, offline on one
 engine, with and without the encoder budget (max_num_encoder_tokens).
 
-A random LLaVA whose CLIP tower is big enough to cost something on a CPU (224 px images, 256
-tokens each) serves 8 text requests that decode one token a step; once they stream, a request
-with 16 images (4,096 image tokens) arrives. Three runs on fresh engines:
+A random LLaVA whose CLIP tower is big enough to cost something on a CPU (by default 224 px
+images, 256 tokens each, a tower of width 256 and 4 layers) serves 8 text requests that decode
+one token a step; once they stream, a request with 16 images arrives. Three runs on fresh
+engines:
 - solo: the 8 streams alone;
 - unbudgeted: the token budget holds the whole image prompt, the encoder budget is left at it;
-- budgeted: the same token budget, max_num_encoder_tokens one image (256).
+- budgeted: the same token budget, max_num_encoder_tokens one image.
 Prints the streams' median, p90 and longest gap between tokens, and each as a ratio to solo, in
 wall time and in this process's CPU time (all threads): on a shared machine the CPU figures are
 the ones other processes' load distorts least. Figures, never pass/fail.
 
     python bench/vision_encoder_budget.py [--images 16] [--streams 8] [--tokens 24] [--threads 2]
+        [--image-size 224] [--vision-width 256] [--vision-layers 4]
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from scheduler.sampling_params import SamplingParams
 from tests.workers.vision_checkpoints import random_image, write_tiny_llava
 from workers.model_files import resolve_model
 
-IMAGE_SIZE = 224  # 16 x 16 patches: 256 image tokens
 
-
-def stream_gaps(llm: LLM, images: int, streams: int, tokens: int) -> dict[str, list[float]]:
+def stream_gaps(
+    llm: LLM, images: int, streams: int, tokens: int, size: int
+) -> dict[str, list[float]]:
     """Gaps between consecutive tokens of the streams, the image request arriving once all
     stream."""
     engine = llm.engine
@@ -47,7 +49,7 @@ def stream_gaps(llm: LLM, images: int, streams: int, tokens: int) -> dict[str, l
     if images:
         placeholder = engine.images.placeholder  # type: ignore[union-attr]
         prompt = [placeholder] * images + list(range(500, 520))
-        pictures = tuple(random_image(100 + i, (IMAGE_SIZE, IMAGE_SIZE)) for i in range(images))
+        pictures = tuple(random_image(100 + i, (size, size)) for i in range(images))
         engine.add_request(
             EngineRequest("img", prompt, SamplingParams(max_tokens=4), images=pictures)
         )
@@ -78,6 +80,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--image-size", type=int, default=224, help="px; tokens: (size / 14)^2")
+    parser.add_argument("--vision-width", type=int, default=256)
+    parser.add_argument("--vision-layers", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = tempfile.mkdtemp(prefix="bench-llava-")
@@ -85,9 +90,9 @@ def main() -> None:
     ckpt = write_tiny_llava(
         path,
         tokenizer,
-        image_size=IMAGE_SIZE,
-        vision_width=256,
-        vision_layers=4,
+        image_size=args.image_size,
+        vision_width=args.vision_width,
+        vision_layers=args.vision_layers,
         max_positions=8192,
     )
     budget = args.images * ckpt.tokens_per_image + 64  # the whole image prompt fits one step
@@ -108,10 +113,13 @@ def main() -> None:
             enable_prefix_caching=False,
             **extra,
         ) as llm:
-            stream_gaps(llm, 0, args.streams, 4)  # warm-up
-            results[name] = stream_gaps(llm, images, args.streams, args.tokens)
+            stream_gaps(llm, 0, args.streams, 4, args.image_size)  # warm-up
+            results[name] = stream_gaps(llm, images, args.streams, args.tokens, args.image_size)
     base = {clock: summary(results["solo"][clock]) for clock in ("wall", "cpu")}
-    print(f"{args.streams} streams, {args.images} images of {ckpt.tokens_per_image} tokens")
+    print(
+        f"{args.streams} streams, {args.images} images of {ckpt.tokens_per_image} tokens "
+        f"(tower: {args.image_size} px, width {args.vision_width}, {args.vision_layers} layers)"
+    )
     for name, gaps in results.items():
         for clock in ("wall", "cpu"):
             med, p90, worst = summary(gaps[clock])
