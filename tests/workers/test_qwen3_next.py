@@ -127,6 +127,8 @@ def test_chunked_async_few_slots_and_preemption_give_hf_tokens(
         (dict(preemption_mode="swap", num_cpu_blocks=8), "preemption_mode"),
         (dict(speculative={"method": "ngram", "num_speculative_tokens": 2}), "speculative"),
         (dict(kv_cpu_tier_gb=0.01), "kv_cpu_tier_gb"),
+        # 128 slots of state (about 1.4 MB) leave no block of a 1 MB budget: counted, refused.
+        (dict(kv_cache_memory_gb=0.001), "kv_cache_memory_gb: the recurrent state"),
     ],
 )
 def test_what_a_hybrid_model_cannot_run_is_refused_by_name(checkpoint, kwargs, field):
