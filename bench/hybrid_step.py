@@ -9,10 +9,14 @@ conv, and a float32 state per request of 6 x 64 x 64 numbers per layer; its two 
 layers carry the only paged KV. The two models alternate round by round in one process, so machine
 load hits both alike; figures are medians.
 
+`--family granite` times Granite-4 hybrid's layers instead: Mamba-2 (9 heads of 64, one group,
+a state of 64 per head, 64-token scan chunks) in place of the DeltaNet, attention without rotary.
+
 Steps timed (forward plus logits): decode at batch 1 and `--batch` (contexts 150-200 tokens, the
 hybrid's state slots already filled), and one `--prefill`-token prompt from position 0.
 
-    python -m bench.hybrid_step [--batch 32] [--prefill 512] [--rounds 10] [--threads N]
+    python -m bench.hybrid_step [--family qwen3_next|granite] [--batch 32] [--prefill 512]
+        [--rounds 10] [--threads N]
 """
 
 from __future__ import annotations
@@ -23,13 +27,12 @@ import statistics
 import time
 
 import torch
-from transformers import LlamaConfig, Qwen3NextConfig
+from transformers import GraniteMoeHybridConfig, LlamaConfig, PretrainedConfig, Qwen3NextConfig
 
 from bench.moe_step import BLOCK, WIDTH, build
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.layers.attention import AttentionMetadata, select_backend
-from workers.layers.gated_delta import GatedDeltaNet
-from workers.linear_state import LinearStateStore
+from workers.linear_state import STATEFUL, LinearStateStore
 
 LAYERS = 8
 INTERMEDIATE = 1536
@@ -45,6 +48,24 @@ HYBRID = dict(
     linear_conv_kernel_dim=4,
     mlp_only_layers=list(range(LAYERS)),  # dense MLPs: the token mixers are what differs
 )
+GRANITE = dict(
+    layer_types=HYBRID["layer_types"],
+    mamba_n_heads=9,
+    mamba_d_head=64,
+    mamba_n_groups=1,
+    mamba_d_state=64,
+    mamba_d_conv=4,
+    mamba_expand=1,
+    mamba_chunk_size=64,
+    num_local_experts=0,  # the shared MLP alone: dense, as the Llama
+    shared_intermediate_size=INTERMEDIATE,
+)
+
+
+def hybrid_config(family: str, shape: dict) -> PretrainedConfig:
+    if family == "granite":
+        return GraniteMoeHybridConfig(**shape, **GRANITE)
+    return Qwen3NextConfig(**shape, **HYBRID, partial_rotary_factor=0.25)
 
 
 class Step:
@@ -67,7 +88,7 @@ class Step:
         self.meta, self.positions = AttentionMetadata.build(starts, query_lens, tables, BLOCK, cpu)
         self.ids = torch.tensor([rng.randrange(3, 40000) for _ in range(sum(query_lens))])
         self.req_ids, self.starts = [f"r{i}" for i in range(len(starts))], starts
-        delta = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        delta = [m for m in model.modules() if isinstance(m, STATEFUL)]
         self.store = LinearStateStore(delta, len(starts), torch.float32, cpu) if delta else None
         for rid in self.req_ids if self.store is not None else ():  # running: slots held
             self.store.assign(rid, self.req_ids)
@@ -91,6 +112,7 @@ def num_params(model: torch.nn.Module) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=("qwen3_next", "granite"), default="qwen3_next")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=10)
@@ -100,7 +122,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     shape = {**WIDTH, "num_hidden_layers": LAYERS, "intermediate_size": INTERMEDIATE}
     dense = build(LlamaConfig(**shape))
-    hybrid = build(Qwen3NextConfig(**shape, **HYBRID, partial_rotary_factor=0.25))
+    hybrid = build(hybrid_config(args.family, shape))
     rng = random.Random(11)
     cases = {
         "decode b1": ([rng.randint(150, 200)], [1]),
@@ -111,7 +133,8 @@ def main() -> None:
         f"prefill {args.prefill}": ([0], [args.prefill]),
     }
     print(
-        f"{LAYERS} layers, {torch.get_num_threads()} threads, {args.rounds} rounds (median); "
+        f"{args.family}: {LAYERS} layers, {torch.get_num_threads()} threads, "
+        f"{args.rounds} rounds (median); "
         f"params dense {num_params(dense) / 1e6:.1f} M, hybrid {num_params(hybrid) / 1e6:.1f} M"
     )
     for name, (starts, lens) in cases.items():
