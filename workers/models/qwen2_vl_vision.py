@@ -188,9 +188,9 @@ def segment_attention(
     def padded(x: torch.Tensor) -> torch.Tensor:
         return x[rows].transpose(1, 2)  # [segments, H, width, D]
 
-    out = F.scaled_dot_product_attention(
-        padded(q), padded(k), padded(v), attn_mask=valid[:, None, None, :]
-    )
+    # Segments of one length (one image, or equal windows) need no mask: SDPA's fused kernels.
+    mask = None if bool(valid.all()) else valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask)
     return out.transpose(1, 2)[valid]
 
 
