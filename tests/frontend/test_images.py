@@ -3,6 +3,7 @@ ValueError naming the field; frontend/image_fetch.py against a real HTTP server 
 
 from __future__ import annotations
 
+import base64
 import math
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from frontend.images import (
     ImageInput,
     ImageLimits,
     ImageRefusal,
+    data_url_bytes,
     load_image,
     load_images,
 )
@@ -106,12 +108,21 @@ def test_a_decompression_bomb_is_refused_from_its_header():
 def test_invalid_base64_a_text_file_and_bad_data_urls_are_refused():
     refused("data:image/png;base64,not*base64!", "base64")
     refused("data:image/png;base64,QUJDR", "base64")  # a length no padding fixes
+    for bad in ("QUJD====", "QU=D", "QUJ\u00e9", "QUJD\n", "===="):
+        refused(f"data:image/png;base64,{bad}", "base64")
     refused(data_url(b"this is a text file named cat.png\n"), "format")
     refused(data_url(encoded(Image.new("RGB", (2, 2)), "BMP"), "image/bmp"), "format")
     refused("data:image/png;base64,", "format")
     refused("data:text/plain;base64,aGVsbG8=", "url")
     refused("data:image/png,rawtext", "url")
     refused("data:image/png;base64", "url")
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 196_608, 196_609, 3 << 20])
+def test_base64_decodes_exactly_across_its_pieces(size):
+    raw = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    url = "data:image/png;base64," + base64.b64encode(raw).decode()
+    assert data_url_bytes(url, FIELD, 4 << 20) == raw
 
 
 def test_a_truncated_file_is_refused():
