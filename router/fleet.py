@@ -19,6 +19,7 @@ from router.policies import RouteRequest, make_policy
 from router.prefix_index import DEFAULT_REPLICA_BLOCKS, PrefixIndex
 from router.sessions import SessionTable
 from router.stats import RoutingStats
+from scheduler.kv_events import KVEventTail
 
 MAX_RECENT_ROUTES = 65_536
 
@@ -153,6 +154,12 @@ class FleetState:
         if stats.kv_events is not None:
             self.kv.apply(replica, stats.kv_events)
             self.kv_seen_at[replica] = now
+
+    def on_kv_tail(self, tail: KVEventTail, now: float) -> None:
+        """KV events a request's last output carried (router/kv_events.py `apply_tail`): applied
+        before the client's next request is routed, not a report period later."""
+        if self.kv.apply_tail(tail):
+            self.kv_seen_at[tail.replica] = now
 
     def reports(self) -> dict[str, RoutingStats]:
         """Each live replica's latest report, as this router last applied it."""

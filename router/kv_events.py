@@ -1,5 +1,6 @@
 """The router's exact KV index: which block hashes each replica holds, in which tier, kept from the
-replicas' KV events (scheduler/kv_events.py).
+replicas' KV events (scheduler/kv_events.py), as their routing-stats reports bring them and, sooner,
+as each request's last output does (`apply_tail`); a batch both bring is applied once.
 
 Per replica, the hashes it holds and a bit per tier (DEVICE, CPU, DISK); per hash, its holders, so
 a prompt's blocks are matched against the whole fleet in one walk along the prompt. A replica's
@@ -27,6 +28,7 @@ from scheduler.kv_events import (
     STORED,
     KVEventBatch,
     KVEventReport,
+    KVEventTail,
     KVSnapshot,
 )
 
@@ -155,6 +157,26 @@ class KVIndex:
         reset = self._reset(replica, snapshot)
         if reset and not self._apply_batches(replica, report, snapshot.seq):
             self._out_of_sync.add(replica)
+
+    def apply_tail(self, tail: KVEventTail) -> bool:
+        """Apply the batches a request's last output carried, those that follow the last applied,
+        in order, up to the first that does not (a gap waits for a report: the tail is only the
+        log's newest batches, so a gap is no loss). Whether the replica's entries are now its
+        holdings as of the tail's own number. A replica not in sync is left to its snapshot."""
+        replica = tail.replica
+        last = self._seq.get(replica)
+        if last is None or replica in self._out_of_sync:
+            return False
+        for batch in tail.batches:
+            if batch.seq <= last:
+                continue  # applied already, from a report or an earlier output
+            if batch.seq != last + 1 or batch.overflowed:
+                return False
+            if not self._apply_batch(replica, batch):
+                self._out_of_sync.add(replica)  # past its entry bound, as a report's batch
+                return False
+            last = self._seq[replica] = batch.seq
+        return last >= tail.seq
 
     def _apply_batches(self, replica: str, report: KVEventReport, last: int) -> bool:
         """The report's batches after `last`, in order; False at the first that does not follow,

@@ -43,6 +43,9 @@ MAX_WINDOW_EVENTS = 32768
 WINDOW_REPORTS = 3
 # Reports between two snapshots: the longest a router that lost a batch waits for its repair.
 SNAPSHOT_EVERY = 10
+# Events a request's last output carries back (the log's newest batches that fit): a router
+# further behind than this waits for the next report, as it did without them.
+MAX_OUTPUT_EVENTS = 4096
 
 Event = tuple[int, int, int]  # (STORED or REMOVED, tier bit, block hash)
 
@@ -74,6 +77,49 @@ class KVEventReport:
     batches: list[KVEventBatch]
     snapshot: KVSnapshot | None = None
     seq: int = 0  # the log's last batch when the report was taken: a router behind it has a gap
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventTail:
+    """The newest batches of one replica's log, oldest first, carried back with a request's last
+    output: the ingress hands them to its router before the client can send its next request.
+
+    `check` runs when one is made and where one is received (unpickling makes no call)."""
+
+    replica: str  # the replica whose log it is (Serve's replica id)
+    batches: list[KVEventBatch]
+    seq: int  # the log's last batch when taken: a router at it knows the replica's holdings
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """ValueError naming the field when the tail is out of its bounds."""
+        if type(self.replica) is not str or not 1 <= len(self.replica) <= 256:
+            raise ValueError(f"kv_events.replica: expected 1-256 characters, got {self.replica!r}")
+        if type(self.seq) is not int or not 0 <= self.seq < 1 << 63:
+            raise ValueError(f"kv_events.seq: expected an integer in [0, 2**63), got {self.seq!r}")
+        if type(self.batches) is not list:
+            raise ValueError(f"kv_events.batches: expected a list, got {type(self.batches)}")
+        cost, last = 0, 0
+        for batch in self.batches:
+            if type(batch.seq) is not int or not last < batch.seq <= self.seq:
+                raise ValueError(
+                    f"kv_events.batches: batch seq {batch.seq!r} not increasing up to {self.seq}"
+                )
+            if type(batch.events) is not list:
+                raise ValueError(f"kv_events.batches: batch {batch.seq} events are not a list")
+            last, cost = batch.seq, cost + _cost(batch)
+        if cost > MAX_OUTPUT_EVENTS:
+            raise ValueError(
+                f"kv_events.batches: {cost} events (an empty batch counts one), at most "
+                f"{MAX_OUTPUT_EVENTS}"
+            )
+
+
+def _cost(batch: KVEventBatch) -> int:
+    """What a batch takes of a tail's budget: its events, one for an empty (overflowed) batch."""
+    return len(batch.events) or 1
 
 
 class KVEventLog:
@@ -133,6 +179,22 @@ class KVEventLog:
         self._window_events += len(events)
         while self._window_events > self.max_window_events and len(self._window) > 1:
             self._window_events -= len(self._window.popleft().events)
+
+    def tail(self, replica: str, max_events: int = MAX_OUTPUT_EVENTS) -> KVEventTail:
+        """The open batch closed, then the newest batches whose events total at most max_events
+        (what a request's last output carries back)."""
+        if type(max_events) is not int or not 0 <= max_events <= MAX_OUTPUT_EVENTS:
+            raise ValueError(
+                f"max_events: must be an integer in [0, {MAX_OUTPUT_EVENTS}], got {max_events!r}"
+            )
+        self.end_step()
+        newest: list[KVEventBatch] = []
+        for batch in reversed(self._window):
+            max_events -= _cost(batch)
+            if max_events < 0:
+                break
+            newest.append(batch)
+        return KVEventTail(replica, newest[::-1], self.seq)
 
     def request_snapshot(self) -> None:
         """Attach a snapshot to the next report (a router that cannot wait the period)."""

@@ -6,6 +6,7 @@ import pickle
 from dataclasses import dataclass, field, fields
 
 from scheduler.kv_connector import KVTransfers
+from scheduler.kv_events import KVEventTail
 from scheduler.multimodal import ImageStepStats, MultiModalInputs
 from scheduler.request import FINISH_REASONS, Request
 from scheduler.sampling_params import SamplingParams
@@ -160,6 +161,9 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error"); for logs only
     pooled: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling)
     prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, when asked for
+    # A served request's last output: its replica's newest KV events, for the ingress's router
+    # (cluster/kv_event_pub.py); None on every other output.
+    kv_events: KVEventTail | None = None
 
 
 @dataclass(slots=True)
