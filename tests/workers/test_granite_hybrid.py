@@ -82,7 +82,7 @@ def test_chunked_scan_across_a_cut_and_the_step_equal_the_reference():
         b[:, 0], c[:, 0], d[:, None].expand(-1, P), dt_bias=dt_bias[:, None].expand(-1, P),
         dt_softplus=True,
     )  # fmt: skip
-    y, new = ssd_step(x[:, 0], step[None, 0], a, bh[None, 0], ch[None, 0], d, start)
+    y, new = ssd_step(x[:, 0], step[None, 0], a, bh[None, 0], ch[None, 0], d, start.clone())
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(new, ref_state, rtol=1e-5, atol=1e-6)
 

@@ -55,13 +55,14 @@ def recurrent_step(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv]
-    (float32). Returns (out [B, H, Dv] float32, the new state)."""
+    (float32), updated in place (the caller's gathered copy). Returns (out [B, H, Dv] float32,
+    the state)."""
     q, k = _prepare(q, k)
-    state = state * g.float().exp()[..., None, None]
-    predicted = (state * k[..., None]).sum(dim=-2)
+    state.mul_(g.float().exp()[..., None, None])
+    predicted = (k[..., None, :] @ state).squeeze(-2)  # S^T k
     delta = (v.float() - predicted) * beta.float()[..., None]
-    state = state + k[..., None] * delta[..., None, :]
-    return (state * q[..., None]).sum(dim=-2), state
+    state.add_(k[..., None] * delta[..., None, :])
+    return (q[..., None, :] @ state).squeeze(-2), state
 
 
 def chunked(
@@ -320,9 +321,11 @@ class GatedDeltaNet(nn.Module):
         assert state is not None
         idx = torch.tensor(slots, dtype=torch.long, device=mixed.device)
         weight = self.conv1d.weight[:, 0]
-        mixed, state.conv[idx] = conv_decode(mixed, state.conv[idx], weight)
+        mixed, conv = conv_decode(mixed, state.conv.index_select(0, idx), weight)
+        state.conv.index_copy_(0, idx, conv.to(state.conv.dtype))
         q, k, v = self.heads(mixed)
-        out, state.recurrent[idx] = recurrent_step(q, k, v, g, beta, state.recurrent[idx])
+        out, new = recurrent_step(q, k, v, g, beta, state.recurrent.index_select(0, idx))
+        state.recurrent.index_copy_(0, idx, new)
         return out
 
     def _prefill(

@@ -82,10 +82,11 @@ def ssd_step(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: x [B, H, P], dt [B, H] (discretised), a, d [H], b, c [B, H, N], state
-    [B, H, P, N] float32. Returns (y [B, H, P] float32, the new state)."""
+    [B, H, P, N] float32, updated in place (the caller's gathered copy). Returns (y [B, H, P]
+    float32, the state)."""
     x, dt = x.float(), dt.float()
-    decay = torch.exp(dt * a.float())[..., None, None]
-    state = state * decay + (dt[..., None, None] * b.float()[:, :, None, :]) * x[..., None]
+    state.mul_(torch.exp(dt * a.float())[..., None, None])
+    state.add_((x * dt[..., None])[..., None] * b.float()[:, :, None, :])
     y = (state @ c.float()[..., None]).squeeze(-1)
     return y + d.float()[:, None] * x, state
 
@@ -221,10 +222,12 @@ class Mamba2Mixer(nn.Module):
         assert state is not None
         idx = torch.tensor(slots, dtype=torch.long, device=xbc.device)
         taps = self.conv1d
-        xbc, state.conv[idx] = conv_decode(xbc, state.conv[idx], taps.weight[:, 0], taps.bias)
+        xbc, conv = conv_decode(xbc, state.conv.index_select(0, idx), taps.weight[:, 0], taps.bias)
+        state.conv.index_copy_(0, idx, conv.to(state.conv.dtype))
         xs, b, c = self._split(xbc)
         a = -torch.exp(self.A_log.float())
-        y, state.recurrent[idx] = ssd_step(xs, dt, a, b, c, self.D, state.recurrent[idx])
+        y, new = ssd_step(xs, dt, a, b, c, self.D, state.recurrent.index_select(0, idx))
+        state.recurrent.index_copy_(0, idx, new)
         return y
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, slot: int) -> torch.Tensor:
