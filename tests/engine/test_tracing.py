@@ -1,6 +1,6 @@
 """The engine's record of a traced request (engine/tracing.py): queue wait, each prefill chunk,
-each decode step and a KV load from the prefix cache's CPU tier, on a real model; an untraced
-request leaves the tracer empty."""
+the decode steps, a KV load from the prefix cache's CPU tier and a disaggregated transfer, on a
+real model; an untraced request leaves the tracer empty."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.disagg import DecodeSide, PrefillSide, decode_request, prefill_request
 from scheduler import EngineRequest, SamplingParams
+from workers.kv_transfer import InProcessTransport
 
 # 16 device blocks of 16 tokens and a 64-token step budget: a 200-token prompt takes four chunks,
 # and two more such prompts evict it to the CPU tier.
@@ -43,10 +45,16 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 2000) for _ in range(200)] for _ in range(3)]
 
 
-def run(engine: EngineCore, rid: str, prompt: list[int], traced: bool) -> list[int]:
+def run(
+    engine: EngineCore,
+    rid: str,
+    prompt: list[int],
+    traced: bool,
+    request: EngineRequest | None = None,
+) -> list[int]:
     if traced:
         engine.tracer.watch(rid, time.time_ns())
-    engine.add_request(EngineRequest(rid, prompt, GREEDY))
+    engine.add_request(request or EngineRequest(rid, prompt, GREEDY))
     tokens: list[int] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -103,3 +111,36 @@ def test_a_cancelled_traced_request_is_popped_where_it_stopped(engine, prompts):
     assert trace is not None and trace.finish_ns is None
     assert [(c.first, c.tokens) for c in trace.prefill] == [(0, 64)]
     assert not engine.tracer.requests and not engine.tracer.pending
+
+
+def test_a_disaggregated_decode_shows_the_transfer_as_a_remote_kv_load(engine, tiny_model_dir):
+    """The module's engine prefills and sends the prompt's blocks; a decode engine traced for the
+    request loads them (LOADING_KV) and computes only what follows them."""
+    transport = InProcessTransport()
+    decoder = EngineCore(
+        EngineConfig.from_kwargs(
+            model=tiny_model_dir, device="cpu", load_progress=False, num_gpu_blocks=48
+        )
+    )
+    try:
+        prefill, decode = PrefillSide(engine, transport), DecodeSide(decoder, transport)
+        prompt = [random.Random(9).randrange(3, 2000) for _ in range(100)]  # 6 full blocks
+        request = EngineRequest("pd", prompt, GREEDY)
+        first = run(engine, "pd", prompt, traced=False, request=prefill_request(request))
+        handle = prefill.export(request)
+        decoder.tracer.watch("pd", time.time_ns())
+        decode.add(decode_request(request, first), handle)
+        while decoder.has_unfinished_requests():
+            decoder.step()
+        trace = decoder.tracer.pop("pd")
+    finally:
+        decoder.shutdown()
+    assert trace is not None and trace.finish_reason == "length"
+    assert trace.num_cached_tokens == 96
+    (load,) = trace.kv_loads
+    assert trace.arrival_ns <= load[0] < load[1] <= trace.prefill[0].start_ns
+    # Only the prompt's tail and the prefill's token are computed here, in contiguous chunks.
+    assert trace.prefill[0].first == 96
+    assert all(a.first + a.tokens == b.first for a, b in itertools.pairwise(trace.prefill))
+    assert trace.prefill[-1].first + trace.prefill[-1].tokens == 101
+    assert trace.decode.steps == GREEDY.max_tokens - 2
