@@ -195,3 +195,39 @@ def test_an_image_the_tower_cannot_take_fails_its_request_alone(llava):
     output = ModelRunnerOutput(["good", "bad"], [[], []])
     feature.proposed(batch, output)
     assert list(output.failed) == ["bad"] and output.failed["bad"].startswith("images: ")
+
+
+def test_a_siglip_tower_gives_transformers_features_logits_and_token_counts(
+    tmp_path, smollm2_tokenizer
+):
+    """SigLIP (no class token, a biased patch convolution, no pre-norm; every row kept): the
+    engine's expansion equals LlavaProcessor's, the tower's rows and the spliced prompt's logits
+    equal transformers'."""
+    from transformers import LlavaForConditionalGeneration as HFLlava
+
+    from scheduler.request import EngineRequest
+
+    path = str(tmp_path)
+    write_tiny_llava(path, smollm2_tokenizer, tower="siglip")
+    hf = HFLlava.from_pretrained(path, dtype=torch.float32).eval()
+    images = [random_image(s) for s in SEEDS]
+    inputs = AutoProcessor.from_pretrained(path)(text=PROMPT, images=images, return_tensors="pt")
+    ids = inputs["input_ids"][0].tolist()
+    pre = ImagePreprocessor.load(path)
+    assert pre is not None
+    unexpanded = [t for i, t in enumerate(ids) if t != pre.placeholder or ids[i - 1] != t]
+    expanded = pre.expand(EngineRequest("r", unexpanded, images=tuple(images)))
+    assert expanded.prompt_token_ids == ids and ids.count(pre.placeholder) == 8
+    model = load(path)
+    with torch.no_grad():
+        features = hf.model.get_image_features(
+            pixel_values=inputs["pixel_values"],
+            vision_feature_layer=hf.config.vision_feature_layer,
+            vision_feature_select_strategy=hf.config.vision_feature_select_strategy,
+        )
+        features = features.pooler_output if hasattr(features, "pooler_output") else features
+        ours = model.encode_image({"pixel_values": inputs["pixel_values"][:1]})
+        expected = hf(**inputs).logits[0]
+    torch.testing.assert_close(ours, features[0].reshape(ours.shape), atol=1e-5, rtol=1e-5)
+    got = spliced_logits(path, ids, inputs["pixel_values"])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -48,18 +48,14 @@ def write_tiny_llava(
     vision_width: int = 32,
     vision_layers: int = 2,
     max_positions: int = 512,
+    tower: str = "clip",
 ) -> VisionCheckpoint:
     """A tiny random LLaVA with sharp logits (greedy choices decided by clear margins) saved with
     its processor into path. The tower's image size, width and depth may grow (a benchmark's
-    encoder cost); patches stay 14 px."""
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+    encoder cost); patches stay 14 px. tower "siglip": SigLIP's tower and image processor, every
+    row kept (no class token: strategy "full"), as SigLIP LLaVAs are configured."""
+    import transformers
+    from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tokenizer = copy.deepcopy(tokenizer)  # the session's tokenizer stays as it was
     tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
@@ -78,22 +74,23 @@ def write_tiny_llava(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    vision = CLIPVisionConfig(
+    siglip = tower == "siglip"
+    vision = getattr(transformers, "SiglipVisionConfig" if siglip else "CLIPVisionConfig")(
         hidden_size=vision_width,
         intermediate_size=2 * vision_width,
         num_hidden_layers=vision_layers,
         num_attention_heads=2,
         image_size=image_size,
         patch_size=LLAVA_PATCH,
-        projection_dim=32,
     )
-    tokens = (image_size // LLAVA_PATCH) ** 2
+    tokens = (image_size // LLAVA_PATCH) ** 2  # CLIP's class row dropped; SigLIP has none
     config = LlavaConfig(
         text_config=text,
         vision_config=vision,
         image_token_index=image_id,
         image_seq_length=tokens,
         vision_feature_layer=-2,
+        vision_feature_select_strategy="full" if siglip else "default",
         tie_word_embeddings=False,
     )
     config.architectures = ["LlavaForConditionalGeneration"]
@@ -101,14 +98,19 @@ def write_tiny_llava(
     model = LlavaForConditionalGeneration(config).eval()
     _sharpen(model, seed)
     model.save_pretrained(path)
-    size = {"shortest_edge": image_size}
-    crop = {"height": image_size, "width": image_size}
+    square = {"height": image_size, "width": image_size}
+    if siglip:
+        images = transformers.SiglipImageProcessor(size=square)
+    else:
+        images = transformers.CLIPImageProcessor(
+            size={"shortest_edge": image_size}, crop_size=square
+        )
     processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(size=size, crop_size=crop),
+        image_processor=images,
         tokenizer=tokenizer,
         patch_size=LLAVA_PATCH,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        num_additional_image_tokens=0 if siglip else 1,
         chat_template=LLAVA_CHAT_TEMPLATE,
     )
     processor.save_pretrained(path)

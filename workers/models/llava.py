@@ -1,5 +1,5 @@
-"""LLaVA (`LlavaForConditionalGeneration`): a CLIP vision tower, a two-layer projector and the
-Llama language model raylm already runs.
+"""LLaVA (`LlavaForConditionalGeneration`): a CLIP or SigLIP vision tower, a two-layer projector
+and the Llama language model raylm already runs.
 
 An image becomes one embedding row per patch (the CLS row dropped under the "default" feature
 strategy); the runner's vision feature (workers/features/vision.py) encodes it with
@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 from workers.layers.quantized import AnyWeight, float_only
 from workers.models.image_splice import ImageSplice
 from workers.models.llama import LlamaForCausalLM, _copy_plain
-from workers.models.vision_tower import ClipVisionTower
+from workers.models.vision_tower import VisionTower, has_class_token
 from workers.pipeline import current_stage
 
 # Checkpoint prefixes, old (llava-hf) and new (transformers 5) layouts, to ours.
@@ -53,7 +53,7 @@ class LlavaProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
-    """The Llama language model with a CLIP tower and a projector beside it."""
+    """The Llama language model with a CLIP or SigLIP tower and a projector beside it."""
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         super().__init__(config.get_text_config(), max_model_len)
@@ -71,7 +71,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         layers = config.vision_feature_layer
         layers = [layers] if isinstance(layers, int) else list(layers)
         vision = config.vision_config
-        self.vision_tower = ClipVisionTower(vision, layers)
+        self.vision_tower = VisionTower(vision, layers)
         self.multi_modal_projector = LlavaProjector(config, vision.hidden_size * len(layers))
         self.image_splice = ImageSplice()
         self.image_splice.attach(self.model.embed_tokens)
@@ -90,9 +90,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             raise ValueError(
                 f"images: expected pixel_values of one image [1, C, H, W], got {shape}"
             )
-        patch = hf_config.vision_config.patch_size
-        patches = (pixels.shape[2] // patch) * (pixels.shape[3] // patch)
-        return patches + (1 if hf_config.vision_feature_select_strategy == "full" else 0)
+        vision = hf_config.vision_config
+        patches = (pixels.shape[2] // vision.patch_size) * (pixels.shape[3] // vision.patch_size)
+        # "default" drops the first row (CLIP's class token), as transformers does for any tower.
+        dropped = 1 if hf_config.vision_feature_select_strategy == "default" else 0
+        return patches + int(has_class_token(vision)) - dropped
 
     # ---- the runner's vision feature -----------------------------------------------------------
     def encode_image(self, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -128,8 +130,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             for old, new in _RENAMES:  # in order: a name may need two of them
                 if name.startswith(old):
                     name = new + name[len(old) :]
-            if name.startswith("vision_tower.post_layernorm."):
-                continue
+            if name.startswith(("vision_tower.post_layernorm.", "vision_tower.head.")):
+                continue  # after the layers a LLaVA model reads
             layer = name.startswith("vision_tower.encoder.layers.")
             if layer and int(name.split(".")[3]) >= kept:
                 continue

@@ -1,10 +1,13 @@
-"""A CLIP vision transformer (the tower of LLaVA), run replicated on every tensor-parallel rank.
+"""CLIP's and SigLIP's vision transformers (LLaVA's towers), run replicated on every
+tensor-parallel rank.
 
-Patches of the image are embedded by one convolution, a class token and learned positions are
-added, and pre-norm encoder layers follow (bidirectional attention over the image's patches). The
-tower returns the hidden states of the layers a LLaVA model selects (`vision_feature_layer`), so
-layers past the deepest selected one are never built and their checkpoint tensors are skipped.
-Parameter names follow transformers' `CLIPVisionTransformer`, so checkpoints load by name.
+Patches of the image are embedded by one convolution, learned positions are added (CLIP also
+prepends a class token and normalises before the layers; SigLIP's convolution has a bias), and
+pre-norm encoder layers follow (bidirectional attention over the image's patches). The tower
+returns the hidden states of the layers a LLaVA model selects (`vision_feature_layer`), so layers
+past the deepest selected one are never built and their checkpoint tensors are skipped (with the
+final norm and SigLIP's pooling head). Parameter names follow transformers' `CLIPVisionTransformer`
+and `SiglipVisionTransformer`, so checkpoints load by name.
 """
 
 from __future__ import annotations
@@ -15,28 +18,45 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+# transformers' model_type of each tower -> whether it has CLIP's class token (and pre-norm).
+TOWERS = {"clip_vision_model": True, "siglip_vision_model": False}
 
-class ClipEmbeddings(nn.Module):
+
+def has_class_token(c: PretrainedConfig) -> bool:
+    """Whether the tower of vision config c prepends a class token (ValueError for a tower
+    raylm does not run)."""
+    if c.model_type not in TOWERS:
+        raise ValueError(
+            f"vision_config.model_type: {c.model_type!r} is not supported (supported: "
+            f"{sorted(TOWERS)})"
+        )
+    return TOWERS[c.model_type]
+
+
+class PatchEmbeddings(nn.Module):
     def __init__(self, c: PretrainedConfig) -> None:
         super().__init__()
-        self.patch_size = c.patch_size
-        self.class_embedding = nn.Parameter(torch.empty(c.hidden_size))
+        self.cls = has_class_token(c)
+        if self.cls:
+            self.class_embedding = nn.Parameter(torch.empty(c.hidden_size))
         self.patch_embedding = nn.Conv2d(
-            c.num_channels, c.hidden_size, c.patch_size, c.patch_size, bias=False
+            c.num_channels, c.hidden_size, c.patch_size, c.patch_size, bias=not self.cls
         )
-        num_positions = (c.image_size // c.patch_size) ** 2 + 1
+        num_positions = (c.image_size // c.patch_size) ** 2 + int(self.cls)
         self.position_embedding = nn.Embedding(num_positions, c.hidden_size)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[images, channels, H, W] -> [images, 1 + patches, hidden]."""
+        """[images, channels, H, W] -> [images, (1 +) patches, hidden]."""
         dtype = self.patch_embedding.weight.dtype
-        patches = self.patch_embedding(pixels.to(dtype)).flatten(2).transpose(1, 2)
-        cls = self.class_embedding.expand(pixels.shape[0], 1, -1)
-        x = torch.cat([cls, patches], dim=1)
+        x = self.patch_embedding(pixels.to(dtype)).flatten(2).transpose(1, 2)
+        if self.cls:
+            x = torch.cat([self.class_embedding.expand(pixels.shape[0], 1, -1), x], dim=1)
         if x.shape[1] != self.position_embedding.num_embeddings:
+            extra = int(self.cls)
             raise ValueError(
-                f"images: pixel_values of {tuple(pixels.shape[2:])} give {x.shape[1] - 1} "
-                f"patches, the tower has positions for {self.position_embedding.num_embeddings - 1}"
+                f"images: pixel_values of {tuple(pixels.shape[2:])} give {x.shape[1] - extra} "
+                f"patches, the tower has positions for "
+                f"{self.position_embedding.num_embeddings - extra}"
             )
         return x + self.position_embedding.weight
 
@@ -91,8 +111,8 @@ class ClipEncoder(nn.Module):
         self.layers = nn.ModuleList(ClipEncoderLayer(c) for _ in range(num_layers))
 
 
-class ClipVisionTower(nn.Module):
-    """CLIP's vision transformer up to the deepest layer a LLaVA model reads.
+class VisionTower(nn.Module):
+    """CLIP's or SigLIP's vision transformer up to the deepest layer a LLaVA model reads.
 
     `feature_layers` index transformers' hidden states (0: the embeddings after the pre-norm, i:
     after layer i; negative from the end, -1 the last layer's output); `forward` returns those
@@ -107,8 +127,11 @@ class ClipVisionTower(nn.Module):
             raise ValueError(
                 f"vision_feature_layer: {feature_layers} outside the tower's {total} layers"
             )
-        self.embeddings = ClipEmbeddings(c)
-        self.pre_layrnorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)  # CLIP's spelling
+        self.embeddings = PatchEmbeddings(c)
+        # CLIP normalises the embeddings before the layers (its spelling); SigLIP does not.
+        self.pre_layrnorm = (
+            nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps) if self.embeddings.cls else None
+        )
         self.encoder = ClipEncoder(c, max(self.feature_layers))
 
     @property
@@ -116,8 +139,10 @@ class ClipVisionTower(nn.Module):
         return len(self.encoder.layers)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[images, channels, H, W] -> [images, 1 + patches, hidden * len(feature_layers)]."""
-        x = self.pre_layrnorm(self.embeddings(pixels))
+        """[images, channels, H, W] -> [images, tokens, hidden * len(feature_layers)]."""
+        x = self.embeddings(pixels)
+        if self.pre_layrnorm is not None:
+            x = self.pre_layrnorm(x)
         states = [x]
         for layer in self.encoder.layers:
             x = layer(x)
