@@ -133,3 +133,19 @@ def test_few_slots_chunked_prefill_and_preemption_give_hf_greedy_tokens(
     assert engine.stats().num_preemptions > 0
     assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # the 2 attention layers' K and V
     assert engine.expert_load()[0] > 0
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"],
+)
+@pytest.mark.parametrize("value", [2**64, -1, math.nan, 1e12])
+def test_granite_scalars_out_of_range_are_refused_naming_the_field(field, value):
+    from transformers import GraniteMoeHybridConfig
+
+    from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(**TINY_GRANITE_HYBRID.fields, vocab_size=64)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=field):
+        GraniteMoeHybridForCausalLM(config)
