@@ -16,9 +16,10 @@ over a per-replica target), and the fleet needs the largest of them:
 - down: the largest demand over `downscale_headroom` (a dead band under the targets) still fits in
   fewer replicas, and both latencies are under `downscale_headroom` of their SLO, for
   `downscale_delay_s` without a break; the count falls to the most that the wait asked for.
-  Replicas still starting serve nothing yet, so they go at once, without the wait, once the load
-  is under half the load that asked for them (`CANCEL_BELOW`): a burst shorter than a start-up is
-  over before its replicas are ready, and paying for them through the delay buys nothing.
+  Replicas still starting serve nothing yet, so they go at once, without the wait, once the load's
+  mean over `lead_s` is under half the load that asked for them (`CANCEL_BELOW`): a burst shorter
+  than a start-up is over before its replicas are ready, and paying for them through the delay
+  buys nothing.
 
 A queue is a backlog, not a standing need: requests wait on the replica they were routed to, so a
 new replica takes only new arrivals. Queued prompts therefore count as KV at most as much again as
@@ -46,10 +47,11 @@ from settings import check_settings, setting
 # A fleet this large is a typo, not a setting.
 MAX_REPLICAS = 1 << 20
 MAX_DELAY_S = 86400.0
-# Replicas still starting are cancelled, without the downscale delay, once the load is under this
-# share of the load that asked for them: halved, it is a burst that ended; the 10 s averages of a
-# steady load sway by up to 30% between decisions (a shaped development day, seed 17), and a
-# cancel at the downscale dead band (0.7) flapped on them.
+# Replicas still starting are cancelled, without the downscale delay, once the load's mean (over
+# lead_s) is under this share of the load that asked for them: halved, it is a burst that ended.
+# The 10 s averages of a steady load sway by 30-50% between decisions with long documents in the
+# mix (development day 17, tuning day 0), so neither the load itself nor the downscale band (0.7)
+# will do: on those a cancel flapped, or took away the replicas a rise needed.
 CANCEL_BELOW = 0.5
 # Why a decision went the way it did; the dashboards count decisions by these.
 REASONS = (
@@ -214,7 +216,7 @@ class AutoscalingState:
     mean_load_s: float | None = None
     trend: float = 0.0  # replicas per second
     # The load (replicas) that the last scale-up was asked for: replicas still starting are
-    # cancelled once the load is under CANCEL_BELOW of it.
+    # cancelled once the load's mean is under CANCEL_BELOW of it.
     asked_load: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -351,7 +353,10 @@ def decide(
     if down < current and ratio < headroom:
         waited = _scale_down(down, current, config, state, now)
         cancel = max(down, len(signals))
-        if load < CANCEL_BELOW * state.asked_load and cancel < waited.replicas:
+        # The load's mean over lead_s, not the load: a dip of the 10 s averages is not the end of
+        # a burst (on a tuning day a cancel on one cost the replicas of the rise that followed).
+        smoothed = load if state.mean_load is None else state.mean_load
+        if smoothed < CANCEL_BELOW * state.asked_load and cancel < waited.replicas:
             return _cancel_starting(cancel, state)
         return waited
     return ScaleDecision(
@@ -392,9 +397,9 @@ def _scale_up(
 
 
 def _cancel_starting(target: int, state: AutoscalingState) -> ScaleDecision:
-    """Replicas still starting serve nothing yet: once the load that asked for them has halved
-    they go at once, without the downscale delay (a burst shorter than a start-up is over before
-    its replicas are ready)."""
+    """Replicas still starting serve nothing yet: once the load's mean is half the load that asked
+    for them they go at once, without the downscale delay (a burst shorter than a start-up is
+    over before its replicas are ready)."""
     return ScaleDecision(target, "low_load", _settled(state, state.last_scale_up_s))
 
 

@@ -207,6 +207,36 @@ def test_replicas_still_starting_go_at_once_when_the_load_that_asked_for_them_ha
     assert decide([busy(0.15)] * 4, 6, cfg, slow.state, now=5.0).replicas == 4
 
 
+def test_a_dip_of_a_steady_load_cancels_nothing_where_the_end_of_a_burst_does():
+    """With lead_s 30 the cancel reads the load's mean: a steady load of 3 rises to 4, asks for
+    more replicas and dips to 1.8 for one decision (the 10 s averages do that with long
+    documents): the starting replicas stay. After 30 s of a backlog worth 13.3 replicas the load
+    falls to 2.7 and stays: once its mean is under half of 13.3, a few decisions later, what is
+    still starting goes."""
+    cfg = config(max_replicas=64, targets=SignalTargets(lead_s=30))
+    state = AutoscalingState()
+    for tick in range(12):  # a minute at 3 replicas of load: the mean settles there
+        d = decide([busy(0.75)] * 3, 3, cfg, state, now=tick * 5.0)
+        state = d.state
+    d = decide([busy(1.0)] * 3, 3, cfg, state, now=60.0)  # a rise to 4 asks for more
+    assert d.replicas > 3
+    dip = decide([busy(0.45)] * 3, d.replicas, cfg, d.state, now=65.0)  # 1.8 for one decision
+    assert (dip.replicas, dip.reason) == (d.replicas, "downscale_delay")
+    burst = [busy(1.0, waiting=4, tokens=POOL, kv_cache_tokens=POOL)] * 5
+    n = 5
+    for t in range(60, 90, 5):  # 30 s of burst on the 5 that report: the mean follows it
+        d = decide(burst, n, cfg, state, now=float(t))
+        n, state = d.replicas, d.state
+    assert n == 10
+    ends = []
+    for t in range(90, 120, 5):  # the burst is over: 2.7 replicas of load
+        d = decide([busy(0.4)] * 5, n, cfg, state, now=float(t))
+        ends.append(d.replicas)
+        n, state = d.replicas, d.state
+    # Not at the first decision after the burst, and well before a 30 s start-up is over.
+    assert ends[0] == 10 and 5 in ends[1:4], ends
+
+
 def test_upscale_delay_and_bounds():
     cfg = config(upscale_delay_s=10, max_replicas=4)
     hot = [busy(1.0)] * 2
