@@ -98,6 +98,13 @@ class EngineConfig:
     swap_space_gb: float = setting(
         0.0, "CPU pool for swap preemption, in GiB (unless num_cpu_blocks pins it)", ge=0
     )
+    encoder_cache_gb: float = setting(
+        0.5,
+        "vision models: the encoder outputs each rank keeps by image digest (LRU), in GiB, so a "
+        "conversation's next turn does not encode its images again; 0: none kept",
+        ge=0,
+        le=1024,
+    )
     kv_cpu_tier_gb: float = setting(
         0.0,
         "CPU tier of the prefix cache, in GiB per rank: cached prefix blocks the device pool "
@@ -389,6 +396,7 @@ class EngineConfig:
             seed=self.seed,
             attention_backend=self.attention_backend,
             kv_cache_memory_gb=self.kv_cache_memory_gb,
+            encoder_cache_bytes=int(self.encoder_cache_gb * (1 << 30)),
             gpu_memory_utilization=self.gpu_memory_utilization,
             load_progress=self.load_progress,
             cpu_threads=self.cpu_threads,

@@ -69,6 +69,8 @@ class RunnerConfig:
     # Floats of each prompt's last hidden state sent to the length probe (0: off;
     # workers/length_features.py).
     length_feature_dim: int = 0
+    # Vision models: bytes of encoder outputs kept by image digest (workers/features/vision.py).
+    encoder_cache_bytes: int = 512 << 20
     # Pipeline stages (workers/pipeline.py): how many, and the decoder layers of each (None:
     # balanced by count). The worker's rank says which stage it is.
     pipeline_parallel_size: int = 1

@@ -197,3 +197,14 @@ def test_images_are_refused_by_a_text_model(tiny_model_dir, llm_factory):
     llm = llm_factory(model=tiny_model_dir, num_gpu_blocks=64, max_model_len=256)
     with pytest.raises(ValueError, match="images: .* takes no images"):
         llm.generate(with_images("hello", [random_image(1)]), GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("value", [2**64, -1, float("nan"), float("inf"), 1e9, "x" * 100_000])
+def test_encoder_cache_gb_out_of_bounds_is_refused_naming_it(value):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="encoder_cache_gb"):
+        EngineConfig.from_kwargs(encoder_cache_gb=value)
+    assert (
+        EngineConfig.from_kwargs(encoder_cache_gb=0).runner_config("m", 64).encoder_cache_bytes == 0
+    )

@@ -231,3 +231,21 @@ def test_a_siglip_tower_gives_transformers_features_logits_and_token_counts(
     torch.testing.assert_close(ours, features[0].reshape(ours.shape), atol=1e-5, rtol=1e-5)
     got = spliced_logits(path, ids, inputs["pixel_values"])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_encoder_cache_drops_the_least_recently_used_past_its_bytes():
+    from workers.features.vision import EncoderCache
+
+    cache = EncoderCache(max_bytes=3 * 64)  # three [4, 4] float32 entries
+    rows = {k: torch.full((4, 4), float(i)) for i, k in enumerate("abcd")}
+    for key in "abc":
+        cache.put(key, rows[key])
+    assert cache.get("a") is rows["a"]  # a is now the most recently used
+    cache.put("d", rows["d"])  # b, the least recently used, goes
+    assert cache.get("b") is None and cache.get("c") is rows["c"] and cache.get("d") is rows["d"]
+    assert (cache.hits, cache.misses, cache.bytes) == (3, 1, 3 * 64)
+    cache.put("big", torch.zeros(100))  # larger than the whole cache: not kept, nothing dropped
+    assert cache.get("big") is None and len(cache.entries) == 3
+    none = EncoderCache(max_bytes=0)  # encoder_cache_gb 0
+    none.put("a", rows["a"])
+    assert none.get("a") is None

@@ -26,8 +26,6 @@ from workers.step_state import Batch, RequestState
 
 logger = logging.getLogger(__name__)
 
-# Bytes of encoder outputs kept (a 576-token LLaVA-1.5 image at 4096 wide in bf16 is 4.5 MiB).
-ENCODER_CACHE_BYTES = 512 << 20
 _TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -91,11 +89,12 @@ class EncoderCache:
 
 
 class VisionFeature(RunnerFeature):
-    def __init__(self, ctx: RunnerContext, cache_bytes: int = ENCODER_CACHE_BYTES) -> None:
+    def __init__(self, ctx: RunnerContext) -> None:
         self.model: VisionLM = ctx.model  # type: ignore[assignment]  # is_vision_model checked
         self.device = ctx.device
         self.images: dict[str, tuple[ImageInput, ...]] = {}
-        self.cache = EncoderCache(cache_bytes)
+        # encoder_cache_gb (a 576-token LLaVA-1.5 image at 4096 wide in bf16 is 4.5 MiB).
+        self.cache = EncoderCache(ctx.config.encoder_cache_bytes)
         self.step = ImageStepStats()  # this step's counts, handed out with its output
         self.failed: dict[str, str] = {}  # request id -> why its images failed this step
         # Qwen2.5-VL lays image tokens on a 3-axis grid: it sets a step's positions itself.
