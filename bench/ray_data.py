@@ -8,6 +8,11 @@ figure). The pipeline's time is end to end: actor start and model load included,
 Every generation is compared with the offline one (greedy: they must be equal).
 
     python bench/ray_data.py [--model DIR] [--prompts 1000] [--max-tokens 16] [--engines 2]
+                             [--nodes 2]
+
+`--nodes N`: the pipeline runs on a local Ray cluster of N nodes (ray.cluster_utils.Cluster: a
+head and N-1 worker nodes on this machine, one CPU each), so that the engines, one CPU each, are
+spread over the nodes.
 
 Without --model, a random Llama of tests/random_checkpoint.py (TINY_TP_LLAMA, a word-level
 tokenizer) is written to a temporary directory.
@@ -68,7 +73,17 @@ def run_offline(model: str, texts: list[str], params: SamplingParams, engine: di
 def run_pipeline(model: str, texts: list[str], params: SamplingParams, engine: dict, args):
     import ray
 
-    ray.init(num_cpus=args.engines + 1, include_dashboard=False, log_to_driver=False)
+    cluster = None
+    if args.nodes > 1:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        for _ in range(args.nodes - 1):
+            cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=args.engines + 1, include_dashboard=False, log_to_driver=False)
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
     stage = GenerationStage(
         model=model,
         sampling_params=params,
@@ -84,9 +99,19 @@ def run_pipeline(model: str, texts: list[str], params: SamplingParams, engine: d
     start = time.perf_counter()
     got = map_generations(ray.data.from_items(rows), stage).take_all()
     elapsed = time.perf_counter() - start
+    print(f"the pipeline's actors ran on {_actor_nodes()} of the cluster's {nodes} nodes")
     ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
     got.sort(key=lambda r: r["id"])
-    return elapsed, fixed, [list(r["generation_token_ids"]) for r in got]
+    return elapsed, fixed, nodes, [list(r["generation_token_ids"]) for r in got]
+
+
+def _actor_nodes() -> int:
+    """How many nodes the job's actors (the engines, Ray Data's coordinator) ran on."""
+    from ray._private.state import state  # this driver's cluster (the state API may pick another)
+
+    return len({a["Address"]["NodeID"] for a in state.actor_table(None).values()})
 
 
 def main() -> None:
@@ -97,6 +122,7 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="the offline LLM's torch threads")
+    parser.add_argument("--nodes", type=int, default=1, help="local Ray nodes, one CPU each")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, vocab_size = model_dir(args)
@@ -105,7 +131,7 @@ def main() -> None:
     engine = {"device": "cpu", "load_progress": False, "kv_cache_memory_gb": 0.25}
     tokens = args.prompts * args.max_tokens
     offline_s, offline_ids = run_offline(model, texts, params, engine)
-    pipeline_s, fixed_s, pipeline_ids = run_pipeline(model, texts, params, engine, args)
+    pipeline_s, fixed_s, nodes, pipeline_ids = run_pipeline(model, texts, params, engine, args)
     differ = sum(a != b for a, b in zip(offline_ids, pipeline_ids))
     per_engine = tokens / pipeline_s / args.engines
     print(f"model {model}, {args.prompts} prompts x {args.max_tokens} tokens, greedy")
@@ -113,7 +139,7 @@ def main() -> None:
         f"offline LLM ({args.threads} threads): {offline_s:.1f} s, {tokens / offline_s:.0f} tok/s"
     )
     print(
-        f"Ray Data, {args.engines} engines x 1 CPU: {pipeline_s:.1f} s end to end, "
+        f"Ray Data, {args.engines} engines x 1 CPU, {nodes} nodes: {pipeline_s:.1f} s end to end, "
         f"{tokens / pipeline_s:.0f} tok/s, {per_engine:.0f} tok/s per engine"
     )
     print(f"per engine / offline: {per_engine / (tokens / offline_s):.2f}")
