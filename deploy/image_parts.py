@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,15 +47,17 @@ class ServedVision:
         preprocessor = ImagePreprocessor.load(model_dir)
         if preprocessor is None:
             return None
-        tokens = functools.lru_cache(TOKEN_COUNTS_CACHED)(
-            functools.partial(_tokens_of_size, preprocessor)
-        )
+        counter = functools.partial(_tokens_of_size, preprocessor, threading.Lock())
+        tokens = functools.lru_cache(TOKEN_COUNTS_CACHED)(counter)
         return cls(limits, tuple(allowed_domains or ()), tokens)
 
 
-def _tokens_of_size(preprocessor: Any, width: int, height: int) -> int:
-    """Tokens an image of this size takes: a blank one through the model's own processor."""
-    return int(preprocessor.process(Image.new("RGB", (width, height))).num_tokens)
+def _tokens_of_size(preprocessor: Any, lock: threading.Lock, width: int, height: int) -> int:
+    """Tokens an image of this size takes: a blank one through the model's own processor (one
+    at a time: requests decode on several threads, and the processor keeps a cache)."""
+    blank = Image.new("RGB", (width, height))
+    with lock:
+        return int(preprocessor.process(blank).num_tokens)
 
 
 def image_inputs(chat: ChatCompletionRequest) -> list[ImageInput]:

@@ -162,6 +162,20 @@ def test_the_replicas_encoder_figures_reach_the_metrics_page():
     assert 'raylm_encoder_seconds_total{replica="r1"} 0.0015' in page
 
 
+@pytest.mark.slow
+def test_the_served_vision_side_is_the_models_own(tiny_model_dir, vision_model_dir):
+    """A text model has none; LLaVA's counts each image size's tokens with its own processor."""
+    from tests.workers.vision_checkpoints import LLAVA_IMAGE_SIZE, LLAVA_PATCH
+
+    limits = ImageLimits()
+    assert ServedVision.load(tiny_model_dir, limits, None) is None
+    vision = ServedVision.load(vision_model_dir, limits, ["images.example"])
+    assert vision is not None and vision.allowed_domains == ("images.example",)
+    assert vision.tokens is not None
+    per_image = (LLAVA_IMAGE_SIZE // LLAVA_PATCH) ** 2
+    assert vision.tokens(40, 32) == vision.tokens(1000, 20) == per_image
+
+
 def test_http_urls_are_refused_unless_allowed():
     error = refused_with(served(), chat([image_part("http://127.0.0.1:9/cat.png")]))
     assert "allowed_media_domains" in error.message
