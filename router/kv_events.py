@@ -72,6 +72,9 @@ class KVIndex:
         self._held: dict[str, dict[int, int]] = {}  # replica -> {hash: tier bits}
         self._seq: dict[str, int] = {}  # the last batch applied
         self._out_of_sync: set[str] = set()
+        # Out of sync past what batches can repair (an overflowed batch, the entry bound): until
+        # a snapshot. The others are out of sync by a gap: exact as of their last batch applied.
+        self._broken: set[str] = set()
         self.num_snapshots = 0  # snapshots applied (repairs and first syncs)
 
     # ---- queries -------------------------------------------------------------------------------
@@ -139,14 +142,14 @@ class KVIndex:
     # ---- updates -------------------------------------------------------------------------------
     def apply(self, replica: str, report: KVEventReport) -> None:
         """Apply a report: every batch newer than the last applied, in order. Where that fails (a
-        replica never synced or out of sync, a batch missing, overflowed or past the bound), the
+        replica never synced or past repair, a batch missing, overflowed or past the bound), the
         report's snapshot replaces the replica's entries and the batches after it follow; without
         a snapshot the replica is out of sync."""
         last = self._seq.get(replica)
         if (
             last is not None
-            and replica not in self._out_of_sync
-            and self._apply_batches(replica, report, last)
+            and replica not in self._broken
+            and self._caught_up(replica, report.batches, report.seq)
         ):
             return
         snapshot = report.snapshot
@@ -155,45 +158,52 @@ class KVIndex:
                 self._out_of_sync.add(replica)
             return
         reset = self._reset(replica, snapshot)
-        if reset and not self._apply_batches(replica, report, snapshot.seq):
+        if reset and not self._caught_up(replica, report.batches, report.seq):
             self._out_of_sync.add(replica)
 
     def apply_tail(self, tail: KVEventTail) -> bool:
-        """Apply the batches a request's last output carried, those that follow the last applied,
-        in order, up to the first that does not (a gap waits for a report: the tail is only the
-        log's newest batches, so a gap is no loss). Whether the replica's entries are now its
-        holdings as of the tail's own number. A replica not in sync is left to its snapshot."""
+        """Apply the batches a request's last output carried that follow the last applied, in
+        order, up to the first that does not. A gap waits for a report or a later tail without
+        putting the replica out of sync (the tail is only the log's newest batches: a gap is no
+        loss); a replica out of sync by a gap alone is back in sync once a tail follows on. Whether
+        the replica's entries are now its holdings as of the tail's own number."""
         replica = tail.replica
-        last = self._seq.get(replica)
-        if last is None or replica in self._out_of_sync:
-            return False
-        for batch in tail.batches:
-            if batch.seq <= last:
-                continue  # applied already, from a report or an earlier output
-            if batch.seq != last + 1 or batch.overflowed:
-                return False
-            if not self._apply_batch(replica, batch):
-                self._out_of_sync.add(replica)  # past its entry bound, as a report's batch
-                return False
-            last = self._seq[replica] = batch.seq
-        return last >= tail.seq
+        return (
+            replica in self._seq
+            and replica not in self._broken
+            and self._caught_up(replica, tail.batches, tail.seq)
+        )
 
-    def _apply_batches(self, replica: str, report: KVEventReport, last: int) -> bool:
-        """The report's batches after `last`, in order; False at the first that does not follow,
-        or when they stop short of the report's own number (the window no longer holds them)."""
-        for batch in report.batches:
+    def _caught_up(self, replica: str, batches: list[KVEventBatch], seq: int) -> bool:
+        """Follow the batches; whether the entries are now exact as of seq (then in sync)."""
+        if self._follow(replica, batches) < seq or replica in self._broken:
+            return False
+        self._out_of_sync.discard(replica)
+        return True
+
+    def _follow(self, replica: str, batches: list[KVEventBatch]) -> int:
+        """Apply the batches after the last applied, in order, up to the first that does not
+        follow it; the last applied after them. An overflowed batch, or one past the entry bound,
+        leaves the replica broken: only a snapshot repairs it."""
+        last = self._seq[replica]
+        for batch in batches:
             if batch.seq <= last:
-                continue
-            if batch.seq != last + 1 or batch.overflowed or not self._apply_batch(replica, batch):
-                return False
+                continue  # applied already, from a report or an output
+            if batch.seq != last + 1:
+                break  # a gap: the entries stay exact as of last
+            if batch.overflowed or not self._apply_batch(replica, batch):
+                self._broken.add(replica)
+                self._out_of_sync.add(replica)
+                break
             last = self._seq[replica] = batch.seq
-        return last >= report.seq
+        return last
 
     def remove_replica(self, replica: str) -> None:
         for h in self._held.pop(replica, {}):
             self._drop_owner(h, replica)
         self._seq.pop(replica, None)
         self._out_of_sync.discard(replica)
+        self._broken.discard(replica)
 
     def _reset(self, replica: str, snapshot: KVSnapshot) -> bool:
         """replica's entries replaced by the snapshot's; False (out of sync) past its bound."""
@@ -204,6 +214,7 @@ class KVIndex:
                 held[h] = held.get(h, 0) | tier
         if len(held) > self.max_entries_per_replica:
             self._out_of_sync.add(replica)
+            self._broken.add(replica)
             self._seq[replica] = snapshot.seq
             return False
         self._held[replica] = held
@@ -212,6 +223,7 @@ class KVIndex:
             owners.setdefault(h, {})[replica] = bits
         self._seq[replica] = snapshot.seq
         self._out_of_sync.discard(replica)
+        self._broken.discard(replica)
         self.num_snapshots += 1
         return True
 

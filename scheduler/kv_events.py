@@ -159,6 +159,10 @@ class KVEventLog:
         # The last batch of each of the latest window_reports reports, oldest first.
         self._report_ends: deque[int] = deque(maxlen=window_reports)
         self._reports = 0
+        # The newest batches within MAX_OUTPUT_EVENTS, for tails, whatever reports have taken:
+        # a router that missed reports catches up from the next output.
+        self._recent: deque[KVEventBatch] = deque()
+        self._recent_cost = 0
 
     def record(self, kind: int, tier: int, block_hash: int) -> None:
         if len(self._open) >= self.max_events_per_batch:
@@ -177,6 +181,10 @@ class KVEventLog:
         self._open, self._overflowed = [], False
         self._window.append(batch)
         self._window_events += len(events)
+        self._recent.append(batch)
+        self._recent_cost += _cost(batch)
+        while self._recent_cost > MAX_OUTPUT_EVENTS:
+            self._recent_cost -= _cost(self._recent.popleft())
         while self._window_events > self.max_window_events and len(self._window) > 1:
             self._window_events -= len(self._window.popleft().events)
 
@@ -189,7 +197,7 @@ class KVEventLog:
             )
         self.end_step()
         newest: list[KVEventBatch] = []
-        for batch in reversed(self._window):
+        for batch in reversed(self._recent):
             max_events -= _cost(batch)
             if max_events < 0:
                 break

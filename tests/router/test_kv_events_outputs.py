@@ -137,6 +137,35 @@ def test_a_tail_past_a_gap_applies_what_follows_and_waits_without_going_out_of_s
     assert index.in_sync("r") and index.holdings("r") == {1: DEVICE, 2: DEVICE, 3: CPU}
 
 
+def test_a_replica_out_of_sync_by_a_gap_is_back_in_sync_with_the_next_tail():
+    """Served, Serve hands a router only the latest report: one that missed more reports than
+    the window repeats has a gap. The next output's tail (the newest batches, whatever the
+    reports dropped) repairs it without waiting for a snapshot."""
+    replica, index = Replica(), KVIndex()
+    index.apply("r", replica.log.report())
+    for i in range(4):  # reports this router never sees: the window (2 reports) drops batch 1
+        replica.toggle(i, DEVICE)
+        replica.end_step()
+        replica.log.report()
+    index.apply("r", replica.log.report())
+    assert not index.in_sync("r")
+    assert index.apply_tail(replica.tail()) and index.in_sync("r")
+    assert index.holdings("r") == replica.held and index.num_snapshots == 1
+
+
+def test_an_overflowed_batch_in_a_tail_waits_for_a_snapshot():
+    replica, index = Replica(), KVIndex()
+    index.apply("r", replica.log.report())
+    replica.log.max_events_per_batch = 1
+    replica.toggle(1, DEVICE)
+    replica.toggle(2, DEVICE)  # past the cap: the batch goes empty, overflowed
+    assert not index.apply_tail(replica.tail()) and not index.in_sync("r")
+    replica.toggle(3, DEVICE)
+    assert not index.apply_tail(replica.tail())  # batches cannot repair it
+    index.apply("r", replica.log.report())  # the overflow asked for a snapshot
+    assert index.in_sync("r") and index.holdings("r") == replica.held
+
+
 def test_a_tail_is_ignored_for_a_replica_never_synced_or_forgotten():
     replica, index = Replica(), KVIndex()
     replica.toggle(5, DEVICE)
