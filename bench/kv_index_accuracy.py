@@ -19,8 +19,9 @@ scheduler cuts a lookup) against the replica's own count (RequestOutput.num_cach
         [--cpu-tier-share 0.25]
 
 `--served`: the same trace through Ray Serve, two LLMReplicas (KV events published in their
-routing stats, once a `--stats-period` s) behind this process's FleetRouter, one request at a
-time; `--pace` s between requests (0: back to back; a period or more: each replica's events of
+routing stats, once a `--stats-period` s, and with each request's last output, which this process
+hands to its router as the ingress does; `--reports-only`: the reports alone) behind this
+process's FleetRouter, one request at a time; `--pace` s between requests (0: back to back; a period or more: each replica's events of
 the previous request have reached the router). The router's prediction is read when it chooses
 (its own FleetState, just after it took in the replicas' latest reports), for both indexes on the
 same routing; the actual hit is the stream's num_cached_tokens.
@@ -43,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from cluster.kv_event_pub import attach_kv_events
+from cluster.kv_event_pub import attach_kv_events, deliver_kv_tail
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from router.config import RoutingConfig
@@ -202,7 +203,9 @@ def served_pass(args: argparse.Namespace, model: str) -> tuple[Tally, Tally]:
         request = EngineRequest(
             f"r{i}", prompt, params, block_hashes=hash_prompt_blocks(prompt, BLOCK)
         )
-        answer, cached, replica = asyncio.run(served_request(handle, request, predictions))
+        answer, cached, replica = asyncio.run(
+            served_request(handle, request, predictions, not args.reports_only)
+        )
         capped = (len(prompt) - 1) // BLOCK
         for tally, predicted in zip(tallies, predictions.pop("last")[replica]):
             tally.add(min(predicted, capped), cached // BLOCK, capped)
@@ -262,9 +265,10 @@ async def drain(stream) -> None:
         pass
 
 
-async def served_request(handle, request: EngineRequest, predictions: dict) -> tuple:
+async def served_request(handle, request: EngineRequest, predictions: dict, carry: bool) -> tuple:
     """(answer, cached prompt tokens, replica) of one request, with the router's predictions for
-    it recorded when it chooses."""
+    it recorded when it chooses; carry: hand the KV events its last output carries to the router,
+    as the ingress does."""
     answer: list[int] = []
     cached = 0
     router = handle._router._asyncio_router.request_router  # Serve's router of this process
@@ -273,6 +277,8 @@ async def served_request(handle, request: EngineRequest, predictions: dict) -> t
     async for out in handle.options(stream=True).generate.remote(request):
         answer.extend(out.new_token_ids)
         cached = out.num_cached_tokens
+        if carry:
+            deliver_kv_tail(out)  # what the ingress does with a last output (deploy/generation.py)
     (replica,) = [r for r, n in router.fleet.routed.items() if n != before.get(r, 0)]
     return answer, cached, replica
 
@@ -312,6 +318,11 @@ def main() -> None:
     p.add_argument("--served", action="store_true", help="through Ray Serve (see above)")
     p.add_argument("--pace", type=float, default=0.0, help="--served: seconds between requests")
     p.add_argument("--stats-period", type=float, default=1.0, help="--served: report period, s")
+    p.add_argument(
+        "--reports-only",
+        action="store_true",
+        help="--served: leave the KV events outputs carry unread (the reports alone)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(TINY_SERVED_LLAMA, tmp, seed=0)
@@ -322,7 +333,9 @@ def main() -> None:
         )
         if args.served:
             approximate, router = served_pass(args, tmp)
-            label = f"served, pace {args.pace:g} s, reports every {args.stats_period:g} s"
+            label = f"served, pace {args.pace:g} s, reports every {args.stats_period:g} s" + (
+                ", reports only" if args.reports_only else ", events with outputs"
+            )
             print(approximate.line("approximate index") + f"  ({label})")
             print(router.line("router (events in sync)") + f"  ({label})", flush=True)
             return

@@ -27,7 +27,7 @@ from cluster.cold_start import ColdStart
 from cluster.disagg_replica import DisaggPhase, phase_engine, phase_stats, prefill_on
 from cluster.engine_loop import EngineLoop
 from cluster.errors import EngineFailedError, ReplicaDrainingError
-from cluster.kv_event_pub import attach_kv_events
+from cluster.kv_event_pub import attach_kv_events, with_kv_tail
 from cluster.lora_admin import LoraCommand, WrongReplicaError
 from cluster.lora_metrics import LoraMetrics
 from cluster.metrics import ReplicaMetrics
@@ -252,6 +252,10 @@ class LLMReplica:
                 finished = output.finished
                 if finished and output.finish_reason in ("stop", "length"):
                     self._count_slo(stream)
+                    if self._state() is ReplicaState.OK:  # the KV events ride back with it
+                        output = await with_kv_tail(
+                            output, self._loop_thread, self._kv_events, self.replica
+                        )
                 yield output
         finally:
             self._streams.pop(rid, None)

@@ -27,6 +27,7 @@ from ray.serve.request_router import (
 )
 
 from cluster.fleet_view import register
+from cluster.kv_event_pub import subscribe_kv_tails
 from cluster.lora_admin import LoraCommand
 from cluster.outcomes import subscribe
 from cluster.tracing import TraceContext, record_route
@@ -36,6 +37,7 @@ from router.fleet import FleetState
 from router.policies import RouteRequest
 from router.sessions import check_session_id
 from router.stats import RoutingStats
+from scheduler.kv_events import KVEventTail
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class FleetRouter(RequestRouter):
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop Serve routes on, once known
         self._alive: frozenset[str] = frozenset()  # the running replicas, as Serve last listed them
         subscribe(self)
+        subscribe_kv_tails(self)
         register(self)
         logger.info("FleetRouter for %s: %s", self._deployment_id, config)
 
@@ -78,6 +81,22 @@ class FleetRouter(RequestRouter):
         """Hand a request's outcome to the routing loop (callers run on another thread)."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._apply_outcome, internal_request_id, ok)
+
+    def post_kv_tail(self, tail: KVEventTail) -> None:
+        """Hand the KV events an output carried to the routing loop (cluster/kv_event_pub.py):
+        queued there before the client can send its next request, so applied before it routes."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._apply_kv_tail, tail)
+
+    def _apply_kv_tail(self, tail: KVEventTail) -> None:
+        if tail.replica not in self._alive:  # another deployment's replica, or a dead one
+            return
+        try:
+            tail.check()  # unpickled without its constructor's checks
+        except ValueError as e:
+            logger.warning("FleetRouter: ignoring KV events of %s: %s", tail.replica, e)
+            return
+        self.fleet.on_kv_tail(tail, self.clock())
 
     def _apply_outcome(self, internal_request_id: str, ok: bool) -> None:
         replica = self.fleet.on_outcome(internal_request_id, ok, self.clock())

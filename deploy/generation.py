@@ -15,6 +15,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.context import _set_request_context
 
 from cluster.errors import EngineFailedError, ReplicaDrainingError
+from cluster.kv_event_pub import deliver_kv_tail
 from cluster.metrics import RequestMetrics
 from cluster.outcomes import report_outcome
 from deploy.disagg_route import DisaggResponse
@@ -271,6 +272,7 @@ class Choice:
                     raise RequestFailedError(request.request_id, out.error)
                 done = finish is not None
                 if done:
+                    deliver_kv_tail(out)  # the router has them before the client's next request
                     report_outcome(internal_request_id, ok=True)
                 prompt_logprobs = None
                 if out.prompt_logprobs is not None and not self.has_prompt_logprobs:

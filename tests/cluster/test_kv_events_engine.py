@@ -85,3 +85,26 @@ def test_the_index_follows_the_engine_exactly_through_churn_and_predicts_every_h
     # The workload did what the test is for: hits from the device pool and from the lower tiers.
     assert hits > 10 and tiers_hit > 3
     assert router.kv.num_snapshots == 1  # synced once, from the first report, then events only
+
+
+def test_each_last_outputs_tail_brings_the_index_to_the_engine_before_the_next_request(engine):
+    """What a served replica does (cluster/kv_event_pub.py with_kv_tail): after a request's last
+    step, the log's tail; the router, given nothing else after its first report, predicts every
+    next hit exactly."""
+    log = attach_kv_events(engine)
+    router = FleetState(RoutingConfig())
+    router.on_stats("r", RoutingStats(engine.stats(), kv_events=log.report()), now=0.0)
+    rng = random.Random(11)
+    shared = [[rng.randrange(10, 200) for _ in range(4 * BLOCK)] for _ in range(6)]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    hits = 0
+    for i in range(16):
+        prompt = rng.choice(shared) + [rng.randrange(10, 200) for _ in range(rng.randrange(8, 40))]
+        capped = hash_prompt_blocks(prompt, BLOCK)[: (len(prompt) - 1) // BLOCK]
+        predicted = router.kv.match(capped, ["r"])["r"]
+        cached = run(engine, EngineRequest(f"tail-{i}", prompt, params))
+        assert predicted.blocks * BLOCK == cached, f"request {i}"
+        hits += cached > 0
+        router.on_kv_tail(log.tail("r"), now=float(i + 1))
+        assert router.kv_seen_at["r"] == i + 1 and router.kv.holdings("r") == holdings(engine)
+    assert hits > 4 and router.kv.num_snapshots == 1

@@ -21,6 +21,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from cluster.kv_event_pub import deliver_kv_tail
 from cluster.outcomes import report_outcome
 from cluster.replica import LLMReplica
 from cluster.serve_router import ROUTER_CLASS_PATH, FleetRouter
@@ -330,12 +331,26 @@ def llm_handle(ray_cluster):
 
 
 async def generate(handle, req: EngineRequest):
-    """(output token count, cached prompt tokens) of one streamed request."""
+    """(output token count, cached prompt tokens) of one streamed request; the KV events its last
+    output carries go to the router, as the ingress sends them."""
     produced, cached = 0, 0
     async for out in handle.options(stream=True).generate.remote(req):
         produced += len(out.new_token_ids)
         cached = out.num_cached_tokens
+        deliver_kv_tail(out)
     return produced, cached
+
+
+async def synced(router: FleetRouter, replicas: list[str]) -> bool:
+    """Whether the router's KV index is in sync for every replica, once what the router's loop
+    was handed has run (the first report's snapshot takes up to a report period to come)."""
+    for _ in range(300):
+        assert router._loop is not None
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), router._loop))
+        if all(router.fleet.kv.in_sync(r) for r in replicas):
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 def real_prompt(tenant: int, question: int) -> list[int]:
@@ -382,3 +397,13 @@ def test_real_replicas_keep_a_shared_prefix_on_the_replica_that_caches_it(llm_ha
     # and the two tenants kept the two replicas equally busy.
     assert [cached for _, cached in outputs] == [PREFIX_BLOCKS * BLOCK_SIZE] * 8
     assert sorted(split.values()) == [4, 4]
+    # The replicas' KV events (reports, and the last outputs' tails) show each tenant's system
+    # prompt on one replica, a different one for each tenant.
+    router, replicas = fleet_router(llm_handle), sorted(split)
+    assert run(synced(router, replicas))
+    match = router.fleet.kv.match
+    holders = [
+        [r for r, got in match(hashes, replicas).items() if got.device >= PREFIX_BLOCKS]
+        for hashes in (hash_prompt_blocks(real_prompt(t, 0), BLOCK_SIZE) for t in (0, 1))
+    ]
+    assert len(holders[0]) == len(holders[1]) == 1 and holders[0] != holders[1], holders
