@@ -2,22 +2,29 @@
 it, tests/cluster/conftest.py), tensor-parallel ranks placed on different nodes give the greedy
 tokens of one process, and a node killed mid-generation fails the engine at once; its requests,
 resumed elsewhere with what they had emitted (the ingress's failover, EngineRequest's
-output_token_ids), end with the same tokens as an undisturbed run."""
+output_token_ids), end with the same tokens as an undisturbed run. Served: a replica whose two
+pipeline stages sit on two nodes loses one of them mid-stream and is replaced on the nodes left."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 
+import psutil
 import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from cluster.placement import SPREAD_STRATEGY
 from cluster.ray_executor import RayExecutor
+from cluster.replica import LLMReplica
 from engine.config import EngineConfig
 from engine.executor import EngineDeadError, LocalExecutor
 from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
+from tests.cluster.conftest import _start_node
 from tests.cluster.engine_driver import greedy_tokens
+from workers.distributed import free_port
 from workers.runner import RunnerConfig
 
 pytestmark = pytest.mark.slow
@@ -154,3 +161,168 @@ def _params() -> SamplingParams:
 def test_an_unknown_placement_strategy_is_refused_naming_it(ray_cluster, tiny_llama, strategy):
     with pytest.raises(ValueError, match="placement_strategy"):
         RayExecutor(runner_config(tiny_llama), 2, placement_strategy=strategy)
+
+
+# ---- a served replica across nodes ---------------------------------------------------------------
+SERVED_APP = "multinode_pp"
+SERVED_TOKENS = 200  # long enough that the node's death lands while every stream still runs
+
+
+@pytest.fixture(scope="module")
+def served_reference(tiny_llama) -> dict[str, list[int]]:
+    """Greedy tokens of one process for the served test's longer generations."""
+    local = started(LocalExecutor(runner_config(tiny_llama)))
+    tokens, _ = greedy_tokens(local, scheduler_config(), PROMPTS, max_tokens=SERVED_TOKENS)
+    local.shutdown()
+    return tokens
+
+
+def test_a_served_replica_across_two_nodes_is_replaced_when_one_dies(
+    ray_cluster, extra_nodes, tiny_llama, served_reference
+):
+    """One replica of PP=2 whose stages SPREAD over the cluster's three nodes; the joined node
+    that holds a stage (and not the replica) dies mid-stream. Every stream ends: with its tokens,
+    or with an error the ingress resumes elsewhere (a replica failure, cluster/errors.py); Serve
+    replaces the replica on the nodes still alive, and each failed stream, resumed there with
+    what it had emitted, ends with the undisturbed tokens."""
+    from ray import serve
+
+    from deploy.config import AppConfig
+    from deploy.generation import is_replica_failure
+
+    config = AppConfig.from_args(
+        {
+            "model": tiny_llama,
+            "device": "cpu",
+            "pipeline_parallel_size": 2,
+            "placement_strategy": "SPREAD",  # the replacement must fit the two nodes left
+            "num_gpu_blocks": NUM_BLOCKS,
+            "max_model_len": 256,
+            "replica_num_cpus": 0.5,
+            "worker_num_cpus": 1,
+        }
+    )
+    nodes = _two_live_nodes(ray_cluster, extra_nodes)
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": free_port()})
+    replica = LLMReplica.options(
+        num_replicas=1,
+        ray_actor_options=config.replica_actor_options(),
+        placement_group_bundles=config.placement_group_bundles(),
+        placement_group_strategy=config.placement_group_strategy(),
+        health_check_period_s=1,
+        health_check_timeout_s=60,
+    )
+    handle = serve.run(replica.bind(config.engine), name=SERVED_APP, route_prefix=None)
+    try:
+        first = handle.stats.remote().result(timeout_s=60)
+        raylets = _raylet_pids(nodes)
+        stages = [_node_of(pid, raylets) for pid in first["model_pids"]]
+        assert len(set(stages)) == 2, stages  # the stages sit on two nodes
+        home = _node_of(_replica_pid(SERVED_APP), raylets)
+        # A joined node that holds a stage and not the replica (SPREAD puts the three bundles on
+        # the three nodes, so one is always there).
+        doomed = next(n for n in nodes if n.node_id in stages and n.node_id != home)
+        emitted, errors = asyncio.run(_stream_until_killed(handle, doomed))
+        assert errors, "every stream finished before the node's death was seen"
+        assert all(is_replica_failure(exc) for exc in errors.values()), errors
+        for rid, tokens in emitted.items():
+            if rid not in errors:
+                assert tokens == served_reference[rid]
+        # Serve replaces the failed replica; its stages avoid the dead node.
+        second = _wait_for_new_replica(handle, first["replica"], timeout_s=300)
+        assert doomed.node_id not in [_node_of(pid, raylets) for pid in second["model_pids"]]
+        rest = asyncio.run(_resume_served(handle, {rid: emitted[rid] for rid in errors}))
+        for rid in errors:
+            assert emitted[rid] + rest[rid] == served_reference[rid], rid
+    finally:
+        serve.delete(SERVED_APP)
+
+
+async def _stream_until_killed(handle, node) -> tuple[dict[str, list[int]], dict[str, Exception]]:
+    """Stream every prompt; kill `node` once every stream has tokens. The tokens each emitted and
+    the error of each that failed; every stream must end within the bound."""
+    params = SamplingParams(max_tokens=SERVED_TOKENS, temperature=0.0, ignore_eos=True)
+    emitted: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(PROMPTS))}
+    errors: dict[str, Exception] = {}
+    going = {rid: asyncio.Event() for rid in emitted}
+
+    async def stream(i: int, prompt: list[int]) -> None:
+        rid = f"req-{i}"
+        try:
+            request = EngineRequest(rid, prompt, params)
+            async for out in handle.options(stream=True).generate.remote(request):
+                emitted[rid].extend(out.new_token_ids)
+                going[rid].set()
+        except Exception as exc:  # what the ingress would see, to classify below
+            errors[rid] = exc
+        finally:
+            going[rid].set()
+
+    tasks = [asyncio.create_task(stream(i, p)) for i, p in enumerate(PROMPTS)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in going.values())), 120)
+    node.kill()
+    await asyncio.wait_for(asyncio.gather(*tasks), 180)  # no stream outlives the bound
+    return emitted, errors
+
+
+async def _resume_served(handle, emitted: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each failed stream resumed with its emitted tokens, as the ingress resumes a choice."""
+    params = SamplingParams(max_tokens=SERVED_TOKENS, temperature=0.0, ignore_eos=True)
+    rest: dict[str, list[int]] = {rid: [] for rid in emitted}
+
+    async def resume(rid: str) -> None:
+        prompt = PROMPTS[int(rid.split("-")[1])]
+        request = EngineRequest(f"{rid}-m1", prompt, params, output_token_ids=list(emitted[rid]))
+        async for out in handle.options(stream=True).generate.remote(request):
+            rest[rid].extend(out.new_token_ids)
+
+    await asyncio.wait_for(asyncio.gather(*(resume(rid) for rid in emitted)), 180)
+    return rest
+
+
+def _two_live_nodes(gcs_address: str, nodes: list) -> list:
+    """Two live joined nodes: the module's, with one started in place of each that an earlier
+    test killed (appended to the module's list, so the fixture stops it at the end)."""
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    while sum(n.node_id in alive for n in nodes) < 2:
+        nodes.append(_start_node(gcs_address, f"raylm_test_node_{len(nodes)}_{os.getpid()}"))
+        alive.add(nodes[-1].node_id)
+    return [n for n in nodes if n.node_id in alive]
+
+
+def _raylet_pids(nodes) -> dict[int, str]:
+    """Each joined node's raylet pid: the parent of every worker process Ray starts there."""
+    return {n.node.all_processes["raylet"][0].process.pid: n.node_id for n in nodes}
+
+
+def _node_of(pid: int, raylets: dict[int, str]) -> str:
+    """The joined node whose raylet started process `pid` (this machine's processes), else
+    "head"; no state API here (the session's cluster runs without a dashboard)."""
+    for parent in psutil.Process(pid).parents():
+        if parent.pid in raylets:
+            return raylets[parent.pid]
+    return "head"
+
+
+def _replica_pid(app: str) -> int:
+    """The Serve replica's process, by the title Ray gives an actor's process."""
+    [pid] = [
+        proc.pid
+        for proc in psutil.process_iter(["cmdline"])
+        if any(f"ServeReplica:{app}:LLMReplica" in part for part in proc.info["cmdline"] or ())
+    ]
+    return pid
+
+
+def _wait_for_new_replica(handle, old: str, timeout_s: float) -> dict:
+    """The stats of the replica Serve started in place of `old`, once it serves."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            stats = handle.stats.remote().result(timeout_s=30)
+        except Exception:  # the failed replica refusing, or none routable yet
+            stats = None
+        if stats is not None and stats["replica"] != old:
+            return stats
+        time.sleep(1.0)
+    raise AssertionError(f"replica {old} was not replaced within {timeout_s:.0f}s")
