@@ -483,6 +483,12 @@ def test_llava_served_answers_the_hostile_set_with_400s_and_keeps_serving(
         model=VISION, messages=[chat_turn(PNG)], max_tokens=2, temperature=0
     )
     assert reply.choices[0].finish_reason == "length"
+    # A client's own `<image>` text is text, never a placeholder without its image.
+    typed = [text("<image> <image> what are these?"), image_part(PNG)]
+    reply = vision_openai.chat.completions.create(
+        model=VISION, messages=[user(typed)], max_tokens=2, temperature=0
+    )
+    assert reply.choices[0].finish_reason == "length"
 
 
 def chat_turn(url: str) -> dict:
