@@ -18,7 +18,7 @@ REPLICAS = [ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT) for i in rang
 
 
 def context(
-    reports: dict[ReplicaID, ReplicaSignals], target: int, state: dict
+    reports: dict[ReplicaID, ReplicaSignals], target: int, state: dict, now: float = 1000.0
 ) -> AutoscalingContext:
     metrics: dict[str, dict[ReplicaID, float]] = {}
     for replica, signals in reports.items():
@@ -40,7 +40,7 @@ def context(
         policy_state=state,
         last_scale_up_time=None,
         last_scale_down_time=None,
-        current_time=1000.0,
+        current_time=now,
         config=None,
     )
 
@@ -60,10 +60,13 @@ def test_the_policy_scales_on_the_context_and_keeps_serves_state_keys():
     replicas, state = policy(context({REPLICAS[0]: hot, REPLICAS[1]: hot}, 2, {"serve_key": 1}))
     assert replicas == 4 and state["serve_key"] == 1 and state["last_scale_up_s"] == 1000.0
     idle = ReplicaSignals(0.0, 0, 0, 0, 8, None, None, 4096)
-    replicas, state = policy(context(dict.fromkeys(REPLICAS, idle), 4, state))
-    assert replicas == 3  # the fourth, still starting, goes at once: the load that asked is gone
-    replicas, state = policy(context(dict.fromkeys(REPLICAS, idle), 3, state))
-    assert replicas == 3 and state["down_since_s"] == 1000.0  # waiting out the downscale delay
+    # 30 s on, the load's mean has fallen under half the load that asked: the fourth replica,
+    # still starting, goes at once ...
+    replicas, state = policy(context(dict.fromkeys(REPLICAS, idle), 4, state, now=1030.0))
+    assert replicas == 3
+    # ... and the three that report wait out the downscale delay.
+    replicas, state = policy(context(dict.fromkeys(REPLICAS, idle), 3, state, now=1035.0))
+    assert replicas == 3 and state["down_since_s"] == 1035.0
 
 
 def test_the_apps_autoscaling_args_are_the_policys_config_declared_once():
