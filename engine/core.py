@@ -128,9 +128,10 @@ class EngineCore:
         config = self.config
         if config.async_scheduling and not overlap:
             logger.warning(
-                "async_scheduling: tensor_parallel_size %d runs synchronously (only rank 0 "
-                "samples; the other ranks learn each token from the next step)",
-                config.tensor_parallel_size,
+                "async_scheduling: %d ranks do not overlap a step with the next one's (one rank "
+                "samples; the others learn each token from the next step); pipeline stages keep "
+                "a micro-batch in flight per stage instead",
+                config.world_size,
             )
         sized = config.sized_scheduler(
             self.num_gpu_blocks, self.num_cpu_blocks, self.max_model_len, self.tiers
