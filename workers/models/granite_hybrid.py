@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from workers.layers.activation import SiluAndMul
-from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.attention import AttentionMetadata
 from workers.layers.embedding import VocabParallelEmbedding
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.mamba2 import Mamba2Mixer, MambaDims
@@ -32,7 +33,7 @@ from workers.layers.moe import FusedMoE, MoEConfig, ReplicatedLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.quantized import AnyWeight
 from workers.layers.rotary import RotaryEmbedding
-from workers.models.llama import LlamaArgs, LlamaAttention, first_norm, lm_head_of
+from workers.models.llama import LlamaArgs, LlamaAttention, PreNormBlock, lm_head_of
 from workers.models.moe import MoEForCausalLM
 from workers.models.qwen3_next import HybridModel, layer_types_of
 from workers.pipeline import current_stage
@@ -112,7 +113,7 @@ class GraniteMoE(nn.Module):
         return self.experts(x, self.router(x))
 
 
-class GraniteHybridLayer(nn.Module):
+class GraniteHybridLayer(PreNormBlock):
     """Pre-norm block: Mamba-2 (`mamba`) or attention (`self_attn`), then routed experts plus the
     shared MLP, each output scaled by the residual multiplier before its residual add."""
 
@@ -132,26 +133,23 @@ class GraniteHybridLayer(nn.Module):
         else:
             self.self_attn = mixer
         self.mixer = mixer
-        self.mlp = GraniteMoE(moe) if moe is not None else None
+        # None: a layer of the shared MLP alone (feed_forward reads it so).
+        self.mlp = GraniteMoE(moe) if moe is not None else None  # type: ignore[assignment]
         self.shared_mlp = SharedMLP(a.hidden_size, shared)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.multiplier = m
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = first_norm(self.input_layernorm, x, residual)
-        x = self.mixer(positions, x, meta) * self.multiplier
-        x, residual = self.post_attention_layernorm(x, residual)
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.mixer(positions, x, meta) * self.multiplier
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.shared_mlp(x)
         if self.mlp is not None:
             y = y + self.mlp(x)
-        return y * self.multiplier, residual
+        return y * self.multiplier
 
 
 class GraniteMoeHybridForCausalLM(MoEForCausalLM):
@@ -202,14 +200,7 @@ class GraniteMoeHybridForCausalLM(MoEForCausalLM):
         return None if logits is None else logits / self.logits_scaling
 
     def attention_blocks(self) -> list[LlamaAttention]:
-        return [
-            layer.mixer
-            for layer in self.model.layers
-            if isinstance(layer, GraniteHybridLayer) and isinstance(layer.mixer, LlamaAttention)
-        ]
-
-    def attention_layers(self) -> list[Attention]:
-        return [block.attn for block in self.attention_blocks()]
+        return cast(HybridModel, self.model).mixers(LlamaAttention)
 
     def load_weights(self, weights: Iterable[tuple[str, AnyWeight]]) -> set[str]:
         return super().load_weights((_renamed(name), w) for name, w in weights)

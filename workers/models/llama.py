@@ -199,9 +199,18 @@ class PreNormBlock(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = first_norm(self.input_layernorm, x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.mix(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.feed_forward(x), residual
+
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The token mixer: attention here; a hybrid layer's may be a linear-attention one."""
+        return self.self_attn(positions, x, meta)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
 
 
 class LlamaDecoderLayer(PreNormBlock):

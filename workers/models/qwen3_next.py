@@ -17,6 +17,7 @@ ones) as the feed-forward.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from workers.layers.quantized import AnyWeight
 from workers.layers.rotary import RotaryEmbedding
 from workers.models.gemma import GemmaRMSNorm
 from workers.models.glm4_moe import PartialRotary, partial_rotary
-from workers.models.llama import LlamaArgs, LlamaMLP, first_norm, lm_head_of
+from workers.models.llama import LlamaArgs, LlamaMLP, PreNormBlock, lm_head_of
 from workers.models.moe import MoEArgs, MoEForCausalLM
 from workers.parallel import divide, get_tp_world_size
 from workers.pipeline import current_stage, run_stage
@@ -95,7 +96,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
 
-class Qwen3NextDecoderLayer(nn.Module):
+class Qwen3NextDecoderLayer(PreNormBlock):
     """Pre-norm block whose token mixer is a DeltaNet (`linear_attn`) or gated attention
     (`self_attn`), named as the checkpoint names them."""
 
@@ -109,20 +110,17 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.self_attn = self.mixer = GatedAttention(a, rotary)
         self.mlp = mlp
-        self.input_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
+        # Gemma's norm (1 + weight), called as PreNormBlock calls RMSNorm.
+        self.input_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)  # type: ignore[assignment]
+        self.post_attention_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)  # type: ignore[assignment]
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = first_norm(self.input_layernorm, x, residual)
-        x = self.mixer(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.mixer(positions, x, meta)
+
+
+M = TypeVar("M", bound=nn.Module)
 
 
 class HybridModel(nn.Module):
@@ -139,6 +137,10 @@ class HybridModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         return run_stage(self.layers, self.embed_tokens, self.norm, input_ids, positions, meta)
+
+    def mixers(self, kind: type[M]) -> list[M]:
+        """The layers' token mixers of one kind (attention: the layers with paged KV)."""
+        return [m for layer in self.layers if isinstance(m := getattr(layer, "mixer", None), kind)]
 
 
 class Qwen3NextForCausalLM(MoEForCausalLM):
@@ -173,14 +175,7 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
 
     def attention_blocks(self) -> list[GatedAttention]:  # type: ignore[override]
         """The full-attention layers' blocks (the only ones with paged KV)."""
-        return [
-            layer.mixer
-            for layer in self.model.layers
-            if isinstance(layer, Qwen3NextDecoderLayer) and isinstance(layer.mixer, GatedAttention)
-        ]
-
-    def attention_layers(self) -> list[Attention]:
-        return [block.attn for block in self.attention_blocks()]
+        return cast(HybridModel, self.model).mixers(GatedAttention)
 
     def load_weights(self, weights: Iterable[tuple[str, AnyWeight]]) -> set[str]:
         return super().load_weights(_without_mtp(weights))
