@@ -163,6 +163,11 @@ class FleetRouter(RequestRouter):
         self._alive = frozenset(alive)
         self._reports = {key: report for key, report in self._reports.items() if key in alive}
         self.fleet.retain(alive)
+        # Serve broadcasts the replicas again with each new report: taken in now, every one (a
+        # KV-event snapshot included), not only the latest when the next request comes.
+        now = self.clock()
+        for replica in replicas:
+            self._observe_stats(replica.replica_id.unique_id, replica.routing_stats, now)
 
     def _observe_stats(self, key: str, report: dict[str, Any], now: float) -> None:
         if not report or report is self._reports.get(key):
