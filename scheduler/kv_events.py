@@ -5,9 +5,12 @@ The block pool (scheduler/block_manager.py) and the lower tiers' indexes (schedu
 findable there; nothing is recorded while no log is attached. Events are closed into numbered
 batches at the end of each scheduled step (`end_step`), and the replica publishes the batches the
 log still holds with its routing stats (cluster/kv_event_pub.py). The router (router/kv_events.py)
-applies each batch once, in sequence order; a gap (a batch it never saw, or one cut short by the
-per-batch cap) makes it wait for a snapshot, which the log attaches to a report every
-`snapshot_every` reports (and to the first).
+applies each batch once, in sequence order; a gap (a batch it never saw) makes it wait for the
+batches that follow on, and one cut short by the per-batch cap for a snapshot, which the log
+attaches to a report every `snapshot_every` reports (and to the first, and after an overflow).
+Each request's last output carries the log's newest batches as well (`tail`, a `KVEventTail` of
+at most MAX_OUTPUT_EVENTS events), which reach the router sooner; it applies a batch that both
+bring once.
 
 A move between tiers is a removal from one and a store in the other, in the same batch: a block
 saved from the device pool to the CPU tier is (REMOVED, DEVICE) then (STORED, CPU); a CPU block
