@@ -152,8 +152,12 @@ class FleetState:
         if stats.tier_hashes is not None:
             self.tier_hashes[replica] = frozenset(stats.tier_hashes)
         if stats.kv_events is not None:
+            before = self.kv.applied_seq(replica)
             self.kv.apply(replica, stats.kv_events)
-            self.kv_seen_at[replica] = now
+            # Only news moves it: a report older than a tail already applied (Serve delivers
+            # reports late) must not discount what routing planted since that tail.
+            if self.kv.applied_seq(replica) != before:
+                self.kv_seen_at[replica] = now
 
     def on_kv_tail(self, tail: KVEventTail, now: float) -> None:
         """KV events a request's last output carried (router/kv_events.py `apply_tail`): applied

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from router.config import RoutingConfig
 from router.fleet import FleetState
 from router.kv_events import KVIndex
+from router.stats import RoutingStats
 from scheduler.kv_events import (
     CPU,
     DEVICE,
@@ -27,6 +28,7 @@ from scheduler.kv_events import (
     KVEventReport,
     KVEventTail,
 )
+from scheduler.outputs import SchedulerStats
 
 
 class Replica:
@@ -222,3 +224,24 @@ def test_tail_events_are_bounded_in_total_and_batches_must_increase():
         KVEventTail("r", [KVEventBatch(2, []), KVEventBatch(2, [])], 2)
     with pytest.raises(ValueError, match="not increasing"):
         KVEventTail("r", [KVEventBatch(3, [])], 2)  # past the tail's own number
+
+
+def test_a_report_older_than_a_tail_applied_leaves_the_plants_since_that_tail_counting():
+    """Serve delivers a report late, after the tail of a request that ended later: it brings
+    nothing new, so what routing planted since the tail still counts."""
+    replica, fleet = Replica(), FleetState(RoutingConfig())
+    fleet.on_stats("r", stats_with(replica.log.report()), now=1.0)
+    assert fleet.kv_seen_at["r"] == 1.0
+    replica.toggle(1, DEVICE)
+    late = replica.log.report()  # taken now, delivered after the tail below
+    replica.toggle(2, DEVICE)
+    fleet.on_kv_tail(replica.tail(), now=2.0)
+    fleet.on_stats("r", stats_with(late), now=3.0)
+    assert fleet.kv_seen_at["r"] == 2.0 and fleet.kv.holdings("r") == {1: DEVICE, 2: DEVICE}
+    replica.toggle(3, DEVICE)
+    fleet.on_stats("r", stats_with(replica.log.report()), now=4.0)  # news: it moves
+    assert fleet.kv_seen_at["r"] == 4.0
+
+
+def stats_with(report: KVEventReport) -> RoutingStats:
+    return RoutingStats(SchedulerStats(0, 0, 0, 0.0, 0.0, 0), kv_events=report)
