@@ -18,13 +18,13 @@ scheduler cuts a lookup) against the replica's own count (RequestOutput.num_cach
     python bench/kv_index_accuracy.py [--sessions 48] [--turns 4] [--report-every 1 4] \
         [--cpu-tier-share 0.25]
 
-`--served`: the same trace through Ray Serve, two LLMReplicas (KV events published in their
-routing stats, once a `--stats-period` s, and with each request's last output, which this process
-hands to its router as the ingress does; `--reports-only`: the reports alone) behind this
-process's FleetRouter, one request at a time; `--pace` s between requests (0: back to back; a period or more: each replica's events of
-the previous request have reached the router). The router's prediction is read when it chooses
-(its own FleetState, just after it took in the replicas' latest reports), for both indexes on the
-same routing; the actual hit is the stream's num_cached_tokens.
+`--served`: the same trace through Ray Serve, two LLMReplicas (KV events published in their routing
+stats, once a `--stats-period` s, and with each request's last output, which this process hands to
+its router as the ingress does; `--reports-only`: the reports alone) behind this process's
+FleetRouter, one request at a time; `--pace` s between requests (0: back to back; a period or more:
+each replica's events of the previous request have reached the router). The router's prediction is
+read when it chooses (its own FleetState, just after it took in the replicas' latest reports), for
+both indexes on the same routing; the actual hit is the stream's num_cached_tokens.
 
 Prints, per index and report period: requests, exact predictions (share), mean |error| in blocks,
 and the share of prompt blocks that hit.
