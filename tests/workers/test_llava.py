@@ -173,12 +173,27 @@ def test_an_image_the_tower_cannot_take_fails_its_request_alone(llava):
     from scheduler.sampling_params import SamplingParams
     from workers.features.base import RunnerContext
     from workers.features.vision import VisionFeature
+    from workers.runner_config import RunnerConfig
     from workers.step_state import Batch
 
     path, _, inputs = llava
     model = load(path)
     cpu = torch.device("cpu")
-    feature = VisionFeature(RunnerContext(None, model, None, cpu, torch.float32, True, {}))  # type: ignore[arg-type]
+    config = RunnerConfig(
+        model_dir=path,
+        dtype="float32",
+        device="cpu",
+        block_size=16,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+        seed=0,
+        attention_backend="torch",
+        kv_cache_memory_gb=0.1,
+        gpu_memory_utilization=0.9,
+        load_progress=False,
+    )
+    feature = VisionFeature(RunnerContext(config, model, None, cpu, torch.float32, True, {}))  # type: ignore[arg-type]
     arrays = {
         "good": pack(inputs["pixel_values"][:1].numpy()),
         "bad": pack(np.zeros((1, 3, 56, 56), np.float32)),
