@@ -283,7 +283,11 @@ async def _resume_served(handle, emitted: dict[str, list[int]]) -> dict[str, lis
 def _two_live_nodes(gcs_address: str, nodes: list) -> list:
     """Two live joined nodes: the module's, with one started in place of each that an earlier
     test killed (appended to the module's list, so the fixture stops it at the end)."""
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    # The GCS marks a killed node dead only after its heartbeats time out; a node whose processes
+    # this process killed is dead already.
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - {
+        n.node_id for n in nodes if "raylet" not in n.node.all_processes
+    }
     while sum(n.node_id in alive for n in nodes) < 2:
         nodes.append(_start_node(gcs_address, f"raylm_test_node_{len(nodes)}_{os.getpid()}"))
         alive.add(nodes[-1].node_id)
