@@ -18,6 +18,7 @@ from deploy.errors import (
     NoReplicasError,
     cause_of,
 )
+from scheduler.lora_slots import UnknownLoraError
 from scheduler.request import MAX_LORA_NAME_CHARS, check_lora_name
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,8 @@ class LoraAdmin:
 
     A load that one replica refuses (a bad adapter: 400) is undone on those that took it, so the
     replicas keep one set of adapters. An unload refused by a replica (the adapter is in use)
-    leaves the replicas before it without the adapter: the caller retries once its requests end.
+    leaves the replicas before it without the adapter: the caller retries once its requests end,
+    and the retry skips the replicas that no longer have it.
     """
 
     def __init__(self, handle: Any, replica_ids: Callable[[], set[str]]) -> None:
@@ -139,11 +141,21 @@ class LoraAdmin:
             return done
 
     async def unload(self, name: str) -> dict[str, list[str]]:
-        """Each replica's adapters after unloading `name` from every one."""
+        """Each replica's adapters after unloading `name` from every one. A replica that no longer
+        has it (an earlier unload refused further on) is skipped, so the caller's retry completes;
+        unknown on every replica is the 404."""
         async with self._lock:
             done: dict[str, list[str]] = {}
+            unknown: Exception | None = None
             for replica in await self._replicas():
-                done[replica] = await self._send(LoraCommand(replica, "remove", name))
+                try:
+                    done[replica] = await self._send(LoraCommand(replica, "remove", name))
+                except Exception as exc:
+                    if not isinstance(cause_of(exc), UnknownLoraError):
+                        raise
+                    unknown = exc
+            if not done and unknown is not None:
+                raise unknown
             return done
 
     async def _undo(self, replicas: list[str], name: str) -> None:
