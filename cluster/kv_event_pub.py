@@ -10,31 +10,26 @@ and repairs from a snapshot what it missed.
 
 A report reaches the routers a period or more after the replica's pool changed, so a client that
 sends its next request as soon as the last one ends is routed on holdings that are a request old.
-Each request's last output therefore carries the log's newest batches too (`with_kv_tail`, on the
-replica), and the ingress hands them to the routers of its process (`deliver_kv_tail`) before it
-passes the output on: the router applies them before that client's next request.
+Each request's last output therefore carries the log's newest batches too (`TailingEngine`: taken on
+the engine's thread right after the step that finished the request, so the output never waits),
+and the ingress hands them to the routers of its process (`deliver_kv_tail`) before it passes the
+output on: the router applies them before that client's next request.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import weakref
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.kv_events import KVEventLog, KVEventTail
 from scheduler.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from cluster.engine_loop import EngineLoop
     from engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
-
-# The longest a request's last output waits for the engine's thread to take the tail (the rest of
-# the step in progress); past it the output goes without, and the next report brings the events.
-TAIL_TIMEOUT_S = 1.0
 
 
 def attach_kv_events(engine: EngineCore) -> KVEventLog:
@@ -60,19 +55,38 @@ def attach_kv_events(engine: EngineCore) -> KVEventLog:
     return log
 
 
-async def with_kv_tail(
-    output: RequestOutput, engine_loop: EngineLoop, log: KVEventLog, replica: str
-) -> RequestOutput:
-    """A request's last output with the log's newest batches, taken on the engine's thread between
-    steps (the log's open batch holds what the request's last step stored)."""
-    try:
-        tail = await asyncio.wait_for(engine_loop.call(lambda _: log.tail(replica)), TAIL_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        logger.warning(
-            "engine busy for %.1f s: a last output without its KV events", TAIL_TIMEOUT_S
-        )
-        return output
-    return dataclasses.replace(output, kv_events=tail)
+# The finishes whose outputs carry the KV events: a request that ended by itself. An abort or an
+# error ends before its blocks matter to the router, and the next report brings them anyway.
+TAILED_FINISHES = ("stop", "length")
+
+
+class TailingEngine:
+    """The engine as the replica's loop drives it, whose step attaches the log's newest batches
+    (`KVEventLog.tail`) to the outputs of the requests it finished. Taken on the engine's thread
+    right after the step, the tail holds what those requests' last step stored, and the output
+    goes out with the step's others: it never waits for the engine (an earlier design asked the
+    engine thread for the tail after the output arrived, waiting up to 1 s for the step in
+    progress). One tail a step, shared by the step's finished outputs."""
+
+    def __init__(self, engine: Any, log: KVEventLog, replica: str) -> None:
+        self.engine = engine
+        self.log = log
+        self.replica = replica
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        if not any(o.finished and o.finish_reason in TAILED_FINISHES for o in outputs):
+            return outputs
+        tail = self.log.tail(self.replica)
+        return [
+            dataclasses.replace(o, kv_events=tail)
+            if o.finished and o.finish_reason in TAILED_FINISHES
+            else o
+            for o in outputs
+        ]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
 
 class KVTailSink(Protocol):

@@ -27,7 +27,7 @@ from cluster.cold_start import ColdStart
 from cluster.disagg_replica import DisaggPhase, phase_engine, phase_stats, prefill_on
 from cluster.engine_loop import EngineLoop
 from cluster.errors import EngineFailedError, ReplicaDrainingError
-from cluster.kv_event_pub import attach_kv_events, with_kv_tail
+from cluster.kv_event_pub import TailingEngine, attach_kv_events
 from cluster.lora_admin import LoraCommand, WrongReplicaError
 from cluster.lora_metrics import LoraMetrics
 from cluster.metrics import ReplicaMetrics
@@ -67,6 +67,7 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         new_logprobs=logprobs,
         error=later.error,
         prompt_logprobs=first.prompt_logprobs or later.prompt_logprobs,
+        kv_events=later.kv_events,
     )
 
 
@@ -207,7 +208,10 @@ class LLMReplica:
         self._stats: SchedulerStats = self.engine.stats()
         self.metrics.record_stats(self._stats)
         self._loop_thread = EngineLoop(
-            self.phase or self.engine, asyncio.get_running_loop(), self._on_step, self._on_error
+            TailingEngine(self.phase or self.engine, self._kv_events, replica),  # events ride back
+            asyncio.get_running_loop(),
+            self._on_step,
+            self._on_error,
         )
         self._callers = CallerWatch(SERVE_NAMESPACE)
         self._stall_failed_over = False
@@ -252,10 +256,6 @@ class LLMReplica:
                 finished = output.finished
                 if finished and output.finish_reason in ("stop", "length"):
                     self._count_slo(stream)
-                    if self._state() is ReplicaState.OK:  # the KV events ride back with it
-                        output = await with_kv_tail(
-                            output, self._loop_thread, self._kv_events, self.replica
-                        )
                 yield output
         finally:
             self._streams.pop(rid, None)
