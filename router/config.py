@@ -116,6 +116,40 @@ class RoutingConfig:
         le=86400,
     )
     seed: int | None = setting(None, "seed of the power_of_two policy's choices", ge=0, lt=2**63)
+    # Peer-to-peer prefix pulls (router/peer_pull.py, docs/router.md). The replicas read these
+    # too, from the same request_router_kwargs: a replica takes pulls only when they are on.
+    peer_pulls: bool = setting(
+        False,
+        "a replica chosen for load pulls the prompt blocks a peer holds beyond its own (by the "
+        "peer's KV events) through the KV transport, when the cost model says that beats the "
+        "prefill",
+    )
+    min_pull_blocks: int = setting(
+        4, "peer_pulls: the fewest blocks worth a pull", ge=1, le=1 << 20
+    )
+    pull_timeout_s: float = setting(
+        2.0,
+        "peer_pulls: the longest a request waits for the peer's export (and its step for the "
+        "blocks) before it computes its prompt instead",
+        gt=0,
+        le=600,
+    )
+    pull_bytes_per_s: float = setting(
+        1e9, "peer_pulls cost model: KV bytes a second a pull moves", gt=0, le=1e13
+    )
+    pull_fixed_s: float = setting(
+        0.01,
+        "peer_pulls cost model: a pull's fixed cost in seconds (the peer's export call, its step "
+        "in progress)",
+        ge=0,
+        le=60,
+    )
+    prefill_tokens_per_s: float = setting(
+        5000.0,
+        "peer_pulls cost model: prompt tokens a second the pulling replica prefills",
+        gt=0,
+        le=1e9,
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

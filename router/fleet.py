@@ -9,19 +9,30 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from router.adapter_affinity import AdapterIndex
 from router.circuit_breaker import CircuitBreaker
 from router.config import RoutingConfig
-from router.kv_events import InFlightPrompts, KVIndex
+from router.kv_events import InFlightPrompts, KVIndex, TierRun
 from router.loads import LoadTracker
-from router.policies import RouteRequest, make_policy
+from router.peer_pull import PeerPull, plan_pull
+from router.policies import RouteRequest, expected_runs, make_policy
 from router.prefix_index import DEFAULT_REPLICA_BLOCKS, PrefixIndex
 from router.sessions import SessionTable
 from router.stats import RoutingStats
 from scheduler.kv_events import KVEventTail
 
 MAX_RECENT_ROUTES = 65_536
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A request's ranking (best first) and, with peer_pulls on, the pull its first replica is to
+    make (router/peer_pull.py)."""
+
+    ranking: list[str]
+    pull: PeerPull | None = None
 
 
 class FleetState:
@@ -66,11 +77,33 @@ class FleetState:
     def route(self, request: RouteRequest, replicas: Iterable[str], now: float) -> list[str]:
         """Replicas ranked best first for request, as Serve wants them: the choice (see choose()),
         then the other candidates least loaded first, where Serve goes while a replica is full."""
+        return self.plan(request, replicas, now).ranking
+
+    def plan(self, request: RouteRequest, replicas: Iterable[str], now: float) -> Route:
+        """route()'s ranking, with the pull its first replica is to make (peer_pulls)."""
         candidates = self._candidates(replicas, now)
         if not candidates:
-            return []
-        choice = self._choose(request, candidates, now)
-        return [choice, *sorted((r for r in candidates if r != choice), key=self.loads.load)]
+            return Route([])
+        choice = self.policy.choose(candidates, request, self)
+        # Before the charge: it plants the prompt on the choice, which would then seem to hold it.
+        pull = self._plan_pull(request, choice, candidates)
+        self._picked(request, choice, now)
+        return Route(
+            [choice, *sorted((r for r in candidates if r != choice), key=self.loads.load)], pull
+        )
+
+    def _plan_pull(
+        self, request: RouteRequest, choice: str, candidates: list[str]
+    ) -> PeerPull | None:
+        """The pull for request on choice: what choice is expected to hold (events in sync, or the
+        approximate index) against the longest device run a peer's events show."""
+        hashes = request.block_hashes
+        if not self.config.peer_pulls or len(hashes) < self.config.min_pull_blocks:
+            return None
+        have = expected_runs(self, hashes, [choice]).get(choice)
+        if have is None:
+            have = TierRun(int(self.index.match(hashes, [choice])[choice]))
+        return plan_pull(self.kv, hashes, choice, have, candidates, self.config.min_pull_blocks)
 
     def choose(self, request: RouteRequest, replicas: Iterable[str], now: float) -> str | None:
         """The replica for request, charged with it (None: no replica to choose from): route()'s
@@ -80,10 +113,13 @@ class FleetState:
 
     def _choose(self, request: RouteRequest, candidates: list[str], now: float) -> str:
         choice = self.policy.choose(candidates, request, self)
+        self._picked(request, choice, now)
+        return choice
+
+    def _picked(self, request: RouteRequest, choice: str, now: float) -> None:
         self.breaker.on_picked(choice, now)
         # Charged now, not when Serve confirms: a burst routes before any confirmation comes back.
         self._charge(request, choice, now, confirmed=False)
-        return choice
 
     def _candidates(self, replicas: Iterable[str], now: float) -> list[str]:
         """The replicas a policy may choose from, in name order (a policy's ties go by position)."""

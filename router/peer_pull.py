@@ -1,0 +1,104 @@
+"""Peer-to-peer prefix pulls, the pure part: whether the replica chosen for a request should pull
+the prompt blocks a peer holds beyond its own, and the cost model that says whether moving them
+beats computing them.
+
+The router decides *whether there is something to pull*, from what it knows exactly: the peer's
+KV events (router/kv_events.py), in sync, never a guess. A `PeerPull` names the peer, the leading
+block hashes the peer holds on its device and how many of them the chosen replica is expected to
+hold already; it travels with the request (cluster/serve_router.py). The pulling replica decides
+*whether the pull pays*, with `PullCost` over its own KV block size, since only it knows how many
+bytes a block of its model is (cluster/kv_pull.py). The simulator can run both unchanged.
+
+Only device blocks are pulled: the peer exports them from its device pool between steps. A peer's
+CPU-tier blocks would need its tier's slots read on its workers (a later step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.kv_events import KVIndex, TierRun
+
+# The most blocks one pull names: a 1M-token prompt at 16 tokens a block (the request's own
+# bounds refuse longer prompts first).
+MAX_PULL_BLOCKS = 1 << 16
+MAX_REPLICA_CHARS = 256
+HASH_BOUND = 1 << 128
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPull:
+    """Pull blocks first.. of `hashes` (the prompt's leading blocks `peer` holds on its device)
+    from `peer`: the chosen replica is expected to hold the first `first` already."""
+
+    peer: str
+    hashes: tuple[int, ...]
+    first: int = 0
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """ValueError naming the field out of bounds (run again after unpickling: a pull crosses
+        processes as a request's keyword argument)."""
+        if type(self.peer) is not str or not 0 < len(self.peer) <= MAX_REPLICA_CHARS:
+            raise ValueError(f"pull.peer: 1 to {MAX_REPLICA_CHARS} characters, got {self.peer!r}")
+        if type(self.hashes) is not tuple or not 0 < len(self.hashes) <= MAX_PULL_BLOCKS:
+            raise ValueError(f"pull.hashes: a tuple of 1 to {MAX_PULL_BLOCKS} block hashes")
+        if any(type(h) is not int or not 0 <= h < HASH_BOUND for h in self.hashes):
+            raise ValueError("pull.hashes: each must be an integer in [0, 2**128)")
+        if type(self.first) is not int or not 0 <= self.first < len(self.hashes):
+            raise ValueError(
+                f"pull.first: an integer in [0, {len(self.hashes)}), got {self.first!r}"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the pull moves."""
+        return len(self.hashes) - self.first
+
+
+def plan_pull(
+    kv: KVIndex,
+    hashes: Sequence[int],
+    choice: str,
+    have: TierRun,
+    candidates: Sequence[str],
+    min_blocks: int,
+) -> PeerPull | None:
+    """The pull for a request routed to `choice`, which is expected to hold `have` of its leading
+    blocks: from the candidate whose KV events (in sync) show the longest device run, when that
+    run exceeds what choice has by at least min_blocks; None otherwise."""
+    held = have.blocks
+    if len(hashes) - held < min_blocks:
+        return None
+    peers = [r for r in candidates if r != choice and kv.in_sync(r)]
+    if not peers:
+        return None
+    runs = kv.match(hashes, peers)
+    peer = max(peers, key=lambda r: (runs[r].device, r))
+    device = min(runs[peer].device, MAX_PULL_BLOCKS)
+    if device - held < min_blocks:
+        return None
+    return PeerPull(peer, tuple(hashes[:device]), held)
+
+
+@dataclass(frozen=True, slots=True)
+class PullCost:
+    """A pull's cost against its prefill's: bytes / bytes_per_s + fixed_s seconds to move the
+    blocks, tokens / prefill_tokens_per_s to compute them."""
+
+    bytes_per_s: float
+    fixed_s: float
+    prefill_tokens_per_s: float
+
+    def pull_s(self, num_bytes: int) -> float:
+        return num_bytes / self.bytes_per_s + self.fixed_s
+
+    def prefill_s(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+    def pays(self, num_blocks: int, block_size: int, block_bytes: int) -> bool:
+        """Whether moving num_blocks blocks of block_bytes beats computing their tokens."""
+        return self.pull_s(num_blocks * block_bytes) < self.prefill_s(num_blocks * block_size)
