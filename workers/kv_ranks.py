@@ -2,16 +2,20 @@
 (engine/disagg.py, through `Executor.call_ranks` or directly on an in-process runner).
 
 Each rank holds its own KV heads of every block, so each rank sends and receives its own shard:
-the prefill engine's rank r reads its blocks and sends them as one payload, the decode engine's
-rank r receives that payload (the handle's `shards[r]`) into its own pool. The functions are
+the prefill engine's rank r reads its blocks and sends them as one payload; a decode engine's rank
+receives the shards that hold its heads (workers/kv_reshard.py: at the same tensor-parallel size
+the handle's `shards[r]`, at another size the shards it cuts its heads from) into its own pool. The functions are
 module-level so that they travel to Ray workers by reference (functools.partial of them pickles).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from workers.kv_transfer import KVReceiver, KVTransport, TransferHandle, read_blocks
+from workers.features.kv_loads import KVLoadsFeature
+from workers.kv_reshard import plan, readers, total_kv_heads
+from workers.kv_transfer import Expected, KVReceiver, KVTransport, TransferHandle, read_blocks
 from workers.parallel import get_tp_rank, get_tp_world_size
 
 if TYPE_CHECKING:
@@ -34,12 +38,22 @@ def start_receiver(transport: KVTransport, timeout_s: float, runner: ModelRunner
 
 
 def expect(handle: TransferHandle, runner: ModelRunner) -> bool:
-    """Fetch this rank's shard of `handle` for its loads; False if there is none for this rank
-    (sent by a different number of ranks: the loads fail and the blocks are recomputed)."""
-    shard = handle.shard(get_tp_rank(), get_tp_world_size())
-    if shard is None:
+    """Fetch the shards of `handle` that hold this rank's KV heads, for its loads; False if the
+    heads do not split between the two sizes (the blocks are then recomputed)."""
+    feature = runner.feature(KVLoadsFeature)
+    if feature is None:
         return False
-    _receiver(runner).expect(shard, handle.key)
+    heads = total_kv_heads(feature.ctx.hf_config)
+    src_tp, dst_tp = len(handle.parts), get_tp_world_size()
+    try:
+        slices = plan(heads, src_tp, dst_tp, get_tp_rank())
+    except ValueError:
+        return False
+    parts = [
+        replace(handle.parts[s.src_rank], readers=readers(heads, src_tp, dst_tp, s.src_rank))
+        for s in slices
+    ]
+    _receiver(runner).expect_parts(handle.key, Expected(parts, slices))
     return True
 
 

@@ -10,18 +10,19 @@ transfer that is missing or times out) is reported as failed, and the scheduler 
 request from there: never wrong KV.
 
 Transports are adapters behind `KVTransport`: `InProcessTransport` here (two engines in one
-process: the tests), the Ray object store in cluster/disagg_transport.py; a torch.distributed
-(NCCL) channel would be a third.
+process: the tests), torch.distributed point-to-point in workers/kv_collective.py (gloo on CPU,
+NCCL on CUDA), the Ray object store in cluster/disagg_transport.py.
 
 Under tensor parallelism each rank holds its own KV heads of every block: rank r of the prefill
-engine sends its shard as a payload of its own, and rank r of the decode engine (same
-tensor-parallel size) receives that one (workers/kv_ranks.py); the transfer's handle carries one
-handle per rank.
+engine sends its shard as a payload of its own, and the transfer's handle carries one handle per
+rank. A decode rank reads the shards that hold its heads (workers/kv_reshard.py): at the same
+tensor-parallel size its namesake's, at another size one or several, cut and joined per layer.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 import zlib
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from workers.kv_cache import KVCache
+from workers.kv_reshard import HeadSlice, join
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +66,14 @@ class TransferHandle:
     # Tensor parallelism: rank r's own handle at shards[r] (its KV heads; same hashes); empty at
     # one rank, where this handle is the rank's.
     shards: list[TransferHandle] = field(default_factory=list)
+    # How many receiving ranks fetch this part (several when a decode engine of more ranks splits
+    # one sender's heads): a transport that holds the payload for pulls frees it after that many.
+    readers: int = 1
 
-    def shard(self, rank: int, world_size: int) -> TransferHandle | None:
-        """This rank's part of the transfer; None if it was sent by a different number of ranks
-        (then the rank recomputes)."""
-        if world_size == 1 and not self.shards:
-            return self
-        return self.shards[rank] if len(self.shards) == world_size else None
+    @property
+    def parts(self) -> list[TransferHandle]:
+        """The sending ranks' handles, by rank."""
+        return self.shards or [self]
 
 
 class KVTransport(Protocol):
@@ -128,6 +131,20 @@ def read_blocks(cache: KVCache, hashes: list[int], blocks: list[int], rank: int 
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """A transfer as one receiving rank takes it: the sending ranks' handles it fetches and, for
+    each, the heads of that shard that are this rank's (joined in order). No slices: one part,
+    the whole shard of the receiving rank's namesake (both engines at one tensor-parallel size)."""
+
+    parts: list[TransferHandle]
+    slices: list[HeadSlice] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.parts) != max(len(self.slices), 1):
+            raise ValueError(f"parts: {len(self.parts)} handles for {len(self.slices)} slices")
+
+
 class KVReceiver:
     """The decode side's end of the transports: the handles of expected transfers, and the copies
     of a step's `load_remote` into the device pool."""
@@ -136,18 +153,23 @@ class KVReceiver:
         self.transport = transport
         self.timeout_s = timeout_s
         self.rank = rank  # this receiver's tensor-parallel rank: it takes that rank's payloads
-        self.handles: dict[str, TransferHandle] = {}
+        self.handles: dict[str, Expected] = {}
         self.num_bytes = 0  # received and copied in, cumulative
         self.load_s = 0.0  # seconds in load (fetches, checks and copies), cumulative
 
     def expect(self, handle: TransferHandle, key: str | None = None) -> None:
-        """Fetch `handle` for the loads of transfer `key` (default: the handle's own key)."""
-        self.handles[key or handle.key] = handle
+        """Fetch `handle` (the KV heads of this rank's namesake, at the same tensor-parallel size)
+        for the loads of transfer `key` (default: the handle's own key)."""
+        self.expect_parts(key or handle.key, Expected([handle]))
+
+    def expect_parts(self, key: str, expected: Expected) -> None:
+        """Fetch these sending ranks' shards, and join their heads, for the loads of `key`."""
+        self.handles[key] = expected
 
     def forget(self, key: str) -> None:
-        handle = self.handles.pop(key, None)
-        if handle is not None:
-            self.transport.release(handle)
+        expected = self.handles.pop(key, None)
+        for part in expected.parts if expected is not None else []:
+            self.transport.release(part)
 
     def load(self, cache: KVCache, loads: list[tuple[str, int, int]]) -> list[int]:
         """Copy each (key, hash, device block) in; the device blocks that failed."""
@@ -159,12 +181,12 @@ class KVReceiver:
 
     def _load(self, cache: KVCache, loads: list[tuple[str, int, int]]) -> list[int]:
         failed: list[int] = []
-        payloads: dict[str, KVPayload | None] = {}
+        fetched: dict[str, tuple[list[KVPayload | None], list[HeadSlice]]] = {}
         for key, block_hash, block in loads:
-            if key not in payloads:
-                payloads[key] = self._fetch(key)
-                self.forget(key)  # one fetch a transfer: the payload is ours now
-            data = self._block(cache, payloads[key], block_hash, self.rank)
+            if key not in fetched:
+                fetched[key] = self._fetch(key, cache)
+                self.forget(key)  # one fetch a transfer: the payloads are ours now
+            data = self._joined(cache, *fetched[key], block_hash)
             if data is None:
                 failed.append(block)
                 continue
@@ -172,13 +194,27 @@ class KVReceiver:
             self.num_bytes += data.numel() * data.element_size()
         return failed
 
-    def _fetch(self, key: str) -> KVPayload | None:
-        handle = self.handles.get(key)
-        if handle is None:
+    def _fetch(
+        self, key: str, cache: KVCache
+    ) -> tuple[list[KVPayload | None], list[HeadSlice]]:
+        """Every part's payload (None where it failed), all within one timeout, and its heads."""
+        whole = [HeadSlice(self.rank, 0, cache.gpu.shape[4])]
+        expected = self.handles.get(key)
+        if expected is None:
             logger.warning("KV transfer %s: no handle (forgotten, or never expected)", key)
-            return None
+            return [None], whole
+        slices = expected.slices or whole
+        deadline = time.monotonic() + self.timeout_s
+        payloads: dict[int, KVPayload | None] = {}
+        for part, piece in zip(expected.parts, slices, strict=True):
+            if piece.src_rank not in payloads:
+                left = max(deadline - time.monotonic(), 1e-3)
+                payloads[piece.src_rank] = self._receive(key, part, left)
+        return [payloads[s.src_rank] for s in slices], slices
+
+    def _receive(self, key: str, handle: TransferHandle, timeout_s: float) -> KVPayload | None:
         try:
-            payload = self.transport.receive(handle, self.timeout_s)
+            payload = self.transport.receive(handle, timeout_s)
         except Exception as exc:  # a transport that fails loses the transfer, never the engine
             logger.warning("KV transfer %s failed: %r; recomputing", key, exc)
             return None
@@ -187,26 +223,51 @@ class KVReceiver:
         return payload
 
     @staticmethod
-    def _block(
-        cache: KVCache, payload: KVPayload | None, block_hash: int, rank: int = 0
+    def _joined(
+        cache: KVCache,
+        payloads: list[KVPayload | None],
+        slices: list[HeadSlice],
+        block_hash: int,
     ) -> torch.Tensor | None:
-        """The payload's block for block_hash as a tensor of the pool's layout, None if it fails a
-        check."""
+        """The block of block_hash for this rank's pool, its heads cut from each part and joined
+        (every layer); None if any part fails a check."""
+        parts = []
+        for payload, piece in zip(payloads, slices, strict=True):
+            part = KVReceiver._block(cache, payload, block_hash, piece)
+            if part is None:
+                return None
+            parts.append(part)
+        data = join(parts, slices)
+        gpu = cache.gpu
+        if tuple(data.shape) != (gpu.shape[0], gpu.shape[1], *gpu.shape[3:]):
+            logger.warning("KV transfer: block %032x has another layout; recomputing", block_hash)
+            return None
+        return data
+
+    @staticmethod
+    def _block(
+        cache: KVCache, payload: KVPayload | None, block_hash: int, piece: HeadSlice
+    ) -> torch.Tensor | None:
+        """The payload's block for block_hash as a tensor of its sender's layout (this pool's, but
+        for the heads), None if it fails a check."""
         if payload is None:
             return None
         gpu = cache.gpu
-        shape = (gpu.shape[0], gpu.shape[1], *gpu.shape[3:])
         try:
             i = payload.hashes.index(block_hash)
         except ValueError:
             return None
+        shape = tuple(payload.block_shape)
         row = payload.data[i] if i < len(payload.data) else None
         if (
             row is None
-            or payload.rank != rank
+            or payload.rank != piece.src_rank
             or payload.dtype != str(gpu.dtype).removeprefix("torch.")
-            or tuple(payload.block_shape) != shape
-            or row.nbytes != gpu[:, :, 0].numel() * gpu.element_size()
+            or len(shape) != 5
+            or shape[:3] != (gpu.shape[0], gpu.shape[1], gpu.shape[3])
+            or shape[4] != gpu.shape[5]
+            or not 0 <= piece.start < piece.stop <= shape[3]
+            or row.nbytes != math.prod(shape) * gpu.element_size()
             or i >= len(payload.crcs)
             or block_crc(row) != payload.crcs[i]
         ):
