@@ -4,8 +4,9 @@
 Each rank holds its own KV heads of every block, so each rank sends and receives its own shard:
 the prefill engine's rank r reads its blocks and sends them as one payload; a decode engine's rank
 receives the shards that hold its heads (workers/kv_reshard.py: at the same tensor-parallel size
-the handle's `shards[r]`, at another size the shards it cuts its heads from) into its own pool. The functions are
-module-level so that they travel to Ray workers by reference (functools.partial of them pickles).
+the handle's `shards[r]`, at another size the shards it cuts its heads from) into its own pool.
+The functions are module-level so that they travel to Ray workers by reference (functools.partial
+of them pickles).
 """
 
 from __future__ import annotations

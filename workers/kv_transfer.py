@@ -194,9 +194,7 @@ class KVReceiver:
             self.num_bytes += data.numel() * data.element_size()
         return failed
 
-    def _fetch(
-        self, key: str, cache: KVCache
-    ) -> tuple[list[KVPayload | None], list[HeadSlice]]:
+    def _fetch(self, key: str, cache: KVCache) -> tuple[list[KVPayload | None], list[HeadSlice]]:
         """Every part's payload (None where it failed), all within one timeout, and its heads."""
         whole = [HeadSlice(self.rank, 0, cache.gpu.shape[4])]
         expected = self.handles.get(key)
