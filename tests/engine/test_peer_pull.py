@@ -1,0 +1,145 @@
+"""Peer-to-peer prefix pulls between two engines in one process (engine/peer_pull.py): engine A
+holds a context, engine B pulls the blocks of it that A still holds instead of computing them.
+B's tokens equal A's, the pulled blocks count as B's prefix hits, and a pull that finds the blocks
+evicted, or whose transfer is lost or damaged, is computed with the same tokens; no block,
+transfer or expectation is left held on either side."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.peer_pull import PeerPulls, PeerSource
+from scheduler import EngineRequest, SamplingParams, hash_prompt_blocks
+from scheduler.outputs import RequestOutput
+from workers.kv_transfer import InProcessTransport
+
+BLOCK = 16
+CONTEXT_BLOCKS = 6
+POOL = dict(device="cpu", load_progress=False, num_gpu_blocks=48, max_model_len=256)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def peers(tiny_model_dir):
+    """(source A, pulls of B, transport)."""
+    a, b = (EngineCore(EngineConfig.from_kwargs(model=tiny_model_dir, **POOL)) for _ in range(2))
+    transport = InProcessTransport()
+    yield PeerSource(a, transport), PeerPulls(b, transport, timeout_s=1.0), transport
+    a.shutdown()
+    b.shutdown()
+
+
+def drain(engine) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+def run(engine, request: EngineRequest) -> tuple[list[int], int]:
+    """(tokens, prefix-cache hit in tokens) of the request run to its end."""
+    engine.add_request(request)
+    return finish(engine, request.request_id)
+
+
+def finish(engine, rid: str) -> tuple[list[int], int]:
+    """(tokens, prefix-cache hit in tokens) of request rid, added already, run to its end."""
+    outs = [o for o in drain(engine) if o.request_id == rid]
+    return [t for o in outs for t in o.new_token_ids], outs[-1].num_cached_tokens
+
+
+def forks(seed: int, n: int) -> list[EngineRequest]:
+    """n prompts forking one context of CONTEXT_BLOCKS blocks, each with its own question."""
+    rng = random.Random(seed)
+    context = [rng.randrange(3, 2000) for _ in range(CONTEXT_BLOCKS * BLOCK)]
+    prompts = [context + [rng.randrange(3, 2000) for _ in range(10)] for _ in range(n)]
+    return [EngineRequest(f"s{seed}-f{i}", p, GREEDY) for i, p in enumerate(prompts)]
+
+
+def pulled(peers, request: EngineRequest, first: int = 0, damage=None) -> tuple[list[int], int]:
+    """Run request on B, pulling from A the blocks of its prompt A holds past `first`."""
+    source, pulls, transport = peers
+    hashes = hash_prompt_blocks(request.prompt_token_ids, BLOCK)
+    handle = source.export(hashes, first)
+    if damage is not None and handle is not None:
+        damage(transport, handle)
+    pulls.sink.add(request, handle)
+    return finish(pulls.sink.engine, request.request_id)
+
+
+def assert_nothing_held(peers) -> None:
+    source, pulls, transport = peers
+    for engine in (source.engine, pulls.sink.engine):
+        assert not engine.has_unfinished_requests()
+        assert engine.stats().num_free_blocks == engine.num_gpu_blocks
+    connector = pulls.sink.connector
+    assert transport.payloads == {} and pulls.sink.receiver.handles == {}
+    assert connector.expected == {} and connector.remote == {} and connector.plans == {}
+    assert pulls.sink.engine.scheduler.loading == {}
+
+
+def test_a_pull_gives_the_tokens_the_peer_computes_and_counts_as_prefix_hits(peers):
+    source, pulls, _ = peers
+    first, fork = forks(1, 2)
+    run(source.engine, first)  # A computes the context
+    expected, a_hit = run(source.engine, fork)
+    assert a_hit == CONTEXT_BLOCKS * BLOCK
+    loaded = pulls.sink.connector.num_remote_loaded
+    got, b_hit = pulled(peers, fork)
+    assert got == expected
+    # A holds the context and the fork's prompt blocks: every full block arrived, none computed.
+    assert b_hit == (len(fork.prompt_token_ids) // BLOCK) * BLOCK
+    assert pulls.sink.connector.num_remote_loaded - loaded == b_hit // BLOCK
+    assert_nothing_held(peers)
+
+
+def test_blocks_the_puller_holds_already_are_not_sent(peers):
+    source, pulls, _ = peers
+    first, fork = forks(2, 2)
+    run(source.engine, first)
+    expected, _ = run(source.engine, fork)
+    # B computes the context's first two blocks' worth with a short prompt of its own.
+    run(pulls.sink.engine, EngineRequest("b-own", first.prompt_token_ids[: 2 * BLOCK + 1], GREEDY))
+    sent = source.num_blocks_sent
+    got, b_hit = pulled(peers, fork, first=2)
+    assert got == expected and b_hit == (len(fork.prompt_token_ids) // BLOCK) * BLOCK
+    assert source.num_blocks_sent - sent == len(fork.prompt_token_ids) // BLOCK - 2
+    assert_nothing_held(peers)
+
+
+def test_evicted_at_the_peer_meanwhile_nothing_is_sent_and_the_prompt_is_computed(peers):
+    source = peers[0]
+    (fork,) = forks(3, 1)  # A never computed this context
+    hashes = hash_prompt_blocks(fork.prompt_token_ids, BLOCK)
+    assert source.export(hashes, 0) is None
+    expected, _ = run(source.engine, fork)
+    assert source.export(hashes, len(hashes)) is None  # nothing held past `first`
+    got, b_hit = pulled(peers, EngineRequest("s3-again", fork.prompt_token_ids, GREEDY), first=7)
+    assert got == expected and b_hit == 0
+    assert_nothing_held(peers)
+
+
+def lose(transport: InProcessTransport, handle) -> None:
+    transport.payloads.pop(handle.key)
+
+
+def corrupt(transport: InProcessTransport, handle) -> None:
+    transport.payloads[handle.key].data[0, 5] ^= 0xFF  # the first block fails its CRC
+
+
+@pytest.mark.parametrize("damage", [lose, corrupt], ids=["lost", "corrupt"])
+def test_a_failed_pull_is_computed_with_the_same_tokens(peers, damage):
+    _, pulls, _ = peers
+    seed = 4 if damage is lose else 5
+    first, fork = forks(seed, 2)
+    run(peers[0].engine, first)
+    expected, _ = run(peers[0].engine, fork)
+    failed = pulls.sink.connector.num_remote_failed
+    got, b_hit = pulled(peers, fork, damage=damage)
+    assert got == expected and b_hit == 0
+    assert pulls.sink.connector.num_remote_failed > failed
+    assert_nothing_held(peers)
