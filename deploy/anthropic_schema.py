@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from deploy.errors import APIError, BadRequestError, error_event
+from deploy.errors import renamed_error
 from deploy.schemas import MAX_MESSAGE_PARTS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
 from scheduler.sampling_params import MAX_TOKENS
@@ -522,16 +522,4 @@ class Names:
 
     def renamed(self, exc: Exception) -> Exception:
         """A chat request's error, with the Messages field it came from (others as they are)."""
-        if isinstance(exc, APIError) and exc.status != 400:
-            return exc
-        if not isinstance(exc, (APIError, ValidationError, ValueError)):
-            return exc
-        error = error_event(exc)["error"]
-        message, param, code = error["message"], error["param"], error["code"]
-        if param is None:
-            head = message.split(":", 1)[0]
-            param = head if head and " " not in head else None
-        ours = self.rename(param)
-        if param is not None and ours is not None and message.startswith(param):
-            message = ours + message[len(param) :]
-        return BadRequestError(message, param=ours, code=code)
+        return renamed_error(exc, self.rename)

@@ -6,6 +6,7 @@ import logging
 import math
 import re
 import uuid
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -282,3 +283,19 @@ def error_event(exc: BaseException) -> dict:
     """An error raised mid-stream, as the body of one SSE event (the status is already sent)."""
     _, type_, message, param, code = _classify(exc)
     return error_body(type_, message, param, code)
+
+
+def renamed_error(exc: Exception, rename: Callable[[str | None], str | None]) -> Exception:
+    """A 400 of the chat request that another API (Responses, Messages) was translated into,
+    naming the field of that API it came from (`rename`: chat field -> ours); other errors as
+    they are."""
+    if isinstance(exc, APIError) and exc.status != 400:
+        return exc
+    if not isinstance(exc, (APIError, ValidationError, ValueError)):
+        return exc
+    _, _, message, param, code = _classify(exc)
+    param = param if param is not None else _field_of(message)
+    ours = rename(param)
+    if param is not None and ours is not None and message.startswith(param):
+        message = ours + message[len(param) :]
+    return BadRequestError(message, param=ours, code=code)

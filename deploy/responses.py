@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from deploy.errors import APIError, BadRequestError, error_event
+from deploy.errors import renamed_error
 from deploy.schemas import (
     MAX_MESSAGE_PARTS,
     MAX_MESSAGES,
@@ -436,18 +436,4 @@ def _rename(name: str | None) -> str | None:
 def renamed(exc: Exception) -> Exception:
     """An error of the chat request, with the Responses field it came from (other errors as they
     are)."""
-    if isinstance(exc, APIError) and exc.status != 400:
-        return exc
-    if not isinstance(exc, (APIError, ValidationError, ValueError)):
-        return exc
-    error = error_event(exc)["error"]
-    message, param, code = error["message"], error["param"], error["code"]
-    ours = _rename(param)
-    if param is not None and ours is not None and message.startswith(param):
-        message = ours + message[len(param) :]
-    elif param is None:
-        head = message.split(":", 1)[0]
-        if " " not in head and _rename(head) != head:
-            ours = _rename(head)
-            message = f"{ours}{message[len(head) :]}"
-    return BadRequestError(message, param=ours, code=code)
+    return renamed_error(exc, _rename)
