@@ -14,10 +14,12 @@ No `from __future__ import annotations`: FastAPI reads the route signatures at r
 
 import asyncio
 import contextvars
+import functools
 import json
 import logging
 import re
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -102,6 +104,22 @@ def _api_error(exc: Exception) -> Exception:
     if isinstance(exc, QuotaExceeded):
         return BadRequestError(str(exc), param="file", code="storage_quota_exceeded")
     return exc
+
+
+def _answers_store_errors(
+    route: Callable[..., Awaitable[Response]],
+) -> Callable[..., Awaitable[Response]]:
+    """A files or batches route whose errors (the store's among them) answer as OpenAI error
+    JSON; the wrapper keeps the route's name and signature, which FastAPI and Serve read."""
+
+    @functools.wraps(route)
+    async def answered(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await route(*args, **kwargs)
+        except Exception as exc:
+            return error_response(_api_error(exc))
+
+    return answered
 
 
 def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
@@ -240,110 +258,90 @@ class BatchRoutes(RequestPath):
 
     # ---- files ---------------------------------------------------------------------------------
     @app.post("/v1/files")
+    @_answers_store_errors
     async def create_file(self, request: Request) -> Response:
-        try:
-            owner, service = self._owner(request)
-            limit = service.store.limits.max_file_bytes
-            if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-                raise BadRequestError("file: upload as multipart/form-data", param="file")
-            raw = await read_body(
-                request, limit + FORM_OVERHEAD, self.config.request_body_timeout_s
-            )
-            _, upload = await _form_fields(request, raw)
-            data = await upload.read(limit + 1)
-            record = await asyncio.to_thread(
-                service.store.add_file, owner, _filename(upload), "batch", data
-            )
-        except Exception as exc:
-            return error_response(_api_error(exc))
+        owner, service = self._owner(request)
+        limit = service.store.limits.max_file_bytes
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise BadRequestError("file: upload as multipart/form-data", param="file")
+        raw = await read_body(request, limit + FORM_OVERHEAD, self.config.request_body_timeout_s)
+        _, upload = await _form_fields(request, raw)
+        data = await upload.read(limit + 1)
+        record = await asyncio.to_thread(
+            service.store.add_file, owner, _filename(upload), "batch", data
+        )
         return JSONResponse(record.as_openai())
 
     @app.get("/v1/files")
+    @_answers_store_errors
     async def list_files(self, request: Request) -> Response:
-        try:
-            owner, service = self._owner(request)
-            params = _query(request, ("purpose", "limit", "after", "order"))
-            if params.get("order", "desc") not in ("asc", "desc"):
-                raise BadRequestError("order: `asc` or `desc`", param="order")
-            files = await asyncio.to_thread(service.store.list_files, owner)
-            if "purpose" in params:
-                files = [f for f in files if f.purpose == params["purpose"]]
-            if params.get("order", "desc") == "desc":
-                files.reverse()
-            return _listed(files, _after(params), _limit(params, MAX_LIST, MAX_LIST))
-        except Exception as exc:
-            return error_response(_api_error(exc))
+        owner, service = self._owner(request)
+        params = _query(request, ("purpose", "limit", "after", "order"))
+        if params.get("order", "desc") not in ("asc", "desc"):
+            raise BadRequestError("order: `asc` or `desc`", param="order")
+        files = await asyncio.to_thread(service.store.list_files, owner)
+        if "purpose" in params:
+            files = [f for f in files if f.purpose == params["purpose"]]
+        if params.get("order", "desc") == "desc":
+            files.reverse()
+        return _listed(files, _after(params), _limit(params, MAX_LIST, MAX_LIST))
 
     @app.get("/v1/files/{file_id}")
+    @_answers_store_errors
     async def retrieve_file(self, request: Request, file_id: str) -> Response:
-        try:
-            owner, service = self._owner(request)
-            return JSONResponse(service.store.get_file(owner, file_id).as_openai())
-        except Exception as exc:
-            return error_response(_api_error(exc))
+        owner, service = self._owner(request)
+        return JSONResponse(service.store.get_file(owner, file_id).as_openai())
 
     @app.delete("/v1/files/{file_id}")
+    @_answers_store_errors
     async def delete_file(self, request: Request, file_id: str) -> Response:
-        try:
-            owner, service = self._owner(request)
-            await asyncio.to_thread(service.store.delete_file, owner, file_id)
-        except Exception as exc:
-            return error_response(_api_error(exc))
+        owner, service = self._owner(request)
+        await asyncio.to_thread(service.store.delete_file, owner, file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     @app.get("/v1/files/{file_id}/content")
+    @_answers_store_errors
     async def file_content(self, request: Request, file_id: str) -> Response:
-        try:
-            owner, service = self._owner(request)
-            service.store.get_file(owner, file_id)
-            path = service.store.content_path(owner, file_id)
-        except Exception as exc:
-            return error_response(_api_error(exc))
+        owner, service = self._owner(request)
+        service.store.get_file(owner, file_id)
+        path = service.store.content_path(owner, file_id)
         return FileResponse(path, media_type="application/jsonl")
 
     # ---- batches -------------------------------------------------------------------------------
     @app.post("/v1/batches")
+    @_answers_store_errors
     async def create_batch(self, request: Request) -> Response:
-        try:
-            owner, service = self._owner(request)
-            raw = await read_body(request, MAX_BATCH_BODY, self.config.request_body_timeout_s)
-            body = await parse_body(raw, BatchRequest, self.config.max_messages)
-            record = service.store.get_file(owner, check_id(body.input_file_id, FILE_PREFIX))
-            if record.purpose != "batch":
-                raise BadRequestError("input_file_id: not a `batch` file", "input_file_id")
-            state = await asyncio.to_thread(
-                service.store.new_batch, owner, body.endpoint, record.id, body.metadata
-            )
-            self._start_batch(owner, state.id)
-        except Exception as exc:
-            return error_response(_api_error(exc))
+        owner, service = self._owner(request)
+        raw = await read_body(request, MAX_BATCH_BODY, self.config.request_body_timeout_s)
+        body = await parse_body(raw, BatchRequest, self.config.max_messages)
+        record = service.store.get_file(owner, check_id(body.input_file_id, FILE_PREFIX))
+        if record.purpose != "batch":
+            raise BadRequestError("input_file_id: not a `batch` file", "input_file_id")
+        state = await asyncio.to_thread(
+            service.store.new_batch, owner, body.endpoint, record.id, body.metadata
+        )
+        self._start_batch(owner, state.id)
         return JSONResponse(state.as_openai())
 
     @app.get("/v1/batches")
+    @_answers_store_errors
     async def list_batches(self, request: Request) -> Response:
-        try:
-            owner, service = self._owner(request)
-            params = _query(request, ("limit", "after"))
-            batches = await asyncio.to_thread(service.store.list_batches, owner)
-            return _listed(batches, _after(params), _limit(params, 20, MAX_BATCH_LIST))
-        except Exception as exc:
-            return error_response(_api_error(exc))
+        owner, service = self._owner(request)
+        params = _query(request, ("limit", "after"))
+        batches = await asyncio.to_thread(service.store.list_batches, owner)
+        return _listed(batches, _after(params), _limit(params, 20, MAX_BATCH_LIST))
 
     @app.get("/v1/batches/{batch_id}")
+    @_answers_store_errors
     async def retrieve_batch(self, request: Request, batch_id: str) -> Response:
-        try:
-            owner, service = self._owner(request)
-            return JSONResponse(service.store.get_batch(owner, batch_id).as_openai())
-        except Exception as exc:
-            return error_response(_api_error(exc))
+        owner, service = self._owner(request)
+        return JSONResponse(service.store.get_batch(owner, batch_id).as_openai())
 
     @app.post("/v1/batches/{batch_id}/cancel")
+    @_answers_store_errors
     async def cancel_batch(self, request: Request, batch_id: str) -> Response:
-        try:
-            owner, service = self._owner(request)
-            state = await asyncio.to_thread(self._mark_cancelling, service, owner, batch_id)
-        except Exception as exc:
-            return error_response(_api_error(exc))
+        owner, service = self._owner(request)
+        state = await asyncio.to_thread(self._mark_cancelling, service, owner, batch_id)
         runner = service.runners.get(state.id)
         if runner is not None:
             runner.cancel()
