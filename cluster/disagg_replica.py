@@ -1,8 +1,9 @@
-"""A replica's part in a disaggregated model: prefill or decode (engine/disagg.py over the Ray
-object-store transport, cluster/disagg_transport.py).
+"""A replica's part in a disaggregated model: prefill or decode (engine/disagg.py over
+torch.distributed pairs, workers/kv_collective.py, with the Ray object store as the fallback,
+cluster/disagg_transport.py).
 
 A prefill replica answers `LLMReplica.prefill(request)`: it runs the request to its first token
-and replies with that token and the handle of the prompt blocks it put in the object store. A
+and replies with that token and the handle of the prompt blocks its ranks hold for pulls. A
 decode replica's `generate(request, handoff)` takes the request resumed after that token, with the
 handle, and loads the blocks instead of computing them.
 """
@@ -12,11 +13,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+import ray
+
 from cluster.disagg_transport import ObjectStoreTransport
 from engine.core import EngineCore
 from engine.disagg import DecodeSide, PhaseEngine, PrefillReply, PrefillSide, needs_decode
 from scheduler.outputs import RequestOutput
 from scheduler.request import EngineRequest
+from workers.kv_collective import CollectiveTransport
 
 PHASES = ("prefill", "decode")
 
@@ -37,10 +41,18 @@ def phase_engine(engine: EngineCore, phase: DisaggPhase | None) -> PhaseEngine |
     """The engine as its phase drives it (None: a replica of a colocated model)."""
     if phase is None:
         return None
-    transport = ObjectStoreTransport()
+    transport = kv_transport()
     if phase.role == "prefill":
         return PhaseEngine(engine, PrefillSide(engine, transport), None)
     return PhaseEngine(engine, None, DecodeSide(engine, transport, phase.transfer_timeout_s))
+
+
+def kv_transport() -> CollectiveTransport:
+    """Pulls over torch.distributed pairs between the replicas' ranks, through the object store
+    where a pair cannot form. The pairs listen on loopback, so on a cluster of several machines
+    each transfer is also put in the object store, for a decode replica on another machine."""
+    machines = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    return CollectiveTransport(ObjectStoreTransport(), copy_to_fallback=len(machines) > 1)
 
 
 def phase_stats(phase: PhaseEngine | None) -> dict[str, int]:

@@ -11,9 +11,9 @@ args:
 ```
 
 Each phase's engine is the model's engine with that phase's keys over it (flat keys, as beside
-`model`). The KV moves between them as it is, block by block, each tensor-parallel rank's KV heads
-from the prefill's rank to the decode's rank of the same number: the phases must agree on what
-makes a block (model, dtype, block size, tensor-parallel size); no resharding is done.
+`model`). The KV moves between them block by block, each decode rank taking its KV heads from the
+prefill ranks that hold them (workers/kv_reshard.py): the phases must agree on what makes a block
+(model, dtype, block size); their tensor-parallel sizes may differ.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from settings import build, check_settings, nest, setting, shown
 
 PHASES = ("prefill", "decode")
 # Engine settings that make a KV block what it is: equal in both phases.
-BLOCK_LAYOUT = ("model", "dtype", "tensor_parallel_size", "block_size")
+BLOCK_LAYOUT = ("model", "dtype", "block_size")
 MAX_TRANSFER_TIMEOUT_S = 600.0
 # Replicas of one phase: each is a Serve deployment replica; the ingress knows every one of them.
 MAX_PHASE_REPLICAS = 1024
@@ -70,8 +70,8 @@ class DisaggregationArgs:
             if a != b:
                 raise ValueError(
                     f"disaggregation.decode.{name}: {shown(b)} differs from the prefill "
-                    f"replicas' {shown(a)}; KV blocks move between the phases as they are "
-                    "(no resharding), so both must use the same"
+                    f"replicas' {shown(a)}; KV blocks move between the phases byte for byte "
+                    "(only their KV heads are re-split), so both must use the same"
                 )
         for phase, engine in zip(PHASES, (prefill, decode), strict=True):
             if engine.tensor_parallel_size > 1 and engine.step_transport == "compiled_graph":

@@ -51,11 +51,10 @@ def test_a_bad_value_is_a_value_error_naming_the_field(field, value, message):
     ("overrides", "message"),
     [
         (
-            {"decode": {"tensor_parallel_size": 2}},
-            r"disaggregation\.decode\.tensor_parallel_size: 2 differs from the prefill "
-            r"replicas' 1; .*no resharding",
+            {"decode": {"block_size": 32}},
+            r"disaggregation\.decode\.block_size: 32 differs from the prefill replicas' 16; "
+            r".*only their KV heads are re-split",
         ),
-        ({"decode": {"block_size": 32}}, r"disaggregation\.decode\.block_size: 32 differs"),
         ({"prefill": {"dtype": "bfloat16"}}, r"disaggregation\.decode\.dtype: 'float32' differs"),
         (
             {
@@ -75,10 +74,14 @@ def test_what_makes_a_kv_block_must_match_between_the_phases(overrides, message)
         app(**overrides)
 
 
-def test_both_phases_may_run_the_same_tensor_parallel_size():
-    config = app(prefill={"tensor_parallel_size": 2}, decode={"tensor_parallel_size": 2})
-    assert config.phase_engine("prefill").tensor_parallel_size == 2
-    assert config.phase_engine("decode").tensor_parallel_size == 2
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1), (1, 2)])
+def test_the_phases_may_run_any_tensor_parallel_sizes(prefill_tp, decode_tp):
+    """A decode rank takes its KV heads from the prefill ranks that hold them (re-split)."""
+    config = app(
+        prefill={"tensor_parallel_size": prefill_tp}, decode={"tensor_parallel_size": decode_tp}
+    )
+    assert config.phase_engine("prefill").tensor_parallel_size == prefill_tp
+    assert config.phase_engine("decode").tensor_parallel_size == decode_tp
 
 
 @pytest.mark.parametrize(

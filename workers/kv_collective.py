@@ -1,0 +1,417 @@
+"""KV between engines over torch.distributed point-to-point: gloo on CPU tensors, NCCL on CUDA
+tensors (workers/kv_transfer.py's `KVTransport`, beside the Ray object store).
+
+A transfer is a pull. The sending rank keeps the payload in an outbox served by its process's
+`KVServer` (started on the first send): a TCPStore on `host` for the rendezvous, then one two-rank
+process group per receiving process (a "pair"), formed when that process first pulls from this one
+and kept for the next pulls. Over the pair the receiver sends a fixed-size request (pull this key,
+or let it go) and gets a header, the payload's metadata (JSON) and its bytes; the bytes are the
+outbox tensor itself, so a CUDA tensor travels device to device over NCCL. These groups stand
+apart from the engine's own tensor-parallel group (a process has one default group; a pair is a
+ProcessGroup object of its own), so a rank serves pulls while its engine steps.
+
+Bounds: every wait of the receiver (connecting, forming the pair, each message) ends at its
+timeout, and a failure drops the pair (re-formed on the next pull) and reports the transfer
+missing: the decode engine recomputes. The outbox holds an entry until as many receivers as the
+pull says (`TransferHandle.readers`) fetched or released it, for at most `hold_s`, and within
+`max_bytes` (oldest dropped first): a receiver that never comes leaks nothing.
+
+Where the pair cannot form, the transport falls back: a host bound to loopback is reachable from
+its own machine only, so a receiver on another machine takes the fallback's copy (the object store,
+cluster/disagg_transport.py) when the sender was told to make one (`copy_to_fallback`). A sender
+whose server cannot start sends through the fallback alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from workers.kv_transfer import KVPayload, KVTransport, TransferHandle
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+MAX_HOLD_S = 3600.0
+MAX_OUTBOX_BYTES = 1 << 40
+IDLE_S = 600.0  # a pair unused this long is closed by its server (its client re-forms it first)
+SEND_TIMEOUT_S = 30.0  # the server's bound on one reply (the receiver bounds its own wait)
+MAX_META_BYTES = 64 << 20
+PULL, DONE = 1, 2
+REQUEST = struct.Struct("<BxxxI16s")  # op, readers, key (16 bytes of a uuid4 hex)
+TAG_REQUEST, TAG_HEADER, TAG_META, TAG_DATA = 1, 2, 3, 4
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRef:
+    """Where a payload waits: the sending process's server and the payload's key."""
+
+    host: str
+    port: int
+    machine: str  # the sender's machine (a loopback host is reachable from there only)
+    backend: str  # "gloo" (a host tensor) or "nccl" (a CUDA tensor)
+    key: str
+
+
+def machine_id() -> str:
+    """This machine: its host name and boot id (two containers may share a host name)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
+
+
+def reachable(ref: CollectiveRef) -> bool:
+    """Whether this process can join a pair with ref's server."""
+    return not ref.host.startswith("127.") or ref.machine == machine_id()
+
+
+def wire_backend(device: torch.device) -> str:
+    """The pair's backend for a tensor on `device`: NCCL for CUDA, gloo for host memory."""
+    if device.type == "cuda":
+        return "nccl"
+    if device.type == "cpu":
+        return "gloo"
+    raise ValueError(f"device: KV over collectives moves CPU or CUDA tensors, not {device.type}")
+
+
+def pair_group(store: dist.Store, rank: int, backend: str, host: str, timeout_s: float):
+    """One side of a two-rank process group outside the default group."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+    if backend != "nccl":
+        raise ValueError(f"backend: gloo or nccl, got {backend!r}")
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError("backend: a CUDA tensor moves over NCCL, which this process lacks")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+def _client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass(slots=True)
+class _Entry:
+    meta: bytes
+    wire: torch.Tensor
+    expires: float
+    done: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.wire.numel() * self.wire.element_size()
+
+
+class KVServer:
+    """One process's outbox and the pairs that pull from it."""
+
+    def __init__(self, host: str, hold_s: float, max_bytes: int) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))  # on host only (loopback unless a cluster's address is given)
+        sock.listen(128)
+        self.host, self.port = host, sock.getsockname()[1]
+        self.store = dist.TCPStore(
+            host,
+            self.port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=SEND_TIMEOUT_S),
+            master_listen_fd=sock.detach(),  # the store owns the socket from here
+            use_libuv=False,
+        )
+        self.hold_s, self.max_bytes = hold_s, max_bytes
+        self.entries: OrderedDict[str, _Entry] = OrderedDict()
+        self.lock = threading.Lock()
+        self.num_pairs = 0
+        threading.Thread(target=self._accept, daemon=True, name="kv-collective").start()
+
+    def offer(self, key: str, meta: dict, wire: torch.Tensor) -> CollectiveRef:
+        """Hold `wire` (with its metadata) for pulls of `key`."""
+        entry = _Entry(json.dumps(meta).encode(), wire.contiguous(), time.monotonic() + self.hold_s)
+        if entry.nbytes > self.max_bytes:
+            raise ValueError(f"max_bytes: a payload of {entry.nbytes} bytes exceeds the outbox")
+        with self.lock:
+            self._expire()
+            while self.entries and self._held() + entry.nbytes > self.max_bytes:
+                dropped, _ = self.entries.popitem(last=False)
+                logger.warning("KV outbox full: transfer %s dropped unfetched", dropped)
+            self.entries[key] = entry
+        return CollectiveRef(self.host, self.port, machine_id(), wire_backend(wire.device), key)
+
+    def take(self, key: str, readers: int) -> _Entry | None:
+        """The entry, counted as read once (gone after `readers` reads); None if it is not here."""
+        with self.lock:
+            self._expire()
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.done += 1
+                if entry.done >= readers:
+                    del self.entries[key]
+            return entry
+
+    def held_bytes(self) -> int:
+        with self.lock:
+            self._expire()
+            return self._held()
+
+    def _held(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, e in self.entries.items() if e.expires <= now]:
+            logger.warning("KV transfer %s: not fetched within %.0f s, dropped", key, self.hold_s)
+            del self.entries[key]
+
+    def _accept(self) -> None:
+        """Serve each pair that announces itself (hello/n, in the order of its counter)."""
+        store, n = _client_store(self.host, self.port, SEND_TIMEOUT_S), 1
+        while True:
+            try:
+                store.wait([f"hello/{n}"], timedelta(seconds=IDLE_S))
+            except dist.DistStoreError:  # idle, or a client that took a number and died
+                n += int(store.add("pairs", 0) > n)
+                continue
+            backend = store.get(f"hello/{n}").decode()
+            threading.Thread(target=self._serve, args=(n, backend), daemon=True).start()
+            n += 1
+
+    def _serve(self, n: int, backend: str) -> None:
+        try:
+            base = _client_store(self.host, self.port, SEND_TIMEOUT_S)
+            group = pair_group(dist.PrefixStore(f"pair/{n}/", base), 0, backend, self.host, IDLE_S)
+            self.num_pairs += 1
+            while True:
+                request = torch.empty(REQUEST.size, dtype=torch.uint8)
+                group.recv([request], 1, TAG_REQUEST).wait(timedelta(seconds=IDLE_S))
+                op, readers, key = REQUEST.unpack(request.numpy().tobytes())
+                entry = self.take(key.hex(), readers)
+                if op == PULL:
+                    self._reply(group, entry)
+        except Exception as exc:  # the pair is gone (idle, peer died, bad request): its end
+            logger.info("KV pair %d closed: %r", n, exc)
+
+    @staticmethod
+    def _reply(group, entry: _Entry | None) -> None:
+        timeout = timedelta(seconds=SEND_TIMEOUT_S)
+        meta = b"" if entry is None else entry.meta
+        nbytes = 0 if entry is None else entry.nbytes
+        group.send([torch.tensor([len(meta), nbytes])], 1, TAG_HEADER).wait(timeout)
+        if entry is None:
+            return
+        buffer = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        group.send([buffer], 1, TAG_META).wait(timeout)
+        group.send([entry.wire.view(-1).view(torch.uint8)], 1, TAG_DATA).wait(timeout)
+
+
+@dataclass(slots=True)
+class _Pair:
+    group: object
+    backend: str
+    used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Puller:
+    """A process's pairs with the servers it pulls from, one per (server, backend)."""
+
+    def __init__(self) -> None:
+        self.pairs: dict[tuple[str, int, str], _Pair] = {}
+        self.lock = threading.Lock()
+
+    def pull(
+        self, ref: CollectiveRef, readers: int, timeout_s: float, max_bytes: int
+    ) -> tuple[dict, torch.Tensor] | None:
+        """ref's metadata and bytes (None: not held there any more); raises when the pair
+        fails or a wait runs past timeout_s."""
+        return self._call(ref, PULL, readers, timeout_s, max_bytes)
+
+    def done(self, ref: CollectiveRef, readers: int, timeout_s: float) -> None:
+        """Tell ref's server that one of its readers lets it go without pulling."""
+        self._call(ref, DONE, readers, timeout_s, 0)
+
+    def _call(self, ref: CollectiveRef, op: int, readers: int, timeout_s: float, max_bytes: int):
+        pair = self._pair(ref, timeout_s)
+        try:
+            with pair.lock:
+                pair.used = time.monotonic()
+                request = REQUEST.pack(op, readers, bytes.fromhex(ref.key))
+                buffer = torch.frombuffer(bytearray(request), dtype=torch.uint8)
+                pair.group.send([buffer], 0, TAG_REQUEST).wait(timedelta(seconds=timeout_s))
+                return self._answer(pair, timeout_s, max_bytes) if op == PULL else None
+        except Exception:
+            self._drop(ref)
+            raise
+
+    @staticmethod
+    def _answer(pair: _Pair, timeout_s: float, max_bytes: int) -> tuple[dict, torch.Tensor] | None:
+        deadline = time.monotonic() + timeout_s
+
+        def recv(tensor: torch.Tensor, tag: int) -> torch.Tensor:
+            left = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+            pair.group.recv([tensor], 0, tag).wait(left)
+            return tensor
+
+        meta_len, nbytes = recv(torch.empty(2, dtype=torch.int64), TAG_HEADER).tolist()
+        if meta_len == 0:
+            return None
+        if not 0 < meta_len <= MAX_META_BYTES or not 0 <= nbytes <= max_bytes:
+            raise ValueError(f"KV pull: a reply of {meta_len} + {nbytes} bytes is out of bounds")
+        meta = json.loads(
+            recv(torch.empty(meta_len, dtype=torch.uint8), TAG_META).numpy().tobytes()
+        )
+        device = "cuda" if pair.backend == "nccl" else "cpu"
+        return meta, recv(torch.empty(nbytes, dtype=torch.uint8, device=device), TAG_DATA)
+
+    def _pair(self, ref: CollectiveRef, timeout_s: float) -> _Pair:
+        ident = (ref.host, ref.port, ref.backend)
+        with self.lock:
+            pair = self.pairs.get(ident)
+            if pair is not None and time.monotonic() - pair.used < IDLE_S / 2:
+                return pair
+            store = _client_store(ref.host, ref.port, timeout_s)
+            n = store.add("pairs", 1)
+            store.set(f"hello/{n}", ref.backend)
+            prefixed = dist.PrefixStore(f"pair/{n}/", store)
+            group = pair_group(prefixed, 1, ref.backend, ref.host, timeout_s)
+            self.pairs[ident] = pair = _Pair(group, ref.backend)
+            return pair
+
+    def _drop(self, ref: CollectiveRef) -> None:
+        with self.lock:
+            self.pairs.pop((ref.host, ref.port, ref.backend), None)
+
+
+_servers: dict[str, KVServer] = {}
+_puller = Puller()
+_pulled: set[str] = set()  # keys this process pulled (their release needs no message)
+_lock = threading.Lock()
+
+
+def server(host: str, hold_s: float, max_bytes: int) -> KVServer:
+    """This process's server on host (started on first use; its bounds are the first caller's)."""
+    with _lock:
+        if host not in _servers:
+            _servers[host] = KVServer(host, hold_s, max_bytes)
+        return _servers[host]
+
+
+def _check(name: str, value: object, low: float, high: float) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type]
+        raise ValueError(f"{name}: must be a number in [{low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveTransport:
+    """KVTransport over torch.distributed pairs, with a fallback transport (the object store)
+    for what cannot go over a pair. Pickles small: each rank's server and pairs are its
+    process's."""
+
+    fallback: KVTransport | None = None
+    copy_to_fallback: bool = False  # also send through the fallback (receivers on other machines)
+    host: str = "127.0.0.1"
+    hold_s: float = 300.0
+    max_bytes: int = 4 * GiB
+
+    def __post_init__(self) -> None:
+        _check("hold_s", self.hold_s, 1e-3, MAX_HOLD_S)
+        _check("max_bytes", self.max_bytes, 1, MAX_OUTBOX_BYTES)
+        if not isinstance(self.max_bytes, int):
+            raise ValueError(f"max_bytes: must be an integer, got {self.max_bytes!r}")
+        if not isinstance(self.host, str) or not 0 < len(self.host) <= 255:
+            raise ValueError(f"host: must be a host name or address, got {self.host!r}")
+
+    def send(self, payload: KVPayload) -> TransferHandle:
+        key, refs = uuid.uuid4().hex, []
+        try:
+            outbox = server(self.host, self.hold_s, self.max_bytes)
+            refs.append(outbox.offer(key, _meta(payload), torch.from_numpy(payload.data)))
+        except (OSError, RuntimeError, ValueError) as exc:
+            if self.fallback is None:
+                raise
+            logger.warning("KV over collectives unavailable (%r); through the fallback", exc)
+        if self.fallback is not None and (not refs or self.copy_to_fallback):
+            refs += self.fallback.send(payload).ref
+        return TransferHandle(key, list(payload.hashes), refs)
+
+    def receive(self, handle: TransferHandle, timeout_s: float) -> KVPayload | None:
+        ref, rest = _split(handle)
+        start, payload = time.monotonic(), None
+        if ref is not None and reachable(ref):
+            payload = self._pull(ref, handle.readers, timeout_s)
+        if payload is None and rest and self.fallback is not None:
+            left = max(timeout_s - (time.monotonic() - start), 1e-3)
+            return self.fallback.receive(TransferHandle(handle.key, handle.hashes, rest), left)
+        return payload
+
+    def release(self, handle: TransferHandle) -> None:
+        ref, rest = _split(handle)
+        if ref is not None and ref.key in _pulled:
+            _pulled.discard(ref.key)
+        elif ref is not None and reachable(ref):
+            try:
+                _puller.done(ref, handle.readers, SEND_TIMEOUT_S)
+            except Exception as exc:  # the sender drops it within hold_s anyway
+                logger.info("KV transfer %s: release not delivered (%r)", handle.key, exc)
+        if rest and self.fallback is not None:
+            self.fallback.release(TransferHandle(handle.key, handle.hashes, rest))
+        handle.ref.clear()
+
+    def _pull(self, ref: CollectiveRef, readers: int, timeout_s: float) -> KVPayload | None:
+        try:
+            got = _puller.pull(ref, readers, timeout_s, self.max_bytes)
+        except Exception as exc:  # a peer that fails or never answers: recompute (or fall back)
+            logger.warning("KV pull of %s from %s:%d failed: %r", ref.key, ref.host, ref.port, exc)
+            return None
+        _pulled.add(ref.key)
+        return None if got is None else _payload(*got)
+
+
+def _split(handle: TransferHandle) -> tuple[CollectiveRef | None, list[object]]:
+    """The handle's pair reference (if any) and the fallback's references."""
+    if handle.ref and isinstance(handle.ref[0], CollectiveRef):
+        return handle.ref[0], list(handle.ref[1:])
+    return None, list(handle.ref)
+
+
+def _meta(payload: KVPayload) -> dict:
+    return {
+        "hashes": payload.hashes,
+        "crcs": payload.crcs,
+        "dtype": payload.dtype,
+        "block_shape": list(payload.block_shape),
+        "rank": payload.rank,
+        "rows": int(payload.data.shape[0]),
+    }
+
+
+def _payload(meta: dict, wire: torch.Tensor) -> KVPayload:
+    rows = int(meta["rows"])
+    data: np.ndarray = wire.cpu().numpy().reshape(rows, -1) if rows else np.empty((0, 0), np.uint8)
+    return KVPayload(
+        [int(h) for h in meta["hashes"]],
+        [int(c) for c in meta["crcs"]],
+        str(meta["dtype"]),
+        tuple(int(d) for d in meta["block_shape"]),
+        data,
+        int(meta["rank"]),
+    )
