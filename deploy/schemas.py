@@ -445,11 +445,17 @@ class ChatMessage(BaseModel):
 
 
 class ChatTemplateFields(BaseModel):
-    """vLLM's fields for how the chat template renders a conversation (chat and /tokenize)."""
+    """vLLM's fields for how the chat template renders a conversation (chat and /tokenize); the
+    conversation's `messages` are counted on the raw body before any is validated."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_messages(cls, data: Any, info: ValidationInfo) -> Any:
+        return bounded_messages(data, info)
 
     @model_validator(mode="after")
     def _chat_options_valid(self) -> ChatTemplateFields:
@@ -475,11 +481,6 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _bounded_messages(cls, data: Any, info: ValidationInfo) -> Any:
-        return bounded_messages(data, info)
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:

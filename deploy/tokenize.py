@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deploy.schemas import ChatMessage, ChatTemplateFields, bounded_messages
+from deploy.schemas import ChatMessage, ChatTemplateFields
 from frontend.frontend import Frontend
 
 
@@ -22,11 +22,6 @@ class TokenizeRequest(ChatTemplateFields):
     # vLLM's defaults: a prompt gets the tokenizer's specials (BOS), a rendered chat has its own.
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _bounded_messages(cls, data: Any, info: ValidationInfo) -> Any:
-        return bounded_messages(data, info)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
