@@ -35,7 +35,7 @@ from cluster.placement import (
 )
 from engine.backends import register_ray_backend
 from engine.config import EngineConfig
-from engine.executor import EngineDeadError
+from engine.executor import EngineDeadError, RankExecutor
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.options import STEP_TRANSPORTS
 from workers.pipeline import sampling_rank
@@ -63,7 +63,7 @@ class RayWorker(Worker):
         return ray.get_runtime_context().get_node_id()
 
 
-class RayExecutor:
+class RayExecutor(RankExecutor):
     """Drives tensor_parallel_size Worker actors in lock-step, one SchedulerOutput per step."""
 
     def __init__(
@@ -183,18 +183,6 @@ class RayExecutor:
         return workers
 
     # ---- the executor interface ------------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        """KV blocks every rank can hold: the minimum over ranks."""
-        return min(self._all("determine_num_blocks", timeout_s=self.init_timeout_s))
-
-    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self._all("init_kv_cache", num_gpu_blocks, num_cpu_blocks, timeout_s=self.init_timeout_s)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Send the step to every rank and return the sampling rank's output."""
-        self.post_step(scheduler_output)
-        return self.collect_step()
-
     def post_step(self, scheduler_output: SchedulerOutput) -> None:
         """Send the step without waiting for it (pipeline micro-batches) over the socket
         transport; the other transports run it when it is collected, one step at a time."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.runner import ModelRunner, RunnerConfig
@@ -58,6 +58,35 @@ class Executor(Protocol):
     def pids(self) -> list[int]:
         """The processes that run the model, by rank (what an operator inspects or signals)."""
         ...
+
+
+class RankExecutor:
+    """What the multi-rank executors (one process or Ray actor per rank) share: the KV sizing
+    asked of every rank, and a step as post then collect. Subclasses send a method to every rank
+    (`_all`) and post and collect the step over their own transport."""
+
+    init_timeout_s: float
+
+    def _all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        raise NotImplementedError
+
+    def post_step(self, scheduler_output: SchedulerOutput) -> None:
+        raise NotImplementedError
+
+    def collect_step(self) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks every rank can hold: the minimum over ranks."""
+        return min(self._all("determine_num_blocks", timeout_s=self.init_timeout_s))
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._all("init_kv_cache", num_gpu_blocks, num_cpu_blocks, timeout_s=self.init_timeout_s)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Send the step to every rank and return the sampling rank's output."""
+        self.post_step(scheduler_output)
+        return self.collect_step()
 
 
 class LocalExecutor:

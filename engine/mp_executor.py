@@ -25,7 +25,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.multiprocessing as mp
 
-from engine.executor import EngineDeadError
+from engine.executor import EngineDeadError, RankExecutor
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.pipeline import sampling_rank
 from workers.rank_process import ERROR, serve_rank, threads_per_rank
@@ -40,7 +40,7 @@ _GRACE_S = 10.0  # how long shutdown waits for a rank to leave its group before 
 _WATCH_PERIOD_S = 0.5  # how often the watchdog looks up from the rank processes to see if it stops
 
 
-class MPExecutor:
+class MPExecutor(RankExecutor):
     """Drives world_size rank processes in lock-step, one SchedulerOutput per step."""
 
     def __init__(
@@ -99,18 +99,6 @@ class MPExecutor:
         self._channel = StepClient(self._all("open_step_channel", timeout_s=60))
 
     # ---- the executor interface ------------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        """KV blocks every rank can hold: the minimum over ranks."""
-        return min(self._all("determine_num_blocks", timeout_s=self.init_timeout_s))
-
-    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self._all("init_kv_cache", num_gpu_blocks, num_cpu_blocks, timeout_s=self.init_timeout_s)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Send the step to every rank and return the sampling rank's output."""
-        self.post_step(scheduler_output)
-        return self.collect_step()
-
     def post_step(self, scheduler_output: SchedulerOutput) -> None:
         """Send the step to every rank without waiting (pipeline micro-batches: stage 0 starts
         it while later stages still run earlier ones); collect_step answers in order."""
