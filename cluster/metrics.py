@@ -46,89 +46,15 @@ class ReplicaMetrics:
     """The queue gauges, token counters and latency histograms of one LLMReplica."""
 
     def __init__(self, replica: str, model: str = "") -> None:
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, tag_keys=_TAGS)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, tag_keys=_TAGS + extra)
-
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, boundaries=buckets, tag_keys=_TAGS)
-
-        self.waiting = gauge("raylm_num_requests_waiting", "Requests waiting to be scheduled.")
-        self.running = gauge("raylm_num_requests_running", "Requests in the running batch.")
-        self.swapped = gauge("raylm_num_requests_swapped", "Requests swapped out to the CPU pool.")
-        self.kv_usage = gauge("raylm_kv_cache_usage", "Fraction of GPU KV blocks in use (0-1).")
-        self.hit_rate = gauge(
-            "raylm_prefix_cache_hit_rate", "Prefix-cache hit rate of prompt tokens (0-1)."
-        )
-        self.kv_bytes_per_token = gauge(
-            "raylm_kv_cache_bytes_per_token",
-            "KV cache bytes one token takes on each tensor-parallel rank, all layers (MLA: its "
-            "latent row; other attention: K and V of the rank's heads).",
-        )
-        self.prompt_tokens = counter("raylm_prompt_tokens_total", "Prompt tokens admitted.")
-        self.generation_tokens = counter("raylm_generation_tokens_total", "Tokens generated.")
-        self.preemptions = counter("raylm_preemptions_total", "Requests preempted.")
-        self.expert_tokens = counter(
-            "raylm_expert_tokens_total",
-            "Mixture-of-experts models: (token, expert) rows computed per tensor-parallel rank, "
-            "summed over layers (expert-parallel load balance).",
-            ("rank",),
-        )
-        # Speculative decoding: mean accepted length is accepted / verify rows.
-        self.spec_proposed = counter(
-            "raylm_spec_proposed_tokens_total", "Speculative tokens proposed and verified."
-        )
-        self.spec_accepted = counter(
-            "raylm_spec_accepted_tokens_total", "Speculative tokens accepted by verification."
-        )
-        self.spec_rows = counter(
-            "raylm_spec_verify_rows_total", "Verify rows (a decode that verified proposals)."
-        )
-        # Vision models (scheduler/features_images.py).
-        self.images_encoded = counter("raylm_images_encoded_total", "Images the tower encoded.")
-        self.encoder_cache_hits = counter(
-            "raylm_encoder_cache_hits_total", "Images read from the encoder cache, not encoded."
-        )
-        self.encoder_seconds = counter("raylm_encoder_seconds_total", "The vision tower's time.")
-        self.ttft = histogram(
-            "raylm_ttft_seconds", "Time to first token at the replica.", _LATENCY_BUCKETS
-        )
-        self.itl = histogram(
-            "raylm_inter_token_seconds", "Time between output deltas.", _LATENCY_BUCKETS
-        )
-        # Requests that ended by themselves, by whether they met the model's SLO (TTFT and ITL
-        # p90): the dashboards' SLO attainment. Tagged by model, for the per-model panels.
-        self.slo_requests = Counter(
-            "raylm_slo_requests_total",
-            "Finished requests by whether they met the model's latency SLO.",
-            tag_keys=("replica", "model", "slo"),
-        )
-        self.slo_requests.set_default_tags({"replica": replica, "model": model})
-        for outcome in ("met", "missed"):
-            self.slo_requests._record(0.0, tags={"slo": outcome})
-        for metric in (
-            self.waiting,
-            self.running,
-            self.swapped,
-            self.kv_usage,
-            self.hit_rate,
-            self.kv_bytes_per_token,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.preemptions,
-            self.expert_tokens,
-            self.spec_proposed,
-            self.spec_accepted,
-            self.spec_rows,
-            self.images_encoded,
-            self.encoder_cache_hits,
-            self.encoder_seconds,
-            self.ttft,
-            self.itl,
-        ):
-            metric.set_default_tags({"replica": replica, "model": model})
+        self._tags = {"replica": replica, "model": model}
+        # Every series that exists from the start, so a panel shows 0, not "No data" (the
+        # per-rank expert counter and the fixed KV layout gauge are recorded once known).
+        self._zero_gauges: list[Gauge] = []
+        self._zero_counters: list[Counter] = []
+        self._queue_gauges()
+        self._token_counters()
+        self._spec_and_vision_counters()
+        self._latency()
         self._preemptions_seen = 0
         self._expert_tokens_seen: list[int] = []
         # The scheduler's cumulative figures, and the scale of each counter's unit: the counters
@@ -144,24 +70,101 @@ class ReplicaMetrics:
         self._seen: dict[str, int] = {}
         self._export_zeros()
 
-    def _export_zeros(self) -> None:
-        """Every gauge and counter series exists from the start, so a panel shows 0, not "No data".
+    def _gauge(self, name: str, doc: str, zero: bool = True) -> Gauge:
+        gauge = Gauge(name, doc, tag_keys=_TAGS)
+        gauge.set_default_tags(self._tags)
+        if zero:
+            self._zero_gauges.append(gauge)
+        return gauge
 
-        Ray's Counter.inc refuses 0, and a series appears only once recorded: record 0 directly.
-        """
-        for gauge in (self.waiting, self.running, self.swapped, self.kv_usage, self.hit_rate):
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        """A counter tagged by replica and model (and `extra`: then not zeroed, its series
+        being per tag value)."""
+        counter = Counter(name, doc, tag_keys=_TAGS + extra)
+        counter.set_default_tags(self._tags)
+        if not extra:
+            self._zero_counters.append(counter)
+        return counter
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        histogram = Histogram(name, doc, boundaries=_LATENCY_BUCKETS, tag_keys=_TAGS)
+        histogram.set_default_tags(self._tags)
+        return histogram
+
+    def _queue_gauges(self) -> None:
+        self.waiting = self._gauge(
+            "raylm_num_requests_waiting", "Requests waiting to be scheduled."
+        )
+        self.running = self._gauge("raylm_num_requests_running", "Requests in the running batch.")
+        self.swapped = self._gauge(
+            "raylm_num_requests_swapped", "Requests swapped out to the CPU pool."
+        )
+        self.kv_usage = self._gauge(
+            "raylm_kv_cache_usage", "Fraction of GPU KV blocks in use (0-1)."
+        )
+        self.hit_rate = self._gauge(
+            "raylm_prefix_cache_hit_rate", "Prefix-cache hit rate of prompt tokens (0-1)."
+        )
+        self.kv_bytes_per_token = self._gauge(
+            "raylm_kv_cache_bytes_per_token",
+            "KV cache bytes one token takes on each tensor-parallel rank, all layers (MLA: its "
+            "latent row; other attention: K and V of the rank's heads).",
+            zero=False,
+        )
+
+    def _token_counters(self) -> None:
+        self.prompt_tokens = self._counter("raylm_prompt_tokens_total", "Prompt tokens admitted.")
+        self.generation_tokens = self._counter("raylm_generation_tokens_total", "Tokens generated.")
+        self.preemptions = self._counter("raylm_preemptions_total", "Requests preempted.")
+        self.expert_tokens = self._counter(
+            "raylm_expert_tokens_total",
+            "Mixture-of-experts models: (token, expert) rows computed per tensor-parallel rank, "
+            "summed over layers (expert-parallel load balance).",
+            ("rank",),
+        )
+
+    def _spec_and_vision_counters(self) -> None:
+        # Speculative decoding: mean accepted length is accepted / verify rows.
+        self.spec_proposed = self._counter(
+            "raylm_spec_proposed_tokens_total", "Speculative tokens proposed and verified."
+        )
+        self.spec_accepted = self._counter(
+            "raylm_spec_accepted_tokens_total", "Speculative tokens accepted by verification."
+        )
+        self.spec_rows = self._counter(
+            "raylm_spec_verify_rows_total", "Verify rows (a decode that verified proposals)."
+        )
+        # Vision models (scheduler/features_images.py).
+        self.images_encoded = self._counter(
+            "raylm_images_encoded_total", "Images the tower encoded."
+        )
+        self.encoder_cache_hits = self._counter(
+            "raylm_encoder_cache_hits_total", "Images read from the encoder cache, not encoded."
+        )
+        self.encoder_seconds = self._counter(
+            "raylm_encoder_seconds_total", "The vision tower's time."
+        )
+
+    def _latency(self) -> None:
+        self.ttft = self._histogram("raylm_ttft_seconds", "Time to first token at the replica.")
+        self.itl = self._histogram("raylm_inter_token_seconds", "Time between output deltas.")
+        # Requests that ended by themselves, by whether they met the model's SLO (TTFT and ITL
+        # p90): the dashboards' SLO attainment. Tagged by model, for the per-model panels.
+        self.slo_requests = Counter(
+            "raylm_slo_requests_total",
+            "Finished requests by whether they met the model's latency SLO.",
+            tag_keys=("replica", "model", "slo"),
+        )
+        self.slo_requests.set_default_tags(self._tags)
+        for outcome in ("met", "missed"):
+            self.slo_requests._record(0.0, tags={"slo": outcome})
+
+    def _export_zeros(self) -> None:
+        """Ray's Counter.inc refuses 0, and a series appears only once recorded: record 0
+        directly."""
+        for gauge in self._zero_gauges:
             gauge.set(0.0)
-        for counter in (
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.preemptions,
-            self.spec_proposed,
-            self.spec_accepted,
-            self.spec_rows,
-            self.images_encoded,
-            self.encoder_cache_hits,
-            self.encoder_seconds,
-        ):
+        for counter in self._zero_counters:
             counter._record(0.0)
 
     def record_kv_layout(self, bytes_per_token: int) -> None:
