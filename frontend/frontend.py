@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from frontend.chat import DEFAULT_CHAT, ChatOptions, control_texts, encode_chat
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
+from frontend.images import image_text
 from scheduler.block_manager import hash_prompt_blocks
 from scheduler.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from workers.model_files import context_limit_of, max_model_len_of, resolve_model
@@ -78,6 +79,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.info = info
         self._controls = control_texts(tokenizer)
+        self._image_text = image_text(tokenizer)  # Gemma 3's text around an image, or None
 
     @classmethod
     def load(cls, model: str, cache_dir: str = DEFAULT_CACHE_DIR) -> Frontend:
@@ -109,7 +111,7 @@ class Frontend:
         template = (
             None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         )
-        return self.tokenizer.apply_chat_template(
+        rendered = self.tokenizer.apply_chat_template(
             list(messages),
             chat_template=template,
             tools=tools,
@@ -118,6 +120,7 @@ class Frontend:
             continue_final_message=options.continue_final_message,
             **options.template_kwargs,
         )
+        return rendered if self._image_text is None else self._image_text.apply(rendered)
 
     def encode_chat(
         self,

@@ -20,6 +20,7 @@ import struct
 import zlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
@@ -257,3 +258,29 @@ def _check_png_metadata(raw: bytes, field: str) -> None:
                 f"{field}: the PNG has more than {MAX_PNG_METADATA_CHUNKS} metadata chunks",
             )
         offset += 12 + length
+
+
+@dataclass(frozen=True, slots=True)
+class ImageText:
+    """What a chat template writes per image (`written`) and the text the prompt carries instead
+    before it is tokenized (`sent`, holding the model's one placeholder token)."""
+
+    written: str
+    sent: str
+
+    def apply(self, rendered: str) -> str:
+        return rendered.replace(self.written, self.sent)
+
+
+def image_text(tokenizer: Any) -> ImageText | None:
+    """Gemma 3's image text, from a tokenizer that names its boi, image and eoi tokens (None for
+    any other): its template writes `<start_of_image>`, and the prompt carries what transformers'
+    Gemma3Processor puts there, `\\n\\n<start_of_image><image_soft_token>...<end_of_image>\\n\\n`,
+    with one soft token (the engine repeats it per image row). Rewritten as text, before
+    tokenizing, so the newlines around an image merge with their neighbours as the processor's
+    do."""
+    names = ("boi_token", "image_token", "eoi_token")
+    boi, soft, eoi = (getattr(tokenizer, name, None) for name in names)
+    if not all(isinstance(t, str) and t for t in (boi, soft, eoi)):
+        return None
+    return ImageText(str(boi), f"\n\n{boi}{soft}{eoi}\n\n")

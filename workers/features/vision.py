@@ -116,12 +116,13 @@ class VisionFeature(RunnerFeature):
         any."""
         rows: list[int] = []
         parts: list[torch.Tensor] = []
+        spans: list[tuple[int, int]] = []
         offset = 0
         for rid, start, n in zip(batch.req_ids, batch.starts, batch.query_lens):
             images = self.images.get(rid)
             if images:
                 try:
-                    self._request_rows(images, start, n, offset, rows, parts)
+                    self._request_rows(images, start, n, offset, rows, parts, spans)
                 except Exception as exc:  # this request's images fail it, not the step
                     logger.warning("request %s: its images failed to encode: %r", rid, exc)
                     self.failed[rid] = f"images: {exc}"
@@ -130,7 +131,7 @@ class VisionFeature(RunnerFeature):
         if not parts:
             return eager
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.model.image_splice.set(index, torch.cat(parts))
+        self.model.image_splice.set(index, torch.cat(parts), spans)
         return True
 
     def _request_rows(
@@ -141,18 +142,21 @@ class VisionFeature(RunnerFeature):
         offset: int,
         rows: list[int],
         parts: list[torch.Tensor],
+        spans: list[tuple[int, int]],
     ) -> None:
         """Add one request's image rows in its chunk [start, start + n), which sits at `offset`
-        in the step's tokens; nothing when one of its images fails."""
-        mine_rows: list[int] = []
+        in the step's tokens, and each image's flat range; nothing when one of its images
+        fails."""
+        mine_spans: list[tuple[int, int]] = []
         mine: list[torch.Tensor] = []
         for image in images:
             lo, hi = max(start, image.span.offset), min(start + n, image.span.end)
             if lo < hi:
                 embeds = self._embeddings(image)
                 mine.append(embeds[lo - image.span.offset : hi - image.span.offset])
-                mine_rows.extend(range(offset + lo - start, offset + hi - start))
-        rows += mine_rows
+                mine_spans.append((offset + lo - start, offset + hi - start))
+        rows += [row for lo, hi in mine_spans for row in range(lo, hi)]
+        spans += mine_spans
         parts += mine
 
     def proposed(self, batch: Batch, output: ModelRunnerOutput) -> None:

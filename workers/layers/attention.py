@@ -35,6 +35,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     block_size: int
     backend_state: Any = field(default=None)
+    # Flat token ranges [lo, hi) of this step whose tokens also attend forward to each other (an
+    # image's tokens in Gemma 3), each inside one prefill chunk. Set by the model before its
+    # first layer (after `prepare`): backends read it when they build a prefill's mask.
+    bidirectional: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.query_start_loc_cpu) != len(self.seq_lens_cpu) + 1:

@@ -6,6 +6,7 @@ from transformers import PretrainedConfig
 
 from workers.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from workers.models.gemma3_vl import Gemma3ForConditionalGeneration
 from workers.models.glm4_moe import Glm4MoeForCausalLM
 from workers.models.gpt_oss import GptOssForCausalLM
 from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
@@ -32,6 +33,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
@@ -54,6 +56,7 @@ _BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",

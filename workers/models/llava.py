@@ -11,7 +11,7 @@ rows into its full-width input embeddings).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -108,31 +108,56 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, AnyWeight]]) -> set[str]:
         """The language model's tensors through Llama's loader (fused, sharded); the tower's and
         the projector's copied whole (replicated, and their q/k/v stay apart)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def text_weights() -> Iterator[tuple[str, AnyWeight]]:
-            for name, tensor in self._ours(weights):
-                if not name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    yield name, tensor
-                elif name not in params:
-                    raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter")
-                else:
-                    _copy_plain(params[name], float_only(tensor, name), name)
-                    loaded.add(name)
-
-        return super().load_weights(text_weights()) | loaded
+        return load_beside_text(
+            self,
+            self._ours(weights),
+            ("vision_tower.", "multi_modal_projector."),
+            super().load_weights,
+        )
 
     def _ours(self, weights: Iterable[tuple[str, AnyWeight]]) -> Iterator[tuple[str, AnyWeight]]:
         """Checkpoint names in our layout; the tower's unused layers and final norm skipped."""
         kept = self.vision_tower.num_layers
-        for name, tensor in weights:
-            for old, new in _RENAMES:  # in order: a name may need two of them
-                if name.startswith(old):
-                    name = new + name[len(old) :]
+        for name, tensor in renamed(weights, _RENAMES):
             if name.startswith(("vision_tower.post_layernorm.", "vision_tower.head.")):
                 continue  # after the layers a LLaVA model reads
             layer = name.startswith("vision_tower.encoder.layers.")
             if layer and int(name.split(".")[3]) >= kept:
                 continue
             yield name, tensor
+
+
+def renamed(
+    weights: Iterable[tuple[str, AnyWeight]], renames: tuple[tuple[str, str], ...]
+) -> Iterator[tuple[str, AnyWeight]]:
+    """Checkpoint names with each matching prefix replaced, in order (a name may need two)."""
+    for name, tensor in weights:
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        yield name, tensor
+
+
+def load_beside_text(
+    model: nn.Module,
+    weights: Iterable[tuple[str, AnyWeight]],
+    whole: tuple[str, ...],
+    load_text: Callable[[Iterable[tuple[str, AnyWeight]]], set[str]],
+) -> set[str]:
+    """Tensors named under `whole` (a tower, a projector) copied whole into model's parameters
+    (replicated on every rank); the others through `load_text` (the language model's fused,
+    sharded loader: `super().load_weights`). The names loaded."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+
+    def text_weights() -> Iterator[tuple[str, AnyWeight]]:
+        for name, tensor in weights:
+            if not name.startswith(whole):
+                yield name, tensor
+            elif name not in params:
+                raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter")
+            else:
+                _copy_plain(params[name], float_only(tensor, name), name)
+                loaded.add(name)
+
+    return load_text(text_weights()) | loaded

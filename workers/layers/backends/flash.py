@@ -60,6 +60,11 @@ class FlashAttnBackend:
                 "attention_backend: flash_attn has no attention sinks (gpt-oss); "
                 "use triton or torch"
             )
+        if meta.bidirectional:
+            raise ValueError(
+                "attention_backend: flash_attn cannot attend an image's tokens both ways "
+                "(Gemma 3); use triton or torch"
+            )
         st: _FlashState = meta.backend_state
         common = dict(
             cu_seqlens_q=meta.query_start_loc,

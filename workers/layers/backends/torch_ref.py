@@ -22,10 +22,16 @@ class _Prefill:
     seq_len: int
     mask: torch.Tensor | None  # [q, seq_len] bool, True where the query may attend
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> mask
+    # Context ranges [lo, hi) whose tokens also attend forward to each other (meta.bidirectional,
+    # read at the first layer); None: not read yet.
+    spans: list[tuple[int, int]] | None = None
+    span_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None, dev: torch.device) -> torch.Tensor | None:
         """The causal mask, narrowed to the last `window` positions of each query when the
         context is longer than the window; None: plain causal over the chunk itself."""
+        if self.spans:
+            return self._span_mask(window, dev)
         if window is None or window >= self.seq_len:
             return self.mask
         if window not in self.windowed:
@@ -34,6 +40,29 @@ class _Prefill:
             k_pos = torch.arange(self.seq_len, device=dev)[None, :]
             self.windowed[window] = (k_pos <= q_pos) & (k_pos > q_pos - window)
         return self.windowed[window]
+
+    def _span_mask(self, window: int | None, dev: torch.device) -> torch.Tensor:
+        """Causal or inside one span, then (sliding window) only keys after q - window: the
+        window bounds a span's forward reach as transformers' Gemma 3 masks do."""
+        if window not in self.span_masks:
+            q_len = self.end - self.start
+            q_pos = torch.arange(q_len, device=dev)[:, None] + (self.seq_len - q_len)
+            k_pos = torch.arange(self.seq_len, device=dev)[None, :]
+            mask = k_pos <= q_pos
+            for lo, hi in self.spans or ():
+                mask |= (q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi)
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self.span_masks[window] = mask
+        return self.span_masks[window]
+
+    def read_spans(self, flat: list[tuple[int, int]]) -> None:
+        """This chunk's ranges of the step's flat `meta.bidirectional`, as context positions."""
+        shift = self.seq_len - (self.end - self.start) - self.start
+        mine = [(lo, hi) for lo, hi in flat if self.start <= lo < self.end]
+        if any(hi > self.end for _, hi in mine):
+            raise ValueError(f"bidirectional: {mine} crosses the end of the chunk at {self.end}")
+        self.spans = [(lo + shift, hi + shift) for lo, hi in mine]
 
 
 @dataclass(slots=True)
@@ -128,6 +157,12 @@ class TorchBackend:
         nd = meta.num_decodes
         kernel = self.kernel
         takes = p.kv_scale is None and kernel is not None and self._kernel_takes(q, k_cache)
+        if meta.bidirectional:
+            if state.token_rows is not None:
+                raise ValueError("batch_invariant: cannot attend an image's tokens both ways")
+            for c in state.prefills:
+                if c.spans is None:
+                    c.read_spans(meta.bidirectional)
         if state.token_rows is not None:  # every token a decode row (invariant.py)
             if not takes:
                 raise ValueError(

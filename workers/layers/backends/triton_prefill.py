@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from workers.layers.attention import AttentionMetadata, AttentionParams
-from workers.layers.backends.torch_ref import _TorchState
+from workers.layers.backends.torch_ref import _prepare_prefills, _TorchState
 from workers.layers.backends.triton_decode import TritonDecodeBackend
 from workers.layers.backends.triton_paged import (
     PagedInputs,
@@ -322,7 +322,11 @@ class TritonBackend(TritonDecodeBackend):
         p: AttentionParams,
     ) -> torch.Tensor:
         state = meta.backend_state
-        if not isinstance(state, _PrefillState):  # prepared while the switch was off
+        if isinstance(state, _PrefillState) and meta.bidirectional and not state.prefills:
+            # The varlen kernel masks causally only: a step whose prefills hold image ranges
+            # (Gemma 3) runs them per chunk with their masks, as varlen_prefill=False does.
+            state.prefills = _prepare_prefills(meta)
+        if not isinstance(state, _PrefillState) or state.prefills:
             return super().forward(q, k, v, k_cache, v_cache, meta, p)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         nd = meta.num_decodes
