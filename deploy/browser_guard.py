@@ -43,9 +43,8 @@ _BODY_METHODS = ("POST", "PUT", "PATCH")
 _EXPOSED = "retry-after, x-raylm-ignored-fields, x-request-id"
 
 
-class UnsupportedMediaTypeError(APIError):
-    status = 415
-    type = "invalid_request_error"
+class UnsupportedMediaTypeError(APIError, status=415, error_type="invalid_request_error"):
+    """A POST that does not say `application/json` (what a page may send without a preflight)."""
 
 
 def check_hosts(hosts: object, field_name: str = "allowed_hosts") -> list[str]:

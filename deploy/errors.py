@@ -7,6 +7,7 @@ import math
 import re
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -26,6 +27,13 @@ class APIError(Exception):
     status = 500
     type = "internal_error"
 
+    def __init_subclass__(cls, status: int = 0, error_type: str = "", **kwargs: Any) -> None:
+        """`class X(APIError, status=404, error_type="invalid_request_error")`: a subclass
+        declares its HTTP status and OpenAI type in its header (inherited when not given)."""
+        super().__init_subclass__(**kwargs)
+        cls.status = status or cls.status
+        cls.type = error_type or cls.type
+
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
@@ -33,40 +41,28 @@ class APIError(Exception):
         self.code = code
 
 
-class BadRequestError(APIError):
-    status = 400
-    type = "invalid_request_error"
+class BadRequestError(APIError, status=400, error_type="invalid_request_error"):
+    """The request itself is wrong (a field out of bounds, a malformed body)."""
 
 
-class AuthenticationError(APIError):
-    status = 401
-    type = "authentication_error"
+class AuthenticationError(APIError, status=401, error_type="authentication_error"):
+    """No key, or a key this server does not know."""
 
 
-class PermissionDeniedError(APIError):
+class PermissionDeniedError(APIError, status=403, error_type="invalid_request_error"):
     """The key is valid but may not make this call (e.g. a run-time adapter change)."""
 
-    status = 403
-    type = "invalid_request_error"
 
-
-class NoReplicasError(APIError):
+class NoReplicasError(APIError, status=503, error_type="overloaded_error"):
     """No replica of the model is known to this ingress, or one left mid-change: retry."""
 
-    status = 503
-    type = "overloaded_error"
+
+class ModelNotFoundError(APIError, status=404, error_type="invalid_request_error"):
+    """The request names a model (or adapter) this server does not serve."""
 
 
-class ModelNotFoundError(APIError):
-    status = 404
-    type = "invalid_request_error"
-
-
-class NotFoundError(APIError):
+class NotFoundError(APIError, status=404, error_type="invalid_request_error"):
     """A file or batch that does not exist, or is another key's (the same 404 either way)."""
-
-    status = 404
-    type = "invalid_request_error"
 
 
 class ContextLengthError(BadRequestError):
@@ -104,11 +100,8 @@ def error_body(type_: str, message: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-class RequestFailedError(APIError):
+class RequestFailedError(APIError, status=500, error_type="internal_error"):
     """One request failed inside the engine (its own inputs); the others in its batch went on."""
-
-    status = 500
-    type = "internal_error"
 
     def __init__(self, request_id: str, reason: str | None) -> None:
         incident = uuid.uuid4().hex[:16]
@@ -120,11 +113,8 @@ class RequestFailedError(APIError):
         )
 
 
-class ReplicaUnavailableError(APIError):
+class ReplicaUnavailableError(APIError, status=503, error_type="overloaded_error"):
     """A choice lost its replica more times than max_migrations allows."""
-
-    status = 503
-    type = "overloaded_error"
 
     def __init__(self, request_id: str, max_migrations: int) -> None:
         super().__init__(
@@ -133,12 +123,9 @@ class ReplicaUnavailableError(APIError):
         )
 
 
-class RepeatedReplicaFailureError(APIError):
+class RepeatedReplicaFailureError(APIError, status=500, error_type="internal_error"):
     """A choice was in flight on MAX_REPLICA_FAULTS replicas that failed: it may be what failed
     them, so it is not carried to a third."""
-
-    status = 500
-    type = "internal_error"
 
     def __init__(self, request_id: str, faults: int) -> None:
         incident = uuid.uuid4().hex[:16]
@@ -155,21 +142,16 @@ class RepeatedReplicaFailureError(APIError):
         )
 
 
-class RequestTimeoutError(APIError):
-    status = 408
-    type = "timeout"
+class RequestTimeoutError(APIError, status=408, error_type="timeout"):
+    """The body did not arrive within the configured time."""
 
 
-class PayloadTooLargeError(APIError):
-    status = 413
-    type = "invalid_request_error"
+class PayloadTooLargeError(APIError, status=413, error_type="invalid_request_error"):
+    """The body, or a file in it, is over its configured size."""
 
 
-class TooManyRequestsError(APIError):
+class TooManyRequestsError(APIError, status=429, error_type="rate_limit_error"):
     """The caller's tenant has as many requests in flight as it may."""
-
-    status = 429
-    type = "rate_limit_error"
 
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message, code="rate_limit_exceeded")
