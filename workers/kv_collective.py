@@ -33,9 +33,11 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -65,6 +67,7 @@ class CollectiveRef:
     machine: str  # the sender's machine (a loopback host is reachable from there only)
     backend: str  # "gloo" (a host tensor) or "nccl" (a CUDA tensor)
     key: str
+    fallback_copy: bool = False  # the handle's other references are the fallback's copy
 
 
 def machine_id() -> str:
@@ -87,21 +90,33 @@ def wire_backend(device: torch.device) -> str:
     raise ValueError(f"device: KV over collectives moves CPU or CUDA tensors, not {device.type}")
 
 
-def pair_group(store: dist.Store, rank: int, backend: str, host: str, timeout_s: float):
+class PairGroup(Protocol):
+    """What a pair needs of a process group (ProcessGroupGloo and ProcessGroupNCCL have it)."""
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work: ...
+
+
+def pair_group(
+    store: dist.Store, rank: int, backend: str, host: str, timeout_s: float
+) -> PairGroup:
     """One side of a two-rank process group outside the default group."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
+        return cast(PairGroup, dist.ProcessGroupGloo(store, rank, 2, opts))
     if backend != "nccl":
         raise ValueError(f"backend: gloo or nccl, got {backend!r}")
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise ValueError("backend: a CUDA tensor moves over NCCL, which this process lacks")
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    # NCCL pairs a process's current CUDA device with the peer's: two processes on one GPU are
+    # refused by NCCL itself (the error ends the pull; the decode side recomputes).
+    return cast(PairGroup, dist.ProcessGroupNCCL(store, rank, 2, opts))
 
 
 def _client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -210,7 +225,7 @@ class KVServer:
             logger.info("KV pair %d closed: %r", n, exc)
 
     @staticmethod
-    def _reply(group, entry: _Entry | None) -> None:
+    def _reply(group: PairGroup, entry: _Entry | None) -> None:
         timeout = timedelta(seconds=SEND_TIMEOUT_S)
         meta = b"" if entry is None else entry.meta
         nbytes = 0 if entry is None else entry.nbytes
@@ -224,7 +239,7 @@ class KVServer:
 
 @dataclass(slots=True)
 class _Pair:
-    group: object
+    group: PairGroup
     backend: str
     used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -248,7 +263,9 @@ class Puller:
         """Tell ref's server that one of its readers lets it go without pulling."""
         self._call(ref, DONE, readers, timeout_s, 0)
 
-    def _call(self, ref: CollectiveRef, op: int, readers: int, timeout_s: float, max_bytes: int):
+    def _call(
+        self, ref: CollectiveRef, op: int, readers: int, timeout_s: float, max_bytes: int
+    ) -> tuple[dict, torch.Tensor] | None:
         pair = self._pair(ref, timeout_s)
         try:
             with pair.lock:
@@ -302,8 +319,16 @@ class Puller:
 
 _servers: dict[str, KVServer] = {}
 _puller = Puller()
-_pulled: set[str] = set()  # keys this process pulled (their release needs no message)
+_tried: set[str] = set()  # keys this process pulled or tried to (their release needs no message)
 _lock = threading.Lock()
+# Releases go out on a thread of their own: a receiver releases on its engine's thread, which
+# must not wait for a sender that is slow or gone.
+_releases = ThreadPoolExecutor(1, thread_name_prefix="kv-release")
+
+
+def releases_sent() -> None:
+    """Wait until every release asked for so far has been sent (or has failed)."""
+    _releases.submit(lambda: None).result()
 
 
 def server(host: str, hold_s: float, max_bytes: int) -> KVServer:
@@ -315,8 +340,8 @@ def server(host: str, hold_s: float, max_bytes: int) -> KVServer:
 
 
 def _check(name: str, value: object, low: float, high: float) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type]
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number) or not low <= number <= high:
         raise ValueError(f"{name}: must be a number in [{low}, {high}], got {value!r}")
 
 
@@ -341,49 +366,67 @@ class CollectiveTransport:
             raise ValueError(f"host: must be a host name or address, got {self.host!r}")
 
     def send(self, payload: KVPayload) -> TransferHandle:
-        key, refs = uuid.uuid4().hex, []
-        try:
-            outbox = server(self.host, self.hold_s, self.max_bytes)
-            refs.append(outbox.offer(key, _meta(payload), torch.from_numpy(payload.data)))
-        except (OSError, RuntimeError, ValueError) as exc:
-            if self.fallback is None:
-                raise
-            logger.warning("KV over collectives unavailable (%r); through the fallback", exc)
-        if self.fallback is not None and (not refs or self.copy_to_fallback):
-            refs += self.fallback.send(payload).ref
-        return TransferHandle(key, list(payload.hashes), refs)
+        key, hashes = uuid.uuid4().hex, list(payload.hashes)
+        ref = self._offer(key, payload)
+        if self.fallback is None or (ref is not None and not self.copy_to_fallback):
+            assert ref is not None  # without a fallback, _offer raises instead
+            return TransferHandle(key, hashes, [ref])
+        backup = self.fallback.send(payload)  # the handle is the fallback's, plus the pair's ref
+        refs = backup.ref if ref is None else [replace(ref, fallback_copy=True), *backup.ref]
+        return TransferHandle(backup.key, hashes, refs)
 
     def receive(self, handle: TransferHandle, timeout_s: float) -> KVPayload | None:
         ref, rest = _split(handle)
+        if ref is None:
+            return None if self.fallback is None else self.fallback.receive(handle, timeout_s)
         start, payload = time.monotonic(), None
-        if ref is not None and reachable(ref):
+        if reachable(ref):
             payload = self._pull(ref, handle.readers, timeout_s)
-        if payload is None and rest and self.fallback is not None:
+        if payload is None and ref.fallback_copy and self.fallback is not None:
             left = max(timeout_s - (time.monotonic() - start), 1e-3)
             return self.fallback.receive(TransferHandle(handle.key, handle.hashes, rest), left)
         return payload
 
     def release(self, handle: TransferHandle) -> None:
         ref, rest = _split(handle)
-        if ref is not None and ref.key in _pulled:
-            _pulled.discard(ref.key)
-        elif ref is not None and reachable(ref):
-            try:
-                _puller.done(ref, handle.readers, SEND_TIMEOUT_S)
-            except Exception as exc:  # the sender drops it within hold_s anyway
-                logger.info("KV transfer %s: release not delivered (%r)", handle.key, exc)
-        if rest and self.fallback is not None:
+        if ref is None:
+            if self.fallback is not None:
+                self.fallback.release(handle)
+            return
+        if ref.key in _tried:
+            _tried.discard(ref.key)  # pulled (counted there), or failed (dropped by hold_s)
+        elif reachable(ref):
+            _releases.submit(_done, ref, handle.readers)
+        if ref.fallback_copy and self.fallback is not None:
             self.fallback.release(TransferHandle(handle.key, handle.hashes, rest))
         handle.ref.clear()
 
+    def _offer(self, key: str, payload: KVPayload) -> CollectiveRef | None:
+        """Hold the payload in this process's outbox; None (with a fallback) if it cannot."""
+        try:
+            outbox = server(self.host, self.hold_s, self.max_bytes)
+            return outbox.offer(key, _meta(payload), torch.from_numpy(payload.data))
+        except (OSError, RuntimeError, ValueError) as exc:
+            if self.fallback is None:
+                raise
+            logger.warning("KV over collectives unavailable (%r); through the fallback", exc)
+            return None
+
     def _pull(self, ref: CollectiveRef, readers: int, timeout_s: float) -> KVPayload | None:
+        _tried.add(ref.key)
         try:
             got = _puller.pull(ref, readers, timeout_s, self.max_bytes)
         except Exception as exc:  # a peer that fails or never answers: recompute (or fall back)
             logger.warning("KV pull of %s from %s:%d failed: %r", ref.key, ref.host, ref.port, exc)
             return None
-        _pulled.add(ref.key)
         return None if got is None else _payload(*got)
+
+
+def _done(ref: CollectiveRef, readers: int) -> None:
+    try:
+        _puller.done(ref, readers, SEND_TIMEOUT_S)
+    except Exception as exc:  # the sender drops it within hold_s anyway
+        logger.info("KV transfer %s: release not delivered (%r)", ref.key, exc)
 
 
 def _split(handle: TransferHandle) -> tuple[CollectiveRef | None, list[object]]:
