@@ -28,6 +28,7 @@ from cluster.disagg_replica import DisaggPhase, phase_engine, phase_stats, prefi
 from cluster.engine_loop import EngineLoop
 from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.kv_event_pub import TailingEngine, attach_kv_events
+from cluster.kv_pull import replica_pulls
 from cluster.lora_admin import LoraCommand, WrongReplicaError
 from cluster.lora_metrics import LoraMetrics
 from cluster.metrics import ReplicaMetrics
@@ -37,6 +38,7 @@ from cluster.weights_admin import WeightsCommand
 from cluster.weights_admin import run_command as run_weights_command
 from engine.config import EngineConfig
 from router.autoscaling import LatencyWindow, ReplicaSignals, SloTargets
+from router.peer_pull import PeerPull, PullCommand
 from router.stats import MAX_REPORTED_PREFIX_HASHES, ReplicaState, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
 from scheduler.request import EngineRequest
@@ -202,13 +204,15 @@ class LLMReplica:
         self.engine = build_engine(config)
         self.metrics.record_kv_layout(self.engine.kv_bytes_per_token)
         self.phase = phase_engine(self.engine, phase)
+        # Peer pulls (router_kwargs.peer_pulls) install their connector before the events attach.
+        self.pulls = replica_pulls(self.engine, replica) if phase is None else None
         self._kv_events = attach_kv_events(self.engine)  # before the first step: none missed
         self._streams: dict[str, _Stream] = {}
         self._draining = False
         self._stats: SchedulerStats = self.engine.stats()
         self.metrics.record_stats(self._stats)
         self._loop_thread = EngineLoop(
-            TailingEngine(self.phase or self.engine, self._kv_events, replica),  # events ride back
+            TailingEngine(self._driven(), self._kv_events, replica),  # KV events ride back
             asyncio.get_running_loop(),
             self._on_step,
             self._on_error,
@@ -226,10 +230,12 @@ class LLMReplica:
         request: EngineRequest,
         handoff: TransferHandle | None = None,
         trace: TraceContext | None = None,
+        pull: PeerPull | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas as the engine produces them; cancelling aborts the request.
         handoff: a decode replica's request resumed after its prefill, whose prompt blocks
-        arrive through this transfer; trace: a sampled request's trace (cluster/tracing.py)."""
+        arrive through this transfer; trace: a sampled request's trace (cluster/tracing.py);
+        pull: the prompt blocks to pull from a peer (the fleet router's, cluster/kv_pull.py)."""
         state = self._state()
         if state in (ReplicaState.FAILED, ReplicaState.STALLED):
             raise self._unavailable(state)
@@ -247,6 +253,8 @@ class LLMReplica:
             self.phase.handoffs[rid] = handoff
         if trace is not None:  # the engine records its phases (engine/tracing.py)
             self.engine.tracer.watch(rid, time.time_ns())
+        if pull is not None and self.pulls is not None:
+            await self.pulls.start(request, pull)  # failed or not worth it: computed here
         self._loop_thread.add(request)  # end-of-turn ids: the engine fills in the model's
         finished = False
         output: RequestOutput | None = None
@@ -263,6 +271,23 @@ class LLMReplica:
                 self._loop_thread.abort([rid])
             if trace is not None:
                 self._record_trace(trace, request, handoff is not None, output)
+
+    async def pull_command(self, command: PullCommand) -> TransferHandle | None:
+        """Send a peer the prompt blocks it pulls (cluster/kv_pull.py), read on the engine thread
+        between steps; None: pulls are off, or the blocks are no longer held."""
+        if command.replica != self.replica:
+            raise WrongReplicaError(f"pull for {command.replica} reached {self.replica}")
+        pulls = self.pulls
+        if pulls is None:
+            return None
+        return await self._loop_thread.call(lambda _: pulls.export(command))
+
+    def _driven(self) -> Any:
+        """The engine as the loop drives it: a phase of a disaggregated model, one that loads
+        peer pulls, or the engine itself."""
+        if self.phase is not None:
+            return self.phase
+        return self.pulls.engine if self.pulls is not None else self.engine
 
     async def prefill(
         self, request: EngineRequest, trace: TraceContext | None = None

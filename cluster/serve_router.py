@@ -34,6 +34,7 @@ from cluster.tracing import TraceContext, record_route
 from cluster.weights_admin import WeightsCommand
 from router.config import RoutingConfig
 from router.fleet import FleetState
+from router.peer_pull import PullCommand
 from router.policies import RouteRequest
 from router.sessions import check_session_id
 from router.stats import RoutingStats
@@ -130,7 +131,12 @@ class FleetRouter(RequestRouter):
             return [[by_key[target]]]
         trace = pending_request.kwargs.get("trace")  # a sampled request's (cluster/tracing.py)
         started = time.time_ns() if trace is not None else 0
-        ranking = self.fleet.route(route_request(pending_request), by_key, now)
+        route = self.fleet.plan(route_request(pending_request), by_key, now)
+        ranking = route.ranking
+        if pending_request.metadata.call_method == "generate":  # the pull travels with it
+            pending_request.kwargs.pop("pull", None)
+            if route.pull is not None:
+                pending_request.kwargs["pull"] = route.pull
         if isinstance(trace, TraceContext):
             self._record_route(trace, started, ranking)
         return [[by_key[key]] for key in ranking]
@@ -217,7 +223,7 @@ def _session_of(pending_request: PendingRequest) -> str | None:
 
 
 def _target_of(pending_request: PendingRequest) -> str | None:
-    """The replica a LoraCommand or WeightsCommand names (None: an ordinary request, ranked by
-    the policy)."""
+    """The replica a LoraCommand, WeightsCommand or PullCommand names (None: an ordinary request,
+    ranked by the policy)."""
     arg = pending_request.args[0] if pending_request.args else None
-    return arg.replica if isinstance(arg, (LoraCommand, WeightsCommand)) else None
+    return arg.replica if isinstance(arg, (LoraCommand, WeightsCommand, PullCommand)) else None

@@ -33,6 +33,17 @@ class PeerSource:
     """A replica's end as a peer: sends the blocks a puller names."""
 
     def __init__(self, engine: EngineCore, transport: KVTransport) -> None:
+        config = engine.config  # refused as disaggregation refuses them (deploy/disagg_config.py)
+        if config.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"{SETTING}: KV moves rank to rank by tensor-parallel shard; pipeline stages "
+                "hold a share of the layers each, which transfers do not lay out yet"
+            )
+        if config.tensor_parallel_size > 1 and config.step_transport == "compiled_graph":
+            raise ValueError(
+                f"{SETTING}: each rank sends or receives its own KV shard between steps, which "
+                "compiled_graph workers cannot do"
+            )
         self.ranks = Ranks(engine, SETTING)
         self.engine = engine
         self.transport = transport

@@ -17,7 +17,7 @@ from router.config import RoutingConfig
 from router.kv_events import InFlightPrompts, KVIndex, TierRun
 from router.loads import LoadTracker
 from router.peer_pull import PeerPull, plan_pull
-from router.policies import RouteRequest, expected_runs, make_policy
+from router.policies import RouteRequest, make_policy
 from router.prefix_index import DEFAULT_REPLICA_BLOCKS, PrefixIndex
 from router.sessions import SessionTable
 from router.stats import RoutingStats
@@ -95,13 +95,20 @@ class FleetState:
     def _plan_pull(
         self, request: RouteRequest, choice: str, candidates: list[str]
     ) -> PeerPull | None:
-        """The pull for request on choice: what choice is expected to hold (events in sync, or the
-        approximate index) against the longest device run a peer's events show."""
+        """The pull for request on choice: what choice's KV events show it holds (the approximate
+        index when they are out of sync) against the longest device run a peer's events show.
+
+        Not what routing planted on choice: a request sent there just before with the same
+        prefix is still pulling or computing it, and one without a pull of its own would compute
+        the prefix beside it (a burst of forks spilled to one replica did). A prefix that did
+        reach choice is a device hit there, found before the pulled blocks are looked at; the
+        pull then moved blocks for nothing, which the tail each output carries keeps rare."""
         hashes = request.block_hashes
         if not self.config.peer_pulls or len(hashes) < self.config.min_pull_blocks:
             return None
-        have = expected_runs(self, hashes, [choice]).get(choice)
-        if have is None:
+        if self.kv.in_sync(choice):
+            have = self.kv.match(hashes, [choice])[choice]
+        else:
             have = TierRun(int(self.index.match(hashes, [choice])[choice]))
         return plan_pull(self.kv, hashes, choice, have, candidates, self.config.min_pull_blocks)
 

@@ -74,16 +74,20 @@ def test_never_a_pull_on_a_guess_a_peer_out_of_sync_is_not_asked():
     assert plan_pull(index, CONTEXT, B, TierRun(), [A, B], 4) is None
 
 
-def test_what_the_choice_was_planted_with_counts_as_held():
-    """A second fork routed to B while the first's blocks are on their way there pulls nothing:
-    routing planted them on B."""
+def test_each_fork_spilled_to_a_replica_pulls_though_an_earlier_one_is_on_its_way_there():
+    """A second fork routed to B while the first's pull is still on its way there pulls too:
+    without a pull of its own it would compute the context beside the first."""
     state = fleet(peer_pulls=True, imbalance_threshold=1, imbalance_ratio=1)
     events(state, A, CONTEXT)
     events(state, B)
     busy(state, A, 6)
-    assert routed(state, CONTEXT + [1], "q1").pull is not None
+    first = routed(state, CONTEXT + [1], "q1")
     second = routed(state, CONTEXT + [2], "q2")
-    assert second.ranking[0] == B and second.pull is None
+    assert first.ranking[0] == second.ranking[0] == B
+    assert first.pull == second.pull == PeerPull(A, tuple(CONTEXT), 0)
+    # Once B's events show the context, a fork there pulls nothing.
+    events(state, B, CONTEXT, seq=2)
+    assert routed(state, CONTEXT + [3], "q3").pull is None
 
 
 def test_the_cost_model_weighs_bytes_moved_against_tokens_prefilled():

@@ -1,0 +1,155 @@
+"""Peer-to-peer prefix pulls between the LLMReplicas of one deployment (router_kwargs.peer_pulls).
+
+The fleet router (cluster/serve_router.py) puts a `PeerPull` in a request's keyword arguments
+when it sends the request away from a replica that holds more of its prompt (router/peer_pull.py).
+The replica that gets it (`ReplicaPulls.start`) weighs the pull with the cost model over its own
+KV block size, then asks the peer for the blocks with a `PullCommand` through the deployment's own
+handle, which the router in this process sends to exactly that replica (as a LoraCommand). The
+peer exports them on its engine thread between steps (engine/peer_pull.py) into the Ray object
+store (cluster/disagg_transport.py) and answers the transfer's handle; the request is then added
+expecting it, and its step loads the blocks as a disaggregated decode replica loads a prefill's.
+
+Whatever goes wrong, the request computes its prompt: a peer that does not answer within
+`pull_timeout_s`, fails, is itself, or has evicted the blocks since (it answers None); a
+transfer lost or damaged on the way (the step's checks). Nothing stays held: the peer pins
+nothing (it copied the blocks out), and the puller's expectation is released with its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+
+from cluster.disagg_transport import ObjectStoreTransport
+from engine.core import EngineCore
+from engine.disagg import PhaseEngine
+from engine.peer_pull import PeerPulls
+from router.config import RoutingConfig
+from router.peer_pull import PeerPull, PullCommand, PullCost
+from scheduler.request import EngineRequest
+from workers.kv_transfer import TransferHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PullCounts:
+    """A replica's pulls so far (its stats)."""
+
+    pulled: int = 0  # pulls whose transfer the request went on to load
+    declined: int = 0  # the cost model said computing is cheaper
+    failed: int = 0  # the peer did not answer in time, failed, or no longer held the blocks
+    exported: int = 0  # pulls this replica answered as the peer
+
+
+def deployment_router_config() -> RoutingConfig | None:
+    """The router settings of this replica's deployment (the request_router_kwargs its fleet
+    routers get, checked by the app's config first); None under Serve's own router."""
+    deployment = serve.get_replica_context()._deployment_config
+    router = deployment.request_router_config
+    if router is None:
+        return None
+    try:
+        return RoutingConfig.from_router_kwargs(router.request_router_kwargs)
+    except ValueError:  # another router's settings
+        return None
+
+
+def replica_pulls(engine: EngineCore, replica: str) -> ReplicaPulls | None:
+    """The replica's pulls when its deployment turns them on (call before the KV events are
+    attached: it installs the connector the events follow); None otherwise, or when this engine
+    cannot reach its ranks' KV caches."""
+    config = deployment_router_config()
+    if config is None or not config.peer_pulls:
+        return None
+    try:
+        return ReplicaPulls(engine, replica, config)
+    except ValueError as exc:
+        logger.warning("replica %s takes no peer pulls: %s", replica, exc)
+        return None
+
+
+class ReplicaPulls:
+    """One replica's pulls: those its requests make, and those its peers make of it."""
+
+    def __init__(self, engine: EngineCore, replica: str, config: RoutingConfig) -> None:
+        self.pulls = PeerPulls(engine, ObjectStoreTransport(), config.pull_timeout_s)
+        self.replica = replica
+        self.timeout_s = config.pull_timeout_s
+        self.cost = PullCost(
+            config.pull_bytes_per_s, config.pull_fixed_s, config.prefill_tokens_per_s
+        )
+        self.block_size = engine.config.block_size
+        self.block_bytes = engine.kv_bytes_per_token * self.block_size
+        self.counts = PullCounts()
+        self._peers: Any = None  # this deployment's handle, made on the first pull
+
+    @property
+    def engine(self) -> PhaseEngine:
+        """The engine as the replica's loop drives it: requests named in its `handoffs` load
+        their pulled blocks."""
+        return self.pulls.engine
+
+    async def start(self, request: EngineRequest, pull: PeerPull) -> bool:
+        """Pull the blocks for request, before it is added; whether it will load them (else it
+        computes its prompt)."""
+        try:
+            pull.check()  # unpickled without its constructor's checks
+        except ValueError as exc:
+            logger.warning("request %s: ignoring its pull: %s", request.request_id, exc)
+            return False
+        if pull.peer == self.replica:
+            return False
+        if not self.cost.pays(pull.num_blocks, self.block_size, self.block_bytes):
+            self.counts.declined += 1
+            return False
+        handle = await self._ask(pull)
+        if handle is None:
+            self.counts.failed += 1
+            return False
+        self.engine.handoffs[request.request_id] = handle
+        self.counts.pulled += 1
+        return True
+
+    async def _ask(self, pull: PeerPull) -> TransferHandle | None:
+        """The peer's transfer of the blocks; None when it does not come within the timeout."""
+        response = self._handle().pull_command.remote(PullCommand(pull))
+        try:
+            handle = await asyncio.wait_for(_resolve(response), self.timeout_s)
+        except Exception as exc:  # timed out, the peer died or refused: compute instead
+            response.cancel()
+            logger.warning("pull from %s failed: %r; computing instead", pull.peer, exc)
+            return None
+        return handle if isinstance(handle, TransferHandle) and handle.hashes else None
+
+    def _handle(self) -> Any:
+        if self._peers is None:
+            context = serve.get_replica_context()
+            self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
+        return self._peers
+
+    def export(self, command: PullCommand) -> TransferHandle | None:
+        """Send a peer the blocks it pulls; call on the engine thread between steps."""
+        handle = self.pulls.source.export(command.pull.hashes, command.pull.first)
+        self.counts.exported += handle is not None
+        return handle
+
+    def stats(self) -> dict[str, int]:
+        source = self.pulls.source
+        return {
+            "peer_pulls": self.counts.pulled,
+            "peer_pulls_declined": self.counts.declined,
+            "peer_pulls_failed": self.counts.failed,
+            "peer_pulls_exported": self.counts.exported,
+            "peer_pull_blocks_received": self.pulls.sink.connector.num_remote_loaded,
+            "peer_pull_blocks_recomputed": self.pulls.sink.connector.num_remote_failed,
+            "peer_pull_bytes_sent": source.num_bytes_sent,
+        }
+
+
+async def _resolve(response: Any) -> Any:
+    return await response
