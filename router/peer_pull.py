@@ -85,6 +85,18 @@ def plan_pull(
 
 
 @dataclass(frozen=True, slots=True)
+class PullCommand:
+    """What the pulling replica sends its peer (through the deployment's handle, which the fleet
+    router sends to exactly `replica`, the peer): send the blocks `pull` names."""
+
+    pull: PeerPull
+
+    @property
+    def replica(self) -> str:
+        return self.pull.peer
+
+
+@dataclass(frozen=True, slots=True)
 class PullCost:
     """A pull's cost against its prefill's: bytes / bytes_per_s + fixed_s seconds to move the
     blocks, tokens / prefill_tokens_per_s to compute them."""
