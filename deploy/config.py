@@ -9,32 +9,25 @@ in the tree by the dataclasses' fields.
 
 from __future__ import annotations
 
-import json
-import os
-import warnings
-from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
-from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
-
-from cluster.autoscaling_policy import POLICY_PATH
 from cluster.placement import STRATEGIES, default_strategy
 from cluster.tracing import TracingConfig
+from deploy.api_keys import UNLIMITED_KEY, ApiKeyProfile, keys_from_env
+from deploy.autoscaling_args import AutoscalingArgs
 from deploy.browser_guard import MAX_ALLOWED, check_hosts, check_origins
 from deploy.cache_scope import SCOPES
 from deploy.disagg_config import DisaggregationArgs
 from deploy.hub import check_hub_settings
-from deploy.lora import check_scope_setting
 from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
 from frontend.images import ImageLimits
 from frontend.reasoning import PARSERS
-from router.autoscaling import MAX_REPLICAS, AutoscalingPolicyConfig
 from router.config import RoutingConfig
 from router.stats import ROUTING_STATS_PERIOD_S
-from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
 from scheduler.sampling_params import POOLINGS
-from settings import build, check_settings, clipped, nest, setting, shown
+from settings import build, check_settings, nest, setting, shown
 
 ROUTERS = {
     "fleet": "cluster.serve_router.FleetRouter",  # load + prefix affinity (router/)
@@ -42,100 +35,6 @@ ROUTERS = {
 }
 # A bundle lives on one node; the replica's also sets its torch threads.
 MAX_BUNDLE_CPUS = 1024
-
-
-AUTOSCALING_POLICIES = ("ongoing_requests", "llm")
-
-
-@dataclass(slots=True)
-class AutoscalingArgs(AutoscalingPolicyConfig):
-    """Replica autoscaling (Serve's autoscaling_config): on ongoing requests per replica (Serve's
-    default policy), or on LLM signals (router/autoscaling.py: KV usage, queues, batch and the
-    measured latency against `slo`). The bounds, delays, SLO and targets are the policy's own
-    declaration (`AutoscalingPolicyConfig`, both policies share its delays); these are the rest."""
-
-    initial_replicas: int | None = setting(
-        None, "replicas at start (unset: min_replicas)", ge=0, le=MAX_REPLICAS
-    )
-    policy: str = setting(
-        "ongoing_requests",
-        "`ongoing_requests` (Serve's default: `target_ongoing_requests` per replica) or `llm` "
-        "(KV-cache usage, waiting requests and queued prompt tokens, the running batch against "
-        "max_num_seqs, and the measured TTFT and ITL p90 against `slo`; docs/operations.md)",
-        choices=AUTOSCALING_POLICIES,
-    )
-    target_ongoing_requests: float = setting(
-        16.0, "ongoing requests per replica that the `ongoing_requests` policy aims at", gt=0
-    )
-    look_back_period_s: float = setting(
-        30.0, "Serve averages the replicas' figures over this window", gt=0, le=3600
-    )
-    metrics_interval_s: float = setting(
-        10.0, "how often each replica pushes its figures to Serve's controller", gt=0, le=3600
-    )
-
-    def serve_config(self, model: str) -> dict[str, Any] | AutoscalingConfig:
-        """Serve's autoscaling_config: the `llm` policy's hysteresis is its own (Serve's delays
-        0), and Serve builds the policy once from these settings."""
-        common: dict[str, Any] = {
-            "min_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-            "look_back_period_s": self.look_back_period_s,
-            "metrics_interval_s": self.metrics_interval_s,
-        }
-        if self.initial_replicas is not None:
-            common["initial_replicas"] = self.initial_replicas
-        if self.policy == "ongoing_requests":
-            return {
-                **common,
-                "target_ongoing_requests": self.target_ongoing_requests,
-                "upscale_delay_s": self.upscale_delay_s,
-                "downscale_delay_s": self.downscale_delay_s,
-            }
-        kwargs = {
-            "model": model,
-            **{f.name: getattr(self, f.name) for f in fields(AutoscalingPolicyConfig)},
-            "slo": asdict(self.slo),
-            "targets": asdict(self.targets),
-        }
-        # An AutoscalingPolicy built here pickles the policy class; from a plain dict Serve's
-        # validation would skip that.
-        policy = AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs=kwargs)
-        with warnings.catch_warnings():  # Serve marks metrics_interval_s deprecated
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return AutoscalingConfig(
-                **common, upscale_delay_s=0.0, downscale_delay_s=0.0, policy=policy
-            )
-
-
-@dataclass(slots=True)
-class ApiKeyProfile:
-    """Who a key belongs to: its tenant (the fair policy's unit) and its priority ceiling."""
-
-    tenant: str = setting(MISSING, "the fair policy's unit of accounting")
-    # Lower is more urgent: a request asking for more urgency than this gets this.
-    max_priority: int = setting(
-        0, "the most urgent priority the key may ask for", ge=-MAX_PRIORITY, le=MAX_PRIORITY
-    )
-    admin: bool = setting(
-        False, "the key may load and unload LoRA adapters at run time (allow_runtime_lora)"
-    )
-    loras: list[str] | None = setting(
-        None,
-        "the LoRA adapters the key may name and see in /v1/models (others are a 404, as if they "
-        "did not exist); unset: every adapter",
-    )
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        self.loras = check_scope_setting(self.loras)
-        if not 1 <= len(self.tenant) <= MAX_TENANT_CHARS:
-            raise ValueError(
-                f"tenant: must have 1 to {MAX_TENANT_CHARS} characters, got {len(self.tenant)}"
-            )
-
-
-UNLIMITED_KEY = ApiKeyProfile(tenant="default", max_priority=-MAX_PRIORITY, admin=True)
 
 
 @dataclass(slots=True)
@@ -434,7 +333,7 @@ class AppConfig:
             raise ValueError("api_key: must be non-empty when set")
         check_hub_settings(self.engine.model, self.revision, self.download_dir)
         if self.api_keys_env is not None:
-            self.api_keys = {**(self.api_keys or {}), **_keys_from_env(self.api_keys_env)}
+            self.api_keys = {**(self.api_keys or {}), **keys_from_env(self.api_keys_env)}
         if self.api_keys is not None and any(not key for key in self.api_keys):
             raise ValueError("api_keys: keys must be non-empty")
         if self.allowed_hosts is not None:
@@ -577,30 +476,6 @@ class AppConfig:
         """What the app logs at start (no secrets)."""
         secret = ("api_key", "api_keys")
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in secret}
-
-
-def _keys_from_env(name: str) -> dict[str, ApiKeyProfile]:
-    try:
-        raw = os.environ.get(name)
-    except ValueError:  # a name no environment can hold (a NUL character)
-        raw = None
-    if not raw:
-        # On a cluster the app is built by a Ray task on some node: it has the environment that
-        # node's `ray start` had, never the shell of `serve run` or `serve deploy`.
-        raise ValueError(
-            f"api_keys_env: environment variable {clipped(name)} is not set where the app is "
-            "built (on a running cluster: in the environment of `ray start` on every node, not "
-            "of `serve run`; docs/operations.md#where-api_keys_env-is-read)"
-        )
-    try:
-        data = json.loads(raw)
-        return {str(k): build(ApiKeyProfile, v) for k, v in dict(data).items()}
-    except (ValueError, TypeError) as exc:
-        # The message names the variable, never its content: it holds secrets.
-        raise ValueError(
-            f"api_keys_env: {clipped(name)} must hold a JSON object key -> "
-            f"{{tenant, max_priority}} ({type(exc).__name__})"
-        ) from None
 
 
 def _plain(value: Any) -> Any:

@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from deploy.config import ApiKeyProfile, AppConfig
+from deploy.api_keys import ApiKeyProfile
+from deploy.config import AppConfig
 from settings import shown
 
 # One ingress routes to every model; a Serve app of more deployments than this is no longer one

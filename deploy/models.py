@@ -17,7 +17,8 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.fleet_view import replica_ids, replica_reports
 from cluster.metrics import RequestMetrics
-from deploy.config import ApiKeyProfile, AppConfig
+from deploy.api_keys import ApiKeyProfile
+from deploy.config import AppConfig
 from deploy.errors import AuthenticationError, ModelNotFoundError, RequestTimeoutError
 from deploy.image_parts import ServedVision
 from deploy.logprobs import TokenTexts

@@ -9,7 +9,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
 from cluster.autoscaling_policy import LLMAutoscalingPolicy, signals_from_context
-from deploy.config import AutoscalingArgs
+from deploy.autoscaling_args import AutoscalingArgs
 from router.autoscaling import AutoscalingPolicyConfig, ReplicaSignals, SignalTargets
 from settings import build
 

@@ -10,8 +10,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deploy.api_keys import ApiKeyProfile
 from deploy.app import build_app
-from deploy.config import ApiKeyProfile, AppConfig, AutoscalingArgs
+from deploy.autoscaling_args import AutoscalingArgs
+from deploy.config import AppConfig
 from settings import declared_settings
 
 

@@ -12,8 +12,9 @@ from pydantic import ValidationError
 from cluster.fleet_view import register, replica_ids
 from cluster.lora_admin import LoraCommand
 from deploy.admin_gate import LORA_GATE
+from deploy.api_keys import ApiKeyProfile
 from deploy.body import parse_body
-from deploy.config import ApiKeyProfile, AppConfig
+from deploy.config import AppConfig
 from deploy.errors import APIError, ModelNotFoundError, PermissionDeniedError, error_response
 from deploy.lora import (
     LoadLoraAdapterRequest,
