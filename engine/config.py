@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from engine.pipeline_config import check_pipeline
 from scheduler.config import SchedulerConfig
 from scheduler.speculative import SpeculativeConfig
+from scheduler.state_slots import MAX_STATE_SLOTS
 from settings import build, check_settings, nest, setting, shown
 from workers.options import (
     ATTENTION_BACKENDS,
@@ -255,6 +256,15 @@ class EngineConfig:
         None,
         "directory under which adapters may be loaded at run time (EngineCore.add_lora); "
         "unset: only the lora_modules paths",
+    )
+    num_state_checkpoints: int | None = setting(
+        None,
+        "hybrid models (Qwen3-Next, Granite-4 hybrid) with prefix caching: recurrent-state "
+        "checkpoints kept at block boundaries (the last of each prompt chunk), each the size of "
+        "one request's state; a prefix hit rounds down to a checkpointed block. 0: no hybrid "
+        "prefix hits. Unset: max_num_seqs (docs/hybrid.md)",
+        ge=0,
+        le=MAX_STATE_SLOTS,
     )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

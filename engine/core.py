@@ -34,6 +34,7 @@ from scheduler.length_state import open_length_state
 from scheduler.predicted_load import PredictedLoad
 from scheduler.request import EngineRequest, Request
 from scheduler.speculative import SpeculativeConfig
+from scheduler.state_checkpoints import StateCheckpointFeature
 from scheduler.state_slots import StateSlots
 from workers.kv_cache import GiB, KVCacheSpec
 from workers.kv_fp8 import cache_dtype
@@ -80,6 +81,7 @@ class EngineCore:
         runner_config = config.runner_config(
             self.model_dir, self.max_model_len, self.tiers, self._draft_model_dir()
         )
+        runner_config.num_state_checkpoints = self.num_state_checkpoints
         clock = self._phase("model_config", clock)
         self.executor: Executor = executor_factory(config, runner_config)
         clock = self._phase("weights", clock)
@@ -140,6 +142,8 @@ class EngineCore:
         hooks = step_features(config.speculative, overlap, depth)
         if self.images is not None:  # the vision tower's counts, for the stats
             hooks.append(ImageCounters())
+        if self.num_state_checkpoints:  # a hybrid's prefix hits start from state checkpoints
+            hooks.append(StateCheckpointFeature(self.num_state_checkpoints))
         self.scheduler = Scheduler(sized, hooks)
         self.scheduler.state_slots = StateSlots(self.num_state_slots)
         # Async scheduling: steps run on the pipeline's thread, one scheduled ahead of the one
@@ -154,9 +158,10 @@ class EngineCore:
         self.tracer = StepTracer()
 
     def _hybrid(self, config: EngineConfig) -> EngineConfig:
-        """A hybrid model's config (workers/linear_state.py): what it cannot run refused, prefix
-        caching off, one recurrent-state slot per running request; any other model's unchanged."""
-        self.num_state_slots = 0
+        """A hybrid model's config (workers/linear_state.py): what it cannot run refused, one
+        recurrent-state slot per running request and, with prefix caching, its state
+        checkpoints (scheduler/state_checkpoints.py); any other model's unchanged."""
+        self.num_state_slots = self.num_state_checkpoints = 0
         if not is_hybrid_config(AutoConfig.from_pretrained(self.model_dir)):
             return config
         sched = config.scheduler
@@ -166,11 +171,13 @@ class EngineCore:
             kv_tiers=bool(config.kv_cpu_tier_gb or sched.num_cpu_tier_blocks),
             pipeline_parallel_size=config.pipeline_parallel_size,
         )
-        if sched.enable_prefix_caching:
-            logger.info("enable_prefix_caching: off for a hybrid model (no state snapshots)")
         self.num_state_slots = sched.max_num_seqs
+        if sched.enable_prefix_caching:
+            wanted = config.num_state_checkpoints
+            self.num_state_checkpoints = sched.max_num_seqs if wanted is None else wanted
+        if not self.num_state_checkpoints:  # no hit could restore the linear layers' state
+            sched = replace(sched, enable_prefix_caching=False)
         # Eager: the decode graphs would capture no state slots.
-        sched = replace(sched, enable_prefix_caching=False)
         return replace(config, enforce_eager=True, scheduler=sched)
 
     def _draft_model_dir(self) -> str | None:

@@ -301,6 +301,9 @@ class KVCacheManager:
         self.num_registered_blocks: dict[str, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # (hashes, n) -> how many of n leading cached blocks a hit may use; None: all of them.
+        # A hybrid model's state checkpoints round a hit down (scheduler/state_checkpoints.py).
+        self.usable_prefix: Callable[[list[int], int], int] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -375,7 +378,13 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit.append(block_id)
+        if self.usable_prefix is not None:
+            del hit[self.usable_prefix(hashes, len(hit)) :]
         return hit
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The request's chain of block hashes, extended to (at most) num_blocks."""
+        return self._ensure_hashes(request, num_blocks)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens

@@ -10,6 +10,7 @@ from scheduler.kv_events import KVEventTail
 from scheduler.multimodal import ImageStepStats, MultiModalInputs
 from scheduler.request import FINISH_REASONS, Request
 from scheduler.sampling_params import SamplingParams
+from scheduler.state_slots import StateCopies
 
 # Per sampled token: (token_id, logprob) pairs, the sampled token first, then the top-N by rank.
 TokenLogprobs = list[tuple[int, float]]
@@ -74,6 +75,9 @@ class SchedulerOutput:
     # KV copies to and from the lower tiers of the prefix cache (scheduler/kv_connector.py), run
     # around the swap copies; None when there are none.
     kv_transfers: KVTransfers | None = None
+    # A hybrid model's recurrent-state checkpoint copies (scheduler/state_checkpoints.py); None
+    # when its prefix caching is off or the model has no recurrent state.
+    state_copies: StateCopies | None = None
 
     @property
     def is_empty(self) -> bool:

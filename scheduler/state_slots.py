@@ -11,6 +11,9 @@ failed. A preempted request's state is dropped with its blocks: it recomputes fr
 The workers keep their slots by request id (workers/linear_state.py) and size them from the same
 count, so a step never holds more requests than slots on either side. `num_slots` 0: the model has
 no recurrent state and every request may run.
+
+With prefix caching, checkpoints of the state at block boundaries (scheduler/state_checkpoints.py)
+travel to the workers as `StateCopies`.
 """
 
 from __future__ import annotations
@@ -61,3 +64,13 @@ class StateSlots:
         slot = self.slot_of.pop(req_id, None)
         if slot is not None:
             self.free.append(slot)
+
+
+@dataclass(slots=True)
+class StateCopies:
+    """One step's recurrent-state copies, by checkpoint number (0-based)."""
+
+    # request id -> the checkpoint its step starts from (its prefix hit ends there)
+    restore: dict[str, int] = field(default_factory=dict)
+    # request id -> (tokens of its row after which its state is saved, the checkpoint)
+    save: dict[str, tuple[int, int]] = field(default_factory=dict)

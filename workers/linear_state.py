@@ -8,11 +8,16 @@ a request takes one in the first step it runs and gives it back when it finishes
 (both travel in the SchedulerOutput). A slot is zeroed when its request's step starts at position
 0, so a recomputed request starts from the state a fresh one has.
 
-What is refused with such a model, and why (`check_hybrid_engine`): prefix caching (the KV of the
-full-attention layers at a block boundary is useless without the linear layers' state at the same
-point, and no state snapshots are kept per block), swap preemption (the state is not swapped with
-the blocks: a victim recomputes), speculative decoding (a rejected proposal's update cannot be
-taken back from a recurrent state) and pipeline stages (not built for these layers).
+Prefix caching keeps `num_state_checkpoints` more slots after the running ones: copies of a state
+at a block boundary, numbered by the scheduler (scheduler/state_checkpoints.py), which says in each
+step's `state_copies` which request starts from which checkpoint (its prefix hit ends there) and
+which row's state is copied to which checkpoint after how many of its tokens.
+
+What is refused with such a model, and why (`check_hybrid_engine`): the KV tiers (a block brought
+back from a tier has no state checkpoint with it), swap preemption (the state is not swapped with
+the blocks: a victim recomputes, from a checkpoint when its prefix is still cached), speculative
+decoding (a rejected proposal's update cannot be taken back from a recurrent state) and pipeline
+stages (not built for these layers).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from scheduler.outputs import SchedulerOutput
+from scheduler.state_slots import StateCopies
 from workers.features.base import RunnerContext, RunnerFeature
 from workers.kv_cache import GiB, KVCacheSpec
 from workers.layers.gated_delta import DeltaStateView, GatedDeltaNet
@@ -60,8 +66,8 @@ def check_hybrid_engine(
         )
     if kv_tiers:
         raise ValueError(
-            "kv_cpu_tier_gb: the KV tiers keep prefix-cache blocks, and prefix caching is off for "
-            "hybrid models (no recurrent-state snapshots at block boundaries)"
+            "kv_cpu_tier_gb: a block brought back from a KV tier has no recurrent-state "
+            "checkpoint with it, and a hybrid model's prefix hit needs one"
         )
     if pipeline_parallel_size != 1:
         raise ValueError("pipeline_parallel_size: hybrid models run on one stage")
@@ -71,19 +77,27 @@ class LinearStateStore:
     """The state tensors of every linear layer, the slots' owners, and each layer's step view."""
 
     def __init__(
-        self, layers: list[StatefulMixer], num_slots: int, dtype: torch.dtype, device: torch.device
+        self,
+        layers: list[StatefulMixer],
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_checkpoints: int = 0,
     ) -> None:
         self.views: list[DeltaStateView] = []
+        total = num_slots + num_checkpoints  # checkpoint c is slot num_slots + c
+        self.saves: dict[int, tuple[int, int]] = {}  # shared by every view: set each step
         for layer in layers:
             conv_shape, recurrent_shape = layer.state_shapes()
-            conv = torch.zeros((num_slots, *conv_shape), dtype=dtype, device=device)
+            conv = torch.zeros((total, *conv_shape), dtype=dtype, device=device)
             # float32 whatever the model's dtype, as transformers keeps it: a bf16 state would
             # round away each token's small update.
-            shape = (num_slots, *recurrent_shape)
+            shape = (total, *recurrent_shape)
             recurrent = torch.zeros(shape, dtype=torch.float32, device=device)
-            layer.state = view = DeltaStateView(conv, recurrent, [])
+            layer.state = view = DeltaStateView(conv, recurrent, [], self.saves)
             self.views.append(view)
         self.num_slots = num_slots
+        self.num_checkpoints = num_checkpoints
         self.slot_of: dict[str, int] = {}
         self.free = list(range(num_slots - 1, -1, -1))
 
@@ -110,14 +124,22 @@ class LinearStateStore:
         if slot is not None:
             self.free.append(slot)
 
-    def begin_step(self, req_ids: list[str], starts: list[int], live: Container[str]) -> None:
+    def begin_step(
+        self,
+        req_ids: list[str],
+        starts: list[int],
+        live: Container[str],
+        copies: StateCopies | None = None,
+    ) -> None:
         """Point every layer at the step's slots (batch order); a row starting at position 0 (a
-        new or recomputed request) starts from a zeroed state."""
+        new or recomputed request) starts from a zeroed state, a prefix hit from a copy of its
+        checkpoint. `copies`: the step's checkpoint copies (scheduler/state_checkpoints.py)."""
+        restore = copies.restore if copies is not None else {}
         for rid, start in zip(req_ids, starts):
-            if start and rid not in self.slot_of:  # its state before `start` exists nowhere
-                raise RuntimeError(
-                    f"linear state: {rid!r} starts at position {start} without a state (prefix "
-                    "hits and loaded KV are off for hybrid models)"
+            if start and rid not in self.slot_of and rid not in restore:
+                raise RuntimeError(  # its state before `start` exists nowhere
+                    f"linear state: {rid!r} starts at position {start} without a state or a "
+                    "checkpoint to restore (loaded KV is off for hybrid models)"
                 )
         slots = [self.assign(rid, live) for rid in req_ids]
         fresh = [s for s, start in zip(slots, starts) if start == 0]
@@ -126,8 +148,23 @@ class LinearStateStore:
             for view in self.views:
                 view.conv[idx] = 0
                 view.recurrent[idx] = 0
+        for rid, checkpoint in restore.items():
+            for view in self.views:
+                view.copy(self.checkpoint_slot(checkpoint), self.slot_of[rid])
+        self.saves.clear()
+        if copies is not None:
+            row_of = {rid: row for row, rid in enumerate(req_ids)}
+            for rid, (offset, checkpoint) in copies.save.items():
+                self.saves[row_of[rid]] = (offset, self.checkpoint_slot(checkpoint))
         for view in self.views:
             view.slots = slots
+
+    def checkpoint_slot(self, checkpoint: int) -> int:
+        if not 0 <= checkpoint < self.num_checkpoints:  # the scheduler numbers them: a bug
+            raise RuntimeError(
+                f"linear state: no checkpoint {checkpoint} of {self.num_checkpoints}"
+            )
+        return self.num_slots + checkpoint
 
 
 class LinearStateFeature(RunnerFeature):
@@ -142,10 +179,14 @@ class LinearStateFeature(RunnerFeature):
             )
         self.requests = ctx.requests
         self.device = ctx.device
-        self.store = LinearStateStore(layers, cfg.max_num_seqs, ctx.dtype, ctx.device)
+        self.store = LinearStateStore(
+            layers, cfg.max_num_seqs, ctx.dtype, ctx.device, cfg.num_state_checkpoints
+        )
+        self.copies: StateCopies | None = None  # the step's, from its SchedulerOutput
         logger.info(
-            "linear state: %d slots of %d layers, %.3f GiB",
+            "linear state: %d slots and %d prefix checkpoints of %d layers, %.3f GiB",
             cfg.max_num_seqs,
+            cfg.num_state_checkpoints,
             len(layers),
             self.store.nbytes / GiB,
         )
@@ -168,11 +209,12 @@ class LinearStateFeature(RunnerFeature):
         self.store.release(req_id)
 
     def update(self, out: SchedulerOutput) -> None:
-        for rid in out.preempted_req_ids:  # recomputed from position 0 when it comes back
+        for rid in out.preempted_req_ids:  # back from position 0 or from a checkpoint
             self.store.release(rid)
+        self.copies = out.state_copies
 
     def prepare(self, batch: Batch) -> bool:
-        self.store.begin_step(batch.req_ids, batch.starts, self.requests)
+        self.store.begin_step(batch.req_ids, batch.starts, self.requests, self.copies)
         return True  # the decode graphs do not carry the state slots
 
 

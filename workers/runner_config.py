@@ -75,6 +75,9 @@ class RunnerConfig:
     # balanced by count). The worker's rank says which stage it is.
     pipeline_parallel_size: int = 1
     pipeline_layer_split: list[int] | None = None
+    # A hybrid model with prefix caching: recurrent-state checkpoints kept beside the running
+    # requests' slots (workers/linear_state.py); 0: none.
+    num_state_checkpoints: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

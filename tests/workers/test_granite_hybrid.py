@@ -20,6 +20,7 @@ from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf
 
 from scheduler import SamplingParams
 from tests.random_checkpoint import ModelSpec, write_random_checkpoint
+from tests.workers import hybrid_prefix
 from tests.workers.greedy import assert_greedy_match, hf_greedy
 from tests.workers.test_hf_parity import TEXTS
 from workers.layers.mamba2 import MambaDims, ssd_chunked, ssd_step
@@ -111,21 +112,14 @@ def checkpoint(tmp_path_factory, smollm2_tokenizer) -> tuple[str, torch.nn.Modul
 def test_few_slots_chunked_prefill_and_preemption_give_hf_greedy_tokens(
     checkpoint, llm_factory, smollm2_tokenizer
 ):
-    path, hf_model = checkpoint
+    hf_model = checkpoint[1]
     prompts = [
         [(7 * i) % 40000 + 100 for i in range(70)],
         list(range(300, 345)),
         smollm2_tokenizer.encode(TEXTS[1]),
     ]
     refs = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
-    llm = llm_factory(
-        model=path,
-        dtype="float32",
-        max_num_batched_tokens=16,
-        max_num_seqs=2,
-        num_gpu_blocks=8,
-        max_model_len=8 * 16,
-    )
+    llm = _engine(checkpoint, llm_factory)
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
         assert_greedy_match(out.token_ids, ref, f"granite hybrid, prompt {i}")
@@ -133,6 +127,30 @@ def test_few_slots_chunked_prefill_and_preemption_give_hf_greedy_tokens(
     assert engine.stats().num_preemptions > 0
     assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # the 2 attention layers' K and V
     assert engine.expert_load()[0] > 0
+
+
+def _engine(checkpoint, llm_factory):
+    """16-token chunks, 2 state slots, 16 blocks of 8 tokens, prefix caching with 8 state
+    checkpoints (tests/workers/hybrid_prefix.py)."""
+    return llm_factory(
+        model=checkpoint[0],
+        dtype="float32",
+        max_num_batched_tokens=hybrid_prefix.CHUNK,
+        max_num_seqs=hybrid_prefix.SEQS,
+        block_size=hybrid_prefix.BLOCK,
+        num_gpu_blocks=hybrid_prefix.BLOCKS,
+        num_state_checkpoints=hybrid_prefix.CHECKPOINTS,
+        max_model_len=128,
+    )
+
+
+@pytest.mark.slow
+def test_a_prefix_hit_restores_the_mamba_state_checkpoint_and_gives_hf_tokens(
+    checkpoint, llm_factory
+):
+    """A hit computes only the tokens after its checkpointed block, beside a preemption, and a
+    partial hit rounds down to a checkpoint (tests/workers/hybrid_prefix.py)."""
+    hybrid_prefix.check_prefix_hits(_engine(checkpoint, llm_factory), checkpoint[1], MAX_TOKENS)
 
 
 @pytest.mark.parametrize(

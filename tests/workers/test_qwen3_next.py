@@ -19,6 +19,7 @@ import torch
 
 from scheduler import SamplingParams
 from tests.random_checkpoint import ModelSpec, write_random_checkpoint
+from tests.workers import hybrid_prefix
 from tests.workers.greedy import Greedy, assert_greedy_match, hf_greedy
 from tests.workers.test_hf_parity import TEXTS
 
@@ -94,16 +95,7 @@ def test_chunked_async_few_slots_and_preemption_give_hf_tokens(
     is scheduled while one runs (async), two slots serve three requests (the third takes a slot
     the first left, zeroed), and 8 blocks of 16 tokens cannot hold the 70- and 45-token requests
     as they grow, so one is preempted, its state dropped, and recomputed from its first token."""
-    path, _ = checkpoint
-    llm = llm_factory(
-        model=path,
-        dtype="float32",
-        max_num_batched_tokens=16,
-        max_num_seqs=2,
-        num_gpu_blocks=8,
-        max_model_len=8 * 16,
-        async_scheduling=True,
-    )
+    llm = _engine(checkpoint, llm_factory)
     engine = llm.engine
     before = engine.stats().num_preemptions
     outs = llm.generate(prompts[::-1], PARAMS, use_tqdm=False)
@@ -113,11 +105,31 @@ def test_chunked_async_few_slots_and_preemption_give_hf_tokens(
     assert engine.scheduler.state_slots.num_free == 2
     # K and V of 2 KV heads of 16 floats, on the 2 full-attention layers of 4.
     assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
-    assert not engine.scheduler.config.enable_prefix_caching  # refused: no state snapshots
-    again = llm.generate([prompts[1]], PARAMS, use_tqdm=False)
-    assert again[0].num_cached_tokens == 0
-    assert_matches(again, references[1:2], "the same prompt again, computed whole")
     assert engine.expert_load()[0] > 0  # the MoE layers routed every token
+
+
+def _engine(checkpoint, llm_factory):
+    """16-token chunks, async scheduling, 2 state slots, 16 blocks of 8 tokens, prefix caching
+    with 8 state checkpoints."""
+    path, _ = checkpoint
+    return llm_factory(
+        model=path,
+        dtype="float32",
+        max_num_batched_tokens=hybrid_prefix.CHUNK,
+        max_num_seqs=hybrid_prefix.SEQS,
+        block_size=hybrid_prefix.BLOCK,
+        num_gpu_blocks=hybrid_prefix.BLOCKS,
+        num_state_checkpoints=hybrid_prefix.CHECKPOINTS,
+        max_model_len=128,
+        async_scheduling=True,
+    )
+
+
+@pytest.mark.slow
+def test_a_prefix_hit_restores_the_state_checkpoint_and_gives_hf_tokens(checkpoint, llm_factory):
+    """tests/workers/hybrid_prefix.py: a hit computes only the tokens after its checkpointed
+    block, beside a preemption, and a partial hit rounds down to a checkpoint."""
+    hybrid_prefix.check_prefix_hits(_engine(checkpoint, llm_factory), checkpoint[1], MAX_TOKENS)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ tokens match (tests/workers/test_gated_delta.py compares them tensor by tensor).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -236,12 +236,36 @@ def _copy_exact(param: nn.Parameter, value: torch.Tensor, name: str) -> None:
 class DeltaStateView:
     """What a stateful layer (this DeltaNet, workers/layers/mamba2.py's mixer) reads and writes
     of the state store in one step (workers/linear_state.py): its conv [slots, C, K - 1] and
-    recurrent [slots, ...] tensors, and the step's slot per batch row (a request's first step finds
-    its slot zeroed)."""
+    recurrent [slots, ...] tensors, the step's slot per batch row (a request's first step finds
+    its slot zeroed, or restored from a checkpoint), and the rows whose state is saved to a
+    checkpoint slot part-way: batch row -> (tokens of the row, the checkpoint's slot)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
     slots: list[int]
+    saves: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def copy(self, src: int, dst: int) -> None:
+        self.conv[dst] = self.conv[src]
+        self.recurrent[dst] = self.recurrent[src]
+
+    def run_rows(self, meta: AttentionMetadata, run: Callable[[int, int, int], None]) -> None:
+        """The step's rows after `run` (lo, hi, slot) over each prefill row's tokens (decode rows
+        ran before): a row with a save runs in two parts, its state copied out between them (a
+        prompt split there leaves the same state as one run whole)."""
+        starts, slots = meta.query_start_loc_cpu, self.slots
+        for row, (_, checkpoint) in self.saves.items():
+            if row < meta.num_decodes:  # a one-token row: its state after that token
+                self.copy(slots[row], checkpoint)
+        for row in range(meta.num_decodes, meta.num_reqs):
+            lo, hi = starts[row], starts[row + 1]
+            save = self.saves.get(row)
+            if save is not None:
+                run(lo, lo + save[0], slots[row])
+                self.copy(slots[row], save[1])
+                lo += save[0]
+            if lo < hi:
+                run(lo, hi, slots[row])
 
 
 class GatedDeltaNet(nn.Module):
@@ -307,10 +331,11 @@ class GatedDeltaNet(nn.Module):
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(mixed[:nd], g[:nd], beta[:nd], self.state.slots[:nd])
-        starts = meta.query_start_loc_cpu
-        for row in range(nd, meta.num_reqs):
-            lo, hi = starts[row], starts[row + 1]
-            out[lo:hi] = self._prefill(mixed[lo:hi], g[lo:hi], beta[lo:hi], self.state.slots[row])
+
+        def run(lo: int, hi: int, slot: int) -> None:
+            out[lo:hi] = self._prefill(mixed[lo:hi], g[lo:hi], beta[lo:hi], slot)
+
+        self.state.run_rows(meta, run)
         y = self.norm(out.to(x.dtype).reshape(-1, self.d.v_dim), z.reshape(-1, self.d.v_dim))
         return self.out_proj(y.reshape(x.shape[0], -1))
 

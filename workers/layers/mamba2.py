@@ -201,10 +201,11 @@ class Mamba2Mixer(nn.Module):
         nd = meta.num_decodes
         if nd:
             y[:nd] = self._decode(xbc[:nd], dt[:nd], self.state.slots[:nd])
-        starts = meta.query_start_loc_cpu
-        for row in range(nd, meta.num_reqs):
-            lo, hi = starts[row], starts[row + 1]
-            y[lo:hi] = self._prefill(xbc[lo:hi], dt[lo:hi], self.state.slots[row])
+
+        def run(lo: int, hi: int, slot: int) -> None:
+            y[lo:hi] = self._prefill(xbc[lo:hi], dt[lo:hi], slot)
+
+        self.state.run_rows(meta, run)
         out = self.norm(y.reshape(x.shape[0], -1).to(x.dtype), gate)
         return self.out_proj(out)
 
