@@ -47,6 +47,8 @@ class EngineLoop:
         # The first step compiles the TP broadcast graph and warms the kernels: it may take long
         # without being stuck, so only later steps count as stalls (step_timeout_s bounds it).
         self.warmed_up = False
+        self.steps = 0  # steps taken, and the seconds spent inside them (bench/served_path.py)
+        self.step_seconds = 0.0
         self._shutdown_engine = False
         self._thread = threading.Thread(target=self._run, name="raylm-engine-loop", daemon=True)
         self._thread.start()
@@ -81,9 +83,11 @@ class EngineLoop:
         try:
             while self._apply_inbox(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
-                    self._step_started_at = self._clock()
+                    self._step_started_at = started = self._clock()
                     outputs = self.engine.step()
                     self._step_started_at = None
+                    self.steps += 1
+                    self.step_seconds += self._clock() - started
                     self.warmed_up = True
                     self._publish(outputs)
             if self._shutdown_engine:  # the replica is going away: the workers go with the loop

@@ -40,6 +40,7 @@ from deploy.request_path import RequestPath
 from deploy.responses import ResponsesRequest, renamed
 from deploy.responses_events import ResponseBuilder
 from deploy.schemas import ChatCompletionRequest, CompletionRequest
+from deploy.stream_priority import align_proxy_priority
 from deploy.tenants import TenantLimiter
 from deploy.tokenize_routes import TokenizeRoutes
 from workers.process import set_niceness
@@ -75,8 +76,10 @@ class OpenAIIngress(
         a disaggregated model's prefill replicas, by model name."""
         config = fleet.ingress
         if config.engine.process_niceness is not None:
-            # The ingress streams every token the engine makes: it runs at the engine's priority.
+            # The ingress streams every token the engine makes: it runs at the engine's priority,
+            # and so does the Serve proxy that writes them (deploy/stream_priority.py).
             set_niceness(config.engine.process_niceness)
+            align_proxy_priority(config.engine.process_niceness)
         self.config = config  # the ingress's own settings; each model's are its ServedModel's
         self.table = ModelTable([ServedModel.load(c, r) for c, r in zip(fleet.models, replicas)])
         for m in self.table.models:
