@@ -33,6 +33,7 @@ from cluster.lora_admin import LoraCommand, WrongReplicaError
 from cluster.lora_metrics import LoraMetrics
 from cluster.metrics import ReplicaMetrics
 from cluster.ray_executor import ray_executor
+from cluster.stream_chunks import chunk_tokens
 from cluster.tracing import ReplicaSide, TraceContext, record_replica
 from cluster.weights_admin import WeightsCommand
 from cluster.weights_admin import run_command as run_weights_command
@@ -327,12 +328,16 @@ class LLMReplica:
 
     def _on_step(self, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
         now = time.perf_counter()
+        config = self.config
+        interval = chunk_tokens(
+            config.stream_interval, config.stream_chunks_per_step, len(self._streams)
+        )
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:  # already gone: cancelled, or handed back
                 continue
             self._settle(stream, output, now)
-            chunk = stream.chunk(output, self.config.stream_interval)
+            chunk = stream.chunk(output, interval)
             if chunk is not None:
                 stream.queue.put_nowait(chunk)
         self._stats = stats
@@ -436,6 +441,10 @@ class LLMReplica:
             "num_streams": len(self._streams),
             "orphans_aborted": self._orphans_aborted,
             "model_pids": self.engine.executor.pids,
+            "engine_loop": {
+                "steps": self._loop_thread.steps,
+                "step_s": self._loop_thread.step_seconds,
+            },
             **phase_stats(self.phase),
         }
 

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 # A chunk is held until this many tokens at most: beyond it a stream is no stream.
 MAX_STREAM_INTERVAL = 256
+# Fewer chunks per step than this would hold chunks past MAX_STREAM_INTERVAL at any batch.
+MIN_STREAM_CHUNKS_PER_STEP = 0.01
 # LoRA bounds: device slots, rank, adapters kept read on the CPU and adapters declared up front.
 MAX_LORAS = 256
 MAX_LORA_RANK = 256
@@ -209,6 +211,16 @@ class EngineConfig:
         "twice) at the "
         "cost of smoothness",
         ge=1,
+        le=MAX_STREAM_INTERVAL,
+    )
+    stream_chunks_per_step: float | None = setting(
+        None,
+        "served: chunks a replica sends per engine step across all its streams, on average at "
+        "most: with more streams than that, each stream's chunk grows past stream_interval to "
+        "ceil(streams / this) tokens (cluster/stream_chunks.py). Each chunk costs the replica, "
+        "the ingress and the Serve proxy CPU the step needs; text arrives in larger pieces, the "
+        "time per token is the step's. Unset: stream_interval alone",
+        ge=MIN_STREAM_CHUNKS_PER_STEP,
         le=MAX_STREAM_INTERVAL,
     )
     grammar_timeout_s: float = setting(
