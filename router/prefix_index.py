@@ -27,6 +27,8 @@ def _in_listed_order(listed: list[int], wanted: Hashes) -> list[int]:
     return [h for h in listed if h in wanted]
 
 
+# How many reports a late one may trail the last applied by (Serve delivers a few late at most).
+LATE_REPORTS = 64
 # Entries kept for a replica that has not yet said how many KV blocks it has: as many as its
 # prefix report may list.
 DEFAULT_REPLICA_BLOCKS = 4096
@@ -198,6 +200,12 @@ class PrefixIndex:
         request there refreshes it), and one the bound evicted comes back only when routing plants
         it or a report lists it anew.
         """
+        last = self._report_ids.get(replica)
+        if last is not None and last - LATE_REPORTS <= report.report_id < last:
+            # Older than one applied: Serve hands a router reports late, and this one would list
+            # again blocks the replica evicted since (a hit predicted where it computes). One far
+            # older is not late but a renumbering (a hostile number before it): applied.
+            return
         listed, dropped, ordered = self._relist(replica, report)
         mine = self._by_replica.setdefault(replica, OrderedDict())
         unreported = self._unreported.setdefault(replica, set())

@@ -87,6 +87,19 @@ def test_replica_prefix_report_corrects_the_index_after_evictions():
     assert index.replicas_of(2) == set()
 
 
+def test_a_report_older_than_one_applied_changes_nothing():
+    """Serve hands a router reports late: report 1, delivered after report 2, would list again the
+    block the replica evicted between them."""
+    index = PrefixIndex(max_blocks=100)
+    index.sync_replica(A, PrefixReport([1, 2], 1), now=10, grace_s=5)
+    index.sync_replica(A, PrefixReport([1], 2), now=20, grace_s=5)
+    assert index.blocks_of(A) == {1}
+    index.sync_replica(A, PrefixReport([1, 2], 1), now=21, grace_s=5)
+    assert index.blocks_of(A) == {1}
+    index.sync_replica(A, PrefixReport([1, 3], 3), now=22, grace_s=5)  # news still counts
+    assert index.blocks_of(A) == {1, 3}
+
+
 def test_a_report_whose_change_does_not_add_up_is_applied_as_a_whole_list():
     index = PrefixIndex(max_blocks=100)
     index.sync_replica(A, PrefixReport([1, 2, 3], 1), now=0, grace_s=5)
