@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from router.config import RoutingConfig
 from scheduler import SchedulerConfig
 from sim.cost import load_profile
-from sim.fleet import FleetSim, HostConfig, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import HostConfig, SimConfig
 from sim.workload import SimRequest
 
 OFFLINE_TRACE = Path(__file__).resolve().parents[1] / "sim" / "traces" / "offline_batch.json"

@@ -4,7 +4,8 @@ Pure Python: imports scheduler/ and the routing policies, never torch or Ray.
 """
 
 from sim.cost import CostModel, load_profile
-from sim.fleet import FleetSim, HostConfig, SimConfig, SimResult
+from sim.fleet import FleetSim, SimResult
+from sim.fleet_config import HostConfig, SimConfig
 from sim.workload import SimRequest, WorkloadConfig, load_trace, synthetic_workload
 
 __all__ = [

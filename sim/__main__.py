@@ -16,7 +16,8 @@ from sim.autoscale_protocol import add_arguments as add_day_arguments
 from sim.autoscale_protocol import cmd_plan_day
 from sim.cost import load_profile
 from sim.disagg import DisaggConfig, DisaggSim
-from sim.fleet import SIM_MAX_MODEL_LEN, SIM_NUM_GPU_BLOCKS, FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SIM_MAX_MODEL_LEN, SIM_NUM_GPU_BLOCKS, SimConfig
 from sim.kv_copy import LinkConfig
 from sim.plots import plot_rows as _plot
 from sim.workload import SimRequest, WorkloadConfig, load_trace, synthetic_workload

@@ -37,7 +37,8 @@ from router.autoscaling import (
 from scheduler import RequestOutput
 from settings import check_settings, setting
 from sim.cost import CostModel
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SimConfig
 from sim.metrics import RequestRecord, SimResult
 from sim.replica import SimReplica
 from sim.workload import SimRequest

@@ -35,7 +35,7 @@ from sim.autoscale import (
     day_workload,
 )
 from sim.cost import load_profile
-from sim.fleet import SimConfig
+from sim.fleet_config import SimConfig
 
 POLICIES = ("llm", "ongoing")
 MAX_SEEDS = 1000

@@ -36,7 +36,8 @@ from scheduler.kv_connector import KVConnector, LoadPlan
 from scheduler.request import Request
 from settings import check_settings, setting
 from sim.cost import CostModel
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SimConfig
 from sim.kv_copy import KVCopyReplica, LinkConfig
 from sim.metrics import RequestRecord
 from sim.replica import TOKEN, SimReplica

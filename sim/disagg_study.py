@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from scheduler import SchedulerConfig
 from sim.cost import load_profile
 from sim.disagg import DisaggConfig, DisaggSim
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SimConfig
 from sim.kv_copy import LinkConfig
 from sim.metrics import SimResult, percentile
 from sim.workload import SimRequest, WorkloadConfig, synthetic_workload

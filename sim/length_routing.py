@@ -19,7 +19,8 @@ from collections import Counter
 from router.config import RoutingConfig
 from scheduler import SchedulerConfig
 from sim.cost import load_profile
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SimConfig
 from sim.length_study import (
     MAX_TOKENS,
     SET_MAX_TOKENS,

@@ -33,7 +33,8 @@ from scheduler import Request, SchedulerConfig
 from scheduler.length_prediction import LengthEstimate, LengthPredictor
 from scheduler.queues import SRPTQueue
 from sim.cost import load_profile
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SimConfig
 from sim.metrics import SimResult, percentile
 from sim.replica import SimReplica
 from sim.workload import SimRequest

@@ -21,7 +21,8 @@ from router.config import RoutingConfig
 from scheduler import SchedulerConfig
 from sim.adapters import AdapterMix, AdapterSlotsConfig, with_adapters
 from sim.cost import load_profile
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SimConfig
 from sim.lora_replica import LoraSimReplica
 from sim.studies import FLEET_PROFILE, capacity
 from sim.workload import SimRequest, WorkloadConfig, synthetic_workload

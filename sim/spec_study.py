@@ -19,7 +19,8 @@ import time
 from scheduler import SchedulerConfig
 from scheduler.speculative import SpeculativeConfig
 from sim.cost import load_profile
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SimConfig
 from sim.metrics import percentile
 from sim.speculation import AcceptanceConfig, SpecSimConfig
 from sim.workload import SimRequest

@@ -19,7 +19,8 @@ from router.config import POLICIES, RoutingConfig
 from scheduler import SchedulerConfig
 from scheduler.queues import FairQueue
 from sim.cost import load_profile
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SimConfig
 from sim.metrics import SimResult, percentile
 from sim.plots import plot_rows as _plot
 from sim.replica import SimReplica

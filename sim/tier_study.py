@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from scheduler import SchedulerConfig
 from settings import check_settings, setting
 from sim.cost import load_profile
-from sim.fleet import FleetSim, SimConfig
+from sim.fleet import FleetSim
+from sim.fleet_config import SimConfig
 from sim.kv_copy import LinkConfig
 from sim.metrics import SimResult, percentile
 from sim.tiers import tier_figures

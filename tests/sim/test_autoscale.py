@@ -16,7 +16,7 @@ from sim.autoscale import (
     day_workload,
 )
 from sim.cost import load_profile
-from sim.fleet import SimConfig
+from sim.fleet_config import SimConfig
 
 # A day compressed to 90 s, so that the test runs in seconds.
 DAY = DayWorkloadConfig(day_s=90, peak_rate=10, long_share_peak=0.1, long_share_trough=0.5)

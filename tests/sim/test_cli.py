@@ -7,7 +7,7 @@ import pytest
 from router.stats import ROUTING_STATS_PERIOD_S
 from scheduler import SchedulerConfig
 from sim.__main__ import command_line
-from sim.fleet import SIM_NUM_GPU_BLOCKS, SimConfig
+from sim.fleet_config import SIM_NUM_GPU_BLOCKS, SimConfig
 
 
 @pytest.mark.parametrize("command", ["run", "plan"])

@@ -13,7 +13,7 @@ from settings import build, declared_settings
 from sim.adapters import AdapterMix, AdapterSlotsConfig
 from sim.autoscale import AutoscaleConfig, DayWorkloadConfig
 from sim.disagg import DisaggConfig
-from sim.fleet import HostConfig, SimConfig
+from sim.fleet_config import HostConfig, SimConfig
 from sim.kv_copy import LinkConfig
 from sim.tier_study import ConversationConfig
 from sim.workload import WorkloadConfig
