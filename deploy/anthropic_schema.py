@@ -5,7 +5,8 @@ Every bound, the chat template, tool prompting and output constraints are the ch
 own: a Messages body becomes a `ChatCompletionRequest`, and the errors that one raises are named
 back by the Messages field they came from. An unknown field, a content block raylm cannot show the
 model (a document) or a server tool is a 400 naming its path; image blocks are a vision model's
-(chat image parts, decoded and bounded in deploy/image_parts.py).
+(chat image parts, decoded and bounded in deploy/image_parts.py). The body's parts (blocks, tools,
+thinking) are deploy/anthropic_blocks.py.
 """
 
 from __future__ import annotations
@@ -13,165 +14,29 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
+from deploy.anthropic_blocks import (
+    CacheControl,
+    ImageBlock,
+    Message,
+    Metadata,
+    StrictModel,
+    TextBlock,
+    Thinking,
+    Tool,
+    ToolChoice,
+    ToolResultBlock,
+    ToolUseBlock,
+    num_blocks,
+    text_blocks,
+    validated_message,
+)
 from deploy.errors import renamed_error
 from deploy.schemas import MAX_MESSAGE_PARTS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
-from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS
-from scheduler.sampling_params import MAX_TOKENS
-
-MAX_ID_CHARS = 256
-# Anthropic's tool names.
-TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-MAX_DESCRIPTION_CHARS = 8192
-# Blocks Anthropic defines that raylm does not take (yet): refused naming their path.
-_UNSUPPORTED_BLOCKS = {
-    "document": "document blocks are not supported by this server",
-    "search_result": "search_result blocks are not supported by this server",
-    "server_tool_use": "server tools are not supported by this server",
-    "web_search_tool_result": "server tools are not supported by this server",
-    "container_upload": "container uploads are not supported by this server",
-}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-
-
-class CacheControl(_Strict):
-    """A prompt-caching breakpoint: accepted and unused (raylm caches every prompt's prefix)."""
-
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
-
-
-class TextBlock(_Strict):
-    type: Literal["text"]
-    text: str
-    cache_control: CacheControl | None = None
-    citations: list[dict[str, Any]] | None = Field(default=None, max_length=0)
-
-
-class ToolUseBlock(_Strict):
-    """A call the assistant made earlier in the conversation."""
-
-    type: Literal["tool_use"]
-    id: str = Field(max_length=MAX_ID_CHARS)
-    name: str = Field(pattern=TOOL_NAME)
-    input: dict[str, Any]
-    cache_control: CacheControl | None = None
-
-
-class ToolResultBlock(_Strict):
-    """A call's result, written by the client."""
-
-    type: Literal["tool_result"]
-    tool_use_id: str = Field(max_length=MAX_ID_CHARS)
-    content: str | list[TextBlock] = ""
-    is_error: bool | None = None
-    cache_control: CacheControl | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(block.text for block in self.content)
-
-
-class ImageSource(_Strict):
-    """An image as Anthropic sends it: base64 data and its media type, or a URL (fetched only
-    from allowed_media_domains); decoded and bounded where every image is (frontend/images.py)."""
-
-    type: Literal["base64", "url"]
-    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
-    data: str | None = None
-    url: str | None = None
-
-    @model_validator(mode="after")
-    def _fields_of_its_type(self) -> ImageSource:
-        if self.type == "base64" and (self.data is None or self.media_type is None):
-            raise ValueError("a base64 source holds media_type and data")
-        if self.type == "url" and self.url is None:
-            raise ValueError("a url source holds url")
-        return self
-
-    def chat_url(self) -> str:
-        """The source as a chat image part's URL (a data URL for base64)."""
-        if self.type == "url":
-            return str(self.url)
-        return f"data:{self.media_type};base64,{self.data}"
-
-
-class ImageBlock(_Strict):
-    type: Literal["image"]
-    source: ImageSource
-    cache_control: CacheControl | None = None
-
-
-class ThinkingBlock(_Strict):
-    """Earlier thinking, sent back with the conversation: accepted, not shown to the model (chat
-    templates drop earlier turns' thinking)."""
-
-    type: Literal["thinking"]
-    thinking: str
-    signature: str = Field(default="", max_length=65536)
-
-
-class RedactedThinkingBlock(_Strict):
-    type: Literal["redacted_thinking"]
-    data: str = Field(max_length=65536)
-
-
-Block = (
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
-)
-_BLOCKS: dict[str, type[BaseModel]] = {
-    "text": TextBlock,
-    "image": ImageBlock,
-    "tool_use": ToolUseBlock,
-    "tool_result": ToolResultBlock,
-    "thinking": ThinkingBlock,
-    "redacted_thinking": RedactedThinkingBlock,
-}
-# Which blocks each role may write.
-_ROLE_BLOCKS = {
-    "user": {"text", "image", "tool_result"},
-    "assistant": {"text", "tool_use", "thinking", "redacted_thinking"},
-}
-
-
-class Message(_Strict):
-    role: Literal["user", "assistant"]
-    content: str | list[Annotated[Block, Field(discriminator="type")]]
-
-
-class Tool(_Strict):
-    name: str = Field(pattern=TOOL_NAME)
-    description: str = Field(default="", max_length=MAX_DESCRIPTION_CHARS)
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
-    cache_control: CacheControl | None = None
-
-
-class ToolChoice(_Strict):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = Field(default=None, pattern=TOOL_NAME)
-    disable_parallel_tool_use: bool | None = None
-
-
-class Metadata(_Strict):
-    user_id: str | None = Field(default=None, max_length=MAX_TENANT_CHARS)
-
-
-class Thinking(_Strict):
-    """Extended thinking: the reply's reasoning comes back as thinking blocks where the model has
-    a reasoning parser. budget_tokens is checked as Anthropic checks it; the model ends its
-    thinking itself (no budget is enforced)."""
-
-    type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(default=None, ge=1024, le=MAX_TOKENS)
-    display: Literal["summarized", "omitted"] | None = None
+from scheduler.request import MAX_PRIORITY
 
 
 @dataclass(slots=True)
@@ -191,7 +56,7 @@ class ChatMessages:
         self.origins.append(origin)
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(StrictModel):
     """POST /v1/messages/count_tokens: what a Messages request would send the model."""
 
     model: str = Field(max_length=1024)
@@ -210,7 +75,7 @@ class CountTokensRequest(_Strict):
         if not isinstance(data, dict):
             return data
         if isinstance(data.get("system"), list):
-            data = {**data, "system": _text_blocks(data["system"], "system")}
+            data = {**data, "system": text_blocks(data["system"], "system")}
         elif "system" in data and not isinstance(data["system"], (str, type(None))):
             raise ValueError("system: must be a string or a list of text blocks")
         if not isinstance(data.get("messages"), list):
@@ -219,12 +84,15 @@ class CountTokensRequest(_Strict):
         limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
         if len(raw) > limit:
             raise ValueError(f"messages: at most {limit} messages, got {len(raw)}")
-        if _num_parts(raw) > MAX_MESSAGE_PARTS:
+        if num_blocks(raw) > MAX_MESSAGE_PARTS:
             raise ValueError(
                 f"messages: at most {MAX_MESSAGE_PARTS} content blocks over all messages, "
-                f"got {_num_parts(raw)}"
+                f"got {num_blocks(raw)}"
             )
-        return {**data, "messages": [_message(m, f"messages.{i}") for i, m in enumerate(raw)]}
+        return {
+            **data,
+            "messages": [validated_message(m, f"messages.{i}") for i, m in enumerate(raw)],
+        }
 
     @model_validator(mode="after")
     def _consistent(self) -> CountTokensRequest:
@@ -344,76 +212,6 @@ class MessagesRequest(CountTokensRequest):
         if self.metadata is not None and self.metadata.user_id is not None:
             more["user"] = self.metadata.user_id
         return self.chat_request(max_messages, **more)
-
-
-def _num_parts(raw: list[Any]) -> int:
-    """Content blocks over a raw conversation, a tool result's own blocks included."""
-    total = 0
-    for message in raw:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            total += len(content)
-            total += sum(
-                len(b["content"])
-                for b in content
-                if isinstance(b, dict) and isinstance(b.get("content"), list)
-            )
-    return total
-
-
-def _message(raw: Any, path: str) -> Any:
-    """One raw message, validated: a block's error names its own path."""
-    if not isinstance(raw, dict):
-        return raw  # the model's own error names the message
-    content, role = raw.get("content"), raw.get("role")
-    if not isinstance(content, list):
-        return _validated(Message, raw, path)
-    blocks = [_block(b, f"{path}.content.{j}", role) for j, b in enumerate(content)]
-    if not blocks:
-        raise ValueError(f"{path}.content: must hold at least one block")
-    shell = _validated(Message, {**raw, "content": "-"}, path)  # role and keys checked
-    return shell.model_copy(update={"content": blocks})
-
-
-def _text_blocks(raw: list[Any], path: str) -> list[TextBlock]:
-    if len(raw) > MAX_MESSAGE_PARTS:
-        raise ValueError(f"{path}: at most {MAX_MESSAGE_PARTS} blocks, got {len(raw)}")
-    blocks = [_block(b, f"{path}.{j}", None) for j, b in enumerate(raw)]
-    for j, block in enumerate(blocks):
-        if not isinstance(block, TextBlock):
-            raise ValueError(f"{path}.{j}.type: must be text")
-    return blocks  # type: ignore[return-value]
-
-
-def _block(raw: Any, path: str, role: Any) -> BaseModel:
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if not isinstance(kind, str):
-        raise ValueError(f"{path}: must be a content block with a type")
-    if kind in _UNSUPPORTED_BLOCKS:
-        raise ValueError(f"{path}: {_UNSUPPORTED_BLOCKS[kind]}")
-    if kind not in _BLOCKS:
-        raise ValueError(f"{path}.type: unknown content block type {kind[:64]!r}")
-    if role in _ROLE_BLOCKS and kind not in _ROLE_BLOCKS[role]:
-        raise ValueError(f"{path}.type: a {role} message cannot hold {kind} blocks")
-    if kind == "tool_result" and isinstance(raw.get("content"), list):
-        for k, inner in enumerate(raw["content"]):
-            inner_kind = inner.get("type") if isinstance(inner, dict) else None
-            if inner_kind in _UNSUPPORTED_BLOCKS:
-                raise ValueError(f"{path}.content.{k}: {_UNSUPPORTED_BLOCKS[inner_kind]}")
-            if inner_kind == "image":  # a tool message carries text only
-                raise ValueError(f"{path}.content.{k}: images in tool results are not supported")
-    return _validated(_BLOCKS[kind], raw, path)
-
-
-def _validated(model: type[BaseModel], raw: dict[str, Any], path: str) -> Any:
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if not str(p).startswith(("list[", "str"))]
-        where = ".".join([path, *loc])
-        msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-        raise ValueError(f"{where}: {msg}") from None
 
 
 def _add_message(out: ChatMessages, message: Message, path: str) -> None:
