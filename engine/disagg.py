@@ -176,6 +176,11 @@ class DecodeSide:
         transport: KVTransport,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     ) -> None:
+        if engine.num_state_slots:  # transferred blocks come without the state at their end
+            raise ValueError(
+                "disaggregation: a hybrid model's decode engine cannot start from transferred KV "
+                "(its linear layers' recurrent state does not travel with the blocks)"
+            )
         self.ranks = Ranks(engine, "disaggregation.decode")
         sched = engine.scheduler
         self.engine = engine

@@ -14,6 +14,8 @@ near-tie (tests/workers/greedy.py).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -129,7 +131,21 @@ def _engine(checkpoint, llm_factory):
 def test_a_prefix_hit_restores_the_state_checkpoint_and_gives_hf_tokens(checkpoint, llm_factory):
     """tests/workers/hybrid_prefix.py: a hit computes only the tokens after its checkpointed
     block, beside a preemption, and a partial hit rounds down to a checkpoint."""
-    hybrid_prefix.check_prefix_hits(_engine(checkpoint, llm_factory), checkpoint[1], MAX_TOKENS)
+    llm = _engine(checkpoint, llm_factory)
+    hybrid_prefix.check_prefix_hits(llm, checkpoint[1], MAX_TOKENS)
+    from engine.disagg import DecodeSide
+
+    # Transferred blocks would come without the state at their end: refused before any transfer.
+    with pytest.raises(ValueError, match="disaggregation: a hybrid model"):
+        DecodeSide(llm.engine, transport=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [2**64, -1, math.nan, 10**12, True, "8"])
+def test_a_state_checkpoint_count_out_of_range_is_refused_naming_it(bad):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="num_state_checkpoints"):
+        EngineConfig(num_state_checkpoints=bad)
 
 
 @pytest.mark.slow
