@@ -12,10 +12,11 @@ connector (scheduler/kv_remote.py) and goes on decoding.
   slots and holds it in LOADING_KV while the step copies the blocks in; a block that does not
   arrive intact is recomputed.
 
-Under tensor parallelism (the same size on both sides) each rank sends and receives its own KV
-heads (workers/kv_ranks.py): the prefill's rank r puts its shard, the handle carries one per rank,
-the decode's rank r fetches its own; a block that fails on any rank is recomputed on all of them
-(the runner's `_load_kv`), so the ranks never hold different KV.
+Under tensor parallelism each rank sends and receives its own KV heads (workers/kv_ranks.py): the
+prefill's rank r sends its shard, the handle carries one per rank, and each decode rank fetches
+the shards that hold its heads (its namesake's at the same size; at another size it joins or cuts
+heads, workers/kv_reshard.py); a block that fails on any rank is recomputed on all of them (the
+runner's `_load_kv`), so the ranks never hold different KV.
 """
 
 from __future__ import annotations
