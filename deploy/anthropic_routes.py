@@ -12,6 +12,7 @@ from deploy.anthropic_events import MessageBuilder, anthropic_shaped
 from deploy.anthropic_schema import CountTokensRequest, MessagesRequest
 from deploy.engine_requests import Generation
 from deploy.http_app import app
+from deploy.image_parts import image_token_counts
 from deploy.models import ServedModel
 from deploy.reply_format import TypedEvents
 from deploy.request_path import RequestPath
@@ -28,8 +29,16 @@ def _keyed(request: Request) -> Request:
     return Request(scope, request.receive)
 
 
+def _prompt_tokens(gen: Generation) -> int:
+    """The tokens the engine runs for the prompt: each image's placeholder counted as the tokens
+    the model gives that image."""
+    request = gen.choices[0].request
+    images = image_token_counts(gen.model.vision, request.images)
+    return len(request.prompt_token_ids) + sum(images) - len(images)
+
+
 def _messages_format(body: MessagesRequest, gen: Generation) -> TypedEvents:
-    num_prompt_tokens = len(gen.choices[0].request.prompt_token_ids)
+    num_prompt_tokens = _prompt_tokens(gen)
     builder = MessageBuilder(gen.name, gen.reply_split(), num_prompt_tokens, body.stop_sequences)
     return TypedEvents(builder, builder.message)
 
@@ -62,10 +71,10 @@ class AnthropicRoutes(RequestPath):
         self, m: ServedModel, body: CountTokensRequest, tenant: str
     ) -> Response:
         """The prompt's tokens as a Messages request would send them: the same chat path, up to
-        the choices (none is started)."""
+        the choices (none is started); each image counted as the tokens the engine gives it."""
         chat, names = body.chat_request(self.config.max_messages, max_tokens=1)
         try:
             gen = await self._chat_generation(m, chat, tenant)
         except Exception as exc:
             raise names.renamed(exc) from None
-        return JSONResponse({"input_tokens": len(gen.choices[0].request.prompt_token_ids)})
+        return JSONResponse({"input_tokens": _prompt_tokens(gen)})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,9 @@ from PIL import Image
 
 from cluster.metrics import RequestMetrics
 from deploy.errors import BadRequestError
-from deploy.schemas import ChatCompletionRequest
+from deploy.schemas import ChatCompletionRequest, ChatMessage
 from frontend.images import ImageInput, ImageLimits, ImageRefusal, ImageTokens, load_images
+from scheduler.multimodal import ImageLike
 
 # Room a vision model's request bodies get for their images (base64 text) beyond the text's:
 # OpenAI's 50 MB payload bound, rounded up (max_request_body_bytes, when set, is the bound).
@@ -35,6 +37,7 @@ class ServedVision:
     limits: ImageLimits
     allowed_domains: tuple[str, ...]
     tokens: ImageTokens | None
+    placeholder: int | None = None  # the prompt's token per image (None: unknown)
 
     @classmethod
     def load(
@@ -49,7 +52,7 @@ class ServedVision:
             return None
         counter = functools.partial(_tokens_of_size, preprocessor, threading.Lock())
         tokens = functools.lru_cache(TOKEN_COUNTS_CACHED)(counter)
-        return cls(limits, tuple(allowed_domains or ()), tokens)
+        return cls(limits, tuple(allowed_domains or ()), tokens, preprocessor.placeholder)
 
 
 def _tokens_of_size(preprocessor: Any, lock: threading.Lock, width: int, height: int) -> int:
@@ -63,8 +66,13 @@ def _tokens_of_size(preprocessor: Any, lock: threading.Lock, width: int, height:
 def image_inputs(chat: ChatCompletionRequest) -> list[ImageInput]:
     """The image parts of a chat, in order, each with the field an error names; images only in
     user messages, as OpenAI takes them."""
+    return message_images(chat.messages)
+
+
+def message_images(messages: Sequence[ChatMessage]) -> list[ImageInput]:
+    """image_inputs of messages (a chat's, or /tokenize's)."""
     found: list[ImageInput] = []
-    for i, message in enumerate(chat.messages):
+    for i, message in enumerate(messages):
         content = message.content
         if not isinstance(content, list) or not message.num_images:
             continue
@@ -86,7 +94,14 @@ async def load_chat_images(
 ) -> tuple[tuple[Image.Image, ...], int]:
     """The chat's images decoded off the event loop, and the tokens they add to the prompt
     beyond their one placeholder each; a 400 naming the image's field when one is refused."""
-    parts = image_inputs(chat)
+    return await load_message_images(name, vision, metrics, chat.messages)
+
+
+async def load_message_images(
+    name: str, vision: ServedVision | None, metrics: RequestMetrics, messages: Sequence[ChatMessage]
+) -> tuple[tuple[Image.Image, ...], int]:
+    """load_chat_images of messages (a chat's, or /tokenize's)."""
+    parts = message_images(messages)
     if not parts:
         return (), 0
     metrics.record_images(len(parts))
@@ -105,11 +120,12 @@ async def load_chat_images(
         metrics.record_image_refused(exc.reason)
         field = str(exc).split(": ", 1)[0]
         raise BadRequestError(str(exc), param=field, code="invalid_image") from None
-    return tuple(images), _extra_tokens(vision, images)
+    return tuple(images), sum(image_token_counts(vision, images)) - len(images)
 
 
-def _extra_tokens(vision: ServedVision, images: list[Image.Image]) -> int:
-    """Tokens the engine's expansion adds to the prompt (each placeholder becomes the image's)."""
-    if vision.tokens is None:
-        return 0
-    return sum(vision.tokens(*im.size) - 1 for im in images)
+def image_token_counts(vision: ServedVision | None, images: Sequence[ImageLike]) -> list[int]:
+    """The tokens each image takes in the prompt the engine runs (1, its placeholder, where the
+    model's counts are unknown)."""
+    if vision is None or vision.tokens is None:
+        return [1] * len(images)
+    return [vision.tokens(*im.size) for im in images]

@@ -3,12 +3,16 @@ template) to token ids and back, with the frontend the completions use."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.errors import BadRequestError
+from deploy.image_parts import ServedVision, image_token_counts
 from deploy.schemas import ChatMessage, ChatTemplateFields
 from frontend.frontend import Frontend
+from scheduler.multimodal import ImageLike, expand_placeholders
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -55,6 +59,23 @@ def tokenize(
     if body.add_special_tokens:
         ids = frontend.tokenizer.build_inputs_with_special_tokens(ids)
     return list(ids)
+
+
+def with_image_tokens(
+    ids: list[int], vision: ServedVision | None, images: Sequence[ImageLike]
+) -> list[int]:
+    """A chat's ids with each image's placeholder repeated for the tokens the engine gives it
+    (engine/multimodal.py's expansion); a 400 when placeholders and images differ in number."""
+    placeholder = None if vision is None else vision.placeholder
+    if placeholder is None:
+        return ids
+    found = ids.count(placeholder)
+    if found != len(images):
+        raise BadRequestError(
+            f"messages: {len(images)} images for {found} image placeholders in the rendered chat",
+            param="messages",
+        )
+    return expand_placeholders(ids, placeholder, image_token_counts(vision, images))[0]
 
 
 def tokenize_response(

@@ -29,6 +29,7 @@ from scheduler.multimodal import (
     ImageSpan,
     MultiModalInputs,
     PackedArray,
+    expand_placeholders,
 )
 from scheduler.request import EngineRequest
 from workers.models import model_class
@@ -141,18 +142,12 @@ def _expand(
     ids: list[int], placeholder: int, images: list[ProcessedImage]
 ) -> tuple[list[int], MultiModalInputs]:
     """ids with the i-th placeholder repeated images[i].num_tokens times, and the spans."""
-    out: list[int] = []
-    inputs: list[ImageInput] = []
-    pending = iter(images)
-    for token in ids:
-        if token != placeholder:
-            out.append(token)
-            continue
-        image = next(pending)
-        span = ImageSpan(len(out), image.num_tokens, image.digest)
-        inputs.append(ImageInput(span, image.arrays))
-        out.extend([placeholder] * image.num_tokens)
-    return out, MultiModalInputs(tuple(inputs))
+    out, offsets = expand_placeholders(ids, placeholder, [im.num_tokens for im in images])
+    inputs = tuple(
+        ImageInput(ImageSpan(offset, image.num_tokens, image.digest), image.arrays)
+        for offset, image in zip(offsets, images)
+    )
+    return out, MultiModalInputs(inputs)
 
 
 def pack(array: np.ndarray) -> PackedArray:

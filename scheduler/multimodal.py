@@ -159,6 +159,23 @@ def image_key(spans: Sequence[ImageSpan], start: int, end: int) -> bytes:
     )
 
 
+def expand_placeholders(
+    ids: Sequence[int], placeholder: int, counts: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """ids with the i-th placeholder repeated counts[i] times (as many placeholders as counts),
+    and where each run starts: the prompt the engine runs (and /tokenize shows)."""
+    out: list[int] = []
+    offsets: list[int] = []
+    pending = iter(counts)
+    for token in ids:
+        if token != placeholder:
+            out.append(token)
+            continue
+        offsets.append(len(out))
+        out.extend([placeholder] * next(pending))
+    return out, offsets
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
