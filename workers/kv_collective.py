@@ -304,6 +304,9 @@ class Puller:
             pair = self.pairs.get(ident)
             if pair is not None and time.monotonic() - pair.used < IDLE_S / 2:
                 return pair
+            # A sender that is gone refuses the connection at once; the store would retry it
+            # until the timeout.
+            socket.create_connection((ref.host, ref.port), timeout=timeout_s).close()
             store = _client_store(ref.host, ref.port, timeout_s)
             n = store.add("pairs", 1)
             store.set(f"hello/{n}", ref.backend)
