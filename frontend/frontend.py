@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from frontend.chat import DEFAULT_CHAT, ChatOptions, control_texts, encode_chat
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
 from frontend.images import image_text
-from scheduler.block_manager import hash_prompt_blocks
+from scheduler.block_hash import hash_prompt_blocks
 from scheduler.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from workers.model_files import context_limit_of, max_model_len_of, resolve_model
 from workers.options import DEFAULT_CACHE_DIR

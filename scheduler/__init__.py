@@ -1,11 +1,7 @@
 """The continuous-batching scheduler: pure Python, no torch, no Ray."""
 
-from scheduler.block_manager import (
-    KVCacheManager,
-    extend_block_hashes,
-    hash_block_tokens,
-    hash_prompt_blocks,
-)
+from scheduler.block_hash import extend_block_hashes, hash_block_tokens, hash_prompt_blocks
+from scheduler.block_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.lora_slots import LoraInUseError, UnknownLoraError
 from scheduler.outputs import (

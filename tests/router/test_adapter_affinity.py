@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from router.adapter_affinity import AdapterIndex, routing_lora_key
 from router.policies import RouteRequest
 from router.stats import RoutingStats
-from scheduler.block_manager import hash_prompt_blocks
+from scheduler.block_hash import hash_prompt_blocks
 from scheduler.outputs import SchedulerStats
 from tests.router.scaffold import busy, fleet, report
 

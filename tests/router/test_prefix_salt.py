@@ -2,7 +2,8 @@
 attract the next request of the same salt and no other."""
 
 from router.prefix_index import PrefixIndex
-from scheduler.block_manager import KVCacheManager, hash_prompt_blocks
+from scheduler.block_hash import hash_prompt_blocks
+from scheduler.block_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from tests.scheduler.test_cache_salt import BS, PROMPT, computed
 

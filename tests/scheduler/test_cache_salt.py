@@ -6,12 +6,8 @@ import math
 
 import pytest
 
-from scheduler.block_manager import (
-    KVCacheManager,
-    extend_block_hashes,
-    hash_block_tokens,
-    hash_prompt_blocks,
-)
+from scheduler.block_hash import extend_block_hashes, hash_block_tokens, hash_prompt_blocks
+from scheduler.block_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.request import MAX_CACHE_SALT_CHARS, EngineRequest, Request
 

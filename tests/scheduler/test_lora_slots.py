@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.block_manager import hash_block_tokens, hash_prompt_blocks
+from scheduler.block_hash import hash_block_tokens, hash_prompt_blocks
 from scheduler.lora_slots import LoraInUseError, LoraSlots, UnknownLoraError
 from tests.scheduler.contract_runner import ContractRunner
 

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.block_manager import KVCacheManager, hash_prompt_blocks
+from scheduler.block_hash import hash_prompt_blocks
+from scheduler.block_manager import KVCacheManager
 from scheduler.multimodal import (
     MAX_IMAGES_PER_REQUEST,
     ImageInput,

@@ -16,7 +16,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.block_manager import hash_prompt_blocks
+from scheduler.block_hash import hash_prompt_blocks
 from scheduler.features_spec import SpecDecoding
 from scheduler.speculative import SpecPolicy, SpeculativeConfig
 from tests.scheduler.contract_runner import ContractRunner, expected_output, token_at
