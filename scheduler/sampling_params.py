@@ -116,6 +116,15 @@ class SamplingParams:
         )
 
     def _check_numbers(self) -> None:
+        self._check_finite()
+        self._check_ranges()
+        self._check_penalties()
+        self._check_counts()
+        self._check_constraint_flags()
+
+    def _check_finite(self) -> None:
+        """max_tokens an integer in range, and every float field a finite number (NaN and the
+        infinities would pass or fail the range checks by accident)."""
         _check(
             _is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS,
             "max_tokens",
@@ -134,6 +143,8 @@ class SamplingParams:
                 name,
                 f"must be a finite number, got {_shown(getattr(self, name))}",
             )
+
+    def _check_ranges(self) -> None:
         _check(
             0.0 <= self.temperature <= MAX_TEMPERATURE,
             "temperature",
@@ -146,6 +157,10 @@ class SamplingParams:
             f"must be -1, 0 (off) or a vocabulary-sized k >= 1, got {_shown(self.top_k)}",
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _check_penalties(self) -> None:
         _check(
             MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
@@ -162,6 +177,8 @@ class SamplingParams:
             "frequency_penalty",
             f"must be in [-2, 2], got {self.frequency_penalty}",
         )
+
+    def _check_counts(self) -> None:
         _check(
             self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED),
             "seed",
@@ -178,6 +195,8 @@ class SamplingParams:
             "n",
             f"must be in [1, {MAX_N}], got {_shown(self.n)}",
         )
+
+    def _check_constraint_flags(self) -> None:
         _check(
             self.structured is None or isinstance(self.structured, StructuredOutput),
             "structured",
@@ -195,8 +214,6 @@ class SamplingParams:
             "ignore_eos",
             "cannot be combined with a structured output constraint",
         )
-        if self.top_k == -1:
-            self.top_k = 0
 
     def _check_lists(self) -> None:
         _check(
@@ -216,6 +233,9 @@ class SamplingParams:
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
         _check(
             isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS,
             "logit_bias",
@@ -252,6 +272,11 @@ class SamplingParams:
             "min_tokens",
             "cannot be combined with a structured output constraint (or tools)",
         )
+        self._check_detokenize_flags()
+        self._check_truncation()
+        self._check_bad_words()
+
+    def _check_detokenize_flags(self) -> None:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"must be true or false, got {_shown(value)}")
@@ -261,6 +286,8 @@ class SamplingParams:
             "spaces_between_special_tokens",
             f"must be true or false, got {_shown(value)}",
         )
+
+    def _check_truncation(self) -> None:
         _check(
             self.truncate_prompt_tokens is None
             or (
@@ -270,6 +297,8 @@ class SamplingParams:
             "truncate_prompt_tokens",
             f"must be an integer in [1, 2^31), got {_shown(self.truncate_prompt_tokens)}",
         )
+
+    def _check_bad_words(self) -> None:
         _check(
             isinstance(self.bad_words, list)
             and len(self.bad_words) <= MAX_BAD_WORDS
