@@ -7,11 +7,11 @@ refused with 413 before a byte of it is parsed.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
+from pydantic_core import from_json
 
 from deploy.config import AppConfig
 from deploy.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError
@@ -94,9 +94,13 @@ def _parsed(
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
+    # pydantic-core's parser (jiter), not json.loads: both hold the GIL for the whole call, and
+    # json.loads spends ~10 ns a character on a long string (a 5.6 MB base64 image: 30-60 ms
+    # the event loop's streams wait), jiter well under 1 ms. It refuses lone-surrogate escapes
+    # and nesting past 200 levels as invalid JSON.
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):  # invalid JSON or UTF-8, or nested past Python's stack
+        data = from_json(raw)
+    except (ValueError, RecursionError):  # invalid JSON or UTF-8, or nested too deeply
         raise BadRequestError("Request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequestError("Request body must be a JSON object.", code="invalid_json")
