@@ -78,18 +78,10 @@ class RayExecutor(RankExecutor):
         worker_cls: type[Worker] | None = None,
         placement_strategy: str = TP_STRATEGY,
     ) -> None:
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size: must be >= 1, got {tensor_parallel_size}")
-        if bundle_offset < 0:
-            raise ValueError(f"bundle_offset: must be >= 0, got {bundle_offset}")
+        _check_args(tensor_parallel_size, bundle_offset, step_transport)
         self.tp = tensor_parallel_size
         if not ray.is_initialized():
             _start_local_ray(self.tp)
-        if step_transport not in STEP_TRANSPORTS:
-            raise ValueError(
-                f"step_transport: must be one of {', '.join(STEP_TRANSPORTS)}, got "
-                f"{step_transport!r}"
-            )
         self.step_transport = step_transport
         self.step_timeout_s, self.init_timeout_s = step_timeout_s, init_timeout_s
         self._dag = None
@@ -99,28 +91,31 @@ class RayExecutor(RankExecutor):
         self._dead: EngineDeadError | None = None
         self._owns_pg = placement_group is None
         self.placement_strategy = check_strategy(placement_strategy)
-        pg = placement_group
-        if pg is None:
-            pg = self._create_pg(runner_config.device)
-        self._pg: PlacementGroup | None = pg
+        self._pg: PlacementGroup | None = placement_group or self._create_pg(runner_config.device)
         self._offset = bundle_offset
-        if len(pg.bundle_specs) < bundle_offset + self.tp:
+        if len(self._pg.bundle_specs) < bundle_offset + self.tp:
             raise ValueError(
-                f"placement_group: has {len(pg.bundle_specs)} bundles, needs "
+                f"placement_group: has {len(self._pg.bundle_specs)} bundles, needs "
                 f"bundle_offset={bundle_offset} + tensor_parallel_size={self.tp}"
             )
         self.workers = self._create_workers(worker_cls or RayWorker, runner_config)
         self._rank_of_actor = {w._actor_id.hex(): rank for rank, w in enumerate(self.workers)}
         self._rank_of_pid: dict[int, int] = {}
+        self._start_ranks()
+
+    def _start_ranks(self) -> None:
+        """Join the ranks' group, load the model and open the step channel (everything shut down
+        on a failure)."""
+        timeout_s = self.init_timeout_s
         try:
-            address = self._gather([self.workers[0].rendezvous_address.remote()], init_timeout_s)[0]
-            self._all("init_device", address, init_timeout_s, timeout_s=init_timeout_s)
-            self._all("load_model", timeout_s=init_timeout_s)
+            address = self._gather([self.workers[0].rendezvous_address.remote()], timeout_s)[0]
+            self._all("init_device", address, timeout_s, timeout_s=timeout_s)
+            self._all("load_model", timeout_s=timeout_s)
             # Errors raised in a worker carry its pid: how a failure is traced back to a rank.
             self._rank_of_pid = {
                 pid: rank for rank, pid in enumerate(self._all("pid", timeout_s=60))
             }
-            if step_transport == "socket":
+            if self.step_transport == "socket":
                 self._channel = StepClient(self._all("open_step_channel", timeout_s=60))
         except BaseException:
             self.shutdown()
@@ -129,7 +124,7 @@ class RayExecutor(RankExecutor):
             "%d tensor-parallel workers ready (rendezvous %s, steps over %s)",
             self.tp,
             address,
-            step_transport,
+            self.step_transport,
         )
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -162,25 +157,28 @@ class RayExecutor(RankExecutor):
             config = dataclasses.replace(config, device="cuda")
         threads = threads_per_rank(config.device, self.tp)
         actor_cls: Any = ray.remote(worker_cls)
-        workers = []
-        for rank in range(self.tp):
-            index = self._offset + rank
-            assert self._pg is not None  # released only by shutdown
-            bundle = self._pg.bundle_specs[index]
-            strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self._pg,
-                placement_group_bundle_index=index,
-                placement_group_capture_child_tasks=False,
-            )
-            options = {
-                "num_cpus": bundle.get("CPU", 0),
-                "num_gpus": bundle.get("GPU", 0),
-                "scheduling_strategy": strategy,
-                "max_restarts": 0,
-                "name": None,
-            }
-            workers.append(actor_cls.options(**options).remote(rank, self.tp, config, threads))
-        return workers
+        return [
+            actor_cls.options(**self._actor_options(rank)).remote(rank, self.tp, config, threads)
+            for rank in range(self.tp)
+        ]
+
+    def _actor_options(self, rank: int) -> dict[str, Any]:
+        """Rank `rank`'s actor in its bundle, with that bundle's resources; never restarted."""
+        index = self._offset + rank
+        assert self._pg is not None  # released only by shutdown
+        bundle = self._pg.bundle_specs[index]
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=self._pg,
+            placement_group_bundle_index=index,
+            placement_group_capture_child_tasks=False,
+        )
+        return {
+            "num_cpus": bundle.get("CPU", 0),
+            "num_gpus": bundle.get("GPU", 0),
+            "scheduling_strategy": strategy,
+            "max_restarts": 0,
+            "name": None,
+        }
 
     # ---- the executor interface ------------------------------------------------------------------
     def post_step(self, scheduler_output: SchedulerOutput) -> None:
@@ -374,6 +372,17 @@ def ray_executor(
 
 # `ray` for engine.backends.default_executor (engine/ cannot import this Ray adapter itself).
 register_ray_backend(ray_executor)
+
+
+def _check_args(tensor_parallel_size: int, bundle_offset: int, step_transport: str) -> None:
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size: must be >= 1, got {tensor_parallel_size}")
+    if bundle_offset < 0:
+        raise ValueError(f"bundle_offset: must be >= 0, got {bundle_offset}")
+    if step_transport not in STEP_TRANSPORTS:
+        raise ValueError(
+            f"step_transport: must be one of {', '.join(STEP_TRANSPORTS)}, got {step_transport!r}"
+        )
 
 
 def _start_local_ray(tensor_parallel_size: int) -> None:

@@ -100,21 +100,7 @@ class FleetSim:
         self.cost = cost
         self.on_step = on_step
         self.replicas = [self._new(f"replica-{i}") for i in range(config.num_replicas)]
-        per_host = config.host.replicas_per_host
-        self._cohosts = (
-            {
-                r.name: [
-                    o
-                    for o in self.replicas[
-                        i // per_host * per_host : (i // per_host + 1) * per_host
-                    ]
-                    if o is not r
-                ]
-                for i, r in enumerate(self.replicas)
-            }
-            if config.host.shared
-            else {}
-        )
+        self._cohosts = self._cohost_map()
         self.names = tuple(r.name for r in self.replicas)
         self._by_name = {r.name: r for r in self.replicas}
         self.fleet = FleetState(config.routing)
@@ -122,14 +108,24 @@ class FleetSim:
         self._seq = 0
         self._next_stats_s = 0.0
         self._index = {r.name: i for i, r in enumerate(self.replicas)}
-        self._awaiting: dict[
-            str, _StatsRound
-        ] = {}  # replicas that report once their running step ends
+        # Replicas that report once their running step ends.
+        self._awaiting: dict[str, _StatsRound] = {}
         self.coalesced_steps = 0  # steps run in place, without a trip through the event queue
         self.jumped_steps = 0  # steps applied by a cruise's k-step jump, without scheduler calls
         # a prefix group's leading blocks (keyed by (adapter, tokens) under an adapter)
         self._shared_hashes: dict[tuple, list[int]] = {}
         self._itl_tally = GapTally()  # finished requests' gaps
+
+    def _cohost_map(self) -> dict[str, list[SimReplica]]:
+        """Each replica's co-hosts (the others of its host), when hosts share cores."""
+        host = self.config.host
+        if not host.shared:
+            return {}
+        per = host.replicas_per_host
+        return {
+            r.name: [o for o in self.replicas[i // per * per : (i // per + 1) * per] if o is not r]
+            for i, r in enumerate(self.replicas)
+        }
 
     def _new(self, name: str) -> SimReplica:
         """A replica as the config has it: with adapter slots, with a CPU tier, or plain."""
