@@ -5,8 +5,9 @@ A transfer is a pull. The sending rank keeps the payload in an outbox served by 
 `KVServer` (started on the first send): a TCPStore on `host` for the rendezvous, then one two-rank
 process group per receiving process (a "pair"), formed when that process first pulls from this one
 and kept for the next pulls. Over the pair the receiver sends a fixed-size request (pull this key,
-or let it go) and gets a header, the payload's metadata (JSON) and its bytes; the bytes are the
-outbox tensor itself, so a CUDA tensor travels device to device over NCCL. These groups stand
+or let it go) and gets a header and the bytes (three messages a pull; the payload's metadata
+travels in the handle, beside its hashes); the bytes are the outbox tensor itself, so a CUDA
+tensor travels device to device over NCCL. These groups stand
 apart from the engine's own tensor-parallel group (a process has one default group; a pair is a
 ProcessGroup object of its own), so a rank serves pulls while its engine steps.
 
@@ -52,10 +53,9 @@ MAX_HOLD_S = 3600.0
 MAX_OUTBOX_BYTES = 1 << 40
 IDLE_S = 600.0  # a pair unused this long is closed by its server (its client re-forms it first)
 SEND_TIMEOUT_S = 30.0  # the server's bound on one reply (the receiver bounds its own wait)
-MAX_META_BYTES = 64 << 20
 PULL, DONE = 1, 2
 REQUEST = struct.Struct("<BxxxI16s")  # op, readers, key (16 bytes of a uuid4 hex)
-TAG_REQUEST, TAG_HEADER, TAG_META, TAG_DATA = 1, 2, 3, 4
+TAG_REQUEST, TAG_HEADER, TAG_DATA = 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,8 @@ class CollectiveRef:
     machine: str  # the sender's machine (a loopback host is reachable from there only)
     backend: str  # "gloo" (a host tensor) or "nccl" (a CUDA tensor)
     key: str
+    nbytes: int  # of the tensor
+    meta: str  # the sender's description of the bytes (JSON), handed back with them
     fallback_copy: bool = False  # the handle's other references are the fallback's copy
 
 
@@ -125,7 +127,6 @@ def _client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 @dataclass(slots=True)
 class _Entry:
-    meta: bytes
     wire: torch.Tensor
     expires: float
     done: int = 0
@@ -159,8 +160,8 @@ class KVServer:
         threading.Thread(target=self._accept, daemon=True, name="kv-collective").start()
 
     def offer(self, key: str, meta: dict, wire: torch.Tensor) -> CollectiveRef:
-        """Hold `wire` (with its metadata) for pulls of `key`."""
-        entry = _Entry(json.dumps(meta).encode(), wire.contiguous(), time.monotonic() + self.hold_s)
+        """Hold `wire` for pulls of `key`; `meta` (JSON-able) travels in the reference."""
+        entry = _Entry(wire.contiguous(), time.monotonic() + self.hold_s)
         if entry.nbytes > self.max_bytes:
             raise ValueError(f"max_bytes: a payload of {entry.nbytes} bytes exceeds the outbox")
         with self.lock:
@@ -169,7 +170,10 @@ class KVServer:
                 dropped, _ = self.entries.popitem(last=False)
                 logger.warning("KV outbox full: transfer %s dropped unfetched", dropped)
             self.entries[key] = entry
-        return CollectiveRef(self.host, self.port, machine_id(), wire_backend(wire.device), key)
+        backend = wire_backend(wire.device)
+        return CollectiveRef(
+            self.host, self.port, machine_id(), backend, key, entry.nbytes, json.dumps(meta)
+        )
 
     def take(self, key: str, readers: int) -> _Entry | None:
         """The entry, counted as read once (gone after `readers` reads); None if it is not here."""
@@ -226,15 +230,12 @@ class KVServer:
 
     @staticmethod
     def _reply(group: PairGroup, entry: _Entry | None) -> None:
+        """The header (the bytes that follow; -1: not here), then the bytes."""
         timeout = timedelta(seconds=SEND_TIMEOUT_S)
-        meta = b"" if entry is None else entry.meta
-        nbytes = 0 if entry is None else entry.nbytes
-        group.send([torch.tensor([len(meta), nbytes])], 1, TAG_HEADER).wait(timeout)
-        if entry is None:
-            return
-        buffer = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
-        group.send([buffer], 1, TAG_META).wait(timeout)
-        group.send([entry.wire.view(-1).view(torch.uint8)], 1, TAG_DATA).wait(timeout)
+        nbytes = -1 if entry is None else entry.nbytes
+        group.send([torch.tensor([nbytes])], 1, TAG_HEADER).wait(timeout)
+        if entry is not None:
+            group.send([entry.wire.view(-1).view(torch.uint8)], 1, TAG_DATA).wait(timeout)
 
 
 @dataclass(slots=True)
@@ -254,18 +255,20 @@ class Puller:
 
     def pull(
         self, ref: CollectiveRef, readers: int, timeout_s: float, max_bytes: int
-    ) -> tuple[dict, torch.Tensor] | None:
-        """ref's metadata and bytes (None: not held there any more); raises when the pair
-        fails or a wait runs past timeout_s."""
-        return self._call(ref, PULL, readers, timeout_s, max_bytes)
+    ) -> torch.Tensor | None:
+        """ref's bytes (None: not held there any more); raises when the pair fails, a wait runs
+        past timeout_s, or the reply is not the size ref says (or over max_bytes)."""
+        if not 0 <= ref.nbytes <= max_bytes:
+            raise ValueError(f"KV pull: {ref.nbytes} bytes is out of bounds (max {max_bytes})")
+        return self._call(ref, PULL, readers, timeout_s)
 
     def done(self, ref: CollectiveRef, readers: int, timeout_s: float) -> None:
         """Tell ref's server that one of its readers lets it go without pulling."""
-        self._call(ref, DONE, readers, timeout_s, 0)
+        self._call(ref, DONE, readers, timeout_s)
 
     def _call(
-        self, ref: CollectiveRef, op: int, readers: int, timeout_s: float, max_bytes: int
-    ) -> tuple[dict, torch.Tensor] | None:
+        self, ref: CollectiveRef, op: int, readers: int, timeout_s: float
+    ) -> torch.Tensor | None:
         pair = self._pair(ref, timeout_s)
         try:
             with pair.lock:
@@ -273,13 +276,13 @@ class Puller:
                 request = REQUEST.pack(op, readers, bytes.fromhex(ref.key))
                 buffer = torch.frombuffer(bytearray(request), dtype=torch.uint8)
                 pair.group.send([buffer], 0, TAG_REQUEST).wait(timedelta(seconds=timeout_s))
-                return self._answer(pair, timeout_s, max_bytes) if op == PULL else None
+                return self._answer(pair, ref.nbytes, timeout_s) if op == PULL else None
         except Exception:
             self._drop(ref)
             raise
 
     @staticmethod
-    def _answer(pair: _Pair, timeout_s: float, max_bytes: int) -> tuple[dict, torch.Tensor] | None:
+    def _answer(pair: _Pair, nbytes: int, timeout_s: float) -> torch.Tensor | None:
         deadline = time.monotonic() + timeout_s
 
         def recv(tensor: torch.Tensor, tag: int) -> torch.Tensor:
@@ -287,16 +290,13 @@ class Puller:
             pair.group.recv([tensor], 0, tag).wait(left)
             return tensor
 
-        meta_len, nbytes = recv(torch.empty(2, dtype=torch.int64), TAG_HEADER).tolist()
-        if meta_len == 0:
+        (header,) = recv(torch.empty(1, dtype=torch.int64), TAG_HEADER).tolist()
+        if header < 0:
             return None
-        if not 0 < meta_len <= MAX_META_BYTES or not 0 <= nbytes <= max_bytes:
-            raise ValueError(f"KV pull: a reply of {meta_len} + {nbytes} bytes is out of bounds")
-        meta = json.loads(
-            recv(torch.empty(meta_len, dtype=torch.uint8), TAG_META).numpy().tobytes()
-        )
+        if header != nbytes:
+            raise ValueError(f"KV pull: the sender has {header} bytes where {nbytes} were named")
         device = "cuda" if pair.backend == "nccl" else "cpu"
-        return meta, recv(torch.empty(nbytes, dtype=torch.uint8, device=device), TAG_DATA)
+        return recv(torch.empty(nbytes, dtype=torch.uint8, device=device), TAG_DATA)
 
     def _pair(self, ref: CollectiveRef, timeout_s: float) -> _Pair:
         ident = (ref.host, ref.port, ref.backend)
@@ -384,7 +384,7 @@ class CollectiveTransport:
             return None if self.fallback is None else self.fallback.receive(handle, timeout_s)
         start, payload = time.monotonic(), None
         if reachable(ref):
-            payload = self._pull(ref, handle.readers, timeout_s)
+            payload = self._pull(ref, handle.hashes, handle.readers, timeout_s)
         if payload is None and ref.fallback_copy and self.fallback is not None:
             left = max(timeout_s - (time.monotonic() - start), 1e-3)
             return self.fallback.receive(TransferHandle(handle.key, handle.hashes, rest), left)
@@ -415,14 +415,16 @@ class CollectiveTransport:
             logger.warning("KV over collectives unavailable (%r); through the fallback", exc)
             return None
 
-    def _pull(self, ref: CollectiveRef, readers: int, timeout_s: float) -> KVPayload | None:
+    def _pull(
+        self, ref: CollectiveRef, hashes: list[int], readers: int, timeout_s: float
+    ) -> KVPayload | None:
         _tried.add(ref.key)
         try:
             got = _puller.pull(ref, readers, timeout_s, self.max_bytes)
         except Exception as exc:  # a peer that fails or never answers: recompute (or fall back)
             logger.warning("KV pull of %s from %s:%d failed: %r", ref.key, ref.host, ref.port, exc)
             return None
-        return None if got is None else _payload(*got)
+        return None if got is None else _payload(json.loads(ref.meta), hashes, got)
 
 
 def _done(ref: CollectiveRef, readers: int) -> None:
@@ -441,7 +443,6 @@ def _split(handle: TransferHandle) -> tuple[CollectiveRef | None, list[object]]:
 
 def _meta(payload: KVPayload) -> dict:
     return {
-        "hashes": payload.hashes,
         "crcs": payload.crcs,
         "dtype": payload.dtype,
         "block_shape": list(payload.block_shape),
@@ -450,11 +451,12 @@ def _meta(payload: KVPayload) -> dict:
     }
 
 
-def _payload(meta: dict, wire: torch.Tensor) -> KVPayload:
+def _payload(meta: dict, hashes: list[int], wire: torch.Tensor) -> KVPayload:
+    """The payload of the handle's hashes from the pulled bytes and the sender's description."""
     rows = int(meta["rows"])
     data: np.ndarray = wire.cpu().numpy().reshape(rows, -1) if rows else np.empty((0, 0), np.uint8)
     return KVPayload(
-        [int(h) for h in meta["hashes"]],
+        list(hashes),
         [int(c) for c in meta["crcs"]],
         str(meta["dtype"]),
         tuple(int(d) for d in meta["block_shape"]),

@@ -223,7 +223,7 @@ def test_a_sender_that_never_answers_costs_a_bounded_wait_and_a_recompute(tp1):
     first, _ = drain(reference.engine, "silent")
     silent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     key = "5" * 32
-    ref = CollectiveRef("127.0.0.1", silent.port, machine_id(), "gloo", key)
+    ref = CollectiveRef("127.0.0.1", silent.port, machine_id(), "gloo", key, 1 << 20, "{}")
     handle = TransferHandle(key, hash_prompt_blocks(tokens, BLOCK), [ref])
     assert decode.receiver is not None
     decode.receiver.timeout_s, failed = 1.0, decode.connector.num_remote_failed

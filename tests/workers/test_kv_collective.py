@@ -6,6 +6,7 @@ tensors and refused where there is none. Cross-process pulls: tests/cluster/test
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -50,8 +51,8 @@ def test_a_pull_brings_the_payload_byte_for_byte_then_it_is_gone(puller):
     ref = server.offer("a" * 32, meta_of(sent), torch.from_numpy(sent.data))
     got = puller.pull(ref, readers=1, timeout_s=30.0, max_bytes=1 << 20)
     assert got is not None
-    received = kv_collective._payload(*got)
-    assert received.hashes == sent.hashes and received.crcs == sent.crcs
+    received = kv_collective._payload(json.loads(ref.meta), sent.hashes, got)
+    assert ref.nbytes == sent.nbytes and received.crcs == sent.crcs
     assert received.rank == 1 and received.block_shape == sent.block_shape
     assert np.array_equal(received.data, sent.data)
     assert puller.pull(ref, 1, 30.0, 1 << 20) is None  # one reader: freed on its pull
@@ -92,7 +93,7 @@ def test_the_outbox_drops_what_outlives_hold_s_and_the_oldest_past_max_bytes(pul
         small.offer("0" * 32, meta_of(payload(rows=8)), torch.from_numpy(payload(rows=8).data))
 
 
-def test_a_reply_larger_than_the_receiver_allows_fails_the_pull(puller):
+def test_a_payload_larger_than_the_receiver_allows_is_not_pulled(puller):
     server = KVServer(HOST, hold_s=60.0, max_bytes=1 << 20)
     sent = payload()
     ref = server.offer("9" * 32, meta_of(sent), torch.from_numpy(sent.data))
@@ -111,7 +112,7 @@ def test_a_transport_round_trip_and_a_sender_that_never_answers():
     assert handle.ref == []
     # Nobody serves pulls at this store: forming the pair times out, the transfer is missing.
     silent = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
-    ref = CollectiveRef(HOST, silent.port, machine_id(), "gloo", "1" * 32)
+    ref = CollectiveRef(HOST, silent.port, machine_id(), "gloo", "1" * 32, 8, "{}")
     assert transport.receive(TransferHandle("1" * 32, [1], [ref]), timeout_s=0.5) is None
     transport.release(TransferHandle("1" * 32, [1], [ref]))  # tried: nothing more is sent
     kv_collective.releases_sent()
@@ -154,7 +155,7 @@ def test_cuda_tensors_pick_nccl_which_a_cpu_process_refuses_by_name():
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     with pytest.raises(ValueError, match="NCCL"):
         pair_group(store, 0, "nccl", HOST, 1.0)
-    ref = CollectiveRef(HOST, store.port, machine_id(), "nccl", "2" * 32)
+    ref = CollectiveRef(HOST, store.port, machine_id(), "nccl", "2" * 32, 8, "{}")
     assert CollectiveTransport().receive(TransferHandle("k", [1], [ref]), 1.0) is None
 
 
