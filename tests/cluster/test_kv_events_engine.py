@@ -88,7 +88,7 @@ def test_the_index_follows_the_engine_exactly_through_churn_and_predicts_every_h
 
 
 def test_each_last_outputs_tail_brings_the_index_to_the_engine_before_the_next_request(engine):
-    """What a served replica does (cluster/kv_event_pub.py with_kv_tail): after a request's last
+    """What a served replica does (cluster/kv_event_pub.py TailingEngine): after a request's last
     step, the log's tail; the router, given nothing else after its first report, predicts every
     next hit exactly."""
     log = attach_kv_events(engine)

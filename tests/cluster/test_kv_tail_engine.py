@@ -46,7 +46,7 @@ def test_tails_alone_keep_the_index_exact_and_predict_each_hit(tailing):
     index.apply("r0", log.report())  # the first report's snapshot: in sync from here
     rng = random.Random(3)
     contexts = [[rng.randrange(10, 200) for _ in range(3 * BLOCK)] for _ in range(4)]
-    for i in range(8):  # 4 contexts of 3 blocks + tails, a pool of 24: every few evict
+    for i in range(6):  # 4 contexts of 3 blocks + tails, a pool of 24: every few evict
         prompt = rng.choice(contexts) + [
             rng.randrange(10, 200) for _ in range(rng.randrange(1, 30))
         ]
