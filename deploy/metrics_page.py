@@ -55,6 +55,16 @@ def _lines(
     in_flight: int,
     loras: Collection[str] | None,
 ) -> Iterator[str]:
+    yield from _request_lines(metrics)
+    yield from _image_lines(metrics)
+    yield from _head("raylm_ingress_requests_in_flight", "gauge", "HTTP requests being served.")
+    yield f"raylm_ingress_requests_in_flight {in_flight}"
+    yield from _replica_lines(reports)
+    yield from _lora_lines(reports, loras)
+
+
+def _request_lines(metrics: list[RequestMetrics]) -> Iterator[str]:
+    """Each model's finished choices by reason, and its end-to-end latency histogram."""
     yield from _head("raylm_requests_total", "counter", "Finished choices by finish reason.")
     for m in metrics:
         model = f'model="{_label(m.model)}"'
@@ -70,9 +80,10 @@ def _lines(
         yield f'raylm_e2e_seconds_bucket{{{model},le="+Inf"}} {m.e2e_count}'
         yield f"raylm_e2e_seconds_sum{{{model}}} {m.e2e_sum!r}"
         yield f"raylm_e2e_seconds_count{{{model}}} {m.e2e_count}"
-    yield from _image_lines(metrics)
-    yield from _head("raylm_ingress_requests_in_flight", "gauge", "HTTP requests being served.")
-    yield f"raylm_ingress_requests_in_flight {in_flight}"
+
+
+def _replica_lines(reports: dict[str, RoutingStats]) -> Iterator[str]:
+    """Replicas by state, then each replica's gauges and counters from its last report."""
     yield from _head("raylm_replicas", "gauge", "Replicas known to the router, by state.")
     states = [r.state.value for r in reports.values()]
     for state in ReplicaState:
@@ -87,6 +98,10 @@ def _lines(
         for replica, report in sorted(reports.items()):
             value = getattr(report.scheduler, attr) * scale
             yield f'{name}{{replica="{_label(replica)}"}} {float(value)!r}'
+
+
+def _lora_lines(reports: dict[str, RoutingStats], loras: Collection[str] | None) -> Iterator[str]:
+    """The adapters in each replica's device slots, those the caller may see only."""
     yield from _head("raylm_lora_adapters_loaded", "gauge", "LoRA adapters in device slots.")
     for replica, report in sorted(reports.items()):
         count = len(_visible(report.scheduler.loaded_loras, loras))
