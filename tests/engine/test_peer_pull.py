@@ -18,9 +18,9 @@ from scheduler.outputs import RequestOutput
 from workers.kv_transfer import InProcessTransport
 
 BLOCK = 16
-CONTEXT_BLOCKS = 6
+CONTEXT_BLOCKS = 4
 POOL = dict(device="cpu", load_progress=False, num_gpu_blocks=48, max_model_len=256)
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +111,19 @@ def test_blocks_the_puller_holds_already_are_not_sent(peers):
     assert_nothing_held(peers)
 
 
-def test_evicted_at_the_peer_meanwhile_nothing_is_sent_and_the_prompt_is_computed(peers):
+def test_evicted_meanwhile_on_either_side_the_prompt_is_computed(peers):
     source = peers[0]
-    (fork,) = forks(3, 1)  # A never computed this context
+    (fork,) = forks(3, 1)  # A never computed this context: nothing to send
     hashes = hash_prompt_blocks(fork.prompt_token_ids, BLOCK)
     assert source.export(hashes, 0) is None
     expected, _ = run(source.engine, fork)
     assert source.export(hashes, len(hashes)) is None  # nothing held past `first`
-    got, b_hit = pulled(peers, EngineRequest("s3-again", fork.prompt_token_ids, GREEDY), first=7)
+    # B was thought to hold the first 3 blocks but does not (evicted since): the block sent after
+    # them cannot be used past the gap, and the prompt is computed.
+    sent = source.num_blocks_sent
+    again = EngineRequest("s3-again", fork.prompt_token_ids, GREEDY)
+    got, b_hit = pulled(peers, again, first=3)
+    assert source.num_blocks_sent - sent == len(hashes) - 3
     assert got == expected and b_hit == 0
     assert_nothing_held(peers)
 
