@@ -140,9 +140,11 @@ def think_url(ray_cluster, http_port, tmp_path_factory, smollm2_dir):
     return f"http://127.0.0.1:{http_port}/think/v1"  # stopped with the others (smol_url)
 
 
-# A tiny LLaVA (tests/workers/vision_checkpoints.py) with its real processor, served with a low
-# image count cap (tests/deploy/test_images_api.py reaches it).
+# A tiny LLaVA (tests/workers/vision_checkpoints.py) and a tiny Qwen2.5-VL
+# (tests/workers/qwen2_vl_checkpoint.py) with their real processors, two models of one app (one
+# ingress) served with a low image count cap (tests/deploy/test_images_api.py reaches them).
 VISION = "tiny-llava"
+VISION_QWEN = "tiny-qwen2-vl"
 VISION_MAX_IMAGES = 4
 VISION_MAX_IMAGE_BYTES = 4 << 20
 
@@ -158,13 +160,24 @@ def vision_model_dir(tmp_path_factory, smollm2_dir) -> str:
 
 
 @pytest.fixture(scope="session")
-def vision_url(ray_cluster, http_port, vision_model_dir):
-    """A vision app: the tiny LLaVA, no key."""
+def qwen_vl_model_dir(tmp_path_factory) -> str:
+    from tests.workers.qwen2_vl_checkpoint import write_tiny_qwen2_vl
+
+    path = str(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+    write_tiny_qwen2_vl(path, seed=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def vision_url(ray_cluster, http_port, vision_model_dir, qwen_vl_model_dir):
+    """A vision app: the tiny LLaVA and the tiny Qwen2.5-VL, no key."""
     from deploy.app import build_app
 
     args = {
-        "model": vision_model_dir,
-        "served_model_name": VISION,
+        "models": [
+            {"name": VISION, "model": vision_model_dir},
+            {"name": VISION_QWEN, "model": qwen_vl_model_dir},
+        ],
         "max_model_len": 256,
         "num_gpu_blocks": 64,
         "kv_cache_memory_gb": 0.1,

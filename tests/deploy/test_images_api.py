@@ -12,6 +12,7 @@ through the official openai client, and answers the hostile set with 400s while 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 
@@ -236,6 +237,39 @@ def test_anthropic_image_blocks_become_chat_image_parts_named_by_their_block():
             )
 
 
+def test_tokenize_repeats_each_placeholder_for_its_images_tokens():
+    """/tokenize shows the ids the engine runs: the i-th placeholder (9) repeated for the i-th
+    image's tokens, counted from its size; a rendered chat whose placeholders and images differ
+    in number is a 400; a model whose counts are unknown keeps its ids."""
+    from deploy.tokenize import with_image_tokens
+
+    vision = ServedVision(ImageLimits(), (), lambda width, height: width // 10, placeholder=9)
+    images = [Image.new("RGB", (30, 5)), Image.new("RGB", (20, 5))]
+    assert with_image_tokens([1, 9, 2, 9, 3], vision, images) == [1, 9, 9, 9, 2, 9, 9, 3]
+    with pytest.raises(BadRequestError, match="2 images for 1 image placeholders") as info:
+        with_image_tokens([1, 9, 2], vision, images)
+    assert info.value.status == 400 and info.value.param == "messages"
+    unknown = ServedVision(ImageLimits(), (), None)
+    assert with_image_tokens([1, 9, 2, 9], unknown, images) == [1, 9, 2, 9]
+
+
+def test_a_multi_megabyte_image_body_parses_whole_and_bad_json_is_a_400():
+    """deploy/body.py parses with pydantic-core's parser (a 5.6 MB base64 image costs the event
+    loop well under a millisecond instead of tens): the image's URL arrives whole; invalid JSON,
+    a lone surrogate escape and deep nesting are 400s."""
+    from deploy.body import parse_body
+
+    url = "data:image/png;base64," + "A" * (5 << 20)
+    raw = json.dumps({"model": "m", "messages": [user([image_part(url), text("hi")])]})
+    request = asyncio.run(parse_body(raw.encode(), ChatCompletionRequest, 16))
+    assert [p.url for p in image_inputs(request)] == [url]
+    lone_surrogate = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    for bad in [lone_surrogate, b"[" * 10_000, b"{"]:
+        with pytest.raises(BadRequestError, match="not valid JSON") as info:
+            asyncio.run(parse_body(bad, ChatCompletionRequest, 16))
+        assert info.value.status == 400
+
+
 IMAGE_SETTINGS = [
     "max_image_bytes",
     "max_image_pixels",
@@ -450,9 +484,10 @@ def test_llava_served_answers_the_hostile_set_with_400s_and_keeps_serving(
     vision_url, vision_openai
 ):
     from tests.deploy.conftest import VISION, VISION_MAX_IMAGE_BYTES, VISION_MAX_IMAGES
-    from tests.deploy.test_hostile_bodies import _ingress, _replica
+    from tests.deploy.test_hostile_bodies import _ingress, _replica_process
 
-    processes = {"ingress": _ingress("vision").pid, "replica": _replica("vision").pid}
+    llava_replica = _replica_process("vision", f"LLMReplica-{VISION}")
+    processes = {"ingress": _ingress("vision").pid, "replica": llava_replica.pid}
     peaks = {name: _peak_rss_kb(pid) for name, pid in processes.items()}
     hostile = hostile_urls(VISION_MAX_IMAGE_BYTES)
     with httpx.Client(base_url=vision_url, timeout=120) as client:
@@ -489,6 +524,93 @@ def test_llava_served_answers_the_hostile_set_with_400s_and_keeps_serving(
         model=VISION, messages=[user(typed)], max_tokens=2, temperature=0
     )
     assert reply.choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_qwen2_vl_served_gives_transformers_greedy_tokens_for_0_1_and_3_images(
+    vision_openai, qwen_vl_model_dir
+):
+    """The app's second model: dynamic-resolution images (4 and 12 tokens, M-RoPE positions)
+    sent as PNG data URLs at once, beside a text-only request; each reply is transformers'
+    greedy continuation of the same chat."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers import Qwen2_5_VLForConditionalGeneration as HFQwen
+
+    from tests.deploy.conftest import VISION_QWEN
+    from tests.engine.test_qwen2_vl_engine import MAX_TOKENS, hf_greedy, image
+
+    path = qwen_vl_model_dir
+    cases = [
+        [],
+        [image(1, (56, 56))],
+        [image(2, (56, 56)), image(3, (112, 84)), image(2, (56, 56))],
+    ]
+    words = [text("w7 w42 w99")]
+
+    def ask(images: list[Image.Image]) -> str:
+        content = [*(image_part(png_url(im)) for im in images), *words]
+        reply = vision_openai.chat.completions.create(
+            model=VISION_QWEN,
+            messages=[user(content)],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        return reply.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        served = list(pool.map(ask, cases))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf = HFQwen.from_pretrained(path, dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(path)
+    expected = []
+    for images in cases:
+        parts = [*({"type": "image"} for _ in images), *words]
+        rendered = tokenizer.apply_chat_template(
+            [user(parts)], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+        tokens = hf_greedy(hf, processor, ids, images).token_ids
+        expected.append(tokenizer.decode(tokens, skip_special_tokens=True))
+    # The word tokenizer's stream puts a space before the first word; the whole decode does not.
+    assert [reply.lstrip() for reply in served] == expected
+    assert len({*expected}) == len(expected)  # the images reached the model
+
+
+@pytest.mark.slow
+def test_llava_served_tokenize_and_count_tokens_count_each_images_tokens(vision_url, llava):
+    """/tokenize with image parts gives LlavaProcessor's ids (each `<image>` repeated for the
+    image); the Messages API's count_tokens and a reply's usage count the same tokens."""
+    from tests.deploy.conftest import VISION
+    from tests.workers.vision_checkpoints import random_image
+
+    _, processor = llava
+    images = [random_image(31), random_image(32, (20, 50))]
+    parts = [*({"type": "image"} for _ in images), text(QUESTION)]
+    prompt = processor.apply_chat_template([user(parts)], add_generation_prompt=True)
+    expected = processor(text=prompt, images=images, add_special_tokens=False)["input_ids"][0]
+    content = [*(image_part(png_url(im)) for im in images), text(QUESTION)]
+    root = vision_url.removesuffix("/v1")
+    body = {"model": VISION, "messages": [user(content)], "add_generation_prompt": True}
+    r = httpx.post(f"{root}/tokenize", json=body, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["tokens"] == list(expected) and r.json()["count"] == len(expected) > 8
+    blocks = [
+        *(
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}
+            for b64 in (png_url(im).split(",", 1)[1] for im in images)
+        ),
+        {"type": "text", "text": QUESTION},
+    ]
+    claude = anthropic.Anthropic(base_url=root, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": blocks}]
+    counted = claude.messages.count_tokens(model=VISION, messages=messages)  # type: ignore[arg-type]
+    assert counted.input_tokens == len(expected)
+    reply = claude.messages.create(model=VISION, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert reply.usage.input_tokens == len(expected)
 
 
 def chat_turn(url: str) -> dict:
