@@ -117,11 +117,13 @@ class ReplicaPulls:
 
     async def _ask(self, pull: PeerPull) -> TransferHandle | None:
         """The peer's transfer of the blocks; None when it does not come within the timeout."""
-        response = self._handle().pull_command.remote(PullCommand(pull))
+        response = None
         try:
+            response = self._handle().pull_command.remote(PullCommand(pull))
             handle = await asyncio.wait_for(_resolve(response), self.timeout_s)
-        except Exception as exc:  # timed out, the peer died or refused: compute instead
-            response.cancel()
+        except Exception as exc:  # timed out, the peer died or refused, no handle: compute
+            if response is not None:
+                response.cancel()
             logger.warning("pull from %s failed: %r; computing instead", pull.peer, exc)
             return None
         return handle if isinstance(handle, TransferHandle) and handle.hashes else None
