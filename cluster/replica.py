@@ -446,6 +446,7 @@ class LLMReplica:
                 "step_s": self._loop_thread.step_seconds,
             },
             **phase_stats(self.phase),
+            **(self.pulls.stats() if self.pulls is not None else {}),  # peer pulls (kv_pull.py)
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
