@@ -323,15 +323,24 @@ class AppConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.allowed_media_domains is not None:
-            self.allowed_media_domains = check_hosts(
-                self.allowed_media_domains, "allowed_media_domains"
-            )
         if self.num_replicas is not None and self.autoscaling is not None:
             raise ValueError("num_replicas: set num_replicas or autoscaling, not both")
+        check_hub_settings(self.engine.model, self.revision, self.download_dir)
+        self._check_access()
+        self._check_engine()
+        if self.disaggregation is not None:
+            self._check_disaggregation(self.disaggregation)
+        if self.router == "fleet":
+            RoutingConfig.from_router_kwargs(self.router_kwargs)
+        elif self.router_kwargs:
+            raise ValueError(
+                f"router_kwargs: {self.router} takes none, got {shown(sorted(self.router_kwargs))}"
+            )
+
+    def _check_access(self) -> None:
+        """Keys (api_keys_env's merged in), hosts, origins and media domains."""
         if self.api_key == "":
             raise ValueError("api_key: must be non-empty when set")
-        check_hub_settings(self.engine.model, self.revision, self.download_dir)
         if self.api_keys_env is not None:
             self.api_keys = {**(self.api_keys or {}), **keys_from_env(self.api_keys_env)}
         if self.api_keys is not None and any(not key for key in self.api_keys):
@@ -340,6 +349,14 @@ class AppConfig:
             self.allowed_hosts = check_hosts(self.allowed_hosts)
         if self.allowed_origins is not None:
             self.allowed_origins = check_origins(self.allowed_origins)
+        if self.allowed_media_domains is not None:
+            self.allowed_media_domains = check_hosts(
+                self.allowed_media_domains, "allowed_media_domains"
+            )
+
+    def _check_engine(self) -> None:
+        """What a served engine needs beyond its own checks: Ray ranks, its bundle's threads,
+        a router and LoRA slots for run-time adapters."""
         if self.engine.distributed_executor_backend == "mp":
             raise ValueError(
                 "distributed_executor_backend: 'mp' is for the offline engine; a served replica "
@@ -357,14 +374,6 @@ class AppConfig:
             raise ValueError(
                 "allow_runtime_lora: LoRA is off (set lora_root, where adapters may be loaded "
                 "from, or max_loras)"
-            )
-        if self.disaggregation is not None:
-            self._check_disaggregation(self.disaggregation)
-        if self.router == "fleet":
-            RoutingConfig.from_router_kwargs(self.router_kwargs)
-        elif self.router_kwargs:
-            raise ValueError(
-                f"router_kwargs: {self.router} takes none, got {shown(sorted(self.router_kwargs))}"
             )
 
     def _check_disaggregation(self, disagg: DisaggregationArgs) -> None:
