@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from settings import check_settings, setting
 
-SPEC_METHODS = ("ngram", "draft")
+SPEC_METHODS = ("ngram", "draft", "mtp")
 MAX_SPEC_TOKENS = 16  # verifying more per step costs more than even a perfect run gains on CPU
 MAX_NGRAM = 64
 MAX_DRAFT_MODEL_CHARS = 4096
@@ -28,8 +28,9 @@ class SpeculativeConfig:
 
     method: str = setting(
         "ngram",
-        "how tokens are proposed: `ngram` (prompt lookup) or `draft` (a smaller model with the "
-        "same tokenizer, `draft_model`)",
+        "how tokens are proposed: `ngram` (prompt lookup), `draft` (a smaller model with the "
+        "same tokenizer, `draft_model`) or `mtp` (the checkpoint's multi-token-prediction "
+        "layer: DeepSeek-V3's num_nextn_predict_layers, docs/mla.md)",
         choices=SPEC_METHODS,
     )
     num_tokens: int = setting(4, "tokens proposed and verified per step", ge=1, le=MAX_SPEC_TOKENS)

@@ -52,9 +52,10 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
-    """The proposer `config.method` names; None without speculation, and for method `draft`,
-    whose model and KV the runner holds itself (workers/draft.py: it needs the step's batch)."""
-    if config is None or config.method == "draft":
+    """The proposer `config.method` names; None without speculation, and for methods `draft` and
+    `mtp`, whose model and KV the runner holds itself (workers/draft.py, workers/mtp.py: they
+    need the step's batch)."""
+    if config is None or config.method in ("draft", "mtp"):
         return None
     if config.method == "ngram":
         return NgramProposer(config)

@@ -14,6 +14,7 @@ from workers.features.draft import DraftFeature
 from workers.features.kv_loads import KVLoadsFeature
 from workers.features.length import LengthFeature
 from workers.features.lora import LoraFeature
+from workers.features.mtp import MTPFeature
 from workers.features.ngram import ProposerFeature
 from workers.features.pooling import PoolingFeature
 from workers.features.prompt_logprobs import PromptLogprobsFeature
@@ -35,6 +36,8 @@ def build_features(ctx: RunnerContext) -> list[RunnerFeature]:
         features.append(VisionFeature(ctx))
     if driver and spec is not None and spec.method == "draft":  # rank 0 alone drafts
         features.append(DraftFeature(ctx))
+    if driver and spec is not None and spec.method == "mtp":  # rank 0 alone runs the MTP layer
+        features.append(MTPFeature(ctx))
     features += [PoolingFeature(ctx)]
     if spec is not None:
         features.append(VerifyFeature(ctx))
