@@ -60,6 +60,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.llm import LLM
 from scheduler import SamplingParams
+from workers.draft_pacing import DraftPacing
+from workers.features.draft import DraftFeature
 
 PASSAGES = [
     "Ray is an open-source framework for scaling Python applications. It provides a small set "
@@ -230,16 +232,16 @@ def embedded_main(args: argparse.Namespace) -> None:
         device="cpu",
         load_progress=False,
         cpu_threads=args.cpu_threads,
-        quantization="none",  # the recorded figures are the fp32 path's
+        quantization=args.quantization,
     )
     plain = LLM(**common)
     spec = LLM(**common, speculative=speculative_settings(args))
     runner = spec.engine.executor.runner  # type: ignore[attr-defined]
     runner.verify_as_decodes = args.verify_layout == "decode"
-    if args.shadow_every is not None:  # 1: a draft proposes for every request each step (before)
-        from workers.draft_pacing import DraftPacing
-
-        runner.draft_pacing = DraftPacing(args.shadow_every)
+    draft = runner.feature(DraftFeature)
+    if draft is not None and args.shadow_every is not None:  # 1: every request, each step (before)
+        draft.pacing = DraftPacing(args.shadow_every)
+    pacing = f"every {draft.pacing.every} steps" if draft is not None else "none"
     counters = {"plain": count_steps(plain), "spec": count_steps(spec)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for llm in (plain, spec):  # warm-up: allocator, kernels
@@ -248,11 +250,11 @@ def embedded_main(args: argparse.Namespace) -> None:
         f"draft {args.draft_model}" if args.method == "draft" else f"ngram {args.ngram_min}-4"
     )
     print(
-        f"SmolLM2-135M float32, CPU, torch threads {torch.get_num_threads()}, max_tokens "
+        f"SmolLM2-135M, quantization {args.quantization}, CPU, torch threads "
+        f"{torch.get_num_threads()}, max_tokens "
         f"{args.max_tokens}, greedy unless sampled; speculative: {how_spec}, num_tokens "
         f"{args.num_tokens}, min_acceptance_rate 0.4, max_batch_size {args.max_batch_size}, "
-        f"verify rows as {args.verify_layout}, draft shadow proposals every "
-        f"{runner.draft_pacing.every} steps; best "
+        f"verify rows as {args.verify_layout}, draft shadow proposals {pacing}; best "
         f"of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
     )
     print(TABLE_HEAD)
@@ -480,6 +482,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--cpu-threads", type=int, default=None, help="torch threads (1 on a shared machine)"
+    )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        help="embedded mode: the engine's quantization (auto: the default Q4_1 blocks, kept "
+        "quantized on CPU; none: de-quantised fp32, as the figures before 2026-11-29)",
     )
     parser.add_argument("--method", default="ngram", choices=["ngram", "draft"])
     parser.add_argument("--draft-model", default="default", help="method draft: the draft model")
