@@ -187,9 +187,22 @@ def cause_of(exc: BaseException) -> BaseException:
     return exc
 
 
-def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None]:
+_Classified = tuple[int, str, str, str | None, str | None]  # (status, type, message, param, code)
+
+
+def _classify(exc: BaseException) -> _Classified:
     """(status, type, message, param, code) for any exception the handlers let through."""
     exc = cause_of(exc)
+    known = _classify_request_error(exc) or _classify_serving_error(exc)
+    if known is not None:
+        return known
+    incident = uuid.uuid4().hex[:16]
+    logger.error("internal error %s", incident, exc_info=exc)
+    return 500, "internal_error", f"Internal server error (incident {incident}).", None, None
+
+
+def _classify_request_error(exc: BaseException) -> _Classified | None:
+    """Ours, and the request's own bad values (pydantic's, our dataclasses' "field: message")."""
     if isinstance(exc, APIError):
         return exc.status, exc.type, _clean(exc.message), exc.param, exc.code
     if isinstance(exc, UnknownLoraError):  # a LookupError: the model (adapter) does not exist
@@ -203,9 +216,13 @@ def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None
     if isinstance(exc, EngineAsleepError):  # a ValueError to the engine, not the client's fault
         return 503, "overloaded_error", _clean(str(exc)), None, "model_asleep"
     if isinstance(exc, ValueError) and not isinstance(exc, RayError):
-        # Our dataclasses (SamplingParams, Request, ...) raise "field: message".
         message = _clean(str(exc))
         return 400, "invalid_request_error", message, _field_of(message), None
+    return None
+
+
+def _classify_serving_error(exc: BaseException) -> _Classified | None:
+    """Serve's back-pressure and a replica lost: the client retries."""
     if isinstance(exc, BackPressureError):
         status = getattr(exc, "status_code", 503)
         return (
@@ -217,16 +234,9 @@ def _classify(exc: BaseException) -> tuple[int, str, str, str | None, str | None
         )
     if isinstance(exc, (RayActorError, ActorUnavailableError)):
         logger.warning("a replica became unavailable: %s", type(exc).__name__)
-        return (
-            503,
-            "overloaded_error",
-            "The model replica serving this request is unavailable, retry later.",
-            None,
-            "replica_unavailable",
-        )
-    incident = uuid.uuid4().hex[:16]
-    logger.error("internal error %s", incident, exc_info=exc)
-    return 500, "internal_error", f"Internal server error (incident {incident}).", None, None
+        message = "The model replica serving this request is unavailable, retry later."
+        return 503, "overloaded_error", message, None, "replica_unavailable"
+    return None
 
 
 def http_error(request: Request, exc: Exception) -> JSONResponse:
