@@ -46,6 +46,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # insertion order: most recently registered last
         self.version = 0  # bumped when `cached` changes, so readers can skip an unchanged index
+        self.resets = 0  # reset_prefix_cache calls: what was cached before holds stale contents
         self._recent: tuple[int, int, list[int]] = (-1, 0, [])
         # Since the last prefix_report (tracked only once one was taken): hashes registered and
         # still cached, in order, and hashes that report listed and eviction has dropped since.
@@ -170,6 +171,7 @@ class BlockPool:
                 self.events.record(REMOVED, DEVICE, block_hash)
         self.cached.clear()
         self.version += 1
+        self.resets += 1
         return len(forgotten)
 
     def num_evictable(self, block_ids: Sequence[int]) -> int:

@@ -47,6 +47,7 @@ class CheckpointPool:
         self.by_hash: dict[int, int] = {}  # block hash -> checkpoint (written)
         self.hash_of: dict[int, int] = {}  # checkpoint -> block hash (written or being written)
         self.pending: dict[int, int] = {}  # checkpoint -> block hash, written by a step in flight
+        self.dropped: set[int] = set()  # pending ones forgotten before their step came back
         # Reuse order, least recently used first; an unused checkpoint is taken before any.
         self.order: OrderedDict[int, None] = OrderedDict.fromkeys(range(num))
 
@@ -79,11 +80,19 @@ class CheckpointPool:
         """The step that saved it is back: its block's hash finds it from now on, or, when the
         row did not run (its request failed at the runner), it holds nothing."""
         block_hash = self.pending.pop(checkpoint)
-        if ran:
+        if ran and checkpoint not in self.dropped:
             self.by_hash[block_hash] = checkpoint
         else:
+            self.dropped.discard(checkpoint)
             del self.hash_of[checkpoint]
             self.order.move_to_end(checkpoint, last=False)
+
+    def forget_all(self) -> None:
+        """The model's weights changed (the prefix cache was reset): no checkpoint holds a state
+        of the weights now, those being written included."""
+        self.by_hash.clear()
+        self.hash_of = dict(self.pending)
+        self.dropped = set(self.pending)
 
     def check(self) -> None:
         """The pool's invariants (tests call it): every found checkpoint holds its hash, none is
@@ -99,6 +108,14 @@ class StateCheckpointFeature(StepFeature):
 
     def __init__(self, num_checkpoints: int) -> None:
         self.pool = CheckpointPool(num_checkpoints)
+        self.resets = 0  # the block pool's reset count this pool has seen
+
+    def _check_reset(self) -> None:
+        """A reset prefix cache forgets blocks whose hashes come back with the new weights' KV:
+        the checkpoints keyed by them would restore the old weights' state."""
+        if self.sched.kv.pool.resets != self.resets:
+            self.resets = self.sched.kv.pool.resets
+            self.pool.forget_all()
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
@@ -106,12 +123,14 @@ class StateCheckpointFeature(StepFeature):
 
     def usable_prefix(self, hashes: list[int], num_blocks: int) -> int:
         """Of a hit of num_blocks leading cached blocks, the blocks before the last checkpoint."""
+        self._check_reset()
         for n in range(num_blocks, 0, -1):
             if hashes[n - 1] in self.pool.by_hash:
                 return n
         return 0
 
     def after_schedule(self, step: Step, out: SchedulerOutput) -> None:
+        self._check_reset()
         copies = StateCopies()
         bs, requests = self.sched.kv.block_size, self.sched.requests
         for rid in out.num_scheduled_tokens:

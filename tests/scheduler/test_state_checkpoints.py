@@ -33,6 +33,7 @@ class StateModel:
         self.running: dict[str, list[int]] = {}
         self.checkpoints: dict[int, list[int]] = {}
         self.restored = 0
+        self.saved = 0
 
     def run(self, out: SchedulerOutput) -> None:
         for rid in out.preempted_req_ids | out.finished_req_ids:
@@ -53,6 +54,7 @@ class StateModel:
             if copies is not None and rid in copies.save:
                 offset, checkpoint = copies.save[rid]
                 self.checkpoints[checkpoint] = tokens[: start + offset]
+                self.saved += 1
             self.running[rid] = tokens[: start + n]
 
 
@@ -134,6 +136,29 @@ def test_an_evicted_block_drops_its_checkpoint_and_its_slot_is_reused_first():
     # one, which then holds b's 12.
     assert sorted(len(t) for t in model.checkpoints.values()) == [8, 12]
     assert model.checkpoints[old] == second[:8]
+
+
+def test_a_reset_prefix_cache_forgets_every_checkpoint():
+    """After the prefix cache is reset (new weights), the prompt computed again saves its three
+    checkpoints again instead of finding the old weights' ones under the same hashes, and the
+    next run restores one of those."""
+    sched = _scheduler(8)
+    model = StateModel(sched)
+    runner = ContractRunner(4, 64, 0, VOCAB)
+    prompt = [(3 * j) % VOCAB for j in range(30)]
+    for rid in ("before", "after"):
+        sched.add_request(Request(EngineRequest(rid, prompt, SamplingParams(max_tokens=2))))
+        _run(sched, model, runner)
+        assert sched.requests[rid].num_cached_tokens == 0
+        sched.kv.pool.reset_prefix_cache()
+    assert model.saved == 6 and model.restored == 0
+    sched.add_request(Request(EngineRequest("again", prompt, SamplingParams(max_tokens=2))))
+    _run(sched, model, runner)
+    assert sched.requests["again"].num_cached_tokens == 0  # reset again above: nothing cached
+    sched.add_request(Request(EngineRequest("hit", prompt, SamplingParams(max_tokens=2))))
+    _run(sched, model, runner)
+    assert sched.requests["hit"].num_cached_tokens == 28 and model.restored == 1
+    assert model.saved == 9  # "again" saved its own after the second reset
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
