@@ -395,27 +395,7 @@ def prepare_chat(
     A template that lays out tools gets them (and earlier calls as structured `tool_calls`);
     otherwise the tools are described in the system turn and earlier calls written as text.
     """
-    out = []
-    for message in messages:
-        message = dict(message)
-        calls = message.pop("tool_calls", None) or []
-        if calls and renders_tools:
-            message["tool_calls"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": c["function"]["name"],
-                        "arguments": _arguments(c["function"].get("arguments")),
-                    },
-                }
-                for c in calls
-            ]
-        elif calls:
-            text = message.get("content") or ""
-            message["content"] = (
-                f"{text}\n{render_call_text(calls, fmt)}" if text else render_call_text(calls, fmt)
-            )
-        out.append(message)
+    out = [_with_calls(message, fmt, renders_tools) for message in messages]
     if not tools:
         return out, None
     if renders_tools:
@@ -429,3 +409,28 @@ def prepare_chat(
     else:
         out.insert(0, {"role": "system", "content": prompt})
     return out, None
+
+
+def _with_calls(
+    message: dict[str, Any], fmt: ToolCallFormat, renders_tools: bool
+) -> dict[str, Any]:
+    """A copy of message whose earlier tool calls are structured `tool_calls` (a template that
+    lays out tools) or written into its text."""
+    message = dict(message)
+    calls = message.pop("tool_calls", None) or []
+    if calls and renders_tools:
+        message["tool_calls"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": _arguments(c["function"].get("arguments")),
+                },
+            }
+            for c in calls
+        ]
+    elif calls:
+        text = message.get("content") or ""
+        call_text = render_call_text(calls, fmt)
+        message["content"] = f"{text}\n{call_text}" if text else call_text
+    return message
