@@ -11,7 +11,9 @@ Serve process's CPU time. Then runs the same workload through an EngineCore in t
                   and mean over requests; and the gaps between chunks
   served step     the replica's seconds inside step() / steps, and the engine thread's idle share
   offline step    the decode steps at the full batch, p50 and mean
-  CPU ms/token    each process (replica, ingress, proxy, client) per generated token
+  CPU ms/token    each Serve process (replica, ingress, proxy, controller) per generated token,
+                  with the share its idle rate (nothing in flight) accounts for; the offline
+                  engine's beside them
   ratio           served ITL p50 / offline step p50 (issue 53: <= 1.3 at concurrency 8)
 
   python bench/served_path.py                       # concurrency 8, then 1; 3 rounds each
@@ -150,7 +152,7 @@ def nice_by_kind() -> dict[str, int]:
 
 def idle_cpu_rate(seconds: float = 5.0) -> dict[str, float]:
     """CPU seconds per second each process burns with no request in flight (Serve's polls and
-    metrics pushes): subtracted from a round's, so that what is left is the tokens' cost."""
+    metrics pushes)."""
     before = cpu_by_kind()
     time.sleep(seconds)
     return {k: v / seconds for k, v in cpu_delta(before, cpu_by_kind()).items()}
@@ -165,11 +167,8 @@ def served_round(url, model, handle, prompts, output_len, spy_dir, tag) -> dict:
     wall = time.perf_counter() - begin
     for spy in spies:
         spy.wait(timeout=120)
-    cpu = {
-        k: max(0.0, v - idle.get(k, 0.0) * wall)
-        for k, v in cpu_delta(cpu_before, cpu_by_kind()).items()
-        if k != "client"  # the client's own CPU is this process's: the offline engine's too
-    }
+    # The client's own CPU is this process's, the offline engine's too: left out.
+    cpu = {k: v for k, v in cpu_delta(cpu_before, cpu_by_kind()).items() if k != "client"}
     loop_after = engine_figures(handle)
     steps = (loop_after or {}).get("steps", 0) - (loop_before or {}).get("steps", 0)
     busy = (loop_after or {}).get("step_s", 0.0) - (loop_before or {}).get("step_s", 0.0)
@@ -182,6 +181,9 @@ def served_round(url, model, handle, prompts, output_len, spy_dir, tag) -> dict:
         "served_step": busy / steps if steps else 0.0,
         "engine_idle": max(0.0, 1 - busy / wall) if steps else float("nan"),
         "cpu_ms_per_token": {k: 1000 * v / tokens for k, v in cpu.items()},
+        # What each process burns with nothing in flight (Serve's polls, metrics pushes), as the
+        # share of the round's CPU: the rest is the tokens'.
+        "idle_share": {k: min(1.0, idle.get(k, 0.0) * wall / v) for k, v in cpu.items() if v},
         "tok_s": tokens / wall,
         "load": os.getloadavg()[0],
         "nice": nice_by_kind(),
@@ -227,6 +229,9 @@ def summarise(rounds: list[dict], offline: list[float]) -> dict:
         "cpu_ms_per_token": {
             k: statistics.median(r["cpu_ms_per_token"].get(k, 0.0) for r in rounds) for k in kinds
         },
+        "idle_share": {
+            k: statistics.median(r["idle_share"].get(k, 0.0) for r in rounds) for k in kinds
+        },
         "tok_s": statistics.median(r["tok_s"] for r in rounds),
         "load": [round(r["load"], 2) for r in rounds],
         "nice": rounds[-1]["nice"],
@@ -235,7 +240,10 @@ def summarise(rounds: list[dict], offline: list[float]) -> dict:
 
 def report(concurrency: int, s: dict) -> None:
     ratio = s["served_itl_p50_ms"] / s["offline_step_p50_ms"]
-    cpu = ", ".join(f"{k} {v:.2f}" for k, v in s["cpu_ms_per_token"].items())
+    cpu = ", ".join(
+        f"{k} {v:.2f} ({100 * s['idle_share'].get(k, 0.0):.0f}% idle rate)"
+        for k, v in s["cpu_ms_per_token"].items()
+    )
     print(
         f"concurrency {concurrency}: served ITL p50 {s['served_itl_p50_ms']:.1f} ms "
         f"(mean {s['served_itl_mean_ms']:.1f}), {s['tok_s']:.0f} tok/s; chunk gap p50 "
