@@ -294,6 +294,25 @@ def accuracy(workload: list[SimRequest], predictions: dict[str, LengthEstimate |
 
 
 def main(argv: list[str] | None = None) -> None:
+    a = _parser().parse_args(argv)
+    make: Callable[[int, float, int], list[SimRequest]] = length_workload
+    max_tokens = MAX_TOKENS
+    if a.set:
+        rows = load_set(a.set)
+        max_tokens = SET_MAX_TOKENS
+
+        def make(n: int, rate: float, seed: int) -> list[SimRequest]:
+            return set_workload(rows, n, rate, seed)
+
+    probe = None
+    if any(p.startswith("probe") for p in a.policies):
+        with open(a.probe_estimates) as fp:
+            probe = {int(k): float(v) for k, v in json.load(fp).items()}
+    for blocks in a.pools or (a.blocks, a.tight_blocks):
+        _study_pool(a, blocks, make, max_tokens, probe)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sim.length_study", description=__doc__)
     parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 0.95])
     parser.add_argument("--requests", type=int, default=1500)
@@ -320,52 +339,42 @@ def main(argv: list[str] | None = None) -> None:
         default="sim/traces/length_eval_probe.json",
         help="the probe's out-of-fold medians by set id (policy probe)",
     )
-    a = parser.parse_args(argv)
-    make: Callable[[int, float, int], list[SimRequest]] = length_workload
-    max_tokens = MAX_TOKENS
-    if a.set:
-        rows = load_set(a.set)
-        max_tokens = SET_MAX_TOKENS
+    return parser
 
-        def make(n: int, rate: float, seed: int) -> list[SimRequest]:
-            return set_workload(rows, n, rate, seed)
 
-    probe = None
-    if any(p.startswith("probe") for p in a.policies):
-        with open(a.probe_estimates) as fp:
-            probe = {int(k): float(v) for k, v in json.load(fp).items()}
-    for blocks in a.pools or (a.blocks, a.tight_blocks):
-        cap = capacity(blocks, a.profile, 400, a.max_num_seqs, make, max_tokens)
-        print(
-            f"profile {a.profile}, {blocks} KV blocks, max_num_seqs {a.max_num_seqs}, aging"
-            f" {a.aging}: capacity {cap:.3f} req/s (FCFS)"
-        )
-        for load in a.loads:
-            wl = make(a.requests, load * cap, a.seed)
-            print(f" load {load:.0%} ({load * cap:.3f} req/s, {a.requests} requests):")
-            for policy in a.policies:
-                victim = "lifo" if policy.startswith("fcfs") else a.victim
-                result, predictions = run(
-                    policy,
-                    wl,
-                    blocks,
-                    a.profile,
-                    a.max_num_seqs,
-                    a.aging,
-                    victim,
-                    max_tokens,
-                    probe,
-                )
-                f = figures(result, a.slo_ttft)
-                print(
-                    f"  {policy:16s} E2E mean {f['e2e_mean_s']:8.2f} p99 {f['e2e_p99_s']:8.2f} s;"
-                    f" TTFT p50 {f['ttft_p50_s']:7.2f} p99 {f['ttft_p99_s']:8.2f} s; longest wait"
-                    f" {f['longest_wait_s']:8.2f} s; preemptions {f['preemptions']:5d}; goodput"
-                    f" {f['goodput_rps']:.3f} req/s; done {f['done']}",
-                    flush=True,
-                )
-                if policy == "srpt" and blocks == a.blocks and load == a.loads[0]:
-                    accuracy(wl, predictions)
+def _study_pool(
+    a: argparse.Namespace,
+    blocks: int,
+    make: Callable[[int, float, int], list[SimRequest]],
+    max_tokens: int,
+    probe: dict[int, float] | None,
+) -> None:
+    """Each load of one KV pool, each policy at each load, printed as it completes."""
+    cap = capacity(blocks, a.profile, 400, a.max_num_seqs, make, max_tokens)
+    print(
+        f"profile {a.profile}, {blocks} KV blocks, max_num_seqs {a.max_num_seqs}, aging"
+        f" {a.aging}: capacity {cap:.3f} req/s (FCFS)"
+    )
+    for load in a.loads:
+        wl = make(a.requests, load * cap, a.seed)
+        print(f" load {load:.0%} ({load * cap:.3f} req/s, {a.requests} requests):")
+        for policy in a.policies:
+            victim = "lifo" if policy.startswith("fcfs") else a.victim
+            args = (blocks, a.profile, a.max_num_seqs, a.aging, victim, max_tokens, probe)
+            result, predictions = run(policy, wl, *args)
+            _print_policy(policy, figures(result, a.slo_ttft))
+            if policy == "srpt" and blocks == a.blocks and load == a.loads[0]:
+                accuracy(wl, predictions)
+
+
+def _print_policy(policy: str, f: dict[str, float]) -> None:
+    print(
+        f"  {policy:16s} E2E mean {f['e2e_mean_s']:8.2f} p99 {f['e2e_p99_s']:8.2f} s;"
+        f" TTFT p50 {f['ttft_p50_s']:7.2f} p99 {f['ttft_p99_s']:8.2f} s; longest wait"
+        f" {f['longest_wait_s']:8.2f} s; preemptions {f['preemptions']:5d}; goodput"
+        f" {f['goodput_rps']:.3f} req/s; done {f['done']}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
