@@ -55,6 +55,29 @@ def run(profile: str, size: int, spec: SpecSimConfig | None, output_len: int) ->
 
 
 def main(argv: list[str] | None = None) -> None:
+    a = _parser().parse_args(argv)
+    k = a.num_tokens
+    if a.accept_probs:
+        acceptance = AcceptanceConfig(tuple(float(x) for x in a.accept_probs.split(",")), a.seed)
+    else:
+        acceptance = AcceptanceConfig.per_token(a.accept_rate, k, a.seed)
+    print(
+        f"k = {k}, acceptance P(accepted length 0..{k}) = "
+        f"{', '.join(f'{x / sum(acceptance.probs):.3f}' for x in acceptance.probs[: k + 1])}"
+        f" (mean accepted {acceptance.mean_accepted(k):.2f}); {a.output_len} tokens a request\n"
+    )
+    print(
+        "| profile | batch | engine | tokens/s | speedup | TPOT (ms) | ITL p90 (ms) | acceptance "
+        "| mean accepted length | wall (s) |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    engines = _engines(k, max(a.batches), acceptance)
+    for profile in a.profiles:
+        for size in a.batches:
+            _print_rows(a, profile, size, engines)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sim.spec_study")
     p.add_argument("--profiles", nargs="+", default=["cpu", "h100"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -74,56 +97,43 @@ def main(argv: list[str] | None = None) -> None:
         help="profiles of CUDA-graph engines: also price verify steps as graph replays",
     )
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    k = a.num_tokens
-    if a.accept_probs:
-        acceptance = AcceptanceConfig(tuple(float(x) for x in a.accept_probs.split(",")), a.seed)
-    else:
-        acceptance = AcceptanceConfig.per_token(a.accept_rate, k, a.seed)
-    print(
-        f"k = {k}, acceptance P(accepted length 0..{k}) = "
-        f"{', '.join(f'{x / sum(acceptance.probs):.3f}' for x in acceptance.probs[: k + 1])}"
-        f" (mean accepted {acceptance.mean_accepted(k):.2f}); {a.output_len} tokens a request\n"
-    )
-    print(
-        "| profile | batch | engine | tokens/s | speedup | TPOT (ms) | ITL p90 (ms) | acceptance "
-        "| mean accepted length | wall (s) |"
-    )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    engines: list[tuple[str, SpecSimConfig | None, bool]] = [
+    return p
+
+
+_Engine = tuple[str, SpecSimConfig | None, bool]  # (name, speculation, verify graphs)
+
+
+def _engines(k: int, max_batch: int, acceptance: AcceptanceConfig) -> list[_Engine]:
+    """Plain decoding, then speculation by default, up to the largest batch, and with graphs."""
+    wide = SpeculativeConfig(num_tokens=k, max_batch_size=max_batch)
+    return [
         ("plain", None, False),
         ("spec (defaults)", SpecSimConfig(SpeculativeConfig(num_tokens=k), acceptance), False),
+        (f"spec, max_batch_size {max_batch}", SpecSimConfig(wide, acceptance), False),
         (
-            f"spec, max_batch_size {max(a.batches)}",
-            SpecSimConfig(
-                SpeculativeConfig(num_tokens=k, max_batch_size=max(a.batches)), acceptance
-            ),
-            False,
-        ),
-        (
-            f"spec, max_batch_size {max(a.batches)}, verify graphs",
-            SpecSimConfig(
-                SpeculativeConfig(num_tokens=k, max_batch_size=max(a.batches)), acceptance, True
-            ),
+            f"spec, max_batch_size {max_batch}, verify graphs",
+            SpecSimConfig(wide, acceptance, True),
             True,
         ),
     ]
-    for profile in a.profiles:
-        for size in a.batches:
-            base = 0.0
-            for name, spec, graphs in engines:
-                if graphs and profile not in a.graphs_profiles:
-                    continue
-                t0 = time.perf_counter()
-                f = run(profile, size, spec, a.output_len)
-                base = base or f["tok_s"]
-                print(
-                    f"| {profile} | {size} | {name} | {f['tok_s']:.1f} | "
-                    f"{f['tok_s'] / base:.2f}x | {f['tpot_s'] * 1e3:.2f} | "
-                    f"{f['itl_p90_s'] * 1e3:.2f} | {f['acceptance']:.2f} | "
-                    f"{f['mean_accepted']:.2f} | {time.perf_counter() - t0:.1f} |",
-                    flush=True,
-                )
+
+
+def _print_rows(a: argparse.Namespace, profile: str, size: int, engines: list[_Engine]) -> None:
+    """One table row per engine at this profile and batch, speedups against plain decoding."""
+    base = 0.0
+    for name, spec, graphs in engines:
+        if graphs and profile not in a.graphs_profiles:
+            continue
+        t0 = time.perf_counter()
+        f = run(profile, size, spec, a.output_len)
+        base = base or f["tok_s"]
+        print(
+            f"| {profile} | {size} | {name} | {f['tok_s']:.1f} | "
+            f"{f['tok_s'] / base:.2f}x | {f['tpot_s'] * 1e3:.2f} | "
+            f"{f['itl_p90_s'] * 1e3:.2f} | {f['acceptance']:.2f} | "
+            f"{f['mean_accepted']:.2f} | {time.perf_counter() - t0:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
