@@ -99,6 +99,30 @@ def _split(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    a = _parser().parse_args(argv)
+    cost = load_profile(a.profile)
+    workload = mixed_workload(MixConfig(a.seconds, a.chat_rate, a.doc_rate))
+    print(
+        f"profile {cost.name}, {a.gpus} GPUs, {len(workload)} requests: chat {a.chat_rate}/s, "
+        f"documents {a.doc_rate}/s, {a.seconds:.0f} s; link {a.bandwidth / 1e9:.0f} GB/s + "
+        f"{a.latency * 1e3:.1f} ms; queue order {a.policy}; SLO TTFT {a.slo_ttft} s, ITL p90 "
+        f"{a.slo_itl} s\n"
+    )
+    print(
+        "| fleet | chat TTFT p50 / p90 (ms) | chat ITL p50 / p90 (ms) | doc TTFT p90 (ms) "
+        "| goodput (req/s) | ITL p90 vs colocated | TTFT p90 vs colocated | wall (s) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    base: dict[str, float] = {}
+    for name, cfg, pools in _fleets(a):
+        t0 = time.perf_counter()
+        sim = FleetSim(cfg, cost) if pools is None else DisaggSim(cfg, cost, pools)
+        f = figures(sim.run(workload), a.slo_ttft, a.slo_itl)
+        base = base or f
+        _print_row(name, f, base, time.perf_counter() - t0)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sim.disagg_study")
     p.add_argument("--profile", default="h100")
     p.add_argument("--gpus", type=int, default=4)
@@ -126,47 +150,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--latency", type=float, default=1e-3, help="link latency, seconds")
     p.add_argument("--slo-ttft", type=float, default=1.0)
     p.add_argument("--slo-itl", type=float, default=0.05)
-    a = p.parse_args(argv)
-    cost = load_profile(a.profile)
-    workload = mixed_workload(MixConfig(a.seconds, a.chat_rate, a.doc_rate))
+    return p
+
+
+def _fleets(a: argparse.Namespace) -> list[tuple[str, SimConfig, DisaggConfig | None]]:
+    """The colocated fleet, then each split at each local-prefill threshold, on the same GPUs."""
     sched = SchedulerConfig(num_gpu_blocks=a.blocks, max_model_len=16384, policy=a.policy)
     link = LinkConfig(a.bandwidth, a.latency)
-    print(
-        f"profile {cost.name}, {a.gpus} GPUs, {len(workload)} requests: chat {a.chat_rate}/s, "
-        f"documents {a.doc_rate}/s, {a.seconds:.0f} s; link {a.bandwidth / 1e9:.0f} GB/s + "
-        f"{a.latency * 1e3:.1f} ms; queue order {a.policy}; SLO TTFT {a.slo_ttft} s, ITL p90 "
-        f"{a.slo_itl} s\n"
-    )
-    cols = ("chat_ttft_p50_s", "chat_ttft_p90_s", "chat_itl_p50_s", "chat_itl_p90_s")
-    print(
-        "| fleet | chat TTFT p50 / p90 (ms) | chat ITL p50 / p90 (ms) | doc TTFT p90 (ms) "
-        "| goodput (req/s) | ITL p90 vs colocated | TTFT p90 vs colocated | wall (s) |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    base: dict[str, float] = {}
     runs: list[tuple[str, SimConfig, DisaggConfig | None]] = [
         (f"colocated {a.gpus}", SimConfig(num_replicas=a.gpus, scheduler=sched), None)
     ]
     for local in a.local:
         for pre, dec in a.splits:
             name = f"disagg {pre}:{dec}" + (f", local < {local}" if local else "")
-            disagg = DisaggConfig(pre, dec, link, None, local)
-            runs.append((name, SimConfig(scheduler=sched), disagg))
-    for name, cfg, pools in runs:
-        t0 = time.perf_counter()
-        sim = FleetSim(cfg, cost) if pools is None else DisaggSim(cfg, cost, pools)
-        f = figures(sim.run(workload), a.slo_ttft, a.slo_itl)
-        base = base or f
-        ms = {c: f[c] * 1e3 for c in cols}
-        print(
-            f"| {name} | {ms['chat_ttft_p50_s']:.1f} / {ms['chat_ttft_p90_s']:.1f} "
-            f"| {ms['chat_itl_p50_s']:.2f} / {ms['chat_itl_p90_s']:.2f} "
-            f"| {f['doc_ttft_p90_s'] * 1e3:.1f} | {f['goodput_rps']:.1f} "
-            f"| {base['chat_itl_p90_s'] / f['chat_itl_p90_s']:.2f}x lower "
-            f"| {f['chat_ttft_p90_s'] / base['chat_ttft_p90_s'] - 1:+.0%} "
-            f"| {time.perf_counter() - t0:.1f} |",
-            flush=True,
-        )
+            runs.append(
+                (name, SimConfig(scheduler=sched), DisaggConfig(pre, dec, link, None, local))
+            )
+    return runs
+
+
+def _print_row(name: str, f: dict[str, float], base: dict[str, float], wall_s: float) -> None:
+    cols = ("chat_ttft_p50_s", "chat_ttft_p90_s", "chat_itl_p50_s", "chat_itl_p90_s")
+    ms = {c: f[c] * 1e3 for c in cols}
+    print(
+        f"| {name} | {ms['chat_ttft_p50_s']:.1f} / {ms['chat_ttft_p90_s']:.1f} "
+        f"| {ms['chat_itl_p50_s']:.2f} / {ms['chat_itl_p90_s']:.2f} "
+        f"| {f['doc_ttft_p90_s'] * 1e3:.1f} | {f['goodput_rps']:.1f} "
+        f"| {base['chat_itl_p90_s'] / f['chat_itl_p90_s']:.2f}x lower "
+        f"| {f['chat_ttft_p90_s'] / base['chat_ttft_p90_s'] - 1:+.0%} "
+        f"| {wall_s:.1f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
