@@ -37,7 +37,8 @@ HUGE = [2**64, -1, float("nan"), 10**12]
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory, smollm2_tokenizer):
-    """(checkpoint dir, HF model, the prompt's HF inputs, our model on a paged cache)."""
+    """(checkpoint dir, HF model, the prompt's HF inputs and logits, our model on a paged
+    cache)."""
     from transformers import Gemma3ForConditionalGeneration as HFGemma3
 
     path = str(tmp_path_factory.mktemp("tiny-gemma3"))
@@ -46,7 +47,9 @@ def gemma3(tmp_path_factory, smollm2_tokenizer):
     processor = AutoProcessor.from_pretrained(path)
     inputs = processor(text=PROMPT, images=[random_image(s) for s in SEEDS], return_tensors="pt")
     assert inputs["input_ids"].shape[1] > 3 * SLIDING_WINDOW  # the window bounds every layer 0
-    return path, hf, inputs, load(path)
+    with torch.no_grad():
+        expected = hf(**inputs).logits[0]
+    return path, hf, (inputs, expected), load(path)
 
 
 def load(path: str) -> Gemma3ForConditionalGeneration:
@@ -87,7 +90,7 @@ def run(model, ids: list[int], pixels: torch.Tensor, start: int = 0, both_ways: 
 
 
 def test_the_tower_and_projector_give_transformers_image_features(gemma3):
-    _, hf, inputs, model = gemma3
+    _, hf, (inputs, _), model = gemma3
     with torch.no_grad():
         features = hf.model.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output
         ours = torch.stack(
@@ -98,10 +101,8 @@ def test_the_tower_and_projector_give_transformers_image_features(gemma3):
 
 
 def test_the_spliced_prompt_gives_transformers_logits_with_images_attended_both_ways(gemma3):
-    _, hf, inputs, model = gemma3
+    _, _, (inputs, expected), model = gemma3
     ids = inputs["input_ids"][0].tolist()
-    with torch.no_grad():
-        expected = hf(**inputs).logits[0]
     got = run(model, ids, inputs["pixel_values"])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     causal = run(model, ids, inputs["pixel_values"], both_ways=False)
@@ -111,20 +112,18 @@ def test_the_spliced_prompt_gives_transformers_logits_with_images_attended_both_
 def test_a_prefill_starting_inside_an_image_after_a_prefix_hit_gives_transformers_logits(gemma3):
     """The cache holds the whole prompt's KV (a first request); a second prefill from a block
     boundary inside the second image recomputes the rest: its rows equal transformers'."""
-    _, hf, inputs, model = gemma3
+    _, _, (inputs, expected), model = gemma3
     ids = inputs["input_ids"][0].tolist()
     second = [i for i, t in enumerate(ids) if t == model.image_token][4]  # image 2's first row
     start = (second // BLOCK + 1) * BLOCK
     assert second < start < second + 4, second  # the chunk starts inside the image
-    with torch.no_grad():
-        expected = hf(**inputs).logits[0]
     run(model, ids, inputs["pixel_values"])  # the first request fills the cache
     got = run(model, ids, inputs["pixel_values"], start=start)
     torch.testing.assert_close(got, expected[start:], atol=1e-4, rtol=1e-4)
 
 
 def test_one_soft_token_per_image_expands_to_the_processors_ids(gemma3):
-    path, _, inputs, _ = gemma3
+    path, _, (inputs, _), _ = gemma3
     pre = ImagePreprocessor.load(path)
     assert pre is not None
     processor = AutoProcessor.from_pretrained(path)
@@ -161,3 +160,26 @@ def test_an_image_of_another_size_is_refused_naming_images(gemma3):
     arrays = {"pixel_values": np.zeros((1, 3, 56, 56), np.float32)}
     with pytest.raises(ValueError, match="images: expected pixel_values of one 28x28"):
         Gemma3ForConditionalGeneration.num_image_tokens(config, arrays)
+
+
+def test_the_frontend_writes_gemma3s_image_text_and_leaves_typed_markers_as_text(gemma3):
+    """A chat's image parts become the processor's text around one soft token each (its ids,
+    expanded, are Gemma3Processor's for the same chat); `<start_of_image>` typed in a text part
+    stays text, never an image."""
+    from frontend.frontend import Frontend
+
+    path, _, _, _ = gemma3
+    frontend = Frontend.load(path)
+    processor = AutoProcessor.from_pretrained(path)
+    parts = [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "it"}]
+    messages = [{"role": "user", "content": parts}]
+    ids = frontend.encode_chat(messages)
+    image = random_image(SEEDS[0])
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    hf_ids = processor(text=text, images=[image])["input_ids"][0]
+    pre = ImagePreprocessor.load(path)
+    assert pre is not None and ids.count(pre.placeholder) == 1
+    expanded = pre.expand(EngineRequest("r", ids, images=(image,))).prompt_token_ids
+    assert expanded == list(hf_ids)
+    typed = [{"role": "user", "content": [{"type": "text", "text": "<start_of_image> hi"}]}]
+    assert pre.placeholder not in frontend.encode_chat(typed)
