@@ -106,6 +106,25 @@ def figures(result: SimResult) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    a = _parser().parse_args(argv)
+    conv = ConversationConfig(
+        users=a.users,
+        turns=a.turns,
+        think_s=(a.think[0], a.think[1]),
+        start_spread_s=a.spread,
+        seed=a.seed,
+    )
+    workload = conversations(conv)
+    bs = SchedulerConfig().block_size
+    working_blocks = -(-conv.working_set_tokens(workload) // bs)
+    blocks = a.blocks or max(working_blocks // 4, 8192 // bs)
+    tier_blocks = a.tier_blocks or working_blocks
+    _print_intro(a, len(workload), working_blocks, blocks, tier_blocks)
+    rows = {on: _run_row(a, workload, blocks, tier_blocks if on else 0) for on in (False, True)}
+    _print_ratios(rows[False], rows[True])
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sim.tier_study")
     p.add_argument("--profile", default="cpu")
     p.add_argument("--users", type=int, default=64)
@@ -117,24 +136,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--think", type=float, nargs=2, default=[20.0, 40.0], help="LO HI seconds")
     p.add_argument("--spread", type=float, default=30.0, help="users start over this many s")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    conv = ConversationConfig(
-        users=a.users,
-        turns=a.turns,
-        think_s=(a.think[0], a.think[1]),
-        start_spread_s=a.spread,
-        seed=a.seed,
-    )
-    workload = conversations(conv)
-    cost = load_profile(a.profile)
-    bs = SchedulerConfig().block_size
-    working_blocks = -(-conv.working_set_tokens(workload) // bs)
-    blocks = a.blocks or max(working_blocks // 4, 8192 // bs)
-    tier_blocks = a.tier_blocks or working_blocks
-    link = LinkConfig(a.bandwidth)
+    return p
+
+
+def _print_intro(
+    a: argparse.Namespace, requests: int, working_blocks: int, blocks: int, tier_blocks: int
+) -> None:
     print(
-        f"profile {cost.name}, {a.replicas} replica(s), {len(workload)} requests "
-        f"({a.users} users x {a.turns} turns); working set {working_blocks} blocks = "
+        f"profile {load_profile(a.profile).name}, {a.replicas} replica(s), {requests} "
+        f"requests ({a.users} users x {a.turns} turns); working set {working_blocks} blocks = "
         f"{working_blocks / blocks:.1f}x the device pool of {blocks}; tier {tier_blocks} blocks "
         f"at {a.bandwidth / 1e9:.0f} GB/s\n"
     )
@@ -143,27 +153,31 @@ def main(argv: list[str] | None = None) -> None:
         "| prompt tokens computed | blocks loaded | wall (s) |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    rows = {}
-    for on in (False, True):
-        sched = SchedulerConfig(
-            num_gpu_blocks=blocks,
-            max_model_len=min(8192, blocks * bs),
-            num_cpu_tier_blocks=tier_blocks if on else 0,
-        )
-        t0 = time.perf_counter()
-        result = FleetSim(
-            SimConfig(num_replicas=a.replicas, scheduler=sched, tier_link=link), cost
-        ).run(workload)
-        f = rows[on] = figures(result)
-        print(
-            f"| {'on' if on else 'off'} | {f['ttft_p50_s']:.3f} / {f['ttft_p90_s']:.3f} "
-            f"| {f['returning_ttft_p50_s']:.3f} / {f['returning_ttft_p90_s']:.3f} "
-            f"| {f['device_hit_rate']:.1%} | {f['tier_hit_rate']:.1%} "
-            f"| {f['computed_prompt_tokens']:,} | {f['loaded_blocks']:,} "
-            f"| {time.perf_counter() - t0:.1f} |",
-            flush=True,
-        )
-    off, on_ = rows[False], rows[True]
+
+
+def _run_row(
+    a: argparse.Namespace, workload: list[SimRequest], blocks: int, tier_blocks: int
+) -> dict[str, float]:
+    """One run, without the tier (tier_blocks 0) or with it, printed as a table row."""
+    bs = SchedulerConfig().block_size
+    sched = SchedulerConfig(
+        num_gpu_blocks=blocks, max_model_len=min(8192, blocks * bs), num_cpu_tier_blocks=tier_blocks
+    )
+    config = SimConfig(num_replicas=a.replicas, scheduler=sched, tier_link=LinkConfig(a.bandwidth))
+    t0 = time.perf_counter()
+    f = figures(FleetSim(config, load_profile(a.profile)).run(workload))
+    print(
+        f"| {'on' if tier_blocks else 'off'} | {f['ttft_p50_s']:.3f} / {f['ttft_p90_s']:.3f} "
+        f"| {f['returning_ttft_p50_s']:.3f} / {f['returning_ttft_p90_s']:.3f} "
+        f"| {f['device_hit_rate']:.1%} | {f['tier_hit_rate']:.1%} "
+        f"| {f['computed_prompt_tokens']:,} | {f['loaded_blocks']:,} "
+        f"| {time.perf_counter() - t0:.1f} |",
+        flush=True,
+    )
+    return f
+
+
+def _print_ratios(off: dict[str, float], on_: dict[str, float]) -> None:
     print(
         f"\nwith the tier: TTFT p50 {off['ttft_p50_s'] / on_['ttft_p50_s']:.2f}x lower, p90 "
         f"{off['ttft_p90_s'] / on_['ttft_p90_s']:.2f}x; returning turns p50 "
