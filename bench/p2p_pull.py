@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -59,7 +60,7 @@ def request(rid: str, prompt: list[int], max_tokens: int) -> EngineRequest:
     return EngineRequest(rid, prompt, params, block_hashes=hash_prompt_blocks(prompt, BLOCK))
 
 
-async def timed(handle, req: EngineRequest) -> tuple[float, list[int], int]:
+async def timed(handle: Any, req: EngineRequest) -> tuple[float, list[int], int]:
     """(TTFT s, tokens, cached prompt tokens) of one streamed request."""
     start = time.perf_counter()
     ttft, tokens, cached = None, [], 0
@@ -73,7 +74,7 @@ async def timed(handle, req: EngineRequest) -> tuple[float, list[int], int]:
     return ttft, tokens, cached
 
 
-async def in_sync(handle) -> None:
+async def in_sync(handle: Any) -> None:
     """Until this process's router holds both replicas' KV events in sync."""
     router = handle._router._asyncio_router.request_router
     for _ in range(200):
@@ -84,7 +85,9 @@ async def in_sync(handle) -> None:
     raise RuntimeError("the replicas' KV events never reached the router")
 
 
-async def run_workload(handle, work, args) -> tuple[list[float], list[list[int]], list[int]]:
+async def run_workload(
+    handle: Any, work: list[tuple[list[int], list[list[int]]]], args: argparse.Namespace
+) -> tuple[list[float], list[list[int]], list[int]]:
     """(forks' TTFTs, forks' tokens, forks' cached prompt tokens)."""
     ttfts, tokens, cached = [], [], []
     for c, (context, forks) in enumerate(work):
@@ -100,7 +103,7 @@ async def run_workload(handle, work, args) -> tuple[list[float], list[list[int]]
     return ttfts, tokens, cached
 
 
-def start(model: str, args: argparse.Namespace, pulls: bool, name: str):
+def start(model: str, args: argparse.Namespace, pulls: bool, name: str) -> Any:
     from ray import serve
 
     from cluster.replica import LLMReplica
@@ -127,7 +130,7 @@ def start(model: str, args: argparse.Namespace, pulls: bool, name: str):
             },
         }
     )
-    replica = LLMReplica.options(
+    replica = LLMReplica.options(  # type: ignore[attr-defined]
         num_replicas=2,
         ray_actor_options=config.replica_actor_options(),
         placement_group_bundles=config.placement_group_bundles(),
@@ -137,7 +140,9 @@ def start(model: str, args: argparse.Namespace, pulls: bool, name: str):
     return serve.run(replica.bind(config.engine), name=name, route_prefix=None)
 
 
-def measure(model: str, vocab: int, args: argparse.Namespace, pulls: bool):
+def measure(
+    model: str, vocab: int, args: argparse.Namespace, pulls: bool
+) -> tuple[float, list[list[int]]]:
     from ray import serve
 
     name = f"p2p_{'on' if pulls else 'off'}"
