@@ -183,3 +183,37 @@ def test_the_frontend_writes_gemma3s_image_text_and_leaves_typed_markers_as_text
     assert expanded == list(hf_ids)
     typed = [{"role": "user", "content": [{"type": "text", "text": "<start_of_image> hi"}]}]
     assert pre.placeholder not in frontend.encode_chat(typed)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("attention_backend", "flash_attn"), ("batch_invariant", True)]
+)
+def test_settings_that_cannot_attend_an_image_both_ways_are_refused_at_start(
+    gemma3, setting, value
+):
+    """The vision feature is built when the runner starts: a Gemma 3 engine with flash-attn or
+    batch-invariant rows never starts (no step could run its images right)."""
+    from workers.features.base import RunnerContext
+    from workers.features.vision import VisionFeature
+    from workers.runner_config import RunnerConfig
+
+    path, _, _, model = gemma3
+    fields = dict(
+        model_dir=path,
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+        seed=0,
+        attention_backend="torch",
+        kv_cache_memory_gb=0.1,
+        gpu_memory_utilization=0.9,
+        load_progress=False,
+    )
+    cpu, args = torch.device("cpu"), (torch.float32, True, {})
+    VisionFeature(RunnerContext(RunnerConfig(**fields), model, None, cpu, *args))  # type: ignore[arg-type]
+    config = RunnerConfig(**{**fields, setting: value})
+    with pytest.raises(ValueError, match=setting):
+        VisionFeature(RunnerContext(config, model, None, cpu, *args))  # type: ignore[arg-type]

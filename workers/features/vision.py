@@ -90,6 +90,8 @@ class EncoderCache:
 
 class VisionFeature(RunnerFeature):
     def __init__(self, ctx: RunnerContext) -> None:
+        if getattr(ctx.model, "images_attend_both_ways", False):
+            refuse_one_way_attention(ctx.config.attention_backend, ctx.config.batch_invariant)
         self.model: VisionLM = ctx.model  # type: ignore[assignment]  # is_vision_model checked
         self.device = ctx.device
         self.images: dict[str, tuple[ImageInput, ...]] = {}
@@ -187,6 +189,21 @@ class VisionFeature(RunnerFeature):
                 f"images: the tower gave {rows.shape[0]} rows for an image of {span.length} tokens"
             )
         return rows
+
+
+def refuse_one_way_attention(backend: str, batch_invariant: bool) -> None:
+    """At start, for a model whose image tokens attend to each other both ways (Gemma 3): the
+    settings whose attention cannot (ValueError naming the setting), so no step fails later."""
+    if backend == "flash_attn":
+        raise ValueError(
+            "attention_backend: flash_attn cannot attend an image's tokens both ways "
+            "(Gemma 3); use auto, triton or torch"
+        )
+    if batch_invariant:
+        raise ValueError(
+            "batch_invariant: runs every token as its own decode row, which cannot attend an "
+            "image's later tokens (Gemma 3)"
+        )
 
 
 def unpack(array: PackedArray, device: torch.device) -> torch.Tensor:

@@ -103,6 +103,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """The Gemma 3 language model over `text_config`, a SigLIP tower and the projector beside it
     (both replicated on every tensor-parallel rank, as LLaVA's)."""
 
+    images_attend_both_ways = True  # the vision feature refuses settings that cannot at start
+
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         super().__init__(config.get_text_config(), max_model_len)
         if current_stage().size > 1:
