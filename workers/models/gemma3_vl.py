@@ -8,7 +8,7 @@ patch grid to `mm_tokens_per_image` rows (256: 64x64 patches pooled 4x4), normal
 `<image_soft_token>` rows *after* the embedding's sqrt(hidden) scale, as transformers does.
 
 The prompt holds, per image, `\\n\\n<start_of_image><image_soft_token><end_of_image>\\n\\n` (the
-sender writes one soft token, frontend/images.gemma3_image_text; the engine repeats it once per
+sender writes one soft token, frontend/images.image_text; the engine repeats it once per
 image row). Inside an otherwise causal prompt, the soft tokens of one image attend to each other
 both ways: the forward hands each image's step range to the attention backends
 (`AttentionMetadata.bidirectional`); the scheduler never cuts an image across chunks, so a range
