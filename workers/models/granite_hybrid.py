@@ -205,10 +205,6 @@ class GraniteMoeHybridForCausalLM(MoEForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, AnyWeight]]) -> set[str]:
         return super().load_weights((_renamed(name), w) for name, w in weights)
 
-    def expert_rows_per_rank(self) -> list[int]:
-        """The experts' load balance; empty for a model without experts."""
-        return super().expert_rows_per_rank() if self.moe_blocks() else []
-
 
 # Granite's own names for the routed experts (all experts in one tensor each) and the router.
 _RENAMES = (

@@ -113,8 +113,11 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def expert_rows_per_rank(self) -> list[int]:
         """(token, expert) rows each rank of the group computed in the last forward, summed over
-        layers: the expert-parallel load balance (every rank computes the same figures)."""
+        layers: the expert-parallel load balance (every rank computes the same figures); empty
+        for a model whose layers are all dense (a hybrid's `mlp_only_layers`, say)."""
         blocks = self.moe_blocks()
+        if not blocks:
+            return []
         return [
             sum(b.rows_per_rank[r] for b in blocks) for r in range(len(blocks[0].rows_per_rank))
         ]
