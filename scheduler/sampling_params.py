@@ -55,6 +55,17 @@ def _is_number(value: object) -> bool:
         return False
 
 
+# The float fields: each must be a finite number before its range is checked.
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Every bound of a request's sampling fields is here;
@@ -130,14 +141,7 @@ class SamplingParams:
             "max_tokens",
             f"must be an integer in [1, 2^31), got {_shown(self.max_tokens)}",
         )
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        ):
+        for name in _FLOAT_FIELDS:
             _check(
                 _is_number(getattr(self, name)),
                 name,
@@ -261,6 +265,12 @@ class SamplingParams:
             "prompt_logprobs",
             f"must be in [0, {MAX_LOGPROBS}], got {_shown(self.prompt_logprobs)}",
         )
+        self._check_min_tokens()
+        self._check_detokenize_flags()
+        self._check_truncation()
+        self._check_bad_words()
+
+    def _check_min_tokens(self) -> None:
         _check(
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",
@@ -272,9 +282,6 @@ class SamplingParams:
             "min_tokens",
             "cannot be combined with a structured output constraint (or tools)",
         )
-        self._check_detokenize_flags()
-        self._check_truncation()
-        self._check_bad_words()
 
     def _check_detokenize_flags(self) -> None:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
