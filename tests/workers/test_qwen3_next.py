@@ -270,3 +270,15 @@ def test_two_ranks_split_both_mixers_by_head_and_match_one(tmp_path, gloo_ranks)
     assert expected is not None and expected.shape[0] == 6 + 4 + 1 + 5
     got = gloo_ranks(2).run(hybrid_logits, path)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_with_only_dense_mlps_reports_no_expert_load():
+    """Every layer in mlp_only_layers: no expert block, so the load balance is empty (it failed
+    the first engine step with an IndexError)."""
+    from transformers import Qwen3NextConfig
+
+    from workers.models.qwen3_next import Qwen3NextForCausalLM
+
+    fields = {**TINY_QWEN3_NEXT.fields, "mlp_only_layers": [0, 1, 2, 3]}
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**fields, vocab_size=64))
+    assert model.moe_blocks() == [] and model.expert_rows_per_rank() == []
