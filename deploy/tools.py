@@ -400,15 +400,25 @@ def prepare_chat(
         return out, None
     if renders_tools:
         return out, [t.as_openai() for t in tools]
-    prompt = tools_system_prompt(tools, fmt)
-    if out and out[0]["role"] == "system":
-        out[0] = {
-            **out[0],
-            "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt,
-        }
-    else:
-        out.insert(0, {"role": "system", "content": prompt})
-    return out, None
+    return _with_system_prompt(out, tools_system_prompt(tools, fmt)), None
+
+
+def _with_system_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:
+    """prompt appended to the conversation's system turn, or as one when it has none."""
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        text = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
+        return [{**first, "content": text}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def _structured_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call as a template's `tool_calls` item (arguments parsed back into JSON)."""
+    function = call["function"]
+    return {
+        "type": "function",
+        "function": {"name": function["name"], "arguments": _arguments(function.get("arguments"))},
+    }
 
 
 def _with_calls(
@@ -419,16 +429,7 @@ def _with_calls(
     message = dict(message)
     calls = message.pop("tool_calls", None) or []
     if calls and renders_tools:
-        message["tool_calls"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": c["function"]["name"],
-                    "arguments": _arguments(c["function"].get("arguments")),
-                },
-            }
-            for c in calls
-        ]
+        message["tool_calls"] = [_structured_call(c) for c in calls]
     elif calls:
         text = message.get("content") or ""
         call_text = render_call_text(calls, fmt)
