@@ -53,7 +53,8 @@ class ReplicaMetrics:
         self._zero_counters: list[Counter] = []
         self._queue_gauges()
         self._token_counters()
-        self._spec_and_vision_counters()
+        self._spec_counters()
+        self._vision_counters()
         self._latency()
         self._preemptions_seen = 0
         self._expert_tokens_seen: list[int] = []
@@ -123,8 +124,8 @@ class ReplicaMetrics:
             ("rank",),
         )
 
-    def _spec_and_vision_counters(self) -> None:
-        # Speculative decoding: mean accepted length is accepted / verify rows.
+    def _spec_counters(self) -> None:
+        """Speculative decoding: mean accepted length is accepted / verify rows."""
         self.spec_proposed = self._counter(
             "raylm_spec_proposed_tokens_total", "Speculative tokens proposed and verified."
         )
@@ -134,7 +135,9 @@ class ReplicaMetrics:
         self.spec_rows = self._counter(
             "raylm_spec_verify_rows_total", "Verify rows (a decode that verified proposals)."
         )
-        # Vision models (scheduler/features_images.py).
+
+    def _vision_counters(self) -> None:
+        """Vision models (scheduler/features_images.py)."""
         self.images_encoded = self._counter(
             "raylm_images_encoded_total", "Images the tower encoded."
         )
