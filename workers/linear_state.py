@@ -148,16 +148,22 @@ class LinearStateStore:
             for view in self.views:
                 view.conv[idx] = 0
                 view.recurrent[idx] = 0
-        for rid, checkpoint in restore.items():
-            for view in self.views:
-                view.copy(self.checkpoint_slot(checkpoint), self.slot_of[rid])
-        self.saves.clear()
-        if copies is not None:
-            row_of = {rid: row for row, rid in enumerate(req_ids)}
-            for rid, (offset, checkpoint) in copies.save.items():
-                self.saves[row_of[rid]] = (offset, self.checkpoint_slot(checkpoint))
+        self._bind_copies(req_ids, copies)
         for view in self.views:
             view.slots = slots
+
+    def _bind_copies(self, req_ids: list[str], copies: StateCopies | None) -> None:
+        """Restores now (before any save of this step can overwrite their checkpoint); saves
+        bound by batch row for the layers to make inside the forward."""
+        self.saves.clear()
+        if copies is None:
+            return
+        for rid, checkpoint in copies.restore.items():
+            for view in self.views:
+                view.copy(self.checkpoint_slot(checkpoint), self.slot_of[rid])
+        row_of = {rid: row for row, rid in enumerate(req_ids)}
+        for rid, (offset, checkpoint) in copies.save.items():
+            self.saves[row_of[rid]] = (offset, self.checkpoint_slot(checkpoint))
 
     def checkpoint_slot(self, checkpoint: int) -> int:
         if not 0 <= checkpoint < self.num_checkpoints:  # the scheduler numbers them: a bug
