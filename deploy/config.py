@@ -356,7 +356,7 @@ class AppConfig:
 
     def _check_engine(self) -> None:
         """What a served engine needs beyond its own checks: Ray ranks, its bundle's threads,
-        a router and LoRA slots for run-time adapters."""
+        and for run-time adapters a router that reaches every replica and LoRA slots."""
         if self.engine.distributed_executor_backend == "mp":
             raise ValueError(
                 "distributed_executor_backend: 'mp' is for the offline engine; a served replica "
@@ -366,6 +366,9 @@ class AppConfig:
             # A CPU replica's torch threads default to the cores its bundle reserves, not to
             # whatever Ray's OMP_NUM_THREADS says (a fraction rounds down, at least one).
             self.engine = replace(self.engine, cpu_threads=max(1, int(self.replica_num_cpus)))
+        self._check_runtime_lora()
+
+    def _check_runtime_lora(self) -> None:
         if self.allow_runtime_lora and self.router != "fleet":
             raise ValueError(
                 "allow_runtime_lora: needs router: fleet, which can reach every replica"

@@ -363,6 +363,7 @@ def _study_pool(
             args = (blocks, a.profile, a.max_num_seqs, a.aging, victim, max_tokens, probe)
             result, predictions = run(policy, wl, *args)
             _print_policy(policy, figures(result, a.slo_ttft))
+            # The predictor's accuracy once: the first load of the unpressured pool.
             if policy == "srpt" and blocks == a.blocks and load == a.loads[0]:
                 accuracy(wl, predictions)
 
