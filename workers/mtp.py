@@ -88,6 +88,19 @@ class MTPModel(DraftModel):
         chain = [i for i in ask if i in last]
         for i in chain:
             proposals[i].append(last[i][0])
+        self._chain(rows, chain, tables, last, proposals)
+        return proposals
+
+    def _chain(
+        self,
+        rows: list[MTPRow],
+        chain: list[int],
+        tables: torch.Tensor,
+        last: dict[int, tuple[int, torch.Tensor]],
+        proposals: list[list[int]],
+    ) -> None:
+        """k - 1 one-token steps over the proposing rows: each feeds the token proposed last and
+        the MTP's own output at the position before."""
         for j in range(1, self.num_tokens):
             chain = [i for i in chain if rows[i].num_proposed > j]
             if not chain:
@@ -102,7 +115,6 @@ class MTPModel(DraftModel):
             for i, token, m in zip(chain, tokens, out):
                 proposals[i].append(token)
                 last[i] = (token, m)
-        return proposals
 
     def _run(
         self,
