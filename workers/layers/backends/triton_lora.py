@@ -20,6 +20,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _slot_rows(index_ptr, group, BLOCK_M: tl.constexpr):
+    """This program's slot, its block of the slot's group (offsets and which are in the group) and
+    their token rows (padding: row 0)."""
+    slot = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_group = offs_m < group
+    rows = tl.load(index_ptr + slot * group + offs_m, mask=in_group, other=0).to(tl.int64)
+    return slot, offs_m, in_group, rows
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,
     a_ptr,
@@ -40,10 +51,7 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_group = offs_m < group
-    rows = tl.load(index_ptr + slot * group + offs_m, mask=in_group, other=0).to(tl.int64)
+    slot, offs_m, in_group, rows = _slot_rows(index_ptr, group, BLOCK_M)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < width
     offs_k = tl.arange(0, BLOCK_K)
@@ -98,10 +106,7 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_group = offs_m < group
-    rows = tl.load(index_ptr + slot * group + offs_m, mask=in_group, other=0).to(tl.int64)
+    slot, offs_m, in_group, rows = _slot_rows(index_ptr, group, BLOCK_M)
     write = in_group
     if HAS_VALID:  # padding rows point at row 0: never write there for them
         keep = tl.load(valid_ptr + slot * group + offs_m, mask=in_group, other=0.0)

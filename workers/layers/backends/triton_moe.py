@@ -21,6 +21,24 @@ from workers.layers.moe_align import ExpertBlocks, align_by_expert
 
 
 @triton.jit
+def _block_rows(rows_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
+    """The (token, expert) pair rows of this block, and which are real (not padding)."""
+    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return rows, rows < num_pairs
+
+
+@triton.jit
+def _row_tile(ptr, rows, stride, kk, valid, mask_k):
+    """Columns kk of the given rows of a row-major matrix (padding rows and columns past the
+    end read as 0)."""
+    return tl.load(
+        ptr + rows[:, None] * stride + kk[None, :],
+        mask=valid[:, None] & mask_k[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -44,8 +62,7 @@ def _gate_up_kernel(
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:  # past the last expert's blocks: the bound's spare blocks
         return
-    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = rows < num_pairs
+    rows, valid = _block_rows(rows_ptr, block, num_pairs, BLOCK_M)
     tokens = rows // TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter
@@ -56,11 +73,7 @@ def _gate_up_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < hidden
-        a = tl.load(
-            x_ptr + tokens[:, None] * stride_xt + kk[None, :],
-            mask=valid[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        a = _row_tile(x_ptr, tokens, stride_xt, kk, valid, mask_k)
         w_mask = mask_k[:, None] & mask_n[None, :]
         w_gate = tl.load(w + offs_n[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(
@@ -103,8 +116,7 @@ def _down_kernel(
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
-    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = rows < num_pairs
+    rows, valid = _block_rows(rows_ptr, block, num_pairs, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
@@ -113,11 +125,7 @@ def _down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < inter
-        a = tl.load(
-            h_ptr + rows[:, None] * stride_ht + kk[None, :],
-            mask=valid[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        a = _row_tile(h_ptr, rows, stride_ht, kk, valid, mask_k)
         b = tl.load(
             w + offs_n[None, :] * stride_wn + kk[:, None],
             mask=mask_k[:, None] & mask_n[None, :],
