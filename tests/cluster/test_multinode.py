@@ -24,6 +24,7 @@ from engine.executor import EngineDeadError, LocalExecutor
 from scheduler import EngineRequest, Request, SamplingParams, Scheduler, SchedulerConfig
 from tests.cluster.conftest import _start_node
 from tests.cluster.engine_driver import greedy_tokens
+from tests.deploy.conftest import delete_app
 from workers.distributed import free_port
 from workers.runner import RunnerConfig
 
@@ -54,12 +55,10 @@ def node_ids(executor: RayExecutor) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama) -> dict[str, list[int]]:
-    """Greedy tokens of one process (TP=1)."""
-    local = started(LocalExecutor(runner_config(tiny_llama)))
-    tokens, _ = greedy_tokens(local, scheduler_config(), PROMPTS, max_tokens=MAX_TOKENS)
-    local.shutdown()
-    return tokens
+def reference(served_reference) -> dict[str, list[int]]:
+    """Greedy tokens of one process (TP=1): the first MAX_TOKENS of the served test's longer
+    run, whose first MAX_TOKENS steps run the same batch (every prompt, no preemption)."""
+    return {rid: tokens[:MAX_TOKENS] for rid, tokens in served_reference.items()}
 
 
 def test_spread_ranks_sit_on_different_nodes_and_give_the_tokens_of_one_process(
@@ -170,7 +169,7 @@ SERVED_TOKENS = 200  # long enough that the node's death lands while every strea
 
 @pytest.fixture(scope="module")
 def served_reference(tiny_llama) -> dict[str, list[int]]:
-    """Greedy tokens of one process for the served test's longer generations."""
+    """Greedy tokens of one process (TP=1) for the served test's longer generations."""
     local = started(LocalExecutor(runner_config(tiny_llama)))
     tokens, _ = greedy_tokens(local, scheduler_config(), PROMPTS, max_tokens=SERVED_TOKENS)
     local.shutdown()
@@ -235,7 +234,7 @@ def test_a_served_replica_across_two_nodes_is_replaced_when_one_dies(
         for rid in errors:
             assert emitted[rid] + rest[rid] == served_reference[rid], rid
     finally:
-        serve.delete(SERVED_APP)
+        delete_app(SERVED_APP)  # stops in the background, as the joined nodes do at module end
 
 
 async def _stream_until_killed(handle, node) -> tuple[dict[str, list[int]], dict[str, Exception]]:

@@ -32,6 +32,7 @@ from scheduler import SamplingParams, hash_prompt_blocks
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
 from scheduler.request import EngineRequest
+from tests.deploy.conftest import delete_app
 from workers.distributed import free_port
 
 pytestmark = pytest.mark.slow
@@ -93,7 +94,7 @@ def handle(ray_cluster):
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": free_port()})
     h = serve.run(StreamingReplica.bind(), name=APP, route_prefix=None)
     yield h
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def request(prompt: list[int], max_tokens: int) -> EngineRequest:
@@ -327,7 +328,7 @@ def llm_handle(ray_cluster):
         health_check_timeout_s=120,
     )
     yield serve.run(replica.bind(config.engine), name=REAL_APP, route_prefix=None)
-    serve.delete(REAL_APP)
+    delete_app(REAL_APP)  # stops in the background: no later test uses its name or replicas
 
 
 async def generate(handle, req: EngineRequest):
