@@ -181,7 +181,7 @@ def replica_deployment(config: AppConfig, name: str, role: str = "decode") -> An
     replica_options["num_replicas"] = (
         disagg.prefill_replicas if role == "prefill" else disagg.decode_replicas
     )
-    phase = DisaggPhase(role, disagg.transfer_timeout_s)
+    phase = DisaggPhase(role, disagg.transfer_timeout_s, disagg.kv_transport)
     return LLMReplica.options(name=name, **replica_options).bind(  # type: ignore[attr-defined]
         config.phase_engine(role), slo, config.model_name, phase
     )

@@ -73,7 +73,7 @@ class AppConfig:
     disaggregation: DisaggregationArgs | None = setting(
         None,
         "instead of `num_replicas`: prefill and decode replicas apart, `{prefill_replicas, "
-        "decode_replicas, transfer_timeout_s, prefill: {...}, decode: {...}}` "
+        "decode_replicas, transfer_timeout_s, kv_transport, prefill: {...}, decode: {...}}` "
         "(docs/disaggregation.md)",
     )
     # Routing across replicas and admission.

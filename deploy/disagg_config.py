@@ -6,6 +6,7 @@ args:
   disaggregation:
     prefill_replicas: 1
     decode_replicas: 2
+    kv_transport: auto          # or object_store, collective (docs/disaggregation.md)
     prefill: {max_num_batched_tokens: 2048}   # engine settings of one phase, over the model's
     decode: {max_num_seqs: 64}
 ```
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cluster.disagg_replica import KV_TRANSPORTS
 from engine.config import EngineConfig
 from settings import build, check_settings, nest, setting, shown
 
@@ -45,6 +47,13 @@ class DisaggregationArgs:
         "longest a decode step waits for a prompt's KV before it recomputes the prompt instead",
         gt=0,
         le=MAX_TRANSFER_TIMEOUT_S,
+    )
+    kv_transport: str = setting(
+        "auto",
+        "how a prompt's KV moves: auto (the object store, or torch.distributed pairs for CUDA "
+        "payloads on one machine), object_store, or collective (pairs, plus a store copy when "
+        "the cluster spans machines)",
+        choices=KV_TRANSPORTS,
     )
     prefill: dict[str, Any] | None = setting(
         None, "engine settings of the prefill replicas, over the model's (flat keys)"
