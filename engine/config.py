@@ -165,7 +165,8 @@ class EngineConfig:
     process_niceness: int | None = setting(
         None,
         "nice value of the engine's processes, every thread (the replica, its TP workers; served, "
-        "the ingress and its node's Serve proxy too). Ray starts workers at nice 15, behind every other process of the node (the "
+        "the ingress and its node's Serve proxy too). Ray starts workers at nice 15, behind "
+        "every other process of the node (the "
         "HTTP "
         "client, other jobs); going below 15 needs CAP_SYS_NICE, else a warning. Unset: left as "
         "started",
