@@ -315,14 +315,11 @@ async def with_deadline(
     """The deltas until time.monotonic() reaches deadline; then the generation is cancelled (the
     replica aborts it and frees its blocks) and RequestTimeoutError is raised."""
     iterator = aiter(deltas)
-    loop = asyncio.get_running_loop()
-    # The deadline on the loop's clock: asyncio.timeout_at arms one timer per delta, where
-    # wait_for also wrapped each anext in a task of its own (a task per streamed chunk).
-    when = loop.time() + (deadline - time.monotonic())
     while True:
         try:
-            async with asyncio.timeout_at(when):
-                delta = await anext(iterator)
+            delta = await asyncio.wait_for(
+                anext(iterator), timeout=max(deadline - time.monotonic(), 0.0)
+            )
         except StopAsyncIteration:
             return
         except TimeoutError:
