@@ -31,7 +31,11 @@ def position_states(state: SamplingState, drafts: list[int]) -> list[SamplingSta
     outputs = state.output_token_ids
     for j in range(1, len(drafts) + 1):
         at = SamplingState(
-            state.params, state.prompt_token_ids, outputs + drafts[:j], state.generator
+            state.params,
+            state.prompt_token_ids,
+            outputs + drafts[:j],
+            state.generator,
+            bans=state.bans,  # min_tokens and bad words, judged on these outputs
         )
         if seen is not None:  # count on from the request's own counts, not from scratch
             at.seen = dict(seen)

@@ -186,3 +186,16 @@ def test_position_states_count_the_drafts_for_penalties_and_seeds():
     assert [len(s.output_token_ids) for s in states] == [2, 3, 4]
     assert states[2].seen_tokens() == {2: 3, 5: 1}
     assert base.output_token_ids == [2, 2]  # the request's own state is untouched
+
+
+def test_min_tokens_and_bad_words_hold_at_every_proposed_position():
+    """Each position bans what a plain decode would ban there: the stop token 7 before min_tokens
+    outputs, and the bad word [4, 9]'s 9 after a 4."""
+    base = state(temperature=0.0, min_tokens=4, stop_token_ids=[7], bad_words_token_ids=[[4, 9]])
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 3.0  # every position's argmax, banned throughout
+    logits[0, 9], logits[1, 4], logits[2, 9], logits[2, 3] = 2.0, 2.0, 2.0, 1.0
+    assert all(s.bans is base.bans for s in position_states(base, [9, 4]))
+    # position 1 (after 9) takes 4, not 7; position 2 (after 9, 4) bans 7 and 9, takes 3
+    assert verify(logits, base, [9, 4]) == [9, 4, 3]
+    assert verify(logits, base, [9, 9]) == [9, 4]
