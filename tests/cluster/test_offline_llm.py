@@ -68,4 +68,7 @@ def test_a_dropped_tp2_llm_frees_its_workers_for_the_next_one(
     with tp2_llm(model_dir) as second:
         [out] = second.generate([[3, 4, 5, 6]], PARAMS, use_tqdm=False)
     assert out.token_ids == expected
-    assert live_groups() == before  # the with block gave the second one's group back too
+    # The with block gave the second one's group back too. Only this test's groups are compared:
+    # a group that was live before may go meanwhile (test_multinode deletes its PP app without
+    # blocking, and Serve removes that replica's group in the background).
+    assert not live_groups() - before
