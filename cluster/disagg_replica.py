@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import ray
 
 from cluster.disagg_transport import ObjectStoreTransport
+from cluster.kv_transports import KV_TRANSPORTS
 from engine.core import EngineCore
 from engine.disagg import DecodeSide, PhaseEngine, PrefillReply, PrefillSide, needs_decode
 from scheduler.outputs import RequestOutput
@@ -25,8 +26,6 @@ from workers.kv_collective import CollectiveTransport
 from workers.kv_transfer import KVTransport
 
 PHASES = ("prefill", "decode")
-# The `disaggregation.kv_transport` setting: auto resolves to one of the other two.
-KV_TRANSPORTS = ("auto", "object_store", "collective")
 # Where a payload's bytes are: read_blocks stages every payload in host memory (a numpy array,
 # where the checksums are taken), whatever the engine's device, so today a pair would move them
 # over gloo, never NCCL.

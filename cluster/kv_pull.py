@@ -48,9 +48,10 @@ class PullCounts:
 
 def deployment_router_config() -> RoutingConfig | None:
     """The router settings of this replica's deployment (the request_router_kwargs its fleet
-    routers get, checked by the app's config first); None under Serve's own router."""
-    deployment = serve.get_replica_context()._deployment_config
-    router = deployment.request_router_config
+    routers get, checked by the app's config first); None under Serve's own router, or where the
+    replica context carries no deployment config (a replica built outside a deployment)."""
+    deployment = getattr(serve.get_replica_context(), "_deployment_config", None)
+    router = getattr(deployment, "request_router_config", None)
     if router is None:
         return None
     try:

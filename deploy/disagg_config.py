@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cluster.disagg_replica import KV_TRANSPORTS
+from cluster.kv_transports import KV_TRANSPORTS
 from engine.config import EngineConfig
 from settings import build, check_settings, nest, setting, shown
 
