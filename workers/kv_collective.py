@@ -21,10 +21,14 @@ Where the pair cannot form, the transport falls back: a host bound to loopback i
 its own machine only, so a receiver on another machine takes the fallback's copy (the object store,
 cluster/disagg_transport.py) when the sender was told to make one (`copy_to_fallback`). A sender
 whose server cannot start sends through the fallback alone.
+
+At interpreter exit a process says BYE on its pairs and stops its servers' threads (bounded): a
+thread left inside a torch.distributed wait would abort the process as it finalizes.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -33,7 +37,9 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -53,7 +59,8 @@ MAX_HOLD_S = 3600.0
 MAX_OUTBOX_BYTES = 1 << 40
 IDLE_S = 600.0  # a pair unused this long is closed by its server (its client re-forms it first)
 SEND_TIMEOUT_S = 30.0  # the server's bound on one reply (the receiver bounds its own wait)
-PULL, DONE = 1, 2
+PULL, DONE, BYE = 1, 2, 3  # BYE: the receiver closes the pair (its server's thread ends)
+EXIT_JOIN_S = 5.0  # at interpreter exit, the bound on stopping this process's threads
 REQUEST = struct.Struct("<BxxxI16s")  # op, readers, key (16 bytes of a uuid4 hex)
 TAG_REQUEST, TAG_HEADER, TAG_DATA = 1, 2, 3
 
@@ -157,7 +164,27 @@ class KVServer:
         self.entries: OrderedDict[str, _Entry] = OrderedDict()
         self.lock = threading.Lock()
         self.num_pairs = 0
-        threading.Thread(target=self._accept, daemon=True, name="kv-collective").start()
+        self.stopping, self.next_hello = False, 1
+        self.threads: list[threading.Thread] = []
+        self._start(self._accept, "kv-collective")
+        _stop_at_exit(self)
+
+    def _start(self, target: Callable[..., None], name: str, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+        self.threads.append(thread)
+        thread.start()
+
+    def stop(self, timeout_s: float) -> bool:
+        """End the accepting thread and wait (at most timeout_s) for the pairs' threads, which
+        end when their receivers say BYE or go; True if none is left."""
+        self.stopping = True
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            while thread.is_alive() and time.monotonic() < deadline:
+                if thread.name == "kv-collective":  # wake its wait for the next hello
+                    self.store.set(f"hello/{self.next_hello}", "")
+                thread.join(0.05)
+        return not any(thread.is_alive() for thread in self.threads)
 
     def offer(self, key: str, meta: dict, wire: torch.Tensor) -> CollectiveRef:
         """Hold `wire` for pulls of `key`; `meta` (JSON-able) travels in the reference."""
@@ -202,16 +229,18 @@ class KVServer:
 
     def _accept(self) -> None:
         """Serve each pair that announces itself (hello/n, in the order of its counter)."""
-        store, n = _client_store(self.host, self.port, SEND_TIMEOUT_S), 1
-        while True:
+        store = _client_store(self.host, self.port, SEND_TIMEOUT_S)
+        while not self.stopping:
+            n = self.next_hello
             try:
                 store.wait([f"hello/{n}"], timedelta(seconds=IDLE_S))
             except dist.DistStoreError:  # idle, or a client that took a number and died
-                n += int(store.add("pairs", 0) > n)
+                self.next_hello += int(store.add("pairs", 0) > n)
                 continue
-            backend = store.get(f"hello/{n}").decode()
-            threading.Thread(target=self._serve, args=(n, backend), daemon=True).start()
-            n += 1
+            if self.stopping:
+                return
+            self._start(self._serve, f"kv-pair-{n}", n, store.get(f"hello/{n}").decode())
+            self.next_hello = n + 1
 
     def _serve(self, n: int, backend: str) -> None:
         try:
@@ -222,6 +251,8 @@ class KVServer:
                 request = torch.empty(REQUEST.size, dtype=torch.uint8)
                 group.recv([request], 1, TAG_REQUEST).wait(timedelta(seconds=IDLE_S))
                 op, readers, key = REQUEST.unpack(request.numpy().tobytes())
+                if op == BYE:
+                    return
                 entry = self.take(key.hex(), readers)
                 if op == PULL:
                     self._reply(group, entry)
@@ -312,12 +343,26 @@ class Puller:
             store.set(f"hello/{n}", ref.backend)
             prefixed = dist.PrefixStore(f"pair/{n}/", store)
             group = pair_group(prefixed, 1, ref.backend, ref.host, timeout_s)
+            _stop_at_exit(self)
             self.pairs[ident] = pair = _Pair(group, ref.backend)
             return pair
 
     def _drop(self, ref: CollectiveRef) -> None:
         with self.lock:
             self.pairs.pop((ref.host, ref.port, ref.backend), None)
+
+    def close(self, timeout_s: float) -> None:
+        """Say BYE on every pair (its server's thread ends) and forget them."""
+        with self.lock:
+            pairs, self.pairs = list(self.pairs.values()), {}
+        bye = REQUEST.pack(BYE, 0, bytes(16))
+        for pair in pairs:
+            with pair.lock:
+                buffer = torch.frombuffer(bytearray(bye), dtype=torch.uint8)
+                try:
+                    pair.group.send([buffer], 0, TAG_REQUEST).wait(timedelta(seconds=timeout_s))
+                except Exception as exc:  # its server is gone already
+                    logger.info("KV pair: BYE not delivered (%r)", exc)
 
 
 _servers: dict[str, KVServer] = {}
@@ -340,6 +385,37 @@ def server(host: str, hold_s: float, max_bytes: int) -> KVServer:
         if host not in _servers:
             _servers[host] = KVServer(host, hold_s, max_bytes)
         return _servers[host]
+
+
+_started: list[KVServer] = []
+_pulling: weakref.WeakSet[Puller] = weakref.WeakSet()
+_exit_lock = threading.Lock()  # apart from _lock, which server() holds while one starts
+
+
+def _stop_at_exit(party: KVServer | Puller) -> None:
+    """Have _shutdown end party's threads and pairs (registered when the first one starts)."""
+    with _exit_lock:
+        if not _started and not _pulling:
+            atexit.register(_shutdown)
+        if isinstance(party, KVServer):
+            _started.append(party)
+        else:
+            _pulling.add(party)
+
+
+def _shutdown() -> None:
+    """End this process's pairs and servers before the interpreter finalizes: a thread still
+    inside a torch.distributed wait then would abort the process (std::terminate as it unwinds
+    to take back the GIL)."""
+    _releases.shutdown(wait=True)
+    for puller in list(_pulling):  # a server of this process hears BYE from its own pullers
+        puller.close(EXIT_JOIN_S)
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for outbox in list(_started):
+        if not outbox.stop(max(deadline - time.monotonic(), 0.0)):
+            logger.warning(
+                "KV server on port %d: a pair waits at exit (its peer lives)", outbox.port
+            )
 
 
 def _check(name: str, value: object, low: float, high: float) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -41,8 +42,22 @@ def meta_of(p: KVPayload) -> dict:
 
 
 @pytest.fixture(scope="module")
-def puller() -> Puller:
-    return Puller()
+def puller() -> Iterator[Puller]:
+    pulls = Puller()
+    yield pulls
+    pulls.close(timeout_s=5.0)  # BYE on each pair: its server's thread leaves its wait
+
+
+def test_a_server_stops_its_threads_once_its_receivers_say_bye():
+    # A thread still inside a torch.distributed wait at interpreter exit aborts the process.
+    server, pulls = KVServer(HOST, hold_s=60.0, max_bytes=1 << 20), Puller()
+    ref = server.offer("f" * 32, {}, torch.zeros(8, dtype=torch.uint8))
+    assert pulls.pull(ref, readers=1, timeout_s=30.0, max_bytes=1 << 20) is not None
+    assert [t.name for t in server.threads] == ["kv-collective", "kv-pair-1"]
+    pulls.close(timeout_s=5.0)
+    assert server.stop(timeout_s=30.0)
+    assert not any(thread.is_alive() for thread in server.threads)
+    assert server in kv_collective._started and pulls in kv_collective._pulling  # at exit too
 
 
 def test_a_pull_brings_the_payload_byte_for_byte_then_it_is_gone(puller):
