@@ -8,7 +8,8 @@ SLO; `decide` reads those. Each load signal is turned into a demand in replicas 
 over a per-replica target), and the fleet needs the largest of them:
 
 - up: the largest demand, plus its rising trend over `lead_s` (a new replica takes about that long
-  to start, so the count is set for where the load will be then), rounds up above the current
+  to start, so the count is set for where the load will be then; a load measured while a queue
+  is beyond what it counts is a lower bound, and the trend forgets it), rounds up above the current
   count (at most to twice the replicas that report: a backlog that grows while new replicas start
   is not counted again at every decision), or the measured TTFT or ITL p90 is over its SLO (then
   the count grows by the ratio, at most doubling; after a scale-up the latency signals are ignored
@@ -261,6 +262,13 @@ def _kv_needed(s: ReplicaSignals) -> float:
     return s.kv_cache_usage + min(queued, s.kv_cache_usage)
 
 
+def _saturated(s: ReplicaSignals) -> bool:
+    """The replica's queue is beyond what `_kv_needed` counts: its load is measured only in part."""
+    return (
+        s.kv_cache_tokens > 0 and s.num_waiting_prompt_tokens > s.kv_cache_usage * s.kv_cache_tokens
+    )
+
+
 def demand(signals: Sequence[ReplicaSignals], targets: SignalTargets) -> Demand:
     """Replicas each load signal asks for: non-decreasing in every signal."""
     return Demand(
@@ -336,6 +344,12 @@ def decide(
         return ScaleDecision(current, "no_signals", state)
     load, reason = demand(signals, config.targets).largest()
     state, ahead = _anticipate(load, config.targets.lead_s, state, now)
+    if any(map(_saturated, signals)):
+        # The load is a lower bound (the queue beyond the cap is not counted), and it rises as the
+        # fleet grows, not as the load does: a trend learnt from it overshoots once the fleet
+        # catches up (from 1 replica to a load of 9 the trend added 3, and the dead band removed
+        # one again). The mean starts afresh from the first load the fleet measures in full.
+        state = replace(state, mean_load=None, mean_load_s=None, trend=0.0)
     # At most twice the replicas that report: a backlog grows while the replicas asked for start,
     # and counting it again every decision would scale to the cap for a burst that a few drain.
     up = min(_ceil(ahead), max(current, 2 * len(signals)))

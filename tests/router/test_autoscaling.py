@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from router.autoscaling import (
@@ -307,6 +307,9 @@ def test_more_load_never_asks_for_fewer_replicas(signals, factor, extra, current
 
 
 @given(st.floats(0.5, 20), st.floats(0, 0.12), st.integers(1, 24), st.integers(0, 2**32))
+# From 1 replica the saturated fleet's load rose as it grew; a trend learnt from it went to 13
+# for a load of 9, and the dead band took one back.
+@example(mean_replicas=9.0, noise=0.109375, start=1, seed=3)
 def test_noisy_constant_load_never_flaps(mean_replicas, noise, start, seed):
     """A constant load swaying by up to +-12% around its mean (inside the 0.7 dead band) moves the
     count in one direction at most, then holds: never up then down, or down then up."""
