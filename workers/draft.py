@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -111,16 +112,27 @@ class DraftModel:
         num_tokens: int,
         max_rows: int,
     ) -> None:
-        self.device, self.block_size = device, block_size
-        self.max_model_len, self.num_tokens = max_model_len, num_tokens
-        self.max_rows = max_rows  # rows that may propose in one step
-        # Blocks past the allocated ones one row may need: its last token's and k proposed.
-        self.scratch_per_row = num_tokens // block_size + 2
         with single_rank():
             hf_config = AutoConfig.from_pretrained(model_dir)
-            self.model = load_model(
-                model_dir, hf_config, dtype, device, max_model_len, False, gguf_file
-            )
+            model = load_model(model_dir, hf_config, dtype, device, max_model_len, False, gguf_file)
+        self._bind(model, dtype, device, block_size, max_model_len, attention_backend)
+        self.num_tokens, self.max_rows = num_tokens, max_rows  # rows that may propose in one step
+        # Blocks past the allocated ones one row may need: its last token's and k proposed.
+        self.scratch_per_row = num_tokens // block_size + 2
+
+    def _bind(
+        self,
+        model: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        max_model_len: int,
+        attention_backend: str,
+    ) -> None:
+        """Hold a built proposer model: its attention layers bound to the backend, its KV spec
+        (the KV cache comes with init_kv_cache)."""
+        self.model, self.device, self.block_size = model, device, block_size
+        self.max_model_len = max_model_len
         self.layers = self.model.attention_layers()
         # The target's rule, MLA's included (workers/layers/mla.py): one function for both.
         self.backend = bind_backend(self.layers, device, attention_backend, dtype, block_size)

@@ -20,9 +20,7 @@ import torch
 from transformers import AutoConfig
 
 from workers.draft import DraftModel
-from workers.kv_cache import KVCacheSpec
 from workers.layers.attention import AttentionMetadata
-from workers.layers.mla import bind_backend
 from workers.loader import iterate_weights
 from workers.models.deepseek_mtp import DeepseekMTP
 from workers.parallel import single_rank
@@ -54,17 +52,11 @@ class MTPModel(DraftModel):
         num_tokens: int,
         max_rows: int,
     ) -> None:
-        self.device, self.block_size = device, block_size
-        self.max_model_len, self.num_tokens = max_model_len, num_tokens
-        self.max_rows = max_rows
-        self.scratch_per_row = num_tokens // block_size + 2
         with single_rank():
-            self.model = build_mtp(model_dir, dtype, device, max_model_len)
-        self.layers = self.model.attention_layers()
-        self.backend = bind_backend(self.layers, device, attention_backend, dtype, block_size)
-        self.kv_spec = KVCacheSpec.of(self.layers, block_size, dtype)
-        self.kv_cache = None
-        self.num_blocks = 0
+            model = build_mtp(model_dir, dtype, device, max_model_len)
+        self._bind(model, dtype, device, block_size, max_model_len, attention_backend)
+        self.num_tokens, self.max_rows = num_tokens, max_rows
+        self.scratch_per_row = num_tokens // block_size + 2
 
     def propose_mtp(self, rows: list[MTPRow]) -> list[list[int]]:
         """Catch every row up, then propose for the rows that ask; per row, its proposal."""
