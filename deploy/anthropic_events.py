@@ -120,19 +120,10 @@ class MessageBuilder(PieceEvents):
             {"type": "ping"},
         ]
 
-    def feed(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
-        """The events of one delta of the choice (its finish included)."""
-        self.tally.add(delta)
-        text = delta.text
+    def _shown(self, delta: ChoiceDelta) -> str:
         if delta.finish_reason == "stop":
-            text = self._cut_stop_sequence(text)
-        piece = self.split.feed(text)
-        if delta.finish_reason is not None:
-            piece += self.split.finish()
-        events = self._piece(piece)
-        if delta.finish_reason is not None:
-            events += self._finish(delta.finish_reason)
-        return events
+            return self._cut_stop_sequence(delta.text)
+        return delta.text
 
     def _cut_stop_sequence(self, text: str) -> str:
         """The last delta's text without the stop sequence that ended it (the request keeps the

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deploy.tools import DeclaredTools, ToolCallParser
 from frontend.reasoning import ReasoningSplitter
+
+if TYPE_CHECKING:
+    from deploy.generation import ChoiceDelta, UsageTally
 
 
 @dataclass(slots=True)
@@ -75,6 +78,23 @@ class PieceEvents(ABC):
 
     reasoning_kind: str
     answer_kind: str
+    split: ReplySplit
+    tally: UsageTally
+
+    def feed(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """The events of one delta of the choice (its finish included)."""
+        self.tally.add(delta)
+        piece = self.split.feed(self._shown(delta))
+        if delta.finish_reason is not None:
+            piece += self.split.finish()
+        events = self._piece(piece)
+        if delta.finish_reason is not None:
+            events += self._finish(delta.finish_reason)
+        return events
+
+    def _shown(self, delta: ChoiceDelta) -> str:
+        """The part of a delta's text the reply shows (all of it unless a format cuts some)."""
+        return delta.text
 
     def _piece(self, piece: ReplyPiece) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -98,3 +118,7 @@ class PieceEvents(ABC):
     @abstractmethod
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         """One complete tool call's events."""
+
+    @abstractmethod
+    def _finish(self, reason: str) -> list[dict[str, Any]]:
+        """The events that end the reply, for the choice's finish reason."""

@@ -117,16 +117,10 @@ class ResponseBuilder(PieceEvents):
         ]
 
     def feed(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
-        """The events of one delta of the choice (its finish included)."""
+        """The events of one delta of the choice (its finish included); its tokens are kept to
+        count the reasoning ones in the usage."""
         self.token_ids += delta.token_ids
-        self.tally.add(delta)
-        piece = self.split.feed(delta.text)
-        if delta.finish_reason is not None:
-            piece += self.split.finish()
-        events = self._piece(piece)
-        if delta.finish_reason is not None:
-            events += self._finish(delta.finish_reason)
-        return events
+        return super().feed(delta)
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         """Text for the open reasoning or message item (opened first when another is open)."""
