@@ -140,11 +140,13 @@ def think_url(ray_cluster, http_port, tmp_path_factory, smollm2_dir):
     return f"http://127.0.0.1:{http_port}/think/v1"  # stopped with the others (smol_url)
 
 
-# A tiny LLaVA (tests/workers/vision_checkpoints.py) and a tiny Qwen2.5-VL
-# (tests/workers/qwen2_vl_checkpoint.py) with their real processors, two models of one app (one
-# ingress) served with a low image count cap (tests/deploy/test_images_api.py reaches them).
+# A tiny LLaVA (tests/workers/vision_checkpoints.py), a tiny Qwen2.5-VL
+# (tests/workers/qwen2_vl_checkpoint.py) and a tiny Gemma 3 (tests/workers/gemma3_checkpoint.py)
+# with their real processors, three models of one app (one ingress) served with a low image count
+# cap (tests/deploy/test_images_api.py reaches them).
 VISION = "tiny-llava"
 VISION_QWEN = "tiny-qwen2-vl"
+VISION_GEMMA = "tiny-gemma3"
 VISION_MAX_IMAGES = 4
 VISION_MAX_IMAGE_BYTES = 4 << 20
 
@@ -169,14 +171,23 @@ def qwen_vl_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def vision_url(ray_cluster, http_port, vision_model_dir, qwen_vl_model_dir):
-    """A vision app: the tiny LLaVA and the tiny Qwen2.5-VL, no key."""
+def gemma3_model_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    from tests.workers.gemma3_checkpoint import write_tiny_gemma3
+
+    path = str(tmp_path_factory.mktemp("tiny-gemma3"))
+    return write_tiny_gemma3(path, smollm2_tokenizer, seed=1).path
+
+
+@pytest.fixture(scope="session")
+def vision_url(ray_cluster, http_port, vision_model_dir, qwen_vl_model_dir, gemma3_model_dir):
+    """A vision app: the tiny LLaVA, the tiny Qwen2.5-VL and the tiny Gemma 3, no key."""
     from deploy.app import build_app
 
     args = {
         "models": [
             {"name": VISION, "model": vision_model_dir},
             {"name": VISION_QWEN, "model": qwen_vl_model_dir},
+            {"name": VISION_GEMMA, "model": gemma3_model_dir},
         ],
         "max_model_len": 256,
         "num_gpu_blocks": 64,

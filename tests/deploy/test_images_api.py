@@ -4,9 +4,10 @@ anything reaches a replica, each refusal a 400 with OpenAI error JSON naming the
 counted in /metrics by reason.
 
 The ingress's side is proven here without Serve first (parsing, naming, bounds, metrics); then
-served: images to the text model are a 400 (the shared `tiny` app), and a tiny LLaVA served with
-its real processor (`vision_url`) gives transformers' greedy tokens for zero, one and three images
-through the official openai client, and answers the hostile set with 400s while it keeps serving.
+served: images to the text model are a 400 (the shared `tiny` app), and a tiny LLaVA, Qwen2.5-VL
+and Gemma 3 served with their real processors (`vision_url`, one app) give transformers' greedy
+tokens for zero, one and three images through the official openai client; LLaVA answers the
+hostile set with 400s while it keeps serving.
 """
 
 from __future__ import annotations
@@ -577,6 +578,58 @@ def test_qwen2_vl_served_gives_transformers_greedy_tokens_for_0_1_and_3_images(
         expected.append(tokenizer.decode(tokens, skip_special_tokens=True))
     # The word tokenizer's stream puts a space before the first word; the whole decode does not.
     assert [reply.lstrip() for reply in served] == expected
+    assert len({*expected}) == len(expected)  # the images reached the model
+
+
+@pytest.mark.slow
+def test_gemma3_served_gives_transformers_greedy_tokens_for_0_1_and_3_images(
+    vision_openai, gemma3_model_dir
+):
+    """The app's third model: Gemma 3's chat template writes `<start_of_image>` per image part,
+    the ingress rewrites it as Gemma3Processor does (one soft token, the engine repeats it), and
+    the soft tokens of one image attend to each other both ways. Three image counts and a
+    text-only request sent at once (one batch on the replica); each reply is transformers'
+    greedy continuation of the processor's own prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from tests.deploy.conftest import VISION_GEMMA
+    from tests.engine.test_gemma3_engine import GREEDY, Gemma3
+    from tests.workers.vision_checkpoints import random_image
+
+    cases = [
+        [],
+        [random_image(1)],
+        [random_image(2), random_image(3, (64, 48)), random_image(4)],
+        [],
+    ]
+    questions = [QUESTION, QUESTION, QUESTION, "Tell me a story about a small cat."]
+
+    def ask(case: int) -> str:
+        content = [*(image_part(png_url(im)) for im in cases[case]), text(questions[case])]
+        reply = vision_openai.chat.completions.create(
+            model=VISION_GEMMA,
+            messages=[user(content)],
+            max_tokens=GREEDY.max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        return reply.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        served = list(pool.map(ask, range(len(cases))))
+    path = gemma3_model_dir
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    gemma3 = Gemma3(path, hf, AutoProcessor.from_pretrained(path))
+    expected = []
+    for images, question in zip(cases, questions, strict=True):
+        parts = [*({"type": "image"} for _ in images), text(question)]
+        prompt = gemma3.processor.apply_chat_template([user(parts)], add_generation_prompt=True)
+        tokens = gemma3.greedy(prompt, images)
+        expected.append(gemma3.processor.tokenizer.decode(tokens, skip_special_tokens=True))
+    assert served == expected
     assert len({*expected}) == len(expected)  # the images reached the model
 
 
