@@ -28,6 +28,7 @@ from sim.length_study import (
     capacity,
     length_workload,
     load_set,
+    max_model_len,
     set_workload,
 )
 from sim.metrics import SimResult, percentile
@@ -53,7 +54,7 @@ def run(
         num_replicas=replicas,
         scheduler=SchedulerConfig(
             num_gpu_blocks=blocks,
-            max_model_len=1024 if max_tokens == SET_MAX_TOKENS else 2600,
+            max_model_len=max_model_len(max_tokens),
             max_num_seqs=max_num_seqs,
         ),
         routing=RoutingConfig(

@@ -151,31 +151,41 @@ class Recorder:
         self.predictor.observe_request(request)
 
 
-def config(
-    policy: str,
-    num_gpu_blocks: int,
-    max_num_seqs: int = MAX_NUM_SEQS,
-    aging: float = 2.0,
-    victim: str = "lifo",
-    max_tokens: int = MAX_TOKENS,
-) -> SimConfig:
+def max_model_len(max_tokens: int) -> int:
+    """The context a study's replica needs: synthetic, the longest prompt + output is 1,664
+    tokens; the evaluation set's, under 512."""
+    return 2600 if max_tokens == MAX_TOKENS else 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StudyReplica:
+    """The study's one replica: its KV pool and batch bound, the SRPT runs' aging and preemption
+    victim, and the requests' max_tokens."""
+
+    num_gpu_blocks: int
+    max_num_seqs: int = MAX_NUM_SEQS
+    aging: float = 2.0
+    victim: str = "lifo"
+    max_tokens: int = MAX_TOKENS
+
+
+def config(policy: str, replica: StudyReplica) -> SimConfig:
     """policy: fcfs, srpt or oracle, optionally +foresight (admission foresight)."""
     base, _, admission = policy.partition("+")  # +foresight, +foresight-upper
     return SimConfig(
         num_replicas=1,
         scheduler=SchedulerConfig(
-            num_gpu_blocks=num_gpu_blocks,
-            # Synthetic: the longest prompt + output is 1,664 tokens; the set's, under 512.
-            max_model_len=2600 if max_tokens == MAX_TOKENS else 1024,
-            max_num_seqs=max_num_seqs,
+            num_gpu_blocks=replica.num_gpu_blocks,
+            max_model_len=max_model_len(replica.max_tokens),
+            max_num_seqs=replica.max_num_seqs,
             policy="fcfs" if base == "fcfs" else "srpt",
-            srpt_aging_factor=aging,
-            preemption_victim=victim,
+            srpt_aging_factor=replica.aging,
+            preemption_victim=replica.victim,
             admission="foresight" if admission else "greedy",
             foresight_estimate="upper" if admission.endswith("upper") else "median",
         ),
         routing=RoutingConfig(router_policy="round_robin"),
-        max_tokens=max_tokens,
+        max_tokens=replica.max_tokens,
         keep_itl=False,
     )
 
@@ -183,32 +193,37 @@ def config(
 def run(
     policy: str,
     workload: list[SimRequest],
-    num_gpu_blocks: int,
+    replica: StudyReplica,
     profile: str,
-    max_num_seqs: int = MAX_NUM_SEQS,
-    aging: float = 2.0,
-    victim: str = "lifo",
-    max_tokens: int = MAX_TOKENS,
     probe: dict[int, float] | None = None,
 ) -> tuple[SimResult, dict[str, LengthEstimate | None]]:
     """policy: fcfs, srpt (the learning predictor), probe (SRPT on the probe's estimates) or
     oracle (SRPT on true lengths), each optionally +foresight."""
-    cfg = config(policy, num_gpu_blocks, max_num_seqs, aging, victim, max_tokens)
-    sim = FleetSim(cfg, load_profile(profile))
+    sim = FleetSim(config(policy, replica), load_profile(profile))
     predictions: dict[str, LengthEstimate | None] = {}
-    for replica in sim.replicas:
-        scheduler = replica.scheduler
-        queue = scheduler.waiting
+    for sim_replica in sim.replicas:
+        queue = sim_replica.scheduler.waiting
         if isinstance(queue, SRPTQueue):
-            if policy.startswith("oracle"):
-                queue.predictor = Oracle(replica)
-            elif policy.startswith("probe"):
-                queue.predictor = ProbeEstimates(probe or {})
-            else:
-                queue.predictor = Recorder(LengthPredictor(), predictions)
-            if scheduler.admission is not None:  # foresight shares the queue's predictor
-                scheduler.admission.predictor = queue.predictor
+            queue.predictor = _predictor(policy, sim_replica, probe, predictions)
+            admission = sim_replica.scheduler.admission
+            if admission is not None:  # foresight shares the queue's predictor
+                admission.predictor = queue.predictor
     return sim.run(workload), predictions
+
+
+def _predictor(
+    policy: str,
+    replica: SimReplica,
+    probe: dict[int, float] | None,
+    predictions: dict[str, LengthEstimate | None],
+) -> Oracle | ProbeEstimates | Recorder:
+    """The SRPT queue's length source of a policy; the learning predictor's estimates are
+    recorded in predictions."""
+    if policy.startswith("oracle"):
+        return Oracle(replica)
+    if policy.startswith("probe"):
+        return ProbeEstimates(probe or {})
+    return Recorder(LengthPredictor(), predictions)
 
 
 def figures(result: SimResult, slo_ttft_s: float) -> dict[str, float]:
@@ -238,7 +253,8 @@ def capacity(
 ) -> float:
     """Completions per second of one replica under FCFS with every request queued at once."""
     wl = make(requests, 1000.0, 99)
-    result, _ = run("fcfs", wl, num_gpu_blocks, profile, max_num_seqs, max_tokens=max_tokens)
+    replica = StudyReplica(num_gpu_blocks, max_num_seqs, max_tokens=max_tokens)
+    result, _ = run("fcfs", wl, replica, profile)
     finishes = [r.finish_s for r in result.records if r.finish_s is not None]
     return len(finishes) / max(finishes)
 
@@ -360,8 +376,8 @@ def _study_pool(
         print(f" load {load:.0%} ({load * cap:.3f} req/s, {a.requests} requests):")
         for policy in a.policies:
             victim = "lifo" if policy.startswith("fcfs") else a.victim
-            args = (blocks, a.profile, a.max_num_seqs, a.aging, victim, max_tokens, probe)
-            result, predictions = run(policy, wl, *args)
+            replica = StudyReplica(blocks, a.max_num_seqs, a.aging, victim, max_tokens)
+            result, predictions = run(policy, wl, replica, a.profile, probe)
             _print_policy(policy, figures(result, a.slo_ttft))
             # The predictor's accuracy once: the first load of the unpressured pool.
             if policy == "srpt" and blocks == a.blocks and load == a.loads[0]:

@@ -9,6 +9,7 @@ from scheduler.queues import SRPTQueue
 from sim.length_study import (
     MAX_TOKENS,
     SET_MAX_TOKENS,
+    StudyReplica,
     figures,
     length_workload,
     load_set,
@@ -22,7 +23,7 @@ def test_every_policy_finishes_every_request_at_its_output_length():
     assert wl == length_workload(40, rate=2.0, seed=3)
     assert max(r.output_len for r in wl) < MAX_TOKENS
     for policy in ("fcfs", "srpt", "oracle"):
-        result, predictions = run(policy, wl, num_gpu_blocks=400, profile="cpu", max_num_seqs=2)
+        result, predictions = run(policy, wl, StudyReplica(400, max_num_seqs=2), "cpu")
         done = {r.request_id: r for r in result.records}
         assert all(done[r.request_id].num_output_tokens == r.output_len for r in wl)
         assert all(rec.finish_reason == "stop" for rec in result.records)
@@ -45,6 +46,6 @@ def test_the_evaluation_set_drives_the_study_and_foresight_runs_every_policy(tmp
     assert {r.output_len for r in wl} <= {2, 200, 90, 30} and wl == set_workload(table, 30, 2.0, 1)
     probe = {0: 3.0, 1: 150.0, 2: 100.0}  # id 3 has no estimate: it sorts last
     for policy in ("fcfs+foresight", "srpt+foresight", "probe+foresight", "oracle+foresight-upper"):
-        result, _ = run(policy, wl, 170, "cpu", 4, max_tokens=SET_MAX_TOKENS, probe=probe)
+        result, _ = run(policy, wl, StudyReplica(170, 4, max_tokens=SET_MAX_TOKENS), "cpu", probe)
         assert figures(result, slo_ttft_s=5.0)["done"] == len(wl)
         assert result.replicas[0].scheduler.admission is not None
