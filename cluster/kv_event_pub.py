@@ -23,7 +23,7 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
-from scheduler.kv_events import KVEventLog, KVEventTail
+from scheduler.kv_events import KVEventLog, KVEventTail, attach_kv_log
 from scheduler.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -35,24 +35,7 @@ logger = logging.getLogger(__name__)
 def attach_kv_events(engine: EngineCore) -> KVEventLog:
     """A KV event log fed by engine's device pool and lower tiers (call before its first step,
     or on the engine's thread)."""
-    scheduler = engine.scheduler
-    pool, connector = scheduler.kv.pool, scheduler.connector
-
-    def snapshot() -> tuple[list[int], list[int], list[int]]:
-        # The connector is read each time: a disaggregated replica may swap it after start.
-        tiers = scheduler.connector
-        if tiers is None:
-            return list(pool.cached), [], []
-        disk = list(tiers.disk.slots) if tiers.disk is not None else []
-        return list(pool.cached), list(tiers.cpu.slots), disk
-
-    log = KVEventLog(snapshot)
-    pool.events = log
-    if connector is not None:
-        connector.cpu.events = log
-        if connector.disk is not None:
-            connector.disk.events = log
-    return log
+    return attach_kv_log(engine.scheduler)
 
 
 # The finishes whose outputs carry the KV events: a request that ended by itself. An abort or an

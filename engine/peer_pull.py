@@ -53,14 +53,7 @@ class PeerSource:
 
     def cached_run(self, hashes: Sequence[int]) -> list[int]:
         """The device blocks of the leading hashes still in the prefix cache, in a row."""
-        cached = self.engine.scheduler.kv.pool.cached
-        blocks = []
-        for h in hashes:
-            block = cached.get(h)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return self.engine.scheduler.kv.pool.cached_run(hashes)
 
     def export(self, hashes: Sequence[int], first: int) -> TransferHandle | None:
         """Send blocks first.. of the leading run of `hashes` the device cache still holds; call

@@ -103,6 +103,18 @@ class BlockPool:
             if ref_cnt[block_id] == 0:
                 free[block_id] = None
 
+    def cached_run(self, hashes: Sequence[int]) -> list[int]:
+        """The blocks of the leading hashes still findable here, in a row (what a peer pull's
+        export sends, engine/peer_pull.py; the simulator's peers, sim/fleet_kv.py)."""
+        cached = self.cached
+        blocks = []
+        for h in hashes:
+            block = cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
     def register(self, block_id: int, block_hash: int) -> None:
         """Make a full, computed block findable by its hash (first writer wins)."""
         if block_hash not in self.cached:

@@ -22,6 +22,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
 
 # Tiers, as bits: a hash may be findable in several at once (a block loaded back from the CPU
 # tier stays there too).
@@ -227,3 +231,26 @@ class KVEventLog:
             snapshot = KVSnapshot(self.seq, device, cpu, disk)
             self._snapshot_due = False
         return KVEventReport(list(self._window), snapshot, self.seq)
+
+
+def attach_kv_log(scheduler: Scheduler) -> KVEventLog:
+    """A KV event log fed by scheduler's device pool and lower tiers (call before its first step,
+    or on the engine's thread): the production replica's (cluster/kv_event_pub.py) and the
+    simulator's (sim/fleet_kv.py)."""
+    pool, connector = scheduler.kv.pool, scheduler.connector
+
+    def snapshot() -> tuple[list[int], list[int], list[int]]:
+        # The connector is read each time: a disaggregated replica may swap it after start.
+        tiers = scheduler.connector
+        if tiers is None:
+            return list(pool.cached), [], []
+        disk = list(tiers.disk.slots) if tiers.disk is not None else []
+        return list(pool.cached), list(tiers.cpu.slots), disk
+
+    log = KVEventLog(snapshot)
+    pool.events = log
+    if connector is not None:
+        connector.cpu.events = log
+        if connector.disk is not None:
+            connector.disk.events = log
+    return log
