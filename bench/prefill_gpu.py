@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu_bench import GiB, make_llm, release
 from scheduler import SamplingParams
 from tests.random_checkpoint import SHAPES, random_prompts, write_random_checkpoint
-from workers.layers.attention import AttentionMetadata, AttentionParams, write_kv
+from workers.layers.attention import AttentionMetadata, AttentionParams, LayerKV, write_kv
 from workers.layers.backends.triton_prefill import (
     PrefillTiles,
     TritonBackend,
@@ -139,8 +139,8 @@ def run_backend(backend: TritonBackend, step: Step) -> Callable[[], torch.Tensor
     """One layer's attention forward of the step (prepare, once per step, done here)."""
     meta = dataclasses.replace(step.meta, backend_state=None)
     backend.prepare(meta)
-    params = AttentionParams(step.q.shape[-1] ** -0.5)
-    return lambda: backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, params)
+    kv = LayerKV(step.k_cache, step.v_cache, AttentionParams(step.q.shape[-1] ** -0.5))
+    return lambda: backend.forward(step.q, step.k, step.v, meta, kv)
 
 
 def bench_attention(heads: Heads, workloads: dict, device: str, reps: int, sweep) -> list[dict]:

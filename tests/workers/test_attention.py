@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from workers.layers.attention import Attention, AttentionMetadata, select_backend
+from workers.layers.backends.torch_ref import TorchBackend
 
 BLOCK = 4
 HQ, HK, D = 4, 2, 8
@@ -144,3 +145,43 @@ def test_cuda_backends_match_dense_attention(backend):
     if backend != "flash_attn":  # flash-attn has no sinks
         out, ref = run_batch(backend, "cuda", dtype, softcap=1.5, sinks=SINKS)
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_the_layer_passes_one_prebuilt_layer_kv_until_its_cache_or_sinks_change():
+    """No object per layer per step: the backend gets the same LayerKV every call, rebuilt only
+    when the cache is rebound (a weight update, a re-sized cache), an FP8 scale is bound, or
+    other sinks are passed; and then it holds the new tensors."""
+    layer = Attention(HQ, D, HK, scale=D**-0.5, sliding_window=3)
+    layer.k_cache, layer.v_cache = torch.zeros(4, BLOCK, HK, D), torch.zeros(4, BLOCK, HK, D)
+    first = layer.layer_kv()
+    assert layer.layer_kv() is first
+    assert (first.k_cache, first.v_cache) == (layer.k_cache, layer.v_cache)
+    assert (first.p.scale, first.p.window, first.p.sinks) == (D**-0.5, 3, None)
+    layer.v_cache = torch.zeros(8, BLOCK, HK, D)
+    rebound = layer.layer_kv()
+    assert rebound is not first and rebound.v_cache is layer.v_cache
+    layer.kv_scale = torch.ones(2)
+    scaled = layer.layer_kv()
+    assert scaled is not rebound and scaled.p.kv_scale is layer.kv_scale
+    sinks = torch.zeros(HQ)
+    with_sinks = layer.layer_kv(sinks)
+    assert with_sinks.p.sinks is sinks and layer.layer_kv(sinks) is with_sinks
+
+
+def test_each_step_of_a_bound_layer_reuses_its_layer_kv():
+    """Two forwards of the same layer hand the backend the same LayerKV object."""
+    seen = []
+
+    class Recording(TorchBackend):
+        def forward(self, q, k, v, meta, kv):
+            seen.append(kv)
+            return super().forward(q, k, v, meta, kv)
+
+    layer = Attention(HQ, D, HK, scale=1.0)
+    layer.backend = Recording()
+    layer.k_cache, layer.v_cache = torch.zeros(8, BLOCK, HK, D), torch.zeros(8, BLOCK, HK, D)
+    for start in (0, 1):
+        meta, _ = AttentionMetadata.build([start], [1], [[6]], BLOCK, torch.device("cpu"))
+        layer.backend.prepare(meta)
+        layer(torch.randn(1, HQ * D), torch.randn(1, HK * D), torch.randn(1, HK * D), meta)
+    assert len(seen) == 2 and seen[0] is seen[1] and seen[0].k_cache is layer.k_cache

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from workers.layers.attention import AttentionMetadata, AttentionParams
+from workers.layers.attention import AttentionMetadata, AttentionParams, LayerKV
 from workers.layers.backends import cpu_paged
 from workers.layers.backends.torch_ref import TorchBackend
 
@@ -74,7 +74,7 @@ def gather_sdpa(q, k_cache, v_cache, tables, seq_lens, scale, window=None):
     )
     backend = TorchBackend(paged_kernel=False)
     backend.prepare(meta)
-    return backend.decode(q, k_cache, v_cache, meta, AttentionParams(scale, window))
+    return backend.decode(q, meta, LayerKV(k_cache, v_cache, AttentionParams(scale, window)))
 
 
 def dense_fp32(q, k_cache, v_cache, tables, seq_lens, scale, window=None, softcap=0.0, sinks=None):

@@ -24,7 +24,7 @@ from tests.workers.triton_env import DEVICE, HALF
 from tests.workers.test_attention import SINKS, run_batch
 from workers.layers import triton_ops
 from workers.layers.activation import SiluAndMul
-from workers.layers.attention import AttentionMetadata, AttentionParams
+from workers.layers.attention import AttentionMetadata, AttentionParams, LayerKV
 from workers.layers.backends.torch_ref import TorchBackend
 from workers.layers.backends.triton_decode import TritonDecodeBackend, paged_decode
 from workers.layers.norm import RMSNorm
@@ -68,7 +68,8 @@ def torch_decode(q, k_cache, v_cache, meta, scale, window, **extras):
     """The torch reference backend's gather-and-SDPA decode (not the CPU C++ kernel)."""
     backend = TorchBackend()
     backend.prepare(meta)
-    return backend.decode(q, k_cache, v_cache, meta, AttentionParams(scale, window, **extras))
+    kv = LayerKV(k_cache, v_cache, AttentionParams(scale, window, **extras))
+    return backend.decode(q, meta, kv)
 
 
 def check_decode(case: DecodeCase, splits: int, window: int | None = None, **extras) -> None:

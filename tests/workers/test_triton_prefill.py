@@ -18,7 +18,7 @@ from tests.workers.triton_env import DEVICE, HALF
 
 # isort: split
 from tests.workers.test_attention import SINKS, run_batch
-from workers.layers.attention import AttentionMetadata, AttentionParams, write_kv
+from workers.layers.attention import AttentionMetadata, AttentionParams, LayerKV, write_kv
 from workers.layers.backends.torch_ref import TorchBackend
 from workers.layers.backends.triton_prefill import (
     PrefillTiles,
@@ -88,8 +88,8 @@ def run_both(batch: Batch, seed: int = 0, window=None, softcap=None, sinks=None,
     for backend in (TritonBackend(tiles=tiles), TorchBackend()):
         backend.prepare(meta)
         scale = batch.d**-0.5
-        params = AttentionParams(scale, window, softcap, sinks)
-        outs.append(backend.forward(q, k, v, k_cache, v_cache, meta, params))
+        kv = LayerKV(k_cache, v_cache, AttentionParams(scale, window, softcap, sinks))
+        outs.append(backend.forward(q, k, v, meta, kv))
     return outs[0].float(), outs[1].float()
 
 

@@ -70,9 +70,9 @@ class RecordingBackend(TorchBackend):
 
             self.kernel = recording
 
-    def decode(self, q, k_cache, v_cache, meta, p):
+    def decode(self, q, meta, kv):
         self.decode_calls.append(meta.seq_lens_cpu[: q.shape[0]])
-        return super().decode(q, k_cache, v_cache, meta, p)
+        return super().decode(q, meta, kv)
 
     def prepare(self, meta) -> None:
         self.steps.append((meta.num_decodes, list(meta.seq_lens_cpu)))

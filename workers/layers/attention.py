@@ -141,6 +141,25 @@ class AttentionParams:
         return bool(self.softcap) or self.sinks is not None
 
 
+@dataclass(frozen=True, slots=True)
+class LayerKV:
+    """One layer's paged cache pair and its AttentionParams: what a backend attends over, and how.
+
+    The layer builds it when its cache is bound (or its sinks change) and passes the same object
+    every step, so the decode hot path makes no object per layer per step.
+    """
+
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]; MLA: the same tensor as v_cache
+    v_cache: torch.Tensor
+    p: AttentionParams
+
+    def binds(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None
+    ) -> bool:
+        """Whether this still holds the layer's current cache tensors and scales."""
+        return self.k_cache is k_cache and self.v_cache is v_cache and self.p.kv_scale is kv_scale
+
+
 class AttentionBackend(Protocol):
     """Computes attention for a whole batch once K/V of the step are in the cache."""
 
@@ -157,12 +176,10 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        p: AttentionParams,
+        kv: LayerKV,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] (already written to the cache) -> [T, Hq, D]."""
+        """q: [T, Hq, D], k/v: [T, Hk, D] (already written to kv's caches) -> [T, Hq, D]."""
 
 
 def select_backend(
@@ -232,6 +249,7 @@ class Attention(nn.Module):
         # FP8 KV cache: float32 [2], this layer's K and V scales (bound with the cache); None:
         # the cache holds floats.
         self.kv_scale: torch.Tensor | None = None
+        self._kv: LayerKV | None = None  # the backend's view of the above, rebuilt when they change
 
     def forward(
         self,
@@ -253,11 +271,22 @@ class Attention(nn.Module):
             write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         else:
             write_kv_fp8(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scale)
-        params = AttentionParams(
-            self.scale, self.sliding_window, self.logit_softcap, sinks, self.kv_scale
-        )
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, params)
-        return out.view(t, -1)
+        return self.backend.forward(q, k, v, meta, self.layer_kv(sinks)).view(t, -1)
+
+    def layer_kv(self, sinks: torch.Tensor | None = None) -> LayerKV:
+        """The bound cache pair and this layer's parameters, as the backend takes them: built
+        once, and again only when the cache is rebound or other sinks are passed."""
+        kv = self._kv
+        if (
+            kv is None
+            or kv.p.sinks is not sinks
+            or not kv.binds(self.k_cache, self.v_cache, self.kv_scale)
+        ):
+            p = AttentionParams(
+                self.scale, self.sliding_window, self.logit_softcap, sinks, self.kv_scale
+            )
+            kv = self._kv = LayerKV(self.k_cache, self.v_cache, p)
+        return kv
 
 
 def _heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

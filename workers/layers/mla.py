@@ -27,7 +27,6 @@ from workers.layers.attention import (
     Attention,
     AttentionBackend,
     AttentionMetadata,
-    AttentionParams,
     select_backend,
 )
 from workers.layers.param_attrs import set_param_attr
@@ -195,6 +194,5 @@ class LatentAttention(Attention):
             raise ValueError("kv_cache_dtype: fp8 is not supported for latent attention (MLA)")
         rows = latent.view(latent.shape[0], 1, -1)
         self.k_cache.view(-1, 1, rows.shape[-1]).index_copy_(0, meta.slot_mapping, rows)
-        params = AttentionParams(self.scale)
-        out = self.backend.forward(q, rows, rows, self.k_cache, self.k_cache, meta, params)
+        out = self.backend.forward(q, rows, rows, meta, self.layer_kv())
         return out[..., : self.kv_lora_rank]

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 from flash_attn import flash_attn_varlen_func
+from torch import Tensor
 
-from workers.layers.attention import AttentionMetadata, AttentionParams
+from workers.layers.attention import AttentionMetadata, LayerKV
 
 _PAGED_MIN_BLOCK = 256
 
@@ -43,15 +44,9 @@ class FlashAttnBackend:
         meta.backend_state = _FlashState(cu_k, meta.max_query_len, meta.max_seq_len, slots)
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        p: AttentionParams,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> Tensor:
+        p, k_cache, v_cache = kv.p, kv.k_cache, kv.v_cache
         window = p.window
         if p.kv_scale is not None:  # refused at start (workers/kv_fp8.py check_device)
             raise ValueError("kv_cache_dtype: flash_attn cannot read an FP8 cache")

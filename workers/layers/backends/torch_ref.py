@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from workers.kv_fp8 import dequantize
 from workers.layers import invariant
-from workers.layers.attention import AttentionMetadata, AttentionParams
+from workers.layers.attention import AttentionMetadata, AttentionParams, LayerKV
 from workers.layers.backends import cpu_paged
 
 
@@ -141,69 +142,60 @@ class TorchBackend:
             meta.backend_state.token_rows = _token_rows(meta)
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        p: AttentionParams,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> Tensor:
+        """The one dispatch of the torch and Triton backends: decode rows first (`_decodes`), then
+        the prefill chunks (`_prefills`); with batch-invariant rows every token is a decode."""
         state: _TorchState = meta.backend_state
-        out = q.new_empty(
-            q.shape
-        )  # contiguous, whatever q's strides (it may view a fused QKV output)
-        nd = meta.num_decodes
-        kernel = self.kernel
-        takes = p.kv_scale is None and kernel is not None and self._kernel_takes(q, k_cache)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides (it may view a fused QKV)
+        if state.token_rows is not None:  # every token a decode row (invariant.py)
+            self._token_rows(out, q, meta, kv)
+            return out
+        if meta.num_decodes:
+            self._decodes(out, q, meta, kv)
+        self._prefills(out, q, k, v, meta, kv)
+        return out
+
+    def _token_rows(self, out: Tensor, q: Tensor, meta: AttentionMetadata, kv: LayerKV) -> None:
         if meta.bidirectional:
-            if state.token_rows is not None:
-                raise ValueError("batch_invariant: cannot attend an image's tokens both ways")
+            raise ValueError("batch_invariant: cannot attend an image's tokens both ways")
+        if not self._kernel_takes(q, kv):
+            raise ValueError(
+                f"batch_invariant: needs the CPU paged kernel, which takes float caches of "
+                f"head sizes {cpu_paged.HEAD_SIZES} ({q.dtype}, head size {q.shape[-1]})"
+            )
+        self._paged(out, q, kv, *meta.backend_state.token_rows)
+
+    def _decodes(self, out: Tensor, q: Tensor, meta: AttentionMetadata, kv: LayerKV) -> None:
+        """Rows [0, num_decodes): the paged C++ kernel where it takes them, else `decode`."""
+        nd = meta.num_decodes
+        if self._kernel_takes(q, kv):
+            tables, seq_lens = _first(meta.block_tables, nd), _first(meta.seq_lens, nd)
+            self._paged(_first(out, nd), _first(q, nd), kv, tables, seq_lens)
+        else:
+            out[:nd] = self.decode(q[:nd], meta, kv)
+
+    def _prefills(
+        self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> None:
+        """The prefill chunks, one SDPA call each (image ranges read at the first layer)."""
+        state: _TorchState = meta.backend_state
+        if meta.bidirectional:
             for c in state.prefills:
                 if c.spans is None:
                     c.read_spans(meta.bidirectional)
-        if state.token_rows is not None:  # every token a decode row (invariant.py)
-            if not takes:
-                raise ValueError(
-                    f"batch_invariant: needs the CPU paged kernel, which takes float caches of "
-                    f"head sizes {cpu_paged.HEAD_SIZES} ({q.dtype}, head size {q.shape[-1]})"
-                )
-            self._paged(out, q, k_cache, v_cache, *state.token_rows, p)
-            return out
-        if nd and takes:
-            self._paged(
-                _first(out, nd),
-                _first(q, nd),
-                k_cache,
-                v_cache,
-                _first(meta.block_tables, nd),
-                _first(meta.seq_lens, nd),
-                p,
-            )
-        elif nd:
-            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, p)
-        _prefill(out, q, k, v, k_cache, v_cache, state.prefills, p)
-        return out
+        _prefill(out, q, k, v, kv, state.prefills)
 
-    def _paged(
-        self,
-        out: torch.Tensor,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        p: AttentionParams,
-    ) -> None:
+    def _paged(self, out: Tensor, q: Tensor, kv: LayerKV, tables: Tensor, seq_lens: Tensor) -> None:
         """The paged C++ kernel: row i of q over the first seq_lens[i] positions of tables[i]."""
         assert self.kernel is not None
+        p = kv.p
         sinks = _NO_SINKS if p.sinks is None else p.sinks.float().contiguous()
         self.kernel(
             out,
             q,
-            k_cache,
-            v_cache,
+            kv.k_cache,
+            kv.v_cache,
             tables,
             seq_lens,
             p.scale,
@@ -212,21 +204,17 @@ class TorchBackend:
             sinks,
         )
 
-    def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    def _kernel_takes(self, q: Tensor, kv: LayerKV) -> bool:
+        """Whether the paged C++ kernel reads this layer's cache (float, contiguous, on CPU)."""
         return (
-            q.device.type == "cpu"
-            and k_cache.is_contiguous()
+            self.kernel is not None
+            and kv.p.kv_scale is None
+            and q.device.type == "cpu"
+            and kv.k_cache.is_contiguous()
             and cpu_paged.supports(q.dtype, q.shape[-1])
         )
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        p: AttentionParams,
-    ) -> torch.Tensor:
+    def decode(self, q: Tensor, meta: AttentionMetadata, kv: LayerKV) -> Tensor:
         """One query token per request: gather each context through the block table, masked SDPA
         (eager attention with a soft-cap or sinks, which SDPA has no place for). kv_scale: an
         FP8 cache's K and V scales (the gathered codes are de-quantized to q's dtype).
@@ -236,6 +224,7 @@ class TorchBackend:
         state: _TorchState = meta.backend_state
         if state.decode_block_ids is None:
             state.decode_block_ids = _prepare_gather(meta)
+        p, k_cache, v_cache = kv.p, kv.k_cache, kv.v_cache
         window, kv_scale = p.window, p.kv_scale
         if window not in state.decode_masks:  # once per step and window, not once per layer
             state.decode_masks[window] = _decode_mask(meta, window).to(q.dtype)
@@ -321,10 +310,8 @@ def _prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: LayerKV,
     prefills: list[_Prefill],
-    p: AttentionParams,
 ) -> None:
     """Prefill chunks one request at a time (few per step, each a large matmul).
 
@@ -335,7 +322,7 @@ def _prefill(
     SDPA gets 4-D [1, H, L, D] views: on CPU, 3-D inputs fall off the fused flash kernel onto the
     math path (a score matrix per head and many more passes over memory).
     """
-    kv_scale = p.kv_scale
+    p, kv_scale = kv.p, kv.p.kv_scale
     for c in prefills:
         qi = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
         mask = c.mask_for(p.window, q.device)
@@ -343,8 +330,8 @@ def _prefill(
             ki = k[c.start : c.end].transpose(0, 1).unsqueeze(0)
             vi = v[c.start : c.end].transpose(0, 1).unsqueeze(0)
         else:
-            kc = _gather(k_cache, c.block_ids)[: c.seq_len]
-            vc = _gather(v_cache, c.block_ids)[: c.seq_len]
+            kc = _gather(kv.k_cache, c.block_ids)[: c.seq_len]
+            vc = _gather(kv.v_cache, c.block_ids)[: c.seq_len]
             if kv_scale is not None:
                 kc, vc = dequantize(kc, kv_scale[0], q.dtype), dequantize(vc, kv_scale[1], q.dtype)
             ki = kc.transpose(0, 1).unsqueeze(0)

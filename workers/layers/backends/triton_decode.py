@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from workers.layers.attention import AttentionMetadata, AttentionParams
+from workers.layers.attention import AttentionMetadata, LayerKV
 from workers.layers.backends.torch_ref import TorchBackend
 from workers.layers.backends.triton_paged import (
     PagedInputs,
@@ -236,19 +237,12 @@ class TritonDecodeBackend(TorchBackend):
     name = "triton"
     supports_cuda_graphs = True  # decode reads only fixed-shape tensors; lengths are data
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        p: AttentionParams,
-    ) -> torch.Tensor:
-        nd = q.shape[0]
+    def decode(self, q: Tensor, meta: AttentionMetadata, kv: LayerKV) -> Tensor:
+        nd, p = q.shape[0], kv.p
         return paged_decode(
             q.contiguous(),
-            k_cache,
-            v_cache,
+            kv.k_cache,
+            kv.v_cache,
             meta.block_tables[:nd],
             meta.seq_lens[:nd],
             p.scale,

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from workers.layers.attention import AttentionMetadata, AttentionParams
+from workers.layers.attention import AttentionMetadata, LayerKV
 from workers.layers.backends.torch_ref import _prepare_prefills, _TorchState
 from workers.layers.backends.triton_decode import TritonDecodeBackend
 from workers.layers.backends.triton_paged import (
@@ -311,32 +312,23 @@ class TritonBackend(TritonDecodeBackend):
         longest = max((qsl[i + 1] - qsl[i] for i in range(nd, meta.num_reqs)), default=0)
         meta.backend_state = _PrefillState([], max_prefill_len=longest)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        p: AttentionParams,
-    ) -> torch.Tensor:
+    def _prefills(
+        self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> None:
+        """Every prefill chunk of the step in one varlen launch."""
         state = meta.backend_state
         if isinstance(state, _PrefillState) and meta.bidirectional and not state.prefills:
             # The varlen kernel masks causally only: a step whose prefills hold image ranges
             # (Gemma 3) runs them per chunk with their masks, as varlen_prefill=False does.
             state.prefills = _prepare_prefills(meta)
         if not isinstance(state, _PrefillState) or state.prefills:
-            return super().forward(q, k, v, k_cache, v_cache, meta, p)
-        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, p)
-        if state.max_prefill_len:
+            super()._prefills(out, q, k, v, meta, kv)
+        elif state.max_prefill_len:
+            nd, p = meta.num_decodes, kv.p
             paged_prefill(
                 q,
-                k_cache,
-                v_cache,
+                kv.k_cache,
+                kv.v_cache,
                 meta.block_tables[nd:],
                 meta.query_start_loc[nd:],
                 meta.seq_lens[nd:],
@@ -349,4 +341,3 @@ class TritonBackend(TritonDecodeBackend):
                 tiles=self.tiles,
                 kv_scale=p.kv_scale,
             )
-        return out
