@@ -74,21 +74,11 @@ class CountTokensRequest(StrictModel):
         names the block's path (`messages.0.content.1.text`)."""
         if not isinstance(data, dict):
             return data
-        if isinstance(data.get("system"), list):
-            data = {**data, "system": text_blocks(data["system"], "system")}
-        elif "system" in data and not isinstance(data["system"], (str, type(None))):
-            raise ValueError("system: must be a string or a list of text blocks")
+        data = _with_system_blocks(data)
         if not isinstance(data.get("messages"), list):
             return data
         raw = data["messages"]
-        limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
-        if len(raw) > limit:
-            raise ValueError(f"messages: at most {limit} messages, got {len(raw)}")
-        if num_blocks(raw) > MAX_MESSAGE_PARTS:
-            raise ValueError(
-                f"messages: at most {MAX_MESSAGE_PARTS} content blocks over all messages, "
-                f"got {num_blocks(raw)}"
-            )
+        _check_counts(raw, (info.context or {}).get("max_messages", MAX_MESSAGES))
         return {
             **data,
             "messages": [validated_message(m, f"messages.{i}") for i, m in enumerate(raw)],
@@ -142,17 +132,7 @@ class CountTokensRequest(StrictModel):
         if last.role == "assistant":  # the reply continues the assistant's last turn
             fields.update(add_generation_prompt=False, continue_final_message=True)
         if self.tools:
-            fields["tools"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": t.name,
-                        "description": t.description,
-                        "parameters": t.input_schema,
-                    },
-                }
-                for t in self.tools
-            ]
+            fields["tools"] = [_chat_tool(t) for t in self.tools]
         choice = self.tool_choice
         if choice is not None:
             fields["tool_choice"] = _chat_tool_choice(choice)
@@ -217,22 +197,31 @@ class MessagesRequest(CountTokensRequest):
 def _add_message(out: ChatMessages, message: Message, path: str) -> None:
     if isinstance(message.content, str):
         out.add({"role": message.role, "content": message.content}, path)
-        return
-    texts = [b.text for b in message.content if isinstance(b, TextBlock)]
-    if message.role == "user":
-        for j, block in enumerate(message.content):
-            if isinstance(block, ToolResultBlock):
-                result = {
-                    "role": "tool",
-                    "tool_call_id": block.tool_use_id,
-                    "content": block.text(),
-                }
-                out.add(result, f"{path}.content.{j}")
-        if any(isinstance(b, ImageBlock) for b in message.content):
-            _add_parts(out, message, path)
-        elif texts:
-            out.add({"role": "user", "content": "\n".join(texts)}, path)
-        return
+    elif message.role == "user":
+        _add_user_blocks(out, message, path)
+    else:
+        _add_assistant_blocks(out, message, path)
+
+
+def _texts(message: Message) -> list[str]:
+    return [b.text for b in message.content if isinstance(b, TextBlock)]
+
+
+def _add_user_blocks(out: ChatMessages, message: Message, path: str) -> None:
+    """A user turn's blocks: each tool result a tool message, then the turn's text (or its
+    parts, when it has images)."""
+    for j, block in enumerate(message.content):
+        if isinstance(block, ToolResultBlock):
+            result = {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()}
+            out.add(result, f"{path}.content.{j}")
+    if any(isinstance(b, ImageBlock) for b in message.content):
+        _add_parts(out, message, path)
+    elif texts := _texts(message):
+        out.add({"role": "user", "content": "\n".join(texts)}, path)
+
+
+def _add_assistant_blocks(out: ChatMessages, message: Message, path: str) -> None:
+    """An assistant turn's blocks: its text, and its tool_use blocks as tool calls."""
     calls = [
         {
             "id": b.id,
@@ -242,10 +231,42 @@ def _add_message(out: ChatMessages, message: Message, path: str) -> None:
         for b in message.content
         if isinstance(b, ToolUseBlock)
     ]
-    turn: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    turn: dict[str, Any] = {"role": "assistant", "content": "\n".join(_texts(message))}
     if calls:
         turn["tool_calls"] = calls
     out.add(turn, path)
+
+
+def _chat_tool(tool: Tool) -> dict[str, Any]:
+    """A Messages tool as a chat completion's function tool."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": tool.input_schema,
+        },
+    }
+
+
+def _with_system_blocks(data: dict[str, Any]) -> dict[str, Any]:
+    """The raw request with its `system` blocks validated (a string passes as it is)."""
+    if isinstance(data.get("system"), list):
+        return {**data, "system": text_blocks(data["system"], "system")}
+    if "system" in data and not isinstance(data["system"], (str, type(None))):
+        raise ValueError("system: must be a string or a list of text blocks")
+    return data
+
+
+def _check_counts(raw: list[Any], limit: int) -> None:
+    """The conversation's messages and content blocks within their bounds."""
+    if len(raw) > limit:
+        raise ValueError(f"messages: at most {limit} messages, got {len(raw)}")
+    if num_blocks(raw) > MAX_MESSAGE_PARTS:
+        raise ValueError(
+            f"messages: at most {MAX_MESSAGE_PARTS} content blocks over all messages, "
+            f"got {num_blocks(raw)}"
+        )
 
 
 def _add_parts(out: ChatMessages, message: Message, path: str) -> None:

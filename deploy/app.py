@@ -153,6 +153,26 @@ def replica_deployment(config: AppConfig, name: str, role: str = "decode") -> An
     """One model's LLMReplica deployment, bound to its engine settings; a disaggregated model has
     two, its decode replicas (named as a colocated model's) and its prefill replicas."""
     disagg = config.disaggregation
+    replica_options = _replica_options(config)
+    # mypy keeps a decorated class's own type (python/mypy#3135); @serve.deployment made these
+    # Deployments, which have options().
+    slo = config.autoscaling.slo if config.autoscaling is not None else None
+    if disagg is None:
+        return LLMReplica.options(name=name, **replica_options).bind(  # type: ignore[attr-defined]
+            config.engine, slo, config.model_name
+        )
+    replica_options["num_replicas"] = (
+        disagg.prefill_replicas if role == "prefill" else disagg.decode_replicas
+    )
+    phase = DisaggPhase(role, disagg.transfer_timeout_s, disagg.kv_transport)
+    return LLMReplica.options(name=name, **replica_options).bind(  # type: ignore[attr-defined]
+        config.phase_engine(role), slo, config.model_name, phase
+    )
+
+
+def _replica_options(config: AppConfig) -> dict[str, Any]:
+    """Serve's deployment options of a model's replicas: scaling, resources, queue bounds,
+    health checks and the request router."""
     replica_options: dict[str, Any] = {
         **config.scaling_options(),
         "ray_actor_options": config.replica_actor_options(),
@@ -171,17 +191,4 @@ def replica_deployment(config: AppConfig, name: str, role: str = "decode") -> An
     router_config = config.request_router_config()
     if router_config is not None:
         replica_options["request_router_config"] = router_config
-    # mypy keeps a decorated class's own type (python/mypy#3135); @serve.deployment made these
-    # Deployments, which have options().
-    slo = config.autoscaling.slo if config.autoscaling is not None else None
-    if disagg is None:
-        return LLMReplica.options(name=name, **replica_options).bind(  # type: ignore[attr-defined]
-            config.engine, slo, config.model_name
-        )
-    replica_options["num_replicas"] = (
-        disagg.prefill_replicas if role == "prefill" else disagg.decode_replicas
-    )
-    phase = DisaggPhase(role, disagg.transfer_timeout_s, disagg.kv_transport)
-    return LLMReplica.options(name=name, **replica_options).bind(  # type: ignore[attr-defined]
-        config.phase_engine(role), slo, config.model_name, phase
-    )
+    return replica_options

@@ -27,7 +27,7 @@ from deploy.errors import (
 )
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
-from scheduler.outputs import TokenLogprobs
+from scheduler.outputs import RequestOutput, TokenLogprobs
 from scheduler.request import EngineRequest
 
 if TYPE_CHECKING:
@@ -215,21 +215,25 @@ class Choice:
                     attempt.fail(exc)
                 if not is_replica_failure(exc):
                     raise
-                budget.spend(exc)
-                logger.warning(
-                    "choice %s: its replica failed (%s); resuming after %d tokens elsewhere "
-                    "(migration %d of at most %d)",
-                    self.request.request_id,
-                    type(exc).__name__,
-                    len(self.emitted),
-                    budget.migrations,
-                    self.max_migrations,
-                )
-                # Give Serve a moment to take the dead replica out of the routing set.
-                await asyncio.sleep(0.2 * budget.migrations)
+                await self._before_resuming(exc, budget)
             finally:
                 if attempt is not None:
                     attempt.span.end()
+
+    async def _before_resuming(self, failure: Exception, budget: MigrationBudget) -> None:
+        """Spend a migration on a replica's failure (raises when none is left), then wait for
+        Serve to take the dead replica out of the routing set."""
+        budget.spend(failure)
+        logger.warning(
+            "choice %s: its replica failed (%s); resuming after %d tokens elsewhere "
+            "(migration %d of at most %d)",
+            self.request.request_id,
+            type(failure).__name__,
+            len(self.emitted),
+            budget.migrations,
+            self.max_migrations,
+        )
+        await asyncio.sleep(0.2 * budget.migrations)
 
     def _attempt(self, migrations: int) -> EngineRequest:
         if migrations == 0:
@@ -248,65 +252,88 @@ class Choice:
         trace: TraceContext | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
         internal_request_id = _route_as_own_request()
-        if self.prefill is not None and not request.output_token_ids:
-            response: Any = DisaggResponse(self.prefill, replica, request, trace)
-        elif trace is None:
-            response = replica.options(stream=True).generate.remote(request)
-        else:  # the router and the replica parent their spans under the attempt's
-            response = replica.options(stream=True).generate.remote(request, trace=trace)
+        response = self._generate(replica, request, trace)
         done = False
         try:
             async for out in response:
-                tokens = out.new_token_ids
-                self.emitted.extend(tokens)
-                # A hand-back ("abort") is not the end of the text: what the text stream holds
-                # back (a partial character, a possible stop string) goes on on the next replica.
-                handed_back = out.finished and out.finish_reason == "abort"
-                finished = out.finished and not handed_back
-                # Usage counts every token generated, including those past a stop string's cut.
-                sent = text_stream.feed(tokens, finished, finished and out.finish_reason == "stop")
-                finish = (
-                    "stop" if text_stream.stopped else (out.finish_reason if finished else None)
-                )
-                if finish == "error":
-                    raise RequestFailedError(request.request_id, out.error)
-                done = finish is not None
+                delta = self._delta(out, request, text_stream)
+                done = delta.finish_reason is not None
                 if done:
                     deliver_kv_tail(out)  # the router has them before the client's next request
                     report_outcome(internal_request_id, ok=True)
-                prompt_logprobs = None
-                if out.prompt_logprobs is not None and not self.has_prompt_logprobs:
-                    prompt_logprobs, self.has_prompt_logprobs = out.prompt_logprobs, True
                 # The text of handed-back tokens goes out before the request moves.
-                yield ChoiceDelta(
-                    self.index,
-                    self.prompt_index,
-                    sent,
-                    tokens,
-                    out.new_logprobs,
-                    finish,
-                    len(request.prompt_token_ids),
-                    len(self.emitted),
-                    out.num_cached_tokens,
-                    prompt_logprobs,
-                )
+                yield delta
                 if done:
                     return
-                if handed_back:
+                if _handed_back(out):
                     raise ReplicaAbortedError(
                         f"request {request.request_id} was handed back by its replica"
                     )
         except Exception as exc:
-            if is_replica_fault(exc):
-                report_outcome(
-                    internal_request_id, ok=False
-                )  # the router's circuit breaker counts it
+            if is_replica_fault(exc):  # the router's circuit breaker counts it
+                report_outcome(internal_request_id, ok=False)
             raise
         finally:
-            if not done:
+            # Unfinished, or stopped by a stop string: the replica is told to stop, so that it
+            # aborts the request and frees its blocks.
+            if not done or text_stream.stopped:
                 response.cancel()
-            elif text_stream.stopped:
-                response.cancel()  # the replica is told to stop: it aborts and frees the blocks
+
+    def _generate(self, replica: Any, request: EngineRequest, trace: TraceContext | None) -> Any:
+        """The replica's stream of outputs for the request (through the prefill deployment while
+        nothing is emitted, on a disaggregated model)."""
+        if self.prefill is not None and not request.output_token_ids:
+            return DisaggResponse(self.prefill, replica, request, trace)
+        if trace is None:
+            return replica.options(stream=True).generate.remote(request)
+        # The router and the replica parent their spans under the attempt's.
+        return replica.options(stream=True).generate.remote(request, trace=trace)
+
+    def _delta(
+        self, out: RequestOutput, request: EngineRequest, text_stream: TextStream
+    ) -> ChoiceDelta:
+        """One replica output as the choice's delta; an output that failed raises."""
+        tokens = out.new_token_ids
+        self.emitted.extend(tokens)
+        sent, finish = _text_and_finish(out, text_stream)
+        if finish == "error":
+            raise RequestFailedError(request.request_id, out.error)
+        return ChoiceDelta(
+            self.index,
+            self.prompt_index,
+            sent,
+            tokens,
+            out.new_logprobs,
+            finish,
+            len(request.prompt_token_ids),
+            len(self.emitted),
+            out.num_cached_tokens,
+            self._prompt_logprobs(out),
+        )
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[TokenLogprobs] | None:
+        """The prompt's log-probabilities, the first time a replica sends them."""
+        if out.prompt_logprobs is None or self.has_prompt_logprobs:
+            return None
+        self.has_prompt_logprobs = True
+        return out.prompt_logprobs
+
+
+def _handed_back(out: RequestOutput) -> bool:
+    """The replica handed the request back (it drains): the choice resumes on another one."""
+    return out.finished and out.finish_reason == "abort"
+
+
+def _text_and_finish(out: RequestOutput, text_stream: TextStream) -> tuple[str, str | None]:
+    """The text an output's tokens add and the choice's finish reason, if this output ends it."""
+    # A hand-back is not the end of the text: what the text stream holds back (a partial
+    # character, a possible stop string) goes on on the next replica.
+    finished = out.finished and not _handed_back(out)
+    # Usage counts every token generated, including those past a stop string's cut.
+    sent = text_stream.feed(out.new_token_ids, finished, finished and out.finish_reason == "stop")
+    if text_stream.stopped:
+        return sent, "stop"
+    return sent, out.finish_reason if finished else None
 
 
 async def with_deadline(
@@ -337,23 +364,12 @@ async def merge_streams(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncItera
             yield delta
         return
     queue: asyncio.Queue = asyncio.Queue()
-    sentinel = object()
-
-    async def pump(stream: AsyncIterator[ChoiceDelta]) -> None:
-        try:
-            async for delta in stream:
-                await queue.put(delta)
-        except Exception as exc:
-            await queue.put(exc)
-        finally:
-            await queue.put(sentinel)
-
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    tasks = [asyncio.create_task(_pump(s, queue)) for s in streams]
     remaining = len(tasks)
     try:
         while remaining:
             item = await queue.get()
-            if item is sentinel:
+            if item is _STREAM_END:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
@@ -363,3 +379,18 @@ async def merge_streams(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncItera
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_STREAM_END = object()  # what _pump queues last
+
+
+async def _pump(stream: AsyncIterator[ChoiceDelta], queue: asyncio.Queue) -> None:
+    """One stream's deltas into the merge's queue, then its exception if it raised, then the
+    end mark."""
+    try:
+        async for delta in stream:
+            await queue.put(delta)
+    except Exception as exc:
+        await queue.put(exc)
+    finally:
+        await queue.put(_STREAM_END)

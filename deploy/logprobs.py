@@ -6,6 +6,7 @@ Each position's entry is `[(sampled id, logprob), (top id, logprob), ...]` (sche
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from typing import Any
@@ -98,30 +99,20 @@ def completion_logprobs(
 
     first_token: an echoed prompt's first token, which nothing precedes: its logprob and
     alternatives are null (the entries of the prompt's other tokens lead `logprobs`)."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    offset = 0
+    rows: list[tuple[str, float | None, dict[str, float] | None]] = []
     if first_token is not None:
-        tokens.append(texts.text(first_token))
-        token_logprobs.append(None)
-        top_logprobs.append(None)
-        offsets.append(0)
-        offset = len(tokens[0])
+        rows.append((texts.text(first_token), None, None))
     for entry in logprobs:
         (token_id, logprob), top = entry[0], entry[1:]
-        token = texts.text(token_id)
-        tokens.append(token)
-        token_logprobs.append(finite(logprob))
-        top_logprobs.append({texts.text(t): finite(v) for t, v in top})
-        offsets.append(offset)
-        offset += len(token)
+        alternatives = {texts.text(t): finite(v) for t, v in top}
+        rows.append((texts.text(token_id), finite(logprob), alternatives))
+    tokens = [token for token, _, _ in rows]
     return {
         "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": offsets,
+        "token_logprobs": [logprob for _, logprob, _ in rows],
+        "top_logprobs": [top for _, _, top in rows],
+        # Each token's offset in the text: the lengths of the tokens before it.
+        "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1],
     }
 
 

@@ -30,6 +30,39 @@ def _usage(tally: UsageTally, reasoning_tokens: int) -> dict[str, Any]:
     }
 
 
+def _text_item(kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A new reasoning or message output item, in progress, and its one content part."""
+    if kind == "reasoning":
+        item: dict[str, Any] = {
+            "id": f"rs_{uuid.uuid4().hex}",
+            "type": "reasoning",
+            "summary": [],
+            "content": [],
+            "status": "in_progress",
+        }
+        return item, {"type": "reasoning_text", "text": ""}
+    item = {
+        "id": f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "role": "assistant",
+        "status": "in_progress",
+        "content": [],
+    }
+    return item, {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+
+
+def _call_item(call: dict[str, Any]) -> dict[str, Any]:
+    """A function_call output item for a parsed tool call, its arguments not yet sent."""
+    return {
+        "id": f"fc_{uuid.uuid4().hex}",
+        "type": "function_call",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": "",
+        "status": "in_progress",
+    }
+
+
 class ResponseBuilder(PieceEvents):
     """One response's output items, built from its choice's deltas; each step returns the
     streamed events it makes (a non-streamed response ignores them and takes `response()`).
@@ -142,24 +175,7 @@ class ResponseBuilder(PieceEvents):
         return events
 
     def _open_item(self, kind: str) -> list[dict[str, Any]]:
-        if kind == "reasoning":
-            item: dict[str, Any] = {
-                "id": f"rs_{uuid.uuid4().hex}",
-                "type": "reasoning",
-                "summary": [],
-                "content": [],
-                "status": "in_progress",
-            }
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
-        else:
-            item = {
-                "id": f"msg_{uuid.uuid4().hex}",
-                "type": "message",
-                "role": "assistant",
-                "status": "in_progress",
-                "content": [],
-            }
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item, part = _text_item(kind)
         index = len(self.output)
         events = [
             self._event("response.output_item.added", output_index=index, item=_copy(item)),
@@ -197,14 +213,7 @@ class ResponseBuilder(PieceEvents):
         return events
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        item = {
-            "id": f"fc_{uuid.uuid4().hex}",
-            "type": "function_call",
-            "call_id": call["id"],
-            "name": call["function"]["name"],
-            "arguments": "",
-            "status": "in_progress",
-        }
+        item = _call_item(call)
         index = len(self.output)
         arguments = call["function"]["arguments"]
         where = {"item_id": item["id"], "output_index": index}
