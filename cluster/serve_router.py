@@ -33,7 +33,7 @@ from cluster.outcomes import subscribe
 from cluster.tracing import TraceContext, record_route
 from cluster.weights_admin import WeightsCommand
 from router.config import RoutingConfig
-from router.fleet import FleetState
+from router.fleet import FleetState, Route
 from router.peer_pull import PullCommand
 from router.policies import RouteRequest
 from router.sessions import check_session_id
@@ -132,14 +132,10 @@ class FleetRouter(RequestRouter):
         trace = pending_request.kwargs.get("trace")  # a sampled request's (cluster/tracing.py)
         started = time.time_ns() if trace is not None else 0
         route = self.fleet.plan(route_request(pending_request), by_key, now)
-        ranking = route.ranking
-        if pending_request.metadata.call_method == "generate":  # the pull travels with it
-            pending_request.kwargs.pop("pull", None)
-            if route.pull is not None:
-                pending_request.kwargs["pull"] = route.pull
+        _attach_pull(pending_request, route)
         if isinstance(trace, TraceContext):
-            self._record_route(trace, started, ranking)
-        return [[by_key[key]] for key in ranking]
+            self._record_route(trace, started, route.ranking)
+        return [[by_key[key]] for key in route.ranking]
 
     def _record_route(self, trace: TraceContext, started: int, ranking: list[str]) -> None:
         try:
@@ -186,6 +182,16 @@ class FleetRouter(RequestRouter):
             logger.warning("FleetRouter: ignoring routing stats of %s: %s", key, e)
             return
         self.fleet.on_stats(key, stats, now)
+
+
+def _attach_pull(pending_request: PendingRequest, route: Route) -> None:
+    """A generation's peer pull travels with it to the replica ranked first (none: whatever an
+    earlier routing of the same request attached is dropped)."""
+    if pending_request.metadata.call_method != "generate":
+        return
+    pending_request.kwargs.pop("pull", None)
+    if route.pull is not None:
+        pending_request.kwargs["pull"] = route.pull
 
 
 def route_request(pending_request: PendingRequest) -> RouteRequest:

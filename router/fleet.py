@@ -185,6 +185,18 @@ class FleetState:
         self.loads.report(replica, stats)
         if self.loads.is_healthy(replica):
             self.breaker.record_healthy_report(replica, now)
+        self._sync_holdings(replica, stats, now)
+        if stats.kv_events is not None:
+            before = self.kv.applied_seq(replica)
+            self.kv.apply(replica, stats.kv_events)
+            # Only news moves it: a report older than a tail already applied (Serve delivers
+            # reports late) must not discount what routing planted since that tail.
+            if self.kv.applied_seq(replica) != before:
+                self.kv_seen_at[replica] = now
+
+    def _sync_holdings(self, replica: str, stats: RoutingStats, now: float) -> None:
+        """What a report says the replica holds: its prefix blocks (and the index's bound for
+        it), its loaded adapters and its lower tiers' hashes."""
         blocks = self.config.index_blocks_per_replica or stats.scheduler.num_gpu_blocks
         if blocks and blocks != self.index.bound(replica):
             self.index.set_bound(replica, blocks)
@@ -194,13 +206,6 @@ class FleetState:
         self.adapters.sync_replica(replica, loaded, now, self.config.stats_grace_s)
         if stats.tier_hashes is not None:
             self.tier_hashes[replica] = frozenset(stats.tier_hashes)
-        if stats.kv_events is not None:
-            before = self.kv.applied_seq(replica)
-            self.kv.apply(replica, stats.kv_events)
-            # Only news moves it: a report older than a tail already applied (Serve delivers
-            # reports late) must not discount what routing planted since that tail.
-            if self.kv.applied_seq(replica) != before:
-                self.kv_seen_at[replica] = now
 
     def on_kv_tail(self, tail: KVEventTail, now: float) -> None:
         """KV events a request's last output carried (router/kv_events.py `apply_tail`): applied
@@ -216,13 +221,7 @@ class FleetState:
         """Forget a dead or removed replica at once: its load, its requests, its index entries.
 
         False if there was nothing to forget (Serve reports a death once per failed request)."""
-        known = (
-            replica in self.loads.replicas()
-            or replica in self.index.replicas()
-            or replica in self._stats_seen
-            or replica in self.adapters.replicas()
-            or replica in self.kv.replicas()
-        )
+        known = self._knows(replica)
         self.loads.remove_replica(replica)
         self.kv.remove_replica(replica)
         self.kv_seen_at.pop(replica, None)
@@ -234,6 +233,15 @@ class FleetState:
         self._stats_seen.pop(replica, None)
         self.tier_hashes.pop(replica, None)
         return known
+
+    def _knows(self, replica: str) -> bool:
+        return (
+            replica in self.loads.replicas()
+            or replica in self.index.replicas()
+            or replica in self._stats_seen
+            or replica in self.adapters.replicas()
+            or replica in self.kv.replicas()
+        )
 
     def retain(self, replicas: Iterable[str]) -> None:
         """Forget every replica not in replicas."""

@@ -200,29 +200,39 @@ class PrefixIndex:
         request there refreshes it), and one the bound evicted comes back only when routing plants
         it or a report lists it anew.
         """
-        last = self._report_ids.get(replica)
-        if last is not None and last - LATE_REPORTS <= report.report_id < last:
-            # Older than one applied: Serve hands a router reports late, and this one would list
-            # again blocks the replica evicted since (a hit predicted where it computes). One far
-            # older is not late but a renumbering (a hostile number before it): applied.
+        if self._is_late(replica, report.report_id):
             return
         listed, dropped, ordered = self._relist(replica, report)
         mine = self._by_replica.setdefault(replica, OrderedDict())
+        self._settle_unreported(replica, listed, dropped, now - grace_s)
+        new = listed.difference(mine)
+        if new:
+            self.insert(replica, _in_listed_order(ordered, new), -math.inf)
+
+    def _is_late(self, replica: str, report_id: int) -> bool:
+        """Older than a report applied: Serve hands a router reports late, and this one would list
+        again blocks the replica evicted since (a hit predicted where it computes). One far older
+        is not late but a renumbering (a hostile number before it): applied."""
+        last = self._report_ids.get(replica)
+        return last is not None and last - LATE_REPORTS <= report_id < last
+
+    def _settle_unreported(
+        self, replica: str, listed: Hashes, dropped: Hashes, cutoff: float
+    ) -> None:
+        """The blocks a report lists are confirmed; those it no longer lists join the unreported,
+        and an unreported block routing planted before cutoff is dropped."""
+        mine = self._by_replica[replica]
         unreported = self._unreported.setdefault(replica, set())
         # unreported never holds a block the previous report listed, so of the blocks listed now
         # only the newly listed can be in it.
         unreported -= listed
-        unreported |= dropped  # no longer listed: dropped below unless planted within grace_s
-        cutoff = now - grace_s
+        unreported |= dropped
         owners = self._owners
         stale = [h for h in unreported if h not in mine or owners[h][replica] < cutoff]
         unreported.difference_update(stale)
         for h in stale:
             if mine.pop(h, 0) is None:  # an entry (its value is None); 0: the bound evicted it
                 self._forget(replica, h)
-        new = listed.difference(mine)
-        if new:
-            self.insert(replica, _in_listed_order(ordered, new), -math.inf)
 
     def _relist(self, replica: str, report: PrefixReport) -> tuple[Hashes, Hashes, list[int]]:
         """Record the report as replica's listed blocks: (newly listed, no longer listed, the order
@@ -235,12 +245,9 @@ class PrefixIndex:
         applied_last = self._report_ids.get(replica)
         self._report_ids[replica] = report.report_id
         if reported is not None and report.base_id is not None and report.base_id == applied_last:
-            change = ReportChange.of(report)
-            ordered = change.listed_in(report.hashes, reported)
-            if ordered is not None:
-                reported -= change.unlisted_set
-                reported |= change.listed_set
-                return change.listed_set, change.unlisted_set, ordered
+            changed = _apply_change(report, reported)
+            if changed is not None:
+                return changed
         # C-level passes over the holdings, then work on the changes only: a report differs from
         # the one before by a few blocks out of about a thousand, and most drop none.
         keep = set(report.hashes)
@@ -249,6 +256,20 @@ class PrefixIndex:
         dropped = previous - keep if len(keep) - len(listed) < len(previous) else set()
         self._reported[replica] = keep
         return listed, dropped, report.hashes
+
+
+def _apply_change(
+    report: PrefixReport, reported: set[int]
+) -> tuple[Hashes, Hashes, list[int]] | None:
+    """A report's own account of its change since its base, applied to the blocks listed
+    (reported, changed in place); None, and nothing changed, if the account does not add up."""
+    change = ReportChange.of(report)
+    ordered = change.listed_in(report.hashes, reported)
+    if ordered is None:
+        return None
+    reported -= change.unlisted_set
+    reported |= change.listed_set
+    return change.listed_set, change.unlisted_set, ordered
 
 
 @dataclass(frozen=True, slots=True)
