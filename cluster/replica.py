@@ -12,33 +12,30 @@ stop string.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
 from cluster.caller_watch import CallerGoneError, CallerWatch
-from cluster.cold_start import ColdStart
 from cluster.disagg_replica import DisaggPhase, phase_engine, phase_stats, prefill_on
+from cluster.engine_build import build_engine
 from cluster.engine_loop import EngineLoop
 from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.kv_event_pub import TailingEngine, attach_kv_events
 from cluster.kv_pull import replica_pulls
+from cluster.loop_lag import LoopLag
 from cluster.lora_admin import LoraCommand, WrongReplicaError
-from cluster.lora_metrics import LoraMetrics
-from cluster.metrics import ReplicaMetrics
-from cluster.ray_executor import ray_executor
+from cluster.replica_stream import ReplicaStream
+from cluster.replica_telemetry import ReplicaTelemetry
 from cluster.stream_chunks import chunk_tokens
-from cluster.tracing import ReplicaSide, TraceContext, record_replica
+from cluster.tracing import TraceContext
 from cluster.weights_admin import WeightsCommand
 from cluster.weights_admin import run_command as run_weights_command
 from engine.config import EngineConfig
-from router.autoscaling import LatencyWindow, ReplicaSignals, SloTargets
+from router.autoscaling import SloTargets
 from router.peer_pull import PeerPull, PullCommand
 from router.stats import MAX_REPORTED_PREFIX_HASHES, ReplicaState, RoutingStats
 from scheduler.outputs import RequestOutput, SchedulerStats
@@ -46,136 +43,15 @@ from scheduler.request import EngineRequest
 from workers.kv_transfer import TransferHandle
 
 if TYPE_CHECKING:
-    from engine.core import EngineCore
     from engine.disagg import PrefillReply
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two deltas of one request as one (the consumer fell behind by a step)."""
-    logprobs = None
-    if first.new_logprobs is not None or later.new_logprobs is not None:
-        logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
-    return RequestOutput(
-        request_id=later.request_id,
-        new_token_ids=first.new_token_ids + later.new_token_ids,
-        finished=later.finished,
-        finish_reason=later.finish_reason,
-        num_prompt_tokens=later.num_prompt_tokens or first.num_prompt_tokens,
-        num_output_tokens=later.num_output_tokens,
-        num_cached_tokens=later.num_cached_tokens,
-        new_logprobs=logprobs,
-        error=later.error,
-        prompt_logprobs=first.prompt_logprobs or later.prompt_logprobs,
-        kv_events=later.kv_events,
-    )
-
-
-@dataclass(slots=True)
-class _Stream:
-    """Event-loop side of one in-flight request."""
-
-    request_id: str
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    caller: str | None = None  # the caller actor's name (its death aborts the request)
-    arrival: float = field(default_factory=time.perf_counter)
-    last_token: float | None = None
-    ttft: float | None = None
-    gaps: int = 0  # inter-token gaps so far, and those over the SLO's ITL
-    slow_gaps: int = 0
-    sent: bool = False  # a delta with tokens has gone out (the first tokens are never held back)
-    held: RequestOutput | None = None  # tokens waiting for a full chunk (stream_interval)
-
-    def chunk(self, output: RequestOutput, interval: int) -> RequestOutput | None:
-        """The delta to send now, or None while it is held for a chunk of `interval` tokens; the
-        first tokens, a finish and an error are never held."""
-        if self.held is not None:
-            output, self.held = merge_outputs(self.held, output), None
-        if (
-            self.sent
-            and not output.finished
-            and output.error is None
-            and len(output.new_token_ids) < interval
-        ):
-            self.held = output
-            return None
-        self.sent = self.sent or bool(output.new_token_ids)
-        return output
-
-    def hand_back(self) -> None:
-        """End the stream with an "abort" that carries every token it still holds (queued deltas
-        merge into it in next()): the ingress sends their text, then resumes the request on
-        another replica from there."""
-        if self.held is None:
-            last = RequestOutput(self.request_id, [], True, "abort")
-        else:
-            last, self.held = replace(self.held, finished=True, finish_reason="abort"), None
-        self.queue.put_nowait(last)
-
-    async def next(self) -> RequestOutput:
-        item = await self.queue.get()
-        while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
-            nxt = self.queue.get_nowait()
-            if not isinstance(nxt, RequestOutput):
-                item = nxt
-                break
-            item = merge_outputs(item, nxt)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-
-# The window of the TTFT and ITL p90 a replica reports to the autoscaling policy.
-LATENCY_WINDOW_S = 30.0
 # How often the watchdog looks for a stalled engine and for requests whose caller died.
 WATCHDOG_PERIOD_S = 1.0
 # Where Serve puts every replica actor, the ingress replicas that call us included (the runtime
 # context's namespace is the job's, not this one).
 SERVE_NAMESPACE = "serve"
-
-
-def build_engine(config: EngineConfig) -> EngineCore:
-    """EngineCore for the config, on the placement group Serve created for this replica, built on
-    a thread of its own that then exits (see on_passing_thread)."""
-    from ray.util import get_current_placement_group
-
-    from engine.core import EngineCore
-    from engine.executor import local_executor
-
-    placement_group = get_current_placement_group()
-    if config.world_size == 1:
-        # The one rank runs in this process, inside the replica's own bundle.
-        return on_passing_thread(lambda: EngineCore(config, local_executor))
-    factory = functools.partial(ray_executor, placement_group=placement_group)
-    return on_passing_thread(lambda: EngineCore(config, factory))
-
-
-def on_passing_thread(fn: Callable[[], T]) -> T:
-    """fn() on a new thread that exits when it returns, so that its OpenMP thread pool goes with it.
-
-    torch's OpenMP runtime (libgomp) keeps a thread pool for every thread that starts parallel work.
-    Loading the model on the actor's thread and stepping on the engine thread made two pools; with
-    more pool threads than CPUs, libgomp cuts its spin-waiting to 100 spins whatever GOMP_SPINCOUNT
-    says, so `omp_spin_count` had no effect. A pool is freed when its thread exits.
-    """
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append((fn(), None))
-        except BaseException as exc:
-            outcome.append((None, exc))
-
-    thread = threading.Thread(target=run, name="raylm-engine-build")
-    thread.start()
-    thread.join()
-    result, error = outcome[0]
-    if error is not None:
-        raise error
-    return result
 
 
 @serve.deployment(name="LLMReplica")
@@ -195,23 +71,18 @@ class LLMReplica:
         (the metrics' `model` tag: an app may serve several); phase: this replica's part of a
         disaggregated model (cluster/disagg_replica.py), None: the whole of every request."""
         self.config = config
-        self.slo = slo
         self.replica = replica = serve.get_replica_context().replica_tag
-        self.lora_metrics = LoraMetrics(replica, model_name or config.model)
-        self.metrics = ReplicaMetrics(replica, model_name or config.model)
-        self.cold_start = ColdStart(model_name or config.model, replica)
-        self._ttft_window = LatencyWindow(LATENCY_WINDOW_S)
-        self._itl_window = LatencyWindow(LATENCY_WINDOW_S)
+        self.telemetry = ReplicaTelemetry(replica, model_name or config.model, slo)
         self.engine = build_engine(config)
-        self.metrics.record_kv_layout(self.engine.kv_bytes_per_token)
+        self.telemetry.metrics.record_kv_layout(self.engine.kv_bytes_per_token)
         self.phase = phase_engine(self.engine, phase)
         # Peer pulls (router_kwargs.peer_pulls) install their connector before the events attach.
         self.pulls = replica_pulls(self.engine, replica) if phase is None else None
         self._kv_events = attach_kv_events(self.engine)  # before the first step: none missed
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, ReplicaStream] = {}
         self._draining = False
         self._stats: SchedulerStats = self.engine.stats()
-        self.metrics.record_stats(self._stats)
+        self.telemetry.metrics.record_stats(self._stats)
         self._loop_thread = EngineLoop(
             TailingEngine(self._driven(), self._kv_events, replica),  # KV events ride back
             asyncio.get_running_loop(),
@@ -222,7 +93,9 @@ class LLMReplica:
         self._stall_failed_over = False
         self._orphans_aborted = 0  # requests aborted because their caller died
         self._watchdog = asyncio.create_task(self._watch())
-        self.cold_start.record_engine(self.engine.startup)
+        self._lag = LoopLag()  # cluster/loop_lag.py: Serve skips a replica late to its probe
+        self._lag_task = self._lag.start()
+        self.telemetry.cold_start.record_engine(self.engine.startup)
         logger.info("replica %s ready: %s", replica, self.model_info_sync())
 
     # ---- the request path ----------------------------------------------------------------------
@@ -245,11 +118,8 @@ class LLMReplica:
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already in flight")
-        stream = self._streams[rid] = _Stream(rid, caller=request.caller)
-        self.cold_start.first_request()
-        self.metrics.record_admitted(len(request.prompt_token_ids))
-        if request.lora_name is not None:
-            self.lora_metrics.record_request(request.lora_name)
+        stream = self._streams[rid] = ReplicaStream(rid, caller=request.caller)
+        self.telemetry.admitted(request)
         if handoff is not None and self.phase is not None:
             self.phase.handoffs[rid] = handoff
         if trace is not None:  # the engine records its phases (engine/tracing.py)
@@ -264,7 +134,7 @@ class LLMReplica:
                 output = await stream.next()
                 finished = output.finished
                 if finished and output.finish_reason in ("stop", "length"):
-                    self._count_slo(stream)
+                    self.telemetry.count_slo(stream)
                 yield output
         finally:
             self._streams.pop(rid, None)
@@ -306,25 +176,9 @@ class LLMReplica:
         handed_off: bool,
         last: RequestOutput | None,
     ) -> None:
-        """The request's spans on this replica, from the engine's record; a tracing failure is
-        logged, never the request's."""
-        record = self.engine.tracer.pop(request.request_id)
-        if record is None:
-            return
         role = "whole" if self.phase is None else "prefill" if self.phase.prefill else "decode"
-        made = 0 if last is None else last.num_output_tokens - len(request.output_token_ids)
-        side = ReplicaSide(
-            self.replica,
-            request.request_id,
-            len(request.prompt_token_ids),
-            max(made, 0),
-            role,
-            "remote" if handed_off else "tiers",
-        )
-        try:
-            record_replica(trace, side, record, time.time_ns())
-        except Exception:
-            logger.exception("request %s: its spans were not recorded", request.request_id)
+        source = "remote" if handed_off else "tiers"
+        self.telemetry.record_trace(trace, self.engine, request, role, source, last)
 
     def _on_step(self, outputs: list[RequestOutput], stats: SchedulerStats) -> None:
         now = time.perf_counter()
@@ -336,42 +190,12 @@ class LLMReplica:
             stream = self._streams.get(output.request_id)
             if stream is None:  # already gone: cancelled, or handed back
                 continue
-            self._settle(stream, output, now)
+            self.telemetry.settle(stream, output, now)
             chunk = stream.chunk(output, interval)
             if chunk is not None:
                 stream.queue.put_nowait(chunk)
         self._stats = stats
-        self.metrics.record_stats(stats)
-        self.metrics.record_expert_load(self.engine.expert_load())
-        slots = self.engine.scheduler.loras  # plain counters, read as expert_load() is
-        self.lora_metrics.record_slots(stats.loaded_loras, slots.num_loads, slots.num_evictions)
-
-    def _settle(self, stream: _Stream, output: RequestOutput, now: float) -> None:
-        """The output's tokens in the metrics, with the time to the first and between the next."""
-        if not output.new_token_ids:
-            return
-        last = stream.last_token
-        ttft = now - stream.arrival if last is None else None
-        itl = None if last is None else now - last
-        if last is None:
-            self.cold_start.first_token()
-        self.metrics.record_tokens(len(output.new_token_ids), ttft=ttft, itl=itl)
-        stream.last_token = now
-        if ttft is not None:
-            stream.ttft = ttft
-            self._ttft_window.add(now, ttft)
-        if itl is not None:
-            self._itl_window.add(now, itl)
-            stream.gaps += 1
-            stream.slow_gaps += self.slo is not None and itl > self.slo.itl_p90_s
-
-    def _count_slo(self, stream: _Stream) -> None:
-        """A request that ended by itself met the SLO if its TTFT did and at most a tenth of its
-        inter-token gaps exceeded the ITL target (its ITL p90 met it)."""
-        if self.slo is None or stream.ttft is None:
-            return
-        met = stream.ttft <= self.slo.ttft_p90_s and stream.slow_gaps * 10 <= stream.gaps
-        self.metrics.record_slo(met)
+        self.telemetry.after_step(stats, self.engine)
 
     def _on_error(self, request_id: str | None, exc: BaseException) -> None:
         targets = (
@@ -431,7 +255,7 @@ class LLMReplica:
 
     async def cold_start_report(self) -> dict[str, dict[str, float]]:
         """This replica's start by phase (cluster/cold_start.py), for bench/cold_start.py."""
-        return self.cold_start.report()
+        return self.telemetry.cold_start.report()
 
     async def stats(self) -> dict[str, Any]:
         """The latest scheduler figures (updated after every step and every abort)."""
@@ -445,6 +269,7 @@ class LLMReplica:
                 "steps": self._loop_thread.steps,
                 "step_s": self._loop_thread.step_seconds,
             },
+            "loop_lag": self._lag.report(),
             **phase_stats(self.phase),
             **(self.pulls.stats() if self.pulls is not None else {}),  # peer pulls (kv_pull.py)
         }
@@ -505,20 +330,8 @@ class LLMReplica:
         return state
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve pushes this to the controller for the autoscaling policy
-        (cluster/autoscaling_policy.py): KV usage, queues and backlog, batch size against
-        max_num_seqs, and the TTFT and ITL p90 over the last LATENCY_WINDOW_S (-1: no samples)."""
-        stats, now = self._stats, time.perf_counter()
-        return ReplicaSignals(
-            kv_cache_usage=min(1.0, stats.kv_cache_usage),
-            num_waiting=stats.num_waiting,
-            num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
-            num_running=stats.num_running,
-            max_num_seqs=self.config.scheduler.max_num_seqs,
-            ttft_p90_s=self._ttft_window.p90(now),
-            itl_p90_s=self._itl_window.p90(now),
-            kv_cache_tokens=stats.num_gpu_blocks * self.config.block_size,
-        ).to_dict()
+        """Serve pushes this to the controller for the autoscaling policy."""
+        return self.telemetry.signals(self._stats, self.config).to_dict()
 
     async def check_health(self) -> None:
         """Serve's probe: a failed, stalled or shut-down engine fails it, and Serve replaces this
@@ -553,7 +366,7 @@ class LLMReplica:
         Serve calls it through __del__; tests and operators may call it directly. Returns the
         replica's name and how many requests this call handed back.
         """
-        streams: dict[str, _Stream] = {}
+        streams: dict[str, ReplicaStream] = {}
         if not self._draining:
             self._draining = True
             streams, self._streams = self._streams, {}
@@ -562,6 +375,7 @@ class LLMReplica:
             if streams:
                 logger.warning("shutting down: %d requests handed back", len(streams))
             self._watchdog.cancel()
+            self._lag_task.cancel()
             # Never blocks the event loop: the engine thread releases the workers after its step.
             self._loop_thread.stop(shutdown_engine=True, wait=False)
         return {"replica": self.replica, "handed_back": len(streams)}

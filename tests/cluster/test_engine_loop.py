@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.engine_loop import EngineLoop
-from cluster.replica import merge_outputs
+from cluster.replica_stream import merge_outputs
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from scheduler import EngineRequest, RequestOutput, SamplingParams
@@ -260,10 +260,10 @@ def test_stop_strings_are_the_ingress_business_the_replica_streams_tokens(
 def test_a_hand_back_carries_every_token_the_ingress_has_not_received(steps, interval):
     """Whatever was chunked (stream_interval), queued and read before it: the hand-back is one
     last "abort" output whose tokens are exactly those the consumer has not received yet."""
-    from cluster.replica import _Stream
+    from cluster.replica_stream import ReplicaStream
 
     async def go() -> list[RequestOutput]:
-        stream, received, produced = _Stream("r"), [], 0
+        stream, received, produced = ReplicaStream("r"), [], 0
         for count, read in steps:
             tokens = list(range(produced, produced + count))
             produced += count
@@ -348,7 +348,7 @@ def test_shutdown_hands_back_what_each_stream_holds_and_refuses_new_requests(
 def test_the_engine_is_built_on_a_thread_that_has_ended_when_it_returns():
     # torch's OpenMP pool of the thread that loaded the model must be gone before the engine thread
     # steps (two pools throttle libgomp's spin-waiting): the building thread has exited.
-    from cluster.replica import on_passing_thread
+    from cluster.engine_build import on_passing_thread
 
     seen: list[threading.Thread] = []
     result = on_passing_thread(lambda: seen.append(threading.current_thread()) or 42)
@@ -363,9 +363,9 @@ def test_stream_chunks_keep_every_token_and_hold_only_below_the_interval(steps, 
     """Whatever the steps' token counts: the chunks concatenate to every token, the last one
     finishes, and only the first tokens and the finish go out in a chunk shorter than the
     interval."""
-    from cluster.replica import _Stream
+    from cluster.replica_stream import ReplicaStream
 
-    stream, sent, produced = _Stream("r"), [], 0
+    stream, sent, produced = ReplicaStream("r"), [], 0
     for i, count in enumerate(steps):
         tokens = list(range(produced, produced + count))
         produced += count

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from cluster.replica import _Stream
+from cluster.replica_stream import ReplicaStream
 from cluster.stream_chunks import chunk_tokens
 from deploy.config import AppConfig
 from engine.config import MAX_STREAM_INTERVAL, EngineConfig
@@ -23,7 +23,7 @@ def test_chunk_tokens_grow_with_the_streams_past_the_interval():
 def _decode(num_streams: int, num_tokens: int, interval: int, per_step: float | None):
     """num_streams streams decoding one token a step together, chunked as the replica's _on_step
     chunks them; each stream's chunks."""
-    streams = [_Stream(f"r{i}") for i in range(num_streams)]
+    streams = [ReplicaStream(f"r{i}") for i in range(num_streams)]
     sent: list[list[RequestOutput]] = [[] for _ in streams]
     for n in range(1, num_tokens + 1):
         tokens = chunk_tokens(interval, per_step, len(streams))
