@@ -57,9 +57,10 @@ class _Turns:
         return offset
 
 
-def _keyed_by_load(
-    replicas: Sequence[str], loads: LoadTracker, offset: int
-) -> list[tuple[float, int, str]]:
+_Keyed = tuple[float, int, str]  # (load, turn, replica): the least is the choice by load
+
+
+def _keyed_by_load(replicas: Sequence[str], loads: LoadTracker, offset: int) -> list[_Keyed]:
     """(load, turn, replica) of each replica, turn being its position counted from offset.
 
     The least key is the least loaded replica; equally loaded replicas take turns, the first at or
@@ -138,11 +139,7 @@ class PrefixAffinity:
         session = fleet.sessions.replica_of(request.session) if request.session else None
         if not request.block_hashes and adapter is None and session is None:
             return least[2]
-        base = least[0] if self.reference == "least" else sum(k[0] for k in keyed) / len(keyed)
-        ceiling = max(base + self.imbalance_threshold, base * self.imbalance_ratio)
-        # An overloaded holder of the longest run drops out; a shorter run on an acceptable replica
-        # still beats none.
-        eligible = [k for k in keyed if k[0] <= ceiling]
+        eligible = self._within_ceiling(keyed, least)
         # A session's replica holds its context (the longest run its next turn can have): it keeps
         # the turn unless the ceiling drops it, the spill rule of prefix affinity.
         if session is not None and any(k[2] == session for k in eligible):
@@ -153,12 +150,29 @@ class PrefixAffinity:
                 return least[2]
             if not request.block_hashes:
                 return min(eligible)[2]
-        runs = self._runs(request.block_hashes, replicas, fleet)
+        return self._by_prefix(eligible, request.block_hashes, replicas, fleet)
+
+    def _within_ceiling(self, keyed: list[_Keyed], least: _Keyed) -> list[_Keyed]:
+        """The replicas loaded at most the ceiling above the reference load: an overloaded holder
+        of the longest run drops out; a shorter run on an acceptable replica still beats none."""
+        base = least[0] if self.reference == "least" else sum(k[0] for k in keyed) / len(keyed)
+        ceiling = max(base + self.imbalance_threshold, base * self.imbalance_ratio)
+        return [k for k in keyed if k[0] <= ceiling]
+
+    def _by_prefix(
+        self,
+        eligible: list[_Keyed],
+        hashes: Sequence[int],
+        replicas: Sequence[str],
+        fleet: FleetView,
+    ) -> str:
+        """The eligible replica holding the longest run of the prompt, least loaded among equals;
+        a prefix nobody holds goes where the fewest prefixes live, so tenants spread evenly over
+        the fleet's caches instead of following momentary load."""
+        runs = self._runs(hashes, replicas, fleet)
         longest = max(runs[r] for *_, r in eligible)
         if longest >= self.min_match_blocks:
             return min(k for k in eligible if runs[k[2]] == longest)[2]
-        # A prefix nobody holds goes where the fewest prefixes live, so tenants spread evenly over
-        # the fleet's caches instead of following momentary load.
         footprint = fleet.index.footprint
         return min((footprint(k[2]), k) for k in eligible)[1][2]
 

@@ -105,26 +105,34 @@ class RoutingStats:
             raise ValueError(
                 f"routing stats field 'state': expected one of {_STATES}, got {_short(state)}"
             )
-        prefix = None
-        if report.get("prefix_hashes") is not None:
-            base_id = report.get("prefix_base_id")
-            prefix = PrefixReport(
-                _block_hashes(report, "prefix_hashes"),
-                _count(report, "prefix_report_id"),
-                None if base_id is None else _count(report, "prefix_base_id"),
-                _block_hashes(report, "prefix_listed"),
-                _block_hashes(report, "prefix_unlisted"),
-            )
+        prefix = _prefix_report(report)
         tier = None
         if report.get("tier_hashes") is not None:
             tier = _block_hashes(report, "tier_hashes")
-        predicted = None
-        if report.get("predicted_remaining_tokens") is not None:
-            predicted = PredictedLoad(
-                _count(report, "predicted_remaining_tokens"), _count(report, "predicted_requests")
-            )
+        predicted = _predicted_load(report)
         kv = kv_events_from_dict(report) if report.get("kv_batches") is not None else None
         return cls(_scheduler_stats(report), ReplicaState(state), prefix, tier, predicted, kv)
+
+
+def _prefix_report(report: Mapping[str, Any]) -> PrefixReport | None:
+    if report.get("prefix_hashes") is None:
+        return None
+    base_id = report.get("prefix_base_id")
+    return PrefixReport(
+        _block_hashes(report, "prefix_hashes"),
+        _count(report, "prefix_report_id"),
+        None if base_id is None else _count(report, "prefix_base_id"),
+        _block_hashes(report, "prefix_listed"),
+        _block_hashes(report, "prefix_unlisted"),
+    )
+
+
+def _predicted_load(report: Mapping[str, Any]) -> PredictedLoad | None:
+    if report.get("predicted_remaining_tokens") is None:
+        return None
+    return PredictedLoad(
+        _count(report, "predicted_remaining_tokens"), _count(report, "predicted_requests")
+    )
 
 
 _FIELD_TYPES = get_type_hints(SchedulerStats)
