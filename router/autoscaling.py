@@ -380,12 +380,8 @@ def decide(
 
 def _settled(state: AutoscalingState, last_scale_up_s: float | None) -> AutoscalingState:
     """After a change of the count: no wait under way; the load's mean goes on."""
-    return AutoscalingState(
-        last_scale_up_s=last_scale_up_s,
-        mean_load=state.mean_load,
-        mean_load_s=state.mean_load_s,
-        trend=state.trend,
-        asked_load=state.asked_load,
+    return replace(
+        state, up_since_s=None, down_since_s=None, down_to=0, last_scale_up_s=last_scale_up_s
     )
 
 

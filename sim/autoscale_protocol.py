@@ -74,14 +74,15 @@ def pick(rows: Sequence[DayRow], policy: str, target: float) -> Pick | None:
     return max(picks, key=lambda p: p.worst)
 
 
-# The `--shaped-*` flags and the DayWorkloadConfig field each sets.
+# The `--shaped-*` flags: the DayWorkloadConfig field each sets, its default (the 11-28 shaped
+# day) and its help.
 SHAPE_FLAGS = {
-    "shaped_peak_to_trough": "peak_to_trough",
-    "shaped_long_share_peak": "long_share_peak",
-    "shaped_long_share_trough": "long_share_trough",
-    "shaped_burst_at": "burst_at",
-    "shaped_burst_len": "burst_len",
-    "shaped_burst_factor": "burst_factor",
+    "shaped_peak_to_trough": ("peak_to_trough", 4.0, "peak rate / trough rate"),
+    "shaped_long_share_peak": ("long_share_peak", 0.3, "long documents' share at the peak"),
+    "shaped_long_share_trough": ("long_share_trough", 0.3, "...and at the trough"),
+    "shaped_burst_at": ("burst_at", 0.3, "burst start, a fraction of the day"),
+    "shaped_burst_len": ("burst_len", 0.05, "a fraction of the day"),
+    "shaped_burst_factor": ("burst_factor", 1.5, "the rate times this in the burst"),
 }
 
 
@@ -90,7 +91,7 @@ def shape_of(a: argparse.Namespace, k: int) -> dict[str, float]:
     seed, or one per seed (so several shapes are judged in one run)."""
     n = len(a.shaped_seeds or ())
     out = {}
-    for flag, name in SHAPE_FLAGS.items():
+    for flag, (name, _, _) in SHAPE_FLAGS.items():
         values = getattr(a, flag)
         values = values if isinstance(values, list) else [values]
         if len(values) not in (1, n):
@@ -101,17 +102,7 @@ def shape_of(a: argparse.Namespace, k: int) -> dict[str, float]:
 
 def shaped_day(cfg: DayPlanConfig, a: argparse.Namespace, k: int) -> DayPlanConfig:
     """The k-th shaped day: the command line's `--shaped-*` flags over the tuning days' shape."""
-    v = shape_of(a, k)
-    day = replace(
-        cfg.day,
-        seed=a.shaped_seeds[k],
-        peak_to_trough=v["peak_to_trough"],
-        long_share_peak=v["long_share_peak"],
-        long_share_trough=v["long_share_trough"],
-        burst_at=v["burst_at"],
-        burst_len=v["burst_len"],
-        burst_factor=v["burst_factor"],
-    )
+    day = replace(cfg.day, seed=a.shaped_seeds[k], **shape_of(a, k))
     return replace(cfg, day=day, shape=SHAPED)
 
 
@@ -288,26 +279,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shaped-seeds", type=int, nargs="+", help="days of the other shape (--shaped-*) judged on"
     )
     # Each takes one value for every shaped seed, or one per shaped seed.
-    g.add_argument("--shaped-peak-to-trough", type=float, nargs="+", default=[4.0])
-    g.add_argument("--shaped-long-share-peak", type=float, nargs="+", default=[0.3])
-    g.add_argument("--shaped-long-share-trough", type=float, nargs="+", default=[0.3])
-    g.add_argument(
-        "--shaped-burst-at",
-        type=float,
-        nargs="+",
-        default=[0.3],
-        help="burst start, a fraction of the day",
-    )
-    g.add_argument(
-        "--shaped-burst-len", type=float, nargs="+", default=[0.05], help="a fraction of the day"
-    )
-    g.add_argument(
-        "--shaped-burst-factor",
-        type=float,
-        nargs="+",
-        default=[1.5],
-        help="the rate times this in the burst",
-    )
+    for flag, (_, default, text) in SHAPE_FLAGS.items():
+        option = "--" + flag.replace("_", "-")
+        g.add_argument(option, type=float, nargs="+", default=[default], help=text)
 
 
 def cmd_plan_day(a: argparse.Namespace) -> None:
