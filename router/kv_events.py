@@ -208,10 +208,7 @@ class KVIndex:
     def _reset(self, replica: str, snapshot: KVSnapshot) -> bool:
         """replica's entries replaced by the snapshot's; False (out of sync) past its bound."""
         self.remove_replica(replica)
-        held: dict[int, int] = {}
-        for tier, hashes in ((DEVICE, snapshot.device), (CPU, snapshot.cpu), (DISK, snapshot.disk)):
-            for h in hashes:
-                held[h] = held.get(h, 0) | tier
+        held = _tier_bits(snapshot)
         if len(held) > self.max_entries_per_replica:
             self._out_of_sync.add(replica)
             self._broken.add(replica)
@@ -311,3 +308,12 @@ class InFlightPrompts:
         for rid in [rid for rid, (r, _) in self._requests.items() if r == replica]:
             del self._requests[rid]
         self._pinned.pop(replica, None)
+
+
+def _tier_bits(snapshot: KVSnapshot) -> dict[int, int]:
+    """Each hash a snapshot lists -> the tiers (bits) that hold it."""
+    held: dict[int, int] = {}
+    for tier, hashes in ((DEVICE, snapshot.device), (CPU, snapshot.cpu), (DISK, snapshot.disk)):
+        for h in hashes:
+            held[h] = held.get(h, 0) | tier
+    return held
