@@ -18,6 +18,8 @@ from sim.cost import load_profile
 from sim.disagg import DisaggConfig, DisaggSim
 from sim.fleet import FleetSim
 from sim.fleet_config import SIM_MAX_MODEL_LEN, SIM_NUM_GPU_BLOCKS, SimConfig
+from sim.fleet_kv_study import add_arguments as add_agent_arguments
+from sim.fleet_kv_study import cmd_agents
 from sim.kv_copy import LinkConfig
 from sim.plots import plot_rows as _plot
 from sim.workload import SimRequest, WorkloadConfig, load_trace, synthetic_workload
@@ -266,6 +268,11 @@ def command_line() -> argparse.ArgumentParser:
         help="--disagg: prompts shorter than this prefill on a decode replica",
     )
     add_day_arguments(plan)
+    agents = sub.add_parser(
+        "agents",
+        help="an agent trace: today's router, KV events, peer pulls, sessions (sim/fleet_kv.py)",
+    )
+    add_agent_arguments(agents)
     return parser
 
 
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = command_line()
     a = parser.parse_args(argv)
     try:
-        {"run": cmd_run, "plan": cmd_plan}[a.command](a)
+        {"run": cmd_run, "plan": cmd_plan, "agents": cmd_agents}[a.command](a)
     except ValueError as exc:
         parser.exit(2, f"error: {exc}\n")
 

@@ -30,17 +30,37 @@ class SimRequest:
     tenant: str = "default"
     priority: int = 0
     lora_name: str = ""  # its LoRA adapter ("": the base model); see sim/adapters.py
+    # The group's first context_len tokens are those of context_group, which several groups share
+    # (an agent's context, forked: sim/agents.py); "": the group's own tokens throughout.
+    context_group: str = ""
+    context_len: int = 0
+    session: str = ""  # the conversation it belongs to ("": none), routed by router/sessions.py
 
     def prompt_token_ids(self, index: int) -> list[int]:
         """Deterministic token ids: a group's prefix is identical across requests, the rest
         unique."""
         shared = min(self.prefix_len, self.prompt_len) if self.prefix_group else 0
-        group = (hash_group(self.prefix_group) % (1 << 20)) << 20
         suffix_base = (index + 1) << 16
         return [
-            *_shared_prefix(_PREFIX_BASE + group, shared),
+            *self.shared_token_ids(shared),
             *range(suffix_base, suffix_base + self.prompt_len - shared),
         ]
+
+    @property
+    def shared_context_len(self) -> int:
+        """Leading tokens taken from context_group (0: none)."""
+        if not (self.prefix_group and self.context_group):
+            return 0
+        return min(self.context_len, self.prefix_len, self.prompt_len)
+
+    def shared_token_ids(self, shared: int) -> tuple[int, ...]:
+        """The group's first `shared` tokens: the context's, then the group's own."""
+        group = _PREFIX_BASE + ((hash_group(self.prefix_group) % (1 << 20)) << 20)
+        context = min(self.shared_context_len, shared)
+        if not context:
+            return _shared_prefix(group, shared)
+        base = _PREFIX_BASE + ((hash_group(self.context_group) % (1 << 20)) << 20)
+        return _shared_prefix(base, context) + _shared_prefix(group, shared)[context:]
 
 
 @functools.lru_cache(maxsize=8192)
