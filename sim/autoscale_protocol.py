@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from sim import autoscale_plan as plan
 from sim.autoscale_plan import (
@@ -102,7 +103,9 @@ def shape_of(a: argparse.Namespace, k: int) -> dict[str, float]:
 
 def shaped_day(cfg: DayPlanConfig, a: argparse.Namespace, k: int) -> DayPlanConfig:
     """The k-th shaped day: the command line's `--shaped-*` flags over the tuning days' shape."""
-    day = replace(cfg.day, seed=a.shaped_seeds[k], **shape_of(a, k))
+    # Field names as values, from the command line's edge: replace() checks them all again.
+    values: dict[str, Any] = {"seed": a.shaped_seeds[k], **shape_of(a, k)}
+    day = replace(cfg.day, **values)
     return replace(cfg, day=day, shape=SHAPED)
 
 
