@@ -222,17 +222,21 @@ def record_replica(
         )
     for chunk in record.prefill:
         _chunk_span(tracer_, "raylm.prefill", root, chunk, end)
-    decode = record.decode
-    if decode is not None:
-        span_between(
-            tracer_,
-            "raylm.decode",
-            root,
-            decode.start_ns,
-            decode.end_ns or end,
-            **{"raylm.decode.steps": decode.steps, "raylm.decode.tokens": decode.tokens},
-        )
+    if record.decode is not None:
+        _decode_span(tracer_, root, record.decode, end)
     root.end(end_time=max(end, record.arrival_ns))
+
+
+def _decode_span(tracer_: Tracer, parent: Any, decode: Chunk, end_ns: int) -> None:
+    """The request's decode, its steps and tokens counted (still running: up to end_ns)."""
+    span_between(
+        tracer_,
+        "raylm.decode",
+        parent,
+        decode.start_ns,
+        decode.end_ns or end_ns,
+        **{"raylm.decode.steps": decode.steps, "raylm.decode.tokens": decode.tokens},
+    )
 
 
 def _chunk_span(tracer_: Tracer, name: str, parent: Any, chunk: Chunk, end_ns: int) -> None:
