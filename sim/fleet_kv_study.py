@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,12 +113,18 @@ COLUMNS = (
 )
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_header() -> None:
     print("| " + " | ".join(COLUMNS) + " |")
-    print("|" + " --- |" * len(COLUMNS))
-    for r in rows:
-        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS]
-        print("| " + " | ".join(cells) + " |")
+    print("|" + " --- |" * len(COLUMNS), flush=True)
+
+
+def print_row(row: dict[str, Any]) -> None:
+    cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in COLUMNS]
+    print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def print_ratios(rows: list[dict[str, Any]]) -> None:
+    """Per size, TTFT p90 recomputing (events) over pulling (pulls)."""
     for n in dict.fromkeys(r["replicas"] for r in rows):
         by = {r["router"]: r for r in rows if r["replicas"] == n}
         if "events" in by and "pulls" in by and by["pulls"]["ttft_p90_s"] > 0:
@@ -187,10 +194,12 @@ def runs(a: argparse.Namespace) -> list[Run]:
 
 
 def cmd_agents(a: argparse.Namespace) -> None:
+    """The table, a row as each run ends (a 512-replica run takes minutes), then the ratios."""
     todo = runs(a)
-    if a.jobs == 1:
-        rows = [simulate(r) for r in todo]
-    else:
-        with ProcessPoolExecutor(a.jobs) as pool:
-            rows = list(pool.map(simulate, todo))
-    print_table(rows)
+    print_header()
+    rows = []
+    with ProcessPoolExecutor(a.jobs) if a.jobs > 1 else nullcontext() as pool:
+        for row in pool.map(simulate, todo) if pool is not None else map(simulate, todo):
+            print_row(row)
+            rows.append(row)
+    print_ratios(rows)
