@@ -27,6 +27,7 @@ from scheduler import SchedulerConfig
 from settings import check_settings, setting
 from sim.autoscale import (
     AutoscaleConfig,
+    AutoscaleResult,
     AutoscaleSim,
     DayWorkloadConfig,
     LLMSignalsPolicy,
@@ -141,9 +142,8 @@ HEADER = (
 )
 
 
-def replay_day(cfg: DayPlanConfig, kind: str, knob: float, headroom: float) -> DayRow:
-    """The day (cfg.day) replayed with one policy setting in the loop."""
-    policy = cfg.policy(kind, knob, headroom)
+def simulate_day(cfg: DayPlanConfig, policy: Policy) -> tuple[AutoscaleResult, int]:
+    """The day (cfg.day) replayed with a policy in the loop; its result and its request count."""
     workload = day_workload(cfg.day)
     sim = AutoscaleSim(
         SimConfig(
@@ -155,15 +155,20 @@ def replay_day(cfg: DayPlanConfig, kind: str, knob: float, headroom: float) -> D
         policy,
         cfg.loop,
     )
+    return sim.run_day(workload), len(workload)
+
+
+def replay_day(cfg: DayPlanConfig, kind: str, knob: float, headroom: float) -> DayRow:
+    """The day (cfg.day) replayed with one policy setting in the loop."""
     t0 = time.perf_counter()
-    out = sim.run_day(workload)
+    out, requests = simulate_day(cfg, cfg.policy(kind, knob, headroom))
     summary = out.result.summary(cfg.slo.ttft_p90_s, cfg.slo.itl_p90_s)
     return DayRow(
         policy=kind,
         knob=knob,
         headroom=headroom,
         seed=cfg.day.seed,
-        requests=len(workload),
+        requests=requests,
         replica_hours_day=out.replica_hours * REAL_DAY_S / cfg.day.day_s,
         attainment=out.slo_attainment(cfg.slo.ttft_p90_s, cfg.slo.itl_p90_s),
         ttft_p90_s=summary["ttft_p90_s"],
