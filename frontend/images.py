@@ -3,8 +3,9 @@
 Every image a client sends is untrusted: its bounds are checked from what is cheap before what is
 dear. The base64 text's length before it is decoded, the bytes after; the pixel count from the
 header before a pixel is decoded (a 100,000 x 100,000 PNG of a few hundred bytes is refused
-without allocating, whatever PIL's own bomb check would do); PNG metadata chunks are counted
-before PIL inflates them; only an animation's first frame is decoded. Each refusal is an
+without allocating, whatever PIL's own bomb check would do); PNG metadata chunks and JPEG
+metadata segments are counted from their headers (frontend/image_headers.py: a data URL's before
+its base64 is decoded) before PIL inflates or keeps them; only an animation's first frame is decoded. Each refusal is an
 `ImageRefusal`, a ValueError naming the field (`messages[0].content[1].image_url.url`) that the
 served side answers as a 400, with a short reason the metrics count by.
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import binascii
 import io
-import string
 import struct
 import zlib
 from collections.abc import Callable, Collection, Sequence
@@ -24,20 +24,23 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from frontend.image_headers import (
+    BASE64_HEADERS,
+    MAX_METADATA_BYTES,
+    TOO_MUCH_METADATA,
+    Peek,
+    is_base64,
+    metadata_excess,
+    over_base64,
+    over_bytes,
+)
 from settings import check_settings, setting
 
 # What a request may send; the content decides the format, never the URL's media type.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-# Metadata (ICC profiles, text chunks, EXIF) one image may carry, and PNG metadata chunks: PIL
-# inflates each compressed chunk to up to 1 MiB, so their number bounds what they can cost.
-MAX_METADATA_BYTES = 1 << 20
-MAX_PNG_METADATA_CHUNKS = 16
 # The longest `data:<media type>;<parameters>,` head a data URL may have.
 MAX_DATA_URL_HEAD = 256
-_BASE64_ALPHABET = (string.ascii_letters + string.digits + "+/").encode()
 _BASE64_PIECE = 256 << 10  # characters, a multiple of 4: a piece decodes in a few ms
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_PNG_METADATA = {b"tEXt", b"zTXt", b"iTXt", b"iCCP", b"eXIf"}
 # Exceptions PIL's decoders raise on a broken file (struct and zlib errors escape some plugins).
 _BROKEN = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error, IndexError)
 # (width, height) -> the tokens the served model spends on an image of that size (its engine's
@@ -152,8 +155,8 @@ def image_bytes(
 
 
 def data_url_bytes(url: str, field: str, max_bytes: int) -> bytes:
-    """The bytes of `data:image/<type>;base64,<data>`: the text's length is checked before the
-    base64 is decoded, the bytes after."""
+    """The bytes of `data:image/<type>;base64,<data>`: the text's length and the file's metadata
+    headers are checked before the base64 is decoded, the bytes after."""
     comma = url.find(",", 0, MAX_DATA_URL_HEAD)  # no copy of the payload before its check
     media = url[5 : max(comma, 5)].lower().split(";")
     if comma < 0 or not media[0].startswith("image/") or "base64" not in media[1:]:
@@ -163,7 +166,12 @@ def data_url_bytes(url: str, field: str, max_bytes: int) -> bytes:
     size = len(url) - comma - 1
     if size > 4 * -(-max_bytes // 3):
         raise ImageRefusal("bytes", _too_large(field, f"~{size * 3 // 4}", max_bytes))
-    raw = _b64decode(url[comma + 1 :], field)
+    text = _ascii(url[comma + 1 :])
+    try:
+        _refuse_metadata(over_base64(text), field, BASE64_HEADERS)
+    except binascii.Error:
+        raise ImageRefusal("base64", f"{field}: the data URL's base64 is invalid") from None
+    raw = _b64decode(text, field)
     if not raw:
         raise ImageRefusal("format", f"{field}: the image is empty")
     if len(raw) > max_bytes:
@@ -171,16 +179,18 @@ def data_url_bytes(url: str, field: str, max_bytes: int) -> bytes:
     return raw
 
 
-def _b64decode(text: str, field: str) -> bytes:
-    """Strict base64: the alphabet checked in one C pass (bytes.translate), then decoded in
-    pieces. binascii holds the GIL while it decodes: in pieces of a few milliseconds each, the
-    ingress's event loop (its streams) runs between them, as it cannot during one 4 MB call."""
+def _ascii(text: str) -> bytes:
     try:
-        data = text.encode("ascii")
+        return text.encode("ascii")
     except UnicodeEncodeError:
-        data = b"!"  # not base64
-    body = data.rstrip(b"=")
-    if len(data) % 4 or len(data) - len(body) > 2 or body.translate(None, _BASE64_ALPHABET):
+        return b"!"  # not base64
+
+
+def _b64decode(data: bytes, field: str) -> bytes:
+    """Strict base64 (`is_base64`), decoded in pieces. binascii holds the GIL while it decodes:
+    in pieces of a few milliseconds each, the ingress's event loop (its streams) runs between
+    them, as it cannot during one 4 MB call."""
+    if not is_base64(data):
         raise ImageRefusal("base64", f"{field}: the data URL's base64 is invalid")
     try:
         pieces = range(0, len(data), _BASE64_PIECE)
@@ -195,7 +205,7 @@ def _too_large(field: str, size: str, max_bytes: int) -> str:
 
 def open_image(raw: bytes, field: str, limits: ImageLimits) -> Image.Image:
     """The image, its header read and its pixel count and metadata checked; no pixel decoded."""
-    _check_png_metadata(raw, field)
+    _refuse_metadata(over_bytes(raw), field)
     try:
         im = Image.open(io.BytesIO(raw), formats=FORMATS)
     except UnidentifiedImageError:
@@ -212,9 +222,7 @@ def open_image(raw: bytes, field: str, limits: ImageLimits) -> Image.Image:
         )
     if _metadata_bytes(im) > MAX_METADATA_BYTES:
         im.close()
-        raise ImageRefusal(
-            "metadata", f"{field}: the image carries more than {MAX_METADATA_BYTES} metadata bytes"
-        )
+        raise ImageRefusal("metadata", f"{field}: {TOO_MUCH_METADATA}")
     return im
 
 
@@ -243,21 +251,12 @@ def _metadata_bytes(im: Image.Image) -> int:
     return sum(len(v) for v in values if isinstance(v, (bytes, str)))
 
 
-def _check_png_metadata(raw: bytes, field: str) -> None:
-    """A PNG's metadata chunks (before the pixels and after: PIL reads both) counted from their
-    headers, before PIL inflates any of them."""
-    if not raw.startswith(_PNG_SIGNATURE):
-        return
-    count, offset = 0, len(_PNG_SIGNATURE)
-    while offset + 8 <= len(raw):
-        length, kind = struct.unpack_from(">I4s", raw, offset)
-        count += kind in _PNG_METADATA
-        if count > MAX_PNG_METADATA_CHUNKS:
-            raise ImageRefusal(
-                "metadata",
-                f"{field}: the PNG has more than {MAX_PNG_METADATA_CHUNKS} metadata chunks",
-            )
-        offset += 12 + length
+def _refuse_metadata(peek: Peek, field: str, max_headers: int | None = None) -> None:
+    """Metadata bounds read from the headers (frontend/image_headers.py), before PIL inflates or
+    keeps any of it."""
+    excess = metadata_excess(peek, max_headers)
+    if excess is not None:
+        raise ImageRefusal("metadata", f"{field}: {excess}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
+from frontend.image_headers import MAX_PNG_METADATA_CHUNKS
 from frontend.images import (
-    MAX_PNG_METADATA_CHUNKS,
     ImageInput,
     ImageLimits,
     ImageRefusal,
