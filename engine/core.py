@@ -150,6 +150,7 @@ class EngineCore:
         # being updated from (scheduler/features_async.py); pipeline stages: `depth` in flight.
         self.pipeline = StepPipeline(self.executor) if overlap or depth > 1 else None
         self._depth = max(depth, 2)
+        self._post_early = depth > 1  # micro-batches: the next one posted before step() returns
         # What the length probe's features come from: a state file of other features is not read.
         features = f"{config.model}|{config.quantization}|projection seed {PROJECTION_SEED}"
         self.length_state = open_length_state(self.scheduler, features)
@@ -323,19 +324,29 @@ class EngineCore:
         queue = self._in_flight
         if not queue:
             queue.append(self._launch(pipeline, self._schedule()))
-        while len(queue) < self._depth and self.scheduler.has_unfinished_requests():
-            if self.weights.holds_launch():
-                break
-            queue.append(self._launch(pipeline, self._schedule()))
-            if queue[-1][0].is_empty:  # every request that can run is in a step in flight
-                break
+        self._fill(pipeline)
         scheduler_output, future = queue.popleft()
         try:
             runner_output = future.result()
         except BaseException as exc:
             self.failure = exc  # as in a synchronous step; the pipeline runs no later step
             raise
-        return self._update(scheduler_output, runner_output)
+        outputs = self._update(scheduler_output, runner_output)
+        if self._post_early:
+            # Stage 0 is free once it handed its micro-batch on: the requests just updated go
+            # back to it now, not after the caller has handled their outputs.
+            self._fill(pipeline)
+        return outputs
+
+    def _fill(self, pipeline: StepPipeline) -> None:
+        """Launch steps until `_depth` are in flight or nothing more can run."""
+        queue = self._in_flight
+        while len(queue) < self._depth and self.scheduler.has_unfinished_requests():
+            if self.weights.holds_launch():
+                break
+            queue.append(self._launch(pipeline, self._schedule()))
+            if queue[-1][0].is_empty:  # every request that can run is in a step in flight
+                break
 
     def _schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
