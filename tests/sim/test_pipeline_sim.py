@@ -1,15 +1,25 @@
 """Pipeline stages in the simulator's cost model: a stage's share of the costs, the bubble of one
-step in flight (1 - 1/N idle), micro-batches that close it (up to the hand-offs), and shapes out
-of range refused naming the field."""
+step in flight (1 - 1/N idle), micro-batches that close it (up to the hand-offs), a TP group's
+all-reduces (a ring over NVLink, over the NIC once it spans nodes), and shapes out of range
+refused naming the field."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from sim.cost import load_profile
-from sim.pipeline import PipelineShape, llama_405b_stage_node, stage_cost, steady_decode
+from sim.pipeline import (
+    PipelineShape,
+    TensorParallel,
+    llama_405b,
+    llama_405b_stage_node,
+    llama_405b_tp,
+    stage_cost,
+    steady_decode,
+)
 
 CPU = load_profile("cpu")
 
@@ -85,3 +95,102 @@ def test_stages_out_of_range_are_refused(bad):
 def test_micro_batches_out_of_range_are_refused(bad):
     with pytest.raises(ValueError, match="micro_batches"):
         steady_decode(CPU, PipelineShape(2), 16, 512, bad)
+
+
+# ---- tensor parallelism's all-reduces -------------------------------------------------------
+def test_an_all_reduce_is_a_ring_of_2_p_minus_1_steps_over_nvlink_inside_a_node():
+    tp = TensorParallel(8, 126, 32768, nvlink_bytes_per_s=400e9, nvlink_latency_s=2e-6)
+    # 16 tokens of 32 KiB: each of the 14 steps moves 1/8 of 512 KiB over every link at once.
+    assert tp.all_reduce_s(16) == pytest.approx(14 * (2e-6 + 16 * 32768 / 8 / 400e9))
+    assert not tp.spans_nodes
+
+
+def test_the_bytes_term_scales_with_the_tokens_and_the_latency_term_does_not():
+    tp = TensorParallel(8, 126, 32768, nvlink_latency_s=0.0)
+    assert tp.all_reduce_s(64) == pytest.approx(4 * tp.all_reduce_s(16))
+    latency_only = TensorParallel(8, 126, 0.0)
+    assert latency_only.all_reduce_s(256) == latency_only.all_reduce_s(1) == 14 * 1e-6
+
+
+def test_the_nic_paces_the_ring_only_when_the_group_spans_nodes():
+    inside, across = TensorParallel(8, 10, 4096), TensorParallel(16, 10, 4096)
+    slow_nic = {"nic_bytes_per_s": 1e6, "nic_latency_s": 1.0}
+    assert replace(inside, **slow_nic).all_reduce_s(32) == inside.all_reduce_s(32)
+    assert replace(across, **slow_nic).all_reduce_s(32) > 100 * across.all_reduce_s(32)
+    slow_nvlink = {"nvlink_bytes_per_s": 1e6, "nvlink_latency_s": 1.0}
+    assert replace(across, **slow_nvlink).all_reduce_s(32) == across.all_reduce_s(32)
+    assert across.all_reduce_s(32) == pytest.approx(30 * (10e-6 + 32 * 4096 / 16 / 50e9))
+    # Nodes of 16: the same 16 ranks fit one node and stay on NVLink.
+    assert not replace(across, ranks_per_node=16).spans_nodes
+
+
+def test_one_rank_pays_no_all_reduce_and_a_stage_pays_two_per_layer_it_holds():
+    assert TensorParallel(1, 126, 32768).all_reduce_s(64) == 0.0
+    tp = TensorParallel(8, 126, 32768)
+    plain = steady_decode(CPU, PipelineShape(2), 16, 512, 2)
+    with_tp = steady_decode(CPU, PipelineShape(2), 16, 512, 2, tp)
+    # Two micro-batches of 8 per round on each stage; a stage holds 63 layers.
+    assert with_tp.round_s - plain.round_s == pytest.approx(2 * 2 * 63 * tp.all_reduce_s(8))
+
+
+def test_tp16_across_two_nodes_loses_to_tp8_by_pp2_on_a_10_us_nic():
+    """The study's reading (docs/pipeline.md): 252 all-reduces a step, each 30 ring steps paced by
+    the NIC, cost TP=16 more than the bubble-free pipeline's second stage does."""
+    for batch in (16, 64, 256):
+        tp16 = steady_decode(llama_405b(16), PipelineShape(1), batch, 1024, 1, llama_405b_tp(16))
+        pp = steady_decode(
+            llama_405b(8), PipelineShape(2, 65536, 50e9, 10e-6), batch, 1024, 2, llama_405b_tp(8)
+        )
+        assert pp.tokens_per_s > 1.9 * tp16.tokens_per_s
+        assert llama_405b_tp(16).step_s(batch, 1) > 0.5 * tp16.round_s
+
+
+def test_past_eight_ranks_the_kv_heads_are_held_twice():
+    assert llama_405b(16).kv_bytes_per_token == 2 * llama_405b(8).kv_bytes_per_token
+
+
+TP_FIGURES = [
+    "hidden_bytes_per_token",
+    "nvlink_bytes_per_s",
+    "nvlink_latency_s",
+    "nic_bytes_per_s",
+    "nic_latency_s",
+]
+
+
+@pytest.mark.parametrize("bad", [-1, math.nan, math.inf, 1e308 * 10, True, "2"])
+@pytest.mark.parametrize("field", TP_FIGURES)
+def test_a_tp_figure_out_of_range_is_refused_naming_it(field, bad):
+    with pytest.raises(ValueError, match=field):
+        TensorParallel(8, 126, **{"hidden_bytes_per_token": 32768.0, field: bad})
+
+
+@pytest.mark.parametrize("field", ["nvlink_bytes_per_s", "nic_bytes_per_s"])
+def test_a_link_without_bandwidth_is_refused(field):
+    with pytest.raises(ValueError, match=field):
+        TensorParallel(16, 126, 32768, **{field: 0})
+
+
+@pytest.mark.parametrize("field", TP_FIGURES)
+def test_a_huge_finite_tp_figure_keeps_the_arithmetic_finite(field):
+    tp = TensorParallel(16, 126, **{"hidden_bytes_per_token": 32768.0, field: 2**64})
+    assert math.isfinite(steady_decode(CPU, PipelineShape(2), 16, 512, 2, tp).round_s)
+
+
+@pytest.mark.parametrize("bad", [2**64, -1, 1025, True, 2.0, math.nan])
+@pytest.mark.parametrize("field", ["ranks", "ranks_per_node"])
+def test_ranks_out_of_range_are_refused(field, bad):
+    with pytest.raises(ValueError, match=field):
+        TensorParallel(**{field: bad})
+
+
+@pytest.mark.parametrize("bad", [2**64, -1, 4097, True, 1.0])
+def test_layers_out_of_range_are_refused(bad):
+    with pytest.raises(ValueError, match="layers"):
+        TensorParallel(8, bad)
+
+
+@pytest.mark.parametrize("bad", [2**64, -1, 0, True])
+def test_a_405b_profile_over_a_gpu_count_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="gpus"):
+        llama_405b(bad)
