@@ -34,8 +34,9 @@ from workers.layers.quantized import AnyWeight
 from workers.models.gemma import Gemma3ForCausalLM, GemmaModel, GemmaRMSNorm
 from workers.models.image_splice import ImageSplice
 from workers.models.llava import load_beside_text, renamed
+from workers.models.vision_family import config_image_token_id, refuse_pipeline_stages
 from workers.models.vision_tower import VisionTower
-from workers.pipeline import current_stage, run_stage
+from workers.pipeline import run_stage
 
 # Checkpoint prefixes, transformers 5's layout and the hub's older one, to ours.
 _RENAMES = (
@@ -107,11 +108,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         super().__init__(config.get_text_config(), max_model_len)
-        if current_stage().size > 1:
-            raise ValueError(
-                "pipeline_parallel_size: Gemma 3 splices image embeddings on the first stage; "
-                "pipeline stages are not supported for it yet"
-            )
+        refuse_pipeline_stages("Gemma 3")
         vision = config.vision_config
         self.multi_modal_projector = Gemma3Projector(config)  # checks the tower's shape first
         self.vision_tower = VisionTower(vision, [-1])
@@ -124,8 +121,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     @classmethod
     def image_token_id(cls, hf_config: PretrainedConfig) -> int:
         """`<image_soft_token>`: the sender writes one per image, the engine repeats it."""
-        token = getattr(hf_config, "image_token_id", None)
-        return int(token if token is not None else hf_config.image_token_index)
+        return config_image_token_id(hf_config)
 
     @classmethod
     def num_image_tokens(cls, hf_config: PretrainedConfig, arrays: dict[str, np.ndarray]) -> int:

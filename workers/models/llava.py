@@ -22,8 +22,8 @@ from transformers.activations import ACT2FN
 from workers.layers.quantized import AnyWeight, float_only
 from workers.models.image_splice import ImageSplice
 from workers.models.llama import LlamaForCausalLM, _copy_plain
+from workers.models.vision_family import config_image_token_id, refuse_pipeline_stages
 from workers.models.vision_tower import VisionTower, has_class_token
-from workers.pipeline import current_stage
 
 # Checkpoint prefixes, old (llava-hf) and new (transformers 5) layouts, to ours.
 _RENAMES = (
@@ -57,11 +57,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         super().__init__(config.get_text_config(), max_model_len)
-        if current_stage().size > 1:
-            raise ValueError(
-                "pipeline_parallel_size: LLaVA splices image embeddings on the first stage; "
-                "pipeline stages are not supported for it yet"
-            )
+        refuse_pipeline_stages("LLaVA")
         self.strategy = config.vision_feature_select_strategy
         if self.strategy not in _STRATEGIES:
             raise ValueError(
@@ -79,8 +75,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     # ---- what the engine asks of a vision family (engine/multimodal.VisionFamily) -------------
     @classmethod
     def image_token_id(cls, hf_config: PretrainedConfig) -> int:
-        token = getattr(hf_config, "image_token_id", None)
-        return int(token if token is not None else hf_config.image_token_index)
+        return config_image_token_id(hf_config)
 
     @classmethod
     def num_image_tokens(cls, hf_config: PretrainedConfig, arrays: dict[str, np.ndarray]) -> int:

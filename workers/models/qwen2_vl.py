@@ -22,7 +22,8 @@ from workers.layers.quantized import AnyWeight
 from workers.models.image_splice import ImageSplice
 from workers.models.llama import Qwen2ForCausalLM
 from workers.models.qwen2_vl_vision import Qwen2_5_VisionTransformer
-from workers.pipeline import current_stage, run_stage
+from workers.models.vision_family import config_image_token_id, refuse_pipeline_stages
+from workers.pipeline import run_stage
 
 # Checkpoint prefixes: the hub's layout (what transformers saves) and transformers' in-memory one.
 _VISION_PREFIXES = ("visual.", "model.visual.")
@@ -38,11 +39,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None) -> None:
         super().__init__(config.get_text_config(), max_model_len)
-        if current_stage().size > 1:
-            raise ValueError(
-                "pipeline_parallel_size: Qwen2.5-VL splices image embeddings on the first stage; "
-                "pipeline stages are not supported for it yet"
-            )
+        refuse_pipeline_stages("Qwen2.5-VL")
         a = self.args
         section = a.rope_parameters.get("mrope_section")
         mrope = MRotaryEmbedding(a.head_dim, a.max_position, a.rope_parameters, section)
@@ -58,7 +55,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     # ---- what the engine asks of a vision family (engine/multimodal.py VisionFamily) ----------
     @classmethod
     def image_token_id(cls, hf_config: PretrainedConfig) -> int:
-        return int(hf_config.image_token_id)
+        return config_image_token_id(hf_config)
 
     @classmethod
     def num_image_tokens(cls, hf_config: PretrainedConfig, arrays: dict[str, np.ndarray]) -> int:
