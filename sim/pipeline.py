@@ -206,11 +206,19 @@ NODE_LINK = dict(
 
 
 def llama_405b_tp(
-    ranks: int, nic_bytes_per_s: float = NIC_BYTES_PER_S, nic_latency_s: float = NIC_LATENCY_S
+    ranks: int,
+    nic_bytes_per_s: float = NIC_BYTES_PER_S,
+    nic_latency_s: float = NIC_LATENCY_S,
+    ranks_per_node: int = GPUS_PER_NODE,
 ) -> TensorParallel:
     """The 405B-class model's all-reduces over `ranks` ranks (bf16 hidden states of 16,384)."""
     return TensorParallel(
-        ranks, 126, 16384 * 2, nic_bytes_per_s=nic_bytes_per_s, nic_latency_s=nic_latency_s
+        ranks,
+        126,
+        16384 * 2,
+        ranks_per_node,
+        nic_bytes_per_s=nic_bytes_per_s,
+        nic_latency_s=nic_latency_s,
     )
 
 
@@ -237,14 +245,17 @@ def study_rows(
 
 
 def tp16_study_rows(
-    batches: list[int], nic_bytes_per_s: float, nic_latency_s: float = NIC_LATENCY_S
+    batches: list[int],
+    nic_bytes_per_s: float,
+    nic_latency_s: float = NIC_LATENCY_S,
+    ranks_per_node: int = GPUS_PER_NODE,
 ) -> list[str]:
     """One line per batch: TP=16 across two nodes (one step in flight) against TP=8 x PP=2 (a
     micro-batch per stage): step time, its all-reduces, throughput. 16 GPUs either way; the NIC
     figures are the TP ring's inter-node step's and the stages' hand-off's."""
     rows = []
     link = {**NODE_LINK, "link_latency_s": nic_latency_s}
-    tp16 = llama_405b_tp(16, nic_bytes_per_s, nic_latency_s)
+    tp16 = llama_405b_tp(16, nic_bytes_per_s, nic_latency_s, ranks_per_node)
     tp8 = llama_405b_tp(8, nic_bytes_per_s, nic_latency_s)
     for batch in batches:
         one = steady_decode(llama_405b(16), PipelineShape(1), batch, 1024, 1, tp16)
@@ -275,6 +286,12 @@ def print_tp16_study(batches: list[int], nic_latency_s: float) -> None:
         print(TP16_HEADER)
         for row in tp16_study_rows(batches, nics * NIC_BYTES_PER_S, nic_latency_s):
             print(row)
+    print(
+        "The same 16 GPUs in one NVLink domain (TP=16's ring on NVLink; the stages' hop on the NIC)"
+    )
+    print(TP16_HEADER)
+    for row in tp16_study_rows(batches, NIC_BYTES_PER_S, nic_latency_s, ranks_per_node=16):
+        print(row)
 
 
 TP16_HEADER = (
