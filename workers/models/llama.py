@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.backends.cpu_driver import decode_driver
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
@@ -256,6 +257,9 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        driver = decode_driver(self, meta)
+        if driver is not None:  # a CPU decode step on int8 GGUF layers: one C++ call
+            return driver(self.embed_tokens(input_ids), positions, meta)
         return run_stage(self.layers, self.embed_tokens, self.norm, input_ids, positions, meta)
 
 
