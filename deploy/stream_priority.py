@@ -16,6 +16,8 @@ import logging
 import os
 from pathlib import Path
 
+from workers.process import renice_threads
+
 logger = logging.getLogger(__name__)
 
 PROXY_TITLE = b"ray::ProxyActor"  # the process title Ray gives Serve's proxy actor
@@ -40,20 +42,15 @@ def node_proxies(raylet_pid: int, proc: Path = Path("/proc")) -> list[int]:
 
 
 def set_process_niceness(pid: int, nice: int, proc: Path = Path("/proc")) -> bool:
-    """Every thread of process pid at `nice` (Linux keeps a nice value per thread; threads it starts
-    later inherit their creator's). False when the process is gone or may not be changed."""
+    """Every thread of process pid at `nice` (workers/process.py); False when the process is gone
+    or may not be changed."""
     try:
-        thread_ids = [int(tid) for tid in os.listdir(proc / str(pid) / "task")]
-    except OSError:
+        renice_threads(pid, nice, proc)
+    except PermissionError:
+        logger.warning("Serve proxy %d: cannot set nice %d (needs CAP_SYS_NICE)", pid, nice)
         return False
-    for tid in thread_ids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-        except PermissionError:
-            logger.warning("Serve proxy %d: cannot set nice %d (needs CAP_SYS_NICE)", pid, nice)
-            return False
+    except OSError:  # gone meanwhile
+        return False
     return True
 
 
