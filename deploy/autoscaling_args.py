@@ -46,6 +46,23 @@ class AutoscalingArgs(AutoscalingPolicyConfig):
     def serve_config(self, model: str) -> dict[str, Any] | AutoscalingConfig:
         """Serve's autoscaling_config: the `llm` policy's hysteresis is its own (Serve's delays
         0), and Serve builds the policy once from these settings."""
+        common = self._common()
+        if self.policy == "ongoing_requests":
+            return {
+                **common,
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+            }
+        policy = self._llm(model)
+        with warnings.catch_warnings():  # Serve marks metrics_interval_s deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return AutoscalingConfig(
+                **common, upscale_delay_s=0.0, downscale_delay_s=0.0, policy=policy
+            )
+
+    def _common(self) -> dict[str, Any]:
+        """The settings Serve reads under either policy."""
         common: dict[str, Any] = {
             "min_replicas": self.min_replicas,
             "max_replicas": self.max_replicas,
@@ -54,24 +71,15 @@ class AutoscalingArgs(AutoscalingPolicyConfig):
         }
         if self.initial_replicas is not None:
             common["initial_replicas"] = self.initial_replicas
-        if self.policy == "ongoing_requests":
-            return {
-                **common,
-                "target_ongoing_requests": self.target_ongoing_requests,
-                "upscale_delay_s": self.upscale_delay_s,
-                "downscale_delay_s": self.downscale_delay_s,
-            }
+        return common
+
+    def _llm(self, model: str) -> AutoscalingPolicy:
+        """The `llm` policy (cluster/autoscaling_policy.py) with its own settings. Built here, it
+        pickles the policy class; from a plain dict Serve's validation would skip that."""
         kwargs = {
             "model": model,
             **{f.name: getattr(self, f.name) for f in fields(AutoscalingPolicyConfig)},
             "slo": asdict(self.slo),
             "targets": asdict(self.targets),
         }
-        # An AutoscalingPolicy built here pickles the policy class; from a plain dict Serve's
-        # validation would skip that.
-        policy = AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs=kwargs)
-        with warnings.catch_warnings():  # Serve marks metrics_interval_s deprecated
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return AutoscalingConfig(
-                **common, upscale_delay_s=0.0, downscale_delay_s=0.0, policy=policy
-            )
+        return AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs=kwargs)

@@ -120,34 +120,44 @@ class BrowserPolicy:
 
     def refusal(self, method: str, headers: Headers, path: str = "") -> APIError | None:
         """Why this request may not reach a route (None: it may)."""
+        return (
+            self._host_refusal(headers)
+            or self._origin_refusal(headers)
+            or _media_type_refusal(method, headers, path)
+        )
+
+    def _host_refusal(self, headers: Headers) -> APIError | None:
         host = headers.get("host")
         # Every HTTP/1.1 request, and every browser's, names its host; one without is no page's.
-        if self.check_host and host is not None and not self._host_allowed(host):
-            return PermissionDeniedError(
-                "Host: this server answers requests without a key only for loopback names and "
-                "its allowed_hosts setting.",
-                code="host_not_allowed",
-            )
+        if not self.check_host or host is None or self._host_allowed(host):
+            return None
+        return PermissionDeniedError(
+            "Host: this server answers requests without a key only for loopback names and "
+            "its allowed_hosts setting.",
+            code="host_not_allowed",
+        )
+
+    def _origin_refusal(self, headers: Headers) -> APIError | None:
         origin = headers.get("origin")
-        if origin is not None and origin.lower() not in self.allowed_origins:
-            return PermissionDeniedError(
-                "Origin: cross-origin browser requests are refused (the allowed_origins setting "
-                "opens the server to an origin).",
-                code="origin_not_allowed",
-            )
-        if (
-            method in _BODY_METHODS
-            and _media_type(headers) != JSON_TYPE
-            and not _upload(path, headers)
-        ):
-            return UnsupportedMediaTypeError(
-                f"Content-Type: request bodies must be {JSON_TYPE}.",
-                code="unsupported_media_type",
-            )
-        return None
+        if origin is None or origin.lower() in self.allowed_origins:
+            return None
+        return PermissionDeniedError(
+            "Origin: cross-origin browser requests are refused (the allowed_origins setting "
+            "opens the server to an origin).",
+            code="origin_not_allowed",
+        )
 
     def _host_allowed(self, host: str) -> bool:
         return is_loopback(host) or _host_name(host) in self.allowed_hosts
+
+
+def _media_type_refusal(method: str, headers: Headers, path: str) -> APIError | None:
+    """A body that is not JSON (a file upload's multipart form aside)."""
+    if method not in _BODY_METHODS or _media_type(headers) == JSON_TYPE or _upload(path, headers):
+        return None
+    return UnsupportedMediaTypeError(
+        f"Content-Type: request bodies must be {JSON_TYPE}.", code="unsupported_media_type"
+    )
 
 
 def _media_type(headers: Headers) -> str:

@@ -174,12 +174,28 @@ class ChoiceBuilder:
     def _choice(
         self, index: int, p: int, i: int, prompt: list[int], max_tokens: int, hashes: list
     ) -> Choice:
-        m, body = self.m, self.body
+        m = self.m
+        return Choice(
+            index,
+            p,
+            self._engine_request(index, i, prompt, max_tokens, hashes),
+            m.frontend,
+            m.metrics,
+            m.config.max_migrations,
+            prefill=m.prefill,
+            trace=current_span(),  # the request's span when sampled (deploy/tracing.py)
+        )
+
+    def _engine_request(
+        self, index: int, i: int, prompt: list[int], max_tokens: int, hashes: list
+    ) -> EngineRequest:
+        """The engine's request of choice i of this prompt (index: among all the choices)."""
+        body = self.body
         params = body.sampling_params(
             max_tokens, self.prompts.logprobs, self.prompts.constraint, i, self.bad_words
         )
-        params.check_vocab(m.frontend.info.vocab_size)
-        request = EngineRequest(
+        params.check_vocab(self.m.frontend.info.vocab_size)
+        return EngineRequest(
             request_id=f"{self.base_id}-{index}",
             prompt_token_ids=prompt,
             sampling_params=params,
@@ -190,14 +206,4 @@ class ChoiceBuilder:
             lora_name=self.lora,
             cache_salt=self.salt,
             images=self.prompts.images,
-        )
-        return Choice(
-            index,
-            p,
-            request,
-            m.frontend,
-            m.metrics,
-            m.config.max_migrations,
-            prefill=m.prefill,
-            trace=current_span(),  # the request's span when sampled (deploy/tracing.py)
         )

@@ -58,7 +58,7 @@ from deploy.models import Caller, ModelTable, ServedModel
 from deploy.reply_format import ReplyFormat, answer
 from deploy.schemas import ChatCompletionRequest
 from deploy.tenants import TenantLimiter
-from deploy.tools import DeclaredTools
+from deploy.tools import DeclaredTools, ToolSpec
 from deploy.tracing import current, ended_with, start_request
 from router.sessions import SESSION_HEADER, request_session
 from scheduler.structured_output import StructuredOutput
@@ -122,10 +122,14 @@ class RequestPath:
         if caller.profile is not None and hasattr(body, "priority"):  # /tokenize has none
             body.priority = max(body.priority, caller.profile.max_priority)
         if hasattr(body, "session_id"):  # the generating routes (router/sessions.py)
-            header = request.headers.get(SESSION_HEADER)
-            user, from_user = getattr(body, "user", None), self.config.session_from_user
-            body.session_id = request_session(body.session_id, header, user, from_user)
+            body.session_id = self._session(request, body)
         return model, body
+
+    def _session(self, request: Request, body: Any) -> str | None:
+        """The request's session: its body's, its header's, or its user's (session_from_user)."""
+        header = request.headers.get(SESSION_HEADER)
+        user, from_user = getattr(body, "user", None), self.config.session_from_user
+        return request_session(body.session_id, header, user, from_user)
 
     def _authorize(self, request: Request) -> Caller:
         """The caller by its key (a 401 when no model takes it)."""
@@ -187,14 +191,7 @@ class RequestPath:
         self._check_fanout(m, 1, chat.n)
         tools = declared_tools(chat)
         constraint = await self._check(m, chat_constraint(m, chat, tools))
-        messages, tool_args, num_chars = chat_messages(m, chat, tools)
-        images, image_tokens = await load_chat_images(m.name, m.vision, m.metrics, chat)
-        encode = functools.partial(
-            m.frontend.encode_chat, tools=tool_args, options=chat.chat_options()
-        )
-        prompt = await self._tokenize(m, encode, messages, num_chars, "messages", CHAT_CHARS)
-        if chat.truncate_prompt_tokens is not None:
-            prompt = prompt[-chat.truncate_prompt_tokens :]
+        prompt, images, image_tokens = await self._chat_prompt(m, chat, tools)
         opened = m.reasoning.opened_by(prompt) if m.reasoning is not None else None
         constraint = after_reasoning(m, constraint, opened)
         asked = Prompts(
@@ -204,6 +201,21 @@ class RequestPath:
         gen.tools = DeclaredTools.of(tools, m.tool_format) if tools else None
         gen.opened = opened
         return gen
+
+    async def _chat_prompt(
+        self, m: ServedModel, chat: ChatCompletionRequest, tools: list[ToolSpec]
+    ) -> tuple[list[int], tuple[Any, ...], int]:
+        """The chat's messages rendered by the model's template and tokenized (off the event
+        loop), cut to truncate_prompt_tokens; its images, loaded, and their tokens."""
+        messages, tool_args, num_chars = chat_messages(m, chat, tools)
+        images, image_tokens = await load_chat_images(m.name, m.vision, m.metrics, chat)
+        encode = functools.partial(
+            m.frontend.encode_chat, tools=tool_args, options=chat.chat_options()
+        )
+        prompt = await self._tokenize(m, encode, messages, num_chars, "messages", CHAT_CHARS)
+        if chat.truncate_prompt_tokens is not None:
+            prompt = prompt[-chat.truncate_prompt_tokens :]
+        return prompt, images, image_tokens
 
     async def _answer_chat(
         self,

@@ -336,16 +336,7 @@ class ResponsesRequest(_Strict):
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": item.chat_content()})
             elif isinstance(item, FunctionCallItem):
-                call = {
-                    "id": item.call_id,
-                    "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
-                }
-                last = out[-1] if out else None
-                if last is not None and last["role"] == "assistant":
-                    last.setdefault("tool_calls", []).append(call)
-                else:
-                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                _add_call(out, item)
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         if not out:
@@ -369,18 +360,7 @@ class ResponsesRequest(_Strict):
     def _tool_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         if self.tools:
-            fields["tools"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": t.name,
-                        "description": t.description or "",
-                        "parameters": t.parameters or {},
-                        "strict": t.strict,
-                    },
-                }
-                for t in self.tools
-            ]
+            fields["tools"] = [_chat_tool(t) for t in self.tools]
         choice = self.tool_choice
         if isinstance(choice, NamedFunction):
             fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
@@ -418,6 +398,33 @@ _NAMES = (
     ("messages", "input"),
     ("top_logprobs", "top_logprobs"),
 )
+
+
+def _add_call(out: list[dict[str, Any]], item: FunctionCallItem) -> None:
+    """A function call as a tool call of the assistant's turn (its last turn, or a new one)."""
+    call = {
+        "id": item.call_id,
+        "type": "function",
+        "function": {"name": item.name, "arguments": item.arguments},
+    }
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
+    """A Responses function tool as a chat completion's tool."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description or "",
+            "parameters": tool.parameters or {},
+            "strict": tool.strict,
+        },
+    }
 
 
 def _rename(name: str | None) -> str | None:
