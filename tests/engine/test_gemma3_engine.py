@@ -2,7 +2,8 @@
 checkpoint with its real processor, a sliding window of 8 shorter than every prompt): one engine
 in steps of 10 tokens and 4 image tokens (an image never cut, one image a step) with the prefix
 cache in blocks of 4 gives transformers' greedy tokens for prompts with 0, 1 and 3 images in one
-batch, again from the prefix and encoder caches, and for a chat with image parts."""
+batch, again from the prefix and encoder caches, and for a chat with image parts; a second engine
+over a pool too small for its batch preempts and still gives transformers' tokens."""
 
 from __future__ import annotations
 
@@ -85,6 +86,28 @@ def test_greedy_tokens_match_hf_for_0_1_3_images_chunked_in_a_batch(gemma3, llm)
     for (text, images), out in zip(cases, outs):
         assert len(out.prompt_token_ids) > 10  # prefilled over several steps
         assert out.token_ids == gemma3.greedy(text, images), (text, len(images))
+
+
+def test_a_pool_too_small_for_the_batch_preempts_and_still_gives_hf_tokens(gemma3):
+    """Two prompts of one image (22 tokens each) prefilled in one step over 14 blocks of 4
+    tokens, no prefix cache: by their 29th token they need 16 blocks, so one is preempted and
+    recomputed (its image encoded again, never cut); a prompt of three images waits its turn.
+    Each gives transformers' tokens."""
+    cases = [(ONE, [random_image(10)]), (ONE, [random_image(11)])]
+    cases.append((THREE, [random_image(20), random_image(21), random_image(22)]))
+    small = {
+        **ENGINE,
+        "num_gpu_blocks": 14,
+        "max_model_len": 56,
+        "max_num_batched_tokens": 48,
+        "max_num_encoder_tokens": 12,
+        "enable_prefix_caching": False,
+    }
+    with LLM(model=gemma3.path, device="cpu", load_progress=False, **small) as llm:
+        outs = llm.generate([prompt(gemma3, t, i) for t, i in cases], GREEDY, use_tqdm=False)
+        assert llm.engine.stats().num_preemptions > 0
+    for (text, images), out in zip(cases, outs):
+        assert out.token_ids == gemma3.greedy(text, images), len(images)
 
 
 def test_a_second_turn_reads_every_image_from_the_prefix_cache_with_identical_tokens(gemma3, llm):
