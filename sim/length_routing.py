@@ -90,23 +90,7 @@ def figures(result: SimResult) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sim.length_routing", description=__doc__)
-    parser.add_argument("--replicas", type=int, nargs="+", default=[4])
-    parser.add_argument("--load", type=float, default=0.8)
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--profile", default="cpu")
-    parser.add_argument("--set", default="sim/traces/length_eval.jsonl")
-    parser.add_argument("--policy", default="least_loaded")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--per-request", type=int, default=128, help="predicted_tokens_per_request")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--synthetic",
-        action="store_true",
-        help="sim/length_study.py's synthetic workload (outputs 2-1,536 tokens) instead of --set",
-    )
-    parser.add_argument("--signals", nargs="+", default=list(SIGNALS), choices=SIGNALS)
-    a = parser.parse_args(argv)
+    a = _parser().parse_args(argv)
     rows = load_set(a.set)
     max_tokens = MAX_TOKENS if a.synthetic else SET_MAX_TOKENS
 
@@ -125,23 +109,51 @@ def main(argv: list[str] | None = None) -> None:
     for n in a.replicas:
         wl = make(a.requests, a.load * cap * n, a.seed)
         for signal in a.signals:
-            f = figures(
-                run(
-                    signal,
-                    wl,
-                    n,
-                    a.profile,
-                    a.policy,
-                    max_num_seqs=a.max_num_seqs,
-                    per_request=a.per_request,
-                    max_tokens=max_tokens,
-                )
-            )
-            print(
-                f"| {n} | {signal} | {f['e2e_mean_s']:.2f} | {f['e2e_p99_s']:.2f} |"
-                f" {f['ttft_p90_s']:.2f} | {f['served_max_min']:.2f} | {f['busy_max_min']:.2f} |",
-                flush=True,
-            )
+            _print_row(n, signal, figures(_run_fleet(a, signal, wl, n, max_tokens)))
+
+
+def _run_fleet(
+    a: argparse.Namespace, signal: str, workload: list[SimRequest], replicas: int, max_tokens: int
+) -> SimResult:
+    """run() with the command line's fleet settings."""
+    return run(
+        signal,
+        workload,
+        replicas,
+        a.profile,
+        a.policy,
+        max_num_seqs=a.max_num_seqs,
+        per_request=a.per_request,
+        max_tokens=max_tokens,
+    )
+
+
+def _print_row(replicas: int, signal: str, f: dict[str, float]) -> None:
+    print(
+        f"| {replicas} | {signal} | {f['e2e_mean_s']:.2f} | {f['e2e_p99_s']:.2f} |"
+        f" {f['ttft_p90_s']:.2f} | {f['served_max_min']:.2f} | {f['busy_max_min']:.2f} |",
+        flush=True,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sim.length_routing", description=__doc__)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[4])
+    parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--profile", default="cpu")
+    parser.add_argument("--set", default="sim/traces/length_eval.jsonl")
+    parser.add_argument("--policy", default="least_loaded")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--per-request", type=int, default=128, help="predicted_tokens_per_request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="sim/length_study.py's synthetic workload (outputs 2-1,536 tokens) instead of --set",
+    )
+    parser.add_argument("--signals", nargs="+", default=list(SIGNALS), choices=SIGNALS)
+    return parser
 
 
 if __name__ == "__main__":
