@@ -51,7 +51,7 @@ class SimRequest:
         """Leading tokens taken from context_group (0: none)."""
         if not (self.prefix_group and self.context_group):
             return 0
-        return min(self.context_len, self.prefix_len, self.prompt_len)
+        return max(0, min(self.context_len, self.prefix_len, self.prompt_len))
 
     def shared_token_ids(self, shared: int) -> tuple[int, ...]:
         """The group's first `shared` tokens: the context's, then the group's own."""

@@ -187,6 +187,19 @@ def test_agent_workload_shares_contexts_and_turns() -> None:
                 assert tokens[a.request_id][n] != tokens[b.request_id][n]
 
 
+@pytest.mark.parametrize("context_len", [2**64, -1, 10**30])
+def test_a_context_length_out_of_range_is_clamped(context_len: int) -> None:
+    """A request's context never reaches past its shared prefix nor below nothing."""
+    base = SimRequest("r", 0.0, 64, 1, "g", 48, context_group="c", context_len=32)
+    req = SimRequest("r", 0.0, 64, 1, "g", 48, context_group="c", context_len=context_len)
+    assert req.shared_context_len == (0 if context_len < 0 else 48)
+    tokens = req.prompt_token_ids(0)
+    assert len(tokens) == 64
+    assert tokens[48:] == base.prompt_token_ids(0)[48:]  # the unique suffix
+    if context_len < 0:  # the group's own tokens throughout
+        assert tokens[:48] == SimRequest("r", 0.0, 64, 1, "g", 48).prompt_token_ids(0)[:48]
+
+
 @pytest.mark.parametrize("bad", [2**64, -1, math.nan, 10**30])
 @pytest.mark.parametrize(
     "name",
