@@ -74,25 +74,7 @@ class ChatOptions:
                 "continue_final_message: needs add_generation_prompt false (the last message is "
                 "continued, no new turn is opened)"
             )
-        kwargs = self.template_kwargs
-        if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS:
-            raise ValueError(
-                f"chat_template_kwargs: must be an object of at most {MAX_TEMPLATE_KWARGS} names"
-            )
-        for name in kwargs:
-            if not isinstance(name, str) or not _KWARG_NAME.fullmatch(name):
-                raise ValueError("chat_template_kwargs: names must be identifiers of 1-64 chars")
-            if name in _RESERVED:
-                raise ValueError(f"chat_template_kwargs: {name} is set by the server")
-        try:
-            size = len(json.dumps(kwargs, allow_nan=False))
-        except (ValueError, TypeError, RecursionError):
-            raise ValueError("chat_template_kwargs: values must be finite JSON") from None
-        if size > MAX_TEMPLATE_KWARGS_BYTES:
-            raise ValueError(
-                f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON, "
-                f"got {size}"
-            )
+        _check_template_kwargs(self.template_kwargs)
 
     def check(self, messages: Sequence[dict[str, Any]], controls: Sequence[str]) -> None:
         """ValueError unless these messages can be rendered with these options."""
@@ -103,6 +85,28 @@ class ChatOptions:
         for where, text in _strings("chat_template_kwargs", self.template_kwargs):
             if _holds_control(text, controls):
                 raise ValueError(f"{where}: must not contain a control token of the chat template")
+
+
+def _check_template_kwargs(kwargs: Any) -> None:
+    """chat_template_kwargs: a bounded object of identifiers the server does not set, whose
+    values are finite JSON."""
+    if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(
+            f"chat_template_kwargs: must be an object of at most {MAX_TEMPLATE_KWARGS} names"
+        )
+    for name in kwargs:
+        if not isinstance(name, str) or not _KWARG_NAME.fullmatch(name):
+            raise ValueError("chat_template_kwargs: names must be identifiers of 1-64 chars")
+        if name in _RESERVED:
+            raise ValueError(f"chat_template_kwargs: {name} is set by the server")
+    try:
+        size = len(json.dumps(kwargs, allow_nan=False))
+    except (ValueError, TypeError, RecursionError):
+        raise ValueError("chat_template_kwargs: values must be finite JSON") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ValueError(
+            f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON, got {size}"
+        )
 
 
 DEFAULT_CHAT = ChatOptions()
@@ -142,8 +146,24 @@ def _encode_piecewise(
 ) -> list[int]:
     """Render with a placeholder for each message's content, then encode the template's text with
     its control tokens and each content as plain text (control texts split into ordinary tokens)."""
-    nonce = uuid.uuid4().hex
     contents: dict[str, str] = {}
+    rendered = render(_marked_messages(messages, contents), tools)
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, contents)) + ")", rendered):
+        if piece in contents:
+            text = contents[piece]
+            ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
+
+
+def _marked_messages(
+    messages: Sequence[dict[str, Any]], contents: dict[str, str]
+) -> list[dict[str, Any]]:
+    """The messages with each content replaced by a mark no text holds (a nonce's), recorded in
+    contents."""
+    nonce = uuid.uuid4().hex
     placed = []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -154,15 +174,7 @@ def _encode_piecewise(
         elif isinstance(content, list):  # content parts: each text part is content too
             message = {**message, "content": _marked_parts(content, f"{nonce}-{i}", contents)}
         placed.append(message)
-    rendered = render(placed, tools)
-    ids: list[int] = []
-    for piece in re.split("(" + "|".join(map(re.escape, contents)) + ")", rendered):
-        if piece in contents:
-            text = contents[piece]
-            ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-        elif piece:
-            ids += tokenizer.encode(piece, add_special_tokens=False)
-    return ids
+    return placed
 
 
 def _marked_parts(parts: list[Any], prefix: str, contents: dict[str, str]) -> list[Any]:

@@ -107,15 +107,10 @@ class ReasoningSplitter:
         text, self._held = self._held + delta, ""
         reasoning = ""
         if self.state == "start":
-            stripped = text.lstrip(_WHITESPACE)
-            if stripped.startswith(self.fmt.start):
-                self.state, self.opened = "reasoning", True
-                text = stripped[len(self.fmt.start) :]
-            elif not stripped or self.fmt.start.startswith(stripped):
-                self._held = text  # may still become the start marker
+            past = self._past_start(text)
+            if past is None:
                 return "", ""
-            else:
-                self.state = "reasoning" if self.opened else "content"
+            text = past
         if self.state == "reasoning":
             end = text.find(self.fmt.end)
             if end < 0:
@@ -128,6 +123,19 @@ class ReasoningSplitter:
             text = text.lstrip(_WHITESPACE)
             self._strip = not text
         return reasoning, text
+
+    def _past_start(self, text: str) -> str | None:
+        """The text after the start marker (all of it when the reply has none), the state set to
+        where it stands; None: held back, since it may still become the marker."""
+        stripped = text.lstrip(_WHITESPACE)
+        if stripped.startswith(self.fmt.start):
+            self.state, self.opened = "reasoning", True
+            return stripped[len(self.fmt.start) :]
+        if not stripped or self.fmt.start.startswith(stripped):
+            self._held = text
+            return None
+        self.state = "reasoning" if self.opened else "content"
+        return text
 
     def finish(self) -> tuple[str, str]:
         """What is held back, at the end of the reply."""
