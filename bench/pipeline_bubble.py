@@ -12,6 +12,15 @@ Micro-batching off is the engine with one step in flight (engine.core.micro_batc
 1: a bench's switch, not a setting). Both runs share the machine's load; compare them within one
 invocation.
 
+Beside the idle fraction, each rank's busy milliseconds and thread CPU milliseconds per step, and
+the idle the stages' imbalance alone forces on it (1 - its CPU time / the busiest stage's): with
+a step in flight per stage the busiest stage sets the pace, so a lighter stage idles at least
+that much whatever the engine does. CPU time, because on a shared machine a busy span also holds
+the time a rank waited for a core (a blocked receive spends none). From the same figures, the
+pipeline_layer_split that would even the stages out. The engine's turnaround is timed in the
+engine process: from a step's output collected to the next step posted (update and schedule
+between).
+
     python bench/pipeline_bubble.py [--model default] [--stages 2] [--requests 16]
         [--prompt-len 32] [--steps 48] [--threads 1] [--quantization auto] [--split 19,11]
         [--micro-batches both|on|off]
@@ -20,7 +29,9 @@ invocation.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 class StageClock:
     """One rank's step spans and the seconds it waited inside each."""
 
-    spans: list[tuple[float, float, float]] = field(default_factory=list)  # (start, end, waited)
+    # (start, end, waited, thread CPU seconds)
+    spans: list[tuple[float, float, float, float]] = field(default_factory=list)
     waited: float = 0.0
     since: float = 0.0  # spans that started before the last reset are not measured
 
@@ -61,9 +73,9 @@ def install(runner: Any) -> int:
     step = runner.execute_model
 
     def timed_step(out: Any) -> Any:
-        _CLOCK.waited, t0 = 0.0, time.perf_counter()
+        _CLOCK.waited, t0, cpu = 0.0, time.perf_counter(), time.thread_time()
         result = step(out)
-        _CLOCK.spans.append((t0, time.perf_counter(), _CLOCK.waited))
+        _CLOCK.spans.append((t0, time.perf_counter(), _CLOCK.waited, time.thread_time() - cpu))
         return result
 
     runner.execute_model = timed_step
@@ -75,15 +87,75 @@ def reset(runner: Any) -> None:
     _CLOCK.since = time.perf_counter()
 
 
-def read(runner: Any) -> list[tuple[float, float, float]]:
+def read(runner: Any) -> list[tuple[float, float, float, float]]:
     return [span for span in _CLOCK.spans if span[0] >= _CLOCK.since]
 
 
-def idle_fraction(spans: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """(idle fraction over the window, mean step span in seconds)."""
+def stage_layers(runner: Any) -> int:
+    """In a rank's process: the decoder layers its stage holds."""
+    from workers.pipeline import current_stage
+
+    stage = current_stage()
+    assert stage.end is not None  # fixed before the model was built
+    return stage.end - stage.start
+
+
+def suggested_split(busy_s: list[float], layers: list[int]) -> tuple[list[int], float, float]:
+    """Layers per stage that would even out the stages' busy (CPU) times, with a layer costing
+    what one of stage 0's does (it holds layers and an embedding lookup) and the last stage's
+    surplus being its LM head and sampling. Also returns (a layer's seconds, the surplus's)."""
+    per_layer = busy_s[0] / layers[0]
+    head = max(0.0, busy_s[-1] - per_layer * layers[-1])
+    n, total = len(layers), sum(layers)
+    target = (total * per_layer + head) / n
+    last = min(max(1, round((target - head) / per_layer)), total - (n - 1))
+    base, extra = divmod(total - last, n - 1)
+    return [base + (i < extra) for i in range(n - 1)] + [last], per_layer, head
+
+
+@dataclass(frozen=True, slots=True)
+class StageFigures:
+    idle: float  # fraction of the window
+    step_s: float  # the window / its steps
+    busy_s: float  # mean per step: the span less its waits for other stages
+    cpu_s: float  # mean thread CPU time per step
+
+
+def stage_figures(spans: list[tuple[float, float, float, float]]) -> StageFigures:
     window = spans[-1][1] - spans[0][0]
-    busy = sum(end - start - waited for start, end, waited in spans)
-    return 1 - busy / window, window / len(spans)
+    busy = sum(end - start - waited for start, end, waited, _ in spans)
+    cpu = sum(span[3] for span in spans)
+    n = len(spans)
+    return StageFigures(1 - busy / window, window / n, busy / n, cpu / n)
+
+
+class Turnaround:
+    """In the engine process: each collected step's end, each posted step's start."""
+
+    def __init__(self, executor: Any) -> None:
+        self.collected: list[float] = []
+        self.posted: list[float] = []
+        collect, post = executor.collect_step, executor.post_step
+
+        def timed_collect() -> Any:
+            result = collect()
+            self.collected.append(time.perf_counter())
+            return result
+
+        def timed_post(out: Any) -> None:
+            self.posted.append(time.perf_counter())
+            post(out)
+
+        executor.collect_step, executor.post_step = timed_collect, timed_post
+
+    def median_s(self) -> float:
+        """Median of: a step collected -> the first post after it."""
+        gaps = []
+        for done in self.collected:
+            later = [p for p in self.posted if p > done]
+            if later:
+                gaps.append(later[0] - done)
+        return statistics.median(gaps) if gaps else math.nan
 
 
 def measure(args: argparse.Namespace, micro_batched: bool) -> None:
@@ -106,6 +178,7 @@ def measure(args: argparse.Namespace, micro_batched: bool) -> None:
         max_model_len=args.prompt_len + args.steps + 32,
     )
     core = llm.engine
+    load_before = os.getloadavg()[0]
     try:
         pids = core.executor.call_ranks(install)
         params = SamplingParams(max_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
@@ -115,6 +188,7 @@ def measure(args: argparse.Namespace, micro_batched: bool) -> None:
         for _ in range(4 * args.stages):  # the prefills and the first decodes
             core.step()
         core.executor.call_ranks(reset)
+        turnaround = Turnaround(core.executor)
         depth = args.stages if micro_batched else 1
         # An engine step runs one micro-batch (1/depth of the requests): depth x the steps makes
         # the same number of tokens in both runs.
@@ -123,15 +197,30 @@ def measure(args: argparse.Namespace, micro_batched: bool) -> None:
             tokens += sum(len(out.new_token_ids) for out in core.step())
         wall = time.perf_counter() - t0
         spans = core.executor.call_ranks(read)
+        layers = core.executor.call_ranks(stage_layers)
     finally:
         llm.shutdown()
     steps = args.steps * depth
     print(f"micro_batches={depth}: {steps} engine steps, {tokens} tokens in {wall:.3f}s")
     print(f"  {tokens / wall:.1f} tokens/s, {wall / steps * 1e3:.1f} ms per engine step")
-    print("  rank stage pid    idle_fraction  mean_step_ms")
-    for rank, (pid, rank_spans) in enumerate(zip(pids, spans, strict=True)):
-        idle, step_s = idle_fraction(rank_spans)
-        print(f"  {rank:4d} {rank:5d} {pid:6d} {idle:14.3f} {step_s * 1e3:13.1f}")
+    print(
+        f"  engine turnaround (collected -> next posted) median {turnaround.median_s() * 1e3:.2f} "
+        f"ms; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
+    figures = [stage_figures(rank_spans) for rank_spans in spans]
+    busiest = max(f.cpu_s for f in figures)
+    print("  rank stage pid    idle_fraction  mean_step_ms  busy_ms  cpu_ms  imbalance_idle")
+    for rank, (pid, f) in enumerate(zip(pids, figures, strict=True)):
+        print(
+            f"  {rank:4d} {rank:5d} {pid:6d} {f.idle:14.3f} {f.step_s * 1e3:13.1f} "
+            f"{f.busy_s * 1e3:8.1f} {f.cpu_s * 1e3:7.1f} {1 - f.cpu_s / busiest:15.3f}"
+        )
+    split, per_layer, head = suggested_split([f.cpu_s for f in figures], layers)
+    print(
+        f"  layers {','.join(map(str, layers))}: a layer {per_layer * 1e3:.2f} ms, the last "
+        f"stage's head and sampling {head * 1e3:.1f} ms (CPU); even at --split "
+        f"{','.join(map(str, split))}"
+    )
 
 
 def main() -> None:
