@@ -5,6 +5,7 @@ load ceiling. Also the agent workload, and the bounds of the new settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import defaultdict
@@ -102,6 +103,19 @@ def test_pulls_never_compute_more_prefill_than_recomputing(runs: dict[str, Ran])
     assert pulls.loaded_blocks() > 0
     assert pulls.prefill_tokens() < recompute.prefill_tokens()
     assert recompute.pulls.planned == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_pulls_compute_less_on_other_seeds(seed: int) -> None:
+    workload = agent_workload(dataclasses.replace(AGENTS, seed=seed))
+    computed = []
+    for pulls in (False, True):
+        config = SimConfig(num_replicas=4, scheduler=SCHED, routing=_routing(pulls))
+        sim = KVFleetSim(config, CPU, FleetKVConfig())
+        assert sim.run(workload).summary()["requests"] == len(workload)
+        assert (sim.pulls.pulled > 0) == pulls
+        computed.append(sim.prefill_tokens())
+    assert computed[1] < computed[0]
 
 
 def test_runs_are_deterministic(runs: dict[str, Ran]) -> None:
