@@ -52,15 +52,7 @@ class ModelInfo:
         model_dir = resolve_model(model, cache_dir)
         # A vision-language model's facts are its language model's (LlavaConfig.text_config).
         config = AutoConfig.from_pretrained(model_dir).get_text_config()
-        sources: list[Any] = [config]
-        try:
-            sources.append(GenerationConfig.from_pretrained(model_dir))
-        except OSError:
-            pass  # no generation_config.json
-        found: list[object] = []  # an id, a list of ids, or None, as each source declares it
-        for source in sources:
-            ids = getattr(source, "eos_token_id", None)
-            found.extend(ids if isinstance(ids, (list, tuple)) else [ids])
+        found = _configs_eos(model_dir, config)
         tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_dir)
         found.append(tokenizer.eos_token_id)
         return cls(
@@ -70,6 +62,21 @@ class ModelInfo:
             eos_token_ids=tuple(sorted({i for i in found if isinstance(i, int)})),
             context_limit=context_limit_of(config),
         )
+
+
+def _configs_eos(model_dir: str, config: Any) -> list[object]:
+    """The end-of-turn ids the model's config and generation config declare: each an id, a list
+    of ids, or None."""
+    sources: list[Any] = [config]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_dir))
+    except OSError:
+        pass  # no generation_config.json
+    found: list[object] = []
+    for source in sources:
+        ids = getattr(source, "eos_token_id", None)
+        found.extend(ids if isinstance(ids, (list, tuple)) else [ids])
+    return found
 
 
 class Frontend:
