@@ -72,13 +72,18 @@ class CostModel:
         ) / self.bytes_per_s
         t = self.step_overhead_s + self.per_seq_overhead_s * num_seqs + max(compute, memory)
         if prefill_tokens:
-            t += (
-                self.prefill_step_overhead_s
-                + self.prefill_step_per_seq_s * num_seqs
-                + self.per_prefill_seq_overhead_s * (num_seqs - decode_tokens)
-                + self.prefill_pair_s * prefill_pairs
-            )
+            t += self._prefill_overhead(num_seqs, num_seqs - decode_tokens, prefill_pairs)
         return t
+
+    def _prefill_overhead(self, num_seqs: int, prefilling: int, prefill_pairs: int) -> float:
+        """What a step that prefills costs beyond the same step decoding: per step, per
+        scheduled and per prefilling sequence, and per attention pair."""
+        return (
+            self.prefill_step_overhead_s
+            + self.prefill_step_per_seq_s * num_seqs
+            + self.per_prefill_seq_overhead_s * prefilling
+            + self.prefill_pair_s * prefill_pairs
+        )
 
     def decode_steps(
         self,
@@ -115,15 +120,7 @@ class CostModel:
 def load_profile(name_or_path: str) -> CostModel:
     """A profile by name (sim/profiles/<name>.json) or path; unknown keys raise ValueError naming
     them."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = PROFILE_DIR / f"{name_or_path}.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"profile {str(path)!r}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"profile {str(path)!r}: expected a JSON object")
+    data = _read_profile(name_or_path)
     known = {f.name for f in fields(CostModel)}
     for key in data:
         if key not in known:
@@ -138,3 +135,17 @@ def load_profile(name_or_path: str) -> CostModel:
         k: (float(v) if k not in ("name", "source") else v) for k, v in data.items()
     }
     return CostModel(**values)
+
+
+def _read_profile(name_or_path: str) -> dict[str, Any]:
+    """The JSON object of a profile by name (sim/profiles/<name>.json) or path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"profile {str(path)!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"profile {str(path)!r}: expected a JSON object")
+    return data
