@@ -35,6 +35,22 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
+    _add_workload_arguments(p)
+    _add_fleet_arguments(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
+    p.add_argument("--slo-itl", type=float, default=0.5, help="seconds")
+    p.add_argument(
+        "--until",
+        type=float,
+        default=math.inf,
+        help="stop at this simulated second; requests still in flight are left out",
+    )
+    p.add_argument("--plot", help="PNG path")
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The device profile and the workload: a trace, or the synthetic one's shape."""
     p.add_argument(
         "--profile", default="cpu", help="profile name under sim/profiles or a JSON path"
     )
@@ -46,6 +62,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-prompt-len", type=int, default=256)
     p.add_argument("--question-len", type=_range, default=(16, 16), help="LO,HI tokens")
     p.add_argument("--output-len", type=_range, default=(16, 16), help="LO,HI tokens")
+
+
+def _add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """Each replica's scheduler (the production defaults) and the router."""
     p.add_argument("--router", choices=POLICIES, nargs="+", default=["prefix_affinity"])
     p.add_argument("--policy", choices=QUEUE_POLICIES, default=_SCHEDULER.policy)
     p.add_argument("--blocks", type=int, default=SIM_NUM_GPU_BLOCKS, help="KV blocks per replica")
@@ -58,16 +78,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=_SIM.stats_delay_s,
         help="seconds a replica's report takes to reach the router",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
-    p.add_argument("--slo-itl", type=float, default=0.5, help="seconds")
-    p.add_argument(
-        "--until",
-        type=float,
-        default=math.inf,
-        help="stop at this simulated second; requests still in flight are left out",
-    )
-    p.add_argument("--plot", help="PNG path")
 
 
 def _workload(a: argparse.Namespace) -> list[SimRequest]:
@@ -95,20 +105,7 @@ def _simulate(
     split: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """One fleet's figures; split (prefill, decode): a disaggregated fleet of that many replicas."""
-    sched = SchedulerConfig(
-        num_gpu_blocks=a.blocks,
-        block_size=a.block_size,
-        max_num_seqs=a.max_num_seqs,
-        policy=a.policy,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=min(SIM_MAX_MODEL_LEN, a.blocks * a.block_size),
-    )
-    cfg = SimConfig(
-        num_replicas=replicas,
-        scheduler=sched,
-        stats_delay_s=a.stats_delay,
-        routing=RoutingConfig(router_policy=router, seed=a.seed),
-    )
+    cfg = _sim_config(a, replicas, router)
     t0 = time.perf_counter()
     cost = load_profile(a.profile)
     if split is None:
@@ -126,6 +123,24 @@ def _simulate(
         sim_per_wall=row["sim_end_s"] / wall if wall else 0,
     )
     return row
+
+
+def _sim_config(a: argparse.Namespace, replicas: int, router: str) -> SimConfig:
+    """The fleet the command line describes: its replicas' scheduler and its router."""
+    sched = SchedulerConfig(
+        num_gpu_blocks=a.blocks,
+        block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs,
+        policy=a.policy,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=min(SIM_MAX_MODEL_LEN, a.blocks * a.block_size),
+    )
+    return SimConfig(
+        num_replicas=replicas,
+        scheduler=sched,
+        stats_delay_s=a.stats_delay,
+        routing=RoutingConfig(router_policy=router, seed=a.seed),
+    )
 
 
 _COLUMNS = (
@@ -171,6 +186,16 @@ def _smallest(ok: Callable[[int], bool], hi: int, lo: int = 0) -> int:
     return hi
 
 
+def _doubling(ok: Callable[[int], bool], limit: int) -> int | None:
+    """The first of 1, 2, 4, ... (the last capped at limit) with ok(n); None if not even limit."""
+    n = 1
+    while not ok(n):
+        if n >= limit:
+            return None
+        n = min(n * 2, limit)
+    return n
+
+
 def _plan_disagg(a: argparse.Namespace, workload: list[SimRequest]) -> None:
     """Smallest prefill and decode pools meeting the SLOs: double both until (k, k) meets them,
     then the fewest decode replicas beside k prefill ones, then the fewest prefill replicas."""
@@ -181,13 +206,11 @@ def _plan_disagg(a: argparse.Namespace, workload: list[SimRequest]) -> None:
         rows.append(row)
         return row["ttft_p90_s"] <= a.slo_ttft and row["itl_p90_s"] <= a.slo_itl
 
-    k = 1
-    while not ok((k, k)):
-        if k >= a.max_replicas:
-            _print_table(rows)
-            print(f"no fleet of <= {a.max_replicas} + {a.max_replicas} replicas meets the SLOs")
-            return
-        k = min(k * 2, a.max_replicas)
+    k = _doubling(lambda n: ok((n, n)), a.max_replicas)
+    if k is None:
+        _print_table(rows)
+        print(f"no fleet of <= {a.max_replicas} + {a.max_replicas} replicas meets the SLOs")
+        return
     decode = _smallest(lambda d: ok((k, d)), k)
     prefill = _smallest(lambda p: ok((p, decode)), k)
     _print_table(rows)
@@ -215,13 +238,11 @@ def cmd_plan(a: argparse.Namespace) -> None:
         rows.append(row)
         return row["ttft_p90_s"] <= a.slo_ttft and row["itl_p90_s"] <= a.slo_itl
 
-    hi = 1
-    while not ok(hi):
-        if hi >= a.max_replicas:
-            _print_table(rows)
-            print(f"no fleet of <= {a.max_replicas} replicas meets the SLOs")
-            return
-        hi = min(hi * 2, a.max_replicas)
+    hi = _doubling(ok, a.max_replicas)
+    if hi is None:
+        _print_table(rows)
+        print(f"no fleet of <= {a.max_replicas} replicas meets the SLOs")
+        return
     hi = _smallest(ok, hi, hi // 2)  # hi // 2 is known to fail (or 0)
     rows.sort(key=lambda r: r["replicas"])
     _print_table(rows)
@@ -244,6 +265,17 @@ def command_line() -> argparse.ArgumentParser:
     )
     _add_common(plan)
     plan.add_argument("--max-replicas", type=int, default=4096)
+    _add_disagg_arguments(plan)
+    add_day_arguments(plan)
+    agents = sub.add_parser(
+        "agents",
+        help="an agent trace: today's router, KV events, peer pulls, sessions (sim/fleet_kv.py)",
+    )
+    add_agent_arguments(agents)
+    return parser
+
+
+def _add_disagg_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--disagg",
         action="store_true",
@@ -267,13 +299,6 @@ def command_line() -> argparse.ArgumentParser:
         default=0,
         help="--disagg: prompts shorter than this prefill on a decode replica",
     )
-    add_day_arguments(plan)
-    agents = sub.add_parser(
-        "agents",
-        help="an agent trace: today's router, KV events, peer pulls, sessions (sim/fleet_kv.py)",
-    )
-    add_agent_arguments(agents)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
