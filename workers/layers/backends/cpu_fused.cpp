@@ -4,6 +4,8 @@
 // every op torch runs in it, so in float32 rotary and the cache write are bit for bit the torch path,
 // RMSNorm differs only by the order of its sum (accumulated in double here) and SiLU by its exp.
 // Built with -ffp-contract=off, so no product and sum are fused into one rounding torch does not do.
+#include "cpu_math.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -40,24 +42,9 @@ inline BFloat16 narrow<BFloat16>(float x) { return BFloat16(x); }  // round to n
 template <typename T>
 inline float round_to(float x) { return widen(narrow<T>(x)); }
 
-// exp(x) within about 2 ulp of std::exp on [-87, 88], 0 below and +inf above; plain arithmetic, so
-// the loops that call it vectorise (std::exp stays one scalar call per element).
+// exp(x) within about 2 ulp of std::exp on [-87, 88], 0 below and +inf above.
 inline float exp_approx(float x) {
-  const float xc = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
-  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-6f;  // x - n ln2, two parts
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 127]
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const float y = p * scale;
+  const float y = raylm_cpu::exp_clamped(std::min(std::max(x, -87.0f), 88.0f));
   return x > 88.0f ? std::numeric_limits<float>::infinity() : (x < -87.0f ? 0.0f : y);
 }
 

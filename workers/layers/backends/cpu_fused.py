@@ -24,7 +24,9 @@ import torch
 
 from workers.layers.backends.cpu_build import build_ops
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_fused.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCE = os.path.join(_HERE, "cpu_fused.cpp")
+_HEADER = os.path.join(_HERE, "cpu_math.h")
 
 
 @functools.cache
@@ -38,6 +40,7 @@ def load() -> Any | None:
         probe="write_kv",
         what="CPU fused layer ops",
         fallback="norms, activation, rotary and cache writes run as torch ops",
+        headers=[_HEADER],
         # No fused multiply-add: each product and sum rounds as torch's separate ops round.
         flags=["-ffp-contract=off"],
     )

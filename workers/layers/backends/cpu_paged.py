@@ -25,7 +25,9 @@ from workers.layers.backends.cpu_build import build_ops
 HEAD_SIZES = (32, 64, 96, 128, 256)  # compiled in; others keep the gather + SDPA path
 DTYPES = (torch.float32, torch.bfloat16)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCE = os.path.join(_HERE, "paged_decode.cpp")
+_HEADER = os.path.join(_HERE, "cpu_math.h")
 
 
 @functools.cache
@@ -38,6 +40,7 @@ def load() -> Callable[..., None] | None:
         probe="paged_decode",
         what="CPU paged-decode kernel",
         fallback="decode attention gathers blocks instead",
+        headers=[_HEADER],
     )
     return None if ops is None else ops.paged_decode
 

@@ -1,5 +1,7 @@
 // Paged decode attention on CPU: reads K/V through the block table (see cpu_paged.py, which builds it).
 // Registered as torch.ops.raylm.paged_decode.
+#include "cpu_math.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -36,25 +38,9 @@ inline float dot(const float* q, const T* k) {
   return acc[0];
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp of std::exp; plain arithmetic,
-// so the compiler vectorises the loop that calls it (std::exp stays a scalar call per score).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // exp(-87) is near FLT_MIN; lower scores weigh nothing at float precision
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-6f;  // x - n ln2, two parts
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+// exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp of std::exp.
+// exp(-87) is near FLT_MIN; lower scores weigh nothing at float precision.
+inline float exp_nonpositive(float x) { return raylm_cpu::exp_clamped(std::max(x, -87.0f)); }
 
 inline float sum(const float* x, int64_t n) {
   float acc[kLanes] = {0.f};
