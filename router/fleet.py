@@ -16,7 +16,7 @@ from router.circuit_breaker import CircuitBreaker
 from router.config import RoutingConfig
 from router.kv_events import InFlightPrompts, KVIndex, TierRun
 from router.loads import LoadTracker
-from router.peer_pull import PeerPull, plan_pull
+from router.peer_pull import PeerPull, PullsInFlight, plan_pull
 from router.policies import RouteRequest, make_policy
 from router.prefix_index import DEFAULT_REPLICA_BLOCKS, PrefixIndex
 from router.sessions import SessionTable
@@ -29,10 +29,12 @@ MAX_RECENT_ROUTES = 65_536
 @dataclass(frozen=True, slots=True)
 class Route:
     """A request's ranking (best first) and, with peer_pulls on, the pull its first replica is to
-    make (router/peer_pull.py)."""
+    make (router/peer_pull.py); joined: a pull already in flight to that replica, which the
+    request waits for rather than moving its blocks again."""
 
     ranking: list[str]
     pull: PeerPull | None = None
+    joined: bool = False
 
 
 class FleetState:
@@ -69,6 +71,7 @@ class FleetState:
         self.kv = KVIndex()
         self.kv_seen_at: dict[str, float] = {}
         self.in_flight = InFlightPrompts()
+        self.pulls = PullsInFlight()  # the pulls planned that the pullers' events do not show yet
         self.sessions = SessionTable()
         # The replica set as last given, and sorted: it rarely changes between requests.
         self._given: tuple[str, ...] = ()
@@ -86,15 +89,16 @@ class FleetState:
             return Route([])
         choice = self.policy.choose(candidates, request, self)
         # Before the charge: it plants the prompt on the choice, which would then seem to hold it.
-        pull = self._plan_pull(request, choice, candidates)
+        pull, joined = self._plan_pull(request, choice, candidates, now)
+        if pull is not None and not joined:
+            self.pulls.record(request.request_id, choice, pull, now + self.config.pull_timeout_s)
         self._picked(request, choice, now)
-        return Route(
-            [choice, *sorted((r for r in candidates if r != choice), key=self.loads.load)], pull
-        )
+        ranking = [choice, *sorted((r for r in candidates if r != choice), key=self.loads.load)]
+        return Route(ranking, pull, joined)
 
     def _plan_pull(
-        self, request: RouteRequest, choice: str, candidates: list[str]
-    ) -> PeerPull | None:
+        self, request: RouteRequest, choice: str, candidates: list[str], now: float
+    ) -> tuple[PeerPull | None, bool]:
         """The pull for request on choice: what choice's KV events show it holds (the approximate
         index when they are out of sync) against the longest device run a peer's events show.
 
@@ -102,15 +106,23 @@ class FleetState:
         prefix is still pulling or computing it, and one without a pull of its own would compute
         the prefix beside it (a burst of forks spilled to one replica did). A prefix that did
         reach choice is a device hit there, found before the pulled blocks are looked at; the
-        pull then moved blocks for nothing, which the tail each output carries keeps rare."""
+        pull then moved blocks for nothing, which the tail each output carries keeps rare.
+
+        A pull planned before to choice that moves the first block it lacks is joined (True)
+        instead: its blocks are on their way, and a second pull would move them again."""
         hashes = request.block_hashes
         if not self.config.peer_pulls or len(hashes) < self.config.min_pull_blocks:
-            return None
+            return None, False
         if self.kv.in_sync(choice):
             have = self.kv.match(hashes, [choice])[choice]
         else:
             have = TierRun(int(self.index.match(hashes, [choice])[choice]))
-        return plan_pull(self.kv, hashes, choice, have, candidates, self.config.min_pull_blocks)
+        joined = self.pulls.joinable(choice, hashes, have.blocks, now)
+        if joined is not None:
+            self.pulls.num_joined += 1
+            return joined, True
+        min_blocks = self.config.min_pull_blocks
+        return plan_pull(self.kv, hashes, choice, have, candidates, min_blocks), False
 
     def choose(self, request: RouteRequest, replicas: Iterable[str], now: float) -> str | None:
         """The replica for request, charged with it (None: no replica to choose from): route()'s
@@ -159,6 +171,7 @@ class FleetState:
         """The ingress's verdict on a request this router sent: a success or a replica failure.
 
         Returns the replica it is attributed to (None for a request routed too long ago)."""
+        self.pulls.finish(request_id)
         replica = self._recent.pop(request_id, None)
         if replica is None:
             return None
@@ -170,6 +183,7 @@ class FleetState:
 
     def on_completed(self, request_id: str, now: float | None = None) -> None:
         self.loads.finish(request_id)
+        self.pulls.finish(request_id)
         done = self.in_flight.finish(request_id)
         if done is not None and now is not None:
             # Planted anew: its blocks, no longer pinned, stand until events newer than this.
@@ -193,6 +207,7 @@ class FleetState:
             # reports late) must not discount what routing planted since that tail.
             if self.kv.applied_seq(replica) != before:
                 self.kv_seen_at[replica] = now
+                self._pulls_landed(replica)
 
     def _sync_holdings(self, replica: str, stats: RoutingStats, now: float) -> None:
         """What a report says the replica holds: its prefix blocks (and the index's bound for
@@ -212,6 +227,14 @@ class FleetState:
         before the client's next request is routed, not a report period later."""
         if self.kv.apply_tail(tail):
             self.kv_seen_at[tail.replica] = now
+            self._pulls_landed(tail.replica)
+
+    def _pulls_landed(self, replica: str) -> None:
+        """Forget the pulls to replica whose blocks its events (in sync) now show on its device."""
+        if self.kv.in_sync(replica):
+            self.pulls.landed(
+                replica, lambda hashes: self.kv.match(hashes, [replica])[replica].device
+            )
 
     def reports(self) -> dict[str, RoutingStats]:
         """Each live replica's latest report, as this router last applied it."""
@@ -226,6 +249,7 @@ class FleetState:
         self.kv.remove_replica(replica)
         self.kv_seen_at.pop(replica, None)
         self.in_flight.remove_replica(replica)
+        self.pulls.remove_replica(replica)
         self.sessions.remove_replica(replica)
         self.index.remove_replica(replica)
         self.adapters.remove_replica(replica)

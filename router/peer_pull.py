@@ -11,11 +11,16 @@ bytes a block of its model is (cluster/kv_pull.py). The simulator can run both u
 
 Only device blocks are pulled: the peer exports them from its device pool between steps. A peer's
 CPU-tier blocks would need its tier's slots read on its workers (a later step).
+
+The router remembers the pulls it planned (`PullsInFlight`) until the puller's KV events show the
+blocks stored, the pull's timeout passes or its request completes: a later request routed to the
+same replica joins the pull in flight instead of moving the same blocks a second time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.kv_events import KVIndex, TierRun
@@ -82,6 +87,106 @@ def plan_pull(
     if device - held < min_blocks:
         return None
     return PeerPull(peer, tuple(hashes[:device]), held)
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A pull the router planned: where it goes and until when it counts as in flight."""
+
+    replica: str
+    pull: PeerPull
+    expires: float
+
+
+class PullsInFlight:
+    """The pulls the router planned that have not landed, per (puller, moved block hash).
+
+    An entry lasts until the puller's KV events show its blocks on the device (`landed`), its
+    request completes or fails (`finish`), or its timeout passes (`expire`): a replica gives up on
+    a peer's answer after pull_timeout_s and computes. Bounded: at most `max_blocks_per_replica`
+    moved blocks per replica (its oldest pulls are forgotten first), and `remove_replica` drops a
+    replica's entries with it.
+    """
+
+    def __init__(self, max_blocks_per_replica: int = MAX_PULL_BLOCKS) -> None:
+        if type(max_blocks_per_replica) is not int or not 1 <= max_blocks_per_replica <= 1 << 24:
+            raise ValueError(
+                f"max_blocks_per_replica: an integer in [1, 2**24], got {max_blocks_per_replica!r}"
+            )
+        self.max_blocks_per_replica = max_blocks_per_replica
+        # request id -> its pull, in the order planned (so in expiry order: one timeout for all)
+        self._pulls: OrderedDict[str, _Planned] = OrderedDict()
+        self._by_replica: dict[str, dict[str, None]] = {}  # replica -> its pulls' ids, oldest 1st
+        self._moving: dict[str, dict[int, str]] = {}  # replica -> moved hash -> request id
+        self.num_joined = 0  # requests that joined a pull in flight instead of pulling again
+
+    def __len__(self) -> int:
+        return len(self._pulls)
+
+    def num_blocks(self, replica: str) -> int:
+        """Moved blocks in flight to replica."""
+        return len(self._moving.get(replica, ()))
+
+    def record(self, request_id: str, replica: str, pull: PeerPull, expires: float) -> None:
+        """request_id's pull to replica is in flight until expires (or landed / finished)."""
+        self.finish(request_id)
+        moving = self._moving.setdefault(replica, {})
+        for h in pull.hashes[pull.first :]:
+            moving[h] = request_id
+        self._pulls[request_id] = _Planned(replica, pull, expires)
+        pulls = self._by_replica.setdefault(replica, {})
+        pulls[request_id] = None
+        while len(moving) > self.max_blocks_per_replica:
+            self.finish(next(iter(pulls)))
+
+    def joinable(
+        self, replica: str, hashes: Sequence[int], held: int, now: float
+    ) -> PeerPull | None:
+        """The pull in flight to replica that moves hashes[held] (the first block replica lacks),
+        None if none does. Hashes chain, so it moves the prompt's blocks from there on as far as
+        its hashes equal the prompt's."""
+        self.expire(now)
+        moving = self._moving.get(replica)
+        if not moving or held >= len(hashes) or hashes[held] not in moving:
+            return None
+        return self._pulls[moving[hashes[held]]].pull
+
+    def landed(self, replica: str, device_run: Callable[[Sequence[int]], int]) -> None:
+        """Forget replica's pulls whose blocks its KV events show on its device: device_run(hashes)
+        is the leading run of hashes they show there."""
+        for rid in list(self._by_replica.get(replica, ())):
+            pull = self._pulls[rid].pull
+            if device_run(pull.hashes) >= len(pull.hashes):
+                self.finish(rid)
+
+    def finish(self, request_id: str) -> None:
+        """request_id's pull is over (its request completed or failed). Idempotent."""
+        planned = self._pulls.pop(request_id, None)
+        if planned is None:
+            return
+        replica, pull = planned.replica, planned.pull
+        moving = self._moving[replica]
+        for h in pull.hashes[pull.first :]:
+            if moving.get(h) == request_id:  # a later pull of the same block keeps its entry
+                del moving[h]
+        pulls = self._by_replica[replica]
+        del pulls[request_id]
+        if not pulls:
+            del self._by_replica[replica], self._moving[replica]
+
+    def expire(self, now: float) -> None:
+        """Forget the pulls whose timeout passed (the oldest first: one timeout for all)."""
+        while self._pulls:
+            rid, planned = next(iter(self._pulls.items()))
+            if planned.expires > now:
+                return
+            self.finish(rid)
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget the pulls to replica and those from it (their blocks will never come)."""
+        for rid, planned in list(self._pulls.items()):
+            if replica in (planned.replica, planned.pull.peer):
+                self.finish(rid)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,11 @@ Every piece is the production one, driven on the simulated clock:
   (sim/disagg.py `DecodeSimReplica`): it computes only what neither its cache nor the pull holds.
   A pull that does not pay, whose peer holds nothing of it any more, or that would outlast
   `pull_timeout_s` is computed instead.
+- The router remembers the pulls it planned (router/peer_pull.py `PullsInFlight`): a fork routed
+  to a replica a pull of its context is on its way to joins that pull (`Route.joined`). The
+  replica does not ask the peer again for blocks a pull of its own is bringing: the request is
+  queued when they land, and its scheduler loads them through that pull's expectation (or finds
+  them on the device), as a request added behind an in-flight load does.
 - With `sessions`, a request names its session (`SimRequest.session`): `PrefixAffinity` keeps it
   on the replica of the session's last turn unless the load ceiling drops that replica.
 
@@ -95,6 +100,7 @@ class PullCounts:
     pulled: int = 0
     declined: int = 0  # the cost model said computing is cheaper
     failed: int = 0  # the peer held nothing past what the puller has, or too slow
+    joined: int = 0  # the pull's blocks were all on their way already: waited for, not asked
     records: list[PullRecord] = field(default_factory=list)
 
     @property
@@ -168,6 +174,10 @@ class KVFleetSim(FleetSim):
             routing.pull_bytes_per_s, routing.pull_fixed_s, routing.prefill_tokens_per_s
         )
         self.pulls = PullCounts()
+        # replica -> moved hash -> (when it lands, the request whose pull moves it): the replica's
+        # pulls until their requests complete (the blocks are on its device by then, or evicted)
+        self._moving: dict[str, dict[int, tuple[float, str]]] = {}
+        self._moved: dict[str, tuple[str, tuple[int, ...]]] = {}  # request id -> replica, hashes
         self._contexts: dict[tuple[str, int], list[int]] = {}
 
     def _new(self, name: str) -> SimReplica:
@@ -220,12 +230,14 @@ class KVFleetSim(FleetSim):
         if pulled is None:
             self._queue(replica, req, prompt, hashes, now, records)
             return
+        landed_s, moved = pulled
 
         def land(t: float, recs: dict[str, RequestRecord]) -> None:
-            replica.buffer.expect(req.request_id, pulled.hashes)
+            if moved:
+                replica.buffer.expect(req.request_id, moved)
             self._queue(replica, req, prompt, hashes, t, recs)
 
-        self._timer(pulled.landed_s, land)
+        self._timer(landed_s, land)
 
     def _queue(
         self,
@@ -242,13 +254,43 @@ class KVFleetSim(FleetSim):
 
     def _pull(
         self, pull: PeerPull, replica: KVSimReplica, req: SimRequest, now: float
-    ) -> PullRecord | None:
-        """The replica's side of a planned pull (cluster/kv_pull.py `ReplicaPulls.start`): the
-        blocks the peer sends and when they land in the receive buffer, or None when the request
-        computes its prompt."""
+    ) -> tuple[float, tuple[int, ...]] | None:
+        """The replica's side of a planned pull (cluster/kv_pull.py `ReplicaPulls.start`): when
+        the request may be queued and the blocks the peer sends it into the receive buffer, or
+        None when the request computes its prompt. Blocks a pull of the replica's own is bringing
+        are waited for, not asked again."""
         self.pulls.planned += 1
         if pull.peer == replica.name:
             return None
+        first, waited_s = self._on_their_way(replica.name, pull)
+        if first == len(pull.hashes):
+            self.pulls.joined += 1
+            return max(now, waited_s), ()
+        if first > pull.first:
+            pull = PeerPull(pull.peer, pull.hashes, first)
+        record = self._ask(pull, replica, req, now)
+        if record is None:
+            return None
+        moving = self._moving.setdefault(replica.name, {})
+        for h in record.hashes:
+            moving[h] = (record.landed_s, req.request_id)
+        self._moved[req.request_id] = (replica.name, record.hashes)
+        return max(record.landed_s, waited_s), record.hashes
+
+    def _on_their_way(self, replica: str, pull: PeerPull) -> tuple[int, float]:
+        """How far from pull.first the replica's own pulls are bringing the blocks pull names,
+        and when the last of those lands."""
+        moving = self._moving.get(replica, {})
+        first, landed_s = pull.first, 0.0
+        while first < len(pull.hashes) and pull.hashes[first] in moving:
+            landed_s = max(landed_s, moving[pull.hashes[first]][0])
+            first += 1
+        return first, landed_s
+
+    def _ask(
+        self, pull: PeerPull, replica: KVSimReplica, req: SimRequest, now: float
+    ) -> PullRecord | None:
+        """Weigh the pull and ask the peer: the blocks it sends and when they land, or None."""
         bs = self.config.scheduler.block_size
         token_bytes = self.kv.pull_link.token_bytes(self.cost)
         if not self.pull_cost.pays(pull.num_blocks, bs, round(token_bytes * bs)):
@@ -283,4 +325,15 @@ class KVFleetSim(FleetSim):
 
     def _complete(self, rec: RequestRecord, out: RequestOutput, now: float) -> None:
         rec.finish(now, out.num_output_tokens, out.finish_reason, self.config.keep_itl)
+        self._forget_pull(out.request_id)
         self.fleet.on_completed(out.request_id, now)  # as the served router: planted anew
+
+    def _forget_pull(self, request_id: str) -> None:
+        """The request's pull is over: its blocks are on the replica's device (or evicted)."""
+        replica, hashes = self._moved.pop(request_id, ("", ()))
+        moving = self._moving.get(replica, {})
+        for h in hashes:
+            if moving.get(h, (0.0, ""))[1] == request_id:  # not a later pull's entry
+                del moving[h]
+        if not moving:
+            self._moving.pop(replica, None)
