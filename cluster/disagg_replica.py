@@ -128,12 +128,17 @@ async def prefill_on(
         assert phase.prefill is not None
         phase.prefill.release(handle)
         handle = None
+    whole = _merged(outs)
+    return PrefillReply(whole.new_token_ids, whole, continues, handle)
+
+
+def _merged(outs: list[RequestOutput]) -> RequestOutput:
+    """A prefill's outputs as one: the last, with every token and log-probability."""
     tokens = [t for out in outs for t in out.new_token_ids]
     logprobs = None
     if any(out.new_logprobs is not None for out in outs):
         logprobs = [lp for out in outs for lp in out.new_logprobs or []]
     prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None)
-    whole = replace(
-        last, new_token_ids=tokens, new_logprobs=logprobs, prompt_logprobs=prompt_logprobs
+    return replace(
+        outs[-1], new_token_ids=tokens, new_logprobs=logprobs, prompt_logprobs=prompt_logprobs
     )
-    return PrefillReply(tokens, whole, continues, handle)

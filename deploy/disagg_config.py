@@ -74,32 +74,41 @@ class DisaggregationArgs:
     def check(self, base: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
         """Both phases' engines, or ValueError naming what they cannot share."""
         prefill, decode = (self.engine(base, phase) for phase in PHASES)
-        for name in BLOCK_LAYOUT:
-            a, b = getattr(prefill, name), getattr(decode, name)
-            if a != b:
-                raise ValueError(
-                    f"disaggregation.decode.{name}: {shown(b)} differs from the prefill "
-                    f"replicas' {shown(a)}; KV blocks move between the phases byte for byte "
-                    "(only their KV heads are re-split), so both must use the same"
-                )
+        _check_same_layout(prefill, decode)
         for phase, engine in zip(PHASES, (prefill, decode), strict=True):
-            if engine.tensor_parallel_size > 1 and engine.step_transport == "compiled_graph":
-                raise ValueError(
-                    f"disaggregation.{phase}.step_transport: each rank sends or receives its own "
-                    "KV shard between steps, which compiled_graph workers cannot do; use socket "
-                    "or actor_calls"
-                )
-            if engine.pipeline_parallel_size > 1:
-                raise ValueError(
-                    f"disaggregation.{phase}.pipeline_parallel_size: KV moves rank to rank by "
-                    "tensor-parallel shard; a pipeline stage's layers are not placed yet; use 1"
-                )
-            if not engine.scheduler.enable_prefix_caching:
-                raise ValueError(
-                    f"disaggregation.{phase}.enable_prefix_caching: the transfer finds blocks by "
-                    "their prefix hash; it must be on"
-                )
+            _check_phase(phase, engine)
         return prefill, decode
+
+
+def _check_same_layout(prefill: EngineConfig, decode: EngineConfig) -> None:
+    for name in BLOCK_LAYOUT:
+        a, b = getattr(prefill, name), getattr(decode, name)
+        if a != b:
+            raise ValueError(
+                f"disaggregation.decode.{name}: {shown(b)} differs from the prefill "
+                f"replicas' {shown(a)}; KV blocks move between the phases byte for byte "
+                "(only their KV heads are re-split), so both must use the same"
+            )
+
+
+def _check_phase(phase: str, engine: EngineConfig) -> None:
+    """What one phase's engine needs to send or receive KV blocks."""
+    if engine.tensor_parallel_size > 1 and engine.step_transport == "compiled_graph":
+        raise ValueError(
+            f"disaggregation.{phase}.step_transport: each rank sends or receives its own "
+            "KV shard between steps, which compiled_graph workers cannot do; use socket "
+            "or actor_calls"
+        )
+    if engine.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"disaggregation.{phase}.pipeline_parallel_size: KV moves rank to rank by "
+            "tensor-parallel shard; a pipeline stage's layers are not placed yet; use 1"
+        )
+    if not engine.scheduler.enable_prefix_caching:
+        raise ValueError(
+            f"disaggregation.{phase}.enable_prefix_caching: the transfer finds blocks by "
+            "their prefix hash; it must be on"
+        )
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -121,22 +121,27 @@ def _model(shared: dict[str, Any], entry: Any, index: int) -> AppConfig:
                 "beside `models`"
             )
     if "name" in entry:
-        if "served_model_name" in entry:
-            raise ValueError(
-                f"invalid raylm app args: {where}.name: set name or served_model_name, not both"
-            )
-        name = entry.pop("name")
-        if not isinstance(name, str) or not 1 <= len(name) <= 256:
-            raise ValueError(
-                f"invalid raylm app args: {where}.name: a string of 1 to 256 characters, got "
-                f"{shown(name)}"
-            )
-        entry["served_model_name"] = name
+        entry["served_model_name"] = _entry_name(entry, where)
     try:
         return AppConfig.from_args({**shared, **entry})
     except ValueError as exc:
         message = str(exc).removeprefix("invalid raylm app args: ")
         raise ValueError(f"invalid raylm app args: {where}.{message}") from None
+
+
+def _entry_name(entry: dict[str, Any], where: str) -> str:
+    """A model entry's `name` (taken out of it), the short form of served_model_name."""
+    if "served_model_name" in entry:
+        raise ValueError(
+            f"invalid raylm app args: {where}.name: set name or served_model_name, not both"
+        )
+    name = entry.pop("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 256:
+        raise ValueError(
+            f"invalid raylm app args: {where}.name: a string of 1 to 256 characters, got "
+            f"{shown(name)}"
+        )
+    return name
 
 
 def _check_tenants(models: list[AppConfig]) -> None:
