@@ -8,12 +8,14 @@ to its image-free run (issue 49's bound: 2x):
 
 1. hostile: one text stream alone, then the same stream while another client sends the hostile
    set (tests/frontend/hostile_images.py: decompression bombs, truncated files, a text file named
-   .png, metadata bombs, an oversized base64 text) over and over; each must answer 400.
+   .png, metadata bombs, an oversized base64 text) over and over; each must answer 400. Its
+   control: the same loop of as many tiny bodies refused by the schema (no image): what the
+   flood of requests costs the stream on this machine whatever they hold.
 2. encoder budget: `--streams` text streams alone, then the same streams while one request with
    `--images` images is prefilled beside them (the engine spreads its image tokens over steps,
    `max_num_encoder_tokens`).
 
-Figures, never pass/fail: they depend on the machine and its load.
+Figures, never pass/fail: they depend on the machine and its load (printed before and after).
 
     python bench/image_neighbour.py [--image-px 70] [--images 16] [--streams 8] [--tokens 96]
                                    [--rounds 3]
@@ -109,14 +111,27 @@ def run_streams(url: str, streams: int, tokens: int) -> list[float]:
     return [g for gaps in runs for g in gaps]
 
 
-def send_hostile(url: str, stop: Any, answered: Any, statuses: Any) -> None:
-    """In its own process (its JSON and sends never hold the measuring client's GIL): the
-    hostile set, encoded once, sent over and over until `stop`."""
+def hostile_bodies() -> list[bytes]:
+    """The hostile set, one chat body per image."""
     bodies = []
     for image in hostile_urls(MAX_IMAGE_BYTES):
         content = [{"type": "text", "text": "what?"}, image_part(image)]
         body = {"model": MODEL, "max_tokens": 1, "messages": [user(content)]}
         bodies.append(json.dumps(body).encode())
+    return bodies
+
+
+def control_bodies() -> list[bytes]:
+    """As many requests as the hostile set, each a tiny body refused with a 400 by the schema
+    (`max_tokens: -1`): what a loop of 400s costs Serve and the ingress without any image."""
+    body = {"model": MODEL, "max_tokens": -1, "messages": [user([text("what?")])]}
+    return [json.dumps(body).encode()] * len(hostile_bodies())
+
+
+def send_hostile(url: str, control: bool, stop: Any, answered: Any, statuses: Any) -> None:
+    """In its own process (its JSON and sends never hold the measuring client's GIL): the
+    hostile set (or its control), encoded once, sent over and over until `stop`."""
+    bodies = control_bodies() if control else hostile_bodies()
     headers = {"content-type": "application/json"}
     with httpx.Client(timeout=600) as client:
         while not stop.is_set():
@@ -148,21 +163,24 @@ def beside(url: str, streams: int, tokens: int, work: threading.Thread) -> list[
     return gaps
 
 
-def hostile_run(url: str, tokens: int, rounds: int) -> dict:
-    """One stream alone, then the same stream while the hostile set is sent over and over;
-    `rounds` times, alternating (the machine's load drifts), gaps pooled."""
+def hostile_run(url: str, tokens: int, rounds: int, control: bool = False) -> dict:
+    """One stream alone, then the same stream while the hostile set (or its control: as many
+    tiny 400s) is sent over and over; `rounds` times, alternating (the machine's load drifts),
+    gaps pooled."""
     solo: list[float] = []
     loaded: list[float] = []
     for _ in range(rounds):
         solo += stream_gaps(url, tokens, 0)
-        loaded += hostile_beside(url, tokens)
-    return report("hostile set", solo, loaded)
+        loaded += hostile_beside(url, tokens, control)
+    return report("tiny 400s" if control else "hostile set", solo, loaded)
 
 
-def hostile_beside(url: str, tokens: int) -> list[float]:
+def hostile_beside(url: str, tokens: int, control: bool) -> list[float]:
     with multiprocessing.Manager() as manager:
         stop, answered, statuses = manager.Event(), manager.Value("i", 0), manager.dict()
-        hostile = multiprocessing.Process(target=send_hostile, args=(url, stop, answered, statuses))
+        hostile = multiprocessing.Process(
+            target=send_hostile, args=(url, control, stop, answered, statuses)
+        )
         hostile.start()
         while not answered.value:  # the hostile requests arrive before the stream starts
             time.sleep(0.05)
@@ -188,7 +206,7 @@ def image_part(url: str) -> dict:
 
 
 def report(name: str, solo: list[float], loaded: list[float]) -> dict:
-    row = {
+    row: dict[str, Any] = {
         "run": name,
         "solo_p50_ms": pct(solo, 0.5) * 1e3,
         "solo_p90_ms": pct(solo, 0.9) * 1e3,
@@ -214,9 +232,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=8017)
     args = parser.parse_args()
+    print(f"load average before: {_load()}")
     url = serve_model(write_model(tempfile.mkdtemp(), args.image_px), args.images, args.port)
     run_streams(url, 2, 8)  # warm-up: the first steps compile and warm the kernels
     rows = [hostile_run(url, args.tokens, args.rounds)]
+    rows.append(hostile_run(url, args.tokens, args.rounds, control=True))
     solo: list[float] = []
     loaded: list[float] = []
     answered: list[int] = []
@@ -228,7 +248,13 @@ def main() -> None:
         loaded += beside(url, args.streams, args.tokens, images)
     rows.append(report(f"{args.images} images", solo, loaded))
     print(f"   the {args.images}-image requests answered {answered}")
+    print(f"load average after: {_load()}")
     print(json.dumps({"args": vars(args), "rows": rows}))
+
+
+def _load() -> str:
+    """The machine's 1, 5 and 15 minute load averages: ratios read against them."""
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
 
 
 if __name__ == "__main__":
