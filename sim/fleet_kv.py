@@ -100,8 +100,14 @@ class PullCounts:
     pulled: int = 0
     declined: int = 0  # the cost model said computing is cheaper
     failed: int = 0  # the peer held nothing past what the puller has, or too slow
-    joined: int = 0  # the pull's blocks were all on their way already: waited for, not asked
     records: list[PullRecord] = field(default_factory=list)
+    # (request id, when its blocks land): pulls whose blocks were all on their way already,
+    # waited for instead of asked again
+    joins: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def joined(self) -> int:
+        return len(self.joins)
 
     @property
     def blocks(self) -> int:
@@ -264,7 +270,7 @@ class KVFleetSim(FleetSim):
             return None
         first, waited_s = self._on_their_way(replica.name, pull)
         if first == len(pull.hashes):
-            self.pulls.joined += 1
+            self.pulls.joins.append((req.request_id, waited_s))
             return max(now, waited_s), ()
         if first > pull.first:
             pull = PeerPull(pull.peer, pull.hashes, first)

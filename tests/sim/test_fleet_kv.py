@@ -141,6 +141,27 @@ def test_a_pulls_blocks_land_before_its_first_token(runs: dict[str, Ran]) -> Non
         assert rec.cached_tokens >= pull.num_blocks * bs
 
 
+def test_forks_spilled_to_one_replica_join_the_pull_in_flight_not_move_it_again() -> None:
+    """Twelve forks of each context at once: the router plans a pull for the first fork spilled
+    to a replica and the next ones join it (router/peer_pull.py PullsInFlight). No block moves
+    twice to a replica while a pull of it is on its way there; a joined fork is queued when the
+    blocks land and finds its whole context there, as the one that pulled it does."""
+    agents = dataclasses.replace(AGENTS, forks=12)
+    config = SimConfig(num_replicas=4, scheduler=SCHED, routing=_routing(True))
+    sim = KVFleetSim(config, CPU, FleetKVConfig())
+    records = {r.request_id: r for r in sim.run(agent_workload(agents)).records}
+    assert sim.pulls.joined == sim.fleet.pulls.num_joined == 10 and sim.pulls.pulled == 2
+    pulls = sim.pulls.records
+    for a, b in itertools.combinations(pulls, 2):
+        in_flight = a.asked_s <= b.asked_s < a.landed_s
+        assert not (a.replica == b.replica and in_flight and set(a.hashes) & set(b.hashes))
+    for rid, landed_s in sim.pulls.joins:
+        rec = records[rid]
+        assert rec.arrival_s + rec.ttft_s > landed_s
+        assert rec.cached_tokens >= AGENTS.context_len
+    assert len(sim.fleet.pulls) == 0  # every pull's request completed
+
+
 def test_a_pull_that_does_not_pay_is_declined() -> None:
     """The replica's cost check: with a prefill faster than the link, every planned pull is
     declined and the fleet computes what recomputing does."""
