@@ -4,11 +4,14 @@ pipeline micro-batches).
 The engine thread hands a step over and goes on to schedule the next one, and to turn the previous
 one's tokens into outputs, while this step runs; torch releases the GIL in its kernels, and on CUDA
 the thread only waits for the device. Steps run strictly one after another, so a step always sees
-the KV cache and the sampled tokens that every earlier step left.
+the KV cache and the sampled tokens that every earlier step left. An executor whose ranks take
+steps ahead (PostsSteps: the multi-rank executors) needs no thread: each step is posted at once
+and its output collected, in order, on the engine thread when it asks for it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol, TypeVar, runtime_checkable
@@ -33,14 +36,35 @@ class PostsSteps(Protocol):
         ...
 
 
+class _Posted(Future[ModelRunnerOutput]):
+    """A posted step's output, collected on the thread that asks for it (the engine's, which
+    waits for it at once): no thread hand-off between the last stage's answer and the engine's
+    next post, which is the path stage 0 waits on. Collecting it first collects every step
+    posted before it, in order."""
+
+    def __init__(self, pipeline: StepPipeline) -> None:
+        super().__init__()
+        self._pipeline = pipeline
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        self._pipeline._collect_through(self)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._pipeline._collect_through(self)
+        return super().exception(timeout)
+
+
 class StepPipeline:
     """Runs executor.execute_model on one thread, one step at a time, in submission order. An
-    executor that PostsSteps gets each step at once, on the caller's thread, and the thread
-    collects the outputs in order: several steps are then in the ranks' hands together."""
+    executor that PostsSteps gets each step at once, on the caller's thread, and its outputs are
+    collected in order as the caller asks for them: several steps are then in the ranks' hands
+    together."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self._posts = executor if isinstance(executor, PostsSteps) else None
+        self._posted: deque[_Posted] = deque()  # posted, not collected yet, oldest first
         self._failure: BaseException | None = None
         self._thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="raylm-step", initializer=_same_torch_settings()
@@ -51,13 +75,24 @@ class StepPipeline:
         now); its future holds the sampling rank's output."""
         if self._posts is None:
             return self._thread.submit(self._run, self.executor.execute_model, scheduler_output)
-        posted: Future[ModelRunnerOutput] = Future()
+        posted = _Posted(self)
         try:
             self._run(self._posts.post_step, scheduler_output)
         except BaseException as exc:
             posted.set_exception(exc)
             return posted
-        return self._thread.submit(self._run, self._posts.collect_step)
+        self._posted.append(posted)
+        return posted
+
+    def _collect_through(self, posted: _Posted) -> None:
+        """Collect the posted steps' outputs, oldest first, until `posted`'s is in."""
+        assert self._posts is not None
+        while not posted.done() and self._posted:
+            oldest = self._posted.popleft()
+            try:
+                oldest.set_result(self._run(self._posts.collect_step))
+            except BaseException as exc:
+                oldest.set_exception(exc)
 
     def _run(self, call: Callable[..., T], *args: SchedulerOutput) -> T:
         if self._failure is not None:
