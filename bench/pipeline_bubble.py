@@ -29,6 +29,7 @@ between).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -40,12 +41,14 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+Span = tuple[float, float, float, float]  # (start, end, waited, thread CPU seconds) of a step
+
+
 @dataclass(slots=True)
 class StageClock:
     """One rank's step spans and the seconds it waited inside each."""
 
-    # (start, end, waited, thread CPU seconds)
-    spans: list[tuple[float, float, float, float]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
     waited: float = 0.0
     since: float = 0.0  # spans that started before the last reset are not measured
 
@@ -87,7 +90,7 @@ def reset(runner: Any) -> None:
     _CLOCK.since = time.perf_counter()
 
 
-def read(runner: Any) -> list[tuple[float, float, float, float]]:
+def read(runner: Any) -> list[Span]:
     return [span for span in _CLOCK.spans if span[0] >= _CLOCK.since]
 
 
@@ -121,7 +124,7 @@ class StageFigures:
     cpu_s: float  # mean thread CPU time per step
 
 
-def stage_figures(spans: list[tuple[float, float, float, float]]) -> StageFigures:
+def stage_figures(spans: list[Span]) -> StageFigures:
     window = spans[-1][1] - spans[0][0]
     busy = sum(end - start - waited for start, end, waited, _ in spans)
     cpu = sum(span[3] for span in spans)
@@ -156,6 +159,26 @@ class Turnaround:
             if later:
                 gaps.append(later[0] - done)
         return statistics.median(gaps) if gaps else math.nan
+
+    def hops_s(self, first: list[Span], last: list[Span]) -> tuple[float, float]:
+        """Medians of the hand-offs around the engine (perf_counter is the system's monotonic
+        clock, shared by the processes): the last stage done with a step -> its output collected,
+        and a step posted -> stage 0 starting it, where stage 0 had nothing to run when it came."""
+        answered = []
+        for done in self.collected:
+            ends = [span[1] for span in last if span[1] <= done]
+            if ends:
+                answered.append(done - ends[-1])
+        started = []
+        for before, span in itertools.pairwise(first):
+            posts = [p for p in self.posted if before[1] <= p <= span[0]]
+            if posts:
+                started.append(span[0] - posts[-1])
+        return _median(answered), _median(started)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
 
 
 def measure(args: argparse.Namespace, micro_batched: bool) -> None:
@@ -203,10 +226,13 @@ def measure(args: argparse.Namespace, micro_batched: bool) -> None:
     steps = args.steps * depth
     print(f"micro_batches={depth}: {steps} engine steps, {tokens} tokens in {wall:.3f}s")
     print(f"  {tokens / wall:.1f} tokens/s, {wall / steps * 1e3:.1f} ms per engine step")
+    answered, started = turnaround.hops_s(spans[0], spans[-1])
     print(
         f"  engine turnaround (collected -> next posted) median {turnaround.median_s() * 1e3:.2f} "
-        f"ms; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        f"ms; last stage done -> collected {answered * 1e3:.2f} ms; posted -> idle stage 0 "
+        f"starts {started * 1e3:.2f} ms"
     )
+    print(f"  load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     figures = [stage_figures(rank_spans) for rank_spans in spans]
     busiest = max(f.cpu_s for f in figures)
     print("  rank stage pid    idle_fraction  mean_step_ms  busy_ms  cpu_ms  imbalance_idle")
