@@ -62,25 +62,31 @@ def unplaceable(
     where one may. Never a false alarm: for the best-effort strategies the check is necessary,
     not sufficient (whether the bundles pack is left to Ray)."""
     check_strategy(strategy)
-    if strategy == "STRICT_PACK":
-        if any(_fits(_sum(bundles), node) for node in nodes):
-            return None
-        what = f"one node must hold them all ({_shown(_sum(bundles))})"
-    elif strategy == "STRICT_SPREAD":
-        if _match_each_to_its_own_node(bundles, nodes):
-            return None
-        what = f"each must sit on a node of its own ({len(bundles)} nodes)"
-    else:
-        total = _sum(nodes)
-        if all(any(_fits(b, n) for n in nodes) for b in bundles) and _fits(_sum(bundles), total):
-            return None
-        what = "some bundle fits no node, or the cluster holds less than their sum"
+    what = _unmet(bundles, strategy, nodes)
+    if what is None:
+        return None
     return (
         f"no node of this Ray cluster can hold a replica's placement group: bundles "
         f"[{', '.join(_shown(b) for b in bundles)}] under {strategy}, and {what}; the largest "
         f"node has "
         f"{_shown(_largest(nodes, bundles), keys=_keys(bundles))}"
     )
+
+
+def _unmet(bundles: Sequence[Resources], strategy: str, nodes: Sequence[Resources]) -> str | None:
+    """The strategy's demand the nodes cannot meet, in words; None where they may meet it."""
+    if strategy == "STRICT_PACK":
+        if any(_fits(_sum(bundles), node) for node in nodes):
+            return None
+        return f"one node must hold them all ({_shown(_sum(bundles))})"
+    if strategy == "STRICT_SPREAD":
+        if _match_each_to_its_own_node(bundles, nodes):
+            return None
+        return f"each must sit on a node of its own ({len(bundles)} nodes)"
+    total = _sum(nodes)
+    if all(any(_fits(b, n) for n in nodes) for b in bundles) and _fits(_sum(bundles), total):
+        return None
+    return "some bundle fits no node, or the cluster holds less than their sum"
 
 
 def wait_until_placeable(bundles: Sequence[Resources], strategy: str, timeout_s: float) -> None:
