@@ -73,7 +73,9 @@ class LLMReplica:
         self.config = config
         self.replica = replica = serve.get_replica_context().replica_tag
         self.telemetry = ReplicaTelemetry(replica, model_name or config.model, slo)
-        self.engine = build_engine(config)
+        # Awaited on a thread: the model load takes the loop for no one, and the engine is built
+        # on a passing thread of its own either way (cluster/engine_build.py).
+        self.engine = await asyncio.to_thread(build_engine, config)
         self.telemetry.metrics.record_kv_layout(self.engine.kv_bytes_per_token)
         self.phase = phase_engine(self.engine, phase)
         # Peer pulls (router_kwargs.peer_pulls) install their connector before the events attach.
