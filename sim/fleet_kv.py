@@ -19,8 +19,9 @@ Every piece is the production one, driven on the simulated clock:
 - The router remembers the pulls it planned (router/peer_pull.py `PullsInFlight`): a fork routed
   to a replica a pull of its context is on its way to joins that pull (`Route.joined`). The
   replica does not ask the peer again for blocks a pull of its own is bringing: the request is
-  queued when they land, and its scheduler loads them through that pull's expectation (or finds
-  them on the device), as a request added behind an in-flight load does.
+  queued once the request that pulls them has landed them on the device (at a step boundary),
+  where its scheduler finds them as a prefix hit; queued as soon as they land in the receive
+  buffer, it would load a second copy of them beside the first request in the same step.
 - With `sessions`, a request names its session (`SimRequest.session`): `PrefixAffinity` keeps it
   on the replica of the session's last turn unless the load ceiling drops that replica.
 
@@ -44,6 +45,7 @@ from scheduler import (
     hash_prompt_blocks,
 )
 from scheduler.kv_events import attach_kv_log
+from scheduler.request import RequestStatus
 from sim.cost import CostModel
 from sim.disagg import DecodeSimReplica
 from sim.fleet import FleetSim
@@ -56,6 +58,11 @@ from sim.workload import SimRequest
 # What the served pull measured end to end beside its bytes: the peer's export call through the
 # deployment handle, about 50 ms (bench/results/2026-11-29-p2p-pulls.md).
 PULL_LATENCY_S = 0.05
+# How often a request waiting for another's pull to land looks again while its replica is idle
+# (a busy replica is looked at each step boundary).
+JOIN_POLL_S = 1e-3
+# A request still bringing its pulled blocks onto the device: neither admitted nor landed yet.
+_NOT_LANDED = (RequestStatus.WAITING, RequestStatus.LOADING_KV)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,14 +243,23 @@ class KVFleetSim(FleetSim):
         if pulled is None:
             self._queue(replica, req, prompt, hashes, now, records)
             return
-        landed_s, moved = pulled
+        landed_s, moved, pullers = pulled
 
         def land(t: float, recs: dict[str, RequestRecord]) -> None:
+            if any(self._not_landed(replica, rid) for rid in pullers):
+                self._timer(max(replica.next_boundary(t), t + JOIN_POLL_S), land)
+                return
             if moved:
                 replica.buffer.expect(req.request_id, moved)
             self._queue(replica, req, prompt, hashes, t, recs)
 
         self._timer(landed_s, land)
+
+    @staticmethod
+    def _not_landed(replica: SimReplica, request_id: str) -> bool:
+        """Whether request_id (queued on replica) has yet to bring its pulled blocks on device."""
+        req = replica.scheduler.requests.get(request_id)
+        return req is not None and req.status in _NOT_LANDED
 
     def _queue(
         self,
@@ -260,18 +276,18 @@ class KVFleetSim(FleetSim):
 
     def _pull(
         self, pull: PeerPull, replica: KVSimReplica, req: SimRequest, now: float
-    ) -> tuple[float, tuple[int, ...]] | None:
+    ) -> tuple[float, tuple[int, ...], set[str]] | None:
         """The replica's side of a planned pull (cluster/kv_pull.py `ReplicaPulls.start`): when
-        the request may be queued and the blocks the peer sends it into the receive buffer, or
-        None when the request computes its prompt. Blocks a pull of the replica's own is bringing
-        are waited for, not asked again."""
+        the request may be queued, the blocks the peer sends it into the receive buffer and the
+        requests whose pulls bring the rest (it waits for them to land), or None when the request
+        computes its prompt. Blocks a pull of the replica's own is bringing are not asked again."""
         self.pulls.planned += 1
         if pull.peer == replica.name:
             return None
-        first, waited_s = self._on_their_way(replica.name, pull)
+        first, waited_s, pullers = self._on_their_way(replica.name, pull)
         if first == len(pull.hashes):
             self.pulls.joins.append((req.request_id, waited_s))
-            return max(now, waited_s), ()
+            return max(now, waited_s), (), pullers
         if first > pull.first:
             pull = PeerPull(pull.peer, pull.hashes, first)
         record = self._ask(pull, replica, req, now)
@@ -281,17 +297,19 @@ class KVFleetSim(FleetSim):
         for h in record.hashes:
             moving[h] = (record.landed_s, req.request_id)
         self._moved[req.request_id] = (replica.name, record.hashes)
-        return max(record.landed_s, waited_s), record.hashes
+        return max(record.landed_s, waited_s), record.hashes, pullers
 
-    def _on_their_way(self, replica: str, pull: PeerPull) -> tuple[int, float]:
+    def _on_their_way(self, replica: str, pull: PeerPull) -> tuple[int, float, set[str]]:
         """How far from pull.first the replica's own pulls are bringing the blocks pull names,
-        and when the last of those lands."""
+        when the last of those lands, and the requests pulling them."""
         moving = self._moving.get(replica, {})
-        first, landed_s = pull.first, 0.0
+        first, landed_s, pullers = pull.first, 0.0, set()
         while first < len(pull.hashes) and pull.hashes[first] in moving:
-            landed_s = max(landed_s, moving[pull.hashes[first]][0])
+            when, rid = moving[pull.hashes[first]]
+            landed_s = max(landed_s, when)
+            pullers.add(rid)
             first += 1
-        return first, landed_s
+        return first, landed_s, pullers
 
     def _ask(
         self, pull: PeerPull, replica: KVSimReplica, req: SimRequest, now: float

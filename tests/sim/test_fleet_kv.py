@@ -144,8 +144,9 @@ def test_a_pulls_blocks_land_before_its_first_token(runs: dict[str, Ran]) -> Non
 def test_forks_spilled_to_one_replica_join_the_pull_in_flight_not_move_it_again() -> None:
     """Twelve forks of each context at once: the router plans a pull for the first fork spilled
     to a replica and the next ones join it (router/peer_pull.py PullsInFlight). No block moves
-    twice to a replica while a pull of it is on its way there; a joined fork is queued when the
-    blocks land and finds its whole context there, as the one that pulled it does."""
+    twice to a replica while a pull of it is on its way there; a joined fork is queued once the
+    pulling fork has landed the blocks on the device and finds its whole context there as a
+    prefix hit: every block moved is loaded once, none a second time beside the first."""
     agents = dataclasses.replace(AGENTS, forks=12)
     config = SimConfig(num_replicas=4, scheduler=SCHED, routing=_routing(True))
     sim = KVFleetSim(config, CPU, FleetKVConfig())
@@ -159,6 +160,7 @@ def test_forks_spilled_to_one_replica_join_the_pull_in_flight_not_move_it_again(
         rec = records[rid]
         assert rec.arrival_s + rec.ttft_s > landed_s
         assert rec.cached_tokens >= AGENTS.context_len
+    assert sim.loaded_blocks() == sim.pulls.blocks == 2 * AGENTS.context_len // SCHED.block_size
     assert len(sim.fleet.pulls) == 0  # every pull's request completed
 
 
