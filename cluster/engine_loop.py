@@ -109,15 +109,7 @@ class EngineLoop:
         while True:
             if kind == _STOP:
                 return False
-            if kind == _ADD:
-                try:
-                    self.engine.add_request(payload)
-                except (ValueError, UnknownLoraError) as exc:  # this request's, not the engine's
-                    self._loop.call_soon_threadsafe(self._on_error, payload.request_id, exc)
-            elif kind == _CALL:
-                self._resolve(*payload)
-            else:
-                aborted.extend(self.engine.abort_requests(payload))
+            self._apply(kind, payload, aborted)
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
@@ -125,6 +117,19 @@ class EngineLoop:
         if aborted:  # freed blocks and shorter queues show up in stats without waiting for a step
             self._publish(aborted)
         return True
+
+    def _apply(self, kind: str, payload: Any, aborted: list[RequestOutput]) -> None:
+        """One command: add a request (its own error goes to its caller), run a call, or abort
+        requests (their outputs join aborted)."""
+        if kind == _ADD:
+            try:
+                self.engine.add_request(payload)
+            except (ValueError, UnknownLoraError) as exc:  # this request's, not the engine's
+                self._loop.call_soon_threadsafe(self._on_error, payload.request_id, exc)
+        elif kind == _CALL:
+            self._resolve(*payload)
+        else:
+            aborted.extend(self.engine.abort_requests(payload))
 
     def _resolve(self, fn: Callable[[Any], Any], future: asyncio.Future) -> None:
         try:

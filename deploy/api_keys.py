@@ -39,12 +39,8 @@ class ApiKeyProfile:
             )
 
 
-UNLIMITED_KEY = ApiKeyProfile(tenant="default", max_priority=-MAX_PRIORITY, admin=True)
-
-
-def keys_from_env(name: str) -> dict[str, ApiKeyProfile]:
-    """The key profiles the environment variable `name` holds as JSON (ValueError naming the
-    variable, never its content, when it is unset or malformed)."""
+def _env_value(name: str) -> str:
+    """The environment variable's value; ValueError when it is unset or empty."""
     try:
         raw = os.environ.get(name)
     except ValueError:  # a name no environment can hold (a NUL character)
@@ -57,6 +53,16 @@ def keys_from_env(name: str) -> dict[str, ApiKeyProfile]:
             "built (on a running cluster: in the environment of `ray start` on every node, not "
             "of `serve run`; docs/operations.md#where-api_keys_env-is-read)"
         )
+    return raw
+
+
+UNLIMITED_KEY = ApiKeyProfile(tenant="default", max_priority=-MAX_PRIORITY, admin=True)
+
+
+def keys_from_env(name: str) -> dict[str, ApiKeyProfile]:
+    """The key profiles the environment variable `name` holds as JSON (ValueError naming the
+    variable, never its content, when it is unset or malformed)."""
+    raw = _env_value(name)
     try:
         data = json.loads(raw)
         return {str(k): build(ApiKeyProfile, v) for k, v in dict(data).items()}
