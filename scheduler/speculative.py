@@ -17,8 +17,12 @@ MAX_SPEC_TOKENS = 16  # verifying more per step costs more than even a perfect r
 MAX_NGRAM = 64
 MAX_DRAFT_MODEL_CHARS = 4096
 MAX_SPEC_BATCH = 1 << 16  # more running requests than any replica holds
-# Acceptance estimate: an exponential average over verify steps (and over shadow proposals checked
-# against the tokens decoded without speculation), starting optimistic so each request gets tried.
+# Acceptance estimate: the mean of a request's first observed verify steps (and shadow proposals
+# checked against the tokens decoded without speculation), then an exponential average of weight
+# _EMA_WEIGHT. Before any observation it is 1.0, so each request gets tried; the first verify step
+# then replaces that guess outright. Starting the average at 1.0 instead took three verify steps
+# that accepted nothing to pass under min_acceptance_rate 0.4: the sampled chat workload, where
+# nothing is accepted, lost 4% to them (bench/results/2026-11-29-cpu-layer-driver.md).
 _EMA_WEIGHT = 0.3
 
 
@@ -73,6 +77,7 @@ class SpeculativeConfig:
 @dataclass(slots=True)
 class _Acceptance:
     rate: float = 1.0  # recent share of proposed tokens accepted
+    observed: int = 0  # verify steps and shadow checks counted in `rate`
     shadow: list[int] = field(default_factory=list)  # a proposal not run, checked as tokens come
     shadow_at: int = 0  # the request's token count when `shadow` was proposed
 
@@ -105,7 +110,9 @@ class SpecPolicy:
         if num_proposed <= 0:
             return
         acc = self._by_req.setdefault(req_id, _Acceptance())
-        acc.rate += _EMA_WEIGHT * (num_accepted / num_proposed - acc.rate)
+        acc.observed += 1
+        weight = max(_EMA_WEIGHT, 1 / acc.observed)  # a plain mean until the average takes over
+        acc.rate += weight * (num_accepted / num_proposed - acc.rate)
         acc.shadow = []
 
     def shadow(self, req_id: str, proposal: list[int], num_tokens: int) -> None:

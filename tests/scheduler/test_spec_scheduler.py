@@ -190,6 +190,21 @@ def test_a_request_with_low_acceptance_stops_speculating_and_comes_back():
     assert policy.num_tokens("a", 1) == 4
 
 
+def test_the_first_verify_step_replaces_the_optimistic_guess():
+    """A request whose first verify step accepts nothing stops at once (its proposals are costly
+    guesses); later steps average in, then move the estimate 30% each."""
+    policy = SpecPolicy(SpeculativeConfig(num_tokens=4, min_acceptance_rate=0.4))
+    policy.observe("a", 4, 0)
+    assert policy.rate("a") == 0.0 and policy.num_tokens("a", 1) == 0
+    policy.observe("b", 4, 3)
+    assert policy.rate("b") == 0.75 and policy.num_tokens("b", 1) == 4
+    policy.observe("b", 4, 1)  # the mean of the first two
+    assert policy.rate("b") == 0.5
+    policy.observe("b", 4, 4)  # the third, a third of the way
+    policy.observe("b", 4, 0)  # then 30% each
+    assert policy.rate("b") == pytest.approx(0.7 * (0.5 + (1 - 0.5) / 3))
+
+
 def test_a_shadow_waits_for_enough_decoded_tokens():
     policy = SpecPolicy(SpeculativeConfig(num_tokens=4))
     policy.shadow("a", [5, 6, 7], 2)

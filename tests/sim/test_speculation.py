@@ -74,10 +74,10 @@ def test_full_acceptance_emits_k_plus_one_tokens_a_step():
 
 
 def test_the_policy_stops_verifying_a_request_that_accepts_nothing():
-    """SpecPolicy's estimate starts at 1.0 and moves 30% towards each row's rate: three rows that
-    accept nothing take it under min_acceptance_rate 0.4, and its shadows keep it there."""
+    """SpecPolicy's estimate is 1.0 until the first verify row, which replaces it: one row that
+    accepts nothing takes it under min_acceptance_rate 0.4, and its shadows keep it there."""
     _, replica = _run(_spec([1, 0, 0, 0, 0]), 3, output_len=60)
-    assert replica.scheduler.stats().num_spec_verify_rows == 3 * 3
+    assert replica.scheduler.stats().num_spec_verify_rows == 3 * 1
 
 
 def test_no_request_verifies_in_a_batch_over_max_batch_size():
