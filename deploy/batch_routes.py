@@ -358,10 +358,22 @@ class BatchRoutes(RequestPath):
 
 def _line_request(url: str, raw: bytes, key: str | None) -> Request:
     """A batch line as the HTTP request its route reads."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        body, sent = (b"" if sent else raw), True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request(_line_scope(url, raw, key), receive)
+
+
+def _line_scope(url: str, raw: bytes, key: str | None) -> dict[str, Any]:
+    """The ASGI scope of a batch line's request: a local POST of JSON, with the batch's key."""
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     if key is not None:
         headers.append((b"authorization", f"Bearer {key}".encode()))
-    scope = {
+    return {
         "type": "http",
         "method": "POST",
         "path": url,
@@ -373,14 +385,6 @@ def _line_request(url: str, raw: bytes, key: str | None) -> Request:
         "scheme": "http",
         "http_version": "1.1",
     }
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        body, sent = (b"" if sent else raw), True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return Request(scope, receive)
 
 
 async def _json_of(response: Response) -> dict[str, Any]:

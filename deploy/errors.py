@@ -76,24 +76,27 @@ class ContextLengthError(BadRequestError):
         max_tokens: int,
         prompt_param: str = "prompt",
     ) -> None:
-        if num_prompt_tokens >= max_model_len:
-            super().__init__(
-                f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"{prompt_param} resulted in {num_prompt_tokens} tokens. Please reduce the length "
-                f"of the {prompt_param}.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-            return
-        super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            "requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-            f"{max_tokens} "
-            f"in the completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
+        message, param = _context_excess(max_model_len, num_prompt_tokens, max_tokens, prompt_param)
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+def _context_excess(
+    max_model_len: int, num_prompt_tokens: int, max_tokens: int, prompt_param: str
+) -> tuple[str, str]:
+    """OpenAI's message for a request past the context, and the field it names."""
+    if num_prompt_tokens >= max_model_len:
+        return (
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{prompt_param} resulted in {num_prompt_tokens} tokens. Please reduce the length "
+            f"of the {prompt_param}.",
+            prompt_param,
         )
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+        f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+        "max_tokens",
+    )
 
 
 def error_body(type_: str, message: str, param: str | None = None, code: str | None = None) -> dict:

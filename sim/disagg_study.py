@@ -42,27 +42,8 @@ _MIX = MixConfig()
 
 def mixed_workload(mix: MixConfig) -> list[SimRequest]:
     """Chat (tenants chat-t*) and documents (tenant doc), merged by arrival."""
-    chat = synthetic_workload(
-        WorkloadConfig(
-            num_requests=int(mix.chat_rate * mix.seconds),
-            rate=mix.chat_rate,
-            tenants=16,
-            question_len=(32, 256),
-            output_len=(128, 512),
-            seed=mix.seed,
-        )
-    )
-    docs = synthetic_workload(
-        WorkloadConfig(
-            num_requests=int(mix.doc_rate * mix.seconds),
-            rate=mix.doc_rate,
-            tenants=1,
-            system_prompt_len=0,
-            question_len=mix.doc_len,
-            output_len=(8, 32),
-            seed=mix.seed + 1,
-        )
-    )
+    chat = synthetic_workload(_chat(mix))
+    docs = synthetic_workload(_documents(mix))
     # Chat first under the priority policy (lower is more urgent); FCFS ignores it.
     merged = sorted(
         [dataclasses.replace(r, tenant="chat-" + r.tenant) for r in chat]
@@ -70,6 +51,31 @@ def mixed_workload(mix: MixConfig) -> list[SimRequest]:
         key=lambda r: r.arrival_s,
     )
     return [dataclasses.replace(r, request_id=f"r{i}") for i, r in enumerate(merged)]
+
+
+def _chat(mix: MixConfig) -> WorkloadConfig:
+    """Sixteen tenants' chats: short questions, long answers."""
+    return WorkloadConfig(
+        num_requests=int(mix.chat_rate * mix.seconds),
+        rate=mix.chat_rate,
+        tenants=16,
+        question_len=(32, 256),
+        output_len=(128, 512),
+        seed=mix.seed,
+    )
+
+
+def _documents(mix: MixConfig) -> WorkloadConfig:
+    """Long documents without a shared prefix, each asking for a short answer."""
+    return WorkloadConfig(
+        num_requests=int(mix.doc_rate * mix.seconds),
+        rate=mix.doc_rate,
+        tenants=1,
+        system_prompt_len=0,
+        question_len=mix.doc_len,
+        output_len=(8, 32),
+        seed=mix.seed + 1,
+    )
 
 
 def figures(result: SimResult, slo_ttft_s: float, slo_itl_s: float) -> dict[str, float]:

@@ -286,19 +286,11 @@ def accuracy(workload: list[SimRequest], predictions: dict[str, LengthEstimate |
     warm = [r for r in workload if predictions.get(r.request_id) is not None]
     true = [float(r.output_len) for r in warm]
     est = [predictions[r.request_id] for r in warm]
-    median = [e.median for e in est if e is not None]
     upper = [e.upper for e in est if e is not None]
-    by_tenant: dict[str, list[int]] = {}
-    for r in workload:
-        by_tenant.setdefault(r.tenant, []).append(r.output_len)
-    tenant_mean = [sum(by_tenant[r.tenant]) / len(by_tenant[r.tenant]) for r in warm]
-    overall = sorted(r.output_len for r in workload)
-    global_median = float(overall[len(overall) // 2])
     rows = {
-        "predictor (median)": median,
+        "predictor (median)": [e.median for e in est if e is not None],
         "prompt length only": [float(r.prompt_len) for r in warm],
-        "per-tenant mean (hindsight)": tenant_mean,
-        "global median (hindsight)": [global_median] * len(warm),
+        **_hindsight(workload, warm),
     }
     print(f"  accuracy on {len(warm)} requests predicted at arrival (of {len(workload)}):")
     for name, values in rows.items():
@@ -307,6 +299,20 @@ def accuracy(workload: list[SimRequest], predictions: dict[str, LengthEstimate |
         print(f"    {name:28s} tau {tau:+.3f}  MAE(log len) {mae:.3f}")
     exceeded = sum(1 for u, t in zip(upper, true) if t > u) / len(true)
     print(f"    upper quantile (0.9) exceeded by {exceeded:.1%} of requests")
+
+
+def _hindsight(workload: list[SimRequest], warm: list[SimRequest]) -> dict[str, list[float]]:
+    """The baselines that know every length: each warm request's tenant mean, the median."""
+    by_tenant: dict[str, list[int]] = {}
+    for r in workload:
+        by_tenant.setdefault(r.tenant, []).append(r.output_len)
+    tenant_mean = [sum(by_tenant[r.tenant]) / len(by_tenant[r.tenant]) for r in warm]
+    overall = sorted(r.output_len for r in workload)
+    global_median = float(overall[len(overall) // 2])
+    return {
+        "per-tenant mean (hindsight)": tenant_mean,
+        "global median (hindsight)": [global_median] * len(warm),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
