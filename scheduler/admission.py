@@ -106,13 +106,19 @@ def make_admission(
         return None
     if admission != "foresight":
         raise ValueError(f"admission: must be one of {ADMISSIONS}, got {admission!r}")
-    shared: RemainingLength | None = None
-    if isinstance(queue, SRPTQueue):
-        shared = queue.predictor
-    elif isinstance(queue, FairQueue) and queue._srpt is not None:
-        shared = queue._srpt.predictor
+    shared = _queue_predictor(queue)
     own = shared is None
     model = shared if shared is not None else predictor
     if model is None:
         model = LengthPredictor()
     return ForesightAdmission(model, num_blocks, block_size, max_model_len, own, estimate)
+
+
+def _queue_predictor(queue: WaitingQueue) -> RemainingLength | None:
+    """The length predictor the waiting queue already learns with (SRPT, or fair queueing over
+    SRPT), which admission then reads instead of learning its own; None: the queue has none."""
+    if isinstance(queue, SRPTQueue):
+        return queue.predictor
+    if isinstance(queue, FairQueue) and queue._srpt is not None:
+        return queue._srpt.predictor
+    return None

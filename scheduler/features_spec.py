@@ -68,16 +68,22 @@ class SpecDecoding(StepFeature):
             if proposal:
                 self.policy.shadow(rid, proposal, req.num_tokens)
             return 0
+        known = k if proposal is None else len(proposal)
+        return max(0, min(k, known, self._room(req)))
+
+    def _room(self, req: Request) -> int:
+        """Proposed tokens the request can take this step: within its blocks and the free ones
+        (without preempting), its max_tokens and max_model_len."""
+        sched = self.sched
         kv, bs = sched.kv, sched.kv.block_size
         # Speculation never preempts: keep a block free for each running request's own decode.
         spare = max(kv.num_free_blocks - len(sched.running), 0)
-        fits = (len(kv.blocks_of(rid)) + spare) * bs - req.num_computed_tokens - 1
+        fits = (len(kv.blocks_of(req.request_id)) + spare) * bs - req.num_computed_tokens - 1
         pending = req.num_output_placeholders  # tokens in flight count as if all were kept
         # Past max_tokens no proposal can be kept; past max_model_len it has no position.
         outputs_left = req.sampling_params.max_tokens - req.num_output_tokens - pending - 1
         positions_left = sched.max_model_len - req.num_tokens - pending
-        known = k if proposal is None else len(proposal)
-        return max(0, min(k, known, fits, outputs_left, positions_left))
+        return min(fits, outputs_left, positions_left)
 
     def after_schedule(self, step: Step, out: SchedulerOutput) -> None:
         requests, start = self.sched.requests, step.start

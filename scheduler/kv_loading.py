@@ -43,7 +43,7 @@ def land_loads(sched: Scheduler, transfers: KVTransfers, failed_blocks: list[int
     their loaded blocks computed and findable by others; from the first block that failed its
     check on, they are recomputed. A running request can be preempted, so blocks reserved this way
     can always be taken back. Returns the requests that landed."""
-    connector, kv = sched.connector, sched.kv
+    connector = sched.connector
     assert connector is not None
     failed = set(failed_blocks)
     landed = []
@@ -52,17 +52,23 @@ def land_loads(sched: Scheduler, transfers: KVTransfers, failed_blocks: list[int
         plan = connector.land(rid, failed)
         if req is None or plan is None:  # aborted while loading
             continue
-        num_hit = (plan.first + len(plan.blocks)) * kv.block_size
-        kv.register_computed_blocks(req, num_hit)
-        req.num_computed_tokens = num_hit
-        if req.num_cached_tokens is None:  # first admission: count its prefix-cache lookup
-            req.num_cached_tokens = num_hit
-            kv.record_lookup(req.num_tokens, num_hit)
-        req.status = RequestStatus.RUNNING
-        sched.running.append(req)
-        sched.landed.add(rid)
+        _admit_loaded(sched, req, (plan.first + len(plan.blocks)) * sched.kv.block_size)
         landed.append(req)
     return landed
+
+
+def _admit_loaded(sched: Scheduler, req: Request, num_hit: int) -> None:
+    """req runs (last) with its first num_hit tokens computed: the loaded blocks registered for
+    prefix hits, counted as its cache lookup at its first admission."""
+    kv = sched.kv
+    kv.register_computed_blocks(req, num_hit)
+    req.num_computed_tokens = num_hit
+    if req.num_cached_tokens is None:  # first admission: count its prefix-cache lookup
+        req.num_cached_tokens = num_hit
+        kv.record_lookup(req.num_tokens, num_hit)
+    req.status = RequestStatus.RUNNING
+    sched.running.append(req)
+    sched.landed.add(req.request_id)
 
 
 def tier_stats(connector: KVConnector | None) -> dict[str, int]:

@@ -27,6 +27,17 @@ def preempt(sched: Scheduler, victim: Request, step: Step) -> None:
     sched.loras.release(victim.spec.lora_name)
     sched.state_slots.release(rid)  # its recurrent state is dropped: it recomputes
     sched.landed.discard(rid)
+    _swap_or_free(sched, victim, step)
+    victim.num_preemptions += 1
+    sched.num_preemptions += 1
+    step.preempted.add(rid)
+    sched.waiting.prepend(victim)
+    logger.debug("preempted %s (%s)", rid, victim.status.name)
+
+
+def _swap_or_free(sched: Scheduler, victim: Request, step: Step) -> None:
+    """The victim's KV: swapped to the CPU pool when the config swaps it and the pool has room,
+    else freed (it recomputes)."""
     kv = sched.kv
     if swaps(sched.config, victim) and kv.can_swap_out(victim):
         step.swap_out.extend(kv.swap_out(victim))
@@ -35,11 +46,6 @@ def preempt(sched: Scheduler, victim: Request, step: Step) -> None:
         kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
-    victim.num_preemptions += 1
-    sched.num_preemptions += 1
-    step.preempted.add(rid)
-    sched.waiting.prepend(victim)
-    logger.debug("preempted %s (%s)", rid, victim.status.name)
 
 
 def swaps(cfg: SchedulerConfig, victim: Request) -> bool:

@@ -133,14 +133,7 @@ class EngineRequest:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id: must be a non-empty string")
         self._check_images()
-        if self.lora_name is not None:
-            check_lora_name(self.lora_name)
-        if self.lora_identity is not None:
-            if self.lora_name is None:
-                raise ValueError("lora_identity: set by the engine for a request with a lora_name")
-            check_lora_identity(self.lora_identity, self.lora_name)
-        if self.cache_salt is not None:
-            check_cache_salt(self.cache_salt)
+        self._check_cache_keys()
         if not (
             isinstance(self.priority, int)
             and not isinstance(self.priority, bool)
@@ -159,6 +152,18 @@ class EngineRequest:
                 f"output_token_ids: a resumed request must have fewer than max_tokens="
                 f"{self.sampling_params.max_tokens} outputs, got {len(self.output_token_ids)}"
             )
+
+    def _check_cache_keys(self) -> None:
+        """What seeds the request's block hashes: its adapter (name and the engine's identity of
+        its files) and its cache salt."""
+        if self.lora_name is not None:
+            check_lora_name(self.lora_name)
+        if self.lora_identity is not None:
+            if self.lora_name is None:
+                raise ValueError("lora_identity: set by the engine for a request with a lora_name")
+            check_lora_identity(self.lora_identity, self.lora_name)
+        if self.cache_salt is not None:
+            check_cache_salt(self.cache_salt)
 
     def _check_images(self) -> None:
         if not isinstance(self.images, tuple) or len(self.images) > MAX_IMAGES_PER_REQUEST:

@@ -91,22 +91,24 @@ class Step:
             rid = req.request_id
             if rid not in self.num_scheduled:  # preempted later in the step
                 continue
-            out.append(
-                NewRequestData(
-                    rid,
-                    req.prompt_token_ids,
-                    req.sampling_params,
-                    self.new_blocks[rid],
-                    self.start[rid],
-                    list(req.output_token_ids),
-                    req.eos_token_ids,
-                    req.spec.lora_name,
-                    req.spec.mm_inputs,
-                )
-            )
+            out.append(self._new_data(req))
             req.known_to_runner = True
             req.num_synced_tokens = req.num_tokens
         return out
+
+    def _new_data(self, req: Request) -> NewRequestData:
+        rid = req.request_id
+        return NewRequestData(
+            rid,
+            req.prompt_token_ids,
+            req.sampling_params,
+            self.new_blocks[rid],
+            self.start[rid],
+            list(req.output_token_ids),
+            req.eos_token_ids,
+            req.spec.lora_name,
+            req.spec.mm_inputs,
+        )
 
     def cached_request_data(self) -> CachedRequestData:
         """The diffs of the requests the runner holds: tokens it has not seen, new blocks."""
