@@ -5,9 +5,10 @@ dear. The base64 text's length before it is decoded, the bytes after; the pixel 
 header before a pixel is decoded (a 100,000 x 100,000 PNG of a few hundred bytes is refused
 without allocating, whatever PIL's own bomb check would do); PNG metadata chunks and JPEG
 metadata segments are counted from their headers (frontend/image_headers.py: a data URL's before
-its base64 is decoded) before PIL inflates or keeps them; only an animation's first frame is decoded. Each refusal is an
-`ImageRefusal`, a ValueError naming the field (`messages[0].content[1].image_url.url`) that the
-served side answers as a 400, with a short reason the metrics count by.
+its base64 is decoded) before PIL inflates or keeps them; only an animation's first frame is
+decoded. Each refusal is an `ImageRefusal`, a ValueError naming the field
+(`messages[0].content[1].image_url.url`) that the served side answers as a 400, with a short
+reason the metrics count by.
 
 `http(s)` URLs are fetched (frontend/image_fetch.py) only from the hosts the caller allows.
 """
