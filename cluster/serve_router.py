@@ -116,9 +116,7 @@ class FleetRouter(RequestRouter):
         if not candidate_replicas:
             return []
         now = self.clock()
-        by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
-        for key, replica in by_key.items():
-            self._observe_stats(key, replica.routing_stats, now)
+        by_key = self._observe_all(candidate_replicas, now)
         if pending_request is None:
             return [candidate_replicas]
         # Every candidate is in the ranking below (none of them: all reported themselves failed,
@@ -129,13 +127,30 @@ class FleetRouter(RequestRouter):
         target = _target_of(pending_request)
         if target is not None and target in by_key:  # a command for one replica (lora_admin.py)
             return [[by_key[target]]]
+        ranking = self._rank(pending_request, by_key, now)
+        return [[by_key[key]] for key in ranking]
+
+    def _observe_all(
+        self, candidates: list[RunningReplica], now: float
+    ) -> dict[str, RunningReplica]:
+        """The candidates by replica key, each one's latest routing stats applied."""
+        by_key = {r.replica_id.unique_id: r for r in candidates}
+        for key, replica in by_key.items():
+            self._observe_stats(key, replica.routing_stats, now)
+        return by_key
+
+    def _rank(
+        self, pending_request: PendingRequest, by_key: dict[str, RunningReplica], now: float
+    ) -> list[str]:
+        """The fleet's ranking of the candidates for a request, its peer pull attached to it and
+        the routing recorded in its trace when it is sampled."""
         trace = pending_request.kwargs.get("trace")  # a sampled request's (cluster/tracing.py)
         started = time.time_ns() if trace is not None else 0
         route = self.fleet.plan(route_request(pending_request), by_key, now)
         _attach_pull(pending_request, route)
         if isinstance(trace, TraceContext):
             self._record_route(trace, started, route.ranking)
-        return [[by_key[key]] for key in route.ranking]
+        return route.ranking
 
     def _record_route(self, trace: TraceContext, started: int, ranking: list[str]) -> None:
         try:
