@@ -31,7 +31,11 @@ if not torch.cuda.is_available():
 # Serve's routers skip a replica that does not answer a queue-length probe within 0.1 s. A freshly
 # started replica on this 2-core machine sometimes misses it for a few probes, and the tests that
 # check how a burst splits then see every request on the other replica. Set before Ray starts, so
-# the driver's handles and every Serve actor read it.
+# the driver's handles and every Serve actor read it. Kept after the replica's constructor stopped
+# holding its loop (bench/results/2026-11-29-replica-loop-lag.md): the probe is answered on a
+# thread of Serve's own, and on this shared machine (load average 15-37) it still waited for a
+# core: its p99 was 0.1-0.4 s with the replica's loop lag p99 at 14-39 ms. The tests were not
+# run 3 times without it at such loads (they would measure the machine); try again on a quiet one.
 os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1")
 
 import pytest
