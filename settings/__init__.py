@@ -168,16 +168,19 @@ def _checked(f: Field, kind: _Kind, value: Any) -> Any:
     if problem:
         raise ValueError(f"{f.name}: {problem}, got {shown(value)}")
     if kind.base is dict:
-        if any(not isinstance(key, str) for key in value):
-            raise ValueError(f"{f.name}: keys must be strings")
-        if kind.item is not None:
-            # Entries are named by position: a key may be a secret (api_keys).
-            return {
-                key: build(kind.item, item, f"{f.name}[{i}].")
-                for i, (key, item) in enumerate(value.items())
-            }
-        return dict(value)
+        return _checked_mapping(f, kind, value)
     return float(value) if kind.base is float else value
+
+
+def _checked_mapping(f: Field, kind: _Kind, value: Mapping[str, Any]) -> dict[str, Any]:
+    """A mapping setting: string keys, each value a config when the annotation says so."""
+    if any(not isinstance(key, str) for key in value):
+        raise ValueError(f"{f.name}: keys must be strings")
+    if kind.item is None:
+        return dict(value)
+    # Entries are named by position: a key may be a secret (api_keys).
+    items = enumerate(value.items())
+    return {key: build(kind.item, item, f"{f.name}[{i}].") for i, (key, item) in items}
 
 
 def check_settings(obj: Any) -> None:
@@ -204,6 +207,15 @@ def build(cls: type[C], data: Mapping[str, Any] | C | None, path: str = "") -> C
     if not isinstance(data, Mapping):
         where = path.removesuffix(".") or cls.__name__
         raise ValueError(f"{where}: must be a mapping, got {shown(data)}")
+    _check_keys(cls, data, path)
+    try:
+        return cls(**data)
+    except ValueError as exc:
+        raise ValueError(f"{path}{exc}") from None
+
+
+def _check_keys(cls: type, data: Mapping[str, Any], path: str) -> None:
+    """Every key of data a setting of cls, every required setting given."""
     params = {f.name: f for f in fields(cls) if f.init}
     for key in data:
         if key not in params:
@@ -212,10 +224,6 @@ def build(cls: type[C], data: Mapping[str, Any] | C | None, path: str = "") -> C
     for name, f in params.items():
         if name not in data and f.default is MISSING and f.default_factory is MISSING:
             raise ValueError(f"{path}{name}: required")
-    try:
-        return cls(**data)
-    except ValueError as exc:
-        raise ValueError(f"{path}{exc}") from None
 
 
 def _known(cls: type, key: Any) -> str:
