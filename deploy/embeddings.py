@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deploy.errors import BadRequestError, ReplicaUnavailableError, RequestFailedError
 from deploy.generation import _route_as_own_request
+from scheduler.outputs import RequestOutput
 from scheduler.request import MAX_PRIORITY, MAX_TENANT_CHARS, EngineRequest
 
 # OpenAI's bound on the inputs of one request.
@@ -97,13 +98,8 @@ async def embed_one(replica: Any, request: EngineRequest) -> list[float]:
     done = False
     try:
         async for out in response:  # read to its end, so the replica's call is over
-            if not out.finished:
-                continue
-            if out.finish_reason == "error":
-                raise RequestFailedError(request.request_id, out.error)
-            if out.finish_reason == "abort":  # handed back by a draining replica
-                raise ReplicaUnavailableError(request.request_id, 0)
-            vector = out.pooled
+            if out.finished:
+                vector = _pooled(out, request.request_id)
         done = True
     finally:
         if not done:
@@ -111,6 +107,15 @@ async def embed_one(replica: Any, request: EngineRequest) -> list[float]:
     if vector is None:
         raise RequestFailedError(request.request_id, "finished without its embedding")
     return vector
+
+
+def _pooled(out: RequestOutput, request_id: str) -> list[float] | None:
+    """A finished output's vector; a failed or handed-back request raises."""
+    if out.finish_reason == "error":
+        raise RequestFailedError(request_id, out.error)
+    if out.finish_reason == "abort":  # handed back by a draining replica
+        raise ReplicaUnavailableError(request_id, 0)
+    return out.pooled
 
 
 def check_fits(num_tokens: int, max_model_len: int, index: int) -> None:
