@@ -21,7 +21,7 @@ from scheduler.speculative import SpeculativeConfig
 from sim.cost import load_profile
 from sim.fleet import FleetSim
 from sim.fleet_config import SimConfig
-from sim.metrics import percentile
+from sim.metrics import RequestRecord, percentile
 from sim.speculation import AcceptanceConfig, SpecSimConfig
 from sim.workload import SimRequest
 
@@ -37,11 +37,7 @@ def run(profile: str, size: int, spec: SpecSimConfig | None, output_len: int) ->
     done = result.records
     tokens = sum(r.num_output_tokens for r in done)
     end = max(r.finish_s or 0.0 for r in done)
-    tpot = [
-        (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
-        for r in done
-        if r.finish_s is not None and r.first_token_s is not None and r.num_output_tokens > 1
-    ]
+    tpot = _tpots(done)
     stats = sim.replicas[0].scheduler.stats()
     proposed, accepted = stats.num_spec_proposed_tokens, stats.num_spec_accepted_tokens
     rows = stats.num_spec_verify_rows
@@ -54,13 +50,19 @@ def run(profile: str, size: int, spec: SpecSimConfig | None, output_len: int) ->
     }
 
 
+def _tpots(done: list[RequestRecord]) -> list[float]:
+    """Each request's time per output token after its first (those with more than one)."""
+    return [
+        (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
+        for r in done
+        if r.finish_s is not None and r.first_token_s is not None and r.num_output_tokens > 1
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     a = _parser().parse_args(argv)
     k = a.num_tokens
-    if a.accept_probs:
-        acceptance = AcceptanceConfig(tuple(float(x) for x in a.accept_probs.split(",")), a.seed)
-    else:
-        acceptance = AcceptanceConfig.per_token(a.accept_rate, k, a.seed)
+    acceptance = _acceptance(a)
     print(
         f"k = {k}, acceptance P(accepted length 0..{k}) = "
         f"{', '.join(f'{x / sum(acceptance.probs):.3f}' for x in acceptance.probs[: k + 1])}"
@@ -75,6 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     for profile in a.profiles:
         for size in a.batches:
             _print_rows(a, profile, size, engines)
+
+
+def _acceptance(a: argparse.Namespace) -> AcceptanceConfig:
+    """--accept-probs as given, else --accept-rate per proposed token."""
+    if a.accept_probs:
+        return AcceptanceConfig(tuple(float(x) for x in a.accept_probs.split(",")), a.seed)
+    return AcceptanceConfig.per_token(a.accept_rate, a.num_tokens, a.seed)
 
 
 def _parser() -> argparse.ArgumentParser:
