@@ -32,10 +32,11 @@ if not torch.cuda.is_available():
 # started replica on this 2-core machine sometimes misses it for a few probes, and the tests that
 # check how a burst splits then see every request on the other replica. Set before Ray starts, so
 # the driver's handles and every Serve actor read it. Kept after the replica's constructor stopped
-# holding its loop (bench/results/2026-11-29-replica-loop-lag.md): the probe is answered on a
-# thread of Serve's own, and on this shared machine (load average 15-37) it still waited for a
-# core: its p99 was 0.1-0.4 s with the replica's loop lag p99 at 14-39 ms. The tests were not
-# run 3 times without it at such loads (they would measure the machine); try again on a quiet one.
+# holding its loop (bench/results/2026-11-29-replica-loop-lag.md): what misses the probe here is
+# the machine, not LLMReplica. At 0.1 s, test_serve_router.py's toy StreamingReplica (no engine,
+# a few lines of asyncio) missed it too and its burst split 2/14; the probe is answered on a
+# thread of Serve's own, and the router's deadline runs on the caller's loop, each waiting for a
+# core when the load average is far above 2.
 os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1")
 
 import pytest
