@@ -126,12 +126,12 @@ class LLMReplica:
             self.phase.handoffs[rid] = handoff
         if trace is not None:  # the engine records its phases (engine/tracing.py)
             self.engine.tracer.watch(rid, time.time_ns())
-        if pull is not None and self.pulls is not None:
-            await self.pulls.start(request, pull)  # failed or not worth it: computed here
-        self._loop_thread.add(request)  # end-of-turn ids: the engine fills in the model's
         finished = False
         output: RequestOutput | None = None
-        try:
+        try:  # a pull's wait is cancelled as the stream is: the stream goes, the ids are aborted
+            if pull is not None and self.pulls is not None:
+                await self.pulls.start(request, pull)  # failed or not worth it: computed here
+            self._loop_thread.add(request)  # end-of-turn ids: the engine fills in the model's
             while not finished:
                 output = await stream.next()
                 finished = output.finished

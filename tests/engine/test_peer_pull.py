@@ -2,7 +2,9 @@
 holds a context, engine B pulls the blocks of it that A still holds instead of computing them.
 B's tokens equal A's, the pulled blocks count as B's prefix hits, and a pull that finds the blocks
 evicted, or whose transfer is lost or damaged, is computed with the same tokens; no block,
-transfer or expectation is left held on either side."""
+transfer or expectation is left held on either side. A request on B that joined another's pull
+is held until that pull lands (a prefix hit, one copy loaded) or fails or is aborted (computed):
+the same tokens either way, and an aborted wait leaves nothing held."""
 
 from __future__ import annotations
 
@@ -148,3 +150,87 @@ def test_a_failed_pull_is_computed_with_the_same_tokens(peers, damage):
     assert got == expected and b_hit == 0
     assert pulls.sink.connector.num_remote_failed > failed
     assert_nothing_held(peers)
+
+
+# ---- joins: a request whose blocks another request on the replica is pulling waits for them ----
+
+
+def joined_pair(peers, seed: int, damage=None):
+    """(lead, joined, their tokens on A): two forks of one context A holds, both on B, the lead
+    pulling the context from A (its transfer damaged if asked) and the joined one held behind it."""
+    source, pulls, transport = peers
+    first, lead, joined = forks(seed, 3)
+    run(source.engine, first)  # A holds the context (and first's own blocks)
+    expected = {r.request_id: run(source.engine, r)[0] for r in (lead, joined)}
+    context = hash_prompt_blocks(lead.prompt_token_ids, BLOCK)[:CONTEXT_BLOCKS]
+    handle = source.export(context, 0)
+    assert handle is not None
+    if damage is not None:
+        damage(transport, handle)
+    engine = pulls.engine
+    engine.phase.handoffs[lead.request_id] = handle  # as ReplicaPulls.start names them
+    engine.joins[joined.request_id] = lead.request_id
+    engine.add_request(lead)
+    engine.add_request(joined)
+    assert set(engine.held) == {joined.request_id}  # outside the scheduler until the lead lands
+    assert joined.request_id not in pulls.sink.engine.scheduler.requests
+    return lead, joined, expected
+
+
+def finish_all(engine) -> dict[str, tuple[list[int], int]]:
+    """Each request's (tokens, prefix-cache hit in tokens), run to the end."""
+    got: dict[str, tuple[list[int], int]] = {}
+    for out in drain(engine):
+        tokens, _ = got.get(out.request_id, ([], 0))
+        got[out.request_id] = (tokens + out.new_token_ids, out.num_cached_tokens)
+    return got
+
+
+def assert_no_join_held(peers) -> None:
+    engine = peers[1].engine
+    assert engine.held == {} and engine.joins == {} and engine.phase.handoffs == {}
+    assert_nothing_held(peers)
+
+
+def test_a_joined_request_loads_nothing_and_finds_the_leads_blocks_as_a_prefix_hit(peers):
+    pulls = peers[1]
+    loaded, held = pulls.sink.connector.num_remote_loaded, pulls.engine.num_held
+    lead, joined, expected = joined_pair(peers, 6)
+    got = finish_all(pulls.engine)
+    assert {rid: tokens for rid, (tokens, _) in got.items()} == expected
+    # The context crossed once, for the lead; the joined fork found it on the device.
+    assert pulls.sink.connector.num_remote_loaded - loaded == CONTEXT_BLOCKS
+    assert got[lead.request_id][1] == got[joined.request_id][1] == CONTEXT_BLOCKS * BLOCK
+    assert pulls.engine.num_held - held == 1
+    assert_no_join_held(peers)
+
+
+def test_the_leads_pull_failing_makes_the_joined_request_compute_the_same_tokens(peers):
+    pulls = peers[1]
+    failed = pulls.sink.connector.num_remote_failed
+    lead, joined, expected = joined_pair(peers, 7, damage=lose)
+    got = finish_all(pulls.engine)
+    assert {rid: tokens for rid, (tokens, _) in got.items()} == expected
+    assert pulls.sink.connector.num_remote_failed - failed == CONTEXT_BLOCKS
+    # Let go when the lead landed with nothing, both compute the context in the same step.
+    assert got[lead.request_id][1] == got[joined.request_id][1] == 0
+    assert_no_join_held(peers)
+
+
+def test_an_aborted_lead_lets_the_joined_request_compute_and_an_aborted_wait_leaks_nothing(peers):
+    pulls = peers[1]
+    engine = pulls.engine
+    lead, joined, expected = joined_pair(peers, 8)
+    outs = engine.abort_requests([lead.request_id])  # the lead's client went away
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(lead.request_id, "abort")]
+    assert engine.held == {}  # the joined request was let go at once: it computes
+    got = finish_all(engine)
+    assert got[joined.request_id][0] == expected[joined.request_id]
+    assert_no_join_held(peers)
+    # The joined request's own client goes away while it waits: it is dropped from the hold.
+    lead, joined, expected = joined_pair(peers, 9)
+    outs = engine.abort_requests([joined.request_id])
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(joined.request_id, "abort")]
+    got = finish_all(engine)
+    assert set(got) == {lead.request_id} and got[lead.request_id][0] == expected[lead.request_id]
+    assert_no_join_held(peers)
