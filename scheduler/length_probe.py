@@ -116,7 +116,11 @@ class HiddenStateProbe:
         self.num_observed += 1
         if self.num_observed % REFRESH == 0:
             self._refit()
-            return
+        else:
+            self._rank_one_update(z, y)
+
+    def _rank_one_update(self, z: list[float], y: float) -> None:
+        """The inverse and the weights after one observation (z, y), without a refit."""
         # Sherman-Morrison: (G + z z^T)^-1 = P - (P z)(P z)^T / (1 + z^T P z), P symmetric.
         pz = _matvec(self._inverse, z)
         scale = 1.0 / (1.0 + sum(a * b for a, b in zip(z, pz)))
@@ -138,10 +142,7 @@ class HiddenStateProbe:
         if z is None:
             return None
         mean = self._log_length(z)
-        if self._spread is None:  # the residuals' quantiles, until the next observation
-            ordered = sorted(self._residuals)
-            self._spread = (_quantile(ordered, 0.5), _quantile(ordered, self.config.quantile))
-        mid, high = self._spread
+        mid, high = self._residual_spread()
         median = math.exp(min(mean + mid, 50.0))
         upper = math.exp(min(mean + high, 50.0))
         left = max(1, max_tokens - generated)
@@ -151,6 +152,13 @@ class HiddenStateProbe:
         return LengthEstimate(
             min(median - generated, left), min(max(upper, median) - generated, left)
         )
+
+    def _residual_spread(self) -> tuple[float, float]:
+        """The residuals' median and configured quantile, kept until the next observation."""
+        if self._spread is None:
+            ordered = sorted(self._residuals)
+            self._spread = (_quantile(ordered, 0.5), _quantile(ordered, self.config.quantile))
+        return self._spread
 
     def state(self) -> dict[str, object]:
         """What it has learned, as plain lists (scheduler/length_state.py saves it)."""

@@ -98,14 +98,7 @@ class LengthStateFile:
     def save(self) -> bool:
         """Write the predictor's state atomically; False (logged) when it could not be written."""
         model = self.model
-        state = {
-            "version": STATE_VERSION,
-            "source": self.source,
-            "dim": model.dim,
-            "num_observed": model.num_observed,
-            "groups": model.groups.state(),
-            "probe": model.probe.state() if model.probe is not None else None,
-        }
+        state = self._state()
         directory = os.path.dirname(os.path.abspath(self.path))
         tmp = None
         try:
@@ -120,6 +113,18 @@ class LengthStateFile:
             return False
         self._saved_at = model.num_observed
         return True
+
+    def _state(self) -> dict[str, object]:
+        """The file's JSON: the version and source it was written for, the predictor's state."""
+        model = self.model
+        return {
+            "version": STATE_VERSION,
+            "source": self.source,
+            "dim": model.dim,
+            "num_observed": model.num_observed,
+            "groups": model.groups.state(),
+            "probe": model.probe.state() if model.probe is not None else None,
+        }
 
     def maybe_save(self) -> None:
         """Save when SAVE_EVERY more requests have finished since the last save."""
