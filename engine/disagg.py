@@ -126,13 +126,7 @@ class PrefillSide:
         hashes = hash_prompt_blocks(
             tokens, engine.config.block_size, lora_name=request.lora_key, salt=request.cache_salt
         )
-        cached = engine.scheduler.kv.pool.cached
-        blocks = []
-        for h in hashes:
-            block = cached.get(h)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = engine.scheduler.kv.pool.cached_run(hashes)
         return hashes[: len(blocks)], blocks
 
     def payload(self, request: EngineRequest) -> KVPayload | None:

@@ -20,7 +20,7 @@ from engine.multimodal import chat_images, prompt_with_images
 from frontend.chat import ChatOptions
 from frontend.detokenizer import TextStream
 from frontend.frontend import Frontend
-from scheduler.outputs import TokenLogprobs
+from scheduler.outputs import RequestOutput, TokenLogprobs
 from scheduler.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from workers.grammar_sandbox import GrammarSandbox, TokenizerSpec
@@ -217,17 +217,7 @@ class LLM:
                 rid = f"llm-{next(self._ids)}"
                 self.engine.add_request(EngineRequest(rid, ids, params))
                 vectors[rid] = None
-            live = set(vectors)
-            while live:
-                for ro in self.engine.step():
-                    if ro.request_id in live and ro.finished:
-                        if ro.pooled is None:
-                            raise RuntimeError(
-                                f"{ro.request_id}: finished ({ro.finish_reason}) "
-                                f"without its embedding: {ro.error}"
-                            )
-                        vectors[ro.request_id] = ro.pooled
-                        live.discard(ro.request_id)
+            self._pool_all(vectors)
         finally:
             left = [rid for rid, v in vectors.items() if v is None]
             if left:
@@ -277,6 +267,20 @@ class LLM:
                     self.engine.abort_requests(list(live))
         return list(outputs.values())
 
+    def _pool_all(self, vectors: dict[str, list[float] | None]) -> None:
+        """Step the engine until every request of `vectors` has finished with its embedding."""
+        live = set(vectors)
+        while live:
+            for ro in self.engine.step():
+                if ro.request_id in live and ro.finished:
+                    if ro.pooled is None:
+                        raise RuntimeError(
+                            f"{ro.request_id}: finished ({ro.finish_reason}) "
+                            f"without its embedding: {ro.error}"
+                        )
+                    vectors[ro.request_id] = ro.pooled
+                    live.discard(ro.request_id)
+
     def _step(self, outputs: dict[str, GenerationOutput], texts: dict[str, TextStream]) -> set[str]:
         """One engine step: tokens and text for each request; the ids of those that finished (a
         stop string finishes its request here, and the engine aborts it)."""
@@ -285,12 +289,7 @@ class LLM:
             out = outputs.get(ro.request_id)
             if out is None or ro.request_id not in texts:
                 continue
-            out.token_ids.extend(ro.new_token_ids)
-            out.num_cached_tokens = ro.num_cached_tokens
-            if out.logprobs is not None and ro.new_logprobs:
-                out.logprobs.extend(ro.new_logprobs)
-            if ro.prompt_logprobs is not None and out.prompt_logprobs is None:
-                out.prompt_logprobs = [None, *ro.prompt_logprobs]
+            _record(out, ro)
             text = texts[ro.request_id]
             text.feed(ro.new_token_ids, ro.finished, ro.finished and ro.finish_reason == "stop")
             if text.stopped or ro.finished:
@@ -350,3 +349,13 @@ def _params_per_prompt(
                 "repeat the prompt instead"
             )
     return params
+
+
+def _record(out: GenerationOutput, ro: RequestOutput) -> None:
+    """A step's tokens, logprobs and cached-token count of one request, added to its output."""
+    out.token_ids.extend(ro.new_token_ids)
+    out.num_cached_tokens = ro.num_cached_tokens
+    if out.logprobs is not None and ro.new_logprobs:
+        out.logprobs.extend(ro.new_logprobs)
+    if ro.prompt_logprobs is not None and out.prompt_logprobs is None:
+        out.prompt_logprobs = [None, *ro.prompt_logprobs]
