@@ -17,7 +17,7 @@ from engine.core import EngineCore
 from engine.peer_pull import PeerPulls, PeerSource
 from scheduler import EngineRequest, SamplingParams, hash_prompt_blocks
 from scheduler.outputs import RequestOutput
-from workers.kv_transfer import InProcessTransport
+from workers.kv_transfer import InProcessTransport, TransferHandle
 
 BLOCK = 16
 CONTEXT_BLOCKS = 4
@@ -233,4 +233,25 @@ def test_an_aborted_lead_lets_the_joined_request_compute_and_an_aborted_wait_lea
     assert [(o.request_id, o.finish_reason) for o in outs] == [(joined.request_id, "abort")]
     got = finish_all(engine)
     assert set(got) == {lead.request_id} and got[lead.request_id][0] == expected[lead.request_id]
+    assert_no_join_held(peers)
+
+
+def test_a_hold_past_the_pull_timeout_lets_the_joined_request_compute(peers):
+    source, pulls, _ = peers
+    engine = pulls.engine
+    (fork,) = forks(10, 1)
+    expected, _ = run(source.engine, fork)
+    # Its lead named a transfer it has not added yet (still in the replica's hands).
+    engine.phase.handoffs["lead"] = TransferHandle("k", [1])
+    engine.joins[fork.request_id] = "lead"
+    engine.add_request(fork)
+    assert set(engine.held) == {fork.request_id}
+    clock = engine.clock
+    engine.clock = lambda: clock() + engine.timeout_s  # the hold's deadline has come
+    try:
+        got = finish_all(engine)
+    finally:
+        engine.clock = clock
+        engine.phase.handoffs.pop("lead")
+    assert got[fork.request_id] == (expected, 0)
     assert_no_join_held(peers)
