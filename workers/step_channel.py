@@ -101,7 +101,13 @@ class StepServer:
                     return
                 if kind == STOP:
                     return
-                self._answer(conn, payload)
+                try:
+                    self._answer(conn, payload)
+                except OSError:
+                    # The executor left with steps still posted (an engine shut down with
+                    # micro-batches in flight): their answers have nowhere to go.
+                    logger.info("step channel closed by the executor with a step unanswered")
+                    return
 
     def _accept(self) -> socket.socket:
         """The first connection that presents the token; any other is dropped."""

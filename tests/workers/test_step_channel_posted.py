@@ -71,3 +71,33 @@ def test_collecting_a_step_no_rank_answers_times_out_naming_the_first_silent_ran
     finally:
         hold.set()
         client.close()
+
+
+def test_a_rank_whose_executor_leaves_with_steps_posted_stops_quietly():
+    """An engine shut down with micro-batches in flight closes the channel while the rank still
+    runs posted steps (and its worker is being shut down, so they fail): the answers have nowhere
+    to go, and the rank's server thread ends without an exception, not with a traceback in the
+    log of every replica that stops."""
+    started, release = threading.Event(), threading.Event()
+
+    def execute(payload):
+        started.set()
+        release.wait(10)
+        raise RuntimeError("rank 1: load_model() must run first")
+
+    server = StepServer("127.0.0.1", execute)
+    client = StepClient([server.address])
+    escaped: list[BaseException | None] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: escaped.append(args.exc_value)
+    try:
+        for payload in (b"k", b"k+1", b"k+2"):
+            client.post(payload, timeout_s=10)
+        assert started.wait(10)
+        client.close()
+        release.set()
+        server._thread.join(10)
+        assert not server._thread.is_alive()
+        assert escaped == []
+    finally:
+        threading.excepthook = hook
