@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.layers.backends.triton_tiles import rows_times_weight
+
 
 @triton.jit
 def _slot_rows(index_ptr, group, BLOCK_M: tl.constexpr):
@@ -54,23 +56,11 @@ def _shrink_kernel(
     slot, offs_m, in_group, rows = _slot_rows(index_ptr, group, BLOCK_M)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < width
-    offs_k = tl.arange(0, BLOCK_K)
     a = a_ptr + slot.to(tl.int64) * stride_as
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        kk = k0 + offs_k
-        mask_k = kk < in_features
-        xs = tl.load(
-            x_ptr + rows[:, None] * stride_xt + kk[None, :],
-            mask=in_group[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            a + offs_r[None, :] * stride_ar + kk[:, None],
-            mask=mask_k[:, None] & mask_r[None, :],
-            other=0.0,
-        )
-        acc += tl.dot(xs, w, input_precision=PRECISION)
+    acc = rows_times_weight(
+        x_ptr, rows, stride_xt, in_group, a, offs_r, stride_ar, mask_r, in_features,
+        BLOCK_M, BLOCK_R, BLOCK_K, PRECISION,
+    )  # fmt: skip
     dt = xa_ptr.dtype.element_ty
     out = acc.to(dt)
     if HAS_VALID:  # padding rows' updates are zero, as the torch path's mul by `valid`

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.layers.backends.triton_tiles import row_tile, rows_times_weight
 from workers.layers.moe_align import ExpertBlocks, align_by_expert
 
 
@@ -25,17 +26,6 @@ def _block_rows(rows_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
     """The (token, expert) pair rows of this block, and which are real (not padding)."""
     rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     return rows, rows < num_pairs
-
-
-@triton.jit
-def _row_tile(ptr, rows, stride, kk, valid, mask_k):
-    """Columns kk of the given rows of a row-major matrix (padding rows and columns past the
-    end read as 0)."""
-    return tl.load(
-        ptr + rows[:, None] * stride + kk[None, :],
-        mask=valid[:, None] & mask_k[None, :],
-        other=0.0,
-    )
 
 
 @triton.jit
@@ -73,7 +63,7 @@ def _gate_up_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < hidden
-        a = _row_tile(x_ptr, tokens, stride_xt, kk, valid, mask_k)
+        a = row_tile(x_ptr, tokens, stride_xt, kk, valid, mask_k)
         w_mask = mask_k[:, None] & mask_n[None, :]
         w_gate = tl.load(w + offs_n[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(
@@ -119,19 +109,11 @@ def _down_kernel(
     rows, valid = _block_rows(rows_ptr, block, num_pairs, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
     w = w_ptr + expert.to(tl.int64) * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        kk = k0 + offs_k
-        mask_k = kk < inter
-        a = _row_tile(h_ptr, rows, stride_ht, kk, valid, mask_k)
-        b = tl.load(
-            w + offs_n[None, :] * stride_wn + kk[:, None],
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-        acc += tl.dot(a, b, input_precision=PRECISION)
+    acc = rows_times_weight(
+        h_ptr, rows, stride_ht, valid, w, offs_n, stride_wn, mask_n, inter,
+        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+    )  # fmt: skip
     dt = out_ptr.dtype.element_ty
     scale = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(dt).to(tl.float32)
     y = acc.to(dt).to(tl.float32) * scale[:, None]
