@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from workers.kv_fp8 import write_kv_fp8
 from workers.layers.backend_choice import KERNEL_LIBRARIES, BackendInputs, choose_backend
@@ -172,13 +172,8 @@ class AttentionBackend(Protocol):
         """Derive per-step state (gather indices, masks) into meta.backend_state."""
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: LayerKV,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (already written to kv's caches) -> [T, Hq, D]."""
 
 

@@ -19,9 +19,9 @@ _PAGED_MIN_BLOCK = 256
 
 @dataclass(slots=True)
 class _FlashState:
-    cu_seqlens_k: torch.Tensor  # [B + 1] int32
-    max_seqlen_q: int
-    max_seqlen_k: int
+    # flash_attn_varlen_func's arguments that are the step's (the same for every layer):
+    # cu_seqlens_q/k, max_seqlen_q/k and causal; built once in `prepare`.
+    step_args: dict[str, object]
     context_slots: torch.Tensor | None  # [sum(seq_lens)] flat cache slots; None when paged
 
 
@@ -41,7 +41,14 @@ class FlashAttnBackend:
             row = torch.repeat_interleave(torch.arange(meta.num_reqs, device=dev), seq_lens)
             pos = torch.arange(row.numel(), device=dev) - (cu_k[:-1].long())[row]
             slots = meta.block_tables[row, pos // bs].long() * bs + pos % bs
-        meta.backend_state = _FlashState(cu_k, meta.max_query_len, meta.max_seq_len, slots)
+        step_args: dict[str, object] = {
+            "cu_seqlens_q": meta.query_start_loc,
+            "cu_seqlens_k": cu_k,
+            "max_seqlen_q": meta.max_query_len,
+            "max_seqlen_k": meta.max_seq_len,
+            "causal": True,
+        }
+        meta.backend_state = _FlashState(step_args, slots)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, kv: LayerKV
@@ -61,22 +68,18 @@ class FlashAttnBackend:
                 "(Gemma 3); use triton or torch"
             )
         st: _FlashState = meta.backend_state
-        common = dict(
-            cu_seqlens_q=meta.query_start_loc,
-            cu_seqlens_k=st.cu_seqlens_k,
-            max_seqlen_q=st.max_seqlen_q,
-            max_seqlen_k=st.max_seqlen_k,
-            softmax_scale=p.scale,
-            causal=True,
-            # flash-attn's left window counts the keys before the query's own position.
-            window_size=(window - 1 if window else -1, 0 if window else -1),
-            softcap=p.softcap or 0.0,  # flash-attn's tanh cap, the same formula (0: none)
-        )
+        # flash-attn's left window counts the keys before the query's own position; its tanh cap
+        # is the same formula (0: none).
+        layer_args = {
+            "softmax_scale": p.scale,
+            "window_size": (window - 1 if window else -1, 0 if window else -1),
+            "softcap": p.softcap or 0.0,
+        }
         if st.context_slots is None:
             return flash_attn_varlen_func(
-                q, k_cache, v_cache, block_table=meta.block_tables, **common
+                q, k_cache, v_cache, block_table=meta.block_tables, **st.step_args, **layer_args
             )
         hk, d = k_cache.shape[2], k_cache.shape[3]
         k_ctx = k_cache.view(-1, hk, d).index_select(0, st.context_slots)
         v_ctx = v_cache.view(-1, hk, d).index_select(0, st.context_slots)
-        return flash_attn_varlen_func(q, k_ctx, v_ctx, **common)
+        return flash_attn_varlen_func(q, k_ctx, v_ctx, **st.step_args, **layer_args)
