@@ -85,6 +85,21 @@ def check_draft_model(
     return draft_dir
 
 
+@dataclass(frozen=True, slots=True)
+class ProposerSetup:
+    """What a proposer model (a draft model, an MTP layer) is built for, beside its weights: the
+    target's dtype, device, block size, context and attention backend, and the speculation's
+    size (workers/features/draft.py `proposer_setup` reads it from the runner's config)."""
+
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+    max_model_len: int
+    attention_backend: str
+    num_tokens: int  # tokens proposed per step
+    max_rows: int  # rows that may propose in one step
+
+
 @dataclass(slots=True)
 class DraftRow:
     """One request of a step, as the draft sees it."""
@@ -100,43 +115,27 @@ class DraftRow:
 class DraftModel:
     """Rank 0's draft model, its paged KV, and the proposal chain."""
 
-    def __init__(
-        self,
-        model_dir: str,
-        gguf_file: str | None,
-        dtype: torch.dtype,
-        device: torch.device,
-        block_size: int,
-        max_model_len: int,
-        attention_backend: str,
-        num_tokens: int,
-        max_rows: int,
-    ) -> None:
+    def __init__(self, model_dir: str, gguf_file: str | None, setup: ProposerSetup) -> None:
         with single_rank():
             hf_config = AutoConfig.from_pretrained(model_dir)
-            model = load_model(model_dir, hf_config, dtype, device, max_model_len, False, gguf_file)
-        self._bind(model, dtype, device, block_size, max_model_len, attention_backend)
-        self.num_tokens, self.max_rows = num_tokens, max_rows  # rows that may propose in one step
-        # Blocks past the allocated ones one row may need: its last token's and k proposed.
-        self.scratch_per_row = num_tokens // block_size + 2
+            dtype, device, max_len = setup.dtype, setup.device, setup.max_model_len
+            model = load_model(model_dir, hf_config, dtype, device, max_len, False, gguf_file)
+        self._bind(model, setup)
 
-    def _bind(
-        self,
-        model: Any,
-        dtype: torch.dtype,
-        device: torch.device,
-        block_size: int,
-        max_model_len: int,
-        attention_backend: str,
-    ) -> None:
+    def _bind(self, model: Any, setup: ProposerSetup) -> None:
         """Hold a built proposer model: its attention layers bound to the backend, its KV spec
         (the KV cache comes with init_kv_cache)."""
-        self.model, self.device, self.block_size = model, device, block_size
-        self.max_model_len = max_model_len
+        self.model, self.device, self.block_size = model, setup.device, setup.block_size
+        self.max_model_len = setup.max_model_len
+        self.num_tokens, self.max_rows = setup.num_tokens, setup.max_rows
+        # Blocks past the allocated ones one row may need: its last token's and k proposed.
+        self.scratch_per_row = setup.num_tokens // setup.block_size + 2
         self.layers = self.model.attention_layers()
         # The target's rule, MLA's included (workers/layers/mla.py): one function for both.
-        self.backend = bind_backend(self.layers, device, attention_backend, dtype, block_size)
-        self.kv_spec = KVCacheSpec.of(self.layers, block_size, dtype)
+        self.backend = bind_backend(
+            self.layers, setup.device, setup.attention_backend, setup.dtype, setup.block_size
+        )
+        self.kv_spec = KVCacheSpec.of(self.layers, setup.block_size, setup.dtype)
         self.kv_cache: KVCache | None = None
         self.num_blocks = 0  # the scheduler's pool; scratch blocks follow it
 
@@ -220,10 +219,11 @@ class DraftModel:
         width = max(max((len(t) for t in tables), default=1), 1)
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
-    def _forward(
+    def _inputs(
         self, tokens: list[int], starts: list[int], query_lens: list[int], tables: torch.Tensor
-    ) -> list[int]:
-        """The draft's greedy token after each row's last query token."""
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A proposer forward's metadata (prepared for the backend), positions and input ids of
+        rows that feed query_lens[i] tokens from starts[i], and each row's last token index."""
         dev = self.device
         width = -(-max(s + n for s, n in zip(starts, query_lens)) // self.block_size)
         meta, positions = AttentionMetadata.from_tables(
@@ -232,6 +232,13 @@ class DraftModel:
         self.backend.prepare(meta)
         input_ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
         last = torch.tensor(meta.query_start_loc_cpu[1:], dtype=torch.long, device=dev) - 1
+        return meta, positions, input_ids, last
+
+    def _forward(
+        self, tokens: list[int], starts: list[int], query_lens: list[int], tables: torch.Tensor
+    ) -> list[int]:
+        """The draft's greedy token after each row's last query token."""
+        meta, positions, input_ids, last = self._inputs(tokens, starts, query_lens, tables)
         with single_rank():
             hidden = self.model(input_ids, positions, meta)
             logits = self.model.compute_logits(hidden[last])

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from workers.draft import DraftModel
-from workers.layers.attention import AttentionMetadata
+from workers.draft import DraftModel, ProposerSetup
 from workers.loader import iterate_weights
 from workers.models.deepseek_mtp import DeepseekMTP
 from workers.parallel import single_rank
@@ -41,22 +40,10 @@ class MTPRow:
 class MTPModel(DraftModel):
     """Rank 0's MTP layer, its paged KV and the proposal chain."""
 
-    def __init__(
-        self,
-        model_dir: str,
-        dtype: torch.dtype,
-        device: torch.device,
-        block_size: int,
-        max_model_len: int,
-        attention_backend: str,
-        num_tokens: int,
-        max_rows: int,
-    ) -> None:
+    def __init__(self, model_dir: str, setup: ProposerSetup) -> None:
         with single_rank():
-            model = build_mtp(model_dir, dtype, device, max_model_len)
-        self._bind(model, dtype, device, block_size, max_model_len, attention_backend)
-        self.num_tokens, self.max_rows = num_tokens, max_rows
-        self.scratch_per_row = num_tokens // block_size + 2
+            model = build_mtp(model_dir, setup.dtype, setup.device, setup.max_model_len)
+        self._bind(model, setup)
 
     def propose_mtp(self, rows: list[MTPRow]) -> list[list[int]]:
         """Catch every row up, then propose for the rows that ask; per row, its proposal."""
@@ -117,16 +104,9 @@ class MTPModel(DraftModel):
         tables: torch.Tensor,
     ) -> tuple[list[int], torch.Tensor]:
         """The greedy token after each row's last position, and the MTP's output there."""
-        dev = self.device
-        width = -(-max(s + n for s, n in zip(starts, query_lens)) // self.block_size)
-        meta, positions = AttentionMetadata.from_tables(
-            starts, query_lens, tables[:, :width].contiguous(), self.block_size, dev
-        )
-        self.backend.prepare(meta)
-        input_ids = torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True)
-        last = torch.tensor(meta.query_start_loc_cpu[1:], dtype=torch.long, device=dev) - 1
+        meta, positions, input_ids, last = self._inputs(tokens, starts, query_lens, tables)
         with single_rank():
-            out = self.model(input_ids, positions, meta, hidden.to(dev))[last]
+            out = self.model(input_ids, positions, meta, hidden.to(self.device))[last]
             logits = self.model.compute_logits(out)
         assert logits is not None  # rank 0 of 1 holds the whole vocabulary
         return logits.argmax(dim=-1).tolist(), out

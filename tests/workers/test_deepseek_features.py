@@ -17,7 +17,7 @@ from engine.llm import LLM, GenerationOutput
 from scheduler import SamplingParams
 from tests.random_checkpoint import TINY_DEEPSEEK, write_random_checkpoint
 from tests.workers.greedy import assert_greedy_match, hf_greedy
-from workers.draft import DraftModel
+from workers.draft import DraftModel, ProposerSetup
 from workers.features.draft import DraftFeature
 
 pytestmark = pytest.mark.slow
@@ -141,8 +141,8 @@ def test_a_latent_draft_refuses_a_backend_latent_rows_cannot_run(deepseek):
     """The draft applies the target's latent rule (workers/layers/mla.py bind_backend), so a
     latent draft on the Triton backend is refused by name, as its target would be."""
     with pytest.raises(ValueError, match="attention_backend: 'triton' .* latent attention"):
-        DraftModel(deepseek("deepseek_v2"), None, torch.float32, torch.device("cpu"), 16, 256,
-                   "triton", 3, 4)  # fmt: skip
+        setup = ProposerSetup(torch.float32, torch.device("cpu"), 16, 256, "triton", 3, 4)
+        DraftModel(deepseek("deepseek_v2"), None, setup)
 
 
 @pytest.mark.parametrize("lora", [dict(max_loras=1), dict(lora_modules={"a": "/nonexistent"})])

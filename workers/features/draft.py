@@ -19,7 +19,7 @@ import logging
 import time
 
 from scheduler.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from workers.draft import DraftModel, DraftRow
+from workers.draft import DraftModel, DraftRow, ProposerSetup
 from workers.draft_pacing import DraftPacing
 from workers.features.base import RunnerContext, RunnerFeature
 from workers.kv_cache import KVCache, KVCacheSpec
@@ -28,15 +28,11 @@ from workers.step_state import Batch, RequestState
 logger = logging.getLogger(__name__)
 
 
-def load_draft(ctx: RunnerContext) -> DraftModel:
+def proposer_setup(ctx: RunnerContext) -> ProposerSetup:
+    """What the runner's config asks of a proposer model (the draft's or the MTP layer's)."""
     cfg, spec = ctx.config, ctx.config.speculative
     assert spec is not None
-    if cfg.draft_model_dir is None:
-        raise ValueError("speculative.draft_model: the runner got no draft directory")
-    t0 = time.perf_counter()
-    draft = DraftModel(
-        cfg.draft_model_dir,
-        cfg.draft_gguf_file,
+    return ProposerSetup(
         ctx.dtype,
         ctx.device,
         cfg.block_size,
@@ -45,6 +41,14 @@ def load_draft(ctx: RunnerContext) -> DraftModel:
         spec.num_tokens,
         min(spec.max_batch_size, cfg.max_num_seqs),
     )
+
+
+def load_draft(ctx: RunnerContext) -> DraftModel:
+    cfg = ctx.config
+    if cfg.draft_model_dir is None:
+        raise ValueError("speculative.draft_model: the runner got no draft directory")
+    t0 = time.perf_counter()
+    draft = DraftModel(cfg.draft_model_dir, cfg.draft_gguf_file, proposer_setup(ctx))
     logger.info("draft model loaded in %.1fs", time.perf_counter() - t0)
     return draft
 

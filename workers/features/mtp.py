@@ -19,6 +19,7 @@ import torch
 from scheduler.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from workers.draft_pacing import DraftPacing
 from workers.features.base import RunnerContext, RunnerFeature
+from workers.features.draft import proposer_setup
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.mtp import MTPModel, MTPRow
 from workers.step_state import Batch, RequestState
@@ -27,19 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 def load_mtp(ctx: RunnerContext) -> MTPModel:
-    cfg, spec = ctx.config, ctx.config.speculative
-    assert spec is not None
     t0 = time.perf_counter()
-    mtp = MTPModel(
-        cfg.model_dir,
-        ctx.dtype,
-        ctx.device,
-        cfg.block_size,
-        cfg.max_model_len,
-        cfg.attention_backend,
-        spec.num_tokens,
-        min(spec.max_batch_size, cfg.max_num_seqs),
-    )
+    mtp = MTPModel(ctx.config.model_dir, proposer_setup(ctx))
     logger.info("MTP layer loaded in %.1fs", time.perf_counter() - t0)
     return mtp
 

@@ -268,6 +268,24 @@ def float_only(loaded: AnyWeight, name: str) -> torch.Tensor:
     return loaded
 
 
+def load_param(
+    param: torch.Tensor, loaded: AnyWeight, shard_id: int | str | None, name: str
+) -> None:
+    """One checkpoint tensor into its parameter: through the parameter's own `weight_loader`
+    (sharded, fused or quantized layers), else a float copy of the same shape (ValueError naming
+    the tensor otherwise)."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, loaded, shard_id)
+        return
+    whole = float_only(loaded, name)
+    if whole.shape != param.shape:
+        raise ValueError(
+            f"{name}: checkpoint has shape {tuple(whole.shape)}, expected {tuple(param.shape)}"
+        )
+    param.data.copy_(whole)
+
+
 def as_float(loaded: AnyWeight) -> torch.Tensor:
     """A GGUF, FP8 or INT4 weight de-quantised (for float destinations); anything else
     unchanged."""

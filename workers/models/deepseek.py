@@ -33,7 +33,7 @@ from workers.layers.mla import (
 )
 from workers.layers.moe import FusedMoE, MoEConfig, ReplicatedLinear
 from workers.layers.norm import RMSNorm
-from workers.layers.quantized import AnyWeight, float_only
+from workers.layers.quantized import AnyWeight, load_param
 from workers.layers.rotary import RotaryEmbedding
 from workers.models.llama import LlamaArgs, LlamaMLP, PreNormBlock
 from workers.models.moe import MoEForCausalLM
@@ -312,16 +312,7 @@ def _load_direct(params: dict[str, nn.Parameter], name: str, tensor: AnyWeight, 
     param = params.get(name)
     if param is None:
         raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter in {cls}")
-    loader = getattr(param, "weight_loader", None)
-    if loader is not None:
-        loader(param, tensor, None)
-        return
-    whole = float_only(tensor, name)
-    if whole.shape != param.shape:
-        raise ValueError(
-            f"{name}: checkpoint has shape {tuple(whole.shape)}, expected {tuple(param.shape)}"
-        )
-    param.data.copy_(whole)
+    load_param(param, tensor, None, name)
 
 
 class DeepseekV2ForCausalLM(DeepseekForCausalLM):

@@ -32,7 +32,7 @@ from workers.layers.linear import (
     RowParallelLinear,
 )
 from workers.layers.norm import RMSNorm
-from workers.layers.quantized import AnyWeight, float_only
+from workers.layers.quantized import AnyWeight, float_only, load_param
 from workers.layers.rotary import apply_rotary, rope_inv_freq
 
 
@@ -307,7 +307,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
             for target, part, shard_id in _split_stacked(name, tensor):
                 if target not in params:
                     raise ValueError(f"weights: vision tensor {name!r} has no parameter")
-                _load(params[target], part, shard_id, name)
+                load_param(params[target], part, shard_id, name)
                 loaded.add(target)
         return loaded
 
@@ -322,16 +322,3 @@ def _split_stacked(name: str, tensor: AnyWeight) -> list[tuple[str, AnyWeight, i
         if ckpt in name:
             return [(name.replace(ckpt, ours), tensor, shard_id)]
     return [(name, tensor, None)]
-
-
-def _load(param: nn.Parameter, tensor: AnyWeight, shard_id: int | str | None, name: str) -> None:
-    loader = getattr(param, "weight_loader", None)
-    if loader is not None:
-        loader(param, tensor, shard_id)
-        return
-    whole = float_only(tensor, name)
-    if whole.shape != param.shape:
-        raise ValueError(
-            f"{name}: checkpoint has shape {tuple(whole.shape)}, expected {tuple(param.shape)}"
-        )
-    param.data.copy_(whole)
