@@ -6,7 +6,9 @@ paged cache with scattered blocks; every backend must match a dense per-request 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import weakref
 
 import pytest
 import torch
@@ -185,3 +187,15 @@ def test_each_step_of_a_bound_layer_reuses_its_layer_kv():
         layer.backend.prepare(meta)
         layer(torch.randn(1, HQ * D), torch.randn(1, HK * D), torch.randn(1, HK * D), meta)
     assert len(seen) == 2 and seen[0] is seen[1] and seen[0].k_cache is layer.k_cache
+
+
+def test_unbinding_the_cache_frees_it_at_once():
+    """The profile run's scratch pool and a weight update's freed cache are released when the
+    layer drops them, not held on by the LayerKV of the last forward."""
+    layer = Attention(HQ, D, HK, scale=1.0)
+    layer.k_cache, layer.v_cache = torch.zeros(4, BLOCK, HK, D), torch.zeros(4, BLOCK, HK, D)
+    old = weakref.ref(layer.k_cache)
+    assert layer.layer_kv().k_cache is old()
+    layer.k_cache = layer.v_cache = torch.empty(0)
+    gc.collect()
+    assert old() is None

@@ -153,12 +153,6 @@ class LayerKV:
     v_cache: torch.Tensor
     p: AttentionParams
 
-    def binds(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None
-    ) -> bool:
-        """Whether this still holds the layer's current cache tensors and scales."""
-        return self.k_cache is k_cache and self.v_cache is v_cache and self.p.kv_scale is kv_scale
-
 
 class AttentionBackend(Protocol):
     """Computes attention for a whole batch once K/V of the step are in the cache."""
@@ -238,13 +232,31 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.backend: AttentionBackend | None = None
+        self._kv: LayerKV | None = None  # the backend's view of the below, rebuilt when they change
         # [num_blocks, block_size, num_kv_heads, head_dim]; bound by workers.kv_cache.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         # FP8 KV cache: float32 [2], this layer's K and V scales (bound with the cache); None:
         # the cache holds floats.
         self.kv_scale: torch.Tensor | None = None
-        self._kv: LayerKV | None = None  # the backend's view of the above, rebuilt when they change
+
+    # Rebinding a cache tensor drops the LayerKV that holds the old one, so that unbinding (the
+    # profile run's scratch pool, a weight update) frees its memory at once.
+    @property
+    def k_cache(self) -> Tensor:
+        return self._k_cache
+
+    @k_cache.setter
+    def k_cache(self, cache: Tensor) -> None:
+        self._k_cache, self._kv = cache, None
+
+    @property
+    def v_cache(self) -> Tensor:
+        return self._v_cache
+
+    @v_cache.setter
+    def v_cache(self, cache: Tensor) -> None:
+        self._v_cache, self._kv = cache, None
 
     def forward(
         self,
@@ -272,11 +284,7 @@ class Attention(nn.Module):
         """The bound cache pair and this layer's parameters, as the backend takes them: built
         once, and again only when the cache is rebound or other sinks are passed."""
         kv = self._kv
-        if (
-            kv is None
-            or kv.p.sinks is not sinks
-            or not kv.binds(self.k_cache, self.v_cache, self.kv_scale)
-        ):
+        if kv is None or kv.p.sinks is not sinks or kv.p.kv_scale is not self.kv_scale:
             p = AttentionParams(
                 self.scale, self.sliding_window, self.logit_softcap, sinks, self.kv_scale
             )
