@@ -140,6 +140,22 @@ def start(model: str, args: argparse.Namespace, pulls: bool, name: str) -> Any:
     return serve.run(replica.bind(config.engine), name=name, route_prefix=None)
 
 
+def print_pulls(handle: Any) -> None:
+    """The router's joined pulls and each replica's pull counts (cluster/kv_pull.py): a fork that
+    joined a pull in flight waited for its blocks instead of asking the peer again."""
+    router = handle._router._asyncio_router.request_router
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(20):  # stats calls go where the router sends them: ask until both answered
+        stats = handle.stats.remote().result()
+        seen[stats["replica"]] = stats
+        if len(seen) == 2:
+            break
+    keys = ("peer_pulls", "peer_pulls_joined", "peer_pulls_held", "peer_pull_blocks_received")
+    print(f"  router: pulls joined {router.fleet.pulls.num_joined}", flush=True)
+    for replica, stats in sorted(seen.items()):
+        print(f"  {replica}: " + " ".join(f"{k}={stats.get(k)}" for k in keys), flush=True)
+
+
 def measure(
     model: str, vocab: int, args: argparse.Namespace, pulls: bool
 ) -> tuple[float, list[list[int]]]:
@@ -150,6 +166,8 @@ def measure(
     asyncio.run(timed(handle, request("warm", [11], 1)))  # makes this process's router
     work = workload(args, vocab)
     ttfts, tokens, cached = asyncio.run(run_workload(handle, work, args))
+    if pulls:
+        print_pulls(handle)
     serve.delete(name)
     q = statistics.quantiles(ttfts, n=10)
     share = sum(cached) / sum(len(p) for _, forks in work for p in forks)
