@@ -112,20 +112,8 @@ class LLMReplica:
         handoff: a decode replica's request resumed after its prefill, whose prompt blocks
         arrive through this transfer; trace: a sampled request's trace (cluster/tracing.py);
         pull: the prompt blocks to pull from a peer (the fleet router's, cluster/kv_pull.py)."""
-        state = self._state()
-        if state in (ReplicaState.FAILED, ReplicaState.STALLED):
-            raise self._unavailable(state)
-        if state is ReplicaState.DRAINING:
-            raise ReplicaDrainingError("replica is shutting down")
+        stream = self._admit(request, handoff, trace)
         rid = request.request_id
-        if rid in self._streams:
-            raise ValueError(f"request_id: {rid!r} is already in flight")
-        stream = self._streams[rid] = ReplicaStream(rid, caller=request.caller)
-        self.telemetry.admitted(request)
-        if handoff is not None and self.phase is not None:
-            self.phase.handoffs[rid] = handoff
-        if trace is not None:  # the engine records its phases (engine/tracing.py)
-            self.engine.tracer.watch(rid, time.time_ns())
         finished = False
         output: RequestOutput | None = None
         try:  # a pull's wait is cancelled as the stream is: the stream goes, the ids are aborted
@@ -144,6 +132,26 @@ class LLMReplica:
                 self._loop_thread.abort([rid])
             if trace is not None:
                 self._record_trace(trace, request, handoff is not None, output)
+
+    def _admit(
+        self, request: EngineRequest, handoff: TransferHandle | None, trace: TraceContext | None
+    ) -> ReplicaStream:
+        """The request's stream, once this replica may take it (OK, and its id not in flight)."""
+        state = self._state()
+        if state in (ReplicaState.FAILED, ReplicaState.STALLED):
+            raise self._unavailable(state)
+        if state is ReplicaState.DRAINING:
+            raise ReplicaDrainingError("replica is shutting down")
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"request_id: {rid!r} is already in flight")
+        stream = self._streams[rid] = ReplicaStream(rid, caller=request.caller)
+        self.telemetry.admitted(request)
+        if handoff is not None and self.phase is not None:
+            self.phase.handoffs[rid] = handoff
+        if trace is not None:  # the engine records its phases (engine/tracing.py)
+            self.engine.tracer.watch(rid, time.time_ns())
+        return stream
 
     async def pull_command(self, command: PullCommand) -> TransferHandle | None:
         """Send a peer the prompt blocks it pulls (cluster/kv_pull.py), read on the engine thread
