@@ -8,7 +8,7 @@ replica reports ready:
   probe RTT   a separate actor (another process, as a router is) calls the replica actor's
               get_num_ongoing_requests every 50 ms and times each answer; "missed": over 0.1 s
   loop lag    the replica's own sampler (cluster/loop_lag.py): how late its event loop wakes a
-              10 ms timer, max and p99 over the first 60 s of its life and over the last 60 s
+              50 ms timer, max and p99 over the first 60 s of its life and over the last 60 s
 
 with `--concurrency` streamed completions kept in flight from the first second (a fresh replica
 is routed a burst at once) for `--seconds` per phase: phase 1 is the replica's first 60 s,
