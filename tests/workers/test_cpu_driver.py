@@ -94,7 +94,7 @@ def test_driver_logits_equal_the_python_layers(llm, monkeypatch):
 def test_plan_names_a_malformed_layout():
     if cpu_driver.load() is None:
         pytest.skip("the int8 GGUF kernel (AVX512-VNNI) is not built on this CPU")
-    with pytest.raises(ValueError, match="tensors: 16 per layer and 3 more, got 4"):
+    with pytest.raises(ValueError, match="tensors: 14 per layer and 3 more, got 4"):
         torch.classes.raylm_driver.Plan([torch.ones(1)] * 4, [1, 1, 1], [1e-5, 0.125])
     with pytest.raises(ValueError, match="ints/floats: 11 and 2 expected, got 3 and 2"):
-        torch.classes.raylm_driver.Plan([torch.ones(1)] * 19, [1, 1, 1], [1e-5, 0.125])
+        torch.classes.raylm_driver.Plan([torch.ones(1)] * 17, [1, 1, 1], [1e-5, 0.125])

@@ -1,6 +1,7 @@
 // The decoder-layer driver: a decode step's whole layer loop in one call (cpu_driver.py builds it
 // and decides where it applies). Registered as torch.ops.raylm_driver.decode over a
-// torch.classes.raylm_driver.Plan that holds the model's weights and caches.
+// torch.classes.raylm_driver.Plan that holds the model's weights; the caches come with each call
+// (a plan holding them would keep an unbound pool alive).
 //
 // It runs no arithmetic of its own: every op is the compiled kernel the Python path calls
 // (raylm_fused's norms, rotary, cache write and SiLU-and-mul, raylm_gguf's int8 linear, raylm's
@@ -62,11 +63,10 @@ struct Packed {
 struct Layer {
   Tensor input_norm, post_norm;
   Packed qkv, o, gate_up, down;
-  Tensor k_cache, v_cache;
 };
 
 // Tensors per layer in the constructor's list, and ints (rows and block type per linear).
-constexpr size_t kLayerTensors = 16, kLayerInts = 8;
+constexpr size_t kLayerTensors = 14, kLayerInts = 8;
 
 struct Plan : torch::CustomClassHolder {
   std::vector<Layer> layers;
@@ -75,11 +75,11 @@ struct Plan : torch::CustomClassHolder {
   double eps, scale;
 
   // tensors: per layer [input norm, post-attention norm, then codes, scales, mins of qkv, o,
-  // gate_up, down, then k_cache, v_cache], then [final norm, cos, sin]; ints: per layer (rows,
+  // gate_up, down], then [final norm, cos, sin]; ints: per layer (rows,
   // qtype) of qkv, o, gate_up, down, then [heads, kv_heads, head_dim]; floats: [eps, scale].
   Plan(std::vector<Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats) {
     TORCH_CHECK_VALUE(tensors.size() >= 3 && (tensors.size() - 3) % kLayerTensors == 0,
-                      "tensors: 16 per layer and 3 more, got ", tensors.size());
+                      "tensors: 14 per layer and 3 more, got ", tensors.size());
     const size_t n = (tensors.size() - 3) / kLayerTensors;
     TORCH_CHECK_VALUE(n >= 1 && ints.size() == n * kLayerInts + 3 && floats.size() == 2,
                       "ints/floats: ", n * kLayerInts + 3, " and 2 expected, got ", ints.size(),
@@ -88,8 +88,7 @@ struct Plan : torch::CustomClassHolder {
       const Tensor* t = tensors.data() + i * kLayerTensors;
       const int64_t* k = ints.data() + i * kLayerInts;
       layers.push_back({t[0], t[1], {t[2], t[3], t[4], k[0], k[1]}, {t[5], t[6], t[7], k[2], k[3]},
-                        {t[8], t[9], t[10], k[4], k[5]}, {t[11], t[12], t[13], k[6], k[7]}, t[14],
-                        t[15]});
+                        {t[8], t[9], t[10], k[4], k[5]}, {t[11], t[12], t[13], k[6], k[7]}});
     }
     final_norm = tensors[n * kLayerTensors];
     cos = tensors[n * kLayerTensors + 1];
@@ -107,8 +106,9 @@ struct Plan : torch::CustomClassHolder {
 
   // LlamaAttention.forward and Attention.forward: qkv, rotary in place, cache write, paged
   // attention over the cache, o_proj (q, k and v are views into the qkv output, as there).
-  Tensor attention(const Layer& l, const Tensor& h, const Tensor& positions, const Tensor& slots,
-                   const Tensor& tables, const Tensor& seq_lens) const {
+  Tensor attention(const Layer& l, const Tensor& kc, const Tensor& vc, const Tensor& h,
+                   const Tensor& positions, const Tensor& slots, const Tensor& tables,
+                   const Tensor& seq_lens) const {
     const Tensor qkv = l.qkv(h);
     const int64_t t = qkv.size(0), width = qkv.size(1), d = head_dim;
     const int64_t at0 = qkv.storage_offset();
@@ -116,15 +116,18 @@ struct Plan : torch::CustomClassHolder {
     const Tensor k = qkv.as_strided({t, kv_heads, d}, {width, d, 1}, at0 + heads * d);
     const Tensor v = qkv.as_strided({t, kv_heads, d}, {width, d, 1}, at0 + (heads + kv_heads) * d);
     ops().rotary.call(q, k, positions, cos, sin);
-    ops().write_kv.call(k, v, l.k_cache, l.v_cache, slots);
+    ops().write_kv.call(k, v, kc, vc, slots);
     Tensor out = at::empty({t, heads, d}, h.options());
-    ops().paged_decode.call(out, q, l.k_cache, l.v_cache, tables, seq_lens, scale, 0, 0.0, no_sinks);
+    ops().paged_decode.call(out, q, kc, vc, tables, seq_lens, scale, 0, 0.0, no_sinks);
     return l.o(out.view({t, heads * d}));
   }
 
-  // PreNormBlock.forward over every layer, then the final norm (run_stage's last stage).
-  Tensor run(const Tensor& x0, const Tensor& positions, const Tensor& slots, const Tensor& tables,
-             const Tensor& seq_lens) const {
+  // PreNormBlock.forward over every layer, then the final norm (run_stage's last stage); caches:
+  // each layer's k_cache and v_cache.
+  Tensor run(at::TensorList caches, const Tensor& x0, const Tensor& positions, const Tensor& slots,
+             const Tensor& tables, const Tensor& seq_lens) const {
+    TORCH_CHECK_VALUE(caches.size() == 2 * layers.size(), "caches: 2 per layer (",
+                      2 * layers.size(), ") expected, got ", caches.size());
     TORCH_CHECK_VALUE(x0.dim() == 2 && x0.is_contiguous() && x0.scalar_type() == at::kFloat &&
                           x0.size(1) == final_norm.size(0),
                       "x: contiguous float32 [tokens, ", final_norm.size(0), "] expected, got ",
@@ -139,7 +142,7 @@ struct Plan : torch::CustomClassHolder {
       } else {
         std::tie(h, residual) = k.add_rms_norm.call(x, residual, l.input_norm, eps);
       }
-      x = attention(l, h, positions, slots, tables, seq_lens);
+      x = attention(l, caches[2 * i], caches[2 * i + 1], h, positions, slots, tables, seq_lens);
       std::tie(h, residual) = k.add_rms_norm.call(x, residual, l.post_norm, eps);
       x = l.down(k.silu_and_mul.call(l.gate_up(h)));
     }
@@ -147,9 +150,10 @@ struct Plan : torch::CustomClassHolder {
   }
 };
 
-Tensor decode(const c10::intrusive_ptr<Plan>& plan, const Tensor& x, const Tensor& positions,
-              const Tensor& slots, const Tensor& tables, const Tensor& seq_lens) {
-  return plan->run(x, positions, slots, tables, seq_lens);
+Tensor decode(const c10::intrusive_ptr<Plan>& plan, at::TensorList caches, const Tensor& x,
+              const Tensor& positions, const Tensor& slots, const Tensor& tables,
+              const Tensor& seq_lens) {
+  return plan->run(caches, x, positions, slots, tables, seq_lens);
 }
 
 }  // namespace

@@ -76,25 +76,22 @@ def driver_off() -> Iterator[None]:
 
 @dataclass(slots=True)
 class LayerDriver:
-    """A model's plan and the caches it was built over (rebuilt when they are rebound)."""
+    """A model's plan (its weights), built at the first call; the caches are passed each call."""
 
     model: Any = field(repr=False)  # a LlamaModel (its submodules read by name)
     attention: list[Attention] = field(repr=False)
     plan: Any = field(default=None, repr=False)
-    caches: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def __call__(
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """The final norm's output for hidden states x [T, H] (the embedding's)."""
-        if self.caches is None or any(
-            a.k_cache is not self.caches[2 * i] or a.v_cache is not self.caches[2 * i + 1]
-            for i, a in enumerate(self.attention)
-        ):
-            self.caches = [c for a in self.attention for c in (a.k_cache, a.v_cache)]
-            self.plan = _plan(self.model, self.caches)
+        if self.plan is None:
+            self.plan = _plan(self.model)
+        # Read each step, never held: an unbound pool (sleep, a weight update) is freed at once.
+        caches = [c for a in self.attention for c in (a.k_cache, a.v_cache)]
         return torch.ops.raylm_driver.decode(
-            self.plan, x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens
+            self.plan, caches, x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens
         )
 
 
@@ -162,17 +159,16 @@ def _tiles_only(linear: nn.Module) -> bool:
     )
 
 
-def _plan(model: Any, caches: list[torch.Tensor]) -> Any:
+def _plan(model: Any) -> Any:
     """torch.classes.raylm_driver.Plan over the model's layers (cpu_driver.cpp's layout)."""
     tensors: list[torch.Tensor] = []
     ints: list[int] = []
-    for i, layer in enumerate(model.layers):
+    for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             tensors += lin.packed.packed
             ints += [lin.packed.shape[0], gguf_cpu.QTYPE_IDS[lin.packed.qtype]]
-        tensors += caches[2 * i : 2 * i + 2]
     first = model.layers[0].self_attn
     tensors += [model.norm.weight, first.rotary.cos, first.rotary.sin]
     ints += [first.attn.num_heads, first.attn.num_kv_heads, first.head_dim]
