@@ -230,8 +230,8 @@ def sampling_params(job: Job, choice: int):
 
 
 async def run_inproc(args: argparse.Namespace) -> None:
-    from cluster.engine_loop import EngineLoop
     from cluster.engine_build import on_passing_thread
+    from cluster.engine_loop import EngineLoop
     from engine.config import EngineConfig
     from engine.core import EngineCore
     from scheduler import EngineRequest

@@ -10,7 +10,8 @@ and runs it four ways, the router being the production `FleetState` with prefix 
 - `pulls`: `events` with `peer_pulls` on (a spilled request pulls its prefix from a peer);
 - `sessions`: `pulls` with each request naming its session (a fork's turns keep to their replica).
 Prints TTFT p50 / p90, the prompt tokens the fleet computed and pulled, the prefix hit rate, the
-pulls made, declined and failed, the requests that joined a pull in flight to their replica, and per size the TTFT p90 of `events` (recomputing) over `pulls`.
+pulls made, declined and failed, the requests that joined a pull in flight to their replica,
+and per size the TTFT p90 of `events` (recomputing) over `pulls`.
 """
 
 from __future__ import annotations
