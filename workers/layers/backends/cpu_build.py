@@ -8,10 +8,17 @@ sources, so checkouts with different kernels (another branch's worktree, an olde
 load each other's library or rebuild over each other. It needs a C++ compiler and ninja (the
 `ninja` package is a dependency); without them, or if the build fails, `build_ops` logs a warning
 and returns None, and the caller keeps its torch path.
+
+torch guards a build with a lock file that it creates and removes (never holds open), and takes it
+on every load, built or not: a process killed inside that window (a replica killed while it
+starts) leaves the file behind, and every later process that loads the library waits for it
+forever. So a library already built is loaded directly, without the lock, and a lock older than
+STALE_LOCK_S beside no library is taken as a dead build's and removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -23,6 +30,9 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
+
+# A build takes seconds to a few minutes even on a loaded machine; a lock this old is a dead one's.
+STALE_LOCK_S = 900.0
 
 # Vector flags per torch's own view of the CPU.
 ISA_FLAGS = {
@@ -83,13 +93,16 @@ def build_ops(
 
         put_ninja_on_path()
         t0 = time.perf_counter()
-        load(
-            name=f"raylm_{stem}_{variant or isa}_{source_digest([*sources, *headers])}",
-            sources=list(sources),
-            extra_cflags=["-O3", "-fopenmp", *flags, *ISA_FLAGS.get(isa, [])],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        name = f"raylm_{stem}_{variant or isa}_{source_digest([*sources, *headers])}"
+        if not _load_built(name):
+            _clear_stale_lock(name)
+            load(
+                name=name,
+                sources=list(sources),
+                extra_cflags=["-O3", "-fopenmp", *flags, *ISA_FLAGS.get(isa, [])],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
         ops = getattr(torch.ops, namespace)
         getattr(ops, probe)
     except Exception as exc:
@@ -97,3 +110,33 @@ def build_ops(
         return None
     logger.info("%s ready (%s, %.1fs)", what, variant or isa, time.perf_counter() - t0)
     return ops
+
+
+def _build_dir(name: str) -> str:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
+
+
+def _load_built(name: str) -> bool:
+    """Load the library an earlier process built, without torch's lock; False when there is none
+    (or it does not load: a link cut short is rebuilt)."""
+    path = os.path.join(_build_dir(name), f"{name}.so")
+    if not os.path.exists(path):
+        return False
+    try:
+        torch.ops.load_library(path)
+    except OSError as exc:
+        logger.warning("%s does not load (%r); building it again", path, exc)
+        return False
+    return True
+
+
+def _clear_stale_lock(name: str) -> None:
+    """Remove the build lock of a library that is not built if it is older than STALE_LOCK_S."""
+    lock = os.path.join(_build_dir(name), "lock")
+    with contextlib.suppress(OSError):
+        age = time.time() - os.path.getmtime(lock)
+        if age > STALE_LOCK_S:
+            logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+            os.remove(lock)
