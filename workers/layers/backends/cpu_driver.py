@@ -113,9 +113,8 @@ def decode_driver(model: Any, meta: AttentionMetadata) -> LayerDriver | None:
 
 
 def _refusal(model: Any) -> str | None:
-    """Why the driver cannot run `model`'s layers, or None when it can."""
-    if load() is None or fused._cpu_ops() is None:
-        return "off (a kernel library is not built here, or RAYLM_CPU_FUSED=0)"
+    """Why the driver cannot run `model`'s layers, or None when it can. The model is judged
+    before the library is loaded: a model it refuses never builds it."""
     if get_tp_world_size() != 1 or current_stage().size != 1:
         return "off (tensor or pipeline parallel)"
     if model.embed_tokens.weight.dtype != torch.float32:
@@ -124,6 +123,8 @@ def _refusal(model: Any) -> str | None:
         reason = _layer_refusal(layer)
         if reason:
             return f"off (layer {i}: {reason})"
+    if fused._cpu_ops() is None or load() is None:
+        return "off (a kernel library is not built here, or RAYLM_CPU_FUSED=0)"
     return None
 
 
