@@ -162,6 +162,9 @@ def finish_cpu_weights(model: nn.Module) -> None:
     logger.info("%d weights freed beside their packed copies", freed)
     if freed:
         return_freed_heap()
+    from workers.layers.backends.cpu_driver import build_for  # imports the model families
+
+    build_for(model)
 
 
 def return_freed_heap() -> None:

@@ -98,3 +98,10 @@ def test_plan_names_a_malformed_layout():
         torch.classes.raylm_driver.Plan([torch.ones(1)] * 4, [1, 1, 1], [1e-5, 0.125])
     with pytest.raises(ValueError, match="ints/floats: 11 and 2 expected, got 3 and 2"):
         torch.classes.raylm_driver.Plan([torch.ones(1)] * 17, [1, 1, 1], [1e-5, 0.125])
+
+
+def test_the_library_is_ready_when_the_model_is_loaded(llm):
+    """Built at load, so the first decode step of a fresh machine waits for no compiler; a model
+    it refuses never builds it."""
+    assert cpu_driver.load.cache_info().currsize == 1  # called by the loader, before any step
+    assert cpu_driver._model_refusal(llm.engine.executor.runner.model.model) is None

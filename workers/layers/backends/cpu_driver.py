@@ -112,23 +112,40 @@ def decode_driver(model: Any, meta: AttentionMetadata) -> LayerDriver | None:
     return driver
 
 
+def build_for(model: nn.Module) -> None:
+    """Build (or load) the library at load time for a model whose layers it would run (`model` a
+    causal LM, its decoder at `.model`): its first decode step then waits for no compiler."""
+    from workers.models.llama import LlamaModel
+
+    inner = getattr(model, "model", None)
+    if not _off and isinstance(inner, LlamaModel) and _model_refusal(inner, bound=False) is None:
+        load()
+
+
 def _refusal(model: Any) -> str | None:
     """Why the driver cannot run `model`'s layers, or None when it can. The model is judged
     before the library is loaded: a model it refuses never builds it."""
+    reason = _model_refusal(model)
+    if reason is None and (fused._cpu_ops() is None or load() is None):
+        return "off (a kernel library is not built here, or RAYLM_CPU_FUSED=0)"
+    return reason
+
+
+def _model_refusal(model: Any, bound: bool = True) -> str | None:
+    """The model's refusal; `bound=False` before its attention backend and caches are bound
+    (at load), when only the weights and layer types are judged."""
     if get_tp_world_size() != 1 or current_stage().size != 1:
         return "off (tensor or pipeline parallel)"
     if model.embed_tokens.weight.dtype != torch.float32:
         return "off (not float32)"
     for i, layer in enumerate(model.layers):
-        reason = _layer_refusal(layer)
+        reason = _layer_refusal(layer, bound)
         if reason:
             return f"off (layer {i}: {reason})"
-    if fused._cpu_ops() is None or load() is None:
-        return "off (a kernel library is not built here, or RAYLM_CPU_FUSED=0)"
     return None
 
 
-def _layer_refusal(layer: nn.Module) -> str | None:
+def _layer_refusal(layer: nn.Module, bound: bool) -> str | None:
     from workers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
     if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
@@ -139,9 +156,9 @@ def _layer_refusal(layer: nn.Module) -> str | None:
     a = attn.attn
     if attn.q_norm is not None or attn.sinks is not None or a.sliding_window or a.logit_softcap:
         return "q/k norm, sinks, sliding window or soft-cap"
-    if a.kv_scale is not None or not cpu_paged.supports(torch.float32, a.head_dim):
+    if bound and (a.kv_scale is not None or not cpu_paged.supports(torch.float32, a.head_dim)):
         return "an FP8 cache or a head size the paged kernel lacks"
-    if not isinstance(a.backend, TorchBackend) or a.backend.kernel is None:
+    if bound and (not isinstance(a.backend, TorchBackend) or a.backend.kernel is None):
         return "not the torch backend with its paged kernel"
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(not _tiles_only(lin) for lin in linears):
