@@ -7,19 +7,14 @@ killed while it starts) leaves it, and torch's own load waits for it forever.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
-import time
 
 import pytest
 
-from workers.layers.backends import cpu_build, cpu_paged
-from workers.layers.backends.cpu_build import (
-    STALE_LOCK_S,
-    _build_dir,
-    _clear_stale_lock,
-    cpu_isa,
-    source_digest,
-)
+from workers.layers.backends import cpu_paged
+from workers.layers.backends.cpu_build import _build_dir, _build_lock, cpu_isa, source_digest
 
 
 def test_a_built_library_loads_beside_a_lock_left_by_a_dead_process():
@@ -42,15 +37,40 @@ def test_a_built_library_loads_beside_a_lock_left_by_a_dead_process():
         os.remove(lock)  # also ends torch's wait if the load took the locked path
 
 
-def test_only_a_lock_older_than_any_build_is_removed(tmp_path, monkeypatch):
+def test_a_builder_that_died_leaves_no_lock_behind(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    fresh, stale = (os.path.join(_build_dir(n), "lock") for n in ("raylm_a_1", "raylm_b_2"))
-    for lock in (fresh, stale):
-        open(lock, "w").close()
-    old = time.time() - STALE_LOCK_S - 60
-    os.utime(stale, (old, old))
-    _clear_stale_lock("raylm_a_1")
-    _clear_stale_lock("raylm_b_2")
-    _clear_stale_lock("raylm_none_3")  # no lock at all: nothing to do
-    assert os.path.exists(fresh) and not os.path.exists(stale)
-    assert cpu_build.STALE_LOCK_S >= 300  # longer than a build on a loaded 2-core machine
+    directory = _build_dir("raylm_x_1")
+    torch_lock = os.path.join(directory, "lock")
+    open(torch_lock, "w").close()  # torch's file, left by the same dead builder
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, os.path.join(directory, "raylm.lock")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        taken = threading.Event()
+
+        def build() -> None:
+            with _build_lock("raylm_x_1"):
+                taken.set()
+
+        thread = threading.Thread(target=build, daemon=True)
+        thread.start()
+        assert not taken.wait(0.5), "the build lock was taken while a live process held it"
+        holder.kill()  # SIGKILL: no cleanup runs in the holder
+        assert taken.wait(30), "a dead builder's flock was not released"
+        thread.join(5)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not os.path.exists(torch_lock)
+
+
+HOLD = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(120)
+"""

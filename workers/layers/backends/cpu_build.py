@@ -11,28 +11,28 @@ and returns None, and the caller keeps its torch path.
 
 torch guards a build with a lock file that it creates and removes (never holds open), and takes it
 on every load, built or not: a process killed inside that window (a replica killed while it
-starts) leaves the file behind, and every later process that loads the library waits for it
-forever. So a library already built is loaded directly, without the lock, and a lock older than
-STALE_LOCK_S beside no library is taken as a dead build's and removed.
+starts or builds) leaves the file behind, and every later process that loads the library waits
+for it forever. So a library already built is loaded directly, without torch's lock; and a build
+runs under an flock of our own on `raylm.lock` beside it, which the kernel releases when its
+holder dies: whoever holds it is the only one inside torch's build, so a torch lock found then
+was left by a dead process and is removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-# A build takes seconds to a few minutes even on a loaded machine; a lock this old is a dead one's.
-STALE_LOCK_S = 900.0
 
 # Vector flags per torch's own view of the CPU.
 ISA_FLAGS = {
@@ -95,14 +95,15 @@ def build_ops(
         t0 = time.perf_counter()
         name = f"raylm_{stem}_{variant or isa}_{source_digest([*sources, *headers])}"
         if not _load_built(name):
-            _clear_stale_lock(name)
-            load(
-                name=name,
-                sources=list(sources),
-                extra_cflags=["-O3", "-fopenmp", *flags, *ISA_FLAGS.get(isa, [])],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-            )
+            with _build_lock(name):
+                if not _load_built(name):  # built by the holder before us
+                    load(
+                        name=name,
+                        sources=list(sources),
+                        extra_cflags=["-O3", "-fopenmp", *flags, *ISA_FLAGS.get(isa, [])],
+                        extra_ldflags=["-fopenmp"],
+                        is_python_module=False,
+                    )
         ops = getattr(torch.ops, namespace)
         getattr(ops, probe)
     except Exception as exc:
@@ -132,11 +133,17 @@ def _load_built(name: str) -> bool:
     return True
 
 
-def _clear_stale_lock(name: str) -> None:
-    """Remove the build lock of a library that is not built if it is older than STALE_LOCK_S."""
-    lock = os.path.join(_build_dir(name), "lock")
-    with contextlib.suppress(OSError):
-        age = time.time() - os.path.getmtime(lock)
-        if age > STALE_LOCK_S:
-            logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
-            os.remove(lock)
+@contextlib.contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Hold the library's build flock (waiting for a live builder); inside it, a torch lock file
+    is a dead builder's and is removed."""
+    directory = _build_dir(name)
+    with open(os.path.join(directory, "raylm.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, "lock"))
+                logger.warning("%s: removed the build lock of a process that died", name)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
