@@ -25,8 +25,9 @@ from engine.disagg import DecodeSide, PrefillSide, decode_request, needs_decode,
 from scheduler import EngineRequest, SamplingParams
 from scheduler.block_manager import hash_prompt_blocks
 from scheduler.outputs import RequestOutput
-from workers import kv_collective
-from workers.kv_collective import CollectiveRef, CollectiveTransport, machine_id
+from workers import kv_pairs
+from workers.kv_collective import CollectiveTransport
+from workers.kv_pairs import CollectiveRef, machine_id
 from workers.kv_transfer import TransferHandle
 
 pytestmark = pytest.mark.slow
@@ -124,7 +125,7 @@ def assert_nothing_held(sides) -> None:
 
 
 def outbox_bytes() -> int:
-    return sum(server.held_bytes() for server in kv_collective._servers.values())
+    return sum(server.held_bytes() for server in kv_pairs._servers.values())
 
 
 @pytest.mark.parametrize("sampling", sorted(SAMPLINGS))

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workers import kv_collective
-from workers.kv_collective import (
+from workers import kv_collective, kv_pairs
+from workers.kv_collective import CollectiveTransport
+from workers.kv_pairs import (
     CollectiveRef,
-    CollectiveTransport,
     KVServer,
     Puller,
     machine_id,
@@ -57,7 +57,7 @@ def test_a_server_stops_its_threads_once_its_receivers_say_bye():
     pulls.close(timeout_s=5.0)
     assert server.stop(timeout_s=30.0)
     assert not any(thread.is_alive() for thread in server.threads)
-    assert server in kv_collective._started and pulls in kv_collective._pulling  # at exit too
+    assert server in kv_pairs._started and pulls in kv_pairs._pulling  # at exit too
 
 
 def test_a_pull_brings_the_payload_byte_for_byte_then_it_is_gone(puller):
@@ -130,7 +130,7 @@ def test_a_transport_round_trip_and_a_sender_that_never_answers():
     ref = CollectiveRef(HOST, silent.port, machine_id(), "gloo", "1" * 32, 8, "{}")
     assert transport.receive(TransferHandle("1" * 32, [1], [ref]), timeout_s=0.5) is None
     transport.release(TransferHandle("1" * 32, [1], [ref]))  # tried: nothing more is sent
-    kv_collective.releases_sent()
+    kv_pairs.releases_sent()
 
 
 def test_another_machine_takes_the_fallback_s_copy():
@@ -147,7 +147,7 @@ def test_another_machine_takes_the_fallback_s_copy():
     assert received is sent  # no pull was tried: the fallback's copy came
     transport.release(moved)
     transport.release(handle)
-    kv_collective.releases_sent()
+    kv_pairs.releases_sent()
     assert fallback.payloads == {} and handle.ref == []
 
 
