@@ -14,7 +14,7 @@ speaks for, so `engine_features` lists speculation first.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from scheduler.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -24,20 +24,6 @@ from scheduler.step import NO_CAP
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
     from scheduler.step import Step
-
-# The hooks the scheduler dispatches; a feature is called for those it overrides.
-HOOKS = (
-    "step_limits",
-    "num_spec_tokens",
-    "after_schedule",
-    "before_update",
-    "after_update",
-    "tokens_in_flight",
-    "on_landed",
-    "on_preempt",
-    "on_finish",
-    "stats",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +94,36 @@ class StepFeature:
         return {}
 
 
-def hooked(features: list[StepFeature], hook: str) -> list[Any]:
+@dataclass(frozen=True, slots=True)
+class StepHooks:
+    """Each hook's bound methods on the features that override it, in list order, found once: a
+    hook no feature overrides is an empty list and costs a step nothing."""
+
+    step_limits: list[Callable[[], StepLimits]]
+    num_spec_tokens: list[Callable[[Request], int]]
+    after_schedule: list[Callable[[Step, SchedulerOutput], None]]
+    before_update: list[
+        Callable[
+            [SchedulerOutput, ModelRunnerOutput], tuple[ModelRunnerOutput, list[RequestOutput]]
+        ]
+    ]
+    after_update: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]]
+    tokens_in_flight: list[Callable[[], dict[str, int]]]
+    on_landed: list[Callable[[Request], None]]
+    on_preempt: list[Callable[[Request], None]]
+    on_finish: list[Callable[[Request], None]]
+    stats: list[Callable[[], dict[str, int]]]
+
+    @classmethod
+    def of(cls, features: list[StepFeature]) -> StepHooks:
+        return cls(**{name: _overriding(features, name) for name in HOOKS})
+
+
+# The hooks the scheduler dispatches; a feature is called for those it overrides.
+HOOKS = tuple(f.name for f in fields(StepHooks))
+
+
+def _overriding(features: list[StepFeature], hook: str) -> list[Any]:
     """The bound `hook` methods of the features that override it, in list order."""
     base = getattr(StepFeature, hook)
     return [getattr(f, hook) for f in features if getattr(type(f), hook) is not base]

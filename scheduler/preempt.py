@@ -21,7 +21,7 @@ def preempt(sched: Scheduler, victim: Request, step: Step) -> None:
     """Take victim out of the running batch (and out of this step, if it was scheduled)."""
     rid = victim.request_id
     step.give_back(victim)
-    for hook in sched.preempt_hooks:
+    for hook in sched.hooks.on_preempt:
         hook(victim)
     sched.running.remove(victim)
     sched.loras.release(victim.spec.lora_name)

@@ -12,19 +12,17 @@ features (scheduler/features.py): one Scheduler calls their hooks, built once fr
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from scheduler.admission import make_admission
 from scheduler.admit import admit_waiting, resume_swapped, send_landed
 from scheduler.block_manager import KVCacheManager
 from scheduler.bulk_budget import BulkBudget
 from scheduler.config import SchedulerConfig
-from scheduler.features import NO_LIMITS, StepFeature, hooked, step_limits
+from scheduler.features import NO_LIMITS, StepFeature, StepHooks, step_limits
 from scheduler.finished import FinishedLog, append_tokens
 from scheduler.kv_connector import KVConnector
 from scheduler.kv_loading import land_loads
-from scheduler.length_live import make_live_predictor
-from scheduler.length_prediction import LengthPredictor, RemainingLength, safe_observe
+from scheduler.length_prediction import RemainingLength, safe_observe
 from scheduler.lora_slots import LoraSlots
 from scheduler.multimodal import check_spans_fit, fit_images
 from scheduler.outputs import (
@@ -34,15 +32,13 @@ from scheduler.outputs import (
     SchedulerStats,
     request_output,
 )
+from scheduler.policies import length_model_of, make_policies
 from scheduler.predicted_load import PredictedLoad, predicted_load
 from scheduler.preempt import displace_for, preempt
-from scheduler.preemption import VictimPolicy
-from scheduler.queues import make_waiting_queue
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler_stats import (
     collect_stats,
     count_expert_tokens,
-    find_length_model,
     take_length_features,
 )
 from scheduler.state_slots import StateSlots
@@ -80,7 +76,9 @@ class Scheduler:
         self.kv = kv_manager_class(config)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._init_policies(config)
+        policies = make_policies(config, self.kv.pool.num_blocks, self.max_model_len)
+        self.waiting, self.victims = policies.waiting, policies.victims
+        self.admission, self.own_length_model = policies.admission, policies.own_length_model
         self.num_preemptions = 0
         self.bulk = BulkBudget()  # the step's bulk tokens, reset by schedule()
         self.limits = NO_LIMITS  # what the features keep out of the step, set by schedule()
@@ -104,47 +102,9 @@ class Scheduler:
             self.connector = KVConnector(config.cpu_tier_blocks, config.disk_tier_blocks)
             self.kv.pool.on_evict = self.connector.on_evict
         self.features = list(features)
-        self._bind(self.features)
-
-    def _init_policies(self, config: SchedulerConfig) -> None:
-        """The waiting queue, the preemption victim rule, the admission rule and the length model
-        they share."""
-        # A served replica's predictor (the hidden-state probe, persistence) when asked for one.
-        live = make_live_predictor(config)
-        self.waiting = make_waiting_queue(config.policy, config.srpt_aging_factor, live)
-        self.victims = VictimPolicy(
-            config.preemption_victim,
-            by_priority=config.policy == "priority",
-            remaining=self.waiting.predicted_remaining,
-        )
-        self.admission = make_admission(
-            config.admission,
-            self.waiting,
-            self.kv.pool.num_blocks,
-            config.block_size,
-            self.max_model_len,
-            config.foresight_estimate,
-            live,
-        )
-        # The length model predicted_load reads: the queue's or the admission's, else this one.
-        self.own_length_model: RemainingLength | None = None
-        if self.length_model() is None:
-            self.own_length_model = live if live is not None else LengthPredictor()
-
-    def _bind(self, features: list[StepFeature]) -> None:
-        """Each hook's callers, found once: a hook no feature overrides costs a step nothing."""
-        for feature in features:
+        for feature in self.features:
             feature.bind(self)
-        self._limit_hooks = hooked(features, "step_limits")
-        self._spec_hooks: list[Callable[[Request], int]] = hooked(features, "num_spec_tokens")
-        self._scheduled_hooks = hooked(features, "after_schedule")
-        self._before_hooks = hooked(features, "before_update")
-        self._after_hooks = hooked(features, "after_update")
-        self._in_flight_hooks = hooked(features, "tokens_in_flight")
-        self.landed_hooks = hooked(features, "on_landed")
-        self.preempt_hooks = hooked(features, "on_preempt")
-        self._finish_hooks = hooked(features, "on_finish")
-        self._stats_hooks = hooked(features, "stats")
+        self.hooks = StepHooks.of(self.features)
 
     def use_connector(self, connector: KVConnector) -> None:
         """Replace the KV connector before the first step (one that also brings KV from another
@@ -213,13 +173,14 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """Queue lengths and KV-cache figures now."""
         extra: dict[str, int] = {}
-        for hook in self._stats_hooks:
+        for hook in self.hooks.stats:
             extra.update(hook())
         return collect_stats(self, extra)
 
     def length_model(self) -> RemainingLength | None:
-        """The output-length predictor in use (scheduler_stats.find_length_model)."""
-        return find_length_model(self)
+        """The output-length predictor in use (scheduler/policies.py). Looked up each time: a
+        study may swap the queue's or the own model."""
+        return length_model_of(self.waiting, self.admission, self.own_length_model)
 
     def predicted_load(self) -> PredictedLoad:
         """Predicted remaining output tokens of the waiting and running requests (what a replica
@@ -230,7 +191,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones, within the budget."""
         step = Step(budget=self.config.max_num_batched_tokens, encoder_budget=self.encoder_budget)
-        self.limits = step_limits(self._limit_hooks)  # micro-batches: scheduler/features_pipeline
+        # Micro-batches hold requests out of a step (scheduler/features_pipeline.py).
+        self.limits = step_limits(self.hooks.step_limits)
         self.bulk = BulkBudget.for_step(
             self.running, step.budget, self.config.bulk_tokens_per_step
         )  # scheduler/bulk_budget.py
@@ -242,13 +204,13 @@ class Scheduler:
         out.lora_loads = self.loras.take_loads()
         if self.connector is not None:
             out.kv_transfers = self.connector.take_transfers()
-        for hook in self._scheduled_hooks:
+        for hook in self.hooks.after_schedule:
             hook(step, out)
         self.kv.end_step()
         return out
 
     def _schedule_running(self, step: Step) -> None:
-        kv, cap, spec_hooks = self.kv, self.prefill_cap, self._spec_hooks
+        kv, cap, spec_hooks = self.kv, self.prefill_cap, self.hooks.num_spec_tokens
         charges = self.waiting.charges_tokens
         allocate, take, send_cached = kv.allocate_slots, step.take, step.cached_reqs.append
         held, max_reqs = self.limits.held, self.limits.max_reqs
@@ -336,7 +298,7 @@ class Scheduler:
         """Tokens per request scheduled in steps later than the one being updated, whose KV is not
         written yet (async overlap schedules one step ahead)."""
         ahead: dict[str, int] = {}
-        for hook in self._in_flight_hooks:
+        for hook in self.hooks.tokens_in_flight:
             for rid, n in hook().items():
                 ahead[rid] = ahead.get(rid, 0) + n
         return ahead
@@ -346,23 +308,23 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Append sampled tokens under the stop rules, free finished requests' blocks."""
         outputs: list[RequestOutput] = []
-        for hook in self._before_hooks:
-            runner_output, answered = hook(scheduler_output, runner_output)
+        for before in self.hooks.before_update:
+            runner_output, answered = before(scheduler_output, runner_output)
             outputs += answered
         if runner_output.failed:
             outputs += self._finish_all(dict(runner_output.failed), RequestStatus.FINISHED_ERROR)
         if scheduler_output.kv_transfers is not None and self.connector is not None:
             landed = land_loads(self, scheduler_output.kv_transfers, runner_output.kv_load_failed)
-            for hook in self.landed_hooks:
+            for on_landed in self.hooks.on_landed:
                 for req in landed:
-                    hook(req)
+                    on_landed(req)
         if runner_output.expert_tokens_per_rank:
             count_expert_tokens(self.expert_tokens_per_rank, runner_output.expert_tokens_per_rank)
         if runner_output.length_features:
             take_length_features(self, runner_output.length_features)
         self._append_step(runner_output, outputs)
-        for hook in self._after_hooks:
-            hook(scheduler_output, runner_output)
+        for after in self.hooks.after_update:
+            after(scheduler_output, runner_output)
         return outputs
 
     def _append_step(self, runner_output: ModelRunnerOutput, outputs: list[RequestOutput]) -> None:
@@ -406,7 +368,7 @@ class Scheduler:
     # ---- helpers features call -----------------------------------------------------------------
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Give the request its final status and its blocks back; the next step tells the runner."""
-        for hook in self._finish_hooks:
+        for hook in self.hooks.on_finish:
             hook(req)
         if req.status is _RUNNING:
             self.loras.release(req.spec.lora_name)

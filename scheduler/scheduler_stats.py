@@ -1,4 +1,5 @@
-"""What a Scheduler reports: its SchedulerStats snapshot, and the output-length model in use."""
+"""What a Scheduler reports (its SchedulerStats snapshot) and keeps of a step's expert rows and
+length features."""
 
 from __future__ import annotations
 
@@ -6,9 +7,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.kv_loading import tier_stats
 from scheduler.length_live import LivePredictor
-from scheduler.length_prediction import RemainingLength
 from scheduler.outputs import SchedulerStats
-from scheduler.queues import FairQueue, SRPTQueue
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
@@ -34,17 +33,6 @@ def collect_stats(sched: Scheduler, extra: dict[str, int]) -> SchedulerStats:
         **tier_stats(sched.connector),
         **extra,
     )
-
-
-def find_length_model(sched: Scheduler) -> RemainingLength | None:
-    """The output-length predictor in use: the queue's (srpt, fair_srpt), the admission's
-    (foresight), else the scheduler's own. Looked up each time: a study may swap them."""
-    queue = sched.waiting
-    if isinstance(queue, (SRPTQueue, FairQueue)) and queue.predictor is not None:
-        return queue.predictor
-    if sched.admission is not None:
-        return sched.admission.predictor
-    return sched.own_length_model
 
 
 def count_expert_tokens(totals: list[int], rows: list[int]) -> None:
