@@ -22,7 +22,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PretrainedConfig
 
+from workers.pipeline_cost import decode_costs
 from workers.pipeline_split import split_layers
 
 W = TypeVar("W")
@@ -74,10 +76,12 @@ def reset_pipeline() -> None:
     _state.stage, _state.tp_size, _state.rank = PipelineStage(), 1, 0
 
 
-def set_stage_layers(num_layers: int, expected_size: int, split: list[int] | None) -> None:
-    """Fix the layers of this process's stage before its model is built. expected_size is the
-    configured pipeline_parallel_size: a process that is not one of that many stages (a single
-    in-process runner) is refused."""
+def set_stage_layers(config: PretrainedConfig, expected_size: int, split: list[int] | None) -> None:
+    """Fix the layers of this process's stage before its model (whose text config is `config`) is
+    built: `split` when given, else the split that balances what a decode step costs the stages
+    (workers/pipeline_cost.py), the same on every rank. expected_size is the configured
+    pipeline_parallel_size: a process that is not one of that many stages (a single in-process
+    runner) is refused."""
     stage = _state.stage
     if stage.size != expected_size:
         raise ValueError(
@@ -86,7 +90,8 @@ def set_stage_layers(num_layers: int, expected_size: int, split: list[int] | Non
         )
     if stage.size == 1:  # every layer, of this model and of any other built here (a draft)
         return
-    layers = split_layers(num_layers, stage.size, split)[stage.index]
+    costs = decode_costs(config) if split is None else config.num_hidden_layers
+    layers = split_layers(costs, stage.size, split)[stage.index]
     _state.stage = PipelineStage(stage.index, stage.size, layers.start, layers.stop)
 
 

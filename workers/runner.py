@@ -42,7 +42,14 @@ from workers.runner_config import DTYPES, RunnerConfig
 from workers.runner_process import tune_process
 from workers.sampler import Sampler, SamplingState
 from workers.step_sample import sample_step
-from workers.step_state import Batch, BlockTableRows, RequestState, add_to_batch, build_batch
+from workers.step_state import (
+    Batch,
+    BlockTableRows,
+    RequestState,
+    add_to_batch,
+    apply_cached,
+    build_batch,
+)
 from workers.verify_rows import (
     AttentionRows,
     attention_rows,
@@ -77,7 +84,7 @@ class ModelRunner:
         tune_process(config, self.device)
         text = hf_config.get_text_config()  # a vision model's language model (else hf_config)
         set_stage_layers(  # before the model is built: a pipeline stage builds its layers only
-            text.num_hidden_layers, config.pipeline_parallel_size, config.pipeline_layer_split
+            text, config.pipeline_parallel_size, config.pipeline_layer_split
         )
         self.model = self._load_model(hf_config)
         # The sampling rank: TP rank 0 of the last pipeline stage (rank 0 without stages).
@@ -282,7 +289,7 @@ class ModelRunner:
             reason = self._start(new)
             if reason is not None:
                 failed[new.req_id] = reason
-        self._apply_cached(out)
+        apply_cached(out.scheduled_cached_reqs, self.requests)
         for feature in self.features:
             feature.update(out)
         return failed
@@ -320,27 +327,6 @@ class ModelRunner:
             self.block_tables.release(self.requests[new.req_id])
         self.requests[new.req_id] = state
         return None
-
-    def _apply_cached(self, out: SchedulerOutput) -> None:
-        cached = out.scheduled_cached_reqs
-        for rid, resumed, tokens, blocks, computed in zip(
-            cached.req_ids,
-            cached.resumed,
-            cached.new_token_ids,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-        ):
-            state = self.requests[rid]
-            if tokens:
-                state.token_ids.extend(tokens)
-                num_prompt = len(state.sampling.prompt_token_ids)
-                outputs = state.sampling.output_token_ids
-                outputs.extend(state.token_ids[num_prompt + len(outputs) :])
-            if resumed:
-                state.block_ids, state.num_synced_blocks = list(blocks), 0
-            else:
-                state.block_ids.extend(blocks)
-            state.num_computed_tokens = computed
 
     def _build_batch(self, out: SchedulerOutput) -> Batch:
         for feature in self.features:

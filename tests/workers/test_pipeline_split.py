@@ -3,10 +3,14 @@ settings accept (pipeline_parallel_size, pipeline_layer_split) and refuse."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from transformers import AutoConfig
 
 from engine.config import EngineConfig
@@ -21,7 +25,13 @@ from workers.pipeline import (
     set_stage_layers,
     stage_weights,
 )
-from workers.pipeline_split import MAX_PIPELINE_STAGES, split_layers
+from workers.pipeline_split import (
+    MAX_PART_COST,
+    MAX_PIPELINE_STAGES,
+    StageCosts,
+    cheapest_split,
+    split_layers,
+)
 from workers.runner import ModelRunner
 
 # Six layers (PP=2 and PP=3 stages of two), 6 heads and 3 KV heads (TP=3), tied embeddings (the
@@ -60,11 +70,68 @@ def stage_state():
     reset_pipeline()
 
 
-def test_layers_split_balanced_by_count_the_first_stages_taking_the_remainder():
+def test_layers_split_by_count_alone_the_first_stages_taking_the_most():
     assert split_layers(30, 2) == [range(0, 15), range(15, 30)]
-    assert split_layers(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    assert split_layers(30, 4) == [range(0, 8), range(8, 16), range(16, 24), range(24, 30)]
     assert split_layers(4, 3) == [range(0, 2), range(2, 3), range(3, 4)]
     assert split_layers(7, 1) == [range(0, 7)]
+
+
+def test_the_last_stage_takes_fewer_layers_by_what_its_head_costs():
+    """Six layers of 10 and a head of 25 on the last stage: 4 + 2 layers (40 / 45) beats 3 + 3
+    (30 / 55); the first stage's embedding moves a layer back the other way."""
+    assert cheapest_split(StageCosts((10,) * 6, last=25), 2) == [4, 2]
+    assert cheapest_split(StageCosts((10,) * 6, first=25, last=25), 2) == [3, 3]
+    assert cheapest_split(StageCosts((10,) * 6, last=25), 3) == [3, 2, 1]
+    # Uneven layers: a heavy MoE layer 2 gets a stage of its own among three.
+    assert cheapest_split(StageCosts((1, 1, 30, 1, 1, 1), last=2), 3) == [2, 1, 3]
+
+
+def _compositions(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every way to write n as `parts` positive counts, in order."""
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        yield tuple(b - a for a, b in itertools.pairwise((0, *cuts, n)))
+
+
+def _largest(costs: StageCosts, counts: Sequence[int]) -> int:
+    bounds = list(itertools.accumulate(counts, initial=0))
+    return max(
+        costs.stage(a, b, i, len(counts)) for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layers=st.lists(st.integers(0, 1000), min_size=1, max_size=10),
+    first=st.integers(0, 3000),
+    last=st.integers(0, 3000),
+    size=st.integers(1, 5),
+)
+def test_the_default_split_is_contiguous_complete_and_its_largest_stage_least(
+    layers, first, last, size
+):
+    """Against every contiguous split: each layer on exactly one stage, no stage empty, and no
+    split's costliest stage costs less than the default's."""
+    assume(size <= len(layers))
+    costs = StageCosts(tuple(layers), first, last)
+    stages = split_layers(costs, size)
+    assert len(stages) == size and all(len(r) >= 1 for r in stages)
+    assert [i for r in stages for i in r] == list(range(len(layers)))
+    best = min(_largest(costs, c) for c in _compositions(len(layers), size))
+    assert _largest(costs, [len(r) for r in stages]) == best
+
+
+@pytest.mark.parametrize("bad", [2**64, -1, math.nan, MAX_PART_COST + 1, True, "1"])
+def test_a_stage_cost_out_of_bounds_is_refused(bad):
+    for costs in (
+        dict(layers=(1, bad)),
+        dict(layers=(1, 1), first=bad),
+        dict(layers=(1,), last=bad),
+    ):
+        with pytest.raises(ValueError, match="^pipeline cost: "):
+            StageCosts(**costs)
+    with pytest.raises(ValueError, match="^num_hidden_layers: "):
+        StageCosts(())
 
 
 def test_an_explicit_split_places_the_layers_in_order():
@@ -172,7 +239,7 @@ def held(linear: torch.nn.Module, width: int) -> torch.Tensor:
 def _stage_model(model_dir: str, rank: int, size: int):
     config = AutoConfig.from_pretrained(model_dir)
     init_pipeline(rank, 1, size)
-    set_stage_layers(config.num_hidden_layers, size, None)
+    set_stage_layers(config, size, None)
     return load_model(model_dir, config, torch.float32, torch.device("cpu"), progress=False)
 
 
