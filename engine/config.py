@@ -31,6 +31,31 @@ if TYPE_CHECKING:
     from workers.kv_tiers import KVTierConfig
     from workers.runner import RunnerConfig
 
+# RunnerConfig's fields that are this config's (or its scheduler's) settings under the same name,
+# passed as they are; runner_config resolves the others.
+RUNNER_FROM_ENGINE = (
+    "dtype",
+    "seed",
+    "attention_backend",
+    "kv_cache_memory_gb",
+    "gpu_memory_utilization",
+    "load_progress",
+    "cpu_threads",
+    "process_niceness",
+    "enforce_eager",
+    "batch_invariant",
+    "grammar_timeout_s",
+    "grammar_mask_deadline_s",
+    "expert_parallel",
+    "speculative",
+    "quantization",
+    "max_lora_rank",
+    "kv_cache_dtype",
+    "pipeline_parallel_size",
+    "pipeline_layer_split",
+)
+RUNNER_FROM_SCHEDULER = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+
 # A chunk is held until this many tokens at most: beyond it a stream is no stream.
 MAX_STREAM_INTERVAL = 256
 # Fewer chunks per step than this would hold chunks past MAX_STREAM_INTERVAL at any batch.
@@ -407,45 +432,22 @@ class EngineConfig:
         from workers.runner import RunnerConfig
 
         sched = self.scheduler
+        draft = None if self.speculative is None else self.speculative.draft_model
         return RunnerConfig(
+            **{name: getattr(self, name) for name in RUNNER_FROM_ENGINE},
+            **{name: getattr(sched, name) for name in RUNNER_FROM_SCHEDULER},
             model_dir=model_dir,
-            dtype=self.dtype,
             device=self.resolved_device(),
-            block_size=sched.block_size,
             max_model_len=max_model_len,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs,
-            seed=self.seed,
-            attention_backend=self.attention_backend,
-            kv_cache_memory_gb=self.kv_cache_memory_gb,
             encoder_cache_bytes=int(self.encoder_cache_gb * (1 << 30)),
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            load_progress=self.load_progress,
-            cpu_threads=self.cpu_threads,
-            process_niceness=self.process_niceness,
-            enforce_eager=self.enforce_eager,
-            batch_invariant=self.batch_invariant,
-            grammar_timeout_s=self.grammar_timeout_s,
-            grammar_mask_deadline_s=self.grammar_mask_deadline_s,
             async_scheduling=self.uses_async_scheduling(),
-            expert_parallel=self.expert_parallel,
-            speculative=self.speculative,
             gguf_file=self.quantized_gguf(),
-            quantization=self.quantization,
             max_loras=self.num_lora_slots,
-            max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.num_cpu_loras,
             kv_tiers=tiers,
-            kv_cache_dtype=self.kv_cache_dtype,
             length_feature_dim=sched.length_feature_dim if sched.uses_length_probe else 0,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            pipeline_layer_split=self.pipeline_layer_split,
             draft_model_dir=draft_model_dir,
-            draft_gguf_file=(
-                self.quantized_gguf(self.speculative.draft_model)
-                if self.speculative is not None and self.speculative.draft_model is not None
-                else None
-            ),
+            draft_gguf_file=None if draft is None else self.quantized_gguf(draft),
         )
 
     def quantized_gguf(self, model: str | None = None) -> str | None:
