@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.outputs import SchedulerOutput, TokenLogprobs
+from scheduler.outputs import CachedRequestData, SchedulerOutput, TokenLogprobs
 from workers.sampler import SamplingState
 
 
@@ -29,6 +29,29 @@ class RequestState:
     num_prompt_logprobs: int = 0
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
     draft_computed: int = 0  # the draft model's KV holds positions [0, draft_computed)
+
+
+def apply_cached(cached: CachedRequestData, requests: dict[str, RequestState]) -> None:
+    """A step's diff of requests the runner holds: their new tokens (also the sampling state's
+    outputs), new blocks (the whole table when resumed) and computed-token counts."""
+    for rid, resumed, tokens, blocks, computed in zip(
+        cached.req_ids,
+        cached.resumed,
+        cached.new_token_ids,
+        cached.new_block_ids,
+        cached.num_computed_tokens,
+    ):
+        state = requests[rid]
+        if tokens:
+            state.token_ids.extend(tokens)
+            num_prompt = len(state.sampling.prompt_token_ids)
+            outputs = state.sampling.output_token_ids
+            outputs.extend(state.token_ids[num_prompt + len(outputs) :])
+        if resumed:
+            state.block_ids, state.num_synced_blocks = list(blocks), 0
+        else:
+            state.block_ids.extend(blocks)
+        state.num_computed_tokens = computed
 
 
 @dataclass(slots=True)
