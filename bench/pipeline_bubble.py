@@ -17,7 +17,9 @@ the idle the stages' imbalance alone forces on it (1 - its CPU time / the busies
 a step in flight per stage the busiest stage sets the pace, so a lighter stage idles at least
 that much whatever the engine does. CPU time, because on a shared machine a busy span also holds
 the time a rank waited for a core (a blocked receive spends none). From the same figures, the
-pipeline_layer_split that would even the stages out. The engine's turnaround is timed in the
+pipeline_layer_split that would even the stages out, and the LM head and sampling's weight in
+layers as measured against the weights-read figure the default split uses (without `--split`
+the engine splits by that figure: workers/pipeline_cost.py). The engine's turnaround is timed in the
 engine process: from a step's output collected to the next step posted (update and schedule
 between).
 
@@ -103,17 +105,28 @@ def stage_layers(runner: Any) -> int:
     return stage.end - stage.start
 
 
-def suggested_split(busy_s: list[float], layers: list[int]) -> tuple[list[int], float, float]:
-    """Layers per stage that would even out the stages' busy (CPU) times, with a layer costing
-    what one of stage 0's does (it holds layers and an embedding lookup) and the last stage's
-    surplus being its LM head and sampling. Also returns (a layer's seconds, the surplus's)."""
-    per_layer = busy_s[0] / layers[0]
-    head = max(0.0, busy_s[-1] - per_layer * layers[-1])
-    n, total = len(layers), sum(layers)
-    target = (total * per_layer + head) / n
-    last = min(max(1, round((target - head) / per_layer)), total - (n - 1))
-    base, extra = divmod(total - last, n - 1)
-    return [base + (i < extra) for i in range(n - 1)] + [last], per_layer, head
+def model_costs(runner: Any) -> tuple[float, int]:
+    """In a rank's process: what the default split weighs (workers/pipeline_cost.py): a mean
+    layer's weights and the last stage's head and sampling, in parameters read per step."""
+    from transformers import AutoConfig
+
+    from workers.pipeline_cost import decode_costs
+
+    costs = decode_costs(AutoConfig.from_pretrained(runner.config.model_dir).get_text_config())
+    return sum(costs.layers) / len(costs.layers), costs.last
+
+
+def suggested_split(cpu_s: list[float], layers: list[int]) -> tuple[list[int], float, float]:
+    """The library's cheapest split (workers/pipeline_split.py) over measured costs instead of
+    weights: a layer costing what one of stage 0's does (it holds layers and an embedding lookup)
+    and the last stage's surplus being its LM head and sampling. Also returns (a layer's seconds,
+    the surplus's)."""
+    from workers.pipeline_split import StageCosts, cheapest_split
+
+    per_layer = cpu_s[0] / layers[0]
+    head = max(0.0, cpu_s[-1] - per_layer * layers[-1])
+    micros = StageCosts((round(per_layer * 1e6),) * sum(layers), last=round(head * 1e6))
+    return cheapest_split(micros, len(layers)), per_layer, head
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +234,7 @@ def measure(args: argparse.Namespace, micro_batched: bool) -> None:
         wall = time.perf_counter() - t0
         spans = core.executor.call_ranks(read)
         layers = core.executor.call_ranks(stage_layers)
+        layer_weights, head_weights = core.executor.call_ranks(model_costs)[-1]
     finally:
         llm.shutdown()
     steps = args.steps * depth
@@ -247,6 +261,10 @@ def measure(args: argparse.Namespace, micro_batched: bool) -> None:
         f"stage's head and sampling {head * 1e3:.1f} ms (CPU); even at --split "
         f"{','.join(map(str, split))}"
     )
+    print(
+        f"  the head and sampling weigh {head / per_layer:.1f} layers measured (CPU), "
+        f"{head_weights / layer_weights:.1f} in weights read (the default split's figure)"
+    )
 
 
 def main() -> None:
@@ -258,13 +276,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--quantization", default="auto", help="EngineConfig.quantization")
-    parser.add_argument("--split", default=None, help="pipeline_layer_split, e.g. 19,11")
+    parser.add_argument(
+        "--split", default=None, help="pipeline_layer_split, e.g. 17,13 (default: by cost)"
+    )
     parser.add_argument("--micro-batches", choices=("both", "on", "off"), default="both")
     args = parser.parse_args()
     print(
         f"model={args.model} stages={args.stages} requests={args.requests} "
         f"prompt_len={args.prompt_len} steps={args.steps} threads/rank={args.threads} "
-        f"split={args.split or 'balanced'} quantization={args.quantization} "
+        f"split={args.split or 'default'} quantization={args.quantization} "
         f"cpus={os.cpu_count()}"
     )
     runs = {"both": (False, True), "on": (True,), "off": (False,)}[args.micro_batches]
