@@ -136,7 +136,8 @@ def summary(out: AutoscaleResult, requests: int, cfg: plan.DayPlanConfig) -> str
         f"{out.replica_hours * plan.REAL_DAY_S / cfg.day.day_s:.1f} replica-hours per day, "
         f"SLO attainment {out.slo_attainment(slo.ttft_p90_s, slo.itl_p90_s):.2%}, "
         f"{sum(out.decisions.values())} count changes, "
-        f"peak {max(billed for _, _, billed in out.timeline)}"
+        f"peak {max(billed for _, _, billed in out.timeline)}, "
+        f"{out.moved} queued requests moved to new replicas"
     )
 
 

@@ -10,7 +10,10 @@ policy sets while the run goes on, as Serve's controller would:
   from the decision on, and is routed to once it is ready;
 - a replica it removes stops taking requests at once and is paid for until its last request has
   finished (the drain: no request is lost), then retired; a replica still starting is cancelled
-  first.
+  first;
+- with `move_queued`, a replica that starts taking requests also takes queued ones that never ran
+  from the others, as the production router routes them again (a hand-back to the ingress):
+  a lever outside the policy, measured in bench/results/2026-11-29-autoscaling-levers.md.
 
 Two policies can drive it: `router.autoscaling.decide` on LLM signals, the very function Serve runs
 (cluster/autoscaling_policy.py), and `OngoingRequestsPolicy`, a model of Serve's default policy
@@ -24,6 +27,7 @@ import math
 import random
 from collections import Counter, deque
 from dataclasses import MISSING, dataclass, field
+from functools import partial
 from typing import Protocol
 
 from router.autoscaling import (
@@ -34,7 +38,8 @@ from router.autoscaling import (
     ScaleDecision,
     decide,
 )
-from scheduler import RequestOutput
+from router.policies import RouteRequest
+from scheduler import Request, RequestOutput
 from settings import check_settings, setting
 from sim.cost import CostModel
 from sim.fleet import FleetSim
@@ -215,6 +220,11 @@ class AutoscaleConfig:
         30.0, "scale-up decision -> the replica takes requests", ge=0, le=MAX_DAY_S
     )
     initial_replicas: int = setting(1, "replicas at the start", ge=1, le=1 << 20)
+    move_queued: bool = setting(
+        False,
+        "a replica that starts taking requests takes over the queued requests that never ran "
+        "(handed back by their replica, routed again among it and the new ones)",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -225,6 +235,7 @@ class AutoscaleResult:
     result: SimResult
     replica_seconds: float
     decisions: Counter[str] = field(default_factory=Counter)  # replica-count changes by reason
+    moved: int = 0  # queued requests moved to a replica that had just started (move_queued)
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, routed, billed)
 
     @property
@@ -258,6 +269,7 @@ class AutoscaleSim(FleetSim):
         self._serial = len(self.replicas)
         self.replica_seconds = 0.0
         self.decisions: Counter[str] = Counter()
+        self.moved = 0
         self.timeline: list[tuple[float, int, int]] = []
         for r in self.replicas:
             self._watch(r)
@@ -266,7 +278,9 @@ class AutoscaleSim(FleetSim):
         result = self.run(workload)
         self._bill(result.end_s)
         result.replicas = self._retired + self.replicas
-        return AutoscaleResult(result, self.replica_seconds, self.decisions, self.timeline)
+        return AutoscaleResult(
+            result, self.replica_seconds, self.decisions, self.moved, self.timeline
+        )
 
     # ---- hooks into FleetSim -----------------------------------------------------------------
     def _take_stats(self, now: float) -> None:
@@ -312,6 +326,64 @@ class AutoscaleSim(FleetSim):
             self._index[r.name] = len(self._index)
             self._watch(r)
         self.names = self.names + tuple(r.name for r in ready)
+        if self.loop.move_queued:  # a timer: moving a request needs the run's records
+            self._timer(now, partial(self._move_queued, [r.name for r in ready]))
+
+    # ---- queued requests moved to a replica that has just started (move_queued) ---------------
+    def _move_queued(self, fresh: list[str], now: float, records: dict[str, RequestRecord]) -> None:
+        """The routed replicas' queued requests that never ran, oldest first, each routed again by
+        the production router among its own replica and the fresh ones: as if its replica handed
+        it back and the ingress resubmitted it (deploy/generation.py's migration). One that the
+        router sends elsewhere moves; its place in the queue is its arrival."""
+        targets = [n for n in fresh if n in self.names]
+        if not targets:
+            return
+        queued = [
+            (req, r)
+            for r in self.replicas
+            if r.name in self.names and r.name not in targets
+            for req in r.scheduler.waiting
+            if req.num_computed_tokens == 0 and not req.output_token_ids
+        ]
+        for req, source in sorted(queued, key=lambda pair: pair[0].arrival_time):
+            self._move(req, source, [source.name, *targets], now, records)
+
+    def _move(
+        self,
+        req: Request,
+        source: SimReplica,
+        candidates: list[str],
+        now: float,
+        records: dict[str, RequestRecord],
+    ) -> None:
+        """req (queued on source, never run) routed again among candidates; moved if sent away."""
+        rid = req.request_id
+        output_len = source.output_len[rid]
+        full = req.num_prompt_tokens // self.config.scheduler.block_size
+        hashes = list(req.block_hashes[:full])
+        route = RouteRequest(rid, req.num_prompt_tokens + output_len, hashes, req.lora_name)
+        name = self.fleet.choose(route, candidates, now)
+        assert name is not None  # simulated replicas always report themselves OK
+        self.fleet.on_routed(route, name, now)  # confirmed where it went, its own replica too
+        if name == source.name:
+            return
+        source.scheduler.abort_requests([rid])
+        del source.output_len[rid]
+        target = self._by_name[name]
+        self._before_add(target, now, records)
+        records[rid].replica = name
+        target.add(
+            rid,
+            req.prompt_token_ids,
+            output_len,
+            req.tenant,
+            req.priority,
+            req.arrival_time,
+            hashes,
+            req.lora_name,
+        )
+        self._after_add(target, now)
+        self.moved += 1
 
     def _retire_drained(self) -> None:
         routed = set(self.names)

@@ -268,6 +268,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--upscale-delay", type=float, default=PRODUCTION.upscale_delay_s)
     g.add_argument("--downscale-delay", type=float, default=PRODUCTION.downscale_delay_s)
     g.add_argument("--initial-replicas", type=int, default=2)
+    g.add_argument(
+        "--move-queued",
+        action="store_true",
+        help="a replica that starts taking requests takes over queued requests that never ran",
+    )
     g.add_argument("--jobs", type=int, default=1, help="days replayed in parallel")
 
 
@@ -299,6 +304,7 @@ def config_of(a: argparse.Namespace) -> DayPlanConfig:
             look_back_s=a.look_back,
             start_delay_s=a.start_delay,
             initial_replicas=a.initial_replicas,
+            move_queued=a.move_queued,
         ),
         profile=a.profile,
         router=a.router[0],
@@ -342,6 +348,7 @@ def cmd_plan_day(a: argparse.Namespace) -> None:
 
 def describe(cfg: DayPlanConfig, a: argparse.Namespace) -> str:
     """The day, the fleet, the SLO and the control loop, in one line."""
+    moved = ", queued requests move to new replicas" if cfg.loop.move_queued else ""
     return (
         f"# a day with autoscaling: profile {cfg.profile}, day compressed to {cfg.day.day_s:g} s "
         f"({REAL_DAY_S / cfg.day.day_s:g}x), peak {cfg.day.peak_rate:g} req/s, peak:trough "
@@ -350,7 +357,7 @@ def describe(cfg: DayPlanConfig, a: argparse.Namespace) -> str:
         f"{a.max_num_seqs} per replica; SLO TTFT p90 {cfg.slo.ttft_p90_s:g} s and ITL p90 "
         f"{cfg.slo.itl_p90_s * 1000:g} ms per request, target {cfg.target:.0%}; start delay "
         f"{cfg.loop.start_delay_s:g} s, decisions every {cfg.loop.decision_period_s:g} s over "
-        f"{cfg.loop.look_back_s:g} s, upscale/downscale delay {cfg.upscale_delay_s:g}/"
+        f"{cfg.loop.look_back_s:g} s{moved}, upscale/downscale delay {cfg.upscale_delay_s:g}/"
         f"{cfg.downscale_delay_s:g} s, replicas {cfg.min_replicas}-{cfg.max_replicas}"
     )
 
