@@ -33,6 +33,7 @@ from scheduler.multimodal import (
 )
 from scheduler.request import EngineRequest
 from workers.models import model_class
+from workers.models.vision_family import config_image_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,6 @@ PROCESSED_CACHE_BYTES = 64 << 20
 
 class VisionFamily(Protocol):
     """What a vision-language model class tells the engine (workers/models/llava.py)."""
-
-    @classmethod
-    def image_token_id(cls, hf_config: PretrainedConfig) -> int: ...
 
     @classmethod
     def num_image_tokens(cls, hf_config: PretrainedConfig, arrays: dict[str, np.ndarray]) -> int:
@@ -80,7 +78,7 @@ class ImagePreprocessor:
         self.processor = processor
         self.hf_config = hf_config
         self.family = family
-        self.placeholder = family.image_token_id(hf_config)
+        self.placeholder = config_image_token_id(hf_config)  # every family's, from its config
         self._cache: OrderedDict[str, ProcessedImage] = OrderedDict()
         self._cache_bytes = 0
 

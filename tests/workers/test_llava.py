@@ -17,6 +17,7 @@ from workers.layers.attention import AttentionMetadata, select_backend
 from workers.loader import iterate_weights, load_model
 from workers.models.image_splice import ImageSplice
 from workers.models.llava import LlavaForConditionalGeneration
+from workers.models.vision_family import config_image_token_id
 from workers.parallel import init_tensor_parallel, reset_tensor_parallel
 
 PROMPT = "USER: <image> and <image>, compare. ASSISTANT:"
@@ -51,7 +52,7 @@ def spliced_logits(path: str, input_ids: list[int], pixels: torch.Tensor) -> tor
     backend = select_backend(torch.device("cpu"), "torch")
     for layer in layers:
         layer.backend = backend
-    placeholder = LlavaForConditionalGeneration.image_token_id(AutoConfig.from_pretrained(path))
+    placeholder = config_image_token_id(AutoConfig.from_pretrained(path))
     rows = [i for i, t in enumerate(input_ids) if t == placeholder]
     with torch.inference_mode():
         embeds = torch.cat([model.encode_image({"pixel_values": p[None]}) for p in pixels])

@@ -44,6 +44,7 @@ from workers.layers.rotary import RotaryEmbedding
 from workers.loader import load_model
 from workers.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, merged_grid
 from workers.models.qwen2_vl_vision import VisionArgs
+from workers.models.vision_family import config_image_token_id
 from workers.parallel import init_tensor_parallel, reset_tensor_parallel
 from workers.step_state import Batch
 
@@ -264,7 +265,7 @@ def test_image_tokens_and_spans_from_processor_arrays(models):
     config = AutoConfig.for_model("qwen2_5_vl")
     arrays = {"image_grid_thw": np.array([[1, 6, 8]])}
     assert Qwen2_5_VLForConditionalGeneration.num_image_tokens(config, arrays) == 12
-    assert Qwen2_5_VLForConditionalGeneration.image_token_id(config) == config.image_token_id
+    assert config_image_token_id(config) == config.image_token_id
     assert ours.mrope_spans(inputs(7, 12, [1, 6, 8])) == [MRopeSpan(7, 1, 3, 4)]
     with pytest.raises(ValueError, match="images: an image of 11 tokens has a 1x3x4 grid"):
         ours.mrope_spans(inputs(7, 11, [1, 6, 8]))

@@ -113,16 +113,12 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.multi_modal_projector = Gemma3Projector(config)  # checks the tower's shape first
         self.vision_tower = VisionTower(vision, [-1])
         self.vision_post_layernorm = nn.LayerNorm(vision.hidden_size, eps=vision.layer_norm_eps)
-        self.image_token = self.image_token_id(config)
+        # `<image_soft_token>`: the sender writes one per image, the engine repeats it.
+        self.image_token = config_image_token_id(config)
         # Spliced after the embedding's scale (not a hook on embed_tokens, which runs before it).
         self.image_splice = ImageSplice()
 
     # ---- what the engine asks of a vision family (engine/multimodal.VisionFamily) -------------
-    @classmethod
-    def image_token_id(cls, hf_config: PretrainedConfig) -> int:
-        """`<image_soft_token>`: the sender writes one per image, the engine repeats it."""
-        return config_image_token_id(hf_config)
-
     @classmethod
     def num_image_tokens(cls, hf_config: PretrainedConfig, arrays: dict[str, np.ndarray]) -> int:
         pixels = arrays.get("pixel_values")

@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 from workers.layers.quantized import AnyWeight, float_only
 from workers.models.image_splice import ImageSplice
 from workers.models.llama import LlamaForCausalLM, _copy_plain
-from workers.models.vision_family import config_image_token_id, refuse_pipeline_stages
+from workers.models.vision_family import refuse_pipeline_stages
 from workers.models.vision_tower import VisionTower, has_class_token
 
 # Checkpoint prefixes, old (llava-hf) and new (transformers 5) layouts, to ours.
@@ -73,10 +73,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.image_splice.attach(self.model.embed_tokens)
 
     # ---- what the engine asks of a vision family (engine/multimodal.VisionFamily) -------------
-    @classmethod
-    def image_token_id(cls, hf_config: PretrainedConfig) -> int:
-        return config_image_token_id(hf_config)
-
     @classmethod
     def num_image_tokens(cls, hf_config: PretrainedConfig, arrays: dict[str, np.ndarray]) -> int:
         pixels = arrays.get("pixel_values")

@@ -22,7 +22,7 @@ from workers.layers.quantized import AnyWeight
 from workers.models.image_splice import ImageSplice
 from workers.models.llama import Qwen2ForCausalLM
 from workers.models.qwen2_vl_vision import Qwen2_5_VisionTransformer
-from workers.models.vision_family import config_image_token_id, refuse_pipeline_stages
+from workers.models.vision_family import refuse_pipeline_stages
 from workers.pipeline import run_stage
 
 # Checkpoint prefixes: the hub's layout (what transformers saves) and transformers' in-memory one.
@@ -53,10 +53,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         self.step_positions = MRopePositions(self.mrope_spans)
 
     # ---- what the engine asks of a vision family (engine/multimodal.py VisionFamily) ----------
-    @classmethod
-    def image_token_id(cls, hf_config: PretrainedConfig) -> int:
-        return config_image_token_id(hf_config)
-
     @classmethod
     def num_image_tokens(cls, hf_config: PretrainedConfig, arrays: dict[str, np.ndarray]) -> int:
         """An image's tokens: its patch grid (image_grid_thw) merged 2x2."""
