@@ -226,6 +226,21 @@ struct Packed {
   const float* mins;
 };
 
+// Block b of the next tile is fetched while block b of this one is computed. Weights stream from
+// memory in a decode step, and without it the stream paused while a block's dot products ran, so
+// each activation row past the first added its compute to the memory time: on SmolLM2's 120
+// linears (1 thread) 5 rows took 7.90 ms and 8 rows 10.72 against 6.84 and 8.59 with it; 1 row
+// the same 5.6 ms. Two or four tiles ahead did no better (bench/results/2026-11-29-verify-rows.md).
+template <int Q>
+inline void prefetch_block(const Packed& w, int64_t tb) {
+  const char* c = reinterpret_cast<const char*>(w.codes + tb * tile_block_bytes(Q));
+  for (int line = 0; line < tile_block_bytes(Q); line += 64) _mm_prefetch(c + line, _MM_HINT_T0);
+  const float* sc = w.scales + tb * (Q == Q6_K ? 2 : 1) * kTile;
+  _mm_prefetch(reinterpret_cast<const char*>(sc), _MM_HINT_T0);
+  if constexpr (has_min(Q))
+    _mm_prefetch(reinterpret_cast<const char*>(w.mins + tb * kTile), _MM_HINT_T0);
+}
+
 // y[r0 .. r0 + R) x [16 t .. 16 t + 16) for one tile of weight rows.
 template <int Q, int R>
 void tile_rows(const Packed& w, int64_t t, const Acts& a, int64_t r0, float* y) {
@@ -236,6 +251,7 @@ void tile_rows(const Packed& w, int64_t t, const Acts& a, int64_t r0, float* y) 
   __m512i u[8];
   for (int64_t b = 0; b < w.blocks; ++b) {
     const int64_t tb = t * w.blocks + b;
+    prefetch_block<Q>(w, tb + w.blocks);  // past the last tile: a hint, never a fault
     load_codes<Q>(w.codes + tb * tile_block_bytes(Q), u);
     const float* sc = w.scales + tb * h * kTile;
     for (int r = 0; r < R; ++r) {

@@ -110,6 +110,39 @@ inline void axpy(float p, const T* v, float* acc) {
   for (int i = 0; i < D; ++i) acc[i] += p * widen(v[i]);
 }
 
+// Query row j's weighted sum of values over tokens [first, seq_len): out = sum_t p_t * v_t, added
+// in token order, one fused multiply-add per element as axpy compiles to (contraction is on here).
+// The sum stays in registers over the whole context; accumulating every row's sum in memory,
+// token by token, spent a load and a store per 16 elements on each product (SmolLM2's shape, 175
+// tokens, 30 calls, 1 thread: 1 row 0.59 -> 0.40 ms, 5 verify rows 2.84 -> 1.64 ms; same bits).
+template <typename T, int D>
+inline void weighted_values(const float* p, const T* vc, const int32_t* table, int64_t first,
+                            int64_t seq_len, int64_t bs, int64_t token, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && D % kLanes == 0) {
+    __m512 a[D / kLanes];
+    for (int c = 0; c < D / kLanes; ++c) a[c] = _mm512_setzero_ps();
+    for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
+      const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token;
+      for (int64_t t = std::max(t0, first); t < std::min(seq_len, t0 + bs); ++t) {
+        const __m512 w = _mm512_set1_ps(p[t - first]);
+        const T* v = vb + (t - t0) * token;
+        for (int c = 0; c < D / kLanes; ++c)
+          a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * kLanes), a[c]);
+      }
+    }
+    for (int c = 0; c < D / kLanes; ++c) _mm512_storeu_ps(acc + c * kLanes, a[c]);
+    return;
+  }
+#endif
+  std::fill(acc, acc + D, 0.f);
+  for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
+    const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token;
+    for (int64_t t = std::max(t0, first); t < std::min(seq_len, t0 + bs); ++t)
+      axpy<T, D>(p[t - first], vb + (t - t0) * token, acc);
+  }
+}
+
 struct Shape {
   int64_t hk, group, block_size, table_stride;
   float scale;
@@ -132,7 +165,6 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
   float* scores = acc + R * D;      // [R, n]
   for (int64_t j = 0; j < R; ++j)
     for (int64_t i = 0; i < D; ++i) qf[j * D + i] = widen(q[j * q_head_stride + i]) * s.scale;
-  std::fill(acc, acc + R * D, 0.f);
   for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
     const T* kb = kc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h0 * D;
     const int64_t lo = std::max(t0, first), count = std::min(seq_len, t0 + bs) - lo;
@@ -150,12 +182,9 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
     const float inv = 1.f / (sum(row, n) + (sinks ? exp_nonpositive(sinks[j] - m) : 0.f));
     for (int64_t t = 0; t < n; ++t) row[t] *= inv;
   }
-  for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
-    const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token + h0 * D;
-    for (int64_t t = std::max(t0, first); t < std::min(seq_len, t0 + bs); ++t)
-      for (int64_t j = 0; j < R; ++j)
-        axpy<T, D>(scores[j * n + t - first], vb + (t - t0) * token + (j / G) * D, acc + j * D);
-  }
+  for (int64_t j = 0; j < R; ++j)
+    weighted_values<T, D>(scores + j * n, vc + (h0 + j / G) * D, table, first, seq_len, bs, token,
+                          acc + j * D);
   for (int64_t i = 0; i < R * D; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
