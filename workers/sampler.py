@@ -17,6 +17,7 @@ import torch
 from scheduler.outputs import TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 from workers.bans import Bans, apply_bans
+from workers.sampling_top import CANDIDATE_SIZES, apply_top_k_top_p
 
 logger = logging.getLogger(__name__)
 
@@ -121,22 +122,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Keep each row's k best tokens (k >= vocab: all), then the smallest best-first set whose
-    probability reaches top_p (top_p > 1: all). Ties are broken by token id."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)
-    drop = rank >= top_k[:, None]
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
-    return torch.empty_like(logits).scatter_(
-        1, order, sorted_logits.masked_fill(drop, float("-inf"))
-    )
 
 
 def apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -247,7 +232,9 @@ def _draw(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         top_p = torch.tensor(
             [s.params.top_p if s.params.top_p < 1.0 else 2.0 for s in states], device=device
         )
-        logits = apply_top_k_top_p(logits, top_k, top_p)
+        # A GPU sorts a row in microseconds; the candidate sets' host syncs would cost more there.
+        sizes = CANDIDATE_SIZES if device.type == "cpu" else ()
+        logits = apply_top_k_top_p(logits, top_k, top_p, sizes)
     probs = logits.softmax(dim=-1)
     return probs.div_(_exponential_noise(probs, states)).argmax(dim=-1)
 
