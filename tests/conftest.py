@@ -98,14 +98,7 @@ def ray_cluster() -> str:
             log_to_driver=False,
             _node_ip_address="127.0.0.1",
             _metrics_export_port=free_port(),
-            _system_config={
-                "metrics_report_interval_ms": 1000,
-                # The GCS declares a killed node dead after 5 failed probes: 15 s at Ray's 3 s
-                # period, 2.5 s at this one. Placements that must avoid the dead node (the
-                # multi-node tests' resumed ranks and replacement replica) wait for it. A live
-                # raylet still has 5 probes of 10 s each (health_check_timeout_ms) to answer.
-                "health_check_period_ms": 500,
-            },
+            _system_config={"metrics_report_interval_ms": 1000},
         )
     yield ray.get_runtime_context().gcs_address
     if started:
