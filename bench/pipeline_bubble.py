@@ -18,8 +18,8 @@ a step in flight per stage the busiest stage sets the pace, so a lighter stage i
 that much whatever the engine does. CPU time, because on a shared machine a busy span also holds
 the time a rank waited for a core (a blocked receive spends none). From the same figures, the
 pipeline_layer_split that would even the stages out, and the LM head and sampling's weight in
-layers as measured against the weights-read figure the default split uses (without `--split`
-the engine splits by that figure: workers/pipeline_cost.py). The engine's turnaround is timed in the
+layers as measured against the figure the default split uses (without `--split` the engine
+splits by that figure: workers/pipeline_cost.py). The engine's turnaround is timed in the
 engine process: from a step's output collected to the next step posted (update and schedule
 between).
 
@@ -107,7 +107,8 @@ def stage_layers(runner: Any) -> int:
 
 def model_costs(runner: Any) -> tuple[float, int]:
     """In a rank's process: what the default split weighs (workers/pipeline_cost.py): a mean
-    layer's weights and the last stage's head and sampling, in parameters read per step."""
+    layer (its weights and LAYER_OVERHEAD) and the last stage's head and sampling, in weights
+    read per step."""
     from transformers import AutoConfig
 
     from workers.pipeline_cost import decode_costs
@@ -263,7 +264,7 @@ def measure(args: argparse.Namespace, micro_batched: bool) -> None:
     )
     print(
         f"  the head and sampling weigh {head / per_layer:.1f} layers measured (CPU), "
-        f"{head_weights / layer_weights:.1f} in weights read (the default split's figure)"
+        f"{head_weights / layer_weights:.1f} in the default split's figures (pipeline_cost.py)"
     )
 
 

@@ -110,9 +110,9 @@ class EngineConfig:
     pipeline_layer_split: list[int] | None = setting(
         None,
         "decoder layers of each pipeline stage, in order (pipeline_parallel_size counts summing "
-        "to the model's num_hidden_layers). Unset: the split whose costliest stage reads the "
-        "fewest weights per decode step, the LM head counted on the last stage "
-        "(docs/pipeline.md#settings)",
+        "to the model's num_hidden_layers). Unset: the split that evens out what a decode step "
+        "costs the stages (weights read, the LM head counted on the last stage; "
+        "docs/pipeline.md#the-default-split)",
     )
     expert_parallel: bool = setting(
         False,

@@ -12,9 +12,17 @@ expert: a served batch of tens of tokens routes to nearly all of them, so a step
 the layers differ: dense layers before `first_k_dense_replace`, `mlp_only_layers` and
 `decoder_sparse_step` (Qwen2-MoE, DeepSeek), and `layer_types` mixers in hybrids.
 
+Beside its weights a layer runs about twenty operations that are not its matrix products (norms,
+rotary, attention, activation, residual adds), each a dispatch: LAYER_OVERHEAD counts them as
+weights read. Where layers are large (billions of parameters) it is noise; where they are small
+it decides the split: on the 2-core CPU, SmolLM2 fp32 at 8-16 tokens a step, the LM head and
+sampling take 4.3-6.4 layers' CPU time against the 8.0 layers its weights say
+(bench/results/2026-11-29-pipeline-microbatch.md), so the stages even out at 18, 12 where
+weights alone give 19, 11. A GPU running stages without CUDA graphs pays more a dispatch, so there
+the term errs small, in the same direction.
+
 Not counted: the attention's KV read (it grows with the context and the batch, which no config
-says) and per-layer dispatch overhead (device-dependent: docs/pipeline.md's measurements show
-what it does on a CPU).
+says).
 """
 
 from __future__ import annotations
@@ -26,19 +34,24 @@ from workers.pipeline_split import StageCosts
 
 # A bound for any one width read from a config (the widest real ones are ~2^18: vocabularies).
 MAX_WIDTH = 1 << 24
+# What a decoder layer costs beyond its weight matrices, in weights read (module docstring): from
+# the CPU's 4.3-6.4 layers for SmolLM2's head, 28.4 M / (3.54 M + 1.5 M) = 5.6.
+LAYER_OVERHEAD = 1_500_000
 
 
 def decode_costs(config: PretrainedConfig) -> StageCosts:
-    """Each decoder layer's weight matrices (its norms' vectors are noise beside them), the first
-    stage's embedding row and the last stage's final norm, LM head and sampling row, in
-    parameters read per decode step."""
+    """Each decoder layer's weight matrices (its norms' vectors are noise beside them) and
+    LAYER_OVERHEAD, the first stage's embedding row and the last stage's final norm, LM head and
+    sampling row, in parameters read per decode step."""
     n = _width(config, "num_hidden_layers")
     hidden = _width(config, "hidden_size")
     vocab = _width(config, "vocab_size")
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * n
     if len(kinds) != n:
         raise ValueError(f"layer_types: needs one entry per layer ({n}), got {shown(kinds)}")
-    layers = tuple(_mixer(config, kind) + _mlp(config, i) for i, kind in enumerate(kinds))
+    layers = tuple(
+        _mixer(config, kind) + _mlp(config, i) + LAYER_OVERHEAD for i, kind in enumerate(kinds)
+    )
     return StageCosts(layers, first=hidden, last=vocab * hidden + vocab + hidden)
 
 

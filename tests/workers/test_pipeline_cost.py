@@ -1,7 +1,8 @@
 """What a decode step costs each part of a model (workers/pipeline_cost.py), read from its config:
-each layer's figure is the weight matrices transformers itself builds for that layer, for every
-family with its own per-layer sizes (MoE with dense layers, hybrids' mixers, MLA), and the LM head
-is vocab x hidden. And the default split those figures give."""
+each layer's figure is the weight matrices transformers itself builds for that layer (plus the
+fixed LAYER_OVERHEAD), for every family with its own per-layer sizes (MoE with dense layers,
+hybrids' mixers, MLA), and the LM head is vocab x hidden. And the default split those figures
+give."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from tests.random_checkpoint import (
 )
 from tests.workers.test_granite_hybrid import TINY_GRANITE_HYBRID
 from tests.workers.test_qwen3_next import TINY_QWEN3_NEXT
-from workers.pipeline_cost import MAX_WIDTH, decode_costs
-from workers.pipeline_split import cheapest_split, split_layers
+from workers.pipeline_cost import LAYER_OVERHEAD, MAX_WIDTH, decode_costs
+from workers.pipeline_split import StageCosts, cheapest_split, split_layers
 
 SPECS = {
     **TINY_FAMILIES,
@@ -60,7 +61,7 @@ def test_each_layer_costs_the_weight_matrices_transformers_builds_for_it(family)
     hf = AutoModelForCausalLM.from_config(config)
     costs = decode_costs(config)
     text = config.get_text_config()
-    assert costs.layers == tuple(_matrices(layer) for layer in hf.model.layers)
+    assert costs.layers == tuple(_matrices(layer) + LAYER_OVERHEAD for layer in hf.model.layers)
     head = hf.get_output_embeddings().weight
     assert costs.last == head.numel() + text.vocab_size + text.hidden_size
     assert costs.first == text.hidden_size
@@ -71,14 +72,15 @@ def test_dense_and_sparse_layers_of_one_model_cost_what_each_holds():
     sparse layers' 8 experts, router, and gated shared expert."""
     costs = decode_costs(_config(TINY_MOE_FAMILIES["qwen2_moe"]))
     attention = 64 * 16 * (4 + 2 * 2 + 4)  # hidden x head_dim x (q + k + v + o heads)
-    dense = attention + 3 * 64 * 128
-    sparse = attention + 3 * 64 * (8 * 32 + 96) + 64 * (8 + 1)
+    dense = attention + 3 * 64 * 128 + LAYER_OVERHEAD
+    sparse = attention + 3 * 64 * (8 * 32 + 96) + 64 * (8 + 1) + LAYER_OVERHEAD
     assert costs.layers == (sparse, dense, sparse)
 
 
-def test_smollm2_default_split_weighs_its_lm_head_as_eight_layers():
-    """SmolLM2-135M (the default model's shape): a layer 3.54M weights, the tied LM head 28.3M
-    (8.0 layers). PP=2 gives the last stage 11 layers and the head, PP=3 and PP=4 likewise."""
+def test_smollm2_default_split_weighs_its_lm_head_as_five_and_a_half_layers():
+    """SmolLM2-135M (the default model's shape): a layer 3.54 M weights and LAYER_OVERHEAD, the
+    tied LM head 28.3 M (5.6 layers; 8.0 by weights alone). PP=2 gives the last stage 12 layers
+    and the head (19, 11 by weights alone)."""
     config = AutoConfig.for_model(
         "llama",
         hidden_size=576,
@@ -91,11 +93,13 @@ def test_smollm2_default_split_weighs_its_lm_head_as_eight_layers():
         tie_word_embeddings=True,
     )
     costs = decode_costs(config)
-    assert costs.layers == (3_538_944,) * 30
+    assert costs.layers == (3_538_944 + LAYER_OVERHEAD,) * 30
     assert costs.last == 49152 * 576 + 49152 + 576
-    assert cheapest_split(costs, 2) == [19, 11]
-    assert cheapest_split(costs, 3) == [13, 13, 4]
-    assert cheapest_split(costs, 4) == [9, 10, 10, 1]
+    assert cheapest_split(costs, 2) == [18, 12]
+    assert cheapest_split(costs, 3) == [12, 12, 6]
+    assert cheapest_split(costs, 4) == [9, 9, 9, 3]
+    weights_alone = StageCosts((3_538_944,) * 30, costs.first, costs.last)
+    assert cheapest_split(weights_alone, 2) == [19, 11]
     # An explicit split overrides the costs.
     assert split_layers(costs, 2, [15, 15]) == [range(0, 15), range(15, 30)]
 
