@@ -3,18 +3,19 @@
 # the device tool and how to read what comes back):
 #   0 the machine: GPU, torch, triton, transformers
 #   1 issue 54 items 1-2: the bf16 1B decode step against its graph replay and the copy-bandwidth
-#     floor, async scheduling off and on (greedy tokens identical); then the kernels per step
+#     floor, async scheduling off and on (greedy tokens identical); the kernels per step (1b) run
+#     last, with what the budget leaves
 #   2 issue 54 item 3: FP8 and INT4 weight-only steps against bf16's at batch 1
 #   3 issue 47: PP=2 on one GPU (bench/*pipeline*gpu*.py, when it exists) and a KV block transfer
 #     between two processes on one GPU (CUDA IPC against host staging)
 #   4 issue 48: MLA and a hybrid linear-attention model in bf16: parity at near-ties, step times
 #   5 issue 54 item 4: the Triton MoE / LoRA kernels and verify rows (CUDA tests), verify rows'
 #     step cost, the KV tiers' side-stream loads
-# Each command runs under its own `timeout`, cut to what is left of --budget seconds (480; 1800 with
-# --cpu-smoke);
-# a command that would start with under 20 s left is skipped. Full logs go to $OUT (one per step),
-# with summary.json (every step's status and figures) rewritten after each command, so a run cut
-# short still leaves them; the console gets one line per command and the figures at the end.
+# Each command runs under its own `timeout`, cut to what is left of --budget seconds (480; 1800
+# with --cpu-smoke); a command that would start with under 20 s left is skipped. Full logs go to
+# $OUT (one per step: 8 files at most come back), with summary.json (every command's status and
+# figures) rewritten after each command, so a run cut short still leaves them; the console gets
+# one line per command and the figures at the end.
 #
 #     bash bench/gpu_session.sh [--only 0,1,2,3b,...] [--budget SECONDS]   # default: everything
 #     bash bench/gpu_session.sh --cpu-smoke     # here, on CPU: tiny sizes, CUDA-only parts skipped
@@ -103,12 +104,9 @@ run 0 0-machine 60 "$PY" bench/gpu_session_summary.py --machine "$J/machine.json
 wanted 0 && [ "$SMOKE" = 0 ] && command -v nvidia-smi >/dev/null && nvidia-smi >>"$OUT_DIR/0-machine.log" 2>&1
 
 # 1. The bf16 step at the floor, async off and on; then where a step's time goes (kernels).
-if [ "$SMOKE" = 1 ]; then B=(--batches 1); else B=(--batches 1 8); fi
+if [ "$SMOKE" = 1 ]; then B=(--batches 1); else B=(--batches 1 8 64); fi
 run 1a 1-step-floor 180 "$PY" bench/step_floor_gpu.py "${S[@]}" "${B[@]}" --formats bf16 \
     --async-modes off on --models "$WORK/llama3-1b" --json "$J/step_floor.json"
-if [ "$SMOKE" = 1 ]; then P=(--modes eager); else P=(--modes graphs); fi
-run 1b 1-step-floor 90 "$PY" bench/gpu_step_profile.py "${S[@]}" "${P[@]}" --formats bf16 \
-    --batches 1 --top 15
 
 # 2. Weight-only FP8 and INT4 against bf16, batch 1 (bf16 re-timed in the same process).
 run 2 2-quantized 180 "$PY" bench/step_floor_gpu.py "${S[@]}" --models "$WORK/llama3-1b" \
@@ -147,6 +145,11 @@ write_random_checkpoint as w; w($W, path='$WORK/kv-model')"
 if [ "$SMOKE" = 1 ]; then K=(--device cpu --users 4 --turns 2 --concurrency 2); else
     K=(--device cuda --users 32 --turns 3); fi
 run 5d 5-item4 120 "$PY" bench/kv_tier_bench.py --model "$WORK/kv-model" "${K[@]}"
+
+# Last, with what is left: where the step goes, kernel by kernel (1a's figures say how much).
+if [ "$SMOKE" = 1 ]; then P=(--modes eager); else P=(--modes graphs); fi
+run 1b 1-step-floor 90 "$PY" bench/gpu_step_profile.py "${S[@]}" "${P[@]}" --formats bf16 \
+    --batches 1 --top 15
 
 echo "== done in $((SECONDS - START)) s; logs and summary.json in $OUT_DIR"
 summarize

@@ -66,6 +66,9 @@ def step_lines(name: str, data: dict) -> list[str]:
             f"{r['floor_ms']:.3f} ms{ratio}"
             + ("" if share is None else f", floor/replay {share:.0%}")
         )
+    lines += [
+        f"{name}: FAILED {k}: {e.splitlines()[-1]}" for k, e in data.get("errors", {}).items()
+    ]
     lines += [f"{name}: {k} {v:.2f}x" for k, v in data["ratios"].items()]
     lines.append(
         f"{name}: greedy tokens identical async off/on: {data['tokens_identical_across_async']}"
@@ -104,6 +107,8 @@ def headline(results: dict) -> list[str]:
             lines += step_lines(name, results[name])
     if "families" in results:
         lines += family_lines(results["families"])
+    shown = {"machine", "step_floor", "quantized", "families"}
+    lines += [f"{name}: figures in summary.json, results.{name}" for name in results.keys() - shown]
     return lines
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -172,24 +173,34 @@ def main() -> None:
             "| format | async | batch | step ms | replay ms | floor ms | step/replay | "
             "floor/replay | floor/step |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
         )
-        rows, parity = run_all(paths, args, bandwidth)
+        errors: dict[str, str] = {}
+        rows, parity = run_all(paths, args, bandwidth, errors)
     result = {"bandwidth_gbs": bandwidth / 1e9, "rows": [asdict(r) for r in rows]}
-    result |= {"ratios": ratios(rows), "tokens_identical_across_async": parity}
+    result |= {"ratios": ratios(rows), "tokens_identical_across_async": parity, "errors": errors}
     for key, value in result["ratios"].items():
         print(f"{key}: {value:.2f}x")
     print(f"greedy tokens identical, async off vs on: {parity}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if errors:
+        raise SystemExit(f"{len(errors)} engine(s) failed: {', '.join(errors)}")
 
 
-def run_all(paths: dict[str, str], args, bandwidth: float) -> tuple[list[Row], dict[str, bool]]:
-    """Every (format, async mode) engine in turn; per format, whether all modes' tokens agree."""
+def run_all(paths: dict[str, str], args, bandwidth: float, errors: dict[str, str]):
+    """Every (format, async mode) engine in turn; per format, whether all modes' tokens agree.
+    An engine that fails (async scheduling has never run on a GPU) is recorded in `errors` and
+    the others still run."""
     rows: list[Row] = []
     parity: dict[str, bool] = {}
     for fmt in args.formats:
         tokens = []
         for mode in args.async_modes:
-            new_rows, mode_tokens = run_engine(paths[fmt], fmt, mode, args, bandwidth)
+            try:
+                new_rows, mode_tokens = run_engine(paths[fmt], fmt, mode, args, bandwidth)
+            except Exception:
+                errors[f"{fmt} async {mode}"] = traceback.format_exc(limit=4)
+                print(f"{fmt} async {mode}: FAILED\n{errors[f'{fmt} async {mode}']}", flush=True)
+                continue
             for r in new_rows:
                 print_row(r)
             rows += new_rows
