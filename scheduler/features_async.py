@@ -138,11 +138,11 @@ class AsyncOverlap(StepFeature):
         sched = self.sched
         kept, status = append_tokens(req, sampled, sched.max_model_len)
         if sched.waiting.charges_tokens:
-            sched.waiting.charge(req.tenant, sched.config.fair_output_weight * kept)
+            sched.waiting.charge(req.tenant, sched.config.fair_output_weight * len(kept))
         if status is not None:
             sched.finish_early(req, status)
         lp = logprobs[row] if logprobs is not None else None
-        return request_output(req, sampled[:kept], lp[:kept] if lp is not None else None)
+        return request_output(req, kept, lp[: len(kept)] if lp is not None else None)
 
 
 def _without(output: ModelRunnerOutput, rows: set[int], stale: set[str]) -> ModelRunnerOutput:

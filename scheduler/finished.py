@@ -41,22 +41,22 @@ class FinishedLog:
 
 def append_tokens(
     req: Request, sampled: list[int], max_model_len: int
-) -> tuple[int, RequestStatus | None]:
+) -> tuple[list[int], RequestStatus | None]:
     """Append sampled tokens up to the first that stops the request (check_stop).
 
-    Returns how many were kept and the request's final status, None while it goes on; the
-    caller finishes it.
+    Returns the tokens kept and the request's final status, None while it goes on; the caller
+    finishes it. The kept tokens are `sampled` itself when all are kept (the common case: no
+    copy per request per step), so the caller hands them on and never changes them.
     """
     out, all_ids = req.output_token_ids, req.all_token_ids
     if len(sampled) == 1:  # a plain decode's token: the common case, without the loop
         out.append(sampled[0])
         all_ids.append(sampled[0])
-        status = check_stop(req, max_model_len)
-        return (1, status)
+        return sampled, check_stop(req, max_model_len)
     for i, token in enumerate(sampled, 1):
         out.append(token)
         all_ids.append(token)
         status = check_stop(req, max_model_len)
         if status is not None:
-            return i, status
-    return len(sampled), None
+            return sampled[:i], status
+    return sampled, None

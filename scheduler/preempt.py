@@ -35,6 +35,20 @@ def preempt(sched: Scheduler, victim: Request, step: Step) -> None:
     logger.debug("preempted %s (%s)", rid, victim.status.name)
 
 
+def allocate_or_preempt(sched: Scheduler, req: Request, n: int, step: Step) -> list[int] | None:
+    """Blocks for running req's next n tokens, preempting the victim policy's choices until they
+    fit; None when req itself was taken."""
+    new_blocks = sched.kv.allocate_slots(req, n)
+    while new_blocks is None:
+        victim = sched.victims.choose(sched.running)
+        preempt(sched, victim, step)
+        step.running_pass_preempted = True
+        if victim is req:
+            return None
+        new_blocks = sched.kv.allocate_slots(req, n)
+    return new_blocks
+
+
 def _swap_or_free(sched: Scheduler, victim: Request, step: Step) -> None:
     """The victim's KV: swapped to the CPU pool when the config swaps it and the pool has room,
     else freed (it recomputes)."""

@@ -213,6 +213,9 @@ class Request:
     sampling_params: SamplingParams = field(init=False)
     eos_token_ids: tuple[int, ...] = field(init=False)
     num_prompt_tokens: int = field(init=False)
+    # Its prompt and max_tokens outputs: the token count that caps it (the outputs are
+    # all_token_ids past the prompt), so the stop check reads one length (scheduler/stop.py).
+    max_num_tokens: int = field(init=False)
     # The token ids that end it when sampled: its stop_token_ids, and the EOS ids unless
     # ignore_eos (scheduler/stop.py reads it).
     stop_ids: frozenset[int] = field(init=False)
@@ -227,6 +230,7 @@ class Request:
         eos = () if params.ignore_eos else spec.eos_token_ids
         self.stop_ids = frozenset((*params.stop_token_ids, *eos))
         self.num_prompt_tokens = len(spec.prompt_token_ids)
+        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
         self.output_token_ids = list(spec.output_token_ids)
         self.all_token_ids = list(spec.prompt_token_ids) + self.output_token_ids
         mm = spec.mm_inputs

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from itertools import repeat
 
 from scheduler.admit import admit_waiting, resume_swapped, send_landed
 from scheduler.block_manager import KVCacheManager
@@ -34,7 +35,7 @@ from scheduler.outputs import (
 )
 from scheduler.policies import length_model_of, make_policies
 from scheduler.predicted_load import PredictedLoad, predicted_load
-from scheduler.preempt import displace_for, preempt
+from scheduler.preempt import allocate_or_preempt, displace_for
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler_stats import (
     collect_stats,
@@ -210,9 +211,13 @@ class Scheduler:
         return out
 
     def _schedule_running(self, step: Step) -> None:
-        kv, cap, spec_hooks = self.kv, self.prefill_cap, self.hooks.num_spec_tokens
-        charges = self.waiting.charges_tokens
-        allocate, take, send_cached = kv.allocate_slots, step.take, step.cached_reqs.append
+        """Each running request's next tokens, in order. A plain decode (one token, nothing to
+        verify) is sized and placed here: the loop keeps the budget above zero, so it takes one
+        token, and it asks the pool for a block only when that token starts one."""
+        bs, tables = self.kv.block_size, self.kv.req_blocks
+        plain_decodes = not self.hooks.num_spec_tokens
+        charges, landed = self.waiting.charges_tokens, self.landed
+        take, send_cached = step.take, step.cached_reqs.append
         held, max_reqs = self.limits.held, self.limits.max_reqs
         for req in list(self.running):
             if step.budget <= 0 or len(step.num_scheduled) >= max_reqs:
@@ -223,37 +228,34 @@ class Scheduler:
             computed = req.num_computed_tokens
             pending = req.num_output_placeholders  # tokens still being sampled (async overlap)
             gap = len(req.all_token_ids) + pending - computed
-            chunk = gap != 1  # a decode is never bulk work (scheduler/bulk_budget.py)
-            if not chunk:  # a decode (never cut at the prompt's end): it may verify proposals too
-                if spec_hooks:
-                    gap += sum(hook(req) for hook in spec_hooks)
-                n = min(gap, cap, step.budget)
-            else:
-                bulk = self.bulk.cap(req, computed)
-                n = min(gap, cap, step.budget, to_prompt_end(req, computed), bulk)
-                if req.image_spans:  # never cut inside an image (scheduler/multimodal.py)
-                    n = fit_images(req.image_spans, computed, n, step.encoder_budget)
+            n = 1 if gap == 1 and plain_decodes else self._num_new_tokens(req, computed, gap, step)
             if n <= 0 or (pending and finishes_on_pending(req, self.max_model_len)):
                 continue
-            new_blocks = allocate(req, n)
-            while new_blocks is None:
-                victim = self.victims.choose(self.running)
-                preempt(self, victim, step)
-                step.running_pass_preempted = True
-                if victim is req:
-                    break
-                new_blocks = kv.allocate_slots(req, n)
-            if new_blocks is None:
+            if computed + n <= len(tables.get(req.request_id, ())) * bs:
+                new_blocks = []  # its last block has room (allocate_slots would add none)
+            elif (new_blocks := allocate_or_preempt(self, req, n, step)) is None:
                 continue
-            if self.landed and req.request_id in self.landed:
+            if landed and req.request_id in landed:
                 new_blocks = send_landed(self, req, step)
             else:
                 send_cached(req)
             take(req, n, new_blocks)
-            if chunk:
+            if gap != 1:  # a chunk; a decode is never bulk work (scheduler/bulk_budget.py)
                 self.bulk.charge(req, computed, n)
             if charges:
                 self.charge_input(req, computed, n)
+
+    def _num_new_tokens(self, req: Request, computed: int, gap: int, step: Step) -> int:
+        """The tokens req runs this step when it is not a plain decode: a decode that verifies
+        proposals, or a chunk of its prompt (or of tokens to recompute)."""
+        if gap == 1:  # a decode (never cut at the prompt's end): it may verify proposals too
+            gap += sum(hook(req) for hook in self.hooks.num_spec_tokens)
+            return min(gap, self.prefill_cap, step.budget)
+        bulk = self.bulk.cap(req, computed)
+        n = min(gap, self.prefill_cap, step.budget, to_prompt_end(req, computed), bulk)
+        if req.image_spans:  # never cut inside an image (scheduler/multimodal.py)
+            n = fit_images(req.image_spans, computed, n, step.encoder_budget)
+        return n
 
     def _schedule_waiting(self, step: Step) -> None:
         cfg = self.config
@@ -329,36 +331,35 @@ class Scheduler:
 
     def _append_step(self, runner_output: ModelRunnerOutput, outputs: list[RequestOutput]) -> None:
         """Each row's sampled tokens appended; blocks that filled registered in the prefix cache."""
-        kv = self.kv
-        prefix_caching = self.config.enable_prefix_caching
+        kv, requests, add_output = self.kv, self.requests, outputs.append
+        register = kv.register_computed_blocks if self.config.enable_prefix_caching else None
         registered, bs = kv.num_registered_blocks, kv.block_size
         charge = self.waiting.charge if self.waiting.charges_tokens else None
         logprobs, prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
-        any_finished = False
-        ahead = self.tokens_in_flight()
-        max_model_len, add_output = self.max_model_len, outputs.append
-        for i, (rid, sampled) in enumerate(
-            zip(runner_output.req_ids, runner_output.sampled_token_ids)
+        any_finished, ahead, max_model_len = False, self.tokens_in_flight(), self.max_model_len
+        for rid, sampled, lp in zip(
+            runner_output.req_ids,
+            runner_output.sampled_token_ids,
+            repeat(None) if logprobs is None else logprobs,
         ):
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None or req.status is not _RUNNING:  # aborted while the step ran
                 continue
             # Hash and register only when a block has just filled up (one step in block_size).
             written = req.num_computed_tokens
             if ahead:
                 written -= ahead.get(rid, 0)
-            if prefix_caching and written // bs > registered.get(rid, 0):
-                kv.register_computed_blocks(req, written)
+            if register is not None and written // bs > registered.get(rid, 0):
+                register(req, written)
             if not sampled:
                 continue
             kept, status = append_tokens(req, sampled, max_model_len)
             if charge is not None:
-                charge(req.tenant, self.config.fair_output_weight * kept)
+                charge(req.tenant, self.config.fair_output_weight * len(kept))
             if status is not None:
                 any_finished = True
                 self.finish(req, status)
-            lp = logprobs[i] if logprobs is not None else None
-            out = request_output(req, sampled[:kept], lp[:kept] if lp is not None else None)
+            out = request_output(req, kept, None if lp is None else lp[: len(kept)])
             if prompt_logprobs:
                 out.prompt_logprobs = prompt_logprobs.get(rid)
             add_output(out)

@@ -74,6 +74,10 @@ class Step:
             self.budget += n
             if req.image_spans:
                 self.encoder_budget += encoder_tokens(req.image_spans, start, n)
+            # Out of the runner's lists too (every request taken was sent), so that building them
+            # needs no check per row; a preemption is rare, the list scan cheap beside it.
+            sent = self.cached_reqs if req in self.cached_reqs else self.new_reqs
+            sent.remove(req)
 
     def send(self, req: Request, resumed: bool) -> None:
         """req runs this step: in full when the runner has never seen it, else as a diff."""
@@ -88,9 +92,6 @@ class Step:
         """The requests the runner has not seen, in full; they count as synced from now on."""
         out = []
         for req in self.new_reqs:
-            rid = req.request_id
-            if rid not in self.num_scheduled:  # preempted later in the step
-                continue
             out.append(self._new_data(req))
             req.known_to_runner = True
             req.num_synced_tokens = req.num_tokens
@@ -112,23 +113,21 @@ class Step:
 
     def cached_request_data(self) -> CachedRequestData:
         """The diffs of the requests the runner holds: tokens it has not seen, new blocks."""
-        cached = CachedRequestData()
-        ids, resumed, new_tokens = cached.req_ids, cached.resumed, cached.new_token_ids
-        new_blocks, computed = cached.new_block_ids, cached.num_computed_tokens
-        num_scheduled, step_resumed = self.num_scheduled, self.resumed
-        step_blocks, step_start = self.new_blocks, self.start
-        for req in self.cached_reqs:
-            rid = req.request_id
-            if rid not in num_scheduled:
-                continue
-            ids.append(rid)
-            resumed.append(rid in step_resumed)
+        reqs = self.cached_reqs
+        ids = [req.request_id for req in reqs]
+        new_tokens = []
+        for req in reqs:
             tokens = req.all_token_ids
             new_tokens.append(tokens[req.num_synced_tokens :])
             req.num_synced_tokens = len(tokens)
-            new_blocks.append(step_blocks[rid])
-            computed.append(step_start[rid])
-        return cached
+        resumed = self.resumed
+        return CachedRequestData(
+            ids,
+            [rid in resumed for rid in ids] if resumed else [False] * len(ids),
+            new_tokens,
+            list(map(self.new_blocks.__getitem__, ids)),
+            list(map(self.start.__getitem__, ids)),
+        )
 
     def output(self, max_num_batched_tokens: int, finished: set[str]) -> SchedulerOutput:
         """The step as the runner gets it (the caller adds LoRA loads and KV transfers)."""

@@ -25,9 +25,7 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     all_ids = request.all_token_ids
     if all_ids[-1] in request.stop_ids:  # is_stop_token, without a call per request per step
         return RequestStatus.FINISHED_STOPPED
-    if (
-        len(request.output_token_ids) >= request.sampling_params.max_tokens
-        or len(all_ids) >= max_model_len
-    ):
+    num_tokens = len(all_ids)  # max_num_tokens: the prompt and max_tokens outputs
+    if num_tokens >= request.max_num_tokens or num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
