@@ -107,7 +107,13 @@ def headline(results: dict) -> list[str]:
             lines += step_lines(name, results[name])
     if "families" in results:
         lines += family_lines(results["families"])
-    shown = {"machine", "step_floor", "quantized", "families"}
+    for r in results.get("moe_kernel", {}).get("rows", []):
+        lines.append(
+            f"moe_kernel: {r['shape']} batch {r['batch']}: torch path {r['torch_ms']:.3f} ms, "
+            f"Triton {r['triton_ms']:.3f} ms ({r['speedup']:.2f}x), floor {r['floor_ms']:.3f} ms, "
+            f"max rel diff {r['max_rel_diff']:.1e}"
+        )
+    shown = {"machine", "step_floor", "quantized", "families", "moe_kernel"}
     lines += [f"{name}: figures in summary.json, results.{name}" for name in results.keys() - shown]
     return lines
 
