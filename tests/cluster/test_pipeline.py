@@ -164,7 +164,7 @@ def test_served_engine_loop_with_stages_streams_hf_greedy_tokens(ray_cluster, ti
 
 def test_smollm2_in_two_stages_gives_hf_greedy_tokens(ray_cluster, hf_smollm2, smollm2_tokenizer):
     """The embedded SmolLM2 de-quantized to fp32 (the path transformers shares; 30 layers, tied
-    embeddings): the default split, 19 and 11 layers, the last stage also holding the LM head
+    embeddings): the default split, 18 and 12 layers, the last stage also holding the LM head
     (workers/pipeline_cost.py) (PP x TP runs on the tiny model: six ranks loading
     SmolLM2 on a 2-core CI machine cost minutes)."""
     prompts = [smollm2_tokenizer.encode("The capital of France is")]
