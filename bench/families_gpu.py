@@ -257,8 +257,8 @@ def main() -> None:
         except Exception:  # the next family still runs
             families.append(Family(name, error=traceback.format_exc(limit=3)))
             print(f"{name}: FAILED\n{families[-1].error}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(f) for f in families], indent=1))
+        if args.json:  # after each family: a run cut by its timeout keeps the ones before
+            Path(args.json).write_text(json.dumps([asdict(f) for f in families], indent=1))
 
 
 if __name__ == "__main__":

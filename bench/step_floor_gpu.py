@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -146,6 +146,24 @@ def ratios(rows: list[Row]) -> dict[str, float]:
     return out
 
 
+@dataclass(slots=True)
+class Results:
+    """What the run found so far; written out after every engine, so that a run killed by its
+    timeout (an engine that hangs) still leaves the engines before it."""
+
+    bandwidth_gbs: float
+    path: str | None
+    rows: list[Row] = field(default_factory=list)
+    tokens_identical_across_async: dict[str, bool] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # "fmt async mode": traceback
+
+    def save(self) -> None:
+        if self.path:
+            out = {k: v for k, v in asdict(self).items() if k != "path"}
+            out["ratios"] = ratios(self.rows)
+            Path(self.path).write_text(json.dumps(out, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny shape")
@@ -173,41 +191,37 @@ def main() -> None:
             "| format | async | batch | step ms | replay ms | floor ms | step/replay | "
             "floor/replay | floor/step |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
         )
-        errors: dict[str, str] = {}
-        rows, parity = run_all(paths, args, bandwidth, errors)
-    result = {"bandwidth_gbs": bandwidth / 1e9, "rows": [asdict(r) for r in rows]}
-    result |= {"ratios": ratios(rows), "tokens_identical_across_async": parity, "errors": errors}
-    for key, value in result["ratios"].items():
+        results = Results(bandwidth / 1e9, args.json)
+        run_all(paths, args, bandwidth, results)
+    for key, value in ratios(results.rows).items():
         print(f"{key}: {value:.2f}x")
-    print(f"greedy tokens identical, async off vs on: {parity}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    if errors:
-        raise SystemExit(f"{len(errors)} engine(s) failed: {', '.join(errors)}")
+    print(f"greedy tokens identical, async off vs on: {results.tokens_identical_across_async}")
+    if results.errors:
+        raise SystemExit(f"{len(results.errors)} engine(s) failed: {', '.join(results.errors)}")
 
 
-def run_all(paths: dict[str, str], args, bandwidth: float, errors: dict[str, str]):
+def run_all(paths: dict[str, str], args, bandwidth: float, results: Results) -> None:
     """Every (format, async mode) engine in turn; per format, whether all modes' tokens agree.
-    An engine that fails (async scheduling has never run on a GPU) is recorded in `errors` and
+    An engine that fails (async scheduling has never run on a GPU) is recorded in the errors and
     the others still run."""
-    rows: list[Row] = []
-    parity: dict[str, bool] = {}
     for fmt in args.formats:
         tokens = []
         for mode in args.async_modes:
             try:
-                new_rows, mode_tokens = run_engine(paths[fmt], fmt, mode, args, bandwidth)
+                rows, mode_tokens = run_engine(paths[fmt], fmt, mode, args, bandwidth)
             except Exception:
-                errors[f"{fmt} async {mode}"] = traceback.format_exc(limit=4)
-                print(f"{fmt} async {mode}: FAILED\n{errors[f'{fmt} async {mode}']}", flush=True)
+                error = results.errors[f"{fmt} async {mode}"] = traceback.format_exc(limit=4)
+                print(f"{fmt} async {mode}: FAILED\n{error}", flush=True)
+                results.save()
                 continue
-            for r in new_rows:
+            for r in rows:
                 print_row(r)
-            rows += new_rows
+            results.rows += rows
             tokens.append(mode_tokens)
-        if len(tokens) > 1:
-            parity[fmt] = all(t == tokens[0] for t in tokens[1:])
-    return rows, parity
+            if len(tokens) > 1:
+                same = all(t == tokens[0] for t in tokens[1:])
+                results.tokens_identical_across_async[fmt] = same
+            results.save()
 
 
 if __name__ == "__main__":
