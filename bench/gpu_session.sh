@@ -10,7 +10,8 @@
 #     between two processes on one GPU (CUDA IPC against host staging)
 #   4 issue 48: MLA and a hybrid linear-attention model in bf16: parity at near-ties, step times
 #   5 issue 54 item 4: the Triton MoE / LoRA kernels and verify rows (CUDA tests), verify rows'
-#     step cost, the KV tiers' side-stream loads, the MoE kernel's time against the grouped GEMMs
+#     step cost, the KV tiers' side-stream loads, the MoE kernel against the grouped GEMMs, the
+#     decode step with LoRA rows against the base step
 # Each command runs under its own `timeout`, cut to what is left of --budget seconds (480; 1800
 # with --cpu-smoke); a command that would start with under 20 s left is skipped. Full logs go to
 # $OUT (one per step: 8 files at most come back), with summary.json (every command's status and
@@ -147,6 +148,8 @@ if [ "$SMOKE" = 1 ]; then K=(--device cpu --users 4 --turns 2 --concurrency 2); 
 run 5d 5-item4 120 "$PY" bench/kv_tier_bench.py --model "$WORK/kv-model" "${K[@]}"
 
 run 5e 5-item4 90 "$PY" bench/moe_kernel_gpu.py "${S[@]}" --json "$J/moe_kernel.json"
+run 5f 5-item4 90 "$PY" bench/lora_gpu.py "${S[@]}" --model "$WORK/llama3-1b/bf16" \
+    --json "$J/lora.json"
 
 # Last, with what is left: where the step goes, kernel by kernel (1a's figures say how much).
 if [ "$SMOKE" = 1 ]; then P=(--modes eager); else P=(--modes graphs); fi

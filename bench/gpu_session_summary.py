@@ -113,7 +113,12 @@ def headline(results: dict) -> list[str]:
             f"Triton {r['triton_ms']:.3f} ms ({r['speedup']:.2f}x), floor {r['floor_ms']:.3f} ms, "
             f"max rel diff {r['max_rel_diff']:.1e}"
         )
-    shown = {"machine", "step_floor", "quantized", "families", "moe_kernel"}
+    for r in results.get("lora", {}).get("rows", []):
+        lines.append(
+            f"lora: batch {r['batch']}: base {r['base_ms']:.3f} ms, adapters {r['lora_ms']:.3f} ms "
+            f"({r['lora_over_base']:.2f}x), graph replays per step {r['replays_per_step']}"
+        )
+    shown = {"machine", "step_floor", "quantized", "families", "moe_kernel", "lora"}
     lines += [f"{name}: figures in summary.json, results.{name}" for name in results.keys() - shown]
     return lines
 
