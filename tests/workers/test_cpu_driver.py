@@ -2,7 +2,8 @@
 loop in one C++ call on the default quantized path (the embedded SmolLM2's Q4_1 blocks through
 the int8 kernel), and its logits are bit for bit those of the layers run one by one in Python:
 `torch.equal` on every step's logits over the same workload run both ways, at batch 1 cold and
-after a prefix hit, and at batch 8 in a pool small enough to preempt.
+after a prefix hit, and at batch 8 in a pool small enough to preempt. Speculation's verify rows
+(k + 1 decode rows of one sequence) run in it too, with plain decoding's greedy tokens.
 """
 
 from __future__ import annotations
@@ -105,3 +106,52 @@ def test_the_library_is_ready_when_the_model_is_loaded(llm):
     it refuses never builds it."""
     assert cpu_driver.load.cache_info().currsize == 1  # called by the loader, before any step
     assert cpu_driver._model_refusal(llm.engine.executor.runner.model.model) is None
+
+
+PASSAGE = (
+    "The river rose through the night, and by morning the lower streets of the town were under "
+    "water. The bakers carried their flour to the upper floors, and the children watched from the "
+    "bridge."
+)
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    from engine.llm import LLM
+
+    spec = LLM(
+        "default",
+        device="cpu",
+        load_progress=False,
+        quantization="auto",
+        kv_cache_memory_gb=0.25,
+        enable_prefix_caching=False,
+        speculative={"num_tokens": 4},
+    )
+    yield spec
+    spec.shutdown()
+
+
+def test_verify_rows_run_in_the_driver_and_keep_the_plain_tokens(
+    spec_llm, smollm2_gguf_llm, monkeypatch
+):
+    """An n-gram verify step (the request's last token and 4 proposed ones: 5 decode rows of one
+    sequence) runs in one call of the driver, not the Python layers, and greedy copying gives
+    the tokens plain decoding gives (bench/spec_bench.py's copy prompt, shortened)."""
+    spec = spec_llm
+    rows: list[int] = []
+    call = LayerDriver.__call__
+
+    def counted(self, x, positions, meta):
+        rows.append(x.shape[0])
+        return call(self, x, positions, meta)
+
+    conv = [[{"role": "user", "content": f"Repeat this passage word for word.\n\n{PASSAGE}"}]]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(LayerDriver, "__call__", counted)
+    got = spec.chat(conv, params, use_tqdm=False)[0].token_ids
+    monkeypatch.undo()
+    want = smollm2_gguf_llm.chat(conv, params, use_tqdm=False)[0].token_ids
+    assert got == want
+    assert rows.count(5) >= 3, f"verify steps of 5 rows must run in the driver, ran {rows}"
+    assert spec.engine.stats().num_spec_accepted_tokens >= 12
