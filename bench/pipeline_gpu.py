@@ -11,11 +11,12 @@
    block and batched.
 
 The checkpoint is written here with random weights (tests/random_checkpoint.py: a
-Llama-3.2-1B shape, run in float32 so that parity is exact). `--smoke` runs the same code on CPU
-with a tiny model, gloo for the collectives and shared memory for the IPC path, in about a minute.
+Llama-3.2-1B shape, run in float32 so that parity is exact), or `--model` names one. `--smoke`
+runs the same code on CPU with a tiny model, gloo for the collectives and shared memory for the
+IPC path, in about a minute.
 
-    python bench/pipeline_gpu.py [--smoke] [--requests 8] [--steps 32] [--blocks 1,16,64]
-        [--repeats 5] [--json out.json]
+    python bench/pipeline_gpu.py [--smoke] [--model DIR] [--requests 8] [--steps 32]
+        [--blocks 1,16,64] [--repeats 5] [--init-timeout 90] [--json out.json]
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ class EngineRun:
         )
 
 
-def one_device_ranks() -> None:
+def one_device_ranks(init_timeout_s: float) -> None:
     """Every rank of the mp executor on the configured device (one GPU for all): a bench's
-    patch of the executor's placement, in this process (ranks' configs are made here)."""
+    patch of the executor's placement, in this process (ranks' configs are made here), with a
+    shorter start-up bound than the executor's 600 s (NCCL may hang rather than refuse)."""
     import engine.backends
     import engine.mp_executor as mp_executor
 
@@ -74,7 +76,9 @@ def one_device_ranks() -> None:
         return config
 
     def executor(config: Any, world_size: int, step_timeout_s: float) -> Any:
-        return mp_executor.MPExecutor(config, world_size, step_timeout_s=step_timeout_s)
+        return mp_executor.MPExecutor(
+            config, world_size, step_timeout_s=step_timeout_s, init_timeout_s=init_timeout_s
+        )
 
     mp_executor.rank_config = same_device
     engine.backends.mp_executor_for = executor
@@ -203,8 +207,8 @@ def kv_transfer(args: argparse.Namespace, kind: str, block_bytes: int) -> dict[s
     ]
     for p in procs:
         p.start()
-    try:
-        times, error = out.get(timeout=args.timeout * (len(sizes) * args.repeats + 4))
+    try:  # a pair that hangs rather than refuses ends at its own timeout, then this one
+        times, error = out.get(timeout=2 * args.timeout + 2 * len(sizes) * args.repeats + 30)
     except queue.Empty:
         times, error = [], f"no answer; exit codes {[p.exitcode for p in procs]}"
     for p in procs:
@@ -242,34 +246,61 @@ def kv_block_bytes(path: str) -> int:
 
 
 def main() -> None:
+    """Safe parts first: CUDA IPC and TP=1, then the two that put two NCCL ranks on one device
+    (the KV pair, PP=2), which NCCL may refuse or hang on until their bounds. The JSON is
+    rewritten after each part, so a run cut short by its caller's timeout keeps what finished."""
     args = parse_args()
+    results: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "kv": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or write_checkpoint(args, tmp)
+        print(f"checkpoint {path} on {args.device}", flush=True)
+        block = kv_block_bytes(path)
+        kv_part(args, results, "ipc", block)
+        runs = [engine_part(args, results, path, [], "TP=1", 1)]
+        kv_part(args, results, "pair", block)
+        if not args.smoke:
+            one_device_ranks(args.init_timeout)
+        engine_part(args, results, path, runs, "PP=2, one device", 2)
+        results["parity"] = parity(*runs)
+        print(results["parity"], flush=True)
+        save(args, results)
+
+
+def kv_part(args: argparse.Namespace, results: dict[str, Any], kind: str, block: int) -> None:
+    name = {"ipc": "IPC queue", "pair": "gloo pair" if args.smoke else "NCCL pair"}[kind]
+    results["kv"].append(kv_transfer(args, kind, block))
+    print(f"KV blocks between two processes on one device, {name}:", flush=True)
+    for line in report_kv(results["kv"][-1], name):
+        print(line, flush=True)
+    save(args, results)
+
+
+def engine_part(
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    path: str,
+    runs: list[EngineRun],
+    layout: str,
+    pp: int,
+) -> EngineRun:
+    runs.append(run_engine(args, path, layout, pp))
+    print(runs[-1].summary(), flush=True)
+    results["engines"] = [dataclasses.asdict(r) for r in runs]
+    save(args, results)
+    return runs[-1]
+
+
+def write_checkpoint(args: argparse.Namespace, tmp: str) -> str:
+    """A random checkpoint: the tiny 6-layer Llama for --smoke, else a Llama-3.2-1B shape (drawn
+    on the GPU: seconds, not a minute)."""
     from tests.random_checkpoint import SHAPES, write_random_checkpoint
     from tests.workers.test_pipeline_split import TINY_PP_LLAMA
 
-    results: dict[str, Any] = {"device": args.device, "torch": torch.__version__}
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = TINY_PP_LLAMA if args.smoke else SHAPES["llama3-1b"]
-        path = write_random_checkpoint(spec, tmp, device="cpu").path
-        print(
-            f"checkpoint {spec.config_class} ({'tiny' if args.smoke else 'Llama-3.2-1B shape'})"
-            f" on {args.device}",
-            flush=True,
-        )
-        if not args.smoke:
-            one_device_ranks()
-        runs = [run_engine(args, path, "TP=1", 1), run_engine(args, path, "PP=2, one device", 2)]
-        for run in runs:
-            print(run.summary(), flush=True)
-        print(parity(*runs), flush=True)
-        block = kv_block_bytes(path)
-    pair = "gloo pair" if args.smoke else "NCCL pair"
-    print("KV blocks between two processes on one device:", flush=True)
-    kv = []
-    for kind, name in (("ipc", "IPC queue"), ("pair", pair)):
-        kv.append(kv_transfer(args, kind, block))
-        for line in report_kv(kv[-1], name):
-            print(line, flush=True)
-    results.update(engines=[dataclasses.asdict(r) for r in runs], parity=parity(*runs), kv=kv)
+    spec = TINY_PP_LLAMA if args.smoke else SHAPES["llama3-1b"]
+    return write_random_checkpoint(spec, tmp, device=args.device).path
+
+
+def save(args: argparse.Namespace, results: dict[str, Any]) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
@@ -283,7 +314,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--blocks", default=None, help="blocks per payload, e.g. 1,16,64")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a pull may take")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds a pull may take")
+    parser.add_argument("--model", default=None, help="an HF checkpoint (default: write one)")
+    parser.add_argument(
+        "--init-timeout", type=float, default=90.0, help="seconds PP=2's ranks may take to start"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
