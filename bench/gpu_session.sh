@@ -9,9 +9,9 @@
 #   3 issue 47: PP=2 on one GPU (bench/*pipeline*gpu*.py, when it exists) and a KV block transfer
 #     between two processes on one GPU (CUDA IPC against host staging)
 #   4 issue 48: MLA and a hybrid linear-attention model in bf16: parity at near-ties, step times
-#   5 issue 54 item 4: the Triton MoE / LoRA kernels and verify rows (CUDA tests), verify rows'
-#     step cost, the KV tiers' side-stream loads, the MoE kernel against the grouped GEMMs, the
-#     decode step with LoRA rows against the base step
+#   5 issue 54 item 4: the MoE kernel against the grouped GEMMs, the decode step with LoRA rows
+#     against the base step, verify rows' step cost, the KV tiers' side-stream loads, then the
+#     CUDA tests of the MoE / LoRA kernels, verify rows and graphs with collectives
 # Each command runs under its own `timeout`, cut to what is left of --budget seconds (480; 1800
 # with --cpu-smoke); a command that would start with under 20 s left is skipped. Full logs go to
 # $OUT (one per step: 8 files at most come back), with summary.json (every command's status and
@@ -127,29 +127,28 @@ fi
 # 4. MLA and hybrid linear attention in bf16: parity at near-ties against HF fp32, step times.
 run 4 4-families 180 "$PY" bench/families_gpu.py "${S[@]}" --json "$J/families.json"
 
-# 5. Issue 54 item 4: what existing scripts and tests cover.
+# 5. Issue 54 item 4. Figures never taken first; the CUDA tests (checked on 2026-11-26) last.
+run 5a 5-item4 90 "$PY" bench/moe_kernel_gpu.py "${S[@]}" --json "$J/moe_kernel.json"
+run 5b 5-item4 90 "$PY" bench/lora_gpu.py "${S[@]}" --model "$WORK/llama3-1b/bf16" \
+    --json "$J/lora.json"
+if [ "$SMOKE" = 1 ]; then V=(--smoke --batches 1 --max-tokens 16); else
+    V=(--device cuda --batches 1,8,64 --max-tokens 64); fi
+run 5c 5-item4 150 "$PY" bench/spec_bench.py "${V[@]}" --repeats 1 --json "$J/spec.json"
+if [ "$SMOKE" = 1 ]; then W='TINY_FAMILIES["llama"], device="cpu"'; else
+    W='SHAPES["smollm2-135m"], device="cuda"'; fi
+run 5d 5-item4 60 "$PY" -c "from tests.random_checkpoint import SHAPES, TINY_FAMILIES, \
+write_random_checkpoint as w; w($W, path='$WORK/kv-model')"
+if [ "$SMOKE" = 1 ]; then K=(--device cpu --users 4 --turns 2 --concurrency 2); else
+    K=(--device cuda --users 32 --turns 3); fi
+run 5e 5-item4 120 "$PY" bench/kv_tier_bench.py --model "$WORK/kv-model" "${K[@]}"
 TESTS=(tests/workers/test_triton_moe.py tests/workers/test_triton_lora.py
     tests/workers/test_verify_rows.py tests/workers/test_tp_graphs.py)
 if [ "$SMOKE" = 1 ]; then
     # On CPU these run under Triton's interpreter in the normal suite: only check they collect.
-    run 5a 5-item4 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}"
+    run 5f 5-item4 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}"
 else
-    run 5a 5-item4 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short "${TESTS[@]}"
+    run 5f 5-item4 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short "${TESTS[@]}"
 fi
-if [ "$SMOKE" = 1 ]; then V=(--smoke --batches 1 --max-tokens 16); else
-    V=(--device cuda --batches 1,8,64 --max-tokens 64); fi
-run 5b 5-item4 150 "$PY" bench/spec_bench.py "${V[@]}" --repeats 1 --json "$J/spec.json"
-if [ "$SMOKE" = 1 ]; then W='TINY_FAMILIES["llama"], device="cpu"'; else
-    W='SHAPES["smollm2-135m"], device="cuda"'; fi
-run 5c 5-item4 60 "$PY" -c "from tests.random_checkpoint import SHAPES, TINY_FAMILIES, \
-write_random_checkpoint as w; w($W, path='$WORK/kv-model')"
-if [ "$SMOKE" = 1 ]; then K=(--device cpu --users 4 --turns 2 --concurrency 2); else
-    K=(--device cuda --users 32 --turns 3); fi
-run 5d 5-item4 120 "$PY" bench/kv_tier_bench.py --model "$WORK/kv-model" "${K[@]}"
-
-run 5e 5-item4 90 "$PY" bench/moe_kernel_gpu.py "${S[@]}" --json "$J/moe_kernel.json"
-run 5f 5-item4 90 "$PY" bench/lora_gpu.py "${S[@]}" --model "$WORK/llama3-1b/bf16" \
-    --json "$J/lora.json"
 
 # Last, with what is left: where the step goes, kernel by kernel (1a's figures say how much).
 if [ "$SMOKE" = 1 ]; then P=(--modes eager); else P=(--modes graphs); fi
