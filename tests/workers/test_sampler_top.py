@@ -132,3 +132,11 @@ def test_a_nucleus_wider_than_every_candidate_set_is_cut_by_the_full_sort():
     logits[0, 1000:1100] = 1.0
     narrow = apply_top_k_top_p(logits, torch.tensor([vocab]), torch.tensor([0.001]))
     assert torch.isfinite(narrow[0]).nonzero().flatten().tolist() == list(range(1000, 1019))
+
+
+def test_top_p_measures_mass_over_all_k_tokens_even_past_the_candidates():
+    """Top-6 of these logits gives token 0 a mass of 0.634; the 3 candidates alone would give it
+    0.665, and top-p 0.65 would then keep token 0 alone. Tokens 0 and 1 it is."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0]])
+    kept = apply_top_k_top_p(logits, torch.tensor([6]), torch.tensor([0.65]), sizes=(3,))
+    assert torch.isfinite(kept[0]).nonzero().flatten().tolist() == [0, 1]
