@@ -3,17 +3,29 @@
 Workload (as issue 2 fixes it): N requests with distinct 512-token prompts, block size 16, 40,000
 GPU blocks, every request in steady decode; the model is replaced by a pre-built runner output so
 only the scheduler is timed. For scale: vLLM's V1 scheduler driven the same way on this machine
-class took about 2,450 us per step at 256 running requests (9.6 us per request).
+class took about 2,450 us per step at 256 running requests (9.6 us per request); issue 55 measured
+13.59 us in one run beside ours (pass a same-run figure as --vllm-us).
 
-    python bench/scheduler_overhead.py [--steps 60] [--repeats 5]
+    python bench/scheduler_overhead.py [--steps 60] [--repeats 5] [--vllm-us 9.6]
+
+A/B against another tree (a `git archive` of an earlier commit unpacked in a folder): both trees'
+`build` and `time_steps` run in alternating subprocesses, so a shared machine's load falls on
+both alike; the medians and their ratio are printed:
+
+    python bench/scheduler_overhead.py --baseline /tmp/base [--rounds 6] [--sizes 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from scheduler import (
     EngineRequest,
@@ -73,6 +85,41 @@ def time_steps(sched: Scheduler, steps: int) -> float:
     return elapsed / steps * 1e6
 
 
+# A/B: what each subprocess runs, with one tree's packages and that tree's own `build` and
+# `time_steps` (so an older tree is timed as its bench timed it); prints JSON medians.
+_CHILD = """
+import json, statistics, sys
+tree, steps, sizes = sys.argv[1], int(sys.argv[2]), [int(n) for n in sys.argv[3:]]
+sys.path[:0] = [tree, tree + "/bench"]
+import scheduler, scheduler_overhead as bench
+assert scheduler.__file__.startswith(tree) and bench.__file__.startswith(tree), scheduler.__file__
+out = {}
+for n in sizes:
+    for prefix in (True, False):
+        runs = [bench.time_steps(bench.build(n, prefix), steps) / n for _ in range(3)]
+        out[f"{n} {'on' if prefix else 'off'}"] = statistics.median(runs)
+print(json.dumps(out))
+"""
+
+
+def compare(baseline: str, sizes: list[int], steps: int, rounds: int) -> None:
+    """This tree against `baseline`, alternating subprocesses (3 timings each), medians."""
+    trees = {"baseline": str(Path(baseline).resolve()), "this tree": str(Path(__file__).parents[1])}
+    runs: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    for r in range(rounds):
+        for name in list(trees)[:: 1 if r % 2 == 0 else -1]:
+            cmd = [sys.executable, "-c", _CHILD, trees[name], str(steps), *map(str, sizes)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=trees[name])
+            for key, us in json.loads(out.stdout).items():
+                runs[name].setdefault(key, []).append(us)
+    print(f"load average {os.getloadavg()}; {rounds} rounds; us of CPU per request-step (median)")
+    print(f"{'running prefix':>15} {'baseline':>9} {'this tree':>10} {'ratio':>6}  runs")
+    for key in runs["baseline"]:
+        base, new = (statistics.median(runs[name][key]) for name in trees)
+        spread = [[round(x, 2) for x in runs[name][key]] for name in trees]
+        print(f"{key:>15} {base:>9.2f} {new:>10.2f} {new / base:>6.3f}  {spread}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="decode steps per timing")
@@ -80,11 +127,17 @@ def main() -> None:
         "--repeats", type=int, default=5, help="timings per configuration (median quoted)"
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[32, 256, 1024])
+    parser.add_argument("--vllm-us", type=float, default=VLLM_US_PER_REQ_AT_256)
+    parser.add_argument("--baseline", help="a tree to compare with (A/B, see above)")
+    parser.add_argument("--rounds", type=int, default=6, help="A/B: subprocesses per tree")
     args = parser.parse_args()
+    if args.baseline:
+        return compare(args.baseline, args.sizes, args.steps, args.rounds)
 
+    vllm = args.vllm_us
     print(
         f"{'running':>8} {'prefix cache':>12} {'us/step':>10} {'us/request':>11} "
-        f"{'vs vLLM 9.6 us/req':>19}"
+        f"{f'vs vLLM {vllm} us/req':>19}"
     )
     per_req: dict[tuple[int, bool], float] = {}
     for n in args.sizes:
@@ -97,7 +150,7 @@ def main() -> None:
             per_req[(n, prefix)] = us / n
             print(
                 f"{n:>8} {'on' if prefix else 'off':>12} {us:>10.1f} {us / n:>11.2f} "
-                f"{VLLM_US_PER_REQ_AT_256 / (us / n):>18.1f}x"
+                f"{vllm / (us / n):>18.1f}x"
             )
     small, large = min(args.sizes), max(args.sizes)
     growth = per_req[(large, True)] / per_req[(small, True)]

@@ -231,10 +231,11 @@ class Scheduler:
             n = 1 if gap == 1 and plain_decodes else self._num_new_tokens(req, computed, gap, step)
             if n <= 0 or (pending and finishes_on_pending(req, self.max_model_len)):
                 continue
-            if computed + n <= len(tables.get(req.request_id, ())) * bs:
-                new_blocks = []  # its last block has room (allocate_slots would add none)
-            elif (new_blocks := allocate_or_preempt(self, req, n, step)) is None:
-                continue
+            new_blocks: list[int] = []  # while its last block has room: none to add
+            if computed + n > len(tables.get(req.request_id, ())) * bs:
+                if (allocated := allocate_or_preempt(self, req, n, step)) is None:
+                    continue
+                new_blocks = allocated
             if landed and req.request_id in landed:
                 new_blocks = send_landed(self, req, step)
             else:

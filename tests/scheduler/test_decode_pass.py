@@ -4,6 +4,8 @@ tokens kept are handed on as they were sampled (bench/scheduler_overhead.py time
 
 from __future__ import annotations
 
+from typing import Any
+
 from scheduler import (
     EngineRequest,
     ModelRunnerOutput,
@@ -19,7 +21,7 @@ from tests.scheduler.contract_runner import ContractRunner
 BLOCK = 4
 
 
-def make(num_gpu_blocks: int, **overrides: object) -> tuple[Scheduler, ContractRunner]:
+def make(num_gpu_blocks: int, **overrides: Any) -> tuple[Scheduler, ContractRunner]:
     cfg = SchedulerConfig(
         max_num_batched_tokens=64,
         max_num_seqs=8,
@@ -31,13 +33,15 @@ def make(num_gpu_blocks: int, **overrides: object) -> tuple[Scheduler, ContractR
     return Scheduler(cfg), ContractRunner(BLOCK, num_gpu_blocks, cfg.cpu_blocks)
 
 
-def request(rid: str, prompt_len: int, max_tokens: int = 64, outputs: tuple[int, ...] = ()):
+def request(
+    rid: str, prompt_len: int, max_tokens: int = 64, outputs: tuple[int, ...] = ()
+) -> Request:
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[7])
     prompt = [10 + i for i in range(prompt_len)]
     return Request(EngineRequest(rid, prompt, params, output_token_ids=list(outputs)))
 
 
-def test_a_decode_gets_a_new_block_exactly_in_the_steps_whose_token_starts_one():
+def test_a_decode_gets_a_new_block_exactly_in_the_steps_whose_token_starts_one() -> None:
     sched, _ = make(num_gpu_blocks=64, enable_prefix_caching=False)
     sched.add_request(request("a", prompt_len=6))
     sched.update_from_output(out := sched.schedule(), ModelRunnerOutput(["a"], [[11]]))
@@ -54,7 +58,7 @@ def test_a_decode_gets_a_new_block_exactly_in_the_steps_whose_token_starts_one()
     assert seen == [(s, 1 if s % BLOCK == 0 else 0) for s in range(6, 16)]
 
 
-def test_a_request_taken_back_out_of_the_step_later_in_the_pass_is_in_none_of_its_rows():
+def test_a_request_taken_back_out_of_the_step_later_in_the_pass_is_in_none_of_its_rows() -> None:
     # Three blocks: "a" (2-token prompt) holds one, "b" (8 tokens) two. In the next step "a"'s
     # decode fits its block and is scheduled; "b"'s starts a block, none is free, and the
     # least-progress victim is "a", already in the step.
@@ -75,7 +79,7 @@ def test_a_request_taken_back_out_of_the_step_later_in_the_pass_is_in_none_of_it
     runner.execute(out)  # the runner's check of every slot it reads passes
 
 
-def test_append_tokens_hands_on_the_sampled_list_when_all_are_kept_and_a_prefix_at_a_stop():
+def test_append_tokens_hands_on_the_sampled_list_when_all_are_kept_and_a_prefix_at_a_stop() -> None:
     r = request("a", prompt_len=3)
     sampled = [20, 21]
     kept, status = append_tokens(r, sampled, max_model_len=256)
@@ -87,7 +91,7 @@ def test_append_tokens_hands_on_the_sampled_list_when_all_are_kept_and_a_prefix_
     assert r.all_token_ids == [10, 11, 12, 20, 21, 22, 7]
 
 
-def test_a_resumed_requests_earlier_outputs_count_toward_max_tokens():
+def test_a_resumed_requests_earlier_outputs_count_toward_max_tokens() -> None:
     r = request("a", prompt_len=3, max_tokens=5, outputs=(30, 31, 32))
     assert r.max_num_tokens == 3 + 5
     assert append_tokens(r, [33], max_model_len=256) == ([33], None)
