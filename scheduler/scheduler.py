@@ -219,11 +219,12 @@ class Scheduler:
         charges, landed = self.waiting.charges_tokens, self.landed
         take, send_cached = step.take, step.cached_reqs.append
         held, max_reqs = self.limits.held, self.limits.max_reqs
+        capped = len(self.running) > max_reqs  # else the pass cannot reach the cap
         for req in list(self.running):
-            if step.budget <= 0 or len(step.num_scheduled) >= max_reqs:
+            if step.budget <= 0 or (capped and len(step.num_scheduled) >= max_reqs):
                 break
             # Preempted earlier in this pass, or still in a step in flight.
-            if req.status is not _RUNNING or req.request_id in held:
+            if req.status is not _RUNNING or (held and req.request_id in held):
                 continue
             computed = req.num_computed_tokens
             pending = req.num_output_placeholders  # tokens still being sampled (async overlap)

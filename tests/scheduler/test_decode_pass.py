@@ -4,6 +4,7 @@ tokens kept are handed on as they were sampled (bench/scheduler_overhead.py time
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from scheduler import (
@@ -16,6 +17,7 @@ from scheduler import (
     SchedulerConfig,
 )
 from scheduler.finished import append_tokens
+from scheduler.outputs import RequestOutput, request_output
 from tests.scheduler.contract_runner import ContractRunner
 
 BLOCK = 4
@@ -100,3 +102,19 @@ def test_a_resumed_requests_earlier_outputs_count_toward_max_tokens() -> None:
         RequestStatus.FINISHED_LENGTH_CAPPED,
     )
     assert len(r.output_token_ids) == 5
+
+
+def test_request_output_fills_every_field_of_the_output_as_the_class_would() -> None:
+    r = request("a", prompt_len=3)
+    r.num_cached_tokens = 2
+    logprobs = [[(20, -0.5)]]
+    append_tokens(r, [20], max_model_len=256)
+    out = request_output(r, [20], logprobs)
+    # Equality reads every field: one that request_output left unset raises here.
+    assert out == RequestOutput("a", [20], False, None, 3, 1, 2, logprobs)
+    assert [getattr(out, f.name) for f in fields(RequestOutput)][-4:] == [None] * 4
+    r.status = RequestStatus.FINISHED_ABORTED
+    r.num_cached_tokens = None  # never admitted
+    assert request_output(r, [], error="boom") == RequestOutput(
+        "a", [], True, "abort", 3, 1, 0, None, "boom"
+    )
