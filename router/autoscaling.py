@@ -321,6 +321,11 @@ def _anticipate(
     slope = (mean - state.mean_load) / dt if dt > 0 else 0.0
     trend = state.trend + weight * (slope - state.trend)
     new = replace(state, mean_load=mean, mean_load_s=now, trend=trend)
+    if load < mean:
+        # Smoothed twice, the trend outlives the rise it learnt by about lead_s: once a burst
+        # ended, it asked for a replica for an idle fleet right after the scale-down that the
+        # burst's end had earned, and the cancel took it back, again and again.
+        return new, load
     return new, load + max(0.0, trend) * lead_s
 
 

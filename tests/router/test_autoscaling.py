@@ -143,6 +143,24 @@ def test_a_rising_load_is_met_lead_s_ahead_and_without_a_lead_only_once_it_arriv
     assert all(n <= ahead[i + 6][1] + 1 for i, (t, _, n) in enumerate(ahead[:-6]))
 
 
+def test_once_a_burst_has_ended_its_trend_asks_for_no_replica():
+    """Four replicas' load for 25 s, lead_s 30, a decision every 0.25 s, a 2 s downscale delay:
+    the fleet grows for the burst and, once it has ended and the fleet is back at one, stays
+    there. (The trend learnt on the rise still points up for about lead_s; a load below its own
+    mean is not rising.)"""
+    cfg = config(downscale_delay_s=2.0, targets=SignalTargets(lead_s=30.0, batch_fraction=0.75))
+    n, state, counts = 1, AutoscalingState(), []
+    for tick in range(320):
+        now = tick * 0.25
+        running = int(4.0 * SEQS * 0.75) if 10 <= now < 35 else 0
+        d = decide([busy(0.05, running=running // n)] * n, n, cfg, state, now)
+        n, state = d.replicas, d.state
+        counts.append(n)
+    assert max(counts) >= 4
+    back = counts.index(1, 140)
+    assert counts[back:] == [1] * (len(counts) - back)
+
+
 def test_a_backlog_adds_at_most_twice_the_reporting_replicas_while_others_start():
     """Five replicas report a backlog worth 20 replicas of queued prompt tokens while two more are
     starting: the count goes to 10, not 20, and holds there until the ones asked for report."""
