@@ -57,11 +57,9 @@ def _args(model_dir: str) -> dict:
                     # Latency on a shared 2-core machine says nothing: only the batch signal may
                     # scale.
                     "slo": {"ttft_p90_s": 3600, "itl_p90_s": 3600},
-                    # lead_s 0: no trend. The default (30 s, a replica's start on a GPU node) kept
-                    # the burst's rise in the trend for ~30 s after it ended, and the policy
-                    # started a replica and cancelled it every ~2.5 s after the drain until the
-                    # trend faded (Serve's controller log, 2026-11-29). The trend has its own
-                    # tests (tests/router/); this one proves the batch signal and the drain.
+                    # lead_s 0: no trend. This test proves the batch signal and the drain; the
+                    # trend (which once asked for a replica again after the drain) has its own
+                    # tests in tests/router/.
                     "targets": {"batch_fraction": 0.75, "slo_cooldown_s": 0, "lead_s": 0},
                 },
             },
