@@ -28,11 +28,11 @@ def second_of_two_stages() -> Iterator[None]:
     reset_pipeline()
 
 
-@pytest.mark.parametrize(("family", "config"), FAMILIES)
-def test_each_family_reads_the_placeholder_its_config_names(family, config):
+@pytest.mark.parametrize("config", [config for _, config in FAMILIES])
+def test_each_family_s_config_names_the_placeholder_the_engine_reads(config):
     hf_config = config()
     hf_config.image_token_id = 4321
-    assert family.image_token_id(hf_config) == 4321 == config_image_token_id(hf_config)
+    assert config_image_token_id(hf_config) == 4321
 
 
 def test_an_older_config_names_the_placeholder_image_token_index():
