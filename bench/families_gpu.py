@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.hybrid_step import HYBRID, INTERMEDIATE, LAYERS
 from bench.moe_step import MLA, WIDTH
 from bench.quant_gpu import decode_ms
+from bench.step_llm import step_llm
 from scheduler import SamplingParams
 from tests.random_checkpoint import (
     TINY_DEEPSEEK,
@@ -135,21 +136,15 @@ def hf_references(path: str, prompts, max_tokens: int, device: str) -> list[Gree
 
 
 def make_engine(path: str, dtype: str, args, eager: bool = False):
-    from engine.llm import LLM
-
-    blocks = -(-(args.context + args.steps + 64) // 16)
-    pool = {"num_gpu_blocks": max(args.batches) * blocks + 64} if args.device == "cuda" else {}
-    return LLM(
-        model=path,
-        dtype=dtype,
+    return step_llm(
+        path,
         device=args.device,
-        load_progress=False,
-        max_num_seqs=max(args.batches),
-        max_num_batched_tokens=max(2048, args.context),
-        max_model_len=16 * blocks,
-        kv_cache_memory_gb=0.25,
+        dtype=dtype,
+        batch=max(args.batches),
+        request_tokens=args.context + args.steps + 64,
+        budget=max(2048, args.context),
+        spare_blocks=64,
         enforce_eager=eager,
-        **pool,
     )
 
 

@@ -31,29 +31,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lora_bench import decode_step_s, write_adapter
 from bench.quant_gpu import SMOKE
+from bench.step_llm import step_llm
 from tests.random_checkpoint import SHAPES, random_prompts, write_random_checkpoint
 
 RANK = 16
 
 
 def make_llm(path: str, args, lora_root: str):
-    from engine.llm import LLM
-
-    blocks = -(-(args.context + args.steps + 16) // 16)
-    pool = {"num_gpu_blocks": max(args.batches) * blocks + 16} if args.device == "cuda" else {}
-    return LLM(
-        model=path,
-        dtype="bfloat16" if args.device == "cuda" else "float32",
+    return step_llm(
+        path,
         device=args.device,
-        load_progress=False,
-        max_num_seqs=max(args.batches),
-        max_num_batched_tokens=max(2048, args.context),
-        max_model_len=16 * blocks,
-        kv_cache_memory_gb=0.25,
+        dtype="bfloat16" if args.device == "cuda" else "float32",
+        batch=max(args.batches),
+        request_tokens=args.context + args.steps + 16,
+        budget=max(2048, args.context),
         max_loras=args.adapters,
         max_lora_rank=RANK,
         lora_root=lora_root,
-        **pool,
     )
 
 

@@ -32,6 +32,7 @@ from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.step_llm import step_llm
 from scheduler import SamplingParams
 from scheduler.request import EngineRequest
 from tests.random_checkpoint import (
@@ -137,21 +138,14 @@ def write_models(spec: ModelSpec, root: str, device: str) -> dict[str, str]:
 
 
 def make_llm(path: str, fmt: str, device: str, batch: int, context: int, steps: int, **extra):
-    from engine.llm import LLM
-
-    blocks = -(-(context + steps + _warm_steps(batch, context) + 8) // 16)
-    pool = {"num_gpu_blocks": batch * blocks + 16} if device == "cuda" else {}
-    return LLM(
-        model=path,
-        dtype="bfloat16" if device == "cuda" else "float32",
+    return step_llm(
+        path,
         device=device,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        batch=batch,
+        request_tokens=context + steps + _warm_steps(batch, context) + 8,
+        budget=_budget(context),
         quantization="fp8" if fmt == "fp8" else "auto",
-        load_progress=False,
-        max_num_seqs=batch,
-        max_num_batched_tokens=_budget(context),
-        max_model_len=16 * blocks,
-        kv_cache_memory_gb=0.25,
-        **pool,
         **extra,
     )
 

@@ -15,6 +15,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.random_checkpoint import (
+    SHAPES,
     TINY_DEEPSEEK,
     TINY_FAMILIES,
     TINY_GEMMA,
@@ -81,17 +82,7 @@ def test_smollm2_default_split_weighs_its_lm_head_as_five_and_a_half_layers():
     """SmolLM2-135M (the default model's shape): a layer 3.54 M weights and LAYER_OVERHEAD, the
     tied LM head 28.3 M (5.6 layers; 8.0 by weights alone). PP=2 gives the last stage 12 layers
     and the head (19, 11 by weights alone)."""
-    config = AutoConfig.for_model(
-        "llama",
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    )
+    config = AutoConfig.for_model("llama", **SHAPES["smollm2-135m"].fields)
     costs = decode_costs(config)
     assert costs.layers == (3_538_944 + LAYER_OVERHEAD,) * 30
     assert costs.last == 49152 * 576 + 49152 + 576
