@@ -20,7 +20,6 @@ Needs torch and transformers only (no Ray, flash-attn, gguf or FastAPI).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import sys
@@ -46,6 +45,7 @@ from tests.random_checkpoint import (
     write_random_checkpoint,
 )
 from tests.workers.greedy import NEAR_TIE, Greedy, from_logprobs, hf_greedy
+from tests.workers.test_qwen3_next import TINY_QWEN3_NEXT
 
 BF16_NEAR_TIE = 0.25  # tests/workers/test_cuda.py's tie for bf16 against an fp32 reference
 HEAD_STD = 4.0 / WIDTH["hidden_size"] ** 0.5  # logits of a trained model's spread (about 4)
@@ -66,32 +66,10 @@ SPECS = {
         head_std=HEAD_STD,
     ),
 }
-_TINY_TYPES = ["linear_attention", "full_attention"] * 2
 SMOKE_SPECS = {
     "mla": TINY_DEEPSEEK["deepseek_v3"].with_fields(vocab_size=512),
-    "hybrid": dataclasses.replace(
-        SPECS["hybrid"],
-        fields=dict(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            layer_types=_TINY_TYPES,
-            mlp_only_layers=[0, 1, 2, 3],
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        ),
-        matrix_std=0.15,
-        head_std=0.6,
-    ),
+    # The tests' tiny Qwen3-Next with a dense MLP in every layer, as the GPU shape has.
+    "hybrid": TINY_QWEN3_NEXT.with_fields(vocab_size=512, mlp_only_layers=[0, 1, 2, 3]),
 }
 
 

@@ -77,6 +77,7 @@ def test_the_backlog_waits_less_for_the_same_replica_count(runs):
     assert after.timeline[-1][2] == before.timeline[-1][2] == 2
     mean_ttft = {m: sum(r.ttft_s for r in o.result.records) / 30 for m, o in runs.items()}
     assert mean_ttft[True] < 0.9 * mean_ttft[False]
+    # Simulated seconds (the simulator's deterministic clock), not a wall-clock timing.
     assert after.result.end_s < before.result.end_s
 
 
