@@ -16,9 +16,9 @@ import random
 from dataclasses import dataclass
 
 from settings import check_settings, setting
-from sim.workload import SimRequest
+from sim.turns import check_turn_shape, session
+from sim.workload import MAX_LEN, SimRequest
 
-MAX_TOKENS = 1 << 20
 MAX_SECONDS = 1e6
 
 
@@ -27,7 +27,7 @@ class AgentConfig:
     """Contexts, their forks and turns, and the lengths and pauses of each turn."""
 
     contexts: int = setting(8, "shared contexts", ge=1, le=1 << 20)
-    context_len: int = setting(2048, "tokens of each context", ge=1, le=MAX_TOKENS)
+    context_len: int = setting(2048, "tokens of each context", ge=1, le=MAX_LEN)
     forks: int = setting(8, "sub-agent sessions forked from each context", ge=1, le=1 << 16)
     turns: int = setting(3, "turns of each fork's session", ge=1, le=1 << 16)
     question_len: tuple[int, int] = (32, 128)  # a turn's new tokens, uniform inclusive
@@ -46,13 +46,7 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        for name in ("question_len", "answer_len"):
-            lo, hi = getattr(self, name)
-            if not (type(lo) is int and type(hi) is int and 1 <= lo <= hi <= MAX_TOKENS):
-                raise ValueError(f"{name}: need 1 <= low <= high <= 2^20, got {(lo, hi)}")
-        lo_s, hi_s = self.think_s
-        if not 0 <= lo_s <= hi_s <= MAX_SECONDS:  # False for NaN
-            raise ValueError(f"think_s: need 0 <= low <= high <= 1e6, got {self.think_s}")
+        check_turn_shape(self)
 
     @property
     def num_requests(self) -> int:
@@ -63,15 +57,10 @@ def _session(
     cfg: AgentConfig, rng: random.Random, ctx: str, name: str, t: float, turns: int
 ) -> list[tuple[float, str, int, int, str]]:
     """One session's turns as (arrival, group, prompt length, answer length, context group)."""
-    out = []
-    prompt = cfg.context_len
-    for _ in range(turns):
-        prompt += rng.randint(*cfg.question_len)
-        answer = rng.randint(*cfg.answer_len)
-        out.append((t, name, prompt, answer, ctx))
-        prompt += answer
-        t += rng.uniform(*cfg.think_s)
-    return out
+    return [
+        (u.arrival_s, name, u.prompt_len, u.answer_len, ctx)
+        for u in session(cfg, rng, cfg.context_len, t, turns)
+    ]
 
 
 def agent_workload(cfg: AgentConfig) -> list[SimRequest]:

@@ -46,7 +46,7 @@ from sim.fleet import FleetSim
 from sim.fleet_config import SimConfig
 from sim.metrics import RequestRecord, SimResult
 from sim.replica import SimReplica
-from sim.workload import SimRequest
+from sim.workload import SimRequest, check_len_ranges
 
 MAX_DAY_S = 7 * 86400.0
 _PRODUCTION = AutoscalingPolicyConfig()
@@ -81,10 +81,9 @@ class DayWorkloadConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        for name in ("chat_question_len", "chat_output_len", "long_prompt_len", "long_output_len"):
-            lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi <= 1 << 20:
-                raise ValueError(f"{name}: need 1 <= low <= high <= 2^20, got {(lo, hi)}")
+        check_len_ranges(
+            self, "chat_question_len", "chat_output_len", "long_prompt_len", "long_output_len"
+        )
 
     def level(self, t: float) -> float:
         """0 at the trough (the day's start and end), 1 at the peak (its middle)."""

@@ -23,6 +23,7 @@ from sim.fleet_config import SimConfig
 from sim.kv_copy import LinkConfig
 from sim.metrics import SimResult, percentile
 from sim.tiers import tier_figures
+from sim.turns import check_turn_shape, session
 from sim.workload import SimRequest
 
 
@@ -40,13 +41,7 @@ class ConversationConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        for name in ("question_len", "answer_len"):
-            lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi <= 1 << 20:
-                raise ValueError(f"{name}: need 1 <= low <= high <= 2^20, got {(lo, hi)}")
-        lo_s, hi_s = self.think_s
-        if not 0 <= lo_s <= hi_s <= 1e6:
-            raise ValueError(f"think_s: need 0 <= low <= high <= 1e6, got {self.think_s}")
+        check_turn_shape(self)
 
     def working_set_tokens(self, workload: list[SimRequest]) -> int:
         """The users' last prompts: what the caches would hold to miss nothing."""
@@ -62,14 +57,8 @@ def conversations(cfg: ConversationConfig) -> list[SimRequest]:
     rng = random.Random(cfg.seed)
     out: list[tuple[float, str, int, int, int]] = []
     for u in range(cfg.users):
-        t = rng.uniform(0, cfg.start_spread_s)
-        prompt = 0
-        for k in range(cfg.turns):
-            prompt += rng.randint(*cfg.question_len)
-            answer = rng.randint(*cfg.answer_len)
-            out.append((t, f"u{u}", k, prompt, answer))
-            prompt += answer
-            t += rng.uniform(*cfg.think_s)
+        turns = session(cfg, rng, 0, rng.uniform(0, cfg.start_spread_s), cfg.turns)
+        out += [(x.arrival_s, f"u{u}", k, x.prompt_len, x.answer_len) for k, x in enumerate(turns)]
     out.sort()
     return [
         SimRequest(

@@ -15,6 +15,16 @@ from settings import check_settings, setting
 
 # Token ids of a prefix group's shared system prompt start here; unique suffixes live below it.
 _PREFIX_BASE = 1 << 40
+MAX_LEN = 1 << 20  # the longest prompt part or output a workload's range may draw, in tokens
+
+
+def check_len_ranges(cfg: object, *names: str) -> None:
+    """Each named field of cfg, a (low, high) range of token counts drawn uniformly and inclusive,
+    must be integers with 1 <= low <= high <= 2^20; else a ValueError naming the field."""
+    for name in names:
+        lo, hi = getattr(cfg, name)
+        if not (type(lo) is int and type(hi) is int and 1 <= lo <= hi <= MAX_LEN):
+            raise ValueError(f"{name}: need integers 1 <= low <= high <= 2^20, got {(lo, hi)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +105,7 @@ class WorkloadConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        for name in ("question_len", "output_len"):
-            lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi:
-                raise ValueError(f"{name}: need 1 <= low <= high, got {(lo, hi)}")
+        check_len_ranges(self, "question_len", "output_len")
         if self.tenant_weights and (
             len(self.tenant_weights) != self.tenants
             or any(not w >= 0 for w in self.tenant_weights)

@@ -11,12 +11,13 @@ from hypothesis import strategies as st
 
 from settings import build, declared_settings
 from sim.adapters import AdapterMix, AdapterSlotsConfig
+from sim.agents import AgentConfig
 from sim.autoscale import AutoscaleConfig, DayWorkloadConfig
 from sim.disagg import DisaggConfig
 from sim.fleet_config import HostConfig, SimConfig
 from sim.kv_copy import LinkConfig
 from sim.tier_study import ConversationConfig
-from sim.workload import WorkloadConfig
+from sim.workload import MAX_LEN, WorkloadConfig
 
 CONFIGS = [
     AdapterSlotsConfig,
@@ -74,3 +75,42 @@ def test_any_value_of_any_sim_setting_is_taken_or_refused_by_name(case):
 def test_a_bound_is_refused_with_the_field_and_the_bound(cls, name, value, message):
     with pytest.raises(ValueError, match=f"^{name}: {message}"):
         cls(**{name: value})
+
+
+# Every (low, high) token range of a workload config, checked by one rule (sim.workload).
+LENGTH_RANGES = [
+    (WorkloadConfig, "question_len"),
+    (WorkloadConfig, "output_len"),
+    (DayWorkloadConfig, "chat_question_len"),
+    (DayWorkloadConfig, "chat_output_len"),
+    (DayWorkloadConfig, "long_prompt_len"),
+    (DayWorkloadConfig, "long_output_len"),
+    (ConversationConfig, "question_len"),
+    (ConversationConfig, "answer_len"),
+    (AgentConfig, "question_len"),
+    (AgentConfig, "answer_len"),
+]
+
+
+@pytest.mark.parametrize("cls,name", LENGTH_RANGES)
+@pytest.mark.parametrize(
+    "bad",
+    [(1, 2**64), (-1, 4), (1, math.nan), (1, 10**30), (5, 4), (0, 4), (1.0, 4), (1, MAX_LEN + 1)],
+)
+def test_a_length_range_out_of_bounds_is_refused_naming_its_field(cls, name, bad):
+    with pytest.raises(ValueError, match=f"^{name}: need integers 1 <= low <= high <= 2\\^20"):
+        cls(**{name: bad})
+
+
+@pytest.mark.parametrize("cls,name", LENGTH_RANGES)
+def test_a_length_range_takes_its_bounds(cls, name):
+    assert getattr(cls(**{name: (1, MAX_LEN)}), name) == (1, MAX_LEN)
+
+
+@pytest.mark.parametrize("cls", [ConversationConfig, AgentConfig])
+@pytest.mark.parametrize(
+    "bad", [(0.0, 2.0**64), (-1.0, 1.0), (0.0, math.nan), (0.0, 1e300), (2.0, 1.0)]
+)
+def test_a_think_time_range_out_of_bounds_is_refused_naming_it(cls, bad):
+    with pytest.raises(ValueError, match=r"^think_s: need 0 <= low <= high <= 1e6"):
+        cls(think_s=bad)
