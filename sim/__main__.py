@@ -9,24 +9,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from router.config import POLICIES, RoutingConfig
-from scheduler import SchedulerConfig
-from scheduler.config import POLICIES as QUEUE_POLICIES
+from router.config import RoutingConfig
 from sim.autoscale_protocol import add_arguments as add_day_arguments
 from sim.autoscale_protocol import cmd_plan_day
 from sim.cost import load_profile
 from sim.disagg import DisaggConfig, DisaggSim
 from sim.fleet import FleetSim
-from sim.fleet_config import SIM_MAX_MODEL_LEN, SIM_NUM_GPU_BLOCKS, SimConfig
+from sim.fleet_args import add_fleet_arguments, replica_scheduler
+from sim.fleet_config import SIM_MAX_MODEL_LEN, SimConfig
 from sim.fleet_kv_study import add_arguments as add_agent_arguments
 from sim.fleet_kv_study import cmd_agents
 from sim.kv_copy import LinkConfig
 from sim.plots import plot_rows as _plot
 from sim.workload import SimRequest, WorkloadConfig, load_trace, synthetic_workload
-
-# The command line's defaults are the configs' own.
-_SCHEDULER = SchedulerConfig()
-_SIM = SimConfig()
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -36,7 +31,7 @@ def _range(text: str) -> tuple[int, int]:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     _add_workload_arguments(p)
-    _add_fleet_arguments(p)
+    add_fleet_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
     p.add_argument("--slo-itl", type=float, default=0.5, help="seconds")
@@ -62,22 +57,6 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-prompt-len", type=int, default=256)
     p.add_argument("--question-len", type=_range, default=(16, 16), help="LO,HI tokens")
     p.add_argument("--output-len", type=_range, default=(16, 16), help="LO,HI tokens")
-
-
-def _add_fleet_arguments(p: argparse.ArgumentParser) -> None:
-    """Each replica's scheduler (the production defaults) and the router."""
-    p.add_argument("--router", choices=POLICIES, nargs="+", default=["prefix_affinity"])
-    p.add_argument("--policy", choices=QUEUE_POLICIES, default=_SCHEDULER.policy)
-    p.add_argument("--blocks", type=int, default=SIM_NUM_GPU_BLOCKS, help="KV blocks per replica")
-    p.add_argument("--block-size", type=int, default=_SCHEDULER.block_size, help="tokens per block")
-    p.add_argument("--max-num-seqs", type=int, default=_SCHEDULER.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=_SCHEDULER.max_num_batched_tokens)
-    p.add_argument(
-        "--stats-delay",
-        type=float,
-        default=_SIM.stats_delay_s,
-        help="seconds a replica's report takes to reach the router",
-    )
 
 
 def _workload(a: argparse.Namespace) -> list[SimRequest]:
@@ -127,17 +106,9 @@ def _simulate(
 
 def _sim_config(a: argparse.Namespace, replicas: int, router: str) -> SimConfig:
     """The fleet the command line describes: its replicas' scheduler and its router."""
-    sched = SchedulerConfig(
-        num_gpu_blocks=a.blocks,
-        block_size=a.block_size,
-        max_num_seqs=a.max_num_seqs,
-        policy=a.policy,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=min(SIM_MAX_MODEL_LEN, a.blocks * a.block_size),
-    )
     return SimConfig(
         num_replicas=replicas,
-        scheduler=sched,
+        scheduler=replica_scheduler(a, min(SIM_MAX_MODEL_LEN, a.blocks * a.block_size)),
         stats_delay_s=a.stats_delay,
         routing=RoutingConfig(router_policy=router, seed=a.seed),
     )

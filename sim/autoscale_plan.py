@@ -36,6 +36,7 @@ from sim.autoscale import (
     day_workload,
 )
 from sim.cost import load_profile
+from sim.fleet_args import replica_scheduler
 from sim.fleet_config import SimConfig
 
 POLICIES = ("llm", "ongoing")
@@ -291,14 +292,7 @@ def config_of(a: argparse.Namespace) -> DayPlanConfig:
             system_prompt_len=a.system_prompt_len,
             seed=a.seed,
         ),
-        scheduler=SchedulerConfig(
-            num_gpu_blocks=a.blocks,
-            block_size=a.block_size,
-            max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens,
-            policy=a.policy,
-            max_model_len=a.blocks * a.block_size,
-        ),
+        scheduler=replica_scheduler(a, a.blocks * a.block_size),
         loop=AutoscaleConfig(
             decision_period_s=a.decision_period,
             look_back_s=a.look_back,
