@@ -47,5 +47,11 @@ def check_prefix_hits(llm, hf_model, max_tokens: int) -> None:
     feature.pool.check()
     assert not feature.pool.pending
     assert sched.state_slots.num_free == SEQS
-    state = engine.executor.runner.feature(LinearStateFeature)
-    assert state.store.num_checkpoints == CHECKPOINTS  # allocated (and counted) at start
+    ranks = engine.executor.call_ranks(num_checkpoints)
+    assert ranks == [CHECKPOINTS] * len(ranks)  # allocated (and counted) at start, every rank
+
+
+def num_checkpoints(runner) -> int:
+    """A rank's state checkpoint slots (a call_ranks job: module-level, so it crosses to rank
+    processes)."""
+    return runner.feature(LinearStateFeature).store.num_checkpoints

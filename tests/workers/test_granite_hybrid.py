@@ -1,7 +1,10 @@
 """Granite-4 hybrid (Mamba-2 layers beside attention, MoE plus a shared MLP, Granite's scalars):
 the SSD scan against transformers' torch fallbacks, and greedy output equal to transformers'
 greedy generate on the same random checkpoint (fp32), batched under 16-token chunked prefill with
-two state slots for three requests and an 8-block pool that preempts.
+two state slots for three requests and an 8-block pool that preempts, with prefix hits, on one
+process and on two gloo rank processes (experts split across them). A Mamba-2 layer split over two
+ranks (whole heads each; two groups split, or one group replicated with its gated norm summed
+across the ranks) gives one rank's output.
 
 The checkpoint: four layers (Mamba-2, attention, Mamba-2, attention) without positional rotation
 (Granite-4.0-H's), Mamba-2 of 4 heads of 32 in 2 groups with a state of 16 and 16-token scan
@@ -23,7 +26,7 @@ from tests.random_checkpoint import ModelSpec, write_random_checkpoint
 from tests.workers import hybrid_prefix
 from tests.workers.greedy import assert_greedy_match, hf_greedy
 from tests.workers.test_hf_parity import TEXTS
-from workers.layers.mamba2 import MambaDims, ssd_chunked, ssd_step
+from workers.layers.mamba2 import Mamba2Mixer, MambaDims, ssd_chunked, ssd_step
 
 MAX_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -108,31 +111,70 @@ def checkpoint(tmp_path_factory, smollm2_tokenizer) -> tuple[str, torch.nn.Modul
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.slow
-def test_few_slots_chunked_prefill_and_preemption_give_hf_greedy_tokens(
-    checkpoint, llm_factory, smollm2_tokenizer
-):
-    hf_model = checkpoint[1]
+@pytest.fixture(scope="module")
+def engines(checkpoint, llm_factory):
+    """tp -> the engine of _engine_kwargs on tp ranks: TP=1 in this process (the session's),
+    TP=2 over two rank processes (gloo) with the experts split, shut down with the module."""
+    from engine.llm import LLM
+
+    built = {}
+
+    def get(tp: int):
+        if tp == 1:
+            return llm_factory(**_engine_kwargs(checkpoint))
+        if tp not in built:
+            kwargs = dict(device="cpu", load_progress=False, expert_parallel=True)
+            built[tp] = LLM(**_engine_kwargs(checkpoint), tensor_parallel_size=tp, **kwargs)
+        return built[tp]
+
+    yield get
+    for llm in built.values():
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def three_prompts(checkpoint, smollm2_tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts of 70 and 45 tokens and a short text, with transformers' greedy tokens."""
     prompts = [
         [(7 * i) % 40000 + 100 for i in range(70)],
         list(range(300, 345)),
         smollm2_tokenizer.encode(TEXTS[1]),
     ]
-    refs = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
-    llm = _engine(checkpoint, llm_factory)
+    return prompts, [hf_greedy(checkpoint[1], p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_few_slots_chunked_prefill_and_preemption_give_hf_greedy_tokens(tp, engines, three_prompts):
+    prompts, refs = three_prompts
+    llm = engines(tp)
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
-        assert_greedy_match(out.token_ids, ref, f"granite hybrid, prompt {i}")
+        assert_greedy_match(out.token_ids, ref, f"granite hybrid TP={tp}, prompt {i}")
     engine = llm.engine
     assert engine.stats().num_preemptions > 0
-    assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # the 2 attention layers' K and V
-    assert engine.expert_load()[0] > 0
+    # Per rank: the 2 attention layers' K and V of 2 KV heads of 16 (one head each at TP=2).
+    assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 // tp
+    load = engine.expert_load()
+    assert len(load) == tp and min(load) > 0  # at TP=2 each rank ran its own experts' rows
+    # Per rank, each Mamba layer's conv state (x, B, C channels: 4 heads of 32 and 2 groups of
+    # 16, twice; 3 taps) and SSM state (4 heads x 32 x 16), in every slot: split by the ranks.
+    slots = hybrid_prefix.SEQS + hybrid_prefix.CHECKPOINTS
+    per_slot = 2 * ((4 * 32 + 2 * 2 * 16) * 3 + 4 * 32 * 16) * 4
+    assert engine.executor.call_ranks(state_bytes) == [slots * per_slot // tp] * tp
 
 
-def _engine(checkpoint, llm_factory):
+def state_bytes(runner) -> int:
+    """A rank's recurrent-state bytes (a call_ranks job)."""
+    from workers.linear_state import LinearStateFeature
+
+    return runner.feature(LinearStateFeature).store.nbytes
+
+
+def _engine_kwargs(checkpoint) -> dict:
     """16-token chunks, 2 state slots, 16 blocks of 8 tokens, prefix caching with 8 state
     checkpoints (tests/workers/hybrid_prefix.py)."""
-    return llm_factory(
+    return dict(
         model=checkpoint[0],
         dtype="float32",
         max_num_batched_tokens=hybrid_prefix.CHUNK,
@@ -145,12 +187,14 @@ def _engine(checkpoint, llm_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
 def test_a_prefix_hit_restores_the_mamba_state_checkpoint_and_gives_hf_tokens(
-    checkpoint, llm_factory
+    tp, checkpoint, engines
 ):
     """A hit computes only the tokens after its checkpointed block, beside a preemption, and a
-    partial hit rounds down to a checkpoint (tests/workers/hybrid_prefix.py)."""
-    hybrid_prefix.check_prefix_hits(_engine(checkpoint, llm_factory), checkpoint[1], MAX_TOKENS)
+    partial hit rounds down to a checkpoint (tests/workers/hybrid_prefix.py), on every rank's
+    slice of the state."""
+    hybrid_prefix.check_prefix_hits(engines(tp), checkpoint[1], MAX_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -167,3 +211,90 @@ def test_granite_scalars_out_of_range_are_refused_naming_the_field(field, value)
     setattr(config, field, value)
     with pytest.raises(ValueError, match=field):
         GraniteMoeHybridForCausalLM(config)
+
+
+# A Mamba-2 layer's steps for the two-rank check: a 10-token prompt in chunks of 6 and 4 (the
+# second crosses a scan chunk of 8), then its decode beside a new 5-token prompt (request ids,
+# starts, query lengths).
+LAYER_STEPS = [(["a"], [0], [6]), (["a"], [6], [4]), (["a", "b"], [10, 0], [1, 5])]
+
+
+def mamba_layer_rows(rank: int, world: int, groups: int) -> torch.Tensor:
+    """A gloo_ranks job (and the single-rank reference): LAYER_STEPS through this rank's share of
+    one Mamba-2 layer (4 heads of 8, `groups` groups, biases everywhere) loaded from the same
+    random full tensors on every rank, with its own state slots; the layer's output rows."""
+    import torch.distributed as dist
+
+    from workers.layers.attention import AttentionMetadata
+    from workers.linear_state import LinearStateStore
+    from workers.parallel import init_tensor_parallel
+
+    if world > 1:
+        init_tensor_parallel(rank, world, dist.group.WORLD)
+    full = MambaDims(32, 4, 8, groups, 8, 4, 8, 1e-6, conv_bias=True, proj_bias=True)
+    mixer = Mamba2Mixer(full)
+    proj = full.intermediate + full.conv_dim + full.num_heads  # z, x, B, C, dt
+    checkpoint = {  # the full tensors, in the mixer's parameter order
+        "in_proj.weight": (proj, 32),
+        "in_proj.bias": (proj,),
+        "conv1d.weight": (full.conv_dim, 1, 4),
+        "conv1d.bias": (full.conv_dim,),
+        "dt_bias": (4,),
+        "A_log": (4,),
+        "D": (4,),
+        "norm.weight": (full.intermediate,),
+        "out_proj.weight": (32, full.intermediate),
+        "out_proj.bias": (32,),
+    }
+    gen = torch.Generator().manual_seed(5)
+    params = dict(mixer.named_parameters())
+    assert set(params) == set(checkpoint)
+    for name, shape in checkpoint.items():
+        params[name].weight_loader(params[name], torch.randn(shape, generator=gen) * 0.5)
+    cpu = torch.device("cpu")
+    store = LinearStateStore([mixer], 2, torch.float32, cpu)
+    rows = []
+    with torch.inference_mode():
+        for req_ids, starts, lens in LAYER_STEPS:
+            meta, positions = AttentionMetadata.build(starts, lens, [[0]] * len(lens), 16, cpu)
+            store.begin_step(req_ids, starts, req_ids)
+            x = torch.randn(sum(lens), 32, generator=gen)
+            rows.append(mixer(positions, x, meta))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_two_ranks_split_a_mamba_layer_by_head_and_match_one(gloo_ranks, groups):
+    """Each rank holds 2 of the 4 heads: with 2 groups one group each, with 1 group that group's
+    B and C on both and the gated norm's sum of squares added across them."""
+    from workers.parallel import reset_tensor_parallel
+
+    reset_tensor_parallel()
+    expected = mamba_layer_rows(0, 1, groups)
+    assert expected.shape == (6 + 4 + 6, 32) and expected.abs().sum() > 0
+    got = gloo_ranks(2).run(mamba_layer_rows, groups)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("heads", "groups", "tp", "match"),
+    [
+        (6, 2, 4, "mamba_n_heads: 6 is not divisible by tensor_parallel_size=4"),
+        (6, 3, 2, "tensor_parallel_size: 2 ranks cannot split mamba_n_groups 3"),
+        (8, 4, 16, "mamba_n_heads: 8 is not divisible by tensor_parallel_size=16"),
+    ],
+)
+def test_splits_that_cannot_work_are_refused_naming_tensor_parallel_size(heads, groups, tp, match):
+    dims = MambaDims(64, heads, 8, groups, 16, 4, 16, 1e-6, conv_bias=True, proj_bias=False)
+    with pytest.raises(ValueError, match=match):
+        dims.per_rank(tp, 0)
+
+
+def test_each_rank_keeps_whole_heads_and_the_groups_they_read():
+    dims = MambaDims(64, 8, 8, 2, 16, 4, 16, 1e-6, conv_bias=True, proj_bias=False)
+    split = [dims.per_rank(4, rank) for rank in range(4)]  # two ranks per group
+    assert [(d.num_heads, d.num_groups, first) for d, first in split] == [
+        (2, 1, 0), (2, 1, 0), (2, 1, 1), (2, 1, 1),
+    ]  # fmt: skip
+    assert [first for _, first in (dims.per_rank(2, r) for r in range(2))] == [0, 1]
+    assert dims.per_rank(2, 1)[0].num_groups == 1 and dims.per_rank(1, 0) == (dims, 0)

@@ -29,6 +29,7 @@ from torch import nn
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.param_attrs import set_param_attr
+from workers.layers.pieces import Piece, copy_pieces, shares
 from workers.layers.quantized import as_float
 from workers.parallel import divide, get_tp_rank, get_tp_world_size
 
@@ -195,22 +196,22 @@ class DeltaDims:
 
 
 class ConvWeight(nn.Module):
-    """The depthwise conv's taps [C, 1, K], named as the checkpoint's `conv1d.weight`: a rank
-    keeps its heads' channels of each of q, k and v, which the checkpoint lays side by side."""
+    """The depthwise conv's taps [C, 1, K] (and bias), named as the checkpoint's `conv1d`: a rank
+    keeps its heads' channels of each input the checkpoint lays side by side (q, k and v here;
+    Mamba-2's x, B and C), `pieces` (workers/layers/pieces.py)."""
 
-    def __init__(self, d: DeltaDims, rank: int) -> None:
+    def __init__(self, pieces: list[Piece], kernel: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_kernel), requires_grad=False)
-        self.parts = [d.key_size, d.key_size, d.value_size]  # this rank's channels of each
-        self.rank = rank
-        set_param_attr(self.weight, "weight_loader", self.load)
+        channels = sum(p.length for p in pieces)
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(channels), requires_grad=False) if bias else None
+        self.pieces = pieces
+        for param in (self.weight, self.bias):
+            if param is not None:
+                set_param_attr(param, "weight_loader", self.load)
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        full = as_float(loaded)
-        tp = full.shape[0] // param.shape[0]
-        pieces = full.split([n * tp for n in self.parts])
-        mine = [p.narrow(0, self.rank * n, n) for p, n in zip(pieces, self.parts)]
-        _copy_exact(param, torch.cat(mine), "conv1d.weight")
+        copy_pieces(param, as_float(loaded), self.pieces, "conv1d")
 
 
 def head_shard_loader(rank: int) -> Callable[..., None]:
@@ -284,7 +285,8 @@ class GatedDeltaNet(nn.Module):
         qkvz = 2 * d.key_size + 2 * d.value_size
         self.in_proj_qkvz = ColumnParallelLinear(d.hidden_size, tp * qkvz)
         self.in_proj_ba = ColumnParallelLinear(d.hidden_size, tp * 2 * d.num_v_heads)
-        self.conv1d = ConvWeight(d, rank)
+        conv = [tp * d.key_size, tp * d.key_size, tp * d.value_size]
+        self.conv1d = ConvWeight(shares(conv, rank, tp), d.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(d.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(d.num_v_heads), requires_grad=False)
         for vector in (self.dt_bias, self.A_log):

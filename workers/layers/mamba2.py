@@ -13,6 +13,13 @@ the causal depthwise conv (with bias) shared with the DeltaNet (workers/layers/g
 whose last `kernel - 1` inputs are the other half of the state. The output is gated by silu(z) and
 RMS-normed per group, then projected out.
 
+Under tensor parallelism a rank holds whole heads (their z, x and dt rows of in_proj, conv channels,
+A, D and dt_bias, norm weights and out_proj columns) and the groups those heads read: G / tp whole
+groups, or, when tp ranks split one group's heads (Granite-4.0-H has a single group), that group's
+B and C replicated, as vLLM and SGLang do. The gated norm keeps the checkpoint's group size: a
+group split across ranks adds up its sum of squares over them (one all-reduce per layer). Each
+request's conv and SSM state is then this rank's channels and heads only.
+
 The arithmetic follows transformers' torch fallbacks (`mamba2_chunk_scan`,
 `mamba2_selective_state_update`) in float32, so that greedy tokens match
 (tests/workers/test_granite_hybrid.py).
@@ -21,16 +28,24 @@ The arithmetic follows transformers' torch fallbacks (`mamba2_chunk_scan`,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.layers.attention import AttentionMetadata
-from workers.layers.gated_delta import DeltaStateView, conv_decode, conv_prefill
-from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from workers.parallel import get_tp_world_size
+from workers.layers.gated_delta import (
+    ConvWeight,
+    DeltaStateView,
+    conv_decode,
+    conv_prefill,
+    head_shard_loader,
+)
+from workers.layers.linear import RowParallelLinear
+from workers.layers.param_attrs import set_param_attr
+from workers.layers.pieces import Piece, PieceColumnLinear
+from workers.parallel import all_reduce, divide, get_tp_rank, get_tp_world_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +85,20 @@ class MambaDims:
     def conv_dim(self) -> int:
         """Channels of the conv: x, B and C side by side."""
         return self.intermediate + 2 * self.num_groups * self.state_size
+
+    def per_rank(self, tp: int, rank: int) -> tuple[MambaDims, int]:
+        """One tensor-parallel rank's share and the index of its first group: whole heads, and
+        G / tp whole groups, or the one group its heads read when tp ranks split a group."""
+        heads = divide(self.num_heads, tp, "mamba_n_heads")
+        if self.num_groups % tp == 0:
+            groups = self.num_groups // tp
+            return replace(self, num_heads=heads, num_groups=groups), rank * groups
+        if tp % self.num_groups:  # a rank's heads would span parts of two groups
+            raise ValueError(
+                f"tensor_parallel_size: {tp} ranks cannot split mamba_n_groups "
+                f"{self.num_groups} (one must divide the other)"
+            )
+        return replace(self, num_heads=heads, num_groups=1), rank // (tp // self.num_groups)
 
 
 def ssd_step(
@@ -140,52 +169,63 @@ def ssd_chunked(
 
 
 class GroupRMSNormGated(nn.Module):
-    """y * silu(gate), RMS-normed within each of `groups` equal slices, times the weight."""
+    """y * silu(gate), RMS-normed within groups of `group_size` channels, times the weight.
 
-    def __init__(self, dim: int, groups: int, eps: float) -> None:
+    A rank holds `dim` channels: whole groups, or part of one (`group`, of `groups` in all), whose
+    sum of squares the ranks sharing it add up: each rank's partial sum goes in its group's
+    column of a [T, groups] tensor, which one all-reduce completes."""
+
+    def __init__(
+        self, dim: int, group_size: int, eps: float, group: int = 0, groups: int = 1
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.groups, self.eps = groups, eps
+        self.group_size, self.eps, self.group, self.groups = group_size, eps, group, groups
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         y = x.float() * F.silu(gate.float())
-        g = y.view(*y.shape[:-1], self.groups, -1)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view(y.shape).to(dtype)
-
-
-class ConvTaps(nn.Module):
-    """The depthwise conv's taps [C, 1, K] (and bias), named as the checkpoint's `conv1d`."""
-
-    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(channels), requires_grad=False) if bias else None
+        if self.group_size <= y.shape[-1]:
+            g = y.view(*y.shape[:-1], -1, self.group_size)
+            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * g.view(y.shape).to(dtype)
+        sums = y.new_zeros(y.shape[0], self.groups)
+        sums[:, self.group] = y.pow(2).sum(-1)
+        variance = all_reduce(sums)[:, self.group, None] / self.group_size
+        return self.weight * (y * torch.rsqrt(variance + self.eps)).to(dtype)
 
 
 class Mamba2Mixer(nn.Module):
     """Granite-4 hybrid's Mamba-2 token mixer (the checkpoint's `mamba.*`). `state` is bound by the
-    runner's state feature (workers/linear_state.py) before each forward. Tensor parallelism is
-    refused: the in_proj rows are z, x, B, C and dt side by side, not grouped by head."""
+    runner's state feature (workers/linear_state.py) before each forward. Under tensor parallelism
+    the in_proj rows (z, x, B, C and dt side by side in the checkpoint) and the conv channels (x,
+    B, C) are cut piece by piece to this rank's heads and groups (the module docstring)."""
 
-    def __init__(self, m: MambaDims) -> None:
+    def __init__(self, full: MambaDims) -> None:
         super().__init__()
-        if get_tp_world_size() > 1:
-            raise ValueError("tensor_parallel_size: Mamba-2 layers (Granite-4 hybrid) run at 1")
+        tp, rank = get_tp_world_size(), get_tp_rank()
+        m, first_group = full.per_rank(tp, rank)  # every size below is this rank's
         self.m = m
-        size = m.intermediate + m.conv_dim + m.num_heads
-        self.in_proj = ColumnParallelLinear(m.hidden_size, size, m.proj_bias)
-        self.conv1d = ConvTaps(m.conv_dim, m.conv_kernel, m.conv_bias)
+        heads = Piece(full.intermediate, rank * m.intermediate, m.intermediate)
+        gn = m.num_groups * m.state_size
+        bc = Piece(full.num_groups * full.state_size, first_group * m.state_size, gn)
+        dt = Piece(full.num_heads, rank * m.num_heads, m.num_heads)
+        self.in_proj = PieceColumnLinear(m.hidden_size, [heads, heads, bc, bc, dt], m.proj_bias)
+        self.conv1d = ConvWeight([heads, bc, bc], m.conv_kernel, m.conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(m.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(m.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.ones(m.num_heads), requires_grad=False)
-        self.norm = GroupRMSNormGated(m.intermediate, m.num_groups, m.eps)
-        self.out_proj = RowParallelLinear(m.intermediate, m.hidden_size, m.proj_bias)
+        group_size = full.intermediate // full.num_groups
+        self.norm = GroupRMSNormGated(
+            m.intermediate, group_size, m.eps, first_group, full.num_groups
+        )
+        for vector in (self.dt_bias, self.A_log, self.D, self.norm.weight):
+            set_param_attr(vector, "weight_loader", head_shard_loader(rank))
+        self.out_proj = RowParallelLinear(full.intermediate, m.hidden_size, m.proj_bias)
         self.state: DeltaStateView | None = None
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """One request's (conv state, SSM state) shapes."""
+        """One request's (conv state, SSM state) shapes on this rank."""
         m = self.m
         return (m.conv_dim, m.conv_kernel - 1), (m.num_heads, m.head_dim, m.state_size)
 

@@ -10,8 +10,9 @@ no experts), with Granite's scalars.
 - `embedding_multiplier` scales the embeddings, `residual_multiplier` each block's output before
   its residual add, and the logits are divided by `logits_scaling`.
 - The router's top-k logits are softmaxed (the renormalised top-k of a softmax).
-- Tensor parallelism and pipeline stages are refused (the Mamba in_proj's rows are z, x, B, C and
-  dt side by side, not grouped by head).
+- Tensor parallelism splits the Mamba-2 layers by head (workers/layers/mamba2.py), attention by
+  head, the shared MLP's fused gate and up piece by piece, and the experts as the MoE families do;
+  pipeline stages are refused.
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ from transformers import PretrainedConfig
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import AttentionMetadata
 from workers.layers.embedding import VocabParallelEmbedding
-from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from workers.layers.linear import RowParallelLinear
 from workers.layers.mamba2 import Mamba2Mixer, MambaDims
 from workers.layers.moe import FusedMoE, MoEConfig, ReplicatedLinear
 from workers.layers.norm import RMSNorm
+from workers.layers.pieces import PieceColumnLinear, shares
 from workers.layers.quantized import AnyWeight
 from workers.layers.rotary import RotaryEmbedding
 from workers.models.llama import LlamaArgs, LlamaAttention, PreNormBlock, lm_head_of
 from workers.models.moe import MoEForCausalLM
 from workers.models.qwen3_next import HybridModel, layer_types_of
+from workers.parallel import get_tp_rank, get_tp_world_size
 from workers.pipeline import current_stage
 
 
@@ -88,11 +91,14 @@ class ScaledEmbedding(VocabParallelEmbedding):
 
 
 class SharedMLP(nn.Module):
-    """Granite's shared MLP: gate and up in one `input_linear`, then `output_linear`."""
+    """Granite's shared MLP: gate and up in one `input_linear` (a rank keeps its share of each),
+    then `output_linear`."""
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.input_linear = ColumnParallelLinear(hidden, 2 * inter)
+        tp = get_tp_world_size()
+        gate_up = shares([inter, inter], get_tp_rank(), tp, "shared_intermediate_size")
+        self.input_linear = PieceColumnLinear(hidden, gate_up)
         self.output_linear = RowParallelLinear(inter, hidden)
         self.act = SiluAndMul()
 
