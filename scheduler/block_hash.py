@@ -4,13 +4,38 @@ tokens), seeded by the request's LoRA adapter and cache salt. One function, shar
 
 from __future__ import annotations
 
-import hashlib
+import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from hashlib import blake2b
+from typing import NoReturn
 
 from scheduler.multimodal import ImageSpan, image_key
 
 _ROOT = b"raylm-prefix-v1"
+
+
+# num_tokens -> the packing of that many token ids (a few block sizes; cleared past 64 sizes).
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
+def _packer(num_tokens: int) -> Callable[..., bytes]:
+    """Packs num_tokens token ids as native int64s: array("q", ids).tobytes()'s bytes at under
+    half its cost (array converts each item through a format string), so a decode step's new block
+    costs one conversion that is cheap beside its blake2b call."""
+    pack = _PACKERS.get(num_tokens)
+    if pack is None:
+        if len(_PACKERS) >= 64:
+            _PACKERS.clear()
+        pack = _PACKERS[num_tokens] = struct.Struct(f"{num_tokens}q").pack
+    return pack
+
+
+def _refuse(token_ids: Sequence[int]) -> NoReturn:
+    """After struct refused token_ids: raise array's own error for them (OverflowError past
+    int64, TypeError for a non-integer), as the hash raised before it packed with struct."""
+    array("q", token_ids)
+    raise ValueError(f"token_ids: not int64 token ids: {list(token_ids)[:8]!r}")
 
 
 def _root(lora_name: str | None) -> bytes:
@@ -43,11 +68,17 @@ def hash_block_tokens(
         if parent_hash is None
         else parent_hash.to_bytes(16, "little")
     )
-    return int.from_bytes(_block_digest(parent, array("q", block_token_ids).tobytes()), "little")
+    n = len(block_token_ids)
+    try:
+        block = (_PACKERS.get(n) or _packer(n))(*block_token_ids)
+    except struct.error:
+        _refuse(block_token_ids)
+    # _block_digest inlined: a decode step's newly full block is hashed here (KVCacheManager).
+    return int.from_bytes(blake2b(parent + block, digest_size=16).digest(), "little")
 
 
 def _block_digest(parent: bytes, block: bytes) -> bytes:
-    return hashlib.blake2b(parent + block, digest_size=16).digest()
+    return blake2b(parent + block, digest_size=16).digest()
 
 
 def extend_block_hashes(
@@ -62,19 +93,25 @@ def extend_block_hashes(
     returns it.
 
     The same keys as hash_block_tokens block by block, of full blocks only (token_ids holding fewer
-    leave the chain shorter), with the tokens turned into bytes once for the whole run: a prompt's
-    blocks cost one conversion, not one each. lora_name: the request's adapter (None: the base
+    leave the chain shorter). lora_name: the request's adapter (None: the base
     model) and salt: its cache salt (None: none), which seed the chain.
     """
     done = len(hashes)
-    if num_blocks <= done:
+    end = min(num_blocks, len(token_ids) // block_size)  # full blocks only
+    if end <= done:
         return hashes
-    parent = _salted(_root(lora_name), salt) if not hashes else hashes[-1].to_bytes(16, "little")
-    data = array("q", token_ids[done * block_size : num_blocks * block_size]).tobytes()
-    step = 8 * block_size
-    for offset in range(0, len(data) - step + 1, step):  # full blocks only
-        parent = _block_digest(parent, data[offset : offset + step])  # a digest is its hash's bytes
-        hashes.append(int.from_bytes(parent, "little"))
+    parent = hashes[-1].to_bytes(16, "little") if done else _salted(_root(lora_name), salt)
+    pack, append = _PACKERS.get(block_size) or _packer(block_size), hashes.append
+    try:
+        # One pack and one blake2b call per block, inlined: a decode step's new block is hashed
+        # here, once per block_size steps per request (bench/scheduler_overhead.py).
+        for start in range(done * block_size, end * block_size, block_size):
+            block = pack(*token_ids[start : start + block_size])
+            parent = blake2b(parent + block, digest_size=16).digest()  # _block_digest
+            append(int.from_bytes(parent, "little"))  # a digest is its hash's bytes
+    except struct.error:
+        del hashes[done:]
+        _refuse(token_ids[done * block_size : end * block_size])
     return hashes
 
 
@@ -93,7 +130,11 @@ def extend_image_block_hashes(
     parent = _salted(_root(lora_name), salt) if not hashes else hashes[-1].to_bytes(16, "little")
     for i in range(len(hashes), min(num_blocks, len(token_ids) // block_size)):
         start = i * block_size
-        block = array("q", token_ids[start : start + block_size]).tobytes()
+        block_ids = token_ids[start : start + block_size]
+        try:
+            block = _packer(block_size)(*block_ids)
+        except struct.error:
+            _refuse(block_ids)
         parent = _block_digest(parent, block + image_key(spans, start, start + block_size))
         hashes.append(int.from_bytes(parent, "little"))
     return hashes

@@ -12,7 +12,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler.block_hash import extend_block_hashes, extend_image_block_hashes
+from scheduler.block_hash import (
+    extend_block_hashes,
+    extend_image_block_hashes,
+    hash_block_tokens,
+)
 from scheduler.block_hash import hash_prompt_blocks as hash_prompt_blocks  # engine/disagg.py's
 from scheduler.config import SchedulerConfig
 from scheduler.kv_events import DEVICE, REMOVED, STORED, KVEventLog
@@ -117,17 +121,28 @@ class BlockPool:
 
     def register(self, block_id: int, block_hash: int) -> None:
         """Make a full, computed block findable by its hash (first writer wins)."""
-        if block_hash not in self.cached:
-            self.cached[block_hash] = block_id
-            self.block_hash[block_id] = block_hash
+        self.register_run([block_id], [block_hash], 0, 1)
+
+    def register_run(
+        self, block_ids: Sequence[int], hashes: Sequence[int], start: int, end: int
+    ) -> None:
+        """register(block_ids[i], hashes[i]) for i in [start, end): a request's newly full blocks
+        in one call (a decode step's one block costs a call, not a loop of them)."""
+        cached, block_hash = self.cached, self.block_hash
+        for i in range(start, end):
+            h = hashes[i]
+            if h in cached:  # first writer wins
+                continue
+            cached[h] = block_id = block_ids[i]
+            block_hash[block_id] = h
             self.version += 1
             if self.events is not None:
-                self.events.record(STORED, DEVICE, block_hash)
+                self.events.record(STORED, DEVICE, h)
             if self._listed_since is not None:
-                if block_hash in self._unlisted_since:  # evicted and back: listed as before
-                    self._unlisted_since.discard(block_hash)
+                if h in self._unlisted_since:  # evicted and back: listed as before
+                    self._unlisted_since.discard(h)
                 else:
-                    self._listed_since[block_hash] = None
+                    self._listed_since[h] = None
 
     def _untrack(self, block_hash: int) -> None:
         listed = self._listed_since
@@ -243,24 +258,20 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _ensure_hashes(self, request: Request, num_blocks: int) -> list[int]:
-        if request.image_spans:
-            return extend_image_block_hashes(
-                request.block_hashes,
-                request.all_token_ids,
-                self.block_size,
-                num_blocks,
-                request.image_spans,
-                request.spec.lora_key,
-                request.spec.cache_salt,
-            )
-        return extend_block_hashes(
-            request.block_hashes,
-            request.all_token_ids,
-            self.block_size,
-            num_blocks,
-            request.spec.lora_key,
-            request.spec.cache_salt,
-        )
+        hashes, bs = request.block_hashes, self.block_size
+        done = len(hashes)
+        if done >= num_blocks:  # hashed already (a prompt the sender hashed, a lookup)
+            return hashes
+        tokens, end = request.all_token_ids, done * bs + bs
+        if done and num_blocks == done + 1 and end <= len(tokens) and not request.image_spans:
+            # One block after a chain (a decode filled it): extend_block_hashes' key for it, at
+            # half the cost of its general path (bench/scheduler_overhead.py).
+            hashes.append(hash_block_tokens(hashes[-1], tokens[end - bs : end]))
+            return hashes
+        lora, salt, spans = request.spec.lora_key, request.spec.cache_salt, request.image_spans
+        if spans:
+            return extend_image_block_hashes(hashes, tokens, bs, num_blocks, spans, lora, salt)
+        return extend_block_hashes(hashes, tokens, bs, num_blocks, lora, salt)
 
     def reuses_prefix(self, request: Request) -> bool:
         """Whether the request may start from cached KV: not one that asks for its prompt's
@@ -310,14 +321,11 @@ class KVCacheManager:
         if num_written is None:
             num_written = request.num_computed_tokens
         # Accepted speculative tokens are computed before they are appended: hash what is there.
-        num_full = min(num_written, request.num_tokens) // self.block_size
+        num_full = min(num_written, len(request.all_token_ids)) // self.block_size
         if num_full <= done:
             return
-        blocks = self.req_blocks[rid]
         hashes = self._ensure_hashes(request, num_full)
-        register = self.pool.register
-        for i in range(done, num_full):
-            register(blocks[i], hashes[i])
+        self.pool.register_run(self.req_blocks[rid], hashes, done, num_full)
         self.num_registered_blocks[rid] = num_full
 
     # ---- allocation ----------------------------------------------------------------------------
