@@ -11,6 +11,9 @@ prompt finds 3 cached blocks (24 tokens) and rounds down to the checkpoint at 16
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from scheduler import SamplingParams
 from tests.workers.greedy import assert_greedy_match, hf_greedy
 from workers.linear_state import LinearStateFeature
@@ -23,6 +26,42 @@ def _prompts() -> tuple[list[int], list[int], list[int]]:
     shares_30 = cold[:30] + [(17 * i) % 30000 + 700 for i in range(20)]
     long = [(11 * i) % 30000 + 900 for i in range(70)]
     return cold, shares_30, long
+
+
+def engine_kwargs(model: str, **extra: Any) -> dict[str, Any]:
+    """An engine of the sizes above (fp32, 128 positions), with `extra`."""
+    return dict(
+        model=model,
+        dtype="float32",
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=SEQS,
+        block_size=BLOCK,
+        num_gpu_blocks=BLOCKS,
+        num_state_checkpoints=CHECKPOINTS,
+        max_model_len=128,
+        **extra,
+    )
+
+
+def engines(llm_factory, kwargs: dict[str, Any]) -> Iterator[Callable[[int], Any]]:
+    """A module fixture's body (`yield from`): tp -> the engine of `kwargs` on tp ranks. TP=1 is
+    the session's (llm_factory); TP > 1 runs over rank processes (gloo) with the experts split,
+    built once and shut down with the module."""
+    from engine.llm import LLM
+
+    built: dict[int, LLM] = {}
+
+    def get(tp: int) -> LLM:
+        if tp == 1:
+            return llm_factory(**kwargs)
+        if tp not in built:
+            more = dict(device="cpu", load_progress=False, expert_parallel=True)
+            built[tp] = LLM(**kwargs, tensor_parallel_size=tp, **more)
+        return built[tp]
+
+    yield get
+    for llm in built.values():
+        llm.shutdown()
 
 
 def check_prefix_hits(llm, hf_model, max_tokens: int) -> None:

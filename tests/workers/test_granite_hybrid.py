@@ -113,23 +113,8 @@ def checkpoint(tmp_path_factory, smollm2_tokenizer) -> tuple[str, torch.nn.Modul
 
 @pytest.fixture(scope="module")
 def engines(checkpoint, llm_factory):
-    """tp -> the engine of _engine_kwargs on tp ranks: TP=1 in this process (the session's),
-    TP=2 over two rank processes (gloo) with the experts split, shut down with the module."""
-    from engine.llm import LLM
-
-    built = {}
-
-    def get(tp: int):
-        if tp == 1:
-            return llm_factory(**_engine_kwargs(checkpoint))
-        if tp not in built:
-            kwargs = dict(device="cpu", load_progress=False, expert_parallel=True)
-            built[tp] = LLM(**_engine_kwargs(checkpoint), tensor_parallel_size=tp, **kwargs)
-        return built[tp]
-
-    yield get
-    for llm in built.values():
-        llm.shutdown()
+    """tp -> the engine of tests/workers/hybrid_prefix.py's sizes on tp ranks."""
+    yield from hybrid_prefix.engines(llm_factory, hybrid_prefix.engine_kwargs(checkpoint[0]))
 
 
 @pytest.fixture(scope="module")
@@ -169,21 +154,6 @@ def state_bytes(runner) -> int:
     from workers.linear_state import LinearStateFeature
 
     return runner.feature(LinearStateFeature).store.nbytes
-
-
-def _engine_kwargs(checkpoint) -> dict:
-    """16-token chunks, 2 state slots, 16 blocks of 8 tokens, prefix caching with 8 state
-    checkpoints (tests/workers/hybrid_prefix.py)."""
-    return dict(
-        model=checkpoint[0],
-        dtype="float32",
-        max_num_batched_tokens=hybrid_prefix.CHUNK,
-        max_num_seqs=hybrid_prefix.SEQS,
-        block_size=hybrid_prefix.BLOCK,
-        num_gpu_blocks=hybrid_prefix.BLOCKS,
-        num_state_checkpoints=hybrid_prefix.CHECKPOINTS,
-        max_model_len=128,
-    )
 
 
 @pytest.mark.slow

@@ -89,49 +89,43 @@ def assert_matches(outs, refs, what: str) -> None:
         assert_greedy_match(out.token_ids, ref, f"{what}, prompt {i}")
 
 
+@pytest.fixture(scope="module")
+def engines(checkpoint, llm_factory):
+    """tp -> tests/workers/hybrid_prefix.py's engine with async scheduling on tp ranks (16-token
+    chunks, 2 state slots, 16 blocks of 8 tokens, 8 state checkpoints)."""
+    kwargs = hybrid_prefix.engine_kwargs(checkpoint[0], async_scheduling=True)
+    yield from hybrid_prefix.engines(llm_factory, kwargs)
+
+
 @pytest.mark.slow
-def test_chunked_async_few_slots_and_preemption_give_hf_tokens(
-    checkpoint, llm_factory, prompts, references
-):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_chunked_async_few_slots_and_preemption_give_hf_tokens(tp, engines, prompts, references):
     """One engine for every path a step can take: 16-token chunks cut the prompts, the next step
     is scheduled while one runs (async), two slots serve three requests (the third takes a slot
     the first left, zeroed), and 8 blocks of 16 tokens cannot hold the 70- and 45-token requests
-    as they grow, so one is preempted, its state dropped, and recomputed from its first token."""
-    llm = _engine(checkpoint, llm_factory)
+    as they grow, so one is preempted, its state dropped, and recomputed from its first token. At
+    TP=2 each rank runs its key heads' state and half of the experts."""
+    llm = engines(tp)
     engine = llm.engine
     before = engine.stats().num_preemptions
     outs = llm.generate(prompts[::-1], PARAMS, use_tqdm=False)
-    assert_matches(outs, references[::-1], "chunked, async, two slots, 8 blocks")
+    assert_matches(outs, references[::-1], f"TP={tp}, chunked, async, two slots, 8 blocks")
     assert engine.stats().num_preemptions > before
     assert engine.scheduler.state_slots.num_slots == 2
     assert engine.scheduler.state_slots.num_free == 2
-    # K and V of 2 KV heads of 16 floats, on the 2 full-attention layers of 4.
-    assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
-    assert engine.expert_load()[0] > 0  # the MoE layers routed every token
-
-
-def _engine(checkpoint, llm_factory):
-    """16-token chunks, async scheduling, 2 state slots, 16 blocks of 8 tokens, prefix caching
-    with 8 state checkpoints."""
-    path, _ = checkpoint
-    return llm_factory(
-        model=path,
-        dtype="float32",
-        max_num_batched_tokens=hybrid_prefix.CHUNK,
-        max_num_seqs=hybrid_prefix.SEQS,
-        block_size=hybrid_prefix.BLOCK,
-        num_gpu_blocks=hybrid_prefix.BLOCKS,
-        num_state_checkpoints=hybrid_prefix.CHECKPOINTS,
-        max_model_len=128,
-        async_scheduling=True,
-    )
+    # K and V of 2 KV heads of 16 floats (one head a rank at TP=2), on the 2 full-attention
+    # layers of 4.
+    assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 // tp
+    load = engine.expert_load()
+    assert len(load) == tp and min(load) > 0  # the MoE layers routed every token, on each rank
 
 
 @pytest.mark.slow
-def test_a_prefix_hit_restores_the_state_checkpoint_and_gives_hf_tokens(checkpoint, llm_factory):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_prefix_hit_restores_the_state_checkpoint_and_gives_hf_tokens(tp, checkpoint, engines):
     """tests/workers/hybrid_prefix.py: a hit computes only the tokens after its checkpointed
     block, beside a preemption, and a partial hit rounds down to a checkpoint."""
-    llm = _engine(checkpoint, llm_factory)
+    llm = engines(tp)
     hybrid_prefix.check_prefix_hits(llm, checkpoint[1], MAX_TOKENS)
     from engine.disagg import DecodeSide
 
