@@ -215,11 +215,12 @@ class ConvWeight(nn.Module):
 
 
 def head_shard_loader(rank: int) -> Callable[..., None]:
-    """A loader for a per-value-head vector (A_log, dt_bias): this rank's heads."""
+    """A loader for a vector cut by head (A_log, dt_bias; Mamba-2's D and norm weight): this
+    rank's heads."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         n = param.shape[0]
-        _copy_exact(param, as_float(loaded).narrow(0, rank * n, n), "A_log / dt_bias")
+        _copy_exact(param, as_float(loaded).narrow(0, rank * n, n), "per-head vector")
 
     return load
 
