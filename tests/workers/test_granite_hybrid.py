@@ -233,6 +233,7 @@ def mamba_layer_rows(rank: int, world: int, groups: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
+@pytest.mark.slow  # as every gloo-group test: the quick run spawns no ranks
 @pytest.mark.parametrize("groups", [1, 2])
 def test_two_ranks_split_a_mamba_layer_by_head_and_match_one(gloo_ranks, groups):
     """Each rank holds 2 of the 4 heads: with 2 groups one group each, with 1 group that group's
