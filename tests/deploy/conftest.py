@@ -18,6 +18,8 @@ from workers.distributed import free_port
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from ray import serve
+from ray.serve import Application, RunTarget
+from ray.serve.handle import DeploymentHandle
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOL = "SmolLM2-135M-Instruct"
@@ -66,8 +68,19 @@ def _wait_running(app: str, timeout: float = 300) -> None:
             return
         if status is not None and status.status == "DEPLOY_FAILED":
             raise RuntimeError(f"app {app} failed: {status.message}")
-        time.sleep(0.5)  # a bounded poll: Serve deploys the app in other processes
+        time.sleep(0.1)  # a bounded poll: Serve deploys the app in other processes
     raise TimeoutError(f"app {app} not running after {timeout}s")
+
+
+def run_app(app: Application, name: str, route_prefix: str | None) -> DeploymentHandle:
+    """serve.run, seeing the app RUNNING within 0.1 s: serve.run rechecks a deploying app once a
+    second (Serve's CLIENT_POLLING_INTERVAL_S, not a setting), half a second lost on average per
+    deploy. Serve marks the app DEPLOYING before run_many returns, so a redeploy of a running
+    app is waited for too."""
+    target = RunTarget(app, name=name, route_prefix=route_prefix)
+    (handle,) = serve.run_many([target], wait_for_applications_running=False)
+    _wait_running(name)
+    return handle
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +109,7 @@ def tiny_url(ray_cluster, http_port, tiny_model_dir, tmp_path_factory):
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
     }
-    serve.run(build_app(args), name="tiny", route_prefix="/tiny")
+    run_app(build_app(args), "tiny", "/tiny")
     return f"http://127.0.0.1:{http_port}/tiny/v1"  # stopped with the others (smol_url)
 
 
@@ -136,7 +149,7 @@ def think_url(ray_cluster, http_port, tmp_path_factory, smollm2_dir):
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
     }
-    serve.run(build_app(args), name="think", route_prefix="/think")
+    run_app(build_app(args), "think", "/think")
     return f"http://127.0.0.1:{http_port}/think/v1"  # stopped with the others (smol_url)
 
 
@@ -197,7 +210,7 @@ def vision_url(ray_cluster, http_port, vision_model_dir, qwen_vl_model_dir, gemm
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
     }
-    serve.run(build_app(args), name="vision", route_prefix="/vision")
+    run_app(build_app(args), "vision", "/vision")
     return f"http://127.0.0.1:{http_port}/vision/v1"  # stopped with the others (smol_url)
 
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.deploy.conftest import delete_app
+from tests.deploy.conftest import delete_app, run_app
 from tests.random_lora import write_random_lora
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,6 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def lora_app(ray_cluster, http_port, tiny_model_dir, tmp_path_factory):
     """Two replicas of the tiny Llama, adapter a1 declared, run-time loads allowed under root."""
-    from ray import serve
 
     from deploy.app import build_app
 
@@ -54,7 +53,7 @@ def lora_app(ray_cluster, http_port, tiny_model_dir, tmp_path_factory):
             SCOPED: {"tenant": "scoped", "loras": ["a1"]},
         },
     }
-    serve.run(build_app(args), name="lora", route_prefix="/lora")
+    run_app(build_app(args), "lora", "/lora")
     yield f"http://127.0.0.1:{http_port}/lora", root
     delete_app("lora")
 

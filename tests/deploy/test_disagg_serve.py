@@ -21,7 +21,7 @@ from ray import serve
 
 from engine.disagg import decode_request
 from scheduler import EngineRequest, SamplingParams
-from tests.deploy.conftest import delete_app, wait_for
+from tests.deploy.conftest import delete_app, run_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def disagg_args() -> dict:
 def disagg_url(ray_cluster, http_port, smol_url):
     from deploy.app import build_app
 
-    serve.run(build_app(disagg_args()), name=APP, route_prefix=f"/{APP}")
+    run_app(build_app(disagg_args()), APP, f"/{APP}")
     url = f"http://127.0.0.1:{http_port}/{APP}/v1"
     with httpx.Client(base_url=url, timeout=120) as client:
         complete(client, MODEL, {"temperature": 0.0, "max_tokens": 1})  # the prompt's blocks cached

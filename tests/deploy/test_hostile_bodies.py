@@ -21,10 +21,9 @@ import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ray import serve
 
 from deploy.config import AppConfig
-from tests.deploy.conftest import TINY, TINY_KEY, delete_app, replica_stats, wait_for
+from tests.deploy.conftest import TINY, TINY_KEY, delete_app, replica_stats, run_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +66,7 @@ def gated_url(ray_cluster, http_port, tiny_model_dir):
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
     }
-    serve.run(build_app(args), name="gated", route_prefix="/gated")
+    run_app(build_app(args), "gated", "/gated")
     yield f"http://127.0.0.1:{http_port}/gated/v1"
     delete_app("gated")
 

@@ -21,12 +21,11 @@ import httpx
 import pytest
 import ray
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from ray import serve
 from starlette.requests import Request
 
 from cluster.tracing import TracingConfig, use_exporter
 from deploy.tracing import start_request
-from tests.deploy.conftest import delete_app, wait_for
+from tests.deploy.conftest import delete_app, run_app, wait_for
 
 APP = "traced"
 MODEL = "tiny-traced"
@@ -127,7 +126,7 @@ def traced_url(ray_cluster, http_port, long_tiny_model_dir, collector):
         "ingress_num_cpus": 0.25,
         "tracing": {"otlp_endpoint": collector.url, "export_delay_s": 0.1},
     }
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    run_app(build_app(args), APP, f"/{APP}")
     yield f"http://127.0.0.1:{http_port}/{APP}/v1"
     delete_app(APP)
 
