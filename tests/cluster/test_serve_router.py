@@ -12,6 +12,7 @@ import os
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -32,7 +33,7 @@ from scheduler import SamplingParams, hash_prompt_blocks
 from scheduler.block_manager import PrefixReport
 from scheduler.outputs import SchedulerStats
 from scheduler.request import EngineRequest
-from tests.deploy.conftest import delete_app
+from tests.deploy.conftest import delete_app, run_app
 from workers.distributed import free_port
 
 pytestmark = pytest.mark.slow
@@ -92,7 +93,7 @@ class StreamingReplica:
 @pytest.fixture(scope="module")
 def handle(ray_cluster):
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": free_port()})
-    h = serve.run(StreamingReplica.bind(), name=APP, route_prefix=None)
+    h = run_app(StreamingReplica.bind(), APP, None)
     yield h
     delete_app(APP)
 
@@ -127,10 +128,31 @@ def fleet_router(handle) -> FleetRouter:
     return handle._router._asyncio_router.request_router
 
 
-async def settle() -> None:
-    """Let the previous test's streams drain out of the replicas' routing stats (reported every 0.5
-    s)."""
-    await asyncio.sleep(1.5)
+async def settle(handle) -> None:
+    """Until every replica has reported nothing running since this call: the previous test's
+    streams are out of the routing stats (reported every 0.5 s) that steer this test's requests."""
+    await reported(handle, lambda stats: stats.scheduler.num_running == 0)
+
+
+async def reported(handle, holds: Callable[[RoutingStats], bool]) -> None:
+    """Until this process's router holds a report from each of two replicas, taken after this call,
+    for which holds is true (a fixed sleep waited 1.5 s where a report comes within 0.5 s)."""
+    if handle._router is None:  # no request sent through this handle yet: nothing to drain
+        return
+    router = fleet_router(handle)
+    before = {replica: _report_id(stats) for replica, stats in router.fleet.reports().items()}
+    for _ in range(600):
+        reports = router.fleet.reports()
+        fresh = [r for r, s in reports.items() if _report_id(s) > before.get(r, -1) and holds(s)]
+        if len(fresh) >= 2:
+            return
+        await asyncio.sleep(0.05)  # a bounded poll: the reports come through Serve's controller
+    raise AssertionError(f"no fresh report that holds from two replicas in 30 s: {reports}")
+
+
+def _report_id(stats: RoutingStats) -> int:
+    """The replica's count of its reports (-1 when it could not ask its engine in time)."""
+    return -1 if stats.prefix is None else stats.prefix.report_id
 
 
 def test_router_class_path_is_importable_by_serve():
@@ -152,7 +174,7 @@ def test_sixteen_concurrent_streams_spread_over_both_replicas(handle):
 
 def test_shared_prefix_sticks_to_one_replica_while_load_stays_balanced(handle):
     async def go():
-        await settle()
+        await settle(handle)
         # Tenant 0 warms a replica; tenant 1, a prefix nobody holds, goes to the replica holding
         # fewer blocks.
         first = await stream(handle, request(prompt_for(0, 0), max_tokens=2))
@@ -171,7 +193,7 @@ def test_a_sessions_turns_stay_on_one_replica_though_each_turn_is_a_new_prefix(h
     without it each new prefix would go to the replica holding fewer blocks, in turn."""
 
     async def go():
-        await settle()
+        await settle(handle)
         agent = handle.options(session_id="agent-7")
         return [
             await stream(agent, request(prompt_for(200 + turn, turn), max_tokens=2))
@@ -191,7 +213,7 @@ def test_replica_failures_reported_by_the_caller_open_its_circuit_until_the_cool
     cool-down it takes requests again."""
 
     async def trip():
-        await settle()
+        await settle(handle)
         victim = None
         failures = 0
         for tenant in range(20, 60):
@@ -239,11 +261,11 @@ def test_a_request_waits_while_every_replica_drains_and_goes_to_the_first_back(h
     reports itself healthy."""
 
     async def go():
-        await settle()
+        await settle(handle)
         with open(DRAINING_FLAG, "w"):
             pass
         try:
-            await asyncio.sleep(1.5)  # both replicas' reports say draining
+            await reported(handle, lambda stats: stats.state is ReplicaState.DRAINING)
             pending = asyncio.ensure_future(stream(handle, request(prompt_for(80, 0), 2)))
             await asyncio.sleep(1.0)
             assert not pending.done()  # nowhere to go yet
@@ -256,7 +278,7 @@ def test_a_request_waits_while_every_replica_drains_and_goes_to_the_first_back(h
 
 def test_killed_replica_is_routed_around(handle):
     async def go():
-        await settle()
+        await settle(handle)
         victim = await stream(handle, request(prompt_for(5, 0), max_tokens=2))
         # A prefix the other replica holds, so that a stream is surely there when the kill strikes
         # (fresh prefixes go to the smaller footprint, which earlier tests may leave one-sided).
@@ -327,7 +349,7 @@ def llm_handle(ray_cluster):
         request_router_config=config.request_router_config(),
         health_check_timeout_s=120,
     )
-    yield serve.run(replica.bind(config.engine), name=REAL_APP, route_prefix=None)
+    yield run_app(replica.bind(config.engine), REAL_APP, None)
     delete_app(REAL_APP)  # stops in the background: no later test uses its name or replicas
 
 
@@ -383,7 +405,7 @@ def test_real_replicas_share_sixteen_concurrent_streams(llm_handle):
 
 def test_real_replicas_keep_a_shared_prefix_on_the_replica_that_caches_it(llm_handle):
     async def go():
-        await settle()
+        await settle(llm_handle)
         # One request per tenant fills a cache each (the second tenant lands on the emptier
         # replica).
         for tenant in (0, 1):
