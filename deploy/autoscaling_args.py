@@ -11,6 +11,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
 from cluster.autoscaling_policy import POLICY_PATH
 from router.autoscaling import MAX_REPLICAS, AutoscalingPolicyConfig
+from router.config import MAX_LOAD
 from settings import setting
 
 AUTOSCALING_POLICIES = ("ongoing_requests", "llm")
@@ -34,7 +35,10 @@ class AutoscalingArgs(AutoscalingPolicyConfig):
         choices=AUTOSCALING_POLICIES,
     )
     target_ongoing_requests: float = setting(
-        16.0, "ongoing requests per replica that the `ongoing_requests` policy aims at", gt=0
+        16.0,
+        "ongoing requests per replica that the `ongoing_requests` policy aims at",
+        gt=0,
+        le=MAX_LOAD,
     )
     look_back_period_s: float = setting(
         30.0, "Serve averages the replicas' figures over this window", gt=0, le=3600

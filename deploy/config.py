@@ -24,7 +24,8 @@ from deploy.schemas import MAX_MESSAGES
 from engine.config import EngineConfig
 from frontend.images import ImageLimits
 from frontend.reasoning import PARSERS
-from router.config import RoutingConfig
+from router.autoscaling import MAX_REPLICAS
+from router.config import MAX_LOAD, RoutingConfig
 from router.stats import ROUTING_STATS_PERIOD_S
 from scheduler.sampling_params import POOLINGS
 from settings import build, check_settings, nest, setting, shown
@@ -61,7 +62,7 @@ class AppConfig:
     )
     # Data parallelism: a fixed count or autoscaling, not both.
     num_replicas: int | None = setting(
-        None, "data-parallel replicas, one engine each (unset: 1)", ge=1
+        None, "data-parallel replicas, one engine each (unset: 1)", ge=1, le=MAX_REPLICAS
     )
     autoscaling: AutoscalingArgs | None = setting(
         None,
@@ -86,13 +87,16 @@ class AppConfig:
     router_kwargs: dict[str, Any] | None = setting(
         None, "`fleet` router settings (router/config.py `RoutingConfig`)"
     )
-    max_ongoing_requests: int = setting(256, "requests in flight at once per replica", ge=1)
+    max_ongoing_requests: int = setting(
+        256, "requests in flight at once per replica", ge=1, le=MAX_LOAD
+    )
     max_queued_requests: int | None = setting(
         None,
         "queued per ingress beyond "
         "that; past it: `overload_status` (unset: max_ongoing_requests "
         "x replicas; -1: unbounded)",
         ge=-1,
+        le=MAX_LOAD * MAX_REPLICAS,
     )
     overload_status: int = setting(503, "HTTP status when the queues are full", choices=(429, 503))
     overload_retry_after_s: float = setting(1.0, "sent as Retry-After", gt=0, le=3600)
@@ -155,7 +159,7 @@ class AppConfig:
         ge=1,
         le=1 << 20,
     )
-    max_stop_string_chars: int = setting(1024, "longest stop string accepted", ge=1)
+    max_stop_string_chars: int = setting(1024, "longest stop string accepted", ge=1, le=1 << 20)
     unknown_fields: str = setting(
         "reject",
         "a request field the server does not implement (unknown, or OpenAI's but not "
@@ -259,7 +263,7 @@ class AppConfig:
         le=10**12,
     )
     ingress_num_cpus: float = setting(0.5, "CPUs of each ingress replica", ge=0, le=MAX_BUNDLE_CPUS)
-    ingress_replicas: int = setting(1, "OpenAI ingress replicas", ge=1)
+    ingress_replicas: int = setting(1, "OpenAI ingress replicas", ge=1, le=MAX_REPLICAS)
     # HTTP and tenants.
     api_key: str | None = setting(None, "required as `Authorization: Bearer <key>` when set")
     api_keys: dict[str, ApiKeyProfile] | None = setting(

@@ -67,6 +67,14 @@ MAX_CPU_LORAS = 4096
 DEFAULT_MAX_LORAS = 4
 # Ranks of one engine at most (tensor x pipeline): a bound, not a promise that so many start.
 MAX_WORLD_SIZE = 1024
+# Host memory of one engine, in GiB (64 TiB): past any machine, so a larger figure is a typo, not
+# a pool of 1e300 GiB whose block count overflows everything sized by it.
+MAX_HOST_GB = 1 << 16
+# Engine timeouts: a week. Longer is no timeout at all, and sockets refuse a timeout past ~9.2e9 s
+# (OverflowError at the first step, not at start).
+MAX_ENGINE_TIMEOUT_S = 7 * 86400
+# Threads of one process: NR_CPUS, the most CPUs a Linux kernel can be built for.
+MAX_CPU_THREADS = 8192
 EXECUTOR_BACKENDS = ("mp", "ray")
 
 
@@ -121,12 +129,17 @@ class EngineConfig:
         "dense models ignore it",
     )
     seed: int = setting(0, "seed of the engine's default sampling generator", ge=0, lt=2**63)
-    kv_cache_memory_gb: float = setting(2.0, "KV pool of a CPU engine, in GiB", gt=0)
+    kv_cache_memory_gb: float = setting(
+        2.0, "KV pool of a CPU engine, in GiB", gt=0, le=MAX_HOST_GB
+    )
     gpu_memory_utilization: float = setting(
         0.9, "share of GPU memory for weights, activations and KV", gt=0, le=1
     )
     swap_space_gb: float = setting(
-        0.0, "CPU pool for swap preemption, in GiB (unless num_cpu_blocks pins it)", ge=0
+        0.0,
+        "CPU pool for swap preemption, in GiB (unless num_cpu_blocks pins it)",
+        ge=0,
+        le=MAX_HOST_GB,
     )
     encoder_cache_gb: float = setting(
         0.5,
@@ -188,6 +201,7 @@ class EngineConfig:
         "torch intra-op threads of a CPU engine (unset: a served replica's "
         "`replica_num_cpus`, rounded down; offline, what the process has)",
         ge=1,
+        le=MAX_CPU_THREADS,
     )
     process_niceness: int | None = setting(
         None,
@@ -222,13 +236,17 @@ class EngineConfig:
         choices=STEP_TRANSPORTS,
     )
     step_timeout_s: float = setting(
-        300.0, "TP > 1: a step whose workers do not answer within this fails the engine", gt=0
+        300.0,
+        "TP > 1: a step whose workers do not answer within this fails the engine",
+        gt=0,
+        le=MAX_ENGINE_TIMEOUT_S,
     )
     engine_stall_timeout_s: float = setting(
         120.0,
         "a replica with work whose step has not finished for this long fails its health check "
         "(Serve replaces it; its requests resume elsewhere)",
         gt=0,
+        le=MAX_ENGINE_TIMEOUT_S,
     )
     stream_interval: int = setting(
         1,

@@ -6,11 +6,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.sampling_params import MAX_TOKENS
 from settings import build, check_settings, setting
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_affinity")
 IMBALANCE_REFERENCES = ("least", "mean")
 LOAD_SIGNALS = ("requests", "predicted_tokens")
+# Load units (about one in-flight request each) and factors of load: past the in-flight requests any
+# replica takes (AppConfig.max_ongoing_requests, bounded by this too), a larger figure changes no
+# choice.
+MAX_LOAD = 1 << 20
+# How long the router remembers what a replica's reports do not confirm: a day.
+MAX_MEMORY_S = 86400
 # Routed requests whose outcome the router can still attribute (a few minutes of heavy traffic).
 
 
@@ -25,11 +32,15 @@ class RoutingConfig:
         "load units (about one in-flight request each) by which the prefix holder may exceed the "
         "reference load (imbalance_reference) before load wins over affinity",
         ge=0,
+        le=MAX_LOAD,
     )
     # Under heavy load a few requests of skew cost little next to recomputing a prefix, and a fixed
     # threshold alone would spill every tenant everywhere.
     imbalance_ratio: float = setting(
-        1.5, "...or by this factor of the reference load, whichever allows more", ge=1
+        1.5,
+        "...or by this factor of the reference load, whichever allows more",
+        ge=1,
+        le=MAX_LOAD,
     )
     # The least loaded of N replicas falls towards idle as N grows, so a ceiling above it spills
     # tenants off their holders ever more often in a larger fleet; the mean does not move with N.
@@ -44,7 +55,10 @@ class RoutingConfig:
         "the same load ceiling; a cold adapter goes to the least loaded replica",
     )
     min_match_blocks: int = setting(
-        1, "leading prompt blocks a replica must hold for affinity to count", ge=1
+        1,
+        "leading prompt blocks a replica must hold for affinity to count",
+        ge=1,
+        le=MAX_TOKENS,
     )
     tier_hit_discount: float = setting(
         0.5,
@@ -73,6 +87,7 @@ class RoutingConfig:
         2048,
         "in-flight tokens (prompt + max new tokens) that weigh as much as one in-flight request",
         ge=1,
+        le=MAX_TOKENS,
     )
     load_signal: str = setting(
         "requests",
@@ -87,18 +102,22 @@ class RoutingConfig:
         ge=1,
         le=1 << 20,
     )
-    kv_usage_weight: float = setting(1.0, "weight of a replica's KV usage (0-1) in its load", ge=0)
+    kv_usage_weight: float = setting(
+        1.0, "weight of a replica's KV usage (0-1) in its load", ge=0, le=MAX_LOAD
+    )
     # The report may have been taken before the request that planted the entries arrived.
     stats_grace_s: float = setting(
         5.0,
         "prefix-index entries younger than this survive a replica's prefix report that lacks them",
         ge=0,
+        le=MAX_MEMORY_S,
     )
     unconfirmed_ttl_s: float = setting(
         30.0,
         "a routing decision Serve never confirmed (request cancelled "
         "before send) stops counting after this",
         gt=0,
+        le=MAX_MEMORY_S,
     )
     circuit_breaker_failures: int = setting(
         3,

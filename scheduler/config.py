@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.sampling_params import MAX_TOKENS
+from scheduler.state_slots import MAX_STATE_SLOTS
 from settings import check_settings, setting
 
 POLICIES = ("fcfs", "priority", "fair", "srpt", "fair_srpt")
@@ -13,6 +15,17 @@ PREEMPTION_VICTIMS = ("lifo", "least_progress", "most_remaining")
 ADMISSIONS = ("greedy", "foresight")
 LENGTH_PROBES = ("auto", "on", "off")
 FORESIGHT_ESTIMATES = ("median", "upper")
+# Tokens of one step: past what any device holds the activations of.
+MAX_STEP_TOKENS = 1 << 24
+# Running requests of one replica: a hybrid model's engine gives each a recurrent-state slot.
+MAX_NUM_SEQS = MAX_STATE_SLOTS
+MAX_BLOCK_SIZE = 1 << 16
+# Device block ids are int32 in the block tables the kernels read.
+MAX_GPU_BLOCKS = 2**31 - 1
+MAX_HOST_BLOCKS = 1 << 40
+# A tenant counter's weight: the counters only compare; past this one kind of token is all that
+# counts anyway.
+MAX_FAIR_WEIGHT = 1_000_000
 
 
 @dataclass(slots=True)
@@ -24,27 +37,37 @@ class SchedulerConfig:
     """
 
     max_num_batched_tokens: int = setting(
-        2048, "token budget of one step (prefill chunks + decodes)", ge=1
+        2048, "token budget of one step (prefill chunks + decodes)", ge=1, le=MAX_STEP_TOKENS
     )
-    max_num_seqs: int = setting(128, "requests in one replica's running batch", ge=1)
+    max_num_seqs: int = setting(
+        128, "requests in one replica's running batch", ge=1, le=MAX_NUM_SEQS
+    )
     block_size: int = setting(
-        16, "tokens per KV block (also the prefix-hash block of the router)", ge=1
+        16,
+        "tokens per KV block (also the prefix-hash block of the router)",
+        ge=1,
+        le=MAX_BLOCK_SIZE,
     )
     num_gpu_blocks: int | None = setting(
         None,
         "device KV pool in blocks; pins the size instead of measuring it",
         ge=1,
+        le=MAX_GPU_BLOCKS,
         derived="measured from memory",
     )
     num_cpu_blocks: int | None = setting(
-        None, "CPU pool for swap preemption in blocks", ge=0, derived="from swap_space_gb"
+        None,
+        "CPU pool for swap preemption in blocks",
+        ge=0,
+        le=MAX_HOST_BLOCKS,
+        derived="from swap_space_gb",
     )
     num_cpu_tier_blocks: int | None = setting(
         None,
         "CPU tier of the prefix cache in blocks: cached prefix blocks the device pool evicts are "
         "kept there (LRU) and loaded back on a later hit instead of recomputed; 0: off",
         ge=0,
-        le=1 << 40,
+        le=MAX_HOST_BLOCKS,
         derived="from kv_cpu_tier_gb",
     )
     num_disk_tier_blocks: int | None = setting(
@@ -52,23 +75,25 @@ class SchedulerConfig:
         "disk tier of the prefix cache in blocks, below the CPU tier (LRU, one file a block); "
         "0: off",
         ge=0,
-        le=1 << 40,
+        le=MAX_HOST_BLOCKS,
         derived="from kv_disk_tier_gb",
     )
     max_model_len: int | None = setting(
         None,
         "context length, at most the model's positions; prompt + max_tokens beyond it is rejected",
         ge=1,
+        le=MAX_TOKENS,
         derived="the model's, capped at 8192",
     )
     long_prefill_token_threshold: int = setting(
-        0, "cap on one request's prefill tokens per step (0: none)", ge=0
+        0, "cap on one request's prefill tokens per step (0: none)", ge=0, le=MAX_STEP_TOKENS
     )
     bulk_tokens_per_step: int | None = setting(
         None,
         "embedding prompt tokens and prompt_logprobs rows (each row counts 2) a step takes while "
         "a streaming request runs; with none running, the whole budget (scheduler/bulk_budget.py)",
         ge=1,
+        le=MAX_STEP_TOKENS,
         derived="max_num_batched_tokens / 256, at least 8",
     )
     max_num_encoder_tokens: int | None = setting(
@@ -103,6 +128,7 @@ class SchedulerConfig:
         "preemption_mode auto: swap a victim with at least this many computed tokens, else "
         "recompute",
         ge=0,
+        le=MAX_TOKENS,
     )
     admission: str = setting(
         "greedy",
@@ -147,10 +173,16 @@ class SchedulerConfig:
         path=True,
     )
     fair_input_weight: float = setting(
-        1.0, "policy fair: weight of a prefill token in the tenant counters", ge=0
+        1.0,
+        "policy fair: weight of a prefill token in the tenant counters",
+        ge=0,
+        le=MAX_FAIR_WEIGHT,
     )
     fair_output_weight: float = setting(
-        2.0, "policy fair: weight of a decoded token in the tenant counters", ge=0
+        2.0,
+        "policy fair: weight of a decoded token in the tenant counters",
+        ge=0,
+        le=MAX_FAIR_WEIGHT,
     )
 
     def __post_init__(self) -> None:

@@ -88,7 +88,9 @@ class PredictorConfig:
         0.9, "the upper quantile of remaining length it reports", gt=0.5, lt=1
     )
     window: int = setting(64, "finished lengths kept per feature group (the newest)", ge=1, le=4096)
-    max_groups: int = setting(4096, "feature groups kept, least recently used dropped", ge=4)
+    max_groups: int = setting(
+        4096, "feature groups kept, least recently used dropped", ge=4, le=1 << 20
+    )
     min_samples: int = setting(
         8, "lengths a group needs (above the tokens generated) before it is used", ge=1, le=4096
     )

@@ -27,7 +27,9 @@ MAX_LOAD_S = 3600.0
 class AdapterSlotsConfig:
     """Each replica's adapter slots and what loading one costs."""
 
-    slots: int = setting(4, "adapters a replica holds (the engine's max_loras)", ge=1)
+    slots: int = setting(
+        4, "adapters a replica holds (the engine's max_loras)", ge=1, le=MAX_ADAPTERS
+    )
     load_s: float = setting(
         0.05, "seconds each load adds to the step that loads it", ge=0, le=MAX_LOAD_S
     )
@@ -44,7 +46,7 @@ class AdapterMix:
     adapters: int = setting(32, "adapters named by the workload", ge=1, le=MAX_ADAPTERS)
     zipf_s: float = setting(1.0, "Zipf exponent of their popularity", ge=0, le=10)
     base_share: float = setting(0.0, "share of requests that name no adapter", ge=0, le=1)
-    seed: int = setting(0, "seed of the draw")
+    seed: int = setting(0, "seed of the draw", ge=0, lt=2**63)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -31,6 +31,8 @@ from functools import partial
 from typing import Protocol
 
 from router.autoscaling import (
+    MAX_DELAY_S,
+    MAX_REPLICAS,
     AutoscalingPolicyConfig,
     AutoscalingState,
     LatencyWindow,
@@ -38,6 +40,7 @@ from router.autoscaling import (
     ScaleDecision,
     decide,
 )
+from router.config import MAX_LOAD
 from router.policies import RouteRequest
 from scheduler import Request, RequestOutput
 from settings import check_settings, setting
@@ -77,7 +80,7 @@ class DayWorkloadConfig:
     burst_at: float = setting(0.0, "where the burst starts, as a fraction of the day", ge=0, le=1)
     burst_len: float = setting(0.0, "how long it lasts, as a fraction of the day", ge=0, le=1)
     burst_factor: float = setting(1.0, "the burst's rate multiplier", ge=1, le=MAX_BURST)
-    seed: int = setting(0, "seed of the day's draws")
+    seed: int = setting(0, "seed of the day's draws", ge=0, lt=2**63)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -151,11 +154,17 @@ class OngoingRequestsPolicy:
     ray.serve.autoscaling_policy applies them), within the bounds."""
 
     # The knob a plan sweeps: no default to drift from deploy's. The others are deploy.yaml's.
-    target_ongoing_requests: float = setting(MISSING, "ongoing requests per replica", gt=0)
-    min_replicas: int = setting(_PRODUCTION.min_replicas, "fewest replicas", ge=0)
-    max_replicas: int = setting(64, "most replicas", ge=1)
-    upscale_delay_s: float = setting(_PRODUCTION.upscale_delay_s, "upscale delay", ge=0)
-    downscale_delay_s: float = setting(_PRODUCTION.downscale_delay_s, "downscale delay", ge=0)
+    target_ongoing_requests: float = setting(
+        MISSING, "ongoing requests per replica", gt=0, le=MAX_LOAD
+    )
+    min_replicas: int = setting(_PRODUCTION.min_replicas, "fewest replicas", ge=0, le=MAX_REPLICAS)
+    max_replicas: int = setting(64, "most replicas", ge=1, le=MAX_REPLICAS)
+    upscale_delay_s: float = setting(
+        _PRODUCTION.upscale_delay_s, "upscale delay", ge=0, le=MAX_DELAY_S
+    )
+    downscale_delay_s: float = setting(
+        _PRODUCTION.downscale_delay_s, "downscale delay", ge=0, le=MAX_DELAY_S
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -18,20 +18,35 @@ from __future__ import annotations
 import statistics
 from dataclasses import MISSING, asdict, dataclass, fields
 
+from scheduler.config import MAX_NUM_SEQS, MAX_STEP_TOKENS
+from scheduler.sampling_params import MAX_TOKENS
 from settings import check_settings, setting
 from sim.cost import CostModel
+
+# A measured step of an hour is a broken measurement, not a step.
+MAX_STEP_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
 class StepSample:
     """One engine step's shape (as the simulator counts it) and its measured time."""
 
-    prefill_tokens: int = setting(MISSING, "prompt tokens computed", ge=0)
-    decode_tokens: int = setting(MISSING, "decode tokens computed", ge=0)
-    kv_read_tokens: int = setting(MISSING, "context tokens whose KV the step read", ge=0)
-    num_seqs: int = setting(MISSING, "sequences scheduled", ge=0)
-    seconds: float = setting(MISSING, "the measured step time", gt=0)
-    prefill_pairs: int = setting(0, "prefill attention (query token, key) pairs", ge=0)
+    prefill_tokens: int = setting(MISSING, "prompt tokens computed", ge=0, le=MAX_STEP_TOKENS)
+    decode_tokens: int = setting(MISSING, "decode tokens computed", ge=0, le=MAX_STEP_TOKENS)
+    kv_read_tokens: int = setting(
+        MISSING,
+        "context tokens whose KV the step read",
+        ge=0,
+        le=MAX_NUM_SEQS * MAX_TOKENS,  # every sequence at a full context
+    )
+    num_seqs: int = setting(MISSING, "sequences scheduled", ge=0, le=MAX_NUM_SEQS)
+    seconds: float = setting(MISSING, "the measured step time", gt=0, le=MAX_STEP_S)
+    prefill_pairs: int = setting(
+        0,
+        "prefill attention (query token, key) pairs",
+        ge=0,
+        le=MAX_STEP_TOKENS * MAX_TOKENS,  # a full step's queries, each over a full context
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

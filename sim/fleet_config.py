@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from router.autoscaling import MAX_DELAY_S, MAX_REPLICAS
 from router.config import RoutingConfig
 from router.stats import ROUTING_STATS_PERIOD_S
 from scheduler import SchedulerConfig
@@ -16,6 +17,8 @@ from sim.speculation import SpecSimConfig
 
 # A serving stack that takes longer than this per request is a misconfiguration, not a setting.
 MAX_SERVING_OVERHEAD_S = 3600.0
+# A host's cores: NR_CPUS, the most a Linux kernel can be built for.
+MAX_HOST_CORES = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +37,16 @@ class HostConfig:
     cores == 0: no sharing (every replica has its profile's cores to itself).
     """
 
-    replicas_per_host: int = setting(1, "replicas sharing one host's cores", ge=1)
-    cores: float = setting(0.0, "the host's cores (0: no sharing)", ge=0)
-    cores_per_replica: float = setting(1.0, "cores one replica's engine uses at most", gt=0)
-    background_cores: float = setting(0.0, "cores taken by what runs beside the engines", ge=0)
+    replicas_per_host: int = setting(
+        1, "replicas sharing one host's cores", ge=1, le=MAX_HOST_CORES
+    )
+    cores: float = setting(0.0, "the host's cores (0: no sharing)", ge=0, le=MAX_HOST_CORES)
+    cores_per_replica: float = setting(
+        1.0, "cores one replica's engine uses at most", gt=0, le=MAX_HOST_CORES
+    )
+    background_cores: float = setting(
+        0.0, "cores taken by what runs beside the engines", ge=0, le=MAX_HOST_CORES
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -67,17 +76,17 @@ SIM_MAX_MODEL_LEN = 4096
 class SimConfig:
     """The simulated fleet: replica count, each replica's scheduler, router and its stats delay."""
 
-    num_replicas: int = setting(2, "replicas of the fleet", ge=1)
+    num_replicas: int = setting(2, "replicas of the fleet", ge=1, le=MAX_REPLICAS)
     # Pool sizes and context length an engine would measure; left None they take these values.
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     stats_period_s: float = setting(
-        ROUTING_STATS_PERIOD_S, "how often replicas report to the router", gt=0
+        ROUTING_STATS_PERIOD_S, "how often replicas report to the router", gt=0, le=MAX_DELAY_S
     )
     # How late a report reaches the router: Serve polls each replica once a period, so the router
     # reads a report half a period old on average.
     stats_delay_s: float = setting(
-        ROUTING_STATS_PERIOD_S / 2, "how late a report reaches the router", ge=0
+        ROUTING_STATS_PERIOD_S / 2, "how late a report reaches the router", ge=0, le=MAX_DELAY_S
     )
     # Run a replica's steps back to back while no other event intervenes, and jump over its
     # pure-decode stretches (False: every step through the event queue, the reference).

@@ -18,6 +18,10 @@ from sim.replica import Cruise, SimReplica
 # A link slower than this (bytes/s) or a latency longer than this is a typo, not a setting.
 MIN_BANDWIDTH = 1.0
 MAX_LATENCY_S = 60.0
+# 10 TB/s: past any link, and past the HBM the blocks are copied from.
+MAX_BANDWIDTH = 1e13
+# A GiB of KV a token: past the largest model's (a few MB) by far.
+MAX_KV_BYTES_PER_TOKEN = float(1 << 30)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +33,14 @@ class LinkConfig:
         25e9,
         "the link's bandwidth (~200 Gb/s, one RDMA NIC; PCIe 4 x16 host copies: ~25 GB/s)",
         ge=MIN_BANDWIDTH,
+        le=MAX_BANDWIDTH,
     )
     latency_s: float = setting(0.0, "fixed latency of each transfer", ge=0, le=MAX_LATENCY_S)
     kv_bytes_per_token: float = setting(
-        0.0, "KV bytes per token (0: the profile's kv_bytes_per_token)", ge=0
+        0.0,
+        "KV bytes per token (0: the profile's kv_bytes_per_token)",
+        ge=0,
+        le=MAX_KV_BYTES_PER_TOKEN,
     )
 
     def __post_init__(self) -> None:

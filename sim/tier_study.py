@@ -37,7 +37,7 @@ class ConversationConfig:
     answer_len: tuple[int, int] = (50, 150)
     think_s: tuple[float, float] = (20.0, 40.0)  # from one turn's arrival to the next
     start_spread_s: float = setting(30.0, "users start uniformly over this window", ge=0, le=1e6)
-    seed: int = setting(0, "seed of the draws")
+    seed: int = setting(0, "seed of the draws", ge=0, lt=2**63)
 
     def __post_init__(self) -> None:
         check_settings(self)

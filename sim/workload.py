@@ -16,6 +16,9 @@ from settings import check_settings, setting
 # Token ids of a prefix group's shared system prompt start here; unique suffixes live below it.
 _PREFIX_BASE = 1 << 40
 MAX_LEN = 1 << 20  # the longest prompt part or output a workload's range may draw, in tokens
+MAX_REQUESTS = 1 << 24  # a workload is held in memory, a request object each
+MAX_RATE = 1e6  # requests per second, and the gamma shape of the gaps: past any fleet's
+MAX_TENANTS = 1 << 20
 
 
 def check_len_ranges(cfg: object, *names: str) -> None:
@@ -92,16 +95,18 @@ def hash_group(name: str) -> int:
 class WorkloadConfig:
     """A synthetic workload: rate, arrival burstiness, lengths, tenants and their shares."""
 
-    num_requests: int = setting(1000, "requests in the workload", ge=0)
-    rate: float = setting(1.0, "requests per second", gt=0)
-    burstiness: float = setting(1.0, "gamma shape of the gaps: 1 is Poisson, < 1 burstier", gt=0)
-    tenants: int = setting(12, "tenants, each with its system prompt", ge=1)
-    system_prompt_len: int = setting(256, "tokens of each system prompt", ge=0)
+    num_requests: int = setting(1000, "requests in the workload", ge=0, le=MAX_REQUESTS)
+    rate: float = setting(1.0, "requests per second", gt=0, le=MAX_RATE)
+    burstiness: float = setting(
+        1.0, "gamma shape of the gaps: 1 is Poisson, < 1 burstier", gt=0, le=MAX_RATE
+    )
+    tenants: int = setting(12, "tenants, each with its system prompt", ge=1, le=MAX_TENANTS)
+    system_prompt_len: int = setting(256, "tokens of each system prompt", ge=0, le=MAX_LEN)
     question_len: tuple[int, int] = (16, 16)  # uniform inclusive range
     output_len: tuple[int, int] = (16, 16)
     tenant_weights: list[float] = field(default_factory=list)  # empty: equal shares
     tenant_priorities: list[int] = field(default_factory=list)
-    seed: int = setting(0, "seed of the draws")
+    seed: int = setting(0, "seed of the draws", ge=0, lt=2**63)
 
     def __post_init__(self) -> None:
         check_settings(self)
