@@ -310,6 +310,14 @@ def declared_settings(cls: type) -> list[Field]:
     return [f for f in fields(cls) if "doc" in f.metadata]
 
 
+def numeric_settings(cls: type) -> list[Field]:
+    """The declared settings of a config class that hold a number (int or float, None allowed or
+    not): those a range must bound."""
+    return [
+        f for f, kind in _checked_fields(cls) if "doc" in f.metadata and kind.base in (int, float)
+    ]
+
+
 def range_text(meta: Mapping[str, Any]) -> str:
     """A short human-readable range, e.g. ">= 1", "(0, 1]", "fcfs | priority | fair"."""
     if meta.get("choices"):
