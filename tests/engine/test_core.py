@@ -41,7 +41,9 @@ def test_a_max_model_len_past_the_model_s_positions_is_refused_before_any_step(t
     path, _ = tiny_checkpoint("llama")
     with pytest.raises(ValueError, match="scheduler.max_model_len: must fit in 64 bits"):
         EngineConfig.from_kwargs(max_model_len=2**64)  # no setting holds more than 64 bits
-    for too_long in (2048, 2**63 - 1):
+    with pytest.raises(ValueError, match="scheduler.max_model_len: must be <= 2147483647"):
+        EngineConfig.from_kwargs(max_model_len=2**63 - 1)  # positions are 32-bit
+    for too_long in (2048, 2**31 - 1):
         with pytest.raises(
             ValueError, match=f"max_model_len: {too_long} exceeds the model's context of 512"
         ):
