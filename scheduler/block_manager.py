@@ -320,8 +320,10 @@ class KVCacheManager:
         done = self.num_registered_blocks.get(rid, 0)
         if num_written is None:
             num_written = request.num_computed_tokens
-        # Accepted speculative tokens are computed before they are appended: hash what is there.
-        num_full = min(num_written, len(request.all_token_ids)) // self.block_size
+        # Accepted speculative tokens are computed before they are appended: hash what is there
+        # (min() without its call: this runs once per block_size decode steps per request).
+        num_tokens = len(request.all_token_ids)
+        num_full = (num_written if num_written < num_tokens else num_tokens) // self.block_size
         if num_full <= done:
             return
         hashes = self._ensure_hashes(request, num_full)
