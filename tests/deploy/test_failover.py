@@ -16,7 +16,7 @@ import ray
 from ray import serve
 
 from scheduler import EngineRequest, SamplingParams
-from tests.deploy.conftest import delete_app, wait_for
+from tests.deploy.conftest import delete_app, run_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def _run_app(args: dict) -> None:
     from deploy.app import build_app
 
     DEPLOYED["args"] = args
-    serve.run(build_app(args), name=_app(), route_prefix=f"/{_app()}")
+    run_app(build_app(args), _app(), f"/{_app()}")
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +366,7 @@ def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_
                 asyncio.create_task(_stream(client, p, s, e)) for (p, s), e in zip(CASES, events)
             ]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
-            await asyncio.to_thread(_run_app, app_args(tiny_model_dir, max_migrations=0))
+            await asyncio.to_thread(_run_app, _spent_args(tiny_model_dir))
             return await asyncio.gather(*tasks)
 
     assert asyncio.run(under_update()) == undisturbed  # same text, every token counted once
@@ -390,6 +390,16 @@ def test_a_rolling_update_under_load_loses_no_request_and_spent_migrations_give_
     # No wait for Serve to replace the killed replica (a replica start, ~10 s): that replacement
     # and the app serving on are test_killing_a_replica_mid_generation_loses_no_request's checks,
     # and the next test deploys its own app.
+
+
+def _spent_args(model_dir: str) -> dict:
+    """The rolling update's new version: no migrations left. Its replicas stop within 1 s: the
+    replica Serve starts in place of the one the test kills is still starting when the next test
+    deletes the app, and a replica stopped while it starts is killed only at
+    graceful_shutdown_timeout_s (30 s by default: it would finish starting, two more processes'
+    work beside the next app's start). The old version's replicas, which the update drains, keep
+    their own timeout."""
+    return app_args(model_dir, max_migrations=0, graceful_shutdown_timeout_s=1)
 
 
 async def _run_one(url: str) -> tuple[str, int]:
@@ -426,6 +436,30 @@ def _deploy_long(model_dir: str, num_replicas: int = 2, fresh: bool = False) -> 
     return _deploy(_long_app_args(model_dir, num_replicas), fresh)
 
 
+def test_a_replica_shut_down_mid_stream_hands_back_every_character(
+    failover_url, long_tiny_model_dir
+):
+    """Serve's shutdown hook (LLMReplica.shutdown, which Serve awaits only once a replica is idle)
+    called while every case streams: the replica hands each request back with the tokens it held
+    (stream_interval 3), the ingress sends the text those tokens complete, keeps what the stop
+    string holds back, and resumes on the other replica (the drained one refuses requests until
+    the routers learn it is draining). Every text is that of an undisturbed run."""
+    # A new app, both replicas started at once (another model than the earlier tests'; a rolling
+    # update would start them one at a time). The scale-down test goes on with it.
+    url = _deploy_long(long_tiny_model_dir, fresh=True)
+    undisturbed = _undisturbed(url, "long", LONG_CASES)
+
+    async def shut_down_one() -> None:
+        handle = serve.get_deployment_handle("LLMReplica", app_name=_app())
+        # DeploymentHandle.shutdown is the handle's own; the router picks the less loaded replica.
+        victim = await handle.options(method_name="shutdown").remote()
+        assert victim["handed_back"] > 0, victim
+
+    disturbed = asyncio.run(_run_cases(url, shut_down_one, LONG_CASES))
+    for (prompt, _), calm, hit in zip(LONG_CASES, undisturbed, disturbed):
+        assert hit == calm, prompt
+
+
 def test_a_scale_down_mid_stream_keeps_every_character(failover_url, long_tiny_model_dir):
     """2 -> 1 replicas while every case streams. serve.run deploys a new version (the ingress's
     arguments changed too), so Serve stops both replicas and, past graceful_shutdown_timeout_s,
@@ -433,7 +467,9 @@ def test_a_scale_down_mid_stream_keeps_every_character(failover_url, long_tiny_m
     the tokens it received. With stream_interval 3 (tokens held back at the replica) and a stop
     string that holds text back at the ingress, every text is that of an undisturbed run."""
 
-    url = _deploy_long(long_tiny_model_dir, fresh=True)  # another model than the earlier tests'
+    # The shut-down test's app: Serve has replaced the replica that shut down (a replica start,
+    # where a fresh app would start two and an ingress).
+    url = _deploy_long(long_tiny_model_dir)
     undisturbed = _undisturbed(url, "long", LONG_CASES)
 
     async def scale_down() -> None:
@@ -502,30 +538,6 @@ async def _replica_generates() -> int:
     async for out in handle.options(stream=True).generate.remote(request):
         tokens += len(out.new_token_ids)
     return tokens
-
-
-def test_a_replica_shut_down_mid_stream_hands_back_every_character(
-    failover_url, long_tiny_model_dir
-):
-    """Serve's shutdown hook (LLMReplica.shutdown, which Serve awaits only once a replica is idle)
-    called while every case streams: the replica hands each request back with the tokens it held
-    (stream_interval 3), the ingress sends the text those tokens complete, keeps what the stop
-    string holds back, and resumes on the other replica (the drained one refuses requests until
-    the routers learn it is draining). Every text is that of an undisturbed run."""
-    # A new app, both replicas started at once (a rolling update from the 1-replica config started
-    # them one at a time).
-    url = _deploy_long(long_tiny_model_dir, fresh=True)
-    undisturbed = _undisturbed(url, "long", LONG_CASES)
-
-    async def shut_down_one() -> None:
-        handle = serve.get_deployment_handle("LLMReplica", app_name=_app())
-        # DeploymentHandle.shutdown is the handle's own; the router picks the less loaded replica.
-        victim = await handle.options(method_name="shutdown").remote()
-        assert victim["handed_back"] > 0, victim
-
-    disturbed = asyncio.run(_run_cases(url, shut_down_one, LONG_CASES))
-    for (prompt, _), calm, hit in zip(LONG_CASES, undisturbed, disturbed):
-        assert hit == calm, prompt
 
 
 def test_a_tp2_replica_whose_worker_dies_or_stalls_hands_its_requests_to_the_other(

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.deploy.conftest import delete_app, wait_for
+from tests.deploy.conftest import delete_app, run_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def fleet_url(ray_cluster, http_port, tiny_model_dir, long_tiny_model_dir):
             },
         ],
     }
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    run_app(build_app(args), APP, f"/{APP}")
     yield f"http://127.0.0.1:{http_port}/{APP}/v1"
     delete_app(APP)
 
