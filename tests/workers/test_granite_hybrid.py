@@ -26,6 +26,7 @@ from tests.random_checkpoint import ModelSpec, write_random_checkpoint
 from tests.workers import hybrid_prefix
 from tests.workers.greedy import assert_greedy_match, hf_greedy
 from tests.workers.test_hf_parity import TEXTS
+from workers.layers.gated_delta import DeltaStateView
 from workers.layers.mamba2 import Mamba2Mixer, MambaDims, ssd_chunked, ssd_step
 
 MAX_TOKENS = 8
@@ -86,9 +87,41 @@ def test_chunked_scan_across_a_cut_and_the_step_equal_the_reference():
         b[:, 0], c[:, 0], d[:, None].expand(-1, P), dt_bias=dt_bias[:, None].expand(-1, P),
         dt_softplus=True,
     )  # fmt: skip
-    y, new = ssd_step(x[:, 0], step[None, 0], a, bh[None, 0], ch[None, 0], d, start.clone())
+    new = start.clone()
+    y = ssd_step(x[:, 0], step[None, 0], a, b[:, 0], c[:, 0], d, new)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(new, ref_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("slots", [[1, 2, 3], [4, 0, 2]])
+def test_decode_rows_update_their_own_slots_consecutive_in_place_or_scattered(slots):
+    """Three decode rows on consecutive slots (views of the store, updated in place) or scattered
+    ones (gathered once, scattered back) give each row's output and leave each slot's conv and
+    SSM state as that row decoded alone would; the other slots are untouched."""
+    full = MambaDims(32, 4, 8, 2, 8, 4, 8, 1e-6, conv_bias=True, proj_bias=True)
+    mixer = Mamba2Mixer(full)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    conv_shape, ssm_shape = mixer.state_shapes()
+    conv, ssm = (
+        torch.randn(5, *conv_shape, generator=gen),
+        torch.randn(5, *ssm_shape, generator=gen),
+    )
+    xbc, dt = torch.randn(3, full.conv_dim, generator=gen), torch.rand(3, 4, generator=gen)
+    mixer.state = view = DeltaStateView(conv.clone(), ssm.clone(), slots)
+    assert (view.decode_rows(3).index is None) == (slots == [1, 2, 3])
+    y = mixer._decode(xbc, dt, slots)
+    for row, slot in enumerate(slots):
+        mixer.state = alone = DeltaStateView(conv[[slot]], ssm[[slot]], [0])
+        torch.testing.assert_close(y[row], mixer._decode(xbc[[row]], dt[[row]], [0])[0])
+        torch.testing.assert_close(view.recurrent[slot], alone.recurrent[0])
+        torch.testing.assert_close(view.conv[slot], alone.conv[0])
+        assert not torch.equal(view.recurrent[slot], ssm[slot])
+    others = [s for s in range(5) if s not in slots]
+    assert torch.equal(view.recurrent[others], ssm[others])
+    assert torch.equal(view.conv[others], conv[others])
 
 
 @pytest.mark.parametrize(

@@ -234,6 +234,16 @@ def _copy_exact(param: nn.Parameter, value: torch.Tensor, name: str) -> None:
     param.data.copy_(value)
 
 
+@dataclass(frozen=True, slots=True)
+class SlotRows:
+    """Some batch rows' state: conv [B, C, K - 1] and recurrent [B, ...], and the slot index they
+    were gathered from (None when they are views of the store)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    index: torch.Tensor | None
+
+
 @dataclass(slots=True)
 class DeltaStateView:
     """What a stateful layer (this DeltaNet, workers/layers/mamba2.py's mixer) reads and writes
@@ -250,6 +260,24 @@ class DeltaStateView:
     def copy(self, src: int, dst: int) -> None:
         self.conv[dst] = self.conv[src]
         self.recurrent[dst] = self.recurrent[src]
+
+    def decode_rows(self, num: int) -> SlotRows:
+        """The first `num` rows' (the decode rows') conv and recurrent state, to update in place:
+        views of the store when their slots are consecutive (the usual case: no copy), else
+        gathered copies that `write_back` scatters (one gather, one scatter a step)."""
+        slots = self.slots[:num]
+        first = slots[0]
+        if slots == list(range(first, first + num)):
+            end = first + num
+            return SlotRows(self.conv[first:end], self.recurrent[first:end], None)
+        index = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
+        return SlotRows(self.conv[index], self.recurrent[index], index)
+
+    def write_back(self, rows: SlotRows) -> None:
+        """Scatter gathered rows back to their slots (views were updated in place already)."""
+        if rows.index is not None:
+            self.conv.index_copy_(0, rows.index, rows.conv)
+            self.recurrent.index_copy_(0, rows.index, rows.recurrent)
 
     def run_rows(self, meta: AttentionMetadata, run: Callable[[int, int, int], None]) -> None:
         """The step's rows after `run` (lo, hi, slot) over each prefill row's tokens (decode rows
@@ -347,13 +375,12 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         state = self.state
         assert state is not None
-        idx = torch.tensor(slots, dtype=torch.long, device=mixed.device)
-        weight = self.conv1d.weight[:, 0]
-        mixed, conv = conv_decode(mixed, state.conv.index_select(0, idx), weight)
-        state.conv.index_copy_(0, idx, conv.to(state.conv.dtype))
+        rows = state.decode_rows(len(slots))
+        mixed, conv = conv_decode(mixed, rows.conv, self.conv1d.weight[:, 0])
+        rows.conv.copy_(conv)
         q, k, v = self.heads(mixed)
-        out, new = recurrent_step(q, k, v, g, beta, state.recurrent.index_select(0, idx))
-        state.recurrent.index_copy_(0, idx, new)
+        out, _ = recurrent_step(q, k, v, g, beta, rows.recurrent)  # in place
+        state.write_back(rows)
         return out
 
     def _prefill(
