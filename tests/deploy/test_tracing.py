@@ -125,6 +125,10 @@ def traced_url(ray_cluster, http_port, long_tiny_model_dir, collector):
         "replica_num_cpus": 0.5,
         "ingress_num_cpus": 0.25,
         "tracing": {"otlp_endpoint": collector.url, "export_delay_s": 0.1},
+        # The replica Serve starts in place of the one the migration test kills is still starting
+        # when the module deletes the app: stopped, it is killed at this timeout (30 s by default:
+        # it would finish starting beside the next module's work).
+        "graceful_shutdown_timeout_s": 1,
     }
     run_app(build_app(args), APP, f"/{APP}")
     yield f"http://127.0.0.1:{http_port}/{APP}/v1"
