@@ -3,9 +3,9 @@
 First two replicas of a small streaming deployment that reports routing stats like LLMReplica does:
 concurrent streams spread over both replicas, a shared prompt prefix sticks to one replica while
 load
-stays balanced, and a killed replica is routed around. Then two real LLMReplicas of the embedded
-SmolLM2: streams spread, and a tenant's requests find its system prompt in the replica's KV
-cache."""
+stays balanced, and a killed replica is routed around. Then two real LLMReplicas of the tiny
+random Llama (what is proved is routing and the replicas' KV caches, not the model): streams
+spread, and a tenant's requests find its system prompt in the replica's KV cache."""
 
 import asyncio
 import os
@@ -324,11 +324,12 @@ def routed_counts(handle) -> Counter:
 
 
 @pytest.fixture(scope="module")
-def llm_handle(ray_cluster):
+def llm_handle(ray_cluster, tiny_model_dir):
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": free_port()})
     config = AppConfig.from_args(
         {
-            "model": "default",
+            # Two layers instead of SmolLM2's thirty: each replica's start loads less.
+            "model": tiny_model_dir,
             "device": "cpu",
             "num_replicas": 2,
             "cpu_threads": 1,
