@@ -1,8 +1,9 @@
 """Shared fixtures: one Ray cluster and one Serve instance on loopback, the apps started once.
 
 `raylm` is deploy.yaml itself, deployed with the `serve run` CLI exactly as users do (onto this
-session's cluster); `tiny` is a random two-layer Llama built here, served through serve.run with
-an API key and a small admission limit (the overload and auth tests use it).
+session's cluster); `tiny` is a random two-layer Llama built here, served through run_app
+(serve.run without its one-second status poll) with an API key and a small admission limit (the
+overload and auth tests use it).
 """
 
 import os
