@@ -13,6 +13,13 @@ A/B against another tree (a `git archive` of an earlier commit unpacked in a fol
 both alike; the medians and their ratio are printed:
 
     python bench/scheduler_overhead.py --baseline /tmp/base [--rounds 6] [--sizes 256]
+
+With --instructions the A/B counts instructions under valgrind's cachegrind instead of timing: a
+shared machine's load does not move them (cache misses are not in them), so a change of a few
+percent shows in one run. Each count is a process that builds the scheduler and runs --steps
+decode steps, less the same process with none:
+
+    python bench/scheduler_overhead.py --baseline /tmp/base --instructions [--sizes 256]
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -120,6 +128,48 @@ def compare(baseline: str, sizes: list[int], steps: int, rounds: int) -> None:
         print(f"{key:>15} {base:>9.2f} {new:>10.2f} {new / base:>6.3f}  {spread}")
 
 
+# Under cachegrind: one tree's build, then `steps` decode steps (the same loop as time_steps).
+_STEPS_CHILD = """
+import sys
+tree, n, steps, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "on"
+sys.path[:0] = [tree, tree + "/bench"]
+import scheduler_overhead as bench
+from scheduler import ModelRunnerOutput
+sched = bench.build(n, prefix)
+ids = [r.request_id for r in sched.running]
+runner_out = ModelRunnerOutput(ids, [[1]] * len(ids))
+for _ in range(steps):
+    sched.update_from_output(sched.schedule(), runner_out)
+"""
+
+
+def instructions(tree: str, n: int, prefix: bool, steps: int) -> float:
+    """Instructions per request-step of `tree` with n running (valgrind's cachegrind)."""
+    counts = []
+    for k in (0, steps):
+        cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
+        cmd += [sys.executable, "-c", _STEPS_CHILD, tree, str(n), str(k), "on" if prefix else "off"]
+        env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts in every process
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=tree, env=env)
+        found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
+        if found is None:
+            raise RuntimeError(f"cachegrind printed no instruction count: {out.stderr[-400:]}")
+        counts.append(int(found.group(1).replace(",", "")))
+    return (counts[1] - counts[0]) / steps / n
+
+
+def compare_instructions(baseline: str, sizes: list[int], steps: int) -> None:
+    """This tree against `baseline` by cachegrind's instruction counts."""
+    trees = [str(Path(baseline).resolve()), str(Path(__file__).parents[1])]
+    print("instructions per request-step (cachegrind)")
+    print(f"{'running prefix':>15} {'baseline':>9} {'this tree':>10} {'ratio':>6}")
+    for n in sizes:
+        for prefix in (True, False):
+            base, new = (instructions(tree, n, prefix, steps) for tree in trees)
+            key = f"{n} {'on' if prefix else 'off'}"
+            print(f"{key:>15} {base:>9.0f} {new:>10.0f} {new / base:>6.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="decode steps per timing")
@@ -130,7 +180,12 @@ def main() -> None:
     parser.add_argument("--vllm-us", type=float, default=VLLM_US_PER_REQ_AT_256)
     parser.add_argument("--baseline", help="a tree to compare with (A/B, see above)")
     parser.add_argument("--rounds", type=int, default=6, help="A/B: subprocesses per tree")
+    parser.add_argument(
+        "--instructions", action="store_true", help="A/B: count instructions (needs valgrind)"
+    )
     args = parser.parse_args()
+    if args.baseline and args.instructions:
+        return compare_instructions(args.baseline, args.sizes, args.steps)
     if args.baseline:
         return compare(args.baseline, args.sizes, args.steps, args.rounds)
 
