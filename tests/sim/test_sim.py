@@ -589,12 +589,12 @@ def test_hostile_host_config_values_name_the_field(field, value):
         HostConfig(**{"cores": 4.0, field: value})
 
 
-def test_host_config_takes_huge_counts_and_refuses_non_integers():
+def test_host_config_takes_counts_up_to_its_bound_and_refuses_the_rest():
     from sim import HostConfig
+    from sim.fleet_config import MAX_HOST_CORES
 
-    # Huge, up to the 64 bits every integer setting fits in (settings.INT_LIMIT).
-    assert HostConfig(replicas_per_host=2**63 - 1, cores=2.0**64).stretch(3) == 1.0
-    for bad in (-1, 0, 2.5, True, float("nan"), 2**64):
+    assert HostConfig(replicas_per_host=MAX_HOST_CORES, cores=MAX_HOST_CORES).stretch(3) == 1.0
+    for bad in (-1, 0, 2.5, True, float("nan"), MAX_HOST_CORES + 1, 2**63 - 1, 2**64):
         with pytest.raises(ValueError, match="replicas_per_host"):
             HostConfig(replicas_per_host=bad)
 
