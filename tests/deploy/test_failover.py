@@ -189,7 +189,7 @@ def _wait_replica_gone(replica: str, timeout: float = 120) -> None:
             replica in a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
         )
 
-    assert wait_for(gone, timeout, 0.5), f"replica {replica} was not replaced"
+    assert wait_for(gone, timeout, 0.1), f"replica {replica} was not replaced"
 
 
 async def _run_cases(
@@ -316,7 +316,7 @@ def _wait_running(timeout: float = 180) -> None:
         last["status"] = serve.status().applications[_app()].status
         return last["status"] == "RUNNING"
 
-    assert wait_for(running, timeout, 0.5), last["status"]
+    assert wait_for(running, timeout, 0.1), last["status"]
 
 
 def _wait_replicas_running(n: int, timeout: float = 180) -> None:
@@ -327,7 +327,7 @@ def _wait_replicas_running(n: int, timeout: float = 180) -> None:
         app = serve.status().applications.get(_app())
         return {} if app is None else dict(app.deployments["LLMReplica"].replica_states)
 
-    wait_for(lambda: states() == {"RUNNING": n}, timeout, 0.5)
+    wait_for(lambda: states() == {"RUNNING": n}, timeout, 0.1)
     assert states() == {"RUNNING": n}, states()
 
 
