@@ -7,7 +7,8 @@ layer) with random weights. The Llama has 8 attention layers of 9 query heads ov
 layers have 3 key heads and 6 value heads of 64 (about the Llama attention's weights), a 4-tap
 conv, and a float32 state per request of 6 x 64 x 64 numbers per layer; its two full-attention
 layers carry the only paged KV. The two models alternate round by round in one process, so machine
-load hits both alike; figures are medians.
+load hits both alike (bench/ab_steps.py); each line gives the best and median wall ms and the median
+process CPU ms of each, their ratios, and the load average before and after.
 
 `--family granite` times Granite-4 hybrid's layers instead: Mamba-2 (9 heads of 64, one group,
 a state of 64 per head, 64-token scan chunks) in place of the DeltaNet, attention without rotary.
@@ -23,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import torch
 from transformers import GraniteMoeHybridConfig, LlamaConfig, PretrainedConfig, Qwen3NextConfig
 
+from bench.ab_steps import Sample, compare, interleave, load, since, start
 from bench.moe_step import BLOCK, WIDTH, build
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.layers.attention import AttentionMetadata, select_backend
@@ -95,15 +95,15 @@ class Step:
         self.model = model
 
     @torch.inference_mode()
-    def run(self) -> float:
-        """One step's wall time in ms (binding the state slots included)."""
+    def run(self) -> Sample:
+        """One step's wall and CPU time (binding the state slots included)."""
         self.backend.prepare(self.meta)
-        t0 = time.perf_counter()
+        t0 = start()
         if self.store is not None:
             self.store.begin_step(self.req_ids, self.starts, self.req_ids)
         hidden = self.model(self.ids, self.positions, self.meta)
         self.model.compute_logits(hidden[-1:] if len(self.starts) == 1 else hidden)
-        return (time.perf_counter() - t0) * 1e3
+        return since(t0)
 
 
 def num_params(model: torch.nn.Module) -> int:
@@ -134,22 +134,15 @@ def main() -> None:
     }
     print(
         f"{args.family}: {LAYERS} layers, {torch.get_num_threads()} threads, "
-        f"{args.rounds} rounds (median); "
+        f"{args.rounds} rounds interleaved; "
         f"params dense {num_params(dense) / 1e6:.1f} M, hybrid {num_params(hybrid) / 1e6:.1f} M"
     )
+    print(f"before: {load()}")
     for name, (starts, lens) in cases.items():
         steps = Step(dense, starts, lens), Step(hybrid, starts, lens)
-        for _ in range(2):  # warm-up: oneDNN primitives, the paged kernel, allocator
-            steps[0].run(), steps[1].run()
-        times: tuple[list[float], list[float]] = ([], [])
-        for _ in range(args.rounds):
-            for step, out in zip(steps, times):
-                out.append(step.run())
-        d, h = (statistics.median(t) for t in times)
-        print(
-            f"{name:>14}: dense {d:8.2f} ms   hybrid {h:8.2f} ms   "
-            f"ratio hybrid / dense {h / d:.2f}x"
-        )
+        d, h = interleave([steps[0].run, steps[1].run], args.rounds)
+        print(compare(name, ("dense", "hybrid"), d, h))
+    print(f"after: {load()}")
     kv = [s.cache.spec.block_bytes // BLOCK for s in steps]
     state = steps[1].store.nbytes if steps[1].store is not None else 0
     print(f"KV bytes per token (float32): dense {kv[0]}, hybrid {kv[1]}")

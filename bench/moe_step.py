@@ -5,7 +5,9 @@ with random weights: the MoE is Mixtral-shaped (8 experts of intermediate 1,536,
 model a Llama with intermediate 2 x 1,536 = 3,072, so one token runs the same number of weights
 through its feed-forward. Each step decodes `--batch` requests with contexts of 150-200 tokens
 (forward plus logits); the two models alternate round by round in one process, so machine load
-hits both alike. Figures are medians over rounds.
+hits both alike (bench/ab_steps.py): the step line gives the best and median wall ms and the median
+process CPU ms of each and their ratios, with the load average before and after. The expert
+figures below it are the best of `--rounds`, set against the best MoE step.
 
 For the MoE step it also reports the expert GEMMs alone (each layer's grouped GEMMs re-run on the
 rows that layer saw, through the same packed weights) and so the share of the step spent outside
@@ -18,8 +20,13 @@ with a correction bias, one shared expert); the dense model's intermediate is ch
 run the same weights per token (the latent projections included). It also prints the KV bytes per
 token of both.
 
-    python bench/moe_step.py [--family mixtral|deepseek] [--batch 32] [--layers 8] [--rounds 10]
-        [--threads N]
+`--family glm4_moe` times GLM-4-MoE's layers: the Llama attention of the dense model plus q/k/v
+bias and rotary over half of each head, and DeepSeek's expert block at the shapes above (16 experts
+of 768, top-4 from the 2 best of 4 groups, sigmoid routing with a correction bias, one shared
+expert); the dense model's intermediate is the active experts' 5 x 768.
+
+    python -m bench.moe_step [--family mixtral|deepseek|glm4_moe] [--batch 32] [--layers 8]
+        [--rounds 10] [--threads N]
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ import statistics
 import time
 
 import torch
-from transformers import DeepseekV3Config, LlamaConfig, MixtralConfig
+from transformers import DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MixtralConfig
 
+from bench.ab_steps import Sample, compare, figures, interleave, load, since, start
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.layers.attention import AttentionMetadata, select_backend
 from workers.layers.linear import linear, pack_cpu_weights
@@ -51,13 +59,8 @@ WIDTH = dict(
 )
 EXPERT_WIDTH, NUM_EXPERTS, TOP_K = 1536, 8, 2
 BLOCK = 16
-# DeepSeek at SmolLM2's width: MLA (cache rows of 224 + 32 = 256) and 16 fine-grained experts.
-MLA = dict(
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=32,
-    v_head_dim=64,
-    kv_lora_rank=224,
-    q_lora_rank=None,
+# Fine-grained experts at SmolLM2's width, for DeepSeek and GLM-4-MoE alike.
+GROUPED = dict(
     n_routed_experts=16,
     moe_intermediate_size=768,
     num_experts_per_tok=4,
@@ -66,6 +69,15 @@ MLA = dict(
     n_shared_experts=1,
     first_k_dense_replace=0,
     routed_scaling_factor=2.5,
+)
+# DeepSeek at SmolLM2's width: MLA (cache rows of 224 + 32 = 256) and those experts.
+MLA = dict(
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    kv_lora_rank=224,
+    q_lora_rank=None,
+    **GROUPED,
 )
 
 
@@ -110,13 +122,13 @@ class DecodeStep:
         self.model = model
 
     @torch.inference_mode()
-    def run(self) -> float:
-        """One step's wall time in ms."""
+    def run(self) -> Sample:
+        """One step's wall and CPU time."""
         self.backend.prepare(self.meta)
-        t0 = time.perf_counter()
+        t0 = start()
         hidden = self.model(self.ids, self.positions, self.meta)
         self.model.compute_logits(hidden)
-        return (time.perf_counter() - t0) * 1e3
+        return since(t0)
 
 
 def capture_moe_inputs(
@@ -195,6 +207,18 @@ def configs(family: str, layers: int) -> tuple[object, LlamaConfig, str]:
             **WIDTH, num_hidden_layers=layers, intermediate_size=TOP_K * EXPERT_WIDTH
         )
         return moe, dense, f"{NUM_EXPERTS} experts x {EXPERT_WIDTH}, top-{TOP_K}"
+    active = (MLA["num_experts_per_tok"] + MLA["n_shared_experts"]) * MLA["moe_intermediate_size"]
+    experts = (
+        f"{MLA['n_routed_experts']} experts x {MLA['moe_intermediate_size']}, "
+        f"top-{MLA['num_experts_per_tok']} + {MLA['n_shared_experts']} shared"
+    )
+    if family == "glm4_moe":
+        glm = {k: v for k, v in WIDTH.items() if k != "head_dim"}  # GLM derives it: 576 / 9
+        moe = Glm4MoeConfig(
+            **glm, **GROUPED, num_hidden_layers=layers, attention_bias=True, norm_topk_prob=True
+        )
+        dense = LlamaConfig(**WIDTH, num_hidden_layers=layers, intermediate_size=active)
+        return moe, dense, f"GLM attention (rotary on half of each head) + {experts}"
     h, heads = WIDTH["hidden_size"], WIDTH["num_attention_heads"]
     mla_attention = h * heads * (MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"])  # q_proj
     mla_attention += h * (MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"])  # kv_a_proj_with_mqa
@@ -202,22 +226,27 @@ def configs(family: str, layers: int) -> tuple[object, LlamaConfig, str]:
     mla_attention += heads * MLA["v_head_dim"] * h  # o_proj
     d = WIDTH["head_dim"]
     dense_attention = 2 * h * heads * d + 2 * h * WIDTH["num_key_value_heads"] * d
-    active = (MLA["num_experts_per_tok"] + MLA["n_shared_experts"]) * MLA["moe_intermediate_size"]
     inter = active + round((mla_attention - dense_attention) / (3 * h))
     moe = DeepseekV3Config(
         **{**WIDTH, "num_key_value_heads": heads}, **MLA, num_hidden_layers=layers
     )
     dense = LlamaConfig(**WIDTH, num_hidden_layers=layers, intermediate_size=inter)
-    what = (
-        f"MLA + {MLA['n_routed_experts']} experts x {MLA['moe_intermediate_size']}, "
-        f"top-{MLA['num_experts_per_tok']} + {MLA['n_shared_experts']} shared"
-    )
-    return moe, dense, what
+    return moe, dense, f"MLA + {experts}"
+
+
+def expert_figures(moe: DecodeStep, rounds: int) -> tuple[float, float]:
+    """The best over rounds of (the expert GEMMs alone, the MoE blocks' forward) in ms."""
+    gemm_ms, block_ms = [], []
+    for _ in range(rounds):
+        seen, spent = capture_moe_inputs(moe)
+        block_ms.append(spent)
+        gemm_ms.append(expert_gemms_ms(seen))
+    return min(gemm_ms), min(block_ms)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=("mixtral", "deepseek"), default="mixtral")
+    parser.add_argument("--family", choices=("mixtral", "deepseek", "glm4_moe"), default="mixtral")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=10)
@@ -228,24 +257,19 @@ def main() -> None:
     moe_config, dense_config, what = configs(args.family, args.layers)
     moe = DecodeStep(build(moe_config), args.batch)
     dense = DecodeStep(build(dense_config), args.batch)
-    for _ in range(3):  # warm-up: oneDNN primitives, the paged kernel, allocator
-        moe.run(), dense.run()
-    moe_ms, dense_ms, gemm_ms, block_ms = [], [], [], []
-    for _ in range(args.rounds):
-        moe_ms.append(moe.run())
-        dense_ms.append(dense.run())
-        seen, spent = capture_moe_inputs(moe)
-        block_ms.append(spent)
-        gemm_ms.append(expert_gemms_ms(seen))
-    m, d, g, b = (statistics.median(x) for x in (moe_ms, dense_ms, gemm_ms, block_ms))
+    print(
+        f"{args.family}: batch {args.batch}, {args.layers} layers, "
+        f"{torch.get_num_threads()} threads, {args.rounds} rounds interleaved"
+    )
+    print(f"before: {load()}")
+    print(f"dense: intermediate {dense_config.intermediate_size}; MoE: {what}")
+    d, mo = interleave([dense.run, moe.run], args.rounds, warmup=3)
+    print(compare(f"decode b{args.batch}", ("dense", "MoE"), d, mo))
+    print(f"after: {load()}")
+    m = figures(mo)[0]  # the best step, beside the best expert figures
+    g, b = expert_figures(moe, args.rounds)
     layer, _, ids = capture_moe_inputs(moe)[0][0]
     experts_hit = int((torch.bincount(ids.reshape(-1)) > 0).sum())
-    print(
-        f"batch {args.batch}, {args.layers} layers, {torch.get_num_threads()} threads, "
-        f"{args.rounds} rounds (median)"
-    )
-    print(f"dense step (intermediate {dense_config.intermediate_size}): {d:8.2f} ms")
-    print(f"MoE step ({what}): {m:8.2f} ms   ratio MoE / dense: {m / d:.2f}x")
     print(
         f"MoE expert GEMMs alone:           {g:8.2f} ms   ({experts_hit} of "
         f"{layer.cfg.num_experts} experts hit in layer 0)"
