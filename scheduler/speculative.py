@@ -38,6 +38,14 @@ class SpeculativeConfig:
         choices=SPEC_METHODS,
     )
     num_tokens: int = setting(4, "tokens proposed and verified per step", ge=1, le=MAX_SPEC_TOKENS)
+    max_num_tokens: int = setting(
+        0,
+        "ngram: adaptive length; above num_tokens, a request whose verify step accepted every "
+        "proposed token may verify num_tokens more the next step, up to this; one rejected "
+        "token sends it back to num_tokens (0: always num_tokens)",
+        ge=0,
+        le=MAX_SPEC_TOKENS,
+    )
     ngram_min: int = setting(2, "ngram: shortest suffix matched", ge=1, le=MAX_NGRAM)
     ngram_max: int = setting(4, "ngram: longest suffix matched (tried first)", ge=1, le=MAX_NGRAM)
     draft_model: str | None = setting(
@@ -67,11 +75,27 @@ class SpeculativeConfig:
             raise ValueError(
                 f"ngram_min: must be <= ngram_max={self.ngram_max}, got {self.ngram_min}"
             )
+        self._check_max_num_tokens()
         path = self.draft_model
         if self.method == "draft" and path is None:
             raise ValueError("draft_model: method 'draft' needs a draft model")
         if self.method != "draft" and path is not None:
             raise ValueError(f"draft_model: only with method 'draft', not {self.method!r}")
+
+    def _check_max_num_tokens(self) -> None:
+        top = self.max_num_tokens
+        if top and top < self.num_tokens:
+            raise ValueError(
+                f"max_num_tokens: must be 0 or >= num_tokens={self.num_tokens}, got {top}"
+            )
+        if top and self.method != "ngram":
+            # A draft model or MTP layer runs one forward per proposed token: its length is fixed.
+            raise ValueError(f"max_num_tokens: only with method 'ngram', not {self.method!r}")
+
+    @property
+    def proposal_length(self) -> int:
+        """The most tokens a request may propose and verify in a step."""
+        return max(self.num_tokens, self.max_num_tokens)
 
 
 @dataclass(slots=True)
@@ -80,6 +104,7 @@ class _Acceptance:
     observed: int = 0  # verify steps and shadow checks counted in `rate`
     shadow: list[int] = field(default_factory=list)  # a proposal not run, checked as tokens come
     shadow_at: int = 0  # the request's token count when `shadow` was proposed
+    k: int = 0  # proposed tokens it may verify next (max_num_tokens); 0: num_tokens
 
 
 class SpecPolicy:
@@ -103,7 +128,7 @@ class SpecPolicy:
         acc = self._by_req.get(req_id)
         if acc is not None and acc.rate < cfg.min_acceptance_rate:
             return 0
-        return cfg.num_tokens
+        return acc.k if acc is not None and acc.k else cfg.num_tokens
 
     def observe(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
         """A verify step of req_id accepted num_accepted of num_proposed tokens."""
@@ -114,13 +139,17 @@ class SpecPolicy:
         weight = max(_EMA_WEIGHT, 1 / acc.observed)  # a plain mean until the average takes over
         acc.rate += weight * (num_accepted / num_proposed - acc.rate)
         acc.shadow = []
+        cfg = self.config
+        if cfg.max_num_tokens:  # a copied run goes on: verify more of it per step, until a miss
+            grown = min(max(acc.k, cfg.num_tokens) + cfg.num_tokens, cfg.max_num_tokens)
+            acc.k = grown if num_accepted >= num_proposed else cfg.num_tokens
 
     def shadow(self, req_id: str, proposal: list[int], num_tokens: int) -> None:
         """Keep a proposal that will not run (made when the request held num_tokens tokens), unless
         an earlier one is still being checked."""
         acc = self._by_req.setdefault(req_id, _Acceptance())
-        if not acc.shadow and proposal:
-            acc.shadow, acc.shadow_at = list(proposal), num_tokens
+        if not acc.shadow and proposal:  # judged at the length it would verify
+            acc.shadow, acc.shadow_at = proposal[: acc.k or self.config.num_tokens], num_tokens
 
     def check_shadow(self, req_id: str, token_ids: list[int]) -> None:
         """Compare req_id's shadow proposal with the tokens decoded since (token_ids: all of them);

@@ -46,9 +46,8 @@ class NgramProposer:
         self, contexts: Sequence[Sequence[int]], hidden_states: torch.Tensor | None = None
     ) -> list[list[int]]:
         cfg = self.config
-        return [
-            propose_ngram(ctx, cfg.ngram_min, cfg.ngram_max, cfg.num_tokens) for ctx in contexts
-        ]
+        k = cfg.proposal_length  # the scheduler verifies as many of them as SpecPolicy allows
+        return [propose_ngram(ctx, cfg.ngram_min, cfg.ngram_max, k) for ctx in contexts]
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:

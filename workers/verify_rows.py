@@ -87,10 +87,10 @@ def graph_batch_size(
     max_num_seqs: int, max_num_batched_tokens: int, spec: SpeculativeConfig | None
 ) -> int:
     """Decode rows to capture graphs for: max_num_seqs, or with speculation the rows of a step
-    whose every request verifies num_tokens proposed tokens (only steps of at most
+    whose every request verifies its most proposed tokens (only steps of at most
     spec.max_batch_size running requests speculate), within the token budget and
     MAX_SPEC_GRAPH_ROWS."""
     if spec is None:
         return max_num_seqs
-    verify_rows = min(max_num_seqs, spec.max_batch_size) * (spec.num_tokens + 1)
+    verify_rows = min(max_num_seqs, spec.max_batch_size) * (spec.proposal_length + 1)
     return max(max_num_seqs, min(verify_rows, max_num_batched_tokens, MAX_SPEC_GRAPH_ROWS))

@@ -23,7 +23,8 @@ import torch
 
 from engine.llm import LLM
 from scheduler import SamplingParams
-from scheduler.speculative import SpeculativeConfig
+from scheduler.features_spec import SpecDecoding
+from scheduler.speculative import SpecPolicy, SpeculativeConfig
 from scheduler.structured_output import StructuredOutput
 from tests.engine.paired_engines import paired_engines
 from workers.proposer import NgramProposer
@@ -153,6 +154,28 @@ def test_ngram_proposals_give_the_same_tokens(llms):
     plain, spec = llms()
     prompts, params = workload(3, n=5)
     assert generate(spec, prompts, params) == generate(plain, prompts, params)
+    assert_idle(spec)
+
+
+def test_adaptive_lengths_give_the_same_tokens(llms):
+    """max_num_tokens: runs of accepted proposals lengthen the verify rows (up to 12 tokens here),
+    a miss shortens them again; the tokens are the plain engine's."""
+    plain, spec = llms()
+    prompts, params = workload(5, n=4)
+    want = generate(plain, prompts, params)
+    (feature,) = [f for f in spec.engine.scheduler.features if isinstance(f, SpecDecoding)]
+    before, fixed = spec.engine.stats(), feature.policy
+    feature.policy = SpecPolicy(SpeculativeConfig(**SPEC, max_num_tokens=12))
+    oracle = with_oracle(spec, 0.05, prompts, want)
+    oracle.num_tokens = 12
+    try:
+        assert generate(spec, prompts, params) == want
+    finally:
+        feature.policy = fixed
+    stats = spec.engine.stats()
+    proposed = stats.num_spec_proposed_tokens - before.num_spec_proposed_tokens
+    rows = stats.num_spec_verify_rows - before.num_spec_verify_rows
+    assert proposed > SPEC["num_tokens"] * rows  # some rows verified more than num_tokens
     assert_idle(spec)
 
 

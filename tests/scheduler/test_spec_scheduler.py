@@ -214,9 +214,42 @@ def test_a_shadow_waits_for_enough_decoded_tokens():
     assert policy.rate("a") < 1.0
 
 
+def test_adaptive_length_grows_on_full_runs_and_falls_back_on_a_miss():
+    """max_num_tokens: +num_tokens after a verify step that kept every proposed token, back to
+    num_tokens after one that rejected any; never below num_tokens, never above the cap."""
+    policy = SpecPolicy(SpeculativeConfig(num_tokens=4, max_num_tokens=10))
+    lengths = [policy.num_tokens("a", 1)]
+    for accepted in (4, 8, 10, 10, 9, 4, 3):
+        policy.observe("a", lengths[-1], accepted)
+        lengths.append(policy.num_tokens("a", 1))
+    assert lengths == [4, 8, 10, 10, 10, 4, 8, 4]
+    assert SpecPolicy(SpeculativeConfig(num_tokens=4)).num_tokens("a", 1) == 4
+    assert SpeculativeConfig(num_tokens=4, max_num_tokens=10).proposal_length == 10
+
+
+def test_without_max_num_tokens_the_length_stays_fixed():
+    policy = SpecPolicy(SpeculativeConfig(num_tokens=4))
+    for _ in range(3):
+        policy.observe("a", 4, 4)
+    assert policy.num_tokens("a", 1) == 4
+
+
+def test_a_shadow_is_judged_at_the_length_it_would_verify():
+    policy = SpecPolicy(SpeculativeConfig(num_tokens=2, max_num_tokens=8))
+    policy.shadow("a", [5, 6, 7, 8], 0)  # only [5, 6] would run
+    policy.check_shadow("a", [5, 6])
+    assert policy.rate("a") == 1.0 and policy.num_tokens("a", 1) == 4
+
+
 @pytest.mark.parametrize(
     "bad",
     [
+        {"max_num_tokens": 2**64},
+        {"max_num_tokens": -1},
+        {"max_num_tokens": float("nan")},
+        {"max_num_tokens": 100_000},
+        {"max_num_tokens": 3, "num_tokens": 4},
+        {"max_num_tokens": 8, "method": "mtp"},
         {"num_tokens": 2**64},
         {"num_tokens": -1},
         {"num_tokens": 100_000},

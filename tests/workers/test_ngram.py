@@ -58,3 +58,6 @@ def test_the_proposer_follows_its_settings():
     assert isinstance(proposer, NgramProposer)
     assert proposer.propose([[1, 2, 3, 1, 2], [5]]) == [[3, 1], []]
     assert make_proposer(None) is None
+    adaptive = make_proposer(SpeculativeConfig(num_tokens=2, max_num_tokens=5, ngram_max=2))
+    assert adaptive is not None  # proposes the most a request may verify; the scheduler cuts
+    assert adaptive.propose([[1, 2, 3, 1, 2]]) == [[3, 1, 2, 3, 1]]
