@@ -124,8 +124,8 @@ def ssd_step(
     state.mul_(torch.exp(dt * a.float())[..., None, None])
     xdt = (x * dt[..., None]).reshape(rows * groups, -1, 1)
     blocks.baddbmm_(xdt, b.float().reshape(rows * groups, 1, n))
-    # y^T = C^T S^T: the same sums as S C (bit for bit), but the batched matrix-vector product
-    # over this layout ran ~6x slower on one CPU thread than this row-vector form.
+    # y^T = C^T S^T: the same products as S C (summed in another order: float32 rounding), but
+    # the batched matrix-vector product over this layout ran ~6x slower on one CPU thread.
     y = torch.bmm(c.float().reshape(rows * groups, 1, n), blocks.transpose(1, 2))
     y = y.view(rows, heads, p)
     return y + d.float()[:, None] * x
