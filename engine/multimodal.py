@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image
-from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from frontend.images import ImageLimits, load_image
 from scheduler.multimodal import (
@@ -89,6 +89,10 @@ class ImagePreprocessor:
         family = model_class(hf_config)
         if not hasattr(family, "num_image_tokens"):
             return None
+        # Here, not at the top: transformers' image processors import its modeling code and torch's
+        # distributed tensors (a second of every replica's start), which a text model never runs.
+        from transformers import AutoImageProcessor
+
         processor = AutoImageProcessor.from_pretrained(model_dir)
         return cls(processor, hf_config, family)  # type: ignore[arg-type]  # checked above
 

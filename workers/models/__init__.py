@@ -1,47 +1,40 @@
-"""Model classes by the `architectures` name in a Hugging Face config."""
+"""Model classes by the `architectures` name in a Hugging Face config.
+
+A family's module is imported when a checkpoint names it, never before: each pulls in its layers
+and some of them transformers' modeling code (seconds of a replica's cold start), and a replica
+serves one family."""
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+import importlib
+from typing import TYPE_CHECKING
 
-from workers.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from workers.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from workers.models.gemma3_vl import Gemma3ForConditionalGeneration
-from workers.models.glm4_moe import Glm4MoeForCausalLM
-from workers.models.gpt_oss import GptOssForCausalLM
-from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
-from workers.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
-from workers.models.llava import LlavaForConditionalGeneration
-from workers.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-from workers.models.phi3 import Phi3ForCausalLM
-from workers.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration
-from workers.models.qwen3_next import Qwen3NextForCausalLM
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-MODELS: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Phi3ForCausalLM": Phi3ForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "Gemma2ForCausalLM": Gemma2ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
-    "GptOssForCausalLM": GptOssForCausalLM,
-    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
-    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
-    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
-    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
-    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    from workers.models.llama import LlamaForCausalLM
+
+# architecture -> the module of workers/models/ that defines the class of that name.
+MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "moe",
+    "Qwen2MoeForCausalLM": "moe",
+    "Qwen3MoeForCausalLM": "moe",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Gemma3ForConditionalGeneration": "gemma3_vl",
+    "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "LlavaForConditionalGeneration": "llava",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_vl",
 }
 
 # Configs converted from GGUF carry a model_type but sometimes no architectures list.
@@ -76,7 +69,8 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
         archs = [_BY_MODEL_TYPE[config.model_type]]
     for arch in archs:
         if arch in MODELS:
-            return MODELS[arch]
+            module = importlib.import_module(f"{__name__}.{MODELS[arch]}")
+            return getattr(module, arch)
     raise ValueError(
         f"architectures: {archs or config.model_type!r} is not supported "
         f"(supported: {sorted(MODELS)})"
