@@ -39,8 +39,10 @@ def test_a_model_type_without_architectures_resolves_too():
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones():
-    with pytest.raises(ValueError, match=r"architectures: \['NoSuchForCausalLM'\].*LlamaForCausalLM"):
-        model_class(PretrainedConfig(architectures=["NoSuchForCausalLM"]))
+    unknown = PretrainedConfig(architectures=["NoSuchForCausalLM"])
+    refusal = r"architectures: \['NoSuchForCausalLM'\] is not supported.*LlamaForCausalLM"
+    with pytest.raises(ValueError, match=refusal):
+        model_class(unknown)
 
 
 def test_a_family_module_is_imported_only_when_a_checkpoint_names_it():
