@@ -18,7 +18,8 @@ import ray
 from cluster.disagg_transport import ObjectStoreTransport
 from cluster.kv_transports import KV_TRANSPORTS
 from engine.core import EngineCore
-from engine.disagg import DecodeSide, PhaseEngine, PrefillReply, PrefillSide, needs_decode
+from engine.disagg import DecodeSide, PhaseEngine, PrefillSide, needs_decode
+from engine.disagg_reply import PrefillReply
 from scheduler.outputs import RequestOutput
 from scheduler.request import EngineRequest
 from settings import shown

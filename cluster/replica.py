@@ -43,7 +43,7 @@ from scheduler.request import EngineRequest
 from workers.kv_transfer import TransferHandle
 
 if TYPE_CHECKING:
-    from engine.disagg import PrefillReply
+    from engine.disagg_reply import PrefillReply
 
 logger = logging.getLogger(__name__)
 

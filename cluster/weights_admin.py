@@ -9,7 +9,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.weights import IN_FLIGHT, SLEEP_LEVELS
+from engine.weight_modes import IN_FLIGHT, SLEEP_LEVELS
 
 if TYPE_CHECKING:
     from cluster.engine_loop import EngineLoop

@@ -8,9 +8,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
-from cluster.disagg_replica import DisaggPhase
 from cluster.placement import UnplaceableError, spread_warning, wait_until_placeable
-from cluster.replica import LLMReplica
 from deploy.check import wait_for_capacity
 from deploy.config import AppConfig
 from deploy.fleet_config import FleetConfig
@@ -152,6 +150,11 @@ def _fleet(config: AppConfig | FleetConfig) -> FleetConfig:
 def replica_deployment(config: AppConfig, name: str, role: str = "decode") -> Any:
     """One model's LLMReplica deployment, bound to its engine settings; a disaggregated model has
     two, its decode replicas (named as a colocated model's) and its prefill replicas."""
+    # Here, not at the top: the replica's module imports the engine, torch and the model code,
+    # seconds that only building the app pays; the ingress's replicas import deploy.ingress alone.
+    from cluster.disagg_replica import DisaggPhase
+    from cluster.replica import LLMReplica
+
     disagg = config.disaggregation
     replica_options = _replica_options(config)
     # mypy keeps a decorated class's own type (python/mypy#3135); @serve.deployment made these

@@ -18,7 +18,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.errors import EngineFailedError, ReplicaDrainingError
 from cluster.tracing import TraceContext
-from engine.disagg import PrefillReply, decode_request
+from engine.disagg_reply import PrefillReply, decode_request
 from scheduler.outputs import RequestOutput
 from scheduler.request import EngineRequest
 

@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from engine.core import EngineCore
+from engine.disagg_reply import decode_request as decode_request  # its home before; tests use it
 from engine.executor import LocalExecutor
 from scheduler.block_manager import hash_prompt_blocks
 from scheduler.kv_remote import RemoteKVConnector
@@ -83,18 +84,6 @@ def needs_decode(request: EngineRequest, output: RequestOutput, max_model_len: i
     num_tokens = len(request.prompt_token_ids) + output.num_output_tokens
     return (
         output.num_output_tokens < request.sampling_params.max_tokens and num_tokens < max_model_len
-    )
-
-
-def decode_request(request: EngineRequest, first: list[int]) -> EngineRequest:
-    """The request as the decode engine runs it: resumed after the prefill's tokens. Its prompt
-    logprobs came with the prefill's reply; asking again would make the decode engine compute the
-    prompt instead of loading its blocks (a prompt_logprobs request never starts from cached KV)."""
-    params = replace(request.sampling_params, prompt_logprobs=None)
-    return replace(
-        request,
-        sampling_params=params,
-        output_token_ids=list(request.output_token_ids) + list(first),
     )
 
 
@@ -239,18 +228,6 @@ class DecodeSide:
         """(bytes copied in, seconds the slowest rank spent loading), over the ranks."""
         figures = self.ranks(kv_ranks.received)
         return sum(b for b, _ in figures), max(s for _, s in figures)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillReply:
-    """What a prefill replica answers: the tokens it sampled (the first), its last output, whether
-    a decode replica goes on from there, and the transfer of the prompt's blocks (None: nothing
-    was sent; the decode replica computes the prompt)."""
-
-    token_ids: list[int]
-    output: RequestOutput
-    continues: bool
-    handle: TransferHandle | None
 
 
 class PhaseEngine:

@@ -17,6 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from engine.asleep import EngineAsleepError
+from engine.weight_modes import IN_FLIGHT, SLEEP_LEVELS
 from scheduler.preempt import preempt
 from scheduler.request import EngineRequest, RequestStatus
 from scheduler.step import Step
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IN_FLIGHT = ("finish", "recompute")
-SLEEP_LEVELS = (1, 2)
 STAGE_TIMEOUT_S = 3600.0  # reading and checking a large checkpoint on every rank
 
 
