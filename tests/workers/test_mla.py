@@ -15,6 +15,7 @@ from workers.kv_cache import KVCache, KVCacheSpec
 from workers.kv_fp8 import FP8
 from workers.kv_tiers import KVTierConfig, KVTiers
 from workers.layers.attention import AttentionMetadata
+from workers.layers.backends import cpu_paged
 from workers.layers.backends.torch_ref import TorchBackend
 from workers.layers.grouped_topk import GroupedTopK, grouped_topk
 from workers.layers.mla import (
@@ -171,6 +172,37 @@ def test_absorbed_attention_equals_attention_over_expanded_heads(paged_kernel):
         got.append(up.expand_output(attn(q[part], rows[part], meta)))
     want = _expanded(up, latent, k_pe, q_nope, q_pe, 0.2).reshape(n, -1)
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_paged.load() is None, reason="the CPU kernel cannot be built here")
+@pytest.mark.parametrize("width,dv", [(256, 224), (64, 40)], ids=["vector", "scalar-tail"])
+def test_the_decode_kernel_sums_only_the_latent_columns_of_each_value_row(width, dv):
+    """Given v_cache as a view of the rows' first dv columns (the latent), the paged kernel's
+    first dv output columns are bit for bit those it computes over whole rows and the rest are
+    zero; 224 of 256 runs the vector path in two column passes, 40 the scalar loop."""
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(12, 4, 1, width, generator=gen)
+    q = torch.randn(3, 9, width, generator=gen)
+    tables = torch.tensor([[0, 5, 7], [2, 3, 11], [9, 1, 4]], dtype=torch.int32)
+    seq_lens = torch.tensor([9, 12, 5], dtype=torch.int32)
+    whole, narrow = torch.empty_like(q), torch.full_like(q, 7.0)
+    args = (tables, seq_lens, 0.1, 0, 0.0, torch.empty(0))
+    cpu_paged.paged_decode(whole, q, cache, cache, *args[:3])
+    cpu_paged.paged_decode(narrow, q, cache, cache[..., :dv], *args[:3])
+    assert torch.equal(narrow[..., :dv], whole[..., :dv])
+    assert torch.equal(narrow[..., dv:], torch.zeros_like(narrow[..., dv:]))
+    for bad in (torch.randn(12, 4, 1, width + 16), cache.clone()[:, :, :, :dv].contiguous()):
+        with pytest.raises(ValueError, match="v_cache"):
+            cpu_paged.paged_decode(narrow, q, cache, bad, *args[:3])
+
+
+def test_a_latent_layer_hands_the_kernel_its_latent_width_as_the_value_width():
+    dims = MLADims(3, 8, 32, 6, 32, None)
+    attn = LatentAttention(3, dims, scale=0.2)
+    attn.k_cache = attn.v_cache = torch.zeros(3, 4, 1, 64)
+    kv = attn.layer_kv()
+    assert kv.value_width == 32 and kv.k_cache is kv.v_cache
+    assert attn.layer_kv() is kv  # built once, not per step
 
 
 def test_latent_layers_run_the_torch_backend_and_refuse_unvalidated_kernels():

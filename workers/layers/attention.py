@@ -152,6 +152,9 @@ class LayerKV:
     k_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]; MLA: the same tensor as v_cache
     v_cache: torch.Tensor
     p: AttentionParams
+    # Columns of each value row a decode kernel sums, 0 for all: MLA's values are the latent, the
+    # first kv_lora_rank columns of its cached rows (the rotary key after them is a key only).
+    value_width: int = 0
 
 
 class AttentionBackend(Protocol):

@@ -18,7 +18,7 @@ expanded qk_head_dim).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from workers.layers.attention import (
     Attention,
     AttentionBackend,
     AttentionMetadata,
+    LayerKV,
     select_backend,
 )
 from workers.layers.param_attrs import set_param_attr
@@ -182,6 +183,14 @@ class LatentAttention(Attention):
     def __init__(self, num_heads: int, dims: MLADims, scale: float) -> None:
         super().__init__(num_heads, dims.cache_width, 1, scale)
         self.kv_lora_rank = dims.kv_lora_rank
+
+    def layer_kv(self, sinks: torch.Tensor | None = None) -> LayerKV:
+        """The cache as Attention binds it, with the value width set to the latent's: the paged
+        decode kernel then never sums the rotary columns it would drop."""
+        kv = super().layer_kv(sinks)
+        if kv.value_width != self.kv_lora_rank:
+            kv = self._kv = replace(kv, value_width=self.kv_lora_rank)
+        return kv
 
     def forward(  # type: ignore[override]
         self, q: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata

@@ -105,52 +105,76 @@ inline void score_keys(const float* q, const T* k, int64_t stride, int64_t count
   dots<T, D>(q, k, stride, count, scores);
 }
 
-template <typename T, int D>
-inline void axpy(float p, const T* v, float* acc) {
-  for (int i = 0; i < D; ++i) acc[i] += p * widen(v[i]);
-}
-
 // The weighted sums of values of N query rows that share a KV head, over tokens [first, seq_len):
 // out_r = sum_t p_r[t] * v_t, added in token order, one fused multiply-add per element as axpy
 // compiles to (contraction is on here), so each row's sum is the one axpy gives. The sums stay in
 // registers over the whole context (accumulating them in memory, token by token, spent a load
 // and a store per 16 elements on each product), each value row is loaded once for the N rows,
-// and their N * D / 16 independent chains keep the multiply-adds from waiting on each other's
+// and their N * C independent chains keep the multiply-adds from waiting on each other's
 // latency. SmolLM2's shape, 175 tokens, 30 calls, 1 thread, interleaved: 5 verify rows 2.10 ->
 // 1.78 ms in registers -> 1.59 ms with a KV head's rows together (1 row 0.53 -> 0.41 -> 0.38).
-template <typename T, int D, int N>
-inline void weighted_values(const float* p, int64_t p_stride, const T* vc, const int32_t* table,
-                            int64_t first, int64_t seq_len, int64_t bs, int64_t token,
-                            float* acc) {
+// Columns go up to 128 at a time (C <= 8: head sizes up to 128 in one pass, as before; a latent
+// row of 256 in two, not 64 accumulators that spill); acc has a row stride of acc_stride.
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> && D % kLanes == 0) {
-    constexpr int C = D / kLanes;
-    __m512 a[N][C];
-    for (int r = 0; r < N; ++r)
-      for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_ps();
+template <int N, int C>
+inline void weighted_columns(const float* p, int64_t p_stride, const float* vc, const int32_t* table,
+                             int64_t first, int64_t seq_len, int64_t bs, int64_t token, float* acc,
+                             int64_t acc_stride) {
+  __m512 a[N][C];
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
+    const float* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token;
+    for (int64_t t = std::max(t0, first); t < std::min(seq_len, t0 + bs); ++t) {
+      const float* v = vb + (t - t0) * token;
+      for (int c = 0; c < C; ++c) {
+        const __m512 x = _mm512_loadu_ps(v + c * kLanes);
+        for (int r = 0; r < N; ++r)
+          a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + t - first]), x, a[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * acc_stride + c * kLanes, a[r][c]);
+}
+#endif
+
+// The first dv columns of each row's weighted values (a latent head's value is the first
+// kv_lora_rank columns of its cached row: the rotary columns past them are never summed).
+template <typename T, int N>
+inline void weighted_values(const float* p, int64_t p_stride, const T* vc, const int32_t* table,
+                            int64_t first, int64_t seq_len, int64_t bs, int64_t token, int64_t dv,
+                            float* acc, int64_t acc_stride) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (dv % kLanes == 0) {
+      for (int64_t c0 = 0, step = 0; c0 < dv / kLanes; c0 += step) {
+        const int64_t left = dv / kLanes - c0;
+        step = left >= 8 ? 8 : left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const float* v = vc + c0 * kLanes;
+        float* a = acc + c0 * kLanes;
+        switch (step) {
+          case 8: weighted_columns<N, 8>(p, p_stride, v, table, first, seq_len, bs, token, a, acc_stride); break;
+          case 6: weighted_columns<N, 6>(p, p_stride, v, table, first, seq_len, bs, token, a, acc_stride); break;
+          case 4: weighted_columns<N, 4>(p, p_stride, v, table, first, seq_len, bs, token, a, acc_stride); break;
+          case 2: weighted_columns<N, 2>(p, p_stride, v, table, first, seq_len, bs, token, a, acc_stride); break;
+          default: weighted_columns<N, 1>(p, p_stride, v, table, first, seq_len, bs, token, a, acc_stride); break;
+        }
+      }
+      return;
+    }
+  }
+#endif
+  for (int r = 0; r < N; ++r) {
+    float* out = acc + r * acc_stride;
+    std::fill(out, out + dv, 0.f);
     for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
       const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token;
       for (int64_t t = std::max(t0, first); t < std::min(seq_len, t0 + bs); ++t) {
         const T* v = vb + (t - t0) * token;
-        for (int c = 0; c < C; ++c) {
-          const __m512 x = _mm512_loadu_ps(v + c * kLanes);
-          for (int r = 0; r < N; ++r)
-            a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + t - first]), x, a[r][c]);
-        }
+        const float pt = p[r * p_stride + t - first];
+        for (int64_t i = 0; i < dv; ++i) out[i] += pt * widen(v[i]);
       }
-    }
-    for (int r = 0; r < N; ++r)
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + c * kLanes, a[r][c]);
-    return;
-  }
-#endif
-  for (int r = 0; r < N; ++r) {
-    float* out = acc + r * D;
-    std::fill(out, out + D, 0.f);
-    for (int64_t t0 = first - first % bs; t0 < seq_len; t0 += bs) {
-      const T* vb = vc + static_cast<int64_t>(table[t0 / bs]) * bs * token;
-      for (int64_t t = std::max(t0, first); t < std::min(seq_len, t0 + bs); ++t)
-        axpy<T, D>(p[r * p_stride + t - first], vb + (t - t0) * token, out);
     }
   }
 }
@@ -161,6 +185,7 @@ struct Shape {
   int64_t window;  // attend to the last `window` tokens only; 0: all of them
   float softcap;   // scores become softcap * tanh(score / softcap); 0: no cap (Gemma 2)
   const float* sinks;  // [Hq] one extra logit per query head in the denominator; null: none
+  int64_t value_width;  // columns of each value row summed (<= D; the rest of out is zero)
 };
 
 // One request's KV heads [h0, h0 + nh): their nh * group query rows (row j at q + j * q_head_stride,
@@ -199,15 +224,17 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
     const T* v = vc + (h0 + j / G) * D;
     float* a = acc + j * D;
     const float* p = scores + j * n;
+    const int64_t dv = s.value_width;
     switch (rows) {
-      case 4: weighted_values<T, D, 4>(p, n, v, table, first, seq_len, bs, token, a); break;
-      case 3: weighted_values<T, D, 3>(p, n, v, table, first, seq_len, bs, token, a); break;
-      case 2: weighted_values<T, D, 2>(p, n, v, table, first, seq_len, bs, token, a); break;
-      default: weighted_values<T, D, 1>(p, n, v, table, first, seq_len, bs, token, a); break;
+      case 4: weighted_values<T, 4>(p, n, v, table, first, seq_len, bs, token, dv, a, D); break;
+      case 3: weighted_values<T, 3>(p, n, v, table, first, seq_len, bs, token, dv, a, D); break;
+      case 2: weighted_values<T, 2>(p, n, v, table, first, seq_len, bs, token, dv, a, D); break;
+      default: weighted_values<T, 1>(p, n, v, table, first, seq_len, bs, token, dv, a, D); break;
     }
     j += rows;
   }
-  for (int64_t i = 0; i < R * D; ++i) out[i] = static_cast<T>(acc[i]);
+  for (int64_t j = 0; j < R; ++j)
+    for (int64_t i = 0; i < D; ++i) out[j * D + i] = i < s.value_width ? static_cast<T>(acc[j * D + i]) : static_cast<T>(0.f);
 }
 
 template <typename T, int D>
@@ -265,6 +292,9 @@ void check_tables(const at::Tensor& tables, const at::Tensor& seq_lens, int64_t 
 }  // namespace
 
 // out, q: [n, Hq, D] (q may be a strided view, e.g. of a fused QKV projection); caches: [num_blocks, block_size, Hk, D]; tables: [n, >= blocks] int32;
+// v_cache may instead be a view of its first Dv <= D columns (with k_cache's strides: latent attention's
+// cached rows, whose values are the latent, the rotary columns after it are keys only); out's columns
+// past Dv are then zero;
 // seq_lens: [n] int32 (context length including this step's token); window: attend to the last
 // `window` tokens only (a sliding window), 0 for the whole context; softcap: tanh cap on the scores,
 // 0 for none; sinks: float32 [Hq] per-head sink logits, or an empty tensor for none.
@@ -273,9 +303,12 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v
                   double softcap, at::Tensor sinks) {
   TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1 && out.is_contiguous() && out.sizes() == q.sizes(),
               "q/out: [n, Hq, D] of one shape, out contiguous, q contiguous in its last dimension");
-  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
-              && v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2),
-              "k_cache/v_cache: contiguous [blocks, block_size, Hk, D]");
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.dim() == 4
+              && v_cache.strides() == k_cache.strides() && k_cache.size(3) == q.size(2)
+              && v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3)
+              && v_cache.size(3) >= 1 && v_cache.size(3) <= k_cache.size(3),
+              "k_cache/v_cache: contiguous [blocks, block_size, Hk, D], v_cache may be a view of "
+              "its first Dv <= D columns");
   TORCH_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type()
               && v_cache.scalar_type() == q.scalar_type(), "q/out/caches: one dtype");
   TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt
@@ -292,7 +325,7 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v
   if (q.size(0) == 0) return;
   check_tables(block_tables, seq_lens, k_cache.size(0), k_cache.size(1));
   const Shape s{hk, q.size(1) / hk, k_cache.size(1), block_tables.stride(0), static_cast<float>(scale), window,
-                static_cast<float>(softcap), sinks.numel() ? sinks.data_ptr<float>() : nullptr};
+                static_cast<float>(softcap), sinks.numel() ? sinks.data_ptr<float>() : nullptr, v_cache.size(3)};
   if (q.scalar_type() == at::kFloat) return dispatch_head<float>(out, q, k_cache, v_cache, block_tables, seq_lens, s);
   TORCH_CHECK_VALUE(q.scalar_type() == at::kBFloat16, "q: float32 or bfloat16, got ", q.scalar_type());
   dispatch_head<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, s);

@@ -191,11 +191,12 @@ class TorchBackend:
         assert self.kernel is not None
         p = kv.p
         sinks = _NO_SINKS if p.sinks is None else p.sinks.float().contiguous()
+        v_cache = kv.v_cache[..., : kv.value_width] if kv.value_width else kv.v_cache
         self.kernel(
             out,
             q,
             kv.k_cache,
-            kv.v_cache,
+            v_cache,
             tables,
             seq_lens,
             p.scale,
