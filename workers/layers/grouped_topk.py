@@ -104,5 +104,5 @@ def _mask_groups(choice: torch.Tensor, cfg: GroupedTopK) -> torch.Tensor:
     else:
         group_scores = grouped.max(dim=-1).values
     best = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, -1)
+    drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, best, False)
+    return grouped.masked_fill(drop[:, :, None], float("-inf")).view(t, -1)

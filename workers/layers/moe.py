@@ -21,6 +21,7 @@ blocks of pairs sorted by expert); everything else keeps the torch path.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -238,13 +239,12 @@ class FusedMoE(CpuPackedWeight):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()  # one host sync
         self._count_rows(counts)
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
+        starts = [0, *itertools.accumulate(counts)]
         lo, hi = starts[self.first], starts[self.first + self.num_local]
         mine = order[lo:hi]
         xs = x.index_select(0, mine // k)
-        out = x.new_zeros(t * k, x.shape[1])
+        # Every pair is written below when this rank holds every expert; else others' stay zero.
+        out = x.new_empty(t * k, x.shape[1]) if hi - lo == t * k else x.new_zeros(t * k, x.shape[1])
         ys = torch.empty_like(xs)
         for local in range(self.num_local):
             s, e = starts[self.first + local] - lo, starts[self.first + local + 1] - lo
@@ -255,7 +255,7 @@ class FusedMoE(CpuPackedWeight):
             h = self.act(linear(xs[s:e], self.w13[local], b13, packed=self.packed13[local]))
             ys[s:e] = linear(h, self.w2[local], b2, packed=self.packed2[local])
         scale = weights.reshape(-1).index_select(0, mine).to(x.dtype)
-        out.index_copy_(0, mine, ys * scale[:, None])
+        out.index_copy_(0, mine, ys.mul_(scale[:, None]))
         return out.view(t, k, -1).sum(1)
 
     def _count_kernel_rows(self, ids: torch.Tensor) -> None:

@@ -116,10 +116,11 @@ def _int_in(name: str, config: PretrainedConfig, lo: int, hi: int, default: int 
     return value
 
 
-def _deinterleave(width: int) -> torch.Tensor:
-    """Indices that turn interleaved rotary pairs (x0, x1), (x2, x3), ... into rotate-half's
-    halves (x0, x2, ...), (x1, x3, ...): applied to q and k alike, dot products are unchanged."""
-    return torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved rotary pairs (x0, x1), (x2, x3), ... of the last dimension as rotate-half's
+    halves (x0, x2, ...), (x1, x3, ...), contiguous: applied to q and k alike, dot products are
+    unchanged. One strided copy (an index gather plus the copy rotary needs cost two)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).reshape(x.shape)
 
 
 class DeepseekAttention(nn.Module):
@@ -149,7 +150,7 @@ class DeepseekAttention(nn.Module):
         self.kv_b_proj = KVUpProjection(m)
         self.o_proj = RowParallelLinear(m.num_heads * m.v_head_dim, a.hidden_size, bias)
         self.rotary = rotary
-        self.perm = _deinterleave(m.qk_rope_head_dim) if d.rope_interleave else None
+        self.rope_interleave = d.rope_interleave
         self.attn = LatentAttention(self.num_heads, m, scale)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,8 +168,8 @@ class DeepseekAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent.contiguous())
         k_pe = k_pe.reshape(t, 1, m.qk_rope_head_dim)
-        if self.perm is not None:
-            q_pe, k_pe = q_pe[..., self.perm], k_pe[..., self.perm]
+        if self.rope_interleave:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.contiguous())
         q_full = torch.cat([self.kv_b_proj.absorb_query(q_nope), q_pe], dim=-1)
         rows = torch.cat([latent, k_pe.view(t, -1)], dim=-1)
