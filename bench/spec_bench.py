@@ -256,16 +256,29 @@ WORKLOADS = {
 }
 
 
-def speculative_settings(args: argparse.Namespace) -> dict:
-    spec = {
-        "method": args.method,
-        "num_tokens": args.num_tokens,
-        "max_batch_size": args.max_batch_size,
-    }
+def speculative_settings(args: argparse.Namespace, variant: str | None = None) -> dict:
+    """The `speculative:` settings; variant "k" or "k:max" (ngram) overrides --num-tokens and
+    --max-num-tokens."""
+    k, top = args.num_tokens, args.max_num_tokens
+    if variant is not None:
+        k, _, cap = variant.partition(":")
+        k, top = int(k), int(cap or 0)
+    spec = {"method": args.method, "num_tokens": k, "max_batch_size": args.max_batch_size}
     if args.method == "draft":
         spec["draft_model"] = args.draft_model
     else:
         spec["ngram_min"] = args.ngram_min
+        spec["max_num_tokens"] = top
+    return spec
+
+
+def spec_engine(args: argparse.Namespace, common: dict, variant: str | None) -> LLM:
+    spec = LLM(**common, speculative=speculative_settings(args, variant))
+    runner = spec.engine.executor.runner  # type: ignore[attr-defined]
+    runner.verify_as_decodes = args.verify_layout == "decode"
+    draft = runner.feature(DraftFeature)
+    if draft is not None and args.shadow_every is not None:  # 1: every request, each step (before)
+        draft.pacing = DraftPacing(args.shadow_every)
     return spec
 
 
@@ -278,15 +291,14 @@ def embedded_main(args: argparse.Namespace) -> None:
         quantization=args.quantization,
     )
     plain = LLM(**common)
-    spec = LLM(**common, speculative=speculative_settings(args))
-    runner = spec.engine.executor.runner  # type: ignore[attr-defined]
-    runner.verify_as_decodes = args.verify_layout == "decode"
+    variants = args.variants.split(",") if args.variants else [None]
+    specs = {v: spec_engine(args, common, v) for v in variants}
+    steps = {v: count_steps(spec) for v, spec in specs.items()}
+    plain_steps = count_steps(plain)
+    runner = next(iter(specs.values())).engine.executor.runner  # type: ignore[attr-defined]
     draft = runner.feature(DraftFeature)
-    if draft is not None and args.shadow_every is not None:  # 1: every request, each step (before)
-        draft.pacing = DraftPacing(args.shadow_every)
     pacing = f"every {draft.pacing.every} steps" if draft is not None else "none"
-    counters = {"plain": count_steps(plain), "spec": count_steps(spec)}
-    for llm in (plain, spec):  # warm-up: allocator, kernels
+    for llm in (plain, *specs.values()):  # warm-up: allocator, kernels
         llm.chat(chat_prompts(2), SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     how_spec = (
         f"draft {args.draft_model}" if args.method == "draft" else f"ngram {args.ngram_min}-4"
@@ -295,7 +307,8 @@ def embedded_main(args: argparse.Namespace) -> None:
         f"SmolLM2-135M, quantization {args.quantization}, CPU, torch threads "
         f"{torch.get_num_threads()}, max_tokens "
         f"{args.max_tokens} (copy-long: {COPY_LONG_MAX_TOKENS}), greedy unless sampled; "
-        f"speculative: {how_spec}, num_tokens {args.num_tokens}, min_acceptance_rate 0.4, "
+        f"speculative: {how_spec}, num_tokens[:max_num_tokens] "
+        f"{args.variants or f'{args.num_tokens}:{args.max_num_tokens}'}, min_acceptance_rate 0.4, "
         f"max_batch_size {args.max_batch_size}, "
         f"verify rows as {args.verify_layout}, draft shadow proposals {pacing}; best "
         f"of {args.repeats}; load average {os.getloadavg()[0]:.1f}"
@@ -308,10 +321,13 @@ def embedded_main(args: argparse.Namespace) -> None:
         for batch in map(int, args.batches.split(",")):
             convs = maker(batch)
             how = sampled(batch, max_tokens) if name == "chat-sampled" else greedy
-            row = compare(plain, spec, name, convs, how, args.repeats, counters)
-            print(table_row(row), flush=True)
-    plain.shutdown()
-    spec.shutdown()
+            for variant, spec in specs.items():  # each against plain, alternating, same minute
+                counters = {"plain": plain_steps, "spec": steps[variant]}
+                label = f"{name}, k {variant}" if variant else name
+                row = compare(plain, spec, label, convs, how, args.repeats, counters)
+                print(table_row(row), flush=True)
+    for llm in (plain, *specs.values()):
+        llm.shutdown()
 
 
 # ---- a random Llama-1B-shaped model (CUDA), or a tiny one (--smoke) ------------------------------
@@ -537,6 +553,15 @@ def main() -> None:
     parser.add_argument("--method", default="ngram", choices=["ngram", "draft"])
     parser.add_argument("--draft-model", default="default", help="method draft: the draft model")
     parser.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens")
+    parser.add_argument(
+        "--max-num-tokens", type=int, default=0, help="speculative.max_num_tokens (adaptive)"
+    )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="embedded mode: n-gram engines to compare with the one plain engine, each 'k' or "
+        "'k:max_num_tokens' (e.g. 4,8,4:16); default: --num-tokens and --max-num-tokens",
+    )
     parser.add_argument("--ngram-min", type=int, default=2, help="speculative.ngram_min")
     parser.add_argument("--max-batch-size", type=int, default=4, help="speculative.max_batch_size")
     parser.add_argument(

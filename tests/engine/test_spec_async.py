@@ -18,6 +18,7 @@ from engine.llm import LLM
 from scheduler import SamplingParams
 from scheduler.features_async import AsyncOverlap
 from scheduler.features_spec import SpecDecoding
+from scheduler.speculative import SpecPolicy, SpeculativeConfig
 from tests.engine.paired_engines import SMALL_POOL
 from tests.engine.test_speculative import SPEC, assert_idle, generate, with_oracle, workload
 
@@ -96,6 +97,27 @@ def test_ngram_proposals_under_async_give_the_plain_tokens(llms):
     plain, spec = llms("plain"), llms("ngram-recompute")
     prompts, params = workload(3, n=5)
     assert generate(spec, prompts, params) == generate(plain, prompts, params)
+    assert_idle(spec)
+
+
+def test_adaptive_lengths_under_async_give_the_plain_tokens(llms):
+    """max_num_tokens while steps overlap: slots reserved a step ahead at a length that grows
+    after full runs and falls back after a miss; the tokens are the plain engine's."""
+    plain, spec = llms("plain"), llms("ngram-recompute")
+    prompts, params = workload(5, n=4)
+    want = generate(plain, prompts, params)
+    (feature,) = [f for f in spec.engine.scheduler.features if isinstance(f, SpecDecoding)]
+    before, fixed = spec_counts(spec), feature.policy
+    rows = spec.engine.stats().num_spec_verify_rows
+    feature.policy = SpecPolicy(SpeculativeConfig(**SPEC, max_num_tokens=12))
+    with_oracle(spec, 0.05, prompts, want).num_tokens = 12
+    try:
+        assert generate(spec, prompts, params) == want
+    finally:
+        feature.policy = fixed
+    proposed, accepted, _ = (a - b for a, b in zip(spec_counts(spec), before))
+    assert 0 < accepted < proposed
+    assert proposed > SPEC["num_tokens"] * (spec.engine.stats().num_spec_verify_rows - rows)
     assert_idle(spec)
 
 
