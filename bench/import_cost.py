@@ -6,9 +6,12 @@ Every run imports each module once per tree, interleaved (A, B, A, B ...), so a 
 drifts charges both alike; CPU seconds (user + sys of the child) are the figure that load moves
 least. With --baseline DIR (a checkout of another commit, e.g. `git archive <rev> | tar -x -C DIR`)
 it prints this tree's medians over the baseline's. Bytecode is cached under --pycache (outside the
-trees) and warmed first, as a replica finds it after its node's first start.
+trees) and warmed first, as a replica finds it after its node's first start. With --model-config
+each child also reads the default model's config and tokenizer (frontend ModelInfo.load), as the
+ingress and the replica do next: transformers' config classes import its modeling code, so part
+of what an import no longer loads is loaded there.
 
-  python bench/import_cost.py --runs 5 --baseline /tmp/before
+  python bench/import_cost.py --runs 5 --baseline /tmp/before [--model-config]
 
 Prints medians and ratios; asserts nothing.
 """
@@ -27,7 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("deploy.ingress", "deploy.app", "cluster.replica", "cluster.ray_executor")
 PROBE = (
-    "import importlib, sys; importlib.import_module(sys.argv[1]); "
+    "import importlib, sys; importlib.import_module(sys.argv[1])\n"
+    "if sys.argv[2:]:\n"
+    "    from engine.config import EngineConfig; from frontend.frontend import ModelInfo\n"
+    "    ModelInfo.load(EngineConfig().model, EngineConfig().cache_dir)\n"
     "print(sum(m.split('.')[0] == 'torch' for m in sys.modules), "
     "sum(m.startswith('workers.models.') for m in sys.modules))"
 )
@@ -40,13 +46,15 @@ def child_env(pycache: Path) -> dict[str, str]:
     return env
 
 
-def import_once(tree: Path, module: str, env: dict[str, str]) -> tuple[float, float, str]:
+def import_once(
+    tree: Path, module: str, env: dict[str, str], model_config: bool
+) -> tuple[float, float, str]:
     """(CPU s, wall s, "torch modules / family modules") of importing module in a fresh process
     whose first sys.path entry is tree (python -c puts the working directory first)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, module],
+        [sys.executable, "-c", PROBE, module, *(["config"] if model_config else [])],
         cwd=tree,
         env=env,
         capture_output=True,
@@ -66,6 +74,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--modules", nargs="+", default=list(MODULES))
     parser.add_argument("--baseline", type=Path, help="another checkout to compare against")
+    parser.add_argument("--model-config", action="store_true", help="then ModelInfo.load")
     parser.add_argument("--pycache", type=Path, default=Path("/tmp/raylm-import-cost-pycache"))
     args = parser.parse_args()
     trees = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
@@ -73,12 +82,14 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}")
     for tree in trees.values():  # warm the bytecode cache
         for module in args.modules:
-            import_once(tree, module, env)
+            import_once(tree, module, env, args.model_config)
     samples: dict[tuple[str, str], list[tuple[float, float, str]]] = {}
     for _ in range(args.runs):
         for module in args.modules:
             for name, tree in trees.items():
-                samples.setdefault((name, module), []).append(import_once(tree, module, env))
+                samples.setdefault((name, module), []).append(
+                    import_once(tree, module, env, args.model_config)
+                )
     print(f"load average after: {os.getloadavg()}")
     report(samples, list(trees), args.modules)
 
