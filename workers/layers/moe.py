@@ -245,7 +245,7 @@ class FusedMoE(CpuPackedWeight):
         xs = x.index_select(0, mine // k)
         # Every pair is written below when this rank holds every expert; else others' stay zero.
         out = x.new_empty(t * k, x.shape[1]) if hi - lo == t * k else x.new_zeros(t * k, x.shape[1])
-        ys = torch.empty_like(xs)
+        parts = []  # each expert's rows, in order: one cat rather than a copy per expert
         for local in range(self.num_local):
             s, e = starts[self.first + local] - lo, starts[self.first + local + 1] - lo
             if s == e:
@@ -253,7 +253,8 @@ class FusedMoE(CpuPackedWeight):
             b13 = None if self.w13_bias is None else self.w13_bias[local]
             b2 = None if self.w2_bias is None or not self.adds_down_bias else self.w2_bias[local]
             h = self.act(linear(xs[s:e], self.w13[local], b13, packed=self.packed13[local]))
-            ys[s:e] = linear(h, self.w2[local], b2, packed=self.packed2[local])
+            parts.append(linear(h, self.w2[local], b2, packed=self.packed2[local]))
+        ys = torch.cat(parts) if parts else xs  # xs: no rows here
         scale = weights.reshape(-1).index_select(0, mine).to(x.dtype)
         out.index_copy_(0, mine, ys.mul_(scale[:, None]))
         return out.view(t, k, -1).sum(1)
