@@ -47,6 +47,8 @@ def test_graphs_are_captured_for_a_speculating_batch_within_bounds():
     assert graph_batch_size(8, 2048, spec) == 72  # 8 requests x 9 rows
     assert graph_batch_size(256, 8192, spec) == 256  # max_num_seqs already holds 8 x 9
     assert graph_batch_size(4, 32, spec) == 32  # never more rows than the token budget
+    adaptive = SpeculativeConfig(num_tokens=4, max_num_tokens=12, max_batch_size=8)
+    assert graph_batch_size(8, 2048, adaptive) == 104  # the longest a request verifies: 13 rows
     wide = SpeculativeConfig(num_tokens=16, max_batch_size=1 << 16)
     assert graph_batch_size(1024, 1 << 20, wide) == 1024
     assert graph_batch_size(64, 1 << 20, wide) == MAX_SPEC_GRAPH_ROWS
