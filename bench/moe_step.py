@@ -25,8 +25,13 @@ bias and rotary over half of each head, and DeepSeek's expert block at the shape
 of 768, top-4 from the 2 best of 4 groups, sigmoid routing with a correction bias, one shared
 expert); the dense model's intermediate is the active experts' 5 x 768.
 
+`--crossover` times instead each expert pair (w13, then w2) of every layer at 1 to 32 rows, through
+the small-row kernel and through oneDNN's packed weights in turns (the weights come cold from
+memory, as in a step), which is how workers/layers/moe.py's SMALL_ROWS was picked. `--small-rows
+N` sets SMALL_ROWS for the run (0: every expert through oneDNN, the path before the kernel).
+
     python -m bench.moe_step [--family mixtral|deepseek|glm4_moe] [--batch 32] [--layers 8]
-        [--rounds 10] [--threads N]
+        [--rounds 10] [--threads N] [--crossover] [--small-rows N]
 """
 
 from __future__ import annotations
@@ -34,15 +39,18 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MixtralConfig
 
+import workers.layers.moe as moe_layer
 from bench.ab_steps import Sample, compare, figures, interleave, load, since, start
 from workers.kv_cache import KVCache, KVCacheSpec
 from workers.layers.attention import AttentionMetadata, select_backend
+from workers.layers.backends import cpu_gemm
 from workers.layers.linear import linear, pack_cpu_weights
-from workers.layers.moe import FusedMoE, route
+from workers.layers.moe import FusedMoE, expert_linear, route
 from workers.models import model_class
 from workers.models.deepseek import DeepseekMoE
 
@@ -185,10 +193,41 @@ def expert_gemms_ms(seen: list[tuple[FusedMoE, torch.Tensor, torch.Tensor]]) -> 
         s = 0
         for e, c in enumerate(counts):
             if c:
-                h = layer.act(linear(xs[s : s + c], layer.w13[e], packed=layer.packed13[e]))
-                linear(h, layer.w2[e], packed=layer.packed2[e])
+                h = layer.act(expert_linear(xs[s : s + c], layer.w13[e], None, layer.packed13[e]))
+                expert_linear(h, layer.w2[e], None, layer.packed2[e])
             s += c
     return (time.perf_counter() - t0) * 1e3
+
+
+def expert_pairs(layers: list[FusedMoE], rows: int, small: bool) -> Callable[[], Sample]:
+    """One pass of `rows` rows through every expert's w13, activation and w2 of every layer, by
+    the small-row kernel or by oneDNN's packed weights."""
+    x = torch.randn(rows, layers[0].cfg.hidden_size)
+
+    def lin(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+        return cpu_gemm.small_linear(x, w) if small else linear(x, w, packed=packed)
+
+    @torch.inference_mode()
+    def run() -> Sample:
+        t0 = start()
+        for layer in layers:
+            for e in range(layer.num_local):
+                h = layer.act(lin(x, layer.w13[e], layer.packed13[e]))
+                lin(h, layer.w2[e], layer.packed2[e])
+        return since(t0)
+
+    return run
+
+
+def crossover(model: torch.nn.Module, rounds: int) -> None:
+    """Per row count, the expert pairs' ms per layer by each path (median CPU) and their ratio."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    print(f"expert pairs of {len(layers)} layers x {layers[0].num_local} experts, ms a layer:")
+    for rows in (*range(1, 25), 28, 32):
+        runs = [expert_pairs(layers, rows, small) for small in (False, True)]
+        one, small = (figures(s)[2] / len(layers) for s in interleave(runs, rounds, warmup=1))
+        ratio = small / one
+        print(f"  rows {rows:2d}: oneDNN {one:7.3f}  small-row {small:7.3f}  ratio {ratio:.2f}x")
 
 
 def configs(family: str, layers: int) -> tuple[object, LlamaConfig, str]:
@@ -250,17 +289,28 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--small-rows", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.small_rows is not None:
+        if not 0 <= args.small_rows <= 4096:
+            raise ValueError(f"--small-rows: must be in [0, 4096], got {args.small_rows}")
+        moe_layer.SMALL_ROWS = args.small_rows
     moe_config, dense_config, what = configs(args.family, args.layers)
+    if args.crossover:
+        print(f"{args.family}: {torch.get_num_threads()} threads, {load()}")
+        crossover(build(moe_config), args.rounds)
+        print(f"after: {load()}")
+        return
     moe = DecodeStep(build(moe_config), args.batch)
     dense = DecodeStep(build(dense_config), args.batch)
     print(
         f"{args.family}: batch {args.batch}, {args.layers} layers, "
         f"{torch.get_num_threads()} threads, {args.rounds} rounds interleaved"
     )
-    print(f"before: {load()}")
+    print(f"before: {load()}; experts of at most {moe_layer.SMALL_ROWS} rows: small-row kernel")
     print(f"dense: intermediate {dense_config.intermediate_size}; MoE: {what}")
     d, mo = interleave([dense.run, moe.run], args.rounds, warmup=3)
     print(compare(f"decode b{args.batch}", ("dense", "MoE"), d, mo))

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import workers.layers.moe as moe
+from workers.layers import invariant
+from workers.layers.backends import cpu_gemm
 from workers.layers.linear import pack_cpu_weights
 from workers.layers.moe import FusedMoE, MoEConfig, expert_range, route
 from workers.models import model_class
@@ -74,6 +76,32 @@ def test_a_token_does_not_depend_on_its_neighbours(monkeypatch):
     for t in (0, 17, 32):
         alone = layer(x[t : t + 1], logits[t : t + 1])[0]
         torch.testing.assert_close(alone, batched[t], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="no C++ compiler to build the kernel")
+def test_experts_with_few_rows_run_the_small_row_kernel_as_onednn_would(monkeypatch):
+    """Experts of at most SMALL_ROWS rows go through the small-row kernel (counted), larger ones
+    and every expert under batch invariance through oneDNN; the layer's output is the oneDNN
+    path's within float32 rounding."""
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=40, intermediate_size=36, renormalize=True)
+    layer = build(cfg, random_experts(cfg), monkeypatch)
+    assert pack_cpu_weights(layer) == 1
+    calls: list[int] = []
+    real = cpu_gemm.small_linear
+    monkeypatch.setattr(cpu_gemm, "small_linear", lambda x, *a: calls.append(len(x)) or real(x, *a))
+    gen = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(30, 40, generator=gen), torch.randn(30, 4, generator=gen)
+    logits[:20, 0] += 100  # expert 0 gets 20 rows (oneDNN), the others fewer than 16
+    w, ids = route(logits, cfg)
+    mixed = layer.experts(x, w, ids)
+    assert calls and max(calls) <= moe.SMALL_ROWS and 2 * 4 > len(calls) >= 2 * 3
+    monkeypatch.setattr(moe, "SMALL_ROWS", 0)
+    torch.testing.assert_close(mixed, layer.experts(x, w, ids), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(moe, "SMALL_ROWS", 16)
+    calls.clear()
+    with invariant.batch_invariant(True):
+        torch.testing.assert_close(mixed, layer.experts(x, w, ids), atol=1e-5, rtol=1e-5)
+    assert not calls
 
 
 @pytest.mark.parametrize("world,expert_parallel", [(2, False), (3, False), (2, True), (3, True)])

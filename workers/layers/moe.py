@@ -14,9 +14,12 @@ sums the shares (the same all-reduce a row-parallel MLP ends with).
 The expert computation is grouped: the (token, slot) pairs are sorted by expert once, then each
 local expert runs one GEMM pair over its contiguous rows. Python loops over experts, never over
 tokens. On CPU each expert's matrices are packed for oneDNN once after loading, as the dense linears
-are (workers/layers/linear.py). On CUDA with Triton, plain SwiGLU experts without biases run as the
-fused-MoE kernel instead (workers/layers/backends/triton_moe.py: two grouped GEMM launches over
-blocks of pairs sorted by expert); everything else keeps the torch path.
+are (workers/layers/linear.py); an expert with at most SMALL_ROWS float32 rows (a decode step's
+few) runs the small-row kernel instead (workers/layers/backends/cpu_gemm.py: it streams the weight
+as stored once for all the rows, where oneDNN read it at about half that speed). On CUDA with
+Triton, plain SwiGLU experts without biases run as the fused-MoE kernel instead
+(workers/layers/backends/triton_moe.py: two grouped GEMM launches over blocks of pairs sorted by
+expert); everything else keeps the torch path.
 """
 
 from __future__ import annotations
@@ -27,13 +30,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.layers import fused
+from workers.layers import fused, invariant
 from workers.layers.activation import ClampedSwiGLU, SiluAndMul
+from workers.layers.backends import cpu_gemm
 from workers.layers.linear import CpuPackedWeight, cpu_pack, linear
 from workers.parallel import all_reduce, divide, get_expert_parallel, get_tp_rank, get_tp_world_size
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
 SCORING = ("softmax", "topk_softmax")
+# Most rows an expert runs through the small-row CPU kernel; more go to oneDNN's packed GEMM, which
+# is faster from about here (bench/moe_step.py --crossover; 0 turns the kernel off).
+SMALL_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +106,18 @@ def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
     """[first, end) of the experts rank holds under expert parallelism: contiguous, sizes differ by
     at most one."""
     return rank * num_experts // world, (rank + 1) * num_experts // world
+
+
+def expert_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight^T + bias for one expert's rows: the small-row kernel for a few float32 CPU rows,
+    else `linear` (through oneDNN's packed copy where there is one). Under batch invariance every
+    row count keeps `linear`, whose row tiles fix the summation order."""
+    small = x.shape[0] <= SMALL_ROWS and x.is_cpu and x.dtype == weight.dtype == torch.float32
+    if small and not invariant.active() and cpu_gemm.available():
+        return cpu_gemm.small_linear(x, weight, bias)
+    return linear(x, weight, bias, packed=packed)
 
 
 class ReplicatedLinear(CpuPackedWeight):
@@ -252,8 +271,8 @@ class FusedMoE(CpuPackedWeight):
                 continue
             b13 = None if self.w13_bias is None else self.w13_bias[local]
             b2 = None if self.w2_bias is None or not self.adds_down_bias else self.w2_bias[local]
-            h = self.act(linear(xs[s:e], self.w13[local], b13, packed=self.packed13[local]))
-            parts.append(linear(h, self.w2[local], b2, packed=self.packed2[local]))
+            h = self.act(expert_linear(xs[s:e], self.w13[local], b13, self.packed13[local]))
+            parts.append(expert_linear(h, self.w2[local], b2, self.packed2[local]))
         ys = torch.cat(parts) if parts else xs  # xs: no rows here
         scale = weights.reshape(-1).index_select(0, mine).to(x.dtype)
         out.index_copy_(0, mine, ys.mul_(scale[:, None]))

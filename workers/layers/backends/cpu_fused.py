@@ -27,15 +27,17 @@ from workers.layers.backends.cpu_build import build_ops
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCE = os.path.join(_HERE, "cpu_fused.cpp")
 _HEADER = os.path.join(_HERE, "cpu_math.h")
+# The small-row float32 linear (cpu_gemm.py) shares this library: one build, one load.
+_SMALL_GEMM = os.path.join(_HERE, "small_gemm.cpp")
 
 
 @functools.cache
 def load() -> Any | None:
-    """torch.ops.raylm_fused (rms_norm, add_rms_norm, silu_and_mul, rotary_, write_kv), or None
-    when it cannot be built here."""
+    """torch.ops.raylm_fused (rms_norm, add_rms_norm, silu_and_mul, rotary_, write_kv,
+    small_linear), or None when it cannot be built here."""
     return build_ops(
         "cpu_fused",
-        [_SOURCE],
+        [_SOURCE, _SMALL_GEMM],
         "raylm_fused",
         probe="write_kv",
         what="CPU fused layer ops",
