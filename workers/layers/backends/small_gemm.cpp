@@ -6,8 +6,8 @@
 // streams (bench/results/2026-11-29-new-family-steps.md). Here every weight row is read from memory
 // once for all M rows: blocks of kNR weight rows, each block's rows dotted with every x row (x stays
 // in L1/L2), kMR x rows at a time in registers, a block kAhead blocks on prefetched into L2 while
-// this one is summed (into L1 the fill buffers capped one thread at ~13 GB/s; the hardware
-// prefetcher alone follows four short row streams poorly).
+// this one is summed (prefetching into L1, or leaving it to the hardware prefetcher, one thread read
+// ~13 GB/s of four interleaved short row streams; into L2, ~20).
 // Dot-product form on the weight as stored (no packed copy): each output is a vector of partial
 // sums reduced once at the end, four outputs per shuffle tree.
 //
@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 namespace {
 
@@ -82,7 +83,7 @@ struct Operands {
 
 #ifdef RAYLM_VEC
 
-// Rows of a block ahead to prefetch: `rows` of them from `first`, `step` apart; none from nullptr.
+// What a chunk prefetches of the block at `first` (nothing when nullptr): rows row, row + step, ...
 struct Prefetch {
   const float* first;
   int row, step;
