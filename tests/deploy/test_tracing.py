@@ -217,18 +217,24 @@ def test_a_malformed_traceparent_starts_a_new_trace_and_never_a_5xx(traced_url, 
         assert r.status_code == 200, r.text
         attempt_id = r.json()["id"] + "-0"
 
-        def attempt(attempt_id=attempt_id):
+        def attempt_and_root(attempt_id=attempt_id):
+            # The attempt ends before its root, so the two may reach the collector in different
+            # export batches: wait for both.
             with collector.lock:
                 found = [
                     s
                     for s in collector.spans
                     if s.name == "raylm.attempt" and s.attributes["raylm.request_id"] == attempt_id
                 ]
-            return found[0] if found else None
+            if not found:
+                return None
+            span = found[0]
+            roots = [s for s in collector.trace(span.trace_id) if s.span_id == span.parent_id]
+            return (span, roots) if roots else None
 
-        span = wait_for(attempt, timeout=60)
-        assert span is not None, header
-        (root,) = [s for s in collector.trace(span.trace_id) if s.span_id == span.parent_id]
+        seen = wait_for(attempt_and_root, timeout=60)
+        assert seen is not None, header
+        _, (root,) = seen
         assert root.parent_id == "", "a malformed traceparent must not be a parent"
 
 
